@@ -1,0 +1,94 @@
+"""Guard configuration."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Literal
+
+from .errors import MediaInputError
+
+Policy = Literal["raise", "drop", "repair"]
+Fallback = Literal["drop", "raise"]
+NonFinite = Literal["raise", "drop", "off"]
+FidelityName = Literal["engine-replay", "unique", "closest-aspect", "unreachable"]
+
+_POLICIES = ("raise", "drop", "repair")
+_FALLBACKS = ("drop", "raise")
+_NONFINITE = ("raise", "drop", "off")
+_FIDELITIES = ("engine-replay", "unique", "closest-aspect")
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """What the guard does when placeholders and features disagree.
+
+    policy: ``"raise"`` a :class:`MediaAlignmentError`; ``"drop"`` the sample (loss masked,
+        labels ignored, no foreign feature merged); ``"repair"`` re-project the mismatched
+        items to the placeholder count, applying ``fallback`` where that is not possible.
+    fallback: what ``repair`` does for a sample it cannot repair.
+    log_dir: where each rank writes ``media_guard.rank{rank:05d}.jsonl``; None: logger only.
+    nonfinite: NaN/Inf in an item's features: raise, drop its sample, or "off" (no check;
+        saves one read of the features on the aligned path).
+    allowed_fidelity: repair solutions of these classes are applied; others fall back.
+    ignore_index: the label value the loss ignores.
+    fp8: pad the re-encoded patch sequence for transformer-engine FP8 (None: detect).
+    fp8_multiple: the multiple to pad to when FP8 is active.
+    """
+
+    policy: Policy = "raise"
+    fallback: Fallback = "drop"
+    log_dir: str | None = None
+    nonfinite: NonFinite = "raise"
+    allowed_fidelity: tuple[FidelityName, ...] = ("engine-replay", "unique")
+    ignore_index: int = -100
+    fp8: bool | None = None
+    fp8_multiple: int = 16
+
+    def __post_init__(self) -> None:
+        _one_of("policy", self.policy, _POLICIES)
+        _one_of("fallback", self.fallback, _FALLBACKS)
+        _one_of("nonfinite", self.nonfinite, _NONFINITE)
+        fid = tuple(self.allowed_fidelity)
+        for f in fid:
+            _one_of("allowed_fidelity", f, _FIDELITIES)
+        object.__setattr__(self, "allowed_fidelity", fid)
+        if self.fp8_multiple < 1:
+            raise MediaInputError(f"fp8_multiple must be >= 1, got {self.fp8_multiple}")
+        if self.log_dir is not None:
+            object.__setattr__(self, "log_dir", os.fspath(self.log_dir))
+
+    def with_env(self, environ: dict[str, str] | None = None) -> GuardConfig:
+        """Overrides from ``MEDIA_GUARD_<FIELD>`` environment variables (e.g. MEDIA_GUARD_POLICY=drop;
+        MEDIA_GUARD_ALLOWED_FIDELITY=engine-replay,unique)."""
+        env = os.environ if environ is None else environ
+        changes: dict[str, object] = {}
+        for f in fields(self):
+            raw = env.get(f"MEDIA_GUARD_{f.name.upper()}")
+            if raw is None:
+                continue
+            if f.name == "allowed_fidelity":
+                changes[f.name] = tuple(x.strip() for x in raw.split(",") if x.strip())
+            elif f.name in ("ignore_index", "fp8_multiple"):
+                changes[f.name] = _int(f.name, raw)
+            elif f.name == "fp8":
+                changes[f.name] = {"1": True, "true": True, "0": False, "false": False}.get(
+                    raw.lower()
+                )
+            else:
+                changes[f.name] = raw
+        return replace(self, **changes)
+
+
+def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise MediaInputError(f"GuardConfig.{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def _int(name: str, raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise MediaInputError(
+            f"MEDIA_GUARD_{name.upper()} must be an integer, got {raw!r}"
+        ) from None

@@ -1,0 +1,111 @@
+"""How media items appear in token ids, per model family (DESIGN §3).
+
+A grammar only names token ids; the ids themselves come from the user's
+tokenizer. Presets carry the published defaults where a family has fixed ids
+(Qwen2-VL) and take the ids as arguments where they vary by checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from .errors import MediaInputError
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """Placeholder grammar of one model family.
+
+    placeholders: modality name -> placeholder token id (``{"image": 151655}``).
+    start_id / end_id: region delimiters (``<|vision_start|>`` / ``<|vision_end|>``,
+        ``<img>`` / ``</img>``, Pixtral's ``[IMG_END]`` as end only). When set, a
+        placeholder outside a region and a region never closed are findings.
+    break_ids: tokens that sit inside a run, occupy positions and are fed no
+        feature (Pixtral's ``[IMG_BREAK]``).
+    collapsed: one placeholder token stands for a whole item that the model
+        expands itself (megatron-core LLaVA); each such token is its own run.
+    """
+
+    placeholders: Mapping[str, int]
+    start_id: int | None = None
+    end_id: int | None = None
+    break_ids: tuple[int, ...] = ()
+    collapsed: bool = False
+    name: str = field(default="custom", compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.placeholders:
+            raise MediaInputError("Grammar needs at least one placeholder token id")
+        ids = dict(self.placeholders)
+        for modality, tok in ids.items():
+            if not isinstance(modality, str) or not modality:
+                raise MediaInputError(f"Grammar modality names must be strings, got {modality!r}")
+            if isinstance(tok, bool) or not isinstance(tok, int):
+                raise MediaInputError(
+                    f"Grammar placeholder id for {modality!r} must be an int, got {tok!r}"
+                )
+        specials = [t for t in (self.start_id, self.end_id) if t is not None]
+        specials += list(self.break_ids)
+        every = list(ids.values()) + specials
+        if len(set(every)) != len(every):
+            raise MediaInputError(f"Grammar token ids must be distinct, got {every}")
+        if self.collapsed and (self.start_id is not None or self.break_ids):
+            raise MediaInputError("a collapsed grammar has no start token or breaks")
+        object.__setattr__(self, "placeholders", MappingProxyType(ids))
+        object.__setattr__(self, "break_ids", tuple(self.break_ids))
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        """Modality names in a fixed order; index i is the modality code used on device."""
+        return tuple(self.placeholders)
+
+    def modality_code(self, modality: str) -> int:
+        try:
+            return self.modalities.index(modality)
+        except ValueError:
+            raise MediaInputError(
+                f"modality {modality!r} is not in grammar {self.name!r} "
+                f"(has {list(self.modalities)})"
+            ) from None
+
+    # ---- presets (DESIGN §3) -------------------------------------------------
+
+    @classmethod
+    def qwen2_vl(
+        cls,
+        image_pad: int = 151655,
+        video_pad: int = 151656,
+        vision_start: int = 151652,
+        vision_end: int = 151653,
+    ) -> Grammar:
+        """Qwen2-VL / 2.5-VL / 3-VL: ``<|vision_start|><|image_pad|>*N<|vision_end|>``.
+
+        Qwen2/2.5 video is one run of t*a*b ``<|video_pad|>``; Qwen3-VL video is one
+        run per temporal group (each its own item). Defaults are Qwen2-VL's ids.
+        """
+        return cls(
+            {"image": image_pad, "video": video_pad},
+            start_id=vision_start,
+            end_id=vision_end,
+            name="qwen2_vl",
+        )
+
+    @classmethod
+    def internvl(cls, image_context: int, img_start: int, img_end: int) -> Grammar:
+        """Nemotron / InternVL / NVLM expanded: ``<img><image>*N</img>`` per image,
+        tile group or video tubelet (video uses the same tokens)."""
+        return cls({"image": image_context}, start_id=img_start, end_id=img_end, name="internvl")
+
+    @classmethod
+    def pixtral(cls, img: int, img_break: int, img_end: int) -> Grammar:
+        """Pixtral / Mistral: rows of ``[IMG]*cols [IMG_BREAK]``, the last break
+        replaced by ``[IMG_END]``. Breaks get no feature."""
+        return cls({"image": img}, end_id=img_end, break_ids=(img_break,), name="pixtral")
+
+    @classmethod
+    def llava(cls, image_token: int = -200) -> Grammar:
+        """megatron-core LLaVA collapsed: one image token per image (default id -200),
+        expanded by the model to num_tiles * img_seq_len."""
+        return cls({"image": image_token}, collapsed=True, name="llava")

@@ -1,0 +1,53 @@
+"""The one place where the guard moves data from the device to the host.
+
+Every device-to-host transfer goes through :func:`to_host`, which counts it, so
+tests can assert the aligned merge path syncs exactly once. Each call site passes
+``why``: the reason the host needs the values (the equivalent of a comment on a
+host sync in torchtitan). ``torch.nonzero`` on CUDA also syncs to size its
+output; the guard only uses it off the aligned path.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+_lock = threading.Lock()
+_count = 0
+_reasons: Counter[str] = Counter()
+
+
+def to_host(tensor: torch.Tensor, why: str) -> torch.Tensor:
+    """Copy ``tensor`` to CPU (a blocking sync when it lives on an accelerator)."""
+    global _count
+    with _lock:
+        _count += 1
+        _reasons[why] += 1
+    return tensor.detach().to("cpu")
+
+
+def transfer_count() -> int:
+    """How many transfers :func:`to_host` has made in this process."""
+    return _count
+
+
+@contextmanager
+def count_transfers() -> Iterator[Counter[str]]:
+    """Counts the transfers made inside the block, by reason.
+
+    >>> with count_transfers() as c:
+    ...     ...
+    >>> sum(c.values())
+    """
+    seen: Counter[str] = Counter()
+    with _lock:
+        before = Counter(_reasons)
+    try:
+        yield seen
+    finally:
+        with _lock:
+            seen.update(_reasons - before)

@@ -1,0 +1,140 @@
+"""Media items as the vision side sees them, and the features that go with them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import MediaInputError
+
+
+@dataclass(frozen=True)
+class MediaItem:
+    """One media item (an image, its tiles, or one video tubelet group), in the order its
+    features are concatenated.
+
+    num_features: feature rows the vision side produced for it.
+    sample: index of the sample (batch row, or packed sample) it belongs to. When given for
+        every item the assignment is explicit; when omitted for all items the guard matches
+        runs to items in order.
+    sample_id: the data pipeline's id for the sample, carried into diagnostics.
+    num_frames / frame_hw: video frames and the frame (or image) size (H, W) the features
+        were computed at, carried into diagnostics and used by repair.
+    pixels: the item's pixel tensor for repair (``layout`` says how it is laid out:
+        ``"image"`` = ``[C, H, W]`` or ``[T, C, H, W]``; ``"qwen_patches"`` = the Qwen2-VL
+        processor's flattened patches with ``grid_thw``). Never written to logs.
+    source_hw: the original media size (H, W) before any processor resize, for the solver.
+    """
+
+    num_features: int
+    sample: int | None = None
+    modality: str = "image"
+    sample_id: str | int | None = None
+    num_frames: int | None = None
+    frame_hw: tuple[int, int] | None = None
+    pixels: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    layout: str = "image"
+    grid_thw: tuple[int, int, int] | None = None
+    source_hw: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        n = self.num_features
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise MediaInputError(f"MediaItem.num_features must be an int >= 0, got {n!r}")
+        s = self.sample
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 0):
+            raise MediaInputError(f"MediaItem.sample must be an int >= 0 or None, got {s!r}")
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Items and features normalized for the merge.
+
+    ``order`` is the permutation that sorts items by sample (stable), i.e. into token
+    order; identity when items carry no sample or already come in token order.
+    ``features`` is ``[sum(num_features), h]`` in the caller's item order.
+    """
+
+    items: tuple[MediaItem, ...]
+    features: torch.Tensor
+    offsets: tuple[int, ...]  # start row of item i in ``features`` (caller's order), plus total
+    order: tuple[int, ...]
+    explicit: bool
+
+    def rows(self, i: int) -> tuple[int, int]:
+        return self.offsets[i], self.offsets[i + 1]
+
+
+def normalize(
+    features: torch.Tensor | Sequence[torch.Tensor],
+    items: Sequence[MediaItem] | None,
+    num_samples: int,
+) -> Batch:
+    """Checks items against features and returns them as one packed tensor.
+
+    features: ``[sum(n_i), h]`` or a list of ``[n_i, h]``; items may be omitted for a list.
+    """
+    if isinstance(features, torch.Tensor):
+        if features.dim() != 2:
+            raise MediaInputError(
+                f"features must be [sum(num_features), hidden], got shape {tuple(features.shape)}"
+            )
+        if items is None:
+            raise MediaInputError("items are required when features come as one packed tensor")
+        items = tuple(items)
+        total = sum(it.num_features for it in items)
+        if total != features.shape[0]:
+            raise MediaInputError(
+                f"items declare {total} feature rows in all, features tensor has "
+                f"{features.shape[0]}",
+                context={"declared": total, "rows": features.shape[0]},
+            )
+        packed = features
+    else:
+        parts = list(features)
+        if items is None:
+            items = tuple(MediaItem(int(p.shape[0]) if p.dim() == 2 else 0) for p in parts)
+        items = tuple(items)
+        if len(parts) != len(items):
+            raise MediaInputError(f"{len(parts)} feature tensors for {len(items)} items")
+        for i, (p, it) in enumerate(zip(parts, items)):
+            if not isinstance(p, torch.Tensor) or p.dim() != 2:
+                shape = tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
+                raise MediaInputError(f"features[{i}] must be a [n, hidden] tensor, got {shape}")
+            if p.shape[0] != it.num_features:
+                raise MediaInputError(
+                    f"item {i} declares {it.num_features} features, its tensor has {p.shape[0]}",
+                    context={"item": i, "declared": it.num_features, "rows": p.shape[0]},
+                )
+        if parts:
+            if len({(p.dtype, p.device, p.shape[1]) for p in parts}) > 1:
+                raise MediaInputError(
+                    "per-item feature tensors differ in dtype, device or hidden size"
+                )
+            packed = torch.cat(parts) if len(parts) > 1 else parts[0]
+        else:
+            packed = torch.empty(0, 0)
+    for it in items:
+        if not isinstance(it, MediaItem):
+            raise MediaInputError(f"items must be MediaItem, got {type(it).__name__}")
+    samples = [it.sample for it in items]
+    explicit = any(s is not None for s in samples)
+    if explicit and any(s is None for s in samples):
+        raise MediaInputError("give MediaItem.sample for every item or for none")
+    if explicit:
+        bad = [(i, s) for i, s in enumerate(samples) if s >= num_samples]
+        if bad:
+            i, s = bad[0]
+            raise MediaInputError(
+                f"item {i} names sample {s}, the batch has {num_samples} samples",
+                context={"item": i, "sample": s, "num_samples": num_samples},
+            )
+        order = tuple(sorted(range(len(items)), key=lambda i: samples[i]))
+    else:
+        order = tuple(range(len(items)))
+    offsets = [0]
+    for it in items:
+        offsets.append(offsets[-1] + it.num_features)
+    return Batch(items, packed, tuple(offsets), order, explicit)

@@ -1,0 +1,60 @@
+"""What one rank's guarded merge decided, and what its stage decided together.
+
+The merge hands a :class:`LocalOutcome` to a consensus object (any object with
+``agree(local) -> StageOutcome``; see ``consensus.py``). Without one, the local
+outcome is the stage outcome: everything works single-process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class LocalOutcome:
+    """This rank's plan for one guarded merge, as plain data."""
+
+    step: int | None
+    microbatch: int | None
+    digest: int  # 63-bit plan digest: equal on ranks that hold the same micro-batch
+    num_samples: int
+    mismatched: int
+    dropped: int
+    repaired: int
+    fatal: bool
+    fatal_sample: int | None = None
+    message: str | None = None  # the full diagnostic when fatal
+    record: dict | None = None  # the JSONL record of the fatal event
+
+
+@dataclass(frozen=True)
+class StageOutcome:
+    """The decision every rank of the pipeline stage takes together."""
+
+    fatal: bool
+    culprit_rank: int | None = None
+    culprit_sample: int | None = None
+    culprit_step: int | None = None
+    message: str | None = None  # the culprit's diagnostic (fetched from it when fatal)
+    mismatched: int = 0
+    dropped: int = 0
+    repaired: int = 0
+    collectives: int = 0  # how many collectives this agreement cost
+
+    @classmethod
+    def local(cls, out: LocalOutcome, rank: int | None) -> StageOutcome:
+        return cls(
+            fatal=out.fatal,
+            culprit_rank=rank if out.fatal else None,
+            culprit_sample=out.fatal_sample,
+            culprit_step=out.step,
+            message=out.message,
+            mismatched=out.mismatched,
+            dropped=out.dropped,
+            repaired=out.repaired,
+        )
+
+
+class Consensus(Protocol):
+    def agree(self, local: LocalOutcome) -> StageOutcome: ...

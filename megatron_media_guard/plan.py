@@ -1,0 +1,116 @@
+"""The plan: per sample and per item, what the guard does. A pure function of the token
+ids (through the alignment report and the verdict), the item metadata and the config, so
+every rank holding the same micro-batch reaches the same plan without communication.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from .alignment import AlignmentReport, Status
+from .config import GuardConfig
+from .items import MediaItem
+from .verify import Verdict
+
+Action = Literal["keep", "drop", "repair", "raise"]
+
+#: statuses a re-projection can fix: one run per item, same modalities, only the media
+#: size differs. Equal totals with different lengths (LENGTH_MISMATCH) look like swapped
+#: items: resizing each to the other's run would train on the wrong image, so no.
+REPAIRABLE = frozenset({Status.SURPLUS, Status.DEFICIT})
+
+
+@dataclass(frozen=True)
+class ItemRepair:
+    """Re-project ``item`` (caller's index) of ``sample`` to ``target`` features."""
+
+    item: int
+    sample: int
+    target: int
+    run: int  # index of its run within the sample
+
+
+@dataclass(frozen=True)
+class Plan:
+    actions: tuple[Action, ...]  # per sample
+    repairs: tuple[ItemRepair, ...]
+    digest: int
+
+    @property
+    def dropped(self) -> tuple[int, ...]:
+        return tuple(i for i, a in enumerate(self.actions) if a == "drop")
+
+    @property
+    def fatal(self) -> tuple[int, ...]:
+        return tuple(i for i, a in enumerate(self.actions) if a == "raise")
+
+    @property
+    def keeps_all(self) -> bool:
+        return all(a == "keep" for a in self.actions)
+
+    def with_actions(self, actions: Sequence[Action], repairs: Sequence[ItemRepair]) -> Plan:
+        """The plan after repairs were attempted (failed ones fell back)."""
+        return Plan(tuple(actions), tuple(repairs), _digest(self.digest, actions, repairs))
+
+
+def _digest(*parts: object) -> int:
+    blob = json.dumps(parts, default=repr, sort_keys=True).encode()
+    return int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little") >> 1
+
+
+def item_signature(items: Sequence[MediaItem]) -> list[tuple]:
+    return [
+        (it.num_features, it.sample, it.modality, it.num_frames, it.frame_hw, it.grid_thw)
+        for it in items
+    ]
+
+
+def build_plan(
+    num_samples: int,
+    items: Sequence[MediaItem],
+    verdict: Verdict,
+    report: AlignmentReport | None,
+    config: GuardConfig,
+    nonfinite_samples: frozenset[int] = frozenset(),
+) -> Plan:
+    """Decide keep / repair / drop / raise for every sample.
+
+    report is None on the aligned path (everything kept). nonfinite_samples: samples
+    owning an item whose features hold NaN/Inf (handled by ``config.nonfinite``).
+    """
+    actions: list[Action] = ["keep"] * num_samples
+    repairs: list[ItemRepair] = []
+    if report is not None:
+        for rep in report.mismatched:
+            repairable = rep.status in REPAIRABLE and rep.run_modalities == rep.item_modalities
+            actions[rep.sample] = _action_for(repairable, config)
+            if actions[rep.sample] == "repair":
+                repairs.extend(
+                    ItemRepair(item=rep.items[k], sample=rep.sample, target=exp, run=k)
+                    for k, (exp, got) in enumerate(zip(rep.expected, rep.got))
+                    if exp != got
+                )
+    for smp in sorted(nonfinite_samples):
+        act: Action = "raise" if config.nonfinite == "raise" else "drop"
+        if actions[smp] != "raise":
+            actions[smp] = act
+            repairs = [r for r in repairs if r.sample != smp]
+    digest = _digest(
+        verdict.fingerprint,
+        verdict.runs,
+        item_signature(items),
+        [config.policy, config.fallback, config.nonfinite, list(config.allowed_fidelity)],
+        actions,
+        [(r.item, r.target) for r in repairs],
+    )
+    return Plan(tuple(actions), tuple(repairs), digest)
+
+
+def _action_for(repairable: bool, config: GuardConfig) -> Action:
+    if config.policy == "repair":
+        return "repair" if repairable else config.fallback
+    return config.policy

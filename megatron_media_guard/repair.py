@@ -1,0 +1,146 @@
+"""Policy ``repair``: re-project the mismatched items of a plan, falling back per sample.
+
+Only the items the plan names are re-encoded. A sample is repaired when every one of
+its items is; otherwise the whole sample takes ``config.fallback`` (drop or raise).
+Every attempt is written to the per-rank log with target, size, fidelity and duration.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from .diagnostics import GuardRecord
+from .fp8 import fp8_multiple
+from .items import Batch, MediaItem
+from .plan import ItemRepair, Plan
+from .reproject import reencode
+
+if TYPE_CHECKING:
+    from .merge import MediaGuard
+
+
+def _source_hw(item: MediaItem) -> tuple[int, int] | None:
+    if item.source_hw is not None:
+        return item.source_hw
+    if item.frame_hw is not None:
+        return item.frame_hw
+    if item.pixels is not None and item.layout == "image" and item.pixels.dim() in (3, 4):
+        return int(item.pixels.shape[-2]), int(item.pixels.shape[-1])
+    return None
+
+
+def _attempt(
+    r: ItemRepair, batch: Batch, guard: MediaGuard, encoder
+) -> tuple[torch.Tensor | None, dict]:
+    """Re-encode one item; returns (features or None, facts for the record)."""
+    item = batch.items[r.item]
+    facts: dict = {"target": r.target}
+    hw = _source_hw(item)
+    missing = [
+        name
+        for name, v in (
+            ("encoder", encoder),
+            ("geometry", guard.geometry),
+            ("pixels", item.pixels),
+            ("media size", hw),
+        )
+        if v is None
+    ]
+    if missing:
+        facts["reason"] = f"cannot repair: no {', '.join(missing)} given"
+        return None, facts
+    geo = guard.geometry
+    sol = geo.solve(r.target, hw, num_frames=item.num_frames or 1)
+    facts.update(fidelity=sol.fidelity, grid=getattr(sol, "grid", None), size_hw=sol.size_hw)
+    if not sol.reachable:
+        facts["reason"] = f"unreachable: {sol.reason}"
+        return None, facts
+    if sol.fidelity not in guard.config.allowed_fidelity:
+        facts["reason"] = (
+            f"fidelity {sol.fidelity} not allowed (allowed: {list(guard.config.allowed_fidelity)}): "
+            f"{sol.reason}"
+        )
+        return None, facts
+    kwargs = {
+        k: getattr(geo, k)
+        for k in ("patch", "temporal_patch", "merge")
+        if isinstance(getattr(geo, k, None), int)
+    }
+    try:
+        res = reencode(
+            item.pixels,
+            item.layout,
+            sol,
+            encoder,
+            grid_thw=item.grid_thw,
+            fp8_multiple=fp8_multiple(guard.config.fp8, guard.config.fp8_multiple),
+            **kwargs,
+        )
+    except Exception as exc:  # OOM, shape errors in the user's encoder: recorded, then fallback
+        facts["reason"] = f"re-encoding failed: {type(exc).__name__}: {exc}"[:500]
+        facts["error_type"] = type(exc).__name__
+        return None, facts
+    f = res.features
+    want = batch.features
+    if f.dtype != want.dtype or f.device != want.device or f.shape[1] != want.shape[1]:
+        facts["reason"] = (
+            f"re-encoded features are {f.dtype} [{f.shape[1]}] on {f.device}, the batch's "
+            f"{want.dtype} [{want.shape[1]}] on {want.device}"
+        )
+        return None, facts
+    facts.update(grid=res.grid, size_hw=res.size_hw, reason=sol.reason)
+    return f, facts
+
+
+def run_repairs(
+    plan: Plan,
+    batch: Batch,
+    guard: MediaGuard,
+    encoder,
+    *,
+    step: int | None,
+    microbatch: int | None,
+) -> tuple[Plan, dict[int, torch.Tensor]]:
+    """Attempts every repair of ``plan``; returns the plan after fallbacks and the new features
+    by item index (only for samples whose every repair succeeded)."""
+    done: dict[int, torch.Tensor] = {}
+    failed: set[int] = set()
+    for r in plan.repairs:
+        t0 = time.perf_counter()
+        feats, facts = _attempt(r, batch, guard, encoder)
+        ms = (time.perf_counter() - t0) * 1e3
+        item = batch.items[r.item]
+        ok = feats is not None
+        if ok:
+            done[r.item] = feats
+        else:
+            failed.add(r.sample)
+        guard.log.emit(
+            GuardRecord(
+                event="repair",
+                step=step,
+                microbatch=microbatch,
+                sample=r.sample,
+                sample_id=item.sample_id,
+                item=r.item,
+                modality=item.modality,
+                expected=(r.target,),
+                got=(item.num_features,),
+                first_mismatch=r.run,
+                num_frames=item.num_frames,
+                frame_hw=item.frame_hw,
+                grid=tuple(facts["grid"]) if facts.get("grid") else None,
+                action="repair" if ok else f"fallback:{guard.config.fallback}",
+                fidelity=facts.get("fidelity"),
+                reason=facts.get("reason"),
+                duration_ms=ms,
+                extra={"size_hw": list(facts["size_hw"]) if facts.get("size_hw") else None},
+            )
+        )
+    actions = [guard.config.fallback if s in failed else a for s, a in enumerate(plan.actions)]
+    kept = [r for r in plan.repairs if r.sample not in failed]
+    replaced = {r.item: done[r.item] for r in kept}
+    return plan.with_actions(actions, kept), replaced

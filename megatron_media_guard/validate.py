@@ -1,0 +1,71 @@
+"""Input checks for the merge: a clear error for bad input, never a silent coercion."""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import MediaInputError
+from .runs import TokenLayout
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def check_inputs(
+    embeddings: torch.Tensor,
+    input_ids: torch.Tensor,
+    features: torch.Tensor,
+    loss_mask: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    seq_first: bool,
+    lay: TokenLayout,
+) -> torch.Tensor:
+    """Validates shapes, dtypes and devices; returns the embeddings as a ``[b, s, h]`` view."""
+    if not isinstance(embeddings, torch.Tensor) or not embeddings.is_floating_point():
+        what = (
+            embeddings.dtype if isinstance(embeddings, torch.Tensor) else type(embeddings).__name__
+        )
+        raise MediaInputError(f"embeddings must be a floating-point tensor, got {what}")
+    if embeddings.dim() != 3:
+        raise MediaInputError(
+            f"embeddings must be [b, s, h] (or [s, b, h] with seq_first=True), got {_shape(embeddings)}"
+        )
+    emb = embeddings.transpose(0, 1) if seq_first else embeddings
+    b, s = lay.batch, lay.row_length
+    if b == 0 or s == 0:
+        raise MediaInputError(f"empty batch: input_ids has shape {_shape(input_ids)}")
+    if emb.shape[:2] != (b, s):
+        layout = "[s, b, h]" if seq_first else "[b, s, h]"
+        raise MediaInputError(
+            f"embeddings {_shape(embeddings)} (read as {layout}) do not match input_ids "
+            f"{_shape(input_ids)}; pass seq_first=True for [s, b, h]"
+        )
+    if input_ids.device != embeddings.device:
+        raise MediaInputError(f"input_ids on {input_ids.device}, embeddings on {embeddings.device}")
+    if features.numel() or features.shape[0]:
+        if features.device != embeddings.device:
+            raise MediaInputError(
+                f"features on {features.device}, embeddings on {embeddings.device}"
+            )
+        if features.dtype != embeddings.dtype:
+            raise MediaInputError(
+                f"features are {features.dtype}, embeddings {embeddings.dtype}: cast the projector "
+                "output explicitly (the guard does not convert silently)"
+            )
+        if features.shape[1] != embeddings.shape[2]:
+            raise MediaInputError(
+                f"features hidden size {features.shape[1]} != embeddings hidden size "
+                f"{embeddings.shape[2]}"
+            )
+    for name, t in (("loss_mask", loss_mask), ("labels", labels)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or _shape(t) != (b, s):
+            got = _shape(t) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise MediaInputError(f"{name} must be [b, s] = {(b, s)}, got {got}")
+        if t.device != embeddings.device:
+            raise MediaInputError(f"{name} on {t.device}, embeddings on {embeddings.device}")
+    if labels is not None and labels.is_floating_point():
+        raise MediaInputError(f"labels must be integer token ids, got {labels.dtype}")
+    return emb
