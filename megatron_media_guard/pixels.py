@@ -1,0 +1,197 @@
+"""Pixel layouts: recover plain frames from what the vision tower is fed, and back.
+
+Re-projection needs the media as frames ``[T, C, H, W]`` to resize them, and then
+needs them back in the exact layout the user's vision encoder consumes. Two
+layouts are known:
+
+- ``"image"``: plain tensors, an image ``[C, H, W]`` or a video ``[T, C, H, W]``.
+  The encoder is called with the tensor alone.
+- ``"qwen_patches"``: the Qwen2-VL / 2.5-VL / 3-VL processors' flattened patches
+  ``[grid_t*grid_h*grid_w, C*temporal_patch*patch*patch]`` with
+  ``grid_thw = (grid_t, grid_h, grid_w)`` counted in patches before the merge.
+  Rows are ordered ``(t, h/merge, w/merge, merge_h, merge_w)`` so each merge
+  group is contiguous; each row is one patch flattened as
+  ``(C, temporal_patch, patch, patch)``. The processors repeat a single image
+  ``temporal_patch`` times and pad a video's frame count to a multiple of
+  ``temporal_patch`` by repeating its last frame. The encoder is called with the
+  patches and ``grid_thw=`` as a ``[1, 3]`` long tensor on the patches' device.
+
+``to_frames`` and ``from_frames`` are exact inverses (pure reshapes: bit-exact).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import torch
+from einops import rearrange
+
+from megatron_media_guard.errors import MediaInputError
+
+Layout = Literal["image", "qwen_patches"]
+LAYOUTS: tuple[str, ...] = get_args(Layout)
+
+# Qwen2-VL defaults (Qwen3-VL uses patch=16).
+QWEN_PATCH = 14
+QWEN_TEMPORAL_PATCH = 2
+QWEN_MERGE = 2
+
+_QWEN_ROWS = "(t hb wb mh mw) (c tp ph pw)"
+_QWEN_FRAMES = "(t tp) c (hb mh ph) (wb mw pw)"
+
+
+def check_layout(layout: str) -> Layout:
+    """``layout`` if it is a known layout name, else MediaInputError naming it."""
+    if layout not in LAYOUTS:
+        raise MediaInputError(
+            f"unknown pixel layout {layout!r}; known layouts: {', '.join(LAYOUTS)}",
+            context={"layout": str(layout)},
+        )
+    return layout  # type: ignore[return-value]
+
+
+def grid_thw_tuple(grid_thw: object) -> tuple[int, int, int]:
+    """``grid_thw`` given as ``(t, h, w)``, a list, or a tensor ``[3]`` / ``[1, 3]`` as three ints.
+
+    A tensor on an accelerator is read back to the host (one small transfer per item).
+    """
+    if isinstance(grid_thw, torch.Tensor):
+        if grid_thw.numel() != 3:
+            raise MediaInputError(
+                f"grid_thw must hold 3 values (t, h, w), got a tensor of shape {tuple(grid_thw.shape)}",
+                context={"grid_thw_shape": list(grid_thw.shape)},
+            )
+        values = [int(v) for v in grid_thw.reshape(3).tolist()]
+    else:
+        try:
+            values = [int(v) for v in grid_thw]  # type: ignore[union-attr]
+        except TypeError as exc:
+            raise MediaInputError(f"grid_thw must be (t, h, w), got {grid_thw!r}") from exc
+    if len(values) != 3 or min(values) < 1:
+        raise MediaInputError(
+            f"grid_thw must be three positive ints (t, h, w), got {values}",
+            context={"grid_thw": values},
+        )
+    return values[0], values[1], values[2]
+
+
+def _check_qwen_sizes(patch: int, temporal_patch: int, merge: int) -> None:
+    sizes = {"patch": patch, "temporal_patch": temporal_patch, "merge": merge}
+    bad = {k: v for k, v in sizes.items() if not isinstance(v, int) or v < 1}
+    if bad:
+        raise MediaInputError(f"qwen_patches sizes must be positive ints, got {bad}", context=bad)
+
+
+def to_frames(
+    pixels: torch.Tensor,
+    layout: Layout,
+    *,
+    grid_thw: object = None,
+    patch: int = QWEN_PATCH,
+    temporal_patch: int = QWEN_TEMPORAL_PATCH,
+    merge: int = QWEN_MERGE,
+) -> torch.Tensor:
+    """Frames ``[T, C, H, W]`` held by ``pixels`` in ``layout`` (a view where possible).
+
+    - ``"image"``: ``[C, H, W]`` -> ``[1, C, H, W]``; ``[T, C, H, W]`` unchanged.
+    - ``"qwen_patches"``: ``[t*h*w, C*tp*p*p]`` with ``grid_thw=(t, h, w)`` ->
+      ``[t*tp, C, h*p, w*p]`` (an image comes back as its ``tp`` repeated frames).
+    """
+    layout = check_layout(layout)
+    if not isinstance(pixels, torch.Tensor):
+        raise MediaInputError(f"pixels must be a torch.Tensor, got {type(pixels).__name__}")
+    if layout == "image":
+        if pixels.ndim == 3:
+            return pixels.unsqueeze(0)
+        if pixels.ndim == 4:
+            return pixels
+        raise MediaInputError(
+            f"layout 'image' takes [C, H, W] or [T, C, H, W], got shape {tuple(pixels.shape)}",
+            context={"shape": list(pixels.shape)},
+        )
+
+    _check_qwen_sizes(patch, temporal_patch, merge)
+    if grid_thw is None:
+        raise MediaInputError("layout 'qwen_patches' needs grid_thw=(t, h, w)")
+    t, h, w = grid_thw_tuple(grid_thw)
+    if h % merge or w % merge:
+        raise MediaInputError(
+            f"grid_thw {(t, h, w)} is not divisible by merge size {merge}",
+            context={"grid_thw": [t, h, w], "merge": merge},
+        )
+    row_len = temporal_patch * patch * patch
+    if pixels.ndim != 2 or pixels.shape[0] != t * h * w or pixels.shape[1] % row_len:
+        raise MediaInputError(
+            f"layout 'qwen_patches' with grid_thw {(t, h, w)}, patch {patch}, temporal_patch "
+            f"{temporal_patch} expects [{t * h * w}, C*{row_len}], got shape {tuple(pixels.shape)}",
+            context={"shape": list(pixels.shape), "grid_thw": [t, h, w]},
+        )
+    return rearrange(
+        pixels,
+        f"{_QWEN_ROWS} -> {_QWEN_FRAMES}",
+        t=t,
+        hb=h // merge,
+        wb=w // merge,
+        mh=merge,
+        mw=merge,
+        tp=temporal_patch,
+        ph=patch,
+        pw=patch,
+    )
+
+
+def from_frames(
+    frames: torch.Tensor,
+    layout: Layout,
+    *,
+    video: bool | None = None,
+    patch: int = QWEN_PATCH,
+    temporal_patch: int = QWEN_TEMPORAL_PATCH,
+    merge: int = QWEN_MERGE,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Frames ``[T, C, H, W]`` put into ``layout``; returns ``(pixels, encoder_kwargs)``.
+
+    ``encoder_kwargs`` are the keyword arguments the vision encoder takes with
+    these pixels: ``{}`` for ``"image"``, ``{"grid_thw": LongTensor [1, 3]}`` for
+    ``"qwen_patches"``.
+
+    - ``"image"``: ``video=False`` returns ``[C, H, W]`` (needs T == 1),
+      ``video=True`` returns ``[T, C, H, W]``; ``None`` squeezes only when T == 1.
+    - ``"qwen_patches"``: H and W must be multiples of ``patch*merge``; T is padded to
+      a multiple of ``temporal_patch`` by repeating the last frame, as the processor does.
+    """
+    layout = check_layout(layout)
+    if not isinstance(frames, torch.Tensor) or frames.ndim != 4 or frames.shape[0] < 1:
+        shape = tuple(frames.shape) if isinstance(frames, torch.Tensor) else type(frames).__name__
+        raise MediaInputError(f"frames must be a tensor [T, C, H, W] with T >= 1, got {shape}")
+    num_frames, _, height, width = frames.shape
+    if layout == "image":
+        if video is False and num_frames != 1:
+            raise MediaInputError(
+                f"an image ([C, H, W]) needs exactly 1 frame, got {num_frames}",
+                context={"num_frames": num_frames},
+            )
+        squeeze = (video is False) or (video is None and num_frames == 1)
+        return (frames[0] if squeeze else frames), {}
+
+    _check_qwen_sizes(patch, temporal_patch, merge)
+    factor = patch * merge
+    if height % factor or width % factor:
+        raise MediaInputError(
+            f"frame size {(height, width)} is not a multiple of patch*merge = {factor}",
+            context={"frame_hw": [height, width], "factor": factor},
+        )
+    if pad := -num_frames % temporal_patch:
+        frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)], dim=0)
+    grid = (frames.shape[0] // temporal_patch, height // patch, width // patch)
+    patches = rearrange(
+        frames,
+        f"{_QWEN_FRAMES} -> {_QWEN_ROWS}",
+        tp=temporal_patch,
+        mh=merge,
+        mw=merge,
+        ph=patch,
+        pw=patch,
+    )
+    grid_thw = torch.tensor([grid], dtype=torch.long, device=frames.device)
+    return patches, {"grid_thw": grid_thw}

@@ -1,0 +1,334 @@
+"""Re-projection: resize, re-encode to the target count, FP8 padding, errors and gradients."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+import torch
+from einops import rearrange
+from torch import nn
+
+from megatron_media_guard import fp8
+from megatron_media_guard.errors import MediaAlignmentError
+from megatron_media_guard.pixels import from_frames, to_frames
+from megatron_media_guard.reproject import ReencodeResult, reencode, resize_frames
+
+PATCH, TP, MERGE = 14, 2, 2
+PATCH_DIM = 3 * TP * PATCH * PATCH
+
+
+@dataclass(frozen=True)
+class Target:
+    """Stand-in for geometry.Solution (the fields reencode reads)."""
+
+    tokens: int
+    size_hw: tuple[int, int] | None
+    grid: tuple[int, int] | None = None
+    reachable: bool = True
+    reason: str | None = None
+
+
+class QwenLikeEncoder(nn.Module):
+    """Patch-embedding Linear + 2x2 merger, like Qwen2-VL's tower without attention.
+
+    ``[n, C*tp*p*p]`` -> ``[n / 4, out]``; records the row counts and grid it was called with.
+    """
+
+    def __init__(self, hidden: int = 32, out: int = 24) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(PATCH_DIM, hidden)
+        self.merger = nn.Linear(hidden * MERGE * MERGE, out)
+        self.calls: list[tuple[int, list[list[int]]]] = []
+
+    def forward(self, patches: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        self.calls.append((patches.shape[0], grid_thw.tolist()))
+        x = self.embed(patches)
+        return self.merger(rearrange(x, "(n m) h -> n (m h)", m=MERGE * MERGE))
+
+
+class ImageEncoder(nn.Module):
+    """Conv patch embed (patch 14) + 2x2 merge: ``[C, H, W]`` -> ``[(H/28)*(W/28), out]``."""
+
+    def __init__(self, hidden: int = 16, out: int = 24) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Conv2d(3, hidden, PATCH, stride=PATCH)
+        self.merger = nn.Linear(hidden * 4, out)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        x = self.embed(image.unsqueeze(0))[0]
+        x = rearrange(x, "h (a mh) (b mw) -> (a b) (mh mw h)", mh=2, mw=2)
+        return self.merger(x)
+
+
+def qwen_item(height: int = 56, width: int = 84, frames: int = 1, seed: int = 0):
+    """(pixel_values [t*h*w, 1176], grid_thw [1, 3]) for a random normalized image or video."""
+    g = torch.Generator().manual_seed(seed)
+    video = torch.randn(frames, 3, height, width, generator=g)
+    if frames == 1:
+        video = video.expand(TP, -1, -1, -1)
+    patches, meta = from_frames(video, "qwen_patches")
+    return patches, meta["grid_thw"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("src", "dst"), [((56, 84), (84, 112)), ((90, 60), (28, 56)), ((7, 9), (8, 9))]
+)
+def test_resize_gives_exact_size_and_keeps_dtype(dtype, src, dst) -> None:
+    frames = torch.randn(2, 3, *src).to(dtype)
+    out = resize_frames(frames, dst)
+    assert out.shape == (2, 3, *dst)
+    assert out.dtype == dtype and out.device == frames.device
+    assert torch.isfinite(out.float()).all()
+
+
+def test_resize_preserves_constants_and_commutes_with_normalization() -> None:
+    constant = torch.full((1, 3, 40, 60), 0.7)
+    torch.testing.assert_close(resize_frames(constant, (23, 71)), torch.full((1, 3, 23, 71), 0.7))
+
+    raw = torch.rand(2, 3, 56, 84)
+    mean = torch.tensor([0.48, 0.46, 0.41]).view(1, 3, 1, 1)
+    std = torch.tensor([0.27, 0.26, 0.28]).view(1, 3, 1, 1)
+    resized_then_normalized = (resize_frames(raw, (42, 70)) - mean) / std
+    normalized_then_resized = resize_frames((raw - mean) / std, (42, 70))
+    torch.testing.assert_close(
+        normalized_then_resized, resized_then_normalized, rtol=1e-4, atol=1e-4
+    )
+
+
+def test_resize_uint8_rounds_and_clamps() -> None:
+    frames = torch.zeros(1, 1, 8, 8, dtype=torch.uint8)
+    frames[..., 4:] = 255  # a hard edge: bicubic overshoots both ways
+    out = resize_frames(frames, (8, 13))
+    assert out.dtype == torch.uint8 and out.shape == (1, 1, 8, 13)
+    assert out.min() == 0 and out.max() == 255
+
+
+def test_resize_same_size_returns_input() -> None:
+    frames = torch.randn(1, 3, 28, 28)
+    assert resize_frames(frames, (28, 28)) is frames
+
+
+@pytest.mark.parametrize(
+    ("size_hw", "frames", "tokens"),
+    [((84, 112), 1, 12), ((28, 56), 1, 2), ((56, 56), 4, 8), ((112, 84), 3, 24)],
+)
+def test_reencode_qwen_patches_gives_target_count(size_hw, frames, tokens) -> None:
+    patches, grid_thw = qwen_item(frames=frames)
+    original = patches.clone()
+    encoder = QwenLikeEncoder()
+    result = reencode(patches, "qwen_patches", Target(tokens, size_hw), encoder, grid_thw=grid_thw)
+
+    assert isinstance(result, ReencodeResult)
+    assert result.features.shape == (tokens, 24)
+    assert result.size_hw == size_hw
+    t = -(-frames // TP)
+    assert result.grid_thw == (t, size_hw[0] // PATCH, size_hw[1] // PATCH)
+    assert result.grid == (size_hw[0] // PATCH, size_hw[1] // PATCH)
+    assert result.num_frames == t * TP and result.fp8_pad == 0
+    assert result.duration_ms >= 0
+    assert encoder.calls == [(tokens * 4, [list(result.grid_thw)])]
+    assert torch.equal(patches, original)  # the caller's tensor is not touched
+
+
+@pytest.mark.parametrize("frames", [1, 2, 3])
+def test_reencode_feeds_the_resized_frames_in_processor_layout(frames: int) -> None:
+    """Encoder input == patchify(resize(recover(pixels))) bit for bit, images and videos alike."""
+    patches, grid_thw = qwen_item(frames=frames, seed=frames)
+    seen: list[torch.Tensor] = []
+    inner = QwenLikeEncoder()
+
+    def encoder(p: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        seen.append(p)
+        return inner(p, grid_thw)
+
+    t = -(-frames // TP)
+    reencode(patches, "qwen_patches", Target(12 * t, (84, 112)), encoder, grid_thw=grid_thw)
+    recovered = to_frames(patches, "qwen_patches", grid_thw=grid_thw)
+    expected, _ = from_frames(resize_frames(recovered, (84, 112)), "qwen_patches")
+    assert torch.equal(seen[0], expected)
+
+
+def test_reencode_uses_the_solution_grid_when_size_is_missing() -> None:
+    patches, grid_thw = qwen_item()
+    result = reencode(
+        patches, "qwen_patches", Target(12, None, grid=(6, 8)), QwenLikeEncoder(), grid_thw=grid_thw
+    )
+    assert result.size_hw == (84, 112) and result.features.shape[0] == 12
+
+
+@pytest.mark.parametrize("video", [False, True])
+def test_reencode_image_layout(video: bool) -> None:
+    image = torch.randn(3, 56, 84)
+    pixels = image.unsqueeze(0) if video else image
+    calls: list[tuple[int, ...]] = []
+    inner = ImageEncoder()
+
+    def encoder(x: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(x.shape))
+        return inner(x[0] if video else x)
+
+    result = reencode(pixels, "image", Target(12, (84, 112), grid=(6, 8)), encoder)
+    assert result.features.shape == (12, 24)
+    assert calls == [(1, 3, 84, 112) if video else (3, 84, 112)]
+    assert result.grid == (6, 8) and result.grid_thw is None and result.num_frames == 1
+
+
+def test_wrong_count_encoder_raises_naming_both_counts() -> None:
+    patches, grid_thw = qwen_item()
+    inner = QwenLikeEncoder()
+
+    def short(p: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        return inner(p, grid_thw)[:-1]
+
+    with pytest.raises(MediaAlignmentError) as info:
+        reencode(patches, "qwen_patches", Target(12, (84, 112)), short, grid_thw=grid_thw)
+    assert "11 features" in str(info.value) and "12 placeholder tokens" in str(info.value)
+    assert info.value.context["expected"] == 12 and info.value.context["got"] == 11
+
+
+@pytest.mark.parametrize(
+    ("target", "fragment"),
+    [
+        (Target(13, (84, 112)), "gives 12 tokens"),
+        (Target(12, (84, 100)), "not a multiple of patch*merge"),
+        (Target(12, None), "no pixel size"),
+        (Target(12, None, reachable=False, reason="prime N with thumbnail"), "prime N"),
+    ],
+)
+def test_inconsistent_target_raises_before_encoding(target: Target, fragment: str) -> None:
+    patches, grid_thw = qwen_item()
+    encoder = QwenLikeEncoder()
+    with pytest.raises(MediaAlignmentError, match=re.escape(fragment)):
+        reencode(patches, "qwen_patches", target, encoder, grid_thw=grid_thw)
+    assert encoder.calls == []
+
+
+def test_fp8_padding_through_the_config_flag() -> None:
+    patches, grid_thw = qwen_item()
+    multiple = fp8.fp8_multiple(config_flag=True)
+    assert multiple == 16 and fp8.fp8_multiple(config_flag=False) is None
+    inner = QwenLikeEncoder()
+    seen: list[int] = []
+
+    def encoder(p: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        assert p.shape[0] % 16 == 0, p.shape
+        seen.append(p.shape[0])
+        return inner(p, grid_thw)
+
+    target = Target(12, (84, 112))  # 48 patch rows: already a multiple of 16
+    target_odd = Target(6, (56, 84))  # 24 patch rows -> padded to 32
+    plain = reencode(patches, "qwen_patches", target_odd, inner, grid_thw=grid_thw)
+    padded = reencode(
+        patches, "qwen_patches", target_odd, encoder, grid_thw=grid_thw, fp8_multiple=multiple
+    )
+    aligned = reencode(
+        patches, "qwen_patches", target, encoder, grid_thw=grid_thw, fp8_multiple=multiple
+    )
+    assert seen == [32, 48]
+    assert padded.fp8_pad == 8 and aligned.fp8_pad == 0
+    assert padded.features.shape == (6, 24)
+    torch.testing.assert_close(padded.features, plain.features)
+
+
+@pytest.mark.parametrize(
+    ("n", "multiple", "n_pad"), [(24, 16, 8), (32, 16, 0), (1, 32, 31), (130, 128, 126)]
+)
+def test_pad_for_fp8_and_trim(n: int, multiple: int, n_pad: int) -> None:
+    x = torch.randn(n, 8, requires_grad=True)
+    padded, got_pad = fp8.pad_for_fp8(x, multiple)
+    assert got_pad == n_pad and padded.shape == (n + n_pad, 8)
+    assert torch.equal(padded[:n], x) and not padded[n:].any()
+    assert torch.equal(fp8.trim(padded, n), x)
+    with pytest.raises(MediaAlignmentError, match=f"{n + n_pad} features, fewer than the"):
+        fp8.trim(padded, n + n_pad + 1)
+
+
+def test_padding_multiple_keeps_whole_merge_groups() -> None:
+    assert fp8.padded_multiple(16, 4) == 16
+    assert fp8.padded_multiple(6, 4) == 12
+    with pytest.raises(MediaAlignmentError):
+        fp8.padded_multiple(0, 4)
+
+
+def test_fp8_detection_reads_transformer_engine_when_flag_is_none(monkeypatch) -> None:
+    assert fp8.fp8_active(True) and not fp8.fp8_active(False)
+    monkeypatch.setattr(fp8, "_te_state_module", lambda: None)
+    assert fp8.fp8_active(None) is False
+    assert fp8.fp8_align_size() == 16
+
+    def fake_te(enabled: bool, mxfp8: bool, with_align: bool) -> SimpleNamespace:
+        recipe = SimpleNamespace(mxfp8=lambda: mxfp8)
+        manager = SimpleNamespace(is_fp8_enabled=lambda: enabled, get_fp8_recipe=lambda: recipe)
+        module = SimpleNamespace(FP8GlobalStateManager=manager)
+        if with_align:
+            module.get_align_size_for_quantization = lambda r: 32 if r.mxfp8() else 16
+        return module
+
+    for enabled, mxfp8, with_align, expected in [
+        (True, False, True, 16),
+        (True, True, True, 32),
+        (True, True, False, 32),
+        (False, True, True, None),
+    ]:
+        module = fake_te(enabled, mxfp8, with_align)
+        monkeypatch.setattr(fp8, "_te_state_module", lambda m=module: m)
+        assert fp8.fp8_active(None) is enabled
+        assert fp8.fp8_multiple(None) == expected
+        assert fp8.fp8_active(False) is False  # the flag wins over detection
+
+
+def test_encoder_exception_propagates_unchanged() -> None:
+    class VisionOOM(RuntimeError):
+        pass
+
+    def failing(p: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        raise VisionOOM("CUDA out of memory (simulated)")
+
+    patches, grid_thw = qwen_item()
+    with pytest.raises(VisionOOM, match="simulated"):
+        reencode(patches, "qwen_patches", Target(12, (84, 112)), failing, grid_thw=grid_thw)
+
+
+def test_gradients_flow_to_encoder_parameters() -> None:
+    patches, grid_thw = qwen_item()
+    encoder = QwenLikeEncoder()
+    result = reencode(
+        patches, "qwen_patches", Target(6, (56, 84)), encoder, grid_thw=grid_thw, fp8_multiple=16
+    )
+    result.features.square().sum().backward()
+    for name, param in encoder.named_parameters():
+        assert param.grad is not None and param.grad.abs().sum() > 0, name
+
+
+def test_reencode_keeps_input_dtype() -> None:
+    patches, grid_thw = qwen_item()
+    encoder = QwenLikeEncoder().to(torch.bfloat16)
+    result = reencode(
+        patches.bfloat16(), "qwen_patches", Target(12, (84, 112)), encoder, grid_thw=grid_thw
+    )
+    assert result.features.dtype == torch.bfloat16 and result.features.shape == (12, 24)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_reencode_on_cuda() -> None:
+    patches, grid_thw = qwen_item()
+    encoder = QwenLikeEncoder().cuda()
+    result = reencode(
+        patches.cuda(),
+        "qwen_patches",
+        Target(12, (84, 112)),
+        encoder,
+        grid_thw=grid_thw.cuda(),
+        fp8_multiple=16,
+        synchronize=True,
+    )
+    assert result.features.device.type == "cuda" and result.features.shape == (12, 24)
+    cpu = reencode(patches, "qwen_patches", Target(12, (84, 112)), encoder.cpu(), grid_thw=grid_thw)
+    torch.testing.assert_close(result.features.cpu(), cpu.features, rtol=1e-3, atol=1e-3)
