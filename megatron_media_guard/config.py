@@ -33,7 +33,8 @@ class GuardConfig:
     allowed_fidelity: repair solutions of these classes are applied; others fall back.
     ignore_index: the label value the loss ignores.
     fp8: pad the re-encoded patch sequence for transformer-engine FP8 (None: detect).
-    fp8_multiple: the multiple to pad to when FP8 is active.
+    fp8_multiple: the multiple to pad to when FP8 is active (None: ask transformer-engine's
+        recipe, 16 when it cannot say; 32 for MXFP8).
     """
 
     policy: Policy = "raise"
@@ -43,7 +44,7 @@ class GuardConfig:
     allowed_fidelity: tuple[FidelityName, ...] = ("engine-replay", "unique")
     ignore_index: int = -100
     fp8: bool | None = None
-    fp8_multiple: int = 16
+    fp8_multiple: int | None = None
 
     def __post_init__(self) -> None:
         _one_of("policy", self.policy, _POLICIES)
@@ -53,7 +54,7 @@ class GuardConfig:
         for f in fid:
             _one_of("allowed_fidelity", f, _FIDELITIES)
         object.__setattr__(self, "allowed_fidelity", fid)
-        if self.fp8_multiple < 1:
+        if self.fp8_multiple is not None and self.fp8_multiple < 1:
             raise MediaInputError(f"fp8_multiple must be >= 1, got {self.fp8_multiple}")
         if self.log_dir is not None:
             object.__setattr__(self, "log_dir", os.fspath(self.log_dir))

@@ -93,6 +93,8 @@ class TokenLayout:
         if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
             raise MediaInputError(f"input_ids must hold integer token ids, got {ids.dtype}")
         b, s = ids.shape
+        if b == 0 or s == 0:
+            raise MediaInputError(f"empty batch: input_ids has shape {tuple(ids.shape)}")
         self.grammar = grammar
         self.batch, self.row_length = b, s
         dev = ids.device
@@ -135,7 +137,7 @@ class TokenLayout:
             cu = _check_cu_seqlens(cu_seqlens, n, dev)
             self.num_samples = cu.numel() - 1
             # sample index; tokens at or past cu[-1] get num_samples (padding)
-            self.sample = torch.searchsorted(cu, self.pos, right=True) - 1
+            self.sample = (torch.searchsorted(cu, self.pos, right=True) - 1).clamp(min=0)
             bounds = torch.cat([cu, cu.new_tensor([n])])
             self.seg_start = bounds[self.sample]
             self.seg_end = bounds[self.sample + 1]
@@ -218,7 +220,8 @@ class TokenLayout:
             codes = torch.where(cut & (codes == 0), cut_kind, codes)
             # content directly followed by text while its region is open: the end is missing
             nxt_tok_marker = torch.roll(marker, -1) & ~self.last
-            after_run_text = run_end & ~self.last & ~nxt_tok_marker & inside
+            nxt_content = torch.roll(self.content, -1)
+            after_run_text = run_end & ~self.last & ~nxt_tok_marker & ~nxt_content & inside
             codes = put(after_run_text & ~no_next, FindingKind.UNTERMINATED)
         elif g.end_id is not None:
             # end-only grammar (Pixtral): every run is closed by the end token right after it
@@ -279,6 +282,7 @@ def parse_layout(lay: TokenLayout) -> ParsedRuns:
     f_idx = torch.nonzero(codes).squeeze(1)
     lengths = ph_cum[e_idx] - ph_cum[s_idx] + lay.ph[s_idx].to(ph_cum.dtype)
     first_code = lay.run_codes()[s_idx]
+    first_code = torch.where(lengths == 0, -1, first_code)  # breaks only: no modality
     table = torch.stack(
         [s_idx, e_idx, lengths.to(torch.int64), first_code, lay.sample[s_idx]], dim=1
     )

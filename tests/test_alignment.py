@@ -1,0 +1,117 @@
+"""Per-sample classification: every status, and errors that batch-total checks miss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_media_guard import MediaItem, Status, check_alignment
+from megatron_media_guard.synthetic import TEST_GRAMMARS, build_batch, inject
+
+Q = TEST_GRAMMARS["qwen"]
+LAYOUT = [[("image", 4), ("image", 6)], [("image", 3)], [("video", 8)], []]
+
+
+@pytest.mark.parametrize(
+    ("fault", "statuses"),
+    [
+        ("none", {}),
+        ("budget_shrink", {0: Status.SURPLUS}),
+        ("surplus_feature", {0: Status.SURPLUS}),
+        ("extra_pad", {0: Status.DEFICIT}),
+        ("offsetting", {0: Status.SURPLUS, 1: Status.DEFICIT}),
+        ("swapped_items", {0: Status.LENGTH_MISMATCH}),
+        ("literal_placeholder", {0: Status.MALFORMED}),
+        ("cut_by_max_len", {0: Status.TRUNCATED}),
+        ("video_grid", {0: Status.SURPLUS}),
+    ],
+)
+@pytest.mark.parametrize("explicit", [True, False])
+def test_each_fault_is_classified_per_sample(fault, statuses, explicit):
+    batch = inject(Q, LAYOUT, fault, explicit_samples=explicit)
+    report = check_alignment(batch.input_ids, batch.items, Q)
+    got = {s.sample: s.status for s in report.samples if not s.ok}
+    assert got == statuses
+    assert report.ok == (not statuses)
+
+
+def test_offsetting_errors_pass_batch_totals_but_not_the_guard():
+    batch = inject(Q, LAYOUT, "offsetting")
+    report = check_alignment(batch.input_ids, batch.items, Q)
+    assert report.total_placeholders == report.total_features  # what today's merges check
+    assert not report.ok
+    s0, s1 = report.samples[0], report.samples[1]
+    assert (s0.expected, s0.got, s0.first_mismatch) == ((4, 6), (5, 6), 0)
+    assert (s1.expected, s1.got, s1.first_mismatch) == ((3,), (2,), 0)
+
+
+def test_swapped_items_pass_totals_and_are_caught():
+    batch = inject(Q, LAYOUT, "swapped_items")
+    report = check_alignment(batch.input_ids, batch.items, Q)
+    assert report.total_placeholders == report.total_features
+    rep = report.samples[0]
+    assert rep.status is Status.LENGTH_MISMATCH
+    assert (rep.expected, rep.got, rep.first_mismatch) == ((4, 6), (6, 4), 0)
+
+
+@pytest.mark.parametrize(
+    ("items", "status", "reason"),
+    [
+        (
+            [MediaItem(4, 0), MediaItem(6, 0), MediaItem(2, 0)],
+            Status.COUNT_MISMATCH,
+            "2 placeholder runs for 3 items",
+        ),
+        ([MediaItem(4, 0)], Status.COUNT_MISMATCH, "2 placeholder runs for 1 items"),
+        (
+            [MediaItem(4, 0), MediaItem(6, 0, modality="video")],
+            Status.MODALITY_MISMATCH,
+            "modalities",
+        ),
+    ],
+)
+def test_count_and_modality_mismatch(items, status, reason):
+    batch = build_batch(Q, [[("image", 4), ("image", 6)]])
+    rep = check_alignment(batch.input_ids, items, Q).samples[0]
+    assert rep.status is status
+    assert reason in rep.reason
+
+
+def test_implicit_assignment_resyncs_after_a_bad_sample():
+    """Without sample labels the guard matches runs to items from both ends, so only the
+    sample in between is blamed: an extra run in sample 1 does not shift samples 2 and 3."""
+    layout = [[("image", 2)], [("image", 3), ("image", 5)], [("image", 4)], [("image", 7)]]
+    batch = build_batch(Q, layout, explicit_samples=False)
+    items = [it for k, it in enumerate(batch.items) if k != 2]  # sample 1 lost one item's features
+    report = check_alignment(batch.input_ids, items, Q)
+    assert [s.status for s in report.samples] == [
+        Status.ALIGNED,
+        Status.COUNT_MISMATCH,
+        Status.ALIGNED,
+        Status.ALIGNED,
+    ]
+
+
+def test_surplus_item_with_no_run_is_an_orphan_without_labels():
+    batch = build_batch(Q, [[("image", 2)], []], explicit_samples=False)
+    report = check_alignment(batch.input_ids, [*batch.items, MediaItem(3)], Q)
+    assert report.orphans == (1,)
+    assert not report.ok
+
+
+def test_explicit_items_may_come_in_any_sample_order():
+    batch = build_batch(Q, [[("image", 2)], [("image", 3)]])
+    items = [batch.items[1], batch.items[0]]
+    assert check_alignment(batch.input_ids, items, Q).ok
+
+
+def test_sample_report_names_id_and_item():
+    batch = inject(Q, LAYOUT, "extra_pad")
+    rep = check_alignment(batch.input_ids, batch.items, Q).samples[0]
+    assert rep.sample_id == "s0" and rep.items == (0, 1) and rep.row == 0
+    assert rep.placeholders == 11 and rep.features == 10
+
+
+def test_text_only_batch_is_aligned():
+    ids = torch.full((2, 8), 1000)
+    assert check_alignment(ids, [], Q).ok

@@ -1,0 +1,331 @@
+"""The guarded merge: aligned path, raise, drop, bad input, and merge properties."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from megatron_media_guard import (
+    GuardConfig,
+    MediaAlignmentError,
+    MediaGuard,
+    MediaInputError,
+    MediaItem,
+    RankInfo,
+)
+from megatron_media_guard.host import count_transfers
+from megatron_media_guard.synthetic import FAULTS, TEST_GRAMMARS, build_batch, inject, random_layout
+
+Q = TEST_GRAMMARS["qwen"]
+H = 8
+LAYOUT = [[("image", 4), ("image", 6)], [("image", 3)], [("video", 8)], []]
+
+
+def unguarded(emb, ids, feats, grammar=Q):
+    """Today's merge: placeholder mask + masked_scatter."""
+    mask = torch.isin(ids, torch.tensor(list(grammar.placeholders.values())))
+    return emb.masked_scatter(mask.unsqueeze(-1), feats)
+
+
+def guard(policy="raise", **kw):
+    return MediaGuard(GuardConfig(policy=policy, **kw), grammar=Q, rank=RankInfo(rank=3))
+
+
+def inputs(batch, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    b, s = batch.input_ids.shape
+    emb = torch.randn(b, s, H, generator=g).to(dtype)
+    return emb, batch.features(H, dtype, seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("grammar", ["qwen", "internvl", "pixtral", "plain"])
+def test_aligned_merge_is_bit_identical_with_one_transfer(dtype, grammar):
+    g = TEST_GRAMMARS[grammar]
+    layout = [[(m if m in g.placeholders else "image", n) for m, n in s] for s in LAYOUT]
+    batch = build_batch(g, layout)
+    emb, feats = inputs(batch, dtype)
+    with count_transfers() as seen:
+        res = MediaGuard(GuardConfig(), grammar=g).merge(emb, batch.input_ids, feats, batch.items)
+    assert sum(seen.values()) == 1, seen
+    assert torch.equal(res.embeddings, unguarded(emb, batch.input_ids, feats, g))
+    assert res.report.ok and res.report.alignment is None
+    assert res.loss_mask is None and res.labels is None
+
+
+def test_aligned_path_keeps_callers_masks_untouched():
+    batch = build_batch(Q, LAYOUT)
+    emb, feats = inputs(batch)
+    lm, lab = torch.ones(batch.input_ids.shape), batch.input_ids.clone()
+    res = guard().merge(emb, batch.input_ids, feats, batch.items, loss_mask=lm, labels=lab)
+    assert res.loss_mask is lm and res.labels is lab
+
+
+def test_list_features_and_items_inferred():
+    batch = build_batch(Q, [[("image", 4)], [("image", 3)]])
+    emb, feats = inputs(batch)
+    parts = list(feats.split([4, 3]))
+    res = guard().merge(emb, batch.input_ids, parts)
+    assert torch.equal(res.embeddings, unguarded(emb, batch.input_ids, feats))
+
+
+def test_seq_first_layout():
+    batch = build_batch(Q, LAYOUT)
+    emb, feats = inputs(batch)
+    res = guard().merge(
+        emb.transpose(0, 1).contiguous(), batch.input_ids, feats, batch.items, seq_first=True
+    )
+    assert res.embeddings.shape == (batch.input_ids.shape[1], batch.input_ids.shape[0], H)
+    assert torch.equal(res.embeddings.transpose(0, 1), unguarded(emb, batch.input_ids, feats))
+
+
+def test_packed_samples_are_checked_and_dropped_per_sample():
+    a = build_batch(Q, [[("image", 3)]])
+    b = build_batch(Q, [[("image", 5)]], seed=1)
+    ids = torch.cat([a.input_ids, b.input_ids], dim=1)
+    cu = torch.tensor([0, a.input_ids.shape[1], ids.shape[1]])
+    items = [MediaItem(3, 0), MediaItem(5, 1)]
+    emb = torch.randn(1, ids.shape[1], H)
+    feats = torch.randn(8, H)
+    res = guard().merge(emb, ids, feats, items, cu_seqlens=cu)
+    assert torch.equal(res.embeddings, unguarded(emb, ids, feats))
+    bad = [MediaItem(3, 0), MediaItem(6, 1)]
+    res = guard("drop").merge(
+        emb, ids, torch.randn(9, H), bad, cu_seqlens=cu, loss_mask=torch.ones(1, ids.shape[1])
+    )
+    assert res.report.dropped == (1,)
+    assert res.loss_mask[0, : cu[1]].eq(1).all() and res.loss_mask[0, cu[1] :].eq(0).all()
+
+
+def test_raise_names_everything(tmp_path):
+    batch = inject(Q, LAYOUT, "budget_shrink")
+    emb, feats = inputs(batch)
+    g = MediaGuard(GuardConfig(log_dir=str(tmp_path)), grammar=Q, rank=RankInfo(rank=3))
+    with pytest.raises(MediaAlignmentError) as info:
+        g.merge(emb, batch.input_ids, feats, batch.items, step=12, microbatch=1)
+    msg = str(info.value)
+    for needle in [
+        "rank 3",
+        "step 12",
+        "microbatch 1",
+        "sample 0",
+        "'s0'",
+        "item 0",
+        "image",
+        "[4, 6]",
+        "[5, 7]",
+        "first mismatching run 0",
+        "surplus",
+        "frame 56x84",
+    ]:
+        assert needle in msg, (needle, msg)
+    # the record was on disk before the raise
+    lines = (tmp_path / "media_guard.rank00003.jsonl").read_text().splitlines()
+    recs = [json.loads(x) for x in lines]
+    assert [r["event"] for r in recs] == ["raise", "raise"]
+    first = recs[0]
+    assert (first["rank"], first["step"], first["sample"], first["sample_id"]) == (3, 12, 0, "s0")
+    assert (first["expected"], first["got"], first["first_mismatch"]) == ([4, 6], [5, 7], 0)
+
+
+def test_video_item_error_names_frames():
+    batch = inject(Q, [[("video", 8)]], "video_grid")
+    emb, feats = inputs(batch)
+    with pytest.raises(MediaAlignmentError, match="4 frames"):
+        guard().merge(emb, batch.input_ids, feats, batch.items)
+
+
+@pytest.mark.parametrize("fault", [f for f in FAULTS if f != "none"])
+def test_drop_keeps_others_identical_and_masks_the_culprit(fault):
+    batch = inject(Q, LAYOUT, fault)
+    emb, feats = inputs(batch)
+    b, s = batch.input_ids.shape
+    lm, lab = torch.ones(b, s), torch.randint(0, 50, (b, s))
+    res = guard("drop").merge(emb, batch.input_ids, feats, batch.items, loss_mask=lm, labels=lab)
+    dropped = set(res.report.dropped)
+    assert dropped == set(batch.faulty_samples)
+    offsets = [0]
+    for it in batch.items:
+        offsets.append(offsets[-1] + it.num_features)
+    for smp in range(b):
+        if smp in dropped:
+            assert res.loss_mask[smp].eq(0).all() and res.labels[smp].eq(-100).all()
+            # no foreign feature: every position still holds its text embedding
+            assert torch.equal(res.embeddings[smp], emb[smp])
+        else:
+            # what an unguarded merge of this sample alone gives, bit for bit
+            own = [i for i, it in enumerate(batch.items) if it.sample == smp]
+            rows = (
+                torch.cat([feats[offsets[i] : offsets[i + 1]] for i in own]) if own else feats[:0]
+            )
+            want = unguarded(emb[smp : smp + 1], batch.input_ids[smp : smp + 1], rows)[0]
+            assert torch.equal(res.embeddings[smp], want)
+            assert torch.equal(res.loss_mask[smp], lm[smp]) and torch.equal(
+                res.labels[smp], lab[smp]
+            )
+
+
+def test_drop_creates_a_loss_mask_when_none_given():
+    batch = inject(Q, LAYOUT, "extra_pad")
+    emb, feats = inputs(batch)
+    res = guard("drop").merge(emb, batch.input_ids, feats, batch.items)
+    assert res.loss_mask.dtype == torch.float32
+    assert res.loss_mask.sum(1).tolist() == [0.0] + [float(batch.input_ids.shape[1])] * 3
+
+
+def test_all_dropped_still_reaches_the_vision_tower():
+    """DDP/FSDP hooks need every parameter in the graph: a zero-weight term keeps it there."""
+    batch = inject(Q, [[("image", 4)], [("image", 3)]], "offsetting")
+    tower = torch.nn.Linear(5, H)
+    pixels = torch.randn(sum(it.num_features for it in batch.items), 5)
+    feats = tower(pixels)
+    emb = torch.randn(*batch.input_ids.shape, H, requires_grad=True)
+    res = guard("drop").merge(emb, batch.input_ids, feats, batch.items)
+    assert res.report.dropped == (0, 1)
+    loss = (res.embeddings.sum(-1) * res.loss_mask).sum()
+    loss.backward()
+    assert tower.weight.grad is not None and tower.bias.grad is not None
+    assert tower.weight.grad.abs().sum() == 0
+    assert torch.equal(res.embeddings.detach(), emb.detach())  # -0.0 anchor changes no bit
+
+
+@pytest.mark.parametrize(("policy", "outcome"), [("raise", "raise"), ("drop", "drop")])
+def test_nonfinite_features(policy, outcome):
+    batch = build_batch(Q, LAYOUT)
+    emb, feats = inputs(batch)
+    feats[10, 2] = float("nan")  # item 2 = sample 1
+    g = MediaGuard(GuardConfig(nonfinite=policy), grammar=Q)
+    if outcome == "raise":
+        with pytest.raises(MediaAlignmentError, match="sample 1"):
+            g.merge(emb, batch.input_ids, feats, batch.items)
+        return
+    res = g.merge(emb, batch.input_ids, feats, batch.items)
+    assert res.report.dropped == (1,)
+    assert torch.isfinite(res.embeddings).all()
+
+
+def test_nonfinite_check_off_skips_it():
+    batch = build_batch(Q, LAYOUT)
+    emb, feats = inputs(batch)
+    feats[0, 0] = math.inf
+    res = MediaGuard(GuardConfig(nonfinite="off"), grammar=Q).merge(
+        emb, batch.input_ids, feats, batch.items
+    )
+    assert res.report.ok
+
+
+BATCH = build_batch(Q, [[("image", 2)]])
+EMB = torch.zeros(1, BATCH.input_ids.shape[1], H)
+FEATS = torch.zeros(2, H)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"embeddings": EMB.long()}, "floating-point"),
+        ({"embeddings": EMB[0]}, r"\[b, s, h\]"),
+        ({"embeddings": EMB[:, :-1]}, "do not match input_ids"),
+        ({"features": FEATS.double()}, "cast the projector output"),
+        ({"features": torch.zeros(2, H + 1)}, "hidden size"),
+        ({"features": torch.zeros(3, H)}, "declare 2 feature rows"),
+        ({"features": torch.zeros(2, H, 1)}, r"\[sum\(num_features\), hidden\]"),
+        ({"input_ids": BATCH.input_ids.float()}, "integer token ids"),
+        ({"input_ids": BATCH.input_ids[:, :0], "embeddings": EMB[:, :0]}, "empty batch"),
+        ({"items": [MediaItem(2, sample=4)]}, "names sample 4"),
+        ({"items": [MediaItem(1, 0), MediaItem(1)]}, "every item or for none"),
+        ({"loss_mask": torch.ones(2, 2)}, "loss_mask must be"),
+        ({"labels": torch.ones(BATCH.input_ids.shape)}, "labels must be integer"),
+        ({"features": [torch.zeros(3, H)]}, "declares 2 features"),
+    ],
+)
+def test_bad_input_is_a_clear_error(kwargs, match):
+    args = {
+        "embeddings": EMB,
+        "input_ids": BATCH.input_ids,
+        "features": FEATS,
+        "items": BATCH.items,
+    }
+    args.update(kwargs)
+    with pytest.raises(MediaInputError, match=match) as info:
+        guard().merge(**args)
+    assert "rank 3" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_features": -1}, "num_features"),
+        ({"num_features": 2.0}, "num_features"),
+        ({"num_features": 1, "sample": -1}, "sample"),
+    ],
+)
+def test_bad_items(kwargs, match):
+    with pytest.raises(MediaInputError, match=match):
+        MediaItem(**kwargs)
+
+
+def test_config_validation_and_env():
+    with pytest.raises(MediaInputError, match="policy"):
+        GuardConfig(policy="ignore")
+    cfg = GuardConfig().with_env(
+        {"MEDIA_GUARD_POLICY": "drop", "MEDIA_GUARD_ALLOWED_FIDELITY": "unique"}
+    )
+    assert cfg.policy == "drop" and cfg.allowed_fidelity == ("unique",)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**31),
+    fault=st.sampled_from(FAULTS),
+    name=st.sampled_from(["qwen", "internvl", "pixtral"]),
+    explicit=st.booleans(),
+    policy=st.sampled_from(["raise", "drop"]),
+)
+def test_property_only_library_errors_and_kept_features_are_own(
+    seed, fault, name, explicit, policy
+):
+    g = TEST_GRAMMARS[name]
+    rng = random.Random(seed)
+    layout = random_layout(
+        rng, batch=rng.randint(2, 4), max_items=3, max_len=7, modalities=tuple(g.placeholders)
+    )
+    try:
+        batch = inject(g, layout, fault, seed=seed, explicit_samples=explicit)
+    except ValueError:  # the fault does not fit this layout
+        return
+    b, s = batch.input_ids.shape
+    emb = torch.randn(b, s, H)
+    feats = batch.features(H)
+    total = feats.shape[0]
+    feats[:, 1] = torch.arange(total, dtype=feats.dtype)  # global row, to check order
+    try:
+        res = MediaGuard(GuardConfig(policy=policy), grammar=g).merge(
+            emb, batch.input_ids, feats, batch.items, loss_mask=torch.ones(b, s)
+        )
+    except MediaAlignmentError:
+        assert policy == "raise"
+        return
+    # every kept placeholder holds exactly its own item's feature, in order
+    phs = torch.isin(batch.input_ids, torch.tensor(list(g.placeholders.values())))
+    report = MediaGuard(GuardConfig(), grammar=g).check(batch.input_ids, batch.items)
+    offsets = [0]
+    for it in batch.items:
+        offsets.append(offsets[-1] + it.num_features)
+    for rep in report.samples:
+        row_vals = res.embeddings[rep.sample][phs[rep.sample]]
+        if rep.sample in res.report.dropped:
+            assert torch.equal(res.embeddings[rep.sample], emb[rep.sample])
+            continue
+        assert rep.ok
+        want = (
+            torch.cat([feats[offsets[i] : offsets[i + 1]] for i in rep.items])
+            if rep.items
+            else feats[:0]
+        )
+        assert torch.equal(row_vals, want)

@@ -1,0 +1,160 @@
+"""Run parsing: table-driven findings per grammar, and the vectorized parser against a
+per-token reference loop on random batches."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_media_guard import FindingKind, Grammar, MediaInputError, parse_runs
+from megatron_media_guard.synthetic import TEST_GRAMMARS, build_batch, reference_runs
+
+Q = TEST_GRAMMARS["qwen"]  # image 5, video 6, start 3, end 4
+P = TEST_GRAMMARS["pixtral"]  # img 10, break 11, end 12
+T = 1000  # a text token
+
+F = FindingKind
+
+
+@pytest.mark.parametrize(
+    ("grammar", "row", "runs", "findings"),
+    [
+        # well formed: one image, one video
+        (Q, [T, 3, 5, 5, 5, 4, T, 3, 6, 6, 4], [(2, 5, 3, "image"), (8, 10, 2, "video")], []),
+        # placeholder typed in user text
+        (Q, [T, 5, T, 3, 5, 4], [(1, 2, 1, "image"), (4, 5, 1, "image")], [(F.OUTSIDE_REGION, 1)]),
+        # end without start
+        (Q, [T, 4, T], [], [(F.END_WITHOUT_START, 1)]),
+        # nested start
+        (Q, [3, 5, 3, 5, 4], [(1, 2, 1, "image"), (3, 4, 1, "image")], [(F.NESTED_START, 2)]),
+        # region open, then text: unterminated
+        (Q, [3, 5, 5, T, 4], [(1, 3, 2, "image")], [(F.UNTERMINATED, 2)]),
+        # cut by the row end (sequence limit)
+        (Q, [T, 3, 5, 5], [(2, 4, 2, "image")], [(F.CUT_BY_ROW_END, 1)]),
+        # modality switch inside one region splits the run
+        (Q, [3, 5, 5, 6, 4], [(1, 3, 2, "image"), (3, 4, 1, "video")], []),
+        # Pixtral: breaks take no feature; last break replaced by end
+        (P, [T, 10, 10, 11, 10, 10, 12, T], [(1, 6, 4, "image")], []),
+        # Pixtral: run not closed by [IMG_END]
+        (P, [10, 10, 11, 10, T], [(0, 4, 3, "image")], [(F.UNTERMINATED, 3)]),
+        # Pixtral: cut by the row end
+        (P, [T, 10, 10, 11, 10], [(1, 5, 3, "image")], [(F.CUT_BY_ROW_END, 4)]),
+        # Pixtral: breaks only
+        (P, [T, 11, 12], [(1, 2, 0, "break")], [(F.EMPTY_RUN, 1)]),
+        # Pixtral: end without a run
+        (P, [T, 12, T], [], [(F.END_WITHOUT_START, 1)]),
+    ],
+)
+def test_parse_table(grammar, row, runs, findings):
+    parsed = parse_runs(torch.tensor([row]), grammar)
+    assert [(r.start, r.end, r.length, r.modality) for r in parsed.runs] == runs
+    assert [(f.kind, f.position) for f in parsed.findings] == findings
+
+
+def test_packed_findings_name_the_packed_sample():
+    # three packed samples; the second one's region is cut by the boundary
+    ids = torch.tensor([[T, 3, 5, 5, 4, T, 3, 5, 5, 3, 5, 4]])
+    cu = torch.tensor([0, 5, 9, 12])
+    parsed = parse_runs(ids, Q, cu)
+    assert [r.sample for r in parsed.runs] == [0, 1, 2]
+    assert [(f.kind, f.sample, f.position) for f in parsed.findings] == [(F.CUT_BY_BOUNDARY, 1, 6)]
+
+
+def test_packed_run_never_spans_a_boundary():
+    plain = TEST_GRAMMARS["plain"]
+    ids = torch.tensor([[13, 13, 13, 13, 13, 13]])
+    parsed = parse_runs(ids, plain, torch.tensor([0, 2, 6]))
+    assert [(r.sample, r.length) for r in parsed.runs] == [(0, 2), (1, 4)]
+
+
+def test_placeholder_in_packed_padding_is_a_finding():
+    ids = torch.tensor([[3, 5, 4, T, 5, 0]])
+    parsed = parse_runs(ids, Q, torch.tensor([0, 4]))
+    assert [(f.kind, f.sample) for f in parsed.findings] == [(F.IN_PADDING, None)]
+
+
+@pytest.mark.parametrize(
+    ("ids", "cu", "match"),
+    [
+        (torch.tensor([[1.0, 2.0]]), None, "integer token ids"),
+        (torch.zeros(2, 2, 2, dtype=torch.long), None, r"\[b, s\]"),
+        (torch.zeros(2, 4, dtype=torch.long), torch.tensor([0, 4]), "one row"),
+        (torch.zeros(1, 4, dtype=torch.long), torch.tensor([0.0, 4.0]), "integer offsets"),
+    ],
+)
+def test_bad_input_is_named(ids, cu, match):
+    with pytest.raises(MediaInputError, match=match):
+        parse_runs(ids, Q, cu)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"placeholders": {}}, "at least one"),
+        ({"placeholders": {"image": 1.5}}, "must be an int"),
+        ({"placeholders": {"image": 3}, "start_id": 3, "end_id": 4}, "distinct"),
+        ({"placeholders": {"image": 3}, "start_id": 1, "collapsed": True}, "collapsed"),
+    ],
+)
+def test_grammar_validation(kwargs, match):
+    with pytest.raises(MediaInputError, match=match):
+        Grammar(**kwargs)
+
+
+def test_presets():
+    q = Grammar.qwen2_vl()
+    assert dict(q.placeholders) == {"image": 151655, "video": 151656}
+    assert (q.start_id, q.end_id) == (151652, 151653)
+    assert Grammar.llava().collapsed and dict(Grammar.llava().placeholders) == {"image": -200}
+    assert Grammar.pixtral(1, 2, 3).break_ids == (2,)
+    with pytest.raises(MediaInputError, match="not in grammar"):
+        q.modality_code("audio")
+
+
+def test_collapsed_grammar_one_run_per_token():
+    parsed = parse_runs(torch.tensor([[T, -200, -200, T, -200]]), Grammar.llava())
+    assert [(r.start, r.length) for r in parsed.runs] == [(1, 1), (2, 1), (4, 1)]
+
+
+def _random_ids(rng: random.Random, grammar: Grammar, b: int, s: int) -> torch.Tensor:
+    vocab = [T, T + 1, *grammar.placeholders.values(), *grammar.break_ids]
+    vocab += [t for t in (grammar.start_id, grammar.end_id) if t is not None]
+    return torch.tensor([[rng.choice(vocab) for _ in range(s)] for _ in range(b)])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    name=st.sampled_from(sorted(TEST_GRAMMARS)),
+    seed=st.integers(0, 2**31),
+    b=st.integers(1, 3),
+    s=st.integers(1, 40),
+)
+def test_vectorized_parser_matches_reference_loop(name, seed, b, s):
+    """Random token soup (any malformation): the runs equal the per-token loop's."""
+    g = TEST_GRAMMARS[name]
+    ids = _random_ids(random.Random(seed), g, b, s)
+    parsed = parse_runs(ids, g)
+    got = [(r.sample, r.start, r.end, r.length, r.modality) for r in parsed.runs]
+    assert got == reference_runs(ids, g)
+    # every finding names a real position and sample
+    for f in parsed.findings:
+        assert 0 <= f.position < s and f.sample == f.row
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(["qwen", "internvl", "pixtral"]), seed=st.integers(0, 2**31))
+def test_well_formed_batches_have_no_findings(name, seed):
+    rng = random.Random(seed)
+    g = TEST_GRAMMARS[name]
+    mods = tuple(g.placeholders)
+    layout = [
+        [(rng.choice(mods), rng.randint(1, 9)) for _ in range(rng.randint(0, 3))] for _ in range(3)
+    ]
+    batch = build_batch(g, layout, seed=seed)
+    parsed = parse_runs(batch.input_ids, g)
+    assert parsed.findings == ()
+    assert [r.length for r in parsed.runs] == [n for m in layout for _, n in m]
