@@ -379,7 +379,7 @@ class MediaGuard:
             out = out.transpose(0, 1).contiguous()
         dropped = plan.dropped
         if dropped:
-            drop_tok = ~keep.gather(0, lay.sample.clamp(max=lay.num_samples - 1))
+            drop_tok = ~keep[lay.sample.clamp(max=lay.num_samples - 1)]
             drop_tok = (drop_tok & (lay.sample < lay.num_samples)).view(lay.batch, lay.row_length)
             base = (
                 loss_mask
@@ -452,9 +452,7 @@ def _merge_kept(
     pieces = [replaced[i] if i in replaced else f[slice(*batch.rows(i))] for i in kept_items]
     src = torch.cat(pieces) if pieces else f[:0]
     ph_keep = (
-        lay.ph
-        & keep.gather(0, lay.sample.clamp(max=lay.num_samples - 1))
-        & (lay.sample < lay.num_samples)
+        lay.ph & keep[lay.sample.clamp(max=lay.num_samples - 1)] & (lay.sample < lay.num_samples)
     )
     out = emb.masked_scatter(ph_keep.view(emb.shape[:2]).unsqueeze(-1), src)
     unused = sorted(set(range(len(batch.items))) - set(kept_items) | set(replaced))

@@ -76,11 +76,13 @@ class ParsedRuns:
 
 
 class TokenLayout:
-    """Per-token masks of one batch of ids, flattened to ``[N = b*s]``, all on ``ids.device``.
+    """Per-token masks of one batch of ids, as ``[b, s]`` tensors on ``ids.device``.
 
     ids: ``[b, s]`` integer token ids (``[s]`` is taken as one row).
-    cu_seqlens: optional ``[n+1]`` offsets of packed samples into the flattened ids
-        (THD packing, ``b == 1``); tokens from ``cu_seqlens[-1]`` on are padding.
+    cu_seqlens: optional ``[n+1]`` offsets of packed samples into the row (THD packing,
+        ``b == 1``); tokens from ``cu_seqlens[-1]`` on are padding.
+    Scans run along each row (dim 1), so rows never leak into each other; packed
+    boundaries are applied where a scan result is read.
     """
 
     def __init__(
@@ -97,140 +99,208 @@ class TokenLayout:
             raise MediaInputError(f"empty batch: input_ids has shape {tuple(ids.shape)}")
         self.grammar = grammar
         self.batch, self.row_length = b, s
+        self.num_tokens = b * s
         dev = ids.device
-        flat = ids.reshape(-1)
-        n = flat.numel()
-        self.num_tokens = n
-        self.pos = torch.arange(n, device=dev)
+        self.device = dev
+        self.col = torch.arange(s, device=dev).expand(b, s)  # position within the row
 
         # modality code per token: -1 text, k for grammar.modalities[k]
-        code = torch.full((n,), -1, dtype=torch.int8, device=dev)
-        for k, tok in enumerate(grammar.placeholders.values()):
-            code = torch.where(flat == tok, torch.tensor(k, dtype=torch.int8, device=dev), code)
-        self.code = code
-        self.ph = code >= 0
-        brk = torch.zeros(n, dtype=torch.bool, device=dev)
+        toks = list(grammar.placeholders.values())
+        if len(toks) == 1:
+            self.ph = ids == toks[0]
+            self.code = self.ph.to(torch.int8) - 1
+        else:
+            code = torch.full((b, s), -1, dtype=torch.int8, device=dev)
+            for k, tok in enumerate(toks):
+                code.masked_fill_(ids == tok, k)
+            self.code = code
+            self.ph = code >= 0
+        self.content = self.ph
         for tok in grammar.break_ids:
-            brk |= flat == tok
-        self.content = self.ph | brk
-        self.is_start = (
-            flat == grammar.start_id if grammar.start_id is not None else torch.zeros_like(brk)
-        )
-        self.is_end = (
-            flat == grammar.end_id if grammar.end_id is not None else torch.zeros_like(brk)
-        )
+            self.content = self.content | (ids == tok)
+        self.is_start = ids == grammar.start_id if grammar.start_id is not None else None
+        self.is_end = ids == grammar.end_id if grammar.end_id is not None else None
 
         # samples: [b, s] rows, or packed samples of one row
         self.packed = cu_seqlens is not None
-        first = self.pos % s == 0
         if cu_seqlens is None:
             self.num_samples = b
-            self.sample = self.pos // s
-            self.seg_start = self.sample * s
-            self.seg_end = self.seg_start + s
-            self.at_row_end = torch.ones(n, dtype=torch.bool, device=dev)
+            self.sample = torch.arange(b, device=dev)[:, None].expand(b, s)
+            self.seg_start = None  # rows are the samples: scans along dim 1 need no reset
+            self.boundary = None
         else:
             if b != 1:
                 raise MediaInputError(
                     f"packed input (cu_seqlens) must be one row [1, T], got {tuple(ids.shape)}"
                 )
-            cu = _check_cu_seqlens(cu_seqlens, n, dev)
+            cu = _check_cu_seqlens(cu_seqlens, s, dev)
             self.num_samples = cu.numel() - 1
             # sample index; tokens at or past cu[-1] get num_samples (padding)
-            self.sample = (torch.searchsorted(cu, self.pos, right=True) - 1).clamp(min=0)
-            bounds = torch.cat([cu, cu.new_tensor([n])])
+            self.sample = (torch.searchsorted(cu, self.col, right=True) - 1).clamp(min=0)
+            bounds = torch.cat([cu, cu.new_tensor([s])])
             self.seg_start = bounds[self.sample]
             self.seg_end = bounds[self.sample + 1]
-            self.at_row_end = self.seg_end == n
-            first = first | (self.pos == self.seg_start)
-        self.first = first  # first token of a sample (or of the padding tail)
-        last = torch.roll(first, -1)
-        last[-1] = True
-        self.last = last
+            self.boundary = self.col == self.seg_start  # first token of a packed sample
+
+    # ---- helpers ---------------------------------------------------------------
+
+    def prev(self, x: torch.Tensor, fill: bool | int = False) -> torch.Tensor:
+        """``x`` shifted one token right within its sample (``fill`` at a sample's first token)."""
+        out = torch.cat([torch.full_like(x[:, :1], fill), x[:, :-1]], 1)
+        if self.boundary is not None:
+            out = out.masked_fill(self.boundary, fill)
+        return out
+
+    def next(self, x: torch.Tensor, fill: bool | int = False) -> torch.Tensor:
+        """``x`` shifted one token left within its sample (``fill`` at a sample's last token)."""
+        out = torch.cat([x[:, 1:], torch.full_like(x[:, :1], fill)], 1)
+        if self.boundary is not None:
+            out = out.masked_fill(self.next_is_boundary, fill)
+        return out
+
+    @property
+    def next_is_boundary(self) -> torch.Tensor:
+        return torch.cat([self.boundary[:, 1:], torch.zeros_like(self.boundary[:, :1])], 1)
+
+    def last_before(self, mask: torch.Tensor, *, inclusive: bool) -> torch.Tensor:
+        """Column of the last True at or before (``inclusive``) / strictly before each token,
+        within its sample; -1 when none. Off the aligned path only: ``nonzero`` syncs."""
+        k = torch.cumsum(mask, 1)  # marks so far in the row
+        if not inclusive:
+            k = k - mask.to(k.dtype)
+        cols = torch.nonzero(mask)[:, 1]  # row-major: row r's marks are contiguous
+        if cols.numel() == 0:
+            return torch.full_like(k, -1)
+        counts = k[:, -1:] if inclusive else k[:, -1:] + mask[:, -1:].to(k.dtype)
+        first_of_row = torch.cumsum(counts, 0) - counts  # [b, 1] index of the row's first mark
+        idx = (first_of_row + k - 1).clamp(min=0)
+        last = torch.where(k > 0, cols[idx], -1)
+        if self.seg_start is not None:
+            last = torch.where(last >= self.seg_start, last, -1)
+        return last
+
+    def structure_violations(self, run_start: torch.Tensor, run_end: torch.Tensor) -> torch.Tensor:
+        """Device scalar: 0 exactly when :meth:`finding_codes` finds nothing. No host sync.
+
+        With start/end markers the depth ``d = cumsum(start - end)`` decides it: markers
+        alternate iff ``d`` stays in {0, 1}; placeholders sit inside iff ``d == 1`` there;
+        no region is cut iff ``d == 0`` at each sample's end; and a run followed by text
+        inside a region is unterminated.
+        """
+        g = self.grammar
+        if g.start_id is None or g.end_id is None or g.break_ids:
+            return (self.finding_codes(run_start, run_end) != 0).sum()
+        d = torch.cumsum(
+            self.is_start.to(torch.int8) - self.is_end.to(torch.int8), 1, dtype=torch.int32
+        )
+        bad = (d < 0) | (d > 1)
+        bad = bad | (self.content & (d != 1))
+        if self.seg_start is None:
+            count = bad.sum() + (d[:, -1] != 0).sum()
+        else:
+            # per packed sample: depth at its last token minus depth before its first
+            before = torch.where(self.col > 0, d.gather(1, (self.seg_start - 1).clamp(min=0)), 0)
+            d = d - before
+            at_end = self.next(torch.zeros_like(run_end), fill=True)
+            bad = bad | (d < 0) | (d > 1) | (at_end & (d != 0))
+            padding = self.sample == self.num_samples
+            bad = bad | (padding & (self.content | self.is_start | self.is_end))
+            count = bad.sum()
+        text_next = ~self.next(self.is_start | self.is_end | self.content, fill=True)
+        return count + (run_end & text_next).sum()
+
+    def last_in_sample(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (a per-token scan result) read at the last token of each token's sample."""
+        if self.seg_start is None:
+            return x[:, -1:].expand_as(x)
+        return x.gather(1, (self.seg_end - 1).clamp(min=0))
 
     # ---- runs ----------------------------------------------------------------
 
     def run_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(run_start, run_end)`` boolean ``[N]``: first and last content token of each run."""
+        """``(run_start, run_end)`` boolean ``[b, s]``: first and last content token of each run."""
         if self.grammar.collapsed:
             return self.ph, self.ph
-        prev_content = torch.roll(self.content, 1) & ~self.first
-        prev_code = torch.roll(self.code, 1)
-        switch = self.ph & torch.roll(self.ph, 1) & (prev_code != self.code)
-        start = self.content & (~prev_content | switch)
-        next_start = torch.roll(start, -1)
-        next_content = torch.roll(self.content, -1) & ~self.last
-        end = self.content & (~next_content | next_start)
+        start = self.content & ~self.prev(self.content)
+        if len(self.grammar.placeholders) > 1:  # a modality switch starts a new run
+            start = start | (self.ph & self.prev(self.ph) & (self.prev(self.code) != self.code))
+        end = self.content & (~self.next(self.content) | self.next(start))
         return start, end
 
     def run_placeholders(self, run_start: torch.Tensor) -> torch.Tensor:
-        """``[N]``: placeholders from the start of the current run up to each position."""
-        ph_cum = torch.cumsum(self.ph, 0)
-        start_idx = _last_true_before(run_start, self.pos, inclusive=True).clamp(min=0)
-        return ph_cum - (ph_cum - self.ph.to(ph_cum.dtype)).gather(0, start_idx)
+        """``[b, s]``: placeholders from the start of the current run up to each position."""
+        ph_cum = torch.cumsum(self.ph, 1)
+        start_col = self.last_before(run_start, inclusive=True).clamp(min=0)
+        return ph_cum - (ph_cum - self.ph.to(ph_cum.dtype)).gather(1, start_col)
 
-    def run_codes(self) -> torch.Tensor:
-        """``[N]`` int64: modality code of the first placeholder at or after each position
-        (-1 if none); read at a run start, it is the run's modality (a run may open with a break)."""
-        nxt = torch.where(self.ph, self.pos, _next_true_after(self.ph, self.pos))
-        found = nxt < self.num_tokens
-        return torch.where(
-            found, self.code.gather(0, nxt.clamp(max=self.num_tokens - 1)).long(), -1
-        )
+    def run_codes(self, run_start: torch.Tensor) -> torch.Tensor:
+        """``[b, s]`` int64 modality code of each run, read at its start (-1: no placeholder).
+
+        A run may open with a break (Pixtral): then it is the code of its first placeholder.
+        """
+        if not self.grammar.break_ids:
+            return self.code.long()
+        flip = torch.flip(torch.where(self.ph, self.col, self.row_length), [1])
+        nxt = torch.flip(torch.cummin(flip, 1).values, [1])  # first placeholder at or after
+        code = self.code.gather(1, nxt.clamp(max=self.row_length - 1)).long()
+        return torch.where(nxt < self.row_length, code, -1)
 
     # ---- findings --------------------------------------------------------------
 
     def finding_codes(self, run_start: torch.Tensor, run_end: torch.Tensor) -> torch.Tensor:
-        """``[N]`` int8: a :class:`FindingKind` code at each malformed position, 0 elsewhere."""
+        """``[b, s]`` int8: a :class:`FindingKind` code at each malformed position, 0 elsewhere.
+
+        Where several apply, the earliest listed below wins (masks are applied last-first).
+        """
         g = self.grammar
-        dev = self.code.device
-        codes = torch.zeros(self.num_tokens, dtype=torch.int8, device=dev)
-
-        def put(mask: torch.Tensor, kind: FindingKind) -> torch.Tensor:
-            return torch.where(
-                mask & (codes == 0), torch.tensor(int(kind), dtype=torch.int8, device=dev), codes
-            )
-
-        cut_kind = torch.where(
-            self.at_row_end,
-            torch.tensor(int(FindingKind.CUT_BY_ROW_END), dtype=torch.int8, device=dev),
-            torch.tensor(int(FindingKind.CUT_BY_BOUNDARY), dtype=torch.int8, device=dev),
-        )
+        marks: list[tuple[torch.Tensor, FindingKind]] = []
         if self.packed:
             padding = self.sample == self.num_samples
-            codes = put(
-                padding & (self.content | self.is_start | self.is_end), FindingKind.IN_PADDING
-            )
-
-        # a run holding no placeholder (only breaks)
-        codes = put(run_end & (self.run_placeholders(run_start) == 0), FindingKind.EMPTY_RUN)
-
+            special = self.content
+            for t in (self.is_start, self.is_end):
+                if t is not None:
+                    special = special | t
+            marks.append((padding & special, FindingKind.IN_PADDING))
         if g.start_id is not None and g.end_id is not None:
             marker = self.is_start | self.is_end
-            last_m = _last_true_before(marker, self.pos, inclusive=False)
-            has_last = last_m >= self.seg_start
-            inside = has_last & self.is_start.gather(0, last_m.clamp(min=0))
-            codes = put(self.is_start & inside, FindingKind.NESTED_START)
-            codes = put(self.is_end & ~inside, FindingKind.END_WITHOUT_START)
-            codes = put(self.content & ~inside, FindingKind.OUTSIDE_REGION)
-            # a start whose sample holds no later marker: the region was cut
-            next_m = _next_true_after(marker, self.pos)
-            no_next = next_m >= self.seg_end
-            cut = self.is_start & no_next
-            codes = torch.where(cut & (codes == 0), cut_kind, codes)
-            # content directly followed by text while its region is open: the end is missing
-            nxt_tok_marker = torch.roll(marker, -1) & ~self.last
-            nxt_content = torch.roll(self.content, -1)
-            after_run_text = run_end & ~self.last & ~nxt_tok_marker & ~nxt_content & inside
-            codes = put(after_run_text & ~no_next, FindingKind.UNTERMINATED)
+            last_m = self.last_before(marker, inclusive=False)
+            inside = (last_m >= 0) & self.is_start.gather(1, last_m.clamp(min=0))
+            marks.append((self.is_start & inside, FindingKind.NESTED_START))
+            marks.append((self.is_end & ~inside, FindingKind.END_WITHOUT_START))
+            marks.append((self.content & ~inside, FindingKind.OUTSIDE_REGION))
+            # a start that is its sample's last marker was never closed: cut
+            last_marker = self.last_in_sample(self.last_before(marker, inclusive=True))
+            marks.append((self.is_start & (last_marker == self.col), self._cut_kind()))
+            # a run followed by text while its region is open and a marker still comes
+            # later in the sample: the end token is missing (no later marker: it was cut)
+            text_next = ~self.next(marker | self.content, fill=True)
+            unterminated = run_end & text_next & inside & (last_marker > self.col)
+            marks.append((unterminated, FindingKind.UNTERMINATED))
         elif g.end_id is not None:
             # end-only grammar (Pixtral): every run is closed by the end token right after it
-            next_is_end = torch.roll(self.is_end, -1) & ~self.last
-            codes = torch.where(run_end & self.last & (codes == 0), cut_kind, codes)
-            codes = put(run_end & ~self.last & ~next_is_end, FindingKind.UNTERMINATED)
-            prev_content = torch.roll(self.content, 1) & ~self.first
-            codes = put(self.is_end & ~prev_content, FindingKind.END_WITHOUT_START)
+            at_last = self.next(torch.zeros_like(run_end), fill=True)
+            marks.append((run_end & at_last, self._cut_kind()))
+            marks.append((run_end & ~at_last & ~self.next(self.is_end), FindingKind.UNTERMINATED))
+            marks.append((self.is_end & ~self.prev(self.content), FindingKind.END_WITHOUT_START))
+        if g.break_ids:
+            marks.append((run_end & (self.run_placeholders(run_start) == 0), FindingKind.EMPTY_RUN))
+        codes = torch.zeros_like(self.code)
+        for mask, kind in reversed(marks):
+            if isinstance(kind, FindingKind):
+                codes = codes.masked_fill(mask, int(kind))
+            else:
+                codes = torch.where(mask, kind, codes)
         return codes
+
+    def _cut_kind(self) -> FindingKind | torch.Tensor:
+        """Cut by the row end, or (packed, before the row's end) by a sample boundary."""
+        if self.seg_start is None:
+            return FindingKind.CUT_BY_ROW_END
+        return torch.where(
+            self.seg_end == self.row_length,
+            int(FindingKind.CUT_BY_ROW_END),
+            int(FindingKind.CUT_BY_BOUNDARY),
+        ).to(torch.int8)
 
 
 def _check_cu_seqlens(cu: torch.Tensor, n: int, dev: torch.device) -> torch.Tensor:
@@ -241,23 +311,6 @@ def _check_cu_seqlens(cu: torch.Tensor, n: int, dev: torch.device) -> torch.Tens
     if cu.device != dev:
         raise MediaInputError(f"cu_seqlens is on {cu.device}, input_ids on {dev}")
     return cu.to(torch.int64)
-
-
-def _last_true_before(mask: torch.Tensor, pos: torch.Tensor, *, inclusive: bool) -> torch.Tensor:
-    """Index of the last True at or before (``inclusive``) / strictly before each position; -1 if none."""
-    marked = torch.where(mask, pos, torch.full_like(pos, -1))
-    last = torch.cummax(marked, 0).values
-    if inclusive:
-        return last
-    return torch.cat([last.new_tensor([-1]), last[:-1]])
-
-
-def _next_true_after(mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """Index of the first True strictly after each position; N if none."""
-    n = pos.numel()
-    marked = torch.where(mask, pos, torch.full_like(pos, n))
-    nxt = torch.flip(torch.cummin(torch.flip(marked, [0]), 0).values, [0])
-    return torch.cat([nxt[1:], nxt.new_tensor([n])])
 
 
 def parse_runs(
@@ -274,44 +327,48 @@ def parse_runs(
 
 def parse_layout(lay: TokenLayout) -> ParsedRuns:
     start, end = lay.run_bounds()
-    codes = lay.finding_codes(start, end)
-    ph_cum = torch.cumsum(lay.ph, 0)
-    # torch.nonzero sizes its output by the number of runs (a sync on CUDA).
-    s_idx = torch.nonzero(start).squeeze(1)
-    e_idx = torch.nonzero(end).squeeze(1)
-    f_idx = torch.nonzero(codes).squeeze(1)
-    lengths = ph_cum[e_idx] - ph_cum[s_idx] + lay.ph[s_idx].to(ph_cum.dtype)
-    first_code = lay.run_codes()[s_idx]
+    # the cheap structure check decides whether the exact (costlier) findings are needed
+    malformed = bool(to_host(lay.structure_violations(start, end), why="any malformed structure"))
+    codes = lay.finding_codes(start, end) if malformed else None
+    ph_cum = torch.cumsum(lay.ph, 1)
+    # torch.nonzero sizes its output by the number of runs (a sync on CUDA); row-major
+    # order, so starts and ends pair up
+    st = torch.nonzero(start)
+    en = torch.nonzero(end)
+    sr, sc, ec = st[:, 0], st[:, 1], en[:, 1]
+    lengths = ph_cum[sr, ec] - ph_cum[sr, sc] + lay.ph[sr, sc].to(ph_cum.dtype)
+    first_code = lay.run_codes(start)[sr, sc]
     first_code = torch.where(lengths == 0, -1, first_code)  # breaks only: no modality
-    table = torch.stack(
-        [s_idx, e_idx, lengths.to(torch.int64), first_code, lay.sample[s_idx]], dim=1
-    )
-    ftab = torch.stack([f_idx, codes[f_idx].to(torch.int64), lay.sample[f_idx]], dim=1)
+    table = torch.stack([sr, sc, ec, lengths, first_code, lay.sample[sr, sc]], dim=1)
+    if codes is not None:
+        fr, fc = torch.nonzero(codes).unbind(1)
+        ftab = torch.stack([fr, fc, codes[fr, fc].long(), lay.sample[fr, fc]], dim=1)
+    else:
+        ftab = table.new_empty(0, 4)
     # one transfer of the run table and the findings: sized by runs + findings, not tokens
     host = to_host(torch.cat([table.reshape(-1), ftab.reshape(-1)]), why="run table for diagnosis")
-    nr = s_idx.numel()
-    rt = host[: nr * 5].view(nr, 5).tolist()
-    ft = host[nr * 5 :].view(-1, 3).tolist()
-    s = lay.row_length
+    nr = st.shape[0]
+    rt = host[: nr * 6].view(nr, 6).tolist()
+    ft = host[nr * 6 :].view(-1, 4).tolist()
     names = lay.grammar.modalities
     runs = tuple(
         Run(
             sample=smp,
-            row=st // s,
-            start=st % s,
-            end=en % s + 1,
+            row=row,
+            start=a,
+            end=e + 1,
             length=ln,
             modality=names[mc] if mc >= 0 else "break",
         )
-        for st, en, ln, mc, smp in rt
+        for row, a, e, ln, mc, smp in rt
     )
     findings = tuple(
         Finding(
             kind=FindingKind(kind),
             sample=None if smp >= lay.num_samples else smp,
-            row=p // s,
-            position=p % s,
+            row=row,
+            position=col,
         )
-        for p, kind, smp in ft
+        for row, col, kind, smp in ft
     )
-    return ParsedRuns(runs, findings, lay.num_samples, s, lay.packed)
+    return ParsedRuns(runs, findings, lay.num_samples, lay.row_length, lay.packed)

@@ -158,3 +158,39 @@ def test_well_formed_batches_have_no_findings(name, seed):
     parsed = parse_runs(batch.input_ids, g)
     assert parsed.findings == ()
     assert [r.length for r in parsed.runs] == [n for m in layout for _, n in m]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    name=st.sampled_from(sorted(TEST_GRAMMARS)),
+    seed=st.integers(0, 2**31),
+    s=st.integers(1, 30),
+    packed=st.booleans(),
+)
+def test_fast_structure_check_agrees_with_findings(name, seed, s, packed):
+    """The aligned path's sync-free count is zero exactly when the full parse finds nothing."""
+    from megatron_media_guard.runs import TokenLayout
+
+    g = TEST_GRAMMARS[name]
+    rng = random.Random(seed)
+    if rng.random() < 0.5:  # well-formed rows, sometimes cut, so both outcomes occur
+        layout = [
+            [
+                (rng.choice(tuple(g.placeholders)), rng.randint(1, 4))
+                for _ in range(rng.randint(0, 3))
+            ]
+        ]
+        ids = build_batch(g, layout, seed=seed).input_ids[:, : max(1, s * 2)]
+    else:
+        ids = _random_ids(rng, g, 1 if packed else 2, s)
+    cu = None
+    if packed:
+        ids = ids[:1]
+        n = ids.shape[1]
+        cuts = sorted(rng.sample(range(1, n + 1), k=min(n, rng.randint(1, 3))))
+        cu = torch.tensor([0, *cuts])
+    lay = TokenLayout(ids, g, cu)
+    start, end = lay.run_bounds()
+    fast = int(lay.structure_violations(start, end))
+    full = bool((lay.finding_codes(start, end) != 0).any())
+    assert (fast > 0) == full
