@@ -167,7 +167,7 @@ class MediaGuard:
 
     def _where(self, step: int | None, microbatch: int | None) -> str:
         r = self.rank.rank
-        parts = [f"rank {r if r is not None else '?'}"]
+        parts = [f"rank {r}" if r is not None else "single process (RANK unset)"]
         if step is not None:
             parts.append(f"step {step}")
         if microbatch is not None:
@@ -213,7 +213,7 @@ class MediaGuard:
         self.counters["samples"] += lay.num_samples
         if verdict.aligned(len(batch.items)):
             plan = build_plan(lay.num_samples, batch.items, verdict, None, self.config)
-            stage = self._agree(plan, None, verdict, step, microbatch, None, None)
+            stage = self._agree(plan, None, step, microbatch, None, None)
             src = batch.features
             if order != tuple(range(len(order))):
                 src = batch.features.index_select(0, _rows_index(batch, order, src.device))
@@ -256,12 +256,15 @@ class MediaGuard:
                 plan, batch, self, encoder, step=step, microbatch=microbatch
             )
         fatal_msg = None
+        fatal_record = None
         for rep in report.mismatched:
             act = plan.actions[rep.sample]
             if act in ("drop", "raise"):
-                self.log.emit(
+                rec = self.log.emit(
                     sample_record(rep, batch.items, act, act, step=step, microbatch=microbatch)
                 )
+                if act == "raise" and fatal_record is None:
+                    fatal_record = rec
         for smp in sorted(set(range(lay.num_samples)) - {r.sample for r in report.mismatched}):
             if plan.actions[smp] != "keep":  # nonfinite features in an otherwise aligned sample
                 self.log.emit(
@@ -292,7 +295,7 @@ class MediaGuard:
                 where=self._where(step, microbatch),
                 log_path=str(self.log.path) if self.log.path else None,
             )
-        stage = self._agree(plan, report, verdict, step, microbatch, fatal_msg, report)
+        stage = self._agree(plan, report, step, microbatch, fatal_msg, fatal_record)
         keep = torch.tensor([a in ("keep", "repair") for a in plan.actions], device=emb.device)
         self.counters["mismatched"] += len(report.mismatched)
         self.counters["dropped"] += len(plan.dropped)
@@ -313,7 +316,9 @@ class MediaGuard:
             keep,
         )
 
-    def _agree(self, plan: Plan, report, verdict, step, microbatch, fatal_msg, rep) -> StageOutcome:
+    def _agree(self, plan: Plan, report, step, microbatch, fatal_msg, fatal_record) -> StageOutcome:
+        """Hands this rank's outcome to the consensus (or takes it as the stage's) and raises
+        on every rank when any rank of the stage must."""
         mismatched = len(report.mismatched) if report is not None else 0
         fatal_sample = plan.fatal[0] if plan.fatal else None
         local = LocalOutcome(
@@ -327,18 +332,8 @@ class MediaGuard:
             fatal=fatal_msg is not None,
             fatal_sample=fatal_sample,
             message=fatal_msg,
+            record=fatal_record,
         )
-        if fatal_msg is not None:
-            self.log.emit(
-                GuardRecord(
-                    event="raise",
-                    step=step,
-                    microbatch=microbatch,
-                    sample=fatal_sample,
-                    action="raise",
-                    reason=fatal_msg.splitlines()[1].strip() if "\n" in fatal_msg else fatal_msg,
-                )
-            )
         stage = (
             self.consensus.agree(local)
             if self.consensus is not None
