@@ -1,0 +1,27 @@
+"""Geometry families: how a processor turns pixels into a token count, and back.
+
+Every family has ``tokens(hw, num_frames=1, ...)``, ``size_for(hw, num_frames=1, ...)``
+and ``solve(target_tokens, hw, num_frames=1) -> Solution`` (exact, with a fidelity class).
+Pure Python; no torch, torch.distributed or megatron.
+"""
+
+from megatron_media_guard.geometry.fixed import FixedGeometry
+from megatron_media_guard.geometry.patch_merge import PatchMergeGeometry
+from megatron_media_guard.geometry.radio import RadioEngineItem, RadioTilerGeometry
+from megatron_media_guard.geometry.solution import FIDELITIES, Fidelity, GeometryError, Solution
+from megatron_media_guard.geometry.tiled import TiledGeometry
+
+Geometry = PatchMergeGeometry | RadioTilerGeometry | TiledGeometry | FixedGeometry
+
+__all__ = [
+    "FIDELITIES",
+    "Fidelity",
+    "FixedGeometry",
+    "Geometry",
+    "GeometryError",
+    "PatchMergeGeometry",
+    "RadioEngineItem",
+    "RadioTilerGeometry",
+    "Solution",
+    "TiledGeometry",
+]

@@ -1,0 +1,293 @@
+"""Patch-merge dynamic resolution: Qwen2-VL, Qwen2.5-VL, Qwen3-VL.
+
+The processor resizes an image to H' x W', both multiples of f = patch * merge,
+with its own rounding (transformers ``smart_resize``, 5.x):
+
+    H' = round(H / f) * f, W' likewise (Python round: half to even)
+    if H'W' > max_pixels: b = sqrt(HW / max_pixels); H' = max(f, floor(H / b / f) * f)
+    elif H'W' < min_pixels: b = sqrt(min_pixels / HW); H' = ceil(H * b / f) * f
+    max(H, W) / min(H, W) > 200 is rejected.
+
+Tokens = t * (H'/f) * (W'/f) with t = ceil(T / temporal_patch) for a clip of T frames
+(1 for an image). Qwen3-VL's video processor (``temporal_budget=True``) compares
+round(T/2)*2 * H'W' with the budget and uses b = sqrt(T*H*W / max_pixels).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megatron_media_guard.geometry.solution import (
+    GeometryError,
+    Solution,
+    check_frames,
+    check_hw,
+    check_positive,
+    check_target,
+    choice_text,
+    divisor_pairs,
+    groups,
+    pick,
+    unreachable,
+)
+
+_NO_CAP = 1 << 62
+
+
+@dataclass(frozen=True)
+class PatchMergeGeometry:
+    """Qwen-style patch-merge sizing (defaults: the HF Qwen2-VL image processor's).
+
+    patch: ViT patch side in pixels; merge: spatial merge per side (f = patch * merge).
+    temporal_patch: frames per temporal group; min_pixels / max_pixels: the budget.
+    max_aspect: the processor rejects max(H, W) / min(H, W) above this.
+    temporal_budget: Qwen3-VL video rule (frames share the pixel budget).
+    """
+
+    patch: int = 14
+    merge: int = 2
+    temporal_patch: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    max_aspect: float = 200.0
+    temporal_budget: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("patch", "merge", "temporal_patch", "min_pixels", "max_pixels"):
+            check_positive(getattr(self, name), name)
+        if self.min_pixels > self.max_pixels:
+            raise GeometryError(
+                f"min_pixels {self.min_pixels} > max_pixels {self.max_pixels}",
+                context={"min_pixels": self.min_pixels, "max_pixels": self.max_pixels},
+            )
+        if not self.max_aspect >= 1:
+            raise GeometryError(f"max_aspect must be >= 1, got {self.max_aspect}")
+
+    # ---- published configurations -------------------------------------------------------
+    @classmethod
+    def qwen2_vl(cls, **overrides: object) -> PatchMergeGeometry:
+        """Qwen2-VL checkpoints' preprocessor_config: 4..16384 tokens per image."""
+        cfg: dict = dict(patch=14, merge=2, temporal_patch=2, min_pixels=3136, max_pixels=12845056)
+        return cls(**{**cfg, **overrides})
+
+    @classmethod
+    def qwen2_5_vl(cls, **overrides: object) -> PatchMergeGeometry:
+        """Qwen2.5-VL checkpoints' preprocessor_config (same sizing as Qwen2-VL)."""
+        return cls.qwen2_vl(**overrides)
+
+    @classmethod
+    def qwen3_vl(cls, **overrides: object) -> PatchMergeGeometry:
+        """Qwen3-VL checkpoints' image preprocessor: patch 16, 64..16384 tokens per image."""
+        cfg: dict = dict(patch=16, merge=2, temporal_patch=2, min_pixels=65536, max_pixels=16777216)
+        return cls(**{**cfg, **overrides})
+
+    @classmethod
+    def qwen3_vl_video(cls, **overrides: object) -> PatchMergeGeometry:
+        """Qwen3-VL checkpoints' video preprocessor: the frames share the pixel budget."""
+        cfg: dict = dict(
+            patch=16,
+            merge=2,
+            temporal_patch=2,
+            min_pixels=4096,
+            max_pixels=25165824,
+            temporal_budget=True,
+        )
+        return cls(**{**cfg, **overrides})
+
+    @property
+    def factor(self) -> int:
+        return self.patch * self.merge
+
+    # ---- the processor's own sizing -----------------------------------------------------
+    def _resize(self, h: int, w: int, t: int, min_px: int, max_px: int) -> tuple[int, int]:
+        """The processor's resize (H', W'); GeometryError where the processor raises."""
+        f = self.factor
+        if self.temporal_budget:
+            if t < self.temporal_patch:
+                raise GeometryError(
+                    f"a clip of {t} frame(s) is shorter than temporal_patch "
+                    f"{self.temporal_patch} (the video processor rejects it)",
+                    context={"num_frames": t},
+                )
+            if h < f or w < f:
+                scale = max(f / h, f / w)
+                h, w = int(h * scale), int(w * scale)
+            frames = t
+            t_bar = round(t / self.temporal_patch) * self.temporal_patch
+        else:
+            frames = t_bar = 1
+        if max(h, w) / min(h, w) > self.max_aspect:
+            raise GeometryError(
+                f"aspect ratio {max(h, w) / min(h, w):.4g} of (H, W) = ({h}, {w}) exceeds "
+                f"{self.max_aspect:g} (the processor rejects it)",
+                context={"hw": [h, w]},
+            )
+        hb, wb = round(h / f) * f, round(w / f) * f
+        if t_bar * hb * wb > max_px:
+            beta = math.sqrt(frames * h * w / max_px)
+            hb = max(f, math.floor(h / beta / f) * f)
+            wb = max(f, math.floor(w / beta / f) * f)
+        elif t_bar * hb * wb < min_px:
+            beta = math.sqrt(min_px / (frames * h * w))
+            hb = math.ceil(h * beta / f) * f
+            wb = math.ceil(w * beta / f) * f
+        if hb <= 0 or wb <= 0:
+            raise GeometryError(f"the processor sizes (H, W) = ({h}, {w}) to an empty grid")
+        return hb, wb
+
+    def size_for(
+        self,
+        hw: tuple[int, int],
+        num_frames: int = 1,
+        *,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+    ) -> tuple[int, int]:
+        """Pixel (H', W') the processor resizes to (budget overridable)."""
+        h, w = check_hw(hw)
+        t = check_frames(num_frames)
+        lo = self.min_pixels if min_pixels is None else check_positive(min_pixels, "min_pixels")
+        hi = self.max_pixels if max_pixels is None else check_positive(max_pixels, "max_pixels")
+        return self._resize(h, w, t, lo, hi)
+
+    def tokens(
+        self,
+        hw: tuple[int, int],
+        num_frames: int = 1,
+        *,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+    ) -> int:
+        """t * (H'/f) * (W'/f): the placeholder count of one image or clip."""
+        hb, wb = self.size_for(hw, num_frames, min_pixels=min_pixels, max_pixels=max_pixels)
+        f = self.factor
+        return groups(num_frames, self.temporal_patch) * (hb // f) * (wb // f)
+
+    # ---- the inverse ---------------------------------------------------------------------
+    def _cells(self, h: int, w: int, t: int, min_px: int, max_px: int) -> tuple[int, int] | None:
+        try:
+            hb, wb = self._resize(h, w, t, min_px, max_px)
+        except GeometryError:
+            return None
+        return hb // self.factor, wb // self.factor
+
+    def _fixed(self, a: int, b: int, t: int) -> bool:
+        """The configured processor keeps an (a*f, b*f) frame as it is."""
+        f = self.factor
+        return self._cells(a * f, b * f, t, self.min_pixels, self.max_pixels) == (a, b)
+
+    def _smallest(self, lo: int, hi: int, n: int, cells) -> tuple[int, tuple[int, int]] | None:
+        """Smallest budget in [lo, hi] whose (monotone) cell product reaches n, if it is n."""
+        top = cells(hi)
+        if top is None or top[0] * top[1] < n:
+            return None
+        while lo < hi:
+            mid = (lo + hi) // 2
+            c = cells(mid)
+            if c is not None and c[0] * c[1] >= n:
+                hi = mid
+            else:
+                lo = mid + 1
+        c = cells(lo)
+        return (lo, c) if c is not None and c[0] * c[1] == n else None
+
+    def _replay(self, h: int, w: int, t: int, n: int) -> tuple[str, int, tuple[int, int]] | None:
+        """A budget with which the processor's own resize gives n cells per group."""
+        f = self.factor
+        frames = t if self.temporal_budget else 1
+        t_bar = round(t / self.temporal_patch) * self.temporal_patch if self.temporal_budget else 1
+        nat = self._cells(h, w, t, 1, _NO_CAP)
+        if nat is None:
+            return None
+        natural = t_bar * nat[0] * nat[1] * f * f
+        if nat[0] * nat[1] == n:
+            return "max_pixels", natural, nat
+        # shrink branch (engine max_pixels below the natural size), then grow branch (engine
+        # min_pixels above it); each is monotone in its budget. With frames sharing the
+        # budget (T odd) either branch can land on either side of the natural count.
+        found = None
+        if natural > 1:
+            found = self._smallest(1, natural - 1, n, lambda m: self._cells(h, w, t, 1, m))
+        if found:
+            return "max_pixels", *found
+        top = max(natural + 1, frames * n * f * f)
+        found = self._smallest(natural + 1, top, n, lambda m: self._cells(h, w, t, m, _NO_CAP))
+        return ("min_pixels", *found) if found else None
+
+    def solve(self, target_tokens: int, hw: tuple[int, int], num_frames: int = 1) -> Solution:
+        """The pixel size that gives exactly ``target_tokens`` (see module doc), classed."""
+        n_total = check_target(target_tokens)
+        h, w = check_hw(hw)
+        t = check_frames(num_frames)
+        f = self.factor
+        if n_total == 0:
+            return unreachable("a patch-merge item yields at least one token; target is 0", t)
+        try:
+            self._resize(h, w, t, self.min_pixels, self.max_pixels)
+        except GeometryError as exc:
+            return unreachable(str(exc), t)
+        g = groups(t, self.temporal_patch)
+        if n_total % g:
+            return unreachable(
+                f"{n_total} is not divisible by the {g} temporal groups of {t} frames "
+                f"(temporal_patch {self.temporal_patch})",
+                t,
+            )
+        n = n_total // g
+
+        def solution(a: int, b: int, fidelity, reason: str, budget: int | None) -> Solution:
+            return Solution(
+                tokens=n_total,
+                size_hw=(a * f, b * f),
+                fidelity=fidelity,
+                reason=reason,
+                grid=(a * self.merge, b * self.merge),
+                num_frames=t,
+                budget=budget,
+            )
+
+        replay = self._replay(h, w, t, n)
+        if replay is not None and self._fixed(*replay[2], t):
+            knob, budget, (a, b) = replay
+            return solution(
+                a,
+                b,
+                "engine-replay",
+                f"the processor's resize with {knob}={budget} gives {a}x{b} merged cells "
+                f"x {g} group(s) = {n_total}",
+                budget,
+            )
+        valid = [(a, b) for a, b in divisor_pairs(n) if self._fixed(a, b, t)]
+        if not valid:
+            return unreachable(self._why_not(n, n_total, g, t), t)
+        (a, b), fidelity, count = pick(valid, (h, w), (f, f))
+        return solution(
+            a,
+            b,
+            fidelity,
+            f"no pixel budget makes the processor give {n} merged cells per group for "
+            f"{h}x{w}"
+            + ("" if replay is None else " that it keeps when fed back")
+            + f"; {choice_text(count, a, b, f'of {n} cells')} (min/max pixels, aspect)",
+            None,
+        )
+
+    def _why_not(self, n: int, n_total: int, g: int, t: int) -> str:
+        f = self.factor
+        t_bar = round(t / self.temporal_patch) * self.temporal_patch if self.temporal_budget else 1
+        px = t_bar * n * f * f
+        if px > self.max_pixels:
+            return (
+                f"{n_total} tokens need {n} merged cells per group = {px} pixels, "
+                f"above max_pixels {self.max_pixels}"
+            )
+        if px < self.min_pixels:
+            return (
+                f"{n_total} tokens need {n} merged cells per group = {px} pixels, "
+                f"below min_pixels {self.min_pixels}"
+            )
+        return (
+            f"every grid a*b = {n} has aspect ratio above {self.max_aspect:g} "
+            f"(or is resized again by the processor)"
+        )

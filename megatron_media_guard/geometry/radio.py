@@ -1,0 +1,266 @@
+"""RADIO dynamic-resolution tiler (Nemotron Nano VL / Omni; vLLM DynamicResolutionImageTiler).
+
+Per image, under a budget of B patches (patch 16, pixel shuffle 2):
+
+    ph0 = round(H/16 + 0.5), pw0 = round(W/16 + 0.5)          (Python round)
+    s = min(sqrt(B / (ph0*pw0)), 1); ph = floor(s*ph0), pw = floor(s*pw0)
+    if B > min_num_patches and ph*pw < min_num_patches: u = sqrt(min/(ph*pw)); ph, pw = ceil(u*ph), ceil(u*pw)
+    odd ph: ph + 1 if (ph + 1) * pw <= B else max(2, ph - 1); then pw the same with the new ph
+    tokens = (ph/2) * (pw/2); the media is resized to (16*ph, 16*pw).
+
+The engine's budget per request is (max_model_len - prompt_text_len - 4) * 4 patches,
+shared by all media of the request and scaled down in proportion until the sum fits
+(``RadioTilerGeometry.engine_tokens``). The training processor only knows its static
+budget (``max_num_patches``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megatron_media_guard.geometry.radio_search import landing_budgets
+from megatron_media_guard.geometry.solution import (
+    GeometryError,
+    Solution,
+    check_frames,
+    check_hw,
+    check_positive,
+    check_target,
+    choice_text,
+    divisor_pairs,
+    groups,
+    pick,
+    unreachable,
+)
+
+_ENGINE_ROUNDS = 10  # the engine gives up after this many scale-down rounds
+
+
+@dataclass(frozen=True)
+class RadioEngineItem:
+    """One media item of a request as the engine sized it.
+
+    budget: the per-item patch budget of the last round; grid: (ph, pw) patches;
+    size_hw: (16*ph, 16*pw) pixels; tokens: (ph/2) * (pw/2) per frame.
+    """
+
+    budget: int
+    grid: tuple[int, int]
+    size_hw: tuple[int, int]
+    tokens: int
+
+
+@dataclass(frozen=True)
+class RadioTilerGeometry:
+    """RADIO tiler sizing.
+
+    patch: pixels per patch side; pixel_shuffle: patches merged per side into a token.
+    min_num_patches / max_num_patches: the per-item clamp (max None or 0: no cap).
+    budget: the static per-item budget of the training processor (None: max_num_patches).
+    temporal_patch: frames per token group for clips (1: every frame is its own item).
+    factor_max: the engine's cap on the scale factor (1: never upscale past native).
+    """
+
+    patch: int = 16
+    pixel_shuffle: int = 2
+    min_num_patches: int = 1024
+    max_num_patches: int | None = 13312
+    budget: int | None = None
+    temporal_patch: int = 1
+    factor_max: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("patch", "pixel_shuffle", "temporal_patch"):
+            check_positive(getattr(self, name), name)
+        check_positive(self.min_num_patches, "min_num_patches", allow_zero=True)
+        if self.max_num_patches is not None:
+            check_positive(self.max_num_patches, "max_num_patches", allow_zero=True)
+        if self.budget is not None:
+            check_positive(self.budget, "budget")
+        if not self.factor_max > 0:
+            raise GeometryError(f"factor_max must be > 0, got {self.factor_max}")
+
+    @property
+    def cap(self) -> int | None:
+        """The per-item patch cap (None: none)."""
+        return self.max_num_patches or None
+
+    @property
+    def static_budget(self) -> int:
+        if self.budget is not None:
+            return self.budget
+        return self.cap if self.cap is not None else 1 << 62
+
+    # ---- the tiler -----------------------------------------------------------------------
+    def native(self, hw: tuple[int, int]) -> tuple[int, int]:
+        """(ph0, pw0): the patch grid the tiler starts from."""
+        h, w = check_hw(hw)
+        return round(h / self.patch + 0.5), round(w / self.patch + 0.5)
+
+    def _grid(self, ph0: int, pw0: int, budget: int) -> tuple[int, int]:
+        """The tiler's (ph, pw) at ``budget`` patches (the engine's float rounding)."""
+        d = self.pixel_shuffle
+        s = min(math.sqrt(budget / (ph0 * pw0)), self.factor_max)
+        ph, pw = math.floor(s * ph0), math.floor(s * pw0)
+        if budget > self.min_num_patches and ph * pw < self.min_num_patches:
+            if ph * pw == 0:
+                raise GeometryError(
+                    f"the tiler divides by zero: {ph0}x{pw0} patches scale to an empty grid "
+                    f"at budget {budget}",
+                    context={"native": [ph0, pw0], "budget": budget},
+                )
+            u = math.sqrt(self.min_num_patches / (ph * pw))
+            ph, pw = math.ceil(u * ph), math.ceil(u * pw)
+        if r := ph % d:
+            ph = ph + d - r if (ph + d - r) * pw <= budget else max(d, ph - r)
+        if r := pw % d:
+            pw = pw + d - r if ph * (pw + d - r) <= budget else max(d, pw - r)
+        return ph, pw
+
+    def grid_for(self, hw: tuple[int, int], budget: int | None = None) -> tuple[int, int]:
+        """(ph, pw) patches for one frame at ``budget`` (None: the static budget)."""
+        b = self.static_budget if budget is None else check_positive(budget, "budget")
+        return self._grid(*self.native(hw), b)
+
+    def size_for(
+        self, hw: tuple[int, int], num_frames: int = 1, *, budget: int | None = None
+    ) -> tuple[int, int]:
+        """Pixel (16*ph, 16*pw) the tiler resizes each frame to."""
+        check_frames(num_frames)
+        ph, pw = self.grid_for(hw, budget)
+        return ph * self.patch, pw * self.patch
+
+    def tokens(self, hw: tuple[int, int], num_frames: int = 1, *, budget: int | None = None) -> int:
+        """Tokens of one item: groups * (ph/d) * (pw/d)."""
+        t = check_frames(num_frames)
+        ph, pw = self.grid_for(hw, budget)
+        d = self.pixel_shuffle
+        return groups(t, self.temporal_patch) * (ph // d) * (pw // d)
+
+    # ---- the engine's per-request budget -------------------------------------------------
+    def engine_tokens(
+        self,
+        sizes: Sequence[tuple[int, int]],
+        max_model_len: int,
+        prompt_text_len: int,
+    ) -> tuple[RadioEngineItem, ...]:
+        """Replays the engine's shared budget for the media of one request (in order)."""
+        hws = [check_hw(hw) for hw in sizes]
+        max_len = check_positive(max_model_len, "max_model_len")
+        text = check_positive(prompt_text_len, "prompt_text_len", allow_zero=True)
+        if not hws:
+            return ()
+        d2, mn, cap = self.pixel_shuffle**2, self.min_num_patches, self.cap
+        total = max((max_len - text - 4) * d2, mn * len(hws))
+        first = min(total, cap) if cap is not None else total
+        budgets = [max(first, mn)] * len(hws)
+        natives = [self.native(hw) for hw in hws]
+        for _ in range(_ENGINE_ROUNDS):
+            grids = [self._grid(ph0, pw0, b) for (ph0, pw0), b in zip(natives, budgets)]
+            used = sum(ph * pw for ph, pw in grids)
+            if used <= total:
+                return tuple(
+                    RadioEngineItem(
+                        budget=b,
+                        grid=g,
+                        size_hw=(g[0] * self.patch, g[1] * self.patch),
+                        tokens=(g[0] // self.pixel_shuffle) * (g[1] // self.pixel_shuffle),
+                    )
+                    for b, g in zip(budgets, grids)
+                )
+            scale = total / used
+            scaled = [max(mn, int(ph * pw * scale)) for ph, pw in grids]
+            shrunk = any(new < old for new, old in zip(scaled, budgets))
+            budgets = scaled if shrunk else [mn] * len(hws)
+        raise GeometryError(
+            f"the engine's budget loop did not converge in {_ENGINE_ROUNDS} rounds for "
+            f"{len(hws)} media in {max_len - text - 4} tokens",
+            context={"sizes": [list(hw) for hw in hws], "max_model_len": max_len},
+        )
+
+    # ---- the inverse ---------------------------------------------------------------------
+    def _round_trips(self, grid: tuple[int, int], budget: int | None) -> bool:
+        """The tiler keeps a (16*ph, 16*pw) frame as it is at ``budget``."""
+        ph, pw = grid
+        b = self.static_budget if budget is None else budget
+        try:
+            return self._grid(*self.native((ph * self.patch, pw * self.patch)), b) == grid
+        except GeometryError:
+            return False
+
+    def solve(self, target_tokens: int, hw: tuple[int, int], num_frames: int = 1) -> Solution:
+        """The patch grid giving exactly ``target_tokens``; engine-replay where a budget
+        makes the tiler land on it."""
+        n_total = check_target(target_tokens)
+        h, w = check_hw(hw)
+        t = check_frames(num_frames)
+        d, px = self.pixel_shuffle, self.patch
+        if n_total == 0:
+            return unreachable("a RADIO item yields at least one token; target is 0", t)
+        g = groups(t, self.temporal_patch)
+        if n_total % g:
+            return unreachable(
+                f"{n_total} is not divisible by the {g} temporal groups of {t} frames", t
+            )
+        n = n_total // g
+        q = n * d * d
+        ph0, pw0 = self.native((h, w))
+
+        def solution(grid, fidelity, reason, budget) -> Solution:
+            return Solution(
+                tokens=n_total,
+                size_hw=(grid[0] * px, grid[1] * px),
+                fidelity=fidelity,
+                reason=reason,
+                grid=grid,
+                num_frames=t,
+                budget=budget,
+            )
+
+        landings = landing_budgets(self, ph0, pw0, q)  # (budget, grid), budget ascending
+        replays: dict[tuple[int, int], int] = {}
+        for b, gr in landings:
+            if gr not in replays and self._round_trips(gr, b):
+                replays[gr] = b
+        if replays:
+            best, _, count = pick(list(replays), (h, w), (px, px))
+            more = f"; {count - 1} other grid(s) also replay" if count > 1 else ""
+            return solution(
+                best,
+                "engine-replay",
+                f"the tiler at a budget of {replays[best]} patches sizes {ph0}x{pw0} native "
+                f"patches to {best[0]}x{best[1]} = {n} tokens per group{more}",
+                replays[best],
+            )
+        lands = (
+            f"the tiler lands on {landings[0][1][0]}x{landings[0][1][1]} at a budget of "
+            f"{landings[0][0]} patches but re-tiles a frame of that size"
+            if landings
+            else f"no budget in [{self.min_num_patches}, {self.cap}] makes the tiler give "
+            f"{n} tokens for {ph0}x{pw0} native patches"
+        )
+        valid = [
+            (d * a, d * b) for a, b in divisor_pairs(n) if self._round_trips((d * a, d * b), None)
+        ]
+        if not valid:
+            return unreachable(f"{lands}; {self._why_not(n, q)}", t)
+        best, fidelity, count = pick(valid, (h, w), (px, px))
+        return solution(
+            best,
+            fidelity,
+            f"{lands}; {choice_text(count, best[0], best[1], f'of {q} patches')} "
+            f"(kept as it is under the static budget)",
+            None,
+        )
+
+    def _why_not(self, n: int, q: int) -> str:
+        if self.cap is not None and q > self.cap:
+            return f"{n} tokens need {q} patches, above max_num_patches {self.cap}"
+        if q < self.min_num_patches:
+            return (
+                f"{n} tokens need {q} patches, below min_num_patches {self.min_num_patches}: "
+                f"the tiler upscales such a frame"
+            )
+        return f"no grid of {q} patches is kept as it is by the tiler"

@@ -1,0 +1,106 @@
+"""Budget search for the RADIO tiler: every per-item budget that lands on a patch count.
+
+The tiler's grid at budget B depends on B only through (i) the floors of s*ph0 and s*pw0
+with s = sqrt(B / (ph0*pw0)), which change where B crosses k^2 * ph0*pw0 / ph0^2, (ii) the
+upscale switch B > min_num_patches, and (iii) the evenness tests (ph+1)*pw <= B. So the
+budget axis splits into segments of constant floors, each with at most a few evenness
+thresholds inside; the walk visits the segments of the windows that can hold the target
+(bounds below) and evaluates the tiler itself only at segment starts and thresholds. The
+count is not monotone in B (an evenness step can trade rows for columns), so no bisection.
+
+Windows, for a target of q patches (h, w the final grid; fh, fw the floors):
+- plain regime: fh - 1 <= h <= fh + 1 and h >= 2, so
+  max(2, s*ph0 - 2) * max(2, s*pw0 - 2) <= q <= (s*ph0 + 1) * (s*pw0 + 1);
+- upscale regime: B > min and fh*fw < min, so (s*ph0 - 1) * (s*pw0 - 1) < min.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from megatron_media_guard.geometry.solution import GeometryError
+
+if TYPE_CHECKING:
+    from megatron_media_guard.geometry.radio import RadioTilerGeometry
+
+_INF = 1 << 62
+
+
+def _budget_at(geo: RadioTilerGeometry, s: float, p: int) -> int:
+    """A budget past which the scale factor exceeds ``s`` (unbounded at the factor cap)."""
+    return _INF if s >= geo.factor_max else math.ceil(s * s * p) + 2
+
+
+def windows(geo: RadioTilerGeometry, ph0: int, pw0: int, q: int) -> list[tuple[int, int]]:
+    """Budget ranges that can give q patches: the plain regime, then the upscale regime."""
+    p, ssum, mn = ph0 * pw0, ph0 + pw0, geo.min_num_patches
+    s_lo = (-ssum + math.sqrt(ssum * ssum + 4 * p * (q - 1))) / (2 * p) if q > 1 else 0.0
+    a, b = min(ph0, pw0), max(ph0, pw0)
+    if 2 * (4 * b / a - 2) <= q:  # past s = 4/a both factors exceed 2
+        s_hi = (2 * ssum + math.sqrt(4 * ssum * ssum + 4 * p * (q - 4))) / (2 * p)
+    else:
+        s_hi = (q / 2 + 2) / b
+    out = [(int(s_lo * s_lo * p) - 2, _budget_at(geo, s_hi, p))]
+    if mn > 0:
+        s_up = (ssum + math.sqrt(ssum * ssum + 4 * p * (mn - 1))) / (2 * p)
+        out.append((mn + 1, _budget_at(geo, s_up, p)))
+    return out
+
+
+def _prepare(geo: RadioTilerGeometry, ph0: int, pw0: int, budget: int):
+    """(fh, fw, h, w): floors and the pre-evenness grid; None where the tiler would fail."""
+    s = min(math.sqrt(budget / (ph0 * pw0)), geo.factor_max)
+    fh, fw = math.floor(s * ph0), math.floor(s * pw0)
+    h, w = fh, fw
+    if budget > geo.min_num_patches and fh * fw < geo.min_num_patches:
+        if fh * fw == 0:
+            return None
+        u = math.sqrt(geo.min_num_patches / (fh * fw))
+        h, w = math.ceil(u * fh), math.ceil(u * fw)
+    return fh, fw, h, w
+
+
+def _even_options(v: int, d: int) -> tuple[int, ...]:
+    """Where the evenness step can take a side of v (up, or down with a floor of d)."""
+    r = v % d
+    return (v,) if r == 0 else (v + d - r, max(d, v - r))
+
+
+def landing_budgets(
+    geo: RadioTilerGeometry, ph0: int, pw0: int, q: int
+) -> list[tuple[int, tuple[int, int]]]:
+    """(budget, grid) pairs in [min, cap] where the tiler's grid has q patches, budget
+    ascending; at least the first budget of every segment and threshold run that lands."""
+    d, mn = geo.pixel_shuffle, geo.min_num_patches
+    lo_all = max(mn, 1)
+    hi_all = geo.cap if geo.cap is not None else _INF
+    p = ph0 * pw0
+    fmax2 = geo.factor_max * geo.factor_max
+    hits: set[tuple[int, tuple[int, int]]] = set()
+    for lo, hi in windows(geo, ph0, pw0, q):
+        x, hi = max(lo, lo_all), min(hi, hi_all)
+        while x <= hi:
+            prep = _prepare(geo, ph0, pw0, x)
+            fh, fw = (prep[0], prep[1]) if prep else (0, 0)
+            ends = [hi + 1]  # the next budget where a floor or the upscale switch can change
+            if fh * fh < fmax2 * ph0 * ph0 or fw * fw < fmax2 * pw0 * pw0:
+                ends += [-(-((fh + 1) ** 2) * p // ph0**2), -(-((fw + 1) ** 2) * p // pw0**2)]
+            if x <= mn:
+                ends.append(mn + 1)
+            end = max(x + 1, min(ends))
+            if prep is not None:
+                hs, ws = _even_options(prep[2], d), _even_options(prep[3], d)
+                if any(a * b == q for a in hs for b in ws):
+                    # x +- 1 absorb float rounding at the segment edges
+                    points = {x - 1, x, x + 1} | {a * c for a in hs for c in (*ws, prep[3])}
+                    for b in points:
+                        if max(x - 1, lo_all) <= b < end and b <= hi:
+                            try:
+                                g = geo._grid(ph0, pw0, b)
+                            except GeometryError:
+                                continue
+                            if g[0] * g[1] == q:
+                                hits.add((b, g))
+            x = end
+    return sorted(hits)

@@ -1,0 +1,164 @@
+"""The answer every geometry family gives, and the input checks they share.
+
+A ``Solution`` says how to size one media item so that its encoder yields an exact
+number of tokens, and how sure the family is that this is the sizing the engine used
+(``fidelity``). Pure Python: no torch, no torch.distributed, no megatron.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+from megatron_media_guard.errors import MediaAlignmentError
+
+Fidelity = Literal["engine-replay", "unique", "closest-aspect", "unreachable"]
+FIDELITIES: tuple[Fidelity, ...] = ("engine-replay", "unique", "closest-aspect", "unreachable")
+
+
+class GeometryError(MediaAlignmentError, ValueError):
+    """A geometry was given input it cannot size (bad size, count, frames or config)."""
+
+
+@dataclass(frozen=True)
+class Solution:
+    """How to size one media item so that it yields ``tokens`` features.
+
+    tokens: the count the solution yields (== target when reachable; 0 when unreachable).
+    size_hw: pixel (H, W) to resize the media to; None when unreachable.
+    fidelity: engine-replay | unique | closest-aspect | unreachable.
+    reason: why (always set; for unreachable: why not).
+    grid: patch grid (rows, cols) before merge / pixel shuffle, where the family has one.
+    tiles: tile grid (cols, rows) for tile families.
+    thumbnail: whether a thumbnail tile is added (tile families).
+    num_frames: frames of the item (1 for an image).
+    budget: the per-item budget engine-replay found (RADIO: patches; patch-merge:
+        pixels; tiles: max tiles); None otherwise.
+    """
+
+    tokens: int
+    size_hw: tuple[int, int] | None
+    fidelity: Fidelity
+    reason: str
+    grid: tuple[int, int] | None
+    tiles: tuple[int, int] | None = None
+    thumbnail: bool = False
+    num_frames: int = 1
+    budget: int | None = None
+
+    @property
+    def reachable(self) -> bool:
+        return self.fidelity != "unreachable"
+
+
+def unreachable(reason: str, num_frames: int = 1) -> Solution:
+    return Solution(
+        tokens=0,
+        size_hw=None,
+        fidelity="unreachable",
+        reason=reason,
+        grid=None,
+        num_frames=num_frames,
+    )
+
+
+def _int(value: object, what: str) -> int:
+    if isinstance(value, bool):
+        raise GeometryError(f"{what} must be an integer, got {value!r}", context={what: str(value)})
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise GeometryError(
+            f"{what} must be an integer, got {value!r} ({type(value).__name__})",
+            context={what: str(value)},
+        ) from None
+
+
+def check_hw(hw: object) -> tuple[int, int]:
+    """``hw`` as a pair of positive ints (H, W); GeometryError naming the value otherwise."""
+    try:
+        h, w = hw  # type: ignore[misc]
+    except (TypeError, ValueError):
+        raise GeometryError(
+            f"media size must be a pair (H, W), got {hw!r}", context={"hw": str(hw)}
+        ) from None
+    h, w = _int(h, "height"), _int(w, "width")
+    if h <= 0 or w <= 0:
+        raise GeometryError(
+            f"media size must be positive, got (H, W) = ({h}, {w})", context={"hw": [h, w]}
+        )
+    return h, w
+
+
+def check_frames(num_frames: object) -> int:
+    t = _int(num_frames, "num_frames")
+    if t < 1:
+        raise GeometryError(f"num_frames must be >= 1, got {t}", context={"num_frames": t})
+    return t
+
+
+def check_target(target: object) -> int:
+    n = _int(target, "target_tokens")
+    if n < 0:
+        raise GeometryError(
+            f"target token count must be >= 0, got {n}", context={"target_tokens": n}
+        )
+    return n
+
+
+def check_positive(value: object, what: str, *, allow_zero: bool = False) -> int:
+    v = _int(value, what)
+    if v < 0 or (v == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else ">= 1"
+        raise GeometryError(f"{what} must be {bound}, got {v}", context={what: v})
+    return v
+
+
+def divisor_pairs(n: int) -> Iterator[tuple[int, int]]:
+    """Every (a, b) with a * b == n, a ascending (O(sqrt n))."""
+    small: list[int] = []
+    large: list[int] = []
+    for a in range(1, math.isqrt(n) + 1):
+        if n % a == 0:
+            small.append(a)
+            if a != n // a:
+                large.append(n // a)
+    for a in small + large[::-1]:
+        yield a, n // a
+
+
+def aspect_distance(rows: int, cols: int, hw: tuple[int, int]) -> float:
+    """|log((rows / cols) / (H / W))|: 0 for the same shape, symmetric in orientation."""
+    return abs(math.log((rows * hw[1]) / (cols * hw[0])))
+
+
+def groups(num_frames: int, temporal_patch: int) -> int:
+    """Temporal groups a clip of ``num_frames`` frames yields (frames padded up to a multiple)."""
+    return -(-num_frames // temporal_patch)
+
+
+def choice_text(count: int, rows: int, cols: int, what: str) -> str:
+    """'only the grid RxC <what> fits' / 'N grids <what> fit, RxC is closest in aspect'."""
+    if count == 1:
+        return f"only the grid {rows}x{cols} {what} fits"
+    return f"{count} grids {what} fit, {rows}x{cols} is closest in aspect"
+
+
+def pick(
+    candidates: list[tuple[int, int]],
+    hw: tuple[int, int],
+    scale: tuple[int, int],
+) -> tuple[tuple[int, int], Fidelity, int]:
+    """The candidate (rows, cols) closest in aspect to ``hw``, then in area (rows*scale_h *
+    cols*scale_w vs H*W), then fewest rows; with its fidelity and the number of candidates."""
+    area = hw[0] * hw[1]
+
+    def key(rc: tuple[int, int]) -> tuple[float, int, int]:
+        r, c = rc
+        return (aspect_distance(r, c, hw), abs(r * scale[0] * c * scale[1] - area), r)
+
+    best = min(candidates, key=key)
+    return best, ("unique" if len(candidates) == 1 else "closest-aspect"), len(candidates)

@@ -1,0 +1,170 @@
+"""Fixed-size tiles: InternVL / NVLM / Nemotron-VL (``dynamic_preprocess``).
+
+The image is resized to a grid of (c, r) tiles of S x S pixels, S = 448 (InternViT,
+patch 14) or 512 (patch 16); pixel shuffle 0.5 gives 256 tokens per tile. The grid is
+the (c, r) with min_tiles <= c*r <= max_tiles closest to the aspect W/H, candidates
+visited in the order of the source (a set of pairs sorted by c*r); on a tie a later
+pair wins when the image area exceeds half its canvas. A thumbnail tile is added when
+c*r != 1. Tokens per frame = tokens_per_tile * (c*r + thumbnail).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from megatron_media_guard.geometry.solution import (
+    GeometryError,
+    Solution,
+    check_frames,
+    check_hw,
+    check_positive,
+    check_target,
+    choice_text,
+    divisor_pairs,
+    unreachable,
+)
+
+
+@lru_cache(maxsize=256)
+def _ratios(min_tiles: int, max_tiles: int) -> tuple[tuple[int, int], ...]:
+    """(c, r) candidates in the source's visiting order (insertion order matters for ties)."""
+    pairs = {
+        (i, j)
+        for n in range(min_tiles, max_tiles + 1)
+        for i in range(1, n + 1)
+        for j in range(1, n + 1)
+        if min_tiles <= i * j <= max_tiles
+    }
+    return tuple(sorted(pairs, key=lambda cr: cr[0] * cr[1]))
+
+
+@dataclass(frozen=True)
+class TiledGeometry:
+    """InternVL-style tiling.
+
+    tile: tile side S in pixels; tokens_per_tile: tokens of one tile after pixel shuffle.
+    min_tiles / max_tiles: bounds on c*r; thumbnail: add an S x S thumbnail when c*r != 1.
+    """
+
+    tile: int = 448
+    tokens_per_tile: int = 256
+    min_tiles: int = 1
+    max_tiles: int = 12
+    thumbnail: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("tile", "tokens_per_tile", "min_tiles", "max_tiles"):
+            check_positive(getattr(self, name), name)
+        if self.min_tiles > self.max_tiles:
+            raise GeometryError(f"min_tiles {self.min_tiles} > max_tiles {self.max_tiles}")
+
+    def tiles_for(self, hw: tuple[int, int], *, max_tiles: int | None = None) -> tuple[int, int]:
+        """(c, r) tile grid (cols, rows) the processor picks for an (H, W) image."""
+        h, w = check_hw(hw)
+        m = self.max_tiles if max_tiles is None else check_positive(max_tiles, "max_tiles")
+        return self._pick(h, w, m)
+
+    def _pick(self, h: int, w: int, max_tiles: int) -> tuple[int, int]:
+        if max_tiles < self.min_tiles:
+            raise GeometryError(f"max_tiles {max_tiles} < min_tiles {self.min_tiles}")
+        aspect, area, s2 = w / h, w * h, self.tile * self.tile
+        best, best_diff = (1, 1), float("inf")
+        for c, r in _ratios(self.min_tiles, max_tiles):
+            diff = abs(aspect - c / r)
+            if diff < best_diff:
+                best, best_diff = (c, r), diff
+            elif diff == best_diff and area > 0.5 * s2 * c * r:
+                best = (c, r)
+        return best
+
+    def _keeps(self, cr: tuple[int, int]) -> bool:
+        """The configured processor picks ``cr`` again for its own (r*S, c*S) canvas."""
+        return self._pick(cr[1] * self.tile, cr[0] * self.tile, self.max_tiles) == cr
+
+    def _per_frame(self, c: int, r: int) -> int:
+        return self.tokens_per_tile * (c * r + (1 if self.thumbnail and c * r != 1 else 0))
+
+    def size_for(
+        self, hw: tuple[int, int], num_frames: int = 1, *, max_tiles: int | None = None
+    ) -> tuple[int, int]:
+        """Pixel (r*S, c*S) of the tiled canvas (the thumbnail is S x S besides)."""
+        check_frames(num_frames)
+        c, r = self.tiles_for(hw, max_tiles=max_tiles)
+        return r * self.tile, c * self.tile
+
+    def tokens(
+        self, hw: tuple[int, int], num_frames: int = 1, *, max_tiles: int | None = None
+    ) -> int:
+        """num_frames * tokens_per_tile * (c*r + thumbnail)."""
+        t = check_frames(num_frames)
+        c, r = self.tiles_for(hw, max_tiles=max_tiles)
+        return t * self._per_frame(c, r)
+
+    def solve(self, target_tokens: int, hw: tuple[int, int], num_frames: int = 1) -> Solution:
+        """The tile grid giving exactly ``target_tokens``; engine-replay where some max_tiles
+        makes the processor pick it for this image."""
+        n_total = check_target(target_tokens)
+        h, w = check_hw(hw)
+        t = check_frames(num_frames)
+        tpt, s = self.tokens_per_tile, self.tile
+        if n_total == 0:
+            return unreachable("a tiled item yields at least one tile; target is 0", t)
+        if n_total % t:
+            return unreachable(f"{n_total} is not divisible by {t} frames", t)
+        per = n_total // t
+        if per % tpt:
+            return unreachable(f"{per} is not a multiple of {tpt} tokens per tile", t)
+        n_tiles = per // tpt
+        if self.thumbnail and n_tiles == 2:
+            return unreachable(
+                "2 tiles is unreachable with a thumbnail: 1 tile has none, 2+ tiles add one", t
+            )
+        k = n_tiles - 1 if self.thumbnail and n_tiles > 1 else n_tiles
+        if not self.min_tiles <= k <= self.max_tiles:
+            return unreachable(
+                f"{n_tiles} tiles need a {k}-tile grid, outside [{self.min_tiles}, "
+                f"{self.max_tiles}]",
+                t,
+            )
+
+        def solution(cr: tuple[int, int], fidelity, reason: str, budget: int | None) -> Solution:
+            c, r = cr
+            return Solution(
+                tokens=n_total,
+                size_hw=(r * s, c * s),
+                fidelity=fidelity,
+                reason=reason,
+                grid=None,
+                tiles=cr,
+                thumbnail=self.thumbnail and k != 1,
+                num_frames=t,
+                budget=budget,
+            )
+
+        for m in range(max(k, self.min_tiles), self.max_tiles + 1):
+            cr = self._pick(h, w, m)
+            if cr[0] * cr[1] == k and self._keeps(cr):
+                return solution(
+                    cr,
+                    "engine-replay",
+                    f"the processor with max_tiles={m} picks {cr[0]}x{cr[1]} tiles for "
+                    f"{w}x{h} (W x H) -> {n_tiles} tiles",
+                    m,
+                )
+        valid = [cr for cr in divisor_pairs(k) if self._keeps(cr)]
+        if not valid:
+            return unreachable(
+                f"no {k}-tile grid is kept as it is by the processor (max_tiles {self.max_tiles})",
+                t,
+            )
+        aspect = w / h
+        best = min(valid, key=lambda cr: (abs(aspect - cr[0] / cr[1]), cr[1]))
+        fidelity = "unique" if len(valid) == 1 else "closest-aspect"
+        return solution(
+            best,
+            fidelity,
+            f"no max_tiles in [{k}, {self.max_tiles}] picks a {k}-tile grid for {w}x{h} "
+            f"(W x H); {choice_text(len(valid), best[0], best[1], f'of {k} tiles (c x r)')}",
+            None,
+        )

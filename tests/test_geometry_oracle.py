@@ -1,0 +1,226 @@
+"""Geometry against the real processors (HF transformers on CPU, no weights).
+
+- Qwen2-VL: the image processor's ``image_grid_thw`` for ~30 images, its own
+  ``smart_resize`` for several hundred sizes, and solved sizes fed back through both.
+- Qwen3-VL video: the video processor's ``smart_resize`` (frames share the budget).
+- RADIO: HF's Nemotron-H Omni ``get_patch_grid_size`` (the static-budget tiler), read from
+  the installed source (its module needs torchvision, which the CPU suite does not have).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_media_guard.geometry import GeometryError, PatchMergeGeometry, RadioTilerGeometry
+
+transformers = pytest.importorskip("transformers")
+
+try:  # transformers 5.x without torchvision
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil as QwenProcessor,
+    )
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+except ImportError:  # older layouts
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import (
+        Qwen2VLImageProcessor as QwenProcessor,
+    )
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+CONFIGS = {
+    "hf-default": PatchMergeGeometry(),
+    "qwen2-vl": PatchMergeGeometry.qwen2_vl(),
+    "small": PatchMergeGeometry(min_pixels=64 * 784, max_pixels=256 * 784),
+    "qwen3-vl": PatchMergeGeometry.qwen3_vl(),
+}
+
+
+def oracle_hw(geo: PatchMergeGeometry, hw: tuple[int, int]) -> tuple[int, int] | None:
+    """The installed smart_resize's (H', W'); None where it rejects the size."""
+    try:
+        return tuple(
+            smart_resize(
+                hw[0],
+                hw[1],
+                factor=geo.factor,
+                min_pixels=geo.min_pixels,
+                max_pixels=geo.max_pixels,
+            )
+        )
+    except ValueError:
+        return None
+
+
+def processor_tokens(geo: PatchMergeGeometry, hw: tuple[int, int]) -> int:
+    """Tokens from the full HF image processor: prod(image_grid_thw) / merge^2."""
+    proc = QwenProcessor(
+        patch_size=geo.patch,
+        merge_size=geo.merge,
+        temporal_patch_size=geo.temporal_patch,
+        size={"shortest_edge": geo.min_pixels, "longest_edge": geo.max_pixels},
+    )
+    image = np.zeros((*hw, 3), dtype=np.uint8)
+    out = proc(images=image, return_tensors="np", input_data_format="channels_last")
+    (thw,) = np.asarray(out["image_grid_thw"]).tolist()
+    return math.prod(thw) // geo.merge**2
+
+
+def random_sizes(seed: int, count: int, top: int, thin: bool = True) -> list[tuple[int, int]]:
+    """Seeded (H, W): mostly ordinary, some narrow, and (thin=True) some near the aspect cap."""
+    rng = random.Random(seed)
+    sizes = []
+    while len(sizes) < count:
+        h = rng.randint(1, top)
+        choices = [rng.randint(1, top), rng.randint(1, 60)]
+        if thin:
+            choices.append(h * rng.randint(150, 250))
+        sizes.append((h, rng.choice(choices)))
+    return sizes
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_sizes_match_smart_resize(name):
+    geo = CONFIGS[name]
+    accepted = rejected = 0
+    for hw in random_sizes(seed=len(name), count=300, top=5000):
+        want = oracle_hw(geo, hw)
+        if want is None:
+            with pytest.raises(GeometryError):
+                geo.size_for(hw)
+            assert not geo.solve(1, hw).reachable
+            rejected += 1
+            continue
+        assert geo.size_for(hw) == want, hw
+        assert geo.tokens(hw) == (want[0] // geo.factor) * (want[1] // geo.factor), hw
+        accepted += 1
+    assert accepted >= 200 and rejected >= 10
+
+
+@pytest.mark.parametrize("name", ["hf-default", "small"])
+def test_tokens_match_the_full_processor(name):
+    geo = CONFIGS[name]
+    sizes = [(1, 1), (27, 29), (50, 60), (300, 400), (224, 224), (97, 1203), (1000, 700)]
+    sizes += random_sizes(seed=7, count=8, top=900, thin=False)
+    for hw in sizes:
+        assert oracle_hw(geo, hw) is not None
+        assert geo.tokens(hw) == processor_tokens(geo, hw), hw
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_solved_sizes_round_trip_through_smart_resize(name):
+    geo = CONFIGS[name]
+    rng = random.Random(11)
+    reachable = 0
+    for hw in random_sizes(seed=3, count=200, top=3000):
+        if oracle_hw(geo, hw) is None:
+            continue
+        own = geo.tokens(hw)
+        for target in {own, rng.randint(1, 2 * own + 8), rng.randint(1, 16384)}:
+            sol = geo.solve(target, hw)
+            if not sol.reachable:
+                continue
+            reachable += 1
+            hb, wb = oracle_hw(geo, sol.size_hw)
+            assert (hb, wb) == sol.size_hw, (hw, target, sol)
+            assert (hb // geo.factor) * (wb // geo.factor) == target
+            if sol.fidelity == "engine-replay":  # the budget found replays the processor
+                knob = "max_pixels" if "max_pixels=" in sol.reason else "min_pixels"
+                cfg = {"min_pixels": geo.min_pixels, "max_pixels": geo.max_pixels}
+                cfg[knob] = sol.budget
+                if knob == "min_pixels":
+                    cfg["max_pixels"] = max(cfg["max_pixels"], sol.budget)
+                replay = smart_resize(hw[0], hw[1], factor=geo.factor, **cfg)
+                assert tuple(replay) == sol.size_hw, (hw, target, sol)
+    assert reachable > 150
+
+
+def test_solved_sizes_round_trip_through_the_full_processor():
+    geo = CONFIGS["hf-default"]
+    rng = random.Random(5)
+    cases = [((1080, 2400), 1000), ((1080, 2400), 480), ((300, 400), 154), ((50, 60), 30)]
+    cases += [
+        ((rng.randint(40, 2000), rng.randint(40, 2000)), rng.randint(4, 900)) for _ in range(16)
+    ]
+    checked = 0
+    for hw, target in cases:
+        sol = geo.solve(target, hw)
+        if sol.reachable:
+            assert processor_tokens(geo, sol.size_hw) == target, (hw, target, sol)
+            checked += 1
+    assert checked >= 15
+
+
+def test_qwen3_video_matches_its_smart_resize():
+    mod = pytest.importorskip("transformers.models.qwen3_vl.video_processing_qwen3_vl")
+    geo = PatchMergeGeometry.qwen3_vl_video()
+    rng = random.Random(2)
+    for _ in range(300):
+        t = rng.randint(2, 64)
+        hw = (rng.randint(1, 4000), rng.randint(1, 4000))
+        try:
+            want = tuple(
+                mod.smart_resize(
+                    t,
+                    hw[0],
+                    hw[1],
+                    temporal_factor=geo.temporal_patch,
+                    factor=geo.factor,
+                    min_pixels=geo.min_pixels,
+                    max_pixels=geo.max_pixels,
+                )
+            )
+        except ValueError:
+            with pytest.raises(GeometryError):
+                geo.size_for(hw, t)
+            continue
+        assert geo.size_for(hw, t) == want, (hw, t)
+        assert geo.tokens(hw, t) == math.ceil(t / 2) * (want[0] // 32) * (want[1] // 32)
+
+
+def _hf_radio_grid():
+    """HF's get_patch_grid_size, compiled from the installed source (no torchvision needed)."""
+    spec = importlib.util.find_spec("transformers.models.nemotron_h_omni")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("this transformers has no nemotron_h_omni")
+    path = Path(next(iter(spec.submodule_search_locations))) / "image_processing_nemotron_h_omni.py"
+    if not path.exists():
+        pytest.skip("no nemotron_h_omni image processor source")
+    tree = ast.parse(path.read_text())
+    fn = next(
+        (
+            n
+            for n in tree.body
+            if isinstance(n, ast.FunctionDef) and n.name == "get_patch_grid_size"
+        ),
+        None,
+    )
+    if fn is None:
+        pytest.skip("get_patch_grid_size not found")
+    namespace: dict = {"math": math}
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), str(path), "exec"), namespace)
+    return namespace["get_patch_grid_size"]
+
+
+def test_radio_tiler_matches_hf_get_patch_grid_size():
+    hf = _hf_radio_grid()
+    rng = random.Random(9)
+    configs = [RadioTilerGeometry(), RadioTilerGeometry(min_num_patches=256, max_num_patches=4096)]
+    for geo in configs:
+        for _ in range(400):
+            hw = (rng.randint(1, 5000), rng.choice([rng.randint(1, 5000), rng.randint(1, 80)]))
+            budget = rng.choice([geo.min_num_patches, rng.randint(geo.min_num_patches, 20000)])
+            try:
+                want = tuple(hf(hw[0], hw[1], 16, 2, geo.min_num_patches, budget))
+            except ZeroDivisionError:
+                with pytest.raises(GeometryError):
+                    geo.grid_for(hw, budget)
+                continue
+            assert geo.grid_for(hw, budget) == want, (hw, budget)
+    seed = tuple(hf(1080, 2400, 16, 2, 1024, 13312))
+    assert seed == RadioTilerGeometry().grid_for((1080, 2400)) == (68, 150)
