@@ -1,0 +1,166 @@
+"""``media-guard`` command line: one registered function per subcommand.
+
+A subcommand is a :class:`Subcommand` (help, ``add_arguments(parser)``,
+``run(args) -> exit code``) added with :func:`register`; its module is imported
+inside ``run`` so that ``media-guard report`` never pays for torch.
+
+Exit codes: 0 success; 2 usage error or missing input; 3 ``report --fail-on`` matched;
+130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_FAIL_ON = 3
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    """One ``media-guard NAME`` subcommand."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {}
+
+
+def register(
+    name: str,
+    help: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], int],
+) -> None:
+    """Add (or replace) subcommand ``name``."""
+    SUBCOMMANDS[name] = Subcommand(help, add_arguments, run)
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type: ``"3"`` or ``"0,2,5"`` -> [0, 2, 5]."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected integers like 3 or 0,2,5, got {text!r}"
+        ) from None
+
+
+def event_list(text: str) -> list[str]:
+    """argparse type: ``"raise"`` or ``"raise,drop"``, each a schema-v1 event name."""
+    from .diagnostics import EVENTS
+
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [n for n in names if n not in EVENTS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown event(s) {unknown or [text]}; choose from {', '.join(EVENTS)}"
+        )
+    return names
+
+
+def _flat(groups: list[list] | None) -> list | None:
+    return None if groups is None else [v for g in groups for v in g]
+
+
+# -- report -----------------------------------------------------------------------------
+def _report_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", help="log directory holding media_guard.rank*.jsonl (or one file)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument(
+        "--rank", type=int_list, action="append", metavar="R", help="only these global ranks"
+    )
+    p.add_argument("--step", type=int_list, action="append", metavar="S", help="only these steps")
+    p.add_argument(
+        "--fail-on",
+        type=event_list,
+        action="append",
+        metavar="EVENT",
+        help=f"exit {EXIT_FAIL_ON} when records of EVENT remain after the filters",
+    )
+    p.add_argument("--top", type=int, default=20, help="offending sample ids shown (default 20)")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="reader processes (default: one per CPU, up to files)",
+    )
+
+
+def _report_run(args: argparse.Namespace) -> int:
+    from .errors import MediaAlignmentError
+    from .report import format_summary, summarize
+
+    try:
+        summary = summarize(
+            args.dir,
+            ranks=_flat(args.rank),
+            steps=_flat(args.step),
+            top=max(0, args.top),
+            jobs=args.jobs,
+        )
+    except MediaAlignmentError as err:
+        print(f"media-guard report: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    fail_on = dict.fromkeys(_flat(args.fail_on) or [])
+    hits = {e: summary.count(e) for e in fail_on if summary.count(e)}
+    if args.json:
+        out = summary.to_dict()
+        if fail_on:
+            out["fail_on"] = {"events": list(fail_on), "hits": hits}
+        print(json.dumps(out))
+    else:
+        print(format_summary(summary))
+    if hits:
+        found = ", ".join(f"{n:,} {e!r}" for e, n in hits.items())
+        print(f"media-guard report: --fail-on matched {found} record(s)", file=sys.stderr)
+        return EXIT_FAIL_ON
+    return EXIT_OK
+
+
+register(
+    "report",
+    "post-mortem summary of all ranks' media_guard.rank*.jsonl files",
+    _report_arguments,
+    _report_run,
+)
+
+
+# -- entry point ------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="media-guard", description="Guard for merging media features into text embeddings."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, cmd in SUBCOMMANDS.items():
+        cmd.add_arguments(sub.add_parser(name, help=cmd.help, description=cmd.help))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``media-guard`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as stop:  # --help (0) or a usage error (2)
+        code = stop.code
+        return code if isinstance(code, int) else EXIT_OK if code is None else EXIT_USAGE
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return SUBCOMMANDS[args.command].run(args)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `media-guard report DIR | head`: stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1

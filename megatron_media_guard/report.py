@@ -1,0 +1,546 @@
+"""Post-mortem reader for the per-rank diagnostics files (``media-guard report DIR``).
+
+Streams every ``media_guard.rank*.jsonl`` line by line and keeps only counters,
+so memory stays flat in file size:
+
+- one counter keyed by (rank, event, action, reason class), capped at
+  :data:`COMBO_CAP` keys (further keys fold into ``(other)`` per rank);
+- reasons are grouped into classes with digits replaced by ``#`` (reasons carry
+  counts: ``"40800 features for 32160 placeholders (+8640)"`` is one class with
+  ``"# features for # placeholders (+#)"``), at most :data:`LABEL_CAP` classes;
+- offending sample ids (events repair/drop/raise) in a heavy-hitters counter of
+  at most 2 x :data:`TOP_CAPACITY` ids: exact while fewer distinct ids were seen,
+  else a Misra-Gries estimate (counts are lower bounds, ``sample_ids_exact`` False);
+- the first fatal record (event ``raise``): earliest time, then lowest rank, step.
+
+A torn last line (no trailing newline, or a last non-blank line that is not
+valid JSON) is skipped and reported; malformed lines elsewhere (garbage, JSON that is not an
+object) are counted. Unknown and missing fields are tolerated.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import re
+import threading
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, fields
+from datetime import datetime, timezone
+from os import PathLike
+from pathlib import Path
+from types import MappingProxyType
+
+from .diagnostics import EVENTS, FILE_PREFIX, FILE_SUFFIX, summary_line
+from .errors import MediaInputError
+
+FATAL_EVENT = "raise"
+OFFENDING_EVENTS = frozenset({"repair", "drop", "raise"})
+NONE_LABEL = "(none)"
+OTHER_LABEL = "(other)"
+TOP_CAPACITY = 10_000
+LABEL_CAP = 1_000
+COMBO_CAP = 200_000
+PARALLEL_MIN_BYTES = 32 << 20
+_LABEL_LEN = 120
+_STEP_MAX, _STEP_MIN = 1 << 62, -(1 << 62)
+
+_FILE_RE = re.compile(re.escape(FILE_PREFIX) + r"(\d+)" + re.escape(FILE_SUFFIX) + r"\Z")
+_DIGITS = re.compile(r"\d+")
+_SCAN = json.JSONDecoder().scan_once  # C scanner: parse one value at an index, no wrapper
+
+
+@dataclass(frozen=True)
+class ReportSummary:
+    """What ``media-guard report`` found across the files (after the rank/step filters).
+
+    by_rank: rank -> event -> count; rank None: unknown (no rank in the record or the file name).
+    top_sample_ids: (sample_id, count) for events repair/drop/raise, most frequent first.
+    first_fatal: the first ``raise`` record as read, plus ``_file`` and ``_line``; None if none.
+    """
+
+    files: tuple[str, ...]
+    lines: int
+    records: int
+    matched: int
+    malformed: int
+    malformed_by_file: Mapping[str, int]
+    torn_files: tuple[str, ...]
+    other_schema: int
+    by_rank: Mapping[int | None, Mapping[str, int]]
+    by_event: Mapping[str, int]
+    by_reason: Mapping[str, int]
+    by_action: Mapping[str, int]
+    top_sample_ids: tuple[tuple[str | int, int], ...]
+    sample_ids_exact: bool
+    first_step: int | None
+    last_step: int | None
+    first_fatal: Mapping[str, object] | None
+    ranks_filter: tuple[int, ...] | None = None
+    steps_filter: tuple[int, ...] | None = None
+
+    def count(self, event: str) -> int:
+        """Records of ``event`` that passed the filters."""
+        return self.by_event.get(event, 0)
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain JSON-ready data (rank keys as strings, ``"null"`` for unknown)."""
+        d: dict[str, object] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            d[f.name] = (
+                dict(v) if isinstance(v, Mapping) else list(v) if isinstance(v, tuple) else v
+            )
+        d["by_rank"] = {
+            ("null" if r is None else str(r)): dict(ev) for r, ev in self.by_rank.items()
+        }
+        d["top_sample_ids"] = [{"sample_id": s, "count": n} for s, n in self.top_sample_ids]
+        return d
+
+
+class _HeavyHitters:
+    """Counts of hashable keys in at most ``2 * capacity`` entries (batched Misra-Gries).
+
+    While fewer than ``2 * capacity`` distinct keys arrive the counts are exact. On
+    overflow the (capacity+1)-th largest count c is subtracted from every entry and
+    the non-positive ones dropped: each estimate then undercounts by at most the
+    sum of those c (``error``), and any key seen more than n/(capacity+1) times stays.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.counts: dict[object, int] = {}
+        self.error = 0
+
+    def add(self, key: object) -> None:
+        counts = self.counts
+        counts[key] = counts.get(key, 0) + 1
+        if len(counts) >= 2 * self.capacity:
+            self._prune()
+
+    def merge(self, other: _HeavyHitters) -> None:
+        """Fold in another summary (Misra-Gries summaries are mergeable: errors add)."""
+        counts = self.counts
+        for k, v in other.counts.items():
+            counts[k] = counts.get(k, 0) + v
+        self.error += other.error
+        if len(counts) >= 2 * self.capacity:
+            self._prune()
+
+    def _prune(self) -> None:
+        cut = sorted(self.counts.values(), reverse=True)[self.capacity]
+        self.error += cut
+        self.counts = {k: v - cut for k, v in self.counts.items() if v > cut}
+
+    def top(self, n: int) -> list[tuple[object, int]]:
+        return sorted(self.counts.items(), key=lambda kv: (-kv[1], str(kv[0])))[:n]
+
+
+def _label(value: object) -> str:
+    """A short string key for a field that is not a plain string (None, numbers, garbage)."""
+    if value is None:
+        return NONE_LABEL
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return " ".join(text.split())[:_LABEL_LEN] or NONE_LABEL
+
+
+def _parse_time(value: object) -> datetime | None:
+    if not isinstance(value, str):
+        return None
+    text = value[:-1] + "+00:00" if value.endswith("Z") else value
+    try:
+        t = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return t if t.tzinfo is not None else t.replace(tzinfo=timezone.utc)
+
+
+def _file_rank(path: Path) -> int | None:
+    m = _FILE_RE.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def find_files(paths_or_dir: str | PathLike[str] | Iterable[str | PathLike[str]]) -> list[Path]:
+    """The diagnostics files named: a directory's ``media_guard.rank*.jsonl`` (sorted), or files."""
+    items = [paths_or_dir] if isinstance(paths_or_dir, (str, PathLike)) else list(paths_or_dir)
+    out: list[Path] = []
+    for item in items:
+        p = Path(item)
+        if p.is_dir():
+            out.extend(sorted(p.glob(f"{FILE_PREFIX}*{FILE_SUFFIX}")))
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise MediaInputError(
+                f"no such diagnostics directory or file: {str(p)!r}", context={"path": str(p)}
+            )
+    return out
+
+
+class _Aggregator:
+    """Streaming counters over records; one instance per report."""
+
+    def __init__(self, ranks: Iterable[int] | None, steps: Iterable[int] | None) -> None:
+        self.ranks = None if ranks is None else frozenset(ranks)
+        self.steps = None if steps is None else frozenset(steps)
+        self.combo: dict[tuple[int | None, str, str, str], int] = {}
+        self.reasons: dict[str, str] = {}
+        self.reason_classes: set[str] = set()
+        self.top = _HeavyHitters(TOP_CAPACITY)
+        self.lines = self.records = self.matched = self.malformed = self.other_schema = 0
+        self.malformed_by_file: dict[str, int] = {}
+        self.torn: list[str] = []
+        self.first_step: int | None = None
+        self.last_step: int | None = None
+        self.fatal: dict[str, object] | None = None
+        self.fatal_key: tuple | None = None
+
+    def _reason(self, value: object) -> str:
+        if value is None:
+            return NONE_LABEL
+        key = value if isinstance(value, str) else _label(value)
+        cls = self.reasons.get(key)
+        if cls is None:
+            cls = _DIGITS.sub("#", _label(key))
+            if cls not in self.reason_classes:
+                if len(self.reason_classes) >= LABEL_CAP:
+                    cls = OTHER_LABEL
+                else:
+                    self.reason_classes.add(cls)
+            if len(self.reasons) > 4 * LABEL_CAP:
+                self.reasons.clear()
+            self.reasons[key] = cls
+        return cls
+
+    def read(self, path: Path, file_index: int) -> None:
+        """Stream one file into the counters (the hot loop: locals only)."""
+        name = str(path)
+        file_rank = _file_rank(path)
+        scan, loads, reason_class, top_add = _SCAN, json.loads, self._reason, self.top.add
+        combo, ranks, steps = self.combo, self.ranks, self.steps
+        lines = records = matched = bad = other_schema = 0
+        lo, hi = _STEP_MAX, _STEP_MIN
+        last_bad = torn = False
+        with open(path, encoding="utf-8", errors="replace", newline="\n") as f:
+            for line in f:
+                lines += 1
+                try:
+                    rec, end = scan(line, 0)
+                    if line[end:] != "\n":
+                        raise ValueError(line)
+                except (StopIteration, ValueError):
+                    if line[-1:] != "\n":  # only the last line can lack its newline
+                        torn = True
+                        break
+                    try:
+                        rec = loads(line)
+                    except ValueError:
+                        rec = None
+                if type(rec) is not dict:
+                    if line.strip():
+                        bad += 1
+                        last_bad = True
+                    else:
+                        lines -= 1  # a blank line is neither record nor garbage
+                    continue
+                last_bad = False
+                records += 1
+                get = rec.get
+                rank = get("rank")
+                if type(rank) is not int:
+                    rank = file_rank
+                if ranks is not None and rank not in ranks:
+                    continue
+                step = get("step")
+                if type(step) is not int:
+                    step = None
+                if steps is not None and step not in steps:
+                    continue
+                matched += 1
+                if step is not None:
+                    if step < lo:
+                        lo = step
+                    if step > hi:
+                        hi = step
+                if get("schema") != 1:
+                    other_schema += 1
+                event, action, reason = get("event"), get("action"), get("reason")
+                if type(event) is not str:
+                    event = _label(event)
+                if type(action) is not str:
+                    action = _label(action)
+                reason = NONE_LABEL if reason is None else reason_class(reason)
+                key = (rank, event, action, reason)
+                count = combo.get(key)
+                if count is None:
+                    if len(combo) >= COMBO_CAP:
+                        key = (rank, OTHER_LABEL, OTHER_LABEL, OTHER_LABEL)
+                        count = combo.get(key, 0)
+                    else:
+                        count = 0
+                combo[key] = count + 1
+                if event in OFFENDING_EVENTS:
+                    sid = get("sample_id")
+                    if sid is not None:
+                        if type(sid) is not str and type(sid) is not int:
+                            sid = _label(sid)
+                        top_add(sid)
+                    if event == FATAL_EVENT:
+                        self._fatal(rec, rank, step, file_index, lines, name)
+        if last_bad and not torn:  # invalid JSON at end of file: a torn write, not garbage
+            bad -= 1
+            torn = True
+        if torn:
+            self.torn.append(name)
+        if bad:
+            self.malformed_by_file[name] = bad
+        self.lines += lines
+        self.records += records
+        self.matched += matched
+        self.malformed += bad
+        self.other_schema += other_schema
+        self._steps(lo if lo != _STEP_MAX else None, hi if hi != _STEP_MIN else None)
+
+    def merge(self, other: _Aggregator) -> None:
+        """Fold in the counters of another aggregator (same filters; files read elsewhere)."""
+        combo = self.combo
+        for key, n in other.combo.items():
+            if key not in combo and len(combo) >= COMBO_CAP:
+                key = (key[0], OTHER_LABEL, OTHER_LABEL, OTHER_LABEL)
+            combo[key] = combo.get(key, 0) + n
+        self.top.merge(other.top)
+        self.lines += other.lines
+        self.records += other.records
+        self.matched += other.matched
+        self.malformed += other.malformed
+        self.other_schema += other.other_schema
+        self.malformed_by_file.update(other.malformed_by_file)
+        self.torn.extend(other.torn)
+        self._steps(other.first_step, other.last_step)
+        if other.fatal_key is not None and (
+            self.fatal_key is None or other.fatal_key < self.fatal_key
+        ):
+            self.fatal_key, self.fatal = other.fatal_key, other.fatal
+
+    def _steps(self, lo: int | None, hi: int | None) -> None:
+        if lo is not None and (self.first_step is None or lo < self.first_step):
+            self.first_step = lo
+        if hi is not None and (self.last_step is None or hi > self.last_step):
+            self.last_step = hi
+
+    def _fatal(self, rec: dict, rank, step, file_index: int, line_no: int, name: str) -> None:
+        t = _parse_time(rec.get("time"))
+        key = (
+            t is None,
+            t or datetime.min.replace(tzinfo=timezone.utc),
+            rank is None,
+            rank or 0,
+            step is None,
+            step or 0,
+            file_index,
+            line_no,
+        )
+        if self.fatal_key is None or key < self.fatal_key:
+            self.fatal_key = key
+            self.fatal = {**rec, "rank": rank, "_file": name, "_line": line_no}
+
+    def summary(self, files: list[Path], top: int) -> ReportSummary:
+        by_rank: dict[int | None, dict[str, int]] = {}
+        by_event: dict[str, int] = {}
+        by_reason: dict[str, int] = {}
+        by_action: dict[str, int] = {}
+        for (rank, event, action, reason), n in self.combo.items():
+            per = by_rank.setdefault(rank, {})
+            per[event] = per.get(event, 0) + n
+            by_event[event] = by_event.get(event, 0) + n
+            by_action[action] = by_action.get(action, 0) + n
+            by_reason[reason] = by_reason.get(reason, 0) + n
+
+        def ordered(d: dict[str, int]) -> Mapping[str, int]:
+            return MappingProxyType(dict(sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))))
+
+        ranks_sorted = sorted(by_rank, key=lambda r: (r is None, r or 0))
+        return ReportSummary(
+            files=tuple(str(p) for p in files),
+            lines=self.lines,
+            records=self.records,
+            matched=self.matched,
+            malformed=self.malformed,
+            malformed_by_file=MappingProxyType(dict(self.malformed_by_file)),
+            torn_files=tuple(self.torn),
+            other_schema=self.other_schema,
+            by_rank=MappingProxyType(
+                {r: MappingProxyType(_event_order(by_rank[r])) for r in ranks_sorted}
+            ),
+            by_event=MappingProxyType(_event_order(by_event)),
+            by_reason=ordered(by_reason),
+            by_action=ordered(by_action),
+            top_sample_ids=tuple(self.top.top(top)),  # type: ignore[arg-type]
+            sample_ids_exact=self.top.error == 0,
+            first_step=self.first_step,
+            last_step=self.last_step,
+            first_fatal=None if self.fatal is None else MappingProxyType(self.fatal),
+            ranks_filter=None if self.ranks is None else tuple(sorted(self.ranks)),
+            steps_filter=None if self.steps is None else tuple(sorted(self.steps)),
+        )
+
+
+def _event_order(d: Mapping[str, int]) -> dict[str, int]:
+    """Known events in schema order, then the others by name."""
+    known = [e for e in EVENTS if e in d]
+    return {e: d[e] for e in [*known, *sorted(k for k in d if k not in EVENTS)]}
+
+
+def _read_one(task: tuple[Path, int, frozenset[int] | None, frozenset[int] | None]) -> _Aggregator:
+    path, index, ranks, steps = task
+    agg = _Aggregator(ranks, steps)
+    agg.read(path, index)
+    return agg
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def auto_jobs(files: list[Path]) -> int:
+    """Worker processes for ``files``: one per CPU up to one per file, 1 below 32 MiB in all.
+
+    Parallel reading needs the ``fork`` start method (Linux) and a process without
+    other Python threads; elsewhere it is 1.
+    """
+    if (
+        len(files) < 2
+        or "fork" not in multiprocessing.get_all_start_methods()
+        or threading.active_count() > 1  # forking a threaded process (a trainer) is unsafe
+    ):
+        return 1
+    size = sum(p.stat().st_size for p in files)
+    return 1 if size < PARALLEL_MIN_BYTES else max(1, min(len(files), _cpus()))
+
+
+def summarize(
+    paths_or_dir: str | PathLike[str] | Iterable[str | PathLike[str]],
+    *,
+    ranks: Iterable[int] | None = None,
+    steps: Iterable[int] | None = None,
+    top: int = 20,
+    jobs: int | None = None,
+) -> ReportSummary:
+    """Stream the diagnostics files and aggregate them (memory flat in file size).
+
+    paths_or_dir: a directory (its ``media_guard.rank*.jsonl``), a file, or several.
+    ranks, steps: keep only records of these global ranks / steps (a record without
+    a rank takes the rank in its file name; without a step it fails any step filter).
+    jobs: processes reading files in parallel (None: :func:`auto_jobs`; 1: this process).
+    The result does not depend on ``jobs``. Raises MediaInputError when a path does not exist.
+    """
+    files = find_files(paths_or_dir)
+    rank_set = None if ranks is None else frozenset(ranks)
+    step_set = None if steps is None else frozenset(steps)
+    agg = _Aggregator(rank_set, step_set)
+    jobs = auto_jobs(files) if jobs is None else max(1, min(jobs, len(files)))
+    if jobs > 1 and "fork" in multiprocessing.get_all_start_methods():
+        tasks = [(p, i, rank_set, step_set) for i, p in enumerate(files)]
+        try:
+            ctx = multiprocessing.get_context("fork")
+            with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+                for part in pool.map(_read_one, tasks):
+                    agg.merge(part)
+            return agg.summary(files, top)
+        except (OSError, BrokenProcessPool):  # no processes here: read serially
+            agg = _Aggregator(rank_set, step_set)
+    for i, path in enumerate(files):
+        agg.read(path, i)
+    return agg.summary(files, top)
+
+
+# -- text output ---------------------------------------------------------------------
+def _table(title: str, counts: Mapping[str, int], limit: int = 20) -> list[str]:
+    if not counts:
+        return []
+    width = max(len(k) for k in list(counts)[:limit])
+    out = [f"{title}:"]
+    out += [f"  {k:<{width}}  {n:>10,}" for k, n in list(counts.items())[:limit]]
+    if len(counts) > limit:
+        out.append(f"  ... {len(counts) - limit} more (see --json)")
+    return out
+
+
+def _rank_table(by_rank: Mapping[int | None, Mapping[str, int]], limit: int = 32) -> list[str]:
+    if not by_rank:
+        return []
+    events = _event_order({e: 1 for per in by_rank.values() for e in per})
+    ranks = list(by_rank)
+    if len(ranks) > limit:  # show the ranks with most offending records
+        ranks = sorted(ranks, key=lambda r: -sum(by_rank[r].get(e, 0) for e in OFFENDING_EVENTS))[
+            :limit
+        ]
+        ranks.sort(key=lambda r: (r is None, r or 0))
+    cols = ["total", *events]
+    widths = [max(10, len(c)) for c in cols]
+    out = ["by rank:", "  " + f"{'rank':>6}" + "".join(f"  {c:>{w}}" for c, w in zip(cols, widths))]
+    for r in ranks:
+        per = by_rank[r]
+        vals = [sum(per.values()), *(per.get(e, 0) for e in events)]
+        out.append(
+            "  "
+            + f"{'?' if r is None else r:>6}"
+            + "".join(f"  {v:>{w},}" for v, w in zip(vals, widths))
+        )
+    if len(by_rank) > limit:
+        out.append(f"  ... {len(by_rank) - limit} more ranks (see --json)")
+    return out
+
+
+def format_summary(summary: ReportSummary) -> str:
+    """A human report: totals, skipped lines, first fatal, tables by rank/event/action/reason."""
+    s = summary
+    lines = [
+        f"media-guard report: {len(s.files)} file(s), {s.records:,} records"
+        + (f", {s.matched:,} after filters" if s.matched != s.records else "")
+        + (f", steps {s.first_step}..{s.last_step}" if s.first_step is not None else "")
+    ]
+    if s.ranks_filter is not None or s.steps_filter is not None:
+        lines.append(f"filters: ranks={s.ranks_filter} steps={s.steps_filter}")
+    if not s.files:
+        lines.append("no media_guard.rank*.jsonl files found")
+    if s.malformed:
+        per = ", ".join(f"{Path(f).name}: {n}" for f, n in s.malformed_by_file.items())
+        lines.append(f"skipped {s.malformed:,} malformed line(s) ({per})")
+    for f in s.torn_files:
+        lines.append(f"skipped a torn last line in {Path(f).name}")
+    if s.other_schema:
+        lines.append(f"note: {s.other_schema:,} record(s) with a schema other than 1")
+    if s.first_fatal is not None:
+        ff = s.first_fatal
+        culprit = [f"rank {'?' if ff.get('rank') is None else ff.get('rank')}"]
+        for key in ("step", "sample"):
+            if ff.get(key) is not None:
+                culprit.append(f"{key} {ff.get(key)}")
+        if ff.get("sample_id") is not None:
+            culprit.append(f"(id {ff.get('sample_id')!r})")
+        if ff.get("item") is not None:
+            culprit.append(f"item {ff.get('item')}")
+        if ff.get("time") is not None:
+            culprit.append(f"at {ff.get('time')}")
+        where = f"{Path(str(ff.get('_file'))).name}:{ff.get('_line')}"
+        lines.append(f"first fatal: {' '.join(culprit)} [{where}]")
+        lines.append("  " + summary_line(ff))
+    else:
+        lines.append("first fatal: none (no 'raise' record)")
+    lines += _rank_table(s.by_rank)
+    lines += _table("by event", s.by_event)
+    lines += _table("by action", s.by_action)
+    lines += _table("by reason (digits shown as #)", s.by_reason)
+    if s.top_sample_ids:
+        note = "" if s.sample_ids_exact else " (estimated: counts are lower bounds)"
+        lines.append(f"top offending sample ids (repair/drop/raise){note}:")
+        width = max(len(repr(k)) for k, _ in s.top_sample_ids)
+        lines += [f"  {k!r:<{width}}  {n:>10,}" for k, n in s.top_sample_ids]
+    return "\n".join(lines)
