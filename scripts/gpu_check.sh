@@ -23,7 +23,7 @@ step() {  # step NAME TIMEOUT CMD...
 step "cuda tests" 150 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests
 step "cuda timing" 90 "$PY" scripts/gpu_timing.py
 if "$PY" -c "import megatron.core" 2>/dev/null; then
-  step "nccl smoke (world size 1)" 90 "$PY" -m megatron_media_guard.cli smoke --backend nccl --nproc 1 --steps 2 --scenario budget_shrink --policy drop
+  step "nccl smoke (world size 1)" 90 "$PY" -m megatron_media_guard smoke --backend nccl --nproc 1 --steps 2 --scenario budget_shrink --policy drop
 else
   echo "== nccl smoke: skipped (megatron-core not installed here)"
 fi
