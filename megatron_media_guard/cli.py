@@ -134,6 +134,25 @@ register(
 )
 
 
+def _replay_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("bundle", help="a media_guard.rank*.bundle file saved by the guard (dump_dir)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _replay_run(args: argparse.Namespace) -> int:
+    from .bundle import run_replay  # imports torch: only when replaying
+
+    return run_replay(args)
+
+
+register(
+    "replay",
+    "re-run the check on a saved micro-batch offline (exit 0 aligned, 1 mismatch, 2 bad bundle)",
+    _replay_arguments,
+    _replay_run,
+)
+
+
 # -- entry point ------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(

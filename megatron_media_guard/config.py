@@ -33,6 +33,10 @@ class GuardConfig:
     allowed_fidelity: repair solutions of these classes are applied; others fall back.
     ignore_index: the label value the loss ignores.
     fp8: pad the re-encoded patch sequence for transformer-engine FP8 (None: detect).
+    dump_dir: save a replay bundle of each mismatched micro-batch here (token ids, item
+        metadata, the mismatched items' pixels: sensitive data); None: no bundles.
+    dump_pixels / dump_features: include the mismatched items' pixels / features.
+    dump_max: at most this many bundles per rank and directory (None: no limit).
     fp8_multiple: the multiple to pad to when FP8 is active (None: ask transformer-engine's
         recipe, 16 when it cannot say; 32 for MXFP8).
     """
@@ -45,6 +49,10 @@ class GuardConfig:
     ignore_index: int = -100
     fp8: bool | None = None
     fp8_multiple: int | None = None
+    dump_dir: str | None = None
+    dump_pixels: bool = True
+    dump_features: bool = False
+    dump_max: int | None = 16
 
     def __post_init__(self) -> None:
         _one_of("policy", self.policy, _POLICIES)
@@ -56,8 +64,11 @@ class GuardConfig:
         object.__setattr__(self, "allowed_fidelity", fid)
         if self.fp8_multiple is not None and self.fp8_multiple < 1:
             raise MediaInputError(f"fp8_multiple must be >= 1, got {self.fp8_multiple}")
-        if self.log_dir is not None:
-            object.__setattr__(self, "log_dir", os.fspath(self.log_dir))
+        for name in ("log_dir", "dump_dir"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, os.fspath(getattr(self, name)))
+        if self.dump_max is not None and self.dump_max < 1:
+            raise MediaInputError(f"dump_max must be >= 1 or None, got {self.dump_max}")
 
     def with_env(self, environ: dict[str, str] | None = None) -> GuardConfig:
         """Overrides from ``MEDIA_GUARD_<FIELD>`` environment variables (e.g. MEDIA_GUARD_POLICY=drop;
@@ -84,6 +95,15 @@ class GuardConfig:
 def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise MediaInputError(f"GuardConfig.{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def _bool(name: str, raw: str, *, allow_none: bool) -> bool | None:
+    val = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}.get(
+        raw.lower()
+    )
+    if val is None and not (allow_none and raw.lower() in ("", "none", "auto")):
+        raise MediaInputError(f"MEDIA_GUARD_{name.upper()} must be true/false, got {raw!r}")
+    return val
 
 
 def _int(name: str, raw: str) -> int:

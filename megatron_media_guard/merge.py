@@ -222,6 +222,8 @@ class MediaGuard:
                 out, seq_first, loss_mask, labels, plan, None, verdict, step, microbatch, stage, lay
             )
         return self._diagnose(
+            input_ids,
+            cu_seqlens,
             lay,
             batch,
             emb,
@@ -236,6 +238,8 @@ class MediaGuard:
 
     def _diagnose(
         self,
+        input_ids,
+        cu_seqlens,
         lay,
         batch: Batch,
         emb,
@@ -255,6 +259,7 @@ class MediaGuard:
             plan, replaced = repair_mod.run_repairs(
                 plan, batch, self, encoder, step=step, microbatch=microbatch
             )
+        bundle_path = self._dump(input_ids, cu_seqlens, batch, report, step, microbatch)
         fatal_msg = None
         fatal_record = None
         for rep in report.mismatched:
@@ -295,6 +300,8 @@ class MediaGuard:
                 where=self._where(step, microbatch),
                 log_path=str(self.log.path) if self.log.path else None,
             )
+            if bundle_path is not None:
+                fatal_msg += f"\n  replay bundle: {bundle_path}"
         stage = self._agree(plan, report, step, microbatch, fatal_msg, fatal_record)
         keep = torch.tensor([a in ("keep", "repair") for a in plan.actions], device=emb.device)
         self.counters["mismatched"] += len(report.mismatched)
@@ -314,6 +321,29 @@ class MediaGuard:
             stage,
             lay,
             keep,
+        )
+
+    def _dump(self, input_ids, cu_seqlens, batch: Batch, report, step, microbatch):
+        """Saves a replay bundle of a mismatched micro-batch when ``config.dump_dir`` is set."""
+        cfg = self.config
+        if cfg.dump_dir is None or report.ok:
+            return None
+        from .bundle import save_bundle
+
+        return save_bundle(
+            cfg.dump_dir,
+            input_ids=input_ids,
+            items=batch.items,
+            grammar=self.grammar,
+            cu_seqlens=cu_seqlens,
+            config=cfg,
+            rank=self.rank,
+            step=step,
+            microbatch=microbatch,
+            report=report,
+            include_pixels=cfg.dump_pixels,
+            features=batch.features if cfg.dump_features else None,
+            max_bundles=cfg.dump_max,
         )
 
     def _agree(self, plan: Plan, report, step, microbatch, fatal_msg, fatal_record) -> StageOutcome:
