@@ -13,17 +13,17 @@ from dataclasses import dataclass
 
 import torch
 
-from . import repair as repair_mod
 from .alignment import AlignmentReport, align
+from .apply import mask_dropped, nonfinite_items, rows_index, scatter_kept
 from .config import GuardConfig
 from .diagnostics import DiagnosticsLog, GuardRecord, RankInfo
 from .errors import MediaAlignmentError, MediaInputError
 from .explain import error_message, sample_record
 from .grammar import Grammar
-from .host import to_host
 from .items import Batch, MediaItem, normalize
 from .outcome import Consensus, LocalOutcome, StageOutcome
 from .plan import Plan, build_plan
+from .repair import run_repairs
 from .runs import TokenLayout, parse_layout
 from .validate import check_inputs
 from .verify import Verdict, verify
@@ -63,6 +63,23 @@ class MergeResult:
     loss_mask: torch.Tensor | None
     labels: torch.Tensor | None
     report: GuardReport
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One merge call's inputs, validated. ``emb`` is the ``[b, s, h]`` view."""
+
+    emb: torch.Tensor
+    input_ids: torch.Tensor
+    cu_seqlens: torch.Tensor | None
+    lay: TokenLayout
+    batch: Batch
+    loss_mask: torch.Tensor | None
+    labels: torch.Tensor | None
+    seq_first: bool
+    step: int | None
+    microbatch: int | None
+    encoder: object | None
 
 
 class MediaGuard:
@@ -105,10 +122,9 @@ class MediaGuard:
     ) -> AlignmentReport:
         """The full per-sample report, without merging."""
         lay = TokenLayout(input_ids, self.grammar, cu_seqlens)
-        normalize_items = normalize(
-            [torch.empty(it.num_features, 0) for it in items], items, lay.num_samples
-        )
-        return align(parse_layout(lay), normalize_items.items, explicit=normalize_items.explicit)
+        rows = [torch.empty(it.num_features, 0) for it in items]
+        batch = normalize(rows, items, lay.num_samples)
+        return align(parse_layout(lay), batch.items, explicit=batch.explicit)
 
     def merge(
         self,
@@ -133,19 +149,30 @@ class MediaGuard:
         """
         where = self._where(step, microbatch)
         try:
-            return self._merge(
-                embeddings,
+            if self.grammar.collapsed:
+                raise MediaInputError(
+                    f"grammar {self.grammar.name!r} is collapsed (one token per item, expanded by "
+                    "the model): use the LLaVA adapter, not the generic merge"
+                )
+            lay = TokenLayout(input_ids, self.grammar, cu_seqlens)
+            batch = normalize(features, items, lay.num_samples)
+            emb = check_inputs(
+                embeddings, input_ids, batch.features, loss_mask, labels, seq_first, lay
+            )
+            call = _Call(
+                emb,
                 input_ids,
-                features,
-                items,
+                cu_seqlens,
+                lay,
+                batch,
                 loss_mask,
                 labels,
                 seq_first,
                 step,
                 microbatch,
-                cu_seqlens,
-                encoder,
+                encoder or self.encoder,
             )
+            return self._merge(call)
         except MediaAlignmentError as err:
             if err.context.get("where"):
                 raise
@@ -174,156 +201,103 @@ class MediaGuard:
             parts.append(f"microbatch {microbatch}")
         return ", ".join(parts)
 
-    def _merge(
-        self,
-        embeddings,
-        input_ids,
-        features,
-        items,
-        loss_mask,
-        labels,
-        seq_first,
-        step,
-        microbatch,
-        cu_seqlens,
-        encoder,
-    ) -> MergeResult:
-        if self.grammar.collapsed:
-            raise MediaInputError(
-                f"grammar {self.grammar.name!r} is collapsed (one token per item, expanded by the "
-                "model): use the LLaVA adapter, not the generic merge"
-            )
-        lay = TokenLayout(input_ids, self.grammar, cu_seqlens)
-        batch = normalize(features, items, lay.num_samples)
-        emb = check_inputs(embeddings, input_ids, batch.features, loss_mask, labels, seq_first, lay)
+    def _merge(self, c: _Call) -> MergeResult:
+        batch, lay = c.batch, c.lay
         order = batch.order
-        lengths = [batch.items[i].num_features for i in order]
-        mods = [self.grammar.modality_code(batch.items[i].modality) for i in order]
-        samples = [batch.items[i].sample for i in order] if batch.explicit else None
-        check_finite = self.config.nonfinite != "off"
         verdict = verify(
             lay,
-            input_ids.reshape(-1),
-            lengths,
-            mods,
-            samples,
-            batch.features if check_finite else None,
+            c.input_ids.reshape(-1),
+            [batch.items[i].num_features for i in order],
+            [self.grammar.modality_code(batch.items[i].modality) for i in order],
+            [batch.items[i].sample for i in order] if batch.explicit else None,
+            batch.features if self.config.nonfinite != "off" else None,
         )
         self.counters["merges"] += 1
         self.counters["samples"] += lay.num_samples
-        if verdict.aligned(len(batch.items)):
-            plan = build_plan(lay.num_samples, batch.items, verdict, None, self.config)
-            stage = self._agree(plan, None, step, microbatch, None, None)
-            src = batch.features
-            if order != tuple(range(len(order))):
-                src = batch.features.index_select(0, _rows_index(batch, order, src.device))
-            out = emb.masked_scatter(lay.ph.view(emb.shape[:2]).unsqueeze(-1), src)
-            return self._result(
-                out, seq_first, loss_mask, labels, plan, None, verdict, step, microbatch, stage, lay
-            )
-        return self._diagnose(
-            input_ids,
-            cu_seqlens,
-            lay,
-            batch,
-            emb,
-            verdict,
-            loss_mask,
-            labels,
-            seq_first,
-            step,
-            microbatch,
-            encoder or self.encoder,
-        )
+        if not verdict.aligned(len(batch.items)):
+            return self._diagnose(c, verdict)
+        plan = build_plan(lay.num_samples, batch.items, verdict, None, self.config)
+        stage = self._agree(c, plan, None, None, None)
+        src = batch.features
+        if order != tuple(range(len(order))):  # explicit samples given out of token order
+            src = src.index_select(0, rows_index(batch, order, src.device))
+        out = c.emb.masked_scatter(lay.ph.unsqueeze(-1), src)
+        return self._finish(c, out, plan, None, verdict, stage, None)
 
-    def _diagnose(
-        self,
-        input_ids,
-        cu_seqlens,
-        lay,
-        batch: Batch,
-        emb,
-        verdict,
-        loss_mask,
-        labels,
-        seq_first,
-        step,
-        microbatch,
-        encoder,
-    ) -> MergeResult:
-        report = align(parse_layout(lay), batch.items, explicit=batch.explicit)
-        nonfinite = _nonfinite_samples(batch, report) if verdict.nonfinite else frozenset()
-        plan = build_plan(lay.num_samples, batch.items, verdict, report, self.config, nonfinite)
+    def _diagnose(self, c: _Call, verdict: Verdict) -> MergeResult:
+        batch = c.batch
+        report = align(parse_layout(c.lay), batch.items, explicit=batch.explicit)
+        nonfinite = frozenset()
+        if verdict.nonfinite:
+            owner = {i: rep.sample for rep in report.samples for i in rep.items}
+            nonfinite = frozenset(owner[i] for i in nonfinite_items(batch) if i in owner)
+        plan = build_plan(c.lay.num_samples, batch.items, verdict, report, self.config, nonfinite)
         replaced: dict[int, torch.Tensor] = {}
         if plan.repairs:
-            plan, replaced = repair_mod.run_repairs(
-                plan, batch, self, encoder, step=step, microbatch=microbatch
+            plan, replaced = run_repairs(
+                plan, batch, self, c.encoder, step=c.step, microbatch=c.microbatch
             )
-        bundle_path = self._dump(input_ids, cu_seqlens, batch, report, step, microbatch)
+        bundle_path = self._dump(c, report)
+        fatal_record = self._record(c, report, plan)
         fatal_msg = None
-        fatal_record = None
-        for rep in report.mismatched:
-            act = plan.actions[rep.sample]
-            if act in ("drop", "raise"):
-                rec = self.log.emit(
-                    sample_record(rep, batch.items, act, act, step=step, microbatch=microbatch)
-                )
-                if act == "raise" and fatal_record is None:
-                    fatal_record = rec
-        for smp in sorted(set(range(lay.num_samples)) - {r.sample for r in report.mismatched}):
-            if plan.actions[smp] != "keep":  # nonfinite features in an otherwise aligned sample
-                self.log.emit(
-                    GuardRecord(
-                        event=plan.actions[smp],
-                        step=step,
-                        microbatch=microbatch,
-                        sample=smp,
-                        action=plan.actions[smp],
-                        reason="nonfinite: NaN/Inf in the sample's features",
-                    )
-                )
-        if report.orphans:
-            self.log.emit(
-                GuardRecord(
-                    event="check",
-                    step=step,
-                    microbatch=microbatch,
-                    action="unused",
-                    reason=f"items {list(report.orphans)[:16]} have no placeholder run",
-                )
-            )
         if plan.fatal or (report.orphans and self.config.policy == "raise"):
             fatal_msg = error_message(
                 report,
                 plan.fatal,
                 batch.items,
-                where=self._where(step, microbatch),
+                where=self._where(c.step, c.microbatch),
                 log_path=str(self.log.path) if self.log.path else None,
             )
             if bundle_path is not None:
                 fatal_msg += f"\n  replay bundle: {bundle_path}"
-        stage = self._agree(plan, report, step, microbatch, fatal_msg, fatal_record)
-        keep = torch.tensor([a in ("keep", "repair") for a in plan.actions], device=emb.device)
+        stage = self._agree(c, plan, report, fatal_msg, fatal_record)
         self.counters["mismatched"] += len(report.mismatched)
         self.counters["dropped"] += len(plan.dropped)
         self.counters["repaired"] += len(replaced)
-        out = _merge_kept(emb, lay, batch, report, plan, replaced, keep)
-        return self._result(
-            out,
-            seq_first,
-            loss_mask,
-            labels,
-            plan,
-            report,
-            verdict,
-            step,
-            microbatch,
-            stage,
-            lay,
-            keep,
-        )
+        keep = torch.tensor([a in ("keep", "repair") for a in plan.actions], device=c.emb.device)
+        kept_items = [
+            i for rep in report.samples if plan.actions[rep.sample] != "drop" for i in rep.items
+        ]
+        out = scatter_kept(c.emb, c.lay, batch, kept_items, replaced, keep)
+        return self._finish(c, out, plan, report, verdict, stage, keep)
 
-    def _dump(self, input_ids, cu_seqlens, batch: Batch, report, step, microbatch):
+    def _record(self, c: _Call, report: AlignmentReport, plan: Plan) -> dict | None:
+        """Writes one record per dropped or fatal sample (and for unused items); returns the
+        first fatal one, the record consensus fetches from the culprit."""
+        fatal = None
+        bad = {rep.sample: rep for rep in report.mismatched}
+        for smp, act in enumerate(plan.actions):
+            if act not in ("drop", "raise"):
+                continue
+            if smp in bad:
+                rec = sample_record(
+                    bad[smp], c.batch.items, act, act, step=c.step, microbatch=c.microbatch
+                )
+            else:  # aligned tokens, NaN/Inf features
+                rec = GuardRecord(
+                    event=act,
+                    step=c.step,
+                    microbatch=c.microbatch,
+                    sample=smp,
+                    action=act,
+                    reason="nonfinite: NaN/Inf in the sample's features",
+                )
+            written = self.log.emit(rec)
+            if act == "raise" and fatal is None:
+                fatal = written
+        if report.orphans:
+            self.log.emit(
+                GuardRecord(
+                    event="check",
+                    step=c.step,
+                    microbatch=c.microbatch,
+                    action="unused",
+                    reason=f"items {list(report.orphans)[:16]} have no placeholder run",
+                )
+            )
+        return fatal
+
+    def _dump(self, c: _Call, report: AlignmentReport):
         """Saves a replay bundle of a mismatched micro-batch when ``config.dump_dir`` is set."""
         cfg = self.config
         if cfg.dump_dir is None or report.ok:
@@ -332,31 +306,30 @@ class MediaGuard:
 
         return save_bundle(
             cfg.dump_dir,
-            input_ids=input_ids,
-            items=batch.items,
+            input_ids=c.input_ids,
+            items=c.batch.items,
             grammar=self.grammar,
-            cu_seqlens=cu_seqlens,
+            cu_seqlens=c.cu_seqlens,
             config=cfg,
             rank=self.rank,
-            step=step,
-            microbatch=microbatch,
+            step=c.step,
+            microbatch=c.microbatch,
             report=report,
             include_pixels=cfg.dump_pixels,
-            features=batch.features if cfg.dump_features else None,
+            features=c.batch.features if cfg.dump_features else None,
             max_bundles=cfg.dump_max,
         )
 
-    def _agree(self, plan: Plan, report, step, microbatch, fatal_msg, fatal_record) -> StageOutcome:
+    def _agree(self, c: _Call, plan: Plan, report, fatal_msg, fatal_record) -> StageOutcome:
         """Hands this rank's outcome to the consensus (or takes it as the stage's) and raises
         on every rank when any rank of the stage must."""
-        mismatched = len(report.mismatched) if report is not None else 0
         fatal_sample = plan.fatal[0] if plan.fatal else None
         local = LocalOutcome(
-            step=step,
-            microbatch=microbatch,
+            step=c.step,
+            microbatch=c.microbatch,
             digest=plan.digest,
             num_samples=len(plan.actions),
-            mismatched=mismatched,
+            mismatched=len(report.mismatched) if report is not None else 0,
             dropped=len(plan.dropped),
             repaired=len(plan.repairs),
             fatal=fatal_msg is not None,
@@ -364,129 +337,43 @@ class MediaGuard:
             message=fatal_msg,
             record=fatal_record,
         )
-        stage = (
-            self.consensus.agree(local)
-            if self.consensus is not None
-            else StageOutcome.local(local, self.rank.rank)
+        if self.consensus is not None:
+            stage = self.consensus.agree(local)
+        else:
+            stage = StageOutcome.local(local, self.rank.rank)
+        if not stage.fatal:
+            return stage
+        where = self._where(c.step, c.microbatch)
+        if fatal_msg is not None and stage.culprit_rank in (None, self.rank.rank):
+            raise MediaAlignmentError(fatal_msg, context={"where": where, "sample": fatal_sample})
+        raise MediaAlignmentError(
+            f"Media alignment failed on rank {stage.culprit_rank} (step {stage.culprit_step}, "
+            f"sample {stage.culprit_sample}); this rank ({where}) stops with it.\n"
+            f"{stage.message or ''}",
+            context={"where": where, "culprit_rank": stage.culprit_rank},
         )
-        if stage.fatal:
-            if fatal_msg is not None and stage.culprit_rank in (None, self.rank.rank):
-                raise MediaAlignmentError(
-                    fatal_msg,
-                    context={"where": self._where(step, microbatch), "sample": fatal_sample},
-                )
-            raise MediaAlignmentError(
-                f"Media alignment failed on rank {stage.culprit_rank} (step {stage.culprit_step}, "
-                f"sample {stage.culprit_sample}); this rank stops with it.\n{stage.message or ''}",
-                context={
-                    "where": self._where(step, microbatch),
-                    "culprit_rank": stage.culprit_rank,
-                },
-            )
-        return stage
 
-    def _result(
-        self,
-        out,
-        seq_first,
-        loss_mask,
-        labels,
-        plan,
-        report,
-        verdict,
-        step,
-        microbatch,
-        stage,
-        lay,
-        keep=None,
-    ) -> MergeResult:
-        if seq_first:
-            out = out.transpose(0, 1).contiguous()
-        dropped = plan.dropped
-        if dropped:
-            drop_tok = ~keep[lay.sample.clamp(max=lay.num_samples - 1)]
-            drop_tok = (drop_tok & (lay.sample < lay.num_samples)).view(lay.batch, lay.row_length)
-            base = (
-                loss_mask
-                if loss_mask is not None
-                else torch.ones(lay.batch, lay.row_length, dtype=torch.float32, device=out.device)
+    def _finish(self, c: _Call, out, plan: Plan, report, verdict, stage, keep) -> MergeResult:
+        loss_mask, labels = c.loss_mask, c.labels
+        if plan.dropped:
+            loss_mask, labels = mask_dropped(
+                c.lay, keep, loss_mask, labels, self.config.ignore_index
             )
-            loss_mask = base.masked_fill(drop_tok, 0)
-            if labels is not None:
-                labels = labels.masked_fill(drop_tok, self.config.ignore_index)
-        report_obj = GuardReport(
+        if c.seq_first:
+            out = out.transpose(0, 1).contiguous()
+        rep = GuardReport(
             ok=plan.keeps_all and report is None,
-            step=step,
-            microbatch=microbatch,
+            step=c.step,
+            microbatch=c.microbatch,
             rank=self.rank.rank,
-            num_samples=lay.num_samples,
-            num_items=verdict.runs if report is None else report.num_items,
+            num_samples=c.lay.num_samples,
+            num_items=len(c.batch.items),
             actions=plan.actions,
-            dropped=dropped,
+            dropped=plan.dropped,
             repaired=tuple(r.item for r in plan.repairs),
             alignment=report,
             verdict=verdict,
             digest=plan.digest,
             stage=stage,
         )
-        return MergeResult(out, loss_mask, labels, report_obj)
-
-
-def _rows_index(batch: Batch, item_order: Sequence[int], device: torch.device) -> torch.Tensor:
-    """Feature rows of the given items, concatenated in that order. ``[sum n]`` int64."""
-    parts = [torch.arange(*batch.rows(i)) for i in item_order]
-    idx = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
-    return idx.to(device, non_blocking=True)
-
-
-def _nonfinite_samples(batch: Batch, report: AlignmentReport) -> frozenset[int]:
-    """Samples owning an item with NaN/Inf features (one transfer of one flag per item)."""
-    f = batch.features
-    flags = (
-        torch.stack(
-            [~torch.isfinite(f[slice(*batch.rows(i))]).all() for i in range(len(batch.items))]
-        )
-        if batch.items
-        else torch.zeros(0, dtype=torch.bool)
-    )
-    bad = to_host(flags, why="which items hold NaN/Inf").tolist()
-    owner = {i: rep.sample for rep in report.samples for i in rep.items}
-    return frozenset(owner[i] for i, b in enumerate(bad) if b and i in owner)
-
-
-def _merge_kept(
-    emb,
-    lay: TokenLayout,
-    batch: Batch,
-    report: AlignmentReport,
-    plan: Plan,
-    replaced: dict[int, torch.Tensor],
-    keep: torch.Tensor,
-) -> torch.Tensor:
-    """Scatter only kept (and repaired) samples' items; anchor the rest with a zero term.
-
-    Kept samples are aligned, so their items, in sample order, fill their runs exactly.
-    """
-    kept_items = [
-        i
-        for rep in report.samples
-        if plan.actions[rep.sample] in ("keep", "repair")
-        for i in rep.items
-    ]
-    f = batch.features
-    pieces = [replaced[i] if i in replaced else f[slice(*batch.rows(i))] for i in kept_items]
-    src = torch.cat(pieces) if pieces else f[:0]
-    ph_keep = (
-        lay.ph & keep[lay.sample.clamp(max=lay.num_samples - 1)] & (lay.sample < lay.num_samples)
-    )
-    out = emb.masked_scatter(ph_keep.view(emb.shape[:2]).unsqueeze(-1), src)
-    unused = sorted(set(range(len(batch.items))) - set(kept_items) | set(replaced))
-    if unused:
-        # keep the vision tower in the autograd graph (DDP/FSDP hooks fire as usual):
-        # add -0.0, the exact additive identity for every float including -0.0 itself.
-        rows = f.index_select(0, _rows_index(batch, unused, f.device))
-        clean = torch.where(torch.isfinite(rows), rows, torch.zeros_like(rows))
-        anchor = -(clean * 0).abs().sum()
-        out = out.clone() if out is emb else out
-        out[0, 0, 0] = out[0, 0, 0] + anchor.to(out.dtype)
-    return out
+        return MergeResult(out, loss_mask, labels, rep)

@@ -1,0 +1,84 @@
+"""Carrying out a plan on tensors: scatter kept items, mask dropped samples.
+
+No decisions here: ``plan.py`` decides, this module only moves data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .host import to_host
+from .items import Batch
+from .runs import TokenLayout
+
+
+def rows_index(batch: Batch, item_order: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Feature rows of the given items, concatenated in that order. ``[sum n]`` int64."""
+    parts = [torch.arange(*batch.rows(i)) for i in item_order]
+    idx = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+    return idx.to(device, non_blocking=True)
+
+
+def nonfinite_items(batch: Batch) -> list[int]:
+    """Items whose features hold NaN/Inf (one transfer of one flag per item)."""
+    if not batch.items:
+        return []
+    f = batch.features
+    flags = torch.stack(
+        [~torch.isfinite(f[slice(*batch.rows(i))]).all() for i in range(len(batch.items))]
+    )
+    bad = to_host(flags, why="which items hold NaN/Inf").tolist()
+    return [i for i, b in enumerate(bad) if b]
+
+
+def token_keep(lay: TokenLayout, keep: torch.Tensor) -> torch.Tensor:
+    """``[b, s]`` bool: the token belongs to a kept sample (padding of a packed row: False)."""
+    return keep[lay.sample.clamp(max=lay.num_samples - 1)] & (lay.sample < lay.num_samples)
+
+
+def scatter_kept(
+    emb: torch.Tensor,
+    lay: TokenLayout,
+    batch: Batch,
+    kept_items: Sequence[int],
+    replaced: dict[int, torch.Tensor],
+    keep: torch.Tensor,
+) -> torch.Tensor:
+    """Scatter the kept items (in token order; repaired ones with their new features) into
+    the kept samples' placeholders; anchor every other feature with a zero-weight term.
+
+    emb: ``[b, s, h]``; keep: ``[num_samples]`` bool on the device.
+    """
+    f = batch.features
+    pieces = [replaced[i] if i in replaced else f[slice(*batch.rows(i))] for i in kept_items]
+    src = torch.cat(pieces) if pieces else f[:0]
+    out = emb.masked_scatter((lay.ph & token_keep(lay, keep)).unsqueeze(-1), src)
+    unused = sorted((set(range(len(batch.items))) - set(kept_items)) | set(replaced))
+    if unused:
+        # keep the vision tower in the autograd graph (DDP/FSDP hooks fire as usual):
+        # add -0.0, the exact additive identity for every float including -0.0 itself.
+        rows = f.index_select(0, rows_index(batch, unused, f.device))
+        clean = torch.where(torch.isfinite(rows), rows, torch.zeros_like(rows))
+        anchor = -(clean * 0).abs().sum()
+        out[0, 0, 0] = out[0, 0, 0] + anchor.to(out.dtype)
+    return out
+
+
+def mask_dropped(
+    lay: TokenLayout,
+    keep: torch.Tensor,
+    loss_mask: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    ignore_index: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The caller's loss mask with dropped samples zeroed (created as float32 ones when None)
+    and labels set to ``ignore_index`` there. Out of place: the caller's tensors are kept."""
+    drop_tok = ~token_keep(lay, keep) & (lay.sample < lay.num_samples)
+    if loss_mask is None:
+        loss_mask = torch.ones(lay.batch, lay.row_length, dtype=torch.float32, device=keep.device)
+    loss_mask = loss_mask.masked_fill(drop_tok, 0)
+    if labels is not None:
+        labels = labels.masked_fill(drop_tok, ignore_index)
+    return loss_mask, labels
