@@ -1,0 +1,126 @@
+"""Run a function on N gloo ranks on CPU, with a hard bound: a hang is a failure.
+
+``run_ranks(fn, 4, args=...)`` starts 4 processes with ``torch.multiprocessing``
+(start method ``forkserver``: the server imports torch, megatron-core and the guard
+once, then every rank forks from it in milliseconds instead of re-importing for
+seconds), initializes a gloo process group over a file store in a fresh temporary
+directory, and calls ``fn(rank, world_size, *args)`` in each. What ``fn`` returns
+(picklable) comes back as a list indexed by rank.
+
+Failures: an exception in any rank fails the call (AssertionError) with every failed
+rank's traceback, the first failure first (the others are terminated); a rank still running after ``timeout`` seconds is a hang:
+every process is killed and AssertionError names the ranks that did not finish.
+Collectives inside the ranks also time out after ``pg_timeout`` seconds (gloo).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as tmp
+
+PRELOAD = ["torch.distributed", "megatron_media_guard.consensus", "megatron.core.parallel_state"]
+START_METHOD = os.environ.get("MEDIA_GUARD_TEST_START_METHOD", "forkserver")
+
+
+def _rank_main(
+    rank: int,
+    world: int,
+    workdir: str,
+    fn: Callable[..., Any],
+    args: tuple,
+    pg_timeout: float,
+) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{workdir}/store",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=pg_timeout),
+    )
+    try:
+        result = fn(rank, world, *args)
+        with open(Path(workdir) / f"rank{rank}.pkl", "wb") as f:
+            pickle.dump(result, f)
+    except BaseException:
+        # time-stamped, so the parent can name the first failure (the others often follow it)
+        (Path(workdir) / f"error{rank}.txt").write_text(f"{time.time()}\n{traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int = 4,
+    *,
+    args: tuple = (),
+    timeout: float = 60.0,
+    pg_timeout: float = 30.0,
+) -> list[Any]:
+    """``[fn(0, world_size, *args), ..., fn(world_size - 1, ...)]``, each in its own process.
+
+    fn must be a module-level function (it is pickled by name).
+    """
+    if START_METHOD == "forkserver":
+        tmp.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    with tempfile.TemporaryDirectory(prefix="media_guard_dist_") as workdir:
+        ctx = tmp.start_processes(
+            _rank_main,
+            args=(world_size, workdir, fn, args, pg_timeout),
+            nprocs=world_size,
+            join=False,
+            start_method=START_METHOD,
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=max(0.05, min(1.0, deadline - time.monotonic()))):
+                if time.monotonic() > deadline:
+                    hung = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
+                    raise AssertionError(
+                        f"ranks {hung} of {world_size} still running after {timeout:.0f} s: "
+                        "a hang (all processes killed)"
+                    )
+        except (tmp.ProcessRaisedException, tmp.ProcessExitedException) as exc:
+            raise AssertionError(_failures(workdir, world_size) or str(exc)) from None
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        results = []
+        for r in range(world_size):
+            with open(Path(workdir) / f"rank{r}.pkl", "rb") as f:
+                results.append(pickle.load(f))
+        return results
+
+
+def _failures(workdir: str, world_size: int) -> str:
+    """Every rank's traceback, first failure first."""
+    found = []
+    for r in range(world_size):
+        path = Path(workdir) / f"error{r}.txt"
+        if path.exists():
+            stamp, _, text = path.read_text().partition("\n")
+            found.append((float(stamp), r, text))
+    found.sort()
+    return "".join(
+        f"\n-- rank {r} failed{' first' if i == 0 else ''}:\n{text}"
+        for i, (_, r, text) in enumerate(found)
+    )

@@ -1,0 +1,323 @@
+"""StageConsensus and DropBudget: the check arithmetic, naming, single-process defaults,
+the budget's limits and records, and explicit gloo groups on 4 ranks."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import types
+
+import pytest
+import torch
+from dist_harness import run_ranks
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_media_guard import (
+    ConsensusError,
+    DropBudgetExceeded,
+    GuardConfig,
+    MediaGuard,
+    MediaInputError,
+    RankInfo,
+)
+from megatron_media_guard.budget import DropBudget
+from megatron_media_guard.consensus import (
+    StageConsensus,
+    _disagreement_message,
+    _disagreements,
+    check_values,
+    coefficients,
+    megatron_writers,
+)
+from megatron_media_guard.outcome import LocalOutcome
+from megatron_media_guard.synthetic import TEST_GRAMMARS, inject
+
+Q = TEST_GRAMMARS["qwen"]
+LAYOUT = [[("image", 4)], [("image", 3)], [("image", 5)], [("image", 2)]]
+
+
+def local(digest=7, fatal=False, step=1, mb=0, dropped=0, samples=4, message=None):
+    return LocalOutcome(
+        step=step,
+        microbatch=mb,
+        digest=digest,
+        num_samples=samples,
+        mismatched=dropped,
+        dropped=dropped,
+        repaired=0,
+        fatal=fatal,
+        fatal_sample=0 if fatal else None,
+        message=message,
+    )
+
+
+# ---- the check lanes ----------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    groups=st.integers(1, 4),
+    size=st.integers(1, 4),
+    data=st.data(),
+)
+def test_check_lanes_cancel_exactly_when_groups_and_steps_agree(groups, size, data):
+    """Simulates the stage's SUM: zero iff every micro-batch group holds one digest and
+    every rank one (step, microbatch)."""
+    world = groups * size
+    stage = list(range(world))
+    digests = data.draw(st.lists(st.integers(0, 2), min_size=world, max_size=world))
+    steps = data.draw(st.lists(st.sampled_from([(3, 0), (3, 1)]), min_size=world, max_size=world))
+    total = [0, 0]
+    for r in stage:
+        batch = list(range(r // size * size, r // size * size + size))
+        coef = (coefficients(r, batch), coefficients(r, stage))
+        # group g holds digest base 10*g (+ the drawn deviation): groups never share digests
+        vals = check_values(10 * (r // size) + digests[r], min(batch), *steps[r], coef)
+        total = [t + v for t, v in zip(total, vals)]
+    agree = all(
+        len({digests[r] for r in range(g * size, g * size + size)}) == 1 for g in range(groups)
+    )
+    agree = agree and len(set(steps)) == 1
+    assert (total == [0, 0]) == agree
+    assert all(abs(v) < 2**62 for v in total)
+
+
+@pytest.mark.parametrize(
+    "rows, culprits, needle",
+    [
+        # group of two: the reference is the lowest rank's digest
+        ([(0, 0, 5), (1, 0, 6), (2, 2, 9), (3, 2, 9)], [1], "ranks [0, 1] hold the same"),
+        # group of three: the majority wins, even against the lowest rank
+        ([(0, 0, 6), (1, 0, 5), (2, 0, 5)], [0], "differ from the majority"),
+        ([(0, 0, 5), (1, 0, 5), (2, 2, 9), (3, 2, 8)], [3], "rank 3 digest 0x0000000000000008"),
+    ],
+)
+def test_disagreement_names_the_ranks_that_differ(rows, culprits, needle):
+    table = [
+        dict(rank=r, group=g, digest=d, fatal=0, sample=-1, step=4, microbatch=0, samples=4)
+        for r, g, d in rows
+    ]
+    msg, named = _disagreement_message(_disagreements(table), local(step=4))
+    assert named == culprits
+    assert needle in msg and "step 4" in msg
+
+
+def test_schedule_desync_names_the_odd_rank():
+    table = [
+        dict(
+            rank=r, group=r, digest=1, fatal=0, sample=-1, step=4, microbatch=int(r == 2), samples=4
+        )
+        for r in range(3)
+    ]
+    msg, named = _disagreement_message(_disagreements(table), local(step=4))
+    assert (
+        named == [2]
+        and "different guarded merges" in msg
+        and "rank 2 at step 4 microbatch 1" in msg
+    )
+
+
+# ---- single process ---------------------------------------------------------------------
+
+
+def test_single_process_passes_the_local_outcome_through():
+    cons = StageConsensus(rank_info=RankInfo(rank=5))
+    assert not cons.active
+    out = cons.agree(local(dropped=1))
+    assert (out.fatal, out.dropped, out.collectives) == (False, 1, 0)
+    bad = cons.agree(local(fatal=True, message="boom"))
+    assert bad.fatal and bad.culprit_rank == 5 and bad.message == "boom"
+    assert cons.collectives == 0
+    totals = cons.on_step_end(1, {"merges": 2})
+    assert totals["samples"] == 8 and totals["dropped"] == 1 and totals["merges"] == 2
+    assert cons.on_step_end(2, {})["samples"] == 0  # reset at every step end
+    assert StageConsensus.from_parallel_state().active is False
+
+
+def test_guard_with_consensus_and_budget_single_process(tmp_path):
+    budget = DropBudget(max_fraction_per_step=0.2)
+    cons = StageConsensus(budget=budget)
+    guard = MediaGuard(
+        GuardConfig(policy="drop", log_dir=str(tmp_path)), Q, rank=RankInfo(rank=0), consensus=cons
+    )
+    cons.bind(guard)
+    batch = inject(Q, LAYOUT, "surplus_feature")
+    emb = torch.zeros(*batch.input_ids.shape, 8)
+    res = guard.merge(emb, batch.input_ids, batch.features(8), batch.items, step=3)
+    assert res.report.dropped == (0,) and res.report.stage.collectives == 0
+    with pytest.raises(DropBudgetExceeded) as info:
+        guard.on_step_end(3)
+    assert "1 of 4 samples" in str(info.value) and "25.00%" in str(info.value)
+    assert info.value.context["fraction"] == 0.25 and info.value.context["limit"] == 0.2
+    recs = [
+        json.loads(x) for x in (tmp_path / "media_guard.rank00000.jsonl").read_text().splitlines()
+    ]
+    assert [r["event"] for r in recs] == ["drop", "budget"]  # written before the raise
+    assert recs[1]["step"] == 3 and recs[1]["extra"]["tripped"] == "step"
+
+
+# ---- the drop budget ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_fraction_per_step": -0.1},
+        {"max_fraction_per_step": 1.5},
+        {"max_fraction_window": True},
+        {"max_fraction_window": "0.1"},
+        {"window_steps": 0},
+        {"window_steps": 2.0},
+    ],
+)
+def test_budget_validation(kwargs):
+    with pytest.raises(MediaInputError):
+        DropBudget(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "limit, samples, dropped, trips",
+    [
+        (0.25, 8, 2, False),
+        (0.25, 8, 3, True),
+        (0.0, 8, 0, False),
+        (0.0, 8, 1, True),
+        (0.1, 0, 0, False),
+    ],
+)
+def test_budget_per_step_limit(limit, samples, dropped, trips):
+    b = DropBudget(max_fraction_per_step=limit)
+    if trips:
+        with pytest.raises(DropBudgetExceeded, match=f"{dropped} of {samples} samples"):
+            b.on_step_end(0, {"samples": samples, "dropped": dropped})
+    else:
+        assert b.on_step_end(0, {"samples": samples, "dropped": dropped}).tripped is None
+
+
+def test_budget_window_needs_a_full_window_then_trips():
+    b = DropBudget(max_fraction_window=0.1, window_steps=3)
+    assert b.on_step_end(10, {"samples": 10, "dropped": 5}).tripped is None  # 1 step seen
+    assert b.on_step_end(11, {"samples": 10, "dropped": 0}).window_fraction == 0.25
+    with pytest.raises(DropBudgetExceeded) as info:
+        b.on_step_end(12, {"samples": 10, "dropped": 0})  # 5 / 30 over steps 10..12
+    msg = str(info.value)
+    assert "5 of 30 samples" in msg and "last 3 steps (steps 10..12" in msg and "10.00%" in msg
+    assert info.value.context["tripped"] == "window"
+    b.reset()
+    assert b.on_step_end(13, {"samples": 10, "dropped": 5}).window_steps == 1
+
+
+def test_budget_slides_the_window():
+    b = DropBudget(max_fraction_window=0.2, window_steps=2)
+    b.on_step_end(0, {"samples": 10, "dropped": 3})
+    b.on_step_end(1, {"samples": 10, "dropped": 1})  # 4 / 20 = 0.2: equal passes
+    s = b.on_step_end(2, {"samples": 10, "dropped": 1})  # step 0 left the window
+    assert (s.window_dropped, s.window_samples, s.tripped) == (2, 20, None)
+
+
+class TB:
+    def __init__(self):
+        self.seen = []
+
+    def add_scalar(self, tag, value, step):
+        self.seen.append((tag, value, step))
+
+
+class WB:
+    def __init__(self):
+        self.seen = []
+
+    def log(self, scalars, step):
+        self.seen.append((dict(scalars), step))
+
+
+def test_budget_logs_counters_to_megatron_writers(monkeypatch):
+    tb, wb = TB(), WB()
+    gv = types.ModuleType("megatron.training.global_vars")
+    gv.get_tensorboard_writer = lambda: tb
+    gv.get_wandb_writer = lambda: wb
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", gv)
+    assert megatron_writers() == (tb, wb)
+    cons = StageConsensus(budget=DropBudget(max_fraction_per_step=0.5))
+    cons.agree(local(dropped=1, samples=4))
+    cons.on_step_end(9, {"merges": 1})
+    assert ("media_guard/drop_fraction", 0.25, 9) in tb.seen
+    assert ("media_guard/dropped", 1.0, 9) in tb.seen
+    assert wb.seen == [
+        (
+            {
+                "media_guard/samples": 4.0,
+                "media_guard/dropped": 1.0,
+                "media_guard/mismatched": 1.0,
+                "media_guard/repaired": 0.0,
+                "media_guard/drop_fraction": 0.25,
+                "media_guard/drop_fraction_window": 0.25,
+            },
+            9,
+        )
+    ]
+
+
+def test_no_megatron_no_writers(monkeypatch):
+    monkeypatch.delitem(sys.modules, "megatron.training.global_vars", raising=False)
+    assert megatron_writers() == ()
+
+
+# ---- explicit gloo groups, 4 ranks ----------------------------------------------------------
+
+
+def explicit_worker(rank: int, world: int) -> dict:
+    """TP2 x DP2 built by hand: stage = world, micro-batch groups {0, 1} and {2, 3}."""
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    cons = StageConsensus(stage_group=None, batch_group=groups[rank // 2])
+    out = {"info": cons.rank_info().rank, "size": (cons.stage_size, cons.batch_size)}
+    digest = 100 + rank // 2
+    s = cons.agree(local(digest=digest, dropped=int(rank < 2)))
+    out["aligned"] = (s.fatal, s.dropped, s.collectives)
+    s = cons.agree(local(digest=digest, fatal=rank == 2, message=f"from {rank}"))
+    out["fatal"] = (s.fatal, s.culprit_rank, s.message, s.collectives)
+    try:
+        cons.agree(local(digest=digest + (rank == 1)))
+        out["disagree"] = None
+    except ConsensusError as err:
+        out["disagree"] = (err.context["culprit_rank"], str(err))
+    out["totals"] = cons.on_step_end(1, {})
+    out["collectives"] = cons.collectives
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_explicit_groups_on_four_ranks():
+    res = run_ranks(explicit_worker, 4, timeout=90)
+    for r, o in enumerate(res):
+        assert o["info"] == r and o["size"] == (4, 2)
+        assert o["aligned"] == (False, 1, 1)  # 2 peers x 1 drop, counted once
+        assert o["fatal"] == (True, 2, "from 2", 3)  # the culprit's message, on every rank
+        assert o["disagree"][0] == 1 and "rank 1 digest" in o["disagree"][1]
+        assert o["totals"]["samples"] == 3 * 8 and o["totals"]["dropped"] == 1
+        assert o["collectives"] == 1 + 3 + 2
+
+
+def sleepy_worker(rank: int, world: int) -> None:
+    if rank == 1:
+        time.sleep(120)
+
+
+def raising_worker(rank: int, world: int) -> None:
+    if rank == 0:
+        raise RuntimeError("rank zero broke")
+    torch.distributed.barrier()  # the others wait for rank 0 forever
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(60)
+def test_harness_fails_a_hang_and_an_error_within_its_bound():
+    with pytest.raises(AssertionError, match=r"ranks \[1\] of 2 still running"):
+        run_ranks(sleepy_worker, 2, timeout=3)
+    with pytest.raises(AssertionError, match=r"rank 0 failed first:(.|\n)*rank zero broke"):
+        run_ranks(raising_worker, 2, timeout=20)

@@ -1,0 +1,185 @@
+"""The first and last pipeline stages reach the same plan without communicating.
+
+Megatron gives both stages the micro-batch; only the first has vision features. The
+first stage runs the guarded merge; the last stage runs ``plan_loss_mask`` on the
+token ids, item metadata, loss mask and labels. They must agree on every sample's
+action and the plan digest, and the last stage's loss mask / labels must drop
+exactly the samples the first stage dropped.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from megatron_media_guard import (
+    Grammar,
+    GuardConfig,
+    MediaAlignmentError,
+    MediaGuard,
+    MediaInputError,
+    MediaItem,
+    RankInfo,
+)
+from megatron_media_guard.consensus import plan_loss_mask
+from megatron_media_guard.synthetic import FAULTS, TEST_GRAMMARS, build_batch, inject, random_layout
+
+H = 8
+LAYOUT = [[("image", 4), ("image", 6)], [("image", 3)], [("video", 8)], [("image", 5)]]
+
+
+def stages(grammar, policy="drop", **kw):
+    cfg = GuardConfig(policy=policy, **kw)
+    first = MediaGuard(cfg, grammar=grammar, rank=RankInfo(rank=0, pp=0))
+    last = MediaGuard(cfg, grammar=grammar, rank=RankInfo(rank=1, pp=1))
+    return first, last
+
+
+def run_both(first, last, ids, items, feats, cu=None, **kw):
+    b, s = ids.shape
+    lm = torch.ones(b, s)
+    labels = torch.roll(ids, -1, dims=1)
+    emb = torch.randn(b, s, H)
+    res = first.merge(emb, ids, feats, items, loss_mask=lm, labels=labels, cu_seqlens=cu, **kw)
+    lp = plan_loss_mask(last, ids, items, lm, labels, cu, **kw)
+    return res, lp
+
+
+def assert_same(res, lp):
+    assert lp.plan.actions == res.report.actions
+    assert lp.digest == res.report.digest
+    assert lp.dropped == res.report.dropped
+    assert torch.equal(lp.loss_mask, res.loss_mask)
+    assert torch.equal(lp.labels, res.labels)
+
+
+@pytest.mark.parametrize("grammar", ["qwen", "internvl", "pixtral", "plain"])
+@pytest.mark.parametrize("fault", FAULTS)
+def test_first_and_last_stage_agree_under_drop(grammar, fault):
+    g = TEST_GRAMMARS[grammar]
+    layout = [[(m if m in g.placeholders else "image", n) for m, n in smp] for smp in LAYOUT]
+    batch = inject(g, layout, fault)
+    first, last = stages(g)
+    res, lp = run_both(first, last, batch.input_ids, batch.items, batch.features(H))
+    assert_same(res, lp)
+    for smp in range(batch.input_ids.shape[0]):
+        dropped = smp in lp.dropped
+        assert bool(lp.loss_mask[smp].eq(0).all()) == dropped
+        assert bool(lp.labels[smp].eq(-100).all()) == dropped
+    if fault != "none":
+        assert lp.dropped, "every fault here drops at least one sample"
+    assert first.counters == last.counters
+
+
+def test_packed_samples_agree():
+    g = TEST_GRAMMARS["qwen"]
+    a = build_batch(g, [[("image", 3)]])
+    b = build_batch(g, [[("image", 5)]], seed=1)
+    ids = torch.cat([a.input_ids, b.input_ids], dim=1)
+    cu = torch.tensor([0, a.input_ids.shape[1], ids.shape[1]])
+    items = [MediaItem(3, 0), MediaItem(6, 1)]  # sample 1: one feature too many
+    first, last = stages(g)
+    res, lp = run_both(first, last, ids, items, torch.randn(9, H), cu)
+    assert_same(res, lp)
+    assert lp.dropped == (1,)
+    assert lp.loss_mask[0, : cu[1]].eq(1).all() and lp.loss_mask[0, cu[1] :].eq(0).all()
+
+
+def test_raise_policy_raises_on_both_stages_naming_the_sample():
+    g = TEST_GRAMMARS["qwen"]
+    batch = inject(g, LAYOUT, "budget_shrink")
+    first, last = stages(g, "raise")
+    msgs = []
+    for stage in (first, last):
+        with pytest.raises(MediaAlignmentError) as info:
+            run_both(stage, stage, batch.input_ids, batch.items, batch.features(H), step=7)
+        msgs.append(str(info.value))
+    for m in msgs:
+        assert "step 7" in m and "sample 0" in m and "'s0'" in m
+
+
+@dataclass(frozen=True)
+class Sol:
+    tokens: int
+    size_hw: tuple[int, int]
+    fidelity: str = "unique"
+    reason: str = "stub"
+    reachable: bool = True
+    grid: tuple[int, int] | None = None
+
+
+class Geo:
+    def solve(self, target, hw, num_frames=1):
+        return Sol(target, (target, 2))
+
+
+def encoder(px: torch.Tensor) -> torch.Tensor:
+    return px.mean(dim=(0, 2)).unsqueeze(1).expand(-1, H).contiguous()
+
+
+def test_repair_digest_matches_when_the_repair_succeeds():
+    g = TEST_GRAMMARS["qwen"]
+    batch = inject(g, LAYOUT, "budget_shrink")
+    items = [replace(it, pixels=torch.rand(3, 6, 6)) for it in batch.items]
+    cfg = GuardConfig(policy="repair", fallback="drop")
+    first = MediaGuard(cfg, grammar=g, geometry=Geo(), encoder=encoder)
+    last = MediaGuard(cfg, grammar=g)  # no vision tower on the last stage
+    res, lp = run_both(first, last, batch.input_ids, items, batch.features(H))
+    assert res.report.actions[0] == "repair" and res.report.repaired
+    assert lp.plan.actions == res.report.actions and lp.digest == res.report.digest
+    assert lp.loss_mask.eq(1).all()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    fault=st.sampled_from(FAULTS),
+    policy=st.sampled_from(["drop", "raise"]),
+    grammar=st.sampled_from(["qwen", "internvl", "pixtral"]),
+)
+def test_property_stages_agree(seed, fault, policy, grammar):
+    g = TEST_GRAMMARS[grammar]
+    rng = random.Random(seed)
+    layout = random_layout(rng, rng.randint(1, 4), max_items=3, max_len=6)
+    try:
+        batch = inject(g, layout, fault, seed=seed)
+    except ValueError:  # the fault does not fit this layout
+        assume(False)
+    first, last = stages(g, policy)
+    outs = []
+    for stage in ("first", "last"):
+        try:
+            if stage == "first":
+                res = first.merge(
+                    torch.zeros(*batch.input_ids.shape, H),
+                    batch.input_ids,
+                    batch.features(H),
+                    batch.items,
+                )
+                outs.append((res.report.actions, res.report.digest, res.loss_mask))
+            else:
+                lp = plan_loss_mask(last, batch.input_ids, batch.items, None, None)
+                outs.append((lp.plan.actions, lp.digest, lp.loss_mask))
+        except MediaAlignmentError as err:
+            outs.append(("raise", err.context.get("sample")))
+    a, b = outs
+    assert a[:2] == b[:2]
+    if a[0] != "raise":
+        assert (a[2] is None and b[2] is None) or torch.equal(a[2], b[2])
+
+
+@pytest.mark.parametrize(
+    "grammar, shape, match",
+    [("llava", None, "collapsed"), ("qwen", (1, 3), r"loss_mask must be \[b, s\]")],
+)
+def test_plan_loss_mask_rejects_what_it_cannot_plan(grammar, shape, match):
+    g = Grammar.llava() if grammar == "llava" else TEST_GRAMMARS[grammar]
+    ids = torch.tensor([[1000, 5, 5, 1001]])
+    lm = torch.ones(shape) if shape else None
+    with pytest.raises(MediaInputError, match=match):
+        plan_loss_mask(MediaGuard(GuardConfig(), grammar=g), ids, [MediaItem(2, 0)], lm, None)
