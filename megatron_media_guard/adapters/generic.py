@@ -1,0 +1,309 @@
+"""Guard any model's own merge function (Megatron-Bridge style custom VLMs).
+
+A custom model usually has a method such as ``merge_embeddings(inputs_embeds,
+input_ids, image_features)`` that does ``inputs_embeds.masked_scatter(mask, feats)``.
+:func:`guard_merge_fn` returns a function with the same parameters that performs that
+merge through :meth:`MediaGuard.merge` instead (bit-identical on aligned batches,
+per-sample checks and policies otherwise); :func:`install_generic` puts it on one
+model instance, reversibly. :class:`ArgMap` says which parameter holds what.
+
+Item metadata: an ``items`` parameter of the merge function (``ArgMap.items``),
+``handle.set_items(items)`` before the call, or ``items_provider``. Without any, a
+list of per-item feature tensors gives the items (matched to runs in order); a single
+packed tensor gets one item per placeholder run when its row count equals the
+placeholder count (:func:`infer_items`). That still catches malformed structure and
+NaN/Inf, but not errors that cancel between samples: give item metadata for those.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from ..diagnostics import GuardRecord
+from ..errors import MediaAlignmentError, MediaInputError
+from ..items import MediaItem
+from ..merge import MediaGuard, MergeResult
+from ..runs import ParsedRuns, parse_runs
+from .hooks import GuardHandle, ItemsProvider, StepProvider, where_text
+
+OutputFn = Callable[[MergeResult], Any]
+
+
+@dataclass(frozen=True)
+class ArgMap:
+    """Parameter names of the wrapped merge function (None: not passed to it).
+
+    embeddings: ``[b, s, h]`` text embeddings (``[s, b, h]`` with ``seq_first``).
+    input_ids: ``[b, s]`` token ids. features: ``[sum n, h]`` or a list of ``[n_i, h]``.
+    items / loss_mask / labels / cu_seqlens: optional parameters carrying those.
+    """
+
+    embeddings: str = "inputs_embeds"
+    input_ids: str = "input_ids"
+    features: str = "image_features"
+    items: str | None = None
+    loss_mask: str | None = None
+    labels: str | None = None
+    cu_seqlens: str | None = None
+    seq_first: bool = False
+
+
+def infer_items(
+    parsed: ParsedRuns, totals: Mapping[str, int] | int
+) -> tuple[tuple[MediaItem, ...], tuple[str, ...]]:
+    """One item per placeholder run (``num_features`` = run length, ``sample`` = the run's
+    sample), for each modality whose feature total equals its placeholder total.
+
+    totals: feature rows per modality, or one int for all modalities together (features
+    in token order). Returns ``(items in token order, modalities whose totals differ)``.
+    """
+    runs = [r for r in parsed.runs if r.modality != "break"]
+    have: dict[str, int] = {}
+    for r in runs:
+        have[r.modality] = have.get(r.modality, 0) + r.length
+    if isinstance(totals, int):
+        ok = sum(have.values()) == totals
+        bad: tuple[str, ...] = () if ok else ("*",)
+        use = {r.modality for r in runs} if ok else set()
+    else:
+        bad = tuple(
+            m for m in sorted(set(have) | set(totals)) if have.get(m, 0) != totals.get(m, 0)
+        )
+        use = {m for m in have if m not in bad}
+    items = tuple(
+        MediaItem(r.length, sample=r.sample, modality=r.modality) for r in runs if r.modality in use
+    )
+    return items, bad
+
+
+def _features_for(items: Sequence[MediaItem], by_modality: Mapping[str, torch.Tensor]) -> list:
+    """Per-item feature slices: each modality's rows consumed in the items' order."""
+    cursor = dict.fromkeys(by_modality, 0)
+    out = []
+    for i, it in enumerate(items):
+        if it.modality not in by_modality:
+            raise MediaInputError(
+                f"item {i} has modality {it.modality!r}; features were given for "
+                f"{sorted(by_modality)}"
+            )
+        c = cursor[it.modality]
+        out.append(by_modality[it.modality][c : c + it.num_features])
+        cursor[it.modality] = c + it.num_features
+    for m, t in by_modality.items():
+        if cursor[m] != t.shape[0]:
+            raise MediaInputError(
+                f"items of modality {m!r} declare {cursor[m]} feature rows, its embeddings "
+                f"have {t.shape[0]}",
+                context={"modality": m, "declared": cursor[m], "rows": int(t.shape[0])},
+            )
+    return out
+
+
+def guard_merge_fn(
+    merge_fn: Callable[..., Any],
+    guard: MediaGuard,
+    *,
+    arg_map: ArgMap | None = None,
+    items_provider: ItemsProvider | None = None,
+    step_provider: StepProvider | None = None,
+    output: OutputFn | None = None,
+    handle: GuardHandle | None = None,
+) -> Callable[..., Any]:
+    """A function with ``merge_fn``'s parameters that merges through ``guard``.
+
+    The original is not called: the guard's merge is the masked scatter. Returns the
+    merged embeddings in the input layout, or ``output(result)``. The returned function
+    has ``.handle`` (``set_items``, ``set_step``, ``last_result``, ``mask_loss``) and
+    ``__wrapped__`` = ``merge_fn``.
+    """
+    amap = arg_map or ArgMap()
+    sig = inspect.signature(merge_fn)
+    for name in (amap.embeddings, amap.input_ids, amap.features):
+        if name not in sig.parameters:
+            raise MediaInputError(
+                f"{getattr(merge_fn, '__qualname__', merge_fn)!r} has no parameter {name!r} "
+                f"(parameters: {list(sig.parameters)}); pass an ArgMap"
+            )
+    if handle is None:
+        handle = GuardHandle(
+            merge_fn,
+            getattr(merge_fn, "__name__", "merge"),
+            guard,
+            "generic",
+            items_provider=items_provider,
+            step_provider=step_provider,
+        )
+        handle.original = merge_fn
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        ba = sig.bind(*args, **kwargs)
+        a = ba.arguments
+        step, mb = handle.next_call()
+        items = a.get(amap.items) if amap.items else None
+        pending = handle.take_items()
+        items = pending if items is None else items
+        where = where_text(guard, step, mb)
+        try:
+            res = _merge(guard, a, amap, items, step, mb)
+        except MediaAlignmentError as err:
+            if err.context.get("where"):
+                raise
+            raise err.with_context(f"media guard ({where}): ", where=where) from None
+        handle.last_result = res
+        return output(res) if output is not None else res.embeddings
+
+    guarded.__wrapped__ = merge_fn  # type: ignore[attr-defined]
+    guarded.handle = handle  # type: ignore[attr-defined]
+    return guarded
+
+
+def _merge(guard: MediaGuard, a: dict, amap: ArgMap, items, step, mb) -> MergeResult:
+    return merge_through_guard(
+        guard,
+        a[amap.embeddings],
+        a[amap.input_ids],
+        a[amap.features],
+        items,
+        loss_mask=a.get(amap.loss_mask) if amap.loss_mask else None,
+        labels=a.get(amap.labels) if amap.labels else None,
+        seq_first=amap.seq_first,
+        step=step,
+        microbatch=mb,
+        cu_seqlens=a.get(amap.cu_seqlens) if amap.cu_seqlens else None,
+    )
+
+
+def merge_through_guard(
+    guard: MediaGuard,
+    embeddings: torch.Tensor,
+    input_ids: torch.Tensor,
+    features: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+    items: Sequence[MediaItem] | None,
+    *,
+    loss_mask: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    seq_first: bool = False,
+    step: int | None = None,
+    microbatch: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> MergeResult:
+    """``guard.merge`` with item metadata completed where it is missing.
+
+    features: one tensor (items in token order), a list per item, or a mapping
+    modality -> ``[n_m, h]`` (each modality's rows consumed in the items' order).
+    Without items, a modality whose feature total differs from its placeholder total
+    cannot be assigned to samples: its features are not merged (kept in the autograd
+    graph by a -0.0 term) and every sample holding its placeholders goes to the policy.
+    """
+    unused: list[torch.Tensor] = []
+    note = None
+    if isinstance(features, Mapping):
+        by_mod = dict(features)
+        if items is None:
+            totals = {m: int(t.shape[0]) for m, t in by_mod.items()}
+            parsed = parse_runs(input_ids, guard.grammar, cu_seqlens)
+            items, bad = infer_items(parsed, totals)
+            if bad:
+                note = _totals_note(bad, totals, parsed)
+                unused = [by_mod.pop(m) for m in bad if m in by_mod]
+        feats: Any = _features_for(items, by_mod)
+        if len({m.modality for m in items}) <= 1 and len(by_mod) == 1 and items:
+            feats = next(iter(by_mod.values()))  # one modality in order: no copy
+        elif not feats:
+            ref = next(iter(features.values()), None)
+            feats = ref[:0] if ref is not None else embeddings.new_zeros((0, embeddings.shape[-1]))
+            items = ()
+    else:
+        feats = features
+        if items is None and isinstance(features, torch.Tensor):
+            n = int(features.shape[0])
+            parsed = parse_runs(input_ids, guard.grammar, cu_seqlens)
+            items, bad = infer_items(parsed, n)
+            if bad:
+                note = _totals_note(("*",), {"*": n}, parsed)
+                unused, feats, items = [features], features[:0], ()
+    if note is not None:
+        guard.log.emit(
+            GuardRecord(
+                event="check", step=step, microbatch=microbatch, action="unattributed", reason=note
+            ),
+            caller="megatron_media_guard.adapters.generic",
+        )
+    try:
+        res = guard.merge(
+            embeddings,
+            input_ids,
+            feats,
+            items,
+            loss_mask=loss_mask,
+            labels=labels,
+            seq_first=seq_first,
+            step=step,
+            microbatch=microbatch,
+            cu_seqlens=cu_seqlens,
+        )
+    except MediaAlignmentError as err:
+        if note is None:
+            raise
+        raise err.with_context(f"{note}\n") from None
+    if unused:
+        anchor = sum(
+            -(torch.where(torch.isfinite(u), u, torch.zeros_like(u)) * 0).abs().sum()
+            for u in unused
+        )
+        res = replace(res, embeddings=res.embeddings + anchor.to(res.embeddings.dtype))
+    return res
+
+
+def _totals_note(bad: Sequence[str], totals: Mapping[str, int], parsed: ParsedRuns) -> str:
+    per: dict[str, int] = {}
+    for r in parsed.runs:
+        per[r.modality] = per.get(r.modality, 0) + r.length
+    parts = []
+    for m in bad:
+        have = sum(per.values()) if m == "*" else per.get(m, 0)
+        name = "all modalities" if m == "*" else f"modality {m!r}"
+        parts.append(f"{name}: {totals.get(m, 0)} feature rows for {have} placeholders")
+    return (
+        "no item metadata and the totals disagree (" + "; ".join(parts) + "): the features "
+        "cannot be assigned to samples, so every sample holding those placeholders is "
+        "handled by the policy (pass items, or handle.set_items(...) before the call)"
+    )
+
+
+def install_generic(
+    model: Any,
+    method_name: str,
+    guard: MediaGuard,
+    arg_map: ArgMap | None = None,
+    *,
+    items_provider: ItemsProvider | None = None,
+    step_provider: StepProvider | None = None,
+    output: OutputFn | None = None,
+    auto_step_end: bool | None = None,
+) -> GuardHandle:
+    """Replace ``model.<method_name>`` (on this instance only) by its guarded version."""
+    handle = GuardHandle(
+        model,
+        method_name,
+        guard,
+        "generic",
+        items_provider=items_provider,
+        step_provider=step_provider,
+        auto_step_end=auto_step_end,
+    )
+
+    def make(h: GuardHandle):
+        inner = guard_merge_fn(h.original, guard, arg_map=arg_map, output=output, handle=h)
+
+        def merge(*args: Any, **kwargs: Any) -> Any:
+            return inner(*args, **kwargs)
+
+        return merge
+
+    return handle.install(make)

@@ -1,0 +1,160 @@
+"""Guarding a custom model's own merge method (Megatron-Bridge style)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_media_guard import (
+    Grammar,
+    GuardConfig,
+    MediaAlignmentError,
+    MediaGuard,
+    MediaInputError,
+    MediaItem,
+)
+from megatron_media_guard.adapters import (
+    ArgMap,
+    guard_merge_fn,
+    guarded_by,
+    infer_items,
+    install_generic,
+)
+from megatron_media_guard.runs import parse_runs
+
+START, END, PAD = 3, 4, 5
+GRAMMAR = Grammar({"image": PAD}, start_id=START, end_id=END)
+H = 8
+
+
+class TinyVLM(torch.nn.Module):
+    """A custom VLM whose merge is the usual unchecked masked_scatter."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(H, H)
+
+    def merge_embeddings(self, inputs_embeds, input_ids, image_features):
+        mask = (input_ids == PAD).unsqueeze(-1)
+        return inputs_embeds.masked_scatter(mask, image_features)
+
+    def forward(self, inputs_embeds, input_ids, pixels):
+        return self.merge_embeddings(inputs_embeds, input_ids, self.proj(pixels))
+
+
+def batch(runs_per_sample, s=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, 60, (len(runs_per_sample), s), generator=g)
+    items = []
+    for b, runs in enumerate(runs_per_sample):
+        p = 1
+        for n in runs:
+            ids[b, p] = START
+            ids[b, p + 1 : p + 1 + n] = PAD
+            ids[b, p + 1 + n] = END
+            items.append(MediaItem(n, sample=b))
+            p += n + 3
+    emb = torch.randn(len(runs_per_sample), s, H, generator=g)
+    total = sum(it.num_features for it in items)
+    return emb, ids, torch.randn(total, H, generator=g), items
+
+
+def guard(policy="raise", **kw):
+    return MediaGuard(GuardConfig(policy=policy, **kw), GRAMMAR)
+
+
+def test_aligned_merge_is_bit_identical_and_reversible():
+    model = TinyVLM()
+    emb, ids, _, items = batch([[3, 2], [4], []])
+    pixels = torch.randn(sum(it.num_features for it in items), H)
+    ref = model(emb, ids, pixels)
+    handle = install_generic(model, "merge_embeddings", guard("drop"))
+    assert guarded_by(model.merge_embeddings) is handle
+    assert model.merge_embeddings.__wrapped__ == TinyVLM.merge_embeddings.__get__(model)
+    handle.set_items(items)
+    assert torch.equal(model(emb, ids, pixels), ref)
+    assert handle.last_result.report.ok
+    handle.remove()
+    assert "merge_embeddings" not in vars(model)
+    assert torch.equal(model(emb, ids, pixels), ref)
+
+
+def test_offsetting_error_is_caught_per_sample():
+    model = TinyVLM()
+    emb, ids, feats, items = batch([[3], [4], [2]])
+    # +1 / -1: the totals agree and the plain merge silently shifts a row across samples
+    items = [MediaItem(4, sample=0), MediaItem(3, sample=1), MediaItem(2, sample=2)]
+    model.merge_embeddings(emb, ids, feats)
+    install_generic(model, "merge_embeddings", guard("raise")).set_items(items)
+    with pytest.raises(MediaAlignmentError, match="sample 0"):
+        model.merge_embeddings(emb, ids, feats)
+
+
+def test_drop_keeps_other_samples_identical():
+    emb, ids, feats, _items = batch([[3], [4], [2]])
+    ref = TinyVLM().merge_embeddings(emb, ids, feats)
+    bad = [MediaItem(4, sample=0), MediaItem(3, sample=1), MediaItem(2, sample=2)]
+    model = TinyVLM()
+    handle = install_generic(model, "merge_embeddings", guard("drop"))
+    handle.set_items(bad)
+    out = model.merge_embeddings(emb, ids, feats)
+    assert handle.last_result.report.dropped == (0, 1)
+    assert torch.equal(out[2], ref[2])
+    lm, _ = handle.mask_loss(torch.ones(3, 16))
+    assert lm.sum(1).tolist() == [0.0, 0.0, 16.0]
+
+
+def test_items_from_a_parameter_and_seq_first_output():
+    def merge(x, ids, feats, items):
+        raise AssertionError("the guard replaces the merge")
+
+    emb, ids, feats, items = batch([[2], [3]])
+    amap = ArgMap(embeddings="x", input_ids="ids", features="feats", items="items", seq_first=True)
+    fn = guard_merge_fn(merge, guard(), arg_map=amap)
+    out = fn(emb.transpose(0, 1), ids, feats, items)
+    ref = emb.masked_scatter((ids == PAD).unsqueeze(-1), feats)
+    assert out.shape == (16, 2, H) and torch.equal(out, ref.transpose(0, 1))
+    assert fn.__wrapped__ is merge and fn.handle.last_result.report.ok
+
+
+def test_packed_features_without_items_are_inferred_or_refused():
+    emb, ids, feats, _ = batch([[2, 1], [3]])
+    fn = guard_merge_fn(TinyVLM().merge_embeddings, guard())
+    fn(emb, ids, feats)  # totals agree: one item per run
+    assert fn.handle.last_result.report.num_items == 3
+    with pytest.raises(MediaAlignmentError, match="7 feature rows for 6 placeholders"):
+        fn(emb, ids, torch.cat([feats, feats[:1]]))
+
+
+def test_feature_list_gives_the_items():
+    emb, ids, feats, _items = batch([[2], [3]])
+    fn = guard_merge_fn(TinyVLM().merge_embeddings, guard())
+    out = fn(emb, ids, [feats[:2], feats[2:]])
+    assert torch.equal(out, TinyVLM().merge_embeddings(emb, ids, feats))
+
+
+def test_structural_finding_is_caught_without_metadata():
+    emb, ids, feats, _ = batch([[2], [3]])
+    ids[1, 10] = PAD  # a literal placeholder typed in text, outside any region
+    fn = guard_merge_fn(TinyVLM().merge_embeddings, guard("drop"))
+    fn(emb, ids, torch.cat([feats, feats[:1]]))
+    assert fn.handle.last_result.report.dropped == (1,)
+
+
+def test_infer_items_per_modality():
+    g = Grammar({"image": 7, "audio": 8})
+    ids = torch.tensor([[1, 7, 7, 2, 8, 8, 8], [7, 1, 2, 3, 4, 5, 6]])
+    parsed = parse_runs(ids, g)
+    items, bad = infer_items(parsed, {"image": 3, "audio": 3})
+    assert bad == () and [(i.num_features, i.sample, i.modality) for i in items] == [
+        (2, 0, "image"),
+        (3, 0, "audio"),
+        (1, 1, "image"),
+    ]
+    items, bad = infer_items(parsed, {"image": 4, "audio": 3})
+    assert bad == ("image",) and [i.modality for i in items] == ["audio"]
+
+
+def test_missing_parameter_is_a_clear_error():
+    with pytest.raises(MediaInputError, match="no parameter 'image_features'"):
+        guard_merge_fn(lambda inputs_embeds, input_ids, feats: inputs_embeds, guard())

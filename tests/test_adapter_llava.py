@@ -1,0 +1,501 @@
+"""The LLaVA adapter runs megatron-core's own LLaVAModel._preprocess_data on CPU."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+
+llava_mod = pytest.importorskip("megatron.core.models.multimodal.llava_model")
+LLaVAModel = llava_mod.LLaVAModel
+
+from megatron_media_guard import (  # noqa: E402
+    Grammar,
+    GuardConfig,
+    MediaAlignmentError,
+    MediaGuard,
+    MediaInputError,
+    MediaItem,
+    RankInfo,
+)
+from megatron_media_guard.adapters import guarded_by, install_llava  # noqa: E402
+from megatron_media_guard.host import count_transfers  # noqa: E402
+from megatron_media_guard.outcome import StageOutcome  # noqa: E402
+
+TOK = -200
+L = 3  # img_seq_len
+H = 4
+
+
+class TinyLLaVA:
+    """Stand-in ``self``: the attributes _preprocess_data reads, the real method."""
+
+    _preprocess_data = LLaVAModel._preprocess_data
+
+    def __init__(self, maxlen=64, pre=True, post=True, cp=1, pp=False):
+        self.pre_process, self.post_process, self.add_decoder = pre, post, True
+        self.img_seq_len = L
+        self._language_is_pipeline_parallel = pp
+        self._language_max_sequence_length = maxlen
+        self.context_parallel_lm = cp
+        self.vision_model = None
+        self.image_token_index = TOK
+
+
+def make_batch(layout, s=10, seed=0):
+    """layout: per sample, a list of (position, tiles). Returns the call's arguments."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(layout)
+    ids = torch.randint(1, 50, (b, s), generator=g)
+    tiles = []
+    for r, imgs in enumerate(layout):
+        for pos, t in imgs:
+            ids[r, pos] = TOK
+            tiles.append(t)
+    nit = torch.tensor(tiles, dtype=torch.int)
+    T = sum(tiles)
+    emb = torch.randn(L, T, H, generator=g) + torch.arange(T).view(1, T, 1) * 10
+    lang = torch.randn(b, s, H, generator=g)
+    lm = torch.ones(b, s)
+    lab = torch.randint(0, 50, (b, s), generator=g)
+    return {"emb": emb, "lang": lang, "ids": ids, "lm": lm, "lab": lab, "nit": nit}
+
+
+def call(model, x, **over):
+    x = {**x, **over}
+    return model._preprocess_data(
+        x["emb"], x["lang"], x["ids"], x["lm"], x["lab"], False, None, TOK, x["nit"]
+    )
+
+
+def guard_for(policy="raise", **cfg):
+    return MediaGuard(GuardConfig(policy=policy, **cfg), Grammar.llava(TOK), rank=RankInfo(rank=3))
+
+
+def same(a, b):
+    return all(
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+        for x, y in zip(a, b)
+    )
+
+
+LAYOUT = [[(1, 2)], [(2, 1), (5, 1)], [(3, 2)]]  # sample 1 holds two images
+# with max length 8 only sample 2's image ([3, 9) after expansion) crosses it
+CROSS = [[(1, 1)], [(2, 1), (3, 1)], [(3, 2)]]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"pre": False},
+        {"post": False},
+        {"cp": 2},
+        {"pp": True, "maxlen": 24},
+        {"maxlen": 12},  # text cut by the max length: not an image, still aligned
+    ],
+)
+def test_aligned_batch_is_bit_identical(kw):
+    x = make_batch(LAYOUT)
+    ref = call(TinyLLaVA(**kw), x)
+    model = TinyLLaVA(**kw)
+    with install_llava(model, guard_for("drop")) as handle:
+        out = call(model, x)
+    assert same(ref, out)
+    assert handle.last_result.ok and handle.last_result.mode == "as-is"
+
+
+def test_aligned_path_moves_data_to_host_once():
+    x = make_batch(LAYOUT)
+    model = TinyLLaVA()
+    install_llava(model, guard_for())
+    with count_transfers() as seen:
+        call(model, x)
+    assert sum(seen.values()) == 1
+
+
+def test_no_images_and_labels_none_pass():
+    x = make_batch([[], []])
+    x["emb"] = torch.zeros(0, 0, 0)
+    model = TinyLLaVA()
+    ref = call(TinyLLaVA(), x, lab=None)
+    install_llava(model, guard_for())
+    assert same(ref, call(model, x, lab=None))
+
+
+def test_count_mismatch_raises_naming_sample_image_rank_step():
+    x = make_batch(LAYOUT)
+    model = TinyLLaVA()
+    handle = install_llava(model, guard_for("raise"))
+    handle.set_step(7)
+    # metadata: sample 1 owns one image, sample 2 two; the tokens say 2 and 1
+    handle.set_items(
+        [
+            MediaItem(6, sample=0),
+            MediaItem(3, sample=1),
+            MediaItem(3, sample=2, sample_id="s2"),
+            MediaItem(6, sample=2, sample_id="s2"),
+        ]
+    )
+    with pytest.raises(MediaAlignmentError) as e:
+        call(model, x)
+    msg = str(e.value)
+    for part in ("rank 3", "step 7", "sample 1", "2 image tokens", "1 num_image_tiles", "'s2'"):
+        assert part in msg, part
+    assert e.value.context["sample"] == 1
+
+
+def test_totals_mismatch_without_items_raises_with_totals():
+    x = make_batch(LAYOUT)
+    x["ids"][0, 7] = TOK  # a literal <image> typed in text
+    model = TinyLLaVA()
+    install_llava(model, guard_for("raise"))
+    with pytest.raises(MediaAlignmentError, match="5 image tokens for 4 num_image_tiles"):
+        call(model, x)
+
+
+def test_image_crossing_max_length_is_caught():
+    # sample 2's image expands to [3, 9) with maxlen 8: megatron-core would cut it silently
+    x = make_batch(CROSS)
+    model = TinyLLaVA(maxlen=8)
+    install_llava(model, guard_for("raise"))
+    with pytest.raises(MediaAlignmentError, match="language_max_sequence_length 8") as e:
+        call(model, x)
+    assert "sample 2, image 3" in str(e.value) and "[3, 9)" in str(e.value)
+    assert e.value.context["sample"] == 2  # samples 0 and 1 fit (their text is cut: fine)
+
+
+@pytest.mark.parametrize("last", [[(3, 2)], [(8, 1)]], ids=["crosses", "beyond"])
+def test_drop_crossing_image_keeps_others_bit_identical(last):
+    maxlen = 8
+    x = make_batch([*CROSS[:2], last])
+    ref = call(TinyLLaVA(maxlen=maxlen), x)
+    model = TinyLLaVA(maxlen=maxlen)
+    handle = install_llava(model, guard_for("drop"))
+    emb, labels, lmask = call(model, x)
+    res = handle.last_result
+    assert res.dropped == (2,) and res.mode == "zero"
+    assert emb.shape == ref[0].shape  # same width: the layout is kept
+    for r in (0, 1):
+        assert torch.equal(emb[:, r], ref[0][:, r])
+        assert torch.equal(labels[r], ref[1][r]) and torch.equal(lmask[r], ref[2][r])
+    assert (labels[2] == -100).all() and (lmask[2] == 0).all()
+    start = last[0][0]
+    assert (emb[start:maxlen, 2] == 0).all()  # its (truncated) tiles were not merged
+
+
+def test_drop_count_mismatch_restructures_and_keeps_others():
+    # sample 1 holds an extra <image> token; metadata says it has one image
+    x = make_batch([[(1, 2)], [(2, 1), (5, 1)], [(3, 1)]])
+    items = [MediaItem(6, sample=0), MediaItem(3, sample=1), MediaItem(3, sample=2)]
+    x["nit"] = torch.tensor([2, 1, 1], dtype=torch.int)
+    x["emb"] = x["emb"][:, :4].detach().requires_grad_(True)
+    model = TinyLLaVA()
+    handle = install_llava(model, guard_for("drop"))
+    handle.set_items(items)
+    emb, labels, lmask = call(model, x)
+    assert handle.last_result.dropped == (1,) and handle.last_result.mode == "restructure"
+    # kept samples: what the unguarded merge gives for them on their own
+    sub = {
+        "emb": torch.cat([x["emb"][:, :2], x["emb"][:, 3:]], 1),
+        "lang": x["lang"][[0, 2]],
+        "ids": x["ids"][[0, 2]],
+        "lm": x["lm"][[0, 2]],
+        "lab": x["lab"][[0, 2]],
+        "nit": torch.tensor([2, 1], dtype=torch.int),
+    }
+    ref = call(TinyLLaVA(), sub)
+    for r, rr in ((0, 0), (2, 1)):
+        assert torch.equal(emb[:, r], ref[0][:, rr])
+        assert torch.equal(labels[r], ref[1][rr]) and torch.equal(lmask[r], ref[2][rr])
+    # the dropped sample: its text only, no foreign tile, nothing to learn
+    assert torch.equal(emb[:10, 1], x["lang"][1]) and (emb[10:, 1] == 0).all()
+    assert (labels[1] == -100).all() and (lmask[1] == 0).all()
+    # the removed tile (sample 1's) stays in the graph with a zero gradient
+    emb.sum().backward()
+    g = x["emb"].grad
+    assert g is not None and (g[:, 2] == 0).all() and (g[:, [0, 1, 3]] == 1).all()
+
+
+def test_drop_without_items_drops_every_image_sample_keeps_text_only():
+    x = make_batch([[(1, 1)], [], [(3, 1)]])
+    x["ids"][2, 6] = TOK  # 3 tokens, 2 entries: cannot say which sample is short
+    model = TinyLLaVA()
+    handle = install_llava(model, guard_for("drop"))
+    emb, labels, lmask = call(model, x)
+    assert handle.last_result.dropped == (0, 2)
+    alone = {k: (v[[1]] if k in ("lang", "ids", "lm", "lab") else v) for k, v in x.items()}
+    alone["nit"] = torch.zeros(0, dtype=torch.int)
+    alone["emb"] = torch.zeros(0, 0, H)
+    ref = call(TinyLLaVA(), alone)
+    assert torch.equal(emb[:, 1], ref[0][:, 0]) and torch.equal(labels[1], ref[1][0])
+    assert (lmask[[0, 2]] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda e: e[:, :-1],  # one tile short: nobody can say whose
+        lambda e: e.permute(1, 0, 2),  # [tiles, img_seq_len, h]
+        lambda e: e.reshape(1, -1, H),  # rows flattened
+        lambda e: e[..., :2],  # hidden size
+    ],
+    ids=["tile-short", "transposed", "flattened", "hidden"],
+)
+def test_layout_fault_raises_even_under_drop(bad):
+    x = make_batch(LAYOUT)
+    x["emb"] = bad(x["emb"])
+    model = TinyLLaVA()
+    install_llava(model, guard_for("drop"))
+    with pytest.raises(MediaAlignmentError, match="layout: image_embeddings"):
+        call(model, x)
+
+
+def test_nonfinite_tile_drops_its_sample():
+    x = make_batch(LAYOUT)
+    x["emb"] = x["emb"].clone()
+    x["emb"][1, 4, 2] = float("nan")  # tile 4 = sample 2's first tile
+    ref = call(TinyLLaVA(), x)
+    model = TinyLLaVA()
+    handle = install_llava(model, guard_for("raise", nonfinite="drop"))
+    emb, _labels, lmask = call(model, x)
+    assert handle.last_result.dropped == (2,)
+    assert torch.isfinite(emb).all()
+    assert torch.equal(emb[:, :2], ref[0][:, :2]) and (lmask[2] == 0).all()
+
+
+@pytest.mark.parametrize("nonfinite", ["raise", "off"])
+def test_huge_finite_tiles_are_not_a_nonfinite_fault(nonfinite):
+    x = make_batch(LAYOUT)
+    x["emb"] = x["emb"].clone()
+    x["emb"][:, 4] = 3e38  # the column sum overflows float32; the values are finite
+    ref = call(TinyLLaVA(), x)
+    model = TinyLLaVA()
+    handle = install_llava(model, guard_for("raise", nonfinite=nonfinite))
+    assert same(call(model, x), ref) and handle.last_result.ok
+
+
+def test_nonfinite_drop_escalates_on_a_stage_without_the_loss():
+    x = make_batch(LAYOUT)
+    x["emb"] = x["emb"].clone()
+    x["emb"][0, 0, 0] = float("inf")
+    model = TinyLLaVA(post=False)
+    install_llava(model, guard_for("drop", nonfinite="drop"))
+    with pytest.raises(MediaAlignmentError, match="last pipeline stage cannot see"):
+        call(model, x)
+
+
+def test_first_and_last_stage_reach_the_same_plan():
+    x = make_batch([[(1, 2)], [(2, 1), (5, 1)], [(3, 1)]])
+    items = [MediaItem(6, sample=0), MediaItem(3, sample=1), MediaItem(3, sample=2)]
+    x["nit"] = torch.tensor([2, 1, 1], dtype=torch.int)
+    x["emb"] = x["emb"][:, :4]
+    first, last = TinyLLaVA(post=False), TinyLLaVA(pre=False)
+    hf = install_llava(first, guard_for("drop"))
+    hl = install_llava(last, guard_for("drop"))
+    hf.set_items(items)
+    hl.set_items(items)
+    e, _, _ = call(first, x)
+    _, labels, lmask = call(last, {**x, "emb": None, "lang": None})
+    assert hf.last_result.actions == hl.last_result.actions == ("keep", "drop", "keep")
+    assert e.shape[0] == labels.shape[1] and (lmask[1] == 0).all()
+
+
+def test_drop_is_written_to_the_rank_log(tmp_path):
+    x = make_batch(CROSS)
+    model = TinyLLaVA(maxlen=8)
+    handle = install_llava(model, guard_for("drop", log_dir=str(tmp_path)))
+    handle.set_step(11)
+    call(model, x)
+    recs = [
+        json.loads(s) for s in (tmp_path / "media_guard.rank00003.jsonl").read_text().splitlines()
+    ]
+    drops = [r for r in recs if r["event"] == "drop"]
+    assert drops and drops[0]["sample"] == 2 and drops[0]["step"] == 11
+    assert drops[0]["extra"]["check"] == "max_length" and drops[0]["tiles"] == 2
+
+
+def test_install_is_per_instance_and_reversible():
+    model, other = TinyLLaVA(), TinyLLaVA()
+    handle = install_llava(model, guard_for())
+    assert "_preprocess_data" in vars(model) and "_preprocess_data" not in vars(other)
+    assert TinyLLaVA.__dict__["_preprocess_data"] is LLaVAModel._preprocess_data
+    assert model._preprocess_data.__wrapped__ == types.MethodType(
+        LLaVAModel._preprocess_data, model
+    )
+    assert guarded_by(model._preprocess_data) is handle
+    with pytest.raises(MediaInputError, match="already guarded"):
+        install_llava(model, guard_for())
+    handle.remove()
+    handle.remove()  # idempotent
+    assert "_preprocess_data" not in vars(model) and guarded_by(model._preprocess_data) is None
+
+
+def test_remove_restores_a_previous_instance_attribute():
+    st = types.SimpleNamespace(**vars(TinyLLaVA()))
+    bound = types.MethodType(LLaVAModel._preprocess_data, st)
+    st._preprocess_data = bound
+    handle = install_llava(st, guard_for())
+    assert st._preprocess_data is not bound
+    handle.remove()
+    assert st._preprocess_data is bound
+
+
+def test_inference_cache_and_middle_stage_pass_through():
+    x = make_batch(LAYOUT)
+    model = TinyLLaVA()
+    install_llava(model, guard_for())
+    out = model._preprocess_data(
+        x["emb"], x["lang"], x["ids"], x["lm"], x["lab"], True, None, TOK, x["nit"]
+    )
+    assert out[0] is x["lang"] and out[1] is x["lm"]  # megatron-core's own early return
+    mid = TinyLLaVA(pre=False, post=False)
+    install_llava(mid, guard_for())
+    assert call(mid, x) == (None, None, None)
+
+
+class FiveValueLLaVA(TinyLLaVA):
+    """Newer signature: extra positional/keyword parameters, five return values."""
+
+    def _preprocess_data(
+        self,
+        image_embeddings,
+        language_embeddings,
+        input_ids,
+        loss_mask,
+        labels,
+        use_inference_kv_cache,
+        inference_context,
+        image_token_index,
+        num_image_tiles,
+        imgs_sizes=None,
+        *,
+        position_ids=None,
+        inference_params=None,
+    ):
+        out = LLaVAModel._preprocess_data(
+            self,
+            image_embeddings,
+            language_embeddings,
+            input_ids,
+            loss_mask,
+            labels,
+            use_inference_kv_cache,
+            inference_context,
+            image_token_index,
+            num_image_tiles,
+        )
+        return (*out, input_ids, position_ids)
+
+
+def test_five_value_release_is_supported():
+    x = make_batch(CROSS)
+    pos = torch.arange(10).expand(3, 10)
+    model = FiveValueLLaVA(maxlen=8)
+    handle = install_llava(model, guard_for("drop"))
+    out = model._preprocess_data(
+        x["emb"],
+        x["lang"],
+        x["ids"],
+        x["lm"],
+        x["lab"],
+        False,
+        None,
+        TOK,
+        x["nit"],
+        None,
+        position_ids=pos,
+    )
+    assert len(out) == 5 and out[4] is pos and torch.equal(out[3], x["ids"])
+    assert handle.last_result.dropped == (2,)
+    assert (out[1][2] == -100).all() and (out[2][2] == 0).all()
+
+
+class FakeConsensus:
+    """Agrees locally, except that another rank may be the culprit."""
+
+    def __init__(self, culprit=None):
+        self.culprit, self.steps, self.seen = culprit, [], []
+
+    def agree(self, local):
+        self.seen.append(local)
+        if self.culprit is not None:
+            return StageOutcome(
+                fatal=True,
+                culprit_rank=self.culprit,
+                culprit_sample=4,
+                culprit_step=local.step,
+                message="sample 4: count",
+            )
+        return StageOutcome.local(local, 3)
+
+    def on_step_end(self, step, counts, guard):
+        self.steps.append((step, dict(counts)))
+
+
+def test_other_rank_failure_raises_here_too():
+    x = make_batch(LAYOUT)
+    model = TinyLLaVA()
+    guard = MediaGuard(
+        GuardConfig(), Grammar.llava(TOK), rank=RankInfo(rank=3), consensus=FakeConsensus(culprit=5)
+    )
+    install_llava(model, guard)
+    with pytest.raises(MediaAlignmentError, match="failed on rank 5"):
+        call(model, x)
+
+
+def test_step_provider_closes_steps_and_counts_microbatches():
+    x = make_batch(CROSS)
+    cons = FakeConsensus()
+    guard = MediaGuard(GuardConfig(policy="drop"), Grammar.llava(TOK), consensus=cons)
+    step = {"i": 1}
+    model = TinyLLaVA(maxlen=8)
+    handle = install_llava(model, guard, step_provider=lambda: step["i"])
+    call(model, x)
+    call(model, x)
+    assert [o.microbatch for o in cons.seen] == [0, 1] and cons.steps == []
+    step["i"] = 2
+    call(model, x)
+    assert cons.steps[0][0] == 1 and cons.steps[0][1]["dropped"] == 2
+    assert handle.last_result.step == 2 and handle.last_result.microbatch == 0
+    assert len({o.digest for o in cons.seen}) == 1  # same batch, same plan
+
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.cuda,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_drop_paths_on_the_tensors_device(device):
+    x = make_batch([[(1, 2)], [(2, 1), (5, 1)], [(3, 1)]])
+    x["nit"] = torch.tensor([2, 1, 1], dtype=torch.int)
+    x["emb"] = x["emb"][:, :4].to(torch.bfloat16)
+    x["lang"] = x["lang"].to(torch.bfloat16)
+    items = [MediaItem(6, sample=0), MediaItem(3, sample=1), MediaItem(3, sample=2)]
+    outs = {}
+    for dev in ("cpu", device):
+        xd = {k: v.to(dev) for k, v in x.items()}
+        for maxlen in (64, 6):  # restructure (count fault), then zero (crossing image)
+            model = TinyLLaVA(maxlen=maxlen)
+            handle = install_llava(model, guard_for("drop"))
+            handle.set_items(items if maxlen == 64 else None)
+            if maxlen == 6:
+                xd = {**xd, "ids": xd["ids"].clone()}
+                xd["ids"][1, 5] = 7  # sample 1 now holds one image: consistent
+            out = call(model, xd)
+            assert out[0].device.type == torch.device(dev).type
+            outs[dev, maxlen] = ([t.cpu() for t in out], handle.last_result.dropped)
+    assert outs["cpu", 64][1] == (1,) and outs["cpu", 6][1] == (0,)
+    for maxlen in (64, 6):
+        assert outs["cpu", maxlen][1] == outs[device, maxlen][1]
+        assert same(outs["cpu", maxlen][0], outs[device, maxlen][0])

@@ -1,0 +1,215 @@
+"""The MIMO adapter runs megatron-core's own MimoModel.align_embeddings_by_token_positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+base_mod = pytest.importorskip("megatron.core.models.mimo.model.base")
+MimoModel = base_mod.MimoModel
+
+from megatron_media_guard import (  # noqa: E402
+    Grammar,
+    GuardConfig,
+    MediaAlignmentError,
+    MediaGuard,
+    MediaInputError,
+    MediaItem,
+)
+from megatron_media_guard.adapters import guarded_by, install_mimo  # noqa: E402
+
+IMG, AUD = 50, 51
+SPECIAL = {"images": IMG, "audio": AUD}
+H = 4
+
+
+class TinyMimo:
+    align_embeddings_by_token_positions = MimoModel.align_embeddings_by_token_positions
+
+    def __init__(self):
+        self.special_token_ids = dict(SPECIAL)
+
+
+def make(rows, seed=0):
+    """rows: per sample, text token ids and (placeholder token, run length) pairs."""
+    items, counts, seqs = [], {"images": 0, "audio": 0}, []
+    for b, row in enumerate(rows):
+        toks = []
+        for x in row:
+            if isinstance(x, tuple):
+                tok, n = x
+                mod = "images" if tok == IMG else "audio"
+                toks += [tok] * n
+                items.append(MediaItem(n, sample=b, modality=mod))
+                counts[mod] += n
+            else:
+                toks.append(x)
+        seqs.append(toks)
+    s = max(len(t) for t in seqs)
+    ids = torch.tensor([t + [0] * (s - len(t)) for t in seqs])
+    g = torch.Generator().manual_seed(seed)
+    n_text = int(((ids != IMG) & (ids != AUD)).sum())
+    embs = {"text": torch.randn(n_text, H, generator=g)}
+    for mod, n in counts.items():
+        if n:
+            embs[mod] = torch.randn(n, H, generator=g) + 100
+    return ids, embs, items
+
+
+def run(model, ids, embs):
+    return model.align_embeddings_by_token_positions(embs, ids, model.special_token_ids)
+
+
+ROWS = [
+    [1, (IMG, 3), 2, (AUD, 2), 3],
+    [4, 5, (IMG, 2), 6],
+    [7, 8, 9],  # text only
+]
+
+
+@pytest.mark.parametrize("with_items", [True, False])
+@pytest.mark.parametrize("rows", [ROWS, [[1, (IMG, 2), 2], [(IMG, 3), 3, 4]]])
+def test_aligned_is_bit_identical(rows, with_items):
+    ids, embs, items = make(rows)
+    ref = run(TinyMimo(), ids, embs)
+    model = TinyMimo()
+    handle = install_mimo(model, config=GuardConfig(policy="drop"))
+    if with_items:
+        handle.set_items(items)
+    out = run(model, ids, embs)
+    assert out.shape == (ids.shape[1], ids.shape[0], H) and out.is_contiguous()
+    assert torch.equal(out, ref)
+    assert handle.last_result.report.ok
+
+
+def offsetting():
+    """+1 in sample 0, -1 in sample 1: the totals agree, the original merges silently."""
+    ids, embs, items = make(ROWS)
+    items = [
+        MediaItem(4, sample=0, modality="images"),
+        MediaItem(2, sample=0, modality="audio"),
+        MediaItem(1, sample=1, modality="images"),
+    ]
+    return ids, embs, items
+
+
+def test_offsetting_error_passes_the_original_and_is_caught():
+    ids, embs, items = offsetting()
+    run(TinyMimo(), ids, embs)  # megatron-core: no error, image rows shifted between samples
+    model = TinyMimo()
+    handle = install_mimo(model, config=GuardConfig(policy="raise"))
+    handle.set_step(5)
+    handle.set_items(items)
+    with pytest.raises(MediaAlignmentError) as e:
+        run(model, ids, embs)
+    msg = str(e.value)
+    assert "sample 0" in msg and "sample 1" in msg and "step 5" in msg
+    assert e.value.context["sample"] == 0
+
+
+def test_drop_keeps_other_samples_and_exposes_the_loss_mask():
+    ids, embs, items = offsetting()
+    ref = run(TinyMimo(), ids, embs)
+    model = TinyMimo()
+    handle = install_mimo(model, config=GuardConfig(policy="drop"))
+    handle.set_items(items)
+    out = run(model, ids, embs)
+    assert handle.last_result.report.dropped == (0, 1)
+    assert torch.equal(out[:, 2], ref[:, 2])
+    assert (out[:, :2][(ids[:2] == IMG).T] == 0).all()  # no foreign rows merged
+    lm = torch.ones(3, ids.shape[1])
+    labels = torch.full((3, ids.shape[1]), 7)
+    lm2, labels2 = handle.mask_loss(lm, labels)
+    assert (lm2[:2] == 0).all() and (lm2[2] == 1).all()
+    assert (labels2[:2] == -100).all() and (labels2[2] == 7).all()
+    assert torch.equal(handle.last_result.loss_mask[:2], torch.zeros(2, ids.shape[1]))
+
+
+def test_items_are_consumed_by_one_call():
+    ids, embs, items = offsetting()
+    model = TinyMimo()
+    handle = install_mimo(model, config=GuardConfig(policy="drop"))
+    handle.set_items(items)
+    run(model, ids, embs)
+    run(model, ids, embs)  # no items now: inferred from the runs, totals agree
+    assert handle.last_result.report.ok
+
+
+def test_totals_mismatch_without_items_names_the_modality():
+    ids, embs, _ = make(ROWS)
+    embs["images"] = torch.cat([embs["images"], embs["images"][:1]])
+    model = TinyMimo()
+    install_mimo(model, config=GuardConfig(policy="raise"))
+    with pytest.raises(MediaAlignmentError, match="'images': 6 feature rows for 5 placeholders"):
+        run(model, ids, embs)
+
+
+def test_totals_mismatch_drop_keeps_samples_without_that_modality():
+    rows = [[1, (IMG, 3), 2], [4, (AUD, 2), 6], [7, 8, 9]]
+    ids, embs, _ = make(rows)
+    ref = run(TinyMimo(), ids, embs)
+    embs["images"] = torch.cat([embs["images"], embs["images"][:1]]).requires_grad_(True)
+    model = TinyMimo()
+    handle = install_mimo(model, config=GuardConfig(policy="drop"))
+    out = run(model, ids, embs)
+    assert handle.last_result.report.dropped == (0,)
+    assert torch.equal(out[:, 1:], ref[:, 1:])
+    out.sum().backward()  # the unmerged image rows stay in the graph with a zero gradient
+    assert embs["images"].grad is not None and (embs["images"].grad == 0).all()
+
+
+def test_nonfinite_features_drop_their_sample():
+    ids, embs, items = make(ROWS)
+    ref = run(TinyMimo(), ids, embs)
+    embs["images"] = embs["images"].clone()
+    embs["images"][3, 0] = float("nan")  # sample 1's image
+    model = TinyMimo()
+    handle = install_mimo(model, config=GuardConfig(policy="raise", nonfinite="drop"))
+    handle.set_items(items)
+    out = run(model, ids, embs)
+    assert handle.last_result.report.dropped == (1,)
+    assert torch.isfinite(out).all() and torch.equal(out[:, 0], ref[:, 0])
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda e: e.update(text=e["text"][:-1]), "text tokens"),
+        (lambda e: e.update(video=e["images"]), "no special token id for modality 'video'"),
+    ],
+)
+def test_bad_input_is_a_clear_error(mutate, match):
+    ids, embs, _ = make(ROWS)
+    mutate(embs)
+    model = TinyMimo()
+    install_mimo(model)
+    with pytest.raises(MediaInputError, match=match):
+        run(model, ids, embs)
+
+
+def test_items_disagreeing_with_the_embeddings_are_an_input_error():
+    ids, embs, items = make(ROWS)
+    model = TinyMimo()
+    handle = install_mimo(model)
+    handle.set_items(items[:-1])
+    with pytest.raises(MediaInputError, match="items of modality 'images' declare 3"):
+        run(model, ids, embs)
+
+
+def test_guard_grammar_must_match_special_tokens():
+    guard = MediaGuard(GuardConfig(), Grammar({"images": 99}))
+    with pytest.raises(MediaInputError, match="special_token_ids"):
+        install_mimo(TinyMimo(), guard)
+
+
+def test_install_remove_restores_the_instance():
+    model = TinyMimo()
+    handle = install_mimo(model)
+    assert guarded_by(model.align_embeddings_by_token_positions) is handle
+    assert model.align_embeddings_by_token_positions.__wrapped__.__func__ is (
+        MimoModel.align_embeddings_by_token_positions
+    )
+    with pytest.raises(MediaInputError, match="already guarded"):
+        install_mimo(model)
+    handle.remove()
+    assert "align_embeddings_by_token_positions" not in vars(model)
