@@ -36,22 +36,15 @@ import hashlib
 import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .alignment import align
 from .diagnostics import DiagnosticsLog, GuardRecord, RankInfo
-from .errors import ConsensusError, MediaAlignmentError, MediaInputError
-from .explain import error_message, sample_record
+from .errors import ConsensusError, MediaInputError
 from .host import to_host
-from .items import MediaItem, normalize
 from .outcome import LocalOutcome, StageOutcome
-from .plan import Plan, build_plan
-from .runs import TokenLayout, parse_layout
-from .verify import verify
 
 _LANE = (1 << 30) - 1
 _FIELDS = ("check0", "check1", "samples", "mismatched", "dropped", "repaired", "fatal")
@@ -408,151 +401,3 @@ def _disagreement_message(dis: dict[str, Any], local: LocalOutcome) -> tuple[str
             "groups (every rank must pass the same layout, with micro-batch groups of one size)."
         )
     return "\n".join(lines), culprits or [-1]
-
-
-# ---- the last pipeline stage: the plan and loss mask from ids + item metadata -------------
-
-
-@dataclass(frozen=True)
-class LossMaskPlan:
-    """The last stage's view of one micro-batch: the first stage's decisions, no features.
-
-    loss_mask / labels: ``[b, s]``, dropped samples zeroed / ignored (None as given when
-    nothing is dropped and none was given). stage: the consensus outcome (None: none ran).
-    """
-
-    plan: Plan
-    loss_mask: torch.Tensor | None
-    labels: torch.Tensor | None
-    dropped: tuple[int, ...]
-    stage: StageOutcome | None
-
-    @property
-    def digest(self) -> int:
-        return self.plan.digest
-
-
-def plan_loss_mask(
-    guard: Any,
-    input_ids: torch.Tensor,
-    items: Sequence[MediaItem],
-    loss_mask: torch.Tensor | None,
-    labels: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None = None,
-    *,
-    step: int | None = None,
-    microbatch: int | None = None,
-) -> LossMaskPlan:
-    """The plan and loss mask the merge on the first stage reaches, from ids + item metadata.
-
-    input_ids / loss_mask / labels: ``[b, s]`` (``[1, T]`` with ``cu_seqlens``). Same
-    verdict (``verify`` without features), same ``build_plan``; repairs are assumed to
-    succeed (the last stage has no vision tower). Equal digests with the first stage
-    unless (a) a repair failed there and fell back, or (b) features held NaN/Inf
-    (``nonfinite`` drops): the last stage cannot see either. Raises on every rank of
-    the stage like the merge when the plan says raise.
-    """
-    if guard.grammar.collapsed:
-        raise MediaInputError(
-            f"grammar {guard.grammar.name!r} is collapsed: megatron-core LLaVA expands the last "
-            "stage's labels and loss mask itself (use the LLaVA adapter)"
-        )
-    lay = TokenLayout(input_ids, guard.grammar, cu_seqlens)
-    for name, t in (("loss_mask", loss_mask), ("labels", labels)):
-        if t is not None and tuple(t.shape) != (lay.batch, lay.row_length):
-            raise MediaInputError(
-                f"{name} must be [b, s] = {(lay.batch, lay.row_length)}, got {tuple(t.shape)}"
-            )
-    batch = normalize([torch.empty(it.num_features, 0) for it in items], items, lay.num_samples)
-    order = batch.order
-    verdict = verify(
-        lay,
-        input_ids.reshape(-1),
-        [batch.items[i].num_features for i in order],
-        [guard.grammar.modality_code(batch.items[i].modality) for i in order],
-        [batch.items[i].sample for i in order] if batch.explicit else None,
-        None,
-    )
-    guard.counters["merges"] += 1
-    guard.counters["samples"] += lay.num_samples
-    report = None
-    if verdict.aligned(len(batch.items)):
-        plan = build_plan(lay.num_samples, batch.items, verdict, None, guard.config)
-    else:
-        report = align(parse_layout(lay), batch.items, explicit=batch.explicit)
-        plan = build_plan(lay.num_samples, batch.items, verdict, report, guard.config)
-        if plan.repairs:  # the first stage's digest after every repair succeeded
-            plan = plan.with_actions(plan.actions, plan.repairs)
-    fatal_msg, fatal_record = None, None
-    if report is not None:
-        for rep in report.mismatched:
-            act = plan.actions[rep.sample]
-            if act in ("drop", "raise"):
-                rec = guard.log.emit(
-                    sample_record(rep, batch.items, act, act, step=step, microbatch=microbatch)
-                )
-                fatal_record = fatal_record or (rec if act == "raise" else None)
-        if plan.fatal or (report.orphans and guard.config.policy == "raise"):
-            fatal_msg = error_message(
-                report,
-                plan.fatal,
-                batch.items,
-                where=_where(guard, step, microbatch),
-                log_path=str(guard.log.path) if guard.log.path else None,
-            )
-    stage = _agree_or_raise(guard, plan, report, step, microbatch, fatal_msg, fatal_record)
-    if report is not None:
-        guard.counters["mismatched"] += len(report.mismatched)
-        guard.counters["dropped"] += len(plan.dropped)
-        guard.counters["repaired"] += len(plan.repairs)
-    if plan.dropped:
-        keep = torch.tensor(
-            [a in ("keep", "repair") for a in plan.actions], device=input_ids.device
-        )
-        n = lay.num_samples
-        tok = (~keep[lay.sample.clamp(max=n - 1)] & (lay.sample < n)).view(
-            lay.batch, lay.row_length
-        )
-        base = loss_mask
-        if base is None:
-            base = torch.ones(lay.batch, lay.row_length, dtype=torch.float32, device=tok.device)
-        loss_mask = base.masked_fill(tok, 0)
-        if labels is not None:
-            labels = labels.masked_fill(tok, guard.config.ignore_index)
-    return LossMaskPlan(plan, loss_mask, labels, plan.dropped, stage)
-
-
-def _where(guard: Any, step: int | None, microbatch: int | None) -> str:
-    r = guard.rank.rank
-    parts = [f"rank {r}" if r is not None else "single process (RANK unset)"]
-    parts += [f"{k} {v}" for k, v in (("step", step), ("microbatch", microbatch)) if v is not None]
-    return ", ".join(parts)
-
-
-def _agree_or_raise(guard, plan: Plan, report, step, microbatch, fatal_msg, fatal_record):
-    """The merge's agreement, for the last stage: the same outcome, the same raise."""
-    local = LocalOutcome(
-        step=step,
-        microbatch=microbatch,
-        digest=plan.digest,
-        num_samples=len(plan.actions),
-        mismatched=len(report.mismatched) if report is not None else 0,
-        dropped=len(plan.dropped),
-        repaired=len(plan.repairs),
-        fatal=fatal_msg is not None,
-        fatal_sample=plan.fatal[0] if plan.fatal else None,
-        message=fatal_msg,
-        record=fatal_record,
-    )
-    cons = guard.consensus
-    stage = cons.agree(local) if cons is not None else StageOutcome.local(local, guard.rank.rank)
-    if not stage.fatal:
-        return stage
-    where = _where(guard, step, microbatch)
-    if fatal_msg is not None and stage.culprit_rank in (None, guard.rank.rank):
-        raise MediaAlignmentError(fatal_msg, context={"where": where, "sample": local.fatal_sample})
-    raise MediaAlignmentError(
-        f"Media alignment failed on rank {stage.culprit_rank} (step {stage.culprit_step}, "
-        f"sample {stage.culprit_sample}); this rank stops with it.\n{stage.message or ''}",
-        context={"where": where, "culprit_rank": stage.culprit_rank},
-    )

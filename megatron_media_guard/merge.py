@@ -55,11 +55,11 @@ class GuardReport:
 
 @dataclass(frozen=True)
 class MergeResult:
-    """embeddings: like the input (``[b, s, h]`` or ``[s, b, h]``). loss_mask / labels: the
-    caller's, with dropped samples zeroed / ignored (a loss mask is created when a sample is
-    dropped and none was given)."""
+    """embeddings: like the input (``[b, s, h]`` or ``[s, b, h]``; None from
+    :meth:`MediaGuard.last_stage`). loss_mask / labels: the caller's, with dropped samples
+    zeroed / ignored (a loss mask is created when a sample is dropped and none was given)."""
 
-    embeddings: torch.Tensor
+    embeddings: torch.Tensor | None
     loss_mask: torch.Tensor | None
     labels: torch.Tensor | None
     report: GuardReport
@@ -69,7 +69,7 @@ class MergeResult:
 class _Call:
     """One merge call's inputs, validated. ``emb`` is the ``[b, s, h]`` view."""
 
-    emb: torch.Tensor
+    emb: torch.Tensor | None  # None: the last pipeline stage (no features, no merge)
     input_ids: torch.Tensor
     cu_seqlens: torch.Tensor | None
     lay: TokenLayout
@@ -111,6 +111,10 @@ class MediaGuard:
         self.encoder = encoder
         self.log = DiagnosticsLog(self.config.log_dir, self.rank)
         self.counters = {"merges": 0, "samples": 0, "mismatched": 0, "dropped": 0, "repaired": 0}
+        self._agreed = True  # False between a merge's start and its collective
+        bind = getattr(consensus, "bind", None)
+        if bind is not None:
+            bind(self)
 
     # ---- public ---------------------------------------------------------------
 
@@ -147,19 +151,14 @@ class MediaGuard:
         (``[1, T]`` with ``cu_seqlens`` ``[n+1]`` for packed samples); features: ``[sum(n_i), h]``
         or a list of ``[n_i, h]``, in the order of ``items``; loss_mask / labels: ``[b, s]``.
         """
-        where = self._where(step, microbatch)
-        try:
-            if self.grammar.collapsed:
-                raise MediaInputError(
-                    f"grammar {self.grammar.name!r} is collapsed (one token per item, expanded by "
-                    "the model): use the LLaVA adapter, not the generic merge"
-                )
+
+        def prepare() -> _Call:
             lay = TokenLayout(input_ids, self.grammar, cu_seqlens)
             batch = normalize(features, items, lay.num_samples)
             emb = check_inputs(
                 embeddings, input_ids, batch.features, loss_mask, labels, seq_first, lay
             )
-            call = _Call(
+            return _Call(
                 emb,
                 input_ids,
                 cu_seqlens,
@@ -172,11 +171,90 @@ class MediaGuard:
                 microbatch,
                 encoder or self.encoder,
             )
-            return self._merge(call)
+
+        return self._guarded(prepare, step, microbatch)
+
+    def last_stage(
+        self,
+        input_ids: torch.Tensor,
+        items: Sequence[MediaItem],
+        *,
+        loss_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        step: int | None = None,
+        microbatch: int | None = None,
+    ) -> MergeResult:
+        """The merge's decisions without features, for the last pipeline stage (which needs the
+        loss mask) or any rank without the vision side. ``embeddings`` of the result is None.
+
+        Same verdict and plan as :meth:`merge` on the same ids and item metadata, and the same
+        consensus round. It cannot see two things the first stage sees: NaN/Inf features
+        (``nonfinite="drop"``) and a repair that fails and falls back (it assumes success);
+        use ``fallback="raise"`` with pipeline parallelism.
+        """
+
+        def prepare() -> _Call:
+            lay = TokenLayout(input_ids, self.grammar, cu_seqlens)
+            rows = [torch.empty(it.num_features, 0) for it in items]
+            batch = normalize(rows, items, lay.num_samples)
+            for name, t in (("loss_mask", loss_mask), ("labels", labels)):
+                if t is not None and tuple(t.shape) != (lay.batch, lay.row_length):
+                    raise MediaInputError(
+                        f"{name} must be [b, s] = {(lay.batch, lay.row_length)}, got {tuple(t.shape)}"
+                    )
+            return _Call(
+                None,
+                input_ids,
+                cu_seqlens,
+                lay,
+                batch,
+                loss_mask,
+                labels,
+                False,
+                step,
+                microbatch,
+                None,
+            )
+
+        return self._guarded(prepare, step, microbatch)
+
+    def _guarded(self, prepare, step, microbatch) -> MergeResult:
+        """Runs one guarded call; any library error gets the rank/step context, and an error
+        raised before this rank's collective still takes part in it (as this rank's fatal
+        outcome), so the other ranks of the stage raise with it instead of hanging."""
+        where = self._where(step, microbatch)
+        self._agreed = False
+        try:
+            if self.grammar.collapsed:
+                raise MediaInputError(
+                    f"grammar {self.grammar.name!r} is collapsed (one token per item, expanded by "
+                    "the model): use the LLaVA adapter, not the generic merge"
+                )
+            return self._merge(prepare())
         except MediaAlignmentError as err:
-            if err.context.get("where"):
-                raise
-            raise err.with_context(f"MediaGuard.merge ({where}): ", where=where) from None
+            if not err.context.get("where"):
+                err = err.with_context(f"MediaGuard.merge ({where}): ", where=where)
+            self._join_failed(err, step, microbatch)
+            raise err from None
+
+    def _join_failed(self, err: MediaAlignmentError, step, microbatch) -> None:
+        if self._agreed or self.consensus is None:
+            return
+        self._agreed = True
+        self.consensus.agree(
+            LocalOutcome(
+                step=step,
+                microbatch=microbatch,
+                digest=0,
+                num_samples=0,
+                mismatched=0,
+                dropped=0,
+                repaired=0,
+                fatal=True,
+                message=str(err),
+            )
+        )
 
     def on_step_end(self, step: int) -> dict[str, int]:
         """Counters since the last call (merges, samples, mismatched, dropped, repaired),
@@ -210,7 +288,7 @@ class MediaGuard:
             [batch.items[i].num_features for i in order],
             [self.grammar.modality_code(batch.items[i].modality) for i in order],
             [batch.items[i].sample for i in order] if batch.explicit else None,
-            batch.features if self.config.nonfinite != "off" else None,
+            batch.features if self.config.nonfinite != "off" and c.emb is not None else None,
         )
         self.counters["merges"] += 1
         self.counters["samples"] += lay.num_samples
@@ -218,6 +296,8 @@ class MediaGuard:
             return self._diagnose(c, verdict)
         plan = build_plan(lay.num_samples, batch.items, verdict, None, self.config)
         stage = self._agree(c, plan, None, None, None)
+        if c.emb is None:
+            return self._finish(c, None, plan, None, verdict, stage, None)
         src = batch.features
         if order != tuple(range(len(order))):  # explicit samples given out of token order
             src = src.index_select(0, rows_index(batch, order, src.device))
@@ -233,7 +313,9 @@ class MediaGuard:
             nonfinite = frozenset(owner[i] for i in nonfinite_items(batch) if i in owner)
         plan = build_plan(c.lay.num_samples, batch.items, verdict, report, self.config, nonfinite)
         replaced: dict[int, torch.Tensor] = {}
-        if plan.repairs:
+        if plan.repairs and c.emb is None:  # the first stage's plan when every repair succeeds
+            plan = plan.with_actions(plan.actions, plan.repairs)
+        elif plan.repairs:
             plan, replaced = run_repairs(
                 plan, batch, self, c.encoder, step=c.step, microbatch=c.microbatch
             )
@@ -253,8 +335,12 @@ class MediaGuard:
         stage = self._agree(c, plan, report, fatal_msg, fatal_record)
         self.counters["mismatched"] += len(report.mismatched)
         self.counters["dropped"] += len(plan.dropped)
-        self.counters["repaired"] += len(replaced)
-        keep = torch.tensor([a in ("keep", "repair") for a in plan.actions], device=c.emb.device)
+        self.counters["repaired"] += len(plan.repairs)
+        keep = torch.tensor(
+            [a in ("keep", "repair") for a in plan.actions], device=c.input_ids.device
+        )
+        if c.emb is None:
+            return self._finish(c, None, plan, report, verdict, stage, keep)
         kept_items = [
             i for rep in report.samples if plan.actions[rep.sample] != "drop" for i in rep.items
         ]
@@ -337,6 +423,7 @@ class MediaGuard:
             message=fatal_msg,
             record=fatal_record,
         )
+        self._agreed = True
         if self.consensus is not None:
             stage = self.consensus.agree(local)
         else:
@@ -359,7 +446,7 @@ class MediaGuard:
             loss_mask, labels = mask_dropped(
                 c.lay, keep, loss_mask, labels, self.config.ignore_index
             )
-        if c.seq_first:
+        if c.seq_first and out is not None:
             out = out.transpose(0, 1).contiguous()
         rep = GuardReport(
             ok=plan.keeps_all and report is None,

@@ -321,3 +321,36 @@ def test_harness_fails_a_hang_and_an_error_within_its_bound():
         run_ranks(sleepy_worker, 2, timeout=3)
     with pytest.raises(AssertionError, match=r"rank 0 failed first:(.|\n)*rank zero broke"):
         run_ranks(raising_worker, 2, timeout=20)
+
+
+def bad_input_worker(rank: int, world: int) -> dict:
+    """Rank 3 passes features of the wrong hidden size: it fails before its collective, but
+    still joins it, so every rank raises naming rank 3 instead of waiting for a timeout."""
+    batch = inject(Q, LAYOUT, "none")
+    guard = MediaGuard(
+        GuardConfig(), grammar=Q, rank=RankInfo(rank=rank), consensus=StageConsensus()
+    )
+    h = 8
+    feats = batch.features(h + (rank == 3))
+    emb = torch.randn(*batch.input_ids.shape, h)
+    try:
+        guard.merge(emb, batch.input_ids, feats, batch.items, step=1)
+    except MediaInputError as err:
+        return {"own": True, "msg": str(err)}
+    except Exception as err:  # the peers' error names the culprit
+        return {
+            "own": False,
+            "type": type(err).__name__,
+            "msg": str(err),
+            "ctx": err.context.get("culprit_rank"),
+        }
+    return {"own": None}
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_error_before_the_collective_still_joins_it():
+    res = run_ranks(bad_input_worker, 4, timeout=90)
+    assert res[3]["own"] is True and "hidden size" in res[3]["msg"]
+    for o in res[:3]:
+        assert o["own"] is False and o["ctx"] == 3 and "hidden size" in o["msg"]

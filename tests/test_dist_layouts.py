@@ -6,7 +6,7 @@ takes the same action, every error names the culprit rank, nothing hangs (the
 harness kills the ranks and fails after its bound), a disagreement injected on one
 rank is caught by the digest, and the drop budget trips on every rank at one step.
 The PP layout's last stage computes its loss mask from ids + item metadata
-(``plan_loss_mask``) and must drop exactly what the first stage dropped.
+(``MediaGuard.last_stage``) and must drop exactly what the first stage dropped.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def _batch(dp: int, fault: str | None, step: int):
 def _run_scenario(name, ps, info, log_dir, step0):
     from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaGuard
     from megatron_media_guard.budget import DropBudget
-    from megatron_media_guard.consensus import StageConsensus, plan_loss_mask
+    from megatron_media_guard.consensus import StageConsensus
     from megatron_media_guard.synthetic import TEST_GRAMMARS
 
     policy, steps, fault_of, extra = SCENARIOS[name]
@@ -151,12 +151,12 @@ def _run_scenario(name, ps, info, log_dir, step0):
                 out["collectives"].append(rep.stage.collectives if rep.stage else 0)
                 out["loss_masks"].append(res.loss_mask.tolist())
             else:
-                lp = plan_loss_mask(guard, b.input_ids, items, lm, None, step=step, microbatch=mb)
-                out["dropped"].append(list(lp.dropped))
-                out["digests"].append(lp.digest)
-                out["collectives"].append(lp.stage.collectives if lp.stage else 0)
+                lp = guard.last_stage(b.input_ids, items, loss_mask=lm, step=step, microbatch=mb)
+                out["dropped"].append(list(lp.report.dropped))
+                out["digests"].append(lp.report.digest)
+                out["collectives"].append(lp.report.stage.collectives if lp.report.stage else 0)
                 out["loss_masks"].append(lp.loss_mask.tolist())
-            out["stage_dropped"] = (res.report.stage if first else lp.stage).dropped
+            out["stage_dropped"] = (res.report.stage if first else lp.report.stage).dropped
             guard.on_step_end(step)
     except MediaAlignmentError as err:
         out.update(error=type(err).__name__, message=str(err), context=dict(err.context), step=step)

@@ -1,7 +1,7 @@
 """The first and last pipeline stages reach the same plan without communicating.
 
 Megatron gives both stages the micro-batch; only the first has vision features. The
-first stage runs the guarded merge; the last stage runs ``plan_loss_mask`` on the
+first stage runs the guarded merge; the last stage runs ``MediaGuard.last_stage`` on the
 token ids, item metadata, loss mask and labels. They must agree on every sample's
 action and the plan digest, and the last stage's loss mask / labels must drop
 exactly the samples the first stage dropped.
@@ -26,7 +26,6 @@ from megatron_media_guard import (
     MediaItem,
     RankInfo,
 )
-from megatron_media_guard.consensus import plan_loss_mask
 from megatron_media_guard.synthetic import FAULTS, TEST_GRAMMARS, build_batch, inject, random_layout
 
 H = 8
@@ -46,14 +45,14 @@ def run_both(first, last, ids, items, feats, cu=None, **kw):
     labels = torch.roll(ids, -1, dims=1)
     emb = torch.randn(b, s, H)
     res = first.merge(emb, ids, feats, items, loss_mask=lm, labels=labels, cu_seqlens=cu, **kw)
-    lp = plan_loss_mask(last, ids, items, lm, labels, cu, **kw)
+    lp = last.last_stage(ids, items, loss_mask=lm, labels=labels, cu_seqlens=cu, **kw)
     return res, lp
 
 
 def assert_same(res, lp):
-    assert lp.plan.actions == res.report.actions
-    assert lp.digest == res.report.digest
-    assert lp.dropped == res.report.dropped
+    assert lp.report.actions == res.report.actions
+    assert lp.report.digest == res.report.digest
+    assert lp.report.dropped == res.report.dropped
     assert torch.equal(lp.loss_mask, res.loss_mask)
     assert torch.equal(lp.labels, res.labels)
 
@@ -68,11 +67,11 @@ def test_first_and_last_stage_agree_under_drop(grammar, fault):
     res, lp = run_both(first, last, batch.input_ids, batch.items, batch.features(H))
     assert_same(res, lp)
     for smp in range(batch.input_ids.shape[0]):
-        dropped = smp in lp.dropped
+        dropped = smp in lp.report.dropped
         assert bool(lp.loss_mask[smp].eq(0).all()) == dropped
         assert bool(lp.labels[smp].eq(-100).all()) == dropped
     if fault != "none":
-        assert lp.dropped, "every fault here drops at least one sample"
+        assert lp.report.dropped, "every fault here drops at least one sample"
     assert first.counters == last.counters
 
 
@@ -86,7 +85,7 @@ def test_packed_samples_agree():
     first, last = stages(g)
     res, lp = run_both(first, last, ids, items, torch.randn(9, H), cu)
     assert_same(res, lp)
-    assert lp.dropped == (1,)
+    assert lp.report.dropped == (1,)
     assert lp.loss_mask[0, : cu[1]].eq(1).all() and lp.loss_mask[0, cu[1] :].eq(0).all()
 
 
@@ -131,7 +130,7 @@ def test_repair_digest_matches_when_the_repair_succeeds():
     last = MediaGuard(cfg, grammar=g)  # no vision tower on the last stage
     res, lp = run_both(first, last, batch.input_ids, items, batch.features(H))
     assert res.report.actions[0] == "repair" and res.report.repaired
-    assert lp.plan.actions == res.report.actions and lp.digest == res.report.digest
+    assert lp.report.actions == res.report.actions and lp.report.digest == res.report.digest
     assert lp.loss_mask.eq(1).all()
 
 
@@ -163,8 +162,8 @@ def test_property_stages_agree(seed, fault, policy, grammar):
                 )
                 outs.append((res.report.actions, res.report.digest, res.loss_mask))
             else:
-                lp = plan_loss_mask(last, batch.input_ids, batch.items, None, None)
-                outs.append((lp.plan.actions, lp.digest, lp.loss_mask))
+                lp = last.last_stage(batch.input_ids, batch.items)
+                outs.append((lp.report.actions, lp.report.digest, lp.loss_mask))
         except MediaAlignmentError as err:
             outs.append(("raise", err.context.get("sample")))
     a, b = outs
@@ -177,9 +176,9 @@ def test_property_stages_agree(seed, fault, policy, grammar):
     "grammar, shape, match",
     [("llava", None, "collapsed"), ("qwen", (1, 3), r"loss_mask must be \[b, s\]")],
 )
-def test_plan_loss_mask_rejects_what_it_cannot_plan(grammar, shape, match):
+def test_last_stage_rejects_what_it_cannot_plan(grammar, shape, match):
     g = Grammar.llava() if grammar == "llava" else TEST_GRAMMARS[grammar]
     ids = torch.tensor([[1000, 5, 5, 1001]])
     lm = torch.ones(shape) if shape else None
     with pytest.raises(MediaInputError, match=match):
-        plan_loss_mask(MediaGuard(GuardConfig(), grammar=g), ids, [MediaItem(2, 0)], lm, None)
+        MediaGuard(GuardConfig(), grammar=g).last_stage(ids, [MediaItem(2, 0)], loss_mask=lm)

@@ -5,7 +5,6 @@ video to the engine's count; the aligned image is untouched and gradients flow."
 from __future__ import annotations
 
 import json
-import tempfile
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ GEO = PatchMergeGeometry(
 
 
 @pytest.fixture(scope="module")
-def projector():
+def projector(tmp_path_factory):
     """megatron-core's MultimodalProjector needs model-parallel state: one gloo rank."""
     dist = pytest.importorskip("torch.distributed")
     ps = pytest.importorskip("megatron.core.parallel_state")
@@ -33,8 +32,8 @@ def projector():
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    store = tempfile.NamedTemporaryFile(delete=False)
-    dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
+    store = tmp_path_factory.mktemp("store") / "pg"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     ps.initialize_model_parallel(1, 1)
     try:
         torch.manual_seed(0)
