@@ -80,15 +80,21 @@ def error_message(
     *,
     where: str,
     log_path: str | None,
+    notes: dict[int, str] | None = None,
 ) -> str:
     """The raise message: where (rank/step), the first fatal sample in full, the others briefly."""
     bad = [report.samples[s] for s in fatal]
     head = f"Media alignment failed ({where}): {len(bad)} of {len(report.samples)} samples"
     lines = [head + (":" if bad else ".")]
+    notes = notes or {}
+
+    def note(rep: SampleReport) -> str:
+        return f" ({notes[rep.sample]})" if rep.sample in notes else ""
+
     if bad:
-        lines.append("  " + describe_sample(bad[0], items))
+        lines.append("  " + describe_sample(bad[0], items) + note(bad[0]))
     for rep in bad[1:6]:
-        lines.append(f"  sample {rep.sample}: {rep.status} — {rep.reason}")
+        lines.append(f"  sample {rep.sample}: {rep.status} — {rep.reason}{note(rep)}")
     if len(bad) > 6:
         lines.append(f"  ... and {len(bad) - 6} more")
     if report.orphans:

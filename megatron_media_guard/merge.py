@@ -313,10 +313,11 @@ class MediaGuard:
             nonfinite = frozenset(owner[i] for i in nonfinite_items(batch) if i in owner)
         plan = build_plan(c.lay.num_samples, batch.items, verdict, report, self.config, nonfinite)
         replaced: dict[int, torch.Tensor] = {}
+        failures: dict[int, str] = {}
         if plan.repairs and c.emb is None:  # the first stage's plan when every repair succeeds
             plan = plan.with_actions(plan.actions, plan.repairs)
         elif plan.repairs:
-            plan, replaced = run_repairs(
+            plan, replaced, failures = run_repairs(
                 plan, batch, self, c.encoder, step=c.step, microbatch=c.microbatch
             )
         bundle_path = self._dump(c, report)
@@ -329,6 +330,7 @@ class MediaGuard:
                 batch.items,
                 where=self._where(c.step, c.microbatch),
                 log_path=str(self.log.path) if self.log.path else None,
+                notes={k: f"repair failed, {v}" for k, v in failures.items()},
             )
             if bundle_path is not None:
                 fatal_msg += f"\n  replay bundle: {bundle_path}"

@@ -103,11 +103,12 @@ def run_repairs(
     *,
     step: int | None,
     microbatch: int | None,
-) -> tuple[Plan, dict[int, torch.Tensor]]:
-    """Attempts every repair of ``plan``; returns the plan after fallbacks and the new features
-    by item index (only for samples whose every repair succeeded)."""
+) -> tuple[Plan, dict[int, torch.Tensor], dict[int, str]]:
+    """Attempts every repair of ``plan``; returns the plan after fallbacks, the new features
+    by item index (only for samples whose every repair succeeded) and, per sample that fell
+    back, why its first failed repair failed."""
     done: dict[int, torch.Tensor] = {}
-    failed: set[int] = set()
+    failed: dict[int, str] = {}
     for r in plan.repairs:
         t0 = time.perf_counter()
         feats, facts = _attempt(r, batch, guard, encoder)
@@ -117,7 +118,7 @@ def run_repairs(
         if ok:
             done[r.item] = feats
         else:
-            failed.add(r.sample)
+            failed.setdefault(r.sample, f"item {r.item}: {facts.get('reason')}")
         guard.log.emit(
             GuardRecord(
                 event="repair",
@@ -143,4 +144,4 @@ def run_repairs(
     actions = [guard.config.fallback if s in failed else a for s, a in enumerate(plan.actions)]
     kept = [r for r in plan.repairs if r.sample not in failed]
     replaced = {r.item: done[r.item] for r in kept}
-    return plan.with_actions(actions, kept), replaced
+    return plan.with_actions(actions, kept), replaced, failed
