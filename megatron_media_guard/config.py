@@ -89,7 +89,13 @@ class GuardConfig:
                 )
             else:
                 changes[f.name] = raw
-        return replace(self, **changes)
+        try:
+            return replace(self, **changes)
+        except MediaInputError as err:
+            names = ", ".join(
+                f"MEDIA_GUARD_{k.upper()}={env[f'MEDIA_GUARD_{k.upper()}']!r}" for k in changes
+            )
+            raise err.with_context(f"from the environment ({names}): ") from None
 
 
 def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:

@@ -223,7 +223,7 @@ class MediaGuard:
         """Runs one guarded call; any library error gets the rank/step context, and an error
         raised before this rank's collective still takes part in it (as this rank's fatal
         outcome), so the other ranks of the stage raise with it instead of hanging."""
-        where = self._where(step, microbatch)
+        where = self.where(step, microbatch)
         self._agreed = False
         try:
             if self.grammar.collapsed:
@@ -270,7 +270,8 @@ class MediaGuard:
 
     # ---- internals --------------------------------------------------------------
 
-    def _where(self, step: int | None, microbatch: int | None) -> str:
+    def where(self, step: int | None, microbatch: int | None) -> str:
+        """``"rank 3, step 12, microbatch 0"``: the context every message of this guard names."""
         r = self.rank.rank
         parts = [f"rank {r}" if r is not None else "single process (RANK unset)"]
         if step is not None:
@@ -328,7 +329,7 @@ class MediaGuard:
                 report,
                 plan.fatal,
                 batch.items,
-                where=self._where(c.step, c.microbatch),
+                where=self.where(c.step, c.microbatch),
                 log_path=str(self.log.path) if self.log.path else None,
                 notes={k: f"repair failed, {v}" for k, v in failures.items()},
             )
@@ -425,6 +426,12 @@ class MediaGuard:
             message=fatal_msg,
             record=fatal_record,
         )
+        return self.settle(local)
+
+    def settle(self, local: LocalOutcome) -> StageOutcome:
+        """Agrees this rank's outcome with its stage (single process: takes it as is) and, when
+        any rank of the stage must raise, raises on this rank too, naming the culprit rank,
+        step and sample. Adapters that make their own plan call this once per guarded call."""
         self._agreed = True
         if self.consensus is not None:
             stage = self.consensus.agree(local)
@@ -432,9 +439,12 @@ class MediaGuard:
             stage = StageOutcome.local(local, self.rank.rank)
         if not stage.fatal:
             return stage
-        where = self._where(c.step, c.microbatch)
-        if fatal_msg is not None and stage.culprit_rank in (None, self.rank.rank):
-            raise MediaAlignmentError(fatal_msg, context={"where": where, "sample": fatal_sample})
+        where = self.where(local.step, local.microbatch)
+        if local.fatal and stage.culprit_rank in (None, self.rank.rank):
+            raise MediaAlignmentError(
+                local.message or "media alignment failed",
+                context={"where": where, "sample": local.fatal_sample},
+            )
         raise MediaAlignmentError(
             f"Media alignment failed on rank {stage.culprit_rank} (step {stage.culprit_step}, "
             f"sample {stage.culprit_sample}); this rank ({where}) stops with it.\n"

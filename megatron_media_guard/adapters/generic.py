@@ -29,7 +29,7 @@ from ..errors import MediaAlignmentError, MediaInputError
 from ..items import MediaItem
 from ..merge import MediaGuard, MergeResult
 from ..runs import ParsedRuns, parse_runs
-from .hooks import GuardHandle, ItemsProvider, StepProvider, where_text
+from .hooks import GuardHandle, ItemsProvider, StepProvider
 
 OutputFn = Callable[[MergeResult], Any]
 
@@ -147,7 +147,7 @@ def guard_merge_fn(
         items = a.get(amap.items) if amap.items else None
         pending = handle.take_items()
         items = pending if items is None else items
-        where = where_text(guard, step, mb)
+        where = guard.where(step, mb)
         try:
             res = _merge(guard, a, amap, items, step, mb)
         except MediaAlignmentError as err:

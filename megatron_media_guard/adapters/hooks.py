@@ -20,10 +20,9 @@ from typing import Any, Literal
 
 import torch
 
-from ..errors import MediaAlignmentError, MediaInputError
+from ..errors import MediaInputError
 from ..items import MediaItem
 from ..merge import MediaGuard
-from ..outcome import LocalOutcome, StageOutcome
 
 AdapterKind = Literal["llava", "mimo", "generic", "step_end"]
 ItemsProvider = Callable[[], Sequence[MediaItem] | None]
@@ -262,42 +261,6 @@ class HandleGroup(list):
 def guarded_by(method: object) -> GuardHandle | None:
     """The handle whose wrapper ``method`` is (None for an unguarded method)."""
     return getattr(method, HANDLE_ATTR, None)
-
-
-def agree_or_raise(
-    guard: MediaGuard,
-    local: LocalOutcome,
-    where: str,
-) -> StageOutcome:
-    """Agree ``local`` with the stage (single process: as is); raise on every rank when any
-    rank must raise, naming the culprit rank, step and sample."""
-    stage = (
-        guard.consensus.agree(local)
-        if guard.consensus is not None
-        else StageOutcome.local(local, guard.rank.rank)
-    )
-    if stage.fatal:
-        if local.fatal and stage.culprit_rank in (None, guard.rank.rank):
-            raise MediaAlignmentError(
-                local.message or "media alignment failed",
-                context={"where": where, "sample": local.fatal_sample},
-            )
-        raise MediaAlignmentError(
-            f"Media alignment failed on rank {stage.culprit_rank} (step {stage.culprit_step}, "
-            f"sample {stage.culprit_sample}); this rank stops with it.\n{stage.message or ''}",
-            context={"where": where, "culprit_rank": stage.culprit_rank},
-        )
-    return stage
-
-
-def where_text(guard: MediaGuard, step: int | None, microbatch: int | None) -> str:
-    r = guard.rank.rank
-    parts = [f"rank {r if r is not None else '?'}"]
-    if step is not None:
-        parts.append(f"step {step}")
-    if microbatch is not None:
-        parts.append(f"microbatch {microbatch}")
-    return ", ".join(parts)
 
 
 def iter_handles(handles: GuardHandle | Iterable[GuardHandle]) -> list[GuardHandle]:

@@ -53,7 +53,7 @@ from ..errors import MediaAlignmentError, MediaInputError
 from ..items import MediaItem
 from ..merge import MediaGuard
 from ..outcome import LocalOutcome, StageOutcome
-from .hooks import GuardHandle, ItemsProvider, StepProvider, agree_or_raise, where_text
+from .hooks import GuardHandle, ItemsProvider, StepProvider
 from .llava_checks import (
     ImageFault,
     LlavaFacts,
@@ -166,7 +166,7 @@ def _guarded_call(handle: GuardHandle, sig: inspect.Signature, args: tuple, kwar
     if not (m.pre_process or m.post_process) or a.get("use_inference_kv_cache"):
         return original(*args, **kwargs)
     step, mb = handle.next_call()
-    where = where_text(handle.guard, step, mb)
+    where = handle.guard.where(step, mb)
     try:
         return _run(handle, ba, step, mb, where)
     except MediaAlignmentError as err:
@@ -243,7 +243,7 @@ def _run(handle: GuardHandle, ba: inspect.BoundArguments, step, mb, where: str) 
     local = _outcome(
         guard, facts, owners, faults, actions, batch_fatal, why_raise, items, step, mb, where
     )
-    stage = agree_or_raise(guard, local, where)
+    stage = guard.settle(local)
     guard.counters["merges"] += 1
     guard.counters["samples"] += b
     guard.counters["mismatched"] += len({f.sample for f in faults})

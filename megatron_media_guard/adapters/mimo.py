@@ -38,7 +38,7 @@ from ..grammar import Grammar
 from ..host import to_host
 from ..merge import MediaGuard, MergeResult
 from .generic import merge_through_guard
-from .hooks import GuardHandle, ItemsProvider, StepProvider, where_text
+from .hooks import GuardHandle, ItemsProvider, StepProvider
 
 METHOD = "align_embeddings_by_token_positions"
 
@@ -102,7 +102,7 @@ def _make_wrapper(handle: GuardHandle):
             return handle.original(*args, **kwargs)
         step, mb = handle.next_call()
         items = handle.take_items()
-        where = where_text(handle.guard, step, mb)
+        where = handle.guard.where(step, mb)
         try:
             res = _merge(handle.guard, ba.arguments, items, step, mb)
         except MediaAlignmentError as err:
