@@ -329,3 +329,10 @@ def test_property_only_library_errors_and_kept_features_are_own(
             else feats[:0]
         )
         assert torch.equal(row_vals, want)
+
+
+def test_env_override_errors_name_the_variable():
+    with pytest.raises(MediaInputError, match="MEDIA_GUARD_POLICY='ignore'"):
+        GuardConfig().with_env({"MEDIA_GUARD_POLICY": "ignore"})
+    with pytest.raises(MediaInputError, match="MEDIA_GUARD_DUMP_PIXELS"):
+        GuardConfig().with_env({"MEDIA_GUARD_DUMP_PIXELS": "maybe"})
