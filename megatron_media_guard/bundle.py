@@ -1,11 +1,12 @@
-"""Replay bundles: one failing micro-batch saved to disk and re-checked offline.
+"""Replay bundle file format: one failing micro-batch saved to disk, loaded and validated.
 
 On a mismatch the guard can save what it needs to re-run the check without a GPU,
 without torch.distributed and without the data pipeline: the token ids, every
 :class:`MediaItem` field except ``pixels`` (so each item's feature row count), the
 grammar, ``cu_seqlens``, the config's policy fields, rank, step, microbatch and a
 summary of the alignment report; optionally the pixel tensors and the features of the
-mismatched items. ``media-guard replay BUNDLE`` rebuilds the live diagnostic from it.
+mismatched items. :mod:`.replay` (``media-guard replay BUNDLE``) rebuilds the live
+diagnostic from it.
 
 Format: one file ``media_guard.rank{rank:05d}.step{step}.mb{microbatch}[.k].bundle``
 (``k`` counts up instead of overwriting). It is a safetensors file whose header
@@ -26,14 +27,12 @@ returns None, so it never raises into the training step; bad arguments still rai
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
 import numbers
 import os
 import socket
-import sys
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -46,19 +45,15 @@ from .alignment import AlignmentReport, align
 from .config import GuardConfig
 from .diagnostics import RankInfo, file_name, get_logger, utc_now
 from .errors import MediaAlignmentError, MediaInputError
-from .explain import error_message
 from .grammar import Grammar
-from .items import MediaItem, normalize
-from .plan import build_plan
+from .items import MediaItem
 from .runs import TokenLayout, parse_layout
-from .verify import Verdict
 
 FORMAT = "media_guard.bundle"
 SCHEMA_VERSION = 1
 SUFFIX = ".bundle"
 _ZIP_MAGIC = b"PK\x03\x04"
 _MAX_SAMPLES_IN_SUMMARY = 256
-EXIT_ALIGNED, EXIT_MISMATCH, EXIT_BAD_BUNDLE = 0, 1, 2
 
 
 class BundleError(MediaAlignmentError):
@@ -503,114 +498,3 @@ def _from_meta(path: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> Bund
         created=meta.get("created"),
         schema=schema,
     )
-
-
-# ---- replay ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ReplayResult:
-    """The check re-run on a bundle. ``mismatched``: samples that fail now; ``actions``:
-    per sample, what the bundle's config (default config if none saved) plans for them;
-    ``saved_mismatched``: samples that failed when the bundle was saved."""
-
-    path: Path
-    where: str
-    report: AlignmentReport
-    message: str
-    mismatched: tuple[int, ...]
-    actions: tuple[str, ...]
-    saved_mismatched: tuple[int, ...]
-
-    @property
-    def aligned(self) -> bool:
-        return self.report.ok
-
-    def to_dict(self) -> dict[str, object]:
-        summary = report_summary(self.report)
-        return {
-            "path": str(self.path),
-            "where": self.where,
-            "aligned": self.aligned,
-            "mismatched": list(self.mismatched),
-            "saved_mismatched": list(self.saved_mismatched),
-            "actions": list(self.actions),
-            "message": self.message,
-            "report": summary,
-        }
-
-
-def _replay_where(bundle: Bundle) -> str:
-    r = bundle.rank.rank if bundle.rank is not None else None
-    parts = [f"replay of rank {r}" if r is not None else "replay of single process (RANK unset)"]
-    if bundle.step is not None:
-        parts.append(f"step {bundle.step}")
-    if bundle.microbatch is not None:
-        parts.append(f"microbatch {bundle.microbatch}")
-    return ", ".join(parts)
-
-
-def replay(bundle: Bundle) -> ReplayResult:
-    """Re-run the guard's check on a bundle (CPU, single process); the message is the one
-    the live merge raises, for every mismatched sample, with ``where`` naming the replay."""
-    where = _replay_where(bundle)
-    try:
-        lay = TokenLayout(bundle.input_ids, bundle.grammar, bundle.cu_seqlens)
-        norm = normalize(
-            [torch.empty(it.num_features, 0) for it in bundle.items], bundle.items, lay.num_samples
-        )
-        report = align(parse_layout(lay), norm.items, explicit=norm.explicit)
-    except MediaAlignmentError as err:
-        raise BundleError(f"{bundle.path}: bundle content is inconsistent: {err}") from None
-    bad = tuple(r.sample for r in report.mismatched)
-    verdict = Verdict(report.num_runs, len(bad), len(report.stray_findings), 0, 0)
-    config = bundle.config or GuardConfig()
-    plan = build_plan(len(report.samples), bundle.items, verdict, report, config)
-    if report.ok:
-        message = (
-            f"Media alignment ok ({where}): {len(report.samples)} samples aligned, "
-            f"{report.num_runs} runs / {report.num_items} items, "
-            f"{report.total_placeholders} placeholders / {report.total_features} features"
-        )
-    else:
-        message = error_message(report, bad, bundle.items, where=where, log_path=bundle.log_path)
-    saved = tuple(int(m["sample"]) for m in bundle.report.get("mismatched", []))
-    return ReplayResult(bundle.path, where, report, message, bad, plan.actions, saved)
-
-
-# ---- command line ------------------------------------------------------------------------
-
-
-def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``media-guard replay``."""
-    parser.add_argument("bundle", help="a media_guard.rank*.bundle file")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def run_replay(args: argparse.Namespace) -> int:
-    """0: aligned now; 1: the mismatch reproduces; 2: the bundle cannot be read."""
-    try:
-        result = replay(load_bundle(args.bundle))
-    except MediaAlignmentError as err:
-        print(f"media-guard replay: {err}", file=sys.stderr)
-        return EXIT_BAD_BUNDLE
-    if args.json:
-        print(json.dumps(result.to_dict(), default=_json_default))
-    else:
-        print(result.message)
-        if result.saved_mismatched:
-            print(f"  at save time: mismatched samples {list(result.saved_mismatched)[:16]}")
-    return EXIT_ALIGNED if result.aligned else EXIT_MISMATCH
-
-
-def replay_main(argv: Sequence[str] | None = None) -> int:
-    """``media-guard replay BUNDLE [--json]`` as a function; returns the exit code."""
-    parser = argparse.ArgumentParser(
-        prog="media-guard replay", description="re-run the check on a saved micro-batch"
-    )
-    add_replay_arguments(parser)
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as stop:
-        return stop.code if isinstance(stop.code, int) else EXIT_BAD_BUNDLE
-    return run_replay(args)

@@ -97,7 +97,8 @@ def _report_arguments(p: argparse.ArgumentParser) -> None:
 
 def _report_run(args: argparse.Namespace) -> int:
     from .errors import MediaAlignmentError
-    from .report import format_summary, summarize
+    from .report import summarize
+    from .report_format import format_summary
 
     try:
         summary = summarize(
@@ -140,7 +141,7 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _replay_run(args: argparse.Namespace) -> int:
-    from .bundle import run_replay  # imports torch: only when replaying
+    from .replay import run_replay  # imports torch: only when replaying
 
     return run_replay(args)
 

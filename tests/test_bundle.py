@@ -30,11 +30,10 @@ from megatron_media_guard.bundle import (
     FORMAT,
     BundleError,
     load_bundle,
-    replay,
-    replay_main,
     report_summary,
     save_bundle,
 )
+from megatron_media_guard.replay import replay, replay_main
 from megatron_media_guard.synthetic import TEST_GRAMMARS, build_batch, inject, random_layout
 
 Q = TEST_GRAMMARS["qwen"]
@@ -455,7 +454,9 @@ def test_guard_saves_a_bundle_that_replays_to_the_same_diagnostic(tmp_path):
         GuardConfig(dump_dir=str(tmp_path)), grammar=TEST_GRAMMARS["qwen"], rank=RankInfo(rank=2)
     )
     with pytest.raises(MediaAlignmentError) as info:
-        guard.merge(torch.randn(2, batch.input_ids.shape[1], 8), batch.input_ids, feats, batch.items, step=4)
+        guard.merge(
+            torch.randn(2, batch.input_ids.shape[1], 8), batch.input_ids, feats, batch.items, step=4
+        )
     path = str(info.value).split("replay bundle: ")[1].strip()
     assert path.endswith(".bundle")
     assert cli_main(["replay", path]) == 1

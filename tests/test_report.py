@@ -25,7 +25,8 @@ from megatron_media_guard.diagnostics import (
     json_dumps,
 )
 from megatron_media_guard.errors import MediaAlignmentError
-from megatron_media_guard.report import ReportSummary, _HeavyHitters, format_summary, summarize
+from megatron_media_guard.report import ReportSummary, _HeavyHitters, summarize
+from megatron_media_guard.report_format import format_summary
 
 
 @pytest.fixture(autouse=True)

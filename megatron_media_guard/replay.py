@@ -1,0 +1,137 @@
+"""Offline replay of a saved bundle: the guard's check re-run on CPU, one process.
+
+``media-guard replay BUNDLE [--json]`` loads a bundle (:mod:`.bundle`), rebuilds the
+alignment report and prints the message the live merge raised (``where`` names the
+replay), plus what the bundle's config plans for each sample. Exit codes: 0 aligned now,
+1 the mismatch reproduces, 2 the bundle cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .alignment import AlignmentReport, align
+from .bundle import Bundle, BundleError, _json_default, load_bundle, report_summary
+from .config import GuardConfig
+from .errors import MediaAlignmentError
+from .explain import error_message
+from .items import normalize
+from .plan import build_plan
+from .runs import TokenLayout, parse_layout
+from .verify import Verdict
+
+EXIT_ALIGNED, EXIT_MISMATCH, EXIT_BAD_BUNDLE = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """The check re-run on a bundle. ``mismatched``: samples that fail now; ``actions``:
+    per sample, what the bundle's config (default config if none saved) plans for them;
+    ``saved_mismatched``: samples that failed when the bundle was saved."""
+
+    path: Path
+    where: str
+    report: AlignmentReport
+    message: str
+    mismatched: tuple[int, ...]
+    actions: tuple[str, ...]
+    saved_mismatched: tuple[int, ...]
+
+    @property
+    def aligned(self) -> bool:
+        return self.report.ok
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "path": str(self.path),
+            "where": self.where,
+            "aligned": self.aligned,
+            "mismatched": list(self.mismatched),
+            "saved_mismatched": list(self.saved_mismatched),
+            "actions": list(self.actions),
+            "message": self.message,
+            "report": report_summary(self.report),
+        }
+
+
+def _replay_where(bundle: Bundle) -> str:
+    r = bundle.rank.rank if bundle.rank is not None else None
+    parts = [f"replay of rank {r}" if r is not None else "replay of single process (RANK unset)"]
+    if bundle.step is not None:
+        parts.append(f"step {bundle.step}")
+    if bundle.microbatch is not None:
+        parts.append(f"microbatch {bundle.microbatch}")
+    return ", ".join(parts)
+
+
+def replay(bundle: Bundle) -> ReplayResult:
+    """Re-run the guard's check on a bundle (CPU, single process); the message is the one
+    the live merge raises, for every mismatched sample, with ``where`` naming the replay."""
+    where = _replay_where(bundle)
+    try:
+        lay = TokenLayout(bundle.input_ids, bundle.grammar, bundle.cu_seqlens)
+        norm = normalize(
+            [torch.empty(it.num_features, 0) for it in bundle.items], bundle.items, lay.num_samples
+        )
+        report = align(parse_layout(lay), norm.items, explicit=norm.explicit)
+    except MediaAlignmentError as err:
+        raise BundleError(f"{bundle.path}: bundle content is inconsistent: {err}") from None
+    bad = tuple(r.sample for r in report.mismatched)
+    verdict = Verdict(report.num_runs, len(bad), len(report.stray_findings), 0, 0)
+    config = bundle.config or GuardConfig()
+    plan = build_plan(len(report.samples), bundle.items, verdict, report, config)
+    if report.ok:
+        message = (
+            f"Media alignment ok ({where}): {len(report.samples)} samples aligned, "
+            f"{report.num_runs} runs / {report.num_items} items, "
+            f"{report.total_placeholders} placeholders / {report.total_features} features"
+        )
+    else:
+        message = error_message(report, bad, bundle.items, where=where, log_path=bundle.log_path)
+    saved = tuple(int(m["sample"]) for m in bundle.report.get("mismatched", []))
+    return ReplayResult(bundle.path, where, report, message, bad, plan.actions, saved)
+
+
+# ---- command line ------------------------------------------------------------------------
+
+
+def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``media-guard replay``."""
+    parser.add_argument("bundle", help="a media_guard.rank*.bundle file")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    """0: aligned now; 1: the mismatch reproduces; 2: the bundle cannot be read."""
+    try:
+        result = replay(load_bundle(args.bundle))
+    except MediaAlignmentError as err:
+        print(f"media-guard replay: {err}", file=sys.stderr)
+        return EXIT_BAD_BUNDLE
+    if args.json:
+        print(json.dumps(result.to_dict(), default=_json_default))
+    else:
+        print(result.message)
+        if result.saved_mismatched:
+            print(f"  at save time: mismatched samples {list(result.saved_mismatched)[:16]}")
+    return EXIT_ALIGNED if result.aligned else EXIT_MISMATCH
+
+
+def replay_main(argv: Sequence[str] | None = None) -> int:
+    """``media-guard replay BUNDLE [--json]`` as a function; returns the exit code."""
+    parser = argparse.ArgumentParser(
+        prog="media-guard replay", description="re-run the check on a saved micro-batch"
+    )
+    add_replay_arguments(parser)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else EXIT_BAD_BUNDLE
+    return run_replay(args)

@@ -1,0 +1,99 @@
+"""Text rendering of a :class:`~.report.ReportSummary` (``media-guard report`` without ``--json``).
+
+Totals and skipped lines first, then the first fatal record, then tables by rank, event,
+action and reason class, then the top offending sample ids. Long tables are cut with a
+pointer to ``--json`` (:meth:`ReportSummary.to_dict` holds everything).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from .diagnostics import summary_line
+from .report import OFFENDING_EVENTS, ReportSummary, _event_order
+
+
+def _table(title: str, counts: Mapping[str, int], limit: int = 20) -> list[str]:
+    if not counts:
+        return []
+    width = max(len(k) for k in list(counts)[:limit])
+    out = [f"{title}:"]
+    out += [f"  {k:<{width}}  {n:>10,}" for k, n in list(counts.items())[:limit]]
+    if len(counts) > limit:
+        out.append(f"  ... {len(counts) - limit} more (see --json)")
+    return out
+
+
+def _rank_table(by_rank: Mapping[int | None, Mapping[str, int]], limit: int = 32) -> list[str]:
+    if not by_rank:
+        return []
+    events = _event_order({e: 1 for per in by_rank.values() for e in per})
+    ranks = list(by_rank)
+    if len(ranks) > limit:  # show the ranks with most offending records
+        ranks = sorted(ranks, key=lambda r: -sum(by_rank[r].get(e, 0) for e in OFFENDING_EVENTS))[
+            :limit
+        ]
+        ranks.sort(key=lambda r: (r is None, r or 0))
+    cols = ["total", *events]
+    widths = [max(10, len(c)) for c in cols]
+    out = ["by rank:", "  " + f"{'rank':>6}" + "".join(f"  {c:>{w}}" for c, w in zip(cols, widths))]
+    for r in ranks:
+        per = by_rank[r]
+        vals = [sum(per.values()), *(per.get(e, 0) for e in events)]
+        out.append(
+            "  "
+            + f"{'?' if r is None else r:>6}"
+            + "".join(f"  {v:>{w},}" for v, w in zip(vals, widths))
+        )
+    if len(by_rank) > limit:
+        out.append(f"  ... {len(by_rank) - limit} more ranks (see --json)")
+    return out
+
+
+def format_summary(summary: ReportSummary) -> str:
+    """A human report: totals, skipped lines, first fatal, tables by rank/event/action/reason."""
+    s = summary
+    lines = [
+        f"media-guard report: {len(s.files)} file(s), {s.records:,} records"
+        + (f", {s.matched:,} after filters" if s.matched != s.records else "")
+        + (f", steps {s.first_step}..{s.last_step}" if s.first_step is not None else "")
+    ]
+    if s.ranks_filter is not None or s.steps_filter is not None:
+        lines.append(f"filters: ranks={s.ranks_filter} steps={s.steps_filter}")
+    if not s.files:
+        lines.append("no media_guard.rank*.jsonl files found")
+    if s.malformed:
+        per = ", ".join(f"{Path(f).name}: {n}" for f, n in s.malformed_by_file.items())
+        lines.append(f"skipped {s.malformed:,} malformed line(s) ({per})")
+    for f in s.torn_files:
+        lines.append(f"skipped a torn last line in {Path(f).name}")
+    if s.other_schema:
+        lines.append(f"note: {s.other_schema:,} record(s) with a schema other than 1")
+    if s.first_fatal is not None:
+        ff = s.first_fatal
+        culprit = [f"rank {'?' if ff.get('rank') is None else ff.get('rank')}"]
+        for key in ("step", "sample"):
+            if ff.get(key) is not None:
+                culprit.append(f"{key} {ff.get(key)}")
+        if ff.get("sample_id") is not None:
+            culprit.append(f"(id {ff.get('sample_id')!r})")
+        if ff.get("item") is not None:
+            culprit.append(f"item {ff.get('item')}")
+        if ff.get("time") is not None:
+            culprit.append(f"at {ff.get('time')}")
+        where = f"{Path(str(ff.get('_file'))).name}:{ff.get('_line')}"
+        lines.append(f"first fatal: {' '.join(culprit)} [{where}]")
+        lines.append("  " + summary_line(ff))
+    else:
+        lines.append("first fatal: none (no 'raise' record)")
+    lines += _rank_table(s.by_rank)
+    lines += _table("by event", s.by_event)
+    lines += _table("by action", s.by_action)
+    lines += _table("by reason (digits shown as #)", s.by_reason)
+    if s.top_sample_ids:
+        note = "" if s.sample_ids_exact else " (estimated: counts are lower bounds)"
+        lines.append(f"top offending sample ids (repair/drop/raise){note}:")
+        width = max(len(repr(k)) for k, _ in s.top_sample_ids)
+        lines += [f"  {k!r:<{width}}  {n:>10,}" for k, n in s.top_sample_ids]
+    return "\n".join(lines)
