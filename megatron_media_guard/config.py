@@ -81,12 +81,10 @@ class GuardConfig:
                 continue
             if f.name == "allowed_fidelity":
                 changes[f.name] = tuple(x.strip() for x in raw.split(",") if x.strip())
-            elif f.name in ("ignore_index", "fp8_multiple"):
-                changes[f.name] = _int(f.name, raw)
-            elif f.name == "fp8":
-                changes[f.name] = {"1": True, "true": True, "0": False, "false": False}.get(
-                    raw.lower()
-                )
+            elif f.name in ("ignore_index", "fp8_multiple", "dump_max"):
+                changes[f.name] = None if raw.lower() in ("", "none") else _int(f.name, raw)
+            elif f.name in ("fp8", "dump_pixels", "dump_features"):
+                changes[f.name] = _bool(f.name, raw, allow_none=f.name == "fp8")
             else:
                 changes[f.name] = raw
         try:
@@ -101,6 +99,15 @@ class GuardConfig:
 def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise MediaInputError(f"GuardConfig.{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def _bool(name: str, raw: str, *, allow_none: bool) -> bool | None:
+    val = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}.get(
+        raw.lower()
+    )
+    if val is None and not (allow_none and raw.lower() in ("", "none", "auto")):
+        raise MediaInputError(f"MEDIA_GUARD_{name.upper()} must be true/false, got {raw!r}")
+    return val
 
 
 def _bool(name: str, raw: str, *, allow_none: bool) -> bool | None:
