@@ -136,12 +136,13 @@ register(
 
 
 def _replay_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("bundle", help="a media_guard.rank*.bundle file saved by the guard (dump_dir)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    from .replay import add_replay_arguments
+
+    add_replay_arguments(p)
 
 
 def _replay_run(args: argparse.Namespace) -> int:
-    from .replay import run_replay  # imports torch: only when replaying
+    from .replay import run_replay
 
     return run_replay(args)
 
