@@ -227,6 +227,14 @@ class TokenLayout:
         end = self.content & (~self.next(self.content) | self.next(start))
         return start, end
 
+    def runs_per_sample(self, run_start: torch.Tensor) -> torch.Tensor:
+        """``[num_samples]`` int64: how many runs start in each sample (padding excluded)."""
+        if self.seg_start is None:
+            return run_start.sum(1)
+        counts = torch.zeros(self.num_samples + 1, dtype=torch.int64, device=self.device)
+        counts.scatter_add_(0, self.sample.reshape(-1), run_start.reshape(-1).long())
+        return counts[: self.num_samples]
+
     def run_placeholders(self, run_start: torch.Tensor) -> torch.Tensor:
         """``[b, s]``: placeholders from the start of the current run up to each position."""
         ph_cum = torch.cumsum(self.ph, 1)

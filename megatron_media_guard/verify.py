@@ -10,6 +10,7 @@ count reaches ``cum[r + 1]``, it starts in sample ``sample[r]`` and has modality
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -64,23 +65,21 @@ def verify(
     violations = lay.structure_violations(start, end)
     zero = torch.zeros((), dtype=torch.int64, device=dev)
     if n_items:
-        cum = [0]
-        for n in lengths:
-            cum.append(cum[-1] + n)
-        table = torch.tensor(
-            [cum[1:], modalities, samples if samples is not None else [-1] * n_items],
-            dtype=torch.int64,
-        ).to(dev, non_blocking=True)
+        ends = torch.tensor(list(accumulate(lengths)), dtype=torch.int64).to(dev, non_blocking=True)
         # items are concatenated across rows in token order: scan the flattened batch
         run_idx = (torch.cumsum(start.view(-1), 0) - 1).view_as(start)  # run of each token
         ph_cum = torch.cumsum(lay.ph.view(-1), 0).view_as(start)  # placeholders so far
         r = run_idx.clamp(0, n_items - 1)
-        over = run_idx >= n_items
-        bad_end = end & (over | (ph_cum != torch.take(table[0], r)))
-        bad_start = start & (over | (lay.run_codes(start) != torch.take(table[1], r)))
+        # run r ends where the placeholder count reaches item r's cumulative length
+        bad = (end & ((run_idx >= n_items) | (ph_cum != torch.take(ends, r)))).sum()
+        if len(lay.grammar.placeholders) > 1:
+            mods = torch.tensor(modalities, dtype=torch.int64).to(dev, non_blocking=True)
+            bad = bad + (start & (lay.run_codes(start) != torch.take(mods, r))).sum()
         if samples is not None:
-            bad_start = bad_start | (start & (lay.sample != torch.take(table[2], r)))
-        bad = bad_end.sum() + bad_start.sum()
+            # items come sorted by sample and runs in token order, so run r lies in item r's
+            # sample for every r iff each sample holds as many runs as it has items
+            want = torch.bincount(torch.tensor(samples), minlength=lay.num_samples)
+            bad = bad + (lay.runs_per_sample(start) != want.to(dev, non_blocking=True)).sum()
     else:
         bad = zero
     if features is not None and features.numel():

@@ -336,3 +336,17 @@ def test_env_override_errors_name_the_variable():
         GuardConfig().with_env({"MEDIA_GUARD_POLICY": "ignore"})
     with pytest.raises(MediaInputError, match="MEDIA_GUARD_DUMP_PIXELS"):
         GuardConfig().with_env({"MEDIA_GUARD_DUMP_PIXELS": "maybe"})
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_items_naming_the_wrong_sample_are_caught_when_lengths_line_up(packed):
+    batch = build_batch(Q, [[("image", 3)], [("image", 3)]])
+    ids = batch.input_ids
+    cu = None
+    if packed:
+        cu = torch.tensor([0, ids.shape[1], 2 * ids.shape[1]])
+        ids = ids.reshape(1, -1)
+    items = [MediaItem(3, 0), MediaItem(3, 0)]  # both claim sample 0
+    emb = torch.randn(*ids.shape, H)
+    with pytest.raises(MediaAlignmentError, match="count_mismatch"):
+        guard().merge(emb, ids, torch.randn(6, H), items, cu_seqlens=cu)
