@@ -168,6 +168,8 @@ def test_raise_expectation_names_the_lowest_rank_of_the_faulty_micro_batch_group
     assert want.culprit == (0,) and want.raised_ranks == (0, 1, 2, 3)
     assert ((0, "raise", 1) in want.events) and ((1, "raise", 1) in want.events)
     assert (2, "raise", 1) not in want.events and (3, "consensus", 1) in want.events
+    alone = expected("budget_shrink", "raise", [0], fault_rank=0, fault_step=1, steps=3)
+    assert alone.events == ((0, "raise", 1), (0, "step", 1))  # a one-rank stage: no consensus
 
 
 @pytest.mark.parametrize(

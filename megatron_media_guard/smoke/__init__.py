@@ -14,6 +14,7 @@ Exit codes: 0 every scenario ended as expected; 1 a mismatch (listed); 2 usage e
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import tempfile
 import time
@@ -128,6 +129,11 @@ def run_smoke(args: argparse.Namespace) -> int:
         return _usage(f"--fault-rank must be in [0, {n}) and --fault-step in [0, {steps})")
     if args.timeout <= 0:
         return _usage("--timeout must be > 0")
+    if (
+        importlib.util.find_spec("megatron") is None
+        or importlib.util.find_spec("megatron.core") is None
+    ):
+        return _usage("needs megatron-core (pip install -e '.[megatron]')")
     backend = _backend(args.backend, n)
     if backend == "nccl":
         import torch

@@ -62,7 +62,8 @@ def expected(
     events: dict[int, dict[str, int]] = {r: {} for r in range(world)}
     if faulty and policy == "raise":
         for r in range(world):
-            events[r] = {"consensus": 1, "step": fault_step}
+            # a stage of one rank decides alone: no consensus record
+            events[r] = {"consensus": int(world > 1), "step": fault_step}
             if r in group:
                 events[r]["raise"] = len(faulty)
         return Outcome(
@@ -149,7 +150,8 @@ def _by_step(entries: RankSteps) -> dict[tuple[int, tuple[int, ...]], list[int]]
 def describe(o: Outcome, world: int, steps: int) -> str:
     """A short phrase for the table (the same words for expected and observed)."""
     if o.raised_ranks:
-        who = f"all {world}" if len(o.raised_ranks) == world else _ranks(o.raised_ranks)
+        every = len(o.raised_ranks) == world > 1
+        who = f"all {world}" if every else _ranks(o.raised_ranks)
         at = ",".join(map(str, o.raised_step))
         named = ",".join(map(str, o.culprit)) or "?"
         return f"{who} raised at step {at} naming rank {named}"
