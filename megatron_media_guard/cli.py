@@ -155,6 +155,26 @@ register(
 )
 
 
+def _smoke_arguments(p: argparse.ArgumentParser) -> None:
+    from .smoke import add_smoke_arguments
+
+    add_smoke_arguments(p)
+
+
+def _smoke_run(args: argparse.Namespace) -> int:
+    from .smoke import run_smoke
+
+    return run_smoke(args)
+
+
+register(
+    "smoke",
+    "distributed smoke run with fault injection (4 CPU ranks over gloo by default)",
+    _smoke_arguments,
+    _smoke_run,
+)
+
+
 # -- entry point ------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(

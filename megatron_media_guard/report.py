@@ -167,13 +167,15 @@ def _file_rank(path: Path) -> int | None:
 
 
 def find_files(paths_or_dir: str | PathLike[str] | Iterable[str | PathLike[str]]) -> list[Path]:
-    """The diagnostics files named: a directory's ``media_guard.rank*.jsonl`` (sorted), or files."""
+    """The diagnostics files named: a directory's ``media_guard.rank*.jsonl`` (sorted; when it
+    holds none directly, those in its subdirectories, e.g. one per smoke run), or files."""
     items = [paths_or_dir] if isinstance(paths_or_dir, (str, PathLike)) else list(paths_or_dir)
     out: list[Path] = []
     for item in items:
         p = Path(item)
         if p.is_dir():
-            out.extend(sorted(p.glob(f"{FILE_PREFIX}*{FILE_SUFFIX}")))
+            pattern = f"{FILE_PREFIX}*{FILE_SUFFIX}"
+            out.extend(sorted(p.glob(pattern)) or sorted(p.rglob(pattern)))
         elif p.is_file():
             out.append(p)
         else:

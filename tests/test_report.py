@@ -449,3 +449,14 @@ def test_summary_is_frozen(tmp_path):
         s.records = 2  # type: ignore[misc]
     with pytest.raises(TypeError):
         s.by_event["check"] = 5  # type: ignore[index]
+
+
+def test_a_directory_of_run_directories_is_searched(tmp_path):
+    """The smoke writes one subdirectory per run; report DIR finds their files."""
+    from megatron_media_guard.diagnostics import DiagnosticsLog, GuardRecord, RankInfo
+    from megatron_media_guard.report import summarize
+
+    for run in ("a.raise", "b.drop"):
+        with DiagnosticsLog(tmp_path / run, RankInfo(rank=1)) as log:
+            log.emit(GuardRecord(event="drop", step=1, sample=0))
+    assert summarize(tmp_path).count("drop") == 2

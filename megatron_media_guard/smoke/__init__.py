@@ -189,7 +189,7 @@ def _launch_and_check(wargs, nproc: int, timeout: float, log_dir: Path) -> int:
     print(text)
     print(
         f"\nmedia-guard smoke: {'PASSED' if ok else 'FAILED'} in {time.perf_counter() - t0:.1f} s; "
-        f"post-mortem of one run: media-guard report {log_dir}/<scenario>.<policy>",
+        f"post-mortem: media-guard report {log_dir} (all runs) or {log_dir}/<scenario>.<policy>",
         flush=True,
     )
     return EXIT_OK if ok else EXIT_MISMATCH
