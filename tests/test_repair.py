@@ -193,7 +193,9 @@ def test_repair_without_encoder_falls_back_with_reason(tmp_path):
         grammar=Q,
         geometry=GEO,
     )
-    with pytest.raises(Exception, match=r"surplus(.|\n)*repair failed, item 0: cannot repair: no encoder"):
+    with pytest.raises(
+        Exception, match=r"surplus(.|\n)*repair failed, item 0: cannot repair: no encoder"
+    ):
         guard.merge(
             torch.randn(1, batch.input_ids.shape[1], H),
             batch.input_ids,
