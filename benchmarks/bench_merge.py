@@ -73,7 +73,7 @@ def merge_rows(quick: bool = False) -> list[dict]:
     }
     for fn in fns.values():  # warm up
         fn()
-    t = _interleaved(fns, 5 if quick else 15)
+    t = _interleaved(fns, 5 if quick else 25)
     assert torch.equal(fns["guarded"]().embeddings, unguarded())
     with count_transfers() as seen:
         on.merge(emb, ids, feats, batch.items)
