@@ -26,7 +26,6 @@ class Status(str, enum.Enum):
     DEFICIT = "deficit"  # more placeholders than features (e.g. an extra pad token)
     MODALITY_MISMATCH = "modality_mismatch"  # a run's modality differs from its item's
     LENGTH_MISMATCH = "length_mismatch"  # equal totals, a run's length differs (swapped items)
-    NONFINITE = "nonfinite"  # an item's features hold NaN or Inf
 
     def __str__(self) -> str:
         return self.value

@@ -53,17 +53,32 @@ def scatter_kept(
     """
     f = batch.features
     pieces = [replaced[i] if i in replaced else f[slice(*batch.rows(i))] for i in kept_items]
-    src = torch.cat(pieces) if pieces else f[:0]
+    src = torch.cat(pieces) if pieces else emb.new_zeros(0, emb.shape[-1])
     out = emb.masked_scatter((lay.ph & token_keep(lay, keep)).unsqueeze(-1), src)
     unused = sorted((set(range(len(batch.items))) - set(kept_items)) | set(replaced))
     if unused:
         # keep the vision tower in the autograd graph (DDP/FSDP hooks fire as usual):
         # add -0.0, the exact additive identity for every float including -0.0 itself.
         rows = f.index_select(0, rows_index(batch, unused, f.device))
-        clean = torch.where(torch.isfinite(rows), rows, torch.zeros_like(rows))
-        anchor = -(clean * 0).abs().sum()
-        out[0, 0, 0] = out[0, 0, 0] + anchor.to(out.dtype)
+        out[0, 0, 0] = out[0, 0, 0] + zero_anchor(rows).to(out.dtype)
     return out
+
+
+def zero_anchor(*tensors: torch.Tensor) -> torch.Tensor:
+    """A scalar ``-0.0`` that depends on every element of ``tensors`` (gradient zero).
+
+    Added to one output element it keeps unused features, and so the vision tower, in the
+    autograd graph (DDP/FSDP hooks fire as for any batch) without changing any bit: -0.0 is
+    the additive identity of every float, -0.0 itself included; NaN/Inf are masked first.
+    """
+    total = None
+    for t in tensors:
+        clean = torch.where(torch.isfinite(t), t, torch.zeros_like(t))
+        part = (clean * 0).abs().sum()
+        total = part if total is None else total + part
+    if total is None:
+        raise ValueError("zero_anchor needs at least one tensor")
+    return -total
 
 
 def mask_dropped(

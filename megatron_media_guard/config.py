@@ -58,6 +58,15 @@ class GuardConfig:
         _one_of("policy", self.policy, _POLICIES)
         _one_of("fallback", self.fallback, _FALLBACKS)
         _one_of("nonfinite", self.nonfinite, _NONFINITE)
+        if isinstance(self.allowed_fidelity, str):
+            raise MediaInputError(
+                f"GuardConfig.allowed_fidelity must be a tuple of names, got the string "
+                f"{self.allowed_fidelity!r} (write ({self.allowed_fidelity!r},))"
+            )
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
+            raise MediaInputError(
+                f"GuardConfig.ignore_index must be an int, got {self.ignore_index!r}"
+            )
         fid = tuple(self.allowed_fidelity)
         for f in fid:
             _one_of("allowed_fidelity", f, _FIDELITIES)
@@ -81,10 +90,12 @@ class GuardConfig:
                 continue
             if f.name == "allowed_fidelity":
                 changes[f.name] = tuple(x.strip() for x in raw.split(",") if x.strip())
-            elif f.name in ("ignore_index", "fp8_multiple", "dump_max"):
-                changes[f.name] = None if raw.lower() in ("", "none") else _int(f.name, raw)
+            elif f.name == "ignore_index":
+                changes[f.name] = parse_int(f.name, raw)
+            elif f.name in ("fp8_multiple", "dump_max"):
+                changes[f.name] = None if raw.lower() in ("", "none") else parse_int(f.name, raw)
             elif f.name in ("fp8", "dump_pixels", "dump_features"):
-                changes[f.name] = _bool(f.name, raw, allow_none=f.name == "fp8")
+                changes[f.name] = parse_bool(f.name, raw, allow_none=f.name == "fp8")
             else:
                 changes[f.name] = raw
         try:
@@ -101,25 +112,19 @@ def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:
         raise MediaInputError(f"GuardConfig.{name} must be one of {list(allowed)}, got {value!r}")
 
 
-def _bool(name: str, raw: str, *, allow_none: bool) -> bool | None:
-    val = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}.get(
-        raw.lower()
-    )
+def parse_bool(name: str, raw: str, *, allow_none: bool = False) -> bool | None:
+    """``MEDIA_GUARD_<NAME>`` as a boolean (1/true/yes/on, 0/false/no/off); with ``allow_none``,
+    ''/none/auto give None. Anything else is an error naming the variable."""
+    val = {"1": True, "true": True, "yes": True, "on": True}.get(raw.strip().lower())
+    if val is None:
+        val = {"0": False, "false": False, "no": False, "off": False}.get(raw.strip().lower())
     if val is None and not (allow_none and raw.lower() in ("", "none", "auto")):
         raise MediaInputError(f"MEDIA_GUARD_{name.upper()} must be true/false, got {raw!r}")
     return val
 
 
-def _bool(name: str, raw: str, *, allow_none: bool) -> bool | None:
-    val = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}.get(
-        raw.lower()
-    )
-    if val is None and not (allow_none and raw.lower() in ("", "none", "auto")):
-        raise MediaInputError(f"MEDIA_GUARD_{name.upper()} must be true/false, got {raw!r}")
-    return val
-
-
-def _int(name: str, raw: str) -> int:
+def parse_int(name: str, raw: str) -> int:
+    """``MEDIA_GUARD_<NAME>`` as an integer; an error naming the variable otherwise."""
     try:
         return int(raw)
     except ValueError:

@@ -76,6 +76,11 @@ def normalize(
 
     features: ``[sum(n_i), h]`` or a list of ``[n_i, h]``; items may be omitted for a list.
     """
+    if items is not None:
+        items = tuple(items)
+        for it in items:
+            if not isinstance(it, MediaItem):
+                raise MediaInputError(f"items must be MediaItem, got {type(it).__name__}")
     if isinstance(features, torch.Tensor):
         if features.dim() != 2:
             raise MediaInputError(
@@ -116,9 +121,6 @@ def normalize(
             packed = torch.cat(parts) if len(parts) > 1 else parts[0]
         else:
             packed = torch.empty(0, 0)
-    for it in items:
-        if not isinstance(it, MediaItem):
-            raise MediaInputError(f"items must be MediaItem, got {type(it).__name__}")
     samples = [it.sample for it in items]
     explicit = any(s is not None for s in samples)
     if explicit and any(s is None for s in samples):
@@ -138,3 +140,11 @@ def normalize(
     for it in items:
         offsets.append(offsets[-1] + it.num_features)
     return Batch(items, packed, tuple(offsets), order, explicit)
+
+
+def metadata_batch(items: Sequence[MediaItem], num_samples: int) -> Batch:
+    """Items without features (``[n_i, 0]`` placeholders): for checks and plans made from
+    metadata alone (``check``, ``last_stage``, replay)."""
+    return normalize(
+        [torch.empty(getattr(it, "num_features", 0), 0) for it in items], items, num_samples
+    )

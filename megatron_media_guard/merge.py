@@ -20,7 +20,7 @@ from .diagnostics import DiagnosticsLog, GuardRecord, RankInfo
 from .errors import MediaAlignmentError, MediaInputError
 from .explain import error_message, sample_record
 from .grammar import Grammar
-from .items import Batch, MediaItem, normalize
+from .items import Batch, MediaItem, metadata_batch, normalize
 from .outcome import Consensus, LocalOutcome, StageOutcome
 from .plan import Plan, build_plan
 from .repair import run_repairs
@@ -126,8 +126,7 @@ class MediaGuard:
     ) -> AlignmentReport:
         """The full per-sample report, without merging."""
         lay = TokenLayout(input_ids, self.grammar, cu_seqlens)
-        rows = [torch.empty(it.num_features, 0) for it in items]
-        batch = normalize(rows, items, lay.num_samples)
+        batch = metadata_batch(items, lay.num_samples)
         return align(parse_layout(lay), batch.items, explicit=batch.explicit)
 
     def merge(
@@ -196,8 +195,7 @@ class MediaGuard:
 
         def prepare() -> _Call:
             lay = TokenLayout(input_ids, self.grammar, cu_seqlens)
-            rows = [torch.empty(it.num_features, 0) for it in items]
-            batch = normalize(rows, items, lay.num_samples)
+            batch = metadata_batch(items, lay.num_samples)
             for name, t in (("loss_mask", loss_mask), ("labels", labels)):
                 if t is not None and tuple(t.shape) != (lay.batch, lay.row_length):
                     raise MediaInputError(
@@ -220,11 +218,10 @@ class MediaGuard:
         return self._guarded(prepare, step, microbatch)
 
     def _guarded(self, prepare, step, microbatch) -> MergeResult:
-        """Runs one guarded call; any library error gets the rank/step context, and an error
-        raised before this rank's collective still takes part in it (as this rank's fatal
-        outcome), so the other ranks of the stage raise with it instead of hanging."""
+        """Runs one guarded call; a library error gets the rank/step context, and any error
+        raised before this rank's collective still takes part in it (see :meth:`fail`)."""
         where = self.where(step, microbatch)
-        self._agreed = False
+        self.begin()
         try:
             if self.grammar.collapsed:
                 raise MediaInputError(
@@ -235,10 +232,22 @@ class MediaGuard:
         except MediaAlignmentError as err:
             if not err.context.get("where"):
                 err = err.with_context(f"MediaGuard.merge ({where}): ", where=where)
-            self._join_failed(err, step, microbatch)
+            self.fail(err, step, microbatch)
             raise err from None
+        except Exception as err:  # e.g. out of memory inside the checks: the peers must not hang
+            self.fail(err, step, microbatch)
+            raise
 
-    def _join_failed(self, err: MediaAlignmentError, step, microbatch) -> None:
+    def begin(self) -> None:
+        """Marks the start of one guarded call (adapters that plan outside :meth:`merge` call
+        it before their own checks, then :meth:`settle` or :meth:`fail`)."""
+        self._agreed = False
+
+    def fail(self, err: BaseException, step: int | None, microbatch: int | None) -> None:
+        """Call when a guarded call fails on this rank before its collective (bad input, an
+        adapter's own check, OOM): joins the stage's round as this rank's fatal outcome, so
+        the peers raise naming this rank instead of waiting for the process-group timeout.
+        A no-op once the call has agreed, or without a consensus."""
         if self._agreed or self.consensus is None:
             return
         self._agreed = True
@@ -252,9 +261,19 @@ class MediaGuard:
                 dropped=0,
                 repaired=0,
                 fatal=True,
-                message=str(err),
+                message=f"{type(err).__name__}: {err}",
             )
         )
+
+    def close(self) -> None:
+        """Closes the per-rank log file (the guard stays usable: the file reopens lazily)."""
+        self.log.close()
+
+    def __enter__(self) -> MediaGuard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def on_step_end(self, step: int) -> dict[str, int]:
         """Counters since the last call (merges, samples, mismatched, dropped, repaired),
@@ -299,6 +318,8 @@ class MediaGuard:
         stage = self._agree(c, plan, None, None, None)
         if c.emb is None:
             return self._finish(c, None, plan, None, verdict, stage, None)
+        if not batch.items:  # text only: nothing to scatter (verified: no placeholder either)
+            return self._finish(c, c.emb, plan, None, verdict, stage, None)
         src = batch.features
         if order != tuple(range(len(order))):  # explicit samples given out of token order
             src = src.index_select(0, rows_index(batch, order, src.device))

@@ -54,10 +54,11 @@ class Plan:
 
     def with_actions(self, actions: Sequence[Action], repairs: Sequence[ItemRepair]) -> Plan:
         """The plan after repairs were attempted (failed ones fell back)."""
-        return Plan(tuple(actions), tuple(repairs), _digest(self.digest, actions, repairs))
+        return Plan(tuple(actions), tuple(repairs), digest(self.digest, actions, repairs))
 
 
-def _digest(*parts: object) -> int:
+def digest(*parts: object) -> int:
+    """A 63-bit digest of JSON-able parts (the same on every rank and platform)."""
     blob = json.dumps(parts, default=repr, sort_keys=True).encode()
     return int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little") >> 1
 
@@ -99,7 +100,7 @@ def build_plan(
         if actions[smp] != "raise":
             actions[smp] = act
             repairs = [r for r in repairs if r.sample != smp]
-    digest = _digest(
+    plan_digest = digest(
         verdict.fingerprint,
         verdict.runs,
         item_signature(items),
@@ -107,7 +108,7 @@ def build_plan(
         actions,
         [(r.item, r.target) for r in repairs],
     )
-    return Plan(tuple(actions), tuple(repairs), digest)
+    return Plan(tuple(actions), tuple(repairs), plan_digest)
 
 
 def _action_for(repairable: bool, config: GuardConfig) -> Action:

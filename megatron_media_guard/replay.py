@@ -15,14 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from .alignment import AlignmentReport, align
 from .bundle import Bundle, BundleError, _json_default, load_bundle, report_summary
 from .config import GuardConfig
 from .errors import MediaAlignmentError
 from .explain import error_message
-from .items import normalize
+from .items import metadata_batch
 from .plan import build_plan
 from .runs import TokenLayout, parse_layout
 from .verify import Verdict
@@ -77,9 +75,7 @@ def replay(bundle: Bundle) -> ReplayResult:
     where = _replay_where(bundle)
     try:
         lay = TokenLayout(bundle.input_ids, bundle.grammar, bundle.cu_seqlens)
-        norm = normalize(
-            [torch.empty(it.num_features, 0) for it in bundle.items], bundle.items, lay.num_samples
-        )
+        norm = metadata_batch(bundle.items, lay.num_samples)
         report = align(parse_layout(lay), norm.items, explicit=norm.explicit)
     except MediaAlignmentError as err:
         raise BundleError(f"{bundle.path}: bundle content is inconsistent: {err}") from None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
@@ -134,6 +135,7 @@ class TokenLayout:
                     f"packed input (cu_seqlens) must be one row [1, T], got {tuple(ids.shape)}"
                 )
             cu = _check_cu_seqlens(cu_seqlens, s, dev)
+            self.cu = cu
             self.num_samples = cu.numel() - 1
             # sample index; tokens at or past cu[-1] get num_samples (padding)
             self.sample = (torch.searchsorted(cu, self.col, right=True) - 1).clamp(min=0)
@@ -189,7 +191,10 @@ class TokenLayout:
         """
         g = self.grammar
         if g.start_id is None or g.end_id is None or g.break_ids:
-            return (self.finding_codes(run_start, run_end) != 0).sum()
+            count = (self.finding_codes(run_start, run_end, empty_runs=False) != 0).sum()
+            if g.break_ids:
+                count = count + self.empty_runs(run_start)
+            return count + self.cu_violations()
         d = torch.cumsum(
             self.is_start.to(torch.int8) - self.is_end.to(torch.int8), 1, dtype=torch.int32
         )
@@ -207,7 +212,7 @@ class TokenLayout:
             bad = bad | (padding & (self.content | self.is_start | self.is_end))
             count = bad.sum()
         text_next = ~self.next(self.is_start | self.is_end | self.content, fill=True)
-        return count + (run_end & text_next).sum()
+        return count + (run_end & text_next).sum() + self.cu_violations()
 
     def last_in_sample(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (a per-token scan result) read at the last token of each token's sample."""
@@ -255,7 +260,42 @@ class TokenLayout:
 
     # ---- findings --------------------------------------------------------------
 
-    def finding_codes(self, run_start: torch.Tensor, run_end: torch.Tensor) -> torch.Tensor:
+    def cu_violations(self) -> torch.Tensor:
+        """Device scalar: packed offsets that do not start at 0, decrease, or pass the row end."""
+        if self.seg_start is None:
+            return torch.zeros((), dtype=torch.int64, device=self.device)
+        cu = self.cu
+        return (cu[0] != 0).long() + (cu[1:] < cu[:-1]).sum() + (cu[-1] > self.row_length).long()
+
+    def check_cu_on_host(self) -> None:
+        """Off the aligned path: a clear error for bad packed offsets (one small transfer)."""
+        if self.seg_start is None:
+            return
+        cu = to_host(self.cu, why="validate packed offsets").tolist()
+        s = self.row_length
+        if cu[0] != 0 or any(b < a for a, b in pairwise(cu)) or cu[-1] > s:
+            raise MediaInputError(
+                f"cu_seqlens must start at 0, never decrease and end within the row ({s} "
+                f"tokens), got {cu[:16]}{' ...' if len(cu) > 16 else ''}",
+                context={"cu_seqlens": cu[:64], "row_length": s},
+            )
+
+    def empty_runs(self, run_start: torch.Tensor) -> torch.Tensor:
+        """Device scalar, no sync: runs holding no placeholder (only breaks).
+
+        A run holds a placeholder iff some placeholder token's run index differs from the
+        previous placeholder's in the row; counting those gives the runs with placeholders.
+        """
+        run_idx = torch.cumsum(run_start, 1)  # 1-based run index within the row
+        ph_run = torch.where(self.ph, run_idx, 0)
+        prev = torch.cummax(ph_run, 1).values
+        prev = torch.cat([torch.zeros_like(prev[:, :1]), prev[:, :-1]], 1)
+        with_ph = (self.ph & (ph_run != prev)).sum()
+        return run_start.sum() - with_ph
+
+    def finding_codes(
+        self, run_start: torch.Tensor, run_end: torch.Tensor, *, empty_runs: bool = True
+    ) -> torch.Tensor:
         """``[b, s]`` int8: a :class:`FindingKind` code at each malformed position, 0 elsewhere.
 
         Where several apply, the earliest listed below wins (masks are applied last-first).
@@ -290,7 +330,7 @@ class TokenLayout:
             marks.append((run_end & at_last, self._cut_kind()))
             marks.append((run_end & ~at_last & ~self.next(self.is_end), FindingKind.UNTERMINATED))
             marks.append((self.is_end & ~self.prev(self.content), FindingKind.END_WITHOUT_START))
-        if g.break_ids:
+        if g.break_ids and empty_runs:  # exact positions (nonzero: off the aligned path)
             marks.append((run_end & (self.run_placeholders(run_start) == 0), FindingKind.EMPTY_RUN))
         codes = torch.zeros_like(self.code)
         for mask, kind in reversed(marks):
@@ -334,6 +374,7 @@ def parse_runs(
 
 
 def parse_layout(lay: TokenLayout) -> ParsedRuns:
+    lay.check_cu_on_host()
     start, end = lay.run_bounds()
     # the cheap structure check decides whether the exact (costlier) findings are needed
     malformed = bool(to_host(lay.structure_violations(start, end), why="any malformed structure"))

@@ -350,3 +350,80 @@ def test_items_naming_the_wrong_sample_are_caught_when_lengths_line_up(packed):
     emb = torch.randn(*ids.shape, H)
     with pytest.raises(MediaAlignmentError, match="count_mismatch"):
         guard().merge(emb, ids, torch.randn(6, H), items, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("features", [[], torch.zeros(0, H)])
+def test_text_only_batch_in_half_precision(dtype, features):
+    ids = torch.full((2, 6), 1000)
+    emb = torch.randn(2, 6, H).to(dtype)
+    with count_transfers() as seen:
+        res = guard().merge(emb, ids, features, [] if isinstance(features, torch.Tensor) else None)
+    assert torch.equal(res.embeddings, emb) and res.report.ok
+    assert sum(seen.values()) == 1
+
+
+def test_text_only_batch_with_a_stray_placeholder_is_dropped_in_half_precision():
+    ids = torch.full((2, 6), 1000)
+    ids[1, 2] = 5  # a literal placeholder, no media at all
+    emb = torch.randn(2, 6, H).to(torch.bfloat16)
+    res = guard("drop").merge(emb, ids, [], loss_mask=torch.ones(2, 6))
+    assert res.report.dropped == (1,) and torch.equal(res.embeddings, emb)
+
+
+@pytest.mark.parametrize(
+    "cu", [[0, 10, 5, 16], [0, 8, 20], [2, 8, 16]], ids=["decreasing", "past-end", "not-at-0"]
+)
+def test_bad_packed_offsets_are_named(cu):
+    batch = build_batch(Q, [[("image", 3)]], seq_len=16)
+    with pytest.raises(MediaInputError, match=r"cu_seqlens must start at 0, never decrease"):
+        guard().merge(
+            torch.randn(1, 16, H),
+            batch.input_ids,
+            torch.randn(3, H),
+            [MediaItem(3)],
+            cu_seqlens=torch.tensor(cu),
+        )
+
+
+def test_items_must_be_media_items_even_with_packed_features():
+    batch = build_batch(Q, [[("image", 3), ("image", 2)]])
+    with pytest.raises(MediaInputError, match="items must be MediaItem, got int"):
+        guard().merge(
+            torch.randn(1, batch.input_ids.shape[1], H), batch.input_ids, torch.randn(5, H), [3, 2]
+        )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"ignore_index": "x"}, "ignore_index must be an int"),
+        ({"allowed_fidelity": "unique"}, r"write \('unique',\)"),
+    ],
+)
+def test_config_rejects_values_that_would_fail_later(kwargs, match):
+    with pytest.raises(MediaInputError, match=match):
+        GuardConfig(**kwargs)
+
+
+def test_pixtral_aligned_path_has_no_hidden_sync(monkeypatch):
+    """nonzero sizes its output with a host sync on CUDA: the aligned path must not call it."""
+    g = TEST_GRAMMARS["pixtral"]
+    batch = build_batch(g, [[("image", 6)], [("image", 9)]])
+    emb, feats = inputs(batch)
+
+    def no_nonzero(*a, **k):
+        raise AssertionError("torch.nonzero on the aligned path")
+
+    monkeypatch.setattr(torch, "nonzero", no_nonzero)
+    res = MediaGuard(GuardConfig(), grammar=g).merge(emb, batch.input_ids, feats, batch.items)
+    assert res.report.ok
+
+
+def test_guard_closes_its_log(tmp_path):
+    batch = inject(Q, LAYOUT, "extra_pad")
+    emb, feats = inputs(batch)
+    with MediaGuard(GuardConfig(policy="drop", log_dir=str(tmp_path)), grammar=Q) as g:
+        g.merge(emb, batch.input_ids, feats, batch.items)
+        assert g.log._fd is not None
+    assert g.log._fd is None
