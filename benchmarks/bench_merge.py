@@ -128,7 +128,7 @@ def parse_rows(quick: bool = False) -> list[dict]:
             "metric": "transfers per parse (sized by runs)",
             "value": float(sum(seen.values())),
             "target": "1, O(runs)",
-            "note": f"{len(parsed.runs) * 5 + len(parsed.findings) * 3} integers for {b * s} tokens",
+            "note": f"{len(parsed.runs) * 6 + len(parsed.findings) * 4} integers for {b * s} tokens",
         },
     ]
 

@@ -1,11 +1,12 @@
 """``media-guard`` command line: one registered function per subcommand.
 
 A subcommand is a :class:`Subcommand` (help, ``add_arguments(parser)``,
-``run(args) -> exit code``) added with :func:`register`; its module is imported
-inside ``run`` so that ``media-guard report`` never pays for torch.
+``run(args) -> exit code``) added with :func:`register`; heavy modules are imported when
+the subcommand's parser is built or run, not at import.
 
-Exit codes: 0 success; 2 usage error or missing input; 3 ``report --fail-on`` matched;
-130 interrupted.
+Exit codes: 0 success; 1 ``replay``: the bundle still mismatches, ``smoke``: a scenario
+ended unexpectedly, ``report``: output closed early; 2 usage error or missing input;
+3 ``report --fail-on`` matched; 4 ``smoke``: a rank crashed or timed out; 130 interrupted.
 """
 
 from __future__ import annotations
