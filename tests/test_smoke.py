@@ -189,7 +189,9 @@ def test_usage_errors_exit_2_without_launching(argv, capsys):
     assert "media-guard smoke" in capsys.readouterr().err
 
 
-# ---- the launcher (torch elastic, forked ranks: no megatron) --------------------------------
+# ---- the launcher (torch elastic, forkserver ranks: no megatron) ----------------------------
+# The entries are module-level (pickled by name). Bounds on a hang: the launcher's own timeout,
+# and the test's hard timeout.
 
 
 def _hang(args):
@@ -209,23 +211,35 @@ class _Ranked:
         self.rank = rank
 
 
+@pytest.mark.dist
+@pytest.mark.timeout(120)
 def test_launcher_stops_a_hang_at_its_timeout():
     from megatron_media_guard.smoke.launch import LaunchError, LaunchSpec, launch
 
-    t0 = time.monotonic()
     with pytest.raises(LaunchError) as info:
-        launch(LaunchSpec(2, timeout_s=4, start_method="fork", preload=()), None, entry=_hang)
-    assert info.value.timed_out and "timed out after 4 s" in str(info.value)
-    assert time.monotonic() - t0 < 60
+        launch(LaunchSpec(2, timeout_s=4, preload=()), None, entry=_hang)
+    assert info.value.timed_out and not info.value.interrupted
+    assert "timed out after 4 s" in str(info.value)
 
 
-def test_launcher_names_the_rank_that_failed():
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_launcher_names_the_rank_that_failed(start_method):
     from megatron_media_guard.smoke.launch import LaunchError, LaunchSpec, launch
 
+    spec = LaunchSpec(2, timeout_s=60, start_method=start_method, preload=())
     with pytest.raises(LaunchError) as info:
-        launch(LaunchSpec(2, timeout_s=60, start_method="fork", preload=()), None, entry=_boom)
+        launch(spec, None, entry=_boom)
     assert not info.value.timed_out
     assert "rank 1" in str(info.value) and "boom on purpose" in str(info.value)
+
+
+def test_launcher_refuses_fork():
+    from megatron_media_guard.smoke.launch import LaunchError, LaunchSpec
+
+    with pytest.raises(LaunchError, match="'fork'"):
+        LaunchSpec(2, timeout_s=4, start_method="fork")
 
 
 # ---- 4-rank smoke runs ------------------------------------------------------------------------

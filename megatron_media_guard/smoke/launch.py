@@ -8,6 +8,12 @@ Hard timeout: a timer sends SIGUSR1 to this process after ``timeout`` seconds; t
 agent turns it into a ``SignalException``, stops every worker and we report a hang. The
 agent installs its signal handlers only from the main thread, so ``launch`` must run there;
 the previous handlers are restored afterwards.
+
+Start methods: ``forkserver`` (default) or ``spawn``, never ``fork``. The launching process is
+threaded by the time workers start (the timer above, plus whatever threads the caller runs:
+pytest, torch's intra-op pool), and a child forked from a threaded process can inherit a lock
+held mid-operation by a thread that does not exist in the child: it hangs or crashes (SIGSEGV).
+The forkserver is itself started by fork+exec and is single-threaded, so forking from it is safe.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch.multiprocessing as tmp
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
@@ -29,6 +35,8 @@ from .runspec import RankResult, WorkerArgs
 
 PRELOAD = ("torch.distributed", "megatron_media_guard.smoke.worker")
 _HANDLED = ("SIGTERM", "SIGINT", "SIGUSR1")
+
+StartMethod = Literal["forkserver", "spawn"]
 
 
 class LaunchError(RuntimeError):
@@ -45,14 +53,23 @@ class LaunchSpec:
     """nproc local ranks; timeout_s: hard limit for the whole launch (start included).
 
     launcher_log_dir: where torchelastic keeps its per-attempt error files (None: a temp dir).
-    start_method / preload: how workers start (``forkserver`` preloading ``preload``).
+    start_method / preload: how workers start (``forkserver`` preloading ``preload``, or
+    ``spawn``); ``fork`` is refused (unsafe from the launcher's threaded process, see above).
+    ``entry`` and its arguments are pickled by name: they must be module-level.
     """
 
     nproc: int
     timeout_s: float
     launcher_log_dir: str | None = None
-    start_method: str = "forkserver"
+    start_method: StartMethod = "forkserver"
     preload: tuple[str, ...] = PRELOAD
+
+    def __post_init__(self) -> None:
+        if self.start_method not in get_args(StartMethod):
+            raise LaunchError(
+                f"start_method {self.start_method!r} is not one of {get_args(StartMethod)}: "
+                "forking a threaded launcher can hang or crash its workers"
+            )
 
 
 def rank_entry(args: WorkerArgs) -> RankResult:
