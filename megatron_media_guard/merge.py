@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .alignment import AlignmentReport, align
-from .apply import mask_dropped, nonfinite_items, rows_index, scatter_kept
+from .apply import mask_dropped, nonfinite_items, rows_index, scatter, scatter_kept
 from .config import GuardConfig
 from .diagnostics import DiagnosticsLog, GuardRecord, RankInfo
 from .errors import MediaAlignmentError, MediaInputError
@@ -323,7 +323,7 @@ class MediaGuard:
         src = batch.features
         if order != tuple(range(len(order))):  # explicit samples given out of token order
             src = src.index_select(0, rows_index(batch, order, src.device))
-        out = c.emb.masked_scatter(lay.ph.unsqueeze(-1), src)
+        out = scatter(c.emb, lay.ph, src)
         return self._finish(c, out, plan, None, verdict, stage, None)
 
     def _diagnose(self, c: _Call, verdict: Verdict) -> MergeResult:
