@@ -28,6 +28,37 @@ def round_trip(geo, sol: Solution) -> int:
     return geo.tokens(sol.size_hw, sol.num_frames)
 
 
+def _radio_grid(geo: RadioTilerGeometry, hw, budget: int):
+    try:
+        return geo.grid_for(hw, budget)
+    except GeometryError:  # the tiler's divide by zero on a very thin frame
+        return None
+
+
+def assert_radio_exact(geo: RadioTilerGeometry, hw, sol: Solution) -> None:
+    """A reachable RADIO solution gives its count from size_hw; an engine-replay is the
+    engine's own sizing of ``hw`` at ``sol.budget``, and the tiler keeps size_hw at that
+    budget unless (the second quirk) no budget in [min, cap] both lands and keeps."""
+    assert sol.reachable and sol.size_hw == (16 * sol.grid[0], 16 * sol.grid[1])
+    if sol.fidelity != "engine-replay":
+        assert sol.budget is None and round_trip(geo, sol) == sol.tokens
+        return
+    assert geo.tokens(hw, sol.num_frames, budget=sol.budget) == sol.tokens
+    assert geo.grid_for(hw, sol.budget) == sol.grid
+    if round_trip(geo, sol) == sol.tokens:
+        return
+    # the upscale to min_num_patches overshot the budget; the frame is kept at its own count
+    q = sol.grid[0] * sol.grid[1]
+    assert "overshoots" in sol.reason and geo.min_num_patches <= q
+    assert geo.grid_for(sol.size_hw, q) == sol.grid
+    budgets = range(max(geo.min_num_patches, 1), geo.cap + 1)
+    assert not [
+        b
+        for b in budgets
+        if _radio_grid(geo, hw, b) == sol.grid == _radio_grid(geo, sol.size_hw, b)
+    ]
+
+
 # ---- the seed case (DESIGN section 1) --------------------------------------------------------
 def test_seed_unconstrained_frame_is_2550_tokens():
     radio = RadioTilerGeometry()
@@ -150,6 +181,30 @@ def test_radio_solve_table(target, hw, fidelity, grid, reason_has):
         assert round_trip(radio, sol) == target
 
 
+@pytest.mark.parametrize(
+    ("hw", "landing", "replay_budget", "one_budget"),
+    [
+        # 8x149 native: the upscale at 1025 overshoots to 8x143, the evenness step gives
+        # 8x142 = 1136 > 1025 patches; fed back at 1025 a 128x2272 frame becomes 8x140, but
+        # at 1043 the media still lands on 8x142 and the frame is kept: one budget does both
+        ((112, 2369), 1025, 1043, True),
+        # 8x151 native: lands on 8x142 only for budgets 1025..1038 and the frame is kept only
+        # from 1043: the engine's grid, replayed at 1025 (the second quirk)
+        ((112, 2401), 1025, 1025, False),
+    ],
+)
+def test_radio_upscale_past_the_budget_is_still_a_replay(hw, landing, replay_budget, one_budget):
+    radio = RadioTilerGeometry()
+    grid = radio.grid_for(hw, landing)
+    assert grid == (8, 142) and grid[0] * grid[1] > landing  # the engine's own grid
+    sol = radio.solve(radio.tokens(hw, budget=landing), hw)
+    assert sol.fidelity == "engine-replay" and sol.grid == grid, sol
+    assert sol.budget == replay_budget
+    assert (round_trip(radio, sol) == sol.tokens) == one_budget
+    assert ("overshoots" in sol.reason) != one_budget
+    assert_radio_exact(radio, hw, sol)
+
+
 def test_radio_temporal_groups():
     radio = RadioTilerGeometry(temporal_patch=2)
     assert radio.tokens(SEED_HW, num_frames=5) == 3 * 2550
@@ -216,6 +271,9 @@ def test_patch_merge_target_off_the_engine_path_is_closest_aspect():
         (211, (1000, 1000), 1, "unreachable", "aspect ratio above 200"),  # prime > 200
         (289, (100, 2000), 1, "unique", "only the grid 17x17"),  # 1x289 exceeds the aspect cap
         (10, (10, 2500), 1, "unreachable", "exceeds 200"),  # the processor rejects the media
+        # 29x5615 (aspect 194) resizes to 28x5628 = 1x201 cells (aspect 201), which the
+        # processor rejects when fed back: not a replay
+        (201, (29, 5615), 1, "closest-aspect", "that it keeps when fed back"),
         (0, (100, 100), 1, "unreachable", "target is 0"),
         # 112 = 7x16 cells: 1080x2400 under max_pixels 100000
         (3 * 112, (1080, 2400), 5, "engine-replay", "7x16 merged cells x 3 group(s)"),
@@ -431,10 +489,18 @@ def test_property_patch_merge_solves_its_own_count(h, w, frames, cfg):
     assume(not cfg.temporal_budget or frames >= 2)
     f = cfg.factor
     hb, wb = cfg.size_for((h, w), frames)
-    # the processor keeps its own output (not so at the max(f, .) clamp or odd T in Qwen3 video)
-    assume(cfg.size_for((hb, wb), frames) == (hb, wb))
     n = cfg.tokens((h, w), frames)
     sol = cfg.solve(n, (h, w), frames)
+    # the processor keeps its own output (not so at the max(f, .) clamp, at odd T in Qwen3
+    # video, or where rounding pushes the aspect past 200 and it rejects its own output)
+    try:
+        kept = cfg.size_for((hb, wb), frames) == (hb, wb)
+    except GeometryError:
+        kept = False
+    if not kept:
+        assert sol.fidelity != "engine-replay" or sol.size_hw != (hb, wb), sol
+        assert not sol.reachable or round_trip(cfg, sol) == n
+        return
     assert sol.fidelity == "engine-replay", sol
     assert sol.size_hw == (hb, wb) and sol.grid == (hb // cfg.patch, wb // cfg.patch)
     assert round_trip(cfg, sol) == n
@@ -468,8 +534,8 @@ def test_property_radio_solves_any_engine_count(h, w, cfg, budget):
         assert not sol.reachable or sol.fidelity != "engine-replay" or sol.grid == (ph, pw)
         return
     assert sol.fidelity == "engine-replay", sol
-    assert sol.tokens == n and round_trip(cfg, sol) == n
-    assert cfg.tokens((h, w), budget=sol.budget) == n
+    assert sol.tokens == n
+    assert_radio_exact(cfg, (h, w), sol)
 
 
 @SETTINGS
@@ -478,8 +544,8 @@ def test_property_radio_any_target_is_exact_or_named(h, w, target):
     radio = RadioTilerGeometry()
     sol = radio.solve(target, (h, w))
     if sol.reachable:
-        assert sol.tokens == target and round_trip(radio, sol) == target
-        assert sol.fidelity != "engine-replay" or radio.tokens((h, w), budget=sol.budget) == target
+        assert sol.tokens == target
+        assert_radio_exact(radio, (h, w), sol)
     else:
         assert sol.reason and sol.tokens == 0 and sol.size_hw is None
 

@@ -8,6 +8,9 @@ Per image, under a budget of B patches (patch 16, pixel shuffle 2):
     odd ph: ph + 1 if (ph + 1) * pw <= B else max(2, ph - 1); then pw the same with the new ph
     tokens = (ph/2) * (pw/2); the media is resized to (16*ph, 16*pw).
 
+The upscale is not bounded by B, so a grid can exceed its budget (8x151 native at 1025:
+8x143 after the upscale, 8x142 = 1136 patches after the evenness step).
+
 The engine's budget per request is (max_model_len - prompt_text_len - 4) * 4 patches,
 shared by all media of the request and scaled down in proportion until the sum fits
 (``RadioTilerGeometry.engine_tokens``). The training processor only knows its static
@@ -20,7 +23,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megatron_media_guard.geometry.radio_search import landing_budgets
+from megatron_media_guard.geometry.radio_search import landing_budgets, replay_budgets
 from megatron_media_guard.geometry.solution import (
     GeometryError,
     Solution,
@@ -192,7 +195,9 @@ class RadioTilerGeometry:
 
     def solve(self, target_tokens: int, hw: tuple[int, int], num_frames: int = 1) -> Solution:
         """The patch grid giving exactly ``target_tokens``; engine-replay where a budget
-        makes the tiler land on it."""
+        makes the tiler land on it and the tiler keeps a frame of that size (``budget``:
+        the smallest budget doing both, else, for an upscale past the budget, the first
+        landing, with the budget that keeps the frame named in ``reason``)."""
         n_total = check_target(target_tokens)
         h, w = check_hw(hw)
         t = check_frames(num_frames)
@@ -220,19 +225,29 @@ class RadioTilerGeometry:
             )
 
         landings = landing_budgets(self, ph0, pw0, q)  # (budget, grid), budget ascending
-        replays: dict[tuple[int, int], int] = {}
-        for b, gr in landings:
-            if gr not in replays and self._round_trips(gr, b):
-                replays[gr] = b
-        if replays:
-            best, _, count = pick(list(replays), (h, w), (px, px))
+        replays: dict[tuple[int, int], tuple[int, int]] = {}  # grid -> (landing, keep)
+        for gr in dict.fromkeys(g for _, g in landings):
+            found = replay_budgets(self, ph0, pw0, gr, [b for b, g in landings if g == gr])
+            if found is not None:
+                replays[gr] = found
+        # a grid one budget both lands on and keeps beats one that needs two budgets
+        pool = [gr for gr, (b, k) in replays.items() if b == k] or list(replays)
+        if pool:
+            best, _, count = pick(pool, (h, w), (px, px))
+            b, k = replays[best]
             more = f"; {count - 1} other grid(s) also replay" if count > 1 else ""
+            two = (
+                ""
+                if b == k
+                else f" (the upscale overshoots that budget, which re-tiles a frame of that "
+                f"size; no budget both lands there and keeps it; {k} patches keep it)"
+            )
             return solution(
                 best,
                 "engine-replay",
-                f"the tiler at a budget of {replays[best]} patches sizes {ph0}x{pw0} native "
-                f"patches to {best[0]}x{best[1]} = {n} tokens per group{more}",
-                replays[best],
+                f"the tiler at a budget of {b} patches sizes {ph0}x{pw0} native "
+                f"patches to {best[0]}x{best[1]} = {n} tokens per group{two}{more}",
+                b,
             )
         lands = (
             f"the tiler lands on {landings[0][1][0]}x{landings[0][1][1]} at a budget of "

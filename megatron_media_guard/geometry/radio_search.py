@@ -104,3 +104,40 @@ def landing_budgets(
                                 hits.add((b, g))
             x = end
     return sorted(hits)
+
+
+def replay_budgets(
+    geo: RadioTilerGeometry,
+    ph0: int,
+    pw0: int,
+    grid: tuple[int, int],
+    starts: list[int],
+) -> tuple[int, int] | None:
+    """(landing, keep) budgets that replay ``grid`` for ph0 x pw0 native patches.
+
+    starts: the budgets, ascending, where the media lands on ``grid`` (every run's start,
+    as ``landing_budgets`` gives them). Returns (b, b) for the smallest budget b at which
+    the media lands on ``grid`` and the tiler keeps a frame of that size as it is; where no
+    budget does both, (the first landing, the first budget that keeps the frame) when the
+    frame is kept at a budget of its own patch count (the upscale to min_num_patches
+    overshot the budget); None otherwise (a landing below min_num_patches: re-tiled at
+    every budget above the minimum). Both budget sets are unions of runs, so where they
+    meet they meet at a run start of one of them: the candidates are the media's starts
+    and the frame's own landing budgets.
+    """
+    if geo._round_trips(grid, starts[0]):
+        return starts[0], starts[0]
+    q = grid[0] * grid[1]
+    own = geo.native((grid[0] * geo.patch, grid[1] * geo.patch))
+    keeps = [b for b, g in landing_budgets(geo, *own, q) if g == grid]
+    for b in sorted({*starts, *keeps}):
+        if b > starts[0] and geo._round_trips(grid, b):
+            try:
+                if geo._grid(ph0, pw0, b) == grid:
+                    return b, b
+            except GeometryError:
+                continue
+    hi = geo.cap if geo.cap is not None else _INF
+    if keeps and geo.min_num_patches <= q <= hi and geo._round_trips(grid, q):
+        return starts[0], keeps[0]
+    return None
