@@ -15,9 +15,11 @@
 Precedence: a ``MEDIA_GUARD_*`` environment variable overrides the matching
 ``--media-guard-*`` argument, which overrides the default. GuardConfig fields use
 :meth:`GuardConfig.with_env` (MEDIA_GUARD_POLICY, MEDIA_GUARD_FALLBACK,
-MEDIA_GUARD_LOG_DIR, MEDIA_GUARD_NONFINITE, MEDIA_GUARD_ALLOWED_FIDELITY, ...); the
-launcher adds MEDIA_GUARD_DROP_BUDGET_STEP, MEDIA_GUARD_DROP_BUDGET_WINDOW,
-MEDIA_GUARD_WINDOW_STEPS, MEDIA_GUARD_DUMP_DIR and MEDIA_GUARD_DISABLE.
+MEDIA_GUARD_LOG_DIR, MEDIA_GUARD_NONFINITE, MEDIA_GUARD_ALLOWED_FIDELITY,
+MEDIA_GUARD_DUMP_DIR, ...); the launcher adds MEDIA_GUARD_DROP_BUDGET_STEP,
+MEDIA_GUARD_DROP_BUDGET_WINDOW, MEDIA_GUARD_WINDOW_STEPS and MEDIA_GUARD_DISABLE, parsed
+with the same rules (:func:`~megatron_media_guard.config.parse_bool` /
+:func:`~megatron_media_guard.config.parse_int`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from .adapters.hooks import HandleGroup, ItemsProvider, OptimizerStepEnd, instal
 from .adapters.llava import install_llava
 from .adapters.llava_checks import llava_grammar
 from .adapters.mimo import install_mimo, mimo_grammar
-from .config import GuardConfig
+from .config import GuardConfig, parse_bool, parse_int
 from .diagnostics import get_logger
 from .errors import MediaInputError
 from .grammar import Grammar
@@ -44,9 +46,9 @@ _CONFIG_ARGS = (
     ("fallback", "media_guard_fallback"),
     ("log_dir", "media_guard_log_dir"),
     ("nonfinite", "media_guard_nonfinite"),
+    ("dump_dir", "media_guard_dump_dir"),
 )
 StepEnd = Literal["auto", "zero_grad_buffer", "optimizer", "manual"]
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
 def add_media_guard_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -105,7 +107,9 @@ def add_media_guard_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument(
         "--media-guard-dump-dir",
         default=None,
-        help="Directory for replay bundles of failing micro-batches (media-guard replay).",
+        help="GuardConfig.dump_dir: save a replay bundle of each mismatched micro-batch here "
+        "(media-guard replay BUNDLE; holds token ids and pixels: sensitive). MIMO and custom "
+        "merges; the LLaVA adapter writes none.",
     )
     g.add_argument(
         "--media-guard-disable",
@@ -135,42 +139,43 @@ def config_from_args(args: Any, environ: Mapping[str, str] | None = None) -> Gua
     return GuardConfig(**kw).with_env(dict(_env(environ)))
 
 
-def _number(name: str, raw: str, kind: type) -> Any:
+def _float(name: str, raw: str) -> float:
     try:
-        return kind(raw)
+        return float(raw)
     except ValueError:
-        raise MediaInputError(f"{name} must be a {kind.__name__}, got {raw!r}") from None
+        raise MediaInputError(f"MEDIA_GUARD_{name.upper()} must be a number, got {raw!r}") from None
 
 
-def _setting(args: Any, attr: str, environ, kind: type = str) -> Any:
-    var = attr.upper()
-    raw = _env(environ).get(var)
+def _setting(args: Any, attr: str, environ, parse=None) -> Any:
+    """``MEDIA_GUARD_<NAME>`` parsed (when set), else ``args.media_guard_<name>``."""
+    name = attr.removeprefix("media_guard_")
+    raw = _env(environ).get(attr.upper())
     if raw is not None:
-        return _number(var, raw, kind) if kind is not str else raw
+        return parse(name, raw) if parse is not None else raw
     return getattr(args, attr, None)
 
 
 def disabled(args: Any, environ: Mapping[str, str] | None = None) -> bool:
-    """``--media-guard-disable``, or MEDIA_GUARD_DISABLE=1/true (0/false re-enables)."""
+    """``--media-guard-disable``, or MEDIA_GUARD_DISABLE=1/true/yes/on (0/false/no/off
+    re-enables; empty, none or auto leaves the argument in charge)."""
     raw = _env(environ).get("MEDIA_GUARD_DISABLE")
     if raw is not None:
-        if raw.strip().lower() in _TRUE:
-            return True
-        if raw.strip().lower() in _FALSE:
-            return False
-        raise MediaInputError(f"MEDIA_GUARD_DISABLE must be 1/0/true/false, got {raw!r}")
+        val = parse_bool("disable", raw, allow_none=True)
+        if val is not None:
+            return val
     return bool(getattr(args, "media_guard_disable", False))
 
 
 def dump_dir_from_args(args: Any, environ: Mapping[str, str] | None = None) -> str | None:
-    return _setting(args, "media_guard_dump_dir", environ)
+    """The replay bundle directory: ``config_from_args(args, environ).dump_dir``."""
+    return config_from_args(args, environ).dump_dir
 
 
 def budget_from_args(args: Any, environ: Mapping[str, str] | None = None) -> Any:
     """A :class:`~megatron_media_guard.budget.DropBudget`, or None when no limit is set."""
-    step = _setting(args, "media_guard_drop_budget_step", environ, float)
-    window = _setting(args, "media_guard_drop_budget_window", environ, float)
-    steps = _setting(args, "media_guard_window_steps", environ, int)
+    step = _setting(args, "media_guard_drop_budget_step", environ, _float)
+    window = _setting(args, "media_guard_drop_budget_window", environ, _float)
+    steps = _setting(args, "media_guard_window_steps", environ, parse_int)
     if step is None and window is None:
         return None
     from .budget import DropBudget
@@ -271,7 +276,13 @@ def install_from_args(
     step_provider = _curr_iteration(args)
     guards: dict[str, MediaGuard] = {}
     group = HandleGroup()
-    dump_dir = dump_dir_from_args(args, environ)
+    if config.dump_dir is not None and any(kind == "llava" for _, kind, _ in targets):
+        log.warning(
+            "[media-guard] dump_dir %s: the LLaVA adapter writes no replay bundles (a bundle "
+            "replays the core's expanded-token check, LLaVA's image tokens are collapsed); "
+            "its findings are in the per-rank log",
+            config.dump_dir,
+        )
     for _, kind, m in targets:
         if kind not in guards:
             g = grammar
@@ -292,7 +303,6 @@ def install_from_args(
             step_provider=step_provider,
             auto_step_end=False if distributed else None,
         )
-        h.dump_dir = dump_dir
         group.append(h)
     hook: Any = None
     if step_end in ("auto", "zero_grad_buffer"):
@@ -303,12 +313,12 @@ def install_from_args(
         hook = OptimizerStepEnd(list(group), step_provider)
     if hook is not None:
         group.append(hook)
-    group.dump_dir = dump_dir  # type: ignore[attr-defined]
     log.info(
-        "[media-guard] installed on %s (policy %s, log_dir %s, budget %s)",
+        "[media-guard] installed on %s (policy %s, log_dir %s, dump_dir %s, budget %s)",
         ", ".join(f"chunk {i}: {kind}" for i, kind, _ in targets),
         config.policy,
         config.log_dir,
+        config.dump_dir,
         "off" if budget is None else "on",
     )
     return group

@@ -158,3 +158,61 @@ def test_infer_items_per_modality():
 def test_missing_parameter_is_a_clear_error():
     with pytest.raises(MediaInputError, match="no parameter 'image_features'"):
         guard_merge_fn(lambda inputs_embeds, input_ids, feats: inputs_embeds, guard())
+
+
+def packed_batch():
+    """Three samples packed in one row [1, 20] (cu_seqlens), 2 padding tokens at the end."""
+    samples = [
+        [11, START, PAD, PAD, END, 12],
+        [13, START, PAD, PAD, PAD, END, 14],
+        [15, 16, START, PAD, END],
+    ]
+    flat = [t for smp in samples for t in smp] + [0, 0]
+    cu = torch.tensor([0, 6, 13, 18])
+    ids = torch.tensor([flat])
+    emb = torch.randn(1, len(flat), H)
+    return emb, ids, cu
+
+
+@pytest.mark.parametrize(
+    "declared, dropped", [((2, 2, 1), (1,)), ((1, 3, 1), (0,)), ((2, 3, 2), (2,))]
+)
+def test_mask_loss_masks_packed_samples_token_by_token(declared, dropped):
+    emb, ids, cu = packed_batch()
+    items = [MediaItem(n, sample=i) for i, n in enumerate(declared)]
+    feats = torch.randn(sum(declared), H)
+    amap = ArgMap(cu_seqlens="cu_seqlens")
+
+    def merge(inputs_embeds, input_ids, image_features, cu_seqlens):
+        raise AssertionError("replaced by the guard")
+
+    fn = guard_merge_fn(merge, guard("drop"), arg_map=amap)
+    fn.handle.set_items(items)
+    fn(emb, ids, feats, cu)
+    assert fn.handle.last_result.report.dropped == dropped
+    lm = torch.ones(1, 20)
+    labels = torch.arange(20).view(1, 20)
+    lm2, labels2 = fn.handle.mask_loss(lm, labels)
+    want = torch.ones(20, dtype=torch.bool)  # kept tokens (padding stays as given)
+    for d in dropped:
+        want[int(cu[d]) : int(cu[d + 1])] = False
+    assert torch.equal(lm2[0] == 1, want)
+    assert torch.equal(labels2[0], torch.where(want, labels[0], -100))
+    assert torch.equal(lm, torch.ones(1, 20))  # the caller's tensors are untouched
+    # the same mask as the merge's own per-token result
+    assert torch.equal(lm2, fn.handle.last_result.loss_mask)
+    none, only_labels = fn.handle.mask_loss(None, labels)
+    assert none is None and torch.equal(only_labels, labels2)
+    with pytest.raises(MediaInputError, match=r"loss_mask must be \[b, s\] = \(1, 20\)"):
+        fn.handle.mask_loss(torch.ones(3, 20))
+
+
+def test_unassignable_features_stay_in_the_graph():
+    emb, ids, feats, _ = batch([[2], [3]])
+    feats = torch.cat([feats, feats[:1]]).requires_grad_(True)  # 6 rows, 5 placeholders
+    fn = guard_merge_fn(TinyVLM().merge_embeddings, guard("drop"))
+    out = fn(emb, ids, feats)
+    assert fn.handle.last_result.report.dropped == (0, 1)
+    assert torch.equal(out, emb)  # nothing merged, and -0.0 added changes no bit
+    out.sum().backward()
+    assert feats.grad is not None and (feats.grad == 0).all()

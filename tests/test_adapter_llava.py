@@ -499,3 +499,18 @@ def test_drop_paths_on_the_tensors_device(device):
     for maxlen in (64, 6):
         assert outs["cpu", maxlen][1] == outs[device, maxlen][1]
         assert same(outs["cpu", maxlen][0], outs[device, maxlen][0])
+
+
+def test_mask_loss_masks_the_dropped_rows_of_the_expanded_layout():
+    maxlen = 8
+    x = make_batch([*CROSS[:2], [(3, 2)]])
+    model = TinyLLaVA(maxlen=maxlen)
+    handle = install_llava(model, guard_for("drop"))
+    _, labels, lmask = call(model, x)
+    assert handle.last_result.dropped == (2,)
+    ones = torch.ones_like(lmask)
+    lm, lab = handle.mask_loss(ones, torch.zeros_like(labels))
+    assert lm.sum(1).tolist() == [maxlen, maxlen, 0] and torch.equal(ones, torch.ones_like(lm))
+    assert (lab[2] == -100).all() and (lab[:2] == 0).all()
+    with pytest.raises(MediaInputError, match=r"one row per sample \(3\)"):
+        handle.mask_loss(torch.ones(2, maxlen))

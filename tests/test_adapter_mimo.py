@@ -17,6 +17,7 @@ from megatron_media_guard import (  # noqa: E402
     MediaItem,
 )
 from megatron_media_guard.adapters import guarded_by, install_mimo  # noqa: E402
+from megatron_media_guard.host import count_transfers  # noqa: E402
 
 IMG, AUD = 50, 51
 SPECIAL = {"images": IMG, "audio": AUD}
@@ -213,3 +214,96 @@ def test_install_remove_restores_the_instance():
         install_mimo(model)
     handle.remove()
     assert "align_embeddings_by_token_positions" not in vars(model)
+
+
+@pytest.mark.parametrize("with_items", [True, False])
+def test_text_count_costs_no_transfer(with_items):
+    ids, embs, items = make(ROWS)
+    model = TinyMimo()
+    handle = install_mimo(model, config=GuardConfig(policy="drop"))
+    if with_items:
+        handle.set_items(items)
+    with count_transfers() as seen:
+        run(model, ids, embs)
+    assert handle.last_result.report.ok
+    assert not any("text" in why for why in seen)  # from the totals, or the parsed runs
+    if with_items:
+        assert sum(seen.values()) == 1  # the merge's verdict only
+
+
+def test_text_rows_that_do_not_fit_the_ids_with_items_are_an_input_error():
+    ids, embs, items = make(ROWS)
+    embs["text"] = embs["text"][:-1]
+    model = TinyMimo()
+    handle = install_mimo(model)
+    handle.set_items(items)
+    with pytest.raises(MediaInputError, match="17 text tokens in input_ids, 16 text embeddings"):
+        run(model, ids, embs)
+
+
+def compensating():
+    """One text row short and one image row extra: the totals still add up to b*s."""
+    ids, embs, _ = make(ROWS)
+    embs["text"] = embs["text"][:-1]
+    embs["images"] = torch.cat([embs["images"], embs["images"][:1]])
+    items = [
+        MediaItem(4, sample=0, modality="images"),
+        MediaItem(2, sample=0, modality="audio"),
+        MediaItem(2, sample=1, modality="images"),
+    ]
+    return ids, embs, items
+
+
+def test_text_rows_offset_by_the_media_drop_every_sample():
+    ids, embs, items = compensating()
+    model = TinyMimo()
+    handle = install_mimo(model, config=GuardConfig(policy="drop"))
+    handle.set_items(items)
+    with count_transfers() as seen:
+        out = run(model, ids, embs)
+    assert seen["MIMO text token count (slow path)"] == 1
+    res = handle.last_result
+    assert res.report.dropped == (0, 1, 2) and not res.report.ok
+    assert out.shape == (ids.shape[1], 3, H)
+    lm, _ = handle.mask_loss(torch.ones(ids.shape))
+    assert (lm == 0).all() and (res.loss_mask == 0).all()
+
+
+def test_text_rows_offset_by_the_media_raise_under_raise():
+    ids, embs, items = compensating()
+    model = TinyMimo()
+    handle = install_mimo(model, config=GuardConfig(policy="raise"))
+    handle.set_items(items)
+    with pytest.raises(MediaAlignmentError, match="sample 0"):
+        run(model, ids, embs)
+
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.cuda,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_text_placement_and_drop_all_on_the_tensors_device(device):
+    ids, embs, items = make(ROWS)
+    ids = ids.to(device)
+    embs = {k: v.to(device, torch.bfloat16) for k, v in embs.items()}
+    ref = run(TinyMimo(), ids, embs)
+    model = TinyMimo()
+    handle = install_mimo(model, config=GuardConfig(policy="drop"))
+    handle.set_items(items)
+    assert torch.equal(run(model, ids, embs), ref)
+    ids, embs, items = compensating()
+    handle.set_items(items)
+    out = run(model, ids.to(device), {k: v.to(device) for k, v in embs.items()})
+    assert out.device.type == torch.device(device).type
+    assert handle.last_result.report.dropped == (0, 1, 2)
+    lm, _ = handle.mask_loss(torch.ones(ids.shape, device=device))
+    assert lm.device.type == torch.device(device).type and (lm == 0).all()

@@ -51,6 +51,7 @@ def test_argparse_round_trip():
         log_dir="/tmp/mg",
         nonfinite="off",
         allowed_fidelity=("engine-replay", "unique", "closest-aspect"),
+        dump_dir="/tmp/bundles",
     )
     b = budget_from_args(args, environ={})
     assert (b.max_fraction_per_step, b.max_fraction_window, b.window_steps) == (0.25, 0.1, 20)
@@ -93,8 +94,38 @@ def test_environment_overrides_budget_dump_and_disable():
     b = budget_from_args(args, environ=env)
     assert (b.max_fraction_per_step, b.max_fraction_window, b.window_steps) == (0.5, 0.1, 3)
     assert dump_dir_from_args(args, environ=env) == "/d"
+    assert config_from_args(args, environ=env).dump_dir == "/d"  # where the merge reads it
     assert disabled(args, environ=env)
     assert not disabled(parse(["--media-guard-disable"]), environ={"MEDIA_GUARD_DISABLE": "0"})
+
+
+@pytest.mark.parametrize(
+    "raw, flag, want",
+    [
+        ("on", False, True),
+        ("YES", False, True),
+        ("off", True, False),
+        ("no", True, False),
+        ("", True, True),  # empty: the argument decides
+        ("auto", False, False),
+    ],
+)
+def test_disable_parses_like_the_config(raw, flag, want):
+    args = parse(["--media-guard-disable"] if flag else [])
+    assert disabled(args, environ={"MEDIA_GUARD_DISABLE": raw}) is want
+
+
+@pytest.mark.parametrize(
+    "env, match",
+    [
+        ({"MEDIA_GUARD_WINDOW_STEPS": "2.5"}, "MEDIA_GUARD_WINDOW_STEPS must be an integer"),
+        ({"MEDIA_GUARD_DROP_BUDGET_STEP": "lots"}, "MEDIA_GUARD_DROP_BUDGET_STEP must be a number"),
+        ({"MEDIA_GUARD_DISABLE": "maybe"}, "MEDIA_GUARD_DISABLE must be true/false"),
+    ],
+)
+def test_bad_launcher_variables_name_themselves(env, match):
+    with pytest.raises(MediaInputError, match=match):
+        (disabled if "DISABLE" in next(iter(env)) else budget_from_args)(parse([]), environ=env)
 
 
 @pytest.mark.parametrize(
@@ -241,3 +272,57 @@ def test_manual_step_end_and_bad_choice():
     with pytest.raises(MediaInputError, match="step_end must be one of"):
         install_from_args([llava], parse([]), step_end="sometimes", environ={})
     assert "_preprocess_data" not in vars(llava)
+
+
+class TinyMimo(torch.nn.Module):
+    align_embeddings_by_token_positions = mimo_mod.MimoModel.align_embeddings_by_token_positions
+
+    def __init__(self):
+        super().__init__()
+        self.special_token_ids = {"images": 50}
+
+
+@pytest.mark.parametrize("via", ["argument", "environment"])
+def test_dump_dir_reaches_the_guard_and_a_mismatch_writes_a_bundle(tmp_path, via):
+    from megatron_media_guard import MediaItem
+    from megatron_media_guard.bundle import load_bundle
+
+    mimo = TinyMimo()
+    argv = ["--media-guard-policy", "drop"]
+    env = {}
+    if via == "argument":
+        argv += ["--media-guard-dump-dir", str(tmp_path)]
+    else:
+        env["MEDIA_GUARD_DUMP_DIR"] = str(tmp_path)
+    group = install_from_args([mimo], parse(argv), step_end="manual", environ=env)
+    handle = group[0]
+    assert handle.guard.config.dump_dir == str(tmp_path)
+    assert not hasattr(handle, "dump_dir")
+    ids = torch.tensor([[1, 50, 50, 2], [3, 50, 4, 5]])
+    embs = {"text": torch.randn(5, H), "images": torch.randn(3, H)}
+    handle.set_items(
+        [MediaItem(1, sample=0, modality="images"), MediaItem(2, sample=1, modality="images")]
+    )
+    mimo.align_embeddings_by_token_positions(embs, ids, mimo.special_token_ids)
+    assert handle.last_result.report.dropped == (0, 1)
+    (path,) = tmp_path.glob("*.bundle")
+    assert load_bundle(path).input_ids.tolist() == ids.tolist()
+    group.remove()
+
+
+def test_dump_dir_with_llava_warns_that_it_writes_no_bundles(tmp_path, caplog):
+    import logging
+
+    from megatron_media_guard.diagnostics import get_logger
+
+    logger = get_logger()
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger=logger.name):
+            group = install_from_args(
+                [TinyLLaVA()], parse(["--media-guard-dump-dir", str(tmp_path)]), environ={}
+            )
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "LLaVA adapter writes no replay bundles" in caplog.text
+    group.remove()

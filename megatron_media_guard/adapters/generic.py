@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..apply import zero_anchor
 from ..diagnostics import GuardRecord
 from ..errors import MediaAlignmentError, MediaInputError
 from ..items import MediaItem
@@ -141,20 +142,17 @@ def guard_merge_fn(
         handle.original = merge_fn
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
-        ba = sig.bind(*args, **kwargs)
-        a = ba.arguments
-        step, mb = handle.next_call()
-        items = a.get(amap.items) if amap.items else None
-        pending = handle.take_items()
-        items = pending if items is None else items
-        where = guard.where(step, mb)
-        try:
-            res = _merge(guard, a, amap, items, step, mb)
-        except MediaAlignmentError as err:
-            if err.context.get("where"):
-                raise
-            raise err.with_context(f"media guard ({where}): ", where=where) from None
-        handle.last_result = res
+        a = sig.bind(*args, **kwargs).arguments
+
+        def body(step: int | None, mb: int | None) -> MergeResult:
+            items = a.get(amap.items) if amap.items else None
+            pending = handle.take_items()
+            res = _merge(guard, a, amap, pending if items is None else items, step, mb)
+            cu = a.get(amap.cu_seqlens) if amap.cu_seqlens else None
+            handle.record(res, a[amap.input_ids], cu)
+            return res
+
+        res = handle.call("media guard", body)
         return output(res) if output is not None else res.embeddings
 
     guarded.__wrapped__ = merge_fn  # type: ignore[attr-defined]
@@ -191,6 +189,7 @@ def merge_through_guard(
     step: int | None = None,
     microbatch: int | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    parsed: ParsedRuns | None = None,
 ) -> MergeResult:
     """``guard.merge`` with item metadata completed where it is missing.
 
@@ -199,6 +198,11 @@ def merge_through_guard(
     Without items, a modality whose feature total differs from its placeholder total
     cannot be assigned to samples: its features are not merged (kept in the autograd
     graph by a -0.0 term) and every sample holding its placeholders goes to the policy.
+    parsed: ``parse_runs(input_ids, guard.grammar, cu_seqlens)`` when the caller already has
+    it (items are inferred from it; otherwise it is computed here when items are missing).
+
+    Hang safety: call it inside :meth:`GuardHandle.call` (or between ``guard.begin()`` and
+    ``guard.fail``), since errors before ``guard.merge`` do not join the collective here.
     """
     unused: list[torch.Tensor] = []
     note = None
@@ -206,7 +210,9 @@ def merge_through_guard(
         by_mod = dict(features)
         if items is None:
             totals = {m: int(t.shape[0]) for m, t in by_mod.items()}
-            parsed = parse_runs(input_ids, guard.grammar, cu_seqlens)
+            parsed = (
+                parsed if parsed is not None else parse_runs(input_ids, guard.grammar, cu_seqlens)
+            )
             items, bad = infer_items(parsed, totals)
             if bad:
                 note = _totals_note(bad, totals, parsed)
@@ -222,7 +228,9 @@ def merge_through_guard(
         feats = features
         if items is None and isinstance(features, torch.Tensor):
             n = int(features.shape[0])
-            parsed = parse_runs(input_ids, guard.grammar, cu_seqlens)
+            parsed = (
+                parsed if parsed is not None else parse_runs(input_ids, guard.grammar, cu_seqlens)
+            )
             items, bad = infer_items(parsed, n)
             if bad:
                 note = _totals_note(("*",), {"*": n}, parsed)
@@ -252,11 +260,8 @@ def merge_through_guard(
             raise
         raise err.with_context(f"{note}\n") from None
     if unused:
-        anchor = sum(
-            -(torch.where(torch.isfinite(u), u, torch.zeros_like(u)) * 0).abs().sum()
-            for u in unused
-        )
-        res = replace(res, embeddings=res.embeddings + anchor.to(res.embeddings.dtype))
+        anchor = zero_anchor(*unused).to(res.embeddings.dtype)
+        res = replace(res, embeddings=res.embeddings + anchor)
     return res
 
 

@@ -16,17 +16,20 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 
-from ..errors import MediaInputError
+from ..apply import mask_dropped
+from ..errors import MediaAlignmentError, MediaInputError
 from ..items import MediaItem
-from ..merge import MediaGuard
+from ..merge import MediaGuard, MergeResult
+from ..runs import TokenLayout
 
 AdapterKind = Literal["llava", "mimo", "generic", "step_end"]
 ItemsProvider = Callable[[], Sequence[MediaItem] | None]
 StepProvider = Callable[[], int | None]
+T = TypeVar("T")
 
 #: attribute (on the wrapper function) pointing back to its handle
 HANDLE_ATTR = "__media_guard_handle__"
@@ -53,6 +56,10 @@ class GuardHandle:
         ``install_from_args`` does).
     last_result: what the last guarded call produced (a MergeResult for MIMO/generic, an
         ``LlavaResult`` for LLaVA); ``mask_loss`` applies its drops to a loss mask.
+
+    Every guarded call runs through :meth:`call`: an error on this rank before the stage's
+    collective (an adapter's own check, bad input, out of memory) still joins it as this
+    rank's fatal outcome, so the other ranks raise naming this one instead of hanging.
     """
 
     def __init__(
@@ -74,7 +81,7 @@ class GuardHandle:
         self.step_provider = step_provider
         self.auto_step_end = auto_step_end
         self.last_result: Any = None
-        self.dump_dir: str | None = None
+        self._last_tokens: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.original: Callable[..., Any] | None = None
         self._wrapper: Callable[..., Any] | None = None
         self._previous: object = _MISSING
@@ -140,6 +147,43 @@ class GuardHandle:
         _closed_steps[self.guard] = step
         return self.guard.on_step_end(step)
 
+    # ---- one guarded call ---------------------------------------------------------
+
+    def call(self, label: str, body: Callable[[int | None, int | None], T]) -> T:
+        """Runs ``body(step, microbatch)`` as one guarded call.
+
+        The guard's round starts (:meth:`MediaGuard.begin`) before the adapter's own checks;
+        ``body`` must end in ``guard.merge`` / ``guard.settle``, which join the stage's
+        collective. An exception before that joins it as this rank's fatal outcome
+        (:meth:`MediaGuard.fail`) and is re-raised here; a :class:`MediaAlignmentError`
+        without a where-context gets ``"<label> (rank r, step s, microbatch m): "`` once.
+        """
+        step, mb = self.next_call()
+        guard = self.guard
+        guard.begin()
+        try:
+            return body(step, mb)
+        except MediaAlignmentError as err:
+            if not err.context.get("where"):
+                where = guard.where(step, mb)
+                err = err.with_context(f"{label} ({where}): ", where=where)
+            guard.fail(err, step, mb)
+            raise err from None
+        except Exception as err:  # the adapter's own code, OOM, ...: the peers must not hang
+            guard.fail(err, step, mb)
+            raise
+
+    def record(
+        self,
+        result: Any,
+        input_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> None:
+        """Stores the call's result (``last_result``) and, for a :class:`MergeResult`, the token
+        ids it was computed on, so :meth:`mask_loss` can find the dropped samples' tokens."""
+        self.last_result = result
+        self._last_tokens = None if input_ids is None else (input_ids, cu_seqlens)
+
     # ---- results ----------------------------------------------------------------
 
     def dropped_samples(self) -> tuple[int, ...]:
@@ -152,23 +196,40 @@ class GuardHandle:
     def mask_loss(
         self, loss_mask: torch.Tensor | None, labels: torch.Tensor | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Zero the loss mask and ignore the labels of the samples (rows of ``[b, s]``) the
-        last guarded call dropped; returns new tensors (inputs are not modified)."""
+        """Zero the loss mask and ignore the labels of the samples the last guarded call
+        dropped; returns new tensors (the inputs are not modified; None stays None).
+
+        MIMO / generic (a :class:`MergeResult`): ``[b, s]`` like the call's ``input_ids``; a
+        sample is that call's sample (a row, or a packed sample of ``cu_seqlens``), masked
+        token by token with :func:`megatron_media_guard.apply.mask_dropped`, as the merge
+        masks its own ``loss_mask``. LLaVA: ``[b, S]`` in the expanded output layout, where
+        rows are samples (:func:`mask_rows`).
+        """
         dropped = self.dropped_samples()
-        if not dropped:
+        if not dropped or (loss_mask is None and labels is None):
             return loss_mask, labels
-        ref = loss_mask if loss_mask is not None else labels
-        if ref is None:
-            return loss_mask, labels
-        rows = torch.zeros(ref.shape[0], dtype=torch.bool, device=ref.device)
-        bad = [d for d in dropped if d < ref.shape[0]]
-        rows[bad] = True
-        rows = rows.view(-1, *([1] * (ref.dim() - 1)))
-        if loss_mask is not None:
-            loss_mask = loss_mask.masked_fill(rows, 0)
-        if labels is not None:
-            labels = labels.masked_fill(rows, self.guard.config.ignore_index)
-        return loss_mask, labels
+        ignore = self.guard.config.ignore_index
+        res = self.last_result
+        if not isinstance(res, MergeResult):
+            return mask_rows(dropped, getattr(res, "num_samples", None), loss_mask, labels, ignore)
+        if self._last_tokens is None:
+            raise MediaInputError(
+                "mask_loss: the last guarded call did not record its token ids (call "
+                "handle.record(result, input_ids, cu_seqlens) when driving the guard yourself)"
+            )
+        ids, cu = self._last_tokens
+        lay = TokenLayout(ids, self.guard.grammar, cu)
+        for name, t in (("loss_mask", loss_mask), ("labels", labels)):
+            if t is not None and tuple(t.shape) != (lay.batch, lay.row_length):
+                raise MediaInputError(
+                    f"mask_loss: {name} must be [b, s] = {(lay.batch, lay.row_length)} like the "
+                    f"guarded call's input_ids, got {tuple(t.shape)}"
+                )
+        keep = torch.tensor(
+            [a in ("keep", "repair") for a in res.report.actions], device=lay.device
+        )
+        new_mask, labels = mask_dropped(lay, keep, loss_mask, labels, ignore)
+        return (new_mask if loss_mask is not None else None), labels
 
     # ---- install / remove -----------------------------------------------------------
 
@@ -265,6 +326,38 @@ def guarded_by(method: object) -> GuardHandle | None:
 
 def iter_handles(handles: GuardHandle | Iterable[GuardHandle]) -> list[GuardHandle]:
     return [handles] if isinstance(handles, GuardHandle) else list(handles)
+
+
+def mask_rows(
+    rows: Sequence[int],
+    num_rows: int | None,
+    loss_mask: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    ignore_index: int,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``loss_mask`` zeroed and ``labels`` set to ``ignore_index`` in the given rows of
+    ``[b, S]`` tensors whose rows are the samples (LLaVA's expanded output). Out of place.
+
+    num_rows: the call's sample count; the tensors must have that many rows (None: any).
+    """
+    ref = loss_mask if loss_mask is not None else labels
+    if ref is None or not rows:
+        return loss_mask, labels
+    for name, t in (("loss_mask", loss_mask), ("labels", labels)):
+        if t is not None and (t.dim() < 1 or (num_rows is not None and t.shape[0] != num_rows)):
+            raise MediaInputError(
+                f"{name} must have one row per sample ({num_rows}), got {tuple(t.shape)}"
+            )
+    if max(rows) >= ref.shape[0]:
+        raise MediaInputError(f"dropped rows {sorted(rows)} outside {tuple(ref.shape)}")
+    sel = torch.zeros(ref.shape[0], dtype=torch.bool)
+    sel[list(rows)] = True
+    sel = sel.to(ref.device, non_blocking=True)
+    if loss_mask is not None:
+        loss_mask = loss_mask.masked_fill(sel.view(-1, *([1] * (loss_mask.dim() - 1))), 0)
+    if labels is not None:
+        labels = labels.masked_fill(sel.view(-1, *([1] * (labels.dim() - 1))), ignore_index)
+    return loss_mask, labels
 
 
 def _dist_ready() -> bool:

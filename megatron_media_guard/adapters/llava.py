@@ -38,22 +38,22 @@ also compute the loss the drop escalates to raise.
 
 from __future__ import annotations
 
-import hashlib
 import inspect
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..apply import zero_anchor
 from ..config import GuardConfig
 from ..diagnostics import GuardRecord
-from ..errors import MediaAlignmentError, MediaInputError
+from ..errors import MediaInputError
 from ..items import MediaItem
 from ..merge import MediaGuard
 from ..outcome import LocalOutcome, StageOutcome
-from .hooks import GuardHandle, ItemsProvider, StepProvider
+from ..plan import digest
+from .hooks import GuardHandle, ItemsProvider, StepProvider, mask_rows
 from .llava_checks import (
     ImageFault,
     LlavaFacts,
@@ -165,18 +165,12 @@ def _guarded_call(handle: GuardHandle, sig: inspect.Signature, args: tuple, kwar
     a = ba.arguments
     if not (m.pre_process or m.post_process) or a.get("use_inference_kv_cache"):
         return original(*args, **kwargs)
-    step, mb = handle.next_call()
-    where = handle.guard.where(step, mb)
-    try:
-        return _run(handle, ba, step, mb, where)
-    except MediaAlignmentError as err:
-        if err.context.get("where"):
-            raise
-        raise err.with_context(f"LLaVA media guard ({where}): ", where=where) from None
+    return handle.call("LLaVA media guard", lambda step, mb: _run(handle, ba, step, mb))
 
 
-def _run(handle: GuardHandle, ba: inspect.BoundArguments, step, mb, where: str) -> Any:
+def _run(handle: GuardHandle, ba: inspect.BoundArguments, step, mb) -> Any:
     guard, m, a = handle.guard, handle.module, ba.arguments
+    where = guard.where(step, mb)
     cfg = guard.config
     items = handle.take_items()
     ids = a["input_ids"]
@@ -249,12 +243,12 @@ def _run(handle: GuardHandle, ba: inspect.BoundArguments, step, mb, where: str) 
     guard.counters["mismatched"] += len({f.sample for f in faults})
     guard.counters["dropped"] += len(drops)
     result = LlavaResult(step, mb, b, tuple(actions), tuple(faults), mode, stage)
-    handle.last_result = result
+    handle.record(result)
     if mode == "as-is":
         return handle.original(*ba.args, **ba.kwargs)
     anchor = _rewrite(ba, m, key, facts, owners, set(drops), mode, emb, lay)
     out = handle.original(*ba.args, **ba.kwargs)
-    return _mask_outputs(out, drops, cfg.ignore_index, anchor)
+    return _mask_outputs(out, drops, b, cfg.ignore_index, anchor)
 
 
 def _rewrite(ba, m, key, facts: LlavaFacts, owners, drops: set[int], mode, emb, lay):
@@ -294,12 +288,17 @@ def _rewrite(ba, m, key, facts: LlavaFacts, owners, drops: set[int], mode, emb, 
     if not drop_cols:
         return None
     removed = emb.index_select(1, torch.tensor(drop_cols, dtype=torch.long, device=emb.device))
-    clean = torch.where(torch.isfinite(removed), removed, torch.zeros_like(removed))
-    return -(clean * 0).abs().sum()  # -0.0: the exact additive identity, keeps the graph
+    return zero_anchor(removed)  # -0.0: the exact additive identity, keeps the graph
 
 
-def _mask_outputs(out: Any, drops: Sequence[int], ignore_index: int, anchor) -> Any:
-    """Labels ignored and loss mask zeroed for dropped rows of the (3- or 5-value) output."""
+def _mask_outputs(out: Any, drops: Sequence[int], b: int, ignore_index: int, anchor) -> Any:
+    """Labels ignored and loss mask zeroed for dropped rows of the (3- or 5-value) output.
+
+    The outputs are in the expanded layout ``[b, S]`` (each image token became its tiles'
+    positions, cut at the max length): no token ids exist for it, so the core's
+    token-layout masking (``apply.mask_dropped``) cannot be applied; rows are the samples,
+    so :func:`~megatron_media_guard.adapters.hooks.mask_rows` is exact (``handle.mask_loss``
+    uses it for LLaVA results too)."""
     if not isinstance(out, (tuple, list)) or len(out) < 3:
         raise MediaInputError(
             f"LLaVA _preprocess_data returned {type(out).__name__} of length "
@@ -310,15 +309,7 @@ def _mask_outputs(out: Any, drops: Sequence[int], ignore_index: int, anchor) -> 
     if anchor is not None and vals[0] is not None:
         vals[0] = vals[0] + anchor.to(vals[0].dtype)
     if drops:
-        ref = vals[1] if vals[1] is not None else vals[2]
-        if ref is not None:
-            rows = torch.zeros(ref.shape[0], dtype=torch.bool)
-            rows[list(drops)] = True
-            rows = rows.to(ref.device, non_blocking=True).unsqueeze(1)
-            if vals[1] is not None:
-                vals[1] = vals[1].masked_fill(rows, ignore_index)
-            if vals[2] is not None:
-                vals[2] = vals[2].masked_fill(rows, 0)
+        vals[2], vals[1] = mask_rows(drops, b, vals[2], vals[1], ignore_index)
     if hasattr(out, "_fields"):  # a namedtuple
         return type(out)(*vals)
     return tuple(vals) if isinstance(out, tuple) else vals
@@ -405,23 +396,20 @@ def _outcome(guard, facts, owners, faults, actions, batch_fatal, why_raise, item
         if guard.log.path is not None:
             lines.append(f"  per-rank log: {guard.log.path}")
         message = "\n".join(lines)
-    blob = json.dumps(
-        [
-            facts.tokens,
-            facts.entries,
-            owners,
-            actions,
-            facts.img_seq_len,
-            facts.max_len,
-            [(f.check, f.sample, f.image) for f in faults],
-            batch_fatal,
-        ]
-    ).encode()
-    digest = int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little") >> 1
+    plan_digest = digest(
+        facts.tokens,
+        facts.entries,
+        owners,
+        actions,
+        facts.img_seq_len,
+        facts.max_len,
+        [(f.check, f.sample, f.image) for f in faults],
+        batch_fatal,
+    )
     return LocalOutcome(
         step=step,
         microbatch=mb,
-        digest=digest,
+        digest=plan_digest,
         num_samples=facts.batch,
         mismatched=len({f.sample for f in faults}),
         dropped=sum(1 for x in actions if x == "drop"),

@@ -19,6 +19,16 @@ every modality through :meth:`MediaGuard.merge` (``seq_first`` output), per samp
   assigned: each sample holding its placeholders goes to the policy, and the error
   names the totals.
 
+Text rows: the guard places them as the original does (same bits) without its count
+sync. With item metadata the count is proven on the host when ``text rows + media rows ==
+b*s`` and the merge's verdict is aligned (text tokens are ``b*s`` minus the placeholders,
+and an aligned verdict means placeholders == media rows): no transfer. When that sum
+differs, one count transfer before the merge names the text mismatch. When it holds but
+the verdict is not (the slow path), one count transfer after the merge: text rows that
+do not fit the ids there (impossible from ``MimoModel.forward``, which embeds exactly the
+non-special tokens) drop every sample, since the stage has already agreed on the call.
+Without metadata the count comes from the parsed runs the items are inferred from.
+
 MIMO's forward takes ``loss_mask`` elsewhere and returns it untouched: the training
 step applies drops with ``loss_mask, labels = handle.mask_loss(loss_mask, labels)``
 (or reads ``handle.last_result``, the guard's :class:`MergeResult`).
@@ -28,15 +38,19 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from ..apply import mask_dropped
 from ..config import GuardConfig
-from ..errors import MediaAlignmentError, MediaInputError
+from ..diagnostics import GuardRecord
+from ..errors import MediaInputError
 from ..grammar import Grammar
 from ..host import to_host
 from ..merge import MediaGuard, MergeResult
+from ..runs import TokenLayout, parse_runs
 from .generic import merge_through_guard
 from .hooks import GuardHandle, ItemsProvider, StepProvider
 
@@ -100,17 +114,14 @@ def _make_wrapper(handle: GuardHandle):
             ba = sig.bind(*args, **kwargs)
         except TypeError:
             return handle.original(*args, **kwargs)
-        step, mb = handle.next_call()
-        items = handle.take_items()
-        where = handle.guard.where(step, mb)
-        try:
-            res = _merge(handle.guard, ba.arguments, items, step, mb)
-        except MediaAlignmentError as err:
-            if err.context.get("where"):
-                raise
-            raise err.with_context(f"MIMO media guard ({where}): ", where=where) from None
-        handle.last_result = res
-        return res.embeddings
+        a = ba.arguments
+
+        def body(step: int | None, mb: int | None) -> MergeResult:
+            res = _merge(handle.guard, a, handle.take_items(), step, mb)
+            handle.record(res, a["input_ids"])
+            return res
+
+        return handle.call("MIMO media guard", body).embeddings
 
     return align_embeddings_by_token_positions
 
@@ -129,22 +140,28 @@ def _merge(guard: MediaGuard, a: dict, items, step, mb) -> MergeResult:
         raise MediaInputError(f"input_ids must be [b, s], got {tuple(ids.shape)}")
     ref = embs.get("text", next(iter(embs.values())))
     b, s = ids.shape
-    base = torch.zeros((b, s, ref.size(-1)), dtype=ref.dtype, device=ref.device)
-    if "text" in embs:
-        text = embs["text"]
+    media = {m: t for m, t in embs.items() if m != "text"}
+    parsed = None
+    verified = True
+    text = embs.get("text")
+    if text is None:
+        base = torch.zeros((b, s, ref.size(-1)), dtype=ref.dtype, device=ref.device)
+    else:
         mask = torch.ones_like(ids, dtype=torch.bool)
         for tok in special.values():
             mask &= ids != tok
-        n_text = int(to_host(mask.sum(), why="MIMO text token count").item())
-        if n_text != text.size(0):
-            raise MediaInputError(
-                f"{n_text} text tokens in input_ids, {text.size(0)} text embeddings",
-                context={"text_tokens": n_text, "text_embeddings": int(text.size(0))},
-            )
-        # the original's own operation, so text rows land bit-identically
-        base.masked_scatter_(mask.unsqueeze(-1).expand_as(base).to(base.device), text.flatten())
-    media = {m: t for m, t in embs.items() if m != "text"}
-    return merge_through_guard(
+        rows = int(text.size(0))
+        if items is None:  # the runs are parsed anyway to infer the items: count from them
+            parsed = parse_runs(ids, guard.grammar)
+            _check_text(b * s - sum(r.length for r in parsed.runs), rows)
+        elif rows + sum(int(t.size(0)) for t in media.values()) != b * s:
+            _check_text(_count(mask, "MIMO text token count (totals disagree)"), rows)
+        else:
+            # text tokens = b*s - placeholders, and an aligned verdict means placeholders ==
+            # media rows: the count holds whenever the merge's verdict is aligned
+            verified = False
+        base = _place_text(mask, text)
+    res = merge_through_guard(
         guard,
         base.transpose(0, 1),
         ids,
@@ -153,4 +170,66 @@ def _merge(guard: MediaGuard, a: dict, items, step, mb) -> MergeResult:
         seq_first=True,
         step=step,
         microbatch=mb,
+        parsed=parsed,
     )
+    if not verified and res.report.alignment is not None:  # the slow path: syncs anyway
+        n_text = _count(mask, "MIMO text token count (slow path)")
+        if n_text != rows:
+            res = _drop_all(
+                guard, res, ids, f"{n_text} text tokens in input_ids, {rows} text embeddings"
+            )
+    return res
+
+
+def _count(mask: torch.Tensor, why: str) -> int:
+    return int(to_host(mask.sum(), why=why).item())
+
+
+def _check_text(n_text: int, rows: int) -> None:
+    if n_text != rows:
+        raise MediaInputError(
+            f"{n_text} text tokens in input_ids, {rows} text embeddings",
+            context={"text_tokens": n_text, "text_embeddings": rows},
+        )
+
+
+def _place_text(mask: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+    """``[b, s, h]``: the text rows at the text positions in token order, zeros elsewhere.
+
+    The same bits as the original's ``zeros.masked_scatter_(mask, text)`` when the counts
+    agree, with no host sync; rows past the end (counts that disagree) read zeros instead
+    of failing on the device.
+    """
+    b, s = mask.shape
+    flat = mask.reshape(-1).to(text.device)
+    n = text.size(0)
+    pos = torch.cumsum(flat, 0) - 1
+    idx = torch.where(flat & (pos < n), pos, n)
+    src = torch.cat([text, text.new_zeros(1, text.size(-1))])
+    return src.index_select(0, idx).view(b, s, text.size(-1))
+
+
+def _drop_all(guard: MediaGuard, res: MergeResult, ids: torch.Tensor, fact: str) -> MergeResult:
+    """The text rows do not belong to these ids (found after the stage agreed on the call,
+    so raising now would leave the other ranks waiting): every sample is dropped."""
+    rep = res.report
+    n = rep.num_samples
+    guard.log.emit(
+        GuardRecord(
+            event="drop",
+            step=rep.step,
+            microbatch=rep.microbatch,
+            action="drop",
+            reason=f"text: {fact}; the text rows cannot be placed, every sample is dropped",
+            extra={"adapter": "mimo", "check": "text"},
+        ),
+        caller="megatron_media_guard.adapters.mimo",
+    )
+    guard.counters["dropped"] += n - len(rep.dropped)
+    lay = TokenLayout(ids, guard.grammar)
+    keep = torch.zeros(n, dtype=torch.bool, device=ids.device)
+    loss_mask, labels = mask_dropped(
+        lay, keep, res.loss_mask, res.labels, guard.config.ignore_index
+    )
+    rep = replace(rep, ok=False, actions=("drop",) * n, dropped=tuple(range(n)), repaired=())
+    return replace(res, loss_mask=loss_mask, labels=labels, report=rep)
