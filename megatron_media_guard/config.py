@@ -96,6 +96,8 @@ class GuardConfig:
                 changes[f.name] = None if raw.lower() in ("", "none") else parse_int(f.name, raw)
             elif f.name in ("fp8", "dump_pixels", "dump_features"):
                 changes[f.name] = parse_bool(f.name, raw, allow_none=f.name == "fp8")
+            elif f.name in ("log_dir", "dump_dir"):
+                changes[f.name] = raw or None  # set but empty: off
             else:
                 changes[f.name] = raw
         try:

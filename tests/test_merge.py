@@ -427,3 +427,10 @@ def test_guard_closes_its_log(tmp_path):
         g.merge(emb, batch.input_ids, feats, batch.items)
         assert g.log._fd is not None
     assert g.log._fd is None
+
+
+def test_empty_directory_variables_turn_logging_and_dumps_off():
+    cfg = GuardConfig(log_dir="x", dump_dir="y").with_env(
+        {"MEDIA_GUARD_LOG_DIR": "", "MEDIA_GUARD_DUMP_DIR": ""}
+    )
+    assert cfg.log_dir is None and cfg.dump_dir is None
