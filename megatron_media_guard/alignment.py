@@ -98,36 +98,39 @@ def _assign_implicit(
 ) -> tuple[list[int | None], list[int]]:
     """Match runs to items in order from both ends; returns each item's sample (None: orphan).
 
-    Items in the unmatched middle go to the samples of the unmatched middle runs in
-    order (each sample takes as many as it has runs, the last takes the rest).
+    Without sample labels, a missing or extra item can sit anywhere its neighbours' keys
+    (length, modality) allow. Runs are paired from the front up to the earliest place the
+    break could be, and from the back down to the latest; the runs in between are
+    ambiguous: their items are left unclaimed (orphans) and their samples come out short of
+    items (count mismatch), never paired with a guess. With equal counts nothing shifts and
+    item i stays with run i.
     """
     nr, ni = len(runs), len(items)
     rk = [_key(r.length, r.modality) for r in runs]
     ik = [_key(it.num_features, it.modality) for it in items]
+    n = min(nr, ni)
     p = 0
-    while p < min(nr, ni) and rk[p] == ik[p]:
+    while p < n and rk[p] == ik[p]:
         p += 1
     q = 0
-    while q < min(nr, ni) - p and rk[nr - 1 - q] == ik[ni - 1 - q]:
+    while q < n and rk[nr - 1 - q] == ik[ni - 1 - q]:
         q += 1
+    extra_runs = max(0, nr - ni)
+    if nr == ni:  # both ends pair run i with item i: only a real mismatch is left between
+        lo, hi = p, max(p, nr - q)
+    else:  # the break can be anywhere in [nr - q - extra_runs, p]
+        earliest = max(0, nr - q - extra_runs)
+        lo, hi = min(p, earliest), min(nr, max(p, earliest) + extra_runs)
     owner: list[int | None] = [None] * ni
-    for i in range(p):
+    for i in range(lo):
         owner[i] = runs[i].sample
-    for j in range(q):
+    for j in range(nr - hi):
         owner[ni - 1 - j] = runs[nr - 1 - j].sample
-    mid_runs = runs[p : nr - q]
-    mid_items = list(range(p, ni - q))
-    if mid_runs and mid_items:
-        per_sample: dict[int, int] = {}
-        for r in mid_runs:
-            per_sample[r.sample] = per_sample.get(r.sample, 0) + 1
-        order = list(per_sample)
-        k = 0
-        for si, smp in enumerate(order):
-            take = per_sample[smp] if si < len(order) - 1 else len(mid_items) - k
-            for i in mid_items[k : k + take]:
-                owner[i] = smp
-            k += take
+    if nr == ni:  # no shift: item i belongs with run i, mismatched or not
+        for i in range(lo, hi):
+            owner[i] = runs[i].sample
+    # otherwise the items between are orphans: which ambiguous run each belongs to is
+    # unknown, so the samples of those runs come out short of items (count mismatch)
     orphans = [i for i in range(ni) if owner[i] is None]
     return owner, orphans
 

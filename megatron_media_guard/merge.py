@@ -402,7 +402,7 @@ class MediaGuard:
                     step=c.step,
                     microbatch=c.microbatch,
                     action="unused",
-                    reason=f"items {list(report.orphans)[:16]} have no placeholder run",
+                    reason=f"items {list(report.orphans)[:16]} could not be tied to a placeholder run",
                 )
             )
         return fatal

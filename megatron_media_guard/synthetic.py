@@ -208,14 +208,8 @@ def inject(
         ia, ib = items[a], items[b]
         items[a] = replace(ib, sample=ia.sample, sample_id=ia.sample_id)
         items[b] = replace(ia, sample=ib.sample, sample_id=ib.sample_id)
-        touched = tuple(
-            sorted(
-                {
-                    ia.sample if ia.sample is not None else s0,
-                    ib.sample if ib.sample is not None else s0,
-                }
-            )
-        )
+        owner = [smp for smp, media in enumerate(layout) for _ in media]  # item -> sample
+        touched = tuple(sorted({owner[a], owner[b]}))
         return replace(clean, items=tuple(items), faulty_samples=touched, fault=fault)
     elif fault == "literal_placeholder":
         ids = clean.input_ids.clone()

@@ -115,3 +115,26 @@ def test_sample_report_names_id_and_item():
 def test_text_only_batch_is_aligned():
     ids = torch.full((2, 8), 1000)
     assert check_alignment(ids, [], Q).ok
+
+
+def test_implicit_assignment_never_guesses_between_equal_keys():
+    """Sample 0 lost its last run (cut away); the next item has the same length as the
+    lost one. Pairing in order would hand sample 0's item to sample 1's run: silent
+    corruption. The guard leaves the ambiguous items unclaimed and blames sample 1 too."""
+    layout = [[("image", 7), ("image", 3), ("image", 1)], [("image", 1)]]
+    full = build_batch(Q, layout, explicit_samples=False)
+    cut = build_batch(Q, [[("image", 7), ("image", 3)], [("image", 1)]], explicit_samples=False)
+    report = check_alignment(cut.input_ids, full.items, Q)
+    assert report.samples[0].ok and report.samples[0].items == (0, 1)
+    assert report.samples[1].status is Status.COUNT_MISMATCH
+    assert report.orphans == (2, 3)
+
+
+def test_implicit_assignment_with_an_extra_run_blames_every_sample_it_could_be_in():
+    # runs [2, 3 | 3, 5], items [2, 3, 5]: the extra 3 is in sample 0 or sample 1
+    batch = build_batch(
+        Q, [[("image", 2), ("image", 3)], [("image", 3), ("image", 5)]], explicit_samples=False
+    )
+    items = [MediaItem(2), MediaItem(3), MediaItem(5)]
+    statuses = [s.status for s in check_alignment(batch.input_ids, items, Q).samples]
+    assert statuses == [Status.COUNT_MISMATCH, Status.COUNT_MISMATCH]
