@@ -11,6 +11,8 @@ import torch
 llava_mod = pytest.importorskip("megatron.core.models.multimodal.llava_model")
 LLaVAModel = llava_mod.LLaVAModel
 
+from devices import DEVICES  # noqa: E402
+
 from megatron_media_guard import (  # noqa: E402
     Grammar,
     GuardConfig,
@@ -461,18 +463,6 @@ def test_step_provider_closes_steps_and_counts_microbatches():
     assert cons.steps[0][0] == 1 and cons.steps[0][1]["dropped"] == 2
     assert handle.last_result.step == 2 and handle.last_result.microbatch == 0
     assert len({o.digest for o in cons.seen}) == 1  # same batch, same plan
-
-
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.cuda,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-        ],
-    ),
-]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -8,6 +8,8 @@ import torch
 base_mod = pytest.importorskip("megatron.core.models.mimo.model.base")
 MimoModel = base_mod.MimoModel
 
+from devices import DEVICES  # noqa: E402
+
 from megatron_media_guard import (  # noqa: E402
     Grammar,
     GuardConfig,
@@ -276,18 +278,6 @@ def test_text_rows_offset_by_the_media_raise_under_raise():
     handle.set_items(items)
     with pytest.raises(MediaAlignmentError, match="sample 0"):
         run(model, ids, embs)
-
-
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.cuda,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-        ],
-    ),
-]
 
 
 @pytest.mark.parametrize("device", DEVICES)
