@@ -14,7 +14,8 @@ from .diagnostics import GuardRecord, RankInfo
 from .errors import ConsensusError, DropBudgetExceeded, MediaAlignmentError, MediaInputError
 from .grammar import Grammar
 from .items import MediaItem
-from .merge import GuardReport, MediaGuard, MergeResult
+from .merge import MediaGuard
+from .outcome import GuardReport, MergeResult
 from .runs import Finding, FindingKind, ParsedRuns, Run, parse_runs
 
 __version__ = "0.1.0"

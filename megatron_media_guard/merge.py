@@ -21,48 +21,12 @@ from .errors import MediaAlignmentError, MediaInputError
 from .explain import error_message, sample_record
 from .grammar import Grammar
 from .items import Batch, MediaItem, metadata_batch, normalize
-from .outcome import Consensus, LocalOutcome, StageOutcome
+from .outcome import Consensus, GuardReport, LocalOutcome, MergeResult, StageOutcome
 from .plan import Plan, build_plan
 from .repair import run_repairs
 from .runs import TokenLayout, parse_layout
 from .validate import check_inputs
 from .verify import Verdict, verify
-
-
-@dataclass(frozen=True)
-class GuardReport:
-    """What one guarded merge found and did.
-
-    ok: every sample was aligned (nothing dropped, repaired or raised).
-    actions: per sample, ``keep`` / ``drop`` / ``repair``.
-    alignment: the per-sample report; None on the aligned path (nothing to diagnose).
-    """
-
-    ok: bool
-    step: int | None
-    microbatch: int | None
-    rank: int | None
-    num_samples: int
-    num_items: int
-    actions: tuple[str, ...]
-    dropped: tuple[int, ...]
-    repaired: tuple[int, ...]
-    alignment: AlignmentReport | None
-    verdict: Verdict
-    digest: int
-    stage: StageOutcome | None = None
-
-
-@dataclass(frozen=True)
-class MergeResult:
-    """embeddings: like the input (``[b, s, h]`` or ``[s, b, h]``; None from
-    :meth:`MediaGuard.last_stage`). loss_mask / labels: the caller's, with dropped samples
-    zeroed / ignored (a loss mask is created when a sample is dropped and none was given)."""
-
-    embeddings: torch.Tensor | None
-    loss_mask: torch.Tensor | None
-    labels: torch.Tensor | None
-    report: GuardReport
 
 
 @dataclass(frozen=True)

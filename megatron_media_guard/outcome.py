@@ -1,4 +1,4 @@
-"""What one rank's guarded merge decided, and what its stage decided together.
+"""What a guarded merge returns, what one rank decided, and what its stage decided together.
 
 The merge hands a :class:`LocalOutcome` to a consensus object (any object with
 ``agree(local) -> StageOutcome``; see ``consensus.py``). Without one, the local
@@ -8,7 +8,13 @@ outcome is the stage outcome: everything works single-process.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from .alignment import AlignmentReport
+    from .verify import Verdict
 
 
 @dataclass(frozen=True)
@@ -58,3 +64,39 @@ class StageOutcome:
 
 class Consensus(Protocol):
     def agree(self, local: LocalOutcome) -> StageOutcome: ...
+
+
+@dataclass(frozen=True)
+class GuardReport:
+    """What one guarded merge found and did.
+
+    ok: every sample was aligned (nothing dropped, repaired or raised).
+    actions: per sample, ``keep`` / ``drop`` / ``repair``.
+    alignment: the per-sample report; None on the aligned path (nothing to diagnose).
+    """
+
+    ok: bool
+    step: int | None
+    microbatch: int | None
+    rank: int | None
+    num_samples: int
+    num_items: int
+    actions: tuple[str, ...]
+    dropped: tuple[int, ...]
+    repaired: tuple[int, ...]
+    alignment: AlignmentReport | None
+    verdict: Verdict
+    digest: int
+    stage: StageOutcome | None = None
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    """embeddings: like the input (``[b, s, h]`` or ``[s, b, h]``; None from
+    :meth:`MediaGuard.last_stage`). loss_mask / labels: the caller's, with dropped samples
+    zeroed / ignored (a loss mask is created when a sample is dropped and none was given)."""
+
+    embeddings: torch.Tensor | None
+    loss_mask: torch.Tensor | None
+    labels: torch.Tensor | None
+    report: GuardReport

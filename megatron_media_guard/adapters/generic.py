@@ -28,7 +28,8 @@ from ..apply import zero_anchor
 from ..diagnostics import GuardRecord
 from ..errors import MediaAlignmentError, MediaInputError
 from ..items import MediaItem
-from ..merge import MediaGuard, MergeResult
+from ..merge import MediaGuard
+from ..outcome import MergeResult
 from ..runs import ParsedRuns, parse_runs
 from .hooks import GuardHandle, ItemsProvider, StepProvider
 

@@ -23,7 +23,8 @@ import torch
 from ..apply import mask_dropped
 from ..errors import MediaAlignmentError, MediaInputError
 from ..items import MediaItem
-from ..merge import MediaGuard, MergeResult
+from ..merge import MediaGuard
+from ..outcome import MergeResult
 from ..runs import TokenLayout
 
 AdapterKind = Literal["llava", "mimo", "generic", "step_end"]

@@ -49,7 +49,8 @@ from ..diagnostics import GuardRecord
 from ..errors import MediaInputError
 from ..grammar import Grammar
 from ..host import to_host
-from ..merge import MediaGuard, MergeResult
+from ..merge import MediaGuard
+from ..outcome import MergeResult
 from ..runs import TokenLayout, parse_runs
 from .generic import merge_through_guard
 from .hooks import GuardHandle, ItemsProvider, StepProvider

@@ -38,7 +38,8 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..errors import MediaInputError
-from ..merge import MediaGuard, MergeResult
+from ..merge import MediaGuard
+from ..outcome import MergeResult
 from .scenarios import GEOMETRY, TEXT_LOW, VOCAB, MicroBatch
 
 
