@@ -369,6 +369,16 @@ class MediaGuard:
                     reason=f"items {list(report.orphans)[:16]} could not be tied to a placeholder run",
                 )
             )
+        if report.stray_findings:  # placeholders in a packed row's padding: never merged
+            self.log.emit(
+                GuardRecord(
+                    event="check",
+                    step=c.step,
+                    microbatch=c.microbatch,
+                    action="ignored",
+                    reason="; ".join(f.describe() for f in report.stray_findings[:4]),
+                )
+            )
         return fatal
 
     def _dump(self, c: _Call, report: AlignmentReport):

@@ -443,3 +443,19 @@ def test_empty_directory_variables_turn_logging_and_dumps_off():
         {"MEDIA_GUARD_LOG_DIR": "", "MEDIA_GUARD_DUMP_DIR": ""}
     )
     assert cfg.log_dir is None and cfg.dump_dir is None
+
+
+def test_placeholder_in_packed_padding_is_logged_and_never_merged(tmp_path):
+    a = build_batch(Q, [[("image", 3)]])
+    n = a.input_ids.shape[1]
+    ids = torch.cat([a.input_ids, torch.tensor([[3, 5, 4]])], dim=1)  # a region after cu[-1]
+    emb = torch.randn(1, n + 3, H)
+    g = MediaGuard(GuardConfig(policy="drop", log_dir=str(tmp_path)), grammar=Q)
+    res = g.merge(emb, ids, torch.randn(3, H), [MediaItem(3, 0)], cu_seqlens=torch.tensor([0, n]))
+    assert res.report.actions == ("keep",)
+    assert torch.equal(res.embeddings[0, n:], emb[0, n:])
+    rec = [
+        json.loads(x) for x in (tmp_path / "media_guard.rank00000.jsonl").read_text().splitlines()
+    ]
+    assert [(r["event"], r["action"]) for r in rec] == [("check", "ignored")]
+    assert "in_padding" in rec[0]["reason"]
