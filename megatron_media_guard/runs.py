@@ -198,17 +198,17 @@ class TokenLayout:
         d = torch.cumsum(
             self.is_start.to(torch.int8) - self.is_end.to(torch.int8), 1, dtype=torch.int32
         )
-        bad = (d < 0) | (d > 1)
-        bad = bad | (self.content & (d != 1))
         if self.seg_start is None:
+            bad = (d < 0) | (d > 1) | (self.content & (d != 1))
             count = bad.sum() + (d[:, -1] != 0).sum()
         else:
-            # per packed sample: depth at its last token minus depth before its first
-            before = torch.where(self.col > 0, d.gather(1, (self.seg_start - 1).clamp(min=0)), 0)
-            d = d - before
+            # depth within each packed sample: minus the depth before its first token
+            first = self.seg_start
+            d = d - torch.where(first > 0, d.gather(1, (first - 1).clamp(min=0)), 0)
+            bad = (d < 0) | (d > 1) | (self.content & (d != 1))
             at_end = self.next(torch.zeros_like(run_end), fill=True)
-            bad = bad | (d < 0) | (d > 1) | (at_end & (d != 0))
             padding = self.sample == self.num_samples
+            bad = bad | (at_end & (d != 0))
             bad = bad | (padding & (self.content | self.is_start | self.is_end))
             count = bad.sum()
         text_next = ~self.next(self.is_start | self.is_end | self.content, fill=True)

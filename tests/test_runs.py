@@ -180,7 +180,8 @@ def test_fast_structure_check_agrees_with_findings(name, seed, s, packed):
                 for _ in range(rng.randint(0, 3))
             ]
         ]
-        ids = build_batch(g, layout, seed=seed).input_ids[:, : max(1, s * 2)]
+        text = rng.choice([0, 2]) if layout[0] else 2  # rows may open with a region marker
+        ids = build_batch(g, layout, seed=seed, text=text).input_ids[:, : max(1, s * 2)]
     else:
         ids = _random_ids(rng, g, 1 if packed else 2, s)
     cu = None
@@ -194,3 +195,12 @@ def test_fast_structure_check_agrees_with_findings(name, seed, s, packed):
     fast = int(lay.structure_violations(start, end))
     full = bool((lay.finding_codes(start, end) != 0).any())
     assert (fast > 0) == full
+
+
+def test_packed_rows_opening_with_a_region_are_not_flagged():
+    """A packed sample that starts with its region's start token is well formed."""
+    from megatron_media_guard.runs import TokenLayout
+
+    lay = TokenLayout(torch.tensor([[3, 5, 5, 4, T, 3, 5, 4]]), Q, torch.tensor([0, 4, 8]))
+    start, end = lay.run_bounds()
+    assert int(lay.structure_violations(start, end)) == 0
