@@ -93,46 +93,57 @@ def _key(length: int, modality: str) -> tuple[int, str]:
     return length, modality
 
 
+def _forced(small: Sequence[tuple], big: Sequence[tuple]) -> list[int] | None:
+    """For each element of ``small``, the index in ``big`` it takes in *every* order-keeping
+    matching of equal keys, or -1 where more than one index fits; None when no matching
+    exists. Every matching lies between the leftmost and the rightmost greedy one."""
+    left: list[int] = []
+    j = 0
+    for k in small:
+        while j < len(big) and big[j] != k:
+            j += 1
+        if j == len(big):
+            return None
+        left.append(j)
+        j += 1
+    right = [0] * len(small)
+    j = len(big) - 1
+    for s in range(len(small) - 1, -1, -1):
+        while big[j] != small[s]:
+            j -= 1
+        right[s] = j
+        j -= 1
+    return [lo if lo == hi else -1 for lo, hi in zip(left, right)]
+
+
 def _assign_implicit(
     runs: Sequence[Run], items: Sequence[MediaItem]
 ) -> tuple[list[int | None], list[int]]:
-    """Match runs to items in order from both ends; returns each item's sample (None: orphan).
+    """Pairs runs with items that carry no sample label; returns each item's sample (None:
+    unclaimed) and the unclaimed items that hold features (orphans).
 
-    Without sample labels, a missing or extra item can sit anywhere its neighbours' keys
-    (length, modality) allow. Runs are paired from the front up to the earliest place the
-    break could be, and from the back down to the latest; the runs in between are
-    ambiguous: their items are left unclaimed (orphans) and their samples come out short of
-    items (count mismatch), never paired with a guess. With equal counts nothing shifts and
-    item i stays with run i.
+    With as many runs as items, item i goes with run i (a length mismatch is then reported,
+    not hidden). Otherwise an item is paired only with the run every order-keeping matching
+    of (length, modality) gives it; where several runs (or items) would fit, none is
+    chosen: the items stay unclaimed and the runs' samples come out short of items (count
+    mismatch), never fed a guessed item. Items without features own no run.
     """
-    nr, ni = len(runs), len(items)
+    real = [i for i, it in enumerate(items) if it.num_features > 0]
     rk = [_key(r.length, r.modality) for r in runs]
-    ik = [_key(it.num_features, it.modality) for it in items]
-    n = min(nr, ni)
-    p = 0
-    while p < n and rk[p] == ik[p]:
-        p += 1
-    q = 0
-    while q < n and rk[nr - 1 - q] == ik[ni - 1 - q]:
-        q += 1
-    extra_runs = max(0, nr - ni)
-    if nr == ni:  # both ends pair run i with item i: only a real mismatch is left between
-        lo, hi = p, max(p, nr - q)
-    else:  # the break can be anywhere in [nr - q - extra_runs, p]
-        earliest = max(0, nr - q - extra_runs)
-        lo, hi = min(p, earliest), min(nr, max(p, earliest) + extra_runs)
-    owner: list[int | None] = [None] * ni
-    for i in range(lo):
-        owner[i] = runs[i].sample
-    for j in range(nr - hi):
-        owner[ni - 1 - j] = runs[nr - 1 - j].sample
-    if nr == ni:  # no shift: item i belongs with run i, mismatched or not
-        for i in range(lo, hi):
-            owner[i] = runs[i].sample
-    # otherwise the items between are orphans: which ambiguous run each belongs to is
-    # unknown, so the samples of those runs come out short of items (count mismatch)
-    orphans = [i for i in range(ni) if owner[i] is None]
-    return owner, orphans
+    ik = [_key(items[i].num_features, items[i].modality) for i in real]
+    owner: list[int | None] = [None] * len(items)
+    if len(rk) == len(ik):
+        for k, i in enumerate(real):
+            owner[i] = runs[k].sample
+    elif len(rk) < len(ik):  # extra items: place the runs among them
+        for r, j in enumerate(_forced(rk, ik) or []):
+            if j >= 0:
+                owner[real[j]] = runs[r].sample
+    else:  # extra runs: place the items among them
+        for j, r in enumerate(_forced(ik, rk) or []):
+            if r >= 0:
+                owner[real[j]] = runs[r].sample
+    return owner, [i for i in real if owner[i] is None]
 
 
 def align(
@@ -142,8 +153,8 @@ def align(
     items = tuple(items)
     if explicit is None:
         explicit = any(it.sample is not None for it in items)
-    if explicit:
-        owner: list[int | None] = [it.sample for it in items]
+    if explicit:  # items without features own no run
+        owner: list[int | None] = [it.sample if it.num_features else None for it in items]
         orphans: list[int] = []
     else:
         owner, orphans = _assign_implicit(parsed.runs, items)

@@ -51,6 +51,11 @@ class Grammar:
         every = list(ids.values()) + specials
         if len(set(every)) != len(every):
             raise MediaInputError(f"Grammar token ids must be distinct, got {every}")
+        if self.break_ids and len(ids) > 1:
+            raise MediaInputError(
+                "a grammar with break tokens takes one placeholder modality: a run could "
+                f"change modality across a break unnoticed (got {list(ids)})"
+            )
         if self.collapsed and (self.start_id is not None or self.break_ids):
             raise MediaInputError("a collapsed grammar has no start token or breaks")
         object.__setattr__(self, "placeholders", MappingProxyType(ids))

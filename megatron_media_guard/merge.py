@@ -266,23 +266,25 @@ class MediaGuard:
     def _merge(self, c: _Call) -> MergeResult:
         batch, lay = c.batch, c.lay
         order = batch.order
+        codes = [self.grammar.modality_code(it.modality) for it in batch.items]
+        owning = [i for i in order if batch.items[i].num_features]  # featureless: no run
         verdict = verify(
             lay,
             c.input_ids.reshape(-1),
-            [batch.items[i].num_features for i in order],
-            [self.grammar.modality_code(batch.items[i].modality) for i in order],
-            [batch.items[i].sample for i in order] if batch.explicit else None,
+            [batch.items[i].num_features for i in owning],
+            [codes[i] for i in owning],
+            [batch.items[i].sample for i in owning] if batch.explicit else None,
             batch.features if self.config.nonfinite != "off" and c.emb is not None else None,
         )
         self.counters["merges"] += 1
         self.counters["samples"] += lay.num_samples
-        if not verdict.aligned(len(batch.items)):
+        if not verdict.aligned(len(owning)):
             return self._diagnose(c, verdict)
         plan = build_plan(lay.num_samples, batch.items, verdict, None, self.config)
         stage = self._agree(c, plan, None, None, None)
         if c.emb is None:
             return self._finish(c, None, plan, None, verdict, stage, None)
-        if not batch.items:  # text only: nothing to scatter (verified: no placeholder either)
+        if not owning:  # no features: nothing to scatter (verified: no placeholder either)
             return self._finish(c, c.emb, plan, None, verdict, stage, None)
         src = batch.features
         if order != tuple(range(len(order))):  # explicit samples given out of token order

@@ -84,6 +84,12 @@ def _attempt(
         facts["error_type"] = type(exc).__name__
         return None, facts
     f = res.features
+    if f.shape[0] != r.target:  # a geometry that broke its Solution contract
+        facts["reason"] = (
+            f"re-encoding gave {f.shape[0]} features for {r.target} placeholders "
+            f"(solution claimed {sol.tokens})"
+        )
+        return None, facts
     want = batch.features
     if f.dtype != want.dtype or f.device != want.device or f.shape[1] != want.shape[1]:
         facts["reason"] = (

@@ -98,6 +98,15 @@ class TokenLayout:
         b, s = ids.shape
         if b == 0 or s == 0:
             raise MediaInputError(f"empty batch: input_ids has shape {tuple(ids.shape)}")
+        info = torch.iinfo(ids.dtype)
+        special = [*grammar.placeholders.values(), *grammar.break_ids]
+        special += [t for t in (grammar.start_id, grammar.end_id) if t is not None]
+        bad = [t for t in special if not info.min <= t <= info.max]
+        if bad:
+            raise MediaInputError(
+                f"grammar token ids {bad} do not fit input_ids of dtype {ids.dtype} "
+                f"([{info.min}, {info.max}]): comparing would wrap around"
+            )
         self.grammar = grammar
         self.batch, self.row_length = b, s
         self.num_tokens = b * s

@@ -27,6 +27,11 @@ def check_inputs(
             embeddings.dtype if isinstance(embeddings, torch.Tensor) else type(embeddings).__name__
         )
         raise MediaInputError(f"embeddings must be a floating-point tensor, got {what}")
+    if embeddings.element_size() < 2:
+        raise MediaInputError(
+            f"embeddings are {embeddings.dtype}: merge in bf16, fp16 or fp32 (8-bit floats "
+            "have no NaN/Inf reductions or scatter on every device)"
+        )
     if embeddings.dim() != 3:
         raise MediaInputError(
             f"embeddings must be [b, s, h] (or [s, b, h] with seq_first=True), got {_shape(embeddings)}"

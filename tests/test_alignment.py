@@ -138,3 +138,44 @@ def test_implicit_assignment_with_an_extra_run_blames_every_sample_it_could_be_i
     items = [MediaItem(2), MediaItem(3), MediaItem(5)]
     statuses = [s.status for s in check_alignment(batch.input_ids, items, Q).samples]
     assert statuses == [Status.COUNT_MISMATCH, Status.COUNT_MISMATCH]
+
+
+T = 1000
+
+
+@pytest.mark.parametrize(
+    ("ids", "lengths", "statuses", "orphans"),
+    [
+        # one item for three samples' runs: which sample owns it is unknown
+        (
+            [[T, 3, 5, 4, T, T], [T, 3, 5, 4, T, T], [T, 3, 5, 5, 4, T]],
+            [1],
+            ["count_mismatch"] * 3,
+            (0,),
+        ),
+        # two stray items around the real ones: sample 0's 3 could be either 3-item
+        (
+            [[T, 3, 5, 5, 5, 4, T], [T, 3, 5, 5, 4, T, T]],
+            [3, 3, 2, 4],
+            ["count_mismatch", "aligned"],
+            (0, 1, 3),
+        ),
+        # an item without features owns no run: the two 1-items compete for one run
+        ([[T, 3, 4, T, 3, 5, 4, T]], [0, 1, 1], ["count_mismatch"], (1, 2)),
+    ],
+)
+def test_implicit_assignment_with_several_extras_never_guesses(ids, lengths, statuses, orphans):
+    """Found by a red-team search: with two or more extra items (or runs) the one-block
+    model paired a run with a guessed item. Only pairs every matching agrees on are kept."""
+    report = check_alignment(torch.tensor(ids), [MediaItem(n) for n in lengths], Q)
+    assert [str(s.status) for s in report.samples] == statuses
+    assert report.orphans == orphans
+
+
+def test_featureless_item_with_a_literal_placeholder_in_another_sample():
+    plain = TEST_GRAMMARS["plain"]  # image 13, video 14, no markers
+    ids = torch.tensor([[13, 0, 0, 0, 0, 0, 0, 0], [T, 13, T, T, 14, 14, T, T]])
+    items = [MediaItem(1), MediaItem(0), MediaItem(2, modality="video")]
+    report = check_alignment(ids, items, plain)
+    # sample 0's literal placeholder must not receive sample 1's image
+    assert [str(s.status) for s in report.samples] == ["count_mismatch", "count_mismatch"]

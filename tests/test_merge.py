@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_media_guard import (
+    Grammar,
     GuardConfig,
     MediaAlignmentError,
     MediaGuard,
@@ -459,3 +460,31 @@ def test_placeholder_in_packed_padding_is_logged_and_never_merged(tmp_path):
     ]
     assert [(r["event"], r["action"]) for r in rec] == [("check", "ignored")]
     assert "in_padding" in rec[0]["reason"]
+
+
+def test_guard_rejects_what_it_cannot_check():
+    with pytest.raises(MediaInputError, match="one placeholder modality"):
+        Grammar({"image": 20, "video": 21}, end_id=22, break_ids=(23,))
+    batch = build_batch(Q, [[("image", 2)]])
+    e8 = torch.zeros(1, batch.input_ids.shape[1], H).to(torch.float8_e4m3fn)
+    with pytest.raises(MediaInputError, match="merge in bf16"):
+        guard().merge(e8, batch.input_ids, torch.zeros(2, H).to(torch.float8_e4m3fn), batch.items)
+    wide = Grammar({"image": 70000})
+    with pytest.raises(MediaInputError, match=r"do not fit input_ids of dtype torch\.int16"):
+        MediaGuard(GuardConfig(), grammar=wide).merge(
+            torch.zeros(1, 3, 1),
+            torch.tensor([[5, 4464, 6]], dtype=torch.int16),
+            torch.ones(1, 1),
+            [MediaItem(1, 0)],
+        )
+
+
+def test_featureless_items_own_no_run():
+    ids = torch.tensor([[1000, 3, 4, 1000, 3, 5, 5, 4]])  # an empty region, then a 2-run
+    items = [MediaItem(0, 0), MediaItem(2, 0)]
+    emb = torch.randn(1, 8, H)
+    feats = torch.randn(2, H)
+    with count_transfers() as seen:
+        res = guard().merge(emb, ids, feats, items)
+    assert res.report.ok and sum(seen.values()) == 1
+    assert torch.equal(res.embeddings, unguarded(emb, ids, feats))

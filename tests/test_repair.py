@@ -206,3 +206,39 @@ def test_repair_without_encoder_falls_back_with_reason(tmp_path):
         json.loads(x) for x in (tmp_path / "media_guard.rank00000.jsonl").read_text().splitlines()
     ]
     assert "no encoder, pixels" in next(r for r in rec if r["event"] == "repair")["reason"]
+
+
+def test_a_geometry_that_breaks_its_contract_falls_back(tmp_path):
+    """A user geometry whose solution claims another count: the re-encoded rows are counted
+    against the placeholders before they are merged, so nothing shifts into text."""
+    from megatron_media_guard.geometry import Solution
+
+    class LyingGeometry:
+        def solve(self, target, hw, num_frames=1):
+            return Solution(
+                tokens=target + 1, size_hw=(28, 28), fidelity="unique", reason="x", grid=(2, 2)
+            )
+
+    batch = build_batch(Q, [[("image", 3)], [("image", 2)]])
+    items = [
+        MediaItem(2, 0, pixels=torch.randn(3, 28, 28), frame_hw=(28, 28)),
+        MediaItem(2, 1),
+    ]
+
+    def encoder(pixels):
+        return torch.full((4, H), 77.0)
+
+    g = MediaGuard(
+        GuardConfig(policy="repair", fallback="drop", log_dir=str(tmp_path)),
+        grammar=Q,
+        geometry=LyingGeometry(),
+        encoder=encoder,
+    )
+    b, s = batch.input_ids.shape
+    emb = torch.randn(b, s, H)
+    feats = torch.randn(4, H)
+    res = g.merge(emb, batch.input_ids, feats, items)
+    assert res.report.actions == ("drop", "keep")
+    ph = torch.isin(batch.input_ids, torch.tensor([5]))
+    assert torch.equal(res.embeddings[1][ph[1]], feats[2:])
+    assert torch.equal(res.embeddings[1][~ph[1]], emb[1][~ph[1]])
