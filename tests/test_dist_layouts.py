@@ -12,33 +12,23 @@ The PP layout's last stage computes its loss mask from ids + item metadata
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from dist_harness import run_ranks
 
+from megatron_media_guard.geometry import Solution
+
 H = 8
 LAYOUTS = {"tp2_dp2": (2, 1, 1), "dp2_cp2": (1, 1, 2), "pp2_dp2": (1, 2, 1)}
 MEDIA = [[("image", 4), ("image", 6)], [("image", 3)], [("image", 8)], [("image", 5)]]
 
 
-@dataclass(frozen=True)
-class Sol:
-    """Stand-in geometry solution: the fields repair and reencode read."""
-
-    tokens: int
-    size_hw: tuple[int, int]
-    fidelity: str = "unique"
-    reason: str = "stub geometry"
-    reachable: bool = True
-    grid: tuple[int, int] | None = None
-
-
 class StubGeometry:
-    def solve(self, target: int, hw: tuple[int, int], num_frames: int = 1) -> Sol:
-        return Sol(tokens=target, size_hw=(target, 2))
+    def solve(self, target: int, hw: tuple[int, int], num_frames: int = 1) -> Solution:
+        return Solution(target, (target, 2), "unique", "stub geometry", None)
 
 
 class StubEncoder:

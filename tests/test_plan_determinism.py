@@ -10,7 +10,7 @@ exactly the samples the first stage dropped.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
 import torch
@@ -26,6 +26,7 @@ from megatron_media_guard import (
     MediaItem,
     RankInfo,
 )
+from megatron_media_guard.geometry import Solution
 from megatron_media_guard.synthetic import FAULTS, TEST_GRAMMARS, build_batch, inject, random_layout
 
 H = 8
@@ -102,19 +103,9 @@ def test_raise_policy_raises_on_both_stages_naming_the_sample():
         assert "step 7" in m and "sample 0" in m and "'s0'" in m
 
 
-@dataclass(frozen=True)
-class Sol:
-    tokens: int
-    size_hw: tuple[int, int]
-    fidelity: str = "unique"
-    reason: str = "stub"
-    reachable: bool = True
-    grid: tuple[int, int] | None = None
-
-
 class Geo:
     def solve(self, target, hw, num_frames=1):
-        return Sol(target, (target, 2))
+        return Solution(target, (target, 2), "unique", "stub", None)
 
 
 def encoder(px: torch.Tensor) -> torch.Tensor:
