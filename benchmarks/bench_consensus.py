@@ -31,9 +31,9 @@ def _rank(rank: int, world: int, workdir: str, reps: int, b: int, s: int, h: int
     import torch.distributed as dist
 
     from megatron_media_guard import GuardConfig, MediaGuard, RankInfo
-    from megatron_media_guard.consensus import _FIELDS, StageConsensus
-    from megatron_media_guard.outcome import LocalOutcome
-    from megatron_media_guard.synthetic import TEST_GRAMMARS, build_batch
+    from megatron_media_guard.core.outcome import LocalOutcome
+    from megatron_media_guard.ranks.consensus import _FIELDS, StageConsensus
+    from megatron_media_guard.testing import TEST_GRAMMARS, build_batch
 
     torch.set_num_threads(1)
     dist.init_process_group(

@@ -19,10 +19,10 @@ import time
 import torch
 
 from megatron_media_guard import GuardConfig, MediaGuard, parse_runs
-from megatron_media_guard.apply import scatter
-from megatron_media_guard.grammar import Grammar
-from megatron_media_guard.host import count_transfers
-from megatron_media_guard.synthetic import build_batch, reference_runs
+from megatron_media_guard.core.apply import scatter
+from megatron_media_guard.core.grammar import Grammar
+from megatron_media_guard.core.host import count_transfers
+from megatron_media_guard.testing import build_batch, reference_runs
 
 G = Grammar.qwen2_vl()
 

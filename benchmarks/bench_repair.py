@@ -21,8 +21,8 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from megatron_media_guard.pixels import from_frames
-from megatron_media_guard.reproject import reencode
+from megatron_media_guard.repair.pixels import from_frames
+from megatron_media_guard.repair.reproject import reencode
 
 PATCH, MERGE = 14, 2
 BATCH = 16

@@ -23,7 +23,7 @@ from megatron_media_guard.diagnostics import (
     file_name,
     json_dumps,
 )
-from megatron_media_guard.report import auto_jobs, find_files, summarize
+from megatron_media_guard.diagnostics.report import auto_jobs, find_files, summarize
 
 RANKS = 4
 POOL = 4096  # distinct records; lines differ further by step and microbatch

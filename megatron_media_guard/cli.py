@@ -97,9 +97,9 @@ def _report_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _report_run(args: argparse.Namespace) -> int:
+    from .diagnostics.report import summarize
+    from .diagnostics.report_format import format_summary
     from .errors import MediaAlignmentError
-    from .report import summarize
-    from .report_format import format_summary
 
     try:
         summary = summarize(
@@ -137,13 +137,13 @@ register(
 
 
 def _replay_arguments(p: argparse.ArgumentParser) -> None:
-    from .replay import add_replay_arguments
+    from .replay.rerun import add_replay_arguments
 
     add_replay_arguments(p)
 
 
 def _replay_run(args: argparse.Namespace) -> int:
-    from .replay import run_replay
+    from .replay.rerun import run_replay
 
     return run_replay(args)
 

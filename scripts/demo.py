@@ -13,8 +13,8 @@ import tempfile
 import torch
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaGuard, MediaItem
-from megatron_media_guard.grammar import Grammar
-from megatron_media_guard.synthetic import build_batch
+from megatron_media_guard.core.grammar import Grammar
+from megatron_media_guard.testing import build_batch
 
 FRAMES = 4  # the seed had 16 frames; 4 keeps the demo small
 ENGINE_TOKENS, TRAINER_TOKENS = 2010, 2550  # RADIO tiler at 2400x1080, with and without budget

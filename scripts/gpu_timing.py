@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 from megatron_media_guard import GuardConfig, MediaGuard
-from megatron_media_guard.grammar import Grammar
-from megatron_media_guard.host import count_transfers
-from megatron_media_guard.pixels import from_frames
-from megatron_media_guard.reproject import reencode
-from megatron_media_guard.synthetic import build_batch
+from megatron_media_guard.core.grammar import Grammar
+from megatron_media_guard.core.host import count_transfers
+from megatron_media_guard.repair.pixels import from_frames
+from megatron_media_guard.repair.reproject import reencode
+from megatron_media_guard.testing import build_batch
 
 
 def _time(fn, reps: int = 20) -> float:

@@ -27,7 +27,11 @@ from typing import Any
 
 import torch.multiprocessing as tmp
 
-PRELOAD = ["torch.distributed", "megatron_media_guard.consensus", "megatron.core.parallel_state"]
+PRELOAD = [
+    "torch.distributed",
+    "megatron_media_guard.ranks.consensus",
+    "megatron.core.parallel_state",
+]
 START_METHOD = os.environ.get("MEDIA_GUARD_TEST_START_METHOD", "forkserver")
 
 

@@ -9,8 +9,8 @@ from dist_harness import run_ranks
 
 from megatron_media_guard import Grammar, GuardConfig, MediaAlignmentError, MediaGuard, MediaItem
 from megatron_media_guard.adapters import guard_merge_fn, install_llava, install_mimo
-from megatron_media_guard.consensus import StageConsensus
 from megatron_media_guard.diagnostics import RankInfo
+from megatron_media_guard.ranks.consensus import StageConsensus
 
 llava_mod = pytest.importorskip("megatron.core.models.multimodal.llava_model")
 mimo_mod = pytest.importorskip("megatron.core.models.mimo.model.base")

@@ -20,7 +20,7 @@ from megatron_media_guard.adapters import (
     infer_items,
     install_generic,
 )
-from megatron_media_guard.runs import parse_runs
+from megatron_media_guard.core.runs import parse_runs
 
 START, END, PAD = 3, 4, 5
 GRAMMAR = Grammar({"image": PAD}, start_id=START, end_id=END)

@@ -23,8 +23,8 @@ from megatron_media_guard import (  # noqa: E402
     RankInfo,
 )
 from megatron_media_guard.adapters import guarded_by, install_llava  # noqa: E402
-from megatron_media_guard.host import count_transfers  # noqa: E402
-from megatron_media_guard.outcome import StageOutcome  # noqa: E402
+from megatron_media_guard.core.host import count_transfers  # noqa: E402
+from megatron_media_guard.core.outcome import StageOutcome  # noqa: E402
 
 TOK = -200
 L = 3  # img_seq_len

@@ -19,7 +19,7 @@ from megatron_media_guard import (  # noqa: E402
     MediaItem,
 )
 from megatron_media_guard.adapters import guarded_by, install_mimo  # noqa: E402
-from megatron_media_guard.host import count_transfers  # noqa: E402
+from megatron_media_guard.core.host import count_transfers  # noqa: E402
 
 IMG, AUD = 50, 51
 SPECIAL = {"images": IMG, "audio": AUD}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_media_guard import MediaItem, Status, check_alignment
-from megatron_media_guard.synthetic import TEST_GRAMMARS, build_batch, inject
+from megatron_media_guard.testing import TEST_GRAMMARS, build_batch, inject
 
 Q = TEST_GRAMMARS["qwen"]
 LAYOUT = [[("image", 4), ("image", 6)], [("image", 3)], [("video", 8)], []]

@@ -25,16 +25,16 @@ from megatron_media_guard import (
     MediaItem,
     RankInfo,
 )
-from megatron_media_guard import bundle as bmod
-from megatron_media_guard.bundle import (
+from megatron_media_guard.replay import bundle as bmod
+from megatron_media_guard.replay.bundle import (
     FORMAT,
     BundleError,
     load_bundle,
     report_summary,
     save_bundle,
 )
-from megatron_media_guard.replay import replay, replay_main
-from megatron_media_guard.synthetic import TEST_GRAMMARS, build_batch, inject, random_layout
+from megatron_media_guard.replay.rerun import replay, replay_main
+from megatron_media_guard.testing import TEST_GRAMMARS, build_batch, inject, random_layout
 
 Q = TEST_GRAMMARS["qwen"]
 H = 8

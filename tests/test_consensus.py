@@ -22,8 +22,9 @@ from megatron_media_guard import (
     MediaInputError,
     RankInfo,
 )
-from megatron_media_guard.budget import DropBudget
-from megatron_media_guard.consensus import (
+from megatron_media_guard.core.outcome import LocalOutcome
+from megatron_media_guard.ranks.budget import DropBudget
+from megatron_media_guard.ranks.consensus import (
     StageConsensus,
     _disagreement_message,
     _disagreements,
@@ -31,8 +32,7 @@ from megatron_media_guard.consensus import (
     coefficients,
     megatron_writers,
 )
-from megatron_media_guard.outcome import LocalOutcome
-from megatron_media_guard.synthetic import TEST_GRAMMARS, inject
+from megatron_media_guard.testing import TEST_GRAMMARS, inject
 
 Q = TEST_GRAMMARS["qwen"]
 LAYOUT = [[("image", 4)], [("image", 3)], [("image", 5)], [("image", 2)]]

@@ -84,7 +84,7 @@ SCENARIOS = {
 
 
 def _batch(dp: int, fault: str | None, step: int):
-    from megatron_media_guard.synthetic import TEST_GRAMMARS, build_batch, inject
+    from megatron_media_guard.testing import TEST_GRAMMARS, build_batch, inject
 
     g = TEST_GRAMMARS["qwen"]
     seed = 100 * dp + step
@@ -96,9 +96,9 @@ def _batch(dp: int, fault: str | None, step: int):
 
 def _run_scenario(name, ps, info, log_dir, step0):
     from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaGuard
-    from megatron_media_guard.budget import DropBudget
-    from megatron_media_guard.consensus import StageConsensus
-    from megatron_media_guard.synthetic import TEST_GRAMMARS
+    from megatron_media_guard.ranks.budget import DropBudget
+    from megatron_media_guard.ranks.consensus import StageConsensus
+    from megatron_media_guard.testing import TEST_GRAMMARS
 
     policy, steps, fault_of, extra = SCENARIOS[name]
     rank, dp = info.rank, info.dp
@@ -157,7 +157,7 @@ def _run_scenario(name, ps, info, log_dir, step0):
 def layout_worker(rank: int, world: int, layout: str, log_root: str) -> dict:
     from megatron.core import parallel_state as ps
 
-    from megatron_media_guard.consensus import StageConsensus
+    from megatron_media_guard.ranks.consensus import StageConsensus
 
     tp, pp, cp = LAYOUTS[layout]
     ps.initialize_model_parallel(

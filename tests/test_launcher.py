@@ -9,7 +9,7 @@ import torch
 
 from megatron_media_guard import DropBudgetExceeded, GuardConfig, MediaInputError
 from megatron_media_guard.adapters import guarded_by
-from megatron_media_guard.launcher import (
+from megatron_media_guard.adapters.launcher import (
     add_media_guard_args,
     budget_from_args,
     config_from_args,
@@ -285,7 +285,7 @@ class TinyMimo(torch.nn.Module):
 @pytest.mark.parametrize("via", ["argument", "environment"])
 def test_dump_dir_reaches_the_guard_and_a_mismatch_writes_a_bundle(tmp_path, via):
     from megatron_media_guard import MediaItem
-    from megatron_media_guard.bundle import load_bundle
+    from megatron_media_guard.replay.bundle import load_bundle
 
     mimo = TinyMimo()
     argv = ["--media-guard-policy", "drop"]

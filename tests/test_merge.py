@@ -20,8 +20,8 @@ from megatron_media_guard import (
     MediaItem,
     RankInfo,
 )
-from megatron_media_guard.host import count_transfers
-from megatron_media_guard.synthetic import FAULTS, TEST_GRAMMARS, build_batch, inject, random_layout
+from megatron_media_guard.core.host import count_transfers
+from megatron_media_guard.testing import FAULTS, TEST_GRAMMARS, build_batch, inject, random_layout
 
 Q = TEST_GRAMMARS["qwen"]
 H = 8

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_media_guard.errors import MediaAlignmentError, MediaInputError
-from megatron_media_guard.pixels import from_frames, grid_thw_tuple, to_frames
+from megatron_media_guard.repair.pixels import from_frames, grid_thw_tuple, to_frames
 
 QWEN_SHAPES = st.fixed_dictionaries(
     {

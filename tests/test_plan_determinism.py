@@ -27,7 +27,7 @@ from megatron_media_guard import (
     RankInfo,
 )
 from megatron_media_guard.geometry import Solution
-from megatron_media_guard.synthetic import FAULTS, TEST_GRAMMARS, build_batch, inject, random_layout
+from megatron_media_guard.testing import FAULTS, TEST_GRAMMARS, build_batch, inject, random_layout
 
 H = 8
 LAYOUT = [[("image", 4), ("image", 6)], [("image", 3)], [("video", 8)], [("image", 5)]]

@@ -12,8 +12,8 @@ from torch import nn
 
 from megatron_media_guard import GuardConfig, MediaGuard, MediaItem, RankInfo
 from megatron_media_guard.geometry import PatchMergeGeometry
-from megatron_media_guard.pixels import from_frames
-from megatron_media_guard.synthetic import TEST_GRAMMARS, build_batch
+from megatron_media_guard.repair.pixels import from_frames
+from megatron_media_guard.testing import TEST_GRAMMARS, build_batch
 
 Q = TEST_GRAMMARS["qwen"]
 H = 32

@@ -12,7 +12,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_media_guard import report
 from megatron_media_guard.cli import SUBCOMMANDS, main, register
 from megatron_media_guard.diagnostics import (
     EVENTS,
@@ -23,10 +22,11 @@ from megatron_media_guard.diagnostics import (
     file_name,
     get_logger,
     json_dumps,
+    report,
 )
+from megatron_media_guard.diagnostics.report import ReportSummary, _HeavyHitters, summarize
+from megatron_media_guard.diagnostics.report_format import format_summary
 from megatron_media_guard.errors import MediaAlignmentError
-from megatron_media_guard.report import ReportSummary, _HeavyHitters, summarize
-from megatron_media_guard.report_format import format_summary
 
 
 @pytest.fixture(autouse=True)
@@ -454,7 +454,7 @@ def test_summary_is_frozen(tmp_path):
 def test_a_directory_of_run_directories_is_searched(tmp_path):
     """The smoke writes one subdirectory per run; report DIR finds their files."""
     from megatron_media_guard.diagnostics import DiagnosticsLog, GuardRecord, RankInfo
-    from megatron_media_guard.report import summarize
+    from megatron_media_guard.diagnostics.report import summarize
 
     for run in ("a.raise", "b.drop"):
         with DiagnosticsLog(tmp_path / run, RankInfo(rank=1)) as log:

@@ -11,10 +11,10 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from megatron_media_guard import fp8
 from megatron_media_guard.errors import MediaAlignmentError
-from megatron_media_guard.pixels import from_frames, to_frames
-from megatron_media_guard.reproject import ReencodeResult, reencode, resize_frames
+from megatron_media_guard.repair import fp8
+from megatron_media_guard.repair.pixels import from_frames, to_frames
+from megatron_media_guard.repair.reproject import ReencodeResult, reencode, resize_frames
 
 PATCH, TP, MERGE = 14, 2, 2
 PATCH_DIM = 3 * TP * PATCH * PATCH

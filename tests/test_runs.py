@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_media_guard import FindingKind, Grammar, MediaInputError, parse_runs
-from megatron_media_guard.synthetic import TEST_GRAMMARS, build_batch, reference_runs
+from megatron_media_guard.testing import TEST_GRAMMARS, build_batch, reference_runs
 
 Q = TEST_GRAMMARS["qwen"]  # image 5, video 6, start 3, end 4
 P = TEST_GRAMMARS["pixtral"]  # img 10, break 11, end 12
@@ -169,7 +169,7 @@ def test_well_formed_batches_have_no_findings(name, seed):
 )
 def test_fast_structure_check_agrees_with_findings(name, seed, s, packed):
     """The aligned path's sync-free count is zero exactly when the full parse finds nothing."""
-    from megatron_media_guard.runs import TokenLayout
+    from megatron_media_guard.core.runs import TokenLayout
 
     g = TEST_GRAMMARS[name]
     rng = random.Random(seed)
@@ -199,7 +199,7 @@ def test_fast_structure_check_agrees_with_findings(name, seed, s, packed):
 
 def test_packed_rows_opening_with_a_region_are_not_flagged():
     """A packed sample that starts with its region's start token is well formed."""
-    from megatron_media_guard.runs import TokenLayout
+    from megatron_media_guard.core.runs import TokenLayout
 
     lay = TokenLayout(torch.tensor([[3, 5, 5, 4, T, 3, 5, 4]]), Q, torch.tensor([0, 4, 8]))
     start, end = lay.run_bounds()

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_media_guard.alignment import check_alignment
-from megatron_media_guard.report import summarize
+from megatron_media_guard.core.alignment import check_alignment
+from megatron_media_guard.diagnostics.report import summarize
 from megatron_media_guard.smoke import EXIT_USAGE, main
 from megatron_media_guard.smoke.expect import expected, mismatches, observed
 from megatron_media_guard.smoke.runspec import Observation
@@ -27,7 +27,7 @@ from megatron_media_guard.smoke.scenarios import (
     SCENARIOS,
     micro_batch,
 )
-from megatron_media_guard.synthetic import FAULTS
+from megatron_media_guard.testing import FAULTS
 
 ROOT = Path(__file__).resolve().parents[1]
 

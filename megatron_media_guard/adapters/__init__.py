@@ -2,7 +2,13 @@
 
 ``handle = install_llava(model, guard)`` / ``install_mimo(model, guard)`` /
 ``install_generic(model, "merge_embeddings", guard)``; ``handle.remove()`` restores the
-instance exactly. See docs/MEGATRON.md.
+instance exactly. ``launcher`` wires them into a Megatron-LM launcher
+(``add_media_guard_args`` for ``extra_args_provider``, ``install_from_args``). See
+docs/MEGATRON.md.
+
+The integration side: may import everything else in the package, torch.distributed and
+megatron-core (lazily, where a release may be absent). A new model family's adapter goes
+here as one module (``<family>.py``, checks in ``<family>_checks.py`` when they grow).
 """
 
 from .generic import ArgMap, guard_merge_fn, infer_items, install_generic

@@ -24,13 +24,13 @@ from typing import Any
 
 import torch
 
-from ..apply import zero_anchor
+from ..core.apply import zero_anchor
+from ..core.guard import MediaGuard
+from ..core.items import MediaItem
+from ..core.outcome import MergeResult
+from ..core.runs import ParsedRuns, parse_runs
 from ..diagnostics import GuardRecord
 from ..errors import MediaAlignmentError, MediaInputError
-from ..items import MediaItem
-from ..merge import MediaGuard
-from ..outcome import MergeResult
-from ..runs import ParsedRuns, parse_runs
 from .hooks import GuardHandle, ItemsProvider, StepProvider
 
 OutputFn = Callable[[MergeResult], Any]

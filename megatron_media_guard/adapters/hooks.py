@@ -20,12 +20,12 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from ..apply import mask_dropped
+from ..core.apply import mask_dropped
+from ..core.guard import MediaGuard
+from ..core.items import MediaItem
+from ..core.outcome import MergeResult
+from ..core.runs import TokenLayout
 from ..errors import MediaAlignmentError, MediaInputError
-from ..items import MediaItem
-from ..merge import MediaGuard
-from ..outcome import MergeResult
-from ..runs import TokenLayout
 
 AdapterKind = Literal["llava", "mimo", "generic", "step_end"]
 ItemsProvider = Callable[[], Sequence[MediaItem] | None]
@@ -202,7 +202,7 @@ class GuardHandle:
 
         MIMO / generic (a :class:`MergeResult`): ``[b, s]`` like the call's ``input_ids``; a
         sample is that call's sample (a row, or a packed sample of ``cu_seqlens``), masked
-        token by token with :func:`megatron_media_guard.apply.mask_dropped`, as the merge
+        token by token with :func:`megatron_media_guard.core.apply.mask_dropped`, as the merge
         masks its own ``loss_mask``. LLaVA: ``[b, S]`` in the expanded output layout, where
         rows are samples (:func:`mask_rows`).
         """

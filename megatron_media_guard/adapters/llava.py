@@ -45,14 +45,14 @@ from typing import Any
 
 import torch
 
-from ..apply import zero_anchor
 from ..config import GuardConfig
+from ..core.apply import zero_anchor
+from ..core.guard import MediaGuard
+from ..core.items import MediaItem
+from ..core.outcome import LocalOutcome, StageOutcome
+from ..core.plan import digest
 from ..diagnostics import GuardRecord
 from ..errors import MediaInputError
-from ..items import MediaItem
-from ..merge import MediaGuard
-from ..outcome import LocalOutcome, StageOutcome
-from ..plan import digest
 from .hooks import GuardHandle, ItemsProvider, StepProvider, mask_rows
 from .llava_checks import (
     ImageFault,

@@ -20,11 +20,11 @@ from typing import Literal
 
 import torch
 
+from ..core.grammar import Grammar
+from ..core.host import to_host
+from ..core.items import MediaItem
+from ..core.runs import TokenLayout, parse_layout
 from ..errors import MediaInputError
-from ..grammar import Grammar
-from ..host import to_host
-from ..items import MediaItem
-from ..runs import TokenLayout, parse_layout
 
 Check = Literal["count", "tiles", "max_length", "nonfinite"]
 

@@ -43,15 +43,15 @@ from typing import Any
 
 import torch
 
-from ..apply import mask_dropped
 from ..config import GuardConfig
+from ..core.apply import mask_dropped
+from ..core.grammar import Grammar
+from ..core.guard import MediaGuard
+from ..core.host import to_host
+from ..core.outcome import MergeResult
+from ..core.runs import TokenLayout, parse_runs
 from ..diagnostics import GuardRecord
 from ..errors import MediaInputError
-from ..grammar import Grammar
-from ..host import to_host
-from ..merge import MediaGuard
-from ..outcome import MergeResult
-from ..runs import TokenLayout, parse_runs
 from .generic import merge_through_guard
 from .hooks import GuardHandle, ItemsProvider, StepProvider
 

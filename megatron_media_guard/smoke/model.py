@@ -37,9 +37,9 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from ..core.guard import MediaGuard
+from ..core.outcome import MergeResult
 from ..errors import MediaInputError
-from ..merge import MediaGuard
-from ..outcome import MergeResult
 from .scenarios import GEOMETRY, TEXT_LOW, VOCAB, MicroBatch
 
 

@@ -29,9 +29,9 @@ from typing import Literal
 import torch
 
 from ..config import GuardConfig
+from ..core.items import MediaItem
 from ..geometry import PatchMergeGeometry
-from ..items import MediaItem
-from ..synthetic import FAULTS, PAD_ID, TEST_GRAMMARS, TEXT_HIGH, TEXT_LOW
+from .faults import FAULTS, PAD_ID, TEST_GRAMMARS, TEXT_HIGH, TEXT_LOW
 
 Policy = Literal["raise", "drop", "repair"]
 POLICIES: tuple[str, ...] = ("raise", "drop", "repair")

@@ -8,12 +8,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..diagnostics import FILE_PREFIX, FILE_SUFFIX
-from ..report import ReportSummary, summarize
+from ..diagnostics.report import ReportSummary, summarize
 
 try:
-    from ..report_format import format_summary
+    from ..diagnostics.report_format import format_summary
 except ImportError:  # older layout: the formatter lived in report.py
-    from ..report import format_summary  # type: ignore[attr-defined,no-redef]
+    from ..diagnostics.report import format_summary  # type: ignore[attr-defined,no-redef]
 from .expect import Row, describe, expected, mismatches, observed, table
 from .runspec import RankResult, WorkerArgs
 

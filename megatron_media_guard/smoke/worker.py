@@ -29,10 +29,10 @@ with warnings.catch_warnings():  # megatron-core warns about missing TE/Apex on 
     from .model import TinyVLM, param_checksum, sync_gradients
 
 from ..config import GuardConfig
-from ..consensus import StageConsensus
+from ..core.guard import MediaGuard
 from ..diagnostics import LOGGER_NAME, get_logger
 from ..errors import MediaAlignmentError
-from ..merge import MediaGuard
+from ..ranks.consensus import StageConsensus
 from .runspec import Observation, RankResult, WorkerArgs
 from .scenarios import GEOMETRY, GRAMMAR, micro_batch
 

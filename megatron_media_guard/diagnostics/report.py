@@ -37,8 +37,8 @@ from os import PathLike
 from pathlib import Path
 from types import MappingProxyType
 
-from .diagnostics import EVENTS, FILE_PREFIX, FILE_SUFFIX
-from .errors import MediaInputError
+from ..errors import MediaInputError
+from .records import EVENTS, FILE_PREFIX, FILE_SUFFIX
 
 FATAL_EVENT = "raise"
 OFFENDING_EVENTS = frozenset({"repair", "drop", "raise"})

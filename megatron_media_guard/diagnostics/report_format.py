@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from .diagnostics import summary_line
+from .records import summary_line
 from .report import OFFENDING_EVENTS, ReportSummary, _event_order
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import MediaInputError
+from ..errors import MediaInputError
 from .runs import TokenLayout
 
 

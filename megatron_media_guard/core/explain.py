@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..diagnostics import GuardRecord
 from .alignment import AlignmentReport, SampleReport
-from .diagnostics import GuardRecord
 from .items import MediaItem
 
 

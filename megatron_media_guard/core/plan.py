@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from ..config import GuardConfig
 from .alignment import AlignmentReport, Status
-from .config import GuardConfig
 from .items import MediaItem
 from .verify import Verdict
 

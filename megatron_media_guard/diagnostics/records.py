@@ -20,22 +20,16 @@ This module never imports torch or torch.distributed.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import math
 import numbers
 import os
-import socket
-import sys
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Literal, get_args
 
-from .errors import MediaInputError
+from ..errors import MediaInputError
 
 EventName = Literal["check", "repair", "drop", "raise", "budget", "consensus", "step"]
 EVENTS: tuple[str, ...] = get_args(EventName)
@@ -203,142 +197,6 @@ def utc_now() -> str:
 def file_name(rank: int | None) -> str:
     """``media_guard.rank{rank:05d}.jsonl``; an unknown rank is written as 0."""
     return f"{FILE_PREFIX}{(rank or 0):05d}{FILE_SUFFIX}"
-
-
-class _StderrHandler(logging.StreamHandler):
-    """Writes to whatever ``sys.stderr`` is at emit time (survives stream swaps in tests)."""
-
-    def __init__(self) -> None:
-        logging.Handler.__init__(self)
-
-    @property
-    def stream(self):  # type: ignore[override]
-        return sys.stderr
-
-
-_LOGGER_LOCK = threading.Lock()
-
-
-def get_logger() -> logging.Logger:
-    """The library logger: level INFO, one stderr handler (added once), not propagated to root."""
-    logger = logging.getLogger(LOGGER_NAME)
-    with _LOGGER_LOCK:
-        if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
-            handler = _StderrHandler()
-            handler.setFormatter(logging.Formatter("%(message)s"))
-            logger.addHandler(handler)
-            logger.setLevel(logging.INFO)
-            logger.propagate = False
-    return logger
-
-
-def _caller_name(depth: int) -> str | None:
-    try:
-        frame = sys._getframe(depth + 1)
-    except ValueError:
-        return None
-    code = frame.f_code
-    name = getattr(code, "co_qualname", code.co_name)
-    return f"{frame.f_globals.get('__name__', '?')}:{name}"
-
-
-class DiagnosticsLog:
-    """Append-only JSONL writer for one rank; thread-safe; a context manager.
-
-    log_dir: directory for ``media_guard.rank{global_rank:05d}.jsonl`` (created on
-    the first record); None writes no file, only the logger line.
-    """
-
-    def __init__(self, log_dir: str | os.PathLike[str] | None, rank: RankInfo | None = None):
-        self.rank = rank if rank is not None else RankInfo.from_env()
-        self.path: Path | None = (
-            None if log_dir is None else Path(log_dir) / file_name(self.rank.rank)
-        )
-        self.host = socket.gethostname()
-        self.write_errors = 0
-        self._fd: int | None = None
-        self._fd_pid: int | None = None
-        self._lock = threading.Lock()
-        self._lock_pid = os.getpid()
-        self._logger = get_logger()
-
-    # -- writing ----------------------------------------------------------------
-    def emit(self, record: GuardRecord, *, caller: str | None = None) -> dict[str, object]:
-        """Write ``record`` as one fsync-ed line, log its summary, return the object written."""
-        rec = build_record(
-            record,
-            self.rank,
-            time=utc_now(),
-            host=self.host,
-            pid=os.getpid(),
-            caller=caller if caller is not None else _caller_name(1),
-        )
-        if self.path is not None:
-            line = (json_dumps(rec) + "\n").encode("utf-8")
-            if rec["pid"] != self._lock_pid:  # a forked child: the parent's lock may be held
-                self._lock, self._lock_pid = threading.Lock(), rec["pid"]
-            with self._lock:
-                self._write(line)
-        level = logging.WARNING if record.event in _WARN_EVENTS else logging.INFO
-        if self._logger.isEnabledFor(level):
-            self._logger.log(level, "%s", summary_line(rec))
-        return rec
-
-    def _write(self, data: bytes) -> None:
-        try:
-            fd = self._open()
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        except OSError as err:
-            # A diagnostics failure must not mask the error the guard is about to raise.
-            self.write_errors += 1
-            if self.write_errors == 1:
-                self._logger.error(
-                    "[media-guard] cannot write diagnostics to %s: %s", self.path, err
-                )
-
-    def _open(self) -> int:
-        pid = os.getpid()
-        if self._fd is not None and self._fd_pid == pid:
-            return self._fd
-        if self._fd is not None:  # inherited across fork: the child opens its own
-            self._close_fd()
-        assert self.path is not None
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
-        fd = os.open(self.path, flags, 0o644)
-        self._fd, self._fd_pid = fd, pid
-        # A torn last line left by a crash would glue itself to our first record:
-        # terminate it so only that line is lost.
-        if os.fstat(fd).st_size > 0:
-            with open(self.path, "rb") as f:
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":
-                    os.write(fd, b"\n")
-        return fd
-
-    def _close_fd(self) -> None:
-        fd, self._fd, self._fd_pid = self._fd, None, None
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-    def close(self) -> None:
-        """Close the file (idempotent); a later ``emit`` reopens it."""
-        with self._lock:
-            self._close_fd()
-
-    def __enter__(self) -> DiagnosticsLog:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def summary_line(self, rec: Mapping[str, object]) -> str:
-        """One human line for a written record (see :func:`summary_line`)."""
-        return summary_line(rec)
 
 
 def json_dumps(rec: Mapping[str, object]) -> str:

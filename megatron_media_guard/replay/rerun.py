@@ -15,15 +15,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .alignment import AlignmentReport, align
+from ..config import GuardConfig
+from ..core.alignment import AlignmentReport, align
+from ..core.explain import error_message
+from ..core.items import metadata_batch
+from ..core.plan import build_plan
+from ..core.runs import TokenLayout, parse_layout
+from ..core.verify import Verdict
+from ..errors import MediaAlignmentError
 from .bundle import Bundle, BundleError, _json_default, load_bundle, report_summary
-from .config import GuardConfig
-from .errors import MediaAlignmentError
-from .explain import error_message
-from .items import metadata_batch
-from .plan import build_plan
-from .runs import TokenLayout, parse_layout
-from .verify import Verdict
 
 EXIT_ALIGNED, EXIT_MISMATCH, EXIT_BAD_BUNDLE = 0, 1, 2
 

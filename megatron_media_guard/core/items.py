@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import MediaInputError
+from ..errors import MediaInputError
 
 
 @dataclass(frozen=True)

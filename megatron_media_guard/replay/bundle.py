@@ -41,13 +41,13 @@ from types import MappingProxyType
 
 import torch
 
-from .alignment import AlignmentReport, align
-from .config import GuardConfig
-from .diagnostics import RankInfo, file_name, get_logger, utc_now
-from .errors import MediaAlignmentError, MediaInputError
-from .grammar import Grammar
-from .items import MediaItem
-from .runs import TokenLayout, parse_layout
+from ..config import GuardConfig
+from ..core.alignment import AlignmentReport, align
+from ..core.grammar import Grammar
+from ..core.items import MediaItem
+from ..core.runs import TokenLayout, parse_layout
+from ..diagnostics import RankInfo, file_name, get_logger, utc_now
+from ..errors import MediaAlignmentError, MediaInputError
 
 FORMAT = "media_guard.bundle"
 SCHEMA_VERSION = 1

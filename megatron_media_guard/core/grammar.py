@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from .errors import MediaInputError
+from ..errors import MediaInputError
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from itertools import pairwise
 
 import torch
 
-from .errors import MediaInputError
+from ..errors import MediaInputError
 from .grammar import Grammar
 from .host import to_host
 

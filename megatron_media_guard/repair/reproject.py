@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 
 from megatron_media_guard.errors import MediaAlignmentError, MediaInputError
-from megatron_media_guard.fp8 import pad_for_fp8, padded_multiple, trim
-from megatron_media_guard.pixels import (
+from megatron_media_guard.repair.fp8 import pad_for_fp8, padded_multiple, trim
+from megatron_media_guard.repair.pixels import (
     QWEN_MERGE,
     QWEN_PATCH,
     QWEN_TEMPORAL_PATCH,

@@ -1,7 +1,7 @@
 """The drop budget (DESIGN §6): a silent flood of dropped samples becomes a named failure.
 
 Checked at step end on counters that are already summed over the stage's data-parallel
-replicas (each micro-batch counted once): :class:`~megatron_media_guard.consensus.StageConsensus`
+replicas (each micro-batch counted once): :class:`~megatron_media_guard.ranks.consensus.StageConsensus`
 accumulates them from its per-merge all-reduce, so the budget itself adds no collective
 (only a MAX over the pipeline group when there is one; see ``StageConsensus.on_step_end``).
 Every rank sees the same numbers, so every rank trips at the same step.
@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .diagnostics import DiagnosticsLog, GuardRecord, RankInfo
-from .errors import DropBudgetExceeded, MediaInputError
+from ..diagnostics import DiagnosticsLog, GuardRecord, RankInfo
+from ..errors import DropBudgetExceeded, MediaInputError
 
 Trip = Literal["step", "window"]
 

@@ -41,10 +41,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .diagnostics import DiagnosticsLog, GuardRecord, RankInfo
-from .errors import ConsensusError, MediaInputError
-from .host import to_host
-from .outcome import LocalOutcome, StageOutcome
+from ..core.host import to_host
+from ..core.outcome import LocalOutcome, StageOutcome
+from ..diagnostics import DiagnosticsLog, GuardRecord, RankInfo
+from ..errors import ConsensusError, MediaInputError
 
 _LANE = (1 << 30) - 1
 _FIELDS = ("check0", "check1", "samples", "mismatched", "dropped", "repaired", "fatal")
@@ -116,7 +116,7 @@ class StageConsensus:
     batch_group: ranks holding the same micro-batch (tensor x context parallel); None:
         each rank alone (no digest check).
     rank_info: this rank's coordinates for records (default: :meth:`rank_info`).
-    budget: a :class:`~megatron_media_guard.budget.DropBudget` checked at step end.
+    budget: a :class:`~megatron_media_guard.ranks.budget.DropBudget` checked at step end.
     step_group: ranks that must stop together at step end (the pipeline group): the
         step-end counters are combined over it with MAX (one all-reduce, outside the
         forward), so stages without a merge raise with the stage that trips the budget.

@@ -13,17 +13,17 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import GuardConfig
+from ..diagnostics import DiagnosticsLog, GuardRecord, RankInfo
+from ..errors import MediaAlignmentError, MediaInputError
+from ..repair.repairs import run_repairs
 from .alignment import AlignmentReport, align
 from .apply import mask_dropped, nonfinite_items, rows_index, scatter, scatter_kept
-from .config import GuardConfig
-from .diagnostics import DiagnosticsLog, GuardRecord, RankInfo
-from .errors import MediaAlignmentError, MediaInputError
 from .explain import error_message, sample_record
 from .grammar import Grammar
 from .items import Batch, MediaItem, metadata_batch, normalize
 from .outcome import Consensus, GuardReport, LocalOutcome, MergeResult, StageOutcome
 from .plan import Plan, build_plan
-from .repair import run_repairs
 from .runs import TokenLayout, parse_layout
 from .validate import check_inputs
 from .verify import Verdict, verify
@@ -388,7 +388,7 @@ class MediaGuard:
         cfg = self.config
         if cfg.dump_dir is None or report.ok:
             return None
-        from .bundle import save_bundle
+        from ..replay.bundle import save_bundle
 
         return save_bundle(
             cfg.dump_dir,

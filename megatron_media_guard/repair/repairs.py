@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .diagnostics import GuardRecord
+from ..core.items import Batch, MediaItem
+from ..core.plan import ItemRepair, Plan
+from ..diagnostics import GuardRecord
 from .fp8 import fp8_multiple
-from .items import Batch, MediaItem
-from .plan import ItemRepair, Plan
 from .reproject import reencode
 
 if TYPE_CHECKING:
-    from .merge import MediaGuard
+    from ..core.guard import MediaGuard
 
 
 def _source_hw(item: MediaItem) -> tuple[int, int] | None:

@@ -1,0 +1,343 @@
+"""Megatron-LM launcher integration.
+
+::
+
+    from megatron_media_guard.adapters.launcher import add_media_guard_args, install_from_args
+
+    def model_provider(pre_process=True, post_process=True, ...):
+        ...
+
+    # in the training script
+    pretrain(..., extra_args_provider=add_media_guard_args)
+    # after the model is built (e.g. in a wrapped model_provider, or a custom loop):
+    handles = install_from_args(model, get_args())
+
+Precedence: a ``MEDIA_GUARD_*`` environment variable overrides the matching
+``--media-guard-*`` argument, which overrides the default. GuardConfig fields use
+:meth:`GuardConfig.with_env` (MEDIA_GUARD_POLICY, MEDIA_GUARD_FALLBACK,
+MEDIA_GUARD_LOG_DIR, MEDIA_GUARD_NONFINITE, MEDIA_GUARD_ALLOWED_FIDELITY,
+MEDIA_GUARD_DUMP_DIR, ...); the launcher adds MEDIA_GUARD_DROP_BUDGET_STEP,
+MEDIA_GUARD_DROP_BUDGET_WINDOW, MEDIA_GUARD_WINDOW_STEPS and MEDIA_GUARD_DISABLE, parsed
+with the same rules (:func:`~megatron_media_guard.config.parse_bool` /
+:func:`~megatron_media_guard.config.parse_int`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import typing
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from ..config import GuardConfig, parse_bool, parse_int
+from ..core.grammar import Grammar
+from ..core.guard import MediaGuard
+from ..diagnostics import get_logger
+from ..errors import MediaInputError
+from .hooks import HandleGroup, ItemsProvider, OptimizerStepEnd, install_step_end
+from .llava import install_llava
+from .llava_checks import llava_grammar
+from .mimo import install_mimo, mimo_grammar
+
+_CONFIG_ARGS = (
+    ("policy", "media_guard_policy"),
+    ("fallback", "media_guard_fallback"),
+    ("log_dir", "media_guard_log_dir"),
+    ("nonfinite", "media_guard_nonfinite"),
+    ("dump_dir", "media_guard_dump_dir"),
+)
+StepEnd = Literal["auto", "zero_grad_buffer", "optimizer", "manual"]
+
+
+__all__ = [
+    "add_media_guard_args",
+    "budget_from_args",
+    "config_from_args",
+    "disabled",
+    "dump_dir_from_args",
+    "find_vlm",
+    "install_from_args",
+]
+
+
+def add_media_guard_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds the "media guard" argument group; returns the parser (``extra_args_provider``)."""
+    g = parser.add_argument_group(title="media guard")
+    g.add_argument(
+        "--media-guard-policy",
+        choices=("raise", "drop", "repair"),
+        default=None,
+        help="On a placeholder/feature mismatch: raise (default), drop the sample, or repair "
+        "(re-project; falls back per --media-guard-fallback).",
+    )
+    g.add_argument(
+        "--media-guard-fallback",
+        choices=("drop", "raise"),
+        default=None,
+        help="What repair does for a sample it cannot repair (default drop).",
+    )
+    g.add_argument(
+        "--media-guard-log-dir",
+        default=None,
+        help="Directory for the per-rank media_guard.rankNNNNN.jsonl diagnostics.",
+    )
+    g.add_argument(
+        "--media-guard-nonfinite",
+        choices=("raise", "drop", "off"),
+        default=None,
+        help="NaN/Inf in an item's features: raise (default), drop its sample, or off.",
+    )
+    g.add_argument(
+        "--media-guard-allowed-fidelity",
+        nargs="+",
+        default=None,
+        metavar="FIDELITY",
+        help="Repair fidelity classes applied (engine-replay unique closest-aspect); "
+        "space or comma separated. Default: engine-replay unique.",
+    )
+    g.add_argument(
+        "--media-guard-drop-budget-step",
+        type=float,
+        default=None,
+        help="Fail when more than this fraction of a step's samples is dropped.",
+    )
+    g.add_argument(
+        "--media-guard-drop-budget-window",
+        type=float,
+        default=None,
+        help="Fail when more than this fraction is dropped over --media-guard-window-steps.",
+    )
+    g.add_argument(
+        "--media-guard-window-steps",
+        type=int,
+        default=None,
+        help="Steps in the drop-budget window (default 100).",
+    )
+    g.add_argument(
+        "--media-guard-dump-dir",
+        default=None,
+        help="GuardConfig.dump_dir: save a replay bundle of each mismatched micro-batch here "
+        "(media-guard replay BUNDLE; holds token ids and pixels: sensitive). MIMO and custom "
+        "merges; the LLaVA adapter writes none.",
+    )
+    g.add_argument(
+        "--media-guard-disable",
+        action="store_true",
+        default=False,
+        help="Do not install the guard.",
+    )
+    return parser
+
+
+def _env(environ: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if environ is None else environ
+
+
+def config_from_args(args: Any, environ: Mapping[str, str] | None = None) -> GuardConfig:
+    """The :class:`GuardConfig` of the ``--media-guard-*`` arguments, then the
+    ``MEDIA_GUARD_*`` environment overrides (environment wins)."""
+    kw: dict[str, Any] = {}
+    for field, attr in _CONFIG_ARGS:
+        v = getattr(args, attr, None)
+        if v is not None:
+            kw[field] = v
+    fid = getattr(args, "media_guard_allowed_fidelity", None)
+    if fid is not None:
+        parts = [fid] if isinstance(fid, str) else list(fid)
+        kw["allowed_fidelity"] = tuple(x.strip() for p in parts for x in p.split(",") if x.strip())
+    return GuardConfig(**kw).with_env(dict(_env(environ)))
+
+
+def _float(name: str, raw: str) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        raise MediaInputError(f"MEDIA_GUARD_{name.upper()} must be a number, got {raw!r}") from None
+
+
+def _setting(args: Any, attr: str, environ, parse=None) -> Any:
+    """``MEDIA_GUARD_<NAME>`` parsed (when set), else ``args.media_guard_<name>``."""
+    name = attr.removeprefix("media_guard_")
+    raw = _env(environ).get(attr.upper())
+    if raw is not None:
+        return parse(name, raw) if parse is not None else raw
+    return getattr(args, attr, None)
+
+
+def disabled(args: Any, environ: Mapping[str, str] | None = None) -> bool:
+    """``--media-guard-disable``, or MEDIA_GUARD_DISABLE=1/true/yes/on (0/false/no/off
+    re-enables; empty, none or auto leaves the argument in charge)."""
+    raw = _env(environ).get("MEDIA_GUARD_DISABLE")
+    if raw is not None:
+        val = parse_bool("disable", raw, allow_none=True)
+        if val is not None:
+            return val
+    return bool(getattr(args, "media_guard_disable", False))
+
+
+def dump_dir_from_args(args: Any, environ: Mapping[str, str] | None = None) -> str | None:
+    """The replay bundle directory: ``config_from_args(args, environ).dump_dir``."""
+    return config_from_args(args, environ).dump_dir
+
+
+def budget_from_args(args: Any, environ: Mapping[str, str] | None = None) -> Any:
+    """A :class:`~megatron_media_guard.ranks.budget.DropBudget`, or None when no limit is set."""
+    step = _setting(args, "media_guard_drop_budget_step", environ, _float)
+    window = _setting(args, "media_guard_drop_budget_window", environ, _float)
+    steps = _setting(args, "media_guard_window_steps", environ, parse_int)
+    if step is None and window is None:
+        return None
+    from ..ranks.budget import DropBudget
+
+    return DropBudget(step, window, 100 if steps is None else steps)
+
+
+# ---- finding the model ------------------------------------------------------------
+
+
+def _is_llava(m: Any) -> bool:
+    mod = sys.modules.get("megatron.core.models.multimodal.llava_model")
+    if mod is not None and isinstance(m, mod.LLaVAModel):
+        return True
+    return callable(getattr(type(m), "_preprocess_data", None)) and hasattr(m, "img_seq_len")
+
+
+def _is_mimo(m: Any) -> bool:
+    mod = sys.modules.get("megatron.core.models.mimo.model.base")
+    if mod is not None and isinstance(m, mod.MimoModel):
+        return True
+    return callable(getattr(type(m), "align_embeddings_by_token_positions", None))
+
+
+def find_vlm(chunk: Any) -> tuple[str, Any] | None:
+    """``("llava" | "mimo", module)`` inside one model chunk: through ``.module`` wrappers
+    (DDP, Float16Module, FSDP), then among its submodules; None when there is none."""
+    m, seen = chunk, set()
+    while m is not None and id(m) not in seen:
+        seen.add(id(m))
+        if _is_llava(m):
+            return "llava", m
+        if _is_mimo(m):
+            return "mimo", m
+        m = getattr(m, "module", None)
+    modules = getattr(chunk, "modules", None)
+    if callable(modules):
+        for sub in modules():
+            if _is_llava(sub):
+                return "llava", sub
+            if _is_mimo(sub):
+                return "mimo", sub
+    return None
+
+
+def install_from_args(
+    model: Any,
+    args: Any,
+    grammar: Grammar | None = None,
+    *,
+    items_provider: ItemsProvider | None = None,
+    step_end: StepEnd = "auto",
+    environ: Mapping[str, str] | None = None,
+) -> HandleGroup:
+    """Install the guard on every LLaVA / MIMO module of ``model`` (one module or the
+    list of virtual-pipeline chunks, possibly DDP/Float16Module-wrapped).
+
+    One :class:`MediaGuard` per model family, shared by the chunks, with a
+    ``StageConsensus`` from megatron-core ``parallel_state`` when torch.distributed is
+    initialized (no collectives otherwise) and the drop budget of the arguments. The
+    step comes from ``args.curr_iteration``. Steps are closed (budget checked) outside
+    the forward, on every rank, per ``step_end``: ``"zero_grad_buffer"`` wraps the first
+    chunk's DDP ``zero_grad_buffer`` (Megatron-LM calls it at the start of each train
+    step), ``"optimizer"`` registers a torch optimizer post-step hook, ``"auto"`` takes
+    the first when the chunk has the method (the model is already DDP-wrapped), else the
+    second; ``"manual"``: call ``group.step_end(iteration)`` yourself. Returns a
+    :class:`HandleGroup` (empty when disabled); ``group.remove()`` undoes everything.
+    """
+    log = get_logger()
+    if step_end not in typing.get_args(StepEnd):
+        raise MediaInputError(
+            f"step_end must be one of {list(typing.get_args(StepEnd))}, got {step_end!r}"
+        )
+    if disabled(args, environ):
+        log.info("[media-guard] disabled (--media-guard-disable / MEDIA_GUARD_DISABLE)")
+        return HandleGroup()
+    config = config_from_args(args, environ)
+    budget = budget_from_args(args, environ)
+    try:
+        from ..ranks.consensus import StageConsensus, dist_ready
+    except ImportError as err:  # pragma: no cover - the module ships with the package
+        raise ImportError(
+            "megatron_media_guard.ranks.consensus could not be imported; install_from_args needs "
+            f"it to agree decisions across ranks ({err})"
+        ) from err
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    found = [(i, find_vlm(c)) for i, c in enumerate(chunks)]
+    targets = [(i, kind, m) for i, f in found if f is not None for kind, m in [f]]
+    if not targets:
+        names = [type(c).__name__ for c in chunks]
+        raise MediaInputError(
+            f"no LLaVAModel or MimoModel found in the model chunks {names} (use "
+            "megatron_media_guard.adapters.install_generic for a custom merge)"
+        )
+    consensus = StageConsensus.from_parallel_state(budget=budget)
+    rank = consensus.rank_info()
+    distributed = dist_ready()
+    step_provider = _curr_iteration(args)
+    guards: dict[str, MediaGuard] = {}
+    group = HandleGroup()
+    if config.dump_dir is not None and any(kind == "llava" for _, kind, _ in targets):
+        log.warning(
+            "[media-guard] dump_dir %s: the LLaVA adapter writes no replay bundles (a bundle "
+            "replays the core's expanded-token check, LLaVA's image tokens are collapsed); "
+            "its findings are in the per-rank log",
+            config.dump_dir,
+        )
+    for _, kind, m in targets:
+        if kind not in guards:
+            g = grammar
+            if g is None:
+                tok = getattr(m, "image_token_index", None)
+                g = (
+                    llava_grammar(-200 if tok is None else tok)
+                    if kind == "llava"
+                    else mimo_grammar(getattr(m, "special_token_ids", None) or {})
+                )
+            guards[kind] = MediaGuard(config, g, rank=rank, consensus=consensus)
+            consensus.bind(guards[kind])
+        install = install_llava if kind == "llava" else install_mimo
+        h = install(
+            m,
+            guards[kind],
+            items_provider=items_provider,
+            step_provider=step_provider,
+            auto_step_end=False if distributed else None,
+        )
+        group.append(h)
+    hook: Any = None
+    if step_end in ("auto", "zero_grad_buffer"):
+        hook = install_step_end(chunks[0], "zero_grad_buffer", list(group), step_provider)
+        if hook is None and step_end == "zero_grad_buffer":
+            raise MediaInputError(f"{type(chunks[0]).__name__} has no zero_grad_buffer")
+    if hook is None and step_end in ("auto", "optimizer"):
+        hook = OptimizerStepEnd(list(group), step_provider)
+    if hook is not None:
+        group.append(hook)
+    log.info(
+        "[media-guard] installed on %s (policy %s, log_dir %s, dump_dir %s, budget %s)",
+        ", ".join(f"chunk {i}: {kind}" for i, kind, _ in targets),
+        config.policy,
+        config.log_dir,
+        config.dump_dir,
+        "off" if budget is None else "on",
+    )
+    return group
+
+
+def _curr_iteration(args: Any):
+    def step() -> int | None:
+        v = getattr(args, "curr_iteration", None)
+        return v if isinstance(v, int) else None
+
+    return step
