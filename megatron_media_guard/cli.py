@@ -177,19 +177,30 @@ register(
 
 
 # -- entry point ------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``media-guard`` parser. ``only``: define the arguments of that subcommand alone
+    (the others are listed with their help): ``media-guard --help`` and ``report`` then never
+    import the torch-side modules that ``replay`` and ``smoke`` define their arguments in."""
     parser = argparse.ArgumentParser(
         prog="media-guard", description="Guard for merging media features into text embeddings."
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, cmd in SUBCOMMANDS.items():
-        cmd.add_arguments(sub.add_parser(name, help=cmd.help, description=cmd.help))
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        if only is None or name == only:
+            cmd.add_arguments(p)
     return parser
+
+
+def _chosen(argv: list[str]) -> str | None:
+    """The subcommand named in ``argv`` (the first word that is one), or None."""
+    return next((a for a in argv if a in SUBCOMMANDS), None)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``media-guard`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(only=_chosen(argv) or "")
     try:
         args = parser.parse_args(argv)
     except SystemExit as stop:  # --help (0) or a usage error (2)

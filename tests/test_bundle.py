@@ -25,14 +25,10 @@ from megatron_media_guard import (
     MediaItem,
     RankInfo,
 )
-from megatron_media_guard.replay import bundle as bmod
-from megatron_media_guard.replay.bundle import (
-    FORMAT,
-    BundleError,
-    load_bundle,
-    report_summary,
-    save_bundle,
-)
+from megatron_media_guard.replay import bundle_load, bundle_save
+from megatron_media_guard.replay.bundle import FORMAT, BundleError, report_summary
+from megatron_media_guard.replay.bundle_load import load_bundle
+from megatron_media_guard.replay.bundle_save import save_bundle
 from megatron_media_guard.replay.rerun import replay, replay_main
 from megatron_media_guard.testing import TEST_GRAMMARS, build_batch, inject, random_layout
 
@@ -47,7 +43,8 @@ PIXEL_FIELDS = [f.name for f in dataclasses.fields(MediaItem) if f.name != "pixe
 def backend(request, monkeypatch):
     """Every bundle test runs with safetensors and with the torch.save fallback."""
     if request.param == "torch":
-        monkeypatch.setattr(bmod, "_safetensors", lambda: None)
+        monkeypatch.setattr(bundle_save, "_safetensors", lambda: None)
+        monkeypatch.setattr(bundle_load, "_safetensors", lambda: None)
     return request.param
 
 
@@ -257,7 +254,7 @@ def _rewrite(path, edit_meta=None, drop=None):
     """Rewrite a safetensors bundle with edited metadata or a tensor removed."""
     from safetensors.torch import save_file
 
-    text, tensors = bmod._read_payload(path)
+    text, tensors = bundle_load._read_payload(path)
     meta = json.loads(text)
     if edit_meta:
         edit_meta(meta)
@@ -286,7 +283,7 @@ CORRUPTIONS = {
 def _bad_json(path):
     from safetensors.torch import save_file
 
-    _, tensors = bmod._read_payload(path)
+    _, tensors = bundle_load._read_payload(path)
     save_file(tensors, str(path), metadata={FORMAT: "{not json"})
 
 
@@ -312,7 +309,7 @@ def test_inconsistent_bundle_fails_replay_not_crash(tmp_path):
 def test_safetensors_bundle_without_safetensors_says_so(tmp_path, monkeypatch):
     ids, cu, items = packed_batch()
     path = save_bundle(tmp_path, input_ids=ids, items=items, grammar=Q, cu_seqlens=cu)
-    monkeypatch.setattr(bmod, "_safetensors", lambda: None)
+    monkeypatch.setattr(bundle_load, "_safetensors", lambda: None)
     with pytest.raises(BundleError, match="pip install safetensors"):
         load_bundle(path)
 
@@ -367,14 +364,14 @@ def _names(d):
 
 def test_failure_mid_write_leaves_nothing(tmp_path, backend, monkeypatch, log_records):
     ids, _cu, items = packed_batch()
-    real = bmod._write_payload
+    real = bundle_save._write_payload
 
     def half(tmp, text, tensors):
         real(tmp, text, tensors)
         tmp.write_bytes(tmp.read_bytes()[:50])
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(bmod, "_write_payload", half)
+    monkeypatch.setattr(bundle_save, "_write_payload", half)
     assert save_bundle(tmp_path, input_ids=ids, items=items, grammar=Q) is None
     assert _names(tmp_path) == []
     assert "No space left on device" in log_records.text

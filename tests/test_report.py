@@ -22,9 +22,10 @@ from megatron_media_guard.diagnostics import (
     file_name,
     get_logger,
     json_dumps,
-    report,
+    report_aggregate,
 )
-from megatron_media_guard.diagnostics.report import ReportSummary, _HeavyHitters, summarize
+from megatron_media_guard.diagnostics.report import ReportSummary, summarize
+from megatron_media_guard.diagnostics.report_aggregate import _HeavyHitters
 from megatron_media_guard.diagnostics.report_format import format_summary
 from megatron_media_guard.errors import MediaAlignmentError
 
@@ -272,8 +273,8 @@ def test_heavy_hitters_merge_matches_one_pass():
 
 
 def test_reason_classes_and_keys_are_capped(tmp_path, monkeypatch):
-    monkeypatch.setattr(report, "LABEL_CAP", 3)
-    monkeypatch.setattr(report, "COMBO_CAP", 5)
+    monkeypatch.setattr(report_aggregate, "LABEL_CAP", 3)
+    monkeypatch.setattr(report_aggregate, "COMBO_CAP", 5)
     write(tmp_path, 0, [raw(event="drop", reason=f"kind{chr(97 + i)} {i}") for i in range(10)])
     s = summarize(tmp_path)
     assert s.count("drop") + s.count("(other)") == 10

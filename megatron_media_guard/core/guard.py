@@ -16,10 +16,9 @@ import torch
 from ..config import GuardConfig
 from ..diagnostics import DiagnosticsLog, GuardRecord, RankInfo
 from ..errors import MediaAlignmentError, MediaInputError
-from ..repair.repairs import run_repairs
 from .alignment import AlignmentReport, align
-from .apply import mask_dropped, nonfinite_items, rows_index, scatter, scatter_kept
-from .explain import error_message, sample_record
+from .apply import mask_dropped, rows_index, scatter
+from .fault_path import diagnose
 from .grammar import Grammar
 from .items import Batch, MediaItem, metadata_batch, normalize
 from .outcome import Consensus, GuardReport, LocalOutcome, MergeResult, StageOutcome
@@ -30,7 +29,7 @@ from .verify import Verdict, verify
 
 
 @dataclass(frozen=True)
-class _Call:
+class Call:
     """One merge call's inputs, validated. ``emb`` is the ``[b, s, h]`` view."""
 
     emb: torch.Tensor | None  # None: the last pipeline stage (no features, no merge)
@@ -51,7 +50,7 @@ class MediaGuard:
 
     config: policies and log directory. grammar: the model family's placeholder tokens.
     rank: this rank's coordinates for diagnostics (default: from the RANK variable).
-    consensus: agrees decisions across ranks (see ``consensus.py``); None: single process.
+    consensus: agrees decisions across ranks (see ``ranks/consensus.py``); None: single process.
     geometry / encoder: used by ``policy="repair"`` to re-project mismatched items.
     """
 
@@ -115,13 +114,13 @@ class MediaGuard:
         or a list of ``[n_i, h]``, in the order of ``items``; loss_mask / labels: ``[b, s]``.
         """
 
-        def prepare() -> _Call:
+        def prepare() -> Call:
             lay = TokenLayout(input_ids, self.grammar, cu_seqlens)
             batch = normalize(features, items, lay.num_samples)
             emb = check_inputs(
                 embeddings, input_ids, batch.features, loss_mask, labels, seq_first, lay
             )
-            return _Call(
+            return Call(
                 emb,
                 input_ids,
                 cu_seqlens,
@@ -157,7 +156,7 @@ class MediaGuard:
         use ``fallback="raise"`` with pipeline parallelism.
         """
 
-        def prepare() -> _Call:
+        def prepare() -> Call:
             lay = TokenLayout(input_ids, self.grammar, cu_seqlens)
             batch = metadata_batch(items, lay.num_samples)
             for name, t in (("loss_mask", loss_mask), ("labels", labels)):
@@ -165,7 +164,7 @@ class MediaGuard:
                     raise MediaInputError(
                         f"{name} must be [b, s] = {(lay.batch, lay.row_length)}, got {tuple(t.shape)}"
                     )
-            return _Call(
+            return Call(
                 None,
                 input_ids,
                 cu_seqlens,
@@ -263,7 +262,7 @@ class MediaGuard:
             parts.append(f"microbatch {microbatch}")
         return ", ".join(parts)
 
-    def _merge(self, c: _Call) -> MergeResult:
+    def _merge(self, c: Call) -> MergeResult:
         batch, lay = c.batch, c.lay
         order = batch.order
         codes = [self.grammar.modality_code(it.modality) for it in batch.items]
@@ -292,121 +291,10 @@ class MediaGuard:
         out = scatter(c.emb, lay.ph, src)
         return self._finish(c, out, plan, None, verdict, stage, None)
 
-    def _diagnose(self, c: _Call, verdict: Verdict) -> MergeResult:
-        batch = c.batch
-        report = align(parse_layout(c.lay), batch.items, explicit=batch.explicit)
-        nonfinite = frozenset()
-        if verdict.nonfinite:
-            owner = {i: rep.sample for rep in report.samples for i in rep.items}
-            nonfinite = frozenset(owner[i] for i in nonfinite_items(batch) if i in owner)
-        plan = build_plan(c.lay.num_samples, batch.items, verdict, report, self.config, nonfinite)
-        replaced: dict[int, torch.Tensor] = {}
-        failures: dict[int, str] = {}
-        if plan.repairs and c.emb is None:  # the first stage's plan when every repair succeeds
-            plan = plan.with_actions(plan.actions, plan.repairs)
-        elif plan.repairs:
-            plan, replaced, failures = run_repairs(
-                plan, batch, self, c.encoder, step=c.step, microbatch=c.microbatch
-            )
-        bundle_path = self._dump(c, report)
-        fatal_record = self._record(c, report, plan)
-        fatal_msg = None
-        if plan.fatal or (report.orphans and self.config.policy == "raise"):
-            fatal_msg = error_message(
-                report,
-                plan.fatal,
-                batch.items,
-                where=self.where(c.step, c.microbatch),
-                log_path=str(self.log.path) if self.log.path else None,
-                notes={k: f"repair failed, {v}" for k, v in failures.items()},
-            )
-            if bundle_path is not None:
-                fatal_msg += f"\n  replay bundle: {bundle_path}"
-        stage = self._agree(c, plan, report, fatal_msg, fatal_record)
-        self.counters["mismatched"] += len(report.mismatched)
-        self.counters["dropped"] += len(plan.dropped)
-        self.counters["repaired"] += len(plan.repairs)
-        keep = torch.tensor(
-            [a in ("keep", "repair") for a in plan.actions], device=c.input_ids.device
-        )
-        if c.emb is None:
-            return self._finish(c, None, plan, report, verdict, stage, keep)
-        kept_items = [
-            i for rep in report.samples if plan.actions[rep.sample] != "drop" for i in rep.items
-        ]
-        out = scatter_kept(c.emb, c.lay, batch, kept_items, replaced, keep)
-        return self._finish(c, out, plan, report, verdict, stage, keep)
+    def _diagnose(self, c: Call, verdict: Verdict) -> MergeResult:
+        return diagnose(self, c, verdict)
 
-    def _record(self, c: _Call, report: AlignmentReport, plan: Plan) -> dict | None:
-        """Writes one record per dropped or fatal sample (and for unused items); returns the
-        first fatal one, the record consensus fetches from the culprit."""
-        fatal = None
-        bad = {rep.sample: rep for rep in report.mismatched}
-        for smp, act in enumerate(plan.actions):
-            if act not in ("drop", "raise"):
-                continue
-            if smp in bad:
-                rec = sample_record(
-                    bad[smp], c.batch.items, act, act, step=c.step, microbatch=c.microbatch
-                )
-            else:  # aligned tokens, NaN/Inf features
-                rec = GuardRecord(
-                    event=act,
-                    step=c.step,
-                    microbatch=c.microbatch,
-                    sample=smp,
-                    action=act,
-                    reason="nonfinite: NaN/Inf in the sample's features",
-                )
-            written = self.log.emit(rec)
-            if act == "raise" and fatal is None:
-                fatal = written
-        if report.orphans:
-            self.log.emit(
-                GuardRecord(
-                    event="check",
-                    step=c.step,
-                    microbatch=c.microbatch,
-                    action="unused",
-                    reason=f"items {list(report.orphans)[:16]} could not be tied to a placeholder run",
-                )
-            )
-        if report.stray_findings:  # placeholders in a packed row's padding: never merged
-            self.log.emit(
-                GuardRecord(
-                    event="check",
-                    step=c.step,
-                    microbatch=c.microbatch,
-                    action="ignored",
-                    reason="; ".join(f.describe() for f in report.stray_findings[:4]),
-                )
-            )
-        return fatal
-
-    def _dump(self, c: _Call, report: AlignmentReport):
-        """Saves a replay bundle of a mismatched micro-batch when ``config.dump_dir`` is set."""
-        cfg = self.config
-        if cfg.dump_dir is None or report.ok:
-            return None
-        from ..replay.bundle import save_bundle
-
-        return save_bundle(
-            cfg.dump_dir,
-            input_ids=c.input_ids,
-            items=c.batch.items,
-            grammar=self.grammar,
-            cu_seqlens=c.cu_seqlens,
-            config=cfg,
-            rank=self.rank,
-            step=c.step,
-            microbatch=c.microbatch,
-            report=report,
-            include_pixels=cfg.dump_pixels,
-            features=c.batch.features if cfg.dump_features else None,
-            max_bundles=cfg.dump_max,
-        )
-
-    def _agree(self, c: _Call, plan: Plan, report, fatal_msg, fatal_record) -> StageOutcome:
+    def _agree(self, c: Call, plan: Plan, report, fatal_msg, fatal_record) -> StageOutcome:
         """Hands this rank's outcome to the consensus (or takes it as the stage's) and raises
         on every rank when any rank of the stage must."""
         fatal_sample = plan.fatal[0] if plan.fatal else None
@@ -449,7 +337,7 @@ class MediaGuard:
             context={"where": where, "culprit_rank": stage.culprit_rank},
         )
 
-    def _finish(self, c: _Call, out, plan: Plan, report, verdict, stage, keep) -> MergeResult:
+    def _finish(self, c: Call, out, plan: Plan, report, verdict, stage, keep) -> MergeResult:
         loss_mask, labels = c.loss_mask, c.labels
         if plan.dropped:
             loss_mask, labels = mask_dropped(

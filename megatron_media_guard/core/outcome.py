@@ -1,7 +1,7 @@
 """What a guarded merge returns, what one rank decided, and what its stage decided together.
 
 The merge hands a :class:`LocalOutcome` to a consensus object (any object with
-``agree(local) -> StageOutcome``; see ``consensus.py``). Without one, the local
+``agree(local) -> StageOutcome``; see ``ranks/consensus.py``). Without one, the local
 outcome is the stage outcome: everything works single-process.
 """
 

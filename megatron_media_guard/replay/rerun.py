@@ -23,7 +23,8 @@ from ..core.plan import build_plan
 from ..core.runs import TokenLayout, parse_layout
 from ..core.verify import Verdict
 from ..errors import MediaAlignmentError
-from .bundle import Bundle, BundleError, _json_default, load_bundle, report_summary
+from .bundle import BundleError, _json_default, report_summary
+from .bundle_load import Bundle, load_bundle
 
 EXIT_ALIGNED, EXIT_MISMATCH, EXIT_BAD_BUNDLE = 0, 1, 2
 

@@ -9,11 +9,7 @@ from pathlib import Path
 
 from ..diagnostics import FILE_PREFIX, FILE_SUFFIX
 from ..diagnostics.report import ReportSummary, summarize
-
-try:
-    from ..diagnostics.report_format import format_summary
-except ImportError:  # older layout: the formatter lived in report.py
-    from ..diagnostics.report import format_summary  # type: ignore[attr-defined,no-redef]
+from ..diagnostics.report_format import format_summary
 from .expect import Row, describe, expected, mismatches, observed, table
 from .runspec import RankResult, WorkerArgs
 

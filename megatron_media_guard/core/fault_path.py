@@ -1,0 +1,139 @@
+"""The fault path of :class:`~.guard.MediaGuard`: what runs only when the aligned-path
+verdict says something is off (full parse, per-sample report, plan, repairs, records,
+replay bundle, consensus, merge of the kept samples)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..diagnostics import GuardRecord
+from ..repair.repairs import run_repairs
+from .alignment import AlignmentReport, align
+from .apply import nonfinite_items, scatter_kept
+from .explain import error_message, sample_record
+from .outcome import MergeResult
+from .plan import Plan, build_plan
+from .runs import parse_layout
+from .verify import Verdict
+
+if TYPE_CHECKING:
+    from .guard import Call, MediaGuard
+
+
+def diagnose(guard: MediaGuard, c: Call, verdict: Verdict) -> MergeResult:
+    """The fault path: full parse, per-sample report, plan, repairs, records, bundle, the
+    consensus round, then the merge of what is kept."""
+    batch = c.batch
+    report = align(parse_layout(c.lay), batch.items, explicit=batch.explicit)
+    nonfinite = frozenset()
+    if verdict.nonfinite:
+        owner = {i: rep.sample for rep in report.samples for i in rep.items}
+        nonfinite = frozenset(owner[i] for i in nonfinite_items(batch) if i in owner)
+    plan = build_plan(c.lay.num_samples, batch.items, verdict, report, guard.config, nonfinite)
+    replaced: dict[int, torch.Tensor] = {}
+    failures: dict[int, str] = {}
+    if plan.repairs and c.emb is None:  # the first stage's plan when every repair succeeds
+        plan = plan.with_actions(plan.actions, plan.repairs)
+    elif plan.repairs:
+        plan, replaced, failures = run_repairs(
+            plan, batch, guard, c.encoder, step=c.step, microbatch=c.microbatch
+        )
+    bundle_path = dump_bundle(guard, c, report)
+    fatal_record = write_records(guard, c, report, plan)
+    fatal_msg = None
+    if plan.fatal or (report.orphans and guard.config.policy == "raise"):
+        fatal_msg = error_message(
+            report,
+            plan.fatal,
+            batch.items,
+            where=guard.where(c.step, c.microbatch),
+            log_path=str(guard.log.path) if guard.log.path else None,
+            notes={k: f"repair failed, {v}" for k, v in failures.items()},
+        )
+        if bundle_path is not None:
+            fatal_msg += f"\n  replay bundle: {bundle_path}"
+    stage = guard._agree(c, plan, report, fatal_msg, fatal_record)
+    guard.counters["mismatched"] += len(report.mismatched)
+    guard.counters["dropped"] += len(plan.dropped)
+    guard.counters["repaired"] += len(plan.repairs)
+    keep = torch.tensor([a in ("keep", "repair") for a in plan.actions], device=c.input_ids.device)
+    if c.emb is None:
+        return guard._finish(c, None, plan, report, verdict, stage, keep)
+    kept_items = [
+        i for rep in report.samples if plan.actions[rep.sample] != "drop" for i in rep.items
+    ]
+    out = scatter_kept(c.emb, c.lay, batch, kept_items, replaced, keep)
+    return guard._finish(c, out, plan, report, verdict, stage, keep)
+
+
+def write_records(guard: MediaGuard, c: Call, report: AlignmentReport, plan: Plan) -> dict | None:
+    """Writes one record per dropped or fatal sample (and for unused items); returns the
+    first fatal one, the record consensus fetches from the culprit."""
+    fatal = None
+    bad = {rep.sample: rep for rep in report.mismatched}
+    for smp, act in enumerate(plan.actions):
+        if act not in ("drop", "raise"):
+            continue
+        if smp in bad:
+            rec = sample_record(
+                bad[smp], c.batch.items, act, act, step=c.step, microbatch=c.microbatch
+            )
+        else:  # aligned tokens, NaN/Inf features
+            rec = GuardRecord(
+                event=act,
+                step=c.step,
+                microbatch=c.microbatch,
+                sample=smp,
+                action=act,
+                reason="nonfinite: NaN/Inf in the sample's features",
+            )
+        written = guard.log.emit(rec)
+        if act == "raise" and fatal is None:
+            fatal = written
+    if report.orphans:
+        guard.log.emit(
+            GuardRecord(
+                event="check",
+                step=c.step,
+                microbatch=c.microbatch,
+                action="unused",
+                reason=f"items {list(report.orphans)[:16]} could not be tied to a placeholder run",
+            )
+        )
+    if report.stray_findings:  # placeholders in a packed row's padding: never merged
+        guard.log.emit(
+            GuardRecord(
+                event="check",
+                step=c.step,
+                microbatch=c.microbatch,
+                action="ignored",
+                reason="; ".join(f.describe() for f in report.stray_findings[:4]),
+            )
+        )
+    return fatal
+
+
+def dump_bundle(guard: MediaGuard, c: Call, report: AlignmentReport):
+    """Saves a replay bundle of a mismatched micro-batch when ``config.dump_dir`` is set."""
+    cfg = guard.config
+    if cfg.dump_dir is None or report.ok:
+        return None
+    from ..replay.bundle_save import save_bundle
+
+    return save_bundle(
+        cfg.dump_dir,
+        input_ids=c.input_ids,
+        items=c.batch.items,
+        grammar=guard.grammar,
+        cu_seqlens=c.cu_seqlens,
+        config=cfg,
+        rank=guard.rank,
+        step=c.step,
+        microbatch=c.microbatch,
+        report=report,
+        include_pixels=cfg.dump_pixels,
+        features=c.batch.features if cfg.dump_features else None,
+        max_bundles=cfg.dump_max,
+    )

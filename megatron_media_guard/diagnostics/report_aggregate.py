@@ -1,0 +1,352 @@
+"""Aggregation behind ``media-guard report``: per-file counters and the summary they fold into
+(see :mod:`.report` for the guarantees). Never imports torch."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+from datetime import datetime, timezone
+from pathlib import Path
+from types import MappingProxyType
+
+from .records import EVENTS, FILE_PREFIX, FILE_SUFFIX
+
+FATAL_EVENT = "raise"
+OFFENDING_EVENTS = frozenset({"repair", "drop", "raise"})
+NONE_LABEL = "(none)"
+OTHER_LABEL = "(other)"
+TOP_CAPACITY = 10_000
+LABEL_CAP = 1_000
+COMBO_CAP = 200_000
+PARALLEL_MIN_BYTES = 32 << 20
+_LABEL_LEN = 120
+_STEP_MAX, _STEP_MIN = 1 << 62, -(1 << 62)
+
+_FILE_RE = re.compile(re.escape(FILE_PREFIX) + r"(\d+)" + re.escape(FILE_SUFFIX) + r"\Z")
+_DIGITS = re.compile(r"\d+")
+_SCAN = json.JSONDecoder().scan_once  # C scanner: parse one value at an index, no wrapper
+
+
+@dataclass(frozen=True)
+class ReportSummary:
+    """What ``media-guard report`` found across the files (after the rank/step filters).
+
+    by_rank: rank -> event -> count; rank None: unknown (no rank in the record or the file name).
+    top_sample_ids: (sample_id, count) for events repair/drop/raise, most frequent first.
+    first_fatal: the first ``raise`` record as read, plus ``_file`` and ``_line``; None if none.
+    """
+
+    files: tuple[str, ...]
+    lines: int
+    records: int
+    matched: int
+    malformed: int
+    malformed_by_file: Mapping[str, int]
+    torn_files: tuple[str, ...]
+    other_schema: int
+    by_rank: Mapping[int | None, Mapping[str, int]]
+    by_event: Mapping[str, int]
+    by_reason: Mapping[str, int]
+    by_action: Mapping[str, int]
+    top_sample_ids: tuple[tuple[str | int, int], ...]
+    sample_ids_exact: bool
+    first_step: int | None
+    last_step: int | None
+    first_fatal: Mapping[str, object] | None
+    ranks_filter: tuple[int, ...] | None = None
+    steps_filter: tuple[int, ...] | None = None
+
+    def count(self, event: str) -> int:
+        """Records of ``event`` that passed the filters."""
+        return self.by_event.get(event, 0)
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain JSON-ready data (rank keys as strings, ``"null"`` for unknown)."""
+        d: dict[str, object] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            d[f.name] = (
+                dict(v) if isinstance(v, Mapping) else list(v) if isinstance(v, tuple) else v
+            )
+        d["by_rank"] = {
+            ("null" if r is None else str(r)): dict(ev) for r, ev in self.by_rank.items()
+        }
+        d["top_sample_ids"] = [{"sample_id": s, "count": n} for s, n in self.top_sample_ids]
+        return d
+
+
+class _HeavyHitters:
+    """Counts of hashable keys in at most ``2 * capacity`` entries (batched Misra-Gries).
+
+    While fewer than ``2 * capacity`` distinct keys arrive the counts are exact. On
+    overflow the (capacity+1)-th largest count c is subtracted from every entry and
+    the non-positive ones dropped: each estimate then undercounts by at most the
+    sum of those c (``error``), and any key seen more than n/(capacity+1) times stays.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.counts: dict[object, int] = {}
+        self.error = 0
+
+    def add(self, key: object) -> None:
+        counts = self.counts
+        counts[key] = counts.get(key, 0) + 1
+        if len(counts) >= 2 * self.capacity:
+            self._prune()
+
+    def merge(self, other: _HeavyHitters) -> None:
+        """Fold in another summary (Misra-Gries summaries are mergeable: errors add)."""
+        counts = self.counts
+        for k, v in other.counts.items():
+            counts[k] = counts.get(k, 0) + v
+        self.error += other.error
+        if len(counts) >= 2 * self.capacity:
+            self._prune()
+
+    def _prune(self) -> None:
+        cut = sorted(self.counts.values(), reverse=True)[self.capacity]
+        self.error += cut
+        self.counts = {k: v - cut for k, v in self.counts.items() if v > cut}
+
+    def top(self, n: int) -> list[tuple[object, int]]:
+        return sorted(self.counts.items(), key=lambda kv: (-kv[1], str(kv[0])))[:n]
+
+
+def _label(value: object) -> str:
+    """A short string key for a field that is not a plain string (None, numbers, garbage)."""
+    if value is None:
+        return NONE_LABEL
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return " ".join(text.split())[:_LABEL_LEN] or NONE_LABEL
+
+
+def _parse_time(value: object) -> datetime | None:
+    if not isinstance(value, str):
+        return None
+    text = value[:-1] + "+00:00" if value.endswith("Z") else value
+    try:
+        t = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return t if t.tzinfo is not None else t.replace(tzinfo=timezone.utc)
+
+
+def _file_rank(path: Path) -> int | None:
+    m = _FILE_RE.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+class _Aggregator:
+    """Streaming counters over records; one instance per report."""
+
+    def __init__(self, ranks: Iterable[int] | None, steps: Iterable[int] | None) -> None:
+        self.ranks = None if ranks is None else frozenset(ranks)
+        self.steps = None if steps is None else frozenset(steps)
+        self.combo: dict[tuple[int | None, str, str, str], int] = {}
+        self.reasons: dict[str, str] = {}
+        self.reason_classes: set[str] = set()
+        self.top = _HeavyHitters(TOP_CAPACITY)
+        self.lines = self.records = self.matched = self.malformed = self.other_schema = 0
+        self.malformed_by_file: dict[str, int] = {}
+        self.torn: list[str] = []
+        self.first_step: int | None = None
+        self.last_step: int | None = None
+        self.fatal: dict[str, object] | None = None
+        self.fatal_key: tuple | None = None
+
+    def _reason(self, value: object) -> str:
+        """The class of a non-None reason (digits as ``#``), memoized per raw reason."""
+        key = value if isinstance(value, str) else _label(value)
+        cls = self.reasons.get(key)
+        if cls is None:
+            cls = _DIGITS.sub("#", _label(key))
+            if cls not in self.reason_classes:
+                if len(self.reason_classes) >= LABEL_CAP:
+                    cls = OTHER_LABEL
+                else:
+                    self.reason_classes.add(cls)
+            if len(self.reasons) > 4 * LABEL_CAP:
+                self.reasons.clear()
+            self.reasons[key] = cls
+        return cls
+
+    def read(self, path: Path, file_index: int) -> None:
+        """Stream one file into the counters (the hot loop: locals only)."""
+        name = str(path)
+        file_rank = _file_rank(path)
+        scan, loads, reason_class, top_add = _SCAN, json.loads, self._reason, self.top.add
+        combo, ranks, steps = self.combo, self.ranks, self.steps
+        lines = records = matched = bad = other_schema = 0
+        lo, hi = _STEP_MAX, _STEP_MIN
+        last_bad = torn = False
+        with open(path, encoding="utf-8", errors="replace", newline="\n") as f:
+            for line in f:
+                lines += 1
+                try:
+                    rec, end = scan(line, 0)
+                    if line[end:] != "\n":
+                        raise ValueError(line)
+                except (StopIteration, ValueError):
+                    if line[-1:] != "\n":  # only the last line can lack its newline
+                        torn = True
+                        break
+                    try:
+                        rec = loads(line)
+                    except ValueError:
+                        rec = None
+                if type(rec) is not dict:
+                    if line.strip():
+                        bad += 1
+                        last_bad = True
+                    else:
+                        lines -= 1  # a blank line is neither record nor garbage
+                    continue
+                last_bad = False
+                records += 1
+                get = rec.get
+                rank = get("rank")
+                if type(rank) is not int:
+                    rank = file_rank
+                if ranks is not None and rank not in ranks:
+                    continue
+                step = get("step")
+                if type(step) is not int:
+                    step = None
+                if steps is not None and step not in steps:
+                    continue
+                matched += 1
+                if step is not None:
+                    if step < lo:
+                        lo = step
+                    if step > hi:
+                        hi = step
+                if get("schema") != 1:
+                    other_schema += 1
+                event, action, reason = get("event"), get("action"), get("reason")
+                if type(event) is not str:
+                    event = _label(event)
+                if type(action) is not str:
+                    action = _label(action)
+                reason = NONE_LABEL if reason is None else reason_class(reason)
+                key = (rank, event, action, reason)
+                count = combo.get(key)
+                if count is None:
+                    if len(combo) >= COMBO_CAP:
+                        key = (rank, OTHER_LABEL, OTHER_LABEL, OTHER_LABEL)
+                        count = combo.get(key, 0)
+                    else:
+                        count = 0
+                combo[key] = count + 1
+                if event in OFFENDING_EVENTS:
+                    sid = get("sample_id")
+                    if sid is not None:
+                        if type(sid) is not str and type(sid) is not int:
+                            sid = _label(sid)
+                        top_add(sid)
+                    if event == FATAL_EVENT:
+                        self._fatal(rec, rank, step, file_index, lines, name)
+        if last_bad and not torn:  # invalid JSON at end of file: a torn write, not garbage
+            bad -= 1
+            torn = True
+        if torn:
+            self.torn.append(name)
+        if bad:
+            self.malformed_by_file[name] = bad
+        self.lines += lines
+        self.records += records
+        self.matched += matched
+        self.malformed += bad
+        self.other_schema += other_schema
+        self._steps(lo if lo != _STEP_MAX else None, hi if hi != _STEP_MIN else None)
+
+    def merge(self, other: _Aggregator) -> None:
+        """Fold in the counters of another aggregator (same filters; files read elsewhere)."""
+        combo = self.combo
+        for key, n in other.combo.items():
+            if key not in combo and len(combo) >= COMBO_CAP:
+                key = (key[0], OTHER_LABEL, OTHER_LABEL, OTHER_LABEL)
+            combo[key] = combo.get(key, 0) + n
+        self.top.merge(other.top)
+        self.lines += other.lines
+        self.records += other.records
+        self.matched += other.matched
+        self.malformed += other.malformed
+        self.other_schema += other.other_schema
+        self.malformed_by_file.update(other.malformed_by_file)
+        self.torn.extend(other.torn)
+        self._steps(other.first_step, other.last_step)
+        if other.fatal_key is not None and (
+            self.fatal_key is None or other.fatal_key < self.fatal_key
+        ):
+            self.fatal_key, self.fatal = other.fatal_key, other.fatal
+
+    def _steps(self, lo: int | None, hi: int | None) -> None:
+        if lo is not None and (self.first_step is None or lo < self.first_step):
+            self.first_step = lo
+        if hi is not None and (self.last_step is None or hi > self.last_step):
+            self.last_step = hi
+
+    def _fatal(self, rec: dict, rank, step, file_index: int, line_no: int, name: str) -> None:
+        t = _parse_time(rec.get("time"))
+        key = (
+            t is None,
+            t or datetime.min.replace(tzinfo=timezone.utc),
+            rank is None,
+            rank or 0,
+            step is None,
+            step or 0,
+            file_index,
+            line_no,
+        )
+        if self.fatal_key is None or key < self.fatal_key:
+            self.fatal_key = key
+            self.fatal = {**rec, "rank": rank, "_file": name, "_line": line_no}
+
+    def summary(self, files: list[Path], top: int) -> ReportSummary:
+        by_rank: dict[int | None, dict[str, int]] = {}
+        by_event: dict[str, int] = {}
+        by_reason: dict[str, int] = {}
+        by_action: dict[str, int] = {}
+        for (rank, event, action, reason), n in self.combo.items():
+            per = by_rank.setdefault(rank, {})
+            per[event] = per.get(event, 0) + n
+            by_event[event] = by_event.get(event, 0) + n
+            by_action[action] = by_action.get(action, 0) + n
+            by_reason[reason] = by_reason.get(reason, 0) + n
+
+        def ordered(d: dict[str, int]) -> Mapping[str, int]:
+            return MappingProxyType(dict(sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))))
+
+        ranks_sorted = sorted(by_rank, key=lambda r: (r is None, r or 0))
+        return ReportSummary(
+            files=tuple(str(p) for p in files),
+            lines=self.lines,
+            records=self.records,
+            matched=self.matched,
+            malformed=self.malformed,
+            malformed_by_file=MappingProxyType(dict(self.malformed_by_file)),
+            torn_files=tuple(self.torn),
+            other_schema=self.other_schema,
+            by_rank=MappingProxyType(
+                {r: MappingProxyType(_event_order(by_rank[r])) for r in ranks_sorted}
+            ),
+            by_event=MappingProxyType(_event_order(by_event)),
+            by_reason=ordered(by_reason),
+            by_action=ordered(by_action),
+            top_sample_ids=tuple(self.top.top(top)),  # type: ignore[arg-type]
+            sample_ids_exact=self.top.error == 0,
+            first_step=self.first_step,
+            last_step=self.last_step,
+            first_fatal=None if self.fatal is None else MappingProxyType(self.fatal),
+            ranks_filter=None if self.ranks is None else tuple(sorted(self.ranks)),
+            steps_filter=None if self.steps is None else tuple(sorted(self.steps)),
+        )
+
+
+def _event_order(d: Mapping[str, int]) -> dict[str, int]:
+    """Known events in schema order, then the others by name."""
+    known = [e for e in EVENTS if e in d]
+    return {e: d[e] for e in [*known, *sorted(k for k in d if k not in EVENTS)]}

@@ -1,0 +1,203 @@
+"""The package layout's rules (docs/ARCHITECTURE.md), checked on the source itself.
+
+- the core side (core/, geometry/, repair/) never imports torch.distributed or megatron;
+- the diagnostics side, the CLI entry and ``--help`` import no torch;
+- no import cycle among module-level imports;
+- the runtime never imports ``testing``;
+- no module is longer than the house limit.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "megatron_media_guard"
+NAME = PKG.name
+MAX_LINES = 450
+CORE_SIDE = ("core", "geometry", "repair")
+FORBIDDEN_IN_CORE = ("torch.distributed", "megatron")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _resolve(module: str, is_pkg: bool, level: int, target: str | None) -> str:
+    if level == 0:
+        return target or ""
+    base = module.split(".") if is_pkg else module.split(".")[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([target] if target else []))
+
+
+def _imports(path: Path, module_level_only: bool) -> list[tuple[str, int]]:
+    """(imported module, line) for every import in ``path``; with ``module_level_only``, the
+    ones that run at import (not inside functions, not under ``if TYPE_CHECKING``)."""
+    tree = ast.parse(path.read_text(), str(path))
+    module, is_pkg = _module_name(path), path.name == "__init__.py"
+    out: list[tuple[str, int]] = []
+
+    def visit(node: ast.AST, top: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                if not module_level_only:
+                    visit(child, False)
+                continue
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                if not module_level_only:
+                    visit(child, top)
+                continue
+            if isinstance(child, ast.Import):
+                out.extend((a.name, child.lineno) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = _resolve(module, is_pkg, child.level, child.module)
+                out.append((base, child.lineno))
+                # ``from . import x`` / ``from .pkg import mod``: x may be a submodule
+                for a in child.names:
+                    sub = f"{base}.{a.name}"
+                    if (PKG.parent / (sub.replace(".", "/") + ".py")).exists() or (
+                        PKG.parent / sub.replace(".", "/")
+                    ).is_dir():
+                        out.append((sub, child.lineno))
+            visit(child, top)
+
+    visit(tree, True)
+    return out
+
+
+SOURCES = sorted(PKG.rglob("*.py"))
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(PKG.parent))
+
+
+@pytest.mark.parametrize("side", CORE_SIDE)
+def test_core_side_never_imports_distributed_or_megatron(side):
+    bad = [
+        f"{_rel(p)}:{line} imports {mod}"
+        for p in sorted((PKG / side).rglob("*.py"))
+        for mod, line in _imports(p, module_level_only=False)
+        if any(mod == f or mod.startswith(f + ".") for f in FORBIDDEN_IN_CORE)
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_runtime_never_imports_testing():
+    testing = f"{NAME}.testing"
+    bad = [
+        f"{_rel(p)}:{line} imports {mod}"
+        for p in SOURCES
+        if not _module_name(p).startswith(testing)
+        for mod, line in _imports(p, module_level_only=False)
+        if mod == testing or mod.startswith(testing + ".")
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in SOURCES}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps = set()
+        for mod, _ in _imports(path, module_level_only=True):
+            # importing a.b.c runs a/__init__, a/b/__init__ and a/b/c
+            parts = mod.split(".")
+            for i in range(1, len(parts) + 1):
+                dep = ".".join(parts[:i])
+                if dep in modules and dep != name:
+                    deps.add(dep)
+        graph[name] = deps
+    return graph
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def dfs(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                return [*stack[stack.index(dep) :], dep]
+            if dep not in state and (cycle := dfs(dep)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := dfs(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycle_at_module_level():
+    graph = _graph()
+    # a package's __init__ importing its own submodules is not a cycle through the package
+    for name in graph:
+        graph[name] = {d for d in graph[name] if not name.startswith(d + ".")}
+    cycle = _find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_cycle_check_can_fail():
+    """The checker sees real edges and reports a cycle when there is one."""
+    graph = _graph()
+    assert f"{NAME}.core.runs" in graph[f"{NAME}.core.guard"]
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=_rel)
+def test_modules_stay_small(path):
+    n = len(path.read_text().splitlines())
+    assert n <= MAX_LINES, f"{_rel(path)} has {n} lines (limit {MAX_LINES}): split it"
+
+
+TORCH_FREE = """
+import sys
+import {name}, {name}.cli, {name}.errors, {name}.config
+import {name}.diagnostics, {name}.diagnostics.report, {name}.diagnostics.report_format
+from {name} import GuardConfig, GuardRecord, MediaAlignmentError
+try:
+    {name}.cli.main(["--help"])
+    {name}.cli.main(["report", "--help"])
+except SystemExit:
+    pass
+loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+print("TORCH:" + ",".join(loaded[:5]))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_diagnostics_side_and_help_import_no_torch():
+    out = subprocess.run(
+        [sys.executable, "-c", TORCH_FREE.format(name=NAME)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=True,
+    ).stdout
+    line = next(x for x in out.splitlines() if x.startswith("TORCH:"))
+    assert line == "TORCH:", f"torch imported by the torch-free side: {line}"
+
+
+@pytest.mark.timeout(120)
+def test_public_names_still_resolve():
+    """The lazy top-level surface gives the same objects as their modules."""
+    import megatron_media_guard as mmg
+    from megatron_media_guard.core.guard import MediaGuard
+
+    assert mmg.MediaGuard is MediaGuard
+    for name in mmg.__all__:
+        assert getattr(mmg, name) is not None
+    with pytest.raises(AttributeError):
+        _ = mmg.no_such_name
