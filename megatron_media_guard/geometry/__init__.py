@@ -2,7 +2,8 @@
 
 Every family has ``tokens(hw, num_frames=1, ...)``, ``size_for(hw, num_frames=1, ...)``
 and ``solve(target_tokens, hw, num_frames=1) -> Solution`` (exact, with a fidelity class).
-Pure Python; no torch, torch.distributed or megatron.
+Pure Python: imports only ``errors`` from the package; no torch, torch.distributed or
+megatron.
 """
 
 from megatron_media_guard.geometry.fixed import FixedGeometry

@@ -9,6 +9,10 @@ summary of the per-rank JSONL files and a table of expected vs observed outcomes
 
 Exit codes: 0 every scenario ended as expected; 1 a mismatch (listed); 2 usage error;
 4 the launch failed (a rank crashed, or the run hit ``--timeout``); 130 interrupted.
+
+Top of the stack: may import everything in the package, torch.distributed and megatron-core
+(checked up front, imported in the ranks). ``faults`` (the synthetic fault batches) is also
+what tests and benchmarks use, through ``megatron_media_guard.testing``.
 """
 
 from __future__ import annotations
