@@ -11,7 +11,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 from types import MappingProxyType
 
-from .records import EVENTS, FILE_PREFIX, FILE_SUFFIX
+from .records import EVENTS, FILE_PREFIX, FILE_SUFFIX, cut_words, json_safe
+from .report_lines import (
+    LINE_BAD,
+    LINE_OK,
+    LINE_TORN,
+    LineTemplates,
+    cut,
+    open_rank_file,
+    parse_line,
+)
 
 FATAL_EVENT = "raise"
 OFFENDING_EVENTS = frozenset({"repair", "drop", "raise"})
@@ -22,11 +31,13 @@ LABEL_CAP = 1_000
 COMBO_CAP = 200_000
 PARALLEL_MIN_BYTES = 32 << 20
 _LABEL_LEN = 120
+_LABEL_SCAN = 1024  # a label depends only on this much of a string (memo keys stay small)
+_SID_LEN = 200  # longer string sample ids are cut in the summary
+_SID_INT = 1 << 63
 _STEP_MAX, _STEP_MIN = 1 << 62, -(1 << 62)
 
 _FILE_RE = re.compile(re.escape(FILE_PREFIX) + r"(\d+)" + re.escape(FILE_SUFFIX) + r"\Z")
 _DIGITS = re.compile(r"\d+")
-_SCAN = json.JSONDecoder().scan_once  # C scanner: parse one value at an index, no wrapper
 
 
 @dataclass(frozen=True)
@@ -35,7 +46,11 @@ class ReportSummary:
 
     by_rank: rank -> event -> count; rank None: unknown (no rank in the record or the file name).
     top_sample_ids: (sample_id, count) for events repair/drop/raise, most frequent first.
-    first_fatal: the first ``raise`` record as read, plus ``_file`` and ``_line``; None if none.
+    first_fatal: the first ``raise`` record as read (strings, lists and nesting bounded), plus
+        ``_file`` and ``_line``; None if none.
+    skipped_files: file -> why it was not read (not a regular file, unreadable, read error).
+    by_action: consensus records' actions are labelled ``"<action> (consensus)"``: each rank
+        of a stage writes one when any rank raises, so they do not count as raises.
     """
 
     files: tuple[str, ...]
@@ -46,6 +61,7 @@ class ReportSummary:
     malformed_by_file: Mapping[str, int]
     torn_files: tuple[str, ...]
     other_schema: int
+    skipped_files: Mapping[str, str]
     by_rank: Mapping[int | None, Mapping[str, int]]
     by_event: Mapping[str, int]
     by_reason: Mapping[str, int]
@@ -116,11 +132,18 @@ class _HeavyHitters:
 
 
 def _label(value: object) -> str:
-    """A short string key for a field that is not a plain string (None, numbers, garbage)."""
+    """A short one-line string key for a field (None, numbers, garbage, long text): whitespace
+    runs as one space, cut at a word boundary to at most ``_LABEL_LEN`` characters."""
     if value is None:
         return NONE_LABEL
-    text = value if isinstance(value, str) else json.dumps(value, default=str)
-    return " ".join(text.split())[:_LABEL_LEN] or NONE_LABEL
+    if isinstance(value, str):
+        text = value[:_LABEL_SCAN]
+    else:
+        try:
+            text = json.dumps(value, default=str)[:_LABEL_SCAN]
+        except (ValueError, TypeError, RecursionError):  # huge ints, deep nesting
+            text = f"<{type(value).__name__}>"
+    return cut_words(" ".join(text.split()), _LABEL_LEN) or NONE_LABEL
 
 
 def _parse_time(value: object) -> datetime | None:
@@ -152,6 +175,8 @@ class _Aggregator:
         self.lines = self.records = self.matched = self.malformed = self.other_schema = 0
         self.malformed_by_file: dict[str, int] = {}
         self.torn: list[str] = []
+        self.skipped: dict[str, str] = {}
+        self.templates = LineTemplates()
         self.first_step: int | None = None
         self.last_step: int | None = None
         self.fatal: dict[str, object] | None = None
@@ -159,7 +184,7 @@ class _Aggregator:
 
     def _reason(self, value: object) -> str:
         """The class of a non-None reason (digits as ``#``), memoized per raw reason."""
-        key = value if isinstance(value, str) else _label(value)
+        key = value[:_LABEL_SCAN] if isinstance(value, str) else _label(value)
         cls = self.reasons.get(key)
         if cls is None:
             cls = _DIGITS.sub("#", _label(key))
@@ -174,80 +199,80 @@ class _Aggregator:
         return cls
 
     def read(self, path: Path, file_index: int) -> None:
-        """Stream one file into the counters (the hot loop: locals only)."""
+        """Stream one file into the counters (the hot loop: locals only). A file that is not
+        a regular file, or cannot be opened or read, is listed in ``skipped`` with the reason."""
         name = str(path)
+        f, why = open_rank_file(path)
+        if f is None:
+            self.skipped[name] = why or "cannot be opened"
+            return
         file_rank = _file_rank(path)
-        scan, loads, reason_class, top_add = _SCAN, json.loads, self._reason, self.top.add
+        loads, top_add = json.loads, self.top.add
         combo, ranks, steps = self.combo, self.ranks, self.steps
+        known, add_template, facts_of = self.templates.facts, self.templates.add, self._facts
         lines = records = matched = bad = other_schema = 0
         lo, hi = _STEP_MAX, _STEP_MIN
         last_bad = torn = False
-        with open(path, encoding="utf-8", errors="replace", newline="\n") as f:
-            for line in f:
-                lines += 1
-                try:
-                    rec, end = scan(line, 0)
-                    if line[end:] != "\n":
-                        raise ValueError(line)
-                except (StopIteration, ValueError):
-                    if line[-1:] != "\n":  # only the last line can lack its newline
-                        torn = True
-                        break
-                    try:
-                        rec = loads(line)
-                    except ValueError:
-                        rec = None
-                if type(rec) is not dict:
-                    if line.strip():
-                        bad += 1
-                        last_bad = True
+        try:
+            with f:
+                for line in f:
+                    lines += 1
+                    parts = cut(line)
+                    facts = None if parts is None else known.get(parts[0])
+                    rec = None
+                    if facts is not None:
+                        step = None if parts[1] == "null" else int(parts[1])
                     else:
-                        lines -= 1  # a blank line is neither record nor garbage
-                    continue
-                last_bad = False
-                records += 1
-                get = rec.get
-                rank = get("rank")
-                if type(rank) is not int:
-                    rank = file_rank
-                if ranks is not None and rank not in ranks:
-                    continue
-                step = get("step")
-                if type(step) is not int:
-                    step = None
-                if steps is not None and step not in steps:
-                    continue
-                matched += 1
-                if step is not None:
-                    if step < lo:
-                        lo = step
-                    if step > hi:
-                        hi = step
-                if get("schema") != 1:
-                    other_schema += 1
-                event, action, reason = get("event"), get("action"), get("reason")
-                if type(event) is not str:
-                    event = _label(event)
-                if type(action) is not str:
-                    action = _label(action)
-                reason = NONE_LABEL if reason is None else reason_class(reason)
-                key = (rank, event, action, reason)
-                count = combo.get(key)
-                if count is None:
-                    if len(combo) >= COMBO_CAP:
-                        key = (rank, OTHER_LABEL, OTHER_LABEL, OTHER_LABEL)
-                        count = combo.get(key, 0)
-                    else:
-                        count = 0
-                combo[key] = count + 1
-                if event in OFFENDING_EVENTS:
-                    sid = get("sample_id")
-                    if sid is not None:
-                        if type(sid) is not str and type(sid) is not int:
-                            sid = _label(sid)
-                        top_add(sid)
-                    if event == FATAL_EVENT:
-                        self._fatal(rec, rank, step, file_index, lines, name)
+                        status, rec = parse_line(line, loads)
+                        if status is not LINE_OK:
+                            if status is LINE_TORN:  # only the last line can lack its newline
+                                torn = True
+                                break
+                            if status is LINE_BAD:
+                                bad += 1
+                                last_bad = True
+                            else:
+                                lines -= 1  # a blank line is neither record nor garbage
+                            continue
+                        facts = facts_of(rec)
+                        step = rec.get("step")
+                        if type(step) is not int:
+                            step = None
+                        if parts is not None:
+                            add_template(parts[0], rec, facts)
+                    last_bad = False
+                    records += 1
+                    rank, event, action, reason, sid, schema_1 = facts
+                    if rank is None:
+                        rank = file_rank
+                    if ranks is not None and rank not in ranks:
+                        continue
+                    if steps is not None and step not in steps:
+                        continue
+                    matched += 1
+                    if step is not None:
+                        if step < lo:
+                            lo = step
+                        if step > hi:
+                            hi = step
+                    if not schema_1:
+                        other_schema += 1
+                    key = (rank, event, action, reason)
+                    count = combo.get(key)
+                    if count is None:
+                        if len(combo) >= COMBO_CAP:
+                            key = (rank, OTHER_LABEL, OTHER_LABEL, OTHER_LABEL)
+                            count = combo.get(key, 0)
+                        else:
+                            count = 0
+                    combo[key] = count + 1
+                    if event in OFFENDING_EVENTS:
+                        if sid is not None:
+                            top_add(sid)
+                        if event == FATAL_EVENT:
+                            self._fatal(rec or loads(line), rank, step, file_index, lines, name)
+        except (OSError, ValueError) as err:  # EIO mid-file, a file replaced under us
+            self.skipped[name] = f"read failed after {lines} lines ({type(err).__name__}: {err})"
         if last_bad and not torn:  # invalid JSON at end of file: a torn write, not garbage
             bad -= 1
             torn = True
@@ -261,6 +286,34 @@ class _Aggregator:
         self.malformed += bad
         self.other_schema += other_schema
         self._steps(lo if lo != _STEP_MAX else None, hi if hi != _STEP_MIN else None)
+
+    def _facts(self, rec: dict) -> tuple:
+        """(rank or None, event, action, reason class, sample id or None, schema is 1): what
+        the counters need from a record, every string bounded."""
+        get = rec.get
+        rank, event, action, reason, sid = (
+            get("rank"),
+            get("event"),
+            get("action"),
+            get("reason"),
+            get("sample_id"),
+        )
+        if type(rank) is not int:
+            rank = None
+        if type(event) is not str or len(event) > _LABEL_LEN:
+            event = _label(event)
+        if type(action) is not str or len(action) > _LABEL_LEN:
+            action = _label(action)
+        reason = NONE_LABEL if reason is None else self._reason(reason)
+        if sid is not None and event in OFFENDING_EVENTS:
+            if type(sid) is str:
+                if len(sid) > _SID_LEN:
+                    sid = sid[:_SID_LEN] + "..."
+            elif type(sid) is not int or not -_SID_INT < sid < _SID_INT:
+                sid = _label(sid)
+        else:
+            sid = None
+        return rank, event, action, reason, sid, get("schema") == 1
 
     def merge(self, other: _Aggregator) -> None:
         """Fold in the counters of another aggregator (same filters; files read elsewhere)."""
@@ -277,6 +330,7 @@ class _Aggregator:
         self.other_schema += other.other_schema
         self.malformed_by_file.update(other.malformed_by_file)
         self.torn.extend(other.torn)
+        self.skipped.update(other.skipped)
         self._steps(other.first_step, other.last_step)
         if other.fatal_key is not None and (
             self.fatal_key is None or other.fatal_key < self.fatal_key
@@ -303,7 +357,10 @@ class _Aggregator:
         )
         if self.fatal_key is None or key < self.fatal_key:
             self.fatal_key = key
-            self.fatal = {**rec, "rank": rank, "_file": name, "_line": line_no}
+            safe = json_safe(rec)  # bounded: strings, lists and nesting cut (hostile lines)
+            if not isinstance(safe, dict):
+                safe = {}
+            self.fatal = {**safe, "rank": rank, "_file": name, "_line": line_no}
 
     def summary(self, files: list[Path], top: int) -> ReportSummary:
         by_rank: dict[int | None, dict[str, int]] = {}
@@ -314,6 +371,8 @@ class _Aggregator:
             per = by_rank.setdefault(rank, {})
             per[event] = per.get(event, 0) + n
             by_event[event] = by_event.get(event, 0) + n
+            if event == "consensus":  # every rank's echo of one raise: not more raises
+                action = "(consensus)" if action == NONE_LABEL else f"{action} (consensus)"
             by_action[action] = by_action.get(action, 0) + n
             by_reason[reason] = by_reason.get(reason, 0) + n
 
@@ -329,6 +388,7 @@ class _Aggregator:
             malformed=self.malformed,
             malformed_by_file=MappingProxyType(dict(self.malformed_by_file)),
             torn_files=tuple(self.torn),
+            skipped_files=MappingProxyType(dict(self.skipped)),
             other_schema=self.other_schema,
             by_rank=MappingProxyType(
                 {r: MappingProxyType(_event_order(by_rank[r])) for r in ranks_sorted}
