@@ -24,7 +24,7 @@ from .items import Batch, MediaItem, metadata_batch, normalize
 from .outcome import Consensus, GuardReport, LocalOutcome, MergeResult, StageOutcome
 from .plan import Plan, build_plan
 from .runs import TokenLayout, parse_layout
-from .validate import check_inputs
+from .validate import check_inputs, check_labels_dtype
 from .verify import Verdict, verify
 
 
@@ -120,6 +120,7 @@ class MediaGuard:
             emb = check_inputs(
                 embeddings, input_ids, batch.features, loss_mask, labels, seq_first, lay
             )
+            check_labels_dtype(labels, self.config.ignore_index)
             return Call(
                 emb,
                 input_ids,
@@ -164,6 +165,7 @@ class MediaGuard:
                     raise MediaInputError(
                         f"{name} must be [b, s] = {(lay.batch, lay.row_length)}, got {tuple(t.shape)}"
                     )
+            check_labels_dtype(labels, self.config.ignore_index)
             return Call(
                 None,
                 input_ids,
