@@ -207,6 +207,7 @@ class _Aggregator:
             self.skipped[name] = why or "cannot be opened"
             return
         file_rank = _file_rank(path)
+        self.templates = LineTemplates()  # per file: a template holds the rank, files differ
         loads, top_add = json.loads, self.top.add
         combo, ranks, steps = self.combo, self.ranks, self.steps
         known, add_template, facts_of = self.templates.facts, self.templates.add, self._facts
