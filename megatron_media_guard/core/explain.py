@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from ..diagnostics import GuardRecord
 from .alignment import AlignmentReport, SampleReport
@@ -68,22 +69,17 @@ def nonfinite_record(
 ) -> GuardRecord:
     """The record of a sample whose tokens align but whose features hold NaN/Inf:
     ``reason`` starts with ``nonfinite``, ``item`` is the first such item."""
-    idx = bad_items[0] if bad_items else (rep.items[0] if rep.items else None)
-    item = items[idx] if idx is not None else None
-    return GuardRecord(
-        event=event,  # type: ignore[arg-type]
-        step=step,
-        microbatch=microbatch,
-        sample=rep.sample,
-        sample_id=_sample_id(rep, items),
-        row=rep.row,
-        item=idx,
-        modality=item.modality if item else None,
-        expected=rep.expected,
-        got=rep.got,
-        num_frames=item.num_frames if item else None,
-        frame_hw=item.frame_hw if item else None,
-        action=event,
+    rec = sample_record(rep, items, event, event, step=step, microbatch=microbatch)
+    if not bad_items:
+        return replace(rec, reason=nonfinite_reason(bad_items), extra={"status": "nonfinite"})
+    item = items[bad_items[0]]
+    return replace(
+        rec,
+        item=bad_items[0],
+        modality=item.modality,
+        num_frames=item.num_frames,
+        frame_hw=item.frame_hw,
+        first_mismatch=None,
         reason=nonfinite_reason(bad_items),
         extra={"status": "nonfinite", "items": list(bad_items[:16])},
     )
