@@ -16,6 +16,7 @@ from .report_lines import (
     LINE_BAD,
     LINE_OK,
     LINE_TORN,
+    PROBE_LINES,
     LineTemplates,
     cut,
     open_rank_file,
@@ -212,13 +213,16 @@ class _Aggregator:
         combo, ranks, steps = self.combo, self.ranks, self.steps
         known, add_template, facts_of = self.templates.facts, self.templates.add, self._facts
         lines = records = matched = bad = other_schema = 0
+        fast = True
         lo, hi = _STEP_MAX, _STEP_MIN
         last_bad = torn = False
         try:
             with f:
                 for line in f:
                     lines += 1
-                    parts = cut(line)
+                    if fast and lines == PROBE_LINES:
+                        fast = self.templates.useful(lines)
+                    parts = cut(line) if fast else None
                     facts = None if parts is None else known.get(parts[0])
                     rec = None
                     if facts is not None:
