@@ -111,7 +111,7 @@ def load_bundle(path: str | os.PathLike[str], *, max_bytes: int | None = None) -
         raise
     except LimitError as err:
         raise BundleError(
-            f"{path} is not a readable bundle (refused before loading: {err})",
+            f"{path} is not a readable bundle (refused: {err})",
             context={"path": str(path)},
         ) from None
     except Exception as err:  # corrupt header, truncated data, refused pickle payload
