@@ -266,16 +266,14 @@ def test_template_fast_path_matches_a_full_parse(tmp_path_factory, rows):
         out.append(text)
     (d / file_name(0)).write_text("".join(out))
     fast = summarize(d, jobs=1).to_dict()
-    real = report_lines.cut
-    try:
-        report_lines.cut = lambda line: None
-        import megatron_media_guard.diagnostics.report_aggregate as agg
+    import megatron_media_guard.diagnostics.report_aggregate as agg
 
-        agg_cut, agg.cut = agg.cut, report_lines.cut
+    real = agg.template_match
+    try:
+        agg.template_match = lambda line: None  # every line parsed in full
         slow = summarize(d, jobs=1).to_dict()
     finally:
-        report_lines.cut = real
-        agg.cut = agg_cut
+        agg.template_match = real
     assert fast == slow
 
 

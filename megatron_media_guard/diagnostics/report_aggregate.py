@@ -15,11 +15,12 @@ from .report_lines import (
     LINE_BAD,
     LINE_OK,
     LINE_TORN,
+    MAX_TEMPLATE_LINE,
     PROBE_LINES,
     LineTemplates,
-    cut,
     open_rank_file,
     parse_line,
+    template_match,
 )
 from .report_summary import ReportSummary
 
@@ -159,6 +160,7 @@ class _Aggregator:
         loads, top_add = json.loads, self.top.add
         combo, ranks, steps = self.combo, self.ranks, self.steps
         known, add_template, facts_of = self.templates.facts, self.templates.add, self._facts
+        match, max_len = template_match, MAX_TEMPLATE_LINE  # report_lines.cut, inlined
         lines = records = matched = bad = other_schema = 0
         fast = True
         lo, hi = _STEP_MAX, _STEP_MIN
@@ -169,11 +171,13 @@ class _Aggregator:
                     lines += 1
                     if fast and lines == PROBE_LINES:
                         fast = self.templates.useful(lines)
-                    parts = cut(line) if fast else None
-                    facts = None if parts is None else known.get(parts[0])
+                    m = match(line) if fast and len(line) <= max_len else None
+                    key = None if m is None else (m.group(1), line[m.end() :])
+                    facts = None if key is None else known.get(key)
                     rec = None
                     if facts is not None:
-                        step = None if parts[1] == "null" else int(parts[1])
+                        st = m.group(2)
+                        step = None if st == "null" else int(st)
                     else:
                         status, rec = parse_line(line, loads)
                         if status is not LINE_OK:
@@ -190,8 +194,8 @@ class _Aggregator:
                         step = rec.get("step")
                         if type(step) is not int:
                             step = None
-                        if parts is not None:
-                            add_template(parts[0], rec, facts)
+                        if key is not None:
+                            add_template(key, rec, facts)
                     last_bad = False
                     records += 1
                     rank, event, action, reason, sid, schema_1 = facts
