@@ -426,7 +426,7 @@ BAD_ARGS = {
         report=check_report(build_batch(Q, [[("image", 2)]]).input_ids, [])
     ),
 }
-# a sample_id of another type is refused earlier, by MediaItem itself (tests/test_hostile_inputs.py)
+# a sample_id of another type is refused earlier, by MediaItem itself (tests/test_hostile_replay.py)
 
 
 @pytest.mark.parametrize("case", sorted(BAD_ARGS))
