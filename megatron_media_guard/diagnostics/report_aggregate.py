@@ -242,6 +242,7 @@ class _Aggregator:
         self.malformed += bad
         self.other_schema += other_schema
         self._steps(lo if lo != _STEP_MAX else None, hi if hi != _STEP_MIN else None)
+        self.templates = LineTemplates()  # freed: a worker returns (pickles) its counters only
 
     def _facts(self, rec: dict) -> tuple:
         """(rank or None, event, action, reason class, sample id or None, schema is 1): what
