@@ -212,7 +212,7 @@ def test_smoke_directory_names_the_run_and_labels_consensus(tmp_path):
     assert s.by_action == {"drop": 1, "raise": 1, "raise (consensus)": 2}
     text = format_summary(s)
     assert "[raise.policy/media_guard.rank00001.jsonl:1]" in text
-    assert "not raises of its own" in text
+    assert "the stage's action, not its own" in text
 
 
 @pytest.mark.parametrize("limit", [20, 40, 57])

@@ -135,7 +135,7 @@ def format_summary(summary: ReportSummary) -> str:
     lines += _table("by action", s.by_action)
     if any(k.endswith("(consensus)") for k in s.by_action):
         lines.append(
-            "  (consensus: each rank's record of a stage-wide stop; not raises of its own)"
+            "  (consensus: every rank's record of a stage-wide round; the stage's action, not its own)"
         )
     lines += _table("by reason (digits shown as #)", s.by_reason)
     if s.top_sample_ids:
