@@ -98,7 +98,7 @@ def _report_arguments(p: argparse.ArgumentParser) -> None:
 
 def _report_run(args: argparse.Namespace) -> int:
     from .diagnostics.report import summarize
-    from .diagnostics.report_format import format_summary
+    from .diagnostics.report_format import format_summary, neutralise
     from .errors import MediaAlignmentError
 
     try:
@@ -110,8 +110,16 @@ def _report_run(args: argparse.Namespace) -> int:
             jobs=args.jobs,
         )
     except MediaAlignmentError as err:
-        print(f"media-guard report: {err}", file=sys.stderr)
+        print(neutralise(f"media-guard report: {err}"), file=sys.stderr)
         return EXIT_USAGE
+    for path, why in summary.skipped_files.items():
+        print(neutralise(f"media-guard report: warning: skipped {path}: {why}"), file=sys.stderr)
+    if summary.malformed or summary.torn_files:
+        print(
+            f"media-guard report: warning: {summary.malformed:,} malformed line(s), "
+            f"{len(summary.torn_files)} torn last line(s) skipped",
+            file=sys.stderr,
+        )
     fail_on = dict.fromkeys(_flat(args.fail_on) or [])
     hits = {e: summary.count(e) for e in fail_on if summary.count(e)}
     if args.json:

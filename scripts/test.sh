@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# Installs the package with its test extra into ./.venv and runs lint + the test suite.
+# Installs the package with its test extra into ./.venv (skipped when nothing changed, see
+# scripts/install.sh) and runs lint + the test suite.
 # Needs only Python >= 3.10 and pip. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY="${PYTHON:-python3}"
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" -e ".[test]"
+bash scripts/install.sh test  # skipped when pyproject.toml is unchanged (a clean clone installs)
 .venv/bin/ruff check megatron_media_guard tests benchmarks scripts
 .venv/bin/ruff format --check megatron_media_guard tests benchmarks scripts
 exec .venv/bin/python -m pytest -q "$@"

@@ -394,7 +394,7 @@ def _outcome(guard, facts, owners, faults, actions, batch_fatal, why_raise, item
             f"language_max_sequence_length {facts.max_len}"
         )
         if guard.log.path is not None:
-            lines.append(f"  per-rank log: {guard.log.path}")
+            lines.append(f"  per-rank log: {guard.log.describe_path()}")
         message = "\n".join(lines)
     plan_digest = digest(
         facts.tokens,

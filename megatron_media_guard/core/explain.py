@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from ..diagnostics import GuardRecord
 from .alignment import AlignmentReport, SampleReport
@@ -35,7 +36,7 @@ def sample_record(
         step=step,
         microbatch=microbatch,
         sample=rep.sample,
-        sample_id=rep.sample_id,
+        sample_id=_sample_id(rep, items),
         row=rep.row,
         item=idx,
         modality=item.modality if item else (rep.run_modalities[0] if rep.run_modalities else None),
@@ -50,27 +51,85 @@ def sample_record(
     )
 
 
-def describe_sample(rep: SampleReport, items: Sequence[MediaItem]) -> str:
-    """A full sentence naming the sample, its id, the item and both counts."""
-    idx, item = _item_of(rep, items)
-    parts = [f"sample {rep.sample}"]
+def _sample_id(rep: SampleReport, items: Sequence[MediaItem]) -> str | int | None:
+    """The sample's id: the report's, else the first of its items that carries one."""
     if rep.sample_id is not None:
-        parts.append(f"(sample_id {rep.sample_id!r})")
-    parts.append(f"row {rep.row}: {rep.status} — {rep.reason}.")
-    parts.append(
+        return rep.sample_id
+    return next((items[i].sample_id for i in rep.items if items[i].sample_id is not None), None)
+
+
+def nonfinite_record(
+    rep: SampleReport,
+    items: Sequence[MediaItem],
+    bad_items: Sequence[int],
+    event: str,
+    *,
+    step: int | None,
+    microbatch: int | None,
+) -> GuardRecord:
+    """The record of a sample whose tokens align but whose features hold NaN/Inf:
+    ``reason`` starts with ``nonfinite``, ``item`` is the first such item."""
+    rec = sample_record(rep, items, event, event, step=step, microbatch=microbatch)
+    if not bad_items:
+        return replace(rec, reason=nonfinite_reason(bad_items), extra={"status": "nonfinite"})
+    item = items[bad_items[0]]
+    return replace(
+        rec,
+        item=bad_items[0],
+        modality=item.modality,
+        num_frames=item.num_frames,
+        frame_hw=item.frame_hw,
+        first_mismatch=None,
+        reason=nonfinite_reason(bad_items),
+        extra={"status": "nonfinite", "items": list(bad_items[:16])},
+    )
+
+
+def nonfinite_reason(bad_items: Sequence[int]) -> str:
+    which = ", ".join(map(str, bad_items[:8])) + (" ..." if len(bad_items) > 8 else "")
+    noun = "item" if len(bad_items) == 1 else "items"
+    return f"nonfinite: NaN/Inf in the features of {noun} {which}"
+
+
+def describe_sample(
+    rep: SampleReport, items: Sequence[MediaItem], nonfinite: Sequence[int] = ()
+) -> str:
+    """A full sentence naming the sample, its id, the item and both counts (for a sample
+    whose features hold NaN/Inf, ``nonfinite`` lists those items and names the cause)."""
+    if nonfinite and rep.ok:
+        idx = nonfinite[0]
+        it = items[idx]
+        sid = _sample_id(rep, items)
+        head = f"sample {rep.sample}" + (f" (sample_id {sid!r})" if sid is not None else "")
+        return (
+            f"{head} row {rep.row}: {nonfinite_reason(nonfinite)} "
+            f"(item {idx}: {_media(it)}); its placeholder runs {list(rep.expected)} match "
+            f"the item features {list(rep.got)}."
+        )
+    idx, item = _item_of(rep, items)
+    head = [f"sample {rep.sample}"]
+    sid = _sample_id(rep, items)
+    if sid is not None:
+        head.append(f"(sample_id {sid!r})")
+    head.append(f"row {rep.row}: {rep.status} — {rep.reason}.")
+    tail = [
         f"Placeholder runs {list(rep.expected)} ({sum(rep.expected)} in all) vs item features "
         f"{list(rep.got)} ({sum(rep.got)} in all)"
-    )
+    ]
     if rep.first_mismatch is not None:
-        parts.append(f"; first mismatching run {rep.first_mismatch}")
+        tail.append(f"; first mismatching run {rep.first_mismatch}")
     if item is not None:
-        media = f"item {idx} ({item.modality}"
-        if item.num_frames is not None:
-            media += f", {item.num_frames} frames"
-        if item.frame_hw is not None:
-            media += f", frame {item.frame_hw[0]}x{item.frame_hw[1]} (HxW)"
-        parts.append(f", {media}, {item.num_features} features)")
-    return " ".join(parts[:3]) + " " + "".join(parts[3:]) + "."
+        tail.append(f", item {idx} ({_media(item)})")
+    return " ".join(head) + " " + "".join(tail) + "."
+
+
+def _media(item: MediaItem) -> str:
+    media = item.modality
+    if item.num_frames is not None:
+        media += f", {item.num_frames} frames"
+    if item.frame_hw is not None:
+        media += f", frame {item.frame_hw[0]}x{item.frame_hw[1]} (HxW)"
+    return f"{media}, {item.num_features} features"
 
 
 def error_message(
@@ -81,20 +140,43 @@ def error_message(
     where: str,
     log_path: str | None,
     notes: dict[int, str] | None = None,
+    nonfinite: dict[int, Sequence[int]] | None = None,
 ) -> str:
-    """The raise message: where (rank/step), the first fatal sample in full, the others briefly."""
+    """The raise message: where (rank/step), the first fatal sample in full, the others briefly.
+
+    nonfinite: sample -> its items whose features hold NaN/Inf (the cause of those samples).
+    Never raises: should building the text fail on some field, a shorter message that still
+    names the samples and the failure takes its place (the alignment error must come out).
+    """
+    try:
+        return _error_message(report, fatal, items, where, log_path, notes or {}, nonfinite or {})
+    except Exception as err:
+        return (
+            f"Media alignment failed ({where}): samples {list(fatal)[:16]} "
+            f"(the full message could not be built: {type(err).__name__})"
+            + (f"\n  per-rank log: {log_path}" if log_path else "")
+        )
+
+
+def _error_message(report, fatal, items, where, log_path, notes, nonfinite) -> str:
     bad = [report.samples[s] for s in fatal]
     head = f"Media alignment failed ({where}): {len(bad)} of {len(report.samples)} samples"
     lines = [head + (":" if bad else ".")]
-    notes = notes or {}
 
     def note(rep: SampleReport) -> str:
         return f" ({notes[rep.sample]})" if rep.sample in notes else ""
 
     if bad:
-        lines.append("  " + describe_sample(bad[0], items) + note(bad[0]))
+        first = bad[0]
+        lines.append("  " + describe_sample(first, items, nonfinite.get(first.sample, ())))
+        lines[-1] += note(first)
     for rep in bad[1:6]:
-        lines.append(f"  sample {rep.sample}: {rep.status} — {rep.reason}{note(rep)}")
+        why = (
+            nonfinite_reason(nonfinite[rep.sample])
+            if rep.ok and nonfinite.get(rep.sample)
+            else f"{rep.status} — {rep.reason}"
+        )
+        lines.append(f"  sample {rep.sample}: {why}{note(rep)}")
     if len(bad) > 6:
         lines.append(f"  ... and {len(bad) - 6} more")
     if report.orphans:

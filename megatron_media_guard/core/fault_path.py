@@ -12,7 +12,7 @@ from ..diagnostics import GuardRecord
 from ..repair.repairs import run_repairs
 from .alignment import AlignmentReport, align
 from .apply import nonfinite_items, scatter_kept
-from .explain import error_message, sample_record
+from .explain import error_message, nonfinite_record, sample_record
 from .outcome import MergeResult
 from .plan import Plan, build_plan
 from .runs import parse_layout
@@ -27,11 +27,15 @@ def diagnose(guard: MediaGuard, c: Call, verdict: Verdict) -> MergeResult:
     consensus round, then the merge of what is kept."""
     batch = c.batch
     report = align(parse_layout(c.lay), batch.items, explicit=batch.explicit)
-    nonfinite = frozenset()
+    nonfinite: dict[int, list[int]] = {}  # sample -> its items holding NaN/Inf
     if verdict.nonfinite:
         owner = {i: rep.sample for rep in report.samples for i in rep.items}
-        nonfinite = frozenset(owner[i] for i in nonfinite_items(batch) if i in owner)
-    plan = build_plan(c.lay.num_samples, batch.items, verdict, report, guard.config, nonfinite)
+        for i in nonfinite_items(batch):
+            if i in owner:
+                nonfinite.setdefault(owner[i], []).append(i)
+    plan = build_plan(
+        c.lay.num_samples, batch.items, verdict, report, guard.config, frozenset(nonfinite)
+    )
     replaced: dict[int, torch.Tensor] = {}
     failures: dict[int, str] = {}
     if plan.repairs and c.emb is None:  # the first stage's plan when every repair succeeds
@@ -40,8 +44,8 @@ def diagnose(guard: MediaGuard, c: Call, verdict: Verdict) -> MergeResult:
         plan, replaced, failures = run_repairs(
             plan, batch, guard, c.encoder, step=c.step, microbatch=c.microbatch
         )
-    bundle_path = dump_bundle(guard, c, report)
-    fatal_record = write_records(guard, c, report, plan)
+    fatal_record = write_records(guard, c, report, plan, nonfinite)  # before the bundle:
+    bundle_path = dump_bundle(guard, c, report)  # a full disk must not cost the record
     fatal_msg = None
     if plan.fatal or (report.orphans and guard.config.policy == "raise"):
         fatal_msg = error_message(
@@ -49,8 +53,9 @@ def diagnose(guard: MediaGuard, c: Call, verdict: Verdict) -> MergeResult:
             plan.fatal,
             batch.items,
             where=guard.where(c.step, c.microbatch),
-            log_path=str(guard.log.path) if guard.log.path else None,
+            log_path=guard.log.describe_path(),
             notes={k: f"repair failed, {v}" for k, v in failures.items()},
+            nonfinite=nonfinite,
         )
         if bundle_path is not None:
             fatal_msg += f"\n  replay bundle: {bundle_path}"
@@ -68,10 +73,18 @@ def diagnose(guard: MediaGuard, c: Call, verdict: Verdict) -> MergeResult:
     return guard._finish(c, out, plan, report, verdict, stage, keep)
 
 
-def write_records(guard: MediaGuard, c: Call, report: AlignmentReport, plan: Plan) -> dict | None:
+def write_records(
+    guard: MediaGuard,
+    c: Call,
+    report: AlignmentReport,
+    plan: Plan,
+    nonfinite: dict[int, list[int]] | None = None,
+) -> dict | None:
     """Writes one record per dropped or fatal sample (and for unused items); returns the
-    first fatal one, the record consensus fetches from the culprit."""
+    first fatal one, the record consensus fetches from the culprit. ``nonfinite``: sample ->
+    its items whose features hold NaN/Inf."""
     fatal = None
+    nonfinite = nonfinite or {}
     bad = {rep.sample: rep for rep in report.mismatched}
     for smp, act in enumerate(plan.actions):
         if act not in ("drop", "raise"):
@@ -81,13 +94,13 @@ def write_records(guard: MediaGuard, c: Call, report: AlignmentReport, plan: Pla
                 bad[smp], c.batch.items, act, act, step=c.step, microbatch=c.microbatch
             )
         else:  # aligned tokens, NaN/Inf features
-            rec = GuardRecord(
-                event=act,
+            rec = nonfinite_record(
+                report.samples[smp],
+                c.batch.items,
+                nonfinite.get(smp, []),
+                act,
                 step=c.step,
                 microbatch=c.microbatch,
-                sample=smp,
-                action=act,
-                reason="nonfinite: NaN/Inf in the sample's features",
             )
         written = guard.log.emit(rec)
         if act == "raise" and fatal is None:
@@ -116,12 +129,29 @@ def write_records(guard: MediaGuard, c: Call, report: AlignmentReport, plan: Pla
 
 
 def dump_bundle(guard: MediaGuard, c: Call, report: AlignmentReport):
-    """Saves a replay bundle of a mismatched micro-batch when ``config.dump_dir`` is set."""
+    """Saves a replay bundle of a mismatched micro-batch when ``config.dump_dir`` is set.
+    Any failure is contained: one error line, no bundle, the merge goes on with its plan."""
     cfg = guard.config
     if cfg.dump_dir is None or report.ok:
         return None
+    try:
+        return _save(guard, c, report)
+    except Exception as err:  # a full disk under torch.save, an odd item field: never fatal
+        from ..diagnostics import get_logger
+
+        get_logger().error(
+            "[media-guard] replay bundle not saved in %s: %s: %s",
+            cfg.dump_dir,
+            type(err).__name__,
+            err,
+        )
+        return None
+
+
+def _save(guard: MediaGuard, c: Call, report: AlignmentReport):
     from ..replay.bundle_save import save_bundle
 
+    cfg = guard.config
     return save_bundle(
         cfg.dump_dir,
         input_ids=c.input_ids,

@@ -24,7 +24,7 @@ from .items import Batch, MediaItem, metadata_batch, normalize
 from .outcome import Consensus, GuardReport, LocalOutcome, MergeResult, StageOutcome
 from .plan import Plan, build_plan
 from .runs import TokenLayout, parse_layout
-from .validate import check_inputs
+from .validate import check_inputs, check_labels_dtype
 from .verify import Verdict, verify
 
 
@@ -49,8 +49,12 @@ class MediaGuard:
     """Guards the merge of media features into text embeddings, per sample and per rank.
 
     config: policies and log directory. grammar: the model family's placeholder tokens.
-    rank: this rank's coordinates for diagnostics (default: from the RANK variable).
-    consensus: agrees decisions across ranks (see ``ranks/consensus.py``); None: single process.
+    rank: this rank's coordinates for diagnostics (default: torch.distributed's rank and
+        parallel_state's coordinates when initialized, else the RANK variable).
+    consensus: agrees decisions across ranks (see ``ranks/consensus.py``). Default (None): when
+        torch.distributed is initialized, a StageConsensus over megatron-core parallel_state's
+        groups if that is initialized, else over the world group (logged once); without
+        torch.distributed, single process. ``False``: no consensus (each rank decides alone).
     geometry / encoder: used by ``policy="repair"`` to re-project mismatched items.
     """
 
@@ -60,7 +64,7 @@ class MediaGuard:
         grammar: Grammar | None = None,
         *,
         rank: RankInfo | None = None,
-        consensus: Consensus | None = None,
+        consensus: Consensus | bool | None = None,
         geometry: object | None = None,
         encoder: object | None = None,
     ) -> None:
@@ -68,7 +72,17 @@ class MediaGuard:
             raise MediaInputError("MediaGuard needs a grammar (e.g. Grammar.qwen2_vl())")
         self.config = config or GuardConfig()
         self.grammar = grammar
-        self.rank = rank or RankInfo.from_env()
+        if rank is None or consensus is None:
+            # function-level import: the core never imports torch.distributed; ranks/ does
+            from ..ranks.defaults import default_consensus, default_rank
+
+            rank = rank or default_rank()
+            consensus = default_consensus() if consensus is None else consensus
+        if consensus is True:
+            raise MediaInputError("consensus=True is not a consensus: pass one, None or False")
+        if consensus is False:
+            consensus = None
+        self.rank = rank
         self.consensus = consensus
         self.geometry = geometry
         self.encoder = encoder
@@ -120,6 +134,7 @@ class MediaGuard:
             emb = check_inputs(
                 embeddings, input_ids, batch.features, loss_mask, labels, seq_first, lay
             )
+            check_labels_dtype(labels, self.config.ignore_index)
             return Call(
                 emb,
                 input_ids,
@@ -164,6 +179,7 @@ class MediaGuard:
                     raise MediaInputError(
                         f"{name} must be [b, s] = {(lay.batch, lay.row_length)}, got {tuple(t.shape)}"
                     )
+            check_labels_dtype(labels, self.config.ignore_index)
             return Call(
                 None,
                 input_ids,

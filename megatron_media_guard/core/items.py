@@ -2,12 +2,49 @@
 
 from __future__ import annotations
 
+import numbers
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import MediaInputError
+
+SAMPLE_ID_MAX_LEN = 1024  # characters of a string sample_id
+SAMPLE_ID_INT_BOUND = 1 << 63  # |int sample_id| below this (fits int64 / JSON readers)
+
+
+def check_sample_id(sid: object) -> str | int | None:
+    """``sample_id`` as a plain ``str`` (at most :data:`SAMPLE_ID_MAX_LEN` characters) or
+    ``int`` (``|sid| < 2**63``; numpy/torch integers are converted), or None. Anything else is
+    refused here, at construction, so that no diagnostic written later (a record, a message)
+    can fail on it and hide the real error."""
+    if sid is None:
+        return None
+    if isinstance(sid, str):
+        text = str.__str__(sid)  # a str subclass's own __str__/__repr__ are never called
+        if len(text) > SAMPLE_ID_MAX_LEN:
+            raise MediaInputError(
+                f"MediaItem.sample_id is a string of {len(text):,} characters; at most "
+                f"{SAMPLE_ID_MAX_LEN} (use a short key, e.g. a hash of the long one)"
+            )
+        return text
+    if isinstance(sid, numbers.Integral) and not isinstance(sid, bool):
+        try:
+            value = operator.index(sid)
+        except Exception:
+            value = None
+        if type(value) is int and -SAMPLE_ID_INT_BOUND < value < SAMPLE_ID_INT_BOUND:
+            return value
+        bits = f" of {value.bit_length()} bits" if type(value) is int else ""
+        raise MediaInputError(
+            f"MediaItem.sample_id is an integer{bits}; |sample_id| must be < 2**63"
+        )
+    raise MediaInputError(
+        f"MediaItem.sample_id must be a str, an int or None, got {type(sid).__name__} "
+        "(pass str(x) or int(x) of your id)"
+    )
 
 
 @dataclass(frozen=True)
@@ -46,6 +83,7 @@ class MediaItem:
         s = self.sample
         if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 0):
             raise MediaInputError(f"MediaItem.sample must be an int >= 0 or None, got {s!r}")
+        object.__setattr__(self, "sample_id", check_sample_id(self.sample_id))
 
 
 @dataclass(frozen=True)

@@ -74,3 +74,25 @@ def check_inputs(
     if labels is not None and labels.is_floating_point():
         raise MediaInputError(f"labels must be integer token ids, got {labels.dtype}")
     return emb
+
+
+def check_labels_dtype(labels: torch.Tensor | None, ignore_index: int) -> None:
+    """Refuses labels whose dtype cannot hold ``ignore_index`` (uint8 would wrap -100 to 156
+    and train a dropped sample on token 156): checked on every call, not at the first drop."""
+    if labels is None or not isinstance(labels, torch.Tensor):
+        return
+    dt = labels.dtype
+    if dt == torch.bool or labels.is_complex():
+        ok = False
+    elif labels.is_floating_point():
+        ok = torch.finfo(dt).min <= ignore_index <= torch.finfo(dt).max
+    else:
+        info = torch.iinfo(dt)
+        ok = info.min <= ignore_index <= info.max
+    if not ok:
+        raise MediaInputError(
+            f"labels of dtype {dt} cannot hold ignore_index {ignore_index} (a dropped sample's "
+            "labels would wrap to a real token id): pass int64 (or int32) labels, or set "
+            "GuardConfig.ignore_index to a value the dtype holds",
+            context={"labels_dtype": str(dt), "ignore_index": ignore_index},
+        )

@@ -3,7 +3,20 @@
 Guarantees (the merge relies on them, it raises right after ``emit``): the line is written
 with one ``os.write`` on an ``O_APPEND`` descriptor and ``os.fsync``-ed before
 :meth:`DiagnosticsLog.emit` returns; a write failure is counted and logged once, never
-raised over the error the guard is about to raise. Never imports torch.
+raised over the error the guard is about to raise (:meth:`DiagnosticsLog.describe_path`
+says so in the guard's message). ``emit`` never raises: a record that cannot be built or
+serialized is written as a minimal record naming the failure.
+
+Robustness of the file:
+
+- only a regular file is written: the path is opened with ``O_NONBLOCK`` and checked with
+  ``fstat`` (a FIFO or device at the path is refused at once, never blocks the merge);
+- a torn tail never costs the next record: whenever the file is not where this writer left
+  it (its first write, after a failed or short write, after another writer appended), the
+  last byte is read back and a newline is prepended to the record when it is missing, so
+  only the torn line is lost.
+
+Never imports torch.
 """
 
 from __future__ import annotations
@@ -12,6 +25,7 @@ import contextlib
 import logging
 import os
 import socket
+import stat
 import sys
 import threading
 from collections.abc import Mapping
@@ -20,6 +34,7 @@ from pathlib import Path
 from .records import (
     _WARN_EVENTS,
     LOGGER_NAME,
+    SCHEMA_VERSION,
     GuardRecord,
     RankInfo,
     build_record,
@@ -81,6 +96,9 @@ class DiagnosticsLog:
         )
         self.host = socket.gethostname()
         self.write_errors = 0
+        self.last_error: str | None = None  # why the last write failed; None: it succeeded
+        self._end: int | None = None  # file size after this writer's last good write
+        self._readable = True  # the descriptor can read back the file's last byte
         self._fd: int | None = None
         self._fd_pid: int | None = None
         self._lock = threading.Lock()
@@ -89,17 +107,27 @@ class DiagnosticsLog:
 
     # -- writing ----------------------------------------------------------------
     def emit(self, record: GuardRecord, *, caller: str | None = None) -> dict[str, object]:
-        """Write ``record`` as one fsync-ed line, log its summary, return the object written."""
-        rec = build_record(
-            record,
-            self.rank,
-            time=utc_now(),
-            host=self.host,
-            pid=os.getpid(),
-            caller=caller if caller is not None else _caller_name(1),
-        )
-        if self.path is not None:
+        """Write ``record`` as one fsync-ed line, log its summary, return the object written.
+        Never raises (see the module docstring)."""
+        caller = caller if caller is not None else _caller_name(1)
+        try:
+            rec = build_record(
+                record, self.rank, time=utc_now(), host=self.host, pid=os.getpid(), caller=caller
+            )
             line = (json_dumps(rec) + "\n").encode("utf-8")
+        except Exception as err:  # a hostile field: the record must still say what happened
+            rec = {
+                "schema": SCHEMA_VERSION,
+                "time": utc_now(),
+                "host": self.host,
+                "pid": os.getpid(),
+                "rank": self.rank.rank if type(self.rank.rank) is int else None,
+                "event": getattr(record, "event", "check"),
+                "reason": f"record could not be serialized ({type(err).__name__})",
+                "caller": caller,
+            }
+            line = (json_dumps(rec) + "\n").encode("utf-8")
+        if self.path is not None:
             if rec["pid"] != self._lock_pid:  # a forked child: the parent's lock may be held
                 self._lock, self._lock_pid = threading.Lock(), rec["pid"]
             with self._lock:
@@ -109,20 +137,43 @@ class DiagnosticsLog:
             self._logger.log(level, "%s", summary_line(rec))
         return rec
 
+    def describe_path(self) -> str | None:
+        """The log path for a message: None without a log directory; the path when the last
+        write succeeded; the path with why nothing could be written there otherwise."""
+        if self.path is None:
+            return None
+        if self.last_error is None:
+            return str(self.path)
+        return (
+            f"{self.path} (write FAILED: {self.last_error}; this record is only in the "
+            "logger output)"
+        )
+
     def _write(self, data: bytes) -> None:
         try:
             fd = self._open()
+            size = os.fstat(fd).st_size
+            if size != self._end and size > 0 and not self._ends_with_newline(fd, size):
+                data = b"\n" + data  # terminate a torn line: only that line is lost
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
             os.fsync(fd)
+            self._end, self.last_error = size + len(data), None
         except OSError as err:
             # A diagnostics failure must not mask the error the guard is about to raise.
+            self._end = None  # the tail may be torn: check it before the next record
+            self.last_error = f"{type(err).__name__}: {err}"
             self.write_errors += 1
             if self.write_errors == 1:
                 self._logger.error(
                     "[media-guard] cannot write diagnostics to %s: %s", self.path, err
                 )
+
+    def _ends_with_newline(self, fd: int, size: int) -> bool:
+        if not self._readable:
+            return False  # cannot look: a blank line is harmless, a glued record is not
+        return os.pread(fd, 1, size - 1) == b"\n"
 
     def _open(self) -> int:
         pid = os.getpid()
@@ -132,16 +183,21 @@ class DiagnosticsLog:
             self._close_fd()
         assert self.path is not None
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
-        fd = os.open(self.path, flags, 0o644)
-        self._fd, self._fd_pid = fd, pid
-        # A torn last line left by a crash would glue itself to our first record:
-        # terminate it so only that line is lost.
-        if os.fstat(fd).st_size > 0:
-            with open(self.path, "rb") as f:
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":
-                    os.write(fd, b"\n")
+        # O_NONBLOCK: a FIFO at the path must not block the open (fstat refuses it below)
+        flags = os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | os.O_NONBLOCK
+        try:
+            fd, self._readable = os.open(self.path, flags | os.O_RDWR, 0o644), True
+        except PermissionError:  # a write-only file: append without reading the tail back
+            fd, self._readable = os.open(self.path, flags | os.O_WRONLY, 0o644), False
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise OSError(f"{self.path} is not a regular file (mode {stat.filemode(mode)})")
+            os.set_blocking(fd, True)
+        except OSError:
+            os.close(fd)
+            raise
+        self._fd, self._fd_pid, self._end = fd, pid, None  # None: check the tail first
         return fd
 
     def _close_fd(self) -> None:

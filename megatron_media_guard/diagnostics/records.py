@@ -43,6 +43,7 @@ _WARN_EVENTS = frozenset({"drop", "raise", "budget", "repair"})
 _MAX_STR = 4096  # longest string written (sample ids, reasons); longer ones are cut
 _MAX_LIST = 4096  # longest list written; longer ones are cut
 _MAX_DEPTH = 3  # nesting kept in ``extra``
+_MAX_INT = 1 << 64  # larger integers are written as their size, never their digits
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,8 @@ def json_safe(value: object, depth: int = 0) -> object:
     if isinstance(value, str):
         return value if len(value) <= _MAX_STR else value[:_MAX_STR] + "..."
     if isinstance(value, numbers.Integral):
-        return int(value)
+        v = int(value)
+        return v if -_MAX_INT < v < _MAX_INT else f"<int of {v.bit_length()} bits>"
     if isinstance(value, numbers.Real):
         f = float(value)
         return f if math.isfinite(f) else None
@@ -206,8 +208,32 @@ def json_dumps(rec: Mapping[str, object]) -> str:
 
 # -- human summary ------------------------------------------------------------------
 def _clean(value: object, limit: int = 200) -> str:
-    text = " ".join(str(value).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    """One line of at most ``limit`` characters, cut at a word boundary when one is near."""
+    try:
+        raw = value if isinstance(value, str) else str(value)
+    except Exception:  # a hostile __str__, an int too long to print
+        raw = f"<{type(value).__name__}>"
+    text = " ".join(raw[: 4 * limit + 16].split())
+    return cut_words(text, limit)
+
+
+def cut_words(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` characters, at a word boundary when one is in the
+    second half, marked with ``...``."""
+    if len(text) <= limit:
+        return text
+    head = text[: limit - 3]
+    space = head.rfind(" ")
+    if space >= limit // 2:
+        head = head[:space]
+    return head.rstrip(" ,;:-") + "..."
+
+
+def _repr(value: object) -> str:
+    try:
+        return repr(value) if isinstance(value, (str, int)) else _clean(value, 80)
+    except ValueError:  # an int too long to print
+        return f"<{type(value).__name__}>"
 
 
 def _ints(value: object) -> list[int] | None:
@@ -259,7 +285,7 @@ def summary_line(rec: Mapping[str, object]) -> str:
         subject.append(f"sample {_clean(g('sample'), 20)}")
     sid = g("sample_id")
     if sid is not None:
-        subject.append(f"(id {_clean(repr(sid), 80)})")
+        subject.append(f"(id {_clean(_repr(sid), 80)})")
     for key in ("row", "item"):
         if g(key) is not None:
             subject.append(f"{key} {_clean(g(key), 20)}")

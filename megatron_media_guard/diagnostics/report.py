@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import stat
 import threading
 from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
@@ -58,7 +59,7 @@ def find_files(paths_or_dir: str | PathLike[str] | Iterable[str | PathLike[str]]
         if p.is_dir():
             pattern = f"{FILE_PREFIX}*{FILE_SUFFIX}"
             out.extend(sorted(p.glob(pattern)) or sorted(p.rglob(pattern)))
-        elif p.is_file():
+        elif p.exists() or p.is_symlink():  # a special file is reported as skipped, not here
             out.append(p)
         else:
             raise MediaInputError(
@@ -81,6 +82,15 @@ def _cpus() -> int:
         return os.cpu_count() or 1
 
 
+def _size(path: Path) -> int:
+    """Bytes of a regular file; 0 for anything else (never opens it: a FIFO would block)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) else 0
+
+
 def auto_jobs(files: list[Path]) -> int:
     """Worker processes for ``files``: one per CPU up to one per file, 1 below 32 MiB in all.
 
@@ -93,7 +103,7 @@ def auto_jobs(files: list[Path]) -> int:
         or threading.active_count() > 1  # forking a threaded process (a trainer) is unsafe
     ):
         return 1
-    size = sum(p.stat().st_size for p in files)
+    size = sum(_size(p) for p in files)
     return 1 if size < PARALLEL_MIN_BYTES else max(1, min(len(files), _cpus()))
 
 

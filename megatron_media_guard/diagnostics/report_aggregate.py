@@ -6,12 +6,23 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
 from types import MappingProxyType
 
-from .records import EVENTS, FILE_PREFIX, FILE_SUFFIX
+from .records import EVENTS, FILE_PREFIX, FILE_SUFFIX, cut_words, json_safe
+from .report_lines import (
+    LINE_BAD,
+    LINE_OK,
+    LINE_TORN,
+    MAX_TEMPLATE_LINE,
+    PROBE_LINES,
+    LineTemplates,
+    open_rank_file,
+    parse_line,
+    template_match,
+)
+from .report_summary import ReportSummary
 
 FATAL_EVENT = "raise"
 OFFENDING_EVENTS = frozenset({"repair", "drop", "raise"})
@@ -22,59 +33,13 @@ LABEL_CAP = 1_000
 COMBO_CAP = 200_000
 PARALLEL_MIN_BYTES = 32 << 20
 _LABEL_LEN = 120
+_LABEL_SCAN = 1024  # a label depends only on this much of a string (memo keys stay small)
+_SID_LEN = 200  # longer string sample ids are cut in the summary
+_SID_INT = 1 << 63
 _STEP_MAX, _STEP_MIN = 1 << 62, -(1 << 62)
 
 _FILE_RE = re.compile(re.escape(FILE_PREFIX) + r"(\d+)" + re.escape(FILE_SUFFIX) + r"\Z")
 _DIGITS = re.compile(r"\d+")
-_SCAN = json.JSONDecoder().scan_once  # C scanner: parse one value at an index, no wrapper
-
-
-@dataclass(frozen=True)
-class ReportSummary:
-    """What ``media-guard report`` found across the files (after the rank/step filters).
-
-    by_rank: rank -> event -> count; rank None: unknown (no rank in the record or the file name).
-    top_sample_ids: (sample_id, count) for events repair/drop/raise, most frequent first.
-    first_fatal: the first ``raise`` record as read, plus ``_file`` and ``_line``; None if none.
-    """
-
-    files: tuple[str, ...]
-    lines: int
-    records: int
-    matched: int
-    malformed: int
-    malformed_by_file: Mapping[str, int]
-    torn_files: tuple[str, ...]
-    other_schema: int
-    by_rank: Mapping[int | None, Mapping[str, int]]
-    by_event: Mapping[str, int]
-    by_reason: Mapping[str, int]
-    by_action: Mapping[str, int]
-    top_sample_ids: tuple[tuple[str | int, int], ...]
-    sample_ids_exact: bool
-    first_step: int | None
-    last_step: int | None
-    first_fatal: Mapping[str, object] | None
-    ranks_filter: tuple[int, ...] | None = None
-    steps_filter: tuple[int, ...] | None = None
-
-    def count(self, event: str) -> int:
-        """Records of ``event`` that passed the filters."""
-        return self.by_event.get(event, 0)
-
-    def to_dict(self) -> dict[str, object]:
-        """Plain JSON-ready data (rank keys as strings, ``"null"`` for unknown)."""
-        d: dict[str, object] = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            d[f.name] = (
-                dict(v) if isinstance(v, Mapping) else list(v) if isinstance(v, tuple) else v
-            )
-        d["by_rank"] = {
-            ("null" if r is None else str(r)): dict(ev) for r, ev in self.by_rank.items()
-        }
-        d["top_sample_ids"] = [{"sample_id": s, "count": n} for s, n in self.top_sample_ids]
-        return d
 
 
 class _HeavyHitters:
@@ -116,11 +81,18 @@ class _HeavyHitters:
 
 
 def _label(value: object) -> str:
-    """A short string key for a field that is not a plain string (None, numbers, garbage)."""
+    """A short one-line string key for a field (None, numbers, garbage, long text): whitespace
+    runs as one space, cut at a word boundary to at most ``_LABEL_LEN`` characters."""
     if value is None:
         return NONE_LABEL
-    text = value if isinstance(value, str) else json.dumps(value, default=str)
-    return " ".join(text.split())[:_LABEL_LEN] or NONE_LABEL
+    if isinstance(value, str):
+        text = value[:_LABEL_SCAN]
+    else:
+        try:
+            text = json.dumps(value, default=str)[:_LABEL_SCAN]
+        except (ValueError, TypeError, RecursionError):  # huge ints, deep nesting
+            text = f"<{type(value).__name__}>"
+    return cut_words(" ".join(text.split()), _LABEL_LEN) or NONE_LABEL
 
 
 def _parse_time(value: object) -> datetime | None:
@@ -152,6 +124,8 @@ class _Aggregator:
         self.lines = self.records = self.matched = self.malformed = self.other_schema = 0
         self.malformed_by_file: dict[str, int] = {}
         self.torn: list[str] = []
+        self.skipped: dict[str, str] = {}
+        self.templates = LineTemplates()
         self.first_step: int | None = None
         self.last_step: int | None = None
         self.fatal: dict[str, object] | None = None
@@ -159,7 +133,7 @@ class _Aggregator:
 
     def _reason(self, value: object) -> str:
         """The class of a non-None reason (digits as ``#``), memoized per raw reason."""
-        key = value if isinstance(value, str) else _label(value)
+        key = value[:_LABEL_SCAN] if isinstance(value, str) else _label(value)
         cls = self.reasons.get(key)
         if cls is None:
             cls = _DIGITS.sub("#", _label(key))
@@ -174,80 +148,87 @@ class _Aggregator:
         return cls
 
     def read(self, path: Path, file_index: int) -> None:
-        """Stream one file into the counters (the hot loop: locals only)."""
+        """Stream one file into the counters (the hot loop: locals only). A file that is not
+        a regular file, or cannot be opened or read, is listed in ``skipped`` with the reason."""
         name = str(path)
+        f, why = open_rank_file(path)
+        if f is None:
+            self.skipped[name] = why or "cannot be opened"
+            return
         file_rank = _file_rank(path)
-        scan, loads, reason_class, top_add = _SCAN, json.loads, self._reason, self.top.add
+        self.templates = LineTemplates()  # per file: a template holds the rank, files differ
+        loads, top_add = json.loads, self.top.add
         combo, ranks, steps = self.combo, self.ranks, self.steps
+        known, add_template, facts_of = self.templates.facts, self.templates.add, self._facts
+        match, max_len = template_match, MAX_TEMPLATE_LINE  # report_lines.cut, inlined
         lines = records = matched = bad = other_schema = 0
+        fast = True
         lo, hi = _STEP_MAX, _STEP_MIN
         last_bad = torn = False
-        with open(path, encoding="utf-8", errors="replace", newline="\n") as f:
-            for line in f:
-                lines += 1
-                try:
-                    rec, end = scan(line, 0)
-                    if line[end:] != "\n":
-                        raise ValueError(line)
-                except (StopIteration, ValueError):
-                    if line[-1:] != "\n":  # only the last line can lack its newline
-                        torn = True
-                        break
-                    try:
-                        rec = loads(line)
-                    except ValueError:
-                        rec = None
-                if type(rec) is not dict:
-                    if line.strip():
-                        bad += 1
-                        last_bad = True
+        try:
+            with f:
+                for line in f:
+                    lines += 1
+                    if fast and lines == PROBE_LINES:
+                        fast = self.templates.useful(lines)
+                    m = match(line) if fast and len(line) <= max_len else None
+                    key = None if m is None else (m.group(1), line[m.end() :])
+                    facts = None if key is None else known.get(key)
+                    rec = None
+                    if facts is not None:
+                        st = m.group(2)
+                        step = None if st == "null" else int(st)
                     else:
-                        lines -= 1  # a blank line is neither record nor garbage
-                    continue
-                last_bad = False
-                records += 1
-                get = rec.get
-                rank = get("rank")
-                if type(rank) is not int:
-                    rank = file_rank
-                if ranks is not None and rank not in ranks:
-                    continue
-                step = get("step")
-                if type(step) is not int:
-                    step = None
-                if steps is not None and step not in steps:
-                    continue
-                matched += 1
-                if step is not None:
-                    if step < lo:
-                        lo = step
-                    if step > hi:
-                        hi = step
-                if get("schema") != 1:
-                    other_schema += 1
-                event, action, reason = get("event"), get("action"), get("reason")
-                if type(event) is not str:
-                    event = _label(event)
-                if type(action) is not str:
-                    action = _label(action)
-                reason = NONE_LABEL if reason is None else reason_class(reason)
-                key = (rank, event, action, reason)
-                count = combo.get(key)
-                if count is None:
-                    if len(combo) >= COMBO_CAP:
-                        key = (rank, OTHER_LABEL, OTHER_LABEL, OTHER_LABEL)
-                        count = combo.get(key, 0)
-                    else:
-                        count = 0
-                combo[key] = count + 1
-                if event in OFFENDING_EVENTS:
-                    sid = get("sample_id")
-                    if sid is not None:
-                        if type(sid) is not str and type(sid) is not int:
-                            sid = _label(sid)
-                        top_add(sid)
-                    if event == FATAL_EVENT:
-                        self._fatal(rec, rank, step, file_index, lines, name)
+                        status, rec = parse_line(line, loads)
+                        if status is not LINE_OK:
+                            if status is LINE_TORN:  # only the last line can lack its newline
+                                torn = True
+                                break
+                            if status is LINE_BAD:
+                                bad += 1
+                                last_bad = True
+                            else:
+                                lines -= 1  # a blank line is neither record nor garbage
+                            continue
+                        facts = facts_of(rec)
+                        step = rec.get("step")
+                        if type(step) is not int:
+                            step = None
+                        if key is not None:
+                            add_template(key, rec, facts)
+                    last_bad = False
+                    records += 1
+                    rank, event, action, reason, sid, schema_1 = facts
+                    if rank is None:
+                        rank = file_rank
+                    if ranks is not None and rank not in ranks:
+                        continue
+                    if steps is not None and step not in steps:
+                        continue
+                    matched += 1
+                    if step is not None:
+                        if step < lo:
+                            lo = step
+                        if step > hi:
+                            hi = step
+                    if not schema_1:
+                        other_schema += 1
+                    key = (rank, event, action, reason)
+                    count = combo.get(key)
+                    if count is None:
+                        if len(combo) >= COMBO_CAP:
+                            key = (rank, OTHER_LABEL, OTHER_LABEL, OTHER_LABEL)
+                            count = combo.get(key, 0)
+                        else:
+                            count = 0
+                    combo[key] = count + 1
+                    if event in OFFENDING_EVENTS:
+                        if sid is not None:
+                            top_add(sid)
+                        if event == FATAL_EVENT:
+                            self._fatal(rec or loads(line), rank, step, file_index, lines, name)
+        except (OSError, ValueError) as err:  # EIO mid-file, a file replaced under us
+            self.skipped[name] = f"read failed after {lines} lines ({type(err).__name__}: {err})"
         if last_bad and not torn:  # invalid JSON at end of file: a torn write, not garbage
             bad -= 1
             torn = True
@@ -261,6 +242,35 @@ class _Aggregator:
         self.malformed += bad
         self.other_schema += other_schema
         self._steps(lo if lo != _STEP_MAX else None, hi if hi != _STEP_MIN else None)
+        self.templates = LineTemplates()  # freed: a worker returns (pickles) its counters only
+
+    def _facts(self, rec: dict) -> tuple:
+        """(rank or None, event, action, reason class, sample id or None, schema is 1): what
+        the counters need from a record, every string bounded."""
+        get = rec.get
+        rank, event, action, reason, sid = (
+            get("rank"),
+            get("event"),
+            get("action"),
+            get("reason"),
+            get("sample_id"),
+        )
+        if type(rank) is not int:
+            rank = None
+        if type(event) is not str or len(event) > _LABEL_LEN:
+            event = _label(event)
+        if type(action) is not str or len(action) > _LABEL_LEN:
+            action = _label(action)
+        reason = NONE_LABEL if reason is None else self._reason(reason)
+        if sid is not None and event in OFFENDING_EVENTS:
+            if type(sid) is str:
+                if len(sid) > _SID_LEN:
+                    sid = sid[:_SID_LEN] + "..."
+            elif type(sid) is not int or not -_SID_INT < sid < _SID_INT:
+                sid = _label(sid)
+        else:
+            sid = None
+        return rank, event, action, reason, sid, get("schema") == 1
 
     def merge(self, other: _Aggregator) -> None:
         """Fold in the counters of another aggregator (same filters; files read elsewhere)."""
@@ -277,6 +287,7 @@ class _Aggregator:
         self.other_schema += other.other_schema
         self.malformed_by_file.update(other.malformed_by_file)
         self.torn.extend(other.torn)
+        self.skipped.update(other.skipped)
         self._steps(other.first_step, other.last_step)
         if other.fatal_key is not None and (
             self.fatal_key is None or other.fatal_key < self.fatal_key
@@ -303,7 +314,10 @@ class _Aggregator:
         )
         if self.fatal_key is None or key < self.fatal_key:
             self.fatal_key = key
-            self.fatal = {**rec, "rank": rank, "_file": name, "_line": line_no}
+            safe = json_safe(rec)  # bounded: strings, lists and nesting cut (hostile lines)
+            if not isinstance(safe, dict):
+                safe = {}
+            self.fatal = {**safe, "rank": rank, "_file": name, "_line": line_no}
 
     def summary(self, files: list[Path], top: int) -> ReportSummary:
         by_rank: dict[int | None, dict[str, int]] = {}
@@ -314,6 +328,8 @@ class _Aggregator:
             per = by_rank.setdefault(rank, {})
             per[event] = per.get(event, 0) + n
             by_event[event] = by_event.get(event, 0) + n
+            if event == "consensus":  # every rank's echo of one raise: not more raises
+                action = "(consensus)" if action == NONE_LABEL else f"{action} (consensus)"
             by_action[action] = by_action.get(action, 0) + n
             by_reason[reason] = by_reason.get(reason, 0) + n
 
@@ -329,6 +345,7 @@ class _Aggregator:
             malformed=self.malformed,
             malformed_by_file=MappingProxyType(dict(self.malformed_by_file)),
             torn_files=tuple(self.torn),
+            skipped_files=MappingProxyType(dict(self.skipped)),
             other_schema=self.other_schema,
             by_rank=MappingProxyType(
                 {r: MappingProxyType(_event_order(by_rank[r])) for r in ranks_sorted}

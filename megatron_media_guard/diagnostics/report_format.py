@@ -3,23 +3,63 @@
 Totals and skipped lines first, then the first fatal record, then tables by rank, event,
 action and reason class, then the top offending sample ids. Long tables are cut with a
 pointer to ``--json`` (:meth:`ReportSummary.to_dict` holds everything).
+
+Files are named relative to the directory they share (``run-a/media_guard.rank00001.jsonl``
+when a smoke directory holds several runs). Every control character of the text (escape
+sequences in a hostile record, a file name with a newline) is shown escaped (``\x1b``),
+never sent to the terminal.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .records import summary_line
+from .records import cut_words, summary_line
 from .report import OFFENDING_EVENTS, ReportSummary, _event_order
+
+_CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+_ID_LEN = 80
+
+
+def neutralise(text: str) -> str:
+    """``text`` with every control character but newline shown as an escape (``\\x1b``)."""
+    return _CONTROL.sub(lambda m: ascii(m.group())[1:-1], text)
+
+
+def _namer(files: Sequence[str]):
+    """A function naming a file relative to the directory all ``files`` share."""
+    root = ""
+    if len(files) > 1:
+        try:
+            root = os.path.commonpath([os.path.dirname(f) or "." for f in files])
+        except ValueError:  # absolute and relative paths mixed
+            root = ""
+
+    def name(f: str) -> str:
+        if not root:
+            return Path(f).name
+        try:
+            return os.path.relpath(f, root)
+        except ValueError:
+            return Path(f).name
+
+    return name
+
+
+def _short_id(value: object) -> str:
+    return cut_words(repr(value), _ID_LEN)
 
 
 def _table(title: str, counts: Mapping[str, int], limit: int = 20) -> list[str]:
     if not counts:
         return []
-    width = max(len(k) for k in list(counts)[:limit])
+    rows = [(cut_words(k, 100), n) for k, n in list(counts.items())[:limit]]
+    width = max(len(k) for k, _ in rows)
     out = [f"{title}:"]
-    out += [f"  {k:<{width}}  {n:>10,}" for k, n in list(counts.items())[:limit]]
+    out += [f"  {k:<{width}}  {n:>10,}" for k, n in rows]
     if len(counts) > limit:
         out.append(f"  ... {len(counts) - limit} more (see --json)")
     return out
@@ -63,11 +103,14 @@ def format_summary(summary: ReportSummary) -> str:
         lines.append(f"filters: ranks={s.ranks_filter} steps={s.steps_filter}")
     if not s.files:
         lines.append("no media_guard.rank*.jsonl files found")
+    name = _namer(s.files)
+    for f, why in s.skipped_files.items():
+        lines.append(f"skipped file {name(f)}: {why}")
     if s.malformed:
-        per = ", ".join(f"{Path(f).name}: {n}" for f, n in s.malformed_by_file.items())
+        per = ", ".join(f"{name(f)}: {n}" for f, n in list(s.malformed_by_file.items())[:20])
         lines.append(f"skipped {s.malformed:,} malformed line(s) ({per})")
     for f in s.torn_files:
-        lines.append(f"skipped a torn last line in {Path(f).name}")
+        lines.append(f"skipped a torn last line in {name(f)}")
     if s.other_schema:
         lines.append(f"note: {s.other_schema:,} record(s) with a schema other than 1")
     if s.first_fatal is not None:
@@ -77,12 +120,12 @@ def format_summary(summary: ReportSummary) -> str:
             if ff.get(key) is not None:
                 culprit.append(f"{key} {ff.get(key)}")
         if ff.get("sample_id") is not None:
-            culprit.append(f"(id {ff.get('sample_id')!r})")
+            culprit.append(f"(id {_short_id(ff.get('sample_id'))})")
         if ff.get("item") is not None:
             culprit.append(f"item {ff.get('item')}")
         if ff.get("time") is not None:
-            culprit.append(f"at {ff.get('time')}")
-        where = f"{Path(str(ff.get('_file'))).name}:{ff.get('_line')}"
+            culprit.append(f"at {cut_words(str(ff.get('time')), 40)}")
+        where = f"{name(str(ff.get('_file')))}:{ff.get('_line')}"
         lines.append(f"first fatal: {' '.join(culprit)} [{where}]")
         lines.append("  " + summary_line(ff))
     else:
@@ -90,10 +133,15 @@ def format_summary(summary: ReportSummary) -> str:
     lines += _rank_table(s.by_rank)
     lines += _table("by event", s.by_event)
     lines += _table("by action", s.by_action)
+    if any(k.endswith("(consensus)") for k in s.by_action):
+        lines.append(
+            "  (consensus: every rank's record of a stage-wide round; the stage's action, not its own)"
+        )
     lines += _table("by reason (digits shown as #)", s.by_reason)
     if s.top_sample_ids:
         note = "" if s.sample_ids_exact else " (estimated: counts are lower bounds)"
         lines.append(f"top offending sample ids (repair/drop/raise){note}:")
-        width = max(len(repr(k)) for k, _ in s.top_sample_ids)
-        lines += [f"  {k!r:<{width}}  {n:>10,}" for k, n in s.top_sample_ids]
-    return "\n".join(lines)
+        ids = [(_short_id(k), n) for k, n in s.top_sample_ids]
+        width = max(len(k) for k, _ in ids)
+        lines += [f"  {k:<{width}}  {n:>10,}" for k, n in ids]
+    return neutralise("\n".join(lines))

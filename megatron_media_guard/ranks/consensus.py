@@ -69,6 +69,21 @@ def parallel_state() -> Any | None:
         return None
 
 
+def process_rank_info() -> RankInfo:
+    """This process's global rank and tp/pp/dp/cp coordinates: torch.distributed and
+    megatron-core ``parallel_state`` when initialized, else ``RANK`` from the environment."""
+    ps = parallel_state()
+    if ps is not None:
+        return RankInfo(
+            rank=dist.get_rank(),
+            tp=ps.get_tensor_model_parallel_rank(),
+            pp=ps.get_pipeline_model_parallel_rank(),
+            dp=ps.get_data_parallel_rank(),
+            cp=ps.get_context_parallel_rank(),
+        )
+    return RankInfo(rank=dist.get_rank()) if dist_ready() else RankInfo.from_env()
+
+
 def megatron_writers() -> tuple[object, ...]:
     """Megatron-LM's TensorBoard and W&B writers, where set (none outside Megatron-LM)."""
     gv = sys.modules.get("megatron.training.global_vars")
@@ -204,18 +219,7 @@ class StageConsensus:
 
     def rank_info(self) -> RankInfo:
         """This rank's global rank and tp/pp/dp/cp coordinates (parallel_state when set)."""
-        if self._info is not None:
-            return self._info
-        ps = parallel_state()
-        if ps is not None:
-            return RankInfo(
-                rank=dist.get_rank(),
-                tp=ps.get_tensor_model_parallel_rank(),
-                pp=ps.get_pipeline_model_parallel_rank(),
-                dp=ps.get_data_parallel_rank(),
-                cp=ps.get_context_parallel_rank(),
-            )
-        return RankInfo(rank=dist.get_rank()) if dist_ready() else RankInfo.from_env()
+        return self._info if self._info is not None else process_rank_info()
 
     def bind(self, guard: Any) -> StageConsensus:
         """Write ``consensus`` records to ``guard.log`` (the guard's per-rank file)."""

@@ -26,6 +26,15 @@ from .bundle import (
     _safetensors,
     _tensor_meta,
 )
+from .bundle_limits import (
+    DEFAULT_MAX_BYTES,
+    LimitError,
+    check_loaded,
+    check_safetensors,
+    check_torch_zip,
+    max_bytes_from_env,
+)
+from .bundle_meta import check_meta
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,14 +59,23 @@ class Bundle:
     schema: int = SCHEMA_VERSION
 
 
-def _read_payload(path: Path) -> tuple[str, dict[str, torch.Tensor]]:
+def _read_payload(
+    path: Path, max_bytes: int = DEFAULT_MAX_BYTES
+) -> tuple[str, dict[str, torch.Tensor]]:
+    """The metadata text and the tensors, each size checked against ``max_bytes`` before
+    the payload is read (header / zip directory) and after (logical sizes)."""
     with open(path, "rb") as fh:
         head = fh.read(4)
     if head == _ZIP_MAGIC:
+        check_torch_zip(path, max_bytes)
         obj = torch.load(path, map_location="cpu", weights_only=True)
         if not isinstance(obj, dict) or not isinstance(obj.get(FORMAT), str):
             raise BundleError(f"{path} is a torch file but not a media-guard bundle")
-        return obj[FORMAT], dict(obj.get("tensors") or {})
+        tensors = obj.get("tensors") or {}
+        if not isinstance(tensors, dict):
+            raise BundleError(f"{path}: 'tensors' is not a mapping of name -> tensor")
+        check_loaded(tensors, max_bytes)
+        return obj[FORMAT], dict(tensors)
     st = _safetensors()
     if st is None:
         raise BundleError(
@@ -66,6 +84,7 @@ def _read_payload(path: Path) -> tuple[str, dict[str, torch.Tensor]]:
         )
     from safetensors import safe_open
 
+    check_safetensors(path, max_bytes)
     with safe_open(str(path), framework="pt", device="cpu") as fh:
         text = (fh.metadata() or {}).get(FORMAT)
         if text is None:
@@ -73,15 +92,28 @@ def _read_payload(path: Path) -> tuple[str, dict[str, torch.Tensor]]:
         return text, {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118
 
 
-def load_bundle(path: str | os.PathLike[str]) -> Bundle:
-    """Read and validate a bundle; raises :class:`BundleError` naming what is wrong."""
+def load_bundle(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> Bundle:
+    """Read and validate a bundle; raises :class:`BundleError` naming what is wrong.
+
+    max_bytes: the most tensor data the bundle may declare, in all (default
+    ``MEDIA_GUARD_REPLAY_MAX_BYTES`` or 1 GiB); checked before anything is allocated.
+    """
     path = Path(path)
-    if not path.is_file():
+    try:
+        limit = max_bytes_from_env() if max_bytes is None else int(max_bytes)
+    except LimitError as err:
+        raise BundleError(str(err)) from None
+    if not path.is_file():  # follows a symlink; a FIFO or device is not a file
         raise BundleError(f"no bundle file at {path}")
     try:
-        text, tensors = _read_payload(path)
+        text, tensors = _read_payload(path, limit)
     except BundleError:
         raise
+    except LimitError as err:
+        raise BundleError(
+            f"{path} is not a readable bundle (refused: {err})",
+            context={"path": str(path)},
+        ) from None
     except Exception as err:  # corrupt header, truncated data, refused pickle payload
         raise BundleError(
             f"{path} is not a readable bundle ({type(err).__name__}: {err})",
@@ -89,10 +121,20 @@ def load_bundle(path: str | os.PathLike[str]) -> Bundle:
         ) from None
     try:
         meta = json.loads(text)
+        check_meta(meta)
         return _from_meta(path, meta, tensors)
     except BundleError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError, MediaAlignmentError) as err:
+    except LimitError as err:
+        raise BundleError(f"{path}: bundle metadata is invalid: {err}") from None
+    except (
+        KeyError,
+        TypeError,
+        ValueError,
+        AttributeError,
+        RecursionError,
+        MediaAlignmentError,
+    ) as err:
         raise BundleError(
             f"{path}: bundle metadata is invalid ({type(err).__name__}: {err})",
             context={"path": str(path)},

@@ -103,14 +103,27 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``media-guard replay``."""
     parser.add_argument("bundle", help="a media_guard.rank*.bundle file")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--max-bytes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="refuse a bundle declaring more than N bytes of tensors, before reading them "
+        "(default: $MEDIA_GUARD_REPLAY_MAX_BYTES or 1 GiB)",
+    )
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    """0: aligned now; 1: the mismatch reproduces; 2: the bundle cannot be read."""
+    """0: aligned now; 1: the mismatch reproduces; 2: the bundle cannot be read or is invalid
+    (one line on stderr saying why; never a traceback, never 1)."""
     try:
-        result = replay(load_bundle(args.bundle))
+        result = replay(load_bundle(args.bundle, max_bytes=getattr(args, "max_bytes", None)))
     except MediaAlignmentError as err:
-        print(f"media-guard replay: {err}", file=sys.stderr)
+        print(f"media-guard replay: {_one_line(str(err))}", file=sys.stderr)
+        return EXIT_BAD_BUNDLE
+    except Exception as err:  # whatever an invalid bundle trips in the replay itself
+        why = _one_line(f"{type(err).__name__}: {err}")
+        print(f"media-guard replay: {args.bundle}: invalid bundle ({why})", file=sys.stderr)
         return EXIT_BAD_BUNDLE
     if args.json:
         print(json.dumps(result.to_dict(), default=_json_default))
@@ -119,6 +132,11 @@ def run_replay(args: argparse.Namespace) -> int:
         if result.saved_mismatched:
             print(f"  at save time: mismatched samples {list(result.saved_mismatched)[:16]}")
     return EXIT_ALIGNED if result.aligned else EXIT_MISMATCH
+
+
+def _one_line(text: str, limit: int = 400) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def replay_main(argv: Sequence[str] | None = None) -> int:

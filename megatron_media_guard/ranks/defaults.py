@@ -1,0 +1,54 @@
+"""What a :class:`~megatron_media_guard.core.guard.MediaGuard` built without ``consensus=``
+or ``rank=`` gets (the guard imports this module lazily, inside its constructor: the core
+never imports torch.distributed itself).
+
+- consensus: when torch.distributed is initialized, a :class:`~.consensus.StageConsensus`
+  over megatron-core ``parallel_state``'s groups when that is initialized, else over the
+  world group (every rank one stage, no micro-batch peers). A guard that decided alone
+  would raise on the faulty rank while its peers wait in the next collective until the
+  process-group timeout. Which one was chosen is logged once per process. Without
+  torch.distributed: None (single process). ``consensus=False`` turns it off explicitly.
+- rank: from torch.distributed when it is initialized (and the tp/pp/dp/cp coordinates from
+  ``parallel_state`` when that is), else from the ``RANK`` variable.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from ..diagnostics import RankInfo, get_logger
+from .consensus import StageConsensus, dist_ready, parallel_state, process_rank_info
+
+_ANNOUNCED: set[str] = set()
+_LOCK = threading.Lock()
+
+
+def default_consensus() -> StageConsensus | None:
+    """The consensus a guard gets when none is given (see the module docstring)."""
+    if not dist_ready():
+        return None
+    if parallel_state() is not None:
+        cons, source = StageConsensus.from_parallel_state(), "megatron-core parallel_state"
+    else:
+        cons, source = StageConsensus(), "the world group (parallel_state is not initialized)"
+    _announce(
+        source,
+        f"[media-guard] torch.distributed is initialized: every guarded merge is agreed over "
+        f"{source}, stage of {cons.stage_size} rank(s); pass consensus=False to decide per "
+        "rank alone",
+    )
+    return cons
+
+
+def default_rank() -> RankInfo:
+    """This process's coordinates: torch.distributed (and parallel_state) when initialized,
+    else ``RANK`` from the environment."""
+    return process_rank_info()
+
+
+def _announce(key: str, line: str) -> None:
+    with _LOCK:
+        if key in _ANNOUNCED:
+            return
+        _ANNOUNCED.add(key)
+    get_logger().info("%s", line)

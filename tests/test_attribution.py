@@ -1,0 +1,119 @@
+"""Errors that say their cause: NaN/Inf raises and records name ``nonfinite``, the item and
+the sample_id; labels that cannot hold ``ignore_index`` are refused; nothing in building
+the message can replace the alignment error."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from megatron_media_guard import (
+    GuardConfig,
+    MediaAlignmentError,
+    MediaGuard,
+    MediaInputError,
+    MediaItem,
+    RankInfo,
+)
+from megatron_media_guard.core import explain
+from megatron_media_guard.diagnostics import get_logger
+from megatron_media_guard.testing import TEST_GRAMMARS, inject
+
+Q = TEST_GRAMMARS["qwen"]
+LAYOUT = [[("image", 4)], [("image", 3), ("image", 2)]]
+
+
+@pytest.fixture(autouse=True)
+def _quiet_logger():
+    get_logger().setLevel(logging.CRITICAL)
+    yield
+    get_logger().setLevel(logging.INFO)
+
+
+def _batch_with_nan(item: int):
+    batch = inject(Q, LAYOUT, "none")
+    items = [
+        MediaItem(it.num_features, sample=it.sample, sample_id=f"id-{i}")
+        for i, it in enumerate(batch.items)
+    ]
+    feats = batch.features(8)
+    start = sum(it.num_features for it in items[:item])
+    feats[start + 1, 3] = float("nan")
+    return batch, items, feats
+
+
+@pytest.mark.parametrize("item, sample, sid", [(0, 0, "id-0"), (2, 1, "id-1")])
+def test_nonfinite_raise_names_cause_item_and_sample_id(tmp_path, item, sample, sid):
+    batch, items, feats = _batch_with_nan(item)
+    guard = MediaGuard(GuardConfig(log_dir=str(tmp_path)), Q, rank=RankInfo(rank=0))
+    emb = torch.zeros(*batch.input_ids.shape, 8)
+    with pytest.raises(MediaAlignmentError) as info:
+        guard.merge(emb, batch.input_ids, feats, items, step=2)
+    msg = str(info.value)
+    assert f"nonfinite: NaN/Inf in the features of item {item}" in msg
+    assert f"sample {sample} (sample_id {sid!r})" in msg  # the sample's id: its first item's
+    assert "aligned — ." not in msg
+    (rec,) = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
+    assert rec["event"] == "raise" and rec["reason"].startswith("nonfinite")
+    assert (rec["sample"], rec["item"]) == (sample, item)
+    assert rec["sample_id"] == sid and rec["extra"]["items"] == [item]
+
+
+def test_nonfinite_drop_record_names_the_item(tmp_path):
+    batch, items, feats = _batch_with_nan(2)
+    cfg = GuardConfig(log_dir=str(tmp_path), nonfinite="drop")
+    guard = MediaGuard(cfg, Q, rank=RankInfo(rank=0))
+    emb = torch.zeros(*batch.input_ids.shape, 8)
+    res = guard.merge(emb, batch.input_ids, feats, items)
+    assert res.report.dropped == (1,)
+    (rec,) = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
+    assert (rec["event"], rec["item"], rec["sample_id"]) == ("drop", 2, "id-1")
+
+
+@pytest.mark.parametrize(
+    "dtype, ok",
+    [
+        (torch.int64, True),
+        (torch.int32, True),
+        (torch.int16, True),
+        (torch.int8, True),  # -100 fits
+        (torch.uint8, False),  # -100 would wrap to 156
+        (torch.bool, False),
+    ],
+)
+@pytest.mark.parametrize("path", ["merge", "last_stage"])
+def test_labels_that_cannot_hold_ignore_index_are_refused(dtype, ok, path):
+    batch = inject(Q, LAYOUT, "surplus_feature")
+    guard = MediaGuard(GuardConfig(policy="drop"), Q, rank=RankInfo(rank=0))
+    labels = torch.ones(batch.input_ids.shape, dtype=dtype)
+    emb = torch.zeros(*batch.input_ids.shape, 8)
+
+    def call():
+        if path == "merge":
+            return guard.merge(emb, batch.input_ids, batch.features(8), batch.items, labels=labels)
+        return guard.last_stage(batch.input_ids, batch.items, labels=labels)
+
+    if ok:
+        res = call()
+        assert (res.labels == -100).any() and res.labels.dtype == dtype
+    else:
+        with pytest.raises(MediaInputError, match="cannot hold ignore_index -100"):
+            call()
+
+
+def test_message_building_cannot_hide_the_alignment_error(tmp_path, monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("a field that cannot be printed")
+
+    monkeypatch.setattr(explain, "describe_sample", broken)
+    batch = inject(Q, LAYOUT, "surplus_feature")
+    guard = MediaGuard(GuardConfig(log_dir=str(tmp_path)), Q, rank=RankInfo(rank=4))
+    emb = torch.zeros(*batch.input_ids.shape, 8)
+    with pytest.raises(MediaAlignmentError) as info:
+        guard.merge(emb, batch.input_ids, batch.features(8), batch.items, step=9)
+    msg = str(info.value)
+    assert "Media alignment failed (rank 4, step 9)" in msg and "RuntimeError" in msg
+    assert "per-rank log:" in msg

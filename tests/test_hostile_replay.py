@@ -1,0 +1,228 @@
+"""Hostile bundles for ``media-guard replay``: bundles that declare more than they hold
+(stride-0 views, zip bombs, safetensors headers that lie) or whose metadata has the wrong
+types and sizes. Each exits 2 with one line saying why, before anything big is allocated;
+exit 1 stays for a reproduced mismatch. And ``MediaItem`` refuses sample ids that no
+diagnostic could carry."""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_media_guard import GuardConfig, MediaItem, RankInfo
+from megatron_media_guard.diagnostics import get_logger
+from megatron_media_guard.errors import MediaInputError
+from megatron_media_guard.replay import bundle_load
+from megatron_media_guard.replay.bundle import FORMAT
+from megatron_media_guard.replay.bundle_save import save_bundle
+from megatron_media_guard.replay.rerun import replay_main
+from megatron_media_guard.testing import TEST_GRAMMARS, inject
+
+pytestmark = pytest.mark.timeout(60)
+Q = TEST_GRAMMARS["qwen"]
+
+
+@pytest.fixture(autouse=True)
+def _quiet_logger():
+    get_logger().setLevel(logging.ERROR)
+    yield
+    get_logger().setLevel(logging.INFO)
+
+
+# ---- replay: hostile bundles ----------------------------------------------------------------
+
+
+def _good_bundle(d: Path) -> Path:
+    batch = inject(Q, [[("image", 4)], [("image", 3)]], "surplus_feature")
+    return save_bundle(
+        d,
+        input_ids=batch.input_ids,
+        items=batch.items,
+        grammar=Q,
+        config=GuardConfig(),
+        rank=RankInfo(rank=1),
+        step=3,
+    )
+
+
+def _meta_and_tensors(path: Path) -> tuple[dict, dict]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as fh:
+        return json.loads(fh.metadata()[FORMAT]), {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118
+
+
+def _torch_bundle(d: Path, meta: dict, tensors: dict) -> Path:
+    p = d / "hostile.bundle"
+    torch.save({FORMAT: json.dumps(meta), "tensors": tensors}, p)
+    return p
+
+
+def _stride0(d, meta, tensors):
+    """A few KB on disk; a [1, 3e8] int64 view of one element (2.4 GB once expanded)."""
+    n = 300_000_000
+    meta["tensors"]["input_ids"] = {"dtype": "int64", "shape": [1, n]}
+    return _torch_bundle(d, meta, {"input_ids": torch.zeros(1, 1, dtype=torch.long).expand(1, n)})
+
+
+def _zip_bomb(d, meta, tensors):
+    """A deflated torch zip: small on disk, its directory declares 8 MB (limit here 1 MB)."""
+    n = 1_000_000
+    meta["tensors"]["input_ids"] = {"dtype": "int64", "shape": [1, n]}
+    plain = _torch_bundle(d, meta, {"input_ids": torch.zeros(1, n, dtype=torch.long)})
+    out = d / "bomb.bundle"
+    with zipfile.ZipFile(plain) as zin, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, zin.read(info.filename))
+    assert out.stat().st_size < 100_000
+    return out
+
+
+def _st_file(d: Path, header: dict, data: bytes) -> Path:
+    raw = json.dumps(header).encode()
+    p = d / "hostile.bundle"
+    p.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return p
+
+
+def _st_huge_shape(d, meta, tensors):
+    spec = {"dtype": "I64", "shape": [1, 10**12], "data_offsets": [0, 8 * 10**12]}
+    return _st_file(d, {"__metadata__": {FORMAT: json.dumps(meta)}, "input_ids": spec}, b"\0" * 8)
+
+
+def _st_header_length(d, meta, tensors):
+    p = d / "hostile.bundle"
+    p.write_bytes(struct.pack("<Q", 1 << 60) + b"{}")
+    return p
+
+
+def _st_deep_header(d, meta, tensors):
+    return _st_file(d, {"__metadata__": {FORMAT: "[" * 5000 + "]" * 5000}}, b"")
+
+
+def _meta(mutate):
+    def make(d, meta, tensors):
+        from safetensors.torch import save_file
+
+        mutate(meta)
+        p = d / "hostile.bundle"
+        save_file(tensors, str(p), metadata={FORMAT: json.dumps(meta)})
+        return p
+
+    return make
+
+
+def _item(key, value):
+    return _meta(lambda m: m["items"][0].__setitem__(key, value))
+
+
+HOSTILE_BUNDLES = {
+    "stride0_view": (_stride0, "limit"),
+    "zip_bomb": (_zip_bomb, "uncompressed"),
+    "st_shape_past_the_file": (_st_huge_shape, "data offsets"),
+    "st_header_length": (_st_header_length, "header declares"),
+    "st_deep_metadata": (_st_deep_header, "invalid"),
+    "items_not_a_list": (_meta(lambda m: m.__setitem__("items", 5)), "items"),
+    "num_features_str": (_item("num_features", "five"), "num_features"),
+    "num_features_huge": (_item("num_features", 10**30), "num_features"),
+    "frame_hw_garbage": (_item("frame_hw", [1, 2, 3, {"a": 1}]), "frame_hw"),
+    "sample_id_huge": (_item("sample_id", "x" * 100_000), "sample_id"),
+    "sample_id_object": (_item("sample_id", {"a": 1}), "sample_id"),
+    "grammar_missing": (_meta(lambda m: m.pop("grammar")), "grammar"),
+    "grammar_id_str": (_meta(lambda m: m["grammar"].__setitem__("start_id", "x")), "start_id"),
+    "rank_extra_key": (_meta(lambda m: m.__setitem__("rank", {"bogus": 1})), "rank"),
+    "config_bad": (_meta(lambda m: m.__setitem__("config", {"policy": 7})), "policy"),
+    "report_a_list": (_meta(lambda m: m.__setitem__("report", [1])), "report"),
+    "mismatched_sample_str": (
+        _meta(lambda m: m["report"].__setitem__("mismatched", [{"sample": "z"}])),
+        "mismatched",
+    ),
+    "step_str": (_meta(lambda m: m.__setitem__("step", "x")), "step"),
+    "tensors_a_list": (_meta(lambda m: m.__setitem__("tensors", [1])), "tensors"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_BUNDLES))
+def test_hostile_bundle_exits_2_with_one_line(tmp_path, case, capsys):
+    make, why = HOSTILE_BUNDLES[case]
+    meta, tensors = _meta_and_tensors(_good_bundle(tmp_path))
+    path = make(tmp_path, meta, tensors)
+    assert replay_main([str(path), "--max-bytes", str(1 << 20)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("media-guard replay: ") and why in err, err
+    assert "Traceback" not in err
+
+
+def test_good_bundle_still_reproduces_with_exit_1(tmp_path, capsys):
+    path = _good_bundle(tmp_path)
+    assert replay_main([str(path), "--max-bytes", str(1 << 20)]) == 1
+    assert "Media alignment failed" in capsys.readouterr().out
+
+
+def test_the_limit_is_configurable_and_checked_before_loading(tmp_path, monkeypatch, capsys):
+    path = _good_bundle(tmp_path)
+    loaded = []
+    real = bundle_load.torch.load
+    monkeypatch.setattr(
+        bundle_load.torch, "load", lambda *a, **k: loaded.append(1) or real(*a, **k)
+    )
+    assert replay_main([str(path), "--max-bytes", "16"]) == 2
+    assert "limit" in capsys.readouterr().err and not loaded
+    monkeypatch.setenv("MEDIA_GUARD_REPLAY_MAX_BYTES", "16")
+    assert replay_main([str(path)]) == 2
+    monkeypatch.setenv("MEDIA_GUARD_REPLAY_MAX_BYTES", "lots")
+    assert replay_main([str(path)]) == 2
+    assert "MEDIA_GUARD_REPLAY_MAX_BYTES" in capsys.readouterr().err
+
+
+def test_token_ids_are_bounded_tighter_than_bytes(tmp_path, capsys):
+    ids = torch.full((1, 40_000), 1, dtype=torch.long)  # 320 KB, 40k tokens
+    path = save_bundle(tmp_path, input_ids=ids, items=[], grammar=Q)
+    assert replay_main([str(path), "--max-bytes", str(1 << 20)]) == 2  # 16,384 tokens admitted
+    assert "token ids" in capsys.readouterr().err
+    assert replay_main([str(path), "--max-bytes", str(4 << 20)]) == 0  # aligned: no media
+
+
+# ---- MediaItem refuses what diagnostics could not carry ---------------------------------
+
+
+@pytest.mark.parametrize(
+    "sid, ok",
+    [
+        ("abc", True),
+        (7, True),
+        (-(2**63) + 1, True),
+        (torch.tensor(5), False),  # str(x) or int(x) of it
+        (2**63, False),
+        (10**5000, False),
+        ("x" * 1025, False),
+        (1.5, False),
+        (object(), False),
+        (True, False),
+        (b"id", False),
+    ],
+    ids=lambda v: type(v).__name__ if not isinstance(v, bool) else str(v),
+)
+def test_sample_id_is_checked_at_construction(sid, ok):
+    if ok:
+        item = MediaItem(3, sample_id=sid)
+        assert type(item.sample_id) in (str, int)
+    else:
+        with pytest.raises(MediaInputError, match="sample_id"):
+            MediaItem(3, sample_id=sid)
+
+
+def test_str_subclass_with_a_hostile_repr_is_stored_as_a_plain_str():
+    class Evil(str):
+        def __repr__(self):
+            raise RuntimeError("boom")
+
+    item = MediaItem(3, sample_id=Evil("id-1"))
+    assert type(item.sample_id) is str and repr(item.sample_id) == "'id-1'"

@@ -1,0 +1,298 @@
+"""Hostile files for ``media-guard report``: rank files that are special (FIFO, devices,
+directories, dangling symlinks, symlink loops), unreadable, deeply nested, not UTF-8, full of
+escape sequences or huge strings. Each is counted or skipped with a reason, the rest of the
+post-mortem is kept, never a hang (every test has a hard timeout), never a traceback."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_media_guard import RankInfo
+from megatron_media_guard.cli import main
+from megatron_media_guard.diagnostics import (
+    GuardRecord,
+    build_record,
+    file_name,
+    get_logger,
+    json_dumps,
+    report_lines,
+)
+from megatron_media_guard.diagnostics.report import summarize
+from megatron_media_guard.diagnostics.report_format import format_summary
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_logger():
+    get_logger().setLevel(logging.ERROR)
+    yield
+    get_logger().setLevel(logging.INFO)
+
+
+def line(event="drop", rank=0, step=1, mb=0, time="2026-01-01T00:00:00.000000+00:00", **kw):
+    rec = build_record(
+        GuardRecord(event, step=step, microbatch=mb, **kw),
+        RankInfo(rank=rank),
+        time=time,
+        host="h",
+        pid=1,
+        caller="t:t",
+    )
+    return json_dumps(rec) + "\n"
+
+
+GOOD = [line(sample_id="s0", reason="surplus: 5 features for 4 placeholders (+1)")] * 3
+
+
+def good_file(d: Path, rank: int = 0) -> Path:
+    p = d / file_name(rank)
+    p.write_text("".join(GOOD))
+    return p
+
+
+# ---- report: special files named like rank files ------------------------------------------
+
+
+def _fifo(p):
+    os.mkfifo(p)
+
+
+def _char_device(p):
+    os.symlink("/dev/urandom", p)
+
+
+def _zero_device(p):
+    os.symlink("/dev/zero", p)
+
+
+def _directory(p):
+    p.mkdir()
+
+
+def _dangling(p):
+    os.symlink(p.parent / "nowhere", p)
+
+
+def _loop(p):
+    os.symlink(p.absolute(), p)
+
+
+SPECIAL = {
+    "fifo": (_fifo, "FIFO"),
+    "urandom": (_char_device, "character device"),
+    "zero": (_zero_device, "character device"),
+    "directory": (_directory, "directory"),
+    "dangling_symlink": (_dangling, "No such file"),
+    "symlink_loop": (_loop, "symbolic links"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SPECIAL))
+def test_report_skips_special_files_with_a_reason(tmp_path, case, capsys):
+    make, why = SPECIAL[case]
+    good_file(tmp_path)
+    make(tmp_path / file_name(1))
+    s = summarize(tmp_path, jobs=1)
+    assert s.records == 3 and s.count("drop") == 3
+    assert list(s.skipped_files) == [str(tmp_path / file_name(1))]
+    assert why in s.skipped_files[str(tmp_path / file_name(1))]
+    assert main(["report", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert "warning: skipped" in err and why in err
+    assert f"skipped file {file_name(1)}" in out and "3 records" in out
+
+
+def test_report_skips_an_unreadable_file(tmp_path, monkeypatch):
+    """chmod 000 is no barrier to root: the open is made to fail as it would for a user."""
+    good_file(tmp_path)
+    bad = good_file(tmp_path, 1)
+    real_open = os.open
+
+    def deny(path, *a, **kw):
+        if os.fspath(path) == str(bad):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *a, **kw)
+
+    monkeypatch.setattr(report_lines.os, "open", deny)
+    s = summarize(tmp_path, jobs=1)
+    assert s.records == 3 and "Permission denied" in s.skipped_files[str(bad)]
+
+
+def test_report_of_a_directory_of_special_files_only_via_subprocess(tmp_path):
+    """End to end, in a fresh process with a hard timeout: a FIFO never hangs the command."""
+    os.mkfifo(tmp_path / file_name(0))
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_media_guard", "report", str(tmp_path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["records"] == 0 and "FIFO" in next(iter(out["skipped_files"].values()))
+
+
+# ---- report: hostile content ---------------------------------------------------------------
+
+HOSTILE_LINES = {
+    "deep_array": "[" * 3000 + "]" * 3000 + "\n",
+    "deep_object": '{"a":' * 3000 + "1" + "}" * 3000 + "\n",
+    "deep_inside_record": '{"schema":1,"event":"drop","extra":' + "[" * 5000 + "]" * 5000 + "}\n",
+    "bad_utf8_in_string": None,  # bytes, below
+    "glued_torn_record": '{"schema":1,"event":"dro' + GOOD[0],
+    "huge_int": '{"schema":1,"event":"drop","sample_id":' + "9" * 5000 + "}\n",
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_LINES))
+def test_hostile_lines_are_malformed_and_the_rest_is_kept(tmp_path, case):
+    p = tmp_path / file_name(0)
+    bad = (
+        b'{"schema":1,"event":"drop","reason":"\xff\xfe"}\n'
+        if HOSTILE_LINES[case] is None
+        else HOSTILE_LINES[case].encode()
+    )
+    p.write_bytes(GOOD[0].encode() + bad + GOOD[1].encode())
+    s = summarize(tmp_path, jobs=1)
+    assert (s.records, s.malformed, s.count("drop")) == (2, 1, 2)
+    assert not s.torn_files
+
+
+def test_control_characters_never_reach_the_terminal(tmp_path):
+    esc = "\x1b[2J\x1b]0;owned\x07\r\x9b"
+    p = tmp_path / file_name(0)
+    p.write_text(line("raise", sample_id=esc, reason=f"x{esc}y", action=esc) + "".join(GOOD))
+    text = format_summary(summarize(tmp_path, jobs=1))
+    assert not any((ord(ch) < 32 and ch != "\n") or 0x7F <= ord(ch) <= 0x9F for ch in text)
+    assert "\\x1b[2J" in text  # shown, escaped
+
+
+def test_huge_strings_are_cut_in_the_summary(tmp_path):
+    p = tmp_path / file_name(0)
+    with p.open("w") as f:
+        for i in range(300):
+            big = f"{i}-" + "x" * 50_000
+            f.write(line("raise", sample_id=big[:1000], reason="r " * 20_000, action=big))
+    s = summarize(tmp_path, jobs=1)
+    assert s.records == 300
+    assert max(len(str(k)) for k, _ in s.top_sample_ids) <= 210
+    assert max(len(k) for k in s.by_action) <= 130 and max(len(k) for k in s.by_reason) <= 130
+    text = format_summary(s)
+    assert max(len(x) for x in text.splitlines()) < 400
+    assert len(json.dumps(s.to_dict())) < 200_000
+
+
+# ---- report: reading a smoke directory of several runs -----------------------------------
+
+
+def test_smoke_directory_names_the_run_and_labels_consensus(tmp_path):
+    for run, rank in (("raise.policy", 1), ("drop.policy", 0)):
+        d = tmp_path / run
+        d.mkdir()
+        (d / file_name(rank)).write_text(
+            line(
+                "raise" if run.startswith("raise") else "drop",
+                rank=rank,
+                action="raise" if run.startswith("raise") else "drop",
+                reason="surplus: 10200 features for 8040 placeholders in the last video item",
+            )
+            + line("consensus", rank=rank, action="raise")
+        )
+    s = summarize(tmp_path, jobs=1)
+    assert s.by_action == {"drop": 1, "raise": 1, "raise (consensus)": 2}
+    text = format_summary(s)
+    assert "[raise.policy/media_guard.rank00001.jsonl:1]" in text
+    assert "the stage's action, not its own" in text
+
+
+@pytest.mark.parametrize("limit", [20, 40, 57])
+def test_reasons_are_not_cut_mid_word(limit):
+    from megatron_media_guard.diagnostics.records import cut_words
+
+    text = "surplus: 10200 features for 8040 placeholders in the last video item"
+    out = cut_words(text, limit)
+    assert len(out) <= limit and out.endswith("...")
+    assert text.startswith(out[:-3]) and text[len(out) - 3] == " "
+
+
+# ---- report: the template fast path is exact ------------------------------------------------
+
+TIMES = st.sampled_from(
+    ["2026-01-01T00:00:00.000000+00:00", "x", "", "2026\\u0041", "2026\u00e9", "a\tb"]
+)
+TOKENS = st.sampled_from(["0", "7", "12", "null", "-1", "01", "1e3", "1.5", '"3"', "true", "99x"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["drop", "raise", "check"]), TIMES, TOKENS, TOKENS),
+        min_size=1,
+        max_size=30,
+    )
+)
+def test_template_fast_path_matches_a_full_parse(tmp_path_factory, rows):
+    """Lines that differ from earlier ones only in time/step/microbatch (valid or not) give the
+    same summary with the fast path as without it."""
+    d = tmp_path_factory.mktemp("fast")
+    base = line("drop", step=0, mb=0, sample_id="s", reason="r 1")
+    out = []
+    for event, t, step, mb in rows:
+        text = base.replace('"event":"drop"', f'"event":"{event}"')
+        text = text.replace("2026-01-01T00:00:00.000000+00:00", t.replace("\t", "\\t"), 1)
+        text = text.replace(',"step":0,', f',"step":{step},', 1)
+        text = text.replace(',"microbatch":0,', f',"microbatch":{mb},', 1)
+        out.append(text)
+    (d / file_name(0)).write_text("".join(out))
+    fast = summarize(d, jobs=1).to_dict()
+    import megatron_media_guard.diagnostics.report_aggregate as agg
+
+    real = agg.template_match
+    try:
+        agg.template_match = lambda line: None  # every line parsed in full
+        slow = summarize(d, jobs=1).to_dict()
+    finally:
+        agg.template_match = real
+    assert fast == slow
+
+
+# ---- report and --help stay torch-free --------------------------------------------------
+
+TORCH_FREE_REPORT = """
+import sys
+from megatron_media_guard.cli import main
+code = main(["report", sys.argv[1], "--json"])
+print("TORCH:" + ",".join(sorted(m for m in sys.modules if m.split(".")[0] == "torch"))[:200])
+sys.exit(code)
+"""
+
+
+def test_report_command_imports_no_torch(tmp_path):
+    good_file(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", TORCH_FREE_REPORT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "TORCH:", done.stdout[-300:]
+
+
+def test_streams_are_not_left_open(tmp_path):
+    """The reader closes every file it opened (no descriptor leak over many files)."""
+    for r in range(50):
+        good_file(tmp_path, r)
+    before = len(os.listdir("/proc/self/fd"))
+    summarize(tmp_path, jobs=1)
+    assert len(os.listdir("/proc/self/fd")) <= before
