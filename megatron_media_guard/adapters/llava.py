@@ -45,7 +45,8 @@ from .hooks import GuardHandle, ItemsProvider, StepProvider
 from .llava_checks import LlavaFault, image_faults, llava_grammar, split_items
 from .llava_drop import finish_outputs, plan_drop, rewrite_inputs
 from .llava_layout import layout_problems, packed_cu_seqlens, sound_padded
-from .llava_measure import LlavaFacts, Span, measure, refine_finite
+from .llava_measure import LlavaFacts, measure, refine_finite
+from .llava_packed import Span
 from .llava_report import emit, outcome
 from .llava_sound import sound_faults
 
@@ -86,29 +87,33 @@ class LlavaHandle(GuardHandle):
     (a forward pre-hook, removed with the handle). Callers that run ``_preprocess_data``
     themselves give it with :meth:`set_packed_seq_params` before the call."""
 
-    _packed: Any = None
+    _packed: tuple[Any, Any] = (None, None)
     _pre_hook: Any = None
 
-    def set_packed_seq_params(self, packed_seq_params: Any) -> None:
-        """``PackedSeqParams`` for the next guarded call (consumed by it)."""
-        self._packed = packed_seq_params
+    def set_packed_seq_params(self, packed_seq_params: Any, position_ids: Any = None) -> None:
+        """``PackedSeqParams`` (and the forward's ``position_ids``, which restart at each
+        sub-sample) for the next guarded call; consumed by it."""
+        self._packed = (packed_seq_params, position_ids)
 
-    def take_packed(self) -> Any:
-        psp, self._packed = self._packed, None
-        return psp
+    def take_packed(self) -> tuple[Any, Any]:
+        out, self._packed = self._packed, (None, None)
+        return out
 
     def install(self, make_wrapper) -> LlavaHandle:
         super().install(make_wrapper)
         module = self.module
         if isinstance(module, torch.nn.Module):
             names = list(inspect.signature(module.forward).parameters)
-            index = names.index("packed_seq_params") if "packed_seq_params" in names else None
+
+            def arg(args, kwargs, name):
+                if name in kwargs:
+                    return kwargs[name]
+                i = names.index(name) if name in names else len(args)
+                return args[i] if i < len(args) else None
 
             def capture(mod, args, kwargs):
-                psp = kwargs.get("packed_seq_params")
-                if psp is None and index is not None and len(args) > index:
-                    psp = args[index]
-                self._packed = psp
+                psp = arg(args, kwargs, "packed_seq_params")
+                self._packed = (psp, arg(args, kwargs, "position_ids") if psp else None)
 
             self._pre_hook = module.register_forward_pre_hook(capture, with_kwargs=True)
         return self
@@ -118,7 +123,7 @@ class LlavaHandle(GuardHandle):
         if self._pre_hook is not None:
             self._pre_hook.remove()
             self._pre_hook = None
-        self._packed = None
+        self._packed = (None, None)
 
     def mask_loss(self, loss_mask, labels=None):
         res = self.last_result
@@ -188,6 +193,8 @@ def _facts(handle: LlavaHandle, a: dict[str, Any], check_finite: bool) -> LlavaF
     m = handle.module
     first = bool(m.pre_process)
     snd = a.get("sound_embeddings") if first else None
+    psp, pos = handle.take_packed()
+    cu = packed_cu_seqlens(psp, a["input_ids"])
     return measure(
         a["input_ids"],
         image_token_index=int(a["image_token_index"]),
@@ -200,8 +207,9 @@ def _facts(handle: LlavaHandle, a: dict[str, Any], check_finite: bool) -> LlavaF
         sound_embeddings=snd if isinstance(snd, torch.Tensor) and snd.dim() == 3 else None,
         sound_lengths=a.get("sound_embeddings_len"),
         sound_padded=sound_padded(m),
-        cu_seqlens=packed_cu_seqlens(handle.take_packed(), a["input_ids"]),
+        cu_seqlens=cu,
         check_finite=check_finite,
+        position_ids=pos if cu is not None and isinstance(pos, torch.Tensor) else None,
     )
 
 

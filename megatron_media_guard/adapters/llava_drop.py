@@ -32,7 +32,8 @@ import torch
 
 from ..core.apply import zero_anchor
 from .llava_checks import ImageOwners
-from .llava_measure import LlavaFacts, Span
+from .llava_measure import LlavaFacts
+from .llava_packed import Span
 from .llava_sound import ClipOwners
 
 PAD_TOKEN = 0  # what megatron-core's forward embeds at image-token positions
@@ -104,6 +105,11 @@ def plan_drop(
                 "its image tokens would have to change, which changes its expansion and moves "
                 "the later sub-samples off their cu_seqlens"
             )
+    if any(not sp.resolved for sp in spans) and problem is None:
+        problem = (
+            "its expansion does not fill its cu_seqlens span, so every later sub-sample is "
+            "placed off its boundaries"
+        )
     sound_samples: tuple[int, ...] = ()
     clips: tuple[int, ...] = ()
     if snd is not None and drops:

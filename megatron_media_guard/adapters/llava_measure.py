@@ -4,19 +4,10 @@
 first stage) the image and sound embeddings, and reduces them per sample on their own
 device: image / sound / text tokens, the first image whose expansion crosses
 ``language_max_sequence_length``, the sound tokens placed past it, per-entry and
-per-clip NaN/Inf counts and, for a packed THD row, where each sub-sample of
-``cu_seqlens`` starts in the compact token ids. One :func:`~..core.host.to_host` call
-brings the lot to the host; nothing here loops over tokens.
-
-Samples are the rows of ``input_ids`` or, for one packed row with ``cu_seqlens`` (in
-the merged, expanded coordinates megatron-core's language model sees), its
-sub-samples. A sub-sample boundary is found in the compact ids by expanding every token
-the way megatron-core does (image token -> ``tiles * img_seq_len`` positions) and
-looking for the token that starts exactly at ``cu_seqlens[i]``: once from the row's
-start (entries assigned in token order) and once from its end (entries assigned from
-the last image backwards). A sub-sample whose expansion disagrees with its span (a
-wrong count, an extra or missing image token) is bracketed by boundaries found from the
-two sides, so the fault names it and not the row.
+per-clip NaN/Inf counts and, for a packed THD row, each sub-sample's compact columns and
+expansion (:mod:`.llava_packed`). One :func:`~..core.host.to_host` call brings the lot to
+the host; nothing here loops over tokens. Samples are the rows of ``input_ids`` or the
+sub-samples of one packed row.
 """
 
 from __future__ import annotations
@@ -27,22 +18,9 @@ import torch
 
 from ..core.host import to_host
 from ..errors import MediaInputError
+from .llava_packed import Boundaries, Span, device_segments, host_spans
 
 _BIG = 2**62
-
-
-@dataclass(frozen=True)
-class Span:
-    """Where one sample lies: compact token columns ``[start, end)`` of ``row`` and merged
-    (expanded) positions ``[merged_start, merged_end)``. ``resolved``: false for a packed
-    sub-sample whose expansion does not match its ``cu_seqlens`` span."""
-
-    row: int
-    start: int
-    end: int
-    merged_start: int
-    merged_end: int
-    resolved: bool = True
 
 
 @dataclass(frozen=True)
@@ -117,23 +95,6 @@ def _bad_per_group(bad_units: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor
     return cum[ends] - cum[(ends - sizes).clamp(0, cum.numel() - 1)]
 
 
-def _landing(start, total, cu, lens_rev, s):
-    """Compact index of each boundary of ``cu`` from the row's start (``f``, landed
-    ``lf``) and from its end (``g``, landed ``lg``), for one row."""
-    f = torch.searchsorted(start, cu)
-    at = start.gather(0, f.clamp(max=s - 1))
-    lf = (f < s) & (at == cu)
-    f[-1], lf[-1] = s, total == cu[-1]  # the last sub-sample ends with the row
-    suf = torch.flip(torch.cumsum(torch.flip(lens_rev, [0]), 0), [0])  # merged length from t
-    dist = cu[-1] - cu
-    asc = torch.flip(suf, [0])
-    j = torch.searchsorted(asc, dist)
-    g = torch.where(dist == 0, torch.full_like(j, s), s - 1 - j)
-    lg = (dist == 0) | ((j < s) & (asc.gather(0, j.clamp(max=s - 1)) == dist))
-    g[0], lg[0] = 0, (g[0] == 0) & lg[0]  # the first sub-sample starts with the row
-    return f, lf, g, lg
-
-
 def measure(
     input_ids: torch.Tensor,
     *,
@@ -149,6 +110,7 @@ def measure(
     sound_padded: bool,
     cu_seqlens: torch.Tensor | None,
     check_finite: bool,
+    position_ids: torch.Tensor | None = None,
     boundaries: Boundaries | None = None,
 ) -> LlavaFacts:
     """Everything the checks need, in one device-to-host transfer.
@@ -194,18 +156,20 @@ def measure(
             raise MediaInputError(f"packed cu_seqlens need input_ids [1, s], got [{b}, {s}]")
         cu = torch.as_tensor(cu_seqlens).to(dev, i64).reshape(-1)
         k = cu.numel() - 1
-        if boundaries is None:
+
+        def lens_rev() -> torch.Tensor:
             rev = n - ph.sum() + img_idx  # entry of each image counted from the last one
-            lens_rev = expand(rev, ph & (rev >= 0))
-            f, lf, g, lg = _landing(start[0], row_total[0], cu, lens_rev[0], s)
-            pos = f
-        else:
-            pos = torch.tensor(boundaries.pos, dtype=i64).to(dev)
-        marker = torch.full((s + 1,), -1, dtype=i64, device=dev)
-        marker.scatter_reduce_(0, pos[:k].clamp(0, s), torch.arange(k, device=dev), "amax")
-        sample_of = torch.cummax(marker[:s], 0).values.clamp(min=0)
-        after = torch.arange(s, device=dev) >= pos[k]
-        sample_of = torch.where(after, torch.full_like(sample_of, k), sample_of).view(1, s)
+            return expand(rev, ph & (rev >= 0))[0]
+
+        sample_of, seg_parts = device_segments(
+            start=start[0],
+            lens=lens[0],
+            lens_rev=lens_rev,
+            total=row_total[0],
+            cu=cu,
+            position_ids=position_ids,
+            boundaries=boundaries,
+        )
         nb = k + 1  # the last bin collects tokens after the last sub-sample
     else:
         k = b
@@ -243,21 +207,16 @@ def measure(
             used = torch.arange(T, device=per_row.device).view(T, 1) < rows.to(per_row.device)
             parts["clip_bad"] = (used & ~torch.isfinite(per_row)).sum(0).to(dev)
     if packed:
-        parts["cu"] = cu
-        if boundaries is None:
-            parts.update(f=f, lf=lf, g=g, lg=lg)
+        parts.update(seg_parts)
     # the one host sync of the aligned path: per-sample counts and per-item facts
     flat = to_host(torch.cat([p.to(i64) for p in parts.values()]), why="LLaVA merge facts")
     v, h, o = flat.tolist(), {}, 0
     for name, p in parts.items():
         h[name], o = tuple(v[o : o + p.numel()]), o + p.numel()
-    if packed and boundaries is None:
-        found = settle_boundaries(h["cu"], h["f"], h["lf"], h["g"], h["lg"], s)
-        if found.pos != h["f"]:  # a sub-sample does not fill its span: count again
-            return measure(**{**call, "boundaries": found})
-        boundaries = found
     if packed:
-        spans = boundaries.spans(h["cu"])
+        spans = host_spans(h, s)
+        if isinstance(spans, Boundaries):  # a sub-sample does not fill its span: count again
+            return measure(**{**call, "boundaries": spans})
     else:
         spans = tuple(Span(r, 0, s, 0, t) for r, t in enumerate(h["totals"]))
     return LlavaFacts(
@@ -281,55 +240,6 @@ def measure(
         clip_bad=h.get("clip_bad", ()),
         spans=spans,
     )
-
-
-@dataclass(frozen=True)
-class Boundaries:
-    """Compact start column of each sub-sample (and the row end), and the sub-samples
-    whose span could not be matched by their expansion (``unmatched``, contiguous)."""
-
-    pos: tuple[int, ...]
-    unmatched: tuple[int, ...] = ()
-
-    def spans(self, cu: tuple[int, ...]) -> tuple[Span, ...]:
-        k = len(cu) - 1
-        bad = set(self.unmatched)
-        return tuple(
-            Span(0, self.pos[i], self.pos[i + 1], cu[i], cu[i + 1], i not in bad) for i in range(k)
-        )
-
-
-def settle_boundaries(cu, f, lf, g, lg, s: int) -> Boundaries:
-    """Sub-sample starts from the two landings (host side, a loop over sub-samples).
-
-    Boundaries found from the start are right up to the first sub-sample whose expansion
-    does not fill its span, those found from the end from the last one on. last_f: the last
-    boundary with every forward landing up to it; first_g: the first with every backward landing
-    from it. Sub-samples ``min(last_f, first_g-1) .. max(last_f, first_g-1)`` are unmatched: one of them (or
-    several) expands differently than ``cu_seqlens`` says; their tokens go to the first.
-    """
-    k = len(cu) - 1
-    if all(lf) and all(lg) and tuple(f) == tuple(g):
-        return Boundaries(tuple(f))
-    last_f = 0
-    while last_f < k and lf[last_f + 1]:
-        last_f += 1
-    first_g = k
-    while first_g > 0 and lg[first_g - 1]:
-        first_g -= 1
-    if last_f == k:
-        return Boundaries(tuple(f))
-    if first_g == 0:
-        return Boundaries(tuple(g))
-    lo, hi = min(last_f, first_g - 1), max(last_f, first_g - 1)
-    a, e = f[lo], g[hi + 1]
-    if e < a:  # the two sides overlap: nothing inside can be placed
-        e = a
-    pos = [f[i] for i in range(lo + 1)]
-    pos += [a] * (hi - lo)  # the other unmatched sub-samples start (empty) where it ends
-    pos[lo + 1 : hi + 1] = [e] * (hi - lo)
-    pos += [g[i] for i in range(hi + 1, k + 1)]
-    return Boundaries(tuple(pos), tuple(range(lo, hi + 1)))
 
 
 def refine_finite(
