@@ -281,3 +281,33 @@ def test_packed_dynamic_layout_must_be_sum_by_one():
     model, _ = guarded(batch, "drop")
     with pytest.raises(MediaAlignmentError, match=r"expected \[24 \(sum of num_image_tiles\), 1"):
         call(model, batch)
+
+
+def test_sound_metadata_places_a_clip_the_walk_cannot():
+    batch = build([Example(mel_frames=40), Example(), Example(mel_frames=56)])
+    ref = call(standin(batch), batch)
+    # sample 1 holds no sound token, yet a clip of 1 row sits between the other two
+    snd = batch.sound_embeddings
+    batch.sound_embeddings = torch.cat([snd[:, :1], snd[:, :1], snd[:, 1:]], 1)
+    batch.sound_embeddings_len = torch.tensor([5, 1, 7])
+    model, handle = guarded(batch, "drop")
+    call(model, batch)
+    assert handle.last_result.dropped == (0, 2)  # without metadata: every sound sample
+    items = [MediaItem(5, 0, "sound"), MediaItem(1, 1, "sound"), MediaItem(7, 2, "sound")]
+    handle.set_items(items)
+    out = call(model, batch)
+    (f,) = handle.last_result.faults
+    assert (f.sample, f.modality, f.item, f.expected, f.got) == (1, "sound", 1, (0,), (1,))
+    kept_identical(out, ref, {1})
+
+
+def test_children_see_the_same_release():
+    """Spawned test processes (the 4-rank tests) import megatron-core from the same place."""
+    import subprocess
+    import sys
+
+    import megatron.core
+
+    code = "import importlib.util as u; print(u.find_spec('megatron.core').origin)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == megatron.core.__file__

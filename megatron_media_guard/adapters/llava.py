@@ -113,7 +113,8 @@ class LlavaHandle(GuardHandle):
 
             def capture(mod, args, kwargs):
                 psp = arg(args, kwargs, "packed_seq_params")
-                self._packed = (psp, arg(args, kwargs, "position_ids") if psp else None)
+                pos = arg(args, kwargs, "position_ids") if psp is not None else None
+                self._packed = (psp, pos)
 
             self._pre_hook = module.register_forward_pre_hook(capture, with_kwargs=True)
         return self

@@ -113,13 +113,9 @@ def plan_drop(
     sound_samples: tuple[int, ...] = ()
     clips: tuple[int, ...] = ()
     if snd is not None and drops:
-        if snd.clips is None:
-            sound_samples = tuple(i for i in drops if facts.sound[i])
-            clips = tuple(range(facts.num_clips))
-        else:
-            bad = [i for i in drops if not snd.matched[i]]
-            sound_samples = tuple(i for i in bad if facts.sound[i])
-            clips = tuple(c for i in bad for c in snd.clips[i])
+        bad = [i for i in drops if not snd.matched[i]]
+        sound_samples = tuple(i for i in bad if facts.sound[i])
+        clips = tuple(c for i in bad for c in snd.clips[i])
         if (sound_samples or clips) and sound_padded and problem is None:
             problem = "with sound_pad_to_clip_duration every row of a clip is placed"
     return DropPlan(drops, targets, sound_samples, clips, unclaimed, unused_sound, problem, spans)

@@ -130,6 +130,8 @@ def host_spans(h: dict[str, tuple[int, ...]], s: int) -> tuple[Span, ...] | Boun
     if resets is not None and resets[0] == k and resets[1]:  # one reset per sub-sample
         return tuple(Span(0, pos[i], pos[i + 1], cu[i], cu[i + 1], fits[i]) for i in range(k))
     f, lf, g, lg = h["f"], h["lf"], h["g"], h["lg"]
+    if resets is not None:  # the expansions were summed over the (wrong) resets
+        fits = [True] * k
     ok = [i in (0, k) or (lf[i] and lg[i] and f[i] == g[i]) for i in range(k + 1)]
     ok[k] = bool(lf[k])
     if all(ok) and all(fits):

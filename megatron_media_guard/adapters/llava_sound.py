@@ -26,7 +26,7 @@ class ClipOwners:
     """Clips of each sample (``clips[i]``) and the samples whose sound tokens match their
     clips' rows (``matched``): megatron-core's token-order placement is right for them."""
 
-    clips: tuple[tuple[int, ...], ...] | None
+    clips: tuple[tuple[int, ...], ...]
     matched: tuple[bool, ...]
 
 
@@ -50,9 +50,10 @@ def _walk(tokens: Sequence[int], rows: Sequence[int]) -> tuple[list[list[int]], 
 
 def clip_owners(facts: LlavaFacts, items: Sequence[MediaItem] | None) -> ClipOwners:
     """Clips per sample. From the front and from the back, samples are matched while their
-    tokens are whole clips; one unmatched stretch in between takes the clips left between
-    the two walks. Anything else (walks that overlap, clips left over) cannot be placed:
-    ``clips`` is None and every sample holding sound tokens is unmatched."""
+    tokens are whole clips. A wrong sample lies where both walks allow it: after the
+    front-matched ones it needs and before the back-matched ones; those candidates are
+    unmatched, the first takes the clips left between the two walks (when the walks overlap
+    several samples are candidates: the error cannot be placed more closely)."""
     B, rows, C = facts.batch, facts.clip_rows, len(facts.clip_rows)
     if items is not None:
         owners = item_owners(items, C, B, "sound")
@@ -62,15 +63,18 @@ def clip_owners(facts: LlavaFacts, items: Sequence[MediaItem] | None) -> ClipOwn
     front, cf = _walk(facts.sound, rows)
     if len(front) == B and cf == C:
         return ClipOwners(tuple(tuple(x) for x in front), (True,) * B)
-    back_rev, cb = _walk(facts.sound[::-1], rows[::-1])
+    back_rev, _ = _walk(facts.sound[::-1], rows[::-1])
     back = [tuple(C - 1 - c for c in reversed(x)) for x in reversed(back_rev)]
-    lo, hi = len(front), B - len(back)
-    if lo < hi and cf <= C - cb:
-        clips = [tuple(x) for x in front] + [tuple(range(cf, C - cb))]
-        clips += [()] * (hi - lo - 1) + back
-        matched = (True,) * lo + (False,) * (hi - lo) + (True,) * (B - hi)
-        return ClipOwners(tuple(clips), matched)
-    return ClipOwners(None, tuple(k == 0 for k in facts.sound))
+    lo, hi = len(front), B - len(back)  # front matched [0, lo), back matched [hi, B)
+    first = min(lo, max(hi - 1, 0), B - 1)
+    last = min(max(lo, hi - 1), B - 1)
+    a = sum(len(front[i]) for i in range(first))
+    e = C - sum(len(back[i - hi]) for i in range(last + 1, B))
+    clips = [tuple(front[i]) for i in range(first)]
+    clips += [tuple(range(a, max(a, e)))] + [()] * (last - first)
+    clips += [back[i - hi] for i in range(last + 1, B)]
+    matched = tuple(not first <= i <= last for i in range(B))
+    return ClipOwners(tuple(clips), matched)
 
 
 def sound_faults(
@@ -84,7 +88,7 @@ def sound_faults(
     rows = facts.clip_rows
     out: list[LlavaFault] = []
     for smp in range(facts.batch):
-        mine = own.clips[smp] if own.clips is not None else ()
+        mine = own.clips[smp]
         got = sum(rows[c] for c in mine)
         k = facts.sound[smp]
         if not own.matched[smp]:
