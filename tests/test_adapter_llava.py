@@ -214,6 +214,31 @@ def test_drop_count_mismatch_restructures_and_keeps_others():
     assert g is not None and (g[:, 2] == 0).all() and (g[:, [0, 1, 3]] == 1).all()
 
 
+def test_drop_missing_image_token_gives_the_sample_its_entries():
+    # sample 1 owns two images by the metadata but holds one image token
+    x = make_batch([[(1, 2)], [(2, 1)], [(3, 1)]])
+    x["nit"] = torch.tensor([2, 1, 1, 1], dtype=torch.int)
+    x["emb"] = torch.randn(L, 5, H).requires_grad_(True)
+    items = [MediaItem(6, sample=0), MediaItem(3, sample=1), MediaItem(3, sample=1)]
+    items.append(MediaItem(3, sample=2))
+    with pytest.raises(RuntimeError):
+        call(TinyLLaVA(), x)  # megatron-core: 3 image tokens for 4 entries
+    ref = call(TinyLLaVA(), {**x, "nit": x["nit"][[0, 1, 3]], "emb": x["emb"][:, [0, 1, 2, 4]]})
+    model = TinyLLaVA()
+    handle = install_llava(model, guard_for("drop"))
+    handle.set_items(items)
+    emb, labels, lmask = call(model, x)
+    assert handle.last_result.dropped == (1,) and handle.last_result.mode == "restructure"
+    w = ref[0].shape[0]
+    for r in (0, 2):
+        assert torch.equal(emb[:w, r], ref[0][:, r]) and (emb[w:, r] == 0).all()
+        assert torch.equal(lmask[r, :w], ref[2][r]) and (lmask[r, w:] == 0).all()
+    assert (emb[:, 1] == 0).all() and (labels[1] == -100).all() and (lmask[1] == 0).all()
+    emb.sum().backward()  # every tile stays in the graph; the dropped sample's get zero
+    g = x["emb"].grad
+    assert (g[:, [2, 3]] == 0).all() and (g[:, [0, 1, 4]] == 1).all()
+
+
 def test_drop_without_items_drops_every_image_sample_keeps_text_only():
     x = make_batch([[(1, 1)], [], [(3, 1)]])
     x["ids"][2, 6] = TOK  # 3 tokens, 2 entries: cannot say which sample is short

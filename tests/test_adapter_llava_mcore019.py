@@ -311,3 +311,42 @@ def test_children_see_the_same_release():
     code = "import importlib.util as u; print(u.find_spec('megatron.core').origin)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == megatron.core.__file__
+
+
+@pytest.mark.parametrize("policy", ["raise", "drop"])
+def test_sound_tokens_without_sound_embeddings(policy):
+    """0.19.2's forward passes an empty [0, 0, 0] sound tensor when the batch has no clips:
+    megatron-core then fails on the sound tokens (``torch.cat`` of no rows)."""
+    batch = build(EXAMPLES)
+    ref = call(standin(batch), batch)
+    batch.sound_embeddings = torch.zeros(0, 0, 0)
+    batch.sound_embeddings_len = torch.zeros(0, dtype=torch.long)
+    with pytest.raises(ValueError, match="non-empty list"):
+        call(standin(batch), batch)
+    model, handle = guarded(batch, policy)
+    if policy == "raise":
+        with pytest.raises(MediaAlignmentError, match="no clip can be assigned"):
+            call(model, batch)
+        return
+    out = call(model, batch)
+    assert handle.last_result.dropped == (0, 1, 2)
+    assert (out[2] == 0).all() and out[0].shape == ref[0].shape
+
+
+def test_sound_lengths_missing_is_a_layout_fault():
+    batch = build(EXAMPLES)
+    batch.sound_embeddings_len = None
+    model, _ = guarded(batch, "drop")
+    with pytest.raises(MediaAlignmentError, match="no sound_embeddings_len"):
+        call(model, batch)
+
+
+def test_drop_under_context_parallel_layout():
+    """With context_parallel_lm > 1 the merged embeddings stay [b, S, h]."""
+    batch = build(EXAMPLES)
+    ref = call(standin(batch, cp=2), batch)
+    short_sound(batch)
+    model, handle = guarded(batch, "drop", cp=2)
+    out = call(model, batch)
+    assert handle.last_result.dropped == (1,)
+    assert (out[0][1] == 0).all() and torch.equal(out[0][[0, 2]], ref[0][[0, 2]])

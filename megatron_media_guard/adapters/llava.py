@@ -255,7 +255,7 @@ def _run(handle: LlavaHandle, ba: inspect.BoundArguments, step, mb) -> Any:
             actions[f.sample] = act
     drops = [i for i, x in enumerate(actions) if x == "drop"]
     plan = None
-    if drops or (unclaimed and dropping_policy != "raise") or (unused_sound and drops):
+    if drops or (unclaimed and dropping_policy != "raise"):
         plan = plan_drop(
             facts,
             img_own,

@@ -49,11 +49,13 @@ def _image_problem(a: dict[str, Any], facts: LlavaFacts) -> str | None:
     return None
 
 
-def _sound_problem(a: dict[str, Any], facts: LlavaFacts) -> str | None:
+def _sound_problem(a: dict[str, Any], facts: LlavaFacts, padded: bool) -> str | None:
     snd, lang = a.get("sound_embeddings"), a.get("language_embeddings")
     if snd.dim() != 3:
         return f"sound_embeddings must be [rows, clips, h], got {tuple(snd.shape)}"
     T, C = snd.shape[0], snd.shape[1]
+    if C and a.get("sound_embeddings_len") is None and not padded:
+        return f"sound_embeddings has {C} clips and no sound_embeddings_len"
     if len(facts.clip_rows) != C:
         return f"sound_embeddings has {C} clips, sound_embeddings_len {len(facts.clip_rows)}"
     if facts.clip_rows and max(facts.clip_rows) > T:
@@ -80,7 +82,7 @@ def layout_problems(
         img_ok = problem is None
     snd = a.get("sound_embeddings")
     if model.pre_process and isinstance(snd, torch.Tensor) and facts.sound_token_index is not None:
-        problem = _sound_problem(a, facts)
+        problem = _sound_problem(a, facts, sound_padded(model))
         if problem:
             problems.append(f"layout: {problem}")
         snd_ok = problem is None
