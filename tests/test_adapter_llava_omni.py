@@ -206,6 +206,7 @@ def test_packed_row_nan_in_the_middle_sub_sample_drops_only_it():
     batch.image_embeddings = batch.image_embeddings.clone()
     batch.image_embeddings[14, 0, 3] = float("nan")  # sub-sample 1's second image: rows 12..15
     ref = unguarded(batch)
+    batch.image_embeddings.requires_grad_(True)
     model = OmniForwardStandIn(batch)
     handle = install_llava(model, guard("raise", nonfinite="drop"))
     out = run_forward(model, batch)
@@ -214,6 +215,13 @@ def test_packed_row_nan_in_the_middle_sub_sample_drops_only_it():
     (f,) = res.faults
     assert (f.check, f.item, f.item_in_sample) == ("nonfinite", 2, 1)
     outside(out, ref, res.spans, 1)
+    out[0].sum().backward()  # the dropped sub-sample's rows get a zero gradient, no NaN
+    g = batch.image_embeddings.grad
+    assert (g[6:16] == 0).all() and (g[:6] == 1).all() and (g[16:] == 1).all()
+    lm, lab = handle.mask_loss(torch.ones_like(out[2]), torch.zeros_like(out[1]))
+    mid = slice(res.spans[1].merged_start, res.spans[1].merged_end)
+    assert (lm[:, mid] == 0).all() and lm.sum() == lm.numel() - (mid.stop - mid.start)
+    assert (lab[:, mid] == -100).all()
 
 
 @pytest.mark.parametrize("policy", ["raise", "drop"])
