@@ -467,3 +467,12 @@ def test_mask_loss_masks_the_dropped_rows_of_the_expanded_layout():
     assert (lab[2] == -100).all() and (lab[:2] == 0).all()
     with pytest.raises(MediaInputError, match=r"one row per sample \(3\)"):
         handle.mask_loss(torch.ones(2, maxlen))
+
+
+def test_standin_has_every_attribute_the_release_reads():
+    """The stand-in ``self`` carries what the release's own ``_preprocess_data`` reads."""
+    import inspect
+    import re
+
+    reads = set(re.findall(r"self\.(\w+)", inspect.getsource(LLaVAModel._preprocess_data)))
+    assert reads and reads <= set(vars(LLaVAStandIn()))

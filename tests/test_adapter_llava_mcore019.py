@@ -350,3 +350,22 @@ def test_drop_under_context_parallel_layout():
     out = call(model, batch)
     assert handle.last_result.dropped == (1,)
     assert (out[0][1] == 0).all() and torch.equal(out[0][[0, 2]], ref[0][[0, 2]])
+
+
+def test_release_signature():
+    """0.19.2's ``_preprocess_data`` as the adapter reads it: the 0.16 positional parameters,
+    then keyword-only packed dynamic resolution and sound."""
+    import inspect
+
+    params = inspect.signature(LLaVAModel._preprocess_data).parameters
+    positional = [n for n, p in params.items() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert positional[-3:] == ["inference_context", "image_token_index", "num_image_tiles"]
+    kw = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY]
+    assert kw == [
+        "inference_params",
+        "is_packed_dynamic_res",
+        "sound_embeddings",
+        "sound_embeddings_len",
+        "sound_timestamps",
+    ]
+    assert "imgs_sizes" not in params and "media_token_counts" not in params
