@@ -171,21 +171,31 @@ def measure(
             boundaries=boundaries,
         )
         nb = k + 1  # the last bin collects tokens after the last sub-sample
-    else:
+
+        def count(x: torch.Tensor) -> torch.Tensor:
+            return _per_sample(x, sample_of, nb)[:k]
+
+        def first(x: torch.Tensor, init: int) -> torch.Tensor:
+            return _per_sample_min(x, sample_of, nb, init)[:k]
+
+    else:  # the rows are the samples: plain row reductions
         k = b
-        sample_of = torch.arange(b, device=dev).view(b, 1).expand(b, s)
-        nb = b
+
+        def count(x: torch.Tensor) -> torch.Tensor:
+            return x.to(i64).sum(1)
+
+        def first(x: torch.Tensor, init: int) -> torch.Tensor:
+            return x.amin(1) if s else torch.full((b,), init, dtype=i64, device=dev)
+
     cross = valid & (last >= max_len)
-    cross_image = _per_sample_min(torch.where(cross, img_idx, n), sample_of, nb, n)
-    cross_end = _per_sample_min(torch.where(cross, last + 1, _BIG), sample_of, nb, _BIG)
-    cross_end = torch.where(cross_end == _BIG, torch.full_like(cross_end, -1), cross_end)
+    cross_end = first(torch.where(cross, last + 1, _BIG), _BIG)
     parts: dict[str, torch.Tensor] = {
-        "tokens": _per_sample(ph, sample_of, nb)[:k],
-        "sound": _per_sample(sp, sample_of, nb)[:k],
-        "text": _per_sample(~(ph | sp), sample_of, nb)[:k],
-        "cross_image": cross_image[:k],
-        "cross_end": cross_end[:k],
-        "sound_past": _per_sample(sp & (start >= max_len), sample_of, nb)[:k],
+        "tokens": count(ph),
+        "sound": count(sp),
+        "text": count(~(ph | sp)),
+        "cross_image": first(torch.where(cross, img_idx, n), n),
+        "cross_end": torch.where(cross_end == _BIG, torch.full_like(cross_end, -1), cross_end),
+        "sound_past": count(sp & (start >= max_len)),
         "totals": row_total,
         "entries": cnt,
     }
