@@ -136,13 +136,15 @@ def test_aligned_omni_batches_are_bit_identical(kind):
     assert handle.last_result.num_samples == 3
 
 
-def test_aligned_call_with_sound_moves_data_to_host_once():
+@pytest.mark.parametrize("positions", [True, False], ids=["position-resets", "two-walks"])
+def test_aligned_call_with_sound_moves_data_to_host_once(positions):
     batch = build(IMAGES_SOUND, pack=True, pad_to_multiple_of=8)
     model = OmniForwardStandIn(batch)
-    install_llava(model, guard())
+    handle = install_llava(model, guard())
     with count_transfers() as seen:
-        run_forward(model, batch)
+        run_forward(model, batch, positions)
     assert sum(seen.values()) == 1, dict(seen)
+    assert [sp.merged_start for sp in handle.last_result.spans] == [0, 32, 72]
 
 
 def test_pre_hook_goes_with_remove():
@@ -253,3 +255,21 @@ def test_packed_row_count_fault_without_position_ids_names_the_candidates():
     install_llava(model, guard("raise"))
     with pytest.raises(MediaAlignmentError, match="3 of 3 packed sub-samples"):
         run_forward(model, batch, positions=False)
+
+
+def test_packed_row_extra_image_token_in_the_middle():
+    """A literal image token typed in sub-sample 1's text: the totals disagree (5 tokens, 4
+    entries); the sub-samples around it take their entries from the two ends."""
+    batch = build(IMAGES_SOUND, pack=True)
+    start = batch.cu_seqlens_q.tolist()  # merged; the compact start of sub-sample 1 is 24
+    assert start[1] == 29
+    batch.input_ids = batch.input_ids.clone()
+    batch.input_ids[0, 24 + 1] = IMAGE
+    model = OmniForwardStandIn(batch)
+    install_llava(model, guard("drop"))
+    with pytest.raises(MediaAlignmentError) as e:
+        run_forward(model, batch)
+    msg = str(e.value)
+    assert "1 of 3 packed sub-samples" in msg and "sample 1: segment" in msg
+    assert "sample 1: count - sample holds 3 image tokens, its items 2" in msg
+    assert "cannot drop" in msg and e.value.context["sample"] == 1

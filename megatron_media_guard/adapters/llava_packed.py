@@ -98,21 +98,38 @@ def device_segments(
     if boundaries is not None:
         sample_of = _from_positions(torch.tensor(boundaries.pos, dtype=i64).to(cu.device), k, s)
     else:
-        f, lf, g, lg = _landing(start, total, cu, lens_rev(), s)
-        parts.update(f=f, lf=lf, g=g, lg=lg)
+        rev = lens_rev()
+        f, lf, g, lg = _landing(start, total, cu, rev, s)
+        parts.update(f=f, lf=lf, g=g, lg=lg, lens_rev=rev)
         sample_of = _from_positions(f, k, s)
         if position_ids is not None and position_ids.numel() == s:
             resets = position_ids.reshape(-1).to(cu.device) == 0
             sample_of = (torch.cumsum(resets.to(i64), 0) - 1).clamp(0, k)
             parts["resets"] = torch.stack([resets.sum(), resets[0].to(i64)])
+    rev = lens_rev() if "f" not in parts else parts.pop("lens_rev")
     ones = torch.ones_like(lens)
     parts["ncols"] = torch.zeros(k + 1, dtype=i64, device=cu.device).scatter_add_(
         0, sample_of, ones
     )[:k]
-    parts["nexp"] = torch.zeros(k + 1, dtype=i64, device=cu.device).scatter_add_(
-        0, sample_of, lens
-    )[:k]
+    for name, x in (("nexp", lens), ("nexp_rev", rev)):
+        parts[name] = torch.zeros(k + 1, dtype=i64, device=cu.device).scatter_add_(0, sample_of, x)[
+            :k
+        ]
     return sample_of.view(1, s), parts
+
+
+def _fits(h: dict[str, tuple[int, ...]], spans_of: list[int]) -> list[bool]:
+    """Which sub-samples' expansion fills their span. When the image tokens and entries
+    agree in number, token order is right everywhere; else it is right up to the first wrong
+    sub-sample, and the entries counted from the end are right after the last one."""
+    k = len(spans_of)
+    fwd = [h["nexp"][i] == spans_of[i] for i in range(k)]
+    if sum(h["tokens"]) == len(h["entries"]):
+        return fwd
+    bwd = [h["nexp_rev"][i] == spans_of[i] for i in range(k)]
+    lead = next((i for i, ok in enumerate(fwd) if not ok), k)
+    trail = next((i for i in range(k - 1, -1, -1) if not bwd[i]), -1) + 1
+    return [i < lead or i >= trail for i in range(k)]
 
 
 def host_spans(h: dict[str, tuple[int, ...]], s: int) -> tuple[Span, ...] | Boundaries:
@@ -122,8 +139,7 @@ def host_spans(h: dict[str, tuple[int, ...]], s: int) -> tuple[Span, ...] | Boun
     pos = [0]
     for n in h["ncols"]:
         pos.append(pos[-1] + n)
-    spans_of = [cu[i + 1] - cu[i] for i in range(k)]
-    fits = [h["nexp"][i] == spans_of[i] for i in range(k)]
+    fits = _fits(h, [cu[i + 1] - cu[i] for i in range(k)])
     if "f" not in h:  # boundaries settled by a first pass
         return tuple(Span(0, pos[i], pos[i + 1], cu[i], cu[i + 1], fits[i]) for i in range(k))
     resets = h.get("resets")
