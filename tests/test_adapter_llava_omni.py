@@ -9,6 +9,8 @@ import inspect
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 llava_mod = pytest.importorskip("megatron.core.models.multimodal.llava_model")
 
@@ -273,3 +275,42 @@ def test_packed_row_extra_image_token_in_the_middle():
     assert "1 of 3 packed sub-samples" in msg and "sample 1: segment" in msg
     assert "sample 1: count - sample holds 3 image tokens, its items 2" in msg
     assert "cannot drop" in msg and e.value.context["sample"] == 1
+
+
+SIDES = st.sampled_from([64, 96, 128])
+EXAMPLE = st.builds(
+    Example,
+    images=st.lists(st.tuples(SIDES, SIDES), max_size=3),
+    mel_frames=st.sampled_from([0, 24, 40]),
+    text=st.integers(2, 8),
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(examples=st.lists(EXAMPLE, min_size=1, max_size=4), data=st.data())
+def test_packed_row_names_the_wrong_sub_sample(examples, data):
+    """Random Omni packs: aligned ones pass bit-identically; one image whose forward count
+    differs from the collate's, or one image token typed into the text, names exactly its
+    sub-sample."""
+    batch = build(examples, pack=True, pad_to_multiple_of=data.draw(st.sampled_from([1, 8])))
+    model = OmniForwardStandIn(batch)
+    handle = install_llava(model, guard("raise"))
+    assert same(unguarded(batch), run_forward(model, batch)) and handle.last_result.ok
+    owners = [i for i, ex in enumerate(examples) for _ in ex.images]
+    kind = data.draw(st.sampled_from(["count", "token"]))
+    if kind == "count" and owners:
+        j = data.draw(st.integers(0, len(owners) - 1))
+        nit = batch.num_image_tiles.clone()
+        nit[j] += data.draw(st.sampled_from([-2, 3]))
+        batch.num_image_tiles = nit
+        batch.image_embeddings = torch.randn(int(nit.sum()), 1, 8)
+        bad = owners[j]
+    else:
+        bad = data.draw(st.integers(0, len(examples) - 1))
+        start = sum(len(r) for r in batch.rows[:bad])
+        batch.input_ids = batch.input_ids.clone()
+        batch.input_ids[0, start] = IMAGE  # its first token is always text
+    with pytest.raises(MediaAlignmentError) as e:
+        run_forward(model, batch)
+    assert e.value.context["sample"] == bad
+    assert f"1 of {len(examples)} packed sub-samples" in str(e.value)
