@@ -369,3 +369,14 @@ def test_release_signature():
         "sound_timestamps",
     ]
     assert "imgs_sizes" not in params and "media_token_counts" not in params
+
+
+def test_encoder_hidden_state_without_sound_tokens_is_not_read():
+    """A stage without the encoders passes ``encoder_hidden_state`` as the sound embeddings
+    and no lengths: megatron-core reads it only at sound tokens, so neither does the guard."""
+    batch = build([Example(images=[(64, 64)])] * 2)
+    batch.sound_embeddings, batch.sound_embeddings_len = torch.randn(3, 2, 8), None
+    ref = call(standin(batch), batch)
+    model, handle = guarded(batch, "raise")
+    assert all(torch.equal(a, b) for a, b in zip(ref, call(model, batch)))
+    assert handle.last_result.ok

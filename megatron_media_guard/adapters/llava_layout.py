@@ -71,7 +71,8 @@ def layout_problems(
     """``(batch-level problems, image embeddings usable, sound embeddings usable)``.
 
     The image embeddings are checked on the first stage when the call has entries; the
-    sound embeddings when the call passes a sound tensor to a model with a sound token.
+    sound embeddings when the call passes a sound tensor to a model with a sound token and
+    either sound tokens or ``sound_embeddings_len``.
     A wrong layout names no sample (rows are concatenated): always fatal."""
     problems: list[str] = []
     img_ok = snd_ok = False
@@ -81,7 +82,15 @@ def layout_problems(
             problems.append(f"layout: {problem}")
         img_ok = problem is None
     snd = a.get("sound_embeddings")
-    if model.pre_process and isinstance(snd, torch.Tensor) and facts.sound_token_index is not None:
+    # a stage without the encoders passes its encoder_hidden_state and no lengths: megatron-core
+    # only reads it at sound tokens
+    used = any(facts.sound) or a.get("sound_embeddings_len") is not None
+    if (
+        model.pre_process
+        and used
+        and isinstance(snd, torch.Tensor)
+        and facts.sound_token_index is not None
+    ):
         problem = _sound_problem(a, facts, sound_padded(model))
         if problem:
             problems.append(f"layout: {problem}")
