@@ -104,8 +104,11 @@ def device_segments(
         sample_of = _from_positions(f, k, s)
         if position_ids is not None and position_ids.numel() == s:
             resets = position_ids.reshape(-1).to(cu.device) == 0
-            sample_of = (torch.cumsum(resets.to(i64), 0) - 1).clamp(0, k)
-            parts["resets"] = torch.stack([resets.sum(), resets[0].to(i64)])
+            # one reset per sub-sample, the first at column 0: chosen on the device (no sync)
+            ok = (resets.sum() == k) & resets[0]
+            by_reset = (torch.cumsum(resets.to(i64), 0) - 1).clamp(0, k)
+            sample_of = torch.where(ok, by_reset, sample_of)
+            parts["resets_ok"] = ok.view(1)
     rev = lens_rev() if "f" not in parts else parts.pop("lens_rev")
     ones = torch.ones_like(lens)
     parts["ncols"] = torch.zeros(k + 1, dtype=i64, device=cu.device).scatter_add_(
@@ -140,20 +143,17 @@ def host_spans(h: dict[str, tuple[int, ...]], s: int) -> tuple[Span, ...] | Boun
     for n in h["ncols"]:
         pos.append(pos[-1] + n)
     fits = _fits(h, [cu[i + 1] - cu[i] for i in range(k)])
-    if "f" not in h:  # boundaries settled by a first pass
+
+    def spans() -> tuple[Span, ...]:
         return tuple(Span(0, pos[i], pos[i + 1], cu[i], cu[i + 1], fits[i]) for i in range(k))
-    resets = h.get("resets")
-    if resets is not None and resets[0] == k and resets[1]:  # one reset per sub-sample
-        return tuple(Span(0, pos[i], pos[i + 1], cu[i], cu[i + 1], fits[i]) for i in range(k))
+
+    if "f" not in h or h.get("resets_ok") == (1,):
+        return spans()  # boundaries settled by a first pass, or one reset per sub-sample
     f, lf, g, lg = h["f"], h["lf"], h["g"], h["lg"]
-    if resets is not None:  # the expansions were summed over the (wrong) resets
-        fits = [True] * k
     ok = [i in (0, k) or (lf[i] and lg[i] and f[i] == g[i]) for i in range(k + 1)]
     ok[k] = bool(lf[k])
     if all(ok) and all(fits):
-        if resets is not None:  # the counts were made with the (wrong) resets
-            return Boundaries(tuple(f))
-        return tuple(Span(0, pos[i], pos[i + 1], cu[i], cu[i + 1]) for i in range(k))
+        return spans()
     new, bad, i = [0] * (k + 1), [], 0
     while i < k:
         j = next(m for m in range(i + 1, k + 1) if ok[m] or m == k)
