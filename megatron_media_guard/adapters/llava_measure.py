@@ -157,14 +157,11 @@ def measure(
         cu = torch.as_tensor(cu_seqlens).to(dev, i64).reshape(-1)
         k = cu.numel() - 1
 
-        def lens_rev() -> torch.Tensor:
-            rev = n - ph.sum() + img_idx  # entry of each image counted from the last one
-            return expand(rev, ph & (rev >= 0))[0]
-
+        rev = n - ph.sum() + img_idx  # entry of each image counted from the last one
         sample_of, seg_parts = device_segments(
             start=start[0],
             lens=lens[0],
-            lens_rev=lens_rev,
+            lens_rev=expand(rev, ph & (rev >= 0))[0],
             total=row_total[0],
             cu=cu,
             position_ids=position_ids,

@@ -84,7 +84,7 @@ def device_segments(
     *,
     start: torch.Tensor,
     lens: torch.Tensor,
-    lens_rev,
+    lens_rev: torch.Tensor,
     total: torch.Tensor,
     cu: torch.Tensor,
     position_ids: torch.Tensor | None,
@@ -92,15 +92,15 @@ def device_segments(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``(sample of each token [1, s] (k: after the last), facts to bring to the host)``
     for one row: ``start`` / ``lens`` ``[s]`` are each token's first merged position and
-    expansion, ``lens_rev()`` the expansion with entries assigned from the end."""
+    expansion, ``lens_rev`` the expansion with entries assigned from the end."""
     s, k = start.numel(), cu.numel() - 1
     parts: dict[str, torch.Tensor] = {"cu": cu}
+    rev = lens_rev
     if boundaries is not None:
         sample_of = _from_positions(torch.tensor(boundaries.pos, dtype=i64).to(cu.device), k, s)
     else:
-        rev = lens_rev()
         f, lf, g, lg = _landing(start, total, cu, rev, s)
-        parts.update(f=f, lf=lf, g=g, lg=lg, lens_rev=rev)
+        parts.update(f=f, lf=lf, g=g, lg=lg)
         sample_of = _from_positions(f, k, s)
         if position_ids is not None and position_ids.numel() == s:
             resets = position_ids.reshape(-1).to(cu.device) == 0
@@ -109,15 +109,9 @@ def device_segments(
             by_reset = (torch.cumsum(resets.to(i64), 0) - 1).clamp(0, k)
             sample_of = torch.where(ok, by_reset, sample_of)
             parts["resets_ok"] = ok.view(1)
-    rev = lens_rev() if "f" not in parts else parts.pop("lens_rev")
-    ones = torch.ones_like(lens)
-    parts["ncols"] = torch.zeros(k + 1, dtype=i64, device=cu.device).scatter_add_(
-        0, sample_of, ones
-    )[:k]
-    for name, x in (("nexp", lens), ("nexp_rev", rev)):
-        parts[name] = torch.zeros(k + 1, dtype=i64, device=cu.device).scatter_add_(0, sample_of, x)[
-            :k
-        ]
+    for name, x in (("ncols", torch.ones_like(lens)), ("nexp", lens), ("nexp_rev", rev)):
+        bins = torch.zeros(k + 1, dtype=i64, device=cu.device)
+        parts[name] = bins.scatter_add_(0, sample_of, x)[:k]
     return sample_of.view(1, s), parts
 
 
