@@ -20,17 +20,11 @@ IMG = 50
 PAD = 99
 
 
-class TinyLLaVA:
-    _preprocess_data = llava_mod.LLaVAModel._preprocess_data
+def TinyLLaVA():
+    """The release's stand-in ``self`` (llava_standins)."""
+    from llava_standins import LLaVAStandIn
 
-    def __init__(self):
-        self.pre_process, self.post_process, self.add_decoder = True, True, True
-        self.img_seq_len = L
-        self._language_is_pipeline_parallel = False
-        self._language_max_sequence_length = 64
-        self.context_parallel_lm = 1
-        self.vision_model = None
-        self.image_token_index = TOK
+    return LLaVAStandIn(64, img_seq_len=L, image_token=TOK)
 
 
 class TinyMimo:

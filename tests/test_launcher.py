@@ -146,17 +146,17 @@ def test_bad_environment_values_are_clear_errors(fn, env):
 
 
 class TinyLLaVA(torch.nn.Module):
+    """An ``nn.Module`` with the attributes the release's ``_preprocess_data`` reads
+    (copied from ``llava_standins``) and the real method."""
+
     _preprocess_data = llava_mod.LLaVAModel._preprocess_data
 
     def __init__(self, pre=True, post=True):
+        from llava_standins import LLaVAStandIn
+
         super().__init__()
-        self.pre_process, self.post_process, self.add_decoder = pre, post, True
-        self.img_seq_len = L
-        self._language_is_pipeline_parallel = False
-        self._language_max_sequence_length = 7
-        self.context_parallel_lm = 1
-        self.vision_model = None
-        self.image_token_index = TOK
+        for k, v in vars(LLaVAStandIn(7, pre, post, img_seq_len=L, image_token=TOK)).items():
+            setattr(self, k, v)
 
 
 class Wrapper(torch.nn.Module):

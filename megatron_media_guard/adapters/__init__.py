@@ -13,15 +13,16 @@ here as one module (``<family>.py``, checks in ``<family>_checks.py`` when they 
 
 from .generic import ArgMap, guard_merge_fn, infer_items, install_generic
 from .hooks import GuardHandle, HandleGroup, guarded_by
-from .llava import LlavaResult, install_llava
-from .llava_checks import ImageFault
+from .llava import LlavaHandle, LlavaResult, install_llava
+from .llava_checks import LlavaFault
 from .mimo import install_mimo
 
 __all__ = [
     "ArgMap",
     "GuardHandle",
     "HandleGroup",
-    "ImageFault",
+    "LlavaFault",
+    "LlavaHandle",
     "LlavaResult",
     "guard_merge_fn",
     "guarded_by",

@@ -1,0 +1,186 @@
+"""Dropping samples of a LLaVA ``_preprocess_data`` call without copying the features.
+
+Nothing is taken out of ``image_embeddings`` or ``sound_embeddings``: megatron-core
+still places every row, and the dropped samples' positions are zeroed in its output
+afterwards (in place; backward gives those rows a zero gradient, so the vision and sound
+towers stay in the graph). What must change for megatron-core's own placement to be
+right is rewritten in the small integer inputs only:
+
+- an image count fault (the sample's image tokens disagree with its entries): the
+  dropped sample's image tokens are made to match its entries (its extra image tokens
+  become token 0, the embedding megatron-core's forward computed there; missing ones are
+  taken from its last text tokens), so every entry lands in its owner's row. Its width
+  may change; the other samples are placed as before. In a packed THD row this would
+  move the later sub-samples off their ``cu_seqlens``: such a drop escalates to raise.
+- a sound count fault: the sample's sound tokens become token 0 and its clips'
+  ``sound_embeddings_len`` 0 (with ``sound_pad_to_clip_duration`` every row of a clip is
+  taken: such a drop escalates to raise).
+- ``num_image_tiles`` entries with no image token in the batch: the call gets
+  ``image_embeddings[:0]`` and ``num_image_tiles[:0]`` (views).
+
+Features that megatron-core then does not place (cleared clips, unclaimed entries) stay
+in the graph through :func:`~..core.apply.zero_anchor`, added to one output element.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..core.apply import zero_anchor
+from .llava_checks import ImageOwners
+from .llava_measure import LlavaFacts
+from .llava_packed import Span
+from .llava_sound import ClipOwners
+
+PAD_TOKEN = 0  # what megatron-core's forward embeds at image-token positions
+
+
+@dataclass(frozen=True)
+class DropPlan:
+    """What a drop rewrites. image_targets: image tokens each sample keeps (None: ids
+    untouched for images). sound_samples: samples whose sound tokens become token 0;
+    clips: clips whose rows become 0. unclaimed: the entries go (no image token at all).
+    problem: why the drop cannot be done (the samples then raise)."""
+
+    drops: tuple[int, ...]
+    image_targets: tuple[int, ...] | None = None
+    sound_samples: tuple[int, ...] = ()
+    clips: tuple[int, ...] = ()
+    unclaimed: bool = False
+    unused_sound: bool = False
+    problem: str | None = None
+    spans: tuple[Span, ...] = field(default=())
+
+    @property
+    def restructures(self) -> bool:
+        return bool(self.image_targets or self.sound_samples or self.clips or self.unclaimed)
+
+
+def _image_targets(facts: LlavaFacts, own: ImageOwners, drops: Sequence[int]):
+    """Image tokens per sample after the rewrite, or a reason it is impossible."""
+    tgt = list(facts.tokens)
+    if own.owners is not None:
+        for smp in drops:
+            tgt[smp] = len(own.of(smp))
+    diff = facts.num_entries - sum(tgt)
+    for smp in reversed(drops):  # totals that cannot be assigned: fix them in dropped rows
+        if diff < 0:
+            cut = min(tgt[smp], -diff)
+            tgt[smp], diff = tgt[smp] - cut, diff + cut
+        elif diff > 0:
+            room = facts.text[smp] - max(0, tgt[smp] - facts.tokens[smp])
+            add = max(0, min(diff, room))
+            tgt[smp], diff = tgt[smp] + add, diff - add
+    if diff:
+        return None, "the dropped samples have too few text tokens to take the unclaimed entries"
+    for smp in drops:
+        if tgt[smp] - facts.tokens[smp] > facts.text[smp]:
+            return None, f"sample {smp} has too few text tokens to hold its entries"
+    return tuple(tgt), None
+
+
+def plan_drop(
+    facts: LlavaFacts,
+    img: ImageOwners,
+    snd: ClipOwners | None,
+    drops: Sequence[int],
+    *,
+    sound_padded: bool,
+    unclaimed: bool,
+    unused_sound: bool,
+) -> DropPlan:
+    drops = tuple(sorted(drops))
+    spans = tuple(facts.spans[i] for i in drops)
+    targets, problem = None, None
+    if drops and not img.consistent and facts.num_entries + facts.total_tokens:
+        targets, problem = _image_targets(facts, img, drops)
+        if targets == facts.tokens:
+            targets = None
+        elif facts.packed and problem is None:
+            problem = (
+                "its image tokens would have to change, which changes its expansion and moves "
+                "the later sub-samples off their cu_seqlens"
+            )
+    if any(not sp.resolved for sp in spans) and problem is None:
+        problem = (
+            "its expansion does not fill its cu_seqlens span, so every later sub-sample is "
+            "placed off its boundaries"
+        )
+    sound_samples: tuple[int, ...] = ()
+    clips: tuple[int, ...] = ()
+    if snd is not None and drops:
+        bad = [i for i in drops if not snd.matched[i]]
+        sound_samples = tuple(i for i in bad if facts.sound[i])
+        clips = tuple(c for i in bad for c in snd.clips[i])
+        if (sound_samples or clips) and sound_padded and problem is None:
+            problem = "with sound_pad_to_clip_duration every row of a clip is placed"
+    return DropPlan(drops, targets, sound_samples, clips, unclaimed, unused_sound, problem, spans)
+
+
+def _columns(facts: LlavaFacts, samples: Sequence[int], device) -> torch.Tensor:
+    """``[b, s]`` mask of the compact token columns of ``samples`` (a loop over samples)."""
+    m = torch.zeros(facts.rows, facts.row_length, dtype=torch.bool)
+    for smp in samples:
+        sp = facts.spans[smp]
+        m[sp.row, sp.start : sp.end] = True
+    return m.to(device, non_blocking=True)
+
+
+def rewrite_inputs(a: dict[str, Any], facts: LlavaFacts, plan: DropPlan) -> Any:
+    """Rewrite the call's integer inputs in ``a`` (the bound arguments); returns the zero
+    anchor for features megatron-core will not place (None when there are none)."""
+    ids = a["input_ids"]
+    anchors = []
+    if plan.image_targets is not None:
+        ph = ids == facts.image_token_index
+        tgt = torch.tensor(plan.image_targets, dtype=torch.int64).to(ids.device).view(-1, 1)
+        have = torch.tensor(facts.tokens, dtype=torch.int64).to(ids.device).view(-1, 1)
+        within = torch.cumsum(ph.to(torch.int64), 1) - 1  # image index within the row
+        text = ~ph
+        if facts.sound_token_index is not None:
+            text &= ids != facts.sound_token_index
+        from_end = torch.flip(torch.cumsum(torch.flip(text.to(torch.int64), [1]), 1), [1])
+        remove = ph & (within >= tgt)
+        add = text & (from_end <= (tgt - have).clamp(min=0))
+        ids = torch.where(remove, PAD_TOKEN, torch.where(add, facts.image_token_index, ids))
+    if plan.sound_samples:
+        cols = _columns(facts, plan.sound_samples, ids.device)
+        ids = ids.masked_fill(cols & (ids == facts.sound_token_index), PAD_TOKEN)
+    a["input_ids"] = ids
+    lens = a.get("sound_embeddings_len")
+    if plan.clips and lens is not None:
+        idx = torch.tensor(plan.clips, dtype=torch.long).to(lens.device)
+        a["sound_embeddings_len"] = lens.index_fill(0, idx, 0)
+    if (plan.clips or plan.unused_sound) and a.get("sound_embeddings") is not None:
+        anchors.append(a["sound_embeddings"])
+    if plan.unclaimed:
+        emb, counts = a.get("image_embeddings"), a.get("num_image_tiles")
+        if counts is not None:
+            a["num_image_tiles"] = counts[:0]
+        if emb is not None:
+            anchors.append(emb)
+            a["image_embeddings"] = emb[:0]
+    return zero_anchor(*anchors) if anchors else None
+
+
+def finish_outputs(
+    out: Any, plan: DropPlan, facts: LlavaFacts, ignore_index: int, seq_first: bool, anchor
+) -> Any:
+    """Zero the dropped samples' positions in the merged embeddings, ignore their labels and
+    zero their loss mask (in place on megatron-core's freshly made outputs)."""
+    emb, labels, lmask = out[0], out[1], out[2]
+    for sp in plan.spans:
+        lo, hi = (0, None) if not facts.packed else (sp.merged_start, sp.merged_end)
+        if emb is not None:
+            (emb[lo:hi, sp.row] if seq_first else emb[sp.row, lo:hi]).zero_()
+        if labels is not None:
+            labels[sp.row, lo:hi] = ignore_index
+        if lmask is not None:
+            lmask[sp.row, lo:hi] = 0
+    if anchor is not None and emb is not None and emb.numel():
+        emb[(0,) * emb.dim()].add_(anchor.to(emb.dtype))  # -0.0: no bit changes
+    return out

@@ -1,0 +1,283 @@
+"""Device-side facts of one LLaVA ``_preprocess_data`` call, moved to the host once.
+
+:func:`measure` reads the token ids, ``num_image_tiles``, the sound lengths and (on the
+first stage) the image and sound embeddings, and reduces them per sample on their own
+device: image / sound / text tokens, the first image whose expansion crosses
+``language_max_sequence_length``, the sound tokens placed past it, per-entry and
+per-clip NaN/Inf counts and, for a packed THD row, each sub-sample's compact columns and
+expansion (:mod:`.llava_packed`). One :func:`~..core.host.to_host` call brings the lot to
+the host; nothing here loops over tokens. Samples are the rows of ``input_ids`` or the
+sub-samples of one packed row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..core.host import to_host
+from ..errors import MediaInputError
+from .llava_packed import Boundaries, Span, device_segments, host_spans
+
+_BIG = 2**62
+
+
+@dataclass(frozen=True)
+class LlavaFacts:
+    """Host-side facts of one call (see :func:`measure`).
+
+    Per sample: tokens (image), sound, text, cross_image / cross_end (first image, in
+    ``num_image_tiles`` order, whose expansion ends past the max length, and that end;
+    ``num_entries`` / -1 when none), sound_past (sound tokens placed past the max
+    length). Per entry: entries (``num_image_tiles``), entry_bad (units holding NaN/Inf;
+    empty when not checked). Per clip: clip_rows (sound rows megatron-core takes from
+    it), clip_bad (rows holding NaN/Inf; empty when not checked). spans: per sample.
+    """
+
+    batch: int
+    rows: int
+    row_length: int
+    packed: bool
+    image_token_index: int
+    sound_token_index: int | None
+    img_seq_len: int
+    max_len: int
+    tokens: tuple[int, ...]
+    sound: tuple[int, ...]
+    text: tuple[int, ...]
+    cross_image: tuple[int, ...]
+    cross_end: tuple[int, ...]
+    sound_past: tuple[int, ...]
+    entries: tuple[int, ...]
+    entry_bad: tuple[int, ...]
+    clip_rows: tuple[int, ...]
+    clip_bad: tuple[int, ...]
+    spans: tuple[Span, ...]
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.tokens)
+
+    @property
+    def num_entries(self) -> int:
+        return len(self.entries)
+
+    @property
+    def num_clips(self) -> int:
+        return len(self.clip_rows)
+
+    def without_entry_flags(self) -> LlavaFacts:
+        """The facts with no NaN/Inf flags for the images (their layout is not known)."""
+        return replace(self, entry_bad=())
+
+    def token_owners(self) -> list[int]:
+        """Sample of each image in token order (one per image token)."""
+        return [smp for smp, k in enumerate(self.tokens) for _ in range(k)]
+
+
+def _per_sample(values: torch.Tensor, sample_of: torch.Tensor, nbins: int) -> torch.Tensor:
+    out = torch.zeros(nbins, dtype=torch.int64, device=values.device)
+    return out.scatter_add_(0, sample_of.reshape(-1), values.reshape(-1).to(torch.int64))
+
+
+def _per_sample_min(values, sample_of, nbins, init) -> torch.Tensor:
+    out = torch.full((nbins,), init, dtype=torch.int64, device=values.device)
+    return out.scatter_reduce_(0, sample_of.reshape(-1), values.reshape(-1), "amin")
+
+
+def _bad_per_group(bad_units: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """NaN/Inf units per consecutive group of ``sizes`` units (a cumulative-sum gather)."""
+    if sizes.numel() == 0:
+        return sizes.new_zeros(0)
+    cum = torch.cat([bad_units.new_zeros(1), torch.cumsum(bad_units.to(torch.int64), 0)])
+    ends = torch.cumsum(sizes, 0).clamp(0, cum.numel() - 1)
+    return cum[ends] - cum[(ends - sizes).clamp(0, cum.numel() - 1)]
+
+
+def measure(
+    input_ids: torch.Tensor,
+    *,
+    image_token_index: int,
+    sound_token_index: int | None,
+    counts: torch.Tensor | None,
+    img_seq_len: int,
+    max_len: int,
+    image_embeddings: torch.Tensor | None,
+    packed_rows: bool,
+    sound_embeddings: torch.Tensor | None,
+    sound_lengths: torch.Tensor | None,
+    sound_padded: bool,
+    cu_seqlens: torch.Tensor | None,
+    check_finite: bool,
+    position_ids: torch.Tensor | None = None,
+    boundaries: Boundaries | None = None,
+) -> LlavaFacts:
+    """Everything the checks need, in one device-to-host transfer.
+
+    image_embeddings: ``[img_seq_len, tiles, h]``, or ``[sum(counts), 1, h]`` with
+    ``packed_rows`` (megatron-core's ``is_packed_dynamic_res``), or None (not read: another
+    stage, or the layout is wrong). sound_embeddings: ``[T, clips, h]`` as
+    ``_preprocess_data`` receives it; sound_lengths: rows per clip (None: every row, as
+    with ``sound_pad_to_clip_duration``). cu_seqlens: sub-sample boundaries of a single
+    packed row, in merged positions (None: the rows are the samples).
+    """
+    call = dict(locals())
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else input_ids
+        raise MediaInputError(f"LLaVA input_ids must be [b, s], got {shape}")
+    b, s = input_ids.shape
+    dev = input_ids.device
+    i64 = torch.int64
+    ph = input_ids == image_token_index
+    sp = input_ids == sound_token_index if sound_token_index is not None else torch.zeros_like(ph)
+    cnt = (
+        torch.as_tensor(counts).to(dev, i64).reshape(-1)
+        if counts is not None
+        else torch.zeros(0, dtype=i64, device=dev)
+    )
+    n = cnt.numel()
+    L = int(img_seq_len)
+    img_idx = (torch.cumsum(ph.reshape(-1), 0) - 1).view(b, s)  # image index, token order
+    valid = ph & (img_idx < n)
+
+    def expand(idx: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+        t = cnt.gather(0, idx.clamp(0, max(n - 1, 0)).reshape(-1)).view(b, s) if n else idx * 0
+        return torch.where(ph, torch.where(ok, t, torch.zeros_like(t)) * L, torch.ones_like(t))
+
+    lens = expand(img_idx, valid)  # megatron-core's expansion: image -> t * L, other -> 1
+    last = torch.cumsum(lens, 1) - 1
+    start = last - lens + 1
+    row_total = last[:, -1] + 1
+
+    packed = cu_seqlens is not None
+    if packed:
+        if b != 1:
+            raise MediaInputError(f"packed cu_seqlens need input_ids [1, s], got [{b}, {s}]")
+        cu = torch.as_tensor(cu_seqlens).to(dev, i64).reshape(-1)
+        k = cu.numel() - 1
+
+        rev = n - ph.sum() + img_idx  # entry of each image counted from the last one
+        sample_of, seg_parts = device_segments(
+            start=start[0],
+            lens=lens[0],
+            lens_rev=expand(rev, ph & (rev >= 0))[0],
+            total=row_total[0],
+            cu=cu,
+            position_ids=position_ids,
+            boundaries=boundaries,
+        )
+        nb = k + 1  # the last bin collects tokens after the last sub-sample
+
+        def count(x: torch.Tensor) -> torch.Tensor:
+            return _per_sample(x, sample_of, nb)[:k]
+
+        def first(x: torch.Tensor, init: int) -> torch.Tensor:
+            return _per_sample_min(x, sample_of, nb, init)[:k]
+
+    else:  # the rows are the samples: plain row reductions
+        k = b
+
+        def count(x: torch.Tensor) -> torch.Tensor:
+            return x.to(i64).sum(1)
+
+        def first(x: torch.Tensor, init: int) -> torch.Tensor:
+            return x.amin(1) if s else torch.full((b,), init, dtype=i64, device=dev)
+
+    cross = valid & (last >= max_len)
+    cross_end = first(torch.where(cross, last + 1, _BIG), _BIG)
+    parts: dict[str, torch.Tensor] = {
+        "tokens": count(ph),
+        "sound": count(sp),
+        "text": count(~(ph | sp)),
+        "cross_image": first(torch.where(cross, img_idx, n), n),
+        "cross_end": torch.where(cross_end == _BIG, torch.full_like(cross_end, -1), cross_end),
+        "sound_past": count(sp & (start >= max_len)),
+        "totals": row_total,
+        "entries": cnt,
+    }
+    if check_finite and image_embeddings is not None and n:
+        dims = (1, 2) if packed_rows else (0, 2)
+        # one read of the features; an overflowing sum of finite values is only a false
+        # alarm, settled exactly by :func:`refine_finite` off the aligned path
+        unit_ok = torch.isfinite(image_embeddings.sum(dim=dims, dtype=torch.float32))
+        parts["entry_bad"] = _bad_per_group(~unit_ok.to(dev), cnt)
+    if sound_embeddings is not None and sound_embeddings.dim() == 3:
+        T, c = sound_embeddings.shape[0], sound_embeddings.shape[1]
+        if sound_lengths is not None and not sound_padded:
+            rows = torch.as_tensor(sound_lengths).to(dev, i64).reshape(-1)
+        else:
+            rows = torch.full((c,), T, dtype=i64, device=dev)
+        parts["clip_rows"] = rows
+        if check_finite and c and rows.numel() == c:
+            per_row = sound_embeddings.sum(dim=2, dtype=torch.float32)  # [T, clips]
+            used = torch.arange(T, device=per_row.device).view(T, 1) < rows.to(per_row.device)
+            parts["clip_bad"] = (used & ~torch.isfinite(per_row)).sum(0).to(dev)
+    if packed:
+        parts.update(seg_parts)
+    # the one host sync of the aligned path: per-sample counts and per-item facts
+    flat = to_host(torch.cat([p.to(i64) for p in parts.values()]), why="LLaVA merge facts")
+    v, h, o = flat.tolist(), {}, 0
+    for name, p in parts.items():
+        h[name], o = tuple(v[o : o + p.numel()]), o + p.numel()
+    if packed:
+        spans = host_spans(h, s)
+        if isinstance(spans, Boundaries):  # a sub-sample does not fill its span: count again
+            return measure(**{**call, "boundaries": spans})
+    else:
+        spans = tuple(Span(r, 0, s, 0, t) for r, t in enumerate(h["totals"]))
+    return LlavaFacts(
+        batch=k,
+        rows=b,
+        row_length=s,
+        packed=packed,
+        image_token_index=int(image_token_index),
+        sound_token_index=None if sound_token_index is None else int(sound_token_index),
+        img_seq_len=L,
+        max_len=int(max_len),
+        tokens=h["tokens"],
+        sound=h["sound"],
+        text=h["text"],
+        cross_image=h["cross_image"],
+        cross_end=h["cross_end"],
+        sound_past=h["sound_past"],
+        entries=h["entries"],
+        entry_bad=h.get("entry_bad", ()),
+        clip_rows=h.get("clip_rows", ()),
+        clip_bad=h.get("clip_bad", ()),
+        spans=spans,
+    )
+
+
+def refine_finite(
+    facts: LlavaFacts,
+    image_embeddings: torch.Tensor | None,
+    packed_rows: bool,
+    sound_embeddings: torch.Tensor | None,
+) -> LlavaFacts:
+    """Exact NaN/Inf flags for the entries and clips the sums flagged (diagnose path only;
+    reads only the flagged items' views)."""
+    bad_e = [j for j, x in enumerate(facts.entry_bad) if x]
+    bad_c = [c for c, x in enumerate(facts.clip_bad) if x]
+    if not bad_e and not bad_c:
+        return facts
+    checks = []
+    if bad_e and image_embeddings is not None:
+        dim = 0 if packed_rows else 1
+        starts = [0]
+        for t in facts.entries:
+            starts.append(starts[-1] + t)
+        for j in bad_e:
+            view = image_embeddings.narrow(dim, starts[j], facts.entries[j])
+            checks.append((~torch.isfinite(view)).any())
+    if bad_c and sound_embeddings is not None:
+        for c in bad_c:
+            view = sound_embeddings[: facts.clip_rows[c], c]
+            checks.append((~torch.isfinite(view)).any())
+    flags = to_host(torch.stack(checks), why="which LLaVA images / clips hold NaN/Inf").tolist()
+    entry_bad, clip_bad = list(facts.entry_bad), list(facts.clip_bad)
+    for j, bad in zip(bad_e, flags[: len(bad_e)]):
+        entry_bad[j] = int(bad)
+    for c, bad in zip(bad_c, flags[len(bad_e) :]):
+        clip_bad[c] = int(bad)
+    return replace(facts, entry_bad=tuple(entry_bad), clip_bad=tuple(clip_bad))

@@ -1,0 +1,160 @@
+"""Sub-samples of a packed THD row (Megatron-Bridge's Nemotron Omni in-batch packing).
+
+The collate concatenates a micro-batch's compact rows into one ``[1, total]`` row; the
+model's ``forward`` gets ``packed_seq_params`` whose ``cu_seqlens_q(_padded)`` are the
+sub-samples' boundaries *after* megatron-core's image expansion, and ``position_ids`` that
+restart at 0 at each sub-sample's first compact token (the padding gap continues them).
+``_preprocess_data`` sees neither: the adapter's forward pre-hook captures both.
+
+Compact boundaries come from the position resets when there is one per sub-sample (exact:
+a sub-sample whose expansion does not fill its ``cu_seqlens`` span is named), else from
+the expansion itself: the token that starts exactly at ``cu_seqlens[i]``, looked for from
+the row's start (entries in token order) and from its end (entries from the last image
+backwards). A boundary both walks find at the same token is confirmed; sub-samples between
+confirmed boundaries with unconfirmed ones inside are unmatched together (text tokens
+expand to one position each, so a misplaced boundary usually lands somewhere: only the two
+walks agreeing shows it is right).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+i64 = torch.int64
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where one sample lies: compact token columns ``[start, end)`` of ``row`` and merged
+    (expanded) positions ``[merged_start, merged_end)``. ``resolved``: false for a packed
+    sub-sample whose expansion does not fill its ``cu_seqlens`` span."""
+
+    row: int
+    start: int
+    end: int
+    merged_start: int
+    merged_end: int
+    resolved: bool = True
+
+
+@dataclass(frozen=True)
+class Boundaries:
+    """Compact start column of each sub-sample (and the row end); ``unmatched``: the
+    sub-samples whose expansion does not (or cannot be shown to) fill their span."""
+
+    pos: tuple[int, ...]
+    unmatched: tuple[int, ...] = ()
+
+    def spans(self, cu: tuple[int, ...]) -> tuple[Span, ...]:
+        bad = set(self.unmatched)
+        return tuple(
+            Span(0, self.pos[i], self.pos[i + 1], cu[i], cu[i + 1], i not in bad)
+            for i in range(len(cu) - 1)
+        )
+
+
+def _landing(start, total, cu, lens_rev, s):
+    """Compact index of each boundary of ``cu`` found from the row's start (``f``, landed
+    ``lf``) and from its end (``g``, landed ``lg``)."""
+    f = torch.searchsorted(start, cu)
+    lf = (f < s) & (start.gather(0, f.clamp(max=s - 1)) == cu)
+    f[-1], lf[-1] = s, total == cu[-1]  # the last sub-sample ends with the row
+    suf = torch.flip(torch.cumsum(torch.flip(lens_rev, [0]), 0), [0])  # merged length from t
+    dist = cu[-1] - cu
+    asc = torch.flip(suf, [0])
+    j = torch.searchsorted(asc, dist)
+    g = torch.where(dist == 0, torch.full_like(j, s), s - 1 - j)
+    lg = (dist == 0) | ((j < s) & (asc.gather(0, j.clamp(max=s - 1)) == dist))
+    g[0], lg[0] = 0, (g[0] == 0) & lg[0]  # the first sub-sample starts with the row
+    return f, lf, g, lg
+
+
+def _from_positions(pos: torch.Tensor, k: int, s: int) -> torch.Tensor:
+    dev = pos.device
+    marker = torch.full((s + 1,), -1, dtype=i64, device=dev)
+    marker.scatter_reduce_(0, pos[:k].clamp(0, s), torch.arange(k, device=dev), "amax")
+    sample_of = torch.cummax(marker[:s], 0).values.clamp(min=0)
+    after = torch.arange(s, device=dev) >= pos[k]
+    return torch.where(after, torch.full_like(sample_of, k), sample_of)
+
+
+def device_segments(
+    *,
+    start: torch.Tensor,
+    lens: torch.Tensor,
+    lens_rev: torch.Tensor,
+    total: torch.Tensor,
+    cu: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    boundaries: Boundaries | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``(sample of each token [1, s] (k: after the last), facts to bring to the host)``
+    for one row: ``start`` / ``lens`` ``[s]`` are each token's first merged position and
+    expansion, ``lens_rev`` the expansion with entries assigned from the end."""
+    s, k = start.numel(), cu.numel() - 1
+    parts: dict[str, torch.Tensor] = {"cu": cu}
+    rev = lens_rev
+    if boundaries is not None:
+        sample_of = _from_positions(torch.tensor(boundaries.pos, dtype=i64).to(cu.device), k, s)
+    else:
+        f, lf, g, lg = _landing(start, total, cu, rev, s)
+        parts.update(f=f, lf=lf, g=g, lg=lg)
+        sample_of = _from_positions(f, k, s)
+        if position_ids is not None and position_ids.numel() == s:
+            resets = position_ids.reshape(-1).to(cu.device) == 0
+            # one reset per sub-sample, the first at column 0: chosen on the device (no sync)
+            ok = (resets.sum() == k) & resets[0]
+            by_reset = (torch.cumsum(resets.to(i64), 0) - 1).clamp(0, k)
+            sample_of = torch.where(ok, by_reset, sample_of)
+            parts["resets_ok"] = ok.view(1)
+    for name, x in (("ncols", torch.ones_like(lens)), ("nexp", lens), ("nexp_rev", rev)):
+        bins = torch.zeros(k + 1, dtype=i64, device=cu.device)
+        parts[name] = bins.scatter_add_(0, sample_of, x)[:k]
+    return sample_of.view(1, s), parts
+
+
+def _fits(h: dict[str, tuple[int, ...]], spans_of: list[int]) -> list[bool]:
+    """Which sub-samples' expansion fills their span. When the image tokens and entries
+    agree in number, token order is right everywhere; else it is right up to the first wrong
+    sub-sample, and the entries counted from the end are right after the last one."""
+    k = len(spans_of)
+    fwd = [h["nexp"][i] == spans_of[i] for i in range(k)]
+    if sum(h["tokens"]) == len(h["entries"]):
+        return fwd
+    bwd = [h["nexp_rev"][i] == spans_of[i] for i in range(k)]
+    lead = next((i for i, ok in enumerate(fwd) if not ok), k)
+    trail = next((i for i in range(k - 1, -1, -1) if not bwd[i]), -1) + 1
+    return [i < lead or i >= trail for i in range(k)]
+
+
+def host_spans(h: dict[str, tuple[int, ...]], s: int) -> tuple[Span, ...] | Boundaries:
+    """The sub-samples' spans, or the boundaries to count again with (second pass)."""
+    cu = h["cu"]
+    k = len(cu) - 1
+    pos = [0]
+    for n in h["ncols"]:
+        pos.append(pos[-1] + n)
+    fits = _fits(h, [cu[i + 1] - cu[i] for i in range(k)])
+
+    def spans() -> tuple[Span, ...]:
+        return tuple(Span(0, pos[i], pos[i + 1], cu[i], cu[i + 1], fits[i]) for i in range(k))
+
+    if "f" not in h or h.get("resets_ok") == (1,):
+        return spans()  # boundaries settled by a first pass, or one reset per sub-sample
+    f, lf, g, lg = h["f"], h["lf"], h["g"], h["lg"]
+    ok = [i in (0, k) or (lf[i] and lg[i] and f[i] == g[i]) for i in range(k + 1)]
+    ok[k] = bool(lf[k])
+    if all(ok) and all(fits):
+        return spans()
+    new, bad, i = [0] * (k + 1), [], 0
+    while i < k:
+        j = next(m for m in range(i + 1, k + 1) if ok[m] or m == k)
+        end = f[j] if ok[j] else s
+        new[i + 1 : j + 1] = [end] * (j - i)
+        if j - i > 1 or not ok[j] or not fits[i]:
+            bad += range(i, j)
+        i = j
+    new[k] = s if not ok[k] else f[k]
+    return Boundaries(tuple(new), tuple(bad))

@@ -1,0 +1,151 @@
+"""Sound as a LLaVA modality (megatron-core 0.19: ``sound_embeddings`` /
+``sound_embeddings_len``).
+
+megatron-core places one sound embedding row at each sound token
+(``self.sound_token_index``, one token per row: sound tokens are not expanded), taking
+``sound_embeddings_len[c]`` rows of clip ``c`` (every row with
+``sound_pad_to_clip_duration``) in token order, with no count check. Here clips are
+assigned to samples by the item metadata (``MediaItem(modality="sound")``, one per clip)
+or by walking the per-sample sound token counts against the clips' rows from both ends
+of the batch: a sample whose tokens are not a whole number of clips stops the walk, so
+one short or long sample is bracketed and named. Loops run over samples and clips.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..core.items import MediaItem
+from .llava_checks import LlavaFault, item_owners
+from .llava_measure import LlavaFacts
+
+
+@dataclass(frozen=True)
+class ClipOwners:
+    """Clips of each sample (``clips[i]``) and the samples whose sound tokens match their
+    clips' rows (``matched``): megatron-core's token-order placement is right for them."""
+
+    clips: tuple[tuple[int, ...], ...]
+    matched: tuple[bool, ...]
+
+
+def _walk(tokens: Sequence[int], rows: Sequence[int]) -> tuple[list[list[int]], int]:
+    """Clips of the leading samples whose sound tokens are whole clips, and the clips they
+    use; stops at the first sample that is not."""
+    out: list[list[int]] = []
+    c = 0
+    for need in tokens:
+        mine, got, d = [], 0, c
+        while d < len(rows) and got < need:
+            mine.append(d)
+            got += rows[d]
+            d += 1
+        if got != need:
+            break
+        out.append(mine)
+        c = d
+    return out, c
+
+
+def clip_owners(facts: LlavaFacts, items: Sequence[MediaItem] | None) -> ClipOwners:
+    """Clips per sample. From the front and from the back, samples are matched while their
+    tokens are whole clips. A wrong sample lies where both walks allow it: after the
+    front-matched ones it needs and before the back-matched ones; those candidates are
+    unmatched, the first takes the clips left between the two walks (when the walks overlap
+    several samples are candidates: the error cannot be placed more closely)."""
+    B, rows, C = facts.batch, facts.clip_rows, len(facts.clip_rows)
+    if items is not None:
+        owners = item_owners(items, C, B, "sound")
+        clips = tuple(tuple(c for c, o in enumerate(owners) if o == smp) for smp in range(B))
+        matched = tuple(facts.sound[i] == sum(rows[c] for c in clips[i]) for i in range(B))
+        return ClipOwners(clips, matched)
+    front, cf = _walk(facts.sound, rows)
+    if len(front) == B and cf == C:
+        return ClipOwners(tuple(tuple(x) for x in front), (True,) * B)
+    back_rev, _ = _walk(facts.sound[::-1], rows[::-1])
+    back = [tuple(C - 1 - c for c in reversed(x)) for x in reversed(back_rev)]
+    lo, hi = len(front), B - len(back)  # front matched [0, lo), back matched [hi, B)
+    first = min(lo, max(hi - 1, 0), B - 1)
+    last = min(max(lo, hi - 1), B - 1)
+    a = sum(len(front[i]) for i in range(first))
+    e = C - sum(len(back[i - hi]) for i in range(last + 1, B))
+    clips = [tuple(front[i]) for i in range(first)]
+    clips += [tuple(range(a, max(a, e)))] + [()] * (last - first)
+    clips += [back[i - hi] for i in range(last + 1, B)]
+    matched = tuple(not first <= i <= last for i in range(B))
+    return ClipOwners(tuple(clips), matched)
+
+
+def sound_faults(
+    facts: LlavaFacts, items: Sequence[MediaItem] | None, sound_known: bool
+) -> tuple[list[LlavaFault], ClipOwners | None]:
+    """Count, max-length and NaN/Inf faults of the sound; (``[]``, None) when this stage
+    does not see the sound (no ``sound_embeddings``) or the model has no sound token."""
+    if not sound_known or facts.sound_token_index is None:
+        return [], None
+    own = clip_owners(facts, items)
+    rows = facts.clip_rows
+    out: list[LlavaFault] = []
+    for smp in range(facts.batch):
+        mine = own.clips[smp]
+        got = sum(rows[c] for c in mine)
+        k = facts.sound[smp]
+        if not own.matched[smp]:
+            if k == 0 and not mine:
+                continue
+            out.append(
+                LlavaFault(
+                    smp,
+                    "count",
+                    "sound",
+                    mine[0] if mine else None,
+                    0 if mine else None,
+                    (k,),
+                    (got,),
+                    None,
+                    f"sample holds {k} sound tokens, "
+                    + (
+                        f"its clip(s) {list(mine)} {got} sound_embeddings_len rows"
+                        if mine
+                        else "no clip can be assigned to it"
+                    )
+                    + f" (batch: {sum(facts.sound)} sound tokens, {sum(rows)} rows in "
+                    f"{len(rows)} clips)",
+                )
+            )
+            continue
+        if facts.sound_past[smp] and mine:
+            past = facts.sound_past[smp]
+            out.append(
+                LlavaFault(
+                    smp,
+                    "max_length",
+                    "sound",
+                    mine[-1],
+                    len(mine) - 1,
+                    (k,),
+                    (k - past,),
+                    None,
+                    f"{past} of the sample's {k} sound rows fall past "
+                    f"language_max_sequence_length {facts.max_len}: megatron-core would cut "
+                    "them after the merge",
+                )
+            )
+        bad = [c for c in mine if facts.clip_bad and facts.clip_bad[c]]
+        if bad:
+            c = bad[0]
+            out.append(
+                LlavaFault(
+                    smp,
+                    "nonfinite",
+                    "sound",
+                    c,
+                    mine.index(c),
+                    (rows[c],),
+                    (facts.clip_bad[c],),
+                    None,
+                    "NaN/Inf in the clip's sound embeddings (got: rows affected)",
+                )
+            )
+    return out, own

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The adapter tests on megatron-core 0.19.2 (the release Megatron-Bridge 0.6 runs Nemotron VL /
+# Omni on), besides the 0.16.x the venv holds. 0.19.2's wheel is tagged for Python 3.12, its
+# sources run on 3.11: the wheel from the package index is unpacked into .mcore019/ (ignored by
+# git; kept between runs) and put first on PYTHONPATH, which spawned test processes inherit.
+# It imports triton unconditionally: installed into the venv when missing.
+# Usage: scripts/test_mcore019.sh [pytest args; default: the adapter test files]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VERSION=0.19.2
+TRITON=3.9.0
+DEST=.mcore019
+PY=.venv/bin/python
+[ -x "$PY" ] || { echo "no $PY: run scripts/test.sh first" >&2; exit 2; }
+
+if [ "$(cat "$DEST/.version" 2>/dev/null)" != "$VERSION" ]; then
+    tmp="$(mktemp -d)"
+    trap 'rm -rf "$tmp"' EXIT
+    "$PY" -m pip download -q --disable-pip-version-check --no-deps --python-version 3.12 \
+        --only-binary=:all: -d "$tmp" "megatron-core==$VERSION"
+    rm -rf "$DEST"
+    "$PY" -m zipfile -e "$tmp"/megatron_core-"$VERSION"-*.whl "$DEST"
+    echo "$VERSION" > "$DEST/.version"
+fi
+"$PY" -c "import triton" 2>/dev/null ||
+    "$PY" -m pip install -q --disable-pip-version-check "triton==$TRITON"
+
+export PYTHONPATH="$PWD/$DEST${PYTHONPATH:+:$PYTHONPATH}"
+"$PY" - "$VERSION" <<'PYEOF'
+import sys
+import warnings
+
+warnings.simplefilter("ignore")
+import megatron.core as mc
+
+v = mc.__version__.split("+")[0]
+assert v == sys.argv[1], f"megatron-core {mc.__version__} on the path, not {sys.argv[1]}"
+print(f"megatron-core {mc.__version__} from {mc.__file__}")
+PYEOF
+if [ "$#" -eq 0 ]; then
+    set -- tests/test_adapter_llava.py tests/test_adapter_llava_mcore019.py \
+        tests/test_adapter_llava_omni.py tests/test_adapter_mimo.py tests/test_launcher.py \
+        tests/test_adapter_dist.py tests/test_dist_layouts.py
+fi
+exec "$PY" -m pytest -q -p no:cacheprovider "$@"

@@ -1,0 +1,56 @@
+"""Stand-in ``self`` objects for megatron-core's ``LLaVAModel._preprocess_data``.
+
+Each copies the attributes one release's ``_preprocess_data`` reads (checked against the
+unpacked sources: 0.16.1 reads ``pre_process``, ``post_process``, ``add_decoder``,
+``img_seq_len``, ``_language_is_pipeline_parallel``, ``_language_max_sequence_length``,
+``context_parallel_lm`` and ``vision_model``; 0.19.2 also ``sound_token_index`` and
+``sound_model``) and carries the real method of the release on the path. ``LLaVAStandIn``
+is the one for that release.
+"""
+
+from __future__ import annotations
+
+import types
+
+import megatron.core
+from megatron.core.models.multimodal.llava_model import LLaVAModel
+
+MCORE = tuple(int(x) for x in megatron.core.__version__.split("+")[0].split(".")[:2])
+HAS_MCORE019 = MCORE >= (0, 19)
+NEEDS_MCORE019 = "needs megatron-core >= 0.19 on the path (run scripts/test_mcore019.sh)"
+
+
+class Mcore016LLaVAStandIn:
+    """What megatron-core 0.16.1's ``_preprocess_data`` reads; the real method."""
+
+    _preprocess_data = LLaVAModel._preprocess_data
+
+    def __init__(
+        self, maxlen=64, pre=True, post=True, cp=1, pp=False, img_seq_len=3, image_token=-200
+    ):
+        self.pre_process, self.post_process, self.add_decoder = pre, post, True
+        self.img_seq_len = img_seq_len
+        self._language_is_pipeline_parallel = pp
+        self._language_max_sequence_length = maxlen
+        self.context_parallel_lm = cp
+        self.vision_model = None
+        self.image_token_index = image_token
+
+
+class Mcore019LLaVAStandIn(Mcore016LLaVAStandIn):
+    """0.19.2 also reads ``sound_token_index`` (default -300) and ``sound_model`` (its
+    ``config.sound_pad_to_clip_duration`` picks every row of a clip)."""
+
+    def __init__(self, *args, sound_token=-300, sound_pad_to_clip_duration=None, **kw):
+        super().__init__(*args, **kw)
+        self.sound_token_index = sound_token
+        self.sound_model = (
+            None
+            if sound_pad_to_clip_duration is None
+            else types.SimpleNamespace(
+                config=types.SimpleNamespace(sound_pad_to_clip_duration=sound_pad_to_clip_duration)
+            )
+        )
+
+
+LLaVAStandIn = Mcore019LLaVAStandIn if HAS_MCORE019 else Mcore016LLaVAStandIn

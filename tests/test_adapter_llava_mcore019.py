@@ -1,0 +1,382 @@
+"""Sound and packed dynamic resolution on megatron-core 0.19.2's own
+``LLaVAModel._preprocess_data`` (stand-in ``self`` with the attributes 0.19.2 reads), one row
+per sample. Packed THD rows and the Omni contract: ``test_adapter_llava_omni``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+llava_mod = pytest.importorskip("megatron.core.models.multimodal.llava_model")
+
+from llava_standins import HAS_MCORE019, NEEDS_MCORE019, Mcore019LLaVAStandIn  # noqa: E402
+from omni_batches import IMAGE, SOUND, Example, build  # noqa: E402
+
+from megatron_media_guard import (  # noqa: E402
+    Grammar,
+    GuardConfig,
+    MediaAlignmentError,
+    MediaGuard,
+    MediaItem,
+)
+from megatron_media_guard.adapters import install_llava  # noqa: E402
+from megatron_media_guard.core.host import count_transfers  # noqa: E402
+from megatron_media_guard.diagnostics import RankInfo  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not HAS_MCORE019, reason=NEEDS_MCORE019)
+LLaVAModel = llava_mod.LLaVAModel
+
+EXAMPLES = [
+    Example(images=[(64, 96)], mel_frames=40),
+    Example(images=[(96, 64), (64, 64)], mel_frames=24),
+    Example(images=[(128, 64)], mel_frames=56),
+]
+ITEMS = [
+    MediaItem(6, sample=0),
+    MediaItem(6, sample=1),
+    MediaItem(4, sample=1),
+    MediaItem(8, sample=2),
+]
+
+
+def standin(batch, maxlen=4096, **kw):
+    return Mcore019LLaVAStandIn(
+        maxlen, img_seq_len=batch.img_seq_len, image_token=IMAGE, sound_token=SOUND, **kw
+    )
+
+
+def guard(policy="raise", **cfg):
+    return MediaGuard(
+        GuardConfig(policy=policy, **cfg), Grammar.llava(IMAGE), rank=RankInfo(rank=1)
+    )
+
+
+def call(model, batch):
+    return model._preprocess_data(**batch.kwargs())
+
+
+def guarded(batch, policy="raise", items=None, maxlen=4096, cfg=None, **kw):
+    model = standin(batch, maxlen, **kw)
+    handle = install_llava(model, guard(policy, **(cfg or {})))
+    handle.set_step(9)
+    handle.set_items(items)
+    return model, handle
+
+
+def kept_identical(out, ref, dropped):
+    """Rows other than ``dropped`` equal the reference; the dropped ones are zeroed out."""
+    for r in range(ref[1].shape[0]):
+        if r in dropped:
+            assert (
+                (out[0][:, r] == 0).all() and (out[1][r] == -100).all() and (out[2][r] == 0).all()
+            )
+        else:
+            assert torch.equal(out[0][:, r], ref[0][:, r]), r
+            assert torch.equal(out[1][r], ref[1][r]) and torch.equal(out[2][r], ref[2][r]), r
+
+
+def test_aligned_image_and_sound_are_bit_identical_with_one_transfer():
+    batch = build(EXAMPLES)
+    ref = call(standin(batch), batch)
+    model, handle = guarded(batch, "drop")
+    with count_transfers() as seen:
+        out = call(model, batch)
+    assert sum(seen.values()) == 1, dict(seen)
+    assert all(torch.equal(a, b) for a, b in zip(ref, out)) and handle.last_result.ok
+
+
+def test_release_defaults_negative_ids():
+    """0.19.2's own defaults: image token -200 (one per image, tiles x img_seq_len), sound -300."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 50, (2, 12), generator=g)
+    ids[0, 1], ids[1, 2], ids[0, 4:7], ids[1, 5:7] = -200, -200, -300, -300
+    args = dict(
+        image_embeddings=torch.randn(3, 3, 4, generator=g),
+        language_embeddings=torch.randn(2, 12, 4, generator=g),
+        input_ids=ids,
+        loss_mask=torch.ones(2, 12),
+        labels=torch.randint(0, 50, (2, 12), generator=g),
+        use_inference_kv_cache=False,
+        inference_context=None,
+        image_token_index=-200,
+        num_image_tiles=torch.tensor([1, 2], dtype=torch.int),
+        sound_embeddings=torch.randn(4, 2, 4, generator=g),
+        sound_embeddings_len=torch.tensor([3, 2]),
+    )
+    ref = LLaVAModel._preprocess_data(Mcore019LLaVAStandIn(img_seq_len=3), **args)
+    model = Mcore019LLaVAStandIn(img_seq_len=3)
+    install_llava(model, MediaGuard(GuardConfig(), Grammar.llava(-200)))
+    assert all(torch.equal(a, b) for a, b in zip(ref, model._preprocess_data(**args)))
+    args["sound_embeddings_len"] = torch.tensor([2, 2])
+    with pytest.raises(MediaAlignmentError, match=r"sample 0, clip 0.*3 sound tokens"):
+        model._preprocess_data(**args)
+
+
+def short_sound(b):
+    b.sound_embeddings_len = torch.tensor([5, 2, 7])
+
+
+def extra_sound_token(b):
+    b.input_ids = b.input_ids.clone()
+    b.input_ids[1, 0] = SOUND  # a text token becomes a sound token: 4 tokens, 3 rows
+
+
+def image_and_sound(b):
+    extra_sound_token(b)
+    b.input_ids[1, 2] = IMAGE  # and an image token the entries do not have
+
+
+FAULTS = {
+    "sound-short": (short_sound, ["sample 1, clip 1", "3 sound tokens", "2 sound_embeddings_len"]),
+    "extra-sound-token": (extra_sound_token, ["sample 1, clip 1", "4 sound tokens", "3 sound_"]),
+    "image+sound": (
+        image_and_sound,
+        ["sample 1", "3 image tokens", "2 num_image_tiles", "4 sound"],
+    ),
+}
+
+
+@pytest.mark.parametrize("policy", ["raise", "drop"])
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_sound_faults_in_one_sample(fault, policy):
+    batch = build(EXAMPLES)
+    ref = call(standin(batch), batch)
+    inject, parts = FAULTS[fault]
+    inject(batch)
+    with pytest.raises(RuntimeError):  # what megatron-core does on its own (a shape error)
+        call(standin(batch), batch)
+    model, handle = guarded(batch, policy, items=ITEMS)
+    if policy == "raise":
+        with pytest.raises(MediaAlignmentError) as e:
+            call(model, batch)
+        for part in ["rank 1", "step 9", "1 of 3 samples", *parts]:
+            assert part in str(e.value), part
+        assert e.value.context["sample"] == 1
+        return
+    out = call(model, batch)
+    assert handle.last_result.dropped == (1,) and handle.last_result.mode == "restructure"
+    assert {(f.modality, f.check) for f in handle.last_result.faults} >= {("sound", "count")}
+    kept_identical(out, ref, {1})
+
+
+def test_sound_rows_past_the_max_length_are_caught():
+    examples = [Example(text=2, images=[(64, 64)], mel_frames=40)]
+    batch = build([*examples, Example(text=12, images=[(64, 64)], mel_frames=40)])
+    # row 1: text 0..11, <img> 12, its image 13..16, </img> 17, <so_start> 18, sound 19..23
+    ref = call(standin(batch, 21), batch)
+    model, handle = guarded(batch, "drop", maxlen=21)
+    out = call(model, batch)
+    (f,) = handle.last_result.faults
+    assert (f.sample, f.modality, f.check, f.item) == (1, "sound", "max_length", 1)
+    assert f.expected == (5,) and f.got == (2,)
+    kept_identical(out, ref, {1})
+
+
+@pytest.mark.parametrize("policy", ["raise", "drop"])
+def test_nonfinite_sound_rows(policy):
+    batch = build(EXAMPLES)
+    batch.sound_embeddings = batch.sound_embeddings.clone()
+    batch.sound_embeddings[6, 1, 0] = float("nan")  # clip 1 has 3 rows: row 6 is never placed
+    model, handle = guarded(batch, "raise", cfg={"nonfinite": policy})
+    call(model, batch)
+    assert handle.last_result.ok
+    batch.sound_embeddings[2, 2, 1] = float("inf")  # clip 2, a placed row
+    ref = call(standin(batch), batch)
+    if policy == "raise":
+        with pytest.raises(MediaAlignmentError, match=r"sample 2, clip 2.*sound nonfinite"):
+            call(model, batch)
+        return
+    out = call(model, batch)
+    assert handle.last_result.dropped == (2,) and handle.last_result.mode == "zero"
+    assert torch.isfinite(out[0]).all()
+    kept_identical(out, ref, {2})
+
+
+def test_pad_to_clip_duration_takes_every_row():
+    batch = build([Example(images=[(64, 64)], mel_frames=40)] * 2)
+    batch.sound_embeddings = batch.sound_embeddings[:5]  # 5 rows per clip, all placed
+    ref = call(standin(batch, sound_pad_to_clip_duration=True), batch)
+    model, _ = guarded(batch, "drop", sound_pad_to_clip_duration=True)
+    assert all(torch.equal(a, b) for a, b in zip(ref, call(model, batch)))
+    extra_sound_token(batch)
+    with pytest.raises(MediaAlignmentError, match="cannot drop: with sound_pad_to_clip_duration"):
+        call(model, batch)
+
+
+def test_sound_drop_on_a_first_stage_without_the_loss_escalates():
+    batch = build(EXAMPLES)
+    short_sound(batch)
+    model, _ = guarded(batch, "drop", post=False)
+    with pytest.raises(MediaAlignmentError, match="last pipeline stage cannot see the sound"):
+        call(model, batch)
+
+
+def test_last_stage_does_not_read_the_sound():
+    batch = build(EXAMPLES)
+    short_sound(batch)  # only the first stage can see it
+    ref = call(standin(batch, pre=False), batch)
+    model, handle = guarded(batch, "raise", pre=False)
+    out = call(model, batch)
+    assert out[0] is None and torch.equal(out[1], ref[1]) and handle.last_result.ok
+
+
+# ---- packed dynamic resolution: img_seq_len 1, per-image counts, [sum, 1, h] --------------
+
+
+def test_packed_dynamic_count_fault_drops_the_sample():
+    batch = build(EXAMPLES)
+    assert batch.dynamic and batch.image_embeddings.shape == (24, 1, 8)
+    ref = call(standin(batch), batch)
+    batch.input_ids = batch.input_ids.clone()
+    batch.input_ids[1, 2] = IMAGE  # an image token the entries do not have
+    model, handle = guarded(batch, "drop", items=ITEMS)
+    out = call(model, batch)
+    assert handle.last_result.dropped == (1,) and handle.last_result.mode == "restructure"
+    kept_identical(out, ref, {1})
+
+
+def test_packed_dynamic_count_fault_without_items_drops_every_image_sample():
+    batch = build([*EXAMPLES, Example(mel_frames=24)])  # the last sample: text and sound
+    batch.input_ids = batch.input_ids.clone()
+    batch.input_ids[1, 2] = IMAGE
+    model, handle = guarded(batch, "drop")
+    out = call(model, batch)
+    assert handle.last_result.dropped == (0, 1, 2)
+    assert (out[2][3] != 0).any() and (out[2][:3] == 0).all()
+
+
+def test_packed_dynamic_max_length_fault_drops_the_sample():
+    batch = build(
+        [
+            Example(images=[(64, 64)]),
+            Example(images=[(64, 64)]),
+            Example(images=[(64, 64), (256, 256)]),  # the second image: 64 rows
+        ]
+    )
+    ref = call(standin(batch, 40), batch)
+    model, handle = guarded(batch, "drop", maxlen=40)
+    out = call(model, batch)
+    (f,) = handle.last_result.faults
+    assert (f.sample, f.check, f.item, f.tiles) == (2, "max_length", 3, 64)
+    assert handle.last_result.mode == "zero"
+    kept_identical(out, ref, {2})
+
+
+def test_packed_dynamic_nan_drops_the_sample():
+    batch = build(EXAMPLES)
+    batch.image_embeddings = batch.image_embeddings.clone()
+    batch.image_embeddings[13, 0, 2] = float("nan")  # image 2 (sample 1) holds rows 12..15
+    ref = call(standin(batch), batch)
+    model, handle = guarded(batch, "raise", cfg={"nonfinite": "drop"})
+    out = call(model, batch)
+    assert handle.last_result.dropped == (1,) and torch.isfinite(out[0]).all()
+    (f,) = handle.last_result.faults
+    assert (f.check, f.item, f.item_in_sample, f.got) == ("nonfinite", 2, 1, (1,))
+    kept_identical(out, ref, {1})
+
+
+def test_packed_dynamic_layout_must_be_sum_by_one():
+    batch = build(EXAMPLES)
+    batch.image_embeddings = batch.image_embeddings.view(1, 24, 8)  # [img_seq_len, tiles, h]
+    model, _ = guarded(batch, "drop")
+    with pytest.raises(MediaAlignmentError, match=r"expected \[24 \(sum of num_image_tiles\), 1"):
+        call(model, batch)
+
+
+def test_sound_metadata_places_a_clip_the_walk_cannot():
+    batch = build([Example(mel_frames=40), Example(), Example(mel_frames=56)])
+    ref = call(standin(batch), batch)
+    # sample 1 holds no sound token, yet a clip of 1 row sits between the other two
+    snd = batch.sound_embeddings
+    batch.sound_embeddings = torch.cat([snd[:, :1], snd[:, :1], snd[:, 1:]], 1)
+    batch.sound_embeddings_len = torch.tensor([5, 1, 7])
+    model, handle = guarded(batch, "drop")
+    call(model, batch)
+    assert handle.last_result.dropped == (0, 2)  # without metadata: every sound sample
+    items = [MediaItem(5, 0, "sound"), MediaItem(1, 1, "sound"), MediaItem(7, 2, "sound")]
+    handle.set_items(items)
+    out = call(model, batch)
+    (f,) = handle.last_result.faults
+    assert (f.sample, f.modality, f.item, f.expected, f.got) == (1, "sound", 1, (0,), (1,))
+    kept_identical(out, ref, {1})
+
+
+def test_children_see_the_same_release():
+    """Spawned test processes (the 4-rank tests) import megatron-core from the same place."""
+    import subprocess
+    import sys
+
+    import megatron.core
+
+    code = "import importlib.util as u; print(u.find_spec('megatron.core').origin)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == megatron.core.__file__
+
+
+@pytest.mark.parametrize("policy", ["raise", "drop"])
+def test_sound_tokens_without_sound_embeddings(policy):
+    """0.19.2's forward passes an empty [0, 0, 0] sound tensor when the batch has no clips:
+    megatron-core then fails on the sound tokens (``torch.cat`` of no rows)."""
+    batch = build(EXAMPLES)
+    ref = call(standin(batch), batch)
+    batch.sound_embeddings = torch.zeros(0, 0, 0)
+    batch.sound_embeddings_len = torch.zeros(0, dtype=torch.long)
+    with pytest.raises(ValueError, match="non-empty list"):
+        call(standin(batch), batch)
+    model, handle = guarded(batch, policy)
+    if policy == "raise":
+        with pytest.raises(MediaAlignmentError, match="no clip can be assigned"):
+            call(model, batch)
+        return
+    out = call(model, batch)
+    assert handle.last_result.dropped == (0, 1, 2)
+    assert (out[2] == 0).all() and out[0].shape == ref[0].shape
+
+
+def test_sound_lengths_missing_is_a_layout_fault():
+    batch = build(EXAMPLES)
+    batch.sound_embeddings_len = None
+    model, _ = guarded(batch, "drop")
+    with pytest.raises(MediaAlignmentError, match="no sound_embeddings_len"):
+        call(model, batch)
+
+
+def test_drop_under_context_parallel_layout():
+    """With context_parallel_lm > 1 the merged embeddings stay [b, S, h]."""
+    batch = build(EXAMPLES)
+    ref = call(standin(batch, cp=2), batch)
+    short_sound(batch)
+    model, handle = guarded(batch, "drop", cp=2)
+    out = call(model, batch)
+    assert handle.last_result.dropped == (1,)
+    assert (out[0][1] == 0).all() and torch.equal(out[0][[0, 2]], ref[0][[0, 2]])
+
+
+def test_release_signature():
+    """0.19.2's ``_preprocess_data`` as the adapter reads it: the 0.16 positional parameters,
+    then keyword-only packed dynamic resolution and sound."""
+    import inspect
+
+    params = inspect.signature(LLaVAModel._preprocess_data).parameters
+    positional = [n for n, p in params.items() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert positional[-3:] == ["inference_context", "image_token_index", "num_image_tiles"]
+    kw = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY]
+    assert kw == [
+        "inference_params",
+        "is_packed_dynamic_res",
+        "sound_embeddings",
+        "sound_embeddings_len",
+        "sound_timestamps",
+    ]
+    assert "imgs_sizes" not in params and "media_token_counts" not in params
+
+
+def test_encoder_hidden_state_without_sound_tokens_is_not_read():
+    """A stage without the encoders passes ``encoder_hidden_state`` as the sound embeddings
+    and no lengths: megatron-core reads it only at sound tokens, so neither does the guard."""
+    batch = build([Example(images=[(64, 64)])] * 2)
+    batch.sound_embeddings, batch.sound_embeddings_len = torch.randn(3, 2, 8), None
+    ref = call(standin(batch), batch)
+    model, handle = guarded(batch, "raise")
+    assert all(torch.equal(a, b) for a, b in zip(ref, call(model, batch)))
+    assert handle.last_result.ok

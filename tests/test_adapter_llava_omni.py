@@ -1,0 +1,318 @@
+"""Megatron-Bridge's Nemotron Omni batches through megatron-core 0.19.2's own
+``LLaVAModel._preprocess_data`` (stand-in ``self``; batches built as Bridge's collate does,
+see ``omni_batches``): aligned batches are bit-identical, packed THD sub-samples are named
+and dropped one by one through the ``packed_seq_params`` the forward pre-hook captures."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+llava_mod = pytest.importorskip("megatron.core.models.multimodal.llava_model")
+
+from llava_standins import HAS_MCORE019, NEEDS_MCORE019, Mcore019LLaVAStandIn  # noqa: E402
+from omni_batches import IMAGE, SOUND, Example, build  # noqa: E402
+
+from megatron_media_guard import Grammar, GuardConfig, MediaAlignmentError, MediaGuard  # noqa: E402
+from megatron_media_guard.adapters import install_llava  # noqa: E402
+from megatron_media_guard.core.host import count_transfers  # noqa: E402
+from megatron_media_guard.diagnostics import RankInfo  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not HAS_MCORE019, reason=NEEDS_MCORE019)
+LLaVAModel = llava_mod.LLaVAModel
+MAXLEN = 4096
+
+
+def standin(batch, maxlen=MAXLEN):
+    return Mcore019LLaVAStandIn(
+        maxlen, img_seq_len=batch.img_seq_len, image_token=IMAGE, sound_token=SOUND
+    )
+
+
+class OmniForwardStandIn(torch.nn.Module):
+    """An ``nn.Module`` whose ``forward`` takes the leading parameters of 0.19.2's
+    ``LLaVAModel.forward`` (Bridge calls it by keyword) and runs the real
+    ``_preprocess_data`` on the batch's prepared embeddings, as the real forward does after
+    its encoders: the place where the adapter's pre-hook reads ``packed_seq_params``."""
+
+    _preprocess_data = LLaVAModel._preprocess_data
+
+    def __init__(self, batch, maxlen=MAXLEN):
+        super().__init__()
+        for k, v in vars(standin(batch, maxlen)).items():
+            setattr(self, k, v)
+        self.batch = batch
+
+    def forward(
+        self,
+        images,
+        input_ids,
+        position_ids,
+        attention_mask,
+        labels=None,
+        loss_mask=None,
+        inference_context=None,
+        num_image_tiles=None,
+        image_token_index=None,
+        runtime_gather_output=None,
+        packed_seq_params=None,
+    ):
+        return self._preprocess_data(**self.batch.kwargs())
+
+
+def psp(batch):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=batch.cu_seqlens_q,
+        cu_seqlens_kv=batch.cu_seqlens_q,
+        cu_seqlens_q_padded=batch.cu_seqlens_q_padded,
+        cu_seqlens_kv_padded=batch.cu_seqlens_q_padded,
+    )
+
+
+def run_forward(model, batch, positions=True):
+    pos = batch.position_ids if positions else None
+    return model(None, batch.input_ids, pos, None, packed_seq_params=psp(batch))
+
+
+def guard(policy="raise", **cfg):
+    return MediaGuard(
+        GuardConfig(policy=policy, **cfg), Grammar.llava(IMAGE), rank=RankInfo(rank=2)
+    )
+
+
+def unguarded(batch):
+    return LLaVAModel._preprocess_data(standin(batch), **batch.kwargs())
+
+
+def same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+IMAGES_SOUND = [
+    Example(images=[(64, 96)], mel_frames=40),
+    Example(images=[(96, 64), (64, 64)], mel_frames=24),
+    Example(images=[(128, 64)], mel_frames=56),
+]
+VIDEO = [
+    Example(images=[(512, 512)], video_frames=5),
+    Example(video_frames=4, mel_frames=30),
+    Example(images=[(512, 512)]),
+]
+
+
+def test_forward_stand_in_takes_the_release_forward_parameters():
+    mine = list(inspect.signature(OmniForwardStandIn.forward).parameters)
+    real = list(inspect.signature(LLaVAModel.forward).parameters)
+    assert real[: len(mine)] == mine
+
+
+def test_batches_follow_the_contract():
+    b = build(IMAGES_SOUND)
+    assert b.dynamic and b.img_seq_len == 1 and IMAGE > 0 and SOUND > 0
+    assert b.num_image_tiles.tolist() == [6, 6, 4, 8]  # (H/32) * (W/32) per image
+    assert b.image_embeddings.shape == (24, 1, 8)
+    assert b.sound_embeddings_len.tolist() == [5, 3, 7] == (b.input_ids == SOUND).sum(1).tolist()
+    v = build(VIDEO)
+    assert (
+        v.img_seq_len == 256 and v.num_image_tiles.tolist() == [1] * 7
+    )  # 1 + 3 (5 frames) + 2 + 1
+    assert (v.input_ids == IMAGE).sum().item() == 7
+
+
+@pytest.mark.parametrize("kind", ["image+sound", "image+video", "packed"])
+def test_aligned_omni_batches_are_bit_identical(kind):
+    batch = build(VIDEO if kind == "image+video" else IMAGES_SOUND, pack=kind == "packed")
+    ref = unguarded(batch)
+    model = OmniForwardStandIn(batch)
+    with install_llava(model, guard("drop")) as handle:
+        out = run_forward(model, batch)
+    assert same(ref, out) and handle.last_result.ok and handle.last_result.mode == "as-is"
+    assert handle.last_result.packed == (kind == "packed")
+    assert handle.last_result.num_samples == 3
+
+
+@pytest.mark.parametrize("positions", ["resets", None, "no-resets"])
+def test_aligned_call_with_sound_moves_data_to_host_once(positions):
+    batch = build(IMAGES_SOUND, pack=True, pad_to_multiple_of=8)
+    if positions == "no-resets":  # positions over the whole row: the two walks decide
+        batch.position_ids = torch.arange(batch.input_ids.shape[1]).view(1, -1)
+    model = OmniForwardStandIn(batch)
+    handle = install_llava(model, guard())
+    with count_transfers() as seen:
+        run_forward(model, batch, positions is not None)
+    assert sum(seen.values()) == 1, dict(seen)
+    assert [sp.merged_start for sp in handle.last_result.spans] == [0, 32, 72]
+
+
+def test_pre_hook_goes_with_remove():
+    batch = build(IMAGES_SOUND, pack=True)
+    model = OmniForwardStandIn(batch)
+    handle = install_llava(model, guard())
+    assert len(model._forward_pre_hooks) == 1
+    run_forward(model, batch)
+    assert handle.last_result.packed
+    handle.remove()
+    assert len(model._forward_pre_hooks) == 0 and "_preprocess_data" not in vars(model)
+
+
+def outside(out, ref, spans, drop):
+    """The positions of every sub-sample but ``drop`` are bit-identical to ``ref``."""
+    for i, sp in enumerate(spans):
+        if i != drop:
+            sl = slice(sp.merged_start, sp.merged_end)
+            assert torch.equal(out[0][sl], ref[0][sl]), i
+            assert torch.equal(out[1][:, sl], ref[1][:, sl]) and torch.equal(
+                out[2][:, sl], ref[2][:, sl]
+            )
+
+
+@pytest.mark.parametrize("policy", ["raise", "drop"])
+def test_packed_row_sound_fault_in_the_middle_sub_sample(policy):
+    batch = build(IMAGES_SOUND, pack=True, pad_to_multiple_of=8)
+    ref = unguarded(batch)
+    batch.sound_embeddings_len = torch.tensor([5, 2, 7])  # the encoder gave one row fewer
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        unguarded(batch)
+    model = OmniForwardStandIn(batch)
+    handle = install_llava(model, guard(policy))
+    handle.set_step(4)
+    if policy == "raise":
+        with pytest.raises(MediaAlignmentError) as e:
+            run_forward(model, batch)
+        msg = str(e.value)
+        for part in (
+            "rank 2",
+            "step 4",
+            "sample 1, clip 1",
+            "3 sound tokens",
+            "2 sound_embeddings_len",
+        ):
+            assert part in msg, part
+        assert "1 of 3 packed sub-samples" in msg
+        return
+    out = run_forward(model, batch)
+    res = handle.last_result
+    assert res.dropped == (1,) and res.mode == "restructure"
+    outside(out, ref, res.spans, 1)
+    mid = slice(res.spans[1].merged_start, res.spans[1].merged_end)
+    assert (
+        (out[0][mid] == 0).all() and (out[1][:, mid] == -100).all() and (out[2][:, mid] == 0).all()
+    )
+
+
+def test_packed_row_nan_in_the_middle_sub_sample_drops_only_it():
+    batch = build(IMAGES_SOUND, pack=True)
+    batch.image_embeddings = batch.image_embeddings.clone()
+    batch.image_embeddings[14, 0, 3] = float("nan")  # sub-sample 1's second image: rows 12..15
+    ref = unguarded(batch)
+    batch.image_embeddings.requires_grad_(True)
+    model = OmniForwardStandIn(batch)
+    handle = install_llava(model, guard("raise", nonfinite="drop"))
+    out = run_forward(model, batch)
+    res = handle.last_result
+    assert res.dropped == (1,) and res.mode == "zero" and torch.isfinite(out[0]).all()
+    (f,) = res.faults
+    assert (f.check, f.item, f.item_in_sample) == ("nonfinite", 2, 1)
+    outside(out, ref, res.spans, 1)
+    out[0].sum().backward()  # the dropped sub-sample's rows get a zero gradient, no NaN
+    g = batch.image_embeddings.grad
+    assert (g[6:16] == 0).all() and (g[:6] == 1).all() and (g[16:] == 1).all()
+    lm, lab = handle.mask_loss(torch.ones_like(out[2]), torch.zeros_like(out[1]))
+    mid = slice(res.spans[1].merged_start, res.spans[1].merged_end)
+    assert (lm[:, mid] == 0).all() and lm.sum() == lm.numel() - (mid.stop - mid.start)
+    assert (lab[:, mid] == -100).all()
+
+
+@pytest.mark.parametrize("policy", ["raise", "drop"])
+def test_packed_row_count_fault_in_the_middle_names_the_sub_sample(policy):
+    batch = build(IMAGES_SOUND, pack=True, pad_to_multiple_of=4)
+    # the forward recomputes the middle sub-sample's second image as 9 tokens (the collate
+    # packed it as 4): megatron-core would place sub-sample 2 five positions late, silently
+    batch.num_image_tiles = torch.tensor([6, 6, 9, 8], dtype=torch.int)
+    batch.image_embeddings = torch.randn(29, 1, 8)
+    unguarded(batch)  # no error
+    model = OmniForwardStandIn(batch)
+    install_llava(model, guard(policy))
+    with pytest.raises(MediaAlignmentError) as e:
+        run_forward(model, batch)
+    msg = str(e.value)
+    assert "sample 1: segment" in msg and "sample 0" not in msg and "sample 2" not in msg
+    assert "1 of 3 packed sub-samples" in msg
+    if policy == "drop":
+        assert "cannot drop" in msg
+
+
+def test_packed_row_count_fault_without_position_ids_names_the_candidates():
+    """From cu_seqlens alone a length change in a text-heavy row cannot be placed: every
+    sub-sample between the boundaries both walks confirm is named."""
+    batch = build(IMAGES_SOUND, pack=True)
+    batch.num_image_tiles = torch.tensor([6, 6, 9, 8], dtype=torch.int)
+    batch.image_embeddings = torch.randn(29, 1, 8)
+    model = OmniForwardStandIn(batch)
+    install_llava(model, guard("raise"))
+    with pytest.raises(MediaAlignmentError, match="3 of 3 packed sub-samples"):
+        run_forward(model, batch, positions=False)
+
+
+def test_packed_row_extra_image_token_in_the_middle():
+    """A literal image token typed in sub-sample 1's text: the totals disagree (5 tokens, 4
+    entries); the sub-samples around it take their entries from the two ends."""
+    batch = build(IMAGES_SOUND, pack=True)
+    start = batch.cu_seqlens_q.tolist()  # merged; the compact start of sub-sample 1 is 24
+    assert start[1] == 29
+    batch.input_ids = batch.input_ids.clone()
+    batch.input_ids[0, 24 + 1] = IMAGE
+    model = OmniForwardStandIn(batch)
+    install_llava(model, guard("drop"))
+    with pytest.raises(MediaAlignmentError) as e:
+        run_forward(model, batch)
+    msg = str(e.value)
+    assert "1 of 3 packed sub-samples" in msg and "sample 1: segment" in msg
+    assert "sample 1: count - sample holds 3 image tokens, its items 2" in msg
+    assert "cannot drop" in msg and e.value.context["sample"] == 1
+
+
+SIDES = st.sampled_from([64, 96, 128])
+EXAMPLE = st.builds(
+    Example,
+    images=st.lists(st.tuples(SIDES, SIDES), max_size=3),
+    mel_frames=st.sampled_from([0, 24, 40]),
+    text=st.integers(2, 8),
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(examples=st.lists(EXAMPLE, min_size=1, max_size=4), data=st.data())
+def test_packed_row_names_the_wrong_sub_sample(examples, data):
+    """Random Omni packs: aligned ones pass bit-identically; one image whose forward count
+    differs from the collate's, or one image token typed into the text, names exactly its
+    sub-sample."""
+    batch = build(examples, pack=True, pad_to_multiple_of=data.draw(st.sampled_from([1, 8])))
+    model = OmniForwardStandIn(batch)
+    handle = install_llava(model, guard("raise"))
+    assert same(unguarded(batch), run_forward(model, batch)) and handle.last_result.ok
+    owners = [i for i, ex in enumerate(examples) for _ in ex.images]
+    kind = data.draw(st.sampled_from(["count", "token"]))
+    if kind == "count" and owners:
+        j = data.draw(st.integers(0, len(owners) - 1))
+        nit = batch.num_image_tiles.clone()
+        nit[j] += data.draw(st.sampled_from([-2, 3]))
+        batch.num_image_tiles = nit
+        batch.image_embeddings = torch.randn(int(nit.sum()), 1, 8)
+        bad = owners[j]
+    else:
+        bad = data.draw(st.integers(0, len(examples) - 1))
+        start = sum(len(r) for r in batch.rows[:bad])
+        batch.input_ids = batch.input_ids.clone()
+        batch.input_ids[0, start] = IMAGE  # its first token is always text
+    with pytest.raises(MediaAlignmentError) as e:
+        run_forward(model, batch)
+    assert e.value.context["sample"] == bad
+    assert f"1 of {len(examples)} packed sub-samples" in str(e.value)
