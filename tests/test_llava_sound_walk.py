@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_media_guard.adapters.llava_sound import clip_owners
+from megatron_media_guard.adapters.llava.sound import clip_owners
 
 
 def facts(tokens, rows):

@@ -13,8 +13,8 @@ here as one module (``<family>.py``, checks in ``<family>_checks.py`` when they 
 
 from .generic import ArgMap, guard_merge_fn, infer_items, install_generic
 from .hooks import GuardHandle, HandleGroup, guarded_by
-from .llava import LlavaHandle, LlavaResult, install_llava
-from .llava_checks import LlavaFault
+from .llava.checks import LlavaFault
+from .llava.install import LlavaHandle, LlavaResult, install_llava
 from .mimo import install_mimo
 
 __all__ = [

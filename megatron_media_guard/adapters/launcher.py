@@ -37,8 +37,8 @@ from ..core.guard import MediaGuard
 from ..diagnostics import get_logger
 from ..errors import MediaInputError
 from .hooks import HandleGroup, ItemsProvider, OptimizerStepEnd, install_step_end
-from .llava import install_llava
-from .llava_checks import llava_grammar
+from .llava.checks import llava_grammar
+from .llava.install import install_llava
 from .mimo import install_mimo, mimo_grammar
 
 _CONFIG_ARGS = (

@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
-from ..core.apply import zero_anchor
-from .llava_checks import ImageOwners
-from .llava_measure import LlavaFacts
-from .llava_packed import Span
-from .llava_sound import ClipOwners
+from ...core.apply import zero_anchor
+from .checks import ImageOwners
+from .measure import LlavaFacts
+from .packed import Span
+from .sound import ClipOwners
 
 PAD_TOKEN = 0  # what megatron-core's forward embeds at image-token positions
 

@@ -5,7 +5,7 @@ first stage) the image and sound embeddings, and reduces them per sample on thei
 device: image / sound / text tokens, the first image whose expansion crosses
 ``language_max_sequence_length``, the sound tokens placed past it, per-entry and
 per-clip NaN/Inf counts and, for a packed THD row, each sub-sample's compact columns and
-expansion (:mod:`.llava_packed`). One :func:`~..core.host.to_host` call brings the lot to
+expansion (:mod:`.packed`). One :func:`~...core.host.to_host` call brings the lot to
 the host; nothing here loops over tokens. Samples are the rows of ``input_ids`` or the
 sub-samples of one packed row.
 """
@@ -16,9 +16,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..core.host import to_host
-from ..errors import MediaInputError
-from .llava_packed import Boundaries, Span, device_segments, host_spans
+from ...core.host import to_host
+from ...errors import MediaInputError
+from .packed import Boundaries, Span, device_segments, host_spans
 
 _BIG = 2**62
 

@@ -20,7 +20,7 @@ checks per sample (a row, or a packed sub-sample), with one device-to-host trans
 - layout (batch level, always fatal): embeddings not in the shape the entries need.
 
 Policies: ``raise`` (every rank of the stage raises, naming rank, step, sample, image or
-clip and both counts); ``drop`` (see :mod:`.llava_drop`: no feature is copied, the dropped
+clip and both counts); ``drop`` (see :mod:`.drop`: no feature is copied, the dropped
 sample's positions are zeroed in the output, its labels ignored and loss mask zeroed,
 every other sample bit-identical to the unguarded call); ``repair`` acts as its
 ``fallback`` (a fixed-size tile cannot be re-projected to another count). Every stage
@@ -37,18 +37,18 @@ from typing import Any
 
 import torch
 
-from ..config import GuardConfig
-from ..core.guard import MediaGuard
-from ..core.outcome import StageOutcome
-from ..errors import MediaInputError
-from .hooks import GuardHandle, ItemsProvider, StepProvider
-from .llava_checks import LlavaFault, image_faults, llava_grammar, split_items
-from .llava_drop import finish_outputs, plan_drop, rewrite_inputs
-from .llava_layout import layout_problems, packed_cu_seqlens, sound_padded
-from .llava_measure import LlavaFacts, measure, refine_finite
-from .llava_packed import Span
-from .llava_report import emit, outcome
-from .llava_sound import sound_faults
+from ...config import GuardConfig
+from ...core.guard import MediaGuard
+from ...core.outcome import StageOutcome
+from ...errors import MediaInputError
+from ..hooks import GuardHandle, ItemsProvider, StepProvider
+from .checks import LlavaFault, image_faults, llava_grammar, split_items
+from .drop import finish_outputs, plan_drop, rewrite_inputs
+from .layout import layout_problems, packed_cu_seqlens, sound_padded
+from .measure import LlavaFacts, measure, refine_finite
+from .packed import Span
+from .report import emit, outcome
+from .sound import sound_faults
 
 _SEVERITY = {"keep": 0, "drop": 1, "raise": 2}
 

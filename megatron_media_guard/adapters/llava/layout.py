@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .llava_measure import LlavaFacts
+from .measure import LlavaFacts
 
 
 def sound_padded(model: Any) -> bool:

@@ -1,8 +1,8 @@
 """Per-sample findings of one LLaVA ``_preprocess_data`` call, from its host facts.
 
-:func:`image_faults` turns :class:`~.llava_measure.LlavaFacts` (and optional item
+:func:`image_faults` turns :class:`~.measure.LlavaFacts` (and optional item
 metadata) into per-sample faults for the images and for packed sub-samples; the sound
-checks live in :mod:`.llava_sound`. Loops run over samples and images, never tokens.
+checks live in :mod:`.sound`. Loops run over samples and images, never tokens.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from ..core.grammar import Grammar
-from ..core.items import MediaItem
-from ..core.runs import TokenLayout, parse_layout
-from ..errors import MediaInputError
-from .llava_measure import LlavaFacts
+from ...core.grammar import Grammar
+from ...core.items import MediaItem
+from ...core.runs import TokenLayout, parse_layout
+from ...errors import MediaInputError
+from .measure import LlavaFacts
 
 Check = Literal["count", "tiles", "max_length", "nonfinite", "segment"]
 Modality = Literal["image", "sound", "sample"]

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..core.items import MediaItem
-from ..core.outcome import LocalOutcome
-from ..core.plan import digest
-from ..diagnostics import GuardRecord
-from .llava_checks import LlavaFault
-from .llava_measure import LlavaFacts
+from ...core.items import MediaItem
+from ...core.outcome import LocalOutcome
+from ...core.plan import digest
+from ...diagnostics import GuardRecord
+from .checks import LlavaFault
+from .measure import LlavaFacts
 
 CALLER = "megatron_media_guard.adapters.llava"
 

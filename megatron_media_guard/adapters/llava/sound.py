@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..core.items import MediaItem
-from .llava_checks import LlavaFault, item_owners
-from .llava_measure import LlavaFacts
+from ...core.items import MediaItem
+from .checks import LlavaFault, item_owners
+from .measure import LlavaFacts
 
 
 @dataclass(frozen=True)
