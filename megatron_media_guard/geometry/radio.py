@@ -257,7 +257,9 @@ class RadioTilerGeometry:
             f"{n} tokens for {ph0}x{pw0} native patches"
         )
         valid = [
-            (d * a, d * b) for a, b in divisor_pairs(n) if self._round_trips((d * a, d * b), None)
+            (d * a, d * b)
+            for a, b in (divisor_pairs(n) if q <= self._kept_bound() else ())
+            if self._round_trips((d * a, d * b), None)
         ]
         if not valid:
             return unreachable(f"{lands}; {self._why_not(n, q)}", t)
@@ -269,6 +271,15 @@ class RadioTilerGeometry:
             f"(kept as it is under the static budget)",
             None,
         )
+
+    def _kept_bound(self) -> int:
+        """No grid of more patches than this is kept as it is at the static budget B: the
+        floors hold at most B patches, the upscale at most 2 * min + 2 (ceil(u*fh) *
+        ceil(u*fw) with u*u*fh*fw = min and fw/fh within [1/min, min]), and the evenness step
+        raises a side past the budget only from below d (at most d times the patches).
+        Skips the divisor scan for huge targets (which would cost O(divisors))."""
+        d = self.pixel_shuffle
+        return d * max(self.static_budget, 2 * self.min_num_patches + 2) + d * d
 
     def _why_not(self, n: int, q: int) -> str:
         if self.cap is not None and q > self.cap:
