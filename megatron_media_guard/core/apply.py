@@ -32,6 +32,8 @@ def scatter(emb: torch.Tensor, mask: torch.Tensor, src: torch.Tensor) -> torch.T
     if emb.device.type != "cpu":
         return emb.masked_scatter(mask.unsqueeze(-1), src)
     pos = torch.nonzero_static(mask.reshape(-1), size=src.shape[0]).squeeze(1)
+    if emb.is_contiguous():  # one flat index: no row/column split
+        return emb.view(-1, emb.shape[-1]).index_put((pos,), src).view(emb.shape)
     s = mask.shape[1]
     return emb.index_put((pos // s, pos % s), src)
 
