@@ -15,7 +15,6 @@ from functools import cached_property
 from itertools import pairwise
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import MediaInputError
 from .grammar import Grammar
@@ -115,16 +114,10 @@ class TokenLayout:
         dev = ids.device
         self.device = dev
         # modality code per token: -1 text, k for grammar.modalities[k]
-        toks = list(grammar.placeholders.values())
-        if len(toks) == 1:
-            self.ph = ids == toks[0]
-            self.code = self.ph.to(torch.int8) - 1
-        else:
-            code = torch.full((b, s), -1, dtype=torch.int8, device=dev)
-            for k, tok in enumerate(toks):
-                code.masked_fill_(ids == tok, k)
-            self.code = code
-            self.ph = code >= 0
+        self._masks = [ids == tok for tok in grammar.placeholders.values()]
+        self.ph = self._masks[0]
+        for m in self._masks[1:]:
+            self.ph = self.ph | m
         self.content = self.ph
         for tok in grammar.break_ids:
             self.content = self.content | (ids == tok)
@@ -155,6 +148,22 @@ class TokenLayout:
     # ---- helpers ---------------------------------------------------------------
 
     @cached_property
+    def code(self) -> torch.Tensor:
+        """``[b, s]`` int8 modality code per token: -1 text, k for ``grammar.modalities[k]``."""
+        if len(self._masks) == 1:
+            return self.ph.to(torch.int8) - 1
+        code = torch.full((self.batch, self.row_length), -1, dtype=torch.int8, device=self.device)
+        for k, m in enumerate(self._masks):
+            code.masked_fill_(m, k)
+        return code
+
+    @property
+    def modality_key(self) -> torch.Tensor:
+        """Equal to :attr:`code` on placeholders (anything elsewhere): with two modalities
+        just the second one's mask, which the aligned path already holds."""
+        return self._masks[1] if len(self._masks) == 2 else self.code
+
+    @cached_property
     def col(self) -> torch.Tensor:
         """``[b, s]`` position within the row (an expanded view)."""
         return torch.arange(self.row_length, device=self.device).expand(self.batch, self.row_length)
@@ -168,21 +177,21 @@ class TokenLayout:
 
     def prev(self, x: torch.Tensor, fill: bool | int = False) -> torch.Tensor:
         """``x`` shifted one token right within its sample (``fill`` at a sample's first token)."""
-        out = F.pad(x[:, :-1], (1, 0), value=fill)
+        out = torch.constant_pad_nd(x[:, :-1], (1, 0), fill)
         if self.boundary is not None:
             out = out.masked_fill(self.boundary, fill)
         return out
 
     def next(self, x: torch.Tensor, fill: bool | int = False) -> torch.Tensor:
         """``x`` shifted one token left within its sample (``fill`` at a sample's last token)."""
-        out = F.pad(x[:, 1:], (0, 1), value=fill)
+        out = torch.constant_pad_nd(x[:, 1:], (0, 1), fill)
         if self.boundary is not None:
             out = out.masked_fill(self.next_is_boundary, fill)
         return out
 
     @property
     def next_is_boundary(self) -> torch.Tensor:
-        return F.pad(self.boundary[:, 1:], (0, 1))
+        return torch.constant_pad_nd(self.boundary[:, 1:], (0, 1), False)
 
     def last_before(self, mask: torch.Tensor, *, inclusive: bool) -> torch.Tensor:
         """Column of the last True at or before (``inclusive``) / strictly before each token,
@@ -253,9 +262,11 @@ class TokenLayout:
         if len(self.grammar.placeholders) == 1:
             start = self.content & ~before
         elif self.ph is self.content:  # no breaks: a modality switch starts a new run
-            start = self.content & (~before | (self.prev(self.code) != self.code))
+            key = self.modality_key
+            start = self.content & (~before | (self.prev(key) != key))
         else:
-            switch = self.ph & self.prev(self.ph) & (self.prev(self.code) != self.code)
+            key = self.modality_key
+            switch = self.ph & self.prev(self.ph) & (self.prev(key) != key)
             start = (self.content & ~before) | switch
         end = self.content & (~self.next(self.content) | self.next(start))
         return start, end
@@ -316,7 +327,7 @@ class TokenLayout:
         """
         run_idx = torch.cumsum(run_start, 1)  # 1-based run index within the row
         ph_run = torch.where(self.ph, run_idx, 0)
-        prev = F.pad(torch.cummax(ph_run, 1).values[:, :-1], (1, 0))
+        prev = torch.constant_pad_nd(torch.cummax(ph_run, 1).values[:, :-1], (1, 0), 0)
         with_ph = (self.ph & (ph_run != prev)).sum()
         return run_start.sum() - with_ph
 

@@ -84,7 +84,7 @@ def verify(
         run_no = torch.cumsum(start.view(-1), 0).view_as(start).clamp_(max=n_items + 1)  # 1-based
         got = torch.cumsum(lay.ph.view(-1), 0).view_as(start)  # placeholders so far
         if k > 1:
-            got = got * k + lay.code
+            got = got * k + lay.modality_key
         bad = torch.count_nonzero(end & (got != torch.take(table[:head], run_no)))
         if multi and k == 1:
             mods = table[head : head + n_items + 2]
