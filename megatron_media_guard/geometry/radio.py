@@ -188,8 +188,11 @@ class RadioTilerGeometry:
         """The tiler keeps a (16*ph, 16*pw) frame as it is at ``budget``."""
         ph, pw = grid
         b = self.static_budget if budget is None else budget
+        # native() of the (16*ph, 16*pw) frame, without re-checking the ints it is built from
+        h, w = ph * self.patch, pw * self.patch
+        native = round(h / self.patch + 0.5), round(w / self.patch + 0.5)
         try:
-            return self._grid(*self.native((ph * self.patch, pw * self.patch)), b) == grid
+            return self._grid(*native, b) == grid
         except GeometryError:
             return False
 

@@ -79,6 +79,8 @@ def landing_budgets(
     ascending; at least the first budget of every segment and threshold run that lands."""
     d, mn = geo.pixel_shuffle, geo.min_num_patches
     lo_all = max(mn, 1)
+    if q > d * (2 * mn + 2) + d * d:  # past what the upscale reaches: the budget must hold it
+        lo_all = max(lo_all, -(-(q - d * d) // d))  # (see RadioTilerGeometry._kept_bound)
     hi_all = geo.cap if geo.cap is not None else _INF
     p = ph0 * pw0
     fmax2 = geo.factor_max * geo.factor_max
