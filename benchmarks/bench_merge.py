@@ -54,15 +54,20 @@ def _interleaved(fns: dict, reps: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def merge_rows(quick: bool = False) -> list[dict]:
-    b, s, h = (4, 16384, 1024) if not quick else (2, 4096, 256)
-    batch = _batch(b, s, 64)
-    ids = batch.input_ids
+def _setup(b: int, s: int, h: int, runs: int):
+    """An aligned bf16 batch and two guards (NaN check on, off)."""
+    batch = _batch(b, s, runs)
     emb = torch.randn(b, s, h, dtype=torch.bfloat16)
     feats = torch.randn(sum(it.num_features for it in batch.items), h, dtype=torch.bfloat16)
-    image_pad = G.placeholders["image"]
     on = MediaGuard(GuardConfig(), grammar=G)
     off = MediaGuard(GuardConfig(nonfinite="off"), grammar=G)
+    return batch, batch.input_ids, emb, feats, on, off
+
+
+def merge_rows(quick: bool = False) -> list[dict]:
+    b, s, h = (4, 16384, 1024) if not quick else (2, 4096, 256)
+    batch, ids, emb, feats, on, off = _setup(b, s, h, 64)
+    image_pad = G.placeholders["image"]
 
     def unguarded():
         mask = (ids == image_pad).unsqueeze(-1)
@@ -122,13 +127,8 @@ def fixed_cost_rows(quick: bool = False) -> list[dict]:
     torch thread (what a shared machine's scheduler does to wall time is left out), per call
     the mean of 10, median over reps; ``rounds`` such figures, median and range."""
     b, s, h = 4, 1024, 128
-    batch = _batch(b, s, 4)
-    ids = batch.input_ids
-    emb = torch.randn(b, s, h, dtype=torch.bfloat16)
-    feats = torch.randn(sum(it.num_features for it in batch.items), h, dtype=torch.bfloat16)
+    batch, ids, emb, feats, on, off = _setup(b, s, h, 4)
     image_pad = G.placeholders["image"]
-    on = MediaGuard(GuardConfig(), grammar=G)
-    off = MediaGuard(GuardConfig(nonfinite="off"), grammar=G)
     fns = {
         "bare": lambda: emb.masked_scatter((ids == image_pad).unsqueeze(-1), feats),
         "scatter": lambda: scatter(emb, ids == image_pad, feats),

@@ -4,6 +4,7 @@ budget search is bounded without losing landings; see docs/BENCHMARKS.md for its
 from __future__ import annotations
 
 import pytest
+from test_geometry import exhaustive_grids
 
 from megatron_media_guard.geometry import (
     FIDELITIES,
@@ -101,13 +102,7 @@ def test_patch_merge_past_its_aspect_limit_is_unreachable_by_name():
 def test_radio_landings_at_extreme_aspects_match_an_exhaustive_scan(geo, hw):
     """The walk skips budget segments that cannot land: none that can is lost."""
     ph0, pw0 = geo.native(hw)
-    grids: dict[int, set] = {}
-    for b in range(geo.min_num_patches, geo.cap + 1):
-        try:
-            g = geo.grid_for(hw, b)
-        except GeometryError:
-            continue
-        grids.setdefault(g[0] * g[1], set()).add(g)
+    grids = exhaustive_grids(geo, hw)
     for q in sorted(k for k in grids if k):
         found = landing_budgets(geo, ph0, pw0, q)
         assert {g for _, g in found} == grids[q], (hw, q)

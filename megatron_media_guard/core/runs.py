@@ -150,8 +150,6 @@ class TokenLayout:
     @cached_property
     def code(self) -> torch.Tensor:
         """``[b, s]`` int8 modality code per token: -1 text, k for ``grammar.modalities[k]``."""
-        if len(self._masks) == 1:
-            return self.ph.to(torch.int8) - 1
         code = torch.full((self.batch, self.row_length), -1, dtype=torch.int8, device=self.device)
         for k, m in enumerate(self._masks):
             code.masked_fill_(m, k)
@@ -159,21 +157,16 @@ class TokenLayout:
 
     @property
     def modality_key(self) -> torch.Tensor:
-        """Equal to :attr:`code` on placeholders (anything elsewhere): with two modalities
-        just the second one's mask, which the aligned path already holds."""
+        """:attr:`code` on placeholders; with two modalities the second one's mask (no int8 pass)."""
         return self._masks[1] if len(self._masks) == 2 else self.code
 
     @cached_property
-    def col(self) -> torch.Tensor:
-        """``[b, s]`` position within the row (an expanded view)."""
-        return torch.arange(self.row_length, device=self.device).expand(self.batch, self.row_length)
+    def col(self) -> torch.Tensor:  # [b, s] position within the row (a view)
+        return torch.arange(self.row_length, device=self.device).expand(self.batch, -1)
 
     @cached_property
-    def sample(self) -> torch.Tensor:
-        """``[b, s]`` sample of each token (packed: ``num_samples`` for padding)."""
-        return torch.arange(self.batch, device=self.device)[:, None].expand(
-            self.batch, self.row_length
-        )
+    def sample(self) -> torch.Tensor:  # [b, s] sample of each token (packed: set in __init__)
+        return torch.arange(self.batch, device=self.device)[:, None].expand(-1, self.row_length)
 
     def prev(self, x: torch.Tensor, fill: bool | int = False) -> torch.Tensor:
         """``x`` shifted one token right within its sample (``fill`` at a sample's first token)."""
@@ -224,9 +217,8 @@ class TokenLayout:
             if g.break_ids:
                 count = count + self.empty_runs(run_start)
             return count + self.cu_violations()
-        d = torch.cumsum(self.is_start, 1, dtype=torch.int32) - torch.cumsum(
-            self.is_end, 1, dtype=torch.int32
-        )
+        i32 = torch.int32
+        d = torch.cumsum(self.is_start, 1, dtype=i32) - torch.cumsum(self.is_end, 1, dtype=i32)
         if self.seg_start is None:
             # d outside {0, 1}, or content where d != 1: d < content (as 0/1) or d > 1
             count = torch.count_nonzero((d < self.content) | (d > 1)) + torch.count_nonzero(
@@ -261,13 +253,10 @@ class TokenLayout:
         before = self.prev(self.content)
         if len(self.grammar.placeholders) == 1:
             start = self.content & ~before
-        elif self.ph is self.content:  # no breaks: a modality switch starts a new run
+        else:  # a modality switch between two placeholders starts a new run
             key = self.modality_key
-            start = self.content & (~before | (self.prev(key) != key))
-        else:
-            key = self.modality_key
-            switch = self.ph & self.prev(self.ph) & (self.prev(key) != key)
-            start = (self.content & ~before) | switch
+            ph_before = before if self.ph is self.content else self.ph & self.prev(self.ph)
+            start = self.content & (~before | (ph_before & (self.prev(key) != key)))
         end = self.content & (~self.next(self.content) | self.next(start))
         return start, end
 
