@@ -64,16 +64,12 @@ def verify(
     start, end = lay.run_bounds()  # [b, s]
     parts = [torch.count_nonzero(start), lay.structure_violations(start, end)]
     if n_items:
-        multi = len(lay.grammar.placeholders) > 1
-        # without breaks a run is one modality, its last token included: run r must end where
-        # the placeholder count reaches item r's cumulative length, with item r's modality,
-        # checked at once as count * K + code (table entries 0 and n + 1: no such run)
-        k = len(lay.grammar.placeholders) if multi and not lay.grammar.break_ids else 1
-        want = [-1, *(e * k + (m if k > 1 else 0) for e, m in zip(accumulate(lengths), modalities))]
-        head = len(want) + 1
-        want.append(-1)
-        if multi and k == 1:  # breaks: the modality is read at the run's first placeholder
-            want += [-1, *modalities, -1]
+        # a run is one modality (breaks come with one modality only), its last token included:
+        # run r must end where the placeholder count reaches item r's cumulative length, with
+        # item r's modality, checked at once as count * K + code (entries 0 and n + 1: no run)
+        k = len(lay.grammar.placeholders)
+        want = [-1, *(e * k + m for e, m in zip(accumulate(lengths), modalities)), -1]
+        head = len(want)
         if samples is not None:
             counts = [0] * lay.num_samples
             for smp in samples:
@@ -86,11 +82,6 @@ def verify(
         if k > 1:
             got = got * k + lay.modality_key
         bad = torch.count_nonzero(end & (got != torch.take(table[:head], run_no)))
-        if multi and k == 1:
-            mods = table[head : head + n_items + 2]
-            bad = bad + torch.count_nonzero(
-                start & (lay.run_codes(start) != torch.take(mods, run_no))
-            )
         if samples is not None:
             # items come sorted by sample and runs in token order, so run r lies in item r's
             # sample for every r iff each sample holds as many runs as it has items
