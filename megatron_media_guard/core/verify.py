@@ -92,25 +92,29 @@ def verify(
         # min and max propagate NaN and show +-Inf: one cheap reduction over the features
         parts.append(torch.count_nonzero(torch.isfinite(torch.stack(torch.aminmax(features)))))
     ids64 = ids_flat if ids_flat.dtype == torch.int64 else ids_flat.to(torch.int64)
-    parts.append(((ids64 + 1) * _weights(ids_flat.numel(), dev)).sum())
+    w, w_sum = _weights(ids_flat.numel(), dev)
+    parts.append((ids64 * w).sum())  # + w_sum on the host: sum((ids + 1) * w), wrapping
     # the one host sync of the aligned path: a handful of integers decide keep-all or diagnose
     vals = to_host(torch.stack(parts), why="aligned-path verdict").tolist()
     runs, findings, *rest = vals
     bad_runs = rest.pop(0) if n_items else 0
     nonfinite = int(rest.pop(0) != 2) if len(rest) > 1 else 0
-    return Verdict(runs, bad_runs, findings, nonfinite, rest[0])
+    fingerprint = (rest[0] + w_sum + 2**63) % 2**64 - 2**63  # int64 wraparound
+    return Verdict(runs, bad_runs, findings, nonfinite, fingerprint)
 
 
-_WEIGHTS: dict[tuple[int, str], torch.Tensor] = {}
+_WEIGHTS: dict[tuple[int, str], tuple[torch.Tensor, int]] = {}
 
 
-def _weights(n: int, dev: torch.device) -> torch.Tensor:
-    """``arange(n) * _MIX + 1`` (int64, wrapping): the fingerprint's per-position weights,
-    kept for the last few (size, device) pairs (a training run repeats its shapes)."""
+def _weights(n: int, dev: torch.device) -> tuple[torch.Tensor, int]:
+    """``arange(n) * _MIX + 1`` (int64, wrapping), the fingerprint's per-position weights, and
+    their sum as a host int; kept for the last few (size, device) pairs (a training run
+    repeats its shapes)."""
     key = (n, str(dev))
-    w = _WEIGHTS.get(key)
-    if w is None:
+    got = _WEIGHTS.get(key)
+    if got is None:
         if len(_WEIGHTS) >= 8:
             _WEIGHTS.pop(next(iter(_WEIGHTS)))
-        w = _WEIGHTS[key] = torch.arange(n, device=dev) * _MIX + 1
-    return w
+        w = torch.arange(n, device=dev) * _MIX + 1
+        got = _WEIGHTS[key] = (w, _MIX * (n * (n - 1) // 2) + n)  # sum(w), exact mod 2**64
+    return got
