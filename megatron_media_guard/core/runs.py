@@ -113,7 +113,7 @@ class TokenLayout:
         self.num_tokens = b * s
         dev = ids.device
         self.device = dev
-        # modality code per token: -1 text, k for grammar.modalities[k]
+        # one placeholder mask per modality (``code`` is built from them when read)
         self._masks = [ids == tok for tok in grammar.placeholders.values()]
         self.ph = self._masks[0]
         for m in self._masks[1:]:
