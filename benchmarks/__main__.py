@@ -31,10 +31,30 @@ def _machine() -> str:
     )
 
 
+def result(value: float, target: str) -> str:
+    """``pass`` / ``miss`` for a numeric target (``<= 1.05``, ``>= 10``, ``< 0.5``), else ``-``."""
+    parts = target.split()
+    if len(parts) < 2 or parts[0] not in ("<=", ">=", "<", ">"):
+        return "-"
+    try:
+        limit = float(parts[1].rstrip(",x"))
+    except ValueError:
+        return "-"
+    ok = {"<=": value <= limit, ">=": value >= limit, "<": value < limit, ">": value > limit}
+    return "pass" if ok[parts[0]] else "miss"
+
+
 def format_table(rows: list[dict]) -> str:
-    head = ("benchmark", "metric", "value", "target", "note")
+    head = ("benchmark", "metric", "value", "target", "result", "note")
     cells = [head] + [
-        (r["benchmark"], r["metric"], f"{r['value']:.3g}", r["target"], r.get("note", ""))
+        (
+            r["benchmark"],
+            r["metric"],
+            f"{r['value']:.3g}",
+            r["target"],
+            result(r["value"], r["target"]),
+            r.get("note", ""),
+        )
         for r in rows
     ]
     widths = [max(len(str(c[i])) for c in cells) for i in range(len(head) - 1)]

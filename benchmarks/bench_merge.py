@@ -5,6 +5,7 @@ Figures (DESIGN §10), both sides timed in one run, interleaved, median of reps:
   (CPU, b=4, s=16384, h=1024, bf16, 64 runs per row); with the NaN/Inf check on
   (the default) and off.
 - device-to-host transfers per aligned merge (counted): 1.
+- fixed cost per call at s=1024, h=128 (guard minus its own scatter, CPU time): < 0.5 ms.
 - run parsing: per-token Python loop (including its ``tolist()``) / vectorized parse
   >= 10x on 4 rows x 32k tokens; the parse's transfer is sized by runs, not tokens.
 
@@ -53,15 +54,20 @@ def _interleaved(fns: dict, reps: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def merge_rows(quick: bool = False) -> list[dict]:
-    b, s, h = (4, 16384, 1024) if not quick else (2, 4096, 256)
-    batch = _batch(b, s, 64)
-    ids = batch.input_ids
+def _setup(b: int, s: int, h: int, runs: int):
+    """An aligned bf16 batch and two guards (NaN check on, off)."""
+    batch = _batch(b, s, runs)
     emb = torch.randn(b, s, h, dtype=torch.bfloat16)
     feats = torch.randn(sum(it.num_features for it in batch.items), h, dtype=torch.bfloat16)
-    image_pad = G.placeholders["image"]
     on = MediaGuard(GuardConfig(), grammar=G)
     off = MediaGuard(GuardConfig(nonfinite="off"), grammar=G)
+    return batch, batch.input_ids, emb, feats, on, off
+
+
+def merge_rows(quick: bool = False) -> list[dict]:
+    b, s, h = (4, 16384, 1024) if not quick else (2, 4096, 256)
+    batch, ids, emb, feats, on, off = _setup(b, s, h, 64)
+    image_pad = G.placeholders["image"]
 
     def unguarded():
         mask = (ids == image_pad).unsqueeze(-1)
@@ -115,6 +121,75 @@ def merge_rows(quick: bool = False) -> list[dict]:
     ]
 
 
+def fixed_cost_rows(quick: bool = False) -> list[dict]:
+    """The guard's cost per call beyond its own scatter at a short micro-batch (s=1024,
+    h=128: the checks' op dispatch dominates). CPU time of the calling thread with one
+    torch thread (what a shared machine's scheduler does to wall time is left out), per call
+    the mean of 10, median over reps; ``rounds`` such figures, median and range."""
+    b, s, h = 4, 1024, 128
+    batch, ids, emb, feats, on, off = _setup(b, s, h, 4)
+    image_pad = G.placeholders["image"]
+    fns = {
+        "bare": lambda: emb.masked_scatter((ids == image_pad).unsqueeze(-1), feats),
+        "scatter": lambda: scatter(emb, ids == image_pad, feats),
+        "guard": lambda: on.merge(emb, ids, feats, batch.items),
+        "guard_off": lambda: off.merge(emb, ids, feats, batch.items),
+    }
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for fn in fns.values():
+            for _ in range(20):
+                fn()
+        rounds = []
+        for _ in range(1 if quick else 5):
+            times: dict[str, list[float]] = {k: [] for k in fns}
+            for _ in range(10 if quick else 40):
+                for k, fn in fns.items():
+                    t0 = time.thread_time()
+                    for _ in range(10):
+                        fn()
+                    times[k].append((time.thread_time() - t0) / 10)
+            rounds.append({k: statistics.median(v) * 1e3 for k, v in times.items()})
+    finally:
+        torch.set_num_threads(threads)
+
+    def stat(f):
+        vals = sorted(f(r) for r in rounds)
+        return statistics.median(vals), vals[0], vals[-1]
+
+    fixed, lo, hi = stat(lambda r: r["guard"] - r["scatter"])
+    fixed_off, lo_off, hi_off = stat(lambda r: r["guard_off"] - r["scatter"])
+    ratio, rlo, rhi = stat(lambda r: r["guard"] / r["bare"])
+    last = rounds[-1]
+    shape = f"b={b} s={s} h={h} bf16, 4 runs/row, {feats.shape[0]} features"
+    return [
+        {
+            "benchmark": "merge fixed cost",
+            "metric": "guard - its own scatter, ms per call (aligned, NaN check on)",
+            "value": fixed,
+            "target": "< 0.5",
+            "note": f"{shape}; CPU time, 1 thread; median of {len(rounds)} rounds, "
+            f"range {lo:.3f}-{hi:.3f}; guard {last['guard']:.3f} ms, scatter "
+            f"{last['scatter']:.3f} ms",
+        },
+        {
+            "benchmark": "merge fixed cost",
+            "metric": "guard - its own scatter, ms per call (nonfinite='off')",
+            "value": fixed_off,
+            "target": "< 0.5",
+            "note": f"range {lo_off:.3f}-{hi_off:.3f}",
+        },
+        {
+            "benchmark": "merge fixed cost",
+            "metric": "guarded / unguarded masked_scatter at s=1024 h=128",
+            "value": ratio,
+            "target": "info",
+            "note": f"range {rlo:.2f}-{rhi:.2f}; bare masked_scatter {last['bare']:.3f} ms",
+        },
+    ]
+
+
 def parse_rows(quick: bool = False) -> list[dict]:
     b, s = (4, 32768) if not quick else (2, 8192)
     batch = _batch(b, s, 64)
@@ -146,7 +221,7 @@ def parse_rows(quick: bool = False) -> list[dict]:
 
 
 def run(quick: bool = False) -> list[dict]:
-    return merge_rows(quick) + parse_rows(quick)
+    return merge_rows(quick) + fixed_cost_rows(quick) + parse_rows(quick)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@ random counts (the fallback and unreachable paths; tiles: multiples of 256). Rep
 mean and 99th percentile of ``solve`` in ms (per item the best of 3 runs), plus the mix
 of fidelity classes.
 
+Also the worst case over a sweep of extreme aspects (to 100000:1) and huge targets per
+family (``extreme_rows``): the RADIO budget walk used to grow with the aspect ratio.
+
 Run: ``python -m benchmarks.bench_solver``.
 """
 
@@ -74,6 +77,57 @@ def _seed_case_ms(reps: int) -> float:
     return statistics.median(times) * 1e3
 
 
+EXTREME_FAMILIES = {**FAMILIES, "radio-uncapped": RadioTilerGeometry(max_num_patches=None)}
+ASPECTS = (1, 10, 100, 200, 201, 1000, 5000, 10_000, 100_000)
+SHORT_SIDES = (1, 16, 28, 64, 300)
+BIG_TARGETS = (1, 256, 4096, 16384, 100_000, 720_720, 2**20)  # 720720: 240 divisors
+
+
+def _own(geo, hw, frames):
+    try:
+        return geo.tokens(hw, frames)
+    except Exception:  # e.g. past the processor's aspect limit
+        return None
+
+
+def extreme_rows(quick: bool = False) -> list[dict]:
+    """The worst ``solve`` over a sweep of extreme aspects (up to 100000:1, both
+    orientations) and targets (the item's own count and its neighbour, up to 2**20 and the
+    highly composite 720720), per family: best of 3 per input, the maximum reported."""
+    aspects = ASPECTS[::2] if quick else ASPECTS
+    rows = []
+    for name, geo in EXTREME_FAMILIES.items():
+        frames = 4 if name.endswith("video") else 1
+        worst = (0.0, None)
+        count = 0
+        for a in aspects:
+            for short in SHORT_SIDES:
+                for hw in ((short, short * a), (short * a, short)):
+                    own = _own(geo, hw, frames)
+                    extra = {own, own + 1} if own else set()
+                    for target in sorted(set(BIG_TARGETS) | extra):
+                        best = float("inf")
+                        for _ in range(1 if quick else 3):
+                            t0 = time.perf_counter()
+                            sol = geo.solve(target, hw, frames)
+                            best = min(best, time.perf_counter() - t0)
+                        count += 1
+                        if best > worst[0]:
+                            worst = (best, (hw, target, sol.fidelity))
+        hw, target, fid = worst[1]
+        rows.append(
+            {
+                "benchmark": f"solver/{name}",
+                "metric": "worst solve ms over the extreme sweep",
+                "value": worst[0] * 1e3,
+                "target": "<= 1",
+                "note": f"{count} inputs, aspects to {aspects[-1]}:1; worst at hw={hw}, "
+                f"target {target} ({fid})",
+            }
+        )
+    return rows
+
+
 def run(quick: bool = False) -> list[dict]:
     count = 400 if quick else 4000
     rows: list[dict] = []
@@ -104,6 +158,7 @@ def run(quick: bool = False) -> list[dict]:
                 "note": f"max {times[-1] * 1e3:.3f} ms",
             }
         )
+    rows += extreme_rows(quick)
     rows.append(
         {
             "benchmark": "solver/seed-case",

@@ -603,6 +603,18 @@ def test_property_patch_merge_any_target_is_exact_or_named(h, w, target, frames,
 
 
 # ---- the budget searches against exhaustive scans ------------------------------------------------
+def exhaustive_grids(geo: RadioTilerGeometry, hw) -> dict[int, set]:
+    """Patch count -> the grids the tiler gives ``hw`` at some budget in [min, cap]."""
+    grids: dict[int, set] = {}
+    for b in range(max(geo.min_num_patches, 1), geo.cap + 1):
+        try:
+            g = geo.grid_for(hw, b)
+        except GeometryError:
+            continue
+        grids.setdefault(g[0] * g[1], set()).add(g)
+    return grids
+
+
 def test_radio_landing_budgets_match_an_exhaustive_scan():
     import random
 
@@ -616,13 +628,7 @@ def test_radio_landing_budgets_match_an_exhaustive_scan():
         for _ in range(12):
             hw = (rng.randint(1, 2500), rng.choice([rng.randint(1, 2500), rng.randint(1, 50)]))
             ph0, pw0 = geo.native(hw)
-            grids: dict[int, set] = {}
-            for b in range(geo.min_num_patches, geo.cap + 1):
-                try:
-                    g = geo.grid_for(hw, b)
-                except GeometryError:
-                    continue
-                grids.setdefault(g[0] * g[1], set()).add(g)
+            grids = exhaustive_grids(geo, hw)
             for q in sorted(k for k in grids if k)[:: max(1, len(grids) // 8)]:
                 assert {g for _, g in landing_budgets(geo, ph0, pw0, q)} == grids[q], (hw, q)
                 for b, g in landing_budgets(geo, ph0, pw0, q):

@@ -32,18 +32,28 @@ def scatter(emb: torch.Tensor, mask: torch.Tensor, src: torch.Tensor) -> torch.T
     if emb.device.type != "cpu":
         return emb.masked_scatter(mask.unsqueeze(-1), src)
     pos = torch.nonzero_static(mask.reshape(-1), size=src.shape[0]).squeeze(1)
+    if emb.is_contiguous():  # one flat index: no row/column split
+        return emb.view(-1, emb.shape[-1]).index_put((pos,), src).view(emb.shape)
     s = mask.shape[1]
     return emb.index_put((pos // s, pos % s), src)
 
 
 def nonfinite_items(batch: Batch) -> list[int]:
-    """Items whose features hold NaN/Inf (one transfer of one flag per item)."""
+    """Items whose features hold NaN/Inf (one transfer of one flag per item).
+
+    min and max propagate NaN and show +-Inf: two scalars per item, no temporary of the
+    features' size."""
     if not batch.items:
         return []
     f = batch.features
-    flags = torch.stack(
-        [~torch.isfinite(f[slice(*batch.rows(i))]).all() for i in range(len(batch.items))]
+    zero = f.new_zeros(2)
+    lohi = torch.stack(
+        [
+            torch.stack(torch.aminmax(f[a:b])) if b > a and f.shape[1] else zero
+            for a, b in (batch.rows(i) for i in range(len(batch.items)))
+        ]
     )
+    flags = ~torch.isfinite(lohi).all(1)
     bad = to_host(flags, why="which items hold NaN/Inf").tolist()
     return [i for i, b in enumerate(bad) if b]
 
@@ -64,35 +74,56 @@ def scatter_kept(
     """Scatter the kept items (in token order; repaired ones with their new features) into
     the kept samples' placeholders; anchor every other feature with a zero-weight term.
 
-    emb: ``[b, s, h]``; keep: ``[num_samples]`` bool on the device.
+    emb: ``[b, s, h]``; keep: ``[num_samples]`` bool on the device. Costs the output and
+    O(items) indices: each run of kept items that is contiguous in ``batch.features`` is
+    written from a view of it (no gathered copy), and the anchor is O(1).
     """
     f = batch.features
-    pieces = [replaced[i] if i in replaced else f[slice(*batch.rows(i))] for i in kept_items]
-    src = torch.cat(pieces) if pieces else emb.new_zeros(0, emb.shape[-1])
-    out = scatter(emb, lay.ph & token_keep(lay, keep), src)
-    unused = sorted((set(range(len(batch.items))) - set(kept_items)) | set(replaced))
+    spans: list[tuple[torch.Tensor, int, int]] = []  # (source, first row, end row)
+    for i in kept_items:
+        src, a, b = (replaced[i], 0, replaced[i].shape[0]) if i in replaced else (f, *batch.rows(i))
+        if spans and spans[-1][0] is src and spans[-1][2] == a:
+            spans[-1] = (src, spans[-1][1], b)
+        elif b > a:
+            spans.append((src, a, b))
+    total = sum(b - a for _, a, b in spans)
+    mask = (lay.ph & token_keep(lay, keep)).reshape(-1)
+    if emb.device.type == "cpu":  # sized from the known count: no sync
+        pos = torch.nonzero_static(mask, size=total).squeeze(1)
+    else:  # off the aligned path a sync is fine (nonzero_static is not in every release)
+        pos = torch.nonzero(mask).squeeze(1)
+    s = lay.row_length
+    rows, cols = pos // s, pos % s  # kept placeholders in token order
+    out, k = None, 0
+    for src, a, b in spans:
+        idx = (rows[k : k + b - a], cols[k : k + b - a])
+        part = src if (a, b) == (0, src.shape[0]) else src[a:b]
+        out = emb.index_put(idx, part) if out is None else out.index_put_(idx, part)
+        k += b - a
+    if out is None:
+        out = emb.clone()
+    unused = (set(range(len(batch.items))) - set(kept_items)) | set(replaced)
     if unused:
         # keep the vision tower in the autograd graph (DDP/FSDP hooks fire as usual):
         # add -0.0, the exact additive identity for every float including -0.0 itself.
-        rows = f.index_select(0, rows_index(batch, unused, f.device))
-        out[0, 0, 0] = out[0, 0, 0] + zero_anchor(rows).to(out.dtype)
+        out[0, 0, 0] = out[0, 0, 0] + zero_anchor(f).to(out.dtype)
     return out
 
 
 def zero_anchor(*tensors: torch.Tensor) -> torch.Tensor:
-    """A scalar ``-0.0`` that depends on every element of ``tensors`` (gradient zero).
+    """A scalar ``-0.0`` in the autograd graph of every one of ``tensors`` (gradient zero).
 
     Added to one output element it keeps unused features, and so the vision tower, in the
     autograd graph (DDP/FSDP hooks fire as for any batch) without changing any bit: -0.0 is
-    the additive identity of every float, -0.0 itself included; NaN/Inf are masked first.
+    the additive identity of every float, -0.0 itself included. It sums an empty slice of
+    each tensor: O(1) work and memory, and NaN/Inf in the tensors cannot reach the value.
     """
+    if not tensors:
+        raise ValueError("zero_anchor needs at least one tensor")
     total = None
     for t in tensors:
-        clean = torch.where(torch.isfinite(t), t, torch.zeros_like(t))
-        part = (clean * 0).abs().sum()
-        total = part if total is None else total + part
-    if total is None:
-        raise ValueError("zero_anchor needs at least one tensor")
+        part = (t.reshape(1) if t.dim() == 0 else t)[:0].sum()
+        total = part if total is None else total + part.to(total.dtype)
     return -total
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import pairwise
 
 import torch
@@ -112,19 +113,11 @@ class TokenLayout:
         self.num_tokens = b * s
         dev = ids.device
         self.device = dev
-        self.col = torch.arange(s, device=dev).expand(b, s)  # position within the row
-
-        # modality code per token: -1 text, k for grammar.modalities[k]
-        toks = list(grammar.placeholders.values())
-        if len(toks) == 1:
-            self.ph = ids == toks[0]
-            self.code = self.ph.to(torch.int8) - 1
-        else:
-            code = torch.full((b, s), -1, dtype=torch.int8, device=dev)
-            for k, tok in enumerate(toks):
-                code.masked_fill_(ids == tok, k)
-            self.code = code
-            self.ph = code >= 0
+        # one placeholder mask per modality (``code`` is built from them when read)
+        self._masks = [ids == tok for tok in grammar.placeholders.values()]
+        self.ph = self._masks[0]
+        for m in self._masks[1:]:
+            self.ph = self.ph | m
         self.content = self.ph
         for tok in grammar.break_ids:
             self.content = self.content | (ids == tok)
@@ -134,8 +127,7 @@ class TokenLayout:
         # samples: [b, s] rows, or packed samples of one row
         self.packed = cu_seqlens is not None
         if cu_seqlens is None:
-            self.num_samples = b
-            self.sample = torch.arange(b, device=dev)[:, None].expand(b, s)
+            self.num_samples = b  # ``sample`` (the row index) is built on first use
             self.seg_start = None  # rows are the samples: scans along dim 1 need no reset
             self.boundary = None
         else:
@@ -155,23 +147,44 @@ class TokenLayout:
 
     # ---- helpers ---------------------------------------------------------------
 
+    @cached_property
+    def code(self) -> torch.Tensor:
+        """``[b, s]`` int8 modality code per token: -1 text, k for ``grammar.modalities[k]``."""
+        code = torch.full((self.batch, self.row_length), -1, dtype=torch.int8, device=self.device)
+        for k, m in enumerate(self._masks):
+            code.masked_fill_(m, k)
+        return code
+
+    @property
+    def modality_key(self) -> torch.Tensor:
+        """:attr:`code` on placeholders; with two modalities the second one's mask (no int8 pass)."""
+        return self._masks[1] if len(self._masks) == 2 else self.code
+
+    @cached_property
+    def col(self) -> torch.Tensor:  # [b, s] position within the row (a view)
+        return torch.arange(self.row_length, device=self.device).expand(self.batch, -1)
+
+    @cached_property
+    def sample(self) -> torch.Tensor:  # [b, s] sample of each token (packed: set in __init__)
+        return torch.arange(self.batch, device=self.device)[:, None].expand(-1, self.row_length)
+
     def prev(self, x: torch.Tensor, fill: bool | int = False) -> torch.Tensor:
         """``x`` shifted one token right within its sample (``fill`` at a sample's first token)."""
-        out = torch.cat([torch.full_like(x[:, :1], fill), x[:, :-1]], 1)
+        out = torch.constant_pad_nd(x[:, :-1], (1, 0), fill)
         if self.boundary is not None:
             out = out.masked_fill(self.boundary, fill)
         return out
 
     def next(self, x: torch.Tensor, fill: bool | int = False) -> torch.Tensor:
         """``x`` shifted one token left within its sample (``fill`` at a sample's last token)."""
-        out = torch.cat([x[:, 1:], torch.full_like(x[:, :1], fill)], 1)
+        out = torch.constant_pad_nd(x[:, 1:], (0, 1), fill)
         if self.boundary is not None:
             out = out.masked_fill(self.next_is_boundary, fill)
         return out
 
     @property
     def next_is_boundary(self) -> torch.Tensor:
-        return torch.cat([self.boundary[:, 1:], torch.zeros_like(self.boundary[:, :1])], 1)
+        return torch.constant_pad_nd(self.boundary[:, 1:], (0, 1), False)
 
     def last_before(self, mask: torch.Tensor, *, inclusive: bool) -> torch.Tensor:
         """Column of the last True at or before (``inclusive``) / strictly before each token,
@@ -204,12 +217,13 @@ class TokenLayout:
             if g.break_ids:
                 count = count + self.empty_runs(run_start)
             return count + self.cu_violations()
-        d = torch.cumsum(
-            self.is_start.to(torch.int8) - self.is_end.to(torch.int8), 1, dtype=torch.int32
-        )
+        i32 = torch.int32
+        d = torch.cumsum(self.is_start, 1, dtype=i32) - torch.cumsum(self.is_end, 1, dtype=i32)
         if self.seg_start is None:
-            bad = (d < 0) | (d > 1) | (self.content & (d != 1))
-            count = bad.sum() + (d[:, -1] != 0).sum()
+            # d outside {0, 1}, or content where d != 1: d < content (as 0/1) or d > 1
+            count = torch.count_nonzero((d < self.content) | (d > 1)) + torch.count_nonzero(
+                d[:, -1]
+            )
         else:
             # depth within each packed sample: minus the depth before its first token
             first = self.seg_start
@@ -221,7 +235,8 @@ class TokenLayout:
             bad = bad | (padding & (self.content | self.is_start | self.is_end))
             count = bad.sum()
         text_next = ~self.next(self.is_start | self.is_end | self.content, fill=True)
-        return count + (run_end & text_next).sum() + self.cu_violations()
+        count = count + torch.count_nonzero(run_end & text_next)
+        return count if self.seg_start is None else count + self.cu_violations()
 
     def last_in_sample(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (a per-token scan result) read at the last token of each token's sample."""
@@ -235,16 +250,20 @@ class TokenLayout:
         """``(run_start, run_end)`` boolean ``[b, s]``: first and last content token of each run."""
         if self.grammar.collapsed:
             return self.ph, self.ph
-        start = self.content & ~self.prev(self.content)
-        if len(self.grammar.placeholders) > 1:  # a modality switch starts a new run
-            start = start | (self.ph & self.prev(self.ph) & (self.prev(self.code) != self.code))
+        before = self.prev(self.content)
+        if len(self.grammar.placeholders) == 1:
+            start = self.content & ~before
+        else:  # a modality switch between two placeholders starts a new run
+            key = self.modality_key
+            ph_before = before if self.ph is self.content else self.ph & self.prev(self.ph)
+            start = self.content & (~before | (ph_before & (self.prev(key) != key)))
         end = self.content & (~self.next(self.content) | self.next(start))
         return start, end
 
     def runs_per_sample(self, run_start: torch.Tensor) -> torch.Tensor:
         """``[num_samples]`` int64: how many runs start in each sample (padding excluded)."""
         if self.seg_start is None:
-            return run_start.sum(1)
+            return torch.count_nonzero(run_start, dim=1)
         counts = torch.zeros(self.num_samples + 1, dtype=torch.int64, device=self.device)
         counts.scatter_add_(0, self.sample.reshape(-1), run_start.reshape(-1).long())
         return counts[: self.num_samples]
@@ -297,8 +316,7 @@ class TokenLayout:
         """
         run_idx = torch.cumsum(run_start, 1)  # 1-based run index within the row
         ph_run = torch.where(self.ph, run_idx, 0)
-        prev = torch.cummax(ph_run, 1).values
-        prev = torch.cat([torch.zeros_like(prev[:, :1]), prev[:, :-1]], 1)
+        prev = torch.constant_pad_nd(torch.cummax(ph_run, 1).values[:, :-1], (1, 0), 0)
         with_ph = (self.ph & (ph_run != prev)).sum()
         return run_start.sum() - with_ph
 

@@ -62,35 +62,59 @@ def verify(
     dev = ids_flat.device
     n_items = len(lengths)
     start, end = lay.run_bounds()  # [b, s]
-    violations = lay.structure_violations(start, end)
-    zero = torch.zeros((), dtype=torch.int64, device=dev)
+    parts = [torch.count_nonzero(start), lay.structure_violations(start, end)]
     if n_items:
-        ends = torch.tensor(list(accumulate(lengths)), dtype=torch.int64).to(dev, non_blocking=True)
+        # a run is one modality (breaks come with one modality only), its last token included:
+        # run r must end where the placeholder count reaches item r's cumulative length, with
+        # item r's modality, checked at once as count * K + code (entries 0 and n + 1: no run)
+        k = len(lay.grammar.placeholders)
+        want = [-1, *(e * k + m for e, m in zip(accumulate(lengths), modalities)), -1]
+        head = len(want)
+        if samples is not None:
+            counts = [0] * lay.num_samples
+            for smp in samples:
+                counts[smp] += 1
+            want += counts
+        table = torch.tensor(want, dtype=torch.int64).to(dev, non_blocking=True)
         # items are concatenated across rows in token order: scan the flattened batch
-        run_idx = (torch.cumsum(start.view(-1), 0) - 1).view_as(start)  # run of each token
-        ph_cum = torch.cumsum(lay.ph.view(-1), 0).view_as(start)  # placeholders so far
-        r = run_idx.clamp(0, n_items - 1)
-        # run r ends where the placeholder count reaches item r's cumulative length
-        bad = (end & ((run_idx >= n_items) | (ph_cum != torch.take(ends, r)))).sum()
-        if len(lay.grammar.placeholders) > 1:
-            mods = torch.tensor(modalities, dtype=torch.int64).to(dev, non_blocking=True)
-            bad = bad + (start & (lay.run_codes(start) != torch.take(mods, r))).sum()
+        run_no = torch.cumsum(start.view(-1), 0).view_as(start).clamp_(max=n_items + 1)  # 1-based
+        got = torch.cumsum(lay.ph.view(-1), 0).view_as(start)  # placeholders so far
+        if k > 1:
+            got = got * k + lay.modality_key
+        bad = torch.count_nonzero(end & (got != torch.take(table[:head], run_no)))
         if samples is not None:
             # items come sorted by sample and runs in token order, so run r lies in item r's
             # sample for every r iff each sample holds as many runs as it has items
-            want = torch.bincount(torch.tensor(samples), minlength=lay.num_samples)
-            bad = bad + (lay.runs_per_sample(start) != want.to(dev, non_blocking=True)).sum()
-    else:
-        bad = zero
+            want_runs = table[len(want) - lay.num_samples :]
+            bad = bad + torch.count_nonzero(lay.runs_per_sample(start) != want_runs)
+        parts.append(bad)
     if features is not None and features.numel():
         # min and max propagate NaN and show +-Inf: one cheap reduction over the features
-        lo, hi = torch.aminmax(features)
-        nonfinite = (~(torch.isfinite(lo) & torch.isfinite(hi))).to(torch.int64)
-    else:
-        nonfinite = zero
-    pos = torch.arange(ids_flat.numel(), device=dev)
-    fingerprint = ((ids_flat.to(torch.int64) + 1) * (pos * _MIX + 1)).sum()
-    packed = torch.stack([start.sum(), bad, violations, nonfinite.to(dev), fingerprint])
-    # the one host sync of the aligned path: five integers decide keep-all or diagnose
-    vals = to_host(packed, why="aligned-path verdict").tolist()
-    return Verdict(*vals)
+        parts.append(torch.count_nonzero(torch.isfinite(torch.stack(torch.aminmax(features)))))
+    ids64 = ids_flat if ids_flat.dtype == torch.int64 else ids_flat.to(torch.int64)
+    w, w_sum = _weights(ids_flat.numel(), dev)
+    parts.append((ids64 * w).sum())  # + w_sum on the host: sum((ids + 1) * w), wrapping
+    # the one host sync of the aligned path: a handful of integers decide keep-all or diagnose
+    vals = to_host(torch.stack(parts), why="aligned-path verdict").tolist()
+    runs, findings, *rest = vals
+    bad_runs = rest.pop(0) if n_items else 0
+    nonfinite = int(rest.pop(0) != 2) if len(rest) > 1 else 0
+    fingerprint = (rest[0] + w_sum + 2**63) % 2**64 - 2**63  # int64 wraparound
+    return Verdict(runs, bad_runs, findings, nonfinite, fingerprint)
+
+
+_WEIGHTS: dict[tuple[int, str], tuple[torch.Tensor, int]] = {}
+
+
+def _weights(n: int, dev: torch.device) -> tuple[torch.Tensor, int]:
+    """``arange(n) * _MIX + 1`` (int64, wrapping), the fingerprint's per-position weights, and
+    their sum as a host int; kept for the last few (size, device) pairs (a training run
+    repeats its shapes)."""
+    key = (n, str(dev))
+    got = _WEIGHTS.get(key)
+    if got is None:
+        if len(_WEIGHTS) >= 8:
+            _WEIGHTS.pop(next(iter(_WEIGHTS)))
+        w = torch.arange(n, device=dev) * _MIX + 1
+        got = _WEIGHTS[key] = (w, _MIX * (n * (n - 1) // 2) + n)  # sum(w), exact mod 2**64
+    return got

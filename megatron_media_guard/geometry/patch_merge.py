@@ -258,7 +258,11 @@ class PatchMergeGeometry:
                 f"x {g} group(s) = {n_total}",
                 budget,
             )
-        valid = [(a, b) for a, b in divisor_pairs(n) if self._fixed(a, b, t)]
+        valid = [
+            (a, b)
+            for a, b in (divisor_pairs(n) if self._may_keep(n, t) else ())
+            if self._fixed(a, b, t)
+        ]
         if not valid:
             return unreachable(self._why_not(n, n_total, g, t), t)
         (a, b), fidelity, count = pick(valid, (h, w), (f, f))
@@ -272,6 +276,15 @@ class PatchMergeGeometry:
             + f"; {choice_text(count, a, b, f'of {n} cells')} (min/max pixels, aspect)",
             None,
         )
+
+    def _may_keep(self, n: int, t: int) -> bool:
+        """False when the configured processor keeps no grid of n cells: above max_pixels
+        (for every frame count it compares) each side of 2 or more cells shrinks. Skips the
+        divisor scan for huge targets (which would cost O(divisors))."""
+        f = self.factor
+        frames = t if self.temporal_budget else 1
+        t_bar = round(t / self.temporal_patch) * self.temporal_patch if self.temporal_budget else 1
+        return n < 2 or min(frames, t_bar) * n * f * f <= self.max_pixels
 
     def _why_not(self, n: int, n_total: int, g: int, t: int) -> str:
         f = self.factor

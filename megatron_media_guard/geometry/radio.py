@@ -188,8 +188,11 @@ class RadioTilerGeometry:
         """The tiler keeps a (16*ph, 16*pw) frame as it is at ``budget``."""
         ph, pw = grid
         b = self.static_budget if budget is None else budget
+        # native() of the (16*ph, 16*pw) frame, without re-checking the ints it is built from
+        h, w = ph * self.patch, pw * self.patch
+        native = round(h / self.patch + 0.5), round(w / self.patch + 0.5)
         try:
-            return self._grid(*self.native((ph * self.patch, pw * self.patch)), b) == grid
+            return self._grid(*native, b) == grid
         except GeometryError:
             return False
 
@@ -257,7 +260,9 @@ class RadioTilerGeometry:
             f"{n} tokens for {ph0}x{pw0} native patches"
         )
         valid = [
-            (d * a, d * b) for a, b in divisor_pairs(n) if self._round_trips((d * a, d * b), None)
+            (d * a, d * b)
+            for a, b in (divisor_pairs(n) if q <= self._kept_bound() else ())
+            if self._round_trips((d * a, d * b), None)
         ]
         if not valid:
             return unreachable(f"{lands}; {self._why_not(n, q)}", t)
@@ -269,6 +274,15 @@ class RadioTilerGeometry:
             f"(kept as it is under the static budget)",
             None,
         )
+
+    def _kept_bound(self) -> int:
+        """No grid of more patches than this is kept as it is at the static budget B: the
+        floors hold at most B patches, the upscale at most 2 * min + 2 (ceil(u*fh) *
+        ceil(u*fw) with u*u*fh*fw = min and fw/fh within [1/min, min]), and the evenness step
+        raises a side past the budget only from below d (at most d times the patches).
+        Skips the divisor scan for huge targets (which would cost O(divisors))."""
+        d = self.pixel_shuffle
+        return d * max(self.static_budget, 2 * self.min_num_patches + 2) + d * d
 
     def _why_not(self, n: int, q: int) -> str:
         if self.cap is not None and q > self.cap:

@@ -9,8 +9,8 @@ thresholds inside; the walk visits the segments of the windows that can hold the
 count is not monotone in B (an evenness step can trade rows for columns), so no bisection.
 
 Windows, for a target of q patches (h, w the final grid; fh, fw the floors):
-- plain regime: fh - 1 <= h <= fh + 1 and h >= 2, so
-  max(2, s*ph0 - 2) * max(2, s*pw0 - 2) <= q <= (s*ph0 + 1) * (s*pw0 + 1);
+- plain regime: fh - (d-1) <= h <= fh + (d-1) and h >= d (d: the pixel shuffle), so
+  max(d, s*ph0 - d) * max(d, s*pw0 - d) <= q <= (s*ph0 + d-1) * (s*pw0 + d-1);
 - upscale regime: B > min and fh*fw < min, so (s*ph0 - 1) * (s*pw0 - 1) < min.
 """
 
@@ -34,13 +34,18 @@ def _budget_at(geo: RadioTilerGeometry, s: float, p: int) -> int:
 
 def windows(geo: RadioTilerGeometry, ph0: int, pw0: int, q: int) -> list[tuple[int, int]]:
     """Budget ranges that can give q patches: the plain regime, then the upscale regime."""
-    p, ssum, mn = ph0 * pw0, ph0 + pw0, geo.min_num_patches
-    s_lo = (-ssum + math.sqrt(ssum * ssum + 4 * p * (q - 1))) / (2 * p) if q > 1 else 0.0
+    p, ssum, mn, d = ph0 * pw0, ph0 + pw0, geo.min_num_patches, geo.pixel_shuffle
+    k = d - 1  # the evenness step moves a side by at most d - 1
+    s_lo = (
+        (-k * ssum + math.sqrt(k * k * ssum * ssum + 4 * p * (q - k * k))) / (2 * p)
+        if q > k * k
+        else 0.0
+    )
     a, b = min(ph0, pw0), max(ph0, pw0)
-    if 2 * (4 * b / a - 2) <= q:  # past s = 4/a both factors exceed 2
-        s_hi = (2 * ssum + math.sqrt(4 * ssum * ssum + 4 * p * (q - 4))) / (2 * p)
+    if d * (2 * d * b / a - d) <= q:  # past s = 2d/a both factors exceed d
+        s_hi = (d * ssum + math.sqrt(d * d * ssum * ssum + 4 * p * (q - d * d))) / (2 * p)
     else:
-        s_hi = (q / 2 + 2) / b
+        s_hi = (q / d + d) / b
     out = [(int(s_lo * s_lo * p) - 2, _budget_at(geo, s_hi, p))]
     if mn > 0:
         s_up = (ssum + math.sqrt(ssum * ssum + 4 * p * (mn - 1))) / (2 * p)
@@ -74,12 +79,20 @@ def landing_budgets(
     ascending; at least the first budget of every segment and threshold run that lands."""
     d, mn = geo.pixel_shuffle, geo.min_num_patches
     lo_all = max(mn, 1)
+    if q > d * (2 * mn + 2) + d * d:  # past what the upscale reaches: the budget must hold it
+        lo_all = max(lo_all, -(-(q - d * d) // d))  # (see RadioTilerGeometry._kept_bound)
     hi_all = geo.cap if geo.cap is not None else _INF
     p = ph0 * pw0
     fmax2 = geo.factor_max * geo.factor_max
     hits: set[tuple[int, tuple[int, int]]] = set()
-    for lo, hi in windows(geo, ph0, pw0, q):
-        x, hi = max(lo, lo_all), min(hi, hi_all)
+    spans = [(max(lo, lo_all), min(hi, hi_all)) for lo, hi in _union(windows(geo, ph0, pw0, q))]
+    spans = [(lo, hi) for lo, hi in spans if lo <= hi]
+    if not spans:
+        return []
+    # the final grids that count: a x (q / a), both sides multiples of d; per side a, the
+    # pre-evenness values of the other side that the evenness step takes to q / a
+    sides = {a: _even_range(q // a, d) for a in _divisors(q) if a % d == 0 and q // a % d == 0}
+    for x, hi in spans:
         while x <= hi:
             prep = _prepare(geo, ph0, pw0, x)
             fh, fw = (prep[0], prep[1]) if prep else (0, 0)
@@ -102,8 +115,85 @@ def landing_budgets(
                                 continue
                             if g[0] * g[1] == q:
                                 hits.add((b, g))
-            x = end
+            if not sides:
+                break
+            up = x > mn and fh * fw < mn
+            skip = max(
+                _bound_along(geo, sides, x, fh, fw, ph0, pw0, up),
+                _bound_along(geo, sides, x, fw, fh, pw0, ph0, up),
+            )
+            x = max(end, skip)
     return sorted(hits)
+
+
+def _union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Overlapping budget windows merged (each budget walked once)."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(spans):
+        if out and lo <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    small = [a for a in range(1, math.isqrt(n) + 1) if n % a == 0]
+    return sorted({*small, *(n // a for a in small)})
+
+
+def _even_range(b: int, d: int) -> tuple[int, int]:
+    """The pre-evenness values the evenness step can take to ``b`` (a multiple of d)."""
+    return (0 if b == d else b - d + 1, b + d - 1)
+
+
+def _floor_start(v: int, n0: int, p: int) -> int:
+    """A budget at or below the first one where floor(s * n0) reaches v (s = sqrt(B / p))."""
+    return v * v * p // (n0 * n0) - 2
+
+
+def _bound_along(
+    geo: RadioTilerGeometry,
+    sides: dict[int, tuple[int, int]],
+    x: int,
+    fa: int,
+    fb: int,
+    na: int,
+    nb: int,
+    up: bool,
+) -> int:
+    """A budget before which nothing from ``x`` on lands: floor ``fa`` (of ``na`` native
+    patches) held until it next changes, ``fb`` only grows with the budget meanwhile.
+
+    Landings need fb in a few narrow ranges (the evenness step moves a side by less than d;
+    the upscale maps fb monotonically), so the walk jumps to the next one. Used for both
+    sides at once (the maximum of two bounds is one): it keeps the walk's length
+    independent of the aspect ratio (a 10000:1 strip had thousands of 1-budget segments).
+    """
+    d, mn, p = geo.pixel_shuffle, geo.min_num_patches, na * nb
+    grows = fa * fa < geo.factor_max * geo.factor_max * na * na
+    ea = -(-((fa + 1) ** 2) * p // na**2) if grows else _INF  # where fa changes
+    if fa == 0:  # an empty side: no patches (budget <= min) or the tiler fails (above)
+        return ea
+    if fb == 0:
+        return x
+    nxt = _INF
+    if not up:  # plain: fa's evenness options fix the other side
+        limit = ea if x > mn else min(ea, mn + 1)
+        for a in _even_options(fa, d):
+            r = sides.get(a)
+            if r is not None and r[1] >= fb:
+                nxt = min(nxt, r[0])
+    else:  # upscale: fb's side ceil(sqrt(mn * fb / fa)) grows, fa's shrinks from a_max
+        limit = min(ea, _floor_start(-(-mn // fa), nb, p))
+        a_max = max(_even_options(math.ceil(math.sqrt(mn / (fa * fb)) * fa), d))
+        for a, (lo, hi) in sides.items():
+            # that side in [lo - 1, hi + 1] (one of slack for float rounding)
+            if a <= a_max and ((hi + 1) ** 2 * fa) // mn + 1 >= fb:
+                nxt = min(nxt, (max(lo - 2, 0) ** 2 * fa) // mn)
+    if nxt == _INF:
+        return limit
+    return x if nxt <= fb else min(limit, _floor_start(nxt, nb, p))
 
 
 def replay_budgets(
