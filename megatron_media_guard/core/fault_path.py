@@ -4,6 +4,7 @@ replay bundle, consensus, merge of the kept samples)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,7 +51,10 @@ def diagnose(guard: MediaGuard, c: Call, verdict: Verdict) -> MergeResult:
             batch.items,
             where=guard.where(c.step, c.microbatch),
             log_path=str(guard.log.path) if guard.log.path else None,
-            notes={k: f"repair failed, {v}" for k, v in failures.items()},
+            notes={
+                **{k: f"repair failed, {v}" for k, v in failures.items()},
+                **dict(plan.reasons),
+            },
         )
         if bundle_path is not None:
             fatal_msg += f"\n  replay bundle: {bundle_path}"
@@ -73,6 +77,7 @@ def write_records(guard: MediaGuard, c: Call, report: AlignmentReport, plan: Pla
     first fatal one, the record consensus fetches from the culprit."""
     fatal = None
     bad = {rep.sample: rep for rep in report.mismatched}
+    reasons = dict(plan.reasons)
     for smp, act in enumerate(plan.actions):
         if act not in ("drop", "raise"):
             continue
@@ -80,6 +85,8 @@ def write_records(guard: MediaGuard, c: Call, report: AlignmentReport, plan: Pla
             rec = sample_record(
                 bad[smp], c.batch.items, act, act, step=c.step, microbatch=c.microbatch
             )
+            if smp in reasons:  # the plan overrode the status (a suspected swap)
+                rec = replace(rec, reason=f"{reasons[smp]}; {rec.reason}")
         else:  # aligned tokens, NaN/Inf features
             rec = GuardRecord(
                 event=act,
