@@ -1,0 +1,266 @@
+"""What the Qwen-VL pre-hook reads from a forward call: the model's sizes, the grid rows, and the
+aligned-path check of the placeholder runs against them, on the device.
+
+The number of features of every item is a pure function of its grid row
+(``t * h * w / merge**2``), so the runs in ``input_ids`` can be checked against the grids before
+the vision tower runs. Items are the grid rows, images and videos each in their own order (the
+order the model consumes them in); Qwen3-VL's videos put one run per temporal group (each
+preceded by its timestamp text), so there a video row stands for ``t`` runs of ``h * w / m**2``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from ..core.grammar import Grammar
+from ..core.host import to_host
+from ..core.runs import TokenLayout
+from ..errors import MediaInputError
+
+VideoRuns = Literal["one", "per_group"]
+MODALITIES: tuple[str, str] = ("image", "video")
+PIXELS = {"image": "pixel_values", "video": "pixel_values_videos"}
+GRIDS = {"image": "image_grid_thw", "video": "video_grid_thw"}
+QWEN_TEXT_PAD = 151643  # <|endoftext|>, the Qwen2 tokenizer's pad token
+
+# odd 63-bit multipliers for the fingerprint of the ids and of the grid rows
+_MIX = 0x5851F42D4C957F2D
+_MIX_GRID = 0x2545F4914F6CDD1D
+
+
+@dataclass(frozen=True)
+class QwenVLSpec:
+    """The sizes and token ids of one Qwen-VL model (read from ``model.config``).
+
+    video_runs: ``"one"`` run per video (Qwen2-VL / 2.5-VL) or one ``"per_group"`` of
+    ``temporal_patch`` frames (Qwen3-VL, each group after its timestamp text).
+    text_id: the token id a dropped sample's placeholders become (harmless text).
+    """
+
+    image_token_id: int = 151655
+    video_token_id: int = 151656
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+    patch: int = 14
+    temporal_patch: int = 2
+    merge: int = 2
+    video_runs: VideoRuns = "one"
+    text_id: int = QWEN_TEXT_PAD
+
+    def grammar(self) -> Grammar:
+        return Grammar.qwen2_vl(
+            self.image_token_id,
+            self.video_token_id,
+            self.vision_start_token_id,
+            self.vision_end_token_id,
+        )
+
+    def check_grammar(self, grammar: Grammar) -> None:
+        want = self.grammar()
+        got = (dict(grammar.placeholders), grammar.start_id, grammar.end_id)
+        exp = (dict(want.placeholders), want.start_id, want.end_id)
+        if got != exp:
+            raise MediaInputError(
+                f"the guard's grammar (placeholders, start, end) {got} differs from the model's "
+                f"config {exp}; build the guard with Grammar.qwen2_vl(image_pad, video_pad, "
+                "vision_start, vision_end) from the model's token ids"
+            )
+
+
+def _cfg(obj: Any, *names: str) -> Any:
+    for name in names:
+        cur = obj
+        for part in name.split("."):
+            cur = getattr(cur, part, None)
+            if cur is None:
+                break
+        if cur is not None:
+            return cur
+    return None
+
+
+def spec_from_model(model: Any, text_id: int | None = None) -> QwenVLSpec:
+    """Token ids and sizes from ``model.config`` (transformers) or the Bridge model's config,
+    with the Qwen2-VL defaults where neither names them."""
+    cfg = getattr(model, "config", None)
+    d = QwenVLSpec()
+    vis = _cfg(cfg, "vision_config")
+
+    def pick(default: int, *names: str, src: Any = cfg) -> int:
+        v = _cfg(src, *names) if src is not None else None
+        if v is None:
+            v = _cfg(model, *names)
+        return int(v) if v is not None else default
+
+    model_type = str(_cfg(cfg, "model_type") or "")
+    qwen3 = model_type.startswith("qwen3") or type(model).__name__.startswith("Qwen3")
+    vocab = _cfg(cfg, "text_config.vocab_size", "vocab_size")
+    if text_id is None:
+        text_id = _cfg(cfg, "pad_token_id", "text_config.pad_token_id")
+        if text_id is None and (vocab is None or int(vocab) > QWEN_TEXT_PAD):
+            text_id = QWEN_TEXT_PAD
+        if text_id is None:
+            raise MediaInputError("no pad token id in the model's config: pass drop_token_id=")
+    return QwenVLSpec(
+        image_token_id=pick(d.image_token_id, "image_token_id"),
+        video_token_id=pick(d.video_token_id, "video_token_id"),
+        vision_start_token_id=pick(d.vision_start_token_id, "vision_start_token_id"),
+        vision_end_token_id=pick(d.vision_end_token_id, "vision_end_token_id"),
+        patch=pick(16 if qwen3 else d.patch, "patch_size", src=vis),
+        temporal_patch=pick(d.temporal_patch, "temporal_patch_size", src=vis),
+        merge=pick(d.merge, "spatial_merge_size", src=vis),
+        video_runs="per_group" if qwen3 else "one",
+        text_id=int(text_id),
+    )
+
+
+class CallArgs:
+    """The keyword view of one forward call (positional arguments bound by the signature);
+    ``set`` writes back, :meth:`rebuild` gives ``(args, kwargs)`` for the model."""
+
+    def __init__(self, sig: inspect.Signature, args: tuple, kwargs: dict) -> None:
+        self.bound = sig.bind(*args, **kwargs)
+        self.varkw = next(
+            (p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD), None
+        )
+        self.names = {
+            p.name
+            for p in sig.parameters.values()
+            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+        }
+        self.changed = False
+
+    def _extra(self) -> dict:
+        return self.bound.arguments.get(self.varkw, {}) if self.varkw else {}
+
+    def get(self, name: str) -> Any:
+        a = self.bound.arguments
+        return a[name] if name in a else self._extra().get(name)
+
+    def given(self, name: str) -> bool:
+        return name in self.bound.arguments or name in self._extra()
+
+    def set(self, name: str, value: Any) -> None:
+        self.changed = True
+        if name in self.names:
+            self.bound.arguments[name] = value
+        elif self.varkw:
+            self.bound.arguments.setdefault(self.varkw, {})[name] = value
+        else:
+            raise MediaInputError(f"the model's forward takes no {name!r}")
+
+    def rebuild(self) -> tuple[tuple, dict]:
+        return tuple(self.bound.args), dict(self.bound.kwargs)
+
+
+def packed_offsets(call: CallArgs, ids: torch.Tensor) -> torch.Tensor | None:
+    """Sample offsets of a packed THD row: Megatron's ``packed_seq_params`` (``cu_seqlens_q_padded``
+    where set: where each sample starts in the row; else ``cu_seqlens_q``) or transformers'
+    ``cu_seq_lens_q``. None for ``[b, s]`` rows (each row one sample)."""
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        return None
+    psp = call.get("packed_seq_params")
+    cu = None
+    if psp is not None:
+        fmt = getattr(psp, "qkv_format", "thd")
+        if fmt in (None, "thd"):
+            cu = getattr(psp, "cu_seqlens_q_padded", None)
+            if cu is None:
+                cu = getattr(psp, "cu_seqlens_q", None)
+    if cu is None:
+        cu = call.get("cu_seq_lens_q")
+    if cu is None:
+        return None
+    return cu.to(ids.device)
+
+
+@dataclass(frozen=True)
+class GridCheck:
+    """The aligned-path verdict, as host integers (one transfer)."""
+
+    runs: int
+    bad: int
+    findings: int
+    pixel_rows_bad: int
+    fingerprint: int
+
+    @property
+    def aligned(self) -> bool:
+        return self.bad == 0 and self.findings == 0 and self.pixel_rows_bad == 0
+
+
+def grid_runs(
+    grid: torch.Tensor, modality: str, spec: QwenVLSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per grid row: how many placeholder runs it owns and how long each is (device tensors)."""
+    m2 = spec.merge * spec.merge
+    t, h, w = grid[:, 0], grid[:, 1], grid[:, 2]
+    cells = h * w // m2
+    if modality == "video" and spec.video_runs == "per_group":
+        return t, cells
+    return torch.ones_like(t), t * cells
+
+
+def check_grids(
+    lay: TokenLayout,
+    ids: torch.Tensor,
+    grids: Mapping[str, torch.Tensor | None],
+    pixel_rows: Mapping[str, int | None],
+    spec: QwenVLSpec,
+    samples: Mapping[str, torch.Tensor] | None = None,
+    declared: Mapping[str, torch.Tensor] | None = None,
+) -> GridCheck:
+    """Every run of each modality against its grid row, entirely on the device.
+
+    The ``r``-th run of a modality (token order over the flattened batch) must end where that
+    modality's placeholder count reaches the cumulative size of its first ``r + 1`` runs from
+    the grids; the run counts must agree. samples: per modality, the sample of each grid row
+    (explicit items): each sample then holds as many runs as its rows own. declared: per
+    modality, the feature counts the caller's items declare (must equal the grid's).
+    """
+    start, end = lay.run_bounds()
+    findings = lay.structure_violations(start, end)
+    dev = ids.device
+    bad = torch.zeros((), dtype=torch.int64, device=dev)
+    n_runs = start.sum()
+    pix_bad = torch.zeros((), dtype=torch.int64, device=dev)
+    fp = torch.zeros((), dtype=torch.int64, device=dev)
+    for k, mod in enumerate(MODALITIES):
+        is_m = lay.code == k
+        start_m = (start & is_m).reshape(-1)
+        end_m = (end & is_m).reshape(-1)
+        grid = grids.get(mod)
+        if grid is None or grid.shape[0] == 0:
+            bad = bad + start_m.sum()
+            continue
+        g = grid.to(dev, torch.int64)
+        per_row, size = grid_runs(g, mod, spec)
+        if pixel_rows.get(mod) is not None:
+            pix_bad = pix_bad + (g.prod(-1).sum() != pixel_rows[mod]).long()
+        if declared is not None and mod in declared:
+            bad = bad + (declared[mod].to(dev) != per_row * size).sum()
+        fp = fp + (g * (torch.arange(g.numel(), device=dev).view_as(g) * _MIX_GRID + k + 1)).sum()
+        cum_runs = torch.cumsum(per_row, 0)
+        base = torch.cumsum(per_row * size, 0) - per_row * size
+        run_idx = torch.cumsum(start_m, 0) - 1
+        ph_cum = torch.cumsum(is_m.reshape(-1), 0)
+        row = torch.searchsorted(cum_runs, run_idx, right=True).clamp(max=g.shape[0] - 1)
+        within = run_idx - (cum_runs[row] - per_row[row])
+        want = base[row] + size[row] * (within + 1)
+        bad = bad + (end_m & ((run_idx >= cum_runs[-1]) | (ph_cum != want))).sum()
+        bad = bad + (start_m.sum() != cum_runs[-1]).long()
+        if samples is not None and mod in samples:
+            want_s = torch.zeros(lay.num_samples, dtype=torch.int64, device=dev)
+            want_s.index_add_(0, samples[mod].to(dev), per_row)
+            bad = bad + (lay.runs_per_sample(start & is_m) != want_s).sum()
+    pos = torch.arange(ids.numel(), device=dev)
+    fp = fp + ((ids.reshape(-1).to(torch.int64) + 1) * (pos * _MIX + 1)).sum()
+    packed = torch.stack([n_runs, bad, findings.to(torch.int64), pix_bad, fp])
+    # the one host sync of the aligned path: five integers decide keep-all or diagnose
+    vals = to_host(packed, why="Qwen-VL grid check verdict").tolist()
+    return GridCheck(*vals)
