@@ -64,9 +64,18 @@ class QwenVLHandle(GuardHandle):
     video rows) adding ``sample``, ``sample_id`` and ``source_hw``.
     """
 
-    def __init__(self, model: Any, guard: MediaGuard, spec: QwenVLSpec, **kw: Any) -> None:
+    def __init__(
+        self,
+        model: Any,
+        guard: MediaGuard,
+        spec: QwenVLSpec,
+        *,
+        loss_mask_inplace: bool = False,
+        **kw: Any,
+    ) -> None:
         super().__init__(model, "forward", guard, "qwen_vl", **kw)
         self.spec = spec
+        self.loss_mask_inplace = loss_mask_inplace
         self.sig = inspect.signature(model.forward)
         self._hooks: list[Any] = []
         self._post: tuple[Rewritten, bool] | None = None
@@ -199,7 +208,18 @@ class QwenVLHandle(GuardHandle):
         guard.counters["mismatched"] += len(report.mismatched)
         guard.counters["dropped"] += len(plan.dropped)
         guard.counters["repaired"] += len(plan.repairs)
-        rw = rewrite(call, spec, lay, ids, rows, gone, repairs, plan.actions, cfg.ignore_index)
+        rw = rewrite(
+            call,
+            spec,
+            lay,
+            ids,
+            rows,
+            gone,
+            repairs,
+            plan.actions,
+            cfg.ignore_index,
+            self.loss_mask_inplace,
+        )
         self._result(plan, report, check, stage, step, mb, rw.input_ids, cu, rw)
         all_dropped = all(a == "drop" for a in plan.actions)
         if rw.vision_emptied or all_dropped:
@@ -336,6 +356,7 @@ def install_qwen_vl(
     step_provider: StepProvider | None = None,
     auto_step_end: bool | None = None,
     drop_token_id: int | None = None,
+    loss_mask_inplace: bool = False,
 ) -> QwenVLHandle:
     """Guard one Qwen-VL model instance (transformers or Megatron-Bridge) before its vision tower.
 
@@ -343,6 +364,8 @@ def install_qwen_vl(
     default ones); ``geometry`` (one, or ``{"image": ..., "video": ...}``) for ``repair``.
     drop_token_id: the text id a dropped sample's placeholders become (default: the config's
     pad token, else ``<|endoftext|>`` 151643).
+    loss_mask_inplace: also zero the dropped samples in the caller's ``loss_mask`` tensor (for
+    a loss built from it before the forward: Megatron-Bridge's ``vlm_step`` / ``qwen3_vl_step``).
     """
     if not isinstance(model, torch.nn.Module):
         raise MediaInputError(f"install_qwen_vl takes an nn.Module, got {type(model).__name__}")
@@ -356,6 +379,7 @@ def install_qwen_vl(
         items_provider=items_provider,
         step_provider=step_provider,
         auto_step_end=auto_step_end,
+        loss_mask_inplace=loss_mask_inplace,
     )
     return h.install_hooks()
 

@@ -75,7 +75,11 @@ def rewrite(
     repairs: Mapping[int, RowRepair],
     actions: Sequence[str],
     ignore_index: int,
+    loss_mask_inplace: bool = False,
 ) -> Rewritten:
+    """Rewrites ``call`` for the plan (out of place, except ``loss_mask`` with
+    ``loss_mask_inplace``: the caller's tensor is zeroed where samples were dropped, for a loss
+    function that captured it before the forward, as Megatron-Bridge's forward steps do)."""
     keep = torch.tensor([a in ("keep", "repair") for a in actions], device=ids.device)
     dropped_ph = lay.ph & ~token_keep(lay, keep)
     new_ids = ids
@@ -92,7 +96,9 @@ def rewrite(
     loss_mask, labels = call.get("loss_mask"), call.get("labels")
     if any(a == "drop" for a in actions):
         new_mask, labels = mask_dropped(lay, keep, loss_mask, labels, ignore_index)
-        if loss_mask is not None:
+        if loss_mask is not None and loss_mask_inplace:
+            loss_mask.copy_(new_mask)
+        elif loss_mask is not None:
             loss_mask = new_mask.to(loss_mask.dtype)
             call.set("loss_mask", loss_mask)
         if labels is not None:

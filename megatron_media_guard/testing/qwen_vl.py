@@ -171,3 +171,34 @@ def build_batch(samples, family: str, patch: int, max_pixels: int, rng=None, tex
         pixel_values_videos=pvv,
         video_grid_thw=vg,
     )
+
+
+def patch_of(family: str) -> int:
+    return 16 if family == "qwen3_vl" else 14
+
+
+def seed_failure(family: str, samples, engine_cells: int, trainer_cells: int):
+    """The seed failure on a batch: ``(engine, trainer_pixels)``. ``engine`` is the batch the
+    engine sized (its runs, its pixels: the reference), ``trainer_pixels`` the same token ids
+    with the pixels and grids the trainer's processor made at its larger static budget
+    (budgets in merged cells: ``cells * (patch * merge)**2`` pixels)."""
+    f = patch_of(family) * 2
+    engine = build_batch(samples, family, patch_of(family), engine_cells * f * f)
+    trainer = build_batch(samples, family, patch_of(family), trainer_cells * f * f)
+    mixed = dict(engine)
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
+        mixed[key] = trainer[key]
+    return engine, mixed
+
+
+def smooth_image(height: int, width: int, seed: int = 0) -> np.ndarray:
+    """A natural-looking ``[H, W, 3]`` uint8 image: low-frequency content (8x8 random colors
+    upsampled, bicubic). White noise would make any two resizes disagree."""
+    from PIL import Image
+
+    base = np.random.default_rng(seed).integers(0, 256, (8, 8, 3), dtype=np.uint8)
+    return np.asarray(Image.fromarray(base).resize((width, height), resample=Image.BICUBIC))
+
+
+def smooth_clip(frames: int, height: int, width: int, seed: int = 0) -> np.ndarray:
+    return np.stack([smooth_image(height, width, seed + k) for k in range(frames)])
