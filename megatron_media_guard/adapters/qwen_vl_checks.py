@@ -230,7 +230,8 @@ def check_grids(
     n_runs = start.sum()
     pix_bad = torch.zeros((), dtype=torch.int64, device=dev)
     fp = torch.zeros((), dtype=torch.int64, device=dev)
-    for k, mod in enumerate(MODALITIES):
+    for mod in MODALITIES:
+        k = lay.grammar.modality_code(mod)
         is_m = lay.code == k
         start_m = (start & is_m).reshape(-1)
         end_m = (end & is_m).reshape(-1)

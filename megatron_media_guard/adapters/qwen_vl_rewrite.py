@@ -147,7 +147,13 @@ def rewrite(
                 call.set("second_per_grid_ts", ts)
     if call.changed and call.get("position_ids") is not None:
         # MRoPE positions follow the grids: the model recomputes them from the new ones
+        # (transformers only with mm_token_type_ids, so those are derived from the ids)
         call.set("position_ids", None)
+        if "mm_token_type_ids" in call.names and call.get("mm_token_type_ids") is None:
+            tt = torch.zeros_like(new_ids, dtype=torch.int32)
+            tt.masked_fill_(new_ids == spec.image_token_id, 1)
+            tt.masked_fill_(new_ids == spec.video_token_id, 2)
+            call.set("mm_token_type_ids", tt)
     return Rewritten(new_ids, loss_mask, labels, had > 0 and remain == 0, patch_dim, dtype, device)
 
 
