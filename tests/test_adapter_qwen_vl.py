@@ -336,3 +336,25 @@ def test_install_checks_the_guard_against_the_config(family):
     bad = MediaGuard(GuardConfig(), grammar=Grammar.qwen2_vl(), geometry=geo)
     with pytest.raises(MediaInputError, match="image geometry has patch"):
         install_qwen_vl(model, bad)
+
+
+def test_passed_position_ids_are_recomputed_after_a_rewrite():
+    family = "qwen2_5_vl"
+    engine, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
+    model = model_for(family)
+    rope = inner(model).get_rope_index
+    pos, _ = rope(
+        engine["input_ids"],
+        engine["mm_token_type_ids"],
+        engine["image_grid_thw"],
+        engine["video_grid_thw"],
+        attention_mask=engine["attention_mask"],
+    )
+    seen, _ = spy(inner(model))
+    try:
+        with torch.no_grad(), install_qwen_vl(model, guard_for(family, "repair")):
+            model(**dict(mixed, mm_token_type_ids=None), position_ids=pos)
+    finally:
+        clear(inner(model))
+    assert seen["position_ids"] is None  # the model recomputes MRoPE from the new grids
+    assert torch.equal(seen["mm_token_type_ids"], engine["mm_token_type_ids"])
