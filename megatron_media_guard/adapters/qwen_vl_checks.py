@@ -72,7 +72,8 @@ class QwenVLSpec:
             )
 
 
-def _cfg(obj: Any, *names: str) -> Any:
+def attr_path(obj: Any, *names: str) -> Any:
+    """The first of the dotted attribute paths ``names`` that is set on ``obj`` (else None)."""
     for name in names:
         cur = obj
         for part in name.split("."):
@@ -89,19 +90,19 @@ def spec_from_model(model: Any, text_id: int | None = None) -> QwenVLSpec:
     with the Qwen2-VL defaults where neither names them."""
     cfg = getattr(model, "config", None)
     d = QwenVLSpec()
-    vis = _cfg(cfg, "vision_config")
+    vis = attr_path(cfg, "vision_config")
 
     def pick(default: int, *names: str, src: Any = cfg) -> int:
-        v = _cfg(src, *names) if src is not None else None
+        v = attr_path(src, *names) if src is not None else None
         if v is None:
-            v = _cfg(model, *names)
+            v = attr_path(model, *names)
         return int(v) if v is not None else default
 
-    model_type = str(_cfg(cfg, "model_type") or "")
+    model_type = str(attr_path(cfg, "model_type") or "")
     qwen3 = model_type.startswith("qwen3") or type(model).__name__.startswith("Qwen3")
-    vocab = _cfg(cfg, "text_config.vocab_size", "vocab_size")
+    vocab = attr_path(cfg, "text_config.vocab_size", "vocab_size")
     if text_id is None:
-        text_id = _cfg(cfg, "pad_token_id", "text_config.pad_token_id")
+        text_id = attr_path(cfg, "pad_token_id", "text_config.pad_token_id")
         if text_id is None and (vocab is None or int(vocab) > QWEN_TEXT_PAD):
             text_id = QWEN_TEXT_PAD
         if text_id is None:

@@ -17,6 +17,7 @@ from ..core.plan import Plan
 from ..core.runs import ParsedRuns
 from ..diagnostics import GuardRecord
 from ..errors import MediaInputError
+from ..repair.repairs import solve_allowed
 from ..repair.reproject import resize_patches
 from .qwen_vl_checks import MODALITIES, QwenVLSpec
 
@@ -162,16 +163,9 @@ def _solve_row(guard, spec, row: GridRow, targets: list[int], item: MediaItem):
     facts["target"] = total
     frames = row.thw[0] * spec.temporal_patch if row.modality == "video" else 1
     hw = item.source_hw or item.frame_hw
-    sol = geo.solve(total, hw, num_frames=frames)
-    facts.update(fidelity=sol.fidelity, size_hw=sol.size_hw, reason=sol.reason)
-    if not sol.reachable:
-        facts["reason"] = f"unreachable: {sol.reason}"
-        return None, facts
-    if sol.fidelity not in guard.config.allowed_fidelity:
-        facts["reason"] = (
-            f"fidelity {sol.fidelity} not allowed (allowed: "
-            f"{list(guard.config.allowed_fidelity)}): {sol.reason}"
-        )
+    sol, why_not = solve_allowed(geo, total, hw, frames, guard.config)
+    facts.update(fidelity=sol.fidelity, size_hw=sol.size_hw, reason=why_not or sol.reason)
+    if why_not is not None:
         return None, facts
     ph, pw = sol.size_hw
     thw = (row.thw[0], ph // spec.patch, pw // spec.patch)

@@ -18,7 +18,7 @@ from ..config import GuardConfig
 from ..core.alignment import AlignmentReport
 from ..core.apply import mask_dropped, token_keep, zero_anchor
 from ..core.runs import TokenLayout
-from .qwen_vl_checks import GRIDS, MODALITIES, PIXELS, CallArgs, QwenVLSpec
+from .qwen_vl_checks import GRIDS, MODALITIES, PIXELS, CallArgs, QwenVLSpec, attr_path
 from .qwen_vl_plan import GridRow, RowRepair
 
 MASKS = {"image": "image_input_mask", "video": "video_input_mask"}
@@ -159,15 +159,7 @@ def rewrite(
 
 def vision_tower(module: Any) -> Any:
     """The vision tower of a transformers or Megatron-Bridge Qwen-VL model (None if not here)."""
-    for path in ("visual", "model.visual", "vision_model"):
-        cur = module
-        for part in path.split("."):
-            cur = getattr(cur, part, None)
-            if cur is None:
-                break
-        if cur is not None:
-            return cur
-    return None
+    return attr_path(module, "visual", "model.visual", "vision_model")
 
 
 def _floats(out: Any) -> list[torch.Tensor]:
