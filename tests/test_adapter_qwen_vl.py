@@ -358,3 +358,17 @@ def test_passed_position_ids_are_recomputed_after_a_rewrite():
         clear(inner(model))
     assert seen["position_ids"] is None  # the model recomputes MRoPE from the new grids
     assert torch.equal(seen["mm_token_type_ids"], engine["mm_token_type_ids"])
+
+
+def test_generate_still_works_with_the_hook_installed():
+    family = "qwen2_5_vl"
+    model = model_for(family)
+    batch = build_batch(
+        SAMPLES[:1], family, patch_of(family), TRAINER * (patch_of(family) * 2) ** 2
+    )
+    batch = {k: v for k, v in batch.items() if v is not None}
+    with torch.no_grad():
+        plain = model.generate(**batch, max_new_tokens=2, do_sample=False)
+        with install_qwen_vl(model, guard_for(family, "raise")):
+            guarded = model.generate(**batch, max_new_tokens=2, do_sample=False)
+    assert torch.equal(plain, guarded)

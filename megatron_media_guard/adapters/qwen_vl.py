@@ -118,6 +118,8 @@ class QwenVLHandle(GuardHandle):
         ids = call.get("input_ids")
         if not isinstance(ids, torch.Tensor):
             return None  # inputs_embeds only: no token ids to check
+        if call.get("mm_encoder_outputs") is not None:
+            return None  # encoded before the forward (transformers' generate): nothing to rewrite
         return self.call("Qwen-VL media guard", lambda step, mb: self._run(call, ids, step, mb))
 
     def _post_hook(self, module: Any, args: tuple, kwargs: dict, out: Any) -> Any:
