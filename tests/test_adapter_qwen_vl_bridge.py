@@ -290,9 +290,10 @@ def bridge_args(batch: dict) -> dict:
     return {k: batch[k] for k in keys}
 
 
-def pack(batch: dict, align: int = 8) -> dict:
+def pack(batch: dict, align: int = 8, tail: tuple[int, ...] = ()) -> dict:
     """The [b, s] batch as one THD row: each sample's tokens (right padding stripped), padded to
-    a multiple of ``align``, with Megatron's ``PackedSeqParams``."""
+    a multiple of ``align``, with Megatron's ``PackedSeqParams``; ``tail``: tokens after the last
+    sample (the row's padding)."""
     ids, attn = batch["input_ids"], batch["attention_mask"]
     lengths = attn.sum(1).tolist()
     pieces, cu, cu_pad = [], [0], [0]
@@ -302,7 +303,7 @@ def pack(batch: dict, align: int = 8) -> dict:
         cu.append(cu[-1] + n)
         cu_pad.append(cu_pad[-1] + padded)
     out = bridge_args(batch)
-    out["input_ids"] = torch.cat(pieces)[None]
+    out["input_ids"] = torch.cat([*pieces, torch.tensor(tail, dtype=ids.dtype)])[None]
     t = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
     out["packed_seq_params"] = PackedSeqParams(
         qkv_format="thd",
@@ -374,3 +375,24 @@ def test_packed_thd_repair_matches_the_engine_sized_batch(family):
     s0, n0 = segs[0]
     assert torch.equal(got[0, s0 : s0 + n0], want[0, s0 : s0 + n0])  # untouched sample
     assert torch.allclose(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_placeholders_in_the_packed_padding_become_text(tmp_path):
+    import json
+
+    from megatron_media_guard.testing.qwen_vl import build_batch
+
+    family = "qwen2_5_vl"
+    batch = build_batch(
+        SAMPLES[:1], family, patch_of(family), TRAINER * (patch_of(family) * 2) ** 2
+    )
+    packed = pack(batch, tail=(PAD, IMAGE, PAD, PAD))
+    model = standin(family)
+    with pytest.raises(ValueError, match="do not match"):  # the plain model counts it
+        model(**packed)
+    guard = MediaGuard(GuardConfig(policy="drop", log_dir=str(tmp_path)), Grammar.qwen2_vl())
+    with torch.no_grad(), install_qwen_vl(model, guard) as h:
+        model(**packed)
+    assert h.last_result.report.actions == ("keep",)
+    recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
+    assert [r["action"] for r in recs if r["event"] == "check"] == ["ignored"]

@@ -21,13 +21,12 @@ from typing import Any
 
 import torch
 
-from ..core.explain import error_message, sample_record
+from ..core.explain import error_message
 from ..core.guard import MediaGuard
 from ..core.outcome import GuardReport, LocalOutcome, MergeResult
 from ..core.plan import Plan, build_plan, digest
 from ..core.runs import TokenLayout, parse_layout
 from ..core.verify import Verdict
-from ..diagnostics import GuardRecord
 from ..errors import MediaInputError
 from .hooks import GuardHandle, ItemsProvider, StepProvider
 from .qwen_vl_checks import (
@@ -38,17 +37,17 @@ from .qwen_vl_checks import (
     GridCheck,
     QwenVLSpec,
     check_grids,
+    meta_tensors,
     packed_offsets,
     spec_from_model,
 )
 from .qwen_vl_plan import (
-    CALLER,
     grid_note,
     host_rows,
     report_for,
     run_row_repairs,
     token_items,
-    with_reason,
+    write_records,
 )
 from .qwen_vl_rewrite import Rewritten, add_anchor, removed_rows, rewrite, tower_anchor
 
@@ -144,7 +143,7 @@ class QwenVLHandle(GuardHandle):
             if pix[m] is not None and grids[m] is None:
                 raise MediaInputError(f"{PIXELS[m]} given without {GRIDS[m]}")
         meta = self.take_items()
-        samples, declared = _meta_tensors(meta, grids)
+        samples, declared = meta_tensors(meta, grids)
         rows_px = {m: (None if pix[m] is None else int(pix[m].shape[0])) for m in MODALITIES}
         check = check_grids(lay, ids, grids, rows_px, spec, samples, declared)
         if check.pixel_rows_bad:
@@ -180,7 +179,7 @@ class QwenVLHandle(GuardHandle):
                 guard, spec, plan, rows, items, item_row, pix, step=step, microbatch=mb
             )
         actions = [cfg.fallback if s in failed else a for s, a in enumerate(plan.actions)]
-        actions, gone = removed_rows(report, item_row, len(rows), actions, cfg)
+        actions, gone = removed_rows(report, item_row, actions, cfg)
         kept = [r for r in plan.repairs if actions[r.sample] == "repair"]
         repairs = {ri: rr for ri, rr in repairs.items() if ri not in gone}
         plan = plan.with_actions(actions, kept)
@@ -191,7 +190,7 @@ class QwenVLHandle(GuardHandle):
             notes[s] = f"{notes.get(s, '')}; repair failed, {why}"
         for s, why in plan.reasons:
             notes[s] = f"{why}; {notes.get(s, '')}"
-        fatal_rec = self._records(report, plan, items, notes, step, mb)
+        fatal_rec = write_records(guard, report, plan, items, notes, step, mb)
         bundle = self._dump(ids, cu, items, report, step, mb)
         message = None
         if plan.fatal or (report.orphans and cfg.policy == "raise"):
@@ -221,40 +220,13 @@ class QwenVLHandle(GuardHandle):
             plan.actions,
             cfg.ignore_index,
             self.loss_mask_inplace,
+            strays=bool(report.stray_findings),
         )
         self._result(plan, report, check, stage, step, mb, rw.input_ids, cu, rw)
         all_dropped = all(a == "drop" for a in plan.actions)
         if rw.vision_emptied or all_dropped:
             self._post = (rw, all_dropped)
         return call.rebuild()
-
-    def _records(self, report, plan: Plan, items, notes, step, mb) -> dict | None:
-        guard = self.guard
-        fatal = None
-        bad = {rep.sample: rep for rep in report.mismatched}
-        reasons = dict(plan.reasons)
-        for smp, act in enumerate(plan.actions):
-            if act not in ("drop", "raise") or smp not in bad:
-                continue
-            rec = sample_record(bad[smp], items, act, act, step=step, microbatch=mb)
-            rec = with_reason(rec, reasons.get(smp))
-            extra = {**(rec.extra or {}), "adapter": "qwen_vl", "grids": notes.get(smp)}
-            written = guard.log.emit(replace(rec, extra=extra), caller=CALLER)
-            if act == "raise" and fatal is None:
-                fatal = written
-        if report.orphans:
-            guard.log.emit(
-                GuardRecord(
-                    event="check",
-                    step=step,
-                    microbatch=mb,
-                    action="unused",
-                    reason=f"grid rows of items {list(report.orphans)[:16]} have no placeholder run",
-                    extra={"adapter": "qwen_vl"},
-                ),
-                caller=CALLER,
-            )
-        return fatal
 
     def _dump(self, ids, cu, items, report, step, mb):
         cfg = self.guard.config
@@ -313,41 +285,6 @@ def _local(plan: Plan, step, mb, mismatched: int, message, record) -> LocalOutco
         message=message,
         record=record,
     )
-
-
-def _meta_tensors(meta, grids):
-    """Per modality: the samples and declared counts of the caller's items (grid-row order)."""
-    if meta is None:
-        return None, None
-    n = {m: (0 if grids[m] is None else int(grids[m].shape[0])) for m in MODALITIES}
-    if len(meta) != n["image"] + n["video"]:
-        raise MediaInputError(
-            f"set_items gave {len(meta)} items for {n['image']} image and {n['video']} video "
-            "grid rows (one per row: the image rows, then the video rows)"
-        )
-    parts = {"image": meta[: n["image"]], "video": meta[n["image"] :]}
-    for m, its in parts.items():
-        bad = [i for i, it in enumerate(its) if it.modality != m]
-        if bad:
-            raise MediaInputError(
-                f"set_items: item {bad[0]} of the {m} rows has modality {its[bad[0]].modality!r}"
-            )
-    declared = {
-        m: torch.tensor([it.num_features for it in its], dtype=torch.int64)
-        for m, its in parts.items()
-        if its
-    }
-    has = [it.sample is not None for it in meta]
-    if not any(has):
-        return None, declared
-    if not all(has):
-        raise MediaInputError("give MediaItem.sample for every item or for none")
-    samples = {
-        m: torch.tensor([it.sample for it in its], dtype=torch.int64)
-        for m, its in parts.items()
-        if its
-    }
-    return samples, declared
 
 
 def install_qwen_vl(

@@ -266,3 +266,38 @@ def check_grids(
     # the one host sync of the aligned path: five integers decide keep-all or diagnose
     vals = to_host(packed, why="Qwen-VL grid check verdict").tolist()
     return GridCheck(*vals)
+
+
+def meta_tensors(meta, grids):
+    """Per modality: the samples and declared counts of the caller's items (grid-row order)."""
+    if meta is None:
+        return None, None
+    n = {m: (0 if grids[m] is None else int(grids[m].shape[0])) for m in MODALITIES}
+    if len(meta) != n["image"] + n["video"]:
+        raise MediaInputError(
+            f"set_items gave {len(meta)} items for {n['image']} image and {n['video']} video "
+            "grid rows (one per row: the image rows, then the video rows)"
+        )
+    parts = {"image": meta[: n["image"]], "video": meta[n["image"] :]}
+    for m, its in parts.items():
+        bad = [i for i, it in enumerate(its) if it.modality != m]
+        if bad:
+            raise MediaInputError(
+                f"set_items: item {bad[0]} of the {m} rows has modality {its[bad[0]].modality!r}"
+            )
+    declared = {
+        m: torch.tensor([it.num_features for it in its], dtype=torch.int64)
+        for m, its in parts.items()
+        if its
+    }
+    has = [it.sample is not None for it in meta]
+    if not any(has):
+        return None, declared
+    if not all(has):
+        raise MediaInputError("give MediaItem.sample for every item or for none")
+    samples = {
+        m: torch.tensor([it.sample for it in its], dtype=torch.int64)
+        for m, its in parts.items()
+        if its
+    }
+    return samples, declared

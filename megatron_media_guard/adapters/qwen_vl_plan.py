@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..core.alignment import AlignmentReport, align
+from ..core.explain import sample_record
 from ..core.host import to_host
 from ..core.items import MediaItem
 from ..core.plan import Plan
@@ -280,3 +281,49 @@ def with_reason(rec: GuardRecord, reason: str | None) -> GuardRecord:
     if not reason:
         return rec
     return replace(rec, reason=f"{reason}; {rec.reason}")
+
+
+def write_records(guard, report, plan: Plan, items, notes, step, mb) -> dict | None:
+    """One record per dropped or raised sample (and for unused rows, placeholders in packed
+    padding); returns the first fatal one, the record consensus fetches from the culprit."""
+    fatal = None
+    bad = {rep.sample: rep for rep in report.mismatched}
+    reasons = dict(plan.reasons)
+    for smp, act in enumerate(plan.actions):
+        if act not in ("drop", "raise"):
+            continue
+        if smp in bad:
+            rec = sample_record(bad[smp], items, act, act, step=step, microbatch=mb)
+            rec = with_reason(rec, reasons.get(smp))
+        else:  # aligned, but a grid row it shares left with a dropped sample
+            rec = GuardRecord(event=act, step=step, microbatch=mb, sample=smp, action=act)
+            rec = replace(rec, reason="a grid row it shares left with a dropped sample")
+        extra = {**(rec.extra or {}), "adapter": "qwen_vl", "grids": notes.get(smp)}
+        written = guard.log.emit(replace(rec, extra=extra), caller=CALLER)
+        if act == "raise" and fatal is None:
+            fatal = written
+    if report.orphans:
+        guard.log.emit(
+            GuardRecord(
+                event="check",
+                step=step,
+                microbatch=mb,
+                action="unused",
+                reason=f"grid rows of items {list(report.orphans)[:16]} have no placeholder run",
+                extra={"adapter": "qwen_vl"},
+            ),
+            caller=CALLER,
+        )
+    if report.stray_findings:  # placeholders in a packed row's padding: made text
+        guard.log.emit(
+            GuardRecord(
+                event="check",
+                step=step,
+                microbatch=mb,
+                action="ignored",
+                reason="; ".join(f.describe() for f in report.stray_findings[:4]),
+                extra={"adapter": "qwen_vl"},
+            ),
+            caller=CALLER,
+        )
+    return fatal

@@ -27,7 +27,6 @@ MASKS = {"image": "image_input_mask", "video": "video_input_mask"}
 def removed_rows(
     report: AlignmentReport,
     item_row: Sequence[int],
-    num_rows: int,
     actions: list[str],
     config: GuardConfig,
 ) -> tuple[list[str], set[int]]:
@@ -76,14 +75,17 @@ def rewrite(
     actions: Sequence[str],
     ignore_index: int,
     loss_mask_inplace: bool = False,
+    strays: bool = False,
 ) -> Rewritten:
     """Rewrites ``call`` for the plan (out of place, except ``loss_mask`` with
     ``loss_mask_inplace``: the caller's tensor is zeroed where samples were dropped, for a loss
-    function that captured it before the forward, as Megatron-Bridge's forward steps do)."""
+    function that captured it before the forward, as Megatron-Bridge's forward steps do).
+    strays: placeholders sit in a packed row's padding; they become text too (no item feeds
+    them, and the model would count them)."""
     keep = torch.tensor([a in ("keep", "repair") for a in actions], device=ids.device)
     dropped_ph = lay.ph & ~token_keep(lay, keep)
     new_ids = ids
-    if any(a not in ("keep", "repair") for a in actions) or gone:
+    if any(a not in ("keep", "repair") for a in actions) or gone or strays:
         new_ids = ids.masked_fill(dropped_ph, spec.text_id)
         call.set("input_ids", new_ids)
         tt = call.get("mm_token_type_ids")
