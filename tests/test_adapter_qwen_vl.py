@@ -70,10 +70,11 @@ def geometry(family: str) -> PatchMergeGeometry:
 
 
 def guard_for(family: str, policy: str, **cfg) -> MediaGuard:
+    geo = geometry(family)  # one per modality, as for the processors' own budgets
     return MediaGuard(
         GuardConfig(policy=policy, fallback="drop", **cfg),
         grammar=Grammar.qwen2_vl(),
-        geometry=geometry(family),
+        geometry={"image": geo, "video": geo},
     )
 
 
