@@ -373,3 +373,30 @@ def test_generate_still_works_with_the_hook_installed():
         with install_qwen_vl(model, guard_for(family, "raise")):
             guarded = model.generate(**batch, max_new_tokens=2, do_sample=False)
     assert torch.equal(plain, guarded)
+
+
+def test_rows_out_of_token_order_with_explicit_samples_are_put_back(family, tmp_path):
+    other = smooth_image(84, 56, 4)
+    samples = [Sample((("image", SMALL),)), Sample((("video", CLIP),)), Sample((("image", other),))]
+    f = patch_of(family) * 2
+    batch = build_batch(samples, family, patch_of(family), TRAINER * f * f)
+    pv, grid = batch["pixel_values"], batch["image_grid_thw"]
+    n0 = int(grid[0].prod())
+    swapped = dict(batch, image_grid_thw=grid.flip(0), pixel_values=torch.cat([pv[n0:], pv[:n0]]))
+    m2 = 4
+    items = [
+        MediaItem(int(grid[1].prod()) // m2, sample=2, modality="image"),
+        MediaItem(int(grid[0].prod()) // m2, sample=0, modality="image"),
+        MediaItem(int(batch["video_grid_thw"][0].prod()) // m2, sample=1, modality="video"),
+    ]
+    model = model_for(family)
+    guard = guard_for(family, "raise", log_dir=str(tmp_path))
+    with torch.no_grad():
+        want = model(**batch).logits
+        with install_qwen_vl(model, guard) as h:
+            h.set_items(items)
+            got = model(**swapped).logits
+    assert h.last_result.report.actions == ("keep",) * 3
+    assert torch.equal(got, want)
+    recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
+    assert [r["action"] for r in recs] == ["reordered"]

@@ -27,6 +27,7 @@ from ..core.outcome import GuardReport, LocalOutcome, MergeResult
 from ..core.plan import Plan, build_plan, digest
 from ..core.runs import TokenLayout, parse_layout
 from ..core.verify import Verdict
+from ..diagnostics import GuardRecord
 from ..errors import MediaInputError
 from .hooks import GuardHandle, ItemsProvider, StepProvider
 from .qwen_vl_checks import (
@@ -42,6 +43,7 @@ from .qwen_vl_checks import (
     spec_from_model,
 )
 from .qwen_vl_plan import (
+    CALLER,
     grid_note,
     host_rows,
     report_for,
@@ -143,7 +145,7 @@ class QwenVLHandle(GuardHandle):
             if pix[m] is not None and grids[m] is None:
                 raise MediaInputError(f"{PIXELS[m]} given without {GRIDS[m]}")
         meta = self.take_items()
-        samples, declared = meta_tensors(meta, grids)
+        samples, declared, ordered = meta_tensors(meta, grids, lay.num_samples)
         rows_px = {m: (None if pix[m] is None else int(pix[m].shape[0])) for m in MODALITIES}
         check = check_grids(lay, ids, grids, rows_px, spec, samples, declared)
         if check.pixel_rows_bad:
@@ -153,11 +155,24 @@ class QwenVLHandle(GuardHandle):
             )
         guard.counters["merges"] += 1
         guard.counters["samples"] += lay.num_samples
-        if check.aligned:
+        if check.aligned and ordered:
             plan = Plan(("keep",) * lay.num_samples, (), self._digest(check, None))
             stage = guard.settle(_local(plan, step, mb, 0, None, None))
             self._result(plan, None, check, stage, step, mb, ids, cu, None)
             return None
+        if not ordered:  # explicit samples: rows are put back in token order (no resize)
+            guard.log.emit(
+                GuardRecord(
+                    event="check",
+                    step=step,
+                    microbatch=mb,
+                    action="reordered",
+                    reason="grid rows out of token order (set_items samples decrease): the "
+                    "rows are fed in sample order",
+                    extra={"adapter": "qwen_vl"},
+                ),
+                caller=CALLER,
+            )
         return self._diagnose(call, ids, cu, lay, grids, pix, meta, check, step, mb)
 
     def _digest(self, check: GridCheck, plan: Plan | None) -> int:
@@ -221,6 +236,9 @@ class QwenVLHandle(GuardHandle):
             cfg.ignore_index,
             self.loss_mask_inplace,
             strays=bool(report.stray_findings),
+            row_sample=None
+            if meta is None or meta[0].sample is None
+            else [it.sample for it in meta],
         )
         self._result(plan, report, check, stage, step, mb, rw.input_ids, cu, rw)
         all_dropped = all(a == "drop" for a in plan.actions)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any, Literal
 
 import torch
@@ -107,7 +108,7 @@ def spec_from_model(model: Any, text_id: int | None = None) -> QwenVLSpec:
             text_id = QWEN_TEXT_PAD
         if text_id is None:
             raise MediaInputError("no pad token id in the model's config: pass drop_token_id=")
-    return QwenVLSpec(
+    spec = QwenVLSpec(
         image_token_id=pick(d.image_token_id, "image_token_id"),
         video_token_id=pick(d.video_token_id, "video_token_id"),
         vision_start_token_id=pick(d.vision_start_token_id, "vision_start_token_id"),
@@ -118,6 +119,14 @@ def spec_from_model(model: Any, text_id: int | None = None) -> QwenVLSpec:
         video_runs="per_group" if qwen3 else "one",
         text_id=int(text_id),
     )
+    specials = set(spec.grammar().placeholders.values())
+    specials |= {spec.vision_start_token_id, spec.vision_end_token_id}
+    if spec.text_id in specials:
+        raise MediaInputError(
+            f"drop token id {spec.text_id} is a vision token of the model; pass a text id "
+            "(drop_token_id=)"
+        )
+    return spec
 
 
 class CallArgs:
@@ -268,10 +277,12 @@ def check_grids(
     return GridCheck(*vals)
 
 
-def meta_tensors(meta, grids):
-    """Per modality: the samples and declared counts of the caller's items (grid-row order)."""
+def meta_tensors(meta, grids, num_samples: int):
+    """Per modality: the samples and declared counts of the caller's items (grid-row order),
+    and whether each modality's rows come in token order (their samples never decrease: the
+    model feeds the rows to the runs in order)."""
     if meta is None:
-        return None, None
+        return None, None, True
     n = {m: (0 if grids[m] is None else int(grids[m].shape[0])) for m in MODALITIES}
     if len(meta) != n["image"] + n["video"]:
         raise MediaInputError(
@@ -292,12 +303,19 @@ def meta_tensors(meta, grids):
     }
     has = [it.sample is not None for it in meta]
     if not any(has):
-        return None, declared
+        return None, declared, True
     if not all(has):
         raise MediaInputError("give MediaItem.sample for every item or for none")
+    out = [i for i, it in enumerate(meta) if it.sample >= num_samples]
+    if out:
+        raise MediaInputError(
+            f"item {out[0]} names sample {meta[out[0]].sample}, the batch has {num_samples}",
+            context={"item": out[0], "num_samples": num_samples},
+        )
     samples = {
         m: torch.tensor([it.sample for it in its], dtype=torch.int64)
         for m, its in parts.items()
         if its
     }
-    return samples, declared
+    ordered = all(a.sample <= b.sample for its in parts.values() for a, b in pairwise(its))
+    return samples, declared, ordered

@@ -76,12 +76,15 @@ def rewrite(
     ignore_index: int,
     loss_mask_inplace: bool = False,
     strays: bool = False,
+    row_sample: Sequence[int] | None = None,
 ) -> Rewritten:
     """Rewrites ``call`` for the plan (out of place, except ``loss_mask`` with
     ``loss_mask_inplace``: the caller's tensor is zeroed where samples were dropped, for a loss
     function that captured it before the forward, as Megatron-Bridge's forward steps do).
     strays: placeholders sit in a packed row's padding; they become text too (no item feeds
-    them, and the model would count them)."""
+    them, and the model would count them). row_sample: the sample of each row (explicit
+    items): each modality's kept rows are put in sample order, the order the model feeds them
+    to the runs in."""
     keep = torch.tensor([a in ("keep", "repair") for a in actions], device=ids.device)
     dropped_ph = lay.ph & ~token_keep(lay, keep)
     new_ids = ids
@@ -115,11 +118,13 @@ def rewrite(
         had += 1 if pix is not None else 0
         if pix is not None:
             patch_dim, dtype, device = pix.shape[1], pix.dtype, pix.device
-        touched = [r for r, _ in mine if r in gone or r in repairs]
-        if not touched:
+        kept = [(r, row) for r, row in mine if r not in gone]
+        if row_sample is not None:
+            kept.sort(key=lambda rr: row_sample[rr[0]])  # stable: token order within a sample
+        moved = [r for r, _ in kept] != [r for r, _ in mine if r not in gone]
+        if not moved and not any(r in gone or r in repairs for r, _ in mine):
             remain += 1
             continue
-        kept = [(r, row) for r, row in mine if r not in gone]
         if grid is not None:
             thw = [repairs[r].thw if r in repairs else row.thw for r, row in kept]
             new_grid = (
