@@ -400,3 +400,21 @@ def test_rows_out_of_token_order_with_explicit_samples_are_put_back(family, tmp_
     assert torch.equal(got, want)
     recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
     assert [r["action"] for r in recs] == ["reordered"]
+
+
+def test_token_types_that_disagree_with_the_ids_are_rebuilt(tmp_path):
+    family = "qwen2_5_vl"
+    f = patch_of(family) * 2
+    batch = build_batch(SAMPLES, family, patch_of(family), TRAINER * f * f)
+    stale = batch["mm_token_type_ids"].clone()
+    stale[0, :2] = 1  # text typed as image: get_rope_index would take a grid row for it
+    model = model_for(family)
+    guard = guard_for(family, "raise", log_dir=str(tmp_path))
+    with torch.no_grad():
+        want = model(**batch).logits
+        with install_qwen_vl(model, guard), count_transfers() as seen:
+            got = model(**dict(batch, mm_token_type_ids=stale)).logits
+    assert torch.equal(got, want)
+    assert sum(seen.values()) == 1  # the verdict said it; the rebuild needs no transfer
+    recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
+    assert [r["action"] for r in recs] == ["rebuilt"]

@@ -108,5 +108,5 @@ def test_pixel_rows_are_checked_against_the_grids():
     lay = TokenLayout(ids, G, cu)
     ok = check_grids(lay, ids, grids, {"image": 16, "video": None}, spec)
     bad = check_grids(lay, ids, grids, {"image": 15, "video": None}, spec)
-    assert ok.aligned and not ok.pixel_rows_bad
+    assert ok.aligned and not ok.pixel_rows_bad and not ok.types_bad
     assert bad.pixel_rows_bad and not bad.aligned

@@ -34,6 +34,7 @@ from .qwen_vl_checks import (
     GRIDS,
     MODALITIES,
     PIXELS,
+    TYPE_INPUTS,
     CallArgs,
     GridCheck,
     QwenVLSpec,
@@ -51,7 +52,14 @@ from .qwen_vl_plan import (
     token_items,
     write_records,
 )
-from .qwen_vl_rewrite import Rewritten, add_anchor, removed_rows, rewrite, tower_anchor
+from .qwen_vl_rewrite import (
+    Rewritten,
+    add_anchor,
+    follow_ids,
+    removed_rows,
+    rewrite,
+    tower_anchor,
+)
 
 MARK = "_media_guard_qwen_vl"
 
@@ -147,7 +155,8 @@ class QwenVLHandle(GuardHandle):
         meta = self.take_items()
         samples, declared, ordered = meta_tensors(meta, grids, lay.num_samples)
         rows_px = {m: (None if pix[m] is None else int(pix[m].shape[0])) for m in MODALITIES}
-        check = check_grids(lay, ids, grids, rows_px, spec, samples, declared)
+        types = {n: call.get(n) for n in TYPE_INPUTS if call.get(n) is not None}
+        check = check_grids(lay, ids, grids, rows_px, spec, samples, declared, types)
         if check.pixel_rows_bad:
             raise MediaInputError(
                 "pixel rows disagree with the grids (pixel_values must hold sum(t*h*w) "
@@ -155,25 +164,43 @@ class QwenVLHandle(GuardHandle):
             )
         guard.counters["merges"] += 1
         guard.counters["samples"] += lay.num_samples
+        if check.types_bad:  # the ids are the truth: the token types / masks follow them
+            self._note(
+                step,
+                mb,
+                "rebuilt",
+                f"{check.types_bad} positions of "
+                f"{sorted(types)} disagree with input_ids: rebuilt from the ids",
+            )
         if check.aligned and ordered:
             plan = Plan(("keep",) * lay.num_samples, (), self._digest(check, None))
             stage = guard.settle(_local(plan, step, mb, 0, None, None))
             self._result(plan, None, check, stage, step, mb, ids, cu, None)
+            if check.types_bad:
+                follow_ids(call, spec, ids)
+                return call.rebuild()
             return None
         if not ordered:  # explicit samples: rows are put back in token order (no resize)
-            guard.log.emit(
-                GuardRecord(
-                    event="check",
-                    step=step,
-                    microbatch=mb,
-                    action="reordered",
-                    reason="grid rows out of token order (set_items samples decrease): the "
-                    "rows are fed in sample order",
-                    extra={"adapter": "qwen_vl"},
-                ),
-                caller=CALLER,
+            self._note(
+                step,
+                mb,
+                "reordered",
+                "grid rows out of token order (set_items samples "
+                "decrease): the rows are fed in sample order",
             )
         return self._diagnose(call, ids, cu, lay, grids, pix, meta, check, step, mb)
+
+    def _note(self, step, mb, action: str, reason: str) -> None:
+        """A ``check`` record: the inputs were put right without touching any sample."""
+        rec = GuardRecord(
+            event="check",
+            step=step,
+            microbatch=mb,
+            action=action,
+            reason=reason,
+            extra={"adapter": "qwen_vl"},
+        )
+        self.guard.log.emit(rec, caller=CALLER)
 
     def _digest(self, check: GridCheck, plan: Plan | None) -> int:
         cfg = self.guard.config

@@ -197,6 +197,7 @@ class GridCheck:
     bad: int
     findings: int
     pixel_rows_bad: int
+    types_bad: int  # positions where the given token types / vision masks disagree with the ids
     fingerprint: int
 
     @property
@@ -224,6 +225,7 @@ def check_grids(
     spec: QwenVLSpec,
     samples: Mapping[str, torch.Tensor] | None = None,
     declared: Mapping[str, torch.Tensor] | None = None,
+    types: Mapping[str, torch.Tensor] | None = None,
 ) -> GridCheck:
     """Every run of each modality against its grid row, entirely on the device.
 
@@ -231,7 +233,9 @@ def check_grids(
     modality's placeholder count reaches the cumulative size of its first ``r + 1`` runs from
     the grids; the run counts must agree. samples: per modality, the sample of each grid row
     (explicit items): each sample then holds as many runs as its rows own. declared: per
-    modality, the feature counts the caller's items declare (must equal the grid's).
+    modality, the feature counts the caller's items declare (must equal the grid's). types: the
+    call's ``mm_token_type_ids`` / ``image_input_mask`` / ``video_input_mask`` where given
+    (counted where they disagree with what the ids say).
     """
     start, end = lay.run_bounds()
     findings = lay.structure_violations(start, end)
@@ -269,12 +273,30 @@ def check_grids(
             want_s = torch.zeros(lay.num_samples, dtype=torch.int64, device=dev)
             want_s.index_add_(0, samples[mod].to(dev), per_row)
             bad = bad + (lay.runs_per_sample(start & is_m) != want_s).sum()
+    types_bad = torch.zeros((), dtype=torch.int64, device=dev)
+    for name, given in (types or {}).items():
+        types_bad = types_bad + (given.to(dev) != derived_types(ids, spec, name)).sum()
     pos = torch.arange(ids.numel(), device=dev)
     fp = fp + ((ids.reshape(-1).to(torch.int64) + 1) * (pos * _MIX + 1)).sum()
-    packed = torch.stack([n_runs, bad, findings.to(torch.int64), pix_bad, fp])
-    # the one host sync of the aligned path: five integers decide keep-all or diagnose
+    packed = torch.stack([n_runs, bad, findings.to(torch.int64), pix_bad, types_bad, fp])
+    # the one host sync of the aligned path: six integers decide keep-all or diagnose
     vals = to_host(packed, why="Qwen-VL grid check verdict").tolist()
     return GridCheck(*vals)
+
+
+TYPE_INPUTS = ("mm_token_type_ids", "image_input_mask", "video_input_mask")
+
+
+def derived_types(ids: torch.Tensor, spec: QwenVLSpec, name: str) -> torch.Tensor:
+    """What the ids say ``name`` must be: ``mm_token_type_ids`` 0 text / 1 image / 2 video
+    (int32), or Bridge's boolean ``image_input_mask`` / ``video_input_mask``."""
+    if name == "image_input_mask":
+        return ids == spec.image_token_id
+    if name == "video_input_mask":
+        return ids == spec.video_token_id
+    tt = torch.zeros_like(ids, dtype=torch.int32)
+    tt.masked_fill_(ids == spec.image_token_id, 1)
+    return tt.masked_fill_(ids == spec.video_token_id, 2)
 
 
 def meta_tensors(meta, grids, num_samples: int):

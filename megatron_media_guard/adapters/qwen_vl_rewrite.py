@@ -18,10 +18,17 @@ from ..config import GuardConfig
 from ..core.alignment import AlignmentReport
 from ..core.apply import mask_dropped, token_keep, zero_anchor
 from ..core.runs import TokenLayout
-from .qwen_vl_checks import GRIDS, MODALITIES, PIXELS, CallArgs, QwenVLSpec, attr_path
+from .qwen_vl_checks import (
+    GRIDS,
+    MODALITIES,
+    PIXELS,
+    TYPE_INPUTS,
+    CallArgs,
+    QwenVLSpec,
+    attr_path,
+    derived_types,
+)
 from .qwen_vl_plan import GridRow, RowRepair
-
-MASKS = {"image": "image_input_mask", "video": "video_input_mask"}
 
 
 def removed_rows(
@@ -91,13 +98,7 @@ def rewrite(
     if any(a not in ("keep", "repair") for a in actions) or gone or strays:
         new_ids = ids.masked_fill(dropped_ph, spec.text_id)
         call.set("input_ids", new_ids)
-        tt = call.get("mm_token_type_ids")
-        if tt is not None:
-            call.set("mm_token_type_ids", tt.masked_fill(dropped_ph.to(tt.device), 0))
-        for m in MODALITIES:
-            mask = call.get(MASKS[m])
-            if mask is not None:
-                call.set(MASKS[m], mask & ~dropped_ph.to(mask.device))
+    follow_ids(call, spec, new_ids)
     loss_mask, labels = call.get("loss_mask"), call.get("labels")
     if any(a == "drop" for a in actions):
         new_mask, labels = mask_dropped(lay, keep, loss_mask, labels, ignore_index)
@@ -157,11 +158,17 @@ def rewrite(
         # (transformers only with mm_token_type_ids, so those are derived from the ids)
         call.set("position_ids", None)
         if "mm_token_type_ids" in call.names and call.get("mm_token_type_ids") is None:
-            tt = torch.zeros_like(new_ids, dtype=torch.int32)
-            tt.masked_fill_(new_ids == spec.image_token_id, 1)
-            tt.masked_fill_(new_ids == spec.video_token_id, 2)
-            call.set("mm_token_type_ids", tt)
+            call.set("mm_token_type_ids", derived_types(new_ids, spec, "mm_token_type_ids"))
     return Rewritten(new_ids, loss_mask, labels, had > 0 and remain == 0, patch_dim, dtype, device)
+
+
+def follow_ids(call: CallArgs, spec: QwenVLSpec, ids: torch.Tensor) -> None:
+    """The given ``mm_token_type_ids`` / ``image_input_mask`` / ``video_input_mask`` rebuilt from
+    ``ids`` (on their own device, in their own dtype): the ids are the truth."""
+    for name in TYPE_INPUTS:
+        given = call.get(name)
+        if given is not None:
+            call.set(name, derived_types(ids.to(given.device), spec, name).to(given.dtype))
 
 
 def vision_tower(module: Any) -> Any:
