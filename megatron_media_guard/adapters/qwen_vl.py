@@ -47,8 +47,10 @@ from .qwen_vl_plan import (
     CALLER,
     grid_note,
     host_rows,
+    refuse,
     report_for,
     run_row_repairs,
+    split_rows,
     token_items,
     write_records,
 )
@@ -215,6 +217,7 @@ class QwenVLHandle(GuardHandle):
         report = report_for(parsed, items)
         verdict = Verdict(check.runs, check.bad, check.findings, 0, check.fingerprint)
         plan = build_plan(lay.num_samples, items, verdict, report, cfg)
+        plan = refuse(plan, split_rows(report, item_row, rows), cfg)
         repairs, failed = {}, {}
         if plan.repairs:
             repairs, failed = run_row_repairs(
@@ -229,11 +232,11 @@ class QwenVLHandle(GuardHandle):
             rep.sample: grid_note(rep, items, item_row, rows, spec) for rep in report.mismatched
         }
         for s, why in failed.items():
-            notes[s] = f"{notes.get(s, '')}; repair failed, {why}"
+            notes[s] = "; ".join(filter(None, (notes.get(s), f"repair failed, {why}")))
         for s, why in plan.reasons:
-            notes[s] = f"{why}; {notes.get(s, '')}"
+            notes[s] = "; ".join(filter(None, (why, notes.get(s))))
         fatal_rec = write_records(guard, report, plan, items, notes, step, mb)
-        bundle = self._dump(ids, cu, items, report, step, mb)
+        bundle = self._dump(ids, cu, items, report, plan, step, mb)
         message = None
         if plan.fatal or (report.orphans and cfg.policy == "raise"):
             message = error_message(
@@ -273,9 +276,9 @@ class QwenVLHandle(GuardHandle):
             self._post = (rw, all_dropped)
         return call.rebuild()
 
-    def _dump(self, ids, cu, items, report, step, mb):
+    def _dump(self, ids, cu, items, report, plan, step, mb):
         cfg = self.guard.config
-        if cfg.dump_dir is None or report.ok:
+        if cfg.dump_dir is None or (report.ok and plan.keeps_all):
             return None
         from ..replay.bundle_save import save_bundle
 

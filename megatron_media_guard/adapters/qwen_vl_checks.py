@@ -269,6 +269,8 @@ def check_grids(
         want = base[row] + size[row] * (within + 1)
         bad = bad + (end_m & ((run_idx >= cum_runs[-1]) | (ph_cum != want))).sum()
         bad = bad + (start_m.sum() != cum_runs[-1]).long()
+        if mod == "video" and spec.video_runs == "per_group":
+            bad = bad + _rows_across_samples(lay, end_m, row, g.shape[0])
         if samples is not None and mod in samples:
             want_s = torch.zeros(lay.num_samples, dtype=torch.int64, device=dev)
             want_s.index_add_(0, samples[mod].to(dev), per_row)
@@ -282,6 +284,20 @@ def check_grids(
     # the one host sync of the aligned path: six integers decide keep-all or diagnose
     vals = to_host(packed, why="Qwen-VL grid check verdict").tolist()
     return GridCheck(*vals)
+
+
+def _rows_across_samples(
+    lay: TokenLayout, run_end: torch.Tensor, row: torch.Tensor, n_rows: int
+) -> torch.Tensor:
+    """Device scalar: grid rows whose runs (a Qwen3-VL video's temporal groups) end in more
+    than one sample. Each run counts fine on its own, but one video would feed two samples."""
+    smp = lay.sample.reshape(-1).to(torch.int64)
+    top = torch.iinfo(torch.int64).max
+    lo = torch.full((n_rows,), top, dtype=torch.int64, device=smp.device)
+    hi = torch.full((n_rows,), -1, dtype=torch.int64, device=smp.device)
+    lo = lo.scatter_reduce(0, row, torch.where(run_end, smp, top), "amin")
+    hi = hi.scatter_reduce(0, row, torch.where(run_end, smp, -1), "amax")
+    return ((hi >= 0) & (hi != lo)).sum()
 
 
 TYPE_INPUTS = ("mm_token_type_ids", "image_input_mask", "video_input_mask")

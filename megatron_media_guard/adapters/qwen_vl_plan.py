@@ -14,7 +14,7 @@ from ..core.alignment import AlignmentReport, align
 from ..core.explain import sample_record
 from ..core.host import to_host
 from ..core.items import MediaItem
-from ..core.plan import Plan
+from ..core.plan import Plan, digest
 from ..core.runs import ParsedRuns
 from ..diagnostics import GuardRecord
 from ..errors import MediaInputError
@@ -265,6 +265,48 @@ def run_row_repairs(
     return done, failed
 
 
+def split_rows(
+    report: AlignmentReport, item_row: Sequence[int], rows: Sequence[GridRow]
+) -> dict[int, str]:
+    """Samples fed by a grid row whose runs lie in more than one sample (a Qwen3-VL video's
+    temporal groups split between samples), and why. Each run may count right, but one
+    video never belongs to two samples: such samples are neither kept nor repaired."""
+    by_row: dict[int, set[int]] = {}
+    for rep in report.samples:
+        for i in rep.items:
+            by_row.setdefault(item_row[i], set()).add(rep.sample)
+    out: dict[int, str] = {}
+    for r, smps in sorted(by_row.items()):
+        if len(smps) > 1:
+            row = rows[r]
+            why = (
+                f"{row.modality} grid row {row.index} {row.thw}: its {row.runs} runs fall in "
+                f"samples {sorted(smps)}"
+            )
+            for s in smps:
+                out.setdefault(s, why)
+    return out
+
+
+def refuse(plan: Plan, why: Mapping[int, str], config) -> Plan:
+    """``plan`` with the samples of ``why`` taking the policy's fallback (never kept or
+    repaired), their reasons added."""
+    if not why:
+        return plan
+    act = config.fallback if config.policy == "repair" else config.policy
+    actions = [
+        act if s in why and a in ("keep", "repair") else a for s, a in enumerate(plan.actions)
+    ]
+    repairs = [r for r in plan.repairs if r.sample not in why]
+    reasons = {**why, **dict(plan.reasons)}
+    return Plan(
+        tuple(actions),
+        tuple(repairs),
+        digest(plan.digest, sorted(why.items())),
+        tuple(sorted(reasons.items())),
+    )
+
+
 def grid_note(rep, items: Sequence[MediaItem], item_row: Sequence[int], rows, spec) -> str:
     """Runs vs grid counts of one sample, for the raise message."""
     parts = []
@@ -295,9 +337,10 @@ def write_records(guard, report, plan: Plan, items, notes, step, mb) -> dict | N
         if smp in bad:
             rec = sample_record(bad[smp], items, act, act, step=step, microbatch=mb)
             rec = with_reason(rec, reasons.get(smp))
-        else:  # aligned, but a grid row it shares left with a dropped sample
+        else:  # aligned runs, but a grid row it shares is split or left with a dropped sample
+            why = reasons.get(smp, "a grid row it shares left with a dropped sample")
             rec = GuardRecord(event=act, step=step, microbatch=mb, sample=smp, action=act)
-            rec = replace(rec, reason="a grid row it shares left with a dropped sample")
+            rec = replace(rec, reason=why)
         extra = {**(rec.extra or {}), "adapter": "qwen_vl", "grids": notes.get(smp)}
         written = guard.log.emit(replace(rec, extra=extra), caller=CALLER)
         if act == "raise" and fatal is None:

@@ -1,0 +1,141 @@
+"""A Qwen3-VL video whose temporal groups land in two samples: every run has the length its
+grid row says and the batch totals agree, but the groups of one video (one grid row) feed the
+runs of two samples, so one sample would train on frames of the other's video. The pre-hook
+finds it on the device (a row's runs must lie in one sample) and never keeps or repairs it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_media_guard import Grammar, GuardConfig, MediaAlignmentError, MediaGuard
+from megatron_media_guard.adapters.qwen_vl_checks import QwenVLSpec, check_grids
+from megatron_media_guard.adapters.qwen_vl_plan import (
+    host_rows,
+    report_for,
+    split_rows,
+    token_items,
+)
+from megatron_media_guard.core.runs import TokenLayout, parse_layout
+from megatron_media_guard.geometry import PatchMergeGeometry
+
+G = Grammar.qwen2_vl()
+VID, START, END, TEXT = G.placeholders["video"], G.start_id, G.end_id, 7
+SPEC = QwenVLSpec(video_runs="per_group")
+
+
+def _ids(groups_per_sample: list[int], cells: int = 4) -> torch.Tensor:
+    group = [TEXT, START, *[VID] * cells, END]
+    rows = [[TEXT, *group * n, TEXT] for n in groups_per_sample]
+    width = max(map(len, rows))
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows])
+
+
+@pytest.mark.parametrize(
+    ("tokens", "grid_t", "split"),
+    [
+        ([2, 2], [2, 2], False),  # each video in its sample
+        ([2, 2], [3, 1], True),  # video 0's third group fed to sample 1's first run
+        ([1, 3], [2, 2], True),
+        ([3, 0], [1, 2], False),  # two videos in sample 0: no row crosses a sample
+    ],
+)
+def test_a_video_row_across_two_samples_is_not_aligned(tokens, grid_t, split):
+    ids = _ids(tokens)
+    grids = {"image": None, "video": torch.tensor([[t, 4, 4] for t in grid_t])}
+    lay = TokenLayout(ids, G)
+    check = check_grids(lay, ids, grids, {"image": None, "video": None}, SPEC)
+    parsed = parse_layout(lay)
+    items, item_row = token_items(host_rows(grids, SPEC), parsed, SPEC, {}, None)
+    report = report_for(parsed, items)
+    assert report.ok  # each run is fed the length it holds: only the rows give it away
+    found = split_rows(report, item_row, host_rows(grids, SPEC))
+    assert check.aligned == (not split)
+    assert sorted(found) == ([0, 1] if split else [])
+
+
+def _batch():
+    pytest.importorskip("transformers.models.qwen3_vl")
+    pytest.importorskip("PIL")
+    from megatron_media_guard.testing.qwen_vl import Sample, build_batch, smooth_clip
+
+    # the engine sampled 4 frames of each clip (2 groups each); the trainer 6 of the first
+    # and 2 of the second: the same 4 groups of the same size, grouped 3 + 1
+    f = 16 * 2
+    budget = 12 * f * f
+    engine = build_batch(
+        [
+            Sample((("video", smooth_clip(4, 96, 96, 1)),)),
+            Sample((("video", smooth_clip(4, 96, 96, 5)),)),
+        ],
+        "qwen3_vl",
+        16,
+        budget,
+    )
+    trainer = build_batch(
+        [
+            Sample((("video", smooth_clip(6, 96, 96, 1)),)),
+            Sample((("video", smooth_clip(2, 96, 96, 5)),)),
+        ],
+        "qwen3_vl",
+        16,
+        budget,
+    )
+    mixed = dict(engine)
+    mixed.update(pixel_values_videos=trainer["pixel_values_videos"])
+    mixed.update(video_grid_thw=trainer["video_grid_thw"])
+    return mixed
+
+
+_MODEL: list = []
+
+
+def _model():
+    from megatron_media_guard.testing.qwen_vl import tiny_model
+
+    if not _MODEL:
+        _MODEL.append(tiny_model("qwen3_vl"))
+    return _MODEL[0]
+
+
+def _guard(policy: str, tmp_path) -> MediaGuard:
+    f = 16 * 2
+    geo = PatchMergeGeometry(patch=16, merge=2, min_pixels=f * f, max_pixels=30 * f * f)
+    return MediaGuard(
+        GuardConfig(policy=policy, fallback="drop", log_dir=str(tmp_path)),
+        grammar=G,
+        geometry={"image": geo, "video": geo},
+    )
+
+
+def test_real_qwen3_vl_trains_silently_on_the_split_video(tmp_path):
+    from megatron_media_guard.adapters import install_qwen_vl
+
+    mixed = _batch()
+    assert mixed["video_grid_thw"][:, 0].tolist() == [3, 1]
+    with torch.no_grad():
+        _model()(**mixed)  # the plain model: no error at all
+    for policy in ("repair", "drop"):
+        with torch.no_grad(), install_qwen_vl(_model(), _guard(policy, str(tmp_path))) as h:
+            _model()(**mixed)
+        assert h.last_result.report.actions == ("drop", "drop"), policy
+
+
+def test_raise_names_the_split_row(tmp_path):
+    from megatron_media_guard.adapters import install_qwen_vl
+
+    mixed = _batch()
+    with (
+        install_qwen_vl(_model(), _guard("raise", tmp_path)),
+        pytest.raises(MediaAlignmentError) as err,
+    ):
+        _model()(**mixed)
+    thw = tuple(mixed["video_grid_thw"][0].tolist())
+    assert f"video grid row 0 {thw}: its 3 runs fall in samples [0, 1]" in str(err.value)
+    recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
+    raised = [r for r in recs if r["event"] == "raise"]
+    assert [r["sample"] for r in raised] == [0, 1]
+    assert all("samples [0, 1]" in r["reason"] for r in raised)
