@@ -57,34 +57,21 @@ def test_a_video_row_across_two_samples_is_not_aligned(tokens, grid_t, split):
     assert sorted(found) == ([0, 1] if split else [])
 
 
-def _batch():
-    pytest.importorskip("transformers.models.qwen3_vl")
-    pytest.importorskip("PIL")
+def _clips(frames: tuple[int, int]) -> dict:
     from megatron_media_guard.testing.qwen_vl import Sample, build_batch, smooth_clip
 
-    # the engine sampled 4 frames of each clip (2 groups each); the trainer 6 of the first
-    # and 2 of the second: the same 4 groups of the same size, grouped 3 + 1
-    f = 16 * 2
-    budget = 12 * f * f
-    engine = build_batch(
-        [
-            Sample((("video", smooth_clip(4, 96, 96, 1)),)),
-            Sample((("video", smooth_clip(4, 96, 96, 5)),)),
-        ],
-        "qwen3_vl",
-        16,
-        budget,
-    )
-    trainer = build_batch(
-        [
-            Sample((("video", smooth_clip(6, 96, 96, 1)),)),
-            Sample((("video", smooth_clip(2, 96, 96, 5)),)),
-        ],
-        "qwen3_vl",
-        16,
-        budget,
-    )
-    mixed = dict(engine)
+    samples = [
+        Sample((("video", smooth_clip(n, 96, 96, seed)),)) for n, seed in zip(frames, (1, 5))
+    ]
+    return build_batch(samples, "qwen3_vl", 16, 12 * 32 * 32)
+
+
+def _batch() -> dict:
+    """The engine sampled 4 frames of each clip (2 groups each); the trainer 6 of the first and
+    2 of the second: the same 4 groups of the same size, grouped 3 + 1."""
+    pytest.importorskip("transformers.models.qwen3_vl")
+    pytest.importorskip("PIL")
+    mixed, trainer = _clips((4, 4)), _clips((6, 2))
     mixed.update(pixel_values_videos=trainer["pixel_values_videos"])
     mixed.update(video_grid_thw=trainer["video_grid_thw"])
     return mixed

@@ -27,7 +27,6 @@ from ..core.outcome import GuardReport, LocalOutcome, MergeResult
 from ..core.plan import Plan, build_plan, digest
 from ..core.runs import TokenLayout, parse_layout
 from ..core.verify import Verdict
-from ..diagnostics import GuardRecord
 from ..errors import MediaInputError
 from .hooks import GuardHandle, ItemsProvider, StepProvider
 from .qwen_vl_checks import (
@@ -44,7 +43,7 @@ from .qwen_vl_checks import (
     spec_from_model,
 )
 from .qwen_vl_plan import (
-    CALLER,
+    check_record,
     grid_note,
     host_rows,
     refuse,
@@ -194,15 +193,7 @@ class QwenVLHandle(GuardHandle):
 
     def _note(self, step, mb, action: str, reason: str) -> None:
         """A ``check`` record: the inputs were put right without touching any sample."""
-        rec = GuardRecord(
-            event="check",
-            step=step,
-            microbatch=mb,
-            action=action,
-            reason=reason,
-            extra={"adapter": "qwen_vl"},
-        )
-        self.guard.log.emit(rec, caller=CALLER)
+        check_record(self.guard, step, mb, action, reason)
 
     def _digest(self, check: GridCheck, plan: Plan | None) -> int:
         cfg = self.guard.config
@@ -299,20 +290,15 @@ class QwenVLHandle(GuardHandle):
 
     def _result(self, plan, report, check, stage, step, mb, ids, cu, rw) -> None:
         verdict = Verdict(check.runs, check.bad, check.findings, 0, check.fingerprint)
-        rep = GuardReport(
-            ok=plan.keeps_all and report is None,
+        rep = GuardReport.of(
+            plan,
+            report,
+            verdict,
+            stage,
             step=step,
             microbatch=mb,
             rank=self.guard.rank.rank,
-            num_samples=len(plan.actions),
             num_items=check.runs if report is None else report.num_items,
-            actions=plan.actions,
-            dropped=plan.dropped,
-            repaired=tuple(r.item for r in plan.repairs),
-            alignment=report,
-            verdict=verdict,
-            digest=plan.digest,
-            stage=stage,
         )
         lm = rw.loss_mask if rw is not None else None
         lab = rw.labels if rw is not None else None

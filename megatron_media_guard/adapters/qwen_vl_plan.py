@@ -346,27 +346,22 @@ def write_records(guard, report, plan: Plan, items, notes, step, mb) -> dict | N
         if act == "raise" and fatal is None:
             fatal = written
     if report.orphans:
-        guard.log.emit(
-            GuardRecord(
-                event="check",
-                step=step,
-                microbatch=mb,
-                action="unused",
-                reason=f"grid rows of items {list(report.orphans)[:16]} have no placeholder run",
-                extra={"adapter": "qwen_vl"},
-            ),
-            caller=CALLER,
-        )
+        why = f"grid rows of items {list(report.orphans)[:16]} have no placeholder run"
+        check_record(guard, step, mb, "unused", why)
     if report.stray_findings:  # placeholders in a packed row's padding: made text
-        guard.log.emit(
-            GuardRecord(
-                event="check",
-                step=step,
-                microbatch=mb,
-                action="ignored",
-                reason="; ".join(f.describe() for f in report.stray_findings[:4]),
-                extra={"adapter": "qwen_vl"},
-            ),
-            caller=CALLER,
-        )
+        why = "; ".join(f.describe() for f in report.stray_findings[:4])
+        check_record(guard, step, mb, "ignored", why)
     return fatal
+
+
+def check_record(guard, step, mb, action: str, reason: str) -> None:
+    """A ``check`` record of the adapter: inputs put right without deciding for any sample."""
+    rec = GuardRecord(
+        event="check",
+        step=step,
+        microbatch=mb,
+        action=action,
+        reason=reason,
+        extra={"adapter": "qwen_vl"},
+    )
+    guard.log.emit(rec, caller=CALLER)
