@@ -270,7 +270,7 @@ def check_grids(
         bad = bad + (end_m & ((run_idx >= cum_runs[-1]) | (ph_cum != want))).sum()
         bad = bad + (start_m.sum() != cum_runs[-1]).long()
         if mod == "video" and spec.video_runs == "per_group":
-            bad = bad + _rows_across_samples(lay, end_m, row, g.shape[0])
+            bad = bad + _rows_across_samples(lay, start & is_m, per_row, cum_runs)
         if samples is not None and mod in samples:
             want_s = torch.zeros(lay.num_samples, dtype=torch.int64, device=dev)
             want_s.index_add_(0, samples[mod].to(dev), per_row)
@@ -287,17 +287,18 @@ def check_grids(
 
 
 def _rows_across_samples(
-    lay: TokenLayout, run_end: torch.Tensor, row: torch.Tensor, n_rows: int
+    lay: TokenLayout, run_start: torch.Tensor, per_row: torch.Tensor, cum_runs: torch.Tensor
 ) -> torch.Tensor:
-    """Device scalar: grid rows whose runs (a Qwen3-VL video's temporal groups) end in more
-    than one sample. Each run counts fine on its own, but one video would feed two samples."""
-    smp = lay.sample.reshape(-1).to(torch.int64)
-    top = torch.iinfo(torch.int64).max
-    lo = torch.full((n_rows,), top, dtype=torch.int64, device=smp.device)
-    hi = torch.full((n_rows,), -1, dtype=torch.int64, device=smp.device)
-    lo = lo.scatter_reduce(0, row, torch.where(run_end, smp, top), "amin")
-    hi = hi.scatter_reduce(0, row, torch.where(run_end, smp, -1), "amax")
-    return ((hi >= 0) & (hi != lo)).sum()
+    """Device scalar: sample boundaries that fall inside a grid row's runs (a Qwen3-VL video's
+    temporal groups fed to two samples). Each run counts fine on its own, but one video would
+    feed two samples. In run-index space: sample ``k`` starts after ``before[k]`` runs of the
+    modality; row ``r`` holds runs ``[cum_runs[r] - per_row[r], cum_runs[r])``."""
+    counts = lay.runs_per_sample(run_start)
+    before = torch.cumsum(counts, 0) - counts
+    row = torch.searchsorted(cum_runs, before, right=True)
+    inside = row < cum_runs.numel()
+    row = row.clamp(max=cum_runs.numel() - 1)
+    return (inside & (before > cum_runs[row] - per_row[row])).sum()
 
 
 TYPE_INPUTS = ("mm_token_type_ids", "image_input_mask", "video_input_mask")
