@@ -27,7 +27,7 @@ from ..core.outcome import MergeResult
 from ..core.runs import TokenLayout
 from ..errors import MediaAlignmentError, MediaInputError
 
-AdapterKind = Literal["llava", "mimo", "generic", "step_end"]
+AdapterKind = Literal["llava", "mimo", "generic", "qwen_vl", "step_end"]
 ItemsProvider = Callable[[], Sequence[MediaItem] | None]
 StepProvider = Callable[[], int | None]
 T = TypeVar("T")

@@ -4,6 +4,7 @@ replay bundle, consensus, merge of the kept samples)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,7 +55,10 @@ def diagnose(guard: MediaGuard, c: Call, verdict: Verdict) -> MergeResult:
             batch.items,
             where=guard.where(c.step, c.microbatch),
             log_path=guard.log.describe_path(),
-            notes={k: f"repair failed, {v}" for k, v in failures.items()},
+            notes={
+                **{k: f"repair failed, {v}" for k, v in failures.items()},
+                **dict(plan.reasons),
+            },
             nonfinite=nonfinite,
         )
         if bundle_path is not None:
@@ -86,6 +90,7 @@ def write_records(
     fatal = None
     nonfinite = nonfinite or {}
     bad = {rep.sample: rep for rep in report.mismatched}
+    reasons = dict(plan.reasons)
     for smp, act in enumerate(plan.actions):
         if act not in ("drop", "raise"):
             continue
@@ -93,6 +98,8 @@ def write_records(
             rec = sample_record(
                 bad[smp], c.batch.items, act, act, step=c.step, microbatch=c.microbatch
             )
+            if smp in reasons:  # the plan overrode the status (a suspected swap)
+                rec = replace(rec, reason=f"{reasons[smp]}; {rec.reason}")
         else:  # aligned tokens, NaN/Inf features
             rec = nonfinite_record(
                 report.samples[smp],

@@ -361,19 +361,14 @@ class MediaGuard:
             )
         if c.seq_first and out is not None:
             out = out.transpose(0, 1).contiguous()
-        rep = GuardReport(
-            ok=plan.keeps_all and report is None,
+        rep = GuardReport.of(
+            plan,
+            report,
+            verdict,
+            stage,
             step=c.step,
             microbatch=c.microbatch,
             rank=self.rank.rank,
-            num_samples=c.lay.num_samples,
             num_items=len(c.batch.items),
-            actions=plan.actions,
-            dropped=plan.dropped,
-            repaired=tuple(r.item for r in plan.repairs),
-            alignment=report,
-            verdict=verdict,
-            digest=plan.digest,
-            stage=stage,
         )
         return MergeResult(out, loss_mask, labels, rep)

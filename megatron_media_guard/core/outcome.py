@@ -14,6 +14,7 @@ import torch
 
 if TYPE_CHECKING:
     from .alignment import AlignmentReport
+    from .plan import Plan
     from .verify import Verdict
 
 
@@ -88,6 +89,37 @@ class GuardReport:
     verdict: Verdict
     digest: int
     stage: StageOutcome | None = None
+
+    @classmethod
+    def of(
+        cls,
+        plan: Plan,
+        alignment: AlignmentReport | None,
+        verdict: Verdict,
+        stage: StageOutcome | None,
+        *,
+        step: int | None,
+        microbatch: int | None,
+        rank: int | None,
+        num_items: int,
+    ) -> GuardReport:
+        """The report of one guarded call from its final plan (``alignment`` None: the
+        aligned path)."""
+        return cls(
+            ok=plan.keeps_all and alignment is None,
+            step=step,
+            microbatch=microbatch,
+            rank=rank,
+            num_samples=len(plan.actions),
+            num_items=num_items,
+            actions=plan.actions,
+            dropped=plan.dropped,
+            repaired=tuple(r.item for r in plan.repairs),
+            alignment=alignment,
+            verdict=verdict,
+            digest=plan.digest,
+            stage=stage,
+        )
 
 
 @dataclass(frozen=True)

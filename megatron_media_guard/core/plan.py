@@ -14,6 +14,7 @@ from typing import Literal
 from ..config import GuardConfig
 from .alignment import AlignmentReport, Status
 from .items import MediaItem
+from .swap import suspected_swaps
 from .verify import Verdict
 
 Action = Literal["keep", "drop", "repair", "raise"]
@@ -39,6 +40,8 @@ class Plan:
     actions: tuple[Action, ...]  # per sample
     repairs: tuple[ItemRepair, ...]
     digest: int
+    #: (sample, why) where the plan overrides what the status alone would do ("suspected swap")
+    reasons: tuple[tuple[int, str], ...] = ()
 
     @property
     def dropped(self) -> tuple[int, ...]:
@@ -54,7 +57,8 @@ class Plan:
 
     def with_actions(self, actions: Sequence[Action], repairs: Sequence[ItemRepair]) -> Plan:
         """The plan after repairs were attempted (failed ones fell back)."""
-        return Plan(tuple(actions), tuple(repairs), digest(self.digest, actions, repairs))
+        new = digest(self.digest, actions, repairs)
+        return Plan(tuple(actions), tuple(repairs), new, self.reasons)
 
 
 def digest(*parts: object) -> int:
@@ -82,6 +86,8 @@ def build_plan(
 
     report is None on the aligned path (everything kept). nonfinite_samples: samples
     owning an item whose features hold NaN/Inf (handled by ``config.nonfinite``).
+    Under ``repair``, samples whose mismatches look like a swap between samples
+    (:func:`~.swap.suspected_swaps`) take ``config.fallback``; ``Plan.reasons`` says why.
     """
     actions: list[Action] = ["keep"] * num_samples
     repairs: list[ItemRepair] = []
@@ -95,6 +101,13 @@ def build_plan(
                     for k, (exp, got) in enumerate(zip(rep.expected, rep.got))
                     if exp != got
                 )
+    reasons: dict[int, str] = {}
+    if report is not None and config.policy == "repair":
+        # items exchanged between samples are never resized to each other's runs
+        reasons = suspected_swaps(report, REPAIRABLE)
+        for smp in reasons:
+            actions[smp] = config.fallback
+        repairs = [r for r in repairs if r.sample not in reasons]
     for smp in sorted(nonfinite_samples):
         act: Action = "raise" if config.nonfinite == "raise" else "drop"
         if actions[smp] != "raise":
@@ -108,7 +121,7 @@ def build_plan(
         actions,
         [(r.item, r.target) for r in repairs],
     )
-    return Plan(tuple(actions), tuple(repairs), plan_digest)
+    return Plan(tuple(actions), tuple(repairs), plan_digest, tuple(reasons.items()))
 
 
 def _action_for(repairable: bool, config: GuardConfig) -> Action:

@@ -32,6 +32,18 @@ def _source_hw(item: MediaItem) -> tuple[int, int] | None:
     return None
 
 
+def solve_allowed(geo, target: int, hw: tuple[int, int], num_frames: int, config):
+    """``(solution, None)`` when ``geo`` reaches ``target`` at a fidelity ``config`` allows, else
+    ``(solution, why not)``."""
+    sol = geo.solve(target, hw, num_frames=num_frames)
+    if not sol.reachable:
+        return sol, f"unreachable: {sol.reason}"
+    if sol.fidelity not in config.allowed_fidelity:
+        allowed = list(config.allowed_fidelity)
+        return sol, f"fidelity {sol.fidelity} not allowed (allowed: {allowed}): {sol.reason}"
+    return sol, None
+
+
 def _attempt(
     r: ItemRepair, batch: Batch, guard: MediaGuard, encoder
 ) -> tuple[torch.Tensor | None, dict]:
@@ -53,16 +65,10 @@ def _attempt(
         facts["reason"] = f"cannot repair: no {', '.join(missing)} given"
         return None, facts
     geo = guard.geometry
-    sol = geo.solve(r.target, hw, num_frames=item.num_frames or 1)
+    sol, why_not = solve_allowed(geo, r.target, hw, item.num_frames or 1, guard.config)
     facts.update(fidelity=sol.fidelity, grid=getattr(sol, "grid", None), size_hw=sol.size_hw)
-    if not sol.reachable:
-        facts["reason"] = f"unreachable: {sol.reason}"
-        return None, facts
-    if sol.fidelity not in guard.config.allowed_fidelity:
-        facts["reason"] = (
-            f"fidelity {sol.fidelity} not allowed (allowed: {list(guard.config.allowed_fidelity)}): "
-            f"{sol.reason}"
-        )
+    if why_not is not None:
+        facts["reason"] = why_not
         return None, facts
     kwargs = {
         k: getattr(geo, k)

@@ -140,6 +140,32 @@ def _resize_temporal_groups(
     return repeat(resized, "t c h w -> (t tp) c h w", tp=temporal_patch)
 
 
+def resize_patches(
+    pixels: torch.Tensor,
+    grid_thw: object,
+    size_hw: tuple[int, int],
+    *,
+    patch: int = QWEN_PATCH,
+    temporal_patch: int = QWEN_TEMPORAL_PATCH,
+    merge: int = QWEN_MERGE,
+) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """One item's ``qwen_patches`` resized on their own device to ``size_hw`` pixels a frame.
+
+    The patches are unfolded to frames, resized (bicubic, antialias; a frame the processor
+    repeated over a temporal group is resized once) and put back in the same patch layout.
+    Returns the new patches ``[t*h*w, C*tp*p*p]`` and their ``(t, h, w)`` (read from shapes:
+    no transfer). This is a repair without the encode: the Qwen-VL adapter feeds the result
+    to the model's own vision tower.
+    """
+    qwen = {"patch": patch, "temporal_patch": temporal_patch, "merge": merge}
+    height, width = _size_pair(size_hw)
+    frames = to_frames(pixels, "qwen_patches", grid_thw=grid_thw, **qwen)
+    resized = _resize_temporal_groups(frames, (height, width), temporal_patch)
+    patches, _ = from_frames(resized, "qwen_patches", **qwen)
+    t = -(-resized.shape[0] // temporal_patch)
+    return patches, (t, height // patch, width // patch)
+
+
 def _target_size(solution: SizedSolution, layout: Layout, patch: int) -> tuple[int, int]:
     """Pixel (H, W) to resize to: ``solution.size_hw``, else ``solution.grid * patch`` (qwen)."""
     if getattr(solution, "reachable", True) is False:

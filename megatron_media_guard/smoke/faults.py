@@ -27,6 +27,7 @@ Fault = Literal[
     "cut_by_max_len",  # the last run of a sample is cut by the sequence limit
     "literal_placeholder",  # a user typed the placeholder token in text
     "swapped_items",  # two items of different lengths swapped in feature order
+    "cross_swap",  # two items of different lengths exchanged between two samples
     "video_grid",  # a video's temporal groups disagree (features for one more group)
 ]
 FAULTS: tuple[str, ...] = Fault.__args__  # type: ignore[attr-defined]
@@ -191,7 +192,8 @@ def inject(
         items[i1] = replace(items[i1], num_features=n1 - k)
         touched = (s0, s1)
         return replace(clean, items=tuple(items), faulty_samples=touched, fault=fault)
-    elif fault == "swapped_items":
+    elif fault in ("swapped_items", "cross_swap"):
+        owner = [smp for smp, media in enumerate(layout) for _ in media]  # item -> sample
         pair = next(
             (
                 (a, b)
@@ -199,16 +201,17 @@ def inject(
                 for b in range(a + 1, len(items))
                 if items[a].num_features != items[b].num_features
                 and items[a].modality == items[b].modality
+                and (fault == "swapped_items" or owner[a] != owner[b])
             ),
             None,
         )
         if pair is None:
-            raise ValueError("swapped_items needs two items of different lengths")
+            where = "" if fault == "swapped_items" else " in two samples"
+            raise ValueError(f"{fault} needs two items of different lengths{where}")
         a, b = pair
         ia, ib = items[a], items[b]
         items[a] = replace(ib, sample=ia.sample, sample_id=ia.sample_id)
         items[b] = replace(ia, sample=ib.sample, sample_id=ib.sample_id)
-        owner = [smp for smp, media in enumerate(layout) for _ in media]  # item -> sample
         touched = tuple(sorted({owner[a], owner[b]}))
         return replace(clean, items=tuple(items), faulty_samples=touched, fault=fault)
     elif fault == "literal_placeholder":

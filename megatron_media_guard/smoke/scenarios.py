@@ -57,7 +57,7 @@ class FaultSpec:
     what: str
     samples: tuple[int, ...]
     statuses: tuple[str, ...]  # alignment.Status value per touched sample
-    repairable: bool  # plan.REPAIRABLE: the guard may re-project (surplus / deficit)
+    repairable: bool  # the guard may re-project (plan.REPAIRABLE and no suspected swap)
 
 
 FAULT_SPECS: dict[str, FaultSpec] = {
@@ -108,6 +108,14 @@ FAULT_SPECS: dict[str, FaultSpec] = {
             "sample 2's two images swapped in feature order (equal totals)",
             (2,),
             ("length_mismatch",),
+            False,
+        ),
+        FaultSpec(
+            "cross_swap",
+            "sample 0's image and sample 2's first image exchanged between the samples "
+            "(batch totals agree): a suspected swap, never repaired",
+            (0, 2),
+            ("deficit", "surplus"),
             False,
         ),
         FaultSpec(
@@ -214,6 +222,9 @@ def micro_batch(fault: str, dp_rank: int, step: int, seed: int = 0) -> MicroBatc
         MediaSpec(2, "image", img_a, 1, base + 2, sid(2)),
         MediaSpec(2, "image", img_b, 1, base + 3, sid(2)),
     ]
+    if fault == "cross_swap":  # two images of different sizes (35 and 24 features)
+        media[0] = replace(media[0], source_hw=(40, 56))
+        media[2] = replace(media[2], source_hw=(52, 36))
     runs = [[m.natural for m in media if m.sample == s] for s in range(NUM_SAMPLES)]
     if fault == "budget_shrink":
         h, w = media[1].size_hw
@@ -227,6 +238,10 @@ def micro_batch(fault: str, dp_rank: int, step: int, seed: int = 0) -> MicroBatc
         media[0] = replace(media[0], feature_delta=+1)
     elif fault == "swapped_items":
         media[2], media[3] = media[3], media[2]
+    elif fault == "cross_swap":  # the media travel, the sample labels stay
+        a, b = media[0], media[2]
+        media[0] = replace(b, sample=a.sample, sample_id=a.sample_id)
+        media[2] = replace(a, sample=b.sample, sample_id=b.sample_id)
     elif fault == "video_grid":
         media[1] = replace(media[1], num_frames=VIDEO_FRAMES + GEOMETRY.temporal_patch)
 

@@ -1,0 +1,373 @@
+"""Guard for Qwen2-VL / Qwen2.5-VL / Qwen3-VL: checks and rewrites the forward's inputs before
+the vision tower runs (transformers' ``Qwen2_5_VLForConditionalGeneration`` / ``Qwen2_5_VLModel``
+/ ``Qwen3VLForConditionalGeneration`` / ``Qwen3VLModel``, Megatron-Bridge's ``Qwen25VLModel`` /
+``Qwen3VLModel``).
+
+These models merge inline in ``forward`` (no method to wrap), and every item's feature count is
+a pure function of its grid row, which also drives MRoPE and (Qwen3-VL) the deepstack
+injections. So the guard is a forward pre-hook (keyword arguments) on the model instance: it
+checks the placeholder runs in ``input_ids`` against the grid rows, and when they disagree it
+repairs (the item's patches resized to the solved grid, its grid row replaced), drops (rows out
+of the pixels and grids, placeholders to text, labels ignored, loss mask 0) or raises, then lets
+the model's own forward run untouched on inputs that agree. The vision tower runs once. See
+docs/QWEN_VL.md.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from ..core.explain import error_message
+from ..core.guard import MediaGuard
+from ..core.outcome import GuardReport, LocalOutcome, MergeResult
+from ..core.plan import Plan, build_plan, digest
+from ..core.runs import TokenLayout, parse_layout
+from ..core.verify import Verdict
+from ..errors import MediaInputError
+from .hooks import GuardHandle, ItemsProvider, StepProvider
+from .qwen_vl_checks import (
+    GRIDS,
+    MODALITIES,
+    PIXELS,
+    TYPE_INPUTS,
+    CallArgs,
+    GridCheck,
+    QwenVLSpec,
+    check_grids,
+    meta_tensors,
+    packed_offsets,
+    spec_from_model,
+)
+from .qwen_vl_plan import (
+    check_record,
+    grid_note,
+    host_rows,
+    refuse,
+    report_for,
+    run_row_repairs,
+    split_rows,
+    token_items,
+    write_records,
+)
+from .qwen_vl_rewrite import (
+    Rewritten,
+    add_anchor,
+    follow_ids,
+    removed_rows,
+    rewrite,
+    tower_anchor,
+)
+
+MARK = "_media_guard_qwen_vl"
+
+
+class QwenVLHandle(GuardHandle):
+    """The installed pre-hook (and its post-forward hook) on one Qwen-VL model instance.
+
+    ``last_result``: a :class:`MergeResult` (``embeddings`` None) whose report holds the
+    actions per sample; ``mask_loss(loss_mask, labels)`` applies its drops for a loss computed
+    outside the model. ``set_items``: one :class:`MediaItem` per grid row (image rows, then
+    video rows) adding ``sample``, ``sample_id`` and ``source_hw``.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        guard: MediaGuard,
+        spec: QwenVLSpec,
+        *,
+        loss_mask_inplace: bool = False,
+        **kw: Any,
+    ) -> None:
+        super().__init__(model, "forward", guard, "qwen_vl", **kw)
+        self.spec = spec
+        self.loss_mask_inplace = loss_mask_inplace
+        self.sig = inspect.signature(model.forward)
+        self._hooks: list[Any] = []
+        self._post: tuple[Rewritten, bool] | None = None
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._hooks)
+
+    def install_hooks(self) -> QwenVLHandle:
+        m = self.module
+        other = m.__dict__.get(MARK)
+        if other is not None:
+            raise MediaInputError(
+                f"this {type(m).__name__} is already guarded (by a qwen_vl handle); call "
+                "handle.remove() before installing again"
+            )
+        self._hooks = [
+            m.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
+            m.register_forward_hook(self._post_hook, with_kwargs=True),
+        ]
+        object.__setattr__(m, MARK, self)
+        return self
+
+    def remove(self) -> None:
+        """Takes both hooks off: the model is the plain model again (idempotent)."""
+        for h in self._hooks:
+            h.remove()
+        if self._hooks:
+            self.module.__dict__.pop(MARK, None)
+        self._hooks = []
+
+    # ---- hooks ----------------------------------------------------------------------
+
+    def _pre_hook(self, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        self._post = None
+        try:
+            call = CallArgs(self.sig, args, kwargs)
+        except TypeError:
+            return None  # the model reports its own signature error
+        ids = call.get("input_ids")
+        if not isinstance(ids, torch.Tensor):
+            return None  # inputs_embeds only: no token ids to check
+        if call.get("mm_encoder_outputs") is not None:
+            return None  # encoded before the forward (transformers' generate): nothing to rewrite
+        return self.call("Qwen-VL media guard", lambda step, mb: self._run(call, ids, step, mb))
+
+    def _post_hook(self, module: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+        post, self._post = self._post, None
+        if post is None:
+            return None
+        rw, all_dropped = post
+        anchor = tower_anchor(module, self.spec, rw) if rw.vision_emptied else None
+        if anchor is None and not all_dropped:
+            return None
+        return add_anchor(out, anchor, all_dropped)
+
+    # ---- one call -------------------------------------------------------------------
+
+    def _run(self, call: CallArgs, ids: torch.Tensor, step, mb):
+        guard, spec = self.guard, self.spec
+        cu = packed_offsets(call, ids)
+        lay = TokenLayout(ids, guard.grammar, cu)
+        grids = {m: call.get(GRIDS[m]) for m in MODALITIES}
+        pix = {m: call.get(PIXELS[m]) for m in MODALITIES}
+        for m in MODALITIES:
+            if pix[m] is not None and grids[m] is None:
+                raise MediaInputError(f"{PIXELS[m]} given without {GRIDS[m]}")
+        meta = self.take_items()
+        samples, declared, ordered = meta_tensors(meta, grids, lay.num_samples)
+        rows_px = {m: (None if pix[m] is None else int(pix[m].shape[0])) for m in MODALITIES}
+        types = {n: call.get(n) for n in TYPE_INPUTS if call.get(n) is not None}
+        check = check_grids(lay, ids, grids, rows_px, spec, samples, declared, types)
+        if check.pixel_rows_bad:
+            raise MediaInputError(
+                "pixel rows disagree with the grids (pixel_values must hold sum(t*h*w) "
+                f"patches per modality: {rows_px})"
+            )
+        guard.counters["merges"] += 1
+        guard.counters["samples"] += lay.num_samples
+        if check.types_bad:  # the ids are the truth: the token types / masks follow them
+            self._note(
+                step,
+                mb,
+                "rebuilt",
+                f"{check.types_bad} positions of "
+                f"{sorted(types)} disagree with input_ids: rebuilt from the ids",
+            )
+        if check.aligned and ordered:
+            plan = Plan(("keep",) * lay.num_samples, (), self._digest(check, None))
+            stage = guard.settle(_local(plan, step, mb, 0, None, None))
+            self._result(plan, None, check, stage, step, mb, ids, cu, None)
+            if check.types_bad:
+                follow_ids(call, spec, ids)
+                return call.rebuild()
+            return None
+        if not ordered:  # explicit samples: rows are put back in token order (no resize)
+            self._note(
+                step,
+                mb,
+                "reordered",
+                "grid rows out of token order (set_items samples "
+                "decrease): the rows are fed in sample order",
+            )
+        return self._diagnose(call, ids, cu, lay, grids, pix, meta, check, step, mb)
+
+    def _note(self, step, mb, action: str, reason: str) -> None:
+        """A ``check`` record: the inputs were put right without touching any sample."""
+        check_record(self.guard, step, mb, action, reason)
+
+    def _digest(self, check: GridCheck, plan: Plan | None) -> int:
+        cfg = self.guard.config
+        knobs = [cfg.policy, cfg.fallback, list(cfg.allowed_fidelity)]
+        return digest(check.fingerprint, check.runs, knobs, None if plan is None else plan.digest)
+
+    def _diagnose(self, call, ids, cu, lay, grids, pix, meta, check, step, mb):
+        guard, spec, cfg = self.guard, self.spec, self.guard.config
+        rows = host_rows(grids, spec)
+        parsed = parse_layout(lay)
+        items, item_row = token_items(rows, parsed, spec, pix, meta)
+        report = report_for(parsed, items)
+        verdict = Verdict(check.runs, check.bad, check.findings, 0, check.fingerprint)
+        plan = build_plan(lay.num_samples, items, verdict, report, cfg)
+        plan = refuse(plan, split_rows(report, item_row, rows), cfg)
+        repairs, failed = {}, {}
+        if plan.repairs:
+            repairs, failed = run_row_repairs(
+                guard, spec, plan, rows, items, item_row, pix, step=step, microbatch=mb
+            )
+        actions = [cfg.fallback if s in failed else a for s, a in enumerate(plan.actions)]
+        actions, gone = removed_rows(report, item_row, actions, cfg)
+        kept = [r for r in plan.repairs if actions[r.sample] == "repair"]
+        repairs = {ri: rr for ri, rr in repairs.items() if ri not in gone}
+        plan = plan.with_actions(actions, kept)
+        notes = {
+            rep.sample: grid_note(rep, items, item_row, rows, spec) for rep in report.mismatched
+        }
+        for s, why in failed.items():
+            notes[s] = "; ".join(filter(None, (notes.get(s), f"repair failed, {why}")))
+        for s, why in plan.reasons:
+            notes[s] = "; ".join(filter(None, (why, notes.get(s))))
+        fatal_rec = write_records(guard, report, plan, items, notes, step, mb)
+        bundle = self._dump(ids, cu, items, report, plan, step, mb)
+        message = None
+        if plan.fatal or (report.orphans and cfg.policy == "raise"):
+            message = error_message(
+                report,
+                plan.fatal,
+                items,
+                where=guard.where(step, mb),
+                log_path=guard.log.describe_path(),
+                notes=notes,
+            )
+            if bundle is not None:
+                message += f"\n  replay bundle: {bundle}"
+        local = _local(plan, step, mb, len(report.mismatched), message, fatal_rec)
+        stage = guard.settle(replace(local, digest=self._digest(check, plan)))
+        guard.counters["mismatched"] += len(report.mismatched)
+        guard.counters["dropped"] += len(plan.dropped)
+        guard.counters["repaired"] += len(plan.repairs)
+        rw = rewrite(
+            call,
+            spec,
+            lay,
+            ids,
+            rows,
+            gone,
+            repairs,
+            plan.actions,
+            cfg.ignore_index,
+            self.loss_mask_inplace,
+            strays=bool(report.stray_findings),
+            row_sample=None
+            if meta is None or meta[0].sample is None
+            else [it.sample for it in meta],
+        )
+        self._result(plan, report, check, stage, step, mb, rw.input_ids, cu, rw)
+        all_dropped = all(a == "drop" for a in plan.actions)
+        if rw.vision_emptied or all_dropped:
+            self._post = (rw, all_dropped)
+        return call.rebuild()
+
+    def _dump(self, ids, cu, items, report, plan, step, mb):
+        cfg = self.guard.config
+        if cfg.dump_dir is None or (report.ok and plan.keeps_all):
+            return None
+        from ..replay.bundle_save import save_bundle
+
+        return save_bundle(
+            cfg.dump_dir,
+            input_ids=ids,
+            items=items,
+            grammar=self.guard.grammar,
+            cu_seqlens=cu,
+            config=cfg,
+            rank=self.guard.rank,
+            step=step,
+            microbatch=mb,
+            report=report,
+            include_pixels=cfg.dump_pixels,
+            max_bundles=cfg.dump_max,
+        )
+
+    def _result(self, plan, report, check, stage, step, mb, ids, cu, rw) -> None:
+        verdict = Verdict(check.runs, check.bad, check.findings, 0, check.fingerprint)
+        rep = GuardReport.of(
+            plan,
+            report,
+            verdict,
+            stage,
+            step=step,
+            microbatch=mb,
+            rank=self.guard.rank.rank,
+            num_items=check.runs if report is None else report.num_items,
+        )
+        lm = rw.loss_mask if rw is not None else None
+        lab = rw.labels if rw is not None else None
+        self.record(MergeResult(None, lm, lab, rep), ids, cu)
+
+
+def _local(plan: Plan, step, mb, mismatched: int, message, record) -> LocalOutcome:
+    return LocalOutcome(
+        step=step,
+        microbatch=mb,
+        digest=plan.digest,
+        num_samples=len(plan.actions),
+        mismatched=mismatched,
+        dropped=len(plan.dropped),
+        repaired=len(plan.repairs),
+        fatal=message is not None,
+        fatal_sample=plan.fatal[0] if plan.fatal else None,
+        message=message,
+        record=record,
+    )
+
+
+def install_qwen_vl(
+    model: Any,
+    guard: MediaGuard,
+    *,
+    items_provider: ItemsProvider | None = None,
+    step_provider: StepProvider | None = None,
+    auto_step_end: bool | None = None,
+    drop_token_id: int | None = None,
+    loss_mask_inplace: bool = False,
+) -> QwenVLHandle:
+    """Guard one Qwen-VL model instance (transformers or Megatron-Bridge) before its vision tower.
+
+    guard: its grammar must carry the model's token ids (``Grammar.qwen2_vl()`` for the
+    default ones); ``geometry`` (one, or ``{"image": ..., "video": ...}``) for ``repair``.
+    drop_token_id: the text id a dropped sample's placeholders become (default: the config's
+    pad token, else ``<|endoftext|>`` 151643).
+    loss_mask_inplace: also zero the dropped samples in the caller's ``loss_mask`` tensor (for
+    a loss built from it before the forward: Megatron-Bridge's ``vlm_step`` / ``qwen3_vl_step``).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise MediaInputError(f"install_qwen_vl takes an nn.Module, got {type(model).__name__}")
+    spec = spec_from_model(model, drop_token_id)
+    spec.check_grammar(guard.grammar)
+    _check_geometry(guard.geometry, spec)
+    h = QwenVLHandle(
+        model,
+        guard,
+        spec,
+        items_provider=items_provider,
+        step_provider=step_provider,
+        auto_step_end=auto_step_end,
+        loss_mask_inplace=loss_mask_inplace,
+    )
+    return h.install_hooks()
+
+
+def _check_geometry(geo: Any, spec: QwenVLSpec) -> None:
+    geos = geo.items() if isinstance(geo, dict) else [("*", geo)]
+    for name, g in geos:
+        if name not in ("*", *MODALITIES):
+            raise MediaInputError(f"geometry keys are 'image' / 'video', got {name!r}")
+        if g is None:
+            continue
+        for attr in ("patch", "merge", "temporal_patch"):
+            want = getattr(spec, attr)
+            have = getattr(g, attr, want)
+            if have != want:
+                raise MediaInputError(
+                    f"the guard's {name} geometry has {attr}={have}, the model's config {want}"
+                )

@@ -1,0 +1,52 @@
+"""Swap suspicion: mismatches that look like items exchanged between samples.
+
+A cross-sample swap (sample A's item fed to sample B and B's to A) passes any batch-total
+check: the totals agree. Per sample it shows as a surplus in one and a deficit in the other,
+which a re-projection would "fix" by resizing each item to the other sample's run, training
+each sample on the other's media. Such samples are never repaired: they take the fallback.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Collection
+
+from .alignment import AlignmentReport, Status
+
+SWAP_REASON = "suspected swap"
+
+
+def suspected_swaps(report: AlignmentReport, statuses: Collection[Status]) -> dict[int, str]:
+    """Samples (with ``statuses``) whose mismatches are explained by exchanged items, and why.
+
+    Over the runs that disagree with their item: an item whose feature count equals a
+    mismatched run of another sample (same modality), or mismatched run lengths and item
+    counts that agree as multisets over two or more samples while the pairing does not.
+    """
+    pairs = [
+        (rep.sample, exp, got, mod)
+        for rep in report.mismatched
+        if rep.status in statuses
+        for exp, got, mod in zip(rep.expected, rep.got, rep.item_modalities)
+        if exp != got
+    ]
+    out: dict[int, str] = {}
+    for smp, _, got, mod in pairs:
+        other = next((o for o, exp, _, m in pairs if o != smp and m == mod and exp == got), None)
+        if other is not None:
+            out[smp] = (
+                f"{SWAP_REASON}: an item of sample {smp} has {got} features, the length of a "
+                f"mismatched run of sample {other}"
+            )
+    samples = sorted({smp for smp, *_ in pairs})
+    if len(samples) > 1:
+        runs = Counter((exp, mod) for _, exp, _, mod in pairs)
+        feats = Counter((got, mod) for _, _, got, mod in pairs)
+        if runs == feats:
+            for smp in samples:
+                out.setdefault(
+                    smp,
+                    f"{SWAP_REASON}: the mismatched runs of samples {samples} and their items' "
+                    "feature counts agree as multisets, paired differently",
+                )
+    return dict(sorted(out.items()))

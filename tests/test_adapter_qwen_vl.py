@@ -1,0 +1,420 @@
+"""install_qwen_vl on transformers' real Qwen2.5-VL and Qwen3-VL classes (tiny random configs,
+CPU), fed by the real Qwen2-VL image processor (PIL backend) and, for video, a restatement of
+the video processor's resize-and-patchify (torchvision has no CPU wheel here; see
+``megatron_media_guard.testing.qwen_vl``).
+
+The seed failure on a mixed batch: the token ids carry the engine's shorter runs, the pixels and
+grids the trainer's larger size.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_media_guard import Grammar, GuardConfig, MediaAlignmentError, MediaGuard, MediaItem
+from megatron_media_guard.core.host import count_transfers
+from megatron_media_guard.errors import MediaInputError
+from megatron_media_guard.geometry import PatchMergeGeometry
+
+pytest.importorskip("transformers.models.qwen3_vl")
+pytest.importorskip("PIL")
+
+from megatron_media_guard.adapters import install_qwen_vl
+from megatron_media_guard.adapters.qwen_vl_checks import spec_from_model
+from megatron_media_guard.testing.qwen_vl import (
+    IMAGE,
+    VIDEO,
+    Sample,
+    build_batch,
+    patch_of,
+    seed_failure,
+    smooth_clip,
+    smooth_image,
+    tiny_model,
+)
+
+FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+ENGINE, TRAINER = 12, 30  # pixel budgets in merged cells
+BIG = smooth_image(150, 200, 1)  # shrunk by the engine
+CLIP = smooth_clip(4, 150, 180, 2)  # shrunk by the engine
+SMALL = smooth_image(60, 84, 3)  # the same under both budgets
+SAMPLES = [Sample((("image", BIG),)), Sample((("video", CLIP),)), Sample((("image", SMALL),))]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    return request.param
+
+
+_MODELS: dict = {}
+
+
+def model_for(family: str, head: bool = True) -> torch.nn.Module:
+    if (family, head) not in _MODELS:
+        _MODELS[family, head] = tiny_model(family, head)
+    return _MODELS[family, head]
+
+
+def inner(model):
+    return getattr(model, "model", model)
+
+
+def geometry(family: str) -> PatchMergeGeometry:
+    f = patch_of(family) * 2
+    return PatchMergeGeometry(
+        patch=patch_of(family), merge=2, min_pixels=f * f, max_pixels=TRAINER * f * f
+    )
+
+
+def guard_for(family: str, policy: str, **cfg) -> MediaGuard:
+    geo = geometry(family)  # one per modality, as for the processors' own budgets
+    return MediaGuard(
+        GuardConfig(policy=policy, fallback="drop", **cfg),
+        grammar=Grammar.qwen2_vl(),
+        geometry={"image": geo, "video": geo},
+    )
+
+
+def spy(module) -> tuple[dict, list]:
+    """Keyword arguments the module's forward got last, and its calls (hooks, removable)."""
+    seen, calls = {}, []
+    module.register_forward_pre_hook(lambda m, a, kw: seen.update(kw) or None, with_kwargs=True)
+    module.register_forward_hook(lambda m, a, o: calls.append(1))
+    return seen, calls
+
+
+def clear(module) -> None:
+    module._forward_pre_hooks.clear()
+    module._forward_hooks.clear()
+    module._forward_hooks_with_kwargs.clear()
+    module._forward_pre_hooks_with_kwargs.clear()
+
+
+def test_config_gives_the_sizes_and_ids(family):
+    spec = spec_from_model(model_for(family))
+    assert (spec.image_token_id, spec.video_token_id) == (IMAGE, VIDEO)
+    assert (spec.patch, spec.merge, spec.temporal_patch) == (patch_of(family), 2, 2)
+    assert spec.video_runs == ("per_group" if family == "qwen3_vl" else "one")
+
+
+@pytest.mark.parametrize("head", [True, False])
+def test_aligned_batch_runs_untouched_with_one_transfer(family, head):
+    model = model_for(family, head)
+    batch = build_batch(SAMPLES, family, patch_of(family), TRAINER * (patch_of(family) * 2) ** 2)
+    with torch.no_grad():
+        plain = model(**batch)
+        with install_qwen_vl(model, guard_for(family, "raise")) as h, count_transfers() as seen:
+            guarded = model(**batch)
+    assert sum(seen.values()) == 1, seen
+    key = "logits" if head else "last_hidden_state"
+    assert torch.equal(plain[key], guarded[key])
+    assert h.last_result.report.ok and h.last_result.report.actions == ("keep",) * 3
+
+
+def test_plain_model_raises_a_batch_total_error(family):
+    _, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
+    with pytest.raises(ValueError, match=r"features and .* tokens do not match"):
+        model_for(family)(**mixed)
+
+
+def test_raise_names_rank_step_sample_item_and_grid(family, tmp_path):
+    _, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
+    model = model_for(family)
+    guard = guard_for(family, "raise", log_dir=str(tmp_path))
+    with install_qwen_vl(model, guard) as h:
+        h.set_step(7)
+        with pytest.raises(MediaAlignmentError) as err:
+            model(**mixed)
+    msg = str(err.value)
+    assert "single process (RANK unset), step 7" in msg and "2 of 3 samples" in msg
+    assert "sample 0 row 0: surplus" in msg and "item 0 (image" in msg
+    grid = mixed["image_grid_thw"][0].tolist()
+    assert f"image grid row 0 thw {tuple(grid)}" in msg
+    assert "sample 1" in msg and "video grid row 0" in msg
+    recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
+    raised = [r for r in recs if r["event"] == "raise"]
+    assert [(r["sample"], r["modality"]) for r in raised] == [(0, "image"), (1, "video")]
+    assert raised[0]["expected"] == [12] and raised[0]["step"] == 7
+
+
+def _without_media(batch: dict, family: str, drop: set[int]) -> dict:
+    """The batch with the media of samples ``drop`` taken out by hand: placeholders to the
+    pad id, no rows for them (sample 2's image made alone by the processor)."""
+    ids = batch["input_ids"].clone()
+    rows = torch.tensor([i in drop for i in range(ids.shape[0])])[:, None]
+    ph = (ids == IMAGE) | (ids == VIDEO)
+    ids[ph & rows] = 151643
+    out = dict(
+        batch, input_ids=ids, mm_token_type_ids=batch["mm_token_type_ids"].masked_fill(ph & rows, 0)
+    )
+    alone = build_batch(
+        [SAMPLES[2]], family, patch_of(family), TRAINER * (patch_of(family) * 2) ** 2
+    )
+    out.update(pixel_values=alone["pixel_values"], image_grid_thw=alone["image_grid_thw"])
+    out.update(pixel_values_videos=None, video_grid_thw=None)
+    return out
+
+
+def test_drop_masks_the_samples_and_leaves_the_others_bit_identical(family):
+    _, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
+    model = model_for(family)
+    labels = mixed["input_ids"].clone()
+    with torch.no_grad(), install_qwen_vl(model, guard_for(family, "drop")) as h:
+        out = model(**mixed, labels=labels)
+    assert h.last_result.report.actions == ("drop", "drop", "keep")
+    ref = model(**_without_media(mixed, family, {0, 1}), labels=labels)
+    assert torch.equal(out.logits[2], ref.logits[2])
+    mask, lab = h.mask_loss(torch.ones(labels.shape), labels)
+    assert mask[:2].eq(0).all() and mask[2].eq(1).all()
+    assert lab[:2].eq(-100).all() and torch.equal(lab[2], labels[2])
+    assert torch.equal(h.last_result.labels, lab)
+
+
+def test_repair_runs_the_tower_once_and_matches_the_engine_sizes(family):
+    engine, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
+    model = model_for(family)
+    seen, _ = spy(inner(model))
+    tower_out: list = []
+    inner(model).visual.register_forward_hook(lambda m, a, o: tower_out.append(o.pooler_output))
+    try:
+        with torch.no_grad():
+            ref = model(**engine, labels=engine["input_ids"])
+            ref_feats, plain_calls = torch.cat(tower_out), len(tower_out)
+            tower_out.clear()
+            with install_qwen_vl(model, guard_for(family, "repair")) as h:
+                out = model(**mixed, labels=engine["input_ids"])
+    finally:
+        clear(inner(model))
+        clear(inner(model).visual)
+    assert h.last_result.report.actions == ("repair", "repair", "keep")
+    assert len(tower_out) == plain_calls  # one encode per modality, as the plain forward
+    assert torch.equal(seen["image_grid_thw"], engine["image_grid_thw"])
+    assert torch.equal(seen["video_grid_thw"], engine["video_grid_thw"])
+    rope = inner(model).get_rope_index
+    args = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw")
+    mine, _ = rope(
+        seen["input_ids"], *(seen[k] for k in args), attention_mask=seen["attention_mask"]
+    )
+    want, _ = rope(
+        engine["input_ids"], *(engine[k] for k in args), attention_mask=engine["attention_mask"]
+    )
+    assert torch.equal(mine, want)  # MRoPE positions follow the repaired grids
+    cos = torch.nn.functional.cosine_similarity(torch.cat(tower_out), ref_feats, dim=-1)
+    print(f"feature cosine to the engine-sized encode: mean {cos.mean():.5f}, min {cos.min():.5f}")
+    assert cos.mean() > 0.999 and cos.min() > 0.99, cos
+    assert abs(out.loss.item() - ref.loss.item()) < 1e-2 * ref.loss.item()
+
+
+def test_qwen3_deepstack_follows_the_repaired_items():
+    family = "qwen3_vl"
+    engine, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
+    model = model_for(family)
+    lm = inner(model).language_model
+    seen, _ = spy(lm)
+    try:
+        with torch.no_grad():
+            model(**engine)
+            want = {k: seen[k] for k in ("visual_pos_masks", "deepstack_visual_embeds")}
+            with install_qwen_vl(model, guard_for(family, "repair")):
+                model(**mixed)
+    finally:
+        clear(lm)
+    mask = seen["visual_pos_masks"]
+    assert torch.equal(mask, want["visual_pos_masks"])
+    assert torch.equal(mask, (engine["input_ids"] == IMAGE) | (engine["input_ids"] == VIDEO))
+    assert len(seen["deepstack_visual_embeds"]) == 2
+    for mine, ref in zip(seen["deepstack_visual_embeds"], want["deepstack_visual_embeds"]):
+        assert mine.shape == ref.shape == (int(mask.sum()), 64)
+        assert torch.nn.functional.cosine_similarity(mine, ref, dim=-1).min() > 0.99
+
+
+def test_every_item_dropped_keeps_the_tower_in_the_graph(family):
+    _, mixed = seed_failure(family, SAMPLES[:2], ENGINE, TRAINER)
+    model = model_for(family)
+    _, calls = spy(inner(model).visual)
+    labels = mixed["input_ids"].clone()
+    try:
+        with install_qwen_vl(model, guard_for(family, "drop")) as h:
+            out = model(**mixed, labels=labels)
+    finally:
+        clear(inner(model).visual)
+    assert h.last_result.report.actions == ("drop", "drop")
+    assert len(calls) == 1 and torch.isfinite(out.loss)
+    model.zero_grad()
+    out.loss.backward()
+    params = list(inner(model).visual.parameters())
+    assert all(p.grad is not None for p in params)
+    assert all(p.grad.eq(0).all() for p in params)
+    model.zero_grad()
+
+
+def test_items_metadata_names_the_sample_ids(family, tmp_path):
+    _, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
+    model = model_for(family)
+    ig, vg = mixed["image_grid_thw"].tolist(), mixed["video_grid_thw"].tolist()
+    m2 = 4
+    items = [
+        MediaItem(t * h * w // m2, sample=s, modality="image", sample_id=f"r{s}")
+        for (t, h, w), s in zip(ig, (0, 2))
+    ] + [MediaItem(t * h * w // m2, sample=1, modality="video", sample_id="r1") for t, h, w in vg]
+    guard = guard_for(family, "drop", log_dir=str(tmp_path))
+    with torch.no_grad(), install_qwen_vl(model, guard) as h:
+        h.set_items(items)
+        model(**mixed)
+        assert h.last_result.report.actions == ("drop", "drop", "keep")
+        h.set_items(items[:1])
+        with pytest.raises(MediaInputError, match="1 items for 2 image and 1 video grid rows"):
+            model(**mixed)
+    recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
+    assert [r["sample_id"] for r in recs if r["event"] == "drop"] == ["r0", "r1"]
+
+
+def test_replay_bundle_of_a_mismatched_batch(family, tmp_path):
+    from megatron_media_guard.replay.bundle_load import load_bundle
+
+    _, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
+    model = model_for(family)
+    guard = guard_for(family, "drop", dump_dir=str(tmp_path))
+    with torch.no_grad(), install_qwen_vl(model, guard):
+        model(**mixed)
+    [path] = list(tmp_path.glob("*.bundle"))
+    bundle = load_bundle(path)
+    assert torch.equal(bundle.input_ids, mixed["input_ids"])
+    assert bundle.items[0].grid_thw == tuple(mixed["image_grid_thw"][0].tolist())
+
+
+def test_consensus_round_per_forward(family):
+    from megatron_media_guard.core.outcome import StageOutcome
+
+    class Recorder:
+        def __init__(self):
+            self.seen = []
+
+        def agree(self, local):
+            self.seen.append(local)
+            return StageOutcome.local(local, 0)
+
+    engine, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
+    model = model_for(family)
+    rec = Recorder()
+    guard = MediaGuard(GuardConfig(policy="drop"), grammar=Grammar.qwen2_vl(), consensus=rec)
+    with torch.no_grad(), install_qwen_vl(model, guard):
+        model(**engine)
+        model(**mixed)
+        model(**mixed)
+    assert len(rec.seen) == 3
+    assert [o.dropped for o in rec.seen] == [0, 2, 2]
+    assert rec.seen[1].digest == rec.seen[2].digest != rec.seen[0].digest
+
+
+def test_remove_restores_the_plain_model(family):
+    _, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
+    model = model_for(family)
+    before = (dict(model._forward_pre_hooks), dict(model._forward_hooks), set(vars(model)))
+    h = install_qwen_vl(model, guard_for(family, "drop"))
+    with pytest.raises(MediaInputError, match="already guarded"):
+        install_qwen_vl(model, guard_for(family, "drop"))
+    with torch.no_grad():
+        model(**mixed)  # guarded: goes through
+    h.remove()
+    h.remove()  # idempotent
+    assert not h.installed
+    assert (dict(model._forward_pre_hooks), dict(model._forward_hooks), set(vars(model))) == before
+    with pytest.raises(ValueError, match="do not match"):
+        model(**mixed)
+
+
+def test_install_checks_the_guard_against_the_config(family):
+    model = model_for(family)
+    wrong = MediaGuard(GuardConfig(), grammar=Grammar.qwen2_vl(image_pad=5))
+    with pytest.raises(MediaInputError, match="differs from the model's config"):
+        install_qwen_vl(model, wrong)
+    other = 16 if family == "qwen2_5_vl" else 14
+    geo = {"image": PatchMergeGeometry(patch=other), "video": None}
+    bad = MediaGuard(GuardConfig(), grammar=Grammar.qwen2_vl(), geometry=geo)
+    with pytest.raises(MediaInputError, match="image geometry has patch"):
+        install_qwen_vl(model, bad)
+
+
+def test_passed_position_ids_are_recomputed_after_a_rewrite():
+    family = "qwen2_5_vl"
+    engine, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
+    model = model_for(family)
+    rope = inner(model).get_rope_index
+    pos, _ = rope(
+        engine["input_ids"],
+        engine["mm_token_type_ids"],
+        engine["image_grid_thw"],
+        engine["video_grid_thw"],
+        attention_mask=engine["attention_mask"],
+    )
+    seen, _ = spy(inner(model))
+    try:
+        with torch.no_grad(), install_qwen_vl(model, guard_for(family, "repair")):
+            model(**dict(mixed, mm_token_type_ids=None), position_ids=pos)
+    finally:
+        clear(inner(model))
+    assert seen["position_ids"] is None  # the model recomputes MRoPE from the new grids
+    assert torch.equal(seen["mm_token_type_ids"], engine["mm_token_type_ids"])
+
+
+def test_generate_still_works_with_the_hook_installed():
+    family = "qwen2_5_vl"
+    model = model_for(family)
+    batch = build_batch(
+        SAMPLES[:1], family, patch_of(family), TRAINER * (patch_of(family) * 2) ** 2
+    )
+    batch = {k: v for k, v in batch.items() if v is not None}
+    with torch.no_grad():
+        plain = model.generate(**batch, max_new_tokens=2, do_sample=False)
+        with install_qwen_vl(model, guard_for(family, "raise")):
+            guarded = model.generate(**batch, max_new_tokens=2, do_sample=False)
+    assert torch.equal(plain, guarded)
+
+
+def test_rows_out_of_token_order_with_explicit_samples_are_put_back(family, tmp_path):
+    other = smooth_image(84, 56, 4)
+    samples = [Sample((("image", SMALL),)), Sample((("video", CLIP),)), Sample((("image", other),))]
+    f = patch_of(family) * 2
+    batch = build_batch(samples, family, patch_of(family), TRAINER * f * f)
+    pv, grid = batch["pixel_values"], batch["image_grid_thw"]
+    n0 = int(grid[0].prod())
+    swapped = dict(batch, image_grid_thw=grid.flip(0), pixel_values=torch.cat([pv[n0:], pv[:n0]]))
+    m2 = 4
+    items = [
+        MediaItem(int(grid[1].prod()) // m2, sample=2, modality="image"),
+        MediaItem(int(grid[0].prod()) // m2, sample=0, modality="image"),
+        MediaItem(int(batch["video_grid_thw"][0].prod()) // m2, sample=1, modality="video"),
+    ]
+    model = model_for(family)
+    guard = guard_for(family, "raise", log_dir=str(tmp_path))
+    with torch.no_grad():
+        want = model(**batch).logits
+        with install_qwen_vl(model, guard) as h:
+            h.set_items(items)
+            got = model(**swapped).logits
+    assert h.last_result.report.actions == ("keep",) * 3
+    assert torch.equal(got, want)
+    recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
+    assert [r["action"] for r in recs] == ["reordered"]
+
+
+def test_token_types_that_disagree_with_the_ids_are_rebuilt(tmp_path):
+    family = "qwen2_5_vl"
+    f = patch_of(family) * 2
+    batch = build_batch(SAMPLES, family, patch_of(family), TRAINER * f * f)
+    stale = batch["mm_token_type_ids"].clone()
+    stale[0, :2] = 1  # text typed as image: get_rope_index would take a grid row for it
+    model = model_for(family)
+    guard = guard_for(family, "raise", log_dir=str(tmp_path))
+    with torch.no_grad():
+        want = model(**batch).logits
+        with install_qwen_vl(model, guard), count_transfers() as seen:
+            got = model(**dict(batch, mm_token_type_ids=stale)).logits
+    assert torch.equal(got, want)
+    assert sum(seen.values()) == 1  # the verdict said it; the rebuild needs no transfer
+    recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
+    assert [r["action"] for r in recs] == ["rebuilt"]
