@@ -23,7 +23,7 @@ pytest.importorskip("transformers.models.qwen3_vl")
 pytest.importorskip("PIL")
 
 from megatron_media_guard.adapters import install_qwen_vl
-from megatron_media_guard.adapters.qwen_vl_checks import spec_from_model
+from megatron_media_guard.adapters.qwen_vl.checks import spec_from_model
 from megatron_media_guard.testing.qwen_vl import (
     IMAGE,
     VIDEO,

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_media_guard import Grammar, GuardConfig, MediaAlignmentError, MediaGuard
-from megatron_media_guard.adapters.qwen_vl_checks import QwenVLSpec, check_grids
-from megatron_media_guard.adapters.qwen_vl_plan import (
+from megatron_media_guard.adapters.qwen_vl.checks import QwenVLSpec, check_grids
+from megatron_media_guard.adapters.qwen_vl.plan import (
     host_rows,
     report_for,
     split_rows,

@@ -17,7 +17,7 @@ from .hooks import GuardHandle, HandleGroup, guarded_by
 from .llava.checks import LlavaFault
 from .llava.install import LlavaHandle, LlavaResult, install_llava
 from .mimo import install_mimo
-from .qwen_vl import QwenVLHandle, install_qwen_vl
+from .qwen_vl.install import QwenVLHandle, install_qwen_vl
 
 __all__ = [
     "ArgMap",

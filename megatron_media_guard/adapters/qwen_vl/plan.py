@@ -10,17 +10,17 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..core.alignment import AlignmentReport, align
-from ..core.explain import sample_record
-from ..core.host import to_host
-from ..core.items import MediaItem
-from ..core.plan import Plan, digest
-from ..core.runs import ParsedRuns
-from ..diagnostics import GuardRecord
-from ..errors import MediaInputError
-from ..repair.repairs import solve_allowed
-from ..repair.reproject import resize_patches
-from .qwen_vl_checks import MODALITIES, QwenVLSpec
+from ...core.alignment import AlignmentReport, align
+from ...core.explain import sample_record
+from ...core.host import to_host
+from ...core.items import MediaItem
+from ...core.plan import Plan, digest
+from ...core.runs import ParsedRuns
+from ...diagnostics import GuardRecord
+from ...errors import MediaInputError
+from ...repair.repairs import solve_allowed
+from ...repair.reproject import resize_patches
+from .checks import MODALITIES, QwenVLSpec
 
 CALLER = "megatron_media_guard.adapters.qwen_vl"
 

@@ -18,10 +18,10 @@ from typing import Any, Literal
 
 import torch
 
-from ..core.grammar import Grammar
-from ..core.host import to_host
-from ..core.runs import TokenLayout
-from ..errors import MediaInputError
+from ...core.grammar import Grammar
+from ...core.host import to_host
+from ...core.runs import TokenLayout
+from ...errors import MediaInputError
 
 VideoRuns = Literal["one", "per_group"]
 MODALITIES: tuple[str, str] = ("image", "video")

@@ -21,15 +21,15 @@ from typing import Any
 
 import torch
 
-from ..core.explain import error_message
-from ..core.guard import MediaGuard
-from ..core.outcome import GuardReport, LocalOutcome, MergeResult
-from ..core.plan import Plan, build_plan, digest
-from ..core.runs import TokenLayout, parse_layout
-from ..core.verify import Verdict
-from ..errors import MediaInputError
-from .hooks import GuardHandle, ItemsProvider, StepProvider
-from .qwen_vl_checks import (
+from ...core.explain import error_message
+from ...core.guard import MediaGuard
+from ...core.outcome import GuardReport, LocalOutcome, MergeResult
+from ...core.plan import Plan, build_plan, digest
+from ...core.runs import TokenLayout, parse_layout
+from ...core.verify import Verdict
+from ...errors import MediaInputError
+from ..hooks import GuardHandle, ItemsProvider, StepProvider
+from .checks import (
     GRIDS,
     MODALITIES,
     PIXELS,
@@ -42,7 +42,7 @@ from .qwen_vl_checks import (
     packed_offsets,
     spec_from_model,
 )
-from .qwen_vl_plan import (
+from .plan import (
     check_record,
     grid_note,
     host_rows,
@@ -53,7 +53,7 @@ from .qwen_vl_plan import (
     token_items,
     write_records,
 )
-from .qwen_vl_rewrite import (
+from .rewrite import (
     Rewritten,
     add_anchor,
     follow_ids,
@@ -271,7 +271,7 @@ class QwenVLHandle(GuardHandle):
         cfg = self.guard.config
         if cfg.dump_dir is None or (report.ok and plan.keeps_all):
             return None
-        from ..replay.bundle_save import save_bundle
+        from ...replay.bundle_save import save_bundle
 
         return save_bundle(
             cfg.dump_dir,

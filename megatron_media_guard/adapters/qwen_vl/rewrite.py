@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from ..config import GuardConfig
-from ..core.alignment import AlignmentReport
-from ..core.apply import mask_dropped, token_keep, zero_anchor
-from ..core.runs import TokenLayout
-from .qwen_vl_checks import (
+from ...config import GuardConfig
+from ...core.alignment import AlignmentReport
+from ...core.apply import mask_dropped, token_keep, zero_anchor
+from ...core.runs import TokenLayout
+from .checks import (
     GRIDS,
     MODALITIES,
     PIXELS,
@@ -28,7 +28,7 @@ from .qwen_vl_checks import (
     attr_path,
     derived_types,
 )
-from .qwen_vl_plan import GridRow, RowRepair
+from .plan import GridRow, RowRepair
 
 
 def removed_rows(
