@@ -1,15 +1,16 @@
-"""Adapters that guard the merge inside Megatron models, per instance and reversibly.
+"""Adapters that guard the merge inside real model classes, per instance and reversibly.
 
-``handle = install_llava(model, guard)`` / ``install_mimo(model, guard)`` /
-``install_generic(model, "merge_embeddings", guard)`` / ``install_qwen_vl(model, guard)`` (a
-forward pre-hook on a transformers or Megatron-Bridge Qwen-VL model, docs/QWEN_VL.md); ``handle.remove()`` restores the
-instance exactly. ``launcher`` wires them into a Megatron-LM launcher
-(``add_media_guard_args`` for ``extra_args_provider``, ``install_from_args``). See
-docs/MEGATRON.md.
+``install_llava(model, guard)`` (megatron-core ``LLaVAModel``, 0.16 and 0.19),
+``install_qwen_vl(model, guard)`` (transformers and Megatron-Bridge Qwen2.5-VL / Qwen3-VL),
+``install_mimo(model, guard)`` (megatron-core ``MimoModel``) and
+``install_generic(model, "merge_embeddings", guard)``; ``handle.remove()`` restores the
+instance exactly. ``hooks`` holds the handle every adapter builds on; ``launcher`` wires them
+into a Megatron-LM launcher (``add_media_guard_args``, ``install_from_args``). See
+docs/MEGATRON.md and docs/QWEN_VL.md.
 
 The integration side: may import everything else in the package, torch.distributed and
-megatron-core (lazily, where a release may be absent). A new model family's adapter goes
-here as one module (``<family>.py``, checks in ``<family>_checks.py`` when they grow).
+megatron-core (lazily, where a release may be absent). A model family with more than one
+module gets its own subpackage (``llava/``, ``qwen_vl/``); a one-module adapter stays a module.
 """
 
 from .generic import ArgMap, guard_merge_fn, infer_items, install_generic
@@ -19,10 +20,13 @@ from .llava.install import LlavaHandle, LlavaResult, install_llava
 from .mimo import install_mimo
 from .qwen_vl.install import QwenVLHandle, install_qwen_vl
 
+ImageFault = LlavaFault  # the 0.1 name (before sound faults); kept for existing imports
+
 __all__ = [
     "ArgMap",
     "GuardHandle",
     "HandleGroup",
+    "ImageFault",
     "LlavaFault",
     "LlavaHandle",
     "LlavaResult",
