@@ -14,6 +14,7 @@ from itertools import accumulate
 
 import torch
 
+from . import verify_lut
 from .host import to_host
 from .runs import TokenLayout
 
@@ -61,6 +62,37 @@ def verify(
     """
     dev = ids_flat.device
     n_items = len(lengths)
+    if verify_lut.applies(lay.grammar, lay.packed, dev):
+        parts, lay.ph = verify_lut.check(
+            ids_flat.view(lay.batch, lay.row_length),
+            lay.grammar,
+            _want_keys(lengths, modalities, samples, lay, dev),
+            n_items,
+            samples is not None,
+        )
+        # structure: the scan's range (lo, hi) must lie in [-1, 1]
+        lohi = parts.pop(1), parts.pop(1)
+        parts.insert(1, (lohi[0] < -1).long() + (lohi[1] > 1).long())
+    else:
+        parts = _general(lay, lengths, modalities, samples, dev)
+    if features is not None and features.numel():
+        # min and max propagate NaN and show +-Inf: one cheap reduction over the features
+        parts.append(torch.count_nonzero(torch.isfinite(torch.stack(torch.aminmax(features)))))
+    ids64 = ids_flat if ids_flat.dtype == torch.int64 else ids_flat.to(torch.int64)
+    w, w_sum = _weights(ids_flat.numel(), dev)
+    parts.append((ids64 * w).sum())  # + w_sum on the host: sum((ids + 1) * w), wrapping
+    # the one host sync of the aligned path: a handful of integers decide keep-all or diagnose
+    vals = to_host(torch.stack(parts), why="aligned-path verdict").tolist()
+    runs, findings, *rest = vals
+    bad_runs = rest.pop(0) if n_items else 0
+    nonfinite = int(rest.pop(0) != 2) if len(rest) > 1 else 0
+    fingerprint = (rest[0] + w_sum + 2**63) % 2**64 - 2**63  # int64 wraparound
+    return Verdict(runs, bad_runs, findings, nonfinite, fingerprint)
+
+
+def _general(lay, lengths, modalities, samples, dev) -> list[torch.Tensor]:
+    """Device scalars ``[runs, structure violations, (bad runs)]`` for any grammar."""
+    n_items = len(lengths)
     start, end = lay.run_bounds()  # [b, s]
     parts = [torch.count_nonzero(start), lay.structure_violations(start, end)]
     if n_items:
@@ -75,7 +107,7 @@ def verify(
             for smp in samples:
                 counts[smp] += 1
             want += counts
-        table = torch.tensor(want, dtype=torch.int64).to(dev, non_blocking=True)
+        table = _constant(tuple(want), dev)
         # items are concatenated across rows in token order: scan the flattened batch
         run_no = torch.cumsum(start.view(-1), 0).view_as(start).clamp_(max=n_items + 1)  # 1-based
         got = torch.cumsum(lay.ph.view(-1), 0).view_as(start)  # placeholders so far
@@ -88,19 +120,31 @@ def verify(
             want_runs = table[len(want) - lay.num_samples :]
             bad = bad + torch.count_nonzero(lay.runs_per_sample(start) != want_runs)
         parts.append(bad)
-    if features is not None and features.numel():
-        # min and max propagate NaN and show +-Inf: one cheap reduction over the features
-        parts.append(torch.count_nonzero(torch.isfinite(torch.stack(torch.aminmax(features)))))
-    ids64 = ids_flat if ids_flat.dtype == torch.int64 else ids_flat.to(torch.int64)
-    w, w_sum = _weights(ids_flat.numel(), dev)
-    parts.append((ids64 * w).sum())  # + w_sum on the host: sum((ids + 1) * w), wrapping
-    # the one host sync of the aligned path: a handful of integers decide keep-all or diagnose
-    vals = to_host(torch.stack(parts), why="aligned-path verdict").tolist()
-    runs, findings, *rest = vals
-    bad_runs = rest.pop(0) if n_items else 0
-    nonfinite = int(rest.pop(0) != 2) if len(rest) > 1 else 0
-    fingerprint = (rest[0] + w_sum + 2**63) % 2**64 - 2**63  # int64 wraparound
-    return Verdict(runs, bad_runs, findings, nonfinite, fingerprint)
+    return parts
+
+
+def _want_keys(lengths, modalities, samples, lay: TokenLayout, dev) -> torch.Tensor | None:
+    """Item r's key for :func:`verify_lut.check` (modality + 1, length, sample), cached."""
+    if not lengths:
+        return None
+    row = 8 * (lay.row_length + 2)
+    smp = samples if samples is not None else [0] * len(lengths)
+    keys = tuple(m + 1 + 8 * n + row * r for n, m, r in zip(lengths, modalities, smp))
+    return _constant(keys, dev)
+
+
+_CONSTANTS: dict[tuple, torch.Tensor] = {}
+
+
+def _constant(values: tuple[int, ...], dev: torch.device) -> torch.Tensor:
+    """``torch.tensor(values)`` on ``dev``, kept for the last few (a run repeats its items)."""
+    key = (values, str(dev))
+    got = _CONSTANTS.get(key)
+    if got is None:
+        if len(_CONSTANTS) >= 32:
+            _CONSTANTS.pop(next(iter(_CONSTANTS)))
+        got = _CONSTANTS[key] = torch.tensor(values, dtype=torch.int64).to(dev, non_blocking=True)
+    return got
 
 
 _WEIGHTS: dict[tuple[int, str], tuple[torch.Tensor, int]] = {}
