@@ -72,6 +72,7 @@ class MediaGuard:
             raise MediaInputError("MediaGuard needs a grammar (e.g. Grammar.qwen2_vl())")
         self.config = config or GuardConfig()
         self.grammar = grammar
+        self._codes = {m: k for k, m in enumerate(grammar.modalities)}
         if rank is None or consensus is None:
             # function-level import: the core never imports torch.distributed; ranks/ does
             from ..ranks.defaults import default_consensus, default_rank
@@ -281,7 +282,10 @@ class MediaGuard:
     def _merge(self, c: Call) -> MergeResult:
         batch, lay = c.batch, c.lay
         order = batch.order
-        codes = [self.grammar.modality_code(it.modality) for it in batch.items]
+        known = self._codes  # modality -> code; an unknown one raises in modality_code
+        codes = [known.get(it.modality) for it in batch.items]
+        if None in codes:
+            codes = [self.grammar.modality_code(it.modality) for it in batch.items]
         owning = [i for i in order if batch.items[i].num_features]  # featureless: no run
         verdict = verify(
             lay,

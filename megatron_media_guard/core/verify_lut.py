@@ -78,8 +78,8 @@ def _tables(grammar: Grammar, s: int, dev: torch.device) -> tuple:
     # the left edge's offset (-1) starts every row at y = 2 * depth - 1
     got = (
         torch.tensor(cls, dtype=torch.int64, device=dev),
-        torch.tensor(start, dtype=torch.int64, device=dev),
-        torch.tensor(end, dtype=torch.bool, device=dev),
+        torch.tensor(start, dtype=torch.int8, device=dev),
+        torch.tensor(end, dtype=torch.int8, device=dev),
         torch.tensor(step, dtype=torch.int64, device=dev),
         lo - 1,
         hi - lo + 2,
@@ -95,7 +95,7 @@ def check(
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Device scalars ``[runs, structure lo, structure hi, bad runs]`` and the ``[b, s]``
     placeholder mask. ``want``: ``[n_items]`` int64 keys of the expected items in token
-    order, ``(modality + 1) + 8 * length (+ 8 * (s + 2) * sample when explicit)``."""
+    order, ``(modality + 1) + 8 * (length + b * s) (+ 8 * (s + 2) * sample when explicit)``."""
     s = ids.shape[1]
     cls_t, start_t, end_t, step_t, lo, top = _tables(grammar, s, ids.device)
     idx = ids.sub(lo) if ids.dtype == torch.int64 else ids.to(torch.int64).sub_(lo)
@@ -105,13 +105,15 @@ def check(
     pair = torch.add(cls, torch.constant_pad_nd(cls[:, :-1], (1, 0), _EDGE), alpha=8)
     y = torch.cumsum(torch.take(step_t, pair), 1)
     lohi = torch.aminmax(y)
-    first = torch.take(start_t, pair)  # modality + 1 where a run starts, else 0
+    first = torch.take(start_t, pair)  # int8: modality + 1 where a run starts, else 0
     parts = [torch.count_nonzero(first), lohi.min, torch.maximum(lohi.max, y[:, -1].amax() + 2)]
     if n_items:
-        ps = torch.nonzero_static(first.view(-1), size=n_items, fill_value=0).squeeze(1)
-        last = torch.take(end_t, pair).view(-1)
-        pe = torch.nonzero_static(last, size=n_items, fill_value=0).squeeze(1)
-        got = torch.add(torch.take(first, ps), pe - ps, alpha=8)  # pair positions: end - start
+        # starts, then ends (pair t marks the end of token t - 1), in one flat tensor: one
+        # nonzero_static gives run r's start at r and its end, offset by b * s, at n + r
+        marks = torch.stack([first, torch.take(end_t, pair)]).view(-1)
+        pos = torch.nonzero_static(marks, size=2 * n_items, fill_value=0).squeeze(1)
+        ps, pe = pos[:n_items], pos[n_items:]
+        got = torch.add(torch.take(marks, ps), pe - ps, alpha=8)  # + 8 * (length + b * s)
         if explicit:  # the run's row
             got = torch.add(got, ps // s, alpha=8 * (s + 2))
         parts.append(torch.count_nonzero(got != want))
