@@ -72,7 +72,8 @@ def verify(
     """
     dev = ids_flat.device
     n_items = len(lengths)
-    if verify_lut.applies(lay.grammar, lay.packed, dev):
+    fast = verify_lut.applies(lay.grammar, lay.packed, dev)
+    if fast:
         parts, lay.ph = verify_lut.check(
             ids_flat.view(lay.batch, lay.row_length),
             lay.grammar,
@@ -80,9 +81,6 @@ def verify(
             n_items,
             samples is not None,
         )
-        # structure: the scan's range (lo, hi) must lie in [-1, 1]
-        lohi = parts.pop(1), parts.pop(1)
-        parts.insert(1, (lohi[0] < -1).long() + (lohi[1] > 1).long())
     else:
         parts = _general(lay, lengths, modalities, samples, dev)
     probe = _finite_probe(features) if features is not None and features.numel() else None
@@ -90,10 +88,15 @@ def verify(
         parts.append(probe[0])
     ids64 = ids_flat if ids_flat.dtype == torch.int64 else ids_flat.to(torch.int64)
     w, w_sum = _weights(ids_flat.numel(), dev)
-    parts.append((ids64 * w).sum())  # + w_sum on the host: sum((ids + 1) * w), wrapping
+    # + w_sum on the host: sum((ids + 1) * w), wrapping (CPU has an int64 dot; CUDA not)
+    parts.append(torch.dot(ids64, w) if dev.type == "cpu" else (ids64 * w).sum())
     # the one host sync of the aligned path: a handful of integers decide keep-all or diagnose
     vals = to_host(torch.stack(parts), why="aligned-path verdict").tolist()
-    runs, findings, *rest = vals
+    if fast:  # the scan's min, max and max at row ends decide the structure
+        runs, lo, hi, tail, *rest = vals
+        findings = verify_lut.findings(lo, hi, tail)
+    else:
+        runs, findings, *rest = vals
     bad_runs = rest.pop(0) if n_items else 0
     nonfinite = int(probe[1](rest.pop(0))) if probe is not None else 0
     fingerprint = (rest[0] + w_sum + 2**63) % 2**64 - 2**63  # int64 wraparound

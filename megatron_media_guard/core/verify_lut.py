@@ -90,10 +90,16 @@ def _tables(grammar: Grammar, s: int, dev: torch.device) -> tuple:
     return got
 
 
+def findings(lo: int, hi: int, tail: int) -> int:
+    """Structure violations (as a 0/1 count per kind) from the scan's host values."""
+    return int(lo < -1) + int(hi > 1) + int(tail > -1)
+
+
 def check(
     ids: torch.Tensor, grammar: Grammar, want: torch.Tensor | None, n_items: int, explicit: bool
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Device scalars ``[runs, structure lo, structure hi, bad runs]`` and the ``[b, s]``
+    """Device scalars ``[runs, scan min, scan max, scan max at row ends, bad runs]`` (sound
+    structure: min >= -1, max <= 1, max at row ends <= -1: see :func:`findings`) and the ``[b, s]``
     placeholder mask. ``want``: ``[n_items]`` int64 keys of the expected items in token
     order, ``(modality + 1) + 8 * (length + b * s) (+ 8 * (s + 2) * sample when explicit)``."""
     s = ids.shape[1]
@@ -106,7 +112,7 @@ def check(
     y = torch.cumsum(torch.take(step_t, pair), 1)
     lohi = torch.aminmax(y)
     first = torch.take(start_t, pair)  # int8: modality + 1 where a run starts, else 0
-    parts = [torch.count_nonzero(first), lohi.min, torch.maximum(lohi.max, y[:, -1].amax() + 2)]
+    parts = [torch.count_nonzero(first), lohi.min, lohi.max, y[:, -1].amax()]
     if n_items:
         # starts, then ends (pair t marks the end of token t - 1), in one flat tensor: one
         # nonzero_static gives run r's start at r and its end, offset by b * s, at n + r
