@@ -72,11 +72,12 @@ def verify(
     """
     dev = ids_flat.device
     n_items = len(lengths)
-    fast = verify_lut.applies(lay.grammar, lay.packed, dev)
+    luts = verify_lut.tables(lay.grammar, lay.packed, lay.row_length, dev)
+    fast = luts is not None
     if fast:
         parts, lay.ph = verify_lut.check(
             ids_flat.view(lay.batch, lay.row_length),
-            lay.grammar,
+            luts,
             _want_keys(lengths, modalities, samples, lay, dev),
             n_items,
             samples is not None,
@@ -170,7 +171,7 @@ _CONSTANTS: dict[tuple, torch.Tensor] = {}
 
 def _constant(values: tuple[int, ...], dev: torch.device) -> torch.Tensor:
     """``torch.tensor(values)`` on ``dev``, kept for the last few (a run repeats its items)."""
-    key = (values, str(dev))
+    key = (values, dev)
     got = _CONSTANTS.get(key)
     if got is None:
         if len(_CONSTANTS) >= 32:
@@ -179,14 +180,14 @@ def _constant(values: tuple[int, ...], dev: torch.device) -> torch.Tensor:
     return got
 
 
-_WEIGHTS: dict[tuple[int, str], tuple[torch.Tensor, int]] = {}
+_WEIGHTS: dict[tuple[int, torch.device], tuple[torch.Tensor, int]] = {}
 
 
 def _weights(n: int, dev: torch.device) -> tuple[torch.Tensor, int]:
     """``arange(n) * _MIX + 1`` (int64, wrapping), the fingerprint's per-position weights, and
     their sum as a host int; kept for the last few (size, device) pairs (a training run
     repeats its shapes)."""
-    key = (n, str(dev))
+    key = (n, dev)
     got = _WEIGHTS.get(key)
     if got is None:
         if len(_WEIGHTS) >= 8:

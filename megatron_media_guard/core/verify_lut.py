@@ -30,10 +30,18 @@ _TEXT, _START, _END, _PH = 0, 1, 2, 3  # placeholder of modality m: class 3 + m
 _TABLES: dict[tuple, tuple] = {}
 
 
-def applies(grammar: Grammar, packed: bool, dev: torch.device) -> bool:
-    """Whether :func:`check` decides this grammar's verdict (else the general check does).
-    CPU only: ``nonzero_static`` is not on every accelerator in every release."""
-    return (
+def tables(grammar: Grammar, packed: bool, s: int, dev: torch.device) -> tuple | None:
+    """The lookup tables for :func:`check` (per grammar, row length and device, cached), or
+    None where the general check decides: packed rows, breaks, no markers, more than four
+    modalities, special ids spread too far for a table, or off CPU (``nonzero_static`` is
+    not on every accelerator in every release)."""
+    key = (id(grammar), packed, s, dev)
+    got = _TABLES.get(key)
+    if got is not None and got[0] is grammar:
+        return got[1]
+    if len(_TABLES) >= 16:
+        _TABLES.pop(next(iter(_TABLES)))
+    ok = (
         dev.type == "cpu"
         and not packed
         and grammar.start_id is not None
@@ -41,21 +49,20 @@ def applies(grammar: Grammar, packed: bool, dev: torch.device) -> bool:
         and not grammar.break_ids
         and not grammar.collapsed
         and len(grammar.placeholders) <= 4
-        and _span(grammar) <= 1 << 16
     )
+    if ok:
+        ok = max(_ids(grammar)) - min(_ids(grammar)) <= 1 << 16
+    made = _build(grammar, s, dev) if ok else None
+    _TABLES[key] = (grammar, made)
+    return made
 
 
-def _span(grammar: Grammar) -> int:
-    ids = [grammar.start_id, grammar.end_id, *grammar.placeholders.values()]
-    return max(ids) - min(ids)
+def _ids(grammar: Grammar) -> list[int]:
+    return [grammar.start_id, grammar.end_id, *grammar.placeholders.values()]
 
 
-def _tables(grammar: Grammar, s: int, dev: torch.device) -> tuple:
-    """Per (grammar, row length, device): the class table and the three pair tables."""
-    key = (grammar.start_id, grammar.end_id, tuple(grammar.placeholders.values()), s, str(dev))
-    got = _TABLES.get(key)
-    if got is not None:
-        return got
+def _build(grammar: Grammar, s: int, dev: torch.device) -> tuple:
+    """The class table and the three pair tables."""
     ids = {grammar.start_id: _START, grammar.end_id: _END}
     ids.update({tok: _PH + m for m, tok in enumerate(grammar.placeholders.values())})
     lo, hi = min(ids), max(ids)
@@ -84,9 +91,6 @@ def _tables(grammar: Grammar, s: int, dev: torch.device) -> tuple:
         lo - 1,
         hi - lo + 2,
     )
-    if len(_TABLES) >= 16:
-        _TABLES.pop(next(iter(_TABLES)))
-    _TABLES[key] = got
     return got
 
 
@@ -96,14 +100,14 @@ def findings(lo: int, hi: int, tail: int) -> int:
 
 
 def check(
-    ids: torch.Tensor, grammar: Grammar, want: torch.Tensor | None, n_items: int, explicit: bool
+    ids: torch.Tensor, luts: tuple, want: torch.Tensor | None, n_items: int, explicit: bool
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Device scalars ``[runs, scan min, scan max, scan max at row ends, bad runs]`` (sound
     structure: min >= -1, max <= 1, max at row ends <= -1: see :func:`findings`) and the ``[b, s]``
     placeholder mask. ``want``: ``[n_items]`` int64 keys of the expected items in token
     order, ``(modality + 1) + 8 * (length + b * s) (+ 8 * (s + 2) * sample when explicit)``."""
     s = ids.shape[1]
-    cls_t, start_t, end_t, step_t, lo, top = _tables(grammar, s, ids.device)
+    cls_t, start_t, end_t, step_t, lo, top = luts
     idx = ids.sub(lo) if ids.dtype == torch.int64 else ids.to(torch.int64).sub_(lo)
     cls = torch.take(cls_t, idx.clamp_(0, top))
     # pair t = (class[t - 1], class[t]); no pair after the last token: a row ending inside
