@@ -211,6 +211,35 @@ def test_nonfinite_features(policy, outcome):
     assert torch.isfinite(res.embeddings).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, "both infs"])
+def test_nonfinite_found_in_every_float_dtype(dtype, bad):
+    batch = build_batch(Q, LAYOUT)
+    emb, feats = (t.to(dtype) for t in inputs(batch))
+    if bad == "both infs":  # +inf and -inf: their sum is NaN, still found
+        feats[10, 2], feats[11, 3] = math.inf, -math.inf
+    else:
+        feats[10, 2] = bad  # item 2 = sample 1
+    res = MediaGuard(GuardConfig(nonfinite="drop"), grammar=Q).merge(
+        emb, batch.input_ids, feats, batch.items
+    )
+    assert res.report.dropped == (1,)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_huge_finite_features_are_no_nonfinite_alarm(dtype):
+    """Features whose sum overflows the dtype are finite: kept, bit for bit."""
+    batch = build_batch(Q, LAYOUT)
+    emb, feats = (t.to(dtype) for t in inputs(batch))
+    feats.fill_(torch.finfo(dtype).max)
+    res = MediaGuard(GuardConfig(nonfinite="raise"), grammar=Q).merge(
+        emb, batch.input_ids, feats, batch.items
+    )
+    assert res.report.ok and res.report.dropped == ()
+    mask = torch.isin(batch.input_ids, torch.tensor(list(Q.placeholders.values())))
+    assert torch.equal(res.embeddings, emb.masked_scatter(mask.unsqueeze(-1), feats))
+
+
 def test_nonfinite_check_off_skips_it():
     batch = build_batch(Q, LAYOUT)
     emb, feats = inputs(batch)

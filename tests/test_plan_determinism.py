@@ -173,3 +173,23 @@ def test_last_stage_rejects_what_it_cannot_plan(grammar, shape, match):
     lm = torch.ones(shape) if shape else None
     with pytest.raises(MediaInputError, match=match):
         MediaGuard(GuardConfig(), grammar=g).last_stage(ids, [MediaItem(2, 0)], loss_mask=lm)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    fp=st.integers(-(2**63), 2**63 - 1),
+    runs=st.integers(0, 50),
+    lens=st.lists(st.integers(0, 9), max_size=5),
+    actions=st.lists(st.sampled_from(["keep", "drop", "repair", "raise"]), max_size=4),
+    repairs=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 99)), max_size=3),
+)
+def test_cached_plan_digest_hashes_the_same_bytes(fp, runs, lens, actions, repairs):
+    """The digest with the item signature's JSON cached is the plain digest of the parts."""
+    from megatron_media_guard.core.items import MediaItem
+    from megatron_media_guard.core.plan import digest, item_signature, plan_digest_of
+
+    items = [MediaItem(n, modality="image" if n % 2 else "video") for n in lens]
+    knobs = ["drop", "raise", "raise", ["exact"]]
+    for _ in range(2):  # encoded, then from the cache
+        got = plan_digest_of(fp, runs, items, knobs, actions, repairs)
+        assert got == digest(fp, runs, item_signature(items), knobs, actions, repairs)

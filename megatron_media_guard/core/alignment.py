@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .items import MediaItem
-from .runs import TRUNCATION_KINDS, Finding, ParsedRuns, Run
+from .parsed import TRUNCATION_KINDS, Finding, ParsedRuns, Run
 
 
 class Status(str, enum.Enum):

@@ -23,15 +23,18 @@ if TYPE_CHECKING:
     from .guard import Call, MediaGuard
 
 
-def diagnose(guard: MediaGuard, c: Call, verdict: Verdict) -> MergeResult:
+def diagnose(
+    guard: MediaGuard, c: Call, verdict: Verdict, found: list[int] | None = None
+) -> MergeResult:
     """The fault path: full parse, per-sample report, plan, repairs, records, bundle, the
-    consensus round, then the merge of what is kept."""
+    consensus round, then the merge of what is kept. ``found``: the items holding NaN/Inf
+    when the caller already asked (:func:`nonfinite_items`)."""
     batch = c.batch
     report = align(parse_layout(c.lay), batch.items, explicit=batch.explicit)
     nonfinite: dict[int, list[int]] = {}  # sample -> its items holding NaN/Inf
     if verdict.nonfinite:
         owner = {i: rep.sample for rep in report.samples for i in rep.items}
-        for i in nonfinite_items(batch):
+        for i in found if found is not None else nonfinite_items(batch):
             if i in owner:
                 nonfinite.setdefault(owner[i], []).append(i)
     plan = build_plan(

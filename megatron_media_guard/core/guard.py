@@ -9,7 +9,7 @@ verdict says something is off.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -17,7 +17,7 @@ from ..config import GuardConfig
 from ..diagnostics import DiagnosticsLog, GuardRecord, RankInfo
 from ..errors import MediaAlignmentError, MediaInputError
 from .alignment import AlignmentReport, align
-from .apply import mask_dropped, rows_index, scatter
+from .apply import mask_dropped, nonfinite_items, rows_index, scatter
 from .fault_path import diagnose
 from .grammar import Grammar
 from .items import Batch, MediaItem, metadata_batch, normalize
@@ -25,7 +25,7 @@ from .outcome import Consensus, GuardReport, LocalOutcome, MergeResult, StageOut
 from .plan import Plan, build_plan
 from .runs import TokenLayout, parse_layout
 from .validate import check_inputs, check_labels_dtype
-from .verify import Verdict, verify
+from .verify import verify
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,7 @@ class MediaGuard:
             raise MediaInputError("MediaGuard needs a grammar (e.g. Grammar.qwen2_vl())")
         self.config = config or GuardConfig()
         self.grammar = grammar
+        self._codes = {m: k for k, m in enumerate(grammar.modalities)}
         if rank is None or consensus is None:
             # function-level import: the core never imports torch.distributed; ranks/ does
             from ..ranks.defaults import default_consensus, default_rank
@@ -281,7 +282,10 @@ class MediaGuard:
     def _merge(self, c: Call) -> MergeResult:
         batch, lay = c.batch, c.lay
         order = batch.order
-        codes = [self.grammar.modality_code(it.modality) for it in batch.items]
+        known = self._codes  # modality -> code; an unknown one raises in modality_code
+        codes = [known.get(it.modality) for it in batch.items]
+        if None in codes:
+            codes = [self.grammar.modality_code(it.modality) for it in batch.items]
         owning = [i for i in order if batch.items[i].num_features]  # featureless: no run
         verdict = verify(
             lay,
@@ -293,8 +297,13 @@ class MediaGuard:
         )
         self.counters["merges"] += 1
         self.counters["samples"] += lay.num_samples
+        found = None
+        if verdict.aligned_but_nonfinite(len(owning)):  # a sum's NaN/Inf: confirm per item
+            found = nonfinite_items(batch)
+            if not found:
+                verdict = replace(verdict, nonfinite=0, nonfinite_exact=True)
         if not verdict.aligned(len(owning)):
-            return self._diagnose(c, verdict)
+            return diagnose(self, c, verdict, found)
         plan = build_plan(lay.num_samples, batch.items, verdict, None, self.config)
         stage = self._agree(c, plan, None, None, None)
         if c.emb is None:
@@ -306,9 +315,6 @@ class MediaGuard:
             src = src.index_select(0, rows_index(batch, order, src.device))
         out = scatter(c.emb, lay.ph, src)
         return self._finish(c, out, plan, None, verdict, stage, None)
-
-    def _diagnose(self, c: Call, verdict: Verdict) -> MergeResult:
-        return diagnose(self, c, verdict)
 
     def _agree(self, c: Call, plan: Plan, report, fatal_msg, fatal_record) -> StageOutcome:
         """Hands this rank's outcome to the consensus (or takes it as the stage's) and raises

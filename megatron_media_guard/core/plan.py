@@ -63,8 +63,7 @@ class Plan:
 
 def digest(*parts: object) -> int:
     """A 63-bit digest of JSON-able parts (the same on every rank and platform)."""
-    blob = json.dumps(parts, default=repr, sort_keys=True).encode()
-    return int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little") >> 1
+    return _hash(_dumps(parts).encode())
 
 
 def item_signature(items: Sequence[MediaItem]) -> list[tuple]:
@@ -72,6 +71,37 @@ def item_signature(items: Sequence[MediaItem]) -> list[tuple]:
         (it.num_features, it.sample, it.modality, it.num_frames, it.frame_hw, it.grid_thw)
         for it in items
     ]
+
+
+_ENCODED: dict[tuple, str] = {}
+
+
+def plan_digest_of(fingerprint: int, runs: int, items, knobs, actions, repairs) -> int:
+    """``digest(fingerprint, runs, item_signature(items), knobs, actions, repairs)``, the same
+    bytes hashed, with the JSON of the item signature and knobs kept per signature (a
+    training run repeats its items; encoding them is most of the digest's cost)."""
+    sig = item_signature(items)
+    try:
+        key = (tuple(sig), tuple(knobs[:3]), tuple(knobs[3]))
+        mid = _ENCODED.get(key)
+    except TypeError:  # an unhashable field: encode every time
+        return digest(fingerprint, runs, sig, knobs, actions, repairs)
+    if mid is None:
+        if len(_ENCODED) >= 64:
+            _ENCODED.pop(next(iter(_ENCODED)))
+        mid = _ENCODED[key] = _dumps(sig) + ", " + _dumps(knobs)
+    if not (type(fingerprint) is int and type(runs) is int):
+        return digest(fingerprint, runs, sig, knobs, actions, repairs)
+    blob = f"[{fingerprint}, {runs}, {mid}, {_dumps(actions)}, {_dumps(repairs)}]".encode()
+    return _hash(blob)
+
+
+def _dumps(part: object) -> str:
+    return json.dumps(part, default=repr, sort_keys=True)
+
+
+def _hash(blob: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little") >> 1
 
 
 def build_plan(
@@ -113,11 +143,12 @@ def build_plan(
         if actions[smp] != "raise":
             actions[smp] = act
             repairs = [r for r in repairs if r.sample != smp]
-    plan_digest = digest(
+    knobs = [config.policy, config.fallback, config.nonfinite, list(config.allowed_fidelity)]
+    plan_digest = plan_digest_of(
         verdict.fingerprint,
         verdict.runs,
-        item_signature(items),
-        [config.policy, config.fallback, config.nonfinite, list(config.allowed_fidelity)],
+        items,
+        knobs,
         actions,
         [(r.item, r.target) for r in repairs],
     )

@@ -9,8 +9,6 @@ the findings to the host, so its transfer is sized by the number of runs.
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
 from functools import cached_property
 from itertools import pairwise
 
@@ -19,62 +17,7 @@ import torch
 from ..errors import MediaInputError
 from .grammar import Grammar
 from .host import to_host
-
-
-class FindingKind(enum.IntEnum):
-    """Malformed structure found in token ids (codes are stable; names are public)."""
-
-    NESTED_START = 1  # a start token inside an open region
-    END_WITHOUT_START = 2  # an end token with no open region
-    OUTSIDE_REGION = 3  # a placeholder (or break) outside any start/end region
-    UNTERMINATED = 4  # a region or run not closed before the next text/marker
-    CUT_BY_ROW_END = 5  # a region or run still open when the row ends
-    CUT_BY_BOUNDARY = 6  # a region or run still open at a packed-sample boundary
-    EMPTY_RUN = 7  # a run of break tokens holding no placeholder
-    IN_PADDING = 8  # placeholder or marker after the last packed sample
-
-    @property
-    def label(self) -> str:
-        return self.name.lower()
-
-
-TRUNCATION_KINDS = frozenset({FindingKind.CUT_BY_ROW_END, FindingKind.CUT_BY_BOUNDARY})
-
-
-@dataclass(frozen=True)
-class Run:
-    """One placeholder run. ``start``/``end`` are positions within ``row`` (end exclusive);
-    ``length`` counts placeholder tokens (breaks excluded): the features it takes."""
-
-    sample: int
-    row: int
-    start: int
-    end: int
-    length: int
-    modality: str
-
-
-@dataclass(frozen=True)
-class Finding:
-    kind: FindingKind
-    sample: int | None
-    row: int
-    position: int
-
-    def describe(self) -> str:
-        where = "padding" if self.sample is None else f"sample {self.sample}"
-        return f"{self.kind.label} at row {self.row} position {self.position} ({where})"
-
-
-@dataclass(frozen=True)
-class ParsedRuns:
-    """Host-side result of :func:`parse_runs`: runs in token order, findings, sample count."""
-
-    runs: tuple[Run, ...]
-    findings: tuple[Finding, ...]
-    num_samples: int
-    row_length: int
-    packed: bool
+from .parsed import Finding, FindingKind, ParsedRuns, Run
 
 
 class TokenLayout:
@@ -113,16 +56,7 @@ class TokenLayout:
         self.num_tokens = b * s
         dev = ids.device
         self.device = dev
-        # one placeholder mask per modality (``code`` is built from them when read)
-        self._masks = [ids == tok for tok in grammar.placeholders.values()]
-        self.ph = self._masks[0]
-        for m in self._masks[1:]:
-            self.ph = self.ph | m
-        self.content = self.ph
-        for tok in grammar.break_ids:
-            self.content = self.content | (ids == tok)
-        self.is_start = ids == grammar.start_id if grammar.start_id is not None else None
-        self.is_end = ids == grammar.end_id if grammar.end_id is not None else None
+        self._ids = ids  # the masks below are built on first use (verify_lut needs none)
 
         # samples: [b, s] rows, or packed samples of one row
         self.packed = cu_seqlens is not None
@@ -144,6 +78,36 @@ class TokenLayout:
             self.seg_start = bounds[self.sample]
             self.seg_end = bounds[self.sample + 1]
             self.boundary = self.col == self.seg_start  # first token of a packed sample
+
+    # ---- masks (built on first read) -------------------------------------------
+
+    @cached_property
+    def _masks(self) -> list[torch.Tensor]:  # one placeholder mask per modality
+        return [self._ids == tok for tok in self.grammar.placeholders.values()]
+
+    @cached_property
+    def ph(self) -> torch.Tensor:  # [b, s] bool: any placeholder
+        ph = self._masks[0]
+        for m in self._masks[1:]:
+            ph = ph | m
+        return ph
+
+    @cached_property
+    def content(self) -> torch.Tensor:  # placeholders and breaks
+        content = self.ph
+        for tok in self.grammar.break_ids:
+            content = content | (self._ids == tok)
+        return content
+
+    @cached_property
+    def is_start(self) -> torch.Tensor | None:
+        t = self.grammar.start_id
+        return None if t is None else self._ids == t
+
+    @cached_property
+    def is_end(self) -> torch.Tensor | None:
+        t = self.grammar.end_id
+        return None if t is None else self._ids == t
 
     # ---- helpers ---------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from itertools import accumulate
 
 import torch
 
+from . import verify_lut
 from .host import to_host
 from .runs import TokenLayout
 
@@ -36,6 +37,16 @@ class Verdict:
     findings: int
     nonfinite: int
     fingerprint: int
+    nonfinite_exact: bool = True  # False: ``nonfinite`` came from a sum that may overflow
+
+    def aligned_but_nonfinite(self, num_items: int) -> bool:
+        """Only the NaN/Inf flag fails, and that flag may be a finite sum's overflow."""
+        return (
+            bool(self.nonfinite)
+            and not self.nonfinite_exact
+            and self.runs == num_items
+            and (self.bad_runs == 0 and self.findings == 0)
+        )
 
     def aligned(self, num_items: int) -> bool:
         return (
@@ -61,6 +72,59 @@ def verify(
     """
     dev = ids_flat.device
     n_items = len(lengths)
+    luts = verify_lut.tables(lay.grammar, lay.packed, lay.row_length, dev)
+    fast = luts is not None
+    if fast:
+        parts, lay.ph = verify_lut.check(
+            ids_flat.view(lay.batch, lay.row_length),
+            luts,
+            _want_keys(lengths, modalities, samples, lay, dev),
+            n_items,
+            samples is not None,
+        )
+    else:
+        parts = _general(lay, lengths, modalities, samples, dev)
+    probe = _finite_probe(features) if features is not None and features.numel() else None
+    if probe is not None:
+        parts.append(probe[0])
+    ids64 = ids_flat if ids_flat.dtype == torch.int64 else ids_flat.to(torch.int64)
+    w, w_sum = _weights(ids_flat.numel(), dev)
+    # + w_sum on the host: sum((ids + 1) * w), wrapping (CPU has an int64 dot; CUDA not)
+    parts.append(torch.dot(ids64, w) if dev.type == "cpu" else (ids64 * w).sum())
+    # the one host sync of the aligned path: a handful of integers decide keep-all or diagnose
+    vals = to_host(torch.stack(parts), why="aligned-path verdict").tolist()
+    if fast:  # the scan's min, max and max at row ends decide the structure
+        runs, lo, hi, tail, *rest = vals
+        findings = verify_lut.findings(lo, hi, tail)
+    else:
+        runs, findings, *rest = vals
+    bad_runs = rest.pop(0) if n_items else 0
+    nonfinite = int(probe[1](rest.pop(0))) if probe is not None else 0
+    fingerprint = (rest[0] + w_sum + 2**63) % 2**64 - 2**63  # int64 wraparound
+    exact = probe is None or probe[2]
+    return Verdict(runs, bad_runs, findings, nonfinite, fingerprint, exact)
+
+
+# bf16 / fp32: the bits of the sum (float32 accumulation; twice as fast as aminmax on CPU):
+# NaN/Inf anywhere makes it NaN/Inf; a finite sum that overflows is a false alarm, which the
+# caller rules out with the exact per-item check before it acts (``nonfinite_exact`` False)
+_SUM_BITS = {torch.bfloat16: (torch.int16, 0x7F80), torch.float32: (torch.int32, 0x7F800000)}
+
+
+def _finite_probe(features: torch.Tensor):
+    """``(device scalar, host decoder -> 1 if NaN/Inf, exact)`` for the features."""
+    bits = _SUM_BITS.get(features.dtype)
+    if bits is not None:
+        view, mask = bits
+        return features.sum().view(view), lambda v: v & mask == mask, False
+    # min and max propagate NaN and show +-Inf: one cheap reduction over the features
+    lohi = torch.count_nonzero(torch.isfinite(torch.stack(torch.aminmax(features))))
+    return lohi, lambda v: v != 2, True
+
+
+def _general(lay, lengths, modalities, samples, dev) -> list[torch.Tensor]:
+    """Device scalars ``[runs, structure violations, (bad runs)]`` for any grammar."""
+    n_items = len(lengths)
     start, end = lay.run_bounds()  # [b, s]
     parts = [torch.count_nonzero(start), lay.structure_violations(start, end)]
     if n_items:
@@ -75,7 +139,7 @@ def verify(
             for smp in samples:
                 counts[smp] += 1
             want += counts
-        table = torch.tensor(want, dtype=torch.int64).to(dev, non_blocking=True)
+        table = _constant(tuple(want), dev)
         # items are concatenated across rows in token order: scan the flattened batch
         run_no = torch.cumsum(start.view(-1), 0).view_as(start).clamp_(max=n_items + 1)  # 1-based
         got = torch.cumsum(lay.ph.view(-1), 0).view_as(start)  # placeholders so far
@@ -88,29 +152,42 @@ def verify(
             want_runs = table[len(want) - lay.num_samples :]
             bad = bad + torch.count_nonzero(lay.runs_per_sample(start) != want_runs)
         parts.append(bad)
-    if features is not None and features.numel():
-        # min and max propagate NaN and show +-Inf: one cheap reduction over the features
-        parts.append(torch.count_nonzero(torch.isfinite(torch.stack(torch.aminmax(features)))))
-    ids64 = ids_flat if ids_flat.dtype == torch.int64 else ids_flat.to(torch.int64)
-    w, w_sum = _weights(ids_flat.numel(), dev)
-    parts.append((ids64 * w).sum())  # + w_sum on the host: sum((ids + 1) * w), wrapping
-    # the one host sync of the aligned path: a handful of integers decide keep-all or diagnose
-    vals = to_host(torch.stack(parts), why="aligned-path verdict").tolist()
-    runs, findings, *rest = vals
-    bad_runs = rest.pop(0) if n_items else 0
-    nonfinite = int(rest.pop(0) != 2) if len(rest) > 1 else 0
-    fingerprint = (rest[0] + w_sum + 2**63) % 2**64 - 2**63  # int64 wraparound
-    return Verdict(runs, bad_runs, findings, nonfinite, fingerprint)
+    return parts
 
 
-_WEIGHTS: dict[tuple[int, str], tuple[torch.Tensor, int]] = {}
+def _want_keys(lengths, modalities, samples, lay: TokenLayout, dev) -> torch.Tensor | None:
+    """Item r's key for :func:`verify_lut.check` (modality + 1, length, sample), cached."""
+    if not lengths:
+        return None
+    row = 8 * (lay.row_length + 2)
+    smp = samples if samples is not None else [0] * len(lengths)
+    off = lay.num_tokens  # ends come after all starts in verify_lut's flat marks
+    keys = tuple(m + 1 + 8 * (n + off) + row * r for n, m, r in zip(lengths, modalities, smp))
+    return _constant(keys, dev)
+
+
+_CONSTANTS: dict[tuple, torch.Tensor] = {}
+
+
+def _constant(values: tuple[int, ...], dev: torch.device) -> torch.Tensor:
+    """``torch.tensor(values)`` on ``dev``, kept for the last few (a run repeats its items)."""
+    key = (values, dev)
+    got = _CONSTANTS.get(key)
+    if got is None:
+        if len(_CONSTANTS) >= 32:
+            _CONSTANTS.pop(next(iter(_CONSTANTS)))
+        got = _CONSTANTS[key] = torch.tensor(values, dtype=torch.int64).to(dev, non_blocking=True)
+    return got
+
+
+_WEIGHTS: dict[tuple[int, torch.device], tuple[torch.Tensor, int]] = {}
 
 
 def _weights(n: int, dev: torch.device) -> tuple[torch.Tensor, int]:
     """``arange(n) * _MIX + 1`` (int64, wrapping), the fingerprint's per-position weights, and
     their sum as a host int; kept for the last few (size, device) pairs (a training run
     repeats its shapes)."""
-    key = (n, str(dev))
+    key = (n, dev)
     got = _WEIGHTS.get(key)
     if got is None:
         if len(_WEIGHTS) >= 8:

@@ -1,0 +1,89 @@
+"""The marker-grammar check (core/verify_lut.py) against the general aligned-path check:
+same run count, same structure verdict, same keep-all decision, same placeholder mask."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_media_guard.core import verify as V
+from megatron_media_guard.core import verify_lut
+from megatron_media_guard.core.grammar import Grammar
+from megatron_media_guard.core.runs import TokenLayout, parse_runs
+
+Q = Grammar.qwen2_vl()
+INTERN = Grammar.internvl(10, 11, 12)
+TEXT = (5, 7)
+
+
+@st.composite
+def batches(draw):
+    g = draw(st.sampled_from([Q, INTERN]))
+    toks = [*TEXT, g.start_id, g.end_id, *g.placeholders.values()]
+    ph = list(g.placeholders.values())
+    b, s = draw(st.integers(1, 3)), draw(st.integers(1, 20))
+    rows = []
+    for _ in range(b):
+        if draw(st.booleans()):  # mostly well formed: text and regions of runs
+            r: list[int] = []
+            while len(r) < s:
+                if draw(st.integers(0, 4)) < 2:
+                    r.append(draw(st.sampled_from(TEXT)))
+                    continue
+                body: list[int] = []
+                for _ in range(draw(st.integers(0, 2))):
+                    body += [draw(st.sampled_from(ph))] * draw(st.integers(1, 4))
+                    if draw(st.integers(0, 4)) == 0:  # text inside the region
+                        body.append(draw(st.sampled_from(TEXT)))
+                r += [g.start_id, *body, g.end_id]
+            r = r[:s]
+            if draw(st.booleans()):
+                r[draw(st.integers(0, s - 1))] = draw(st.sampled_from(toks))
+        else:
+            r = draw(st.lists(st.sampled_from(toks), min_size=s, max_size=s))
+        rows.append(r)
+    dtype = draw(st.sampled_from([torch.int64, torch.int32]))
+    ids = torch.tensor(rows, dtype=dtype)
+    runs = parse_runs(ids, g).runs
+    lens = [r.length for r in runs]
+    mods = [g.modality_code(r.modality) for r in runs]
+    smp = [r.sample for r in runs]
+    if lens and draw(st.booleans()):  # perturb one item
+        k = draw(st.integers(0, len(lens) - 1))
+        how = draw(st.integers(0, 3))
+        if how == 0:
+            lens[k] += 1
+        elif how == 1:
+            del lens[k], mods[k], smp[k]
+        elif how == 2 and len(g.placeholders) > 1:
+            mods[k] = 1 - mods[k]
+        else:
+            smp[k] = min(b - 1, smp[k] + 1)
+            smp.sort()
+    return g, ids, lens, mods, smp if draw(st.booleans()) else None
+
+
+@settings(max_examples=400, deadline=None)
+@given(batches())
+def test_marker_check_matches_the_general_check(case):
+    g, ids, lens, mods, samples = case
+    flat = ids.reshape(-1)
+    assert verify_lut.tables(g, False, ids.shape[1], ids.device) is not None
+    lay = TokenLayout(ids, g)
+    fast = V.verify(lay, flat, lens, mods, samples, None)
+    ref = TokenLayout(ids, g)
+    vals = torch.stack(V._general(ref, lens, mods, samples, flat.device)).tolist()
+    aligned = vals[0] == len(lens) and vals[1] == 0 and (len(vals) < 3 or vals[2] == 0)
+    assert fast.runs == vals[0]
+    assert (fast.findings == 0) == (vals[1] == 0)
+    assert fast.aligned(len(lens)) == aligned
+    assert torch.equal(lay.ph, ref.ph)
+
+
+def test_marker_check_is_not_used_where_it_does_not_apply():
+    pixtral = Grammar.pixtral(10, 11, 12)
+    assert verify_lut.tables(pixtral, False, 8, torch.device("cpu")) is None  # breaks
+    assert verify_lut.tables(Q, True, 8, torch.device("cpu")) is None  # packed rows
+    far = Grammar({"image": 5}, start_id=1, end_id=10**6)
+    assert verify_lut.tables(far, False, 8, torch.device("cpu")) is None  # ids too far apart
