@@ -1,7 +1,7 @@
 """The aligned-path check for marker grammars (Qwen-VL, InternVL) in a few fused ops.
 
 Same verdict as the general check in ``verify.py`` for a grammar with start and end
-markers, no break tokens, at most five placeholder modalities and unpacked rows, in about
+markers, no break tokens, at most four placeholder modalities and unpacked rows, in about
 a third of the torch ops (at short micro-batches the cost is op dispatch, not work):
 
 - each token gets a class (text, start, end, placeholder of modality m) from one small
