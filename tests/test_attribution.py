@@ -117,3 +117,26 @@ def test_message_building_cannot_hide_the_alignment_error(tmp_path, monkeypatch)
     msg = str(info.value)
     assert "Media alignment failed (rank 4, step 9)" in msg and "RuntimeError" in msg
     assert "per-rank log:" in msg
+
+
+@pytest.mark.parametrize(
+    "labels",
+    [
+        torch.ones(2, 3, dtype=torch.int64),  # wrong shape
+        torch.ones(1, 1, dtype=torch.float32),  # placeholder: replaced by the batch's shape below
+        [[1, 2, 3]],  # not a tensor
+    ],
+    ids=["shape", "float", "list"],
+)
+def test_last_stage_checks_masks_as_merge_does(labels):
+    """The last pipeline stage refuses the labels the first stage's merge refuses, with the
+    library's error (not an AttributeError from deep inside)."""
+    batch = inject(Q, LAYOUT, "surplus_feature")
+    if isinstance(labels, torch.Tensor) and labels.is_floating_point():
+        labels = torch.ones(batch.input_ids.shape, dtype=torch.float32)
+    guard = MediaGuard(GuardConfig(policy="drop"), Q, rank=RankInfo(rank=0))
+    emb = torch.zeros(*batch.input_ids.shape, 8)
+    with pytest.raises(MediaInputError):
+        guard.merge(emb, batch.input_ids, batch.features(8), batch.items, labels=labels)
+    with pytest.raises(MediaInputError):
+        guard.last_stage(batch.input_ids, batch.items, labels=labels)

@@ -36,7 +36,7 @@ def sample_record(
         step=step,
         microbatch=microbatch,
         sample=rep.sample,
-        sample_id=_sample_id(rep, items),
+        sample_id=rep.sample_id,
         row=rep.row,
         item=idx,
         modality=item.modality if item else (rep.run_modalities[0] if rep.run_modalities else None),
@@ -49,13 +49,6 @@ def sample_record(
         reason=f"{rep.status}: {rep.reason}",
         extra={"status": str(rep.status), "findings": [f.describe() for f in rep.findings[:8]]},
     )
-
-
-def _sample_id(rep: SampleReport, items: Sequence[MediaItem]) -> str | int | None:
-    """The sample's id: the report's, else the first of its items that carries one."""
-    if rep.sample_id is not None:
-        return rep.sample_id
-    return next((items[i].sample_id for i in rep.items if items[i].sample_id is not None), None)
 
 
 def nonfinite_record(
@@ -99,7 +92,7 @@ def describe_sample(
     if nonfinite and rep.ok:
         idx = nonfinite[0]
         it = items[idx]
-        sid = _sample_id(rep, items)
+        sid = rep.sample_id
         head = f"sample {rep.sample}" + (f" (sample_id {sid!r})" if sid is not None else "")
         return (
             f"{head} row {rep.row}: {nonfinite_reason(nonfinite)} "
@@ -108,7 +101,7 @@ def describe_sample(
         )
     idx, item = _item_of(rep, items)
     head = [f"sample {rep.sample}"]
-    sid = _sample_id(rep, items)
+    sid = rep.sample_id
     if sid is not None:
         head.append(f"(sample_id {sid!r})")
     head.append(f"row {rep.row}: {rep.status} — {rep.reason}.")

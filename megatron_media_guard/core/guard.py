@@ -24,7 +24,7 @@ from .items import Batch, MediaItem, metadata_batch, normalize
 from .outcome import Consensus, GuardReport, LocalOutcome, MergeResult, StageOutcome
 from .plan import Plan, build_plan
 from .runs import TokenLayout, parse_layout
-from .validate import check_inputs, check_labels_dtype
+from .validate import check_inputs, check_labels_dtype, check_masks
 from .verify import verify
 
 
@@ -175,11 +175,7 @@ class MediaGuard:
         def prepare() -> Call:
             lay = TokenLayout(input_ids, self.grammar, cu_seqlens)
             batch = metadata_batch(items, lay.num_samples)
-            for name, t in (("loss_mask", loss_mask), ("labels", labels)):
-                if t is not None and tuple(t.shape) != (lay.batch, lay.row_length):
-                    raise MediaInputError(
-                        f"{name} must be [b, s] = {(lay.batch, lay.row_length)}, got {tuple(t.shape)}"
-                    )
+            check_masks(loss_mask, labels, lay.batch, lay.row_length, None)
             check_labels_dtype(labels, self.config.ignore_index)
             return Call(
                 None,

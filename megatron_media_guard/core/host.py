@@ -17,22 +17,14 @@ from contextlib import contextmanager
 import torch
 
 _lock = threading.Lock()
-_count = 0
 _reasons: Counter[str] = Counter()
 
 
 def to_host(tensor: torch.Tensor, why: str) -> torch.Tensor:
     """Copy ``tensor`` to CPU (a blocking sync when it lives on an accelerator)."""
-    global _count
     with _lock:
-        _count += 1
         _reasons[why] += 1
     return tensor.detach().to("cpu")
-
-
-def transfer_count() -> int:
-    """How many transfers :func:`to_host` has made in this process."""
-    return _count
 
 
 @contextmanager

@@ -63,17 +63,25 @@ def check_inputs(
                 f"features hidden size {features.shape[1]} != embeddings hidden size "
                 f"{embeddings.shape[2]}"
             )
+    check_masks(loss_mask, labels, b, s, embeddings.device)
+    return emb
+
+
+def check_masks(
+    loss_mask: object, labels: object, b: int, s: int, device: torch.device | None
+) -> None:
+    """``loss_mask`` / ``labels`` are ``[b, s]`` tensors (on ``device`` when given) and labels
+    are integer ids; None passes. Shared by the merge and the last pipeline stage."""
     for name, t in (("loss_mask", loss_mask), ("labels", labels)):
         if t is None:
             continue
         if not isinstance(t, torch.Tensor) or _shape(t) != (b, s):
             got = _shape(t) if isinstance(t, torch.Tensor) else type(t).__name__
             raise MediaInputError(f"{name} must be [b, s] = {(b, s)}, got {got}")
-        if t.device != embeddings.device:
-            raise MediaInputError(f"{name} on {t.device}, embeddings on {embeddings.device}")
-    if labels is not None and labels.is_floating_point():
+        if device is not None and t.device != device:
+            raise MediaInputError(f"{name} on {t.device}, embeddings on {device}")
+    if isinstance(labels, torch.Tensor) and labels.is_floating_point():
         raise MediaInputError(f"labels must be integer token ids, got {labels.dtype}")
-    return emb
 
 
 def check_labels_dtype(labels: torch.Tensor | None, ignore_index: int) -> None:
