@@ -21,6 +21,7 @@ if [ "$(cat "$DEST/.version" 2>/dev/null)" != "$VERSION" ]; then
     rm -rf "$DEST"
     "$PY" -m zipfile -e "$tmp"/megatron_core-"$VERSION"-*.whl "$DEST"
     echo "$VERSION" > "$DEST/.version"
+    rm -rf "$tmp"; trap - EXIT  # the script ends in exec, which skips EXIT traps
 fi
 "$PY" -c "import triton" 2>/dev/null ||
     "$PY" -m pip install -q --disable-pip-version-check "triton==$TRITON"

@@ -286,6 +286,23 @@ def test_replay_bundle_of_a_mismatched_batch(family, tmp_path):
     assert bundle.items[0].grid_thw == tuple(mixed["image_grid_thw"][0].tolist())
 
 
+def test_a_failed_bundle_save_does_not_stop_the_drop(family, tmp_path, monkeypatch):
+    """A full disk under the replay bundle costs the bundle only: the drop goes on."""
+    import megatron_media_guard.replay.bundle_save as bundle_save
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(bundle_save, "save_bundle", full)
+    _, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
+    model = model_for(family)
+    guard = guard_for(family, "drop", dump_dir=str(tmp_path))
+    with torch.no_grad(), install_qwen_vl(model, guard) as h:
+        model(**mixed)
+    assert "drop" in h.last_result.report.actions
+    assert not list(tmp_path.glob("*.bundle"))
+
+
 def test_consensus_round_per_forward(family):
     from megatron_media_guard.core.outcome import StageOutcome
 

@@ -166,6 +166,17 @@ def test_good_bundle_still_reproduces_with_exit_1(tmp_path, capsys):
     assert "Media alignment failed" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("field", ["modality", "sample_id"])
+def test_escape_sequences_in_a_bundle_never_reach_the_terminal(tmp_path, capsys, field):
+    meta, tensors = _meta_and_tensors(_good_bundle(tmp_path))
+    value = "\x1b[2Jevil" if field == "modality" else "\x1b]0;title\x07id"
+    path = _item(field, value)(tmp_path, meta, tensors)
+    code = replay_main([str(path), "--max-bytes", str(1 << 20)])
+    out, err = capsys.readouterr()
+    assert code in (1, 2)
+    assert "\x1b" not in out + err and "\x07" not in out + err
+
+
 def test_the_limit_is_configurable_and_checked_before_loading(tmp_path, monkeypatch, capsys):
     path = _good_bundle(tmp_path)
     loaded = []

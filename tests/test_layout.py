@@ -36,10 +36,13 @@ def _resolve(module: str, is_pkg: bool, level: int, target: str | None) -> str:
     return ".".join(base + ([target] if target else []))
 
 
-def _imports(path: Path, module_level_only: bool) -> list[tuple[str, int]]:
+def _imports(
+    path: Path, module_level_only: bool, source: str | None = None
+) -> list[tuple[str, int]]:
     """(imported module, line) for every import in ``path``; with ``module_level_only``, the
-    ones that run at import (not inside functions, not under ``if TYPE_CHECKING``)."""
-    tree = ast.parse(path.read_text(), str(path))
+    ones that run at import (not inside functions, not under ``if TYPE_CHECKING``).
+    ``source``: check this text as if it were ``path``'s."""
+    tree = ast.parse(path.read_text() if source is None else source, str(path))
     module, is_pkg = _module_name(path), path.name == "__init__.py"
     out: list[tuple[str, int]] = []
 
@@ -61,9 +64,9 @@ def _imports(path: Path, module_level_only: bool) -> list[tuple[str, int]]:
                 # ``from . import x`` / ``from .pkg import mod``: x may be a submodule
                 for a in child.names:
                     sub = f"{base}.{a.name}"
-                    if (PKG.parent / (sub.replace(".", "/") + ".py")).exists() or (
-                        PKG.parent / sub.replace(".", "/")
-                    ).is_dir():
+                    path_of = PKG.parent / sub.replace(".", "/")
+                    # absolute: ``from torch import distributed`` names the submodule
+                    if child.level == 0 or path_of.with_suffix(".py").exists() or path_of.is_dir():
                         out.append((sub, child.lineno))
             visit(child, top)
 
@@ -87,6 +90,21 @@ def test_core_side_never_imports_distributed_or_megatron(side):
         if any(mod == f or mod.startswith(f + ".") for f in FORBIDDEN_IN_CORE)
     ]
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import torch.distributed as dist",
+        "from torch import distributed",
+        "from torch.distributed import all_reduce",
+        "def f():\n    from megatron.core import parallel_state",
+    ],
+)
+def test_forbidden_import_check_can_fail(source):
+    path = PKG / "core" / "guard.py"
+    found = [mod for mod, _ in _imports(path, module_level_only=False, source=source)]
+    assert any(m == f or m.startswith(f + ".") for m in found for f in FORBIDDEN_IN_CORE), found
 
 
 def test_runtime_never_imports_testing():

@@ -139,13 +139,50 @@ def write_records(
 
 
 def dump_bundle(guard: MediaGuard, c: Call, report: AlignmentReport):
-    """Saves a replay bundle of a mismatched micro-batch when ``config.dump_dir`` is set.
-    Any failure is contained: one error line, no bundle, the merge goes on with its plan."""
+    """Saves a replay bundle of a mismatched micro-batch when ``config.dump_dir`` is set."""
+    if report.ok:
+        return None
     cfg = guard.config
-    if cfg.dump_dir is None or report.ok:
+    return save_replay(
+        guard,
+        input_ids=c.input_ids,
+        items=c.batch.items,
+        cu_seqlens=c.cu_seqlens,
+        step=c.step,
+        microbatch=c.microbatch,
+        report=report,
+        features=c.batch.features if cfg.dump_features else None,
+    )
+
+
+def save_replay(
+    guard: MediaGuard, *, input_ids, items, cu_seqlens, step, microbatch, report, features=None
+):
+    """Saves a replay bundle when ``config.dump_dir`` is set (the guard's and the adapters'
+    one way to). Any failure is contained: one error line, no bundle, the caller goes on with
+    its plan."""
+    cfg = guard.config
+    if cfg.dump_dir is None:
         return None
     try:
-        return _save(guard, c, report)
+        # up the stack, inside the function: bundles are written only on the fault path
+        from ..replay.bundle_save import save_bundle
+
+        return save_bundle(
+            cfg.dump_dir,
+            input_ids=input_ids,
+            items=items,
+            grammar=guard.grammar,
+            cu_seqlens=cu_seqlens,
+            config=cfg,
+            rank=guard.rank,
+            step=step,
+            microbatch=microbatch,
+            report=report,
+            include_pixels=cfg.dump_pixels,
+            features=features,
+            max_bundles=cfg.dump_max,
+        )
     except Exception as err:  # a full disk under torch.save, an odd item field: never fatal
         from ..diagnostics import get_logger
 
@@ -156,24 +193,3 @@ def dump_bundle(guard: MediaGuard, c: Call, report: AlignmentReport):
             err,
         )
         return None
-
-
-def _save(guard: MediaGuard, c: Call, report: AlignmentReport):
-    from ..replay.bundle_save import save_bundle
-
-    cfg = guard.config
-    return save_bundle(
-        cfg.dump_dir,
-        input_ids=c.input_ids,
-        items=c.batch.items,
-        grammar=guard.grammar,
-        cu_seqlens=c.cu_seqlens,
-        config=cfg,
-        rank=guard.rank,
-        step=c.step,
-        microbatch=c.microbatch,
-        report=report,
-        include_pixels=cfg.dump_pixels,
-        features=c.batch.features if cfg.dump_features else None,
-        max_bundles=cfg.dump_max,
-    )

@@ -22,6 +22,7 @@ from ..core.items import metadata_batch
 from ..core.plan import build_plan
 from ..core.runs import TokenLayout, parse_layout
 from ..core.verify import Verdict
+from ..diagnostics.report_format import neutralise
 from ..errors import MediaAlignmentError
 from .bundle import BundleError, _json_default, report_summary
 from .bundle_load import Bundle, load_bundle
@@ -119,16 +120,19 @@ def run_replay(args: argparse.Namespace) -> int:
     try:
         result = replay(load_bundle(args.bundle, max_bytes=getattr(args, "max_bytes", None)))
     except MediaAlignmentError as err:
-        print(f"media-guard replay: {_one_line(str(err))}", file=sys.stderr)
+        print(f"media-guard replay: {neutralise(_one_line(str(err)))}", file=sys.stderr)
         return EXIT_BAD_BUNDLE
     except Exception as err:  # whatever an invalid bundle trips in the replay itself
         why = _one_line(f"{type(err).__name__}: {err}")
-        print(f"media-guard replay: {args.bundle}: invalid bundle ({why})", file=sys.stderr)
+        print(
+            f"media-guard replay: {args.bundle}: invalid bundle ({neutralise(why)})",
+            file=sys.stderr,
+        )
         return EXIT_BAD_BUNDLE
     if args.json:
         print(json.dumps(result.to_dict(), default=_json_default))
     else:
-        print(result.message)
+        print(neutralise(result.message))  # a bundle is untrusted: no raw escapes reach the tty
         if result.saved_mismatched:
             print(f"  at save time: mismatched samples {list(result.saved_mismatched)[:16]}")
     return EXIT_ALIGNED if result.aligned else EXIT_MISMATCH

@@ -258,7 +258,7 @@ def check_grids(
         if pixel_rows.get(mod) is not None:
             pix_bad = pix_bad + (g.prod(-1).sum() != pixel_rows[mod]).long()
         if declared is not None and mod in declared:
-            bad = bad + (declared[mod].to(dev) != per_row * size).sum()
+            bad = bad + (declared[mod].to(dev, non_blocking=True) != per_row * size).sum()
         fp = fp + (g * (torch.arange(g.numel(), device=dev).view_as(g) * _MIX_GRID + k + 1)).sum()
         cum_runs = torch.cumsum(per_row, 0)
         base = torch.cumsum(per_row * size, 0) - per_row * size
@@ -273,7 +273,7 @@ def check_grids(
             bad = bad + _rows_across_samples(lay, start & is_m, per_row, cum_runs)
         if samples is not None and mod in samples:
             want_s = torch.zeros(lay.num_samples, dtype=torch.int64, device=dev)
-            want_s.index_add_(0, samples[mod].to(dev), per_row)
+            want_s.index_add_(0, samples[mod].to(dev, non_blocking=True), per_row)
             bad = bad + (lay.runs_per_sample(start & is_m) != want_s).sum()
     types_bad = torch.zeros((), dtype=torch.int64, device=dev)
     for name, given in (types or {}).items():

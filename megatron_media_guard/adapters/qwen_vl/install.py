@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ...core.explain import error_message
+from ...core.fault_path import save_replay
 from ...core.guard import MediaGuard
 from ...core.outcome import GuardReport, LocalOutcome, MergeResult
 from ...core.plan import Plan, build_plan, digest
@@ -268,24 +269,16 @@ class QwenVLHandle(GuardHandle):
         return call.rebuild()
 
     def _dump(self, ids, cu, items, report, plan, step, mb):
-        cfg = self.guard.config
-        if cfg.dump_dir is None or (report.ok and plan.keeps_all):
+        if report.ok and plan.keeps_all:
             return None
-        from ...replay.bundle_save import save_bundle
-
-        return save_bundle(
-            cfg.dump_dir,
+        return save_replay(
+            self.guard,
             input_ids=ids,
             items=items,
-            grammar=self.guard.grammar,
             cu_seqlens=cu,
-            config=cfg,
-            rank=self.guard.rank,
             step=step,
             microbatch=mb,
             report=report,
-            include_pixels=cfg.dump_pixels,
-            max_bundles=cfg.dump_max,
         )
 
     def _result(self, plan, report, check, stage, step, mb, ids, cu, rw) -> None:
