@@ -3,7 +3,11 @@ budget search is bounded without losing landings; see docs/BENCHMARKS.md for its
 
 from __future__ import annotations
 
+import math
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_geometry import exhaustive_grids
 
 from megatron_media_guard.geometry import (
@@ -15,6 +19,7 @@ from megatron_media_guard.geometry import (
     TiledGeometry,
 )
 from megatron_media_guard.geometry.radio_search import landing_budgets
+from megatron_media_guard.geometry.solution import divisor_pairs, divisors, pick
 
 FAMILIES = {
     "qwen2-vl": PatchMergeGeometry.qwen2_vl(),
@@ -111,3 +116,87 @@ def test_radio_landings_at_extreme_aspects_match_an_exhaustive_scan(geo, hw):
     for q in (2, 6, 10**6):
         if q not in grids:
             assert landing_budgets(geo, ph0, pw0, q) == []
+
+
+# ---- the helpers the inverse leans on ------------------------------------------------------
+@pytest.mark.parametrize(
+    "n, expected",
+    [
+        (0, []),
+        (-6, []),
+        (1, [1]),
+        (2, [1, 2]),
+        (12, [1, 2, 3, 4, 6, 12]),
+        (49, [1, 7, 49]),
+        (97, [1, 97]),  # a prime
+        (2 * 1_000_003, [1, 2, 1_000_003, 2_000_006]),  # a large prime factor left over
+    ],
+)
+def test_divisors_table(n, expected):
+    assert divisors(n) == expected
+    assert list(divisor_pairs(n)) == [(a, n // a) for a in expected]
+
+
+@given(st.integers(1, 200_000))
+@settings(max_examples=300, deadline=None)
+def test_divisors_match_trial_division(n):
+    assert divisors(n) == [a for a in range(1, n + 1) if n % a == 0]
+
+
+def _pick_by_key(candidates, hw, scale):
+    """pick()'s documented order, spelled with min(key=...): aspect, area, rows, first."""
+    area = hw[0] * hw[1]
+
+    def key(rc):
+        r, c = rc
+        return (
+            abs(math.log((r * hw[1]) / (c * hw[0]))),
+            abs(r * scale[0] * c * scale[1] - area),
+            r,
+        )
+
+    return min(candidates, key=key)
+
+
+@pytest.mark.parametrize(
+    "candidates, hw, best",
+    [
+        ([(3, 2), (12, 2)], (30, 10), (12, 2)),  # 2x either way of 3:1: the area decides
+        ([(6, 1), (3, 2)], (3, 1), (3, 2)),  # aspect and area tie: fewest rows
+        ([(4, 2), (2, 1)], (2, 1), (2, 1)),  # same aspect: the area closer to 2x1 px
+        ([(4, 2), (2, 4)], (1, 1), (2, 4)),  # fewest rows, not the first listed
+    ],
+)
+def test_pick_tie_order(candidates, hw, best):
+    assert pick(candidates, hw, (1, 1))[0] == best
+
+
+@given(
+    st.lists(st.tuples(st.integers(1, 40), st.integers(1, 40)), min_size=1, max_size=30),
+    st.tuples(st.integers(1, 5000), st.integers(1, 5000)),
+    st.sampled_from([(1, 1), (16, 16), (28, 28)]),
+)
+@settings(max_examples=300, deadline=None)
+def test_pick_matches_its_documented_order(candidates, hw, scale):
+    best, fidelity, count = pick(candidates, hw, scale)
+    assert best == _pick_by_key(candidates, hw, scale)
+    assert count == len(candidates)
+    assert fidelity == ("unique" if count == 1 else "closest-aspect")
+
+
+@pytest.mark.parametrize(
+    "geo",
+    [
+        RadioTilerGeometry(max_num_patches=None),
+        RadioTilerGeometry(),
+        RadioTilerGeometry(pixel_shuffle=3, min_num_patches=100, max_num_patches=5000),
+        RadioTilerGeometry(factor_max=2.0, max_num_patches=None, min_num_patches=64),
+    ],
+)
+@pytest.mark.parametrize("n", [1, 6, 255, 256, 1000, 5040, 720720])
+def test_kept_grids_is_round_trips_over_every_divisor(geo, n):
+    d = geo.pixel_shuffle
+    expected = [
+        (d * a, d * b) for a, b in divisor_pairs(n) if geo._round_trips((d * a, d * b), None)
+    ]
+    assert geo._kept_grids(n) == expected

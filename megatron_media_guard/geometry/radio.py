@@ -19,9 +19,9 @@ budget (``max_num_patches``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from math import ceil, floor, sqrt
 
 from megatron_media_guard.geometry.radio_search import landing_budgets, replay_budgets
 from megatron_media_guard.geometry.solution import (
@@ -32,13 +32,33 @@ from megatron_media_guard.geometry.solution import (
     check_positive,
     check_target,
     choice_text,
-    divisor_pairs,
+    divisors,
     groups,
     pick,
     unreachable,
 )
 
 _ENGINE_ROUNDS = 10  # the engine gives up after this many scale-down rounds
+
+
+def _tile(
+    ph0: int, pw0: int, budget: int, mn: int, d: int, factor_max: float
+) -> tuple[int, int] | None:
+    """The tiler's (ph, pw) for ph0 x pw0 native patches at ``budget`` (the module
+    docstring's steps, in the engine's float arithmetic); None where it divides by zero.
+    A function of its own: the inverse calls it once per candidate grid."""
+    s = min(sqrt(budget / (ph0 * pw0)), factor_max)
+    ph, pw = floor(s * ph0), floor(s * pw0)
+    if budget > mn and ph * pw < mn:
+        if ph * pw == 0:
+            return None
+        u = sqrt(mn / (ph * pw))
+        ph, pw = ceil(u * ph), ceil(u * pw)
+    if r := ph % d:
+        ph = ph + d - r if (ph + d - r) * pw <= budget else max(d, ph - r)
+    if r := pw % d:
+        pw = pw + d - r if ph * (pw + d - r) <= budget else max(d, pw - r)
+    return ph, pw
 
 
 @dataclass(frozen=True)
@@ -104,23 +124,14 @@ class RadioTilerGeometry:
 
     def _grid(self, ph0: int, pw0: int, budget: int) -> tuple[int, int]:
         """The tiler's (ph, pw) at ``budget`` patches (the engine's float rounding)."""
-        d = self.pixel_shuffle
-        s = min(math.sqrt(budget / (ph0 * pw0)), self.factor_max)
-        ph, pw = math.floor(s * ph0), math.floor(s * pw0)
-        if budget > self.min_num_patches and ph * pw < self.min_num_patches:
-            if ph * pw == 0:
-                raise GeometryError(
-                    f"the tiler divides by zero: {ph0}x{pw0} patches scale to an empty grid "
-                    f"at budget {budget}",
-                    context={"native": [ph0, pw0], "budget": budget},
-                )
-            u = math.sqrt(self.min_num_patches / (ph * pw))
-            ph, pw = math.ceil(u * ph), math.ceil(u * pw)
-        if r := ph % d:
-            ph = ph + d - r if (ph + d - r) * pw <= budget else max(d, ph - r)
-        if r := pw % d:
-            pw = pw + d - r if ph * (pw + d - r) <= budget else max(d, pw - r)
-        return ph, pw
+        grid = _tile(ph0, pw0, budget, self.min_num_patches, self.pixel_shuffle, self.factor_max)
+        if grid is None:
+            raise GeometryError(
+                f"the tiler divides by zero: {ph0}x{pw0} patches scale to an empty grid "
+                f"at budget {budget}",
+                context={"native": [ph0, pw0], "budget": budget},
+            )
+        return grid
 
     def grid_for(self, hw: tuple[int, int], budget: int | None = None) -> tuple[int, int]:
         """(ph, pw) patches for one frame at ``budget`` (None: the static budget)."""
@@ -188,13 +199,26 @@ class RadioTilerGeometry:
         """The tiler keeps a (16*ph, 16*pw) frame as it is at ``budget``."""
         ph, pw = grid
         b = self.static_budget if budget is None else budget
-        # native() of the (16*ph, 16*pw) frame, without re-checking the ints it is built from
-        h, w = ph * self.patch, pw * self.patch
-        native = round(h / self.patch + 0.5), round(w / self.patch + 0.5)
-        try:
-            return self._grid(*native, b) == grid
-        except GeometryError:
-            return False
+        # native() of the (16*ph, 16*pw) frame: h / patch == ph exactly, so round(ph + 0.5)
+        native = round(ph + 0.5), round(pw + 0.5)
+        return _tile(*native, b, self.min_num_patches, self.pixel_shuffle, self.factor_max) == grid
+
+    def _kept_grids(self, n: int) -> list[tuple[int, int]]:
+        """Every (d*a, d*b) grid with a*b == n that the tiler keeps as it is at the static
+        budget, a ascending (``_round_trips`` over the divisors, its lookups hoisted: a
+        highly composite target has hundreds of grids to class)."""
+        d, mn, fmax, b = (
+            self.pixel_shuffle,
+            self.min_num_patches,
+            self.factor_max,
+            self.static_budget,
+        )
+        out = []
+        for a in divisors(n):
+            ph, pw = d * a, d * (n // a)
+            if _tile(round(ph + 0.5), round(pw + 0.5), b, mn, d, fmax) == (ph, pw):
+                out.append((ph, pw))
+        return out
 
     def solve(self, target_tokens: int, hw: tuple[int, int], num_frames: int = 1) -> Solution:
         """The patch grid giving exactly ``target_tokens``; engine-replay where a budget
@@ -259,11 +283,7 @@ class RadioTilerGeometry:
             else f"no budget in [{self.min_num_patches}, {self.cap}] makes the tiler give "
             f"{n} tokens for {ph0}x{pw0} native patches"
         )
-        valid = [
-            (d * a, d * b)
-            for a, b in (divisor_pairs(n) if q <= self._kept_bound() else ())
-            if self._round_trips((d * a, d * b), None)
-        ]
+        valid = self._kept_grids(n) if q <= self._kept_bound() else []
         if not valid:
             return unreachable(f"{lands}; {self._why_not(n, q)}", t)
         best, fidelity, count = pick(valid, (h, w), (px, px))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from megatron_media_guard.geometry.solution import GeometryError
+from megatron_media_guard.geometry.solution import GeometryError, divisors
 
 if TYPE_CHECKING:
     from megatron_media_guard.geometry.radio import RadioTilerGeometry
@@ -91,7 +91,13 @@ def landing_budgets(
         return []
     # the final grids that count: a x (q / a), both sides multiples of d; per side a, the
     # pre-evenness values of the other side that the evenness step takes to q / a
-    sides = {a: _even_range(q // a, d) for a in _divisors(q) if a % d == 0 and q // a % d == 0}
+    # (both sides multiples of d: a = d * a' with a' dividing q / d^2)
+    n, k = divmod(q, d * d)
+    sides = {}
+    if k == 0:
+        for a in divisors(n):
+            b = d * (n // a)  # the other side; the pre-evenness values the evenness step takes to b
+            sides[d * a] = (0 if b == d else b - d + 1, b + d - 1)
     for x, hi in spans:
         while x <= hi:
             prep = _prepare(geo, ph0, pw0, x)
@@ -135,16 +141,6 @@ def _union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append((lo, hi))
     return out
-
-
-def _divisors(n: int) -> list[int]:
-    small = [a for a in range(1, math.isqrt(n) + 1) if n % a == 0]
-    return sorted({*small, *(n // a for a in small)})
-
-
-def _even_range(b: int, d: int) -> tuple[int, int]:
-    """The pre-evenness values the evenness step can take to ``b`` (a multiple of d)."""
-    return (0 if b == d else b - d + 1, b + d - 1)
 
 
 def _floor_start(v: int, n0: int, p: int) -> int:

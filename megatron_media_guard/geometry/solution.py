@@ -117,22 +117,30 @@ def check_positive(value: object, what: str, *, allow_zero: bool = False) -> int
     return v
 
 
+def divisors(n: int) -> list[int]:
+    """Every divisor of ``n`` >= 1, ascending: trial division by the primes (O(sqrt of
+    n's second-largest prime factor), at most O(sqrt n) for a prime), then the products;
+    none for n < 1."""
+    if n < 1:
+        return []
+    out, m, p = [1], n, 2
+    while p * p <= m:
+        if m % p == 0:
+            k = 0
+            while m % p == 0:
+                m //= p
+                k += 1
+            out = [x * p**e for x in out for e in range(k + 1)]
+        p += 1 if p == 2 else 2
+    if m > 1:
+        out += [x * m for x in out]
+    return sorted(out)
+
+
 def divisor_pairs(n: int) -> Iterator[tuple[int, int]]:
-    """Every (a, b) with a * b == n, a ascending (O(sqrt n))."""
-    small: list[int] = []
-    large: list[int] = []
-    for a in range(1, math.isqrt(n) + 1):
-        if n % a == 0:
-            small.append(a)
-            if a != n // a:
-                large.append(n // a)
-    for a in small + large[::-1]:
+    """Every (a, b) with a * b == n, a ascending."""
+    for a in divisors(n):
         yield a, n // a
-
-
-def aspect_distance(rows: int, cols: int, hw: tuple[int, int]) -> float:
-    """|log((rows / cols) / (H / W))|: 0 for the same shape, symmetric in orientation."""
-    return abs(math.log((rows * hw[1]) / (cols * hw[0])))
 
 
 def groups(num_frames: int, temporal_patch: int) -> int:
@@ -154,11 +162,13 @@ def pick(
 ) -> tuple[tuple[int, int], Fidelity, int]:
     """The candidate (rows, cols) closest in aspect to ``hw``, then in area (rows*scale_h *
     cols*scale_w vs H*W), then fewest rows; with its fidelity and the number of candidates."""
-    area = hw[0] * hw[1]
-
-    def key(rc: tuple[int, int]) -> tuple[float, int, int]:
-        r, c = rc
-        return (aspect_distance(r, c, hw), abs(r * scale[0] * c * scale[1] - area), r)
-
-    best = min(candidates, key=key)
-    return best, ("unique" if len(candidates) == 1 else "closest-aspect"), len(candidates)
+    h, w = hw
+    area, cell, log = h * w, scale[0] * scale[1], math.log
+    # aspect distance |log((r / c) / (H / W))| (as one quotient, so that equal ratios tie
+    # exactly), then area, then fewest rows, then the first listed
+    best = min(
+        (abs(log((r * w) / (c * h))), abs(r * c * cell - area), r, i)
+        for i, (r, c) in enumerate(candidates)
+    )
+    fidelity: Fidelity = "unique" if len(candidates) == 1 else "closest-aspect"
+    return candidates[best[3]], fidelity, len(candidates)
