@@ -70,9 +70,10 @@ def test_drop_allocates_the_output_and_token_sized_indices_only(bad):
     with Allocations() as seen:
         res = g.merge(emb, ids, feats, items)
     assert res.report.dropped == bad
-    # the output is the one allocation above the token count (int64 indices: 8 bytes each);
-    # a gathered copy of the kept features, or an elementwise anchor, would show here
-    assert seen.larger_than(8 * b * s) == [emb.numel() * emb.element_size()]
+    # the output is the one allocation above the token count (int64 per token of the
+    # edge-padded rows, s + 2 each); a gathered copy of the kept features, or an
+    # elementwise anchor, would show here
+    assert seen.larger_than(8 * b * (s + 2)) == [emb.numel() * emb.element_size()]
 
 
 def test_zero_anchor_is_minus_zero_with_no_temporaries_even_on_nan():

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from devices import DEVICES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -445,18 +446,29 @@ def test_config_rejects_values_that_would_fail_later(kwargs, match):
         GuardConfig(**kwargs)
 
 
-def test_pixtral_aligned_path_has_no_hidden_sync(monkeypatch):
-    """nonzero sizes its output with a host sync on CUDA: the aligned path must not call it."""
-    g = TEST_GRAMMARS["pixtral"]
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("grammar", ["pixtral", "qwen"])
+def test_aligned_path_has_no_hidden_sync(monkeypatch, device, grammar):
+    """nonzero sizes its output with a host sync on an accelerator: the aligned path calls
+    it only on CPU (where nothing syncs), exactly at the scatter's positions and, for
+    marker grammars, the run starts and ends of ``core/verify_lut.py``."""
+    g = TEST_GRAMMARS[grammar]
     batch = build_batch(g, [[("image", 6)], [("image", 9)]])
-    emb, feats = inputs(batch)
+    emb, feats = (t.to(device) for t in inputs(batch))
+    ids = batch.input_ids.to(device)
+    real, seen = torch.nonzero, []
 
-    def no_nonzero(*a, **k):
-        raise AssertionError("torch.nonzero on the aligned path")
+    def recording_nonzero(t, *a, **k):
+        seen.append(t.device.type)
+        if t.device.type != "cpu":
+            raise AssertionError(f"torch.nonzero on the aligned path on {t.device}")
+        return real(t, *a, **k)
 
-    monkeypatch.setattr(torch, "nonzero", no_nonzero)
-    res = MediaGuard(GuardConfig(), grammar=g).merge(emb, batch.input_ids, feats, batch.items)
+    monkeypatch.setattr(torch, "nonzero", recording_nonzero)
+    res = MediaGuard(GuardConfig(), grammar=g).merge(emb, ids, feats, batch.items)
     assert res.report.ok
+    expected = {"cpu": 1 + (2 if grammar == "qwen" else 0)}.get(device, 0)
+    assert seen == ["cpu"] * expected
 
 
 def test_guard_closes_its_log(tmp_path):

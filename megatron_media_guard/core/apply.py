@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..errors import MediaAlignmentError
 from .host import to_host
 from .items import Batch
 from .runs import TokenLayout
@@ -26,12 +27,18 @@ def scatter(emb: torch.Tensor, mask: torch.Tensor, src: torch.Tensor) -> torch.T
     holding exactly ``src.shape[0]`` Trues (the caller verified the count).
 
     On CPU an ``index_put`` at the mask's positions writes the same bits about a third
-    faster than ``masked_scatter``; ``nonzero_static`` sizes the positions from the known
-    count, so it needs no host sync. Other devices keep ``masked_scatter``.
+    faster than ``masked_scatter`` (``nonzero`` finds them: on CPU it needs no device
+    sync, and it is twice as fast as ``nonzero_static`` there). Other devices keep
+    ``masked_scatter``, which needs no host-sized positions.
     """
     if emb.device.type != "cpu":
         return emb.masked_scatter(mask.unsqueeze(-1), src)
-    pos = torch.nonzero_static(mask.reshape(-1), size=src.shape[0]).squeeze(1)
+    pos = torch.nonzero(mask.reshape(-1)).view(-1)
+    if pos.shape[0] != src.shape[0]:
+        raise MediaAlignmentError(  # the caller's verdict said otherwise: a bug, not input
+            f"scatter: {pos.shape[0]} placeholder positions for {src.shape[0]} feature rows",
+            context={"positions": pos.shape[0], "rows": src.shape[0]},
+        )
     if emb.is_contiguous():  # one flat index: no row/column split
         return emb.view(-1, emb.shape[-1]).index_put((pos,), src).view(emb.shape)
     s = mask.shape[1]

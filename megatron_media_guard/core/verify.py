@@ -72,11 +72,12 @@ def verify(
     """
     dev = ids_flat.device
     n_items = len(lengths)
+    ids64 = ids_flat if ids_flat.dtype == torch.int64 else ids_flat.to(torch.int64)
     luts = verify_lut.tables(lay.grammar, lay.packed, lay.row_length, dev)
-    fast = luts is not None
-    if fast:
-        parts, lay.ph = verify_lut.check(
-            ids_flat.view(lay.batch, lay.row_length),
+    runs = None  # a host int from the marker check (CPU), else read with the verdict
+    if luts is not None:
+        runs, parts, lay.ph = verify_lut.check(
+            ids64.view(lay.batch, lay.row_length),
             luts,
             _want_keys(lengths, modalities, samples, lay, dev),
             n_items,
@@ -87,15 +88,14 @@ def verify(
     probe = _finite_probe(features) if features is not None and features.numel() else None
     if probe is not None:
         parts.append(probe[0])
-    ids64 = ids_flat if ids_flat.dtype == torch.int64 else ids_flat.to(torch.int64)
     w, w_sum = _weights(ids_flat.numel(), dev)
     # + w_sum on the host: sum((ids + 1) * w), wrapping (CPU has an int64 dot; CUDA not)
     parts.append(torch.dot(ids64, w) if dev.type == "cpu" else (ids64 * w).sum())
     # the one host sync of the aligned path: a handful of integers decide keep-all or diagnose
     vals = to_host(torch.stack(parts), why="aligned-path verdict").tolist()
-    if fast:  # the scan's min, max and max at row ends decide the structure
-        runs, lo, hi, tail, *rest = vals
-        findings = verify_lut.findings(lo, hi, tail)
+    if runs is not None:  # the scan's min and max decide the structure
+        lo, hi, *rest = vals
+        findings = verify_lut.findings(lo, hi)
     else:
         runs, findings, *rest = vals
     bad_runs = rest.pop(0) if n_items else 0
@@ -161,8 +161,7 @@ def _want_keys(lengths, modalities, samples, lay: TokenLayout, dev) -> torch.Ten
         return None
     row = 8 * (lay.row_length + 2)
     smp = samples if samples is not None else [0] * len(lengths)
-    off = lay.num_tokens  # ends come after all starts in verify_lut's flat marks
-    keys = tuple(m + 1 + 8 * (n + off) + row * r for n, m, r in zip(lengths, modalities, smp))
+    keys = tuple(m + 1 + 8 * n + row * r for n, m, r in zip(lengths, modalities, smp))
     return _constant(keys, dev)
 
 

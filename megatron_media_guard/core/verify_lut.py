@@ -10,12 +10,15 @@ a third of the torch ops (at short micro-batches the cost is op dispatch, not wo
   becomes one index into per-pair tables: run start, run end, and the step of a scan;
 - the scan ``y = cumsum(step)`` is twice the region depth minus the placeholder flag,
   shifted so that a well-formed row keeps ``y`` in {-1, 0, 1}: outside a region 2d - 1,
-  on a placeholder 2d - 2, after the row's last token 2d; a placeholder followed by text
-  (an unterminated run) adds a constant larger than any depth, which pushes the rest of
-  the row out of range. So the structure is sound iff ``aminmax(y)`` lies in [-1, 1];
-- run ``r`` is checked against item ``r`` through its start and end positions
-  (``nonzero_static`` sized by the item count: runs and items agree in number on the
-  aligned path, else the verdict fails on the run count anyway).
+  on a placeholder 2d - 2, and after the edge pair that closes the row 2d; a placeholder
+  followed by text (an unterminated run) adds a constant larger than any depth, which
+  pushes the rest of the row out of range. So the structure is sound iff ``aminmax(y)``
+  lies in [-1, 1] (rows are padded with the edge class on both sides, so that the closing
+  pair carries the "row ends outside a region" check and the end of a run at the row's
+  last token);
+- run ``r`` is checked against item ``r`` through its start and end positions (found
+  with ``nonzero``, whose size is on the host at no cost on CPU: where runs and items
+  disagree in number the verdict fails on the run count and the keys are not compared).
 """
 
 from __future__ import annotations
@@ -27,15 +30,20 @@ from .grammar import Grammar
 _EDGE = 7  # the class of the padding before a row's first token
 _TEXT, _START, _END, _PH = 0, 1, 2, 3  # placeholder of modality m: class 3 + m
 
+_BIG = 1 << 32  # the unterminated-run penalty: more than any |2 * depth| + 2 in a row
+_MAX_ROW = 1 << 30  # rows up to this long keep the scan in int64 with that penalty
+
 _TABLES: dict[tuple, tuple] = {}
 
 
 def tables(grammar: Grammar, packed: bool, s: int, dev: torch.device) -> tuple | None:
-    """The lookup tables for :func:`check` (per grammar, row length and device, cached), or
-    None where the general check decides: packed rows, breaks, no markers, more than four
-    modalities, special ids spread too far for a table, or off CPU (``nonzero_static`` is
-    not on every accelerator in every release)."""
-    key = (id(grammar), packed, s, dev)
+    """The lookup tables for :func:`check` (per grammar and device, cached), or None where
+    the general check decides: packed rows, breaks, no markers, more than four modalities,
+    special ids spread too far for a table, rows of 2**30 tokens or more, or off CPU (the
+    check sizes its run positions by a host-side count, which on CPU costs no sync)."""
+    if s >= _MAX_ROW:
+        return None
+    key = (id(grammar), packed, dev)
     got = _TABLES.get(key)
     if got is not None and got[0] is grammar:
         return got[1]
@@ -52,7 +60,7 @@ def tables(grammar: Grammar, packed: bool, s: int, dev: torch.device) -> tuple |
     )
     if ok:
         ok = max(_ids(grammar)) - min(_ids(grammar)) <= 1 << 16
-    made = _build(grammar, s, dev) if ok else None
+    made = _build(grammar, dev) if ok else None
     _TABLES[key] = (grammar, made)
     return made
 
@@ -61,7 +69,7 @@ def _ids(grammar: Grammar) -> list[int]:
     return [grammar.start_id, grammar.end_id, *grammar.placeholders.values()]
 
 
-def _build(grammar: Grammar, s: int, dev: torch.device) -> tuple:
+def _build(grammar: Grammar, dev: torch.device) -> tuple:
     """The class table and the three pair tables."""
     ids = {grammar.start_id: _START, grammar.end_id: _END}
     ids.update({tok: _PH + m for m, tok in enumerate(grammar.placeholders.values())})
@@ -69,7 +77,6 @@ def _build(grammar: Grammar, s: int, dev: torch.device) -> tuple:
     cls = [_TEXT] * (hi - lo + 3)  # index 0: below lo, hi - lo + 2: above hi
     for tok, c in ids.items():
         cls[tok - lo + 1] = c
-    big = 4 * s + 8  # more than any |2 * depth| + 2 in a row of s tokens
     start, end, step = [0] * 64, [0] * 64, [0] * 64
     for a in range(8):
         for b in range(8):
@@ -81,7 +88,7 @@ def _build(grammar: Grammar, s: int, dev: torch.device) -> tuple:
             off_b = -1 if b == _EDGE else int(b_ph)
             off_a = -1 if a == _EDGE else int(a_ph)
             dep = 2 if b == _START else -2 if b == _END else 0
-            step[q] = dep - off_b + off_a + (big if a_ph and b == _TEXT else 0)
+            step[q] = dep - off_b + off_a + (_BIG if a_ph and b == _TEXT else 0)
     # the left edge's offset (-1) starts every row at y = 2 * depth - 1
     got = (
         torch.tensor(cls, dtype=torch.int64, device=dev),
@@ -94,37 +101,40 @@ def _build(grammar: Grammar, s: int, dev: torch.device) -> tuple:
     return got
 
 
-def findings(lo: int, hi: int, tail: int) -> int:
-    """Structure violations (as a 0/1 count per kind) from the scan's host values."""
-    return int(lo < -1) + int(hi > 1) + int(tail > -1)
+def findings(lo: int, hi: int) -> int:
+    """Structure violations (as a 0/1 count per kind) from the scan's host min and max."""
+    return int(lo < -1) + int(hi > 1)
 
 
 def check(
     ids: torch.Tensor, luts: tuple, want: torch.Tensor | None, n_items: int, explicit: bool
-) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Device scalars ``[runs, scan min, scan max, scan max at row ends, bad runs]`` (sound
-    structure: min >= -1, max <= 1, max at row ends <= -1: see :func:`findings`) and the ``[b, s]``
-    placeholder mask. ``want``: ``[n_items]`` int64 keys of the expected items in token
-    order, ``(modality + 1) + 8 * (length + b * s) (+ 8 * (s + 2) * sample when explicit)``."""
+) -> tuple[int, list[torch.Tensor], torch.Tensor]:
+    """``(runs, [scan min, scan max, (bad runs)], placeholder mask)`` for ``ids`` ``[b, s]``
+    int64 on CPU: the run count as a host int, the rest as scalars for the caller's one
+    host read (sound structure: min >= -1 and max <= 1, see :func:`findings`), the mask
+    ``[b, s]``. ``want``: ``[n_items]`` int64 keys of the expected items in token order,
+    ``(modality + 1) + 8 * length (+ 8 * (s + 2) * sample when explicit)``."""
     s = ids.shape[1]
     cls_t, start_t, end_t, step_t, lo, top = luts
-    idx = ids.sub(lo) if ids.dtype == torch.int64 else ids.to(torch.int64).sub_(lo)
-    cls = torch.take(cls_t, idx.clamp_(0, top))
-    # pair t = (class[t - 1], class[t]); no pair after the last token: a row ending inside
-    # a region (or on a placeholder) shows as y != -1 there instead
-    pair = torch.add(cls, torch.constant_pad_nd(cls[:, :-1], (1, 0), _EDGE), alpha=8)
-    y = torch.cumsum(torch.take(step_t, pair), 1)
-    lohi = torch.aminmax(y)
-    first = torch.take(start_t, pair)  # int8: modality + 1 where a run starts, else 0
-    parts = [torch.count_nonzero(first), lohi.min, lohi.max, y[:, -1].amax()]
+    cls = torch.take(cls_t, ids.sub(lo).clamp_(0, top))
+    # pair t = (class[t - 1], class[t]) for t in 0..s over the edge-padded row: pair s
+    # closes the row (a run ending at the last token ends there; y there is 2 * depth)
+    padded = torch.constant_pad_nd(cls, (1, 1), _EDGE)
+    pair = torch.add(padded[:, 1:], padded[:, :-1], alpha=8)  # [b, s + 1]
+    lohi = torch.aminmax(torch.cumsum(torch.take(step_t, pair), 1))
+    first = torch.take(start_t, pair).view(-1)  # int8: modality + 1 where a run starts
+    # CPU only (see tables()): nonzero's size is known on the host without a device sync,
+    # so the run count comes with the start positions
+    ps = torch.nonzero(first).view(-1)
+    runs = ps.shape[0]
+    parts = [lohi.min, lohi.max]
     if n_items:
-        # starts, then ends (pair t marks the end of token t - 1), in one flat tensor: one
-        # nonzero_static gives run r's start at r and its end, offset by b * s, at n + r
-        marks = torch.stack([first, torch.take(end_t, pair)]).view(-1)
-        pos = torch.nonzero_static(marks, size=2 * n_items, fill_value=0).squeeze(1)
-        ps, pe = pos[:n_items], pos[n_items:]
-        got = torch.add(torch.take(marks, ps), pe - ps, alpha=8)  # + 8 * (length + b * s)
-        if explicit:  # the run's row
-            got = torch.add(got, ps // s, alpha=8 * (s + 2))
-        parts.append(torch.count_nonzero(got != want))
-    return parts, cls >= _PH
+        pe = torch.nonzero(torch.take(end_t, pair).view(-1)).view(-1)  # a run's end + 1
+        if runs == n_items == pe.shape[0]:
+            got = torch.add(torch.take(first, ps), pe - ps, alpha=8)  # + 8 * length
+            if explicit:  # the run's row
+                got = torch.add(got, ps // (s + 1), alpha=8 * (s + 2))
+            parts.append(torch.count_nonzero(got != want))
+        else:  # runs and items disagree in number: the verdict fails on that already
+            parts.append(torch.tensor(n_items))
+    return runs, parts, cls >= _PH
