@@ -36,6 +36,7 @@ from ..core.grammar import Grammar
 from ..core.guard import MediaGuard
 from ..diagnostics import get_logger
 from ..errors import MediaInputError
+from ..ranks.consensus import StageConsensus, dist_ready
 from .hooks import HandleGroup, ItemsProvider, OptimizerStepEnd, install_step_end
 from .llava.checks import llava_grammar
 from .llava.install import install_llava
@@ -265,13 +266,6 @@ def install_from_args(
         return HandleGroup()
     config = config_from_args(args, environ)
     budget = budget_from_args(args, environ)
-    try:
-        from ..ranks.consensus import StageConsensus, dist_ready
-    except ImportError as err:  # pragma: no cover - the module ships with the package
-        raise ImportError(
-            "megatron_media_guard.ranks.consensus could not be imported; install_from_args needs "
-            f"it to agree decisions across ranks ({err})"
-        ) from err
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     found = [(i, find_vlm(c)) for i, c in enumerate(chunks)]
     targets = [(i, kind, m) for i, f in found if f is not None for kind, m in [f]]

@@ -75,9 +75,10 @@ class MediaGuard:
         self._codes = {m: k for k, m in enumerate(grammar.modalities)}
         if rank is None or consensus is None:
             # function-level import: the core never imports torch.distributed; ranks/ does
-            from ..ranks.defaults import default_consensus, default_rank
+            from ..ranks.consensus import process_rank_info
+            from ..ranks.defaults import default_consensus
 
-            rank = rank or default_rank()
+            rank = rank or process_rank_info()
             consensus = default_consensus() if consensus is None else consensus
         if consensus is True:
             raise MediaInputError("consensus=True is not a consensus: pass one, None or False")
