@@ -14,7 +14,9 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 STAMP=".venv/.media_guard_install.$EXTRA"
-WANT="$( (cat pyproject.toml scripts/install.sh; echo "extra=$EXTRA"; .venv/bin/python --version) | sha256sum | cut -d' ' -f1)"
+# sha256 through Python's hashlib: sha256sum is GNU coreutils (absent on macOS)
+sha256() { .venv/bin/python -c 'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())'; }
+WANT="$( (cat pyproject.toml scripts/install.sh; echo "extra=$EXTRA"; .venv/bin/python --version) | sha256)"
 if [ "${MEDIA_GUARD_REINSTALL:-0}" != 1 ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] \
     && .venv/bin/python -c "import torch, megatron_media_guard" 2>/dev/null; then
     say "./.venv is up to date for [$EXTRA] (pyproject.toml unchanged): skipping pip"

@@ -5,6 +5,7 @@ grid row's runs lie in two samples."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,6 +20,7 @@ from megatron_media_guard.adapters.qwen_vl.plan import (
 )
 from megatron_media_guard.core.host import count_transfers
 from megatron_media_guard.core.runs import TokenLayout, parse_layout
+from megatron_media_guard.core.verify import verify
 
 G = Grammar.qwen2_vl()
 IMG, VID, START, END = G.placeholders["image"], G.placeholders["video"], G.start_id, G.end_id
@@ -118,3 +120,52 @@ def test_pixel_rows_are_checked_against_the_grids():
     bad = check_grids(lay, ids, grids, {"image": 15, "video": None}, spec)
     assert ok.aligned and not ok.pixel_rows_bad and not ok.types_bad
     assert bad.pixel_rows_bad and not bad.aligned
+
+
+# ---- the fingerprint: pinned to its formula, and the ids' part equal to the core's ---------
+
+MIX, MIX_GRID = 0x5851F42D4C957F2D, 0x2545F4914F6CDD1D
+
+
+def _signed(v: int) -> int:
+    return (v + 2**63) % 2**64 - 2**63
+
+
+def _reference_fingerprint(ids: torch.Tensor, grids) -> int:
+    """The fingerprint in Python integers: ``sum((id + 1) * (pos * MIX + 1))`` over the flat
+    ids plus, per modality with rows, ``sum(g * (j * MIX_GRID + code + 1))`` over its flat
+    grid, mod 2**64 (the value every rank of a micro-batch group must reproduce bit for bit)."""
+    fp = sum((int(t) + 1) * (p * MIX + 1) for p, t in enumerate(ids.reshape(-1).tolist()))
+    for mod in ("image", "video"):
+        g = grids.get(mod)
+        if g is not None and g.shape[0]:
+            code = G.modality_code(mod)
+            fp += sum(v * (j * MIX_GRID + code + 1) for j, v in enumerate(g.reshape(-1).tolist()))
+    return _signed(fp)
+
+
+@pytest.mark.parametrize(
+    "samples, per_group, packed",
+    [
+        ([[]], False, False),  # text only: the grid part is 0
+        ([[("image", 1, 4, 4)]], False, False),
+        ([[("image", 1, 2, 4), ("video", 3, 4, 2)], [("video", 2, 2, 2)]], True, False),
+        ([[("video", 2, 6, 4)], [], [("image", 1, 4, 2)]], False, True),
+    ],
+)
+def test_fingerprint_is_pinned_to_its_formula(samples, per_group, packed):
+    spec = QwenVLSpec(video_runs="per_group" if per_group else "one")
+    ids, cu, grids = _case(samples, per_group, packed, "none", 0)
+    ids[..., 0] = 2**40 + 12345  # large ids: the products wrap
+    lay = TokenLayout(ids, G, cu)
+    check = check_grids(lay, ids, grids, {"image": None, "video": None}, spec)
+    assert check.fingerprint == _reference_fingerprint(ids, grids)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (2, 9), (3, 1000)])
+def test_text_only_fingerprint_equals_the_core_verify_fingerprint(shape):
+    ids = torch.randint(0, 2**31, shape, generator=torch.Generator().manual_seed(shape[1]))
+    lay = TokenLayout(ids, G)
+    check = check_grids(lay, ids, {"image": None, "video": None}, {}, QwenVLSpec())
+    core = verify(lay, ids.reshape(-1), [], [], None, None)
+    assert check.fingerprint == core.fingerprint == _reference_fingerprint(ids, {})

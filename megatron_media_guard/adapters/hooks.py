@@ -26,6 +26,7 @@ from ..core.items import MediaItem
 from ..core.outcome import MergeResult
 from ..core.runs import TokenLayout
 from ..errors import MediaAlignmentError, MediaInputError
+from ..ranks.consensus import dist_ready
 
 AdapterKind = Literal["llava", "mimo", "generic", "qwen_vl", "step_end"]
 ItemsProvider = Callable[[], Sequence[MediaItem] | None]
@@ -127,7 +128,7 @@ class GuardHandle:
             self._seen_step, self._calls_in_step = step, 0
             auto = self.auto_step_end
             if auto is None:
-                auto = not _dist_ready()
+                auto = not dist_ready()
             if auto and isinstance(prev, int) and step is not None:
                 self._close_step(prev)
         mb = self._microbatch if self._explicit_step and self._microbatch is not None else None
@@ -359,10 +360,6 @@ def mask_rows(
     if labels is not None:
         labels = labels.masked_fill(sel.view(-1, *([1] * (labels.dim() - 1))), ignore_index)
     return loss_mask, labels
-
-
-def _dist_ready() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def install_step_end(

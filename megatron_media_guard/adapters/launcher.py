@@ -36,10 +36,13 @@ from ..core.grammar import Grammar
 from ..core.guard import MediaGuard
 from ..diagnostics import get_logger
 from ..errors import MediaInputError
+from ..ranks.consensus import StageConsensus, dist_ready
 from .hooks import HandleGroup, ItemsProvider, OptimizerStepEnd, install_step_end
 from .llava.checks import llava_grammar
 from .llava.install import install_llava
 from .mimo import install_mimo, mimo_grammar
+from .qwen_vl.checks import spec_from_model
+from .qwen_vl.install import install_qwen_vl
 
 _CONFIG_ARGS = (
     ("policy", "media_guard_policy"),
@@ -49,6 +52,22 @@ _CONFIG_ARGS = (
     ("dump_dir", "media_guard_dump_dir"),
 )
 StepEnd = Literal["auto", "zero_grad_buffer", "optimizer", "manual"]
+VlmKind = Literal["llava", "mimo", "qwen_vl"]
+
+#: the Qwen-VL classes install_qwen_vl guards, by the package that defines them (a subclass of
+#: one counts): transformers' Qwen2.5-VL / Qwen3-VL (with or without the LM head) and
+#: Megatron-Bridge's model classes
+QWEN_VL_CLASSES: dict[str, frozenset[str]] = {
+    "transformers.": frozenset(
+        {
+            "Qwen2_5_VLForConditionalGeneration",
+            "Qwen2_5_VLModel",
+            "Qwen3VLForConditionalGeneration",
+            "Qwen3VLModel",
+        }
+    ),
+    "megatron.bridge.": frozenset({"Qwen25VLModel", "Qwen3VLModel"}),
+}
 
 
 __all__ = [
@@ -119,8 +138,8 @@ def add_media_guard_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         "--media-guard-dump-dir",
         default=None,
         help="GuardConfig.dump_dir: save a replay bundle of each mismatched micro-batch here "
-        "(media-guard replay BUNDLE; holds token ids and pixels: sensitive). MIMO and custom "
-        "merges; the LLaVA adapter writes none.",
+        "(media-guard replay BUNDLE; holds token ids and pixels: sensitive). MIMO, Qwen-VL and "
+        "custom merges; the LLaVA adapter writes none.",
     )
     g.add_argument(
         "--media-guard-disable",
@@ -211,24 +230,44 @@ def _is_mimo(m: Any) -> bool:
     return callable(getattr(type(m), "align_embeddings_by_token_positions", None))
 
 
-def find_vlm(chunk: Any) -> tuple[str, Any] | None:
-    """``("llava" | "mimo", module)`` inside one model chunk: through ``.module`` wrappers
-    (DDP, Float16Module, FSDP), then among its submodules; None when there is none."""
+def _is_qwen_vl(m: Any) -> bool:
+    """One of :data:`QWEN_VL_CLASSES` (or a subclass), matched by name and defining package:
+    nothing is imported (Megatron-Bridge's classes cannot be imported without a GPU stack)."""
+    for cls in type(m).__mro__:
+        for package, names in QWEN_VL_CLASSES.items():
+            if cls.__name__ in names and cls.__module__.startswith(package):
+                return True
+    return False
+
+
+def _kind(m: Any) -> VlmKind | None:
+    if _is_llava(m):
+        return "llava"
+    if _is_mimo(m):
+        return "mimo"
+    if _is_qwen_vl(m):
+        return "qwen_vl"
+    return None
+
+
+def find_vlm(chunk: Any) -> tuple[VlmKind, Any] | None:
+    """``("llava" | "mimo" | "qwen_vl", module)`` inside one model chunk: through ``.module``
+    wrappers (DDP, Float16Module, FSDP), then among its submodules (the outermost first: a
+    ``Qwen2_5_VLForConditionalGeneration``, not the ``Qwen2_5_VLModel`` it holds); None when
+    there is none."""
     m, seen = chunk, set()
     while m is not None and id(m) not in seen:
         seen.add(id(m))
-        if _is_llava(m):
-            return "llava", m
-        if _is_mimo(m):
-            return "mimo", m
+        kind = _kind(m)
+        if kind is not None:
+            return kind, m
         m = getattr(m, "module", None)
     modules = getattr(chunk, "modules", None)
     if callable(modules):
         for sub in modules():
-            if _is_llava(sub):
-                return "llava", sub
-            if _is_mimo(sub):
-                return "mimo", sub
+            kind = _kind(sub)
+            if kind is not None:
+                return kind, sub
     return None
 
 
@@ -241,8 +280,18 @@ def install_from_args(
     step_end: StepEnd = "auto",
     environ: Mapping[str, str] | None = None,
 ) -> HandleGroup:
-    """Install the guard on every LLaVA / MIMO module of ``model`` (one module or the
-    list of virtual-pipeline chunks, possibly DDP/Float16Module-wrapped).
+    """Install the guard on every LLaVA / MIMO / Qwen-VL module of ``model`` (one module or
+    the list of virtual-pipeline chunks, possibly DDP/Float16Module-wrapped).
+
+    Found (:func:`find_vlm`): megatron-core's ``LLaVAModel`` (:func:`install_llava`) and
+    ``MimoModel`` (:func:`install_mimo`); transformers' ``Qwen2_5_VLForConditionalGeneration``
+    / ``Qwen2_5_VLModel`` / ``Qwen3VLForConditionalGeneration`` / ``Qwen3VLModel`` and
+    Megatron-Bridge's ``Qwen25VLModel`` / ``Qwen3VLModel`` (:func:`install_qwen_vl`: a forward
+    pre-hook, with ``loss_mask_inplace=True`` so a dropped sample's ``loss_mask`` is zeroed in
+    the caller's tensor, which Bridge's forward steps build the loss from; the grammar from
+    the model's config). ``policy="repair"`` needs a geometry, which the arguments cannot
+    give: here a Qwen-VL sample that needs a repair takes the fallback (build the guard with
+    ``geometry=`` and call :func:`install_qwen_vl` yourself to repair).
 
     One :class:`MediaGuard` per model family, shared by the chunks, with a
     ``StageConsensus`` from megatron-core ``parallel_state`` when torch.distributed is
@@ -265,27 +314,20 @@ def install_from_args(
         return HandleGroup()
     config = config_from_args(args, environ)
     budget = budget_from_args(args, environ)
-    try:
-        from ..ranks.consensus import StageConsensus, dist_ready
-    except ImportError as err:  # pragma: no cover - the module ships with the package
-        raise ImportError(
-            "megatron_media_guard.ranks.consensus could not be imported; install_from_args needs "
-            f"it to agree decisions across ranks ({err})"
-        ) from err
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     found = [(i, find_vlm(c)) for i, c in enumerate(chunks)]
     targets = [(i, kind, m) for i, f in found if f is not None for kind, m in [f]]
     if not targets:
         names = [type(c).__name__ for c in chunks]
         raise MediaInputError(
-            f"no LLaVAModel or MimoModel found in the model chunks {names} (use "
+            f"no LLaVAModel, MimoModel or Qwen-VL model found in the model chunks {names} (use "
             "megatron_media_guard.adapters.install_generic for a custom merge)"
         )
     consensus = StageConsensus.from_parallel_state(budget=budget)
     rank = consensus.rank_info()
     distributed = dist_ready()
     step_provider = _curr_iteration(args)
-    guards: dict[str, MediaGuard] = {}
+    guards: dict[VlmKind, MediaGuard] = {}
     group = HandleGroup()
     if config.dump_dir is not None and any(kind == "llava" for _, kind, _ in targets):
         log.warning(
@@ -296,24 +338,19 @@ def install_from_args(
         )
     for _, kind, m in targets:
         if kind not in guards:
-            g = grammar
-            if g is None:
-                tok = getattr(m, "image_token_index", None)
-                g = (
-                    llava_grammar(-200 if tok is None else tok)
-                    if kind == "llava"
-                    else mimo_grammar(getattr(m, "special_token_ids", None) or {})
-                )
+            g = grammar if grammar is not None else _grammar(kind, m)
             guards[kind] = MediaGuard(config, g, rank=rank, consensus=consensus)
             consensus.bind(guards[kind])
-        install = install_llava if kind == "llava" else install_mimo
-        h = install(
-            m,
-            guards[kind],
+        common: dict[str, Any] = dict(
             items_provider=items_provider,
             step_provider=step_provider,
             auto_step_end=False if distributed else None,
         )
+        if kind == "qwen_vl":
+            h = install_qwen_vl(m, guards[kind], loss_mask_inplace=True, **common)
+        else:
+            install = install_llava if kind == "llava" else install_mimo
+            h = install(m, guards[kind], **common)
         group.append(h)
     hook: Any = None
     if step_end in ("auto", "zero_grad_buffer"):
@@ -333,6 +370,16 @@ def install_from_args(
         "off" if budget is None else "on",
     )
     return group
+
+
+def _grammar(kind: VlmKind, m: Any) -> Grammar:
+    """The family's grammar with the module's own token ids."""
+    if kind == "llava":
+        tok = getattr(m, "image_token_index", None)
+        return llava_grammar(-200 if tok is None else tok)
+    if kind == "mimo":
+        return mimo_grammar(getattr(m, "special_token_ids", None) or {})
+    return spec_from_model(m).grammar()
 
 
 def _curr_iteration(args: Any):

@@ -75,9 +75,10 @@ class MediaGuard:
         self._codes = {m: k for k, m in enumerate(grammar.modalities)}
         if rank is None or consensus is None:
             # function-level import: the core never imports torch.distributed; ranks/ does
-            from ..ranks.defaults import default_consensus, default_rank
+            from ..ranks.consensus import process_rank_info
+            from ..ranks.defaults import default_consensus
 
-            rank = rank or default_rank()
+            rank = rank or process_rank_info()
             consensus = default_consensus() if consensus is None else consensus
         if consensus is True:
             raise MediaInputError("consensus=True is not a consensus: pass one, None or False")
@@ -315,17 +316,11 @@ class MediaGuard:
     def _agree(self, c: Call, plan: Plan, report, fatal_msg, fatal_record) -> StageOutcome:
         """Hands this rank's outcome to the consensus (or takes it as the stage's) and raises
         on every rank when any rank of the stage must."""
-        fatal_sample = plan.fatal[0] if plan.fatal else None
-        local = LocalOutcome(
-            step=c.step,
-            microbatch=c.microbatch,
-            digest=plan.digest,
-            num_samples=len(plan.actions),
+        local = LocalOutcome.of_plan(
+            plan,
+            c.step,
+            c.microbatch,
             mismatched=len(report.mismatched) if report is not None else 0,
-            dropped=len(plan.dropped),
-            repaired=len(plan.repairs),
-            fatal=fatal_msg is not None,
-            fatal_sample=fatal_sample,
             message=fatal_msg,
             record=fatal_record,
         )

@@ -34,6 +34,35 @@ class LocalOutcome:
     message: str | None = None  # the full diagnostic when fatal
     record: dict | None = None  # the JSONL record of the fatal event
 
+    @classmethod
+    def of_plan(
+        cls,
+        plan: Plan,
+        step: int | None,
+        microbatch: int | None,
+        *,
+        mismatched: int = 0,
+        message: str | None = None,
+        record: dict | None = None,
+        digest: int | None = None,
+    ) -> LocalOutcome:
+        """This rank's outcome of a guarded call from its final plan: fatal when there is a
+        ``message`` (the full diagnostic), the first fatal sample from the plan. digest: the
+        one the consensus compares (default: the plan's)."""
+        return cls(
+            step=step,
+            microbatch=microbatch,
+            digest=plan.digest if digest is None else digest,
+            num_samples=len(plan.actions),
+            mismatched=mismatched,
+            dropped=len(plan.dropped),
+            repaired=len(plan.repairs),
+            fatal=message is not None,
+            fatal_sample=plan.fatal[0] if plan.fatal else None,
+            message=message,
+            record=record,
+        )
+
 
 @dataclass(frozen=True)
 class StageOutcome:

@@ -8,16 +8,16 @@ never imports torch.distributed itself).
   would raise on the faulty rank while its peers wait in the next collective until the
   process-group timeout. Which one was chosen is logged once per process. Without
   torch.distributed: None (single process). ``consensus=False`` turns it off explicitly.
-- rank: from torch.distributed when it is initialized (and the tp/pp/dp/cp coordinates from
-  ``parallel_state`` when that is), else from the ``RANK`` variable.
+- rank: :func:`~.consensus.process_rank_info` (torch.distributed's rank when it is initialized,
+  the tp/pp/dp/cp coordinates from ``parallel_state`` when that is, else ``RANK``).
 """
 
 from __future__ import annotations
 
 import threading
 
-from ..diagnostics import RankInfo, get_logger
-from .consensus import StageConsensus, dist_ready, parallel_state, process_rank_info
+from ..diagnostics import get_logger
+from .consensus import StageConsensus, dist_ready, parallel_state
 
 _ANNOUNCED: set[str] = set()
 _LOCK = threading.Lock()
@@ -38,12 +38,6 @@ def default_consensus() -> StageConsensus | None:
         "rank alone",
     )
     return cons
-
-
-def default_rank() -> RankInfo:
-    """This process's coordinates: torch.distributed (and parallel_state) when initialized,
-    else ``RANK`` from the environment."""
-    return process_rank_info()
 
 
 def _announce(key: str, line: str) -> None:

@@ -21,6 +21,7 @@ import torch
 from ...core.grammar import Grammar
 from ...core.host import to_host
 from ...core.runs import TokenLayout
+from ...core.verify import _weights as id_weights
 from ...errors import MediaInputError
 
 VideoRuns = Literal["one", "per_group"]
@@ -29,8 +30,8 @@ PIXELS = {"image": "pixel_values", "video": "pixel_values_videos"}
 GRIDS = {"image": "image_grid_thw", "video": "video_grid_thw"}
 QWEN_TEXT_PAD = 151643  # <|endoftext|>, the Qwen2 tokenizer's pad token
 
-# odd 63-bit multipliers for the fingerprint of the ids and of the grid rows
-_MIX = 0x5851F42D4C957F2D
+# odd 63-bit multiplier for the grid rows' part of the fingerprint (the ids' part is the
+# core's: core.verify's per-position weights, so both checks hash the ids the same way)
 _MIX_GRID = 0x2545F4914F6CDD1D
 
 
@@ -278,11 +279,15 @@ def check_grids(
     types_bad = torch.zeros((), dtype=torch.int64, device=dev)
     for name, given in (types or {}).items():
         types_bad = types_bad + (given.to(dev) != derived_types(ids, spec, name)).sum()
-    pos = torch.arange(ids.numel(), device=dev)
-    fp = fp + ((ids.reshape(-1).to(torch.int64) + 1) * (pos * _MIX + 1)).sum()
+    # the ids' part, as core.verify hashes them: sum((ids + 1) * w) = ids . w + sum(w), the
+    # sum of the weights added on the host (int64 wraparound)
+    ids64 = ids.reshape(-1).to(torch.int64)
+    w, w_sum = id_weights(ids64.numel(), dev)
+    fp = fp + (torch.dot(ids64, w) if dev.type == "cpu" else (ids64 * w).sum())
     packed = torch.stack([n_runs, bad, findings.to(torch.int64), pix_bad, types_bad, fp])
     # the one host sync of the aligned path: six integers decide keep-all or diagnose
     vals = to_host(packed, why="Qwen-VL grid check verdict").tolist()
+    vals[-1] = (vals[-1] + w_sum + 2**63) % 2**64 - 2**63
     return GridCheck(*vals)
 
 

@@ -16,7 +16,6 @@ docs/QWEN_VL.md.
 from __future__ import annotations
 
 import inspect
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -176,7 +175,7 @@ class QwenVLHandle(GuardHandle):
             )
         if check.aligned and ordered:
             plan = Plan(("keep",) * lay.num_samples, (), self._digest(check, None))
-            stage = guard.settle(_local(plan, step, mb, 0, None, None))
+            stage = guard.settle(LocalOutcome.of_plan(plan, step, mb))
             self._result(plan, None, check, stage, step, mb, ids, cu, None)
             if check.types_bad:
                 follow_ids(call, spec, ids)
@@ -241,8 +240,16 @@ class QwenVLHandle(GuardHandle):
             )
             if bundle is not None:
                 message += f"\n  replay bundle: {bundle}"
-        local = _local(plan, step, mb, len(report.mismatched), message, fatal_rec)
-        stage = guard.settle(replace(local, digest=self._digest(check, plan)))
+        local = LocalOutcome.of_plan(
+            plan,
+            step,
+            mb,
+            mismatched=len(report.mismatched),
+            message=message,
+            record=fatal_rec,
+            digest=self._digest(check, plan),
+        )
+        stage = guard.settle(local)
         guard.counters["mismatched"] += len(report.mismatched)
         guard.counters["dropped"] += len(plan.dropped)
         guard.counters["repaired"] += len(plan.repairs)
@@ -296,22 +303,6 @@ class QwenVLHandle(GuardHandle):
         lm = rw.loss_mask if rw is not None else None
         lab = rw.labels if rw is not None else None
         self.record(MergeResult(None, lm, lab, rep), ids, cu)
-
-
-def _local(plan: Plan, step, mb, mismatched: int, message, record) -> LocalOutcome:
-    return LocalOutcome(
-        step=step,
-        microbatch=mb,
-        digest=plan.digest,
-        num_samples=len(plan.actions),
-        mismatched=mismatched,
-        dropped=len(plan.dropped),
-        repaired=len(plan.repairs),
-        fatal=message is not None,
-        fatal_sample=plan.fatal[0] if plan.fatal else None,
-        message=message,
-        record=record,
-    )
 
 
 def install_qwen_vl(

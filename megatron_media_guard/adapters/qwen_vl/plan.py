@@ -64,22 +64,17 @@ def host_rows(grids: Mapping[str, torch.Tensor | None], spec: QwenVLSpec) -> lis
     return rows
 
 
-def _check_meta(meta: Sequence[MediaItem], rows: Sequence[GridRow]) -> None:
-    if len(meta) != len(rows):
-        raise MediaInputError(
-            f"set_items gave {len(meta)} items for {len(rows)} grid rows (one per row: the "
-            "image rows, then the video rows)"
-        )
+def _check_features(meta: Sequence[MediaItem], rows: Sequence[GridRow]) -> None:
+    """An item whose declared feature count is not its grid row's (the device check counted
+    it; this names it). ``checks.meta_tensors`` already checked the count, the modalities and
+    that samples are given for all items or none, when the call started."""
     for i, (it, row) in enumerate(zip(meta, rows)):
-        if it.modality != row.modality or it.num_features != row.features:
+        if it.num_features != row.features:
             raise MediaInputError(
                 f"item {i} is {it.modality} with {it.num_features} features; grid row "
                 f"{row.modality}[{row.index}] {row.thw} gives {row.features}",
                 context={"item": i, "grid_thw": list(row.thw)},
             )
-    has = [it.sample is not None for it in meta]
-    if any(has) and not all(has):
-        raise MediaInputError("give MediaItem.sample for every item or for none")
 
 
 def token_items(
@@ -90,9 +85,10 @@ def token_items(
     meta: Sequence[MediaItem] | None,
 ) -> tuple[list[MediaItem], list[int]]:
     """The items as the runs take them, in token order (each modality's items in its own
-    order, interleaved as its runs come); returns the items and each item's grid row."""
+    order, interleaved as its runs come); returns the items and each item's grid row.
+    meta: the caller's items, one per row, as ``checks.meta_tensors`` accepted them."""
     if meta is not None:
-        _check_meta(meta, rows)
+        _check_features(meta, rows)
     queues: dict[str, list[tuple[MediaItem, int]]] = {m: [] for m in MODALITIES}
     for r, row in enumerate(rows):
         _, h, w = row.thw

@@ -1,0 +1,187 @@
+"""``install_from_args`` on transformers' real Qwen2.5-VL and Qwen3-VL classes (tiny random
+configs, CPU): found through wrappers, guarded as the arguments say, and restored by
+``remove()``. The seed failure (token ids sized by the engine, pixels and grids by the trainer)
+drops, raises or passes as configured."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from megatron_media_guard import DropBudgetExceeded, MediaAlignmentError, MediaInputError
+
+pytest.importorskip("transformers.models.qwen3_vl")
+pytest.importorskip("PIL")
+
+from megatron_media_guard.adapters.launcher import (
+    add_media_guard_args,
+    find_vlm,
+    install_from_args,
+)
+from megatron_media_guard.adapters.qwen_vl.checks import spec_from_model
+from megatron_media_guard.testing.qwen_vl import (
+    Sample,
+    seed_failure,
+    smooth_clip,
+    smooth_image,
+    tiny_model,
+)
+
+ENGINE, TRAINER = 12, 30  # pixel budgets in merged cells
+SAMPLES = [
+    Sample((("image", smooth_image(150, 200, 1)),)),  # shrunk by the engine
+    Sample((("video", smooth_clip(4, 150, 180, 2)),)),  # shrunk by the engine
+    Sample((("image", smooth_image(60, 84, 3)),)),  # the same under both budgets
+]
+CASES = [(f, head) for f in ("qwen2_5_vl", "qwen3_vl") for head in (True, False)]
+_MODELS: dict = {}
+_BATCHES: dict = {}
+
+
+def parse(argv):
+    return add_media_guard_args(argparse.ArgumentParser()).parse_args(argv)
+
+
+class Wrapper(torch.nn.Module):
+    """DistributedDataParallel stand-in: the model under ``.module``, ``zero_grad_buffer``."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        self.zero_grad_buffer = lambda: None
+
+
+@pytest.fixture(params=CASES, ids=[f"{f}-{'head' if h else 'model'}" for f, h in CASES])
+def case(request):
+    family, head = request.param
+    if request.param not in _MODELS:
+        _MODELS[request.param] = tiny_model(family, head)
+    if family not in _BATCHES:
+        _BATCHES[family] = seed_failure(family, SAMPLES, ENGINE, TRAINER)
+    model = _MODELS[request.param]
+    engine, mixed = _BATCHES[family]
+    return model, engine, mixed, "logits" if head else "last_hidden_state"
+
+
+def _state(model):
+    return (dict(model._forward_pre_hooks), dict(model._forward_hooks), set(vars(model)))
+
+
+def test_find_vlm_takes_the_outermost_qwen_vl_module(case):
+    model = case[0]
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+    assert find_vlm(Wrapper(Wrapper(model))) == ("qwen_vl", model)
+    assert find_vlm(Holder()) == ("qwen_vl", model)  # not model.model (or its vision tower)
+
+
+@pytest.mark.parametrize(
+    "module, name, want",
+    [
+        ("megatron.bridge.models.qwen_vl.modeling_qwen25_vl", "Qwen25VLModel", "qwen_vl"),
+        ("megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model", "Qwen3VLModel", "qwen_vl"),
+        ("my_project.models", "Qwen25VLModel", None),  # the name alone is not enough
+        ("megatron.bridge.models.gpt", "GPTModel", None),
+    ],
+)
+def test_find_vlm_knows_megatron_bridge_classes_by_name_and_package(module, name, want):
+    cls = type(name, (torch.nn.Module,), {"__module__": module})
+    sub = type("Sub", (cls,), {"__module__": "user.code"})  # a subclass counts
+    for m in (cls(), sub()):
+        assert find_vlm(Wrapper(m)) == (None if want is None else (want, m))
+
+
+def test_install_from_args_guards_the_model_and_remove_restores_it(case):
+    model, engine, mixed, key = case
+    before = _state(model)
+    with torch.no_grad():
+        plain = model(**engine)[key]
+    chunk = Wrapper(model)
+    group = install_from_args([chunk], parse(["--media-guard-policy", "drop"]), environ={})
+    assert [h.kind for h in group] == ["qwen_vl", "step_end"]
+    h = group[0]
+    assert h.module is model and h.loss_mask_inplace
+    assert h.guard.grammar == spec_from_model(model).grammar()
+    assert type(h.guard.consensus).__name__ == "StageConsensus"
+    assert h.guard.config.policy == "drop"
+    with torch.no_grad():
+        assert torch.equal(model(**engine)[key], plain)  # aligned: untouched
+        assert h.last_result.report.ok
+        model(**mixed)  # the plain model raises on this batch (a batch-total mismatch)
+    assert h.last_result.report.actions == ("drop", "drop", "keep")
+    group.remove()
+    assert _state(model) == before
+    assert "zero_grad_buffer" in vars(chunk)
+    with torch.no_grad():
+        assert torch.equal(model(**engine)[key], plain)
+        with pytest.raises(ValueError, match=r"features and .* tokens do not match"):
+            model(**mixed)
+
+
+@pytest.mark.parametrize(
+    "argv, env, want",
+    [
+        ([], {}, "raise"),  # the default policy
+        (["--media-guard-policy", "raise"], {"MEDIA_GUARD_POLICY": "drop"}, "drop"),
+        (["--media-guard-policy", "drop"], {"MEDIA_GUARD_POLICY": "raise"}, "raise"),
+        (["--media-guard-policy", "repair"], {}, "fallback"),  # no geometry: the fallback
+        (["--media-guard-policy", "drop", "--media-guard-disable"], {}, "unguarded"),
+        (["--media-guard-policy", "drop"], {"MEDIA_GUARD_DISABLE": "1"}, "unguarded"),
+    ],
+)
+def test_the_seed_failure_is_handled_as_the_arguments_say(case, argv, env, want):
+    model, _, mixed, _ = case
+    before = _state(model)
+    group = install_from_args([model], parse(argv), step_end="manual", environ=env)
+    try:
+        with torch.no_grad():
+            if want == "raise":
+                with pytest.raises(MediaAlignmentError, match=r"image grid row 0 thw"):
+                    model(**mixed)
+            elif want == "unguarded":
+                assert len(group) == 0 and _state(model) == before
+                with pytest.raises(ValueError, match=r"features and .* tokens do not match"):
+                    model(**mixed)
+            else:
+                model(**mixed)
+                report = group[0].last_result.report
+                assert report.actions == ("drop", "drop", "keep")
+                assert not report.repaired
+    finally:
+        group.remove()
+    assert _state(model) == before
+
+
+def test_drop_budget_trips_at_the_next_train_step(case):
+    model, _, mixed, _ = case
+    args = parse(["--media-guard-policy", "drop", "--media-guard-drop-budget-step", "0.5"])
+    chunk = Wrapper(model)
+    group = install_from_args([chunk], args, environ={})
+    try:
+        args.curr_iteration = 1
+        chunk.zero_grad_buffer()
+        with torch.no_grad():
+            model(**mixed)
+        assert group[0].last_result.report.step == 1
+        args.curr_iteration = 2
+        with pytest.raises(DropBudgetExceeded, match="step 1: 2 of 3 samples"):
+            chunk.zero_grad_buffer()
+    finally:
+        group.remove()
+
+
+def test_a_grammar_that_is_not_the_models_is_refused(case):
+    from megatron_media_guard import Grammar
+
+    model = case[0]
+    before = _state(model)
+    wrong = Grammar.qwen2_vl(5, 6, 7, 8)
+    with pytest.raises(MediaInputError, match=r"differs from the model's config"):
+        install_from_args([model], parse([]), grammar=wrong, environ={})
+    assert _state(model) == before
