@@ -197,7 +197,6 @@ class MediaGuard:
     def _guarded(self, prepare, step, microbatch) -> MergeResult:
         """Runs one guarded call; a library error gets the rank/step context, and any error
         raised before this rank's collective still takes part in it (see :meth:`fail`)."""
-        where = self.where(step, microbatch)
         self.begin()
         try:
             if self.grammar.collapsed:
@@ -208,6 +207,7 @@ class MediaGuard:
             return self._merge(prepare())
         except MediaAlignmentError as err:
             if not err.context.get("where"):
+                where = self.where(step, microbatch)
                 err = err.with_context(f"MediaGuard.merge ({where}): ", where=where)
             self.fail(err, step, microbatch)
             raise err from None

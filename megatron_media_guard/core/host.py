@@ -24,6 +24,8 @@ def to_host(tensor: torch.Tensor, why: str) -> torch.Tensor:
     """Copy ``tensor`` to CPU (a blocking sync when it lives on an accelerator)."""
     with _lock:
         _reasons[why] += 1
+    if tensor.device.type == "cpu":  # nothing to move (still counted: the call site is a sync)
+        return tensor.detach()
     return tensor.detach().to("cpu")
 
 

@@ -6,6 +6,7 @@ import numbers
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -160,8 +161,9 @@ def normalize(
         else:
             packed = torch.empty(0, 0)
     samples = [it.sample for it in items]
-    explicit = any(s is not None for s in samples)
-    if explicit and any(s is None for s in samples):
+    given = len(samples) - samples.count(None)
+    explicit = given > 0
+    if explicit and given < len(samples):
         raise MediaInputError("give MediaItem.sample for every item or for none")
     if explicit:
         bad = [(i, s) for i, s in enumerate(samples) if s >= num_samples]
@@ -174,10 +176,8 @@ def normalize(
         order = tuple(sorted(range(len(items)), key=lambda i: samples[i]))
     else:
         order = tuple(range(len(items)))
-    offsets = [0]
-    for it in items:
-        offsets.append(offsets[-1] + it.num_features)
-    return Batch(items, packed, tuple(offsets), order, explicit)
+    offsets = (0, *accumulate(it.num_features for it in items))
+    return Batch(items, packed, offsets, order, explicit)
 
 
 def metadata_batch(items: Sequence[MediaItem], num_samples: int) -> Batch:

@@ -9,6 +9,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 from ..config import GuardConfig
@@ -43,15 +44,16 @@ class Plan:
     #: (sample, why) where the plan overrides what the status alone would do ("suspected swap")
     reasons: tuple[tuple[int, str], ...] = ()
 
-    @property
+    # derived from the frozen fields, computed once (each guarded call reads them a few times)
+    @cached_property
     def dropped(self) -> tuple[int, ...]:
         return tuple(i for i, a in enumerate(self.actions) if a == "drop")
 
-    @property
+    @cached_property
     def fatal(self) -> tuple[int, ...]:
         return tuple(i for i, a in enumerate(self.actions) if a == "raise")
 
-    @property
+    @cached_property
     def keeps_all(self) -> bool:
         return all(a == "keep" for a in self.actions)
 
@@ -92,8 +94,15 @@ def plan_digest_of(fingerprint: int, runs: int, items, knobs, actions, repairs) 
         mid = _ENCODED[key] = _dumps(sig) + ", " + _dumps(knobs)
     if not (type(fingerprint) is int and type(runs) is int):
         return digest(fingerprint, runs, sig, knobs, actions, repairs)
-    blob = f"[{fingerprint}, {runs}, {mid}, {_dumps(actions)}, {_dumps(repairs)}]".encode()
-    return _hash(blob)
+    acts = _ACTIONS.get(tuple(actions))  # most calls: every sample kept
+    if acts is None:
+        acts = _dumps(actions)
+    reps = _dumps(repairs) if repairs else "[]"
+    return _hash(f"[{fingerprint}, {runs}, {mid}, {acts}, {reps}]".encode())
+
+
+# the JSON of the all-keep actions of batches of up to 64 samples
+_ACTIONS = {("keep",) * n: json.dumps(["keep"] * n) for n in range(65)}
 
 
 def _dumps(part: object) -> str:

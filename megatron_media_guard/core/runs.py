@@ -19,6 +19,25 @@ from .grammar import Grammar
 from .host import to_host
 from .parsed import Finding, FindingKind, ParsedRuns, Run
 
+_FITS: dict[tuple[int, torch.dtype], Grammar] = {}  # grammars whose ids fit a dtype
+
+
+def _check_fits(grammar: Grammar, dtype: torch.dtype) -> None:
+    """Every special id of ``grammar`` fits ``dtype`` (else comparisons would wrap around);
+    remembered per grammar and dtype (a training run repeats both)."""
+    info = torch.iinfo(dtype)
+    special = [*grammar.placeholders.values(), *grammar.break_ids]
+    special += [t for t in (grammar.start_id, grammar.end_id) if t is not None]
+    bad = [t for t in special if not info.min <= t <= info.max]
+    if bad:
+        raise MediaInputError(
+            f"grammar token ids {bad} do not fit input_ids of dtype {dtype} "
+            f"([{info.min}, {info.max}]): comparing would wrap around"
+        )
+    if len(_FITS) >= 64:
+        _FITS.pop(next(iter(_FITS)))
+    _FITS[(id(grammar), dtype)] = grammar
+
 
 class TokenLayout:
     """Per-token masks of one batch of ids, as ``[b, s]`` tensors on ``ids.device``.
@@ -42,15 +61,8 @@ class TokenLayout:
         b, s = ids.shape
         if b == 0 or s == 0:
             raise MediaInputError(f"empty batch: input_ids has shape {tuple(ids.shape)}")
-        info = torch.iinfo(ids.dtype)
-        special = [*grammar.placeholders.values(), *grammar.break_ids]
-        special += [t for t in (grammar.start_id, grammar.end_id) if t is not None]
-        bad = [t for t in special if not info.min <= t <= info.max]
-        if bad:
-            raise MediaInputError(
-                f"grammar token ids {bad} do not fit input_ids of dtype {ids.dtype} "
-                f"([{info.min}, {info.max}]): comparing would wrap around"
-            )
+        if _FITS.get((id(grammar), ids.dtype)) is not grammar:
+            _check_fits(grammar, ids.dtype)
         self.grammar = grammar
         self.batch, self.row_length = b, s
         self.num_tokens = b * s

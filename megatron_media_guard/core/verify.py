@@ -161,7 +161,7 @@ def _want_keys(lengths, modalities, samples, lay: TokenLayout, dev) -> torch.Ten
         return None
     row = 8 * (lay.row_length + 2)
     smp = samples if samples is not None else [0] * len(lengths)
-    keys = tuple(m + 1 + 8 * n + row * r for n, m, r in zip(lengths, modalities, smp))
+    keys = tuple([m + 1 + 8 * n + row * r for n, m, r in zip(lengths, modalities, smp)])
     return _constant(keys, dev)
 
 
