@@ -14,6 +14,8 @@ from megatron_media_guard import FindingKind, Grammar, MediaInputError, parse_ru
 from megatron_media_guard.testing import TEST_GRAMMARS, build_batch, reference_runs
 
 Q = TEST_GRAMMARS["qwen"]  # image 5, video 6, start 3, end 4
+# plus a grammar no built-in family has: start and end markers and break tokens
+GRAMMARS = {**TEST_GRAMMARS, "marked_breaks": Grammar({"image": 15}, 16, 17, (18,))}
 P = TEST_GRAMMARS["pixtral"]  # img 10, break 11, end 12
 T = 1000  # a text token
 
@@ -128,14 +130,14 @@ def _random_ids(rng: random.Random, grammar: Grammar, b: int, s: int) -> torch.T
 
 @settings(max_examples=150, deadline=None)
 @given(
-    name=st.sampled_from(sorted(TEST_GRAMMARS)),
+    name=st.sampled_from(sorted(GRAMMARS)),
     seed=st.integers(0, 2**31),
     b=st.integers(1, 3),
     s=st.integers(1, 40),
 )
 def test_vectorized_parser_matches_reference_loop(name, seed, b, s):
     """Random token soup (any malformation): the runs equal the per-token loop's."""
-    g = TEST_GRAMMARS[name]
+    g = GRAMMARS[name]
     ids = _random_ids(random.Random(seed), g, b, s)
     parsed = parse_runs(ids, g)
     got = [(r.sample, r.start, r.end, r.length, r.modality) for r in parsed.runs]
@@ -146,10 +148,13 @@ def test_vectorized_parser_matches_reference_loop(name, seed, b, s):
 
 
 @settings(max_examples=60, deadline=None)
-@given(name=st.sampled_from(["qwen", "internvl", "pixtral"]), seed=st.integers(0, 2**31))
+@given(
+    name=st.sampled_from(["qwen", "internvl", "pixtral", "marked_breaks"]),
+    seed=st.integers(0, 2**31),
+)
 def test_well_formed_batches_have_no_findings(name, seed):
     rng = random.Random(seed)
-    g = TEST_GRAMMARS[name]
+    g = GRAMMARS[name]
     mods = tuple(g.placeholders)
     layout = [
         [(rng.choice(mods), rng.randint(1, 9)) for _ in range(rng.randint(0, 3))] for _ in range(3)
@@ -162,7 +167,7 @@ def test_well_formed_batches_have_no_findings(name, seed):
 
 @settings(max_examples=200, deadline=None)
 @given(
-    name=st.sampled_from(sorted(TEST_GRAMMARS)),
+    name=st.sampled_from(sorted(GRAMMARS)),
     seed=st.integers(0, 2**31),
     s=st.integers(1, 30),
     packed=st.booleans(),
@@ -171,7 +176,7 @@ def test_fast_structure_check_agrees_with_findings(name, seed, s, packed):
     """The aligned path's sync-free count is zero exactly when the full parse finds nothing."""
     from megatron_media_guard.core.runs import TokenLayout
 
-    g = TEST_GRAMMARS[name]
+    g = GRAMMARS[name]
     rng = random.Random(seed)
     if rng.random() < 0.5:  # well-formed rows, sometimes cut, so both outcomes occur
         layout = [
@@ -204,3 +209,35 @@ def test_packed_rows_opening_with_a_region_are_not_flagged():
     lay = TokenLayout(torch.tensor([[3, 5, 5, 4, T, 3, 5, 4]]), Q, torch.tensor([0, 4, 8]))
     start, end = lay.run_bounds()
     assert int(lay.structure_violations(start, end)) == 0
+
+
+@pytest.mark.parametrize(
+    ("row", "malformed"),
+    [
+        ([T, 16, 15, 15, 18, 15, 17, T], False),  # start, placeholders with a break, end
+        ([T, 16, 18, 17, T], True),  # a run of breaks alone
+        ([T, 16, 15, 17, 16, 18, 18, 17], True),  # the second region holds breaks alone
+        ([T, 15, 18, 15, 17, T, T, T], True),  # no start
+        ([T, 16, 15, 18, 15, T, 17, T], True),  # text before the end: unterminated
+        ([T, 16, 15, 18, 15, 15, 15, 15], True),  # cut by the row end
+    ],
+)
+def test_marked_grammar_with_breaks_structure(monkeypatch, row, malformed):
+    """Start and end markers with break tokens: the sync-free count (no ``nonzero``) agrees
+    with the finding codes, a run of breaks alone included."""
+    from megatron_media_guard.core.runs import TokenLayout
+
+    g = GRAMMARS["marked_breaks"]
+    lay = TokenLayout(torch.tensor([row]), g)
+    start, end = lay.run_bounds()
+    full = bool((lay.finding_codes(start, end) != 0).any())
+    real = torch.nonzero
+
+    def no_nonzero(*a, **k):
+        raise AssertionError("structure_violations called nonzero")
+
+    monkeypatch.setattr(torch, "nonzero", no_nonzero)
+    fast = int(lay.structure_violations(start, end))
+    monkeypatch.setattr(torch, "nonzero", real)
+    assert full == malformed
+    assert (fast > 0) == malformed

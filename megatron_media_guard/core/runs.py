@@ -183,15 +183,19 @@ class TokenLayout:
         """Device scalar: 0 exactly when :meth:`finding_codes` finds nothing. No host sync.
 
         With start/end markers the depth ``d = cumsum(start - end)`` decides it: markers
-        alternate iff ``d`` stays in {0, 1}; placeholders sit inside iff ``d == 1`` there;
-        no region is cut iff ``d == 0`` at each sample's end; and a run followed by text
-        inside a region is unterminated.
+        alternate iff ``d`` stays in {0, 1}; placeholders (and breaks) sit inside iff
+        ``d == 1`` there; no region is cut iff ``d == 0`` at each sample's end; and a run
+        followed by text inside a region is unterminated. Break tokens add runs of breaks
+        alone (:meth:`empty_runs`). Without both markers the finding codes are counted (their
+        kinds for such grammars need no ``last_before``, whose ``nonzero`` syncs).
         """
         g = self.grammar
-        if g.start_id is None or g.end_id is None or g.break_ids:
+        # break tokens add one kind (a run of breaks alone), counted without a sync either way
+        empty = self.empty_runs(run_start) if g.break_ids else None
+        if g.start_id is None or g.end_id is None:
             count = (self.finding_codes(run_start, run_end, empty_runs=False) != 0).sum()
-            if g.break_ids:
-                count = count + self.empty_runs(run_start)
+            if empty is not None:
+                count = count + empty
             return count + self.cu_violations()
         i32 = torch.int32
         d = torch.cumsum(self.is_start, 1, dtype=i32) - torch.cumsum(self.is_end, 1, dtype=i32)
@@ -212,6 +216,8 @@ class TokenLayout:
             count = bad.sum()
         text_next = ~self.next(self.is_start | self.is_end | self.content, fill=True)
         count = count + torch.count_nonzero(run_end & text_next)
+        if empty is not None:
+            count = count + empty
         return count if self.seg_start is None else count + self.cu_violations()
 
     def last_in_sample(self, x: torch.Tensor) -> torch.Tensor:

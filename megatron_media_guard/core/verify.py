@@ -88,7 +88,7 @@ def verify(
     probe = _finite_probe(features) if features is not None and features.numel() else None
     if probe is not None:
         parts.append(probe[0])
-    w, w_sum = _weights(ids_flat.numel(), dev)
+    w, w_sum = fingerprint_weights(ids_flat.numel(), dev)
     # + w_sum on the host: sum((ids + 1) * w), wrapping (CPU has an int64 dot; CUDA not)
     parts.append(torch.dot(ids64, w) if dev.type == "cpu" else (ids64 * w).sum())
     # the one host sync of the aligned path: a handful of integers decide keep-all or diagnose
@@ -182,7 +182,7 @@ def _constant(values: tuple[int, ...], dev: torch.device) -> torch.Tensor:
 _WEIGHTS: dict[tuple[int, torch.device], tuple[torch.Tensor, int]] = {}
 
 
-def _weights(n: int, dev: torch.device) -> tuple[torch.Tensor, int]:
+def fingerprint_weights(n: int, dev: torch.device) -> tuple[torch.Tensor, int]:
     """``arange(n) * _MIX + 1`` (int64, wrapping), the fingerprint's per-position weights, and
     their sum as a host int; kept for the last few (size, device) pairs (a training run
     repeats its shapes)."""

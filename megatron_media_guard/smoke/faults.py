@@ -71,6 +71,8 @@ def _run_tokens(grammar: Grammar, modality: str, n: int, cols: int = 4) -> list[
         for r in range(0, n, cols):
             body += [tok] * min(cols, n - r) + [grammar.break_ids[0]]
         body[-1] = grammar.end_id if grammar.end_id is not None else body[-1]
+        if grammar.start_id is not None and n:  # a marked grammar with breaks: open it
+            body = [grammar.start_id, *body]
         return body if n else []
     out = [tok] * n
     if grammar.start_id is not None:

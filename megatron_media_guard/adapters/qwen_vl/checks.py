@@ -21,7 +21,7 @@ import torch
 from ...core.grammar import Grammar
 from ...core.host import to_host
 from ...core.runs import TokenLayout
-from ...core.verify import _weights as id_weights
+from ...core.verify import fingerprint_weights as id_weights
 from ...errors import MediaInputError
 
 VideoRuns = Literal["one", "per_group"]
