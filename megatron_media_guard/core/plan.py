@@ -9,7 +9,6 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Literal
 
 from ..config import GuardConfig
@@ -44,16 +43,15 @@ class Plan:
     #: (sample, why) where the plan overrides what the status alone would do ("suspected swap")
     reasons: tuple[tuple[int, str], ...] = ()
 
-    # derived from the frozen fields, computed once (each guarded call reads them a few times)
-    @cached_property
+    @property
     def dropped(self) -> tuple[int, ...]:
         return tuple(i for i, a in enumerate(self.actions) if a == "drop")
 
-    @cached_property
+    @property
     def fatal(self) -> tuple[int, ...]:
         return tuple(i for i, a in enumerate(self.actions) if a == "raise")
 
-    @cached_property
+    @property
     def keeps_all(self) -> bool:
         return all(a == "keep" for a in self.actions)
 
