@@ -27,7 +27,7 @@ import torch
 
 from .grammar import Grammar
 
-_EDGE = 7  # the class of the padding before a row's first token
+_EDGE = 7  # the class of the padding before a row's first token and after its last
 _TEXT, _START, _END, _PH = 0, 1, 2, 3  # placeholder of modality m: class 3 + m
 
 _BIG = 1 << 32  # the unterminated-run penalty: more than any |2 * depth| + 2 in a row
