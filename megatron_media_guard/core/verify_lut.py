@@ -114,24 +114,26 @@ def check(
     host read (sound structure: min >= -1 and max <= 1, see :func:`findings`), the mask
     ``[b, s]``. ``want``: ``[n_items]`` int64 keys of the expected items in token order,
     ``(modality + 1) + 8 * length (+ 8 * (s + 2) * sample when explicit)``."""
-    s = ids.shape[1]
+    b, s = ids.shape
     cls_t, start_t, end_t, step_t, lo, top = luts
-    cls = torch.take(cls_t, ids.sub(lo).clamp_(0, top))
+    # table lookups by index_select over flat indices (on CPU about 3x faster than take)
+    cls = cls_t.index_select(0, ids.sub(lo).clamp_(0, top).view(-1)).view(b, s)
     # pair t = (class[t - 1], class[t]) for t in 0..s over the edge-padded row: pair s
     # closes the row (a run ending at the last token ends there; y there is 2 * depth)
     padded = torch.constant_pad_nd(cls, (1, 1), _EDGE)
-    pair = torch.add(padded[:, 1:], padded[:, :-1], alpha=8)  # [b, s + 1]
-    lohi = torch.aminmax(torch.cumsum(torch.take(step_t, pair), 1))
-    first = torch.take(start_t, pair).view(-1)  # int8: modality + 1 where a run starts
+    pair = torch.add(padded[:, 1:], padded[:, :-1], alpha=8).view(-1)  # [b * (s + 1)]
+    steps = step_t.index_select(0, pair).view(b, s + 1)
+    lohi = torch.aminmax(torch.cumsum(steps, 1))
+    first = start_t.index_select(0, pair)  # int8: modality + 1 where a run starts
     # CPU only (see tables()): nonzero's size is known on the host without a device sync,
     # so the run count comes with the start positions
     ps = torch.nonzero(first).view(-1)
     runs = ps.shape[0]
     parts = [lohi.min, lohi.max]
     if n_items:
-        pe = torch.nonzero(torch.take(end_t, pair).view(-1)).view(-1)  # a run's end + 1
+        pe = torch.nonzero(end_t.index_select(0, pair)).view(-1)  # a run's end + 1
         if runs == n_items == pe.shape[0]:
-            got = torch.add(torch.take(first, ps), pe - ps, alpha=8)  # + 8 * length
+            got = torch.add(first.index_select(0, ps), pe - ps, alpha=8)  # + 8 * length
             if explicit:  # the run's row
                 got = torch.add(got, ps // (s + 1), alpha=8 * (s + 2))
             parts.append(torch.count_nonzero(got != want))
