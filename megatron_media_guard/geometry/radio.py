@@ -213,10 +213,19 @@ class RadioTilerGeometry:
             self.factor_max,
             self.static_budget,
         )
+        q = d * d * n  # every candidate's patch count
+        # The tiler keeps a grid whose native size is itself (even sides: round(ph + 0.5) is
+        # ph, half to even) without evaluating it when the factor cap is 1 and the budget
+        # holds it: s = min(sqrt(b / q), 1) is exactly 1.0 for b >= q, the floors are the
+        # sides, no upscale (q >= min, or b <= min), and the sides are multiples of d.
+        plain = fmax == 1.0 and b >= q and (q >= mn or b <= mn)
+        if plain and d % 2 == 0:  # every side even: every candidate is kept
+            return [(d * a, d * (n // a)) for a in divisors(n)]
         out = []
         for a in divisors(n):
             ph, pw = d * a, d * (n // a)
-            if _tile(round(ph + 0.5), round(pw + 0.5), b, mn, d, fmax) == (ph, pw):
+            h0, w0 = round(ph + 0.5), round(pw + 0.5)
+            if (plain and h0 == ph and w0 == pw) or _tile(h0, w0, b, mn, d, fmax) == (ph, pw):
                 out.append((ph, pw))
         return out
 
