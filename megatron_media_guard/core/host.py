@@ -29,13 +29,15 @@ def to_host(tensor: torch.Tensor, why: str) -> torch.Tensor:
     return tensor.detach().to("cpu")
 
 
-def scalars_to_host(parts: list[torch.Tensor], why: str) -> list[int | float | bool]:
-    """The values of 0-d tensors as Python numbers, in one transfer (counted once): one
-    stacked copy from an accelerator; on CPU each value is read in place (no copy, and no
-    ``stack`` of the scalars, which costs more than the reads there)."""
+def scalars_to_host(
+    parts: list[torch.Tensor], device: torch.device, why: str
+) -> list[int | float | bool]:
+    """The values of 0-d tensors (all on ``device``) as Python numbers, in one transfer
+    (counted once): one stacked copy from an accelerator; on CPU each value is read in place
+    (no copy, and no ``stack`` of the scalars, which costs more than the reads there)."""
     with _lock:
         _reasons[why] += 1
-    if all(p.device.type == "cpu" for p in parts):
+    if device.type == "cpu":
         return [p.item() for p in parts]
     return torch.stack(parts).detach().to("cpu").tolist()
 

@@ -128,7 +128,8 @@ def normalize(
         if items is None:
             raise MediaInputError("items are required when features come as one packed tensor")
         items = tuple(items)
-        total = sum(it.num_features for it in items)
+        offsets = (0, *accumulate([it.num_features for it in items]))
+        total = offsets[-1]
         if total != features.shape[0]:
             raise MediaInputError(
                 f"items declare {total} feature rows in all, features tensor has "
@@ -160,6 +161,7 @@ def normalize(
             packed = torch.cat(parts) if len(parts) > 1 else parts[0]
         else:
             packed = torch.empty(0, 0)
+        offsets = (0, *accumulate([it.num_features for it in items]))
     samples = [it.sample for it in items]
     given = len(samples) - samples.count(None)
     explicit = given > 0
@@ -176,7 +178,6 @@ def normalize(
         order = tuple(sorted(range(len(items)), key=lambda i: samples[i]))
     else:
         order = tuple(range(len(items)))
-    offsets = (0, *accumulate(it.num_features for it in items))
     return Batch(items, packed, offsets, order, explicit)
 
 

@@ -43,17 +43,22 @@ class Plan:
     #: (sample, why) where the plan overrides what the status alone would do ("suspected swap")
     reasons: tuple[tuple[int, str], ...] = ()
 
+    # (membership and count first: most plans keep everything, and each call reads these)
     @property
     def dropped(self) -> tuple[int, ...]:
+        if "drop" not in self.actions:
+            return ()
         return tuple(i for i, a in enumerate(self.actions) if a == "drop")
 
     @property
     def fatal(self) -> tuple[int, ...]:
+        if "raise" not in self.actions:
+            return ()
         return tuple(i for i, a in enumerate(self.actions) if a == "raise")
 
     @property
     def keeps_all(self) -> bool:
-        return all(a == "keep" for a in self.actions)
+        return self.actions.count("keep") == len(self.actions)
 
     def with_actions(self, actions: Sequence[Action], repairs: Sequence[ItemRepair]) -> Plan:
         """The plan after repairs were attempted (failed ones fell back)."""

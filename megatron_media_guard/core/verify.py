@@ -92,7 +92,7 @@ def verify(
     # + w_sum on the host: sum((ids + 1) * w), wrapping (CPU has an int64 dot; CUDA not)
     parts.append(torch.dot(ids64, w) if dev.type == "cpu" else (ids64 * w).sum())
     # the one host sync of the aligned path: a handful of integers decide keep-all or diagnose
-    vals = scalars_to_host(parts, why="aligned-path verdict")
+    vals = scalars_to_host(parts, dev, why="aligned-path verdict")
     if runs is not None:  # the scan's min and max decide the structure
         lo, hi, *rest = vals
         findings = verify_lut.findings(lo, hi)

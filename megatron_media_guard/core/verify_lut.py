@@ -135,7 +135,7 @@ def check(
         if runs == n_items == pe.shape[0]:
             got = torch.add(first.index_select(0, ps), pe - ps, alpha=8)  # + 8 * length
             if explicit:  # the run's row
-                got = torch.add(got, ps // (s + 1), alpha=8 * (s + 2))
+                got = torch.add(got, torch.floor_divide(ps, s + 1), alpha=8 * (s + 2))
             parts.append(torch.count_nonzero(got != want))
         else:  # runs and items disagree in number: the verdict fails on that already
             parts.append(torch.tensor(n_items))
