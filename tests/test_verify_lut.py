@@ -3,10 +3,12 @@ same run count, same structure verdict, same keep-all decision, same placeholder
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megatron_media_guard import GuardConfig, MediaGuard, MediaItem
 from megatron_media_guard.core import verify as V
 from megatron_media_guard.core import verify_lut
 from megatron_media_guard.core.grammar import Grammar
@@ -87,3 +89,22 @@ def test_marker_check_is_not_used_where_it_does_not_apply():
     assert verify_lut.tables(Q, True, 8, torch.device("cpu")) is None  # packed rows
     far = Grammar({"image": 5}, start_id=1, end_id=10**6)
     assert verify_lut.tables(far, False, 8, torch.device("cpu")) is None  # ids too far apart
+
+
+@pytest.mark.parametrize("samples", [[0], None])
+@pytest.mark.parametrize("extra", [1, 3, 4 + 2, 2 * (4 + 2) + 1])
+def test_an_item_longer_than_its_row_never_reads_as_a_later_run(samples, extra):
+    """An item declaring more features than its row holds (s = 4 here) is never matched to
+    a run of a later sample: its key must not alias ``length + k * (s + 2)`` of row k."""
+    img = Q.placeholders["image"]
+    ids = torch.tensor([[*TEXT, *TEXT], [Q.start_id, img, Q.end_id, TEXT[0]]])
+    n = 4 + extra
+    fast = V.verify(TokenLayout(ids, Q), ids.reshape(-1), [n], [0], samples, None)
+    assert not fast.aligned(1)
+    # and end to end: the guard diagnoses it (a drop of the sample that holds the run), it
+    # does not reach the scatter with one position for n rows
+    items = [MediaItem(n, sample=samples[0])] if samples else [MediaItem(n)]
+    res = MediaGuard(GuardConfig(policy="drop"), grammar=Q, consensus=False).merge(
+        torch.zeros(2, 4, 3), ids, torch.ones(n, 3), items
+    )
+    assert res.report.dropped and not res.report.ok

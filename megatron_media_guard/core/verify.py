@@ -159,9 +159,12 @@ def _want_keys(lengths, modalities, samples, lay: TokenLayout, dev) -> torch.Ten
     """Item r's key for :func:`verify_lut.check` (modality + 1, length, sample), cached."""
     if not lengths:
         return None
-    row = 8 * (lay.row_length + 2)
+    s = lay.row_length
+    row = 8 * (s + 2)
     smp = samples if samples is not None else [0] * len(lengths)
-    keys = tuple([m + 1 + 8 * n + row * r for n, m, r in zip(lengths, modalities, smp)])
+    # a length past the row is capped at s + 1, which no run has: uncapped, 8 * n could
+    # reach into the next row's keys (n = s + 3 in sample 0 reads as 1 in sample 1)
+    keys = tuple([m + 1 + 8 * min(n, s + 1) + row * r for n, m, r in zip(lengths, modalities, smp)])
     return _constant(keys, dev)
 
 
