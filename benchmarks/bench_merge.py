@@ -121,6 +121,28 @@ def merge_rows(quick: bool = False) -> list[dict]:
     ]
 
 
+def cpu_ms_per_call(fns: dict, reps: int, warmup: int = 20, calls: int = 10) -> dict[str, float]:
+    """Median CPU ms per call of each of ``fns``: one torch thread, the calling thread's CPU
+    time (what a shared machine's scheduler does to wall time is left out), each sample the
+    mean of ``calls`` calls, the functions interleaved sample by sample."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for fn in fns.values():
+            for _ in range(warmup):
+                fn()
+        times: dict[str, list[float]] = {k: [] for k in fns}
+        for _ in range(reps):
+            for k, fn in fns.items():
+                t0 = time.thread_time()
+                for _ in range(calls):
+                    fn()
+                times[k].append((time.thread_time() - t0) / calls)
+    finally:
+        torch.set_num_threads(threads)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
 def fixed_cost_rows(quick: bool = False) -> list[dict]:
     """The guard's cost per call beyond its own scatter at a short micro-batch (s=1024,
     h=128: the checks' op dispatch dominates). CPU time of the calling thread with one
@@ -135,24 +157,10 @@ def fixed_cost_rows(quick: bool = False) -> list[dict]:
         "guard": lambda: on.merge(emb, ids, feats, batch.items),
         "guard_off": lambda: off.merge(emb, ids, feats, batch.items),
     }
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for fn in fns.values():
-            for _ in range(20):
-                fn()
-        rounds = []
-        for _ in range(1 if quick else 5):
-            times: dict[str, list[float]] = {k: [] for k in fns}
-            for _ in range(10 if quick else 40):
-                for k, fn in fns.items():
-                    t0 = time.thread_time()
-                    for _ in range(10):
-                        fn()
-                    times[k].append((time.thread_time() - t0) / 10)
-            rounds.append({k: statistics.median(v) * 1e3 for k, v in times.items()})
-    finally:
-        torch.set_num_threads(threads)
+    rounds = [
+        cpu_ms_per_call(fns, 10 if quick else 40, warmup=20 if r == 0 else 0)
+        for r in range(1 if quick else 5)
+    ]
 
     def stat(f):
         vals = sorted(f(r) for r in rounds)

@@ -13,12 +13,12 @@ one thread, median of the reps, 10 calls each).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
+
+from benchmarks.bench_merge import cpu_ms_per_call
 
 _PACKAGES = ("megatron_media_guard", "benchmarks")
 
@@ -69,22 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, root in (("old", str(Path(args.old).resolve())), ("new", here)):
         for k, fn in _calls(_load(root), *args.shape).items():
             fns[f"{name} {k}"] = fn
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for fn in fns.values():
-            for _ in range(30):
-                fn()
-        times: dict[str, list[float]] = {k: [] for k in fns}
-        for _ in range(args.reps):
-            for k, fn in fns.items():
-                t0 = time.thread_time()
-                for _ in range(10):
-                    fn()
-                times[k].append((time.thread_time() - t0) / 10 * 1e3)
-    finally:
-        torch.set_num_threads(threads)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = cpu_ms_per_call(fns, args.reps, warmup=30)
     b, s, h = args.shape
     print(f"b={b} s={s} h={h} bf16, ms per call (CPU time, 1 thread, median of {args.reps})")
     for name in ("old", "new"):
