@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from ..diagnostics import GuardRecord
 from .alignment import AlignmentReport, SampleReport
 from .items import MediaItem
+
+if TYPE_CHECKING:
+    from .plan import Plan
 
 
 def _item_of(rep: SampleReport, items: Sequence[MediaItem]) -> tuple[int | None, MediaItem | None]:
@@ -181,3 +185,53 @@ def _error_message(report, fatal, items, where, log_path, notes, nonfinite) -> s
     if log_path:
         lines.append(f"  per-rank log: {log_path}")
     return "\n".join(lines)
+
+
+def plan_records(
+    report: AlignmentReport,
+    plan: Plan,
+    items: Sequence[MediaItem],
+    step: int | None,
+    microbatch: int | None,
+    aligned: Callable[[int, str], GuardRecord],
+) -> list[tuple[int, str, GuardRecord]]:
+    """``(sample, action, record)`` for every dropped or raised sample, in sample order: a mismatched
+    sample described by its runs (the plan's override reason, e.g. a suspected swap, first),
+    any other by ``aligned(sample, action)`` (NaN/Inf features, a shared grid row)."""
+    bad = {rep.sample: rep for rep in report.mismatched}
+    reasons = dict(plan.reasons)
+    out = []
+    for smp, act in enumerate(plan.actions):
+        if act not in ("drop", "raise"):
+            continue
+        if smp in bad:
+            rec = sample_record(bad[smp], items, act, act, step=step, microbatch=microbatch)
+            if reasons.get(smp):
+                rec = replace(rec, reason=f"{reasons[smp]}; {rec.reason}")
+        else:
+            rec = aligned(smp, act)
+        out.append((smp, act, rec))
+    return out
+
+
+def check_records(
+    report: AlignmentReport, step: int | None, microbatch: int | None, orphans: str
+) -> list[GuardRecord]:
+    """``check`` records of what no sample's decision covers: items tied to no placeholder run
+    (``orphans``, formatted with their indices) and placeholders in a packed row's padding."""
+    out = []
+    if report.orphans:
+        why = orphans.format(list(report.orphans)[:16])
+        out.append(
+            GuardRecord(
+                event="check", step=step, microbatch=microbatch, action="unused", reason=why
+            )
+        )
+    if report.stray_findings:
+        why = "; ".join(f.describe() for f in report.stray_findings[:4])
+        out.append(
+            GuardRecord(
+                event="check", step=step, microbatch=microbatch, action="ignored", reason=why
+            )
+        )
+    return out

@@ -4,7 +4,6 @@ replay bundle, consensus, merge of the kept samples)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,7 +12,7 @@ from ..diagnostics import GuardRecord
 from ..repair.repairs import run_repairs
 from .alignment import AlignmentReport, align
 from .apply import nonfinite_items, scatter_kept
-from .explain import error_message, nonfinite_record, sample_record
+from .explain import check_records, error_message, nonfinite_record, plan_records
 from .outcome import MergeResult
 from .plan import Plan, build_plan
 from .runs import parse_layout
@@ -90,51 +89,20 @@ def write_records(
     """Writes one record per dropped or fatal sample (and for unused items); returns the
     first fatal one, the record consensus fetches from the culprit. ``nonfinite``: sample ->
     its items whose features hold NaN/Inf."""
-    fatal = None
     nonfinite = nonfinite or {}
-    bad = {rep.sample: rep for rep in report.mismatched}
-    reasons = dict(plan.reasons)
-    for smp, act in enumerate(plan.actions):
-        if act not in ("drop", "raise"):
-            continue
-        if smp in bad:
-            rec = sample_record(
-                bad[smp], c.batch.items, act, act, step=c.step, microbatch=c.microbatch
-            )
-            if smp in reasons:  # the plan overrode the status (a suspected swap)
-                rec = replace(rec, reason=f"{reasons[smp]}; {rec.reason}")
-        else:  # aligned tokens, NaN/Inf features
-            rec = nonfinite_record(
-                report.samples[smp],
-                c.batch.items,
-                nonfinite.get(smp, []),
-                act,
-                step=c.step,
-                microbatch=c.microbatch,
-            )
+    items, step, mb = c.batch.items, c.step, c.microbatch
+
+    def aligned(smp: int, act: str) -> GuardRecord:  # aligned tokens, NaN/Inf features
+        bad = nonfinite.get(smp, [])
+        return nonfinite_record(report.samples[smp], items, bad, act, step=step, microbatch=mb)
+
+    fatal = None
+    for _, act, rec in plan_records(report, plan, items, step, mb, aligned):
         written = guard.log.emit(rec)
         if act == "raise" and fatal is None:
             fatal = written
-    if report.orphans:
-        guard.log.emit(
-            GuardRecord(
-                event="check",
-                step=c.step,
-                microbatch=c.microbatch,
-                action="unused",
-                reason=f"items {list(report.orphans)[:16]} could not be tied to a placeholder run",
-            )
-        )
-    if report.stray_findings:  # placeholders in a packed row's padding: never merged
-        guard.log.emit(
-            GuardRecord(
-                event="check",
-                step=c.step,
-                microbatch=c.microbatch,
-                action="ignored",
-                reason="; ".join(f.describe() for f in report.stray_findings[:4]),
-            )
-        )
+    for rec in check_records(report, step, mb, "items {} could not be tied to a placeholder run"):
+        guard.log.emit(rec)  # placeholders in a packed row's padding are never merged
     return fatal
 
 

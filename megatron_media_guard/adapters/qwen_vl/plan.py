@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ...core.alignment import AlignmentReport, align
-from ...core.explain import sample_record
+from ...core.explain import check_records, plan_records
 from ...core.host import to_host
 from ...core.items import MediaItem
 from ...core.plan import Plan, digest
@@ -315,38 +315,24 @@ def grid_note(rep, items: Sequence[MediaItem], item_row: Sequence[int], rows, sp
     return "; ".join(parts)
 
 
-def with_reason(rec: GuardRecord, reason: str | None) -> GuardRecord:
-    if not reason:
-        return rec
-    return replace(rec, reason=f"{reason}; {rec.reason}")
-
-
 def write_records(guard, report, plan: Plan, items, notes, step, mb) -> dict | None:
     """One record per dropped or raised sample (and for unused rows, placeholders in packed
     padding); returns the first fatal one, the record consensus fetches from the culprit."""
-    fatal = None
-    bad = {rep.sample: rep for rep in report.mismatched}
     reasons = dict(plan.reasons)
-    for smp, act in enumerate(plan.actions):
-        if act not in ("drop", "raise"):
-            continue
-        if smp in bad:
-            rec = sample_record(bad[smp], items, act, act, step=step, microbatch=mb)
-            rec = with_reason(rec, reasons.get(smp))
-        else:  # aligned runs, but a grid row it shares is split or left with a dropped sample
-            why = reasons.get(smp, "a grid row it shares left with a dropped sample")
-            rec = GuardRecord(event=act, step=step, microbatch=mb, sample=smp, action=act)
-            rec = replace(rec, reason=why)
+
+    def aligned(smp: int, act: str) -> GuardRecord:  # a grid row it shares is split or dropped
+        why = reasons.get(smp, "a grid row it shares left with a dropped sample")
+        return GuardRecord(event=act, step=step, microbatch=mb, sample=smp, action=act, reason=why)
+
+    fatal = None
+    for smp, act, rec in plan_records(report, plan, items, step, mb, aligned):
         extra = {**(rec.extra or {}), "adapter": "qwen_vl", "grids": notes.get(smp)}
         written = guard.log.emit(replace(rec, extra=extra), caller=CALLER)
         if act == "raise" and fatal is None:
             fatal = written
-    if report.orphans:
-        why = f"grid rows of items {list(report.orphans)[:16]} have no placeholder run"
-        check_record(guard, step, mb, "unused", why)
-    if report.stray_findings:  # placeholders in a packed row's padding: made text
-        why = "; ".join(f.describe() for f in report.stray_findings[:4])
-        check_record(guard, step, mb, "ignored", why)
+    orphans = "grid rows of items {} have no placeholder run"
+    for rec in check_records(report, step, mb, orphans):  # padding placeholders: made text
+        guard.log.emit(replace(rec, extra={"adapter": "qwen_vl"}), caller=CALLER)
     return fatal
 
 
