@@ -65,7 +65,6 @@ class TokenLayout:
             _check_fits(grammar, ids.dtype)
         self.grammar = grammar
         self.batch, self.row_length = b, s
-        self.num_tokens = b * s
         dev = ids.device
         self.device = dev
         self._ids = ids  # the masks below are built on first use (verify_lut needs none)
