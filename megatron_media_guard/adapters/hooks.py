@@ -28,7 +28,7 @@ from ..core.runs import TokenLayout
 from ..errors import MediaAlignmentError, MediaInputError
 from ..ranks.consensus import dist_ready
 
-AdapterKind = Literal["llava", "mimo", "generic", "qwen_vl", "step_end"]
+AdapterKind = Literal["llava", "mimo", "generic", "qwen_vl", "vlm", "step_end"]
 ItemsProvider = Callable[[], Sequence[MediaItem] | None]
 StepProvider = Callable[[], int | None]
 T = TypeVar("T")

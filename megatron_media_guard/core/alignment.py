@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .items import MediaItem
 from .parsed import TRUNCATION_KINDS, Finding, ParsedRuns, Run
@@ -151,6 +151,13 @@ def align(
 ) -> AlignmentReport:
     """Classify every sample of a parsed batch against its items."""
     items = tuple(items)
+    if parsed.aliases:  # aliased modalities match runs of their token's modality
+        items = tuple(
+            replace(it, modality=parsed.aliases[it.modality])
+            if it.modality in parsed.aliases
+            else it
+            for it in items
+        )
     if explicit is None:
         explicit = any(it.sample is not None for it in items)
     if explicit:  # items without features own no run

@@ -26,6 +26,12 @@ class Grammar:
         feature (Pixtral's ``[IMG_BREAK]``).
     collapsed: one placeholder token stands for a whole item that the model
         expands itself (megatron-core LLaVA); each such token is its own run.
+    regions: further ``(start, end)`` marker pairs beside ``start_id`` / ``end_id``, for
+        families whose modalities have their own markers (Nemotron Omni's ``<img>``/``</img>``
+        and ``<so_start>``/``<so_end>``). Every start opens a region, every end closes one.
+    aliases: modalities that share another modality's placeholder token, ``{"video": "image"}``
+        (Nemotron Omni's video tubelets, GLM-4V's video frames): their items match runs of that
+        token, and keep their own name in reports and records.
     """
 
     placeholders: Mapping[str, int]
@@ -34,6 +40,8 @@ class Grammar:
     break_ids: tuple[int, ...] = ()
     collapsed: bool = False
     name: str = field(default="custom", compare=False)
+    regions: tuple[tuple[int, int], ...] = ()
+    aliases: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.placeholders:
@@ -46,7 +54,11 @@ class Grammar:
                 raise MediaInputError(
                     f"Grammar placeholder id for {modality!r} must be an int, got {tok!r}"
                 )
+        regions = tuple((int(a), int(b)) for a, b in self.regions)
+        if regions and (self.start_id is None or self.end_id is None):
+            raise MediaInputError("Grammar regions extend start_id / end_id: set both first")
         specials = [t for t in (self.start_id, self.end_id) if t is not None]
+        specials += [t for pair in regions for t in pair]
         specials += list(self.break_ids)
         every = list(ids.values()) + specials
         if len(set(every)) != len(every):
@@ -58,21 +70,44 @@ class Grammar:
             )
         if self.collapsed and (self.start_id is not None or self.break_ids):
             raise MediaInputError("a collapsed grammar has no start token or breaks")
+        aliases = dict(self.aliases)
+        for alias, target in aliases.items():
+            if alias in ids or target not in ids:
+                raise MediaInputError(
+                    f"Grammar alias {alias!r} -> {target!r} must name a new modality and one "
+                    f"with a placeholder (placeholders: {list(ids)})"
+                )
         object.__setattr__(self, "placeholders", MappingProxyType(ids))
         object.__setattr__(self, "break_ids", tuple(self.break_ids))
+        object.__setattr__(self, "regions", regions)
+        object.__setattr__(self, "aliases", MappingProxyType(aliases))
 
     @property
     def modalities(self) -> tuple[str, ...]:
         """Modality names in a fixed order; index i is the modality code used on device."""
         return tuple(self.placeholders)
 
+    @property
+    def start_ids(self) -> tuple[int, ...]:
+        """Every token that opens a region (``start_id`` first)."""
+        return () if self.start_id is None else (self.start_id, *(a for a, _ in self.regions))
+
+    @property
+    def end_ids(self) -> tuple[int, ...]:
+        """Every token that closes a region (``end_id`` first)."""
+        return () if self.end_id is None else (self.end_id, *(b for _, b in self.regions))
+
+    def token_modality(self, modality: str) -> str:
+        """The modality whose placeholder token ``modality`` uses (itself unless aliased)."""
+        return self.aliases.get(modality, modality)
+
     def modality_code(self, modality: str) -> int:
         try:
-            return self.modalities.index(modality)
+            return self.modalities.index(self.aliases.get(modality, modality))
         except ValueError:
             raise MediaInputError(
                 f"modality {modality!r} is not in grammar {self.name!r} "
-                f"(has {list(self.modalities)})"
+                f"(has {[*self.modalities, *self.aliases]})"
             ) from None
 
     # ---- presets (DESIGN §3) -------------------------------------------------

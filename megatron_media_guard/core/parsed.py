@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 
 class FindingKind(enum.IntEnum):
@@ -60,3 +61,4 @@ class ParsedRuns:
     num_samples: int
     row_length: int
     packed: bool
+    aliases: Mapping[str, str] = field(default_factory=dict)  # the grammar's (Grammar.aliases)

@@ -27,7 +27,7 @@ def _check_fits(grammar: Grammar, dtype: torch.dtype) -> None:
     remembered per grammar and dtype (a training run repeats both)."""
     info = torch.iinfo(dtype)
     special = [*grammar.placeholders.values(), *grammar.break_ids]
-    special += [t for t in (grammar.start_id, grammar.end_id) if t is not None]
+    special += [*grammar.start_ids, *grammar.end_ids]
     bad = [t for t in special if not info.min <= t <= info.max]
     if bad:
         raise MediaInputError(
@@ -112,13 +112,19 @@ class TokenLayout:
 
     @cached_property
     def is_start(self) -> torch.Tensor | None:
-        t = self.grammar.start_id
-        return None if t is None else self._ids == t
+        return self._any_of(self.grammar.start_ids)
 
     @cached_property
     def is_end(self) -> torch.Tensor | None:
-        t = self.grammar.end_id
-        return None if t is None else self._ids == t
+        return self._any_of(self.grammar.end_ids)
+
+    def _any_of(self, toks: tuple[int, ...]) -> torch.Tensor | None:
+        if not toks:
+            return None
+        out = self._ids == toks[0]
+        for t in toks[1:]:  # extra marker pairs (Grammar.regions): one compare each
+            out = out | (self._ids == t)
+        return out
 
     # ---- helpers ---------------------------------------------------------------
 
@@ -428,4 +434,6 @@ def parse_layout(lay: TokenLayout) -> ParsedRuns:
         )
         for row, col, kind, smp in ft
     )
-    return ParsedRuns(runs, findings, lay.num_samples, lay.row_length, lay.packed)
+    return ParsedRuns(
+        runs, findings, lay.num_samples, lay.row_length, lay.packed, lay.grammar.aliases
+    )

@@ -66,12 +66,13 @@ def tables(grammar: Grammar, packed: bool, s: int, dev: torch.device) -> tuple |
 
 
 def _ids(grammar: Grammar) -> list[int]:
-    return [grammar.start_id, grammar.end_id, *grammar.placeholders.values()]
+    return [*grammar.start_ids, *grammar.end_ids, *grammar.placeholders.values()]
 
 
 def _build(grammar: Grammar, dev: torch.device) -> tuple:
     """The class table and the three pair tables."""
-    ids = {grammar.start_id: _START, grammar.end_id: _END}
+    ids = {t: _START for t in grammar.start_ids}
+    ids.update({t: _END for t in grammar.end_ids})
     ids.update({tok: _PH + m for m, tok in enumerate(grammar.placeholders.values())})
     lo, hi = min(ids), max(ids)
     cls = [_TEXT] * (hi - lo + 3)  # index 0: below lo, hi - lo + 2: above hi

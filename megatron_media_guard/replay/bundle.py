@@ -102,6 +102,8 @@ def _grammar_meta(g: Grammar) -> dict:
         "break_ids": list(g.break_ids),
         "collapsed": g.collapsed,
         "name": g.name,
+        "regions": [list(pair) for pair in g.regions],
+        "aliases": dict(g.aliases),
     }
 
 

@@ -168,6 +168,8 @@ def _from_meta(path: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> Bund
         break_ids=tuple(g["break_ids"]),
         collapsed=g["collapsed"],
         name=g["name"],
+        regions=tuple(tuple(pair) for pair in g.get("regions", ())),
+        aliases=dict(g.get("aliases", {})),
     )
     rank = RankInfo(**meta["rank"]) if meta.get("rank") is not None else None
     config = _config_from_meta(meta["config"]) if meta.get("config") is not None else None

@@ -120,6 +120,25 @@ def _check_grammar(g: object) -> None:
     name = g.get("name")
     if not (isinstance(name, str) and len(name) <= MAX_NAME):
         raise _fail("grammar.name", name, f"a string of at most {MAX_NAME} characters")
+    regions = g.get("regions", [])  # absent in bundles written before marker pairs existed
+    if (
+        not isinstance(regions, list)
+        or len(regions) > 16
+        or not all(
+            isinstance(p, list) and len(p) == 2 and all(type(t) is int for t in p) for p in regions
+        )
+    ):
+        raise _fail("grammar.regions", regions, "a list of [start, end] token id pairs")
+    aliases = g.get("aliases", {})
+    if (
+        not isinstance(aliases, dict)
+        or len(aliases) > 64
+        or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= MAX_NAME
+            for k, v in aliases.items()
+        )
+    ):
+        raise _fail("grammar.aliases", aliases, "an object of modality -> modality")
 
 
 def _check_rank(rank: object) -> None:

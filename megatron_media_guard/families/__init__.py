@@ -1,0 +1,42 @@
+"""Model families as data: one :class:`~.spec.FamilySpec` per family on one engine
+(``adapters/vlm.py``); ``FAMILIES`` is the registry ``install_vlm`` and ``install_from_args``
+search. A new family is a module here with a ``SPEC`` and one line below (docs/FAMILIES.md).
+
+May import ``core``, ``geometry``, ``errors`` and torch; never ``adapters`` or torch.distributed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import nemotron_omni, qwen
+from .spec import FamilySpec, ModalitySpec, Token
+
+FAMILIES: tuple[FamilySpec, ...] = (nemotron_omni.SPEC, qwen.SPEC)
+
+#: attributes that hold the model a wrapper trains (DDP / FSDP1's ``.module``, Bridge's
+#: Nemotron VL / Omni ``.llava_model``), looked through in this order
+WRAPPERS = ("module", "llava_model")
+
+
+def unwrap(model: Any):
+    """``model`` and what it wraps, outermost first (bounded: wrappers never loop)."""
+    out, cur = [], model
+    for _ in range(8):
+        if cur is None or any(cur is o for o in out):
+            break
+        out.append(cur)
+        cur = next((getattr(cur, w) for w in WRAPPERS if getattr(cur, w, None) is not None), None)
+    return out
+
+
+def find_family(model: Any) -> tuple[Any, FamilySpec | None]:
+    """The (possibly wrapped) model a family knows, and that family; ``(model, None)`` if none."""
+    for m in unwrap(model):
+        for spec in FAMILIES:
+            if spec.matches(m):
+                return m, spec
+    return model, None
+
+
+__all__ = ["FAMILIES", "FamilySpec", "ModalitySpec", "Token", "find_family", "unwrap"]

@@ -1,0 +1,185 @@
+"""A model family as data: its placeholder tokens, where each modality's media sit in the
+forward's keyword arguments, how the model encodes them, and how the guard repairs them.
+
+The engine (``adapters/vlm.py``) reads a :class:`FamilySpec`; nothing else is family code. A
+spec names token ids by where they live (``model.config`` attribute paths, else a tokenizer
+token), the forward keywords that carry each modality, and one small ``encode`` function that
+calls the model's *own* feature method and returns one feature tensor per item, in the order
+the model consumes them. Everything else (runs, alignment, plan, consensus, records, bundles,
+drop, repair) is the shared core.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from ..core.grammar import Grammar
+from ..errors import MediaInputError
+
+ModalityName = Literal["image", "video", "audio"]
+Apply = Literal["embed", "qwen_vl"]
+
+
+@dataclass(frozen=True)
+class Token:
+    """Where one token id comes from: the first of ``config`` attribute paths that is set on
+    ``model.config`` (dotted, e.g. ``"text_config.pad_token_id"``), else the tokenizer's id of
+    ``text``, else ``default``."""
+
+    config: tuple[str, ...] = ()
+    text: str | None = None
+    default: int | None = None
+
+    def resolve(self, model: Any, tokenizer: Any = None) -> int | None:
+        cfg = getattr(model, "config", None)
+        for path in self.config:
+            cur = cfg
+            for part in path.split("."):
+                cur = getattr(cur, part, None)
+                if cur is None:
+                    break
+            if cur is not None:
+                if isinstance(cur, (list, tuple)):  # e.g. eos_token_id lists
+                    cur = cur[0]
+                return int(cur)
+        if self.text is not None and isinstance(tokenizer, Mapping):  # {token text: id}
+            tid = tokenizer.get(self.text)
+            if tid is not None:
+                return int(tid)
+        elif self.text is not None and tokenizer is not None:
+            tid = tokenizer.convert_tokens_to_ids(self.text)
+            unk = getattr(tokenizer, "unk_token_id", None)
+            if isinstance(tid, int) and tid >= 0 and tid != unk:
+                return tid
+        return self.default
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """What a modality's ``encode`` returns for one call: one ``[n_i, h]`` feature tensor per
+    item in the model's consumption order, and per item what diagnostics and repair need."""
+
+    features: tuple[torch.Tensor, ...]
+    num_frames: tuple[int | None, ...] = ()
+    frame_hw: tuple[tuple[int, int] | None, ...] = ()
+    pixels: tuple[torch.Tensor | None, ...] = ()  # layout "image": [C, H, W] for repair
+    parent: tuple[int, ...] = ()  # per item: index of the model-level item (video -> tubelets)
+
+
+#: encode(model, call_kwargs) -> Encoded; call_kwargs holds the forward's keyword arguments
+Encode = Callable[[Any, Mapping[str, Any]], Encoded]
+#: repair encoder for one item: (model, new_pixels [C, H', W']) -> features [n, h]
+Reencode = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ModalitySpec:
+    """One modality of a family.
+
+    placeholder / start / end: its tokens (``start``/``end`` None: no markers of its own).
+    shares: the modality whose placeholder token this one reuses (Nemotron video -> image).
+    inputs: the forward keywords that carry its media; the first one present means the call
+        holds this modality. All of them are set to None once the guard has merged.
+    encode: the model's own feature path for this modality (see :data:`Encode`).
+    reencode: how one repaired item is encoded (None: this modality is never repaired).
+    """
+
+    name: ModalityName
+    placeholder: Token
+    inputs: tuple[str, ...]
+    encode: Encode
+    start: Token | None = None
+    end: Token | None = None
+    shares: ModalityName | None = None
+    reencode: Reencode | None = None
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """A model family: ``classes`` by defining package prefix (a subclass counts),
+    ``modalities`` in the model's consumption order, ``text`` the id a generated or dropped
+    placeholder becomes, ``geometry`` a factory for the repair geometry (None: no repair).
+    ``apply``: ``"embed"`` (the guard merges and passes ``inputs_embeds``) or ``"qwen_vl"``
+    (the Qwen-VL input rewrite, for models whose positions follow their grids).
+    """
+
+    name: str
+    classes: Mapping[str, frozenset[str]]
+    modalities: tuple[ModalitySpec, ...]
+    text: Token = field(default_factory=Token)
+    apply: Apply = "embed"
+    geometry: Callable[[Any], Any] | None = None
+    wrappers: tuple[str, ...] = ()  # attributes that hold the guarded model (``.llava_model``)
+
+    def matches(self, model: Any) -> bool:
+        for cls in type(model).__mro__:
+            for prefix, names in self.classes.items():
+                if cls.__name__ in names and cls.__module__.startswith(prefix):
+                    return True
+        return False
+
+    def modality(self, name: str) -> ModalitySpec:
+        for m in self.modalities:
+            if m.name == name:
+                return m
+        raise MediaInputError(f"family {self.name!r} has no modality {name!r}")
+
+    def grammar(self, model: Any, tokenizer: Any = None) -> Grammar:
+        """The guard's grammar from the model's config (markers the config lacks from the
+        tokenizer); a clear error naming every token it could not find."""
+        placeholders: dict[str, int] = {}
+        pairs: list[tuple[int, int]] = []
+        missing: list[str] = []
+        for m in self.modalities:
+            if m.shares is not None:
+                continue
+            tok = m.placeholder.resolve(model, tokenizer)
+            if tok is None:
+                missing.append(f"{m.name} placeholder {_where(m.placeholder)}")
+            else:
+                placeholders[m.name] = tok
+            if m.start is not None and m.end is not None:
+                a, b = m.start.resolve(model, tokenizer), m.end.resolve(model, tokenizer)
+                if a is None or b is None:
+                    missing.append(f"{m.name} start/end markers {_where(m.start)}")
+                elif (a, b) not in pairs:
+                    pairs.append((a, b))
+        if missing:
+            raise MediaInputError(
+                f"{self.name}: no token id for " + "; ".join(missing) + " (set them on "
+                "model.config or pass tokenizer= to install_vlm)"
+            )
+        aliases = {m.name: m.shares for m in self.modalities if m.shares is not None}
+        start, end = pairs[0] if pairs else (None, None)
+        return Grammar(
+            placeholders,
+            start_id=start,
+            end_id=end,
+            regions=tuple(pairs[1:]),
+            aliases=aliases,
+            name=self.name,
+        )
+
+
+def _where(tok: Token) -> str:
+    parts = [f"config.{p}" for p in tok.config]
+    if tok.text:
+        parts.append(f"tokenizer {tok.text!r}")
+    return f"({' / '.join(parts) or 'nowhere'})"
+
+
+def present(spec: FamilySpec, kwargs: Mapping[str, Any]) -> list[ModalitySpec]:
+    """The modalities whose inputs this call carries, in the spec's order."""
+    return [m for m in spec.modalities if kwargs.get(m.inputs[0]) is not None]
+
+
+def split_rows(flat: torch.Tensor | Sequence[torch.Tensor], sizes: Sequence[int]):
+    """Per-item views of a model's feature output: a tuple of tensors is kept; a flat
+    ``[sum(n_i), h]`` tensor is split by ``sizes``."""
+    if isinstance(flat, torch.Tensor):
+        return tuple(flat.split(list(sizes)))
+    return tuple(flat)
