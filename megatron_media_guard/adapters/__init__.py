@@ -2,7 +2,8 @@
 
 ``install_llava(model, guard)`` (megatron-core ``LLaVAModel``, 0.16 and 0.19),
 ``install_qwen_vl(model, guard)`` (transformers and Megatron-Bridge Qwen2.5-VL / Qwen3-VL),
-``install_mimo(model, guard)`` (megatron-core ``MimoModel``) and
+``install_mimo(model, guard)`` (megatron-core ``MimoModel``),
+``install_vlm(model, config_or_guard, tokenizer)`` (every family of ``families/``) and
 ``install_generic(model, "merge_embeddings", guard)``; ``handle.remove()`` restores the
 instance exactly. ``hooks`` holds the handle every adapter builds on; ``launcher`` wires them
 into a Megatron-LM launcher (``add_media_guard_args``, ``install_from_args``). See
@@ -19,6 +20,7 @@ from .llava.checks import LlavaFault
 from .llava.install import LlavaHandle, LlavaResult, install_llava
 from .mimo import install_mimo
 from .qwen_vl.install import QwenVLHandle, install_qwen_vl
+from .vlm import VLMHandle, install_vlm
 
 ImageFault = LlavaFault  # the 0.1 name (before sound faults); kept for existing imports
 
@@ -31,6 +33,7 @@ __all__ = [
     "LlavaHandle",
     "LlavaResult",
     "QwenVLHandle",
+    "VLMHandle",
     "guard_merge_fn",
     "guarded_by",
     "infer_items",
@@ -38,4 +41,5 @@ __all__ = [
     "install_llava",
     "install_mimo",
     "install_qwen_vl",
+    "install_vlm",
 ]

@@ -121,8 +121,9 @@ class VLMHandle(GuardHandle):
             kw = {**kw, PIXELS_FLAG: True}
         encoded = {m.name: m.encode(model, kw) for m in mods}
         meta = self.take_items()
-        items, feats = _items(mods, encoded, meta)
-        order = _token_order(ids, guard, mods, items)
+        items, feats, listed = _items(mods, encoded, meta)
+        parent = _parents(mods, encoded)
+        order = listed if listed is not None else _token_order(ids, guard, mods, items, parent)
         items = [items[i] for i in order]
         feats = [feats[i] for i in order]
         emb = model.get_input_embeddings()(ids)
@@ -154,52 +155,89 @@ class VLMHandle(GuardHandle):
 
 def _items(
     mods: Sequence[ModalitySpec], encoded: dict[str, Encoded], meta: Sequence[MediaItem] | None
-) -> tuple[list[MediaItem], list[torch.Tensor]]:
-    """MediaItems and features in the model's consumption order (modality by modality)."""
+) -> tuple[list[MediaItem], list[torch.Tensor], list[int] | None]:
+    """MediaItems and features in the model's consumption order (modality by modality), and,
+    when ``set_items`` gave metadata, the items' order as listed there (taken as token order).
+
+    ``meta``: one item per model-level item (a video, not its tubelets); the k-th item of a
+    modality in the list describes the model's k-th item of that modality.
+    """
     items: list[MediaItem] = []
     feats: list[torch.Tensor] = []
-    base = 0  # model-level items before this modality (set_items indexes them)
-    given = list(meta) if meta is not None else None
+    first: dict[str, list[int]] = {}  # modality -> per model-level item, its first item index
     for m in mods:
         enc = encoded[m.name]
         parents = enc.parent or tuple(range(len(enc.features)))
+        starts = first.setdefault(m.name, [])
         for k, f in enumerate(enc.features):
-            it = MediaItem(
-                int(f.shape[0]),
-                modality=m.name,
-                num_frames=enc.num_frames[k] if enc.num_frames else None,
-                frame_hw=enc.frame_hw[k] if enc.frame_hw else None,
-                pixels=enc.pixels[k] if enc.pixels else None,
-            )
-            if given is not None:
-                g = base + parents[k]
-                if g >= len(given):
-                    raise MediaInputError(
-                        f"set_items gave {len(given)} items; this call has more "
-                        f"({m.name} item {parents[k]})"
-                    )
-                src = given[g]
-                if src.modality != m.name:
-                    raise MediaInputError(
-                        f"set_items: item {g} has modality {src.modality!r}, the call's item "
-                        f"there is {m.name!r} (order: {[x.name for x in mods]}, each in the "
-                        "model's order)"
-                    )
-                it = replace(
-                    it, sample=src.sample, sample_id=src.sample_id, source_hw=src.source_hw
+            if parents[k] == len(starts):
+                starts.append(len(items))
+            items.append(
+                MediaItem(
+                    int(f.shape[0]),
+                    modality=m.name,
+                    num_frames=enc.num_frames[k] if enc.num_frames else None,
+                    frame_hw=enc.frame_hw[k] if enc.frame_hw else None,
+                    pixels=enc.pixels[k] if enc.pixels else None,
                 )
-            items.append(it)
+            )
             feats.append(f)
-        base += (max(parents) + 1) if parents else 0
-    if given is not None and base != len(given):
-        raise MediaInputError(f"set_items gave {len(given)} items for {base} in this call")
-    return items, feats
+    if meta is None:
+        return items, feats, None
+    want = {m: len(v) for m, v in first.items()}
+    got: dict[str, int] = {}
+    for g, src in enumerate(meta):
+        if src.modality not in want:
+            raise MediaInputError(
+                f"set_items: item {g} has modality {src.modality!r}; this call holds "
+                f"{ {m: n for m, n in want.items()} } model-level items"
+            )
+        got[src.modality] = got.get(src.modality, 0) + 1
+    if got != want:
+        raise MediaInputError(
+            f"set_items gave {len(meta)} items {got} for this call's {want} (one per image, "
+            "video and audio clip)"
+        )
+    order: list[int] = []
+    rank: dict[str, int] = {}
+    for src in meta:
+        k = rank.get(src.modality, 0)
+        rank[src.modality] = k + 1
+        lo = first[src.modality][k]
+        nxt = first[src.modality][k + 1] if k + 1 < len(first[src.modality]) else None
+        hi = nxt if nxt is not None else _end_of(items, lo, src.modality)
+        for i in range(lo, hi):
+            items[i] = replace(
+                items[i], sample=src.sample, sample_id=src.sample_id, source_hw=src.source_hw
+            )
+            order.append(i)
+    return items, feats, order
 
 
-def _token_order(ids, guard: MediaGuard, mods, items: list[MediaItem]) -> list[int]:
+def _parents(mods: Sequence[ModalitySpec], encoded: dict[str, Encoded]) -> list[int]:
+    """Per item (consumption order), the model-level item it belongs to (a video's tubelets
+    share one), numbered per modality."""
+    out: list[int] = []
+    for m in mods:
+        enc = encoded[m.name]
+        out += list(enc.parent or range(len(enc.features)))
+    return out
+
+
+def _end_of(items: list[MediaItem], lo: int, modality: str) -> int:
+    hi = lo
+    while hi < len(items) and items[hi].modality == modality:
+        hi += 1
+    return hi
+
+
+def _token_order(
+    ids, guard: MediaGuard, mods, items: list[MediaItem], parent: list[int]
+) -> list[int]:
     """The items' permutation into token order. One modality: as consumed. Several: the runs'
     order read from the ids (a transfer sized by the runs; mixed batches only); a run whose
-    token several modalities share takes the item the length interleaving gives it."""
+    token several modalities share takes the item the length interleaving gives it (when
+    only one interleaving fits; else :class:`MediaInputError` asks for ``set_items``)."""
     if len(mods) == 1:
         return list(range(len(items)))
     g = guard.grammar
@@ -209,8 +247,10 @@ def _token_order(ids, guard: MediaGuard, mods, items: list[MediaItem]) -> list[i
         tok = g.token_modality(it.modality)
         streams.setdefault(tok, {}).setdefault(it.modality, []).append(i)
     runs_of: dict[str, list[int]] = {}
+    samples_of: dict[str, list[int]] = {}
     for r in parsed.runs:
         runs_of.setdefault(r.modality, []).append(r.length)
+        samples_of.setdefault(r.modality, []).append(r.sample)
     queue: dict[str, list[int]] = {}
     for tok, by_mod in streams.items():
         seqs = list(by_mod.values())
@@ -222,10 +262,22 @@ def _token_order(ids, guard: MediaGuard, mods, items: list[MediaItem]) -> list[i
         a, b = seqs
         la = [items[i].num_features for i in a]
         lb = [items[i].num_features for i in b]
-        pick, _unique = interleave(runs_of.get(tok, []), la, lb)
+        pick, unique = interleave(
+            runs_of.get(tok, []),
+            la,
+            lb,
+            groups=[parent[i] for i in b],
+            run_samples=samples_of.get(tok, []),
+        )
         if pick is None:  # no interleaving fits: consumption order, the guard reports it
             queue[tok] = a + b
             continue
+        if not unique:  # equal lengths at a choice: the ids cannot tell, and a guess is silent
+            raise MediaInputError(
+                f"{' and '.join(by_mod)} runs share the {tok!r} token and have equal lengths "
+                "where their order is open: the ids cannot tell which is which. Give "
+                "handle.set_items(...) with one MediaItem per item in token order"
+            )
         ia, ib = iter(a), iter(b)
         queue[tok] = [next(ia) if s == 0 else next(ib) for s in pick]
     order: list[int] = []
@@ -304,11 +356,16 @@ def install_vlm(
         )
     if isinstance(config_or_guard, MediaGuard):
         guard = config_or_guard
-        want = spec.grammar(target, tokenizer)
-        if dict(guard.grammar.placeholders) != dict(want.placeholders):
+        have = dict(guard.grammar.placeholders)
+        want = {
+            m.name: m.placeholder.resolve(target, tokenizer)
+            for m in spec.modalities
+            if m.shares is None
+        }
+        if any(have.get(k) != v for k, v in want.items() if v is not None) or set(have) - set(want):
             raise MediaInputError(
-                f"the guard's grammar placeholders {dict(guard.grammar.placeholders)} differ "
-                f"from the {spec.name} model's {dict(want.placeholders)}"
+                f"the guard's grammar placeholders {have} differ from the {spec.name} model's "
+                f"{want}: build the guard with the family's grammar (FamilySpec.grammar)"
             )
     else:
         geo = spec.geometry(target) if spec.geometry is not None else None

@@ -1,0 +1,252 @@
+"""install_vlm on transformers' real ``NemotronH_Omni_Reasoning_V3`` (tiny random config, CPU):
+images (RADIO patch rows), video tubelets on the same image token, Parakeet audio.
+
+Inputs come from ``testing/families/nemotron_omni.py`` (the image processor imports
+torchvision: patch rows from its own ``convert_image_to_patches`` / ``get_patch_grid_size``).
+Every guarded sample is compared with the same sample's plain forward in a batch of its own.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaGuard, MediaItem
+from megatron_media_guard.core.host import count_transfers
+from megatron_media_guard.errors import MediaInputError
+from megatron_media_guard.geometry import RadioTilerGeometry
+
+pytest.importorskip("transformers.models.nemotron_h_omni")
+
+from megatron_media_guard.adapters import install_vlm
+from megatron_media_guard.families import nemotron_omni as spec_mod
+from megatron_media_guard.testing.families import nemotron_omni as F
+from megatron_media_guard.testing.families.base import Media
+
+TOKENS = {"<img>": F.IMG_START, "</img>": F.IMG_END, "<so_start>": F.SO_START, "<so_end>": F.SO_END}
+IMG, IMG2 = Media("image", (4, 4)), Media("image", (2, 4))
+VID, AUD = Media("video", (4, 4, 4)), Media("audio", (40,))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return F.tiny_model()
+
+
+def plain(model, samples, **kw):
+    return F.plain_logits(model, F.make_batch(model, samples, **kw))
+
+
+def own(model, sample):
+    """Logits of ``sample`` in a batch of its own, plain model: ``[len, vocab]``. A sample with
+    both images and videos the plain model cannot take: its features are then placed by hand,
+    run by run in token order, and the language model runs on the result."""
+    b = F.make_batch(model, [sample])
+    mods = {m.modality for m in sample}
+    if not {"image", "video"} <= mods:
+        return F.plain_logits(model, b)[0, : b.lengths[0]]
+    kw = b.kwargs
+    with torch.no_grad():
+        img = model.get_image_features(kw["pixel_values"], kw["image_grid_hw"]).pooler_output
+        vid = model.get_video_features(kw["pixel_values_videos"]).pooler_output
+        per = vid[0].shape[0] // kw["pixel_values_videos"].shape[1]
+        queue = {"image": list(img), "video": [g for v in vid for g in v.split(per)]}
+        emb = model.get_input_embeddings()(b.input_ids)
+        pos = (b.input_ids[0] == F.IMAGE).nonzero().flatten().tolist()
+        at = 0
+        for mod, n in b.runs[0]:
+            f = queue[mod].pop(0)
+            assert f.shape[0] == n
+            emb[0, pos[at : at + n]] = f
+            at += n
+        out = model.language_model(inputs_embeds=emb, attention_mask=kw["attention_mask"])
+    return out.logits[0, : b.lengths[0]]
+
+
+def guarded(model, samples, config=None, items=None, guard=None, **kw):
+    b = F.make_batch(model, samples, **kw)
+    with install_vlm(model, guard or config or GuardConfig(), tokenizer=TOKENS) as h:
+        if items is not None:
+            h.set_items(items)
+        with torch.no_grad():
+            out = model(**b.kwargs)
+        return b, out, h.last_result
+
+
+# ref "batch": the plain model takes the batch, the guarded one must equal it; "own": it cannot
+# (images and videos together), each sample must equal its own plain forward. Two audio clips
+# of different lengths differ from their own forwards in the plain model too (the tower sees
+# the padding), so they are compared with the plain batch.
+ALIGNED = [
+    ("image", [[IMG], [IMG2]], "batch"),
+    ("video", [[VID], [VID]], "batch"),
+    ("audio", [[AUD], [Media("audio", (24,))]], "batch"),
+    ("image+audio", [[AUD, IMG], [IMG2]], "batch"),
+    ("image+video one sample", [[IMG2, VID], [IMG]], "own"),
+    ("video then image", [[VID, IMG2], [AUD, IMG]], "own"),
+    ("every modality", [[IMG], [VID], [AUD, IMG2]], "own"),
+]
+
+
+@pytest.mark.parametrize("name,samples,ref", ALIGNED, ids=[n for n, _, _ in ALIGNED])
+def test_aligned_batches_equal_the_plain_model(model, name, samples, ref):
+    b, out, res = guarded(model, samples)
+    assert res.report.actions == ("keep",) * len(samples)
+    if ref == "batch":
+        torch.testing.assert_close(out.logits, plain(model, samples), atol=1e-6, rtol=1e-6)
+        return
+    for k, s in enumerate(samples):
+        want = own(model, s)
+        torch.testing.assert_close(out.logits[k, : b.lengths[k]], want, atol=1e-5, rtol=1e-5)
+
+
+def test_plain_model_cannot_take_a_mixed_image_video_batch(model):
+    with pytest.raises(Exception, match="feature vectors for"):
+        plain(model, [[IMG], [VID]])
+
+
+def test_single_modality_aligned_call_is_bit_identical_with_one_transfer(model):
+    b = F.make_batch(model, [[IMG], [IMG2]])
+    ref = F.plain_logits(model, b)
+    guard = install_vlm(model, GuardConfig(), tokenizer=TOKENS)
+    with guard, count_transfers() as n, torch.no_grad():
+        out = model(**b.kwargs).logits
+    assert torch.equal(out, ref)
+    assert sum(n.values()) == 1, n  # the guard's verdict; the model's own syncs are not counted
+
+
+FAULTS = [
+    ("short run", [[Media("image", (4, 4), tokens=3)], [IMG2]], 0, None),
+    ("+k/-k", [[Media("image", (4, 4), tokens=5)], [Media("image", (4, 4), tokens=3)]], 0, None),
+    ("swap", [[IMG], [Media("image", (2, 2))]], 0, (0, 1)),
+    ("video tubelet short", [[VID], [Media("video", (4, 4, 4), tokens=7)]], 1, None),
+    ("audio short", [[AUD], [Media("audio", (40,), tokens=2)]], 1, None),
+]
+
+
+@pytest.mark.parametrize("name,samples,bad,swap", FAULTS, ids=[f[0] for f in FAULTS])
+def test_raise_names_the_sample(model, name, samples, bad, swap, tmp_path):
+    cfg = GuardConfig(log_dir=str(tmp_path))
+    with pytest.raises(MediaAlignmentError, match=rf"sample {bad}\b"):
+        guarded(model, samples, cfg, swap=swap)
+    recs = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()]
+    assert any(r["event"] == "raise" and r["sample"] == bad for r in recs)
+
+
+@pytest.mark.parametrize("name,samples,bad,swap", FAULTS, ids=[f[0] for f in FAULTS])
+def test_drop_keeps_every_other_sample_equal_to_its_own_forward(model, name, samples, bad, swap):
+    b = F.make_batch(model, samples, swap=swap)
+    labels = b.input_ids.clone()
+    with install_vlm(model, GuardConfig(policy="drop"), tokenizer=TOKENS) as h:
+        with torch.no_grad():
+            out = model(**b.kwargs, labels=labels)
+        res = h.last_result
+    dropped = {s for s, a in enumerate(res.report.actions) if a == "drop"}
+    assert bad in dropped
+    for k in set(range(len(samples))) - dropped:
+        ref = own(model, samples[k]) if swap is None else None
+        if ref is not None:
+            torch.testing.assert_close(out.logits[k, : b.lengths[k]], ref, atol=1e-5, rtol=1e-5)
+    assert (res.labels[bad] == -100).all()
+    assert torch.isfinite(out.loss)
+
+
+def test_swap_drop_feeds_no_feature_to_the_dropped_rows(model):
+    samples = [[IMG], [Media("image", (2, 2))]]
+    b = F.make_batch(model, samples, swap=(0, 1))
+    seen = []
+    hook = model.language_model.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw["inputs_embeds"].detach().clone()), with_kwargs=True
+    )
+    try:
+        h = install_vlm(model, GuardConfig(policy="drop"), tokenizer=TOKENS)
+        with h, torch.no_grad():
+            model(**b.kwargs)
+    finally:
+        hook.remove()
+    assert h.last_result.report.actions == ("drop", "drop")
+    text = model.get_input_embeddings()(b.input_ids)
+    assert torch.equal(seen[0], text)  # every placeholder kept its own token's embedding
+
+
+def test_repair_reencodes_the_shrunk_image_at_the_engines_grid(model, tmp_path):
+    """The seed's case in small: the trainer's grid 8x12 (24 features), the engine's run 12."""
+    geo = RadioTilerGeometry(min_num_patches=16, max_num_patches=4096)
+    cfg = GuardConfig(policy="repair", log_dir=str(tmp_path))
+    guard = MediaGuard(cfg, grammar=spec_mod.SPEC.grammar(model, TOKENS), geometry=geo)
+    samples = [[Media("image", (8, 12), tokens=12)], [IMG2]]
+    b, out, res = guarded(model, samples, guard=guard)
+    assert res.report.actions == ("repair", "keep")
+    rec = next(
+        json.loads(x)
+        for f in tmp_path.glob("*.jsonl")
+        for x in f.read_text().splitlines()
+        if '"repair"' in x
+    )
+    assert (rec["fidelity"], rec["grid"]) == ("engine-replay", [6, 8])
+    # the same image resized to 6x8 patches by hand and fed to the plain model
+    rows = b.kwargs["pixel_values"][: 8 * 12]
+    img = spec_mod.patches_to_image(rows, 8, 12)[None]
+    small = torch.nn.functional.interpolate(
+        img, size=(96, 128), mode="bicubic", antialias=True, align_corners=False
+    )[0]
+    fixed = dict(b.kwargs)
+    fixed["pixel_values"] = torch.cat(
+        [spec_mod.image_to_patches(small), b.kwargs["pixel_values"][96:]]
+    )
+    fixed["image_grid_hw"] = torch.tensor([[6, 8], [2, 4]])
+    with torch.no_grad():
+        ref = model(**fixed).logits
+    torch.testing.assert_close(out.logits, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_set_items_names_sample_ids_and_shares_a_video_across_its_tubelets(model, tmp_path):
+    samples = [[VID], [Media("video", (4, 4, 4), tokens=7)]]
+    items = [
+        MediaItem(0, sample=0, modality="video", sample_id="a"),
+        MediaItem(0, sample=1, modality="video", sample_id="b"),
+    ]
+    with pytest.raises(MediaAlignmentError, match="sample_id 'b'"):
+        guarded(model, samples, GuardConfig(log_dir=str(tmp_path)), items=items)
+
+
+def test_equal_length_image_and_tubelets_need_set_items_in_token_order(model):
+    samples = [[VID, IMG], [IMG2]]  # tubelets of 4 and an image of 4: the order is open
+    with pytest.raises(MediaInputError, match="token order"):
+        guarded(model, samples)
+    items = [
+        MediaItem(0, sample=0, modality="video"),
+        MediaItem(0, sample=0, modality="image"),
+        MediaItem(0, sample=1, modality="image"),
+    ]
+    b, out, _ = guarded(model, samples, items=items)
+    for k, s in enumerate(samples):
+        want = own(model, s)
+        torch.testing.assert_close(out.logits[k, : b.lengths[k]], want, atol=1e-5, rtol=1e-5)
+
+
+def test_set_items_count_and_modality_are_checked(model):
+    with pytest.raises(MediaInputError, match="set_items gave 1 items"):
+        guarded(model, [[IMG], [IMG2]], items=[MediaItem(0, modality="image")])
+    with pytest.raises(MediaInputError, match="modality 'audio'"):
+        guarded(model, [[IMG], [IMG2]], items=[MediaItem(0, modality="audio")] * 2)
+
+
+def test_remove_restores_the_plain_model(model):
+    b = F.make_batch(model, [[IMG], [VID]])
+    h = install_vlm(model, GuardConfig(), tokenizer=TOKENS)
+    h.remove()
+    with pytest.raises(Exception, match="feature vectors for"), torch.no_grad():
+        model(**b.kwargs)
+
+
+def test_missing_markers_name_the_tokens(model):
+    with pytest.raises(MediaInputError, match="'<img>'"):
+        install_vlm(model, GuardConfig())
+
+
+def test_unknown_model_lists_the_families():
+    with pytest.raises(MediaInputError, match="nemotron_omni"):
+        install_vlm(torch.nn.Linear(2, 2), GuardConfig())
