@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import nemotron_omni, qwen
+from . import megatron, nemotron_omni, qwen
 from .spec import FamilySpec, ModalitySpec, Token
 
-FAMILIES: tuple[FamilySpec, ...] = (nemotron_omni.SPEC, qwen.SPEC)
+FAMILIES: tuple[FamilySpec, ...] = (megatron.LLAVA, megatron.MIMO, qwen.SPEC, nemotron_omni.SPEC)
 
 #: attributes that hold the model a wrapper trains (DDP / FSDP1's ``.module``, Bridge's
 #: Nemotron VL / Omni ``.llava_model``), looked through in this order
@@ -30,13 +30,34 @@ def unwrap(model: Any):
     return out
 
 
+def family_of(model: Any) -> FamilySpec | None:
+    """The family that knows ``model`` itself (no unwrapping), or None."""
+    return next((spec for spec in FAMILIES if spec.matches(model)), None)
+
+
 def find_family(model: Any) -> tuple[Any, FamilySpec | None]:
-    """The (possibly wrapped) model a family knows, and that family; ``(model, None)`` if none."""
+    """The (possibly wrapped) model a family knows, and that family; ``(model, None)`` if none.
+    Wrappers first (DDP's ``.module``, Bridge's ``.llava_model``), then the submodules, the
+    outermost first (a ``...ForConditionalGeneration``, not the model it holds)."""
     for m in unwrap(model):
-        for spec in FAMILIES:
-            if spec.matches(m):
-                return m, spec
+        spec = family_of(m)
+        if spec is not None:
+            return m, spec
+    modules = getattr(model, "modules", None)
+    if callable(modules):
+        for sub in modules():
+            spec = family_of(sub)
+            if spec is not None:
+                return sub, spec
     return model, None
 
 
-__all__ = ["FAMILIES", "FamilySpec", "ModalitySpec", "Token", "find_family", "unwrap"]
+__all__ = [
+    "FAMILIES",
+    "FamilySpec",
+    "ModalitySpec",
+    "Token",
+    "family_of",
+    "find_family",
+    "unwrap",
+]

@@ -21,7 +21,7 @@ from ..core.grammar import Grammar
 from ..errors import MediaInputError
 
 ModalityName = Literal["image", "video", "audio"]
-Apply = Literal["embed", "qwen_vl"]
+Apply = Literal["embed", "qwen_vl", "llava", "mimo"]
 
 
 @dataclass(frozen=True)
@@ -103,8 +103,10 @@ class FamilySpec:
     """A model family: ``classes`` by defining package prefix (a subclass counts),
     ``modalities`` in the model's consumption order, ``text`` the id a generated or dropped
     placeholder becomes, ``geometry`` a factory for the repair geometry (None: no repair).
-    ``apply``: ``"embed"`` (the guard merges and passes ``inputs_embeds``) or ``"qwen_vl"``
-    (the Qwen-VL input rewrite, for models whose positions follow their grids).
+    ``apply``: ``"embed"`` (the guard merges and passes ``inputs_embeds``), ``"qwen_vl"``
+    (the Qwen-VL input rewrite, for models whose positions follow their grids), ``"llava"`` /
+    ``"mimo"`` (megatron-core's merge methods, wrapped). ``detect``: a test of the model
+    beside ``classes`` (megatron-core's classes, matched by isinstance or their methods).
     """
 
     name: str
@@ -113,9 +115,11 @@ class FamilySpec:
     text: Token = field(default_factory=Token)
     apply: Apply = "embed"
     geometry: Callable[[Any], Any] | None = None
-    wrappers: tuple[str, ...] = ()  # attributes that hold the guarded model (``.llava_model``)
+    detect: Callable[[Any], bool] | None = None
 
     def matches(self, model: Any) -> bool:
+        if self.detect is not None and self.detect(model):
+            return True
         for cls in type(model).__mro__:
             for prefix, names in self.classes.items():
                 if cls.__name__ in names and cls.__module__.startswith(prefix):
