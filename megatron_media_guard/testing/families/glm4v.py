@@ -119,7 +119,8 @@ def make_batch(model, samples, *, text_len: int = 6, swap=None, seed: int = 0) -
     h·w/4 tokens (feature count t·h·w/4). ``Media.tokens`` sets the item's total placeholders;
     for a video the difference lands on its last frame run. Consumption order (``items``,
     ``swap`` indices): every image (sample-major, prompt order), then every video.
-    ``items`` give the feature counts as passed to the model (after a swap), ``runs`` the token side.
+    ``items`` are the feature side as passed to the model: after a swap, item i's entry is the
+    swapped-in item's (its sample, its count); ``runs`` are the token side.
     """
     cfg = model.config
     rows, types, runs = [], [], []
@@ -174,7 +175,7 @@ def make_batch(model, samples, *, text_len: int = 6, swap=None, seed: int = 0) -
         (ma, ia), (mb, ib) = order[swap[0]], order[swap[1]]
         if ma != mb:
             raise ValueError("swap exchanges two items of one modality")
-        for d in (pix[ma], grids[ma]):
+        for d in (pix[ma], grids[ma], owners[ma]):
             d[ia], d[ib] = d[ib], d[ia]
     input_ids, attention_mask = right_pad(rows, PAD_ID)
     mm_types, _ = right_pad(types, 0)
