@@ -20,7 +20,8 @@ from .llava.checks import LlavaFault
 from .llava.install import LlavaHandle, LlavaResult, install_llava
 from .mimo import install_mimo
 from .qwen_vl.install import QwenVLHandle, install_qwen_vl
-from .vlm import VLMHandle, install_vlm
+from .vlm import VLMHandle
+from .vlm_install import install_vlm
 
 ImageFault = LlavaFault  # the 0.1 name (before sound faults); kept for existing imports
 

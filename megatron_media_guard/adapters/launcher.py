@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import typing
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -36,13 +35,11 @@ from ..core.grammar import Grammar
 from ..core.guard import MediaGuard
 from ..diagnostics import get_logger
 from ..errors import MediaInputError
+from ..families import FAMILIES, find_family
+from ..families.qwen import SPEC as QWEN_SPEC
 from ..ranks.consensus import StageConsensus, dist_ready
 from .hooks import HandleGroup, ItemsProvider, OptimizerStepEnd, install_step_end
-from .llava.checks import llava_grammar
-from .llava.install import install_llava
-from .mimo import install_mimo, mimo_grammar
-from .qwen_vl.checks import spec_from_model
-from .qwen_vl.install import install_qwen_vl
+from .vlm_install import INSTALLERS, guard_for
 
 _CONFIG_ARGS = (
     ("policy", "media_guard_policy"),
@@ -52,22 +49,10 @@ _CONFIG_ARGS = (
     ("dump_dir", "media_guard_dump_dir"),
 )
 StepEnd = Literal["auto", "zero_grad_buffer", "optimizer", "manual"]
-VlmKind = Literal["llava", "mimo", "qwen_vl"]
 
 #: the Qwen-VL classes install_qwen_vl guards, by the package that defines them (a subclass of
-#: one counts): transformers' Qwen2.5-VL / Qwen3-VL (with or without the LM head) and
-#: Megatron-Bridge's model classes
-QWEN_VL_CLASSES: dict[str, frozenset[str]] = {
-    "transformers.": frozenset(
-        {
-            "Qwen2_5_VLForConditionalGeneration",
-            "Qwen2_5_VLModel",
-            "Qwen3VLForConditionalGeneration",
-            "Qwen3VLModel",
-        }
-    ),
-    "megatron.bridge.": frozenset({"Qwen25VLModel", "Qwen3VLModel"}),
-}
+#: one counts): the Qwen family spec's (``families/qwen.py``)
+QWEN_VL_CLASSES = QWEN_SPEC.classes
 
 
 __all__ = [
@@ -216,59 +201,15 @@ def budget_from_args(args: Any, environ: Mapping[str, str] | None = None) -> Any
 # ---- finding the model ------------------------------------------------------------
 
 
-def _is_llava(m: Any) -> bool:
-    mod = sys.modules.get("megatron.core.models.multimodal.llava_model")
-    if mod is not None and isinstance(m, mod.LLaVAModel):
-        return True
-    return callable(getattr(type(m), "_preprocess_data", None)) and hasattr(m, "img_seq_len")
-
-
-def _is_mimo(m: Any) -> bool:
-    mod = sys.modules.get("megatron.core.models.mimo.model.base")
-    if mod is not None and isinstance(m, mod.MimoModel):
-        return True
-    return callable(getattr(type(m), "align_embeddings_by_token_positions", None))
-
-
-def _is_qwen_vl(m: Any) -> bool:
-    """One of :data:`QWEN_VL_CLASSES` (or a subclass), matched by name and defining package:
-    nothing is imported (Megatron-Bridge's classes cannot be imported without a GPU stack)."""
-    for cls in type(m).__mro__:
-        for package, names in QWEN_VL_CLASSES.items():
-            if cls.__name__ in names and cls.__module__.startswith(package):
-                return True
-    return False
-
-
-def _kind(m: Any) -> VlmKind | None:
-    if _is_llava(m):
-        return "llava"
-    if _is_mimo(m):
-        return "mimo"
-    if _is_qwen_vl(m):
-        return "qwen_vl"
-    return None
-
-
-def find_vlm(chunk: Any) -> tuple[VlmKind, Any] | None:
-    """``("llava" | "mimo" | "qwen_vl", module)`` inside one model chunk: through ``.module``
-    wrappers (DDP, Float16Module, FSDP), then among its submodules (the outermost first: a
+def find_vlm(chunk: Any) -> tuple[str, Any] | None:
+    """``(family name, module)`` inside one model chunk, from the family registry
+    (:data:`~megatron_media_guard.families.FAMILIES`: ``"llava"``, ``"mimo"``, ``"qwen_vl"``,
+    ``"nemotron_omni"``, ...): through ``.module`` wrappers (DDP, Float16Module, FSDP) and
+    Megatron-Bridge's ``.llava_model``, then among its submodules (the outermost first: a
     ``Qwen2_5_VLForConditionalGeneration``, not the ``Qwen2_5_VLModel`` it holds); None when
-    there is none."""
-    m, seen = chunk, set()
-    while m is not None and id(m) not in seen:
-        seen.add(id(m))
-        kind = _kind(m)
-        if kind is not None:
-            return kind, m
-        m = getattr(m, "module", None)
-    modules = getattr(chunk, "modules", None)
-    if callable(modules):
-        for sub in modules():
-            kind = _kind(sub)
-            if kind is not None:
-                return kind, sub
-    return None
+    there is none. Nothing is imported to match a class."""
+    m, spec = find_family(chunk)
+    return None if spec is None else (spec.name, m)
 
 
 def install_from_args(
@@ -279,19 +220,21 @@ def install_from_args(
     items_provider: ItemsProvider | None = None,
     step_end: StepEnd = "auto",
     environ: Mapping[str, str] | None = None,
+    tokenizer: Any = None,
 ) -> HandleGroup:
-    """Install the guard on every LLaVA / MIMO / Qwen-VL module of ``model`` (one module or
-    the list of virtual-pipeline chunks, possibly DDP/Float16Module-wrapped).
+    """Install the guard on every module of ``model`` that a family of the registry knows (one
+    module or the list of virtual-pipeline chunks, possibly DDP/Float16Module-wrapped).
 
-    Found (:func:`find_vlm`): megatron-core's ``LLaVAModel`` (:func:`install_llava`) and
-    ``MimoModel`` (:func:`install_mimo`); transformers' ``Qwen2_5_VLForConditionalGeneration``
-    / ``Qwen2_5_VLModel`` / ``Qwen3VLForConditionalGeneration`` / ``Qwen3VLModel`` and
-    Megatron-Bridge's ``Qwen25VLModel`` / ``Qwen3VLModel`` (:func:`install_qwen_vl`: a forward
-    pre-hook, with ``loss_mask_inplace=True`` so a dropped sample's ``loss_mask`` is zeroed in
-    the caller's tensor, which Bridge's forward steps build the loss from; the grammar from
-    the model's config). ``policy="repair"`` needs a geometry, which the arguments cannot
-    give: here a Qwen-VL sample that needs a repair takes the fallback (build the guard with
-    ``geometry=`` and call :func:`install_qwen_vl` yourself to repair).
+    Found (:func:`find_vlm`, the same registry as :func:`~.vlm.install_vlm`): megatron-core's
+    ``LLaVAModel`` (:func:`install_llava`; Bridge's Nemotron VL / Omni through ``.llava_model``)
+    and ``MimoModel`` (:func:`install_mimo`); the Qwen-VL classes (:func:`install_qwen_vl`: a
+    forward pre-hook, with ``loss_mask_inplace=True`` so a dropped sample's ``loss_mask`` is
+    zeroed in the caller's tensor, which Bridge's forward steps build the loss from); every
+    other family's model (docs/FAMILIES.md) through the family engine. Grammar and repair
+    geometry come from the family (``tokenizer``: for marker tokens a model's config lacks).
+    Families without a geometry (the Qwen-VL one among them: its sizing depends on the
+    processor's pixel budget, which the arguments cannot give) take the fallback on a repair;
+    build the guard with ``geometry=`` and call the installer yourself to repair.
 
     One :class:`MediaGuard` per model family, shared by the chunks, with a
     ``StageConsensus`` from megatron-core ``parallel_state`` when torch.distributed is
@@ -320,14 +263,15 @@ def install_from_args(
     if not targets:
         names = [type(c).__name__ for c in chunks]
         raise MediaInputError(
-            f"no LLaVAModel, MimoModel or Qwen-VL model found in the model chunks {names} (use "
+            f"no model of a known family found in the model chunks {names} (families: "
+            f"{', '.join(f.name for f in FAMILIES)}; use "
             "megatron_media_guard.adapters.install_generic for a custom merge)"
         )
     consensus = StageConsensus.from_parallel_state(budget=budget)
     rank = consensus.rank_info()
     distributed = dist_ready()
     step_provider = _curr_iteration(args)
-    guards: dict[VlmKind, MediaGuard] = {}
+    guards: dict[str, MediaGuard] = {}
     group = HandleGroup()
     if config.dump_dir is not None and any(kind == "llava" for _, kind, _ in targets):
         log.warning(
@@ -337,21 +281,20 @@ def install_from_args(
             config.dump_dir,
         )
     for _, kind, m in targets:
+        spec = next(f for f in FAMILIES if f.name == kind)
         if kind not in guards:
-            g = grammar if grammar is not None else _grammar(kind, m)
-            guards[kind] = MediaGuard(config, g, rank=rank, consensus=consensus)
+            guards[kind] = guard_for(
+                spec, m, config, tokenizer, grammar=grammar, rank=rank, consensus=consensus
+            )
             consensus.bind(guards[kind])
         common: dict[str, Any] = dict(
             items_provider=items_provider,
             step_provider=step_provider,
             auto_step_end=False if distributed else None,
         )
-        if kind == "qwen_vl":
-            h = install_qwen_vl(m, guards[kind], loss_mask_inplace=True, **common)
-        else:
-            install = install_llava if kind == "llava" else install_mimo
-            h = install(m, guards[kind], **common)
-        group.append(h)
+        # Bridge's forward steps build the loss from the caller's loss_mask: zero it in place
+        extra = {"loss_mask_inplace": True} if spec.apply == "qwen_vl" else {}
+        group.append(INSTALLERS[spec.apply](m, guards[kind], spec, **common, **extra))
     hook: Any = None
     if step_end in ("auto", "zero_grad_buffer"):
         hook = install_step_end(chunks[0], "zero_grad_buffer", list(group), step_provider)
@@ -370,16 +313,6 @@ def install_from_args(
         "off" if budget is None else "on",
     )
     return group
-
-
-def _grammar(kind: VlmKind, m: Any) -> Grammar:
-    """The family's grammar with the module's own token ids."""
-    if kind == "llava":
-        tok = getattr(m, "image_token_index", None)
-        return llava_grammar(-200 if tok is None else tok)
-    if kind == "mimo":
-        return mimo_grammar(getattr(m, "special_token_ids", None) or {})
-    return spec_from_model(m).grammar()
 
 
 def _curr_iteration(args: Any):

@@ -1,0 +1,162 @@
+"""``install_vlm``: find a model's family in the registry (``families.FAMILIES``) and install
+that family's guard: the family engine (``adapters/vlm.py``) for ``apply="embed"`` specs,
+Qwen-VL's input rewrite, or megatron-core's LLaVA / MIMO merge wrappers. One table, no
+if-chains; ``install_from_args`` uses the same one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import GuardConfig
+from ..core.grammar import Grammar
+from ..core.guard import MediaGuard
+from ..errors import MediaInputError
+from ..families import FAMILIES, FamilySpec, find_family
+from .hooks import GuardHandle, ItemsProvider, StepProvider
+from .vlm import VLMHandle
+
+
+def family_grammar(spec: FamilySpec, model: Any, tokenizer: Any = None) -> Grammar:
+    """The grammar of ``spec`` with ``model``'s own token ids."""
+    return _GRAMMARS[spec.apply](spec, model, tokenizer)
+
+
+def _embed_grammar(spec: FamilySpec, model: Any, tokenizer: Any) -> Grammar:
+    return spec.grammar(model, tokenizer)
+
+
+def _qwen_grammar(spec: FamilySpec, model: Any, tokenizer: Any) -> Grammar:
+    from .qwen_vl.checks import spec_from_model
+
+    return spec_from_model(model).grammar()
+
+
+def _llava_grammar(spec: FamilySpec, model: Any, tokenizer: Any) -> Grammar:
+    from .llava.checks import llava_grammar
+
+    tok = getattr(model, "image_token_index", None)
+    return llava_grammar(-200 if tok is None else tok)
+
+
+def _mimo_grammar(spec: FamilySpec, model: Any, tokenizer: Any) -> Grammar:
+    from .mimo import mimo_grammar
+
+    return mimo_grammar(getattr(model, "special_token_ids", None) or {})
+
+
+_GRAMMARS = {
+    "embed": _embed_grammar,
+    "qwen_vl": _qwen_grammar,
+    "llava": _llava_grammar,
+    "mimo": _mimo_grammar,
+}
+
+
+def guard_for(
+    spec: FamilySpec,
+    model: Any,
+    config: GuardConfig | None = None,
+    tokenizer: Any = None,
+    **guard_kw: Any,
+) -> MediaGuard:
+    """A :class:`MediaGuard` for ``model`` of family ``spec``: its grammar, and its repair
+    geometry when the spec has one (``guard_kw``: ``rank=``, ``consensus=``, ``grammar=``)."""
+    grammar = guard_kw.pop("grammar", None) or family_grammar(spec, model, tokenizer)
+    if "geometry" not in guard_kw and spec.geometry is not None:
+        guard_kw["geometry"] = spec.geometry(model)
+    return MediaGuard(config, grammar, **guard_kw)
+
+
+def _check_guard(spec: FamilySpec, model: Any, guard: MediaGuard, tokenizer: Any) -> None:
+    if spec.apply != "embed":
+        return  # the megatron-core and Qwen-VL installers check their grammar themselves
+    have = dict(guard.grammar.placeholders)
+    want = {
+        m.name: m.placeholder.resolve(model, tokenizer) for m in spec.modalities if not m.shares
+    }
+    if any(have.get(k) != v for k, v in want.items() if v is not None) or set(have) - set(want):
+        raise MediaInputError(
+            f"the guard's grammar placeholders {have} differ from the {spec.name} model's "
+            f"{want}: build the guard with the family's grammar (FamilySpec.grammar)"
+        )
+
+
+def _install_embed(model, guard, spec, **kw) -> GuardHandle:
+    return VLMHandle(model, guard, spec, **kw).install_hooks()
+
+
+def _install_qwen(model, guard, spec, **kw) -> GuardHandle:
+    from .qwen_vl.install import install_qwen_vl
+
+    return install_qwen_vl(model, guard, **kw)
+
+
+def _install_llava(model, guard, spec, **kw) -> GuardHandle:
+    from .llava.install import install_llava
+
+    kw.pop("loss_mask_inplace", None)  # LLaVA returns its masks from the merge
+    return install_llava(model, guard, **kw)
+
+
+def _install_mimo(model, guard, spec, **kw) -> GuardHandle:
+    from .mimo import install_mimo
+
+    kw.pop("loss_mask_inplace", None)
+    return install_mimo(model, guard, **kw)
+
+
+#: how each kind of family is installed (FamilySpec.apply -> installer)
+INSTALLERS = {
+    "embed": _install_embed,
+    "qwen_vl": _install_qwen,
+    "llava": _install_llava,
+    "mimo": _install_mimo,
+}
+
+
+def install_vlm(
+    model: Any,
+    config_or_guard: GuardConfig | MediaGuard | None = None,
+    tokenizer: Any = None,
+    *,
+    items_provider: ItemsProvider | None = None,
+    step_provider: StepProvider | None = None,
+    auto_step_end: bool | None = None,
+    **install_kw: Any,
+) -> GuardHandle:
+    """Guard one model instance of any family the registry knows (``families.FAMILIES``).
+
+    config_or_guard: a :class:`GuardConfig` (or None: the defaults) builds the guard from the
+    family (grammar from the model's config and ``tokenizer``, repair geometry from the spec);
+    a :class:`MediaGuard` is used as given (its grammar must be the family's). Wrappers (DDP's
+    ``.module``, Megatron-Bridge's ``.llava_model``) and submodules are looked through. An
+    unknown model raises, listing the families known. tokenizer: anything with
+    ``convert_tokens_to_ids``, or a ``{token text: id}`` mapping, for markers the config lacks.
+    install_kw: passed to the family's installer (``loss_mask_inplace=`` for Qwen-VL).
+    """
+    target, spec = find_family(model)
+    if spec is None:
+        known = ", ".join(
+            s.name
+            + (
+                f" ({', '.join(sorted(c for v in s.classes.values() for c in v))})"
+                if s.classes
+                else ""
+            )
+            for s in FAMILIES
+        )
+        raise MediaInputError(
+            f"install_vlm: no family knows {type(model).__name__}; known: {known}"
+        )
+    if isinstance(config_or_guard, MediaGuard):
+        guard = config_or_guard
+        _check_guard(spec, target, guard, tokenizer)
+    else:
+        guard = guard_for(spec, target, config_or_guard, tokenizer)
+    common = dict(
+        items_provider=items_provider, step_provider=step_provider, auto_step_end=auto_step_end
+    )
+    return INSTALLERS[spec.apply](target, guard, spec, **common, **install_kw)
+
+
+__all__ = ["INSTALLERS", "family_grammar", "guard_for", "install_vlm"]
