@@ -294,7 +294,7 @@ def install_from_args(
         )
         # Bridge's forward steps build the loss from the caller's loss_mask: zero it in place
         extra = {"loss_mask_inplace": True} if spec.apply == "qwen_vl" else {}
-        group.append(INSTALLERS[spec.apply](m, guards[kind], spec, **common, **extra))
+        group.append(INSTALLERS[spec.apply](m, guards[kind], spec, tokenizer, **common, **extra))
     hook: Any = None
     if step_end in ("auto", "zero_grad_buffer"):
         hook = install_step_end(chunks[0], "zero_grad_buffer", list(group), step_provider)

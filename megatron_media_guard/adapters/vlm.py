@@ -28,6 +28,7 @@ import torch
 
 from ..core.guard import MediaGuard
 from ..core.outcome import MergeResult
+from ..core.runs import TokenLayout
 from ..errors import MediaInputError
 from ..families import FamilySpec
 from ..families.spec import ModalitySpec, present
@@ -50,9 +51,12 @@ class VLMHandle(GuardHandle):
     inherit its item's fields.
     """
 
-    def __init__(self, model: Any, guard: MediaGuard, spec: FamilySpec, **kw: Any) -> None:
+    def __init__(
+        self, model: Any, guard: MediaGuard, spec: FamilySpec, text_id: int, **kw: Any
+    ) -> None:
         super().__init__(model, "forward", guard, "vlm", **kw)
         self.spec = spec
+        self.text_id = text_id  # what a dropped sample's placeholders become in input_ids
         self.sig = inspect.signature(model.forward)
         self._hooks: list[Any] = []
         self._all_dropped = False
@@ -138,15 +142,53 @@ class VLMHandle(GuardHandle):
         call.set("inputs_embeds", res.embeddings)
         for m in spec.modalities:
             for name in m.inputs:
-                if call.given(name):
+                if call.given(name) and name not in m.keep:
                     call.set(name, None)
         if isinstance(labels, torch.Tensor):
             call.set("labels", res.labels)
+        dropped = {s for s, a in enumerate(res.report.actions) if a == "drop"}
+        if dropped:
+            rep_all = res.report.alignment
+            owner = {i: r.sample for r in rep_all.samples for i in r.items} if rep_all else {}
+            gone = {(items[k].modality, parent[order[k]]) for k in owner if owner[k] in dropped}
+            ids = self._drop_rewrite(call, ids, kw, mods, dropped, gone)
+        if spec.positions is not None and call.get("position_ids") is None:
+            call.set("position_ids", spec.positions(model, _view(call, ids)))
+        call.set("input_ids", ids if spec.ids_with_embeds else None)
         self._all_dropped = bool(res.report.dropped) and len(res.report.dropped) == len(
             res.report.actions
         )
         _evs(model, call, ids, encoded, items, res)
         return call.rebuild()
+
+    def _drop_rewrite(self, call: CallArgs, ids, kw, mods, dropped, gone) -> torch.Tensor:
+        """The dropped samples' placeholders as text in the ids (and the tensors that follow
+        them), their items' rows out of the kept grids; returns the new ids."""
+        lay = TokenLayout(ids, self.guard.grammar)
+        sel = torch.zeros(lay.num_samples, dtype=torch.bool)
+        sel[sorted(dropped)] = True
+        hit = lay.ph & sel.to(ids.device)[:, None]  # [b, s]: rows are the samples here
+        ids = ids.masked_fill(hit, self.text_id)
+        for name in self.spec.follow_ids:
+            t = call.get(name)
+            if isinstance(t, torch.Tensor):
+                call.set(name, t.masked_fill(hit, 0))
+        for m in mods:
+            for name in m.rows:
+                t = kw.get(name)
+                if not isinstance(t, torch.Tensor):
+                    continue
+                keep = [r for r in range(t.shape[0]) if (m.name, r) not in gone]
+                call.set(name, t[keep] if keep else None)
+        return ids
+
+
+def _view(call: CallArgs, ids: torch.Tensor) -> dict:
+    """The call's keyword arguments as the model would see them, ``input_ids`` = ``ids``."""
+    out = dict(call.bound.arguments)
+    out.update(out.pop(call.varkw, None) or {})
+    out["input_ids"] = ids
+    return out
 
 
 def _repair_encoder(model: Any, mods: Sequence[ModalitySpec]):

@@ -81,24 +81,30 @@ def _check_guard(spec: FamilySpec, model: Any, guard: MediaGuard, tokenizer: Any
         )
 
 
-def _install_embed(model, guard, spec, **kw) -> GuardHandle:
-    return VLMHandle(model, guard, spec, **kw).install_hooks()
+def _install_embed(model, guard, spec, tokenizer=None, **kw) -> GuardHandle:
+    text = spec.text.resolve(model, tokenizer)
+    if text is None or text in guard.grammar.placeholders.values():
+        raise MediaInputError(
+            f"{spec.name}: no text token id for a dropped sample's placeholders (got {text}); "
+            "set the model config's pad_token_id or pass a tokenizer"
+        )
+    return VLMHandle(model, guard, spec, text, **kw).install_hooks()
 
 
-def _install_qwen(model, guard, spec, **kw) -> GuardHandle:
+def _install_qwen(model, guard, spec, tokenizer=None, **kw) -> GuardHandle:
     from .qwen_vl.install import install_qwen_vl
 
     return install_qwen_vl(model, guard, **kw)
 
 
-def _install_llava(model, guard, spec, **kw) -> GuardHandle:
+def _install_llava(model, guard, spec, tokenizer=None, **kw) -> GuardHandle:
     from .llava.install import install_llava
 
     kw.pop("loss_mask_inplace", None)  # LLaVA returns its masks from the merge
     return install_llava(model, guard, **kw)
 
 
-def _install_mimo(model, guard, spec, **kw) -> GuardHandle:
+def _install_mimo(model, guard, spec, tokenizer=None, **kw) -> GuardHandle:
     from .mimo import install_mimo
 
     kw.pop("loss_mask_inplace", None)
@@ -156,7 +162,7 @@ def install_vlm(
     common = dict(
         items_provider=items_provider, step_provider=step_provider, auto_step_end=auto_step_end
     )
-    return INSTALLERS[spec.apply](target, guard, spec, **common, **install_kw)
+    return INSTALLERS[spec.apply](target, guard, spec, tokenizer, **common, **install_kw)
 
 
 __all__ = ["INSTALLERS", "family_grammar", "guard_for", "install_vlm"]

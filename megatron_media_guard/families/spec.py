@@ -86,6 +86,10 @@ class ModalitySpec:
         holds this modality. All of them are set to None once the guard has merged.
     encode: the model's own feature path for this modality (see :data:`Encode`).
     reencode: how one repaired item is encoded (None: this modality is never repaired).
+    keep: of ``inputs``, those left in the call after the merge (the grids a model computes its
+        positions from); the others are set to None.
+    rows: of ``keep``, those whose dim-0 rows are this modality's model-level items: a dropped
+        sample's rows leave them (its placeholders become text, so its positions follow).
     """
 
     name: ModalityName
@@ -96,6 +100,8 @@ class ModalitySpec:
     end: Token | None = None
     shares: ModalityName | None = None
     reencode: Reencode | None = None
+    keep: tuple[str, ...] = ()
+    rows: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,13 @@ class FamilySpec:
     (the Qwen-VL input rewrite, for models whose positions follow their grids), ``"llava"`` /
     ``"mimo"`` (megatron-core's merge methods, wrapped). ``detect``: a test of the model
     beside ``classes`` (megatron-core's classes, matched by isinstance or their methods).
+
+    After the merge (``apply="embed"``) the forward gets ``inputs_embeds``; a dropped sample's
+    placeholders become ``text`` in ``input_ids`` and ``follow_ids`` (per-token type tensors
+    such as ``mm_token_type_ids``: 0 there); ``positions(model, kwargs)`` (the model's own
+    rope-index function on the rewritten ids and kept grids) gives ``position_ids`` where the
+    caller gave none; ``ids_with_embeds`` False: the forward takes ``input_ids`` or
+    ``inputs_embeds``, not both (``input_ids`` is then None).
     """
 
     name: str
@@ -116,6 +129,9 @@ class FamilySpec:
     apply: Apply = "embed"
     geometry: Callable[[Any], Any] | None = None
     detect: Callable[[Any], bool] | None = None
+    follow_ids: tuple[str, ...] = ()
+    positions: Callable[[Any, Mapping[str, Any]], torch.Tensor] | None = None
+    ids_with_embeds: bool = True
 
     def matches(self, model: Any) -> bool:
         if self.detect is not None and self.detect(model):
