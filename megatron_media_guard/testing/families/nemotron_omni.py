@@ -25,7 +25,9 @@ from the tokenizer): see the constants below; ``config.image_token_id`` = ``IMAG
 ``config.audio_token_id`` = ``SO_EMBED``, ``config.video_token_id`` stays None (forward never
 reads it: video runs use the image token).
 
-Items are consumed images first (batch order), then videos, then audio clips.
+Items are consumed images first (batch order), then videos, then audio clips;
+``FamilyBatch.items`` gives each the sample of its run and the count its (possibly swapped)
+inputs give.
 ``Media.tokens`` for a video is its total over all tubelet runs, the difference put on its
 last run.
 """
@@ -256,14 +258,16 @@ def make_batch(
         runs.append(sruns)
 
     order = [(mod, i) for mod in ("image", "video", "audio") for i in range(len(found[mod]))]
-    items = [(found[mod][i][0], mod, found[mod][i][1]) for mod, i in order]
+    counts = {mod: [n for _, n, _ in found[mod]] for mod in found}
     payload = {mod: [p for _, _, p in found[mod]] for mod in found}
     if swap is not None:
         (ma, a), (mb, b) = order[swap[0]], order[swap[1]]
         if ma != mb:
             raise MediaInputError(f"swap {swap}: items of different modality ({ma}, {mb})")
-        lst = payload[ma]
-        lst[a], lst[b] = lst[b], lst[a]
+        for lst in (payload[ma], counts[ma]):
+            lst[a], lst[b] = lst[b], lst[a]
+    # items: the sample of the run, the count the (possibly swapped) inputs give
+    items = [(found[mod][i][0], mod, counts[mod][i]) for mod, i in order]
 
     ids, attn = right_pad(rows, PAD)
     kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": attn}

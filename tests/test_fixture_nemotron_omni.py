@@ -1,0 +1,327 @@
+"""The Nemotron 3 Nano Omni fixture against the real transformers class (tiny random config, CPU):
+aligned batches equal each sample's own forward, the processor's arithmetic matches its source,
+and the unguarded behaviour under the faults the guard exists for, as measured."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_media_guard.testing.families import nemotron_omni as F
+from megatron_media_guard.testing.families.base import Media as M
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return F.tiny_model(seed=0)
+
+
+@pytest.fixture(scope="module")
+def evs_model():
+    return F.tiny_model(seed=0, video_pruning_rate=0.5)
+
+
+def own_logits(model, sample):
+    b = F.make_batch(model, [sample])
+    return F.plain_logits(model, b)[0, : b.lengths[0]]
+
+
+def assert_each_equals_own(model, samples):
+    batch = F.make_batch(model, samples)
+    logits = F.plain_logits(model, batch)
+    for k, sample in enumerate(samples):
+        n = batch.lengths[k]
+        torch.testing.assert_close(logits[k, :n], own_logits(model, sample), atol=1e-5, rtol=0)
+
+
+IMG_A, IMG_B, IMG_C = M("image", (4, 4)), M("image", (2, 6)), M("image", (4, 6))
+VID_A = M("video", (3, 4, 4))  # 2 tubelets (the last one pads frame 3), 4 tokens each
+AUD_A, AUD_B, AUD_C = M("audio", (40,)), M("audio", (17,)), M("audio", (25,))
+
+ALIGNED = {
+    "images": [[IMG_A, IMG_B], [IMG_C]],
+    "videos": [[VID_A], [M("audio", (9,)), VID_A]],
+    "audio": [[AUD_A, AUD_B], [AUD_C]],
+    "image+audio": [[IMG_A, AUD_A], [AUD_C, IMG_C]],
+    "video+audio": [[VID_A, AUD_B], [AUD_C, VID_A]],
+}
+
+
+@pytest.mark.parametrize("name", list(ALIGNED))
+def test_aligned_each_sample_equals_its_own_forward(model, name):
+    assert_each_equals_own(model, ALIGNED[name])
+
+
+def test_aligned_evs_rows_with_one_video_each_equal_their_own_forward(evs_model):
+    """Every row prunes the same count (one equal-shape video each): each row's kept prefix is
+    its own pruned forward."""
+    samples = [[VID_A], [AUD_C, VID_A]]
+    logits = F.plain_logits(evs_model, F.make_batch(evs_model, samples))
+    assert logits.shape[1] == F.make_batch(evs_model, samples).input_ids.shape[1] - 4
+    for k, sample in enumerate(samples):
+        own = F.plain_logits(evs_model, F.make_batch(evs_model, [sample]))[0]
+        torch.testing.assert_close(logits[k, : len(own)], own, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "samples",
+    [[[IMG_A], [VID_A]], [[IMG_A, VID_A]]],
+    ids=["two-samples", "one-sample"],
+)
+def test_aligned_mixed_image_video_raises(model, samples):
+    """Both merges count every image-token position: the image merge sees 4 + 8 placeholders."""
+    batch = F.make_batch(model, samples)
+    with pytest.raises(
+        ValueError, match=r"Got 4 feature vectors for 12 placeholder tokens \(id 5\)"
+    ):
+        F.plain_logits(model, batch)
+
+
+def test_batch_layout(model):
+    b = F.make_batch(model, [[IMG_A, AUD_A, VID_A], [IMG_C, AUD_C]])
+    kw = b.kwargs
+    assert kw["pixel_values"].shape == (16 + 24, 768) and kw["pixel_values"].dtype == torch.float32
+    assert kw["image_grid_hw"].tolist() == [[4, 4], [4, 6]]
+    assert kw["pixel_values_videos"].shape == (1, 2, 6, 64, 64)
+    assert kw["input_features"].shape == (2, 41, F.MEL)
+    assert kw["input_features_mask"].dtype == torch.bool
+    assert kw["input_features_mask"].sum(-1).tolist() == [40, 25]
+    assert b.items == [
+        (0, "image", 4),
+        (1, "image", 6),
+        (0, "video", 8),
+        (0, "audio", 6),
+        (1, "audio", 4),
+    ]
+    assert b.runs == [
+        [("image", 4), ("audio", 6), ("video", 4), ("video", 4)],
+        [("image", 6), ("audio", 4)],
+    ]
+    ids = b.input_ids
+    assert int((ids == F.IMAGE).sum()) == 4 + 6 + 8 and int((ids == F.SO_EMBED).sum()) == 10
+    assert int((ids == F.IMG_START).sum()) == 4  # one <img> per image and per tubelet
+
+
+def test_videos_that_do_not_stack_are_refused(model):
+    from megatron_media_guard.errors import MediaInputError
+
+    with pytest.raises(MediaInputError, match="stack"):
+        F.make_batch(model, [[VID_A], [M("video", (5, 4, 4))]])
+
+
+# ---- the processor's own arithmetic -------------------------------------------------------
+
+
+def _processor_ns():
+    return types.SimpleNamespace(
+        image_start_token="<img>",
+        image_end_token="</img>",
+        image_token="<image>",
+        video_temporal_patch_dim=2,
+        video_processor=types.SimpleNamespace(patch_size=16, downsample_ratio=0.5),
+        audio_hop_length=160,
+        audio_subsampling_factor=8,
+    )
+
+
+@pytest.mark.parametrize("frames", [1, 3, 4])
+def test_video_ids_follow_replace_video_token(model, frames):
+    from transformers.models.nemotron_h_omni.processing_nemotron_h_omni import (
+        NemotronH_Omni_Reasoning_V3Processor as P,
+    )
+
+    t = -(-frames // 2)
+    meta = types.SimpleNamespace(fps=F.FPS, frames_indices=list(range(frames)))
+    inputs = {
+        "num_frames": [frames],
+        "video_metadata": [meta],
+        "pixel_values_videos": torch.zeros(1, t, 6, 64, 64),
+    }
+    text = P.replace_video_token(_processor_ns(), inputs, 0)
+    want: list[int] = []
+    for piece in text.replace("<img>", "\0<img>\0").replace("</img>", "\0</img>\0").split("\0"):
+        marks = {"<img>": [F.IMG_START], "</img>": [F.IMG_END]}
+        want += marks.get(piece) or [F.IMAGE] * piece.count("<image>") or F.text_ids(piece)
+    b = F.make_batch(model, [[M("video", (frames, 4, 4))]], text_len=0)
+    assert b.input_ids[0, 1:].tolist() == want
+
+
+def test_tubelets_match_the_models_own_packing(model):
+    """``get_video_features`` packs raw ``[frames, C, H, W]`` itself (deprecated path): same features."""
+    b = F.make_batch(model, [[M("video", (3, 4, 4))]])
+    stacked = b.kwargs["pixel_values_videos"]
+    frames = stacked[0].reshape(-1, 3, 64, 64)[:3]  # drop the padding frame
+    with torch.no_grad():
+        ours = model.get_video_features(stacked).pooler_output
+        theirs = model.get_video_features(frames).pooler_output
+    torch.testing.assert_close(ours[0], theirs[0])
+
+
+@pytest.mark.parametrize("samples", [4000, 6399, 16000, 23999])
+def test_audio_layout_and_count_follow_the_feature_extractor(model, samples):
+    from transformers.models.nemotron_h_omni.processing_nemotron_h_omni import (
+        NemotronH_Omni_Reasoning_V3Processor as P,
+    )
+    from transformers.models.parakeet.feature_extraction_parakeet import ParakeetFeatureExtractor
+
+    wave = np.random.default_rng(0).standard_normal(samples).astype(np.float32)
+    out = ParakeetFeatureExtractor(feature_size=F.MEL)(
+        [wave], sampling_rate=16000, return_tensors="pt"
+    )
+    frames = int(out["attention_mask"].sum())
+    b = F.make_batch(model, [[M("audio", (frames,))]])
+    assert b.kwargs["input_features"].shape == out["input_features"].shape
+    assert b.kwargs["input_features_mask"].dtype == out["attention_mask"].dtype
+    assert b.items[0][2] == P._estimate_audio_num_embeddings(_processor_ns(), samples)
+
+
+@pytest.mark.parametrize(
+    "hw,grid", [((2400, 1080), (150, 68)), ((224, 224), (32, 32)), ((100, 3000), (8, 188))]
+)
+def test_image_grid_is_the_processors_and_the_geometrys(hw, grid):
+    from megatron_media_guard.geometry import RadioTilerGeometry
+
+    assert F.image_grid(*hw) == grid
+    assert RadioTilerGeometry(budget=13312).grid_for(hw) == grid
+
+
+# ---- unguarded, measured ------------------------------------------------------------------
+
+RAISES = {
+    "short image run": (
+        [[M("image", (4, 4), tokens=3)]],
+        r"Got 4 feature vectors for 3 placeholder tokens \(id 5\)",
+    ),
+    "short video run": (
+        [[M("video", (4, 4, 4), tokens=7)]],
+        r"Got 8 feature vectors for 7 placeholder tokens \(id 5\)",
+    ),
+    "short audio run": (
+        [[M("audio", (40,), tokens=5)]],
+        r"Got 6 feature vectors for 5 placeholder tokens \(id 8\)",
+    ),
+    "surplus image run": (
+        [[M("image", (4, 4), tokens=5)]],
+        r"Got 4 feature vectors for 5 placeholder tokens",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(RAISES))
+def test_unguarded_batch_total_mismatch_raises_naming_no_sample(model, name):
+    samples, match = RAISES[name]
+    with pytest.raises(ValueError, match=match):
+        F.plain_logits(model, F.make_batch(model, samples))
+
+
+def aligned(sample):
+    return [M(m.modality, m.size) for m in sample]
+
+
+def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    n = min(len(a), len(b))
+    diff = (a[:n] != b[:n]).nonzero()
+    return int(diff[0]) if len(diff) else n
+
+
+# (samples, swap, victim sample): the victim's ids agree with its aligned own batch on a prefix
+# that covers part of its run, yet its logits there differ: another sample's features landed in it.
+SILENT = {
+    "+k/-k images": ([[M("image", (4, 4), tokens=6)], [M("image", (4, 6), tokens=4)]], None, 1),
+    "+k/-k audio": ([[M("audio", (40,), tokens=8)], [M("audio", (25,), tokens=2)]], None, 1),
+    "+k/-k video tubelets": (
+        [[M("video", (4, 4, 4), tokens=9)], [M("video", (4, 4, 4), tokens=7)]],
+        None,
+        1,
+    ),
+    "swap images of different size": ([[IMG_A], [IMG_C]], (0, 1), 0),
+    "swap audio clips of different length": ([[AUD_A], [AUD_C]], (0, 1), 0),
+    "swap equal-shape videos": ([[VID_A], [AUD_B, VID_A]], (0, 1), 0),
+}
+
+
+@pytest.mark.parametrize("name", list(SILENT))
+def test_unguarded_runs_silently_with_features_in_the_wrong_sample(model, name):
+    samples, swap, victim = SILENT[name]
+    batch = F.make_batch(model, samples, swap=swap)
+    logits = F.plain_logits(model, batch)  # no error
+    ref = F.make_batch(model, [aligned(samples[victim])])
+    n = common_prefix(batch.input_ids[victim], ref.input_ids[0])
+    first = int(
+        (
+            ref.input_ids[0]
+            == {"image": F.IMAGE, "video": F.IMAGE, "audio": F.SO_EMBED}[
+                samples[victim][-1].modality
+            ]
+        ).nonzero()[0]
+    )
+    assert n > first
+    ref_logits = F.plain_logits(model, ref)[0]
+    torch.testing.assert_close(logits[victim, :first], ref_logits[:first], atol=1e-5, rtol=0)
+    assert (logits[victim, first:n] - ref_logits[first:n]).abs().max() > 1e-3
+
+
+def test_unguarded_surplus_takes_the_next_samples_feature_rows(model):
+    """+2/-2: sample 0's two surplus placeholders hold sample 1's first two image features."""
+    batch = F.make_batch(model, [[M("image", (4, 4), tokens=6)], [M("image", (4, 6), tokens=4)]])
+    emb = F.merged_embeds(model, batch)
+    kw = batch.kwargs
+    with torch.no_grad():
+        feats = model.get_image_features(kw["pixel_values"], kw["image_grid_hw"]).pooler_output
+    pos = (batch.input_ids[0] == F.IMAGE).nonzero()[:, 0]
+    torch.testing.assert_close(emb[0, pos[:4]], feats[0])
+    torch.testing.assert_close(emb[0, pos[4:]], feats[1][:2])
+
+
+def test_inputs_embeds_without_input_ids_drops_audio_silently(model):
+    """forward merges audio only when ``input_ids`` is given: embeds alone ignore the clip."""
+    b = F.make_batch(model, [[AUD_A]])
+    kw = dict(b.kwargs)
+    ids = kw.pop("input_ids")
+    emb = model.get_input_embeddings()(ids)
+    with torch.no_grad():
+        with_audio = model(inputs_embeds=emb, **kw).logits
+        kw.pop("input_features"), kw.pop("input_features_mask")
+        without = model(inputs_embeds=emb, **kw).logits
+    torch.testing.assert_close(with_audio, without, atol=0, rtol=0)
+    assert (with_audio - F.plain_logits(model, b)).abs().max() > 1e-3
+
+
+def test_inputs_embeds_without_input_ids_merges_images(model):
+    b = F.make_batch(model, [[IMG_A]])
+    kw = dict(b.kwargs)
+    emb = model.get_input_embeddings()(kw.pop("input_ids"))
+    with torch.no_grad():
+        out = model(inputs_embeds=emb, **kw).logits
+    torch.testing.assert_close(out, F.plain_logits(model, b), atol=1e-6, rtol=0)
+
+
+# EVS (video_pruning_rate > 0): the prune reshapes the batch to rows of equal kept length.
+def test_evs_rows_with_unequal_pruning_reshape_silently_across_rows(evs_model):
+    """One row with a video, one without: 4 tokens pruned from row 0 only, the total still
+    divisible by 2, so ``view(batch, -1)`` silently gives row 0 the first two tokens of row 1
+    and shifts row 1 by two."""
+    batch = F.make_batch(evs_model, [[VID_A], [AUD_C]])
+    logits = F.plain_logits(evs_model, batch)
+    assert logits.shape[1] == batch.input_ids.shape[1] - 2
+    ref = own_logits(evs_model, [AUD_C])
+    assert (logits[1, :5] - ref[:5]).abs().max() > 1e-3
+
+
+def test_evs_rows_with_unequal_pruning_raise_when_not_divisible(evs_model):
+    """5 tubelets of 1 token keep max(1, int(5 * 0.5)) = 2: 3 pruned from one row of two."""
+    batch = F.make_batch(evs_model, [[M("video", (10, 2, 2))], [AUD_C]])
+    with pytest.raises(RuntimeError, match=r"shape '\[2, -1, 32\]' is invalid"):
+        F.plain_logits(evs_model, batch)
+
+
+def test_evs_plus_minus_k_runs_silently(evs_model):
+    batch = F.make_batch(
+        evs_model, [[M("video", (4, 4, 4), tokens=9)], [M("video", (4, 4, 4), tokens=7)]]
+    )
+    F.plain_logits(evs_model, batch)  # no error: the retention mask is laid over the wrong rows
