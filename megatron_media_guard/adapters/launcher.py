@@ -252,7 +252,8 @@ def _kind(m: Any) -> VlmKind | None:
 
 def find_vlm(chunk: Any) -> tuple[VlmKind, Any] | None:
     """``("llava" | "mimo" | "qwen_vl", module)`` inside one model chunk: through ``.module``
-    wrappers (DDP, Float16Module, FSDP), then among its submodules (the outermost first: a
+    wrappers (DDP, Float16Module, FSDP) and Megatron-Bridge's ``.llava_model`` (Nemotron VL /
+    Omni), then among its submodules (the outermost first: a
     ``Qwen2_5_VLForConditionalGeneration``, not the ``Qwen2_5_VLModel`` it holds); None when
     there is none."""
     m, seen = chunk, set()
@@ -261,7 +262,8 @@ def find_vlm(chunk: Any) -> tuple[VlmKind, Any] | None:
         kind = _kind(m)
         if kind is not None:
             return kind, m
-        m = getattr(m, "module", None)
+        inner = getattr(m, "module", None)
+        m = inner if inner is not None else getattr(m, "llava_model", None)
     modules = getattr(chunk, "modules", None)
     if callable(modules):
         for sub in modules():

@@ -15,8 +15,10 @@ stands in:
   ``Qwen3VLGPTModel`` (:class:`TinyLanguageModel`); the provider's
   ``get_gpt_layer_with_transformer_engine_spec`` likewise. The process groups are a
   one-rank stand-in (no ``torch.distributed``).
-- ``NemotronVLModel`` / ``NemotronOmniModel``: Bridge's wrappers, unchanged, around a
-  megatron-core ``LLaVAModel`` given by the caller.
+- ``NemotronVLModel`` / ``NemotronOmniModel``: Bridge's wrappers around megatron-core
+  0.19.2's real ``LLaVAModel`` (:func:`nemotron`); stand-ins: the CLIP tower (swapped during
+  construction; its ``__init__`` calls ``.cuda()``), the GPT decoder block (attention asks for
+  a CUDA device) and the sound encoder. Everything else of the forward is the release's.
 
 :class:`TinyLanguageModel` is the language-model contract Bridge's forwards call: ``embedding
 (input_ids=, position_ids=)`` -> ``[s, b, h]``, ``forward(decoder_input=[s, b, h],
@@ -234,3 +236,123 @@ def qwen3_vl(seed: int = 0) -> nn.Module:
     ):
         model = provider.provide(pre_process=True, post_process=True)
     return model.eval()
+
+
+# ---- Nemotron VL / Omni: Bridge's wrappers around a real megatron-core LLaVAModel ----------
+
+
+class TinyViT(nn.Module):
+    """Stands in for megatron-core's ``CLIPViTModel`` (its ``__init__`` calls ``.cuda()``):
+    a patch convolution and a class token, ``[tiles, 3, H, W]`` -> ``[tiles, 1 + patches, h]``,
+    with the attributes ``LLaVAModel.forward`` reads."""
+
+    def __init__(self, config, layer_spec, *, img_h, img_w, class_token_len, patch_dim, **kw):
+        super().__init__()
+        self.class_token_len, self.patch_dim = class_token_len, patch_dim
+        self.add_class_token = kw.get("add_class_token", True)
+        h = config.hidden_size
+        self.conv = nn.Conv2d(3, h, patch_dim, patch_dim, bias=False)
+        self.class_token = nn.Parameter(torch.randn(1, class_token_len, h))
+
+    def set_input_tensor(self, input_tensor) -> None:
+        pass
+
+    def forward(self, images: torch.Tensor, **kw) -> torch.Tensor:
+        patches = self.conv(images).flatten(2).transpose(1, 2)
+        return torch.cat([self.class_token.expand(len(images), -1, -1), patches], 1)
+
+
+class TinyDecoder(nn.Module):
+    """Stands in for the ``TransformerBlock`` of megatron-core's ``GPTModel`` (its attention
+    asks ``torch.cuda.current_device()``): one per-token layer, so each position's output
+    depends on its own embedding only."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(hidden, hidden)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        pass
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, **kw) -> torch.Tensor:
+        return torch.tanh(self.lin(hidden_states))
+
+
+class TinySound(nn.Module):
+    """A sound encoder as 0.19.2's ``LLaVAModel.forward`` calls it: ``(clips [n, frames,
+    mel], lengths)`` -> ``([n, rows, h], rows per clip)``, rows = frames halved (rounding up)
+    three times (Parakeet's subsampling)."""
+
+    def __init__(self, mel: int, hidden: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(mel, hidden)
+
+    @staticmethod
+    def rows(frames: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            frames = (frames + 1) // 2
+        return frames.clamp(min=1)
+
+    def forward(self, sound_clips: torch.Tensor, sound_length: torch.Tensor):
+        return self.lin(sound_clips[:, ::8].float()), self.rows(sound_length)
+
+
+def nemotron(
+    kind: str = "omni",
+    *,
+    image_token: int = 12,
+    sound_token: int = 14,
+    hidden: int = 32,
+    vocab: int = 128,
+    max_len: int = 256,
+    mel: int = 8,
+    seed: int = 0,
+) -> nn.Module:
+    """Bridge's real ``NemotronOmniModel`` (``kind="omni"``, with a sound encoder) or
+    ``NemotronVLModel`` around megatron-core's real ``LLaVAModel`` (tiny configs, 28x28 tiles
+    of 14-pixel patches: 4 embeddings per tile), eval mode. Real: the wrapper, LLaVAModel's
+    ``__init__`` / ``forward`` / ``_preprocess_data``, the ``MultimodalProjector``, GPTModel's
+    embedding, output layer and loss; stand-ins: the CLIP tower (swapped during
+    construction), the GPT decoder block and the sound encoder (see their classes). Needs
+    megatron-core's model-parallel state (one gloo rank will do)."""
+    import importlib
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    llava_mod = importlib.import_module("megatron.core.models.multimodal.llava_model")
+    wrapper = importlib.import_module(NEMOTRON_OMNI if kind == "omni" else NEMOTRON_VL)
+    cfg = dict(num_attention_heads=2, use_cpu_initialization=True)
+    lang = TransformerConfig(num_layers=1, hidden_size=hidden, **cfg)
+    vision = TransformerConfig(num_layers=1, hidden_size=16, **cfg)
+    vision.vision_model_type = "clip"
+    proj = TransformerConfig(num_layers=1, hidden_size=hidden, ffn_hidden_size=hidden, **cfg)
+    torch.manual_seed(seed)
+    sound = dict(
+        sound_model=TinySound(mel, 16),
+        sound_projection=nn.Linear(16, hidden),
+        sound_token_index=sound_token,
+    )
+    with _swapped(llava_mod, CLIPViTModel=TinyViT):
+        llava = llava_mod.LLaVAModel(
+            lang,
+            get_gpt_layer_local_spec(),
+            vocab,
+            max_len,
+            vision,
+            get_vit_layer_with_local_spec(),
+            True,  # drop_vision_class_token
+            proj,
+            MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+            img_h=28,
+            img_w=28,
+            patch_dim=14,
+            image_token_index=image_token,
+            **(sound if kind == "omni" else {}),
+        )
+    llava.language_model.decoder = TinyDecoder(hidden)
+    cls = wrapper.NemotronOmniModel if kind == "omni" else wrapper.NemotronVLModel
+    return cls(llava_model=llava).eval()
