@@ -48,6 +48,28 @@ PAD = 0
 FAMILIES = ["qwen2_5_vl", "qwen3_vl"]
 
 
+def test_the_loader_is_explicit_and_reversible():
+    """Runs before the module fixture installs it: nothing in place, then all of it, then
+    nothing again (the shims' targets restored, Bridge's modules forgotten)."""
+    import sys
+    import typing
+
+    before = (hasattr(typing, "override"), torch.cuda.nvtx.range_push, list(sys.meta_path))
+    assert not any(m.startswith("megatron.bridge") for m in sys.modules)
+    with loader.bridge_modules(loader.find_root()):
+        import megatron.bridge.models as pkg
+        from megatron.bridge.models.qwen_vl import modeling_qwen25_vl  # noqa: F401
+
+        assert not hasattr(pkg, "GPTModelProvider")  # its __init__ (which imports it) never ran
+        assert hasattr(typing, "override")
+        assert torch.cuda.is_available() or torch.cuda.nvtx.range_push("x") is None
+        with pytest.raises(RuntimeError, match="already installed"):
+            loader.install(loader.find_root())
+    after = (hasattr(typing, "override"), torch.cuda.nvtx.range_push, list(sys.meta_path))
+    assert after == before
+    assert not any(m.startswith("megatron.bridge") for m in sys.modules)
+
+
 @pytest.fixture(scope="module")
 def models():
     """Bridge's real classes, one per family, built once with the loader in place (it stays
