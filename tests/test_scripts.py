@@ -86,3 +86,4 @@ def test_mcore019_step_skips_where_its_wheels_cannot_be_used(tmp_path, system, m
     )
     assert "required on Linux x86_64 only" in out.stderr
     assert not (repo / ".mcore019").exists()  # nothing downloaded, no test run
+    assert not (repo / ".bridge062").exists()

@@ -151,8 +151,11 @@ def install_llava(
     auto_step_end: bool | None = None,
 ) -> LlavaHandle:
     """Guard ``model._preprocess_data`` (a megatron-core ``LLaVAModel`` or any object with
-    that method and the attributes it reads). Returns the handle; ``handle.remove()``
-    restores the instance. The image token id comes from each call."""
+    that method and the attributes it reads; Megatron-Bridge's ``NemotronVLModel`` /
+    ``NemotronOmniModel`` wrappers are guarded through the ``LLaVAModel`` at their
+    ``.llava_model``). Returns the handle; ``handle.remove()`` restores the instance. The
+    image token id comes from each call."""
+    model = llava_of(model)
     if guard is None:
         tok = getattr(model, "image_token_index", None)
         guard = MediaGuard(config or GuardConfig(), llava_grammar(-200 if tok is None else tok))
@@ -166,6 +169,16 @@ def install_llava(
         auto_step_end=auto_step_end,
     )
     return handle.install(_make_wrapper)
+
+
+def llava_of(model: Any) -> Any:
+    """``model``, or the ``LLaVAModel`` a wrapper without ``_preprocess_data`` holds at
+    ``.llava_model`` (Megatron-Bridge's Nemotron VL / Omni classes, whose ``forward`` calls
+    it: the forward pre-hook on it sees the wrapper's arguments)."""
+    inner = getattr(model, "llava_model", None)
+    if not callable(getattr(model, "_preprocess_data", None)) and inner is not None:
+        return inner
+    return model
 
 
 def _make_wrapper(handle: LlavaHandle):
