@@ -5,7 +5,8 @@ as text, and only the trainer's merge would count it as media. A placeholder the
 on (labels != ``ignore_index`` and loss mask nonzero, where given) and outside every
 start/end region was generated, not expanded from media. Grammars without both markers
 (collapsed LLaVA, bare runs, end-only Pixtral) have no regions: being under the loss alone
-marks it. Such a token is always a finding of the aligned-path check (outside a region, or a
+marks it, provided the loss does not train on every placeholder of the batch (a loss mask
+of ones tells media from generated tokens apart nowhere: then nothing is found). Such a token is always a finding of the aligned-path check (outside a region, or a
 run no item owns), so nothing here runs on the aligned path.
 
 ``GuardConfig.generated`` decides: ``"text"`` feeds those positions as text (the ids the
@@ -84,22 +85,27 @@ def generated_mask(
     labels: torch.Tensor | None,
     loss_mask: torch.Tensor | None,
     ignore_index: int,
-) -> torch.Tensor | None:
-    """``[b, s]`` bool: placeholders (not breaks) under the loss and, for a grammar with start
-    and end markers, outside every region; None without labels or a loss mask. Off the aligned
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``([b, s] bool, untrained)``: placeholders (not breaks) under the loss and, for a
+    grammar with start and end markers, outside every region; ``untrained`` (grammars without
+    both markers, else None) a device scalar: the placeholders the loss does not train on
+    (0: the loss tells nothing apart). None without labels or a loss mask. Off the aligned
     path only (the region test is the full parse's, whose ``nonzero`` syncs)."""
     check_masks(loss_mask, labels, lay.batch, lay.row_length, None)
     loss = under_loss(labels, loss_mask, ignore_index)
     if loss is None:
         return None
-    gen = lay.ph & loss.to(lay.device)
+    loss = loss.to(lay.device)
+    ph = lay.ph
     if lay.packed:
-        gen = gen & (lay.sample < lay.num_samples)  # padding placeholders are never merged
+        ph = ph & (lay.sample < lay.num_samples)  # padding placeholders are never merged
+    gen = ph & loss
     g = lay.grammar
     if g.start_id is not None and g.end_id is not None:
         start, end = lay.run_bounds()
         gen = gen & (lay.finding_codes(start, end) == int(FindingKind.OUTSIDE_REGION))
-    return gen
+        return gen, None
+    return gen, (ph & ~loss).sum()
 
 
 def find_generated(
@@ -110,15 +116,17 @@ def find_generated(
 ) -> Generated | None:
     """The generated placeholders of ``lay`` (None: none, or no labels / loss mask). One
     transfer, sized by the number found."""
-    mask = generated_mask(lay, labels, loss_mask, ignore_index)
-    if mask is None:
+    found = generated_mask(lay, labels, loss_mask, ignore_index)
+    if found is None:
         return None
+    mask, untrained = found
     pos = torch.nonzero(mask)
     smp = lay.sample[pos[:, 0], pos[:, 1]]
-    rows = to_host(
-        torch.cat([pos, smp[:, None]], 1), why="positions of generated placeholders"
-    ).tolist()
-    if not rows:
+    table = torch.cat([pos, smp[:, None]], 1)
+    head = pos.new_ones(1, 3) if untrained is None else untrained.reshape(1, 1).expand(1, 3)
+    host = to_host(torch.cat([head, table]), why="positions of generated placeholders").tolist()
+    rows = host[1:]
+    if not rows or host[0][0] == 0:  # none, or a loss that trains on every placeholder
         return None
     by: dict[int, tuple[int, list[int]]] = {}
     for row, col, s in rows:

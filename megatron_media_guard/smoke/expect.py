@@ -164,6 +164,9 @@ def describe(o: Outcome, world: int, steps: int) -> str:
         parts.append(f"{_ranks(rs)} dropped sample {','.join(map(str, x))} at step {s}")
     for (s, x), rs in _by_step(o.repairs).items():
         parts.append(f"{_ranks(rs)} repaired item {','.join(map(str, x))} at step {s}")
+    fed = sorted({r for r, e, _ in o.events if e == "check"})
+    if fed:  # the only check records the smoke writes: generated placeholders fed as text
+        parts.append(f"{_ranks(fed)} fed generated placeholders as text")
     if not parts:
         parts.append("all aligned")
     done = ",".join(map(str, o.steps_done))
