@@ -302,29 +302,16 @@ class MediaGuard:
         if not verdict.aligned(len(owning)):
             return diagnose(self, c, verdict, found)
         plan = build_plan(lay.num_samples, batch.items, verdict, None, self.config)
-        stage = self._agree(c, plan, None, None, None)
+        stage = self.settle(LocalOutcome.of_plan(plan, c.step, c.microbatch))
         if c.emb is None:
-            return self._finish(c, None, plan, None, verdict, stage, None)
+            return self.result(c, None, plan, None, verdict, stage, None)
         if not owning:  # no features: nothing to scatter (verified: no placeholder either)
-            return self._finish(c, c.emb, plan, None, verdict, stage, None)
+            return self.result(c, c.emb, plan, None, verdict, stage, None)
         src = batch.features
         if order != tuple(range(len(order))):  # explicit samples given out of token order
             src = src.index_select(0, rows_index(batch, order, src.device))
         out = scatter(c.emb, lay.ph, src)
-        return self._finish(c, out, plan, None, verdict, stage, None)
-
-    def _agree(self, c: Call, plan: Plan, report, fatal_msg, fatal_record) -> StageOutcome:
-        """Hands this rank's outcome to the consensus (or takes it as the stage's) and raises
-        on every rank when any rank of the stage must."""
-        local = LocalOutcome.of_plan(
-            plan,
-            c.step,
-            c.microbatch,
-            mismatched=len(report.mismatched) if report is not None else 0,
-            message=fatal_msg,
-            record=fatal_record,
-        )
-        return self.settle(local)
+        return self.result(c, out, plan, None, verdict, stage, None)
 
     def settle(self, local: LocalOutcome) -> StageOutcome:
         """Agrees this rank's outcome with its stage (single process: takes it as is) and, when
@@ -350,7 +337,9 @@ class MediaGuard:
             context={"where": where, "culprit_rank": stage.culprit_rank},
         )
 
-    def _finish(self, c: Call, out, plan: Plan, report, verdict, stage, keep) -> MergeResult:
+    def result(self, c: Call, out, plan: Plan, report, verdict, stage, keep) -> MergeResult:
+        """The :class:`MergeResult` of a settled call (the aligned path's and the fault
+        path's last step): drops masked in the loss mask and labels, the report assembled."""
         loss_mask, labels = c.loss_mask, c.labels
         if plan.dropped:
             loss_mask, labels = mask_dropped(
