@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..core.guard import MediaGuard
+from ..core.interleave import token_order
 from ..core.outcome import MergeResult
 from ..core.runs import TokenLayout, parse_layout
 from ..errors import MediaInputError
@@ -34,7 +35,7 @@ from ..families.spec import Merged, ModalitySpec, present
 from .hooks import GuardHandle
 from .qwen_vl.checks import CallArgs
 from .qwen_vl.rewrite import add_anchor
-from .vlm_items import call_items, cut_blocks, parents, token_order
+from .vlm_items import call_items, cut_blocks, parents
 
 MARK = "_media_guard_vlm"
 PIXELS_FLAG = "_media_guard_pixels"  # tells a spec's encode to cut per-item pixels (repair)
@@ -123,7 +124,7 @@ class VLMHandle(GuardHandle):
         encoded = cut_blocks(mods, encoded, meta, ids, guard, step, mb)
         items, feats, listed = call_items(mods, encoded, meta)
         parent = parents(mods, encoded)
-        order = listed if listed is not None else token_order(ids, guard, mods, items, parent)
+        order = listed if listed is not None else token_order(ids, guard.grammar, items, parent)
         items = [items[i] for i in order]
         feats = [feats[i] for i in order]
         emb = model.get_input_embeddings()(ids)
@@ -203,7 +204,7 @@ class VLMHandle(GuardHandle):
             if isinstance(t, torch.Tensor):
                 call.set(name, t.masked_fill(hit, 0))
         for m in mods:
-            for name in m.rows:
+            for name in (n for n in m.rows if n in m.keep):  # the others left the call
                 t = kw.get(name)
                 if not isinstance(t, torch.Tensor):
                     continue

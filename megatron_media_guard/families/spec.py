@@ -79,6 +79,8 @@ class Encoded:
 
 #: encode(model, call_kwargs) -> Encoded; call_kwargs holds the forward's keyword arguments
 Encode = Callable[[Any, Mapping[str, Any]], Encoded]
+#: counts(model config, inputs) -> per model-level item, the lengths of its runs
+Counts = Callable[[Any, Mapping[str, Any]], list[list[int]]]
 #: repair encoder for one item: (model, new_pixels [C, H', W']) -> features [n, h]
 Reencode = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -111,8 +113,12 @@ class ModalitySpec:
     reencode: how one repaired item is encoded (None: this modality is never repaired).
     keep: of ``inputs``, those left in the call after the merge (the grids a model computes its
         positions from); the others are set to None.
-    rows: of ``keep``, those whose dim-0 rows are this modality's model-level items: a dropped
-        sample's rows leave them (its placeholders become text, so its positions follow).
+    rows: inputs whose dim-0 rows are this modality's model-level items (grids, stacked
+        videos, audio clips): a dropped sample's rows leave them (the engine: those it keeps;
+        :func:`~.collate.check_batch`: all).
+    patches: ``{input: grid input}`` for flat patch rows, ``prod(grid row)`` rows per item.
+    counts: ``counts(config, inputs)``: per model-level item, its runs' lengths, from the
+        inputs alone (no model): what :func:`~.collate.check_batch` checks before the trainer.
     """
 
     name: ModalityName
@@ -125,6 +131,8 @@ class ModalitySpec:
     reencode: Reencode | None = None
     keep: tuple[str, ...] = ()
     rows: tuple[str, ...] = ()
+    patches: Mapping[str, str] = field(default_factory=dict)
+    counts: Counts | None = None
 
 
 @dataclass(frozen=True)

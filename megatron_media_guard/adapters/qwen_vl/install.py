@@ -16,13 +16,14 @@ docs/QWEN_VL.md.
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ...core.conclude import conclude
 from ...core.fault_path import save_replay
-from ...core.generated import as_text, find_generated
+from ...core.generated import as_text, find_generated, text_records
 from ...core.guard import MediaGuard
 from ...core.outcome import GuardReport, LocalOutcome, MergeResult
 from ...core.plan import Plan, build_plan, digest
@@ -44,6 +45,7 @@ from .checks import (
     spec_from_model,
 )
 from .plan import (
+    CALLER,
     check_record,
     grid_note,
     host_rows,
@@ -235,6 +237,12 @@ class QwenVLHandle(GuardHandle):
         for s, why in plan.reasons:
             notes[s] = "; ".join(filter(None, (why, notes.get(s))))
         fatal_rec = write_records(guard, report, plan, items, notes, step, mb)
+        if gen is not None and cfg.generated == "text":
+            kept = {s for s, a in enumerate(plan.actions) if a in ("keep", "repair")}
+            for rec in text_records(gen, step, mb, spec.text_id, kept):
+                guard.log.emit(
+                    replace(rec, extra={**rec.extra, "adapter": "qwen_vl"}), caller=CALLER
+                )
         bundle = self._dump(ids, cu, items, report, plan, step, mb)
         stage = conclude(
             guard,
