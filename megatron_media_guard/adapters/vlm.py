@@ -166,15 +166,19 @@ class VLMHandle(GuardHandle):
 
     def _after_merge(self, call: CallArgs, ids, items, feats, res, owners) -> None:
         """The family's step after the merge (Nemotron's EVS), on the runs of this call."""
-        parsed = parse_layout(TokenLayout(ids, self.guard.grammar))
-        if len(parsed.runs) != len(items):
-            return  # only kept samples' runs could be paired: the merge already dropped them
-        acts = res.report.actions
-        runs = tuple(
-            (it, (r.row, r.start, r.end), acts[r.sample] != "drop", own)
-            for it, r, own in zip(items, parsed.runs, owners)
-        )
-        merged = Merged(_view(call, ids), runs, tuple(feats))
+
+        def runs() -> tuple:
+            # the runs' positions, read only when the step asks (a transfer sized by the runs)
+            parsed = parse_layout(TokenLayout(ids, self.guard.grammar))
+            if len(parsed.runs) != len(items):
+                return ()  # runs the merge could not pair with items: nothing to act on
+            acts = res.report.actions
+            return tuple(
+                (it, (r.row, r.start, r.end), acts[r.sample] != "drop", own)
+                for it, r, own in zip(items, parsed.runs, owners)
+            )
+
+        merged = Merged(_view(call, ids), items, feats, runs)
         for name, value in self.spec.after_merge(self.module, merged).items():
             call.set(name, value)
 

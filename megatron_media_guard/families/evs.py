@@ -19,8 +19,10 @@ def prune_video_tokens(model: Any, merged: Merged) -> dict[str, Any]:
     plain forward does, and rows of unequal length right-padded (attention mask 0, labels
     ignored) where the plain forward's ``.view(batch, -1)`` would move tokens between rows."""
     rate = float(getattr(model, "video_pruning_rate", 0) or 0)
-    runs = [(k, r) for k, r in enumerate(merged.runs) if r[0].modality == "video"]
-    if rate <= 0 or not runs:
+    if rate <= 0 or not any(it.modality == "video" for it in merged.items):
+        return {}
+    runs = [(k, r) for k, r in enumerate(merged.runs()) if r[0].modality == "video"]
+    if not runs:
         return {}
     retention = sys.modules[type(model).__module__].compute_retention_mask
     kw = merged.kwargs
@@ -35,7 +37,7 @@ def prune_video_tokens(model: Any, merged: Merged) -> dict[str, Any]:
         mask = retention(feats, len(group), rate)
         at = 0
         for k in group:
-            row, a, b = merged.runs[k][1]
+            row, a, b = merged.runs()[k][1]
             keep[row, a:b] = mask[at : at + b - a]
             at += b - a
     lengths = keep.sum(1)

@@ -85,16 +85,24 @@ Counts = Callable[[Any, Mapping[str, Any]], list[list[int]]]
 Reencode = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
-@dataclass(frozen=True)
 class Merged:
-    """What a family's ``after_merge`` sees: the forward's keyword arguments after the merge
-    (``inputs_embeds`` merged, ``input_ids`` rewritten), and per run in token order its item,
-    its placeholder positions ``(row, start, end)``, whether its sample was kept, and the
-    model-level item it belongs to (a video's tubelets share one)."""
+    """What a family's ``after_merge`` sees: ``kwargs``, the forward's keyword arguments after
+    the merge (``inputs_embeds`` merged, ``input_ids`` rewritten), ``items`` and ``features``
+    in token order, and :meth:`runs`: per run its item, its placeholder positions ``(row, start,
+    end)``, whether its sample was kept and the model-level item it belongs to (a video's
+    tubelets share one). The runs are read from the ids only when asked for (a transfer)."""
 
-    kwargs: Mapping[str, Any]
-    runs: tuple[tuple[Any, tuple[int, int, int], bool, int], ...]
-    features: tuple[torch.Tensor, ...]  # per run, the features its item produced
+    def __init__(self, kwargs: Mapping[str, Any], items, features, runs: Callable[[], tuple]):
+        self.kwargs = kwargs
+        self.items = tuple(items)
+        self.features = tuple(features)
+        self._runs = runs
+        self._cache: tuple | None = None
+
+    def runs(self) -> tuple[tuple[Any, tuple[int, int, int], bool, int], ...]:
+        if self._cache is None:
+            self._cache = self._runs()
+        return self._cache
 
 
 #: after_merge(model, merged) -> keyword arguments to replace (Nemotron's EVS pruning)
