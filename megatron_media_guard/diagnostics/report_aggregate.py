@@ -20,6 +20,7 @@ from .report_grid import (
     _label,
     _size,
     _small,
+    _Steps,
 )
 from .report_lines import (
     LINE_BLANK,
@@ -41,8 +42,7 @@ TOP_CAPACITY = 10_000
 LABEL_CAP = 1_000
 COMBO_CAP = 200_000
 HEAT_CAP = 65_536  # (rank, step, event) bins kept for the heatmap; then the bins grow
-SERIES_CAP = 16_384  # (step, action) bins kept for the events-over-steps charts
-SERIES_LABELS = 24  # actions charted; further ones count as (other)
+SERIES_CAP = 16_384  # step bins of the records-over-steps chart
 PARALLEL_MIN_BYTES = 32 << 20
 _LABEL_LEN = 120
 _REASON_LEN = 4096  # the writer's longest string: a reason it wrote is never cut
@@ -89,7 +89,7 @@ class _Aggregator:
         self.reason_examples: dict[str, tuple | None] = {NONE_LABEL: None}
         self.top = _HeavyHitters(TOP_CAPACITY)
         self.heat = _Grid(HEAT_CAP, max_labels=len(HEAT_EVENTS) + 1)
-        self.series = _Grid(SERIES_CAP, max_labels=SERIES_LABELS)
+        self.series = _Steps(SERIES_CAP)
         self.lines = self.records = self.matched = self.malformed = self.other_schema = 0
         self.malformed_by_file: dict[str, int] = {}
         self.torn: list[str] = []
@@ -129,9 +129,9 @@ class _Aggregator:
         self.templates = LineTemplates()  # per file: a template holds the rank, files differ
         loads, top_add, heat_add = json.loads, self.top.add, self.heat.add
         combo, ranks, steps = self.combo, self.ranks, self.steps
-        series_grid, examples = self.series, self.reason_examples
-        series, s_shift, s_room = series_grid.counts, series_grid.step_shift, series_grid.room
-        s_cap, s_labels = series_grid.cap, series_grid.labels
+        filtered = ranks is not None or steps is not None
+        per_step, examples = self.series, self.reason_examples
+        series, s_shift, s_cap = per_step.counts, per_step.shift, per_step.cap
         known, add_template, facts_of = self.templates.facts, self.templates.add, self._facts
         match, max_len = template_match, MAX_TEMPLATE_LINE  # report_lines.cut, inlined
         lines = records = matched = bad = other_schema = 0
@@ -169,7 +169,7 @@ class _Aggregator:
                         if key is not None:
                             add_template(key, rec, facts)
                     records += 1
-                    rank, event, action, reason, sid, schema_1, kind, label, item = facts
+                    rank, event, action, reason, sid, schema_1, kind, item = facts
                     if rank is None:
                         rank = file_rank
                     if ranks is not None and rank not in ranks:
@@ -182,15 +182,17 @@ class _Aggregator:
                             lo = step
                         if step > hi:
                             hi = step
-                        sk = (None, step >> s_shift, label)
-                        count = series.get(sk)
+                        sb = step >> s_shift
+                        count = series.get(sb)
                         if count is None:
-                            if len(series) >= s_cap or label not in s_labels:
-                                sk, count = s_room(None, step, label)
-                                series, s_shift = series_grid.counts, series_grid.step_shift
+                            if len(series) >= s_cap:
+                                per_step.coarsen()
+                                series, s_shift = per_step.counts, per_step.shift
+                                sb = step >> s_shift
+                                count = series.get(sb, 0)
                             else:
                                 count = 0
-                        series[sk] = count + 1
+                        series[sb] = count + 1
                     if not schema_1:
                         other_schema += 1
                     key = (rank, event, action, reason, kind)
@@ -202,7 +204,8 @@ class _Aggregator:
                         else:
                             count = 0
                     combo[key] = count + 1
-                    if reason not in examples:
+                    # a class is first seen in a full parse unless a filter skipped that line
+                    if (rec is not None or filtered) and reason not in examples:
                         self._example(rec or loads(line), reason, rank, step, file_index, lines)
                     if event in _HEAT:
                         heat_add(rank, step, event)
@@ -271,7 +274,6 @@ class _Aggregator:
             sid,
             get("schema") == 1,
             (modality, family),
-            _charted(event, action),
             item,
         )
 
@@ -392,7 +394,7 @@ class _Aggregator:
             ranks_filter=None if self.ranks is None else tuple(sorted(self.ranks)),
             steps_filter=None if self.steps is None else tuple(sorted(self.steps)),
             heat=_grid(self.heat),
-            series=_grid(self.series),
+            series=_per_step(self.series),
             by_kind=MappingProxyType(dict(sorted(by_kind.items(), key=lambda kv: -kv[1]))),
             reason_examples=MappingProxyType(reason_examples),
             sample_examples=MappingProxyType(sample_examples),
@@ -401,6 +403,12 @@ class _Aggregator:
 
 def _grid(grid: _Grid) -> GridCounts:
     return GridCounts(1 << grid.rank_shift, 1 << grid.step_shift, MappingProxyType(grid.cells()))
+
+
+def _per_step(steps: _Steps) -> GridCounts:
+    shift = steps.shift
+    cells = {(None, b << shift, "records"): n for b, n in sorted(steps.counts.items())}
+    return GridCounts(1, 1 << shift, MappingProxyType(cells))
 
 
 def _charted(event: str, action: str) -> str:

@@ -152,6 +152,34 @@ class _Grid:
         }
 
 
+class _Steps:
+    """Exact record counts per step bin (``step >> shift``), at most ``cap`` bins: when full,
+    the bin size doubles and the bins fold together."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.counts: dict[int, int] = {}
+        self.shift = 0
+
+    def coarsen(self, to: int | None = None) -> None:
+        shift = self.shift + 1 if to is None else to
+        out: dict[int, int] = {}
+        d = shift - self.shift
+        for b, n in self.counts.items():
+            out[b >> d] = out.get(b >> d, 0) + n
+        self.counts, self.shift = out, shift
+
+    def merge(self, other: _Steps) -> None:
+        if other.shift > self.shift:
+            self.coarsen(other.shift)
+        d = self.shift - other.shift
+        counts = self.counts
+        for b, n in other.counts.items():
+            counts[b >> d] = counts.get(b >> d, 0) + n
+        while len(self.counts) > self.cap:
+            self.coarsen()
+
+
 def _label(value: object, limit: int = _LABEL_LEN) -> str:
     """A one-line string key for a field (None, numbers, garbage, long text): whitespace
     runs as one space, cut at a word boundary to at most ``limit`` characters."""
