@@ -69,7 +69,8 @@ class _HeavyHitters:
 
 class _Grid:
     """Exact counts of (rank, step, label) in bins: key ``(rank >> rank_shift or None,
-    step >> step_shift or None, label)``; at most ``cap`` keys and ``max_labels`` labels.
+    step >> step_shift or None, label)``; at most ``cap`` keys (plus those that cannot fold:
+    records without a rank or step) and ``max_labels`` labels.
 
     When a new key would pass ``cap``, the dimension with more distinct bins (steps on a tie)
     doubles its bin size and the keys fold together: the counts stay exact per (coarser) bin.
@@ -113,8 +114,8 @@ class _Grid:
 
     def _coarsen(self) -> bool:
         """Double the bin size of the busier dimension; False when nothing can fold."""
-        ranks = {k[0] for k in self.counts}
-        steps = {k[1] for k in self.counts}
+        ranks = {k[0] for k in self.counts if k[0] is not None}  # None bins never fold
+        steps = {k[1] for k in self.counts if k[1] is not None}
         if len(ranks) <= 1 and len(steps) <= 1:
             return False
         if len(steps) >= len(ranks):

@@ -32,7 +32,6 @@ from .report_summary import GridCounts, ReportSummary
 
 MAX_ROWS = 128  # heatmap rows (rank bins)
 MAX_COLS = 200  # heatmap and chart columns (step bins)
-MAX_SERIES = 12  # actions charted
 MAX_TABLE = 50  # rows of the reasons / sample id tables
 _ID_HEAD = ("records", "sample id", "first event", "rank", "step", "modality", "item")
 _ID_HEAD += ("frames", "size (HxW)", "fidelity", "family", "where")
@@ -108,7 +107,7 @@ def _heatmap(grid: GridCounts) -> str:
     cw = max(3, min(24, 960 // cols))
     ch = max(3, min(18, 640 // rows))
     left, head = 86, 8
-    width, height = left + cols * cw + 8, head + rows * ch + 34
+    width, height = left + cols * cw + 40, head + rows * ch + 34
     rank_bin = ra[1] if ra else 1
     step_bin = sa[1] if sa else 1
     out = [
@@ -117,6 +116,7 @@ def _heatmap(grid: GridCounts) -> str:
         f' data-step0="{sa[0] if sa else "none"}" data-step-bin="{step_bin}">',
         f'<rect x="{left}" y="{head}" width="{cols * cw}" height="{rows * ch}" class=bg />',
     ]
+    marks: list[str] = []
     for (row, col), per in sorted(merged.items()):
         r, s = first_of[(row, col)]
         n = sum(per.values())
@@ -132,6 +132,10 @@ def _heatmap(grid: GridCounts) -> str:
             f' class="{cls}" data-r="{rank_key}" data-s="{step_key}" data-n="{n}">'
             f"<title>{_e(where)}: {_e(what)}</title></rect>"
         )
+        if "raise" in per:  # a marker that stays visible however small the cell
+            cx, cy = left + col * cw + cw / 2, head + row * ch + ch / 2
+            marks.append(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="6" class=mark />')
+    out += marks
     for row in range(rows):  # rank ticks: about 16
         if row % max(1, rows // 16) == 0 or row == rows - 1:
             is_none = ra is None or row >= ra[2]
@@ -150,52 +154,60 @@ def _heatmap(grid: GridCounts) -> str:
         f' transform="rotate(-90 12 {head + rows * ch / 2:.0f})">rank</text></svg>'
     )
     cell = f"{rank_bin} rank{'s' * (rank_bin > 1)} × {step_bin} step{'s' * (step_bin > 1)}"
-    legend = "".join(
-        f'<span class="sw l{i + 1}"></span>{_fmt(math.ceil(top ** (i / (len(PALETTE) - 1))))} '
-        if top > 1
-        else f'<span class="sw l{len(PALETTE)}"></span>1'
-        for i in range(len(PALETTE) if top > 1 else 1)
-    )
+    starts: dict[int, int] = {}  # colour level -> the least count drawn in it
+    for i in range(len(PALETTE)):
+        n = max(1, math.ceil(top ** (i / (len(PALETTE) - 1)))) if top > 1 else 1
+        starts.setdefault(_level(n, top), n)
+    legend = "".join(f'<span class="sw l{lv}"></span>{_fmt(n)} ' for lv, n in starts.items())
     return (
         f"<p class=note>Each cell: <b class=bin>{cell}</b> ({rows} × {cols} cells; "
         f"the reader kept bins of {grid.rank_bin} × {grid.step_bin}). Colour: records in the "
         f"cell, log scale; outlined: the cell holds a raise. Hover a cell for its exact "
         f"counts.</p><div class=scroll>{''.join(out)}</div>"
         f"<p class=legend>records per cell, from: {legend}"
-        f'<span class="sw l8 x"></span>holds a raise</p>'
+        f'<span class="sw l8 x"></span>holds a raise (circled)</p>'
     )
 
 
-def _series(grid: GridCounts) -> str:
-    cells = {k: n for k, n in grid.cells.items() if k[1] is not None}
-    if not cells:
+def _series(s: ReportSummary) -> str:
+    """Bars over steps: every record (``series``), then each heatmap event summed over ranks
+    (``heat``), on shared step bins (the coarser of the two grids' bins, so both fold)."""
+    charts: dict[str, dict[int, int]] = {}
+    for grid, label_of in ((s.series, lambda _: "all records"), (s.heat, lambda e: e)):
+        for (_, step, label), n in grid.cells.items():
+            if step is not None:
+                per = charts.setdefault(label_of(label), {})
+                per[step] = per.get(step, 0) + n
+    if not charts:
         return "<p class=note>No record with a step.</p>"
-    sa = _axis(cells, 1, grid.step_bin, MAX_COLS)
-    assert sa is not None
-    first, size, cols = sa
-    per_label: dict[str, dict[int, int]] = {}
-    for (_, s, label), n in cells.items():
-        bars = per_label.setdefault(label, {})
-        i = (s - first) // size
-        bars[i] = bars.get(i, 0) + n
-    ordered = sorted(per_label.items(), key=lambda kv: (-sum(kv[1].values()), kv[0]))
+    steps = [st for per in charts.values() for st in per]
+    stored = max(s.series.step_bin, s.heat.step_bin)
+    first, size, cols = display_bins(min(steps) // stored * stored, max(steps), stored, MAX_COLS)
     bw = max(2, min(12, 960 // cols))
     h = 44
     out = [
-        f"<p class=note>Records per action over steps; each bar: "
-        f"<b class=bin>{size} step{'s' * (size > 1)}</b>; each chart on its own scale; "
-        f"hover a bar for its count.</p>"
+        f"<p class=note>Records over steps: all records, then each event of the heatmap; "
+        f"each bar: <b class=bin>{size} step{'s' * (size > 1)}</b>; each chart on its own "
+        f"scale; hover a bar for its count.</p>"
     ]
-    for label, bars in ordered[:MAX_SERIES]:
+    order = ["all records", *(e for e in HEAT_EVENTS if e in charts)]
+    for label in order:
+        bars: dict[int, int] = {}
+        for step, n in charts[label].items():
+            i = (step - first) // size
+            bars[i] = bars.get(i, 0) + n
         top = max(bars.values())
-        parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{cols * bw}" height="{h}">']
+        parts = [
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{cols * bw}" height="{h}"'
+            f' data-label="{_e(label)}" data-step0="{first}" data-step-bin="{size}">'
+        ]
         for i, n in sorted(bars.items()):
             bh = max(1.0, h * n / top)
             a = first + i * size
             parts.append(
                 f'<rect x="{i * bw}" y="{h - bh:.1f}" width="{max(1, bw - 1)}" height="{bh:.1f}"'
-                f" class=bar><title>{_e(_span(a, a + size - 1, 'step'))}: {n:,} "
-                f"{_e(label)}</title></rect>"
+                f' class="bar {_e(label.split()[0])}" data-s="{a}" data-n="{n}">'
+                f"<title>{_e(_span(a, a + size - 1, 'step'))}: {n:,} {_e(label)}</title></rect>"
             )
         parts.append("</svg>")
         total = sum(bars.values())
@@ -203,8 +215,6 @@ def _series(grid: GridCounts) -> str:
             f"<div class=series><div class=slabel><b>{_e(label)}</b><br>{total:,} records, "
             f"at most {top:,} per bar</div>{''.join(parts)}</div>"
         )
-    if len(ordered) > MAX_SERIES:
-        out.append(f"<p class=note>{len(ordered) - MAX_SERIES} more actions not charted.</p>")
     return "".join(out)
 
 
@@ -221,6 +231,11 @@ def _table(head: Sequence[str], rows: Sequence[Sequence[object]], cls: str = "")
 
 def _counts(s: ReportSummary, which: str) -> str:
     data = s.by(which)
+    if which == "family" and set(data) <= {"(none)"}:
+        return (
+            "<p class=note>No record names a model family (<code>extra.adapter</code> or "
+            "<code>extra.family</code>; the adapters write it).</p>"
+        )
     events = [e for e in s.by_event]
     rows = [
         [name, _fmt(sum(per.values())), *(_fmt(per.get(e, 0)) for e in events)]
@@ -303,7 +318,7 @@ def render_html(summary: ReportSummary, title: str = "media-guard report") -> st
     sections = [
         ("Run", _header(s, name)),
         ("Drop / repair / raise / budget by rank × step", _heatmap(s.heat)),
-        ("Records over steps, per action", _series(s.series)),
+        ("Records over steps", _series(s)),
         (
             "Reasons (digits shown as #, full text)",
             _table(["records", "reason", "example record", "where"], reasons, "reasons")

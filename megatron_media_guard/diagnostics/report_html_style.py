@@ -29,7 +29,11 @@ CSS = (
     "svg .bg{fill:#f6f8fa;stroke:#d0d7de}"
     "svg rect.x{stroke:#000;stroke-width:1.5px}"
     "svg rect:hover{stroke:#0969da;stroke-width:2px}"
-    "svg .bar{fill:#0969da}" + _LEVELS + ".legend{font-size:12px;color:#57606a}"
+    "svg .bar{fill:#57606a}svg .bar.drop{fill:#feb24c}svg .bar.repair{fill:#0969da}"
+    "svg .bar.raise{fill:#cf222e}svg .bar.budget{fill:#bf3989}"
+    "svg .mark{fill:none;stroke:#000;stroke-width:2px;pointer-events:none}"
+    + _LEVELS
+    + ".legend{font-size:12px;color:#57606a}"
     ".sw{display:inline-block;width:14px;height:10px;margin:0 3px 0 8px;vertical-align:middle;"
     "border:1px solid #d0d7de}.sw.x{border:2px solid #000}"
     ".series{display:flex;align-items:flex-end;gap:12px;margin:6px 0;"
