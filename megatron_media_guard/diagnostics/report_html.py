@@ -57,12 +57,16 @@ def _span(a: int, b: int, what: str) -> str:
     return f"{what} {a}" if a == b else f"{what}s {a}–{b}"
 
 
-def _axis(cells: Mapping, pos: int, stored: int, limit: int):
-    """Display bins of the non-None values at ``pos`` of the cell keys, or None if none."""
+def _axis(cells: Mapping, pos: int, stored: int, limit: int, span: Sequence[int] = ()):
+    """Display bins of the non-None values at ``pos`` of the cell keys, widened to ``span``
+    (the run's ranks or steps, so the map has the run's shape), or None if none."""
     vals = [k[pos] for k in cells if k[pos] is not None]
     if not vals:
         return None
-    return display_bins(min(vals), max(vals), stored, limit)
+    lo, hi = min(vals), max(vals)
+    if span:
+        lo, hi = min(lo, min(span) // stored * stored), max(hi, max(span))
+    return display_bins(lo, hi, stored, limit)
 
 
 def _index(value: int | None, axis, n: int) -> int:
@@ -88,12 +92,12 @@ def _level(n: int, top: int) -> int:
     return 1 + min(len(PALETTE) - 1, int((len(PALETTE) - 1) * math.log(n) / math.log(top)))
 
 
-def _heatmap(grid: GridCounts) -> str:
+def _heatmap(grid: GridCounts, ranks: Sequence[int] = (), steps: Sequence[int] = ()) -> str:
     cells = grid.cells
     if not cells:
         return "<p class=note>No drop, repair, raise or budget record: nothing to map.</p>"
-    ra = _axis(cells, 0, grid.rank_bin, MAX_ROWS)
-    sa = _axis(cells, 1, grid.step_bin, MAX_COLS)
+    ra = _axis(cells, 0, grid.rank_bin, MAX_ROWS, ranks)
+    sa = _axis(cells, 1, grid.step_bin, MAX_COLS, steps)
     rows = (ra[2] if ra else 0) + any(k[0] is None for k in cells)
     cols = (sa[2] if sa else 0) + any(k[1] is None for k in cells)
     merged: dict[tuple[int, int], dict[str, int]] = {}
@@ -104,9 +108,9 @@ def _heatmap(grid: GridCounts) -> str:
         per[event] = per.get(event, 0) + n
         first_of[at] = (r, s)
     top = max(sum(v.values()) for v in merged.values())
-    cw = max(3, min(24, 960 // cols))
-    ch = max(3, min(18, 640 // rows))
-    left, head = 86, 8
+    cw = max(3, min(40, 960 // cols))
+    ch = max(3, min(24, 640 // rows))
+    left, head = 86, 22
     width, height = left + cols * cw + 40, head + rows * ch + 34
     rank_bin = ra[1] if ra else 1
     step_bin = sa[1] if sa else 1
@@ -150,8 +154,7 @@ def _heatmap(grid: GridCounts) -> str:
             out.append(f'<text x="{x:.0f}" y="{head + rows * ch + 14}" class=tick>{text}</text>')
     out.append(
         f'<text x="{left + cols * cw / 2:.0f}" y="{height - 4}" class=axis>step</text>'
-        f'<text x="12" y="{head + rows * ch / 2:.0f}" class=axis'
-        f' transform="rotate(-90 12 {head + rows * ch / 2:.0f})">rank</text></svg>'
+        f'<text x="{left - 6}" y="14" class=axis text-anchor=end>rank</text></svg>'
     )
     cell = f"{rank_bin} rank{'s' * (rank_bin > 1)} × {step_bin} step{'s' * (step_bin > 1)}"
     starts: dict[int, int] = {}  # colour level -> the least count drawn in it
@@ -317,7 +320,14 @@ def render_html(summary: ReportSummary, title: str = "media-guard report") -> st
     more = len(s.by_reason) - MAX_TABLE
     sections = [
         ("Run", _header(s, name)),
-        ("Drop / repair / raise / budget by rank × step", _heatmap(s.heat)),
+        (
+            "Drop / repair / raise / budget by rank × step",
+            _heatmap(
+                s.heat,
+                [r for r in s.by_rank if r is not None],
+                [] if s.first_step is None else [s.first_step, s.last_step],
+            ),
+        ),
         ("Records over steps", _series(s)),
         (
             "Reasons (digits shown as #, full text)",
