@@ -126,7 +126,7 @@ class VLMHandle(GuardHandle):
         order = listed if listed is not None else token_order(ids, guard, mods, items, parent)
         items = [items[i] for i in order]
         feats = [feats[i] for i in order]
-        emb = model.get_input_embeddings()(ids)
+        emb = spec.embed(model, ids) if spec.embed else model.get_input_embeddings()(ids)
         labels = call.get("labels")
         res = guard.merge(
             emb,
