@@ -61,6 +61,9 @@ def _attempt(
         )
         if v is None
     ]
+    if guard.geometry is None:  # the family has no sizing to repair with
+        facts["reason"] = f"cannot repair: no geometry for {guard.grammar.name}"
+        return None, facts
     if missing:
         facts["reason"] = f"cannot repair: no {', '.join(missing)} given"
         return None, facts
