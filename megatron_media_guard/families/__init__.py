@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import gemma3, megatron, nemotron_omni, qwen
+from . import gemma3, kimi_k25, megatron, nemotron_omni, qwen
 from .spec import FamilySpec, ModalitySpec, Token
 
 FAMILIES: tuple[FamilySpec, ...] = (
@@ -19,6 +19,8 @@ FAMILIES: tuple[FamilySpec, ...] = (
     nemotron_omni.SPEC,
     gemma3.SPEC,
     gemma3.BRIDGE,
+    kimi_k25.SPEC,
+    kimi_k25.BRIDGE,
 )
 
 #: attributes that hold the model a wrapper trains (DDP / FSDP1's ``.module``, Bridge's
