@@ -159,7 +159,8 @@ def config_from_args(args: Any, environ: Mapping[str, str] | None = None) -> Gua
     if fid is not None:
         parts = [fid] if isinstance(fid, str) else list(fid)
         kw["allowed_fidelity"] = tuple(x.strip() for p in parts for x in p.split(",") if x.strip())
-    return GuardConfig(**kw).with_env(dict(_env(environ)))
+    env = dict(_env(environ))
+    return GuardConfig(**kw, environ=env).with_env(env)
 
 
 def _float(name: str, raw: str) -> float:
