@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import gemma3, kimi_k25, megatron, nemotron_omni, qwen
+from . import gemma3, internvl, kimi_k25, megatron, nemotron_omni, qwen
 from .spec import FamilySpec, ModalitySpec, Token
 
 FAMILIES: tuple[FamilySpec, ...] = (
@@ -21,6 +21,7 @@ FAMILIES: tuple[FamilySpec, ...] = (
     gemma3.BRIDGE,
     kimi_k25.SPEC,
     kimi_k25.BRIDGE,
+    internvl.SPEC,
 )
 
 #: attributes that hold the model a wrapper trains (DDP / FSDP1's ``.module``, Bridge's
