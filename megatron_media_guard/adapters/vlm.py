@@ -127,7 +127,7 @@ class VLMHandle(GuardHandle):
         order = listed if listed is not None else token_order(ids, guard.grammar, items, parent)
         items = [items[i] for i in order]
         feats = [feats[i] for i in order]
-        emb = model.get_input_embeddings()(ids)
+        emb = self._embed(ids)
         labels = call.get("labels")
         res = guard.merge(
             emb,
@@ -192,8 +192,14 @@ class VLMHandle(GuardHandle):
         rows = torch.tensor([s for s, pos in gen for _ in pos], device=ids.device)
         cols = torch.tensor([c for _, pos in gen for c in pos], device=ids.device)
         ids = ids.index_put((rows, cols), torch.tensor(self.text_id, device=ids.device))
-        text = self.module.get_input_embeddings()(ids[rows, cols])
+        text = self._embed(ids[rows, cols][None])[0]
         return emb.index_put((rows, cols), text.to(emb.dtype)), ids
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[b, s, h]`` token embeddings of ``ids``, as the family embeds them."""
+        if self.spec.embed is not None:
+            return self.spec.embed(self.module, ids)
+        return self.module.get_input_embeddings()(ids)
 
     def _drop_rewrite(self, call: CallArgs, ids, kw, mods, dropped, gone) -> torch.Tensor:
         """The dropped samples' placeholders as text in the ids (and the tensors that follow

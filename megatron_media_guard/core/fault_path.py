@@ -63,7 +63,7 @@ def diagnose(
         # returns its outcome; it never sees the guard
         from ..repair.repairs import RepairContext, run_repairs
 
-        ctx = RepairContext(guard.geometry, guard.config)
+        ctx = RepairContext(guard.geometry, guard.config, guard.grammar.name)
         out = run_repairs(plan, batch, ctx, c.encoder, step=c.step, microbatch=c.microbatch)
         plan, replaced, failures = out.plan, out.replaced, out.failures
         for rec in out.records:

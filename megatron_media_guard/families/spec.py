@@ -158,7 +158,9 @@ class FamilySpec:
     such as ``mm_token_type_ids``: 0 there); ``positions(model, kwargs)`` (the model's own
     rope-index function on the rewritten ids and kept grids) gives ``position_ids`` where the
     caller gave none; ``ids_with_embeds`` False: the forward takes ``input_ids`` or
-    ``inputs_embeds``, not both (``input_ids`` is then None).
+    ``inputs_embeds``, not both (``input_ids`` is then None). ``embed(model, ids)``: the
+    ``[b, s, h]`` token embeddings the merge starts from (None: ``model.get_input_embeddings()``;
+    Megatron-Bridge classes embed through their language model's own ``embedding``).
     """
 
     name: str
@@ -172,6 +174,7 @@ class FamilySpec:
     positions: Callable[[Any, Mapping[str, Any]], torch.Tensor] | None = None
     ids_with_embeds: bool = True
     after_merge: AfterMerge | None = None
+    embed: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
 
     def matches(self, model: Any) -> bool:
         if self.detect is not None and self.detect(model):
@@ -246,3 +249,9 @@ def split_rows(flat: torch.Tensor | Sequence[torch.Tensor], sizes: Sequence[int]
     if isinstance(flat, torch.Tensor):
         return tuple(flat.split(list(sizes)))
     return tuple(flat)
+
+
+def bridge_embed(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """A Megatron-Bridge VL model's token embeddings, ``[b, s, h]``: its language model's own
+    ``embedding`` (``[s, b, h]``, as Bridge's forwards call it), transposed."""
+    return model.language_model.embedding(input_ids=ids, position_ids=None).transpose(0, 1)

@@ -28,6 +28,7 @@ class RepairContext:
 
     geometry: Any
     config: GuardConfig
+    family: str = "this grammar"  # named when there is no geometry to repair with
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,9 @@ def _attempt(
         )
         if v is None
     ]
+    if ctx.geometry is None:  # the family has no sizing to repair with
+        facts["reason"] = f"cannot repair: no geometry for {ctx.family}"
+        return None, facts
     if missing:
         facts["reason"] = f"cannot repair: no {', '.join(missing)} given"
         return None, facts
