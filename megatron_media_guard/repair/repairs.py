@@ -63,6 +63,8 @@ def _attempt(
     ]
     if missing:
         facts["reason"] = f"cannot repair: no {', '.join(missing)} given"
+        if guard.geometry is None:  # the family has no sizing the guard can replay
+            facts["reason"] += f" (no geometry for {guard.grammar.name})"
         return None, facts
     geo = guard.geometry
     sol, why_not = solve_allowed(geo, r.target, hw, item.num_frames or 1, guard.config)
