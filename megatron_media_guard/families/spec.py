@@ -68,6 +68,7 @@ class Encoded:
     frame_hw: tuple[tuple[int, int] | None, ...] = ()
     pixels: tuple[torch.Tensor | None, ...] = ()  # layout "image": [C, H, W] for repair
     parent: tuple[int, ...] = ()  # per item: index of the model-level item (video -> tubelets)
+    output: Any = None  # the model's own feature output, for FamilySpec.reuse
 
 
 #: encode(model, call_kwargs) -> Encoded; call_kwargs holds the forward's keyword arguments
@@ -119,7 +120,10 @@ class FamilySpec:
     such as ``mm_token_type_ids``: 0 there); ``positions(model, kwargs)`` (the model's own
     rope-index function on the rewritten ids and kept grids) gives ``position_ids`` where the
     caller gave none; ``ids_with_embeds`` False: the forward takes ``input_ids`` or
-    ``inputs_embeds``, not both (``input_ids`` is then None).
+    ``inputs_embeds``, not both (``input_ids`` is then None). ``reuse(model, encoded, kept)``:
+    keyword arguments added to the call after the merge, built from the encoded outputs of
+    the model-level items the merge placed (``kept``: per modality, their indices), for
+    forwards that inject more than the merged embeddings (Qwen3-Omni's deepstack features).
     """
 
     name: str
@@ -132,6 +136,7 @@ class FamilySpec:
     follow_ids: tuple[str, ...] = ()
     positions: Callable[[Any, Mapping[str, Any]], torch.Tensor] | None = None
     ids_with_embeds: bool = True
+    reuse: Callable[[Any, Mapping[str, Encoded], Mapping[str, list[int]]], dict] | None = None
 
     def matches(self, model: Any) -> bool:
         if self.detect is not None and self.detect(model):
