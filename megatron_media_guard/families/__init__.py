@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import megatron, nemotron_omni, qwen, qwen2_audio
+from . import megatron, nemotron_omni, qwen, qwen2_audio, qwen3_omni
 from .spec import FamilySpec, ModalitySpec, Token
 
 FAMILIES: tuple[FamilySpec, ...] = (
@@ -18,6 +18,7 @@ FAMILIES: tuple[FamilySpec, ...] = (
     qwen.SPEC,
     nemotron_omni.SPEC,
     qwen2_audio.SPEC,
+    qwen3_omni.SPEC,
 )
 
 #: attributes that hold the model a wrapper trains (DDP / FSDP1's ``.module``, Bridge's
