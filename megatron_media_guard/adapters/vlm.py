@@ -149,11 +149,20 @@ class VLMHandle(GuardHandle):
         if isinstance(labels, torch.Tensor):
             call.set("labels", res.labels)
         dropped = {s for s, a in enumerate(res.report.actions) if a == "drop"}
+        rep_all = res.report.alignment
+        owner = {i: r.sample for r in rep_all.samples for i in r.items} if rep_all else {}
         if dropped:
-            rep_all = res.report.alignment
-            owner = {i: r.sample for r in rep_all.samples for i in r.items} if rep_all else {}
             gone = {(items[k].modality, parent[order[k]]) for k in owner if owner[k] in dropped}
             ids = self._drop_rewrite(call, ids, kw, mods, dropped, gone)
+        if spec.reuse is not None:  # placed: every item (aligned), else those of kept samples
+            placed = range(len(items)) if rep_all is None else owner
+            kept: dict[str, list[int]] = {m.name: [] for m in mods}
+            for k in placed:
+                if owner.get(k) not in dropped:
+                    kept[items[k].modality].append(parent[order[k]])
+            kept = {m: sorted(set(v)) for m, v in kept.items()}
+            for name, value in spec.reuse(model, encoded, kept).items():
+                call.set(name, value)
         if spec.positions is not None and call.get("position_ids") is None:
             call.set("position_ids", spec.positions(model, _view(call, ids)))
         call.set("input_ids", ids if spec.ids_with_embeds else None)

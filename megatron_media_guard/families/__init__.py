@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import gemma3, internvl, kimi_k25, megatron, nemotron_omni, qwen
+from . import gemma3, internvl, kimi_k25, megatron, nemotron_omni, qwen, qwen2_audio, qwen3_omni
 from .spec import FamilySpec, ModalitySpec, Token
 
 FAMILIES: tuple[FamilySpec, ...] = (
@@ -22,6 +22,8 @@ FAMILIES: tuple[FamilySpec, ...] = (
     kimi_k25.SPEC,
     kimi_k25.BRIDGE,
     internvl.SPEC,
+    qwen2_audio.SPEC,
+    qwen3_omni.SPEC,
 )
 
 #: attributes that hold the model a wrapper trains (DDP / FSDP1's ``.module``, Bridge's

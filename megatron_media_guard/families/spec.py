@@ -75,6 +75,7 @@ class Encoded:
     frame_hw: tuple[tuple[int, int] | None, ...] = ()
     pixels: tuple[torch.Tensor | None, ...] = ()  # layout "image": [C, H, W] for repair
     parent: tuple[int, ...] = ()  # per item: index of the model-level item (video -> tubelets)
+    output: Any = None  # the model's own feature output, for FamilySpec.reuse
 
 
 #: encode(model, call_kwargs) -> Encoded; call_kwargs holds the forward's keyword arguments
@@ -161,6 +162,10 @@ class FamilySpec:
     ``inputs_embeds``, not both (``input_ids`` is then None). ``embed(model, ids)``: the
     ``[b, s, h]`` token embeddings the merge starts from (None: ``model.get_input_embeddings()``;
     Megatron-Bridge classes embed through their language model's own ``embedding``).
+    ``reuse(model, encoded, kept)``:
+    keyword arguments added to the call after the merge, built from the encoded outputs of
+    the model-level items the merge placed (``kept``: per modality, their indices), for
+    forwards that inject more than the merged embeddings (Qwen3-Omni's deepstack features).
     """
 
     name: str
@@ -175,6 +180,7 @@ class FamilySpec:
     ids_with_embeds: bool = True
     after_merge: AfterMerge | None = None
     embed: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
+    reuse: Callable[[Any, Mapping[str, Encoded], Mapping[str, list[int]]], dict] | None = None
 
     def matches(self, model: Any) -> bool:
         if self.detect is not None and self.detect(model):

@@ -1,0 +1,80 @@
+"""Qwen2-Audio (transformers ``Qwen2AudioForConditionalGeneration`` / ``Qwen2AudioModel``): a
+Whisper-style audio tower and a linear projector.
+
+- audio: ``<|audio_bos|>`` ``<|AUDIO|>``xN ``<|audio_eos|>`` per clip; ``input_features``
+  ``[n, mel, 3000]`` with ``feature_attention_mask`` ``[n, 3000]``; a clip of L mel frames gives
+  N = ((L-1)//2+1-2)//2+1 (the tower's own ``_get_feat_extract_output_lengths``; L <= 2: N = 0).
+
+The model has no ``get_audio_features``: the encode below runs the model's own modules the way
+its forward does (the tower on the padded mel with its key mask, the projector, each clip's
+first N rows). The config knows only ``audio_token_id``; the markers come from the tokenizer
+(the Qwen2 tokenizer's ids as defaults). Both classes skip their own audio merge once
+``inputs_embeds`` carries the guard's, so their unchecked *legacy* path (taken when no two
+``<|AUDIO|>`` are adjacent anywhere in the batch: each placeholder silently expanded into its
+clip's features, the sequence growing) never runs under the guard: a run of one placeholder
+for a longer clip is a short run, handled by the policy. No repair geometry (mel features are
+not resized): a repair falls back.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from ..core.host import to_host
+from .spec import Encoded, FamilySpec, ModalitySpec, Token
+
+
+def _parts(model: Any):
+    """(audio tower, projector): on the model itself (Bridge, transformers' ``Qwen2AudioModel``)
+    or on its ``.model`` (``...ForConditionalGeneration``)."""
+    inner = model if hasattr(model, "audio_tower") else model.model
+    return inner.audio_tower, inner.multi_modal_projector
+
+
+def _key_mask(tower: Any, valid: torch.Tensor, dtype: torch.dtype):
+    """The tower's attention mask over its ``[n, s]`` conv positions (``valid``: True on a
+    clip's frames), built as the model's own forward builds it (transformers' function)."""
+    make = sys.modules[type(tower).__module__].create_bidirectional_mask
+    dummy = torch.zeros((*valid.shape, 1), dtype=dtype, device=valid.device)
+    return make(config=tower.config, inputs_embeds=dummy, attention_mask=valid.long())
+
+
+def _encode_audio(model: Any, kw) -> Encoded:
+    tower, proj = _parts(model)
+    device = tower.conv1.weight.device
+    x = kw["input_features"].to(device)
+    fmask = kw.get("feature_attention_mask")
+    if fmask is None:
+        fmask = torch.ones(x.shape[0], x.shape[-1], dtype=torch.long, device=device)
+    conv_len, out_len = tower._get_feat_extract_output_lengths(fmask.to(device).sum(-1))
+    s = (x.shape[-1] - 2) // 2 + 1
+    valid = torch.arange(s, device=device)[None, :] < conv_len[:, None]
+    dtype = proj.linear.weight.dtype
+    feats = proj(tower(x, attention_mask=_key_mask(tower, valid, dtype)).last_hidden_state)
+    # the projector's rows are padded to the longest clip: each clip's count cuts its own
+    sizes = to_host(out_len, why="audio clip lengths to cut each clip's feature rows").tolist()
+    return Encoded(tuple(f[: int(n)] for f, n in zip(feats, sizes)))
+
+
+SPEC = FamilySpec(
+    name="qwen2_audio",
+    # Bridge's Qwen2AudioModel (same merge, same legacy switch) is not registered yet: it has
+    # no get_input_embeddings (its embedding is language_model.embedding, [s, b, h])
+    classes={
+        "transformers.": frozenset({"Qwen2AudioForConditionalGeneration", "Qwen2AudioModel"}),
+    },
+    modalities=(
+        ModalitySpec(
+            "audio",
+            Token(("audio_token_id", "audio_token_index"), "<|AUDIO|>", 151646),
+            ("input_features", "feature_attention_mask"),
+            _encode_audio,
+            start=Token((), "<|audio_bos|>", 151647),
+            end=Token((), "<|audio_eos|>", 151648),
+        ),
+    ),
+    text=Token(("text_config.pad_token_id", "pad_token_id"), "<|endoftext|>", 151643),
+)

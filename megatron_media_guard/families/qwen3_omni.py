@@ -1,0 +1,142 @@
+"""Qwen3-Omni thinker (transformers ``Qwen3OmniMoeThinkerForConditionalGeneration`` / ``...Model``).
+
+Image: ``<|vision_start|>`` ``<|image_pad|>``x(t*h*w/4) ``<|vision_end|>``; video: ONE such run
+per video on ``<|video_pad|>``; audio: ``<|audio_start|>`` ``<|audio_pad|>``xn ``<|audio_end|>``,
+n = the module's ``_get_feat_extract_output_lengths`` of the clip's mel frames. The model checks
+image / video totals only, audio not at all. The guard merges per run and passes
+``inputs_embeds``; the forward builds deepstack only from encoder outputs, so the kept items'
+own outputs go back in as ``mm_encoder_outputs`` (re-placed where the guard put them). Grids,
+``video_second_per_grid`` and ``feature_attention_mask`` stay (dropped rows out) for the
+model's own ``get_rope_index``. The config lacks ``vision_start_token_id`` (its rope reads it;
+151652 in checkpoints): set it. ``use_audio_in_video`` is refused; no repair geometry. Bridge's
+``Qwen3OmniThinkerModel`` takes no ``inputs_embeds``: not registered here.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from ..core.host import to_host
+from ..errors import MediaInputError
+from .spec import Encoded, FamilySpec, ModalitySpec, Token
+
+_AUDIO = ("input_features", "feature_attention_mask", "audio_feature_lengths")
+
+
+def _inner(model: Any):  # the ThinkerModel: itself, or a ...ForConditionalGeneration's .model
+    return model.model if hasattr(model, "model") else model
+
+
+def _visual(kind: str):
+    def encode(model: Any, kw) -> Encoded:
+        if kind == "video" and kw.get("use_audio_in_video"):
+            raise MediaInputError(
+                "qwen3_omni: use_audio_in_video=True interleaves video and audio placeholders "
+                "in one region; the guard does not attribute those runs yet"
+            )
+        pv, grid = kw[f"pixel_values{'_videos' if kind == 'video' else ''}"], kw[f"{kind}_grid_thw"]
+        out = getattr(model, f"get_{kind}_features")(pv, grid, return_dict=True)
+        return Encoded(tuple(out.pooler_output), output=out)
+
+    return encode
+
+
+def _encode_audio(model: Any, kw) -> Encoded:
+    x, mask, lengths = (kw.get(n) for n in _AUDIO)
+    flat = model.get_audio_features(x, mask, lengths, return_dict=True).last_hidden_state
+    frames = mask.sum(-1) if mask is not None else lengths
+    n_window = model.config.audio_config.n_window
+    count = sys.modules[type(_inner(model)).__module__]._get_feat_extract_output_lengths
+    # the tower's output holds every clip back to back: their counts cut it per clip
+    sizes = to_host(count(frames, n_window), why="audio clip lengths to cut the flat features")
+    return Encoded(tuple(flat.split(sizes.tolist())))
+
+
+def _reuse(model: Any, encoded, kept) -> dict:
+    """The kept images' / videos' own encoder outputs (deepstack) as ``mm_encoder_outputs``."""
+    mm = {}
+    for kind in ("image", "video"):
+        enc, keep = encoded.get(kind), kept.get(kind)
+        if enc is None or not keep:
+            continue
+        o = enc.output
+        mm[kind] = type(o)(
+            pooler_output=tuple(o.pooler_output[k] for k in keep),
+            deepstack_features=[tuple(layer[k] for k in keep) for layer in o.deepstack_features],
+        )
+    return {"mm_encoder_outputs": mm} if mm else {}
+
+
+def _positions(model: Any, kw) -> torch.Tensor | None:
+    """The model's own MRoPE positions on the (rewritten) ids and kept grids; None where the
+    model computes none (no attention mask). A start marker whose run was dropped (its
+    placeholders now text) is read as the text after it, as the model's rope would need."""
+    ids, attn = kw["input_ids"], kw.get("attention_mask")
+    if attn is None:
+        return None
+    inner, cfg = _inner(model), model.config
+    pads = torch.tensor(
+        [cfg.image_token_id, cfg.video_token_id, cfg.audio_token_id, cfg.audio_start_token_id],
+        device=ids.device,
+    )
+    nxt = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)
+    starts = (ids == cfg.audio_start_token_id) | (ids == cfg.vision_start_token_id)
+    ids = torch.where(starts & ~torch.isin(nxt, pads), nxt, ids)
+    mask = kw.get("feature_attention_mask")
+    grids = kw.get("image_grid_thw"), kw.get("video_grid_thw")
+    lens = mask.sum(1) if mask is not None else None
+    pos, deltas = inner.get_rope_index(
+        ids, *grids, attn, False, lens, kw.get("video_second_per_grid")
+    )
+    inner.rope_deltas = deltas  # as the model's own forward leaves it, for decoding
+    return pos
+
+
+# vision start from the config only: the model's own rope reads config.vision_start_token_id
+_VISION = dict(start=Token(("vision_start_token_id",)), end=Token((), "<|vision_end|>"))
+_VIDEO = ("pixel_values_videos", "video_grid_thw", "video_second_per_grid", "use_audio_in_video")
+
+SPEC = FamilySpec(
+    name="qwen3_omni",
+    classes={
+        "transformers.": frozenset(
+            {"Qwen3OmniMoeThinkerForConditionalGeneration", "Qwen3OmniMoeThinkerModel"}
+        ),
+    },
+    modalities=(
+        ModalitySpec(
+            "audio",
+            Token(("audio_token_id",), "<|audio_pad|>"),
+            _AUDIO,
+            _encode_audio,
+            start=Token(("audio_start_token_id",), "<|audio_start|>"),
+            end=Token((), "<|audio_end|>"),
+            keep=_AUDIO[1:],
+            rows=_AUDIO[1:],
+        ),
+        ModalitySpec(
+            "image",
+            Token(("image_token_id",), "<|image_pad|>"),
+            ("pixel_values", "image_grid_thw"),
+            _visual("image"),
+            keep=("image_grid_thw",),
+            rows=("image_grid_thw",),
+            **_VISION,
+        ),
+        ModalitySpec(
+            "video",
+            Token(("video_token_id",), "<|video_pad|>"),
+            _VIDEO,
+            _visual("video"),
+            keep=_VIDEO[1:],
+            rows=_VIDEO[1:3],
+            **_VISION,
+        ),
+    ),
+    text=Token(("text_config.pad_token_id", "pad_token_id"), "<|endoftext|>", 151643),
+    positions=_positions,
+    reuse=_reuse,
+)

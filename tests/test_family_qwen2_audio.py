@@ -1,0 +1,186 @@
+"""install_vlm on transformers' real ``Qwen2AudioForConditionalGeneration`` / ``Qwen2AudioModel``
+(tiny random config, CPU): audio clips, ``<|audio_bos|>`` ``<|AUDIO|>``xN ``<|audio_eos|>``.
+
+Inputs come from ``testing/families/qwen2_audio.py`` (checked against the real processor in
+``tests/test_fixture_qwen2_audio.py``). Most calls go through ``model.model`` (the
+``Qwen2AudioModel``: the 151680-wide ``lm_head`` would cost most of the time) and compare last
+hidden states; the labels / loss tests use the full class. The tower always runs 3000 mel
+frames, so each sample of a plain batch equals its own forward.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem
+from megatron_media_guard.adapters import install_vlm
+from megatron_media_guard.core.host import count_transfers
+from megatron_media_guard.families import find_family
+from megatron_media_guard.testing.families import qwen2_audio as F
+from megatron_media_guard.testing.families.base import Media
+
+pytestmark = pytest.mark.timeout(120)
+AUDIO = 151646
+
+
+def aud(frames: int, tokens: int | None = None) -> Media:
+    return Media("audio", (frames,), tokens)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return F.tiny_model(seed=0)
+
+
+def hidden(model, kwargs):
+    with torch.no_grad():
+        return model.model(**kwargs).last_hidden_state
+
+
+def own(model, sample):
+    b = F.make_batch(model, [sample])
+    return hidden(model, b.kwargs)[0, : b.lengths[0]]
+
+
+def guarded(model, samples, config=None, items=None, **kw):
+    b = F.make_batch(model, samples, **kw)
+    with install_vlm(model.model, config or GuardConfig()) as h:
+        if items is not None:
+            h.set_items(items)
+        out = hidden(model, b.kwargs)
+        return b, out, h.last_result
+
+
+ALIGNED = [
+    ("one each", [[aud(100)], [aud(40)]]),
+    ("ragged, a text-only sample", [[aud(20), aud(61)], [], [aud(400)]]),
+    ("zero-feature clip", [[aud(2), aud(100)], [aud(9)]]),  # L=2: bos/eos, no placeholder
+    ("one feature per clip (plain: legacy path)", [[aud(3)], [aud(4), aud(5)]]),
+    ("full 30 s clip", [[aud(3000)], [aud(41)]]),
+]
+
+
+@pytest.mark.parametrize("name,samples", ALIGNED, ids=[n for n, _ in ALIGNED])
+def test_aligned_batches_equal_the_plain_model(model, name, samples):
+    b, out, res = guarded(model, samples)
+    assert res.report.actions == ("keep",) * len(samples)
+    torch.testing.assert_close(out, hidden(model, b.kwargs), atol=1e-6, rtol=1e-6)
+
+
+def test_aligned_call_on_the_full_class_is_bit_identical_with_two_transfers(model):
+    b = F.make_batch(model, [[aud(100)], [aud(40), aud(77)]])
+    with torch.no_grad():
+        ref = model(**b.kwargs).logits
+    h = install_vlm(model, GuardConfig())
+    assert h.module is model  # the outermost class the family knows
+    with h, count_transfers() as n, torch.no_grad():
+        out = model(**b.kwargs).logits
+    assert torch.equal(out, ref)
+    # the clips' feature counts (to cut the projector's padded rows) and the guard's verdict
+    assert sum(n.values()) == 2, n
+    assert any("audio clip lengths" in why for why in n)
+
+
+FAULTS = [
+    ("short run", [[aud(100, tokens=24)], [aud(40)]], 0, None),
+    ("surplus", [[aud(40)], [aud(100, tokens=26)]], 1, None),
+    ("+k/-k", [[aud(100, tokens=28)], [aud(40, tokens=7)]], 0, None),
+    ("swap", [[aud(100)], [aud(40)]], 0, (0, 1)),
+    # every run <= 1 placeholder: the plain model's legacy path would expand them silently
+    ("runs cut to one", [[aud(100, tokens=1)], [aud(40)]], 0, None),
+]
+
+
+@pytest.mark.parametrize("name,samples,bad,swap", FAULTS, ids=[f[0] for f in FAULTS])
+def test_raise_names_the_sample(model, name, samples, bad, swap, tmp_path):
+    cfg = GuardConfig(log_dir=str(tmp_path))
+    with pytest.raises(MediaAlignmentError, match=rf"sample {bad}\b"):
+        guarded(model, samples, cfg, swap=swap)
+    recs = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()]
+    assert any(r["event"] == "raise" and r["sample"] == bad for r in recs)
+
+
+@pytest.mark.parametrize("name,samples,bad,swap", FAULTS, ids=[f[0] for f in FAULTS])
+def test_drop_keeps_every_other_sample_equal_to_its_own_forward(model, name, samples, bad, swap):
+    samples = [*samples, [aud(61)]]  # an aligned bystander
+    b = F.make_batch(model, samples, swap=swap)
+    labels = b.input_ids.clone()
+    with install_vlm(model, GuardConfig(policy="drop")) as h, torch.no_grad():
+        out = model(**b.kwargs, labels=labels, output_hidden_states=True)
+        res = h.last_result
+    dropped = {s for s, a in enumerate(res.report.actions) if a == "drop"}
+    assert bad in dropped and len(samples) - 1 not in dropped
+    last = out.hidden_states[-1]  # after the final norm: the lm_head's input
+    for k in set(range(len(samples))) - dropped:
+        want = own(model, samples[k]) if swap is None or k == len(samples) - 1 else None
+        if want is not None:
+            torch.testing.assert_close(last[k, : b.lengths[k]], want, atol=1e-5, rtol=1e-5)
+    for s in dropped:
+        assert (res.labels[s] == -100).all()
+    assert torch.isfinite(out.loss)
+
+
+def test_a_clip_whose_run_has_no_placeholder_is_an_orphan_set_items_attributes(model, tmp_path):
+    """bos/eos with nothing between is no run: raise names the item; drop leaves the clip
+    unused (the report says so); ``set_items`` ties it to its sample, which is dropped."""
+    samples = [[aud(40)], [aud(100, tokens=0)], [aud(61)]]
+    with pytest.raises(MediaAlignmentError, match=r"items with no placeholder run: \[1\]"):
+        guarded(model, samples, GuardConfig(log_dir=str(tmp_path)))
+    b, out, res = guarded(model, samples, GuardConfig(policy="drop"))
+    assert res.report.actions == ("keep",) * 3 and res.report.alignment.orphans == (1,)
+    assert not res.report.ok
+    items = [MediaItem(0, sample=s, modality="audio") for s in range(3)]
+    b, out, res = guarded(model, samples, GuardConfig(policy="drop"), items=items)
+    assert res.report.actions == ("keep", "drop", "keep")
+    for k in (0, 2):
+        torch.testing.assert_close(
+            out[k, : b.lengths[k]], own(model, samples[k]), atol=1e-5, rtol=0
+        )
+
+
+def test_drop_feeds_no_feature_to_the_dropped_rows(model):
+    samples = [[aud(100)], [aud(40)], [aud(61)]]
+    b = F.make_batch(model, samples, swap=(0, 1))
+    seen = []
+    hook = model.model.language_model.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw["inputs_embeds"].detach().clone()), with_kwargs=True
+    )
+    try:
+        _, _, res = guarded(model, samples, GuardConfig(policy="drop"), swap=(0, 1))
+    finally:
+        hook.remove()
+    assert res.report.actions == ("drop", "drop", "keep")
+    text = model.get_input_embeddings()(b.input_ids)
+    assert torch.equal(seen[0][:2], text[:2])  # every placeholder kept its token's embedding
+
+
+def test_repair_falls_back_naming_the_family(model, tmp_path):
+    cfg = GuardConfig(policy="repair", fallback="raise", log_dir=str(tmp_path))
+    with pytest.raises(MediaAlignmentError, match="no geometry for qwen2_audio"):
+        guarded(model, [[aud(100, tokens=24)], [aud(40)]], cfg)
+    cfg = GuardConfig(policy="repair", log_dir=str(tmp_path))  # fallback drop
+    _, _, res = guarded(model, [[aud(100, tokens=24)], [aud(40)]], cfg)
+    assert res.report.actions == ("drop", "keep")
+
+
+def test_set_items_names_the_sample_id(model, tmp_path):
+    samples = [[aud(100)], [aud(40, tokens=9)]]
+    items = [MediaItem(0, sample=s, modality="audio", sample_id=n) for s, n in ((0, "a"), (1, "b"))]
+    with pytest.raises(MediaAlignmentError, match="sample_id 'b'"):
+        guarded(model, samples, GuardConfig(log_dir=str(tmp_path)), items=items)
+
+
+def test_remove_restores_the_plain_model_and_its_legacy_path(model):
+    b = F.make_batch(model, [[aud(100, tokens=1)]])
+    h = install_vlm(model.model, GuardConfig())
+    h.remove()
+    out = hidden(model, b.kwargs)  # plain again: the single placeholder is expanded
+    assert out.shape[1] == b.input_ids.shape[1] + 24
+
+
+def test_the_registry_knows_both_transformers_classes(model):
+    assert find_family(model)[1].name == "qwen2_audio"
+    assert find_family(model.model) == (model.model, find_family(model)[1])
