@@ -123,7 +123,10 @@ class VLMHandle(GuardHandle):
         meta = self.take_items()
         items, feats, listed = call_items(mods, encoded, meta)
         parent = parents(mods, encoded)
-        order = listed if listed is not None else token_order(ids, guard, mods, items, parent)
+        types = call.get(spec.token_types) if spec.token_types else None
+        if listed is None:
+            listed = token_order(ids, guard, mods, items, parent, types)
+        order = listed
         items = [items[i] for i in order]
         feats = [feats[i] for i in order]
         emb = model.get_input_embeddings()(ids)
@@ -146,6 +149,8 @@ class VLMHandle(GuardHandle):
                     call.set(name, None)
         if isinstance(labels, torch.Tensor):
             call.set("labels", res.labels)
+        if res.report.repaired:
+            kw = self._regrid(call, kw, mods, items, [parent[i] for i in order], res)
         dropped = {s for s, a in enumerate(res.report.actions) if a == "drop"}
         if dropped:
             rep_all = res.report.alignment
@@ -160,6 +165,28 @@ class VLMHandle(GuardHandle):
         )
         _evs(model, call, ids, encoded, items, res)
         return call.rebuild()
+
+    def _regrid(self, call: CallArgs, kw, mods, items, parent, res) -> dict:
+        """Each repaired item's row of its modality's ``rows`` grids takes the solved patch
+        grid (its last two entries), so positions follow the re-encoded features; returns
+        ``kw`` with the new grids. The solution is the repair's (a geometry is pure)."""
+        rows = {m.name: m.rows for m in mods if m.rows}
+        out = dict(kw)
+        report = res.report.alignment
+        target = {i: n for r in report.samples for i, n in zip(r.items, r.expected)}
+        for k in res.report.repaired:
+            it = items[k]
+            for name in rows.get(it.modality, ()):
+                t = out.get(name)
+                if not isinstance(t, torch.Tensor):
+                    continue
+                hw = it.source_hw or it.frame_hw
+                sol = self.guard.geometry.solve(target[k], hw, num_frames=it.num_frames or 1)
+                t = t.clone()
+                t[parent[k], -2:] = torch.tensor(sol.grid, dtype=t.dtype, device=t.device)
+                out[name] = t
+                call.set(name, t)
+        return out
 
     def _drop_rewrite(self, call: CallArgs, ids, kw, mods, dropped, gone) -> torch.Tensor:
         """The dropped samples' placeholders as text in the ids (and the tensors that follow

@@ -10,6 +10,7 @@ from dataclasses import replace
 import torch
 
 from ..core.guard import MediaGuard
+from ..core.host import to_host
 from ..core.interleave import interleave
 from ..core.items import MediaItem
 from ..core.runs import TokenLayout, parse_layout
@@ -88,6 +89,23 @@ def parents(mods: Sequence[ModalitySpec], encoded: dict[str, Encoded]) -> list[i
     return out
 
 
+def _by_type(parsed, tok: str, by_mod: dict[str, list[int]], mods, types) -> list[int] | None:
+    """Items of the runs of token ``tok`` in token order, each run taking the next item of
+    the modality whose ``type_id`` its first token carries in ``types``; None when there are
+    no types or a run's type names none of ``by_mod``'s modalities."""
+    code = {m.type_id: m.name for m in mods if m.name in by_mod and m.type_id is not None}
+    runs = [r for r in parsed.runs if r.modality == tok]
+    if not isinstance(types, torch.Tensor) or len(code) != len(by_mod) or not runs:
+        return None
+    at = torch.tensor([[r.row, r.start] for r in runs], device=types.device)
+    got = to_host(types[at[:, 0], at[:, 1]], why="token types of runs that share a token")
+    if any(int(c) not in code for c in got.tolist()):
+        return None
+    left = {m: list(v) for m, v in by_mod.items()}
+    out = [left[code[int(c)]].pop(0) for c in got.tolist() if left[code[int(c)]]]
+    return out + [i for v in left.values() for i in v]  # items beyond the runs: reported
+
+
 def _end_of(items: list[MediaItem], lo: int, modality: str) -> int:
     hi = lo
     while hi < len(items) and items[hi].modality == modality:
@@ -96,12 +114,14 @@ def _end_of(items: list[MediaItem], lo: int, modality: str) -> int:
 
 
 def token_order(
-    ids, guard: MediaGuard, mods, items: list[MediaItem], parent: list[int]
+    ids, guard: MediaGuard, mods, items: list[MediaItem], parent: list[int], types=None
 ) -> list[int]:
     """The items' permutation into token order. One modality: as consumed. Several: the runs'
     order read from the ids (a transfer sized by the runs; mixed batches only); a run whose
-    token several modalities share takes the item the length interleaving gives it (when
-    only one interleaving fits; else :class:`MediaInputError` asks for ``set_items``)."""
+    token several modalities share takes the next item of the modality its per-token type
+    says (``types``: ``[b, s]``, the spec's ``token_types``; one more transfer sized by those
+    runs), else the item the length interleaving gives it (when only one interleaving fits;
+    else :class:`MediaInputError` asks for ``set_items``)."""
     if len(mods) == 1:
         return list(range(len(items)))
     g = guard.grammar
@@ -123,6 +143,10 @@ def token_order(
             continue
         if len(seqs) > 2:
             raise MediaInputError(f"more than two modalities share the {tok!r} token")
+        by_type = _by_type(parsed, tok, by_mod, mods, types)
+        if by_type is not None:
+            queue[tok] = by_type
+            continue
         a, b = seqs
         la = [items[i].num_features for i in a]
         lb = [items[i].num_features for i in b]

@@ -89,7 +89,10 @@ class ModalitySpec:
     keep: of ``inputs``, those left in the call after the merge (the grids a model computes its
         positions from); the others are set to None.
     rows: of ``keep``, those whose dim-0 rows are this modality's model-level items: a dropped
-        sample's rows leave them (its placeholders become text, so its positions follow).
+        sample's rows leave them (its placeholders become text, so its positions follow); a
+        repaired item's row takes the solved patch grid in its last two entries (h, w).
+    type_id: this modality's value in the family's per-token type tensor
+        (:attr:`FamilySpec.token_types`), for modalities that share a placeholder token.
     """
 
     name: ModalityName
@@ -102,6 +105,7 @@ class ModalitySpec:
     reencode: Reencode | None = None
     keep: tuple[str, ...] = ()
     rows: tuple[str, ...] = ()
+    type_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -119,7 +123,10 @@ class FamilySpec:
     such as ``mm_token_type_ids``: 0 there); ``positions(model, kwargs)`` (the model's own
     rope-index function on the rewritten ids and kept grids) gives ``position_ids`` where the
     caller gave none; ``ids_with_embeds`` False: the forward takes ``input_ids`` or
-    ``inputs_embeds``, not both (``input_ids`` is then None).
+    ``inputs_embeds``, not both (``input_ids`` is then None). ``token_types``: a forward
+    keyword holding a per-token type (GLM-4V's ``mm_token_type_ids``): where modalities share
+    a placeholder token, its value at a run's first token (a :attr:`ModalitySpec.type_id`)
+    says whose run it is, instead of the length interleaving.
     """
 
     name: str
@@ -132,6 +139,7 @@ class FamilySpec:
     follow_ids: tuple[str, ...] = ()
     positions: Callable[[Any, Mapping[str, Any]], torch.Tensor] | None = None
     ids_with_embeds: bool = True
+    token_types: str | None = None
 
     def matches(self, model: Any) -> bool:
         if self.detect is not None and self.detect(model):
