@@ -2,17 +2,23 @@
 (``adapters/vlm.py``); ``FAMILIES`` is the registry ``install_vlm`` and ``install_from_args``
 search. A new family is a module here with a ``SPEC`` and one line below (docs/FAMILIES.md).
 
-May import ``core``, ``geometry``, ``errors`` and torch; never ``adapters`` or torch.distributed.
+May import ``core``, ``geometry``, ``repair.pixels``, ``errors`` and torch; never ``adapters`` or torch.distributed.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from . import megatron, nemotron_omni, qwen
+from . import glm4v, megatron, nemotron_omni, qwen
 from .spec import FamilySpec, ModalitySpec, Token
 
-FAMILIES: tuple[FamilySpec, ...] = (megatron.LLAVA, megatron.MIMO, qwen.SPEC, nemotron_omni.SPEC)
+FAMILIES: tuple[FamilySpec, ...] = (
+    megatron.LLAVA,
+    megatron.MIMO,
+    qwen.SPEC,
+    nemotron_omni.SPEC,
+    glm4v.SPEC,
+)
 
 #: attributes that hold the model a wrapper trains (DDP / FSDP1's ``.module``, Bridge's
 #: Nemotron VL / Omni ``.llava_model``), looked through in this order
