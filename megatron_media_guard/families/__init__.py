@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import glm4v, megatron, nemotron_omni, qwen
+from . import ernie4_5_vl, glm4v, megatron, nemotron_omni, qwen
 from .spec import FamilySpec, ModalitySpec, Token
 
 FAMILIES: tuple[FamilySpec, ...] = (
@@ -18,6 +18,7 @@ FAMILIES: tuple[FamilySpec, ...] = (
     qwen.SPEC,
     nemotron_omni.SPEC,
     glm4v.SPEC,
+    ernie4_5_vl.SPEC,
 )
 
 #: attributes that hold the model a wrapper trains (DDP / FSDP1's ``.module``, Bridge's
