@@ -1,4 +1,4 @@
-"""Post-mortem reader throughput and memory (DESIGN §10: >= 200k records/s, memory flat).
+"""Post-mortem reader throughput and memory (target: >= 200k records/s, memory flat).
 
 Writes synthetic schema-v1 records (the writer's own ``build_record`` and
 ``json_dumps``, without the per-record fsync) across 4 rank files in a temporary
@@ -8,7 +8,7 @@ is the peak of Python allocations during a one-process ``summarize`` (tracemallo
 for a small and a 10x larger file set: flat means the two peaks are about equal.
 
 End to end: ``media-guard report DIR --json`` over 200k records in a fresh process, start-up
-included (best of 3 wall times; DESIGN/issue target >= 200k records/s), and the wall time of
+included (best of 3 wall times; target >= 200k records/s), and the wall time of
 ``media-guard --help``. The lines repeat a pool of 4096 records per rank up to step and
 microbatch, so the reader's template fast path (docs/DIAGNOSTICS.md) takes most of them;
 ``records/s, all lines distinct`` is the same command over lines that never repeat (every

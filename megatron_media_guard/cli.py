@@ -145,7 +145,7 @@ register(
 
 
 def _replay_arguments(p: argparse.ArgumentParser) -> None:
-    from .replay.rerun import add_replay_arguments
+    from .replay.args import add_replay_arguments  # torch-free: `replay --help` imports none
 
     add_replay_arguments(p)
 

@@ -207,3 +207,21 @@ def test_remove_restores_the_plain_model(model):
 
 def test_registry_knows_the_model(model):
     assert family_of(model) is spec_mod.SPEC
+
+
+def test_check_batch_before_the_trainer_drops_the_bad_sample_without_a_model(model):
+    """The spec's own counts on the processor's outputs (no model): the sample whose image run
+    is short loses its media; the checked batch then runs through the plain model."""
+    from megatron_media_guard.families.collate import check_batch
+
+    samples = [[vid(2, 4, 4), img(4, 6)], [img(8, 4, tokens=5)], [img(2, 4)]]
+    b = F.make_batch(model, samples)
+    checked = check_batch("ernie4_5_vl", b.kwargs, config=model.config)
+    assert checked.report.actions == ("keep", "drop", "keep")
+    assert checked.batch["image_grid_thw"].tolist() == [[1, 4, 6], [1, 2, 4]]
+    with torch.no_grad():
+        got = model(**checked.batch).logits
+    for k in (0, 2):
+        torch.testing.assert_close(
+            got[k, : b.lengths[k]], own(model, samples[k]), atol=1e-5, rtol=0
+        )

@@ -260,3 +260,24 @@ def test_missing_token_types_is_a_clear_error(model):
     b.kwargs.pop("mm_token_type_ids")
     with install_vlm(model, GuardConfig()), pytest.raises(Exception, match="mm_token_type_ids"):
         logits(model, b)
+
+
+def test_check_batch_before_the_trainer_drops_the_bad_sample_without_a_model(model):
+    """The spec's own counts on the processor's outputs (no model): the sample whose frame run
+    is short loses its video; the checked batch then runs through the plain model. (Videos
+    only: check_batch orders images and frame runs by the length interleaving, not by
+    mm_token_type_ids.)"""
+    from megatron_media_guard.families.collate import check_batch
+
+    samples = [[vid(2, 4, 4)], [vid(2, 4, 4, tokens=7)], [vid(2, 2, 4)]]
+    b = F.make_batch(model, samples)
+    checked = check_batch("glm4v", b.kwargs, config=model.config)
+    assert checked.report.actions == ("keep", "drop", "keep")
+    out = checked.batch
+    assert out["video_grid_thw"].tolist() == [[2, 4, 4], [2, 2, 4]]
+    with torch.no_grad():
+        got = model(**out).logits
+    for k in (0, 2):
+        torch.testing.assert_close(
+            got[k, : b.lengths[k]], own(model, samples[k]), atol=1e-5, rtol=0
+        )

@@ -20,22 +20,22 @@ family to their installers (Qwen-VL's input rewrite, megatron-core's LLaVA and M
 from __future__ import annotations
 
 import inspect
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ..core.guard import MediaGuard
+from ..core.interleave import token_order
 from ..core.outcome import MergeResult
-from ..core.runs import TokenLayout
+from ..core.runs import TokenLayout, parse_layout
 from ..errors import MediaInputError
 from ..families import FamilySpec
-from ..families.spec import ModalitySpec, present
+from ..families.spec import Merged, ModalitySpec, present
 from .hooks import GuardHandle
 from .qwen_vl.checks import CallArgs
 from .qwen_vl.rewrite import add_anchor
-from .vlm_items import call_items, parents, token_order
+from .vlm_items import call_items, cut_blocks, parents, typed_order
 
 MARK = "_media_guard_vlm"
 PIXELS_FLAG = "_media_guard_pixels"  # tells a spec's encode to cut per-item pixels (repair)
@@ -121,12 +121,12 @@ class VLMHandle(GuardHandle):
             kw = {**kw, PIXELS_FLAG: True}
         encoded = {m.name: m.encode(model, kw) for m in mods}
         meta = self.take_items()
+        encoded = cut_blocks(mods, encoded, meta, ids, guard, step, mb)
         items, feats, listed = call_items(mods, encoded, meta)
         parent = parents(mods, encoded)
-        types = call.get(spec.token_types) if spec.token_types else None
-        if listed is None:
-            listed = token_order(ids, guard, mods, items, parent, types)
-        order = listed
+        if listed is None and spec.token_types:
+            listed = typed_order(ids, guard.grammar, mods, items, call.get(spec.token_types))
+        order = listed if listed is not None else token_order(ids, guard.grammar, items, parent)
         items = [items[i] for i in order]
         feats = [feats[i] for i in order]
         emb = model.get_input_embeddings()(ids)
@@ -142,7 +142,8 @@ class VLMHandle(GuardHandle):
             encoder=_repair_encoder(model, mods),
         )
         self.record(MergeResult(None, res.loss_mask, res.labels, res.report), ids, None)
-        call.set("inputs_embeds", res.embeddings)
+        emb, ids = self._generated_as_text(res, ids)
+        call.set("inputs_embeds", emb)
         for m in spec.modalities:
             for name in m.inputs:
                 if call.given(name) and name not in m.keep:
@@ -163,20 +164,40 @@ class VLMHandle(GuardHandle):
         self._all_dropped = bool(res.report.dropped) and len(res.report.dropped) == len(
             res.report.actions
         )
-        _evs(model, call, ids, encoded, items, res)
+        if spec.after_merge is not None:
+            self._after_merge(call, ids, items, feats, res, [parent[i] for i in order])
         return call.rebuild()
 
+    def _after_merge(self, call: CallArgs, ids, items, feats, res, owners) -> None:
+        """The family's step after the merge (Nemotron's EVS), on the runs of this call."""
+
+        def runs() -> tuple:
+            # the runs' positions, read only when the step asks (a transfer sized by the runs)
+            parsed = parse_layout(TokenLayout(ids, self.guard.grammar))
+            if len(parsed.runs) != len(items):
+                return ()  # runs the merge could not pair with items: nothing to act on
+            acts = res.report.actions
+            return tuple(
+                (it, (r.row, r.start, r.end), acts[r.sample] != "drop", own)
+                for it, r, own in zip(items, parsed.runs, owners)
+            )
+
+        merged = Merged(_view(call, ids), items, feats, runs)
+        for name, value in self.spec.after_merge(self.module, merged).items():
+            call.set(name, value)
+
     def _regrid(self, call: CallArgs, kw, mods, items, parent, res) -> dict:
-        """Each repaired item's row of its modality's ``rows`` grids takes the solved patch
-        grid (its last two entries), so positions follow the re-encoded features; returns
-        ``kw`` with the new grids. The solution is the repair's (a geometry is pure)."""
-        rows = {m.name: m.rows for m in mods if m.rows}
+        """Each repaired item's row of its modality's kept patch grids (``patches`` values
+        in ``keep``) takes the solved patch grid (its last two entries), so positions follow
+        the re-encoded features; returns ``kw`` with the new grids. The solution is the
+        repair's: a geometry is pure."""
+        grids = {m.name: [g for g in m.patches.values() if g in m.keep] for m in mods}
         out = dict(kw)
         report = res.report.alignment
         target = {i: n for r in report.samples for i, n in zip(r.items, r.expected)}
         for k in res.report.repaired:
             it = items[k]
-            for name in rows.get(it.modality, ()):
+            for name in grids.get(it.modality, ()):
                 t = out.get(name)
                 if not isinstance(t, torch.Tensor):
                     continue
@@ -187,6 +208,19 @@ class VLMHandle(GuardHandle):
                 out[name] = t
                 call.set(name, t)
         return out
+
+    def _generated_as_text(self, res, ids: torch.Tensor):
+        """Placeholders the policy generated (``GuardConfig.generated="text"``, kept samples):
+        fed the family's text token, in the embeddings and in the ids; labels untouched."""
+        emb = res.embeddings
+        gen = [(s, p) for s, p in res.report.generated if res.report.actions[s] != "drop"]
+        if not gen or self.guard.config.generated != "text":
+            return emb, ids
+        rows = torch.tensor([s for s, pos in gen for _ in pos], device=ids.device)
+        cols = torch.tensor([c for _, pos in gen for c in pos], device=ids.device)
+        ids = ids.index_put((rows, cols), torch.tensor(self.text_id, device=ids.device))
+        text = self.module.get_input_embeddings()(ids[rows, cols])
+        return emb.index_put((rows, cols), text.to(emb.dtype)), ids
 
     def _drop_rewrite(self, call: CallArgs, ids, kw, mods, dropped, gone) -> torch.Tensor:
         """The dropped samples' placeholders as text in the ids (and the tensors that follow
@@ -201,7 +235,7 @@ class VLMHandle(GuardHandle):
             if isinstance(t, torch.Tensor):
                 call.set(name, t.masked_fill(hit, 0))
         for m in mods:
-            for name in m.rows:
+            for name in (n for n in m.rows if n in m.keep):  # the others left the call
                 t = kw.get(name)
                 if not isinstance(t, torch.Tensor):
                     continue
@@ -223,22 +257,6 @@ def _repair_encoder(model: Any, mods: Sequence[ModalitySpec]):
     if m is None:
         return None
     return lambda pixels, **_: m.reencode(model, pixels)
-
-
-def _evs(model, call: CallArgs, ids, encoded, items, res) -> None:
-    """Nemotron's efficient video sampling (``video_pruning_rate > 0``): prune the video
-    tokens after the merge as the model does, with the model's own retention function."""
-    rate = float(getattr(model, "video_pruning_rate", 0) or 0)
-    enc = encoded.get("video")
-    if rate <= 0 or enc is None:
-        return
-    fn = getattr(sys.modules[type(model).__module__], "compute_retention_mask", None)
-    if fn is None:
-        raise MediaInputError("video_pruning_rate > 0 but the model's module has no EVS function")
-    raise MediaInputError(
-        "video_pruning_rate > 0 (EVS) is not supported by the guard yet: set it to 0 for "
-        "guarded training"
-    )
 
 
 __all__ = ["VLMHandle"]

@@ -11,11 +11,64 @@ import torch
 
 from ..core.guard import MediaGuard
 from ..core.host import to_host
-from ..core.interleave import interleave
 from ..core.items import MediaItem
 from ..core.runs import TokenLayout, parse_layout
+from ..diagnostics import GuardRecord
 from ..errors import MediaInputError
 from ..families.spec import Encoded, ModalitySpec
+
+
+def cut_blocks(
+    mods: Sequence[ModalitySpec],
+    encoded: dict[str, Encoded],
+    meta: Sequence[MediaItem] | None,
+    ids: torch.Tensor,
+    guard: MediaGuard,
+    step: int | None,
+    microbatch: int | None,
+) -> dict[str, Encoded]:
+    """``encoded`` with every ``split="items"`` block cut into items: by the ``num_features``
+    of the call's ``set_items`` for that modality, else by the lengths of that modality's runs
+    in token order (a transfer sized by the runs), the last cut taking what is left so that a
+    wrong total still shows as that item's mismatch."""
+    out = dict(encoded)
+    for m in mods:
+        enc = encoded[m.name]
+        if enc.split != "items":
+            continue
+        (block,) = enc.features
+        rows = int(block.shape[0])
+        given = [it for it in meta or () if it.modality == m.name]
+        if given:
+            sizes = [it.num_features for it in given]
+            if sum(sizes) != rows:
+                raise MediaInputError(
+                    f"set_items declares {sum(sizes)} {m.name} features in all ({sizes}), the "
+                    f"model produced {rows}"
+                )
+        else:
+            tok = guard.grammar.token_modality(m.name)
+            parsed = parse_layout(TokenLayout(ids, guard.grammar))
+            sizes = [r.length for r in parsed.runs if r.modality == tok]
+            if sizes:
+                sizes[-1] = max(0, rows - sum(sizes[:-1]))
+            cut = sum(sizes)
+            if cut < rows:  # more features than runs can take: one surplus item
+                sizes.append(rows - cut)
+            guard.log.emit(
+                GuardRecord(
+                    event="check",
+                    step=step,
+                    microbatch=microbatch,
+                    modality=m.name,
+                    action="runs",
+                    reason=f"{m.name} items' feature counts not given (set_items): cut by the "
+                    "runs in the ids; only the total was checked",
+                )
+            )
+        pieces = tuple(block.split(sizes)) if sizes else ()
+        out[m.name] = replace(enc, features=pieces, split=None)
+    return out
 
 
 def call_items(
@@ -89,23 +142,6 @@ def parents(mods: Sequence[ModalitySpec], encoded: dict[str, Encoded]) -> list[i
     return out
 
 
-def _by_type(parsed, tok: str, by_mod: dict[str, list[int]], mods, types) -> list[int] | None:
-    """Items of the runs of token ``tok`` in token order, each run taking the next item of
-    the modality whose ``type_id`` its first token carries in ``types``; None when there are
-    no types or a run's type names none of ``by_mod``'s modalities."""
-    code = {m.type_id: m.name for m in mods if m.name in by_mod and m.type_id is not None}
-    runs = [r for r in parsed.runs if r.modality == tok]
-    if not isinstance(types, torch.Tensor) or len(code) != len(by_mod) or not runs:
-        return None
-    at = torch.tensor([[r.row, r.start] for r in runs], device=types.device)
-    got = to_host(types[at[:, 0], at[:, 1]], why="token types of runs that share a token")
-    if any(int(c) not in code for c in got.tolist()):
-        return None
-    left = {m: list(v) for m, v in by_mod.items()}
-    out = [left[code[int(c)]].pop(0) for c in got.tolist() if left[code[int(c)]]]
-    return out + [i for v in left.values() for i in v]  # items beyond the runs: reported
-
-
 def _end_of(items: list[MediaItem], lo: int, modality: str) -> int:
     hi = lo
     while hi < len(items) and items[hi].modality == modality:
@@ -113,65 +149,29 @@ def _end_of(items: list[MediaItem], lo: int, modality: str) -> int:
     return hi
 
 
-def token_order(
-    ids, guard: MediaGuard, mods, items: list[MediaItem], parent: list[int], types=None
-) -> list[int]:
-    """The items' permutation into token order. One modality: as consumed. Several: the runs'
-    order read from the ids (a transfer sized by the runs; mixed batches only); a run whose
-    token several modalities share takes the next item of the modality its per-token type
-    says (``types``: ``[b, s]``, the spec's ``token_types``; one more transfer sized by those
-    runs), else the item the length interleaving gives it (when only one interleaving fits;
-    else :class:`MediaInputError` asks for ``set_items``)."""
-    if len(mods) == 1:
-        return list(range(len(items)))
-    g = guard.grammar
-    parsed = parse_layout(TokenLayout(ids, g))
-    streams: dict[str, dict[str, list[int]]] = {}  # token modality -> modality -> item indices
+def typed_order(ids, grammar, mods, items: list[MediaItem], types) -> list[int] | None:
+    """The items' permutation into token order where modalities share a placeholder token and
+    the family has a per-token type (``FamilySpec.token_types``, e.g. ``mm_token_type_ids``):
+    each run takes the next item of the modality whose ``type_id`` its first token carries
+    (a transfer sized by the runs; mixed batches only). None where that cannot decide (no
+    types, no shared token, a run typed as none of them): the length interleaving decides."""
+    code = {m.type_id: m.name for m in mods if m.type_id is not None}
+    shared = {grammar.token_modality(m.name) for m in mods if m.shares is not None}
+    if not isinstance(types, torch.Tensor) or len(mods) < 2 or not shared or not code:
+        return None
+    parsed = parse_layout(TokenLayout(ids, grammar))
+    if not parsed.runs:
+        return None
+    at = torch.tensor([[r.row, r.start] for r in parsed.runs], device=types.device)
+    got = to_host(types[at[:, 0], at[:, 1]], why="token types of runs on a shared token")
+    left: dict[str, list[int]] = {}
     for i, it in enumerate(items):
-        tok = g.token_modality(it.modality)
-        streams.setdefault(tok, {}).setdefault(it.modality, []).append(i)
-    runs_of: dict[str, list[int]] = {}
-    samples_of: dict[str, list[int]] = {}
-    for r in parsed.runs:
-        runs_of.setdefault(r.modality, []).append(r.length)
-        samples_of.setdefault(r.modality, []).append(r.sample)
-    queue: dict[str, list[int]] = {}
-    for tok, by_mod in streams.items():
-        seqs = list(by_mod.values())
-        if len(seqs) == 1:
-            queue[tok] = seqs[0]
-            continue
-        if len(seqs) > 2:
-            raise MediaInputError(f"more than two modalities share the {tok!r} token")
-        by_type = _by_type(parsed, tok, by_mod, mods, types)
-        if by_type is not None:
-            queue[tok] = by_type
-            continue
-        a, b = seqs
-        la = [items[i].num_features for i in a]
-        lb = [items[i].num_features for i in b]
-        pick, unique = interleave(
-            runs_of.get(tok, []),
-            la,
-            lb,
-            groups=[parent[i] for i in b],
-            run_samples=samples_of.get(tok, []),
-        )
-        if pick is None:  # no interleaving fits: consumption order, the guard reports it
-            queue[tok] = a + b
-            continue
-        if not unique:  # equal lengths at a choice: the ids cannot tell, and a guess is silent
-            raise MediaInputError(
-                f"{' and '.join(by_mod)} runs share the {tok!r} token and have equal lengths "
-                "where their order is open: the ids cannot tell which is which. Give "
-                "handle.set_items(...) with one MediaItem per item in token order"
-            )
-        ia, ib = iter(a), iter(b)
-        queue[tok] = [next(ia) if s == 0 else next(ib) for s in pick]
+        left.setdefault(it.modality, []).append(i)
     order: list[int] = []
-    for r in parsed.runs:
-        q = queue.get(r.modality)
-        if q:
-            order.append(q.pop(0))
-    order += [i for q in queue.values() for i in q]  # items beyond the runs: the guard reports
-    return order
+    for r, c in zip(parsed.runs, got.tolist(), strict=True):
+        mod = code.get(int(c)) if r.modality in shared else r.modality
+        if mod is None:
+            return None
+        if left.get(mod):
+            order.append(left[mod].pop(0))
+    return order + [i for v in left.values() for i in v]  # items beyond the runs: reported

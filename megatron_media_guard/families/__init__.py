@@ -2,7 +2,7 @@
 (``adapters/vlm.py``); ``FAMILIES`` is the registry ``install_vlm`` and ``install_from_args``
 search. A new family is a module here with a ``SPEC`` and one line below (docs/FAMILIES.md).
 
-May import ``core``, ``geometry``, ``repair.pixels``, ``errors`` and torch; never ``adapters`` or torch.distributed.
+May import ``core``, ``geometry``, ``errors`` and torch; never ``adapters`` or torch.distributed.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..geometry import PatchMergeGeometry
-from .mrope import image_encoder, rope_positions
+from .mrope import grid_counts, image_encoder, rope_positions
 from .spec import Encoded, FamilySpec, ModalitySpec, Token, split_rows
 
 PATCH, MERGE = 14, 2
@@ -58,6 +58,8 @@ SPEC = FamilySpec(
             reencode=_reencode_image,
             keep=("image_grid_thw",),
             rows=("image_grid_thw",),
+            patches={"pixel_values": "image_grid_thw"},
+            counts=grid_counts("image_grid_thw", False),
         ),
         ModalitySpec(
             "video",
@@ -68,6 +70,8 @@ SPEC = FamilySpec(
             end=Token(("video_end_token_id",), "<|VIDEO_END|>"),
             keep=("video_grid_thw",),
             rows=("video_grid_thw",),
+            patches={"pixel_values_videos": "video_grid_thw"},
+            counts=grid_counts("video_grid_thw", False, 8),
         ),
     ),
     text=Token(("text_config.pad_token_id", "pad_token_id"), "<unk>", 0),

@@ -26,7 +26,7 @@ from typing import Any
 
 from ..core.host import to_host
 from ..geometry import PatchMergeGeometry
-from .mrope import image_encoder, rope_positions
+from .mrope import grid_counts, image_encoder, rope_positions
 from .spec import Encoded, FamilySpec, ModalitySpec, Token
 
 PATCH, TEMPORAL, MERGE = 14, 2, 2
@@ -87,6 +87,8 @@ MODALITIES = (
         reencode=_reencode_image,
         keep=("image_grid_thw",),
         rows=("image_grid_thw",),
+        patches={"pixel_values": "image_grid_thw"},
+        counts=grid_counts("image_grid_thw", False),
         type_id=1,
     ),
     ModalitySpec(
@@ -97,6 +99,8 @@ MODALITIES = (
         shares="image",
         keep=("video_grid_thw",),
         rows=("video_grid_thw",),
+        patches={"pixel_values_videos": "video_grid_thw"},
+        counts=grid_counts("video_grid_thw", True),
         type_id=2,
     ),
 )

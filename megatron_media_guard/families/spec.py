@@ -61,9 +61,16 @@ class Token:
 @dataclass(frozen=True)
 class Encoded:
     """What a modality's ``encode`` returns for one call: one ``[n_i, h]`` feature tensor per
-    item in the model's consumption order, and per item what diagnostics and repair need."""
+    item in the model's consumption order, and per item what diagnostics and repair need.
+
+    ``split="items"``: the model's output cannot be cut per item (InternVL: tiles per image
+    never reach the model); ``features`` is one ``[sum, h]`` block that the engine cuts by the
+    ``num_features`` of the call's ``set_items``, else by the runs in the ids (only the total is
+    then checked, and a ``check`` record says so).
+    """
 
     features: tuple[torch.Tensor, ...]
+    split: Literal["items"] | None = None  # "items": one flat block, cut by the engine
     num_frames: tuple[int | None, ...] = ()
     frame_hw: tuple[tuple[int, int] | None, ...] = ()
     pixels: tuple[torch.Tensor | None, ...] = ()  # layout "image": [C, H, W] for repair
@@ -72,8 +79,34 @@ class Encoded:
 
 #: encode(model, call_kwargs) -> Encoded; call_kwargs holds the forward's keyword arguments
 Encode = Callable[[Any, Mapping[str, Any]], Encoded]
+#: counts(model config, inputs) -> per model-level item, the lengths of its runs
+Counts = Callable[[Any, Mapping[str, Any]], list[list[int]]]
 #: repair encoder for one item: (model, new_pixels [C, H', W']) -> features [n, h]
 Reencode = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+class Merged:
+    """What a family's ``after_merge`` sees: ``kwargs``, the forward's keyword arguments after
+    the merge (``inputs_embeds`` merged, ``input_ids`` rewritten), ``items`` and ``features``
+    in token order, and :meth:`runs`: per run its item, its placeholder positions ``(row, start,
+    end)``, whether its sample was kept and the model-level item it belongs to (a video's
+    tubelets share one). The runs are read from the ids only when asked for (a transfer)."""
+
+    def __init__(self, kwargs: Mapping[str, Any], items, features, runs: Callable[[], tuple]):
+        self.kwargs = kwargs
+        self.items = tuple(items)
+        self.features = tuple(features)
+        self._runs = runs
+        self._cache: tuple | None = None
+
+    def runs(self) -> tuple[tuple[Any, tuple[int, int, int], bool, int], ...]:
+        if self._cache is None:
+            self._cache = self._runs()
+        return self._cache
+
+
+#: after_merge(model, merged) -> keyword arguments to replace (Nemotron's EVS pruning)
+AfterMerge = Callable[[Any, Merged], Mapping[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -88,9 +121,14 @@ class ModalitySpec:
     reencode: how one repaired item is encoded (None: this modality is never repaired).
     keep: of ``inputs``, those left in the call after the merge (the grids a model computes its
         positions from); the others are set to None.
-    rows: of ``keep``, those whose dim-0 rows are this modality's model-level items: a dropped
-        sample's rows leave them (its placeholders become text, so its positions follow); a
-        repaired item's row takes the solved patch grid in its last two entries (h, w).
+    rows: inputs whose dim-0 rows are this modality's model-level items (grids, stacked
+        videos, audio clips): a dropped sample's rows leave them (the engine: those it keeps;
+        :func:`~.collate.check_batch`: all).
+    patches: ``{input: grid input}`` for flat patch rows, ``prod(grid row)`` rows per item; a
+        kept grid's row of a repaired item takes the solved patch grid in its last two
+        entries (h, w) before positions are computed.
+    counts: ``counts(config, inputs)``: per model-level item, its runs' lengths, from the
+        inputs alone (no model): what :func:`~.collate.check_batch` checks before the trainer.
     type_id: this modality's value in the family's per-token type tensor
         (:attr:`FamilySpec.token_types`), for modalities that share a placeholder token.
     """
@@ -105,6 +143,8 @@ class ModalitySpec:
     reencode: Reencode | None = None
     keep: tuple[str, ...] = ()
     rows: tuple[str, ...] = ()
+    patches: Mapping[str, str] = field(default_factory=dict)
+    counts: Counts | None = None
     type_id: int | None = None
 
 
@@ -139,6 +179,7 @@ class FamilySpec:
     follow_ids: tuple[str, ...] = ()
     positions: Callable[[Any, Mapping[str, Any]], torch.Tensor] | None = None
     ids_with_embeds: bool = True
+    after_merge: AfterMerge | None = None
     token_types: str | None = None
 
     def matches(self, model: Any) -> bool:
@@ -183,6 +224,8 @@ class FamilySpec:
             )
         aliases = {m.name: m.shares for m in self.modalities if m.shares is not None}
         start, end = pairs[0] if pairs else (None, None)
+        text = self.text.resolve(model, tokenizer)
+        specials = {*placeholders.values(), *(t for p in pairs for t in p)}
         return Grammar(
             placeholders,
             start_id=start,
@@ -190,6 +233,7 @@ class FamilySpec:
             regions=tuple(pairs[1:]),
             aliases=aliases,
             name=self.name,
+            text_id=None if text in specials else text,
         )
 
 
