@@ -35,7 +35,7 @@ from ..families.spec import Merged, ModalitySpec, present
 from .hooks import GuardHandle
 from .qwen_vl.checks import CallArgs
 from .qwen_vl.rewrite import add_anchor
-from .vlm_items import call_items, cut_blocks, parents
+from .vlm_items import call_items, cut_blocks, parents, typed_order
 
 MARK = "_media_guard_vlm"
 PIXELS_FLAG = "_media_guard_pixels"  # tells a spec's encode to cut per-item pixels (repair)
@@ -124,6 +124,8 @@ class VLMHandle(GuardHandle):
         encoded = cut_blocks(mods, encoded, meta, ids, guard, step, mb)
         items, feats, listed = call_items(mods, encoded, meta)
         parent = parents(mods, encoded)
+        if listed is None and spec.token_types:
+            listed = typed_order(ids, guard.grammar, mods, items, call.get(spec.token_types))
         order = listed if listed is not None else token_order(ids, guard.grammar, items, parent)
         items = [items[i] for i in order]
         feats = [feats[i] for i in order]
@@ -148,6 +150,8 @@ class VLMHandle(GuardHandle):
                     call.set(name, None)
         if isinstance(labels, torch.Tensor):
             call.set("labels", res.labels)
+        if res.report.repaired:
+            kw = self._regrid(call, kw, mods, items, [parent[i] for i in order], res)
         dropped = {s for s, a in enumerate(res.report.actions) if a == "drop"}
         rep_all = res.report.alignment
         owner = {i: r.sample for r in rep_all.samples for i in r.items} if rep_all else {}
@@ -190,6 +194,29 @@ class VLMHandle(GuardHandle):
         merged = Merged(_view(call, ids), items, feats, runs)
         for name, value in self.spec.after_merge(self.module, merged).items():
             call.set(name, value)
+
+    def _regrid(self, call: CallArgs, kw, mods, items, parent, res) -> dict:
+        """Each repaired item's row of its modality's kept patch grids (``patches`` values
+        in ``keep``) takes the solved patch grid (its last two entries), so positions follow
+        the re-encoded features; returns ``kw`` with the new grids. The solution is the
+        repair's: a geometry is pure."""
+        grids = {m.name: [g for g in m.patches.values() if g in m.keep] for m in mods}
+        out = dict(kw)
+        report = res.report.alignment
+        target = {i: n for r in report.samples for i, n in zip(r.items, r.expected)}
+        for k in res.report.repaired:
+            it = items[k]
+            for name in grids.get(it.modality, ()):
+                t = out.get(name)
+                if not isinstance(t, torch.Tensor):
+                    continue
+                hw = it.source_hw or it.frame_hw
+                sol = self.guard.geometry.solve(target[k], hw, num_frames=it.num_frames or 1)
+                t = t.clone()
+                t[parent[k], -2:] = torch.tensor(sol.grid, dtype=t.dtype, device=t.device)
+                out[name] = t
+                call.set(name, t)
+        return out
 
     def _generated_as_text(self, res, ids: torch.Tensor):
         """Placeholders the policy generated (``GuardConfig.generated="text"``, kept samples):

@@ -10,6 +10,7 @@ from dataclasses import replace
 import torch
 
 from ..core.guard import MediaGuard
+from ..core.host import to_host
 from ..core.items import MediaItem
 from ..core.runs import TokenLayout, parse_layout
 from ..diagnostics import GuardRecord
@@ -146,3 +147,31 @@ def _end_of(items: list[MediaItem], lo: int, modality: str) -> int:
     while hi < len(items) and items[hi].modality == modality:
         hi += 1
     return hi
+
+
+def typed_order(ids, grammar, mods, items: list[MediaItem], types) -> list[int] | None:
+    """The items' permutation into token order where modalities share a placeholder token and
+    the family has a per-token type (``FamilySpec.token_types``, e.g. ``mm_token_type_ids``):
+    each run takes the next item of the modality whose ``type_id`` its first token carries
+    (a transfer sized by the runs; mixed batches only). None where that cannot decide (no
+    types, no shared token, a run typed as none of them): the length interleaving decides."""
+    code = {m.type_id: m.name for m in mods if m.type_id is not None}
+    shared = {grammar.token_modality(m.name) for m in mods if m.shares is not None}
+    if not isinstance(types, torch.Tensor) or len(mods) < 2 or not shared or not code:
+        return None
+    parsed = parse_layout(TokenLayout(ids, grammar))
+    if not parsed.runs:
+        return None
+    at = torch.tensor([[r.row, r.start] for r in parsed.runs], device=types.device)
+    got = to_host(types[at[:, 0], at[:, 1]], why="token types of runs on a shared token")
+    left: dict[str, list[int]] = {}
+    for i, it in enumerate(items):
+        left.setdefault(it.modality, []).append(i)
+    order: list[int] = []
+    for r, c in zip(parsed.runs, got.tolist(), strict=True):
+        mod = code.get(int(c)) if r.modality in shared else r.modality
+        if mod is None:
+            return None
+        if left.get(mod):
+            order.append(left[mod].pop(0))
+    return order + [i for v in left.values() for i in v]  # items beyond the runs: reported

@@ -9,7 +9,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import gemma3, internvl, kimi_k25, megatron, nemotron_omni, qwen, qwen2_audio, qwen3_omni
+from . import (
+    ernie4_5_vl,
+    gemma3,
+    glm4v,
+    internvl,
+    kimi_k25,
+    megatron,
+    nemotron_omni,
+    qwen,
+    qwen2_audio,
+    qwen3_omni,
+)
 from .spec import FamilySpec, ModalitySpec, Token
 
 FAMILIES: tuple[FamilySpec, ...] = (
@@ -24,6 +35,8 @@ FAMILIES: tuple[FamilySpec, ...] = (
     internvl.SPEC,
     qwen2_audio.SPEC,
     qwen3_omni.SPEC,
+    glm4v.SPEC,
+    ernie4_5_vl.SPEC,
 )
 
 #: attributes that hold the model a wrapper trains (DDP / FSDP1's ``.module``, Bridge's

@@ -125,9 +125,13 @@ class ModalitySpec:
     rows: inputs whose dim-0 rows are this modality's model-level items (grids, stacked
         videos, audio clips): a dropped sample's rows leave them (the engine: those it keeps;
         :func:`~.collate.check_batch`: all).
-    patches: ``{input: grid input}`` for flat patch rows, ``prod(grid row)`` rows per item.
+    patches: ``{input: grid input}`` for flat patch rows, ``prod(grid row)`` rows per item; a
+        kept grid's row of a repaired item takes the solved patch grid in its last two
+        entries (h, w) before positions are computed.
     counts: ``counts(config, inputs)``: per model-level item, its runs' lengths, from the
         inputs alone (no model): what :func:`~.collate.check_batch` checks before the trainer.
+    type_id: this modality's value in the family's per-token type tensor
+        (:attr:`FamilySpec.token_types`), for modalities that share a placeholder token.
     """
 
     name: ModalityName
@@ -142,6 +146,7 @@ class ModalitySpec:
     rows: tuple[str, ...] = ()
     patches: Mapping[str, str] = field(default_factory=dict)
     counts: Counts | None = None
+    type_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,10 @@ class FamilySpec:
     keyword arguments added to the call after the merge, built from the encoded outputs of
     the model-level items the merge placed (``kept``: per modality, their indices), for
     forwards that inject more than the merged embeddings (Qwen3-Omni's deepstack features).
+    ``token_types``: a forward
+    keyword holding a per-token type (GLM-4V's ``mm_token_type_ids``): where modalities share
+    a placeholder token, its value at a run's first token (a :attr:`ModalitySpec.type_id`)
+    says whose run it is, instead of the length interleaving.
     """
 
     name: str
@@ -181,6 +190,7 @@ class FamilySpec:
     after_merge: AfterMerge | None = None
     embed: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
     reuse: Callable[[Any, Mapping[str, Encoded], Mapping[str, list[int]]], dict] | None = None
+    token_types: str | None = None
 
     def matches(self, model: Any) -> bool:
         if self.detect is not None and self.detect(model):
