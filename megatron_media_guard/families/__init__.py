@@ -9,10 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import megatron, nemotron_omni, qwen
+from . import megatron, mistral3, nemotron_omni, qwen
 from .spec import FamilySpec, ModalitySpec, Token
 
-FAMILIES: tuple[FamilySpec, ...] = (megatron.LLAVA, megatron.MIMO, qwen.SPEC, nemotron_omni.SPEC)
+FAMILIES: tuple[FamilySpec, ...] = (
+    megatron.LLAVA,
+    megatron.MIMO,
+    qwen.SPEC,
+    nemotron_omni.SPEC,
+    mistral3.SPEC,
+)
 
 #: attributes that hold the model a wrapper trains (DDP / FSDP1's ``.module``, Bridge's
 #: Nemotron VL / Omni ``.llava_model``), looked through in this order
