@@ -250,3 +250,58 @@ def test_missing_markers_name_the_tokens(model):
 def test_unknown_model_lists_the_families():
     with pytest.raises(MediaInputError, match="nemotron_omni"):
         install_vlm(torch.nn.Linear(2, 2), GuardConfig())
+
+
+@pytest.mark.parametrize("mode", ["text", "drop"])
+def test_a_generated_placeholder_is_fed_as_text(model, mode):
+    """An ``<image>`` the policy wrote in its response (under the labels, outside every region):
+    kept and fed the family's text token by default; dropped on request."""
+    b = F.make_batch(model, [[IMG], [IMG2]])
+    pos = b.lengths[1] - 2
+    b.kwargs["input_ids"][1, pos] = F.IMAGE
+    labels = b.input_ids.clone()
+    labels[b.kwargs["attention_mask"] == 0] = -100
+    h = install_vlm(model, GuardConfig(policy="drop", generated=mode), tokenizer=TOKENS)
+    with h, torch.no_grad():
+        out = model(**b.kwargs, labels=labels)
+    res = h.last_result
+    if mode == "drop":
+        assert res.report.actions == ("keep", "drop")
+        return
+    assert res.report.actions == ("keep", "keep")
+    assert res.report.generated == ((1, (pos,)),)
+    fixed = dict(b.kwargs)
+    fixed["input_ids"] = b.input_ids.clone()
+    fixed["input_ids"][1, pos] = F.PAD  # the config's pad token: the family's text id
+    with torch.no_grad():
+        ref = model(**fixed, labels=labels)
+    torch.testing.assert_close(out.logits, ref.logits, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out.loss, ref.loss)
+
+
+@pytest.fixture(scope="module")
+def evs_model():
+    return F.tiny_model(video_pruning_rate=0.5)
+
+
+def test_evs_prunes_as_the_plain_model_does(evs_model):
+    samples = [[VID], [Media("video", (4, 4, 4))]]
+    b = F.make_batch(evs_model, samples)
+    with install_vlm(evs_model, GuardConfig(), tokenizer=TOKENS), torch.no_grad():
+        out = evs_model(**b.kwargs).logits
+    ref = F.plain_logits(evs_model, b)
+    assert out.shape == ref.shape and out.shape[1] < b.input_ids.shape[1]
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+
+
+def test_evs_rows_of_unequal_length_are_padded_not_shifted(evs_model):
+    """The plain forward's ``view(batch, -1)`` moves tokens between rows when one row prunes
+    more than another; guarded, each row equals its own forward (the shorter one padded)."""
+    samples = [[VID], [AUD]]
+    b = F.make_batch(evs_model, samples)
+    with install_vlm(evs_model, GuardConfig(), tokenizer=TOKENS), torch.no_grad():
+        out = evs_model(**b.kwargs).logits
+    for k, s in enumerate(samples):
+        alone = F.make_batch(evs_model, [s])
+        want = F.plain_logits(evs_model, alone)[0]
+        torch.testing.assert_close(out[k, : want.shape[0]], want, atol=1e-5, rtol=1e-5)

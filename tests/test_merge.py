@@ -149,6 +149,9 @@ def test_drop_keeps_others_identical_and_masks_the_culprit(fault):
     emb, feats = inputs(batch)
     b, s = batch.input_ids.shape
     lm, lab = torch.ones(b, s), torch.randint(0, 50, (b, s))
+    # placeholders are not trained on (under the loss outside a region: generated, kept as
+    # text: test_generated.py)
+    lm[torch.isin(batch.input_ids, torch.tensor(list(Q.placeholders.values())))] = 0
     res = guard("drop").merge(emb, batch.input_ids, feats, batch.items, loss_mask=lm, labels=lab)
     dropped = set(res.report.dropped)
     assert dropped == set(batch.faulty_samples)
@@ -335,9 +338,10 @@ def test_property_only_library_errors_and_kept_features_are_own(
     feats = batch.features(H)
     total = feats.shape[0]
     feats[:, 1] = torch.arange(total, dtype=feats.dtype)  # global row, to check order
-    try:
+    untrained = torch.isin(batch.input_ids, torch.tensor(list(g.placeholders.values())))
+    try:  # placeholders not under the loss (generated ones: test_generated.py)
         res = MediaGuard(GuardConfig(policy=policy), grammar=g).merge(
-            emb, batch.input_ids, feats, batch.items, loss_mask=torch.ones(b, s)
+            emb, batch.input_ids, feats, batch.items, loss_mask=(~untrained).float()
         )
     except MediaAlignmentError:
         assert policy == "raise" and fault != "none"
@@ -405,9 +409,9 @@ def test_text_only_batch_in_half_precision(dtype, features):
 
 def test_text_only_batch_with_a_stray_placeholder_is_dropped_in_half_precision():
     ids = torch.full((2, 6), 1000)
-    ids[1, 2] = 5  # a literal placeholder, no media at all
+    ids[1, 2] = 5  # a literal placeholder, no media at all, in the prompt (not trained)
     emb = torch.randn(2, 6, H).to(torch.bfloat16)
-    res = guard("drop").merge(emb, ids, [], loss_mask=torch.ones(2, 6))
+    res = guard("drop").merge(emb, ids, [], loss_mask=(ids != 5).float())
     assert res.report.dropped == (1,) and torch.equal(res.embeddings, emb)
 
 

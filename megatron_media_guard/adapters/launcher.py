@@ -16,9 +16,9 @@ Precedence: a ``MEDIA_GUARD_*`` environment variable overrides the matching
 ``--media-guard-*`` argument, which overrides the default. GuardConfig fields use
 :meth:`GuardConfig.with_env` (MEDIA_GUARD_POLICY, MEDIA_GUARD_FALLBACK,
 MEDIA_GUARD_LOG_DIR, MEDIA_GUARD_NONFINITE, MEDIA_GUARD_ALLOWED_FIDELITY,
-MEDIA_GUARD_DUMP_DIR, ...); the launcher adds MEDIA_GUARD_DROP_BUDGET_STEP,
-MEDIA_GUARD_DROP_BUDGET_WINDOW, MEDIA_GUARD_WINDOW_STEPS and MEDIA_GUARD_DISABLE, parsed
-with the same rules (:func:`~megatron_media_guard.config.parse_bool` /
+MEDIA_GUARD_DUMP_DIR, MEDIA_GUARD_GENERATED, ...); the launcher adds
+MEDIA_GUARD_DROP_BUDGET_STEP, MEDIA_GUARD_DROP_BUDGET_WINDOW, MEDIA_GUARD_WINDOW_STEPS and
+MEDIA_GUARD_DISABLE, parsed with the same rules (:func:`~megatron_media_guard.config.parse_bool` /
 :func:`~megatron_media_guard.config.parse_int`).
 """
 
@@ -47,6 +47,7 @@ _CONFIG_ARGS = (
     ("log_dir", "media_guard_log_dir"),
     ("nonfinite", "media_guard_nonfinite"),
     ("dump_dir", "media_guard_dump_dir"),
+    ("generated", "media_guard_generated"),
 )
 StepEnd = Literal["auto", "zero_grad_buffer", "optimizer", "manual"]
 
@@ -92,6 +93,13 @@ def add_media_guard_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         choices=("raise", "drop", "off"),
         default=None,
         help="NaN/Inf in an item's features: raise (default), drop its sample, or off.",
+    )
+    g.add_argument(
+        "--media-guard-generated",
+        choices=("text", "drop", "raise"),
+        default=None,
+        help="A placeholder under the loss outside any media region (the policy generated "
+        "it): feed it as text and keep the sample (default), drop the sample, or raise.",
     )
     g.add_argument(
         "--media-guard-allowed-fidelity",

@@ -20,7 +20,6 @@ family to their installers (Qwen-VL's input rewrite, megatron-core's LLaVA and M
 from __future__ import annotations
 
 import inspect
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,14 +27,14 @@ import torch
 
 from ..core.guard import MediaGuard
 from ..core.outcome import MergeResult
-from ..core.runs import TokenLayout
+from ..core.runs import TokenLayout, parse_layout
 from ..errors import MediaInputError
 from ..families import FamilySpec
-from ..families.spec import ModalitySpec, present
+from ..families.spec import Merged, ModalitySpec, present
 from .hooks import GuardHandle
 from .qwen_vl.checks import CallArgs
 from .qwen_vl.rewrite import add_anchor
-from .vlm_items import call_items, parents, token_order
+from .vlm_items import call_items, cut_blocks, parents, token_order
 
 MARK = "_media_guard_vlm"
 PIXELS_FLAG = "_media_guard_pixels"  # tells a spec's encode to cut per-item pixels (repair)
@@ -121,6 +120,7 @@ class VLMHandle(GuardHandle):
             kw = {**kw, PIXELS_FLAG: True}
         encoded = {m.name: m.encode(model, kw) for m in mods}
         meta = self.take_items()
+        encoded = cut_blocks(mods, encoded, meta, ids, guard, step, mb)
         items, feats, listed = call_items(mods, encoded, meta)
         parent = parents(mods, encoded)
         order = listed if listed is not None else token_order(ids, guard, mods, items, parent)
@@ -139,7 +139,8 @@ class VLMHandle(GuardHandle):
             encoder=_repair_encoder(model, mods),
         )
         self.record(MergeResult(None, res.loss_mask, res.labels, res.report), ids, None)
-        call.set("inputs_embeds", res.embeddings)
+        emb, ids = self._generated_as_text(res, ids)
+        call.set("inputs_embeds", emb)
         for m in spec.modalities:
             for name in m.inputs:
                 if call.given(name) and name not in m.keep:
@@ -158,8 +159,36 @@ class VLMHandle(GuardHandle):
         self._all_dropped = bool(res.report.dropped) and len(res.report.dropped) == len(
             res.report.actions
         )
-        _evs(model, call, ids, encoded, items, res)
+        if spec.after_merge is not None:
+            self._after_merge(call, ids, items, feats, res, [parent[i] for i in order])
         return call.rebuild()
+
+    def _after_merge(self, call: CallArgs, ids, items, feats, res, owners) -> None:
+        """The family's step after the merge (Nemotron's EVS), on the runs of this call."""
+        parsed = parse_layout(TokenLayout(ids, self.guard.grammar))
+        if len(parsed.runs) != len(items):
+            return  # only kept samples' runs could be paired: the merge already dropped them
+        acts = res.report.actions
+        runs = tuple(
+            (it, (r.row, r.start, r.end), acts[r.sample] != "drop", own)
+            for it, r, own in zip(items, parsed.runs, owners)
+        )
+        merged = Merged(_view(call, ids), runs, tuple(feats))
+        for name, value in self.spec.after_merge(self.module, merged).items():
+            call.set(name, value)
+
+    def _generated_as_text(self, res, ids: torch.Tensor):
+        """Placeholders the policy generated (``GuardConfig.generated="text"``, kept samples):
+        fed the family's text token, in the embeddings and in the ids; labels untouched."""
+        emb = res.embeddings
+        gen = [(s, p) for s, p in res.report.generated if res.report.actions[s] != "drop"]
+        if not gen or self.guard.config.generated != "text":
+            return emb, ids
+        rows = torch.tensor([s for s, pos in gen for _ in pos], device=ids.device)
+        cols = torch.tensor([c for _, pos in gen for c in pos], device=ids.device)
+        ids = ids.index_put((rows, cols), torch.tensor(self.text_id, device=ids.device))
+        text = self.module.get_input_embeddings()(ids[rows, cols])
+        return emb.index_put((rows, cols), text.to(emb.dtype)), ids
 
     def _drop_rewrite(self, call: CallArgs, ids, kw, mods, dropped, gone) -> torch.Tensor:
         """The dropped samples' placeholders as text in the ids (and the tensors that follow
@@ -196,22 +225,6 @@ def _repair_encoder(model: Any, mods: Sequence[ModalitySpec]):
     if m is None:
         return None
     return lambda pixels, **_: m.reencode(model, pixels)
-
-
-def _evs(model, call: CallArgs, ids, encoded, items, res) -> None:
-    """Nemotron's efficient video sampling (``video_pruning_rate > 0``): prune the video
-    tokens after the merge as the model does, with the model's own retention function."""
-    rate = float(getattr(model, "video_pruning_rate", 0) or 0)
-    enc = encoded.get("video")
-    if rate <= 0 or enc is None:
-        return
-    fn = getattr(sys.modules[type(model).__module__], "compute_retention_mask", None)
-    if fn is None:
-        raise MediaInputError("video_pruning_rate > 0 but the model's module has no EVS function")
-    raise MediaInputError(
-        "video_pruning_rate > 0 (EVS) is not supported by the guard yet: set it to 0 for "
-        "guarded training"
-    )
 
 
 __all__ = ["VLMHandle"]

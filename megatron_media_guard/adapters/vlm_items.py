@@ -13,8 +13,62 @@ from ..core.guard import MediaGuard
 from ..core.interleave import interleave
 from ..core.items import MediaItem
 from ..core.runs import TokenLayout, parse_layout
+from ..diagnostics import GuardRecord
 from ..errors import MediaInputError
 from ..families.spec import Encoded, ModalitySpec
+
+
+def cut_blocks(
+    mods: Sequence[ModalitySpec],
+    encoded: dict[str, Encoded],
+    meta: Sequence[MediaItem] | None,
+    ids: torch.Tensor,
+    guard: MediaGuard,
+    step: int | None,
+    microbatch: int | None,
+) -> dict[str, Encoded]:
+    """``encoded`` with every ``split="items"`` block cut into items: by the ``num_features``
+    of the call's ``set_items`` for that modality, else by the lengths of that modality's runs
+    in token order (a transfer sized by the runs), the last cut taking what is left so that a
+    wrong total still shows as that item's mismatch."""
+    out = dict(encoded)
+    for m in mods:
+        enc = encoded[m.name]
+        if enc.split != "items":
+            continue
+        (block,) = enc.features
+        rows = int(block.shape[0])
+        given = [it for it in meta or () if it.modality == m.name]
+        if given:
+            sizes = [it.num_features for it in given]
+            if sum(sizes) != rows:
+                raise MediaInputError(
+                    f"set_items declares {sum(sizes)} {m.name} features in all ({sizes}), the "
+                    f"model produced {rows}"
+                )
+        else:
+            tok = guard.grammar.token_modality(m.name)
+            parsed = parse_layout(TokenLayout(ids, guard.grammar))
+            sizes = [r.length for r in parsed.runs if r.modality == tok]
+            if sizes:
+                sizes[-1] = max(0, rows - sum(sizes[:-1]))
+            cut = sum(sizes)
+            if cut < rows:  # more features than runs can take: one surplus item
+                sizes.append(rows - cut)
+            guard.log.emit(
+                GuardRecord(
+                    event="check",
+                    step=step,
+                    microbatch=microbatch,
+                    modality=m.name,
+                    action="runs",
+                    reason=f"{m.name} items' feature counts not given (set_items): cut by the "
+                    "runs in the ids; only the total was checked",
+                )
+            )
+        pieces = tuple(block.split(sizes)) if sizes else ()
+        out[m.name] = replace(enc, features=pieces, split=None)
+    return out
 
 
 def call_items(

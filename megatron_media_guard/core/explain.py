@@ -165,15 +165,22 @@ def _error_message(report, fatal, items, where, log_path, notes, nonfinite) -> s
 
     if bad:
         first = bad[0]
-        lines.append("  " + describe_sample(first, items, nonfinite.get(first.sample, ())))
-        lines[-1] += note(first)
+        if first.ok and not nonfinite.get(first.sample) and first.sample in notes:
+            # aligned tokens raised for another reason (a generated placeholder, a shared row)
+            sid = first.sample_id
+            head = f"sample {first.sample}" + (f" (sample_id {sid!r})" if sid is not None else "")
+            lines.append(f"  {head} row {first.row}: {notes[first.sample]}")
+        else:
+            lines.append("  " + describe_sample(first, items, nonfinite.get(first.sample, ())))
+            lines[-1] += note(first)
     for rep in bad[1:6]:
-        why = (
-            nonfinite_reason(nonfinite[rep.sample])
-            if rep.ok and nonfinite.get(rep.sample)
-            else f"{rep.status} — {rep.reason}"
-        )
-        lines.append(f"  sample {rep.sample}: {why}{note(rep)}")
+        if rep.ok and nonfinite.get(rep.sample):
+            why = nonfinite_reason(nonfinite[rep.sample]) + note(rep)
+        elif rep.ok and rep.sample in notes:
+            why = notes[rep.sample]
+        else:
+            why = f"{rep.status} — {rep.reason}{note(rep)}"
+        lines.append(f"  sample {rep.sample}: {why}")
     if len(bad) > 6:
         lines.append(f"  ... and {len(bad) - 6} more")
     if report.orphans:

@@ -4,6 +4,7 @@ replay bundle, consensus, merge of the kept samples)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,6 +14,7 @@ from ..repair.repairs import run_repairs
 from .alignment import AlignmentReport, align
 from .apply import nonfinite_items, scatter_kept
 from .explain import check_records, error_message, nonfinite_record, plan_records
+from .generated import Generated, as_text, find_generated, generated_record, text_records
 from .outcome import MergeResult
 from .plan import Plan, build_plan
 from .runs import parse_layout
@@ -27,7 +29,20 @@ def diagnose(
 ) -> MergeResult:
     """The fault path: full parse, per-sample report, plan, repairs, records, bundle, the
     consensus round, then the merge of what is kept. ``found``: the items holding NaN/Inf
-    when the caller already asked (:func:`nonfinite_items`)."""
+    when the caller already asked (:func:`nonfinite_items`).
+
+    Placeholders the policy generated (under the loss, outside every region: see
+    :mod:`.generated`) are read as text from here on: the parse, the plan and the scatter
+    work from ids where they are text (the given embedding stays at those positions), and
+    ``config.generated`` drops or raises their samples instead where it says so."""
+    gen = None
+    if c.labels is not None or c.loss_mask is not None:
+        gen = find_generated(c.lay, c.labels, c.loss_mask, guard.config.ignore_index)
+    if gen is not None:
+        ids, lay = as_text(
+            c.input_ids, gen, guard.grammar.neutral_text_id(), c.cu_seqlens, guard.grammar
+        )
+        c = replace(c, input_ids=ids, lay=lay)
     batch = c.batch
     report = align(parse_layout(c.lay), batch.items, explicit=batch.explicit)
     nonfinite: dict[int, list[int]] = {}  # sample -> its items holding NaN/Inf
@@ -37,7 +52,7 @@ def diagnose(
             if i in owner:
                 nonfinite.setdefault(owner[i], []).append(i)
     plan = build_plan(
-        c.lay.num_samples, batch.items, verdict, report, guard.config, frozenset(nonfinite)
+        c.lay.num_samples, batch.items, verdict, report, guard.config, frozenset(nonfinite), gen
     )
     replaced: dict[int, torch.Tensor] = {}
     failures: dict[int, str] = {}
@@ -47,7 +62,7 @@ def diagnose(
         plan, replaced, failures = run_repairs(
             plan, batch, guard, c.encoder, step=c.step, microbatch=c.microbatch
         )
-    fatal_record = write_records(guard, c, report, plan, nonfinite)  # before the bundle:
+    fatal_record = write_records(guard, c, report, plan, nonfinite, gen)  # before the bundle:
     bundle_path = dump_bundle(guard, c, report)  # a full disk must not cost the record
     fatal_msg = None
     if plan.fatal or (report.orphans and guard.config.policy == "raise"):
@@ -85,15 +100,19 @@ def write_records(
     report: AlignmentReport,
     plan: Plan,
     nonfinite: dict[int, list[int]] | None = None,
+    gen: Generated | None = None,
 ) -> dict | None:
-    """Writes one record per dropped or fatal sample (and for unused items); returns the
-    first fatal one, the record consensus fetches from the culprit. ``nonfinite``: sample ->
-    its items whose features hold NaN/Inf."""
+    """Writes one record per dropped or fatal sample (and for unused items, and for samples
+    whose generated placeholders were fed as text); returns the first fatal one, the record
+    consensus fetches from the culprit. ``nonfinite``: sample -> its items whose features
+    hold NaN/Inf. ``gen``: the generated placeholders found."""
     nonfinite = nonfinite or {}
     items, step, mb = c.batch.items, c.step, c.microbatch
 
-    def aligned(smp: int, act: str) -> GuardRecord:  # aligned tokens, NaN/Inf features
+    def aligned(smp: int, act: str) -> GuardRecord:  # aligned tokens: generated, NaN/Inf
         bad = nonfinite.get(smp, [])
+        if gen is not None and gen.of(smp) is not None and not bad:
+            return generated_record(gen, smp, act, step, mb)
         return nonfinite_record(report.samples[smp], items, bad, act, step=step, microbatch=mb)
 
     fatal = None
@@ -103,6 +122,10 @@ def write_records(
             fatal = written
     for rec in check_records(report, step, mb, "items {} could not be tied to a placeholder run"):
         guard.log.emit(rec)  # placeholders in a packed row's padding are never merged
+    if gen is not None and guard.config.generated == "text":
+        kept = {s for s, a in enumerate(plan.actions) if a in ("keep", "repair")}
+        for rec in text_records(gen, step, mb, guard.grammar.neutral_text_id(), kept):
+            guard.log.emit(rec)
     return fatal
 
 

@@ -32,6 +32,10 @@ class Grammar:
     aliases: modalities that share another modality's placeholder token, ``{"video": "image"}``
         (Nemotron Omni's video tubelets, GLM-4V's video frames): their items match runs of that
         token, and keep their own name in reports and records.
+    text_id: a text token id of the tokenizer (e.g. its pad token), fed at the positions
+        of placeholders the policy generated (``GuardConfig.generated="text"``). Only the
+        parse reads it in :meth:`MediaGuard.merge` (whose embeddings are given: such a
+        position keeps its given embedding); None: merge takes :meth:`neutral_text_id`.
     """
 
     placeholders: Mapping[str, int]
@@ -42,6 +46,7 @@ class Grammar:
     name: str = field(default="custom", compare=False)
     regions: tuple[tuple[int, int], ...] = ()
     aliases: Mapping[str, str] = field(default_factory=dict)
+    text_id: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not self.placeholders:
@@ -77,6 +82,15 @@ class Grammar:
                     f"Grammar alias {alias!r} -> {target!r} must name a new modality and one "
                     f"with a placeholder (placeholders: {list(ids)})"
                 )
+        if self.text_id is not None and (
+            isinstance(self.text_id, bool) or not isinstance(self.text_id, int)
+        ):
+            raise MediaInputError(f"Grammar text_id must be an int or None, got {self.text_id!r}")
+        if self.text_id is not None and self.text_id in every:
+            raise MediaInputError(
+                f"Grammar text_id {self.text_id} is one of the grammar's own tokens {every}: "
+                "pass a text token id (e.g. the tokenizer's pad token)"
+            )
         object.__setattr__(self, "placeholders", MappingProxyType(ids))
         object.__setattr__(self, "break_ids", tuple(self.break_ids))
         object.__setattr__(self, "regions", regions)
@@ -101,6 +115,14 @@ class Grammar:
         """The modality whose placeholder token ``modality`` uses (itself unless aliased)."""
         return self.aliases.get(modality, modality)
 
+    def neutral_text_id(self) -> int:
+        """:attr:`text_id`, else the smallest non-negative id that is none of the grammar's
+        tokens (enough for the parse, which only needs the position to read as text)."""
+        if self.text_id is not None:
+            return self.text_id
+        own = {*self.placeholders.values(), *self.break_ids, *self.start_ids, *self.end_ids}
+        return next(t for t in range(len(own) + 1) if t not in own)
+
     def modality_code(self, modality: str) -> int:
         try:
             return self.modalities.index(self.aliases.get(modality, modality))
@@ -119,30 +141,47 @@ class Grammar:
         video_pad: int = 151656,
         vision_start: int = 151652,
         vision_end: int = 151653,
+        text_id: int | None = 151643,
     ) -> Grammar:
         """Qwen2-VL / 2.5-VL / 3-VL: ``<|vision_start|><|image_pad|>*N<|vision_end|>``.
 
         Qwen2/2.5 video is one run of t*a*b ``<|video_pad|>``; Qwen3-VL video is one
-        run per temporal group (each its own item). Defaults are Qwen2-VL's ids.
+        run per temporal group (each its own item). Defaults are Qwen2-VL's ids
+        (``text_id``: ``<|endoftext|>``, the tokenizer's pad token).
         """
         return cls(
             {"image": image_pad, "video": video_pad},
             start_id=vision_start,
             end_id=vision_end,
             name="qwen2_vl",
+            text_id=text_id,
         )
 
     @classmethod
-    def internvl(cls, image_context: int, img_start: int, img_end: int) -> Grammar:
+    def internvl(
+        cls, image_context: int, img_start: int, img_end: int, text_id: int | None = None
+    ) -> Grammar:
         """Nemotron / InternVL / NVLM expanded: ``<img><image>*N</img>`` per image,
         tile group or video tubelet (video uses the same tokens)."""
-        return cls({"image": image_context}, start_id=img_start, end_id=img_end, name="internvl")
+        return cls(
+            {"image": image_context},
+            start_id=img_start,
+            end_id=img_end,
+            name="internvl",
+            text_id=text_id,
+        )
 
     @classmethod
-    def pixtral(cls, img: int, img_break: int, img_end: int) -> Grammar:
+    def pixtral(cls, img: int, img_break: int, img_end: int, text_id: int | None = None) -> Grammar:
         """Pixtral / Mistral: rows of ``[IMG]*cols [IMG_BREAK]``, the last break
         replaced by ``[IMG_END]``. Breaks get no feature."""
-        return cls({"image": img}, end_id=img_end, break_ids=(img_break,), name="pixtral")
+        return cls(
+            {"image": img},
+            end_id=img_end,
+            break_ids=(img_break,),
+            name="pixtral",
+            text_id=text_id,
+        )
 
     @classmethod
     def llava(cls, image_token: int = -200) -> Grammar:

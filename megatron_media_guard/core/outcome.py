@@ -118,6 +118,9 @@ class GuardReport:
     verdict: Verdict
     digest: int
     stage: StageOutcome | None = None
+    #: (sample, positions in its row) of placeholders the policy generated (fed as text,
+    #: or the reason of a drop / raise under ``GuardConfig.generated``)
+    generated: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     @classmethod
     def of(
@@ -148,6 +151,7 @@ class GuardReport:
             verdict=verdict,
             digest=plan.digest,
             stage=stage,
+            generated=plan.generated,
         )
 
 

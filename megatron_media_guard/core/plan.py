@@ -13,6 +13,7 @@ from typing import Literal
 
 from ..config import GuardConfig
 from .alignment import AlignmentReport, Status
+from .generated import Generated
 from .items import MediaItem
 from .swap import suspected_swaps
 from .verify import Verdict
@@ -42,6 +43,8 @@ class Plan:
     digest: int
     #: (sample, why) where the plan overrides what the status alone would do ("suspected swap")
     reasons: tuple[tuple[int, str], ...] = ()
+    #: (sample, positions in its row) of placeholders the policy generated (core/generated.py)
+    generated: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     # (membership and count first: most plans keep everything, and each call reads these)
     @property
@@ -63,7 +66,7 @@ class Plan:
     def with_actions(self, actions: Sequence[Action], repairs: Sequence[ItemRepair]) -> Plan:
         """The plan after repairs were attempted (failed ones fell back)."""
         new = digest(self.digest, actions, repairs)
-        return Plan(tuple(actions), tuple(repairs), new, self.reasons)
+        return Plan(tuple(actions), tuple(repairs), new, self.reasons, self.generated)
 
 
 def digest(*parts: object) -> int:
@@ -123,6 +126,7 @@ def build_plan(
     report: AlignmentReport | None,
     config: GuardConfig,
     nonfinite_samples: frozenset[int] = frozenset(),
+    generated: Generated | None = None,
 ) -> Plan:
     """Decide keep / repair / drop / raise for every sample.
 
@@ -130,6 +134,9 @@ def build_plan(
     owning an item whose features hold NaN/Inf (handled by ``config.nonfinite``).
     Under ``repair``, samples whose mismatches look like a swap between samples
     (:func:`~.swap.suspected_swaps`) take ``config.fallback``; ``Plan.reasons`` says why.
+    generated: placeholders the policy generated (``report`` is then the parse with them
+    fed as text); their samples are dropped or raised under ``config.generated`` "drop" /
+    "raise", kept (as their media decide) under "text".
     """
     actions: list[Action] = ["keep"] * num_samples
     repairs: list[ItemRepair] = []
@@ -150,6 +157,13 @@ def build_plan(
         for smp in reasons:
             actions[smp] = config.fallback
         repairs = [r for r in repairs if r.sample not in reasons]
+    if generated is not None and config.generated != "text":
+        gen_act: Action = config.generated  # type: ignore[assignment]
+        for smp, why in generated.reasons(gen_act).items():
+            if actions[smp] != "raise":
+                actions[smp] = gen_act
+            reasons[smp] = "; ".join(filter(None, (why, reasons.get(smp))))
+        repairs = [r for r in repairs if actions[r.sample] == "repair"]
     for smp in sorted(nonfinite_samples):
         act: Action = "raise" if config.nonfinite == "raise" else "drop"
         if actions[smp] != "raise":
@@ -164,7 +178,10 @@ def build_plan(
         actions,
         [(r.item, r.target) for r in repairs],
     )
-    return Plan(tuple(actions), tuple(repairs), plan_digest, tuple(reasons.items()))
+    gen = () if generated is None else tuple((g.sample, g.positions) for g in generated.samples)
+    if gen:
+        plan_digest = digest(plan_digest, config.generated, gen)
+    return Plan(tuple(actions), tuple(repairs), plan_digest, tuple(reasons.items()), gen)
 
 
 def _action_for(repairable: bool, config: GuardConfig) -> Action:

@@ -19,13 +19,14 @@ and re-encoded through ``get_image_features``.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 
 from ..core.host import to_host
 from ..geometry import RadioTilerGeometry
-from .spec import Encoded, FamilySpec, ModalitySpec, Token, split_rows
+from .spec import Encoded, FamilySpec, Merged, ModalitySpec, Token, split_rows
 
 PATCH = 16
 
@@ -98,6 +99,51 @@ def _encode_audio(model: Any, kw) -> Encoded:
     return Encoded(split_rows(flat, sizes))
 
 
+def _evs(model: Any, merged: Merged) -> dict[str, Any]:
+    """Efficient video sampling (``video_pruning_rate > 0``): each video's tokens pruned after
+    the merge with the model's own ``compute_retention_mask`` on that video's features, as the
+    plain forward does, and rows of unequal length right-padded (attention mask 0, labels
+    ignored) where the plain forward's ``.view(batch, -1)`` would move tokens between rows."""
+    rate = float(getattr(model, "video_pruning_rate", 0) or 0)
+    runs = [(k, r) for k, r in enumerate(merged.runs) if r[0].modality == "video"]
+    if rate <= 0 or not runs:
+        return {}
+    retention = sys.modules[type(model).__module__].compute_retention_mask
+    kw = merged.kwargs
+    ids = kw["input_ids"]
+    keep = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
+    video: dict[int, list[int]] = {}  # per video of a kept sample, its runs in order
+    for k, (_, _, kept, owner) in runs:
+        if kept:
+            video.setdefault(owner, []).append(k)
+    for group in video.values():
+        feats = torch.cat([merged.features[k] for k in group])
+        mask = retention(feats, len(group), rate)
+        at = 0
+        for k in group:
+            row, a, b = merged.runs[k][1]
+            keep[row, a:b] = mask[at : at + b - a]
+            at += b - a
+    lengths = keep.sum(1)
+    # the new row lengths size the pruned tensors (one small transfer, EVS calls only)
+    n = to_host(lengths, why="row lengths after EVS pruning").tolist()
+    width = max(n)
+    out: dict[str, Any] = {}
+    pad = {"inputs_embeds": 0.0, "input_ids": 0, "attention_mask": 0, "labels": -100}
+    for name, fill in pad.items():
+        t = kw.get(name)
+        if t is None:
+            continue
+        new = t.new_full((t.shape[0], width, *t.shape[2:]), fill)
+        for r in range(t.shape[0]):  # rows, not tokens
+            new[r, : n[r]] = t[r][keep[r]]
+        out[name] = new
+    if kw.get("attention_mask") is None and min(n) != width:
+        cols = torch.arange(width, device=ids.device)
+        out["attention_mask"] = (cols[None] < lengths[:, None]).long()
+    return out
+
+
 def _geometry(model: Any) -> RadioTilerGeometry:
     return RadioTilerGeometry(patch=PATCH, pixel_shuffle=2)
 
@@ -133,4 +179,5 @@ SPEC = FamilySpec(
     ),
     text=Token(("text_config.pad_token_id", "pad_token_id"), "<unk>", 0),
     geometry=_geometry,
+    after_merge=_evs,
 )

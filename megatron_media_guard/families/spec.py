@@ -61,9 +61,16 @@ class Token:
 @dataclass(frozen=True)
 class Encoded:
     """What a modality's ``encode`` returns for one call: one ``[n_i, h]`` feature tensor per
-    item in the model's consumption order, and per item what diagnostics and repair need."""
+    item in the model's consumption order, and per item what diagnostics and repair need.
+
+    ``split="items"``: the model's output cannot be cut per item (InternVL: tiles per image
+    never reach the model); ``features`` is one ``[sum, h]`` block that the engine cuts by the
+    ``num_features`` of the call's ``set_items``, else by the runs in the ids (only the total is
+    then checked, and a ``check`` record says so).
+    """
 
     features: tuple[torch.Tensor, ...]
+    split: Literal["items"] | None = None  # "items": one flat block, cut by the engine
     num_frames: tuple[int | None, ...] = ()
     frame_hw: tuple[tuple[int, int] | None, ...] = ()
     pixels: tuple[torch.Tensor | None, ...] = ()  # layout "image": [C, H, W] for repair
@@ -74,6 +81,22 @@ class Encoded:
 Encode = Callable[[Any, Mapping[str, Any]], Encoded]
 #: repair encoder for one item: (model, new_pixels [C, H', W']) -> features [n, h]
 Reencode = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Merged:
+    """What a family's ``after_merge`` sees: the forward's keyword arguments after the merge
+    (``inputs_embeds`` merged, ``input_ids`` rewritten), and per run in token order its item,
+    its placeholder positions ``(row, start, end)``, whether its sample was kept, and the
+    model-level item it belongs to (a video's tubelets share one)."""
+
+    kwargs: Mapping[str, Any]
+    runs: tuple[tuple[Any, tuple[int, int, int], bool, int], ...]
+    features: tuple[torch.Tensor, ...]  # per run, the features its item produced
+
+
+#: after_merge(model, merged) -> keyword arguments to replace (Nemotron's EVS pruning)
+AfterMerge = Callable[[Any, Merged], Mapping[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -136,6 +159,7 @@ class FamilySpec:
     follow_ids: tuple[str, ...] = ()
     positions: Callable[[Any, Mapping[str, Any]], torch.Tensor] | None = None
     ids_with_embeds: bool = True
+    after_merge: AfterMerge | None = None
 
     def matches(self, model: Any) -> bool:
         if self.detect is not None and self.detect(model):
@@ -197,6 +221,8 @@ class FamilySpec:
                 f"{self.name}: one end-only marker, and no marker pairs beside it"
             )
         start, end = pairs[0] if pairs else (None, end_only[0] if end_only else None)
+        text = self.text.resolve(model, tokenizer)
+        specials = {*placeholders.values(), *(t for p in pairs for t in p), *end_only, *breaks}
         return Grammar(
             placeholders,
             start_id=start,
@@ -205,6 +231,7 @@ class FamilySpec:
             regions=tuple(pairs[1:]),
             aliases=aliases,
             name=self.name,
+            text_id=None if text in specials else text,
         )
 
 

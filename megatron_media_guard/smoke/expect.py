@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from .scenarios import expected_actions, micro_batch, repair_attempts
+from .scenarios import FAULT_SPECS, expected_actions, micro_batch, repair_attempts
 
 RankSteps = tuple[tuple[int, int, tuple[int, ...]], ...]  # (rank, step, samples or items)
 
@@ -60,6 +60,10 @@ def expected(
     mb = micro_batch(scenario, dp_of[fault_rank], fault_step, seed)
     faulty = mb.faulty_samples if fault_step < steps else ()
     events: dict[int, dict[str, int]] = {r: {} for r in range(world)}
+    if faulty and FAULT_SPECS[scenario].fed_as_text:  # kept: one "check" record per sample
+        for r in group:
+            events[r]["check"] = len(faulty)
+        faulty = ()
     if faulty and policy == "raise":
         for r in range(world):
             # a stage of one rank decides alone: no consensus record
@@ -160,6 +164,9 @@ def describe(o: Outcome, world: int, steps: int) -> str:
         parts.append(f"{_ranks(rs)} dropped sample {','.join(map(str, x))} at step {s}")
     for (s, x), rs in _by_step(o.repairs).items():
         parts.append(f"{_ranks(rs)} repaired item {','.join(map(str, x))} at step {s}")
+    fed = sorted({r for r, e, _ in o.events if e == "check"})
+    if fed:  # the only check records the smoke writes: generated placeholders fed as text
+        parts.append(f"{_ranks(fed)} fed generated placeholders as text")
     if not parts:
         parts.append("all aligned")
     done = ",".join(map(str, o.steps_done))

@@ -29,6 +29,7 @@ Fault = Literal[
     "swapped_items",  # two items of different lengths swapped in feature order
     "cross_swap",  # two items of different lengths exchanged between two samples
     "video_grid",  # a video's temporal groups disagree (features for one more group)
+    "generated_placeholder",  # the policy generated placeholders in a response (RL rollouts)
 ]
 FAULTS: tuple[str, ...] = Fault.__args__  # type: ignore[attr-defined]
 
@@ -220,6 +221,15 @@ def inject(
         ids = clean.input_ids.clone()
         tok = next(iter(grammar.placeholders.values()))
         ids[s0, 0] = tok  # the first text token of the sample becomes a placeholder
+        return replace(clean, input_ids=ids, faulty_samples=touched, fault=fault)
+    elif fault == "generated_placeholder":
+        # the sample's last text tokens (its response) hold placeholders the policy wrote;
+        # under the loss they are text (GuardConfig.generated), with no labels a finding
+        ids = clean.input_ids.clone()
+        tok = next(iter(grammar.placeholders.values()))
+        last = int(torch.nonzero(ids[s0] != PAD_ID).max())
+        n = 2 if kw.get("text", 3) >= 3 else 1
+        ids[s0, last - n + 1 : last + 1] = tok
         return replace(clean, input_ids=ids, faulty_samples=touched, fault=fault)
     elif fault == "cut_by_max_len":
         ids = clean.input_ids

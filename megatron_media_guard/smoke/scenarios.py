@@ -58,6 +58,9 @@ class FaultSpec:
     samples: tuple[int, ...]
     statuses: tuple[str, ...]  # alignment.Status value per touched sample
     repairable: bool  # the guard may re-project (plan.REPAIRABLE and no suspected swap)
+    #: the loss trains on the faulty placeholders: generated, fed as text, the sample kept
+    #: under every policy (GuardConfig.generated="text"), one ``check`` record per rank
+    fed_as_text: bool = False
 
 
 FAULT_SPECS: dict[str, FaultSpec] = {
@@ -98,7 +101,8 @@ FAULT_SPECS: dict[str, FaultSpec] = {
         ),
         FaultSpec(
             "literal_placeholder",
-            "a user typed the image placeholder in sample 3's text",
+            "a user typed the image placeholder in sample 3's text (where the loss does not "
+            "train: its next token is padding)",
             (3,),
             ("malformed",),
             False,
@@ -124,6 +128,15 @@ FAULT_SPECS: dict[str, FaultSpec] = {
             (1,),
             ("surplus",),
             True,
+        ),
+        FaultSpec(
+            "generated_placeholder",
+            "the policy generated an image placeholder in sample 3's response, under the "
+            "loss (RL rollouts): fed as text, the sample kept under every policy",
+            (3,),
+            ("malformed",),
+            False,
+            fed_as_text=True,
         ),
     )
 }
@@ -254,8 +267,12 @@ def micro_batch(fault: str, dp_rank: int, step: int, seed: int = 0) -> MicroBatc
         for mod, n in zip(modality[s], runs[s]):
             row += _run(mod, n) + [rng.randrange(TEXT_LOW, TEXT_HIGH) for _ in range(3)]
         rows.append(row)
-    if fault == "literal_placeholder":
-        rows[3][5] = GRAMMAR.placeholders["image"]
+    if fault == "literal_placeholder":  # the last text token: its next is padding, untrained
+        rows[3][-1] = GRAMMAR.placeholders["image"]
+    if fault == "generated_placeholder":
+        # one placeholder mid-response: the smoke trains on positions whose next token is
+        # text, so this position is under the loss (a second one right before it would not be)
+        rows[3][6] = GRAMMAR.placeholders["image"]
     if fault == "cut_by_max_len":
         # the limit cuts the last run of sample 2 two placeholders before its end
         # (3 text tokens + the end token + 2 placeholders fall past the limit)
@@ -308,7 +325,10 @@ def repair_attempts(mb: MicroBatch) -> tuple[RepairAttempt, ...]:
 
 
 def expected_actions(mb: MicroBatch, policy: str) -> dict[int, str]:
-    """Per faulty sample: ``raise`` / ``drop`` / ``repair`` (fallback: drop)."""
+    """Per faulty sample: ``raise`` / ``drop`` / ``repair`` (fallback: drop); ``keep`` for
+    placeholders fed as text."""
+    if FAULT_SPECS[mb.fault].fed_as_text:
+        return dict.fromkeys(mb.faulty_samples, "keep")
     if policy != "repair":
         return dict.fromkeys(mb.faulty_samples, policy)
     spec = FAULT_SPECS[mb.fault]

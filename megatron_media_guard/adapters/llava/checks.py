@@ -12,13 +12,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
+from ...core.generated import Generated, GeneratedSample, find_generated
 from ...core.grammar import Grammar
 from ...core.items import MediaItem
 from ...core.runs import TokenLayout, parse_layout
 from ...errors import MediaInputError
 from .measure import LlavaFacts
 
-Check = Literal["count", "tiles", "max_length", "nonfinite", "segment"]
+Check = Literal["count", "tiles", "max_length", "nonfinite", "segment", "generated"]
 Modality = Literal["image", "sound", "sample"]
 SOUND_MODALITIES = frozenset({"sound", "audio"})
 
@@ -315,3 +318,43 @@ def image_faults(
     faults += _length_faults(facts, own, ids, skip)
     faults += _nonfinite_faults(facts, own)
     return faults, own
+
+
+def generated_tokens(guard, a: dict) -> Generated | None:
+    """Image tokens the policy generated: under the loss mask (a collapsed grammar has no
+    regions, so the loss mask alone marks them; megatron-core's labels are never
+    ``ignore_index``, they do not count). None without a loss mask or when there is none.
+    Positions are per row here; :func:`per_sample` names the (packed) samples."""
+    lm = a.get("loss_mask")
+    ids = a["input_ids"]
+    if not isinstance(lm, torch.Tensor) or lm.shape != ids.shape:
+        return None
+    lay = TokenLayout(ids, llava_grammar(int(a["image_token_index"])))
+    return find_generated(lay, None, lm, guard.config.ignore_index)
+
+
+def per_sample(gen: Generated, spans) -> Generated:
+    """``gen`` with its positions grouped by the call's samples (rows, or the packed
+    sub-samples of ``spans``)."""
+    by: dict[int, tuple[int, list[int]]] = {}
+    for g in gen.samples:
+        for col in g.positions:
+            smp = next(
+                (k for k, sp in enumerate(spans) if sp.row == g.row and sp.start <= col < sp.end),
+                g.sample,
+            )
+            by.setdefault(smp, (g.row, []))[1].append(col)
+    samples = tuple(GeneratedSample(s, r, tuple(c)) for s, (r, c) in sorted(by.items()))
+    return Generated(gen.mask, samples)
+
+
+def generated_faults(gen: Generated, action: str) -> list[LlavaFault]:
+    """One ``generated`` fault per sample when ``GuardConfig.generated`` drops or raises
+    (none under ``"text"``: the tokens were fed as text and the sample stays)."""
+    if action == "text":
+        return []
+    why = gen.reasons(action)
+    return [
+        LlavaFault(g.sample, "generated", "image", None, None, g.positions, (), None, why[g.sample])
+        for g in gen.samples
+    ]

@@ -32,22 +32,31 @@ first stage that does not also compute the loss escalate to raise.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from ...config import GuardConfig
+from ...core.generated import text_records
 from ...core.guard import MediaGuard
 from ...core.outcome import StageOutcome
 from ...errors import MediaInputError
 from ..hooks import GuardHandle, ItemsProvider, StepProvider
-from .checks import LlavaFault, image_faults, llava_grammar, split_items
-from .drop import finish_outputs, plan_drop, rewrite_inputs
+from .checks import (
+    LlavaFault,
+    generated_faults,
+    generated_tokens,
+    image_faults,
+    llava_grammar,
+    per_sample,
+    split_items,
+)
+from .drop import PAD_TOKEN, finish_outputs, plan_drop, rewrite_inputs
 from .layout import layout_problems, packed_cu_seqlens, sound_padded
 from .measure import LlavaFacts, measure, refine_finite
 from .packed import Span
-from .report import emit, outcome
+from .report import CALLER, emit, outcome
 from .sound import sound_faults
 
 _SEVERITY = {"keep": 0, "drop": 1, "raise": 2}
@@ -203,12 +212,10 @@ def _guarded_call(handle: LlavaHandle, sig: inspect.Signature, args: tuple, kwar
     return handle.call("LLaVA media guard", lambda step, mb: _run(handle, ba, step, mb))
 
 
-def _facts(handle: LlavaHandle, a: dict[str, Any], check_finite: bool) -> LlavaFacts:
+def _facts(handle: LlavaHandle, a: dict[str, Any], check_finite: bool, cu, pos) -> LlavaFacts:
     m = handle.module
     first = bool(m.pre_process)
     snd = a.get("sound_embeddings") if first else None
-    psp, pos = handle.take_packed()
-    cu = packed_cu_seqlens(psp, a["input_ids"])
     return measure(
         a["input_ids"],
         image_token_index=int(a["image_token_index"]),
@@ -227,11 +234,11 @@ def _facts(handle: LlavaHandle, a: dict[str, Any], check_finite: bool) -> LlavaF
     )
 
 
-def _run(handle: LlavaHandle, ba: inspect.BoundArguments, step, mb) -> Any:
-    guard, m, a = handle.guard, handle.module, ba.arguments
-    cfg = guard.config
-    img_items, snd_items = split_items(handle.take_items())
-    facts = _facts(handle, a, cfg.nonfinite != "off")
+def _checks(handle: LlavaHandle, a: dict[str, Any], cu, pos, img_items, snd_items):
+    """The facts of one call and what they show: ``(facts, batch_fatal, faults, img_own,
+    clip_own, snd_ok)``."""
+    m, cfg = handle.module, handle.guard.config
+    facts = _facts(handle, a, cfg.nonfinite != "off", cu, pos)
     batch_fatal, img_ok, snd_ok = layout_problems(a, m, facts)
     if (any(facts.entry_bad) and img_ok) or (any(facts.clip_bad) and snd_ok):
         facts = refine_finite(
@@ -244,7 +251,28 @@ def _run(handle: LlavaHandle, ba: inspect.BoundArguments, step, mb) -> Any:
         facts = facts.without_entry_flags()
     faults, img_own = image_faults(facts, img_items, a["input_ids"])
     more, clip_own = sound_faults(facts, snd_items, snd_ok)
-    faults += more
+    return facts, batch_fatal, faults + more, img_own, clip_own, snd_ok
+
+
+def _run(handle: LlavaHandle, ba: inspect.BoundArguments, step, mb) -> Any:
+    guard, m, a = handle.guard, handle.module, ba.arguments
+    cfg = guard.config
+    img_items, snd_items = split_items(handle.take_items())
+    psp, pos = handle.take_packed()
+    cu = packed_cu_seqlens(psp, a["input_ids"])
+    pos = pos if cu is not None and isinstance(pos, torch.Tensor) else None
+    checked = _checks(handle, a, cu, pos, img_items, snd_items)
+    gen = None
+    if any(f.check == "count" and f.modality == "image" for f in checked[2]):
+        # an image token too many may be one the policy generated (fault path only)
+        gen = generated_tokens(guard, a)
+    if gen is not None:  # fed as text (token 0, as the forward embedded it), then checked
+        a["input_ids"] = a["input_ids"].masked_fill(gen.mask, PAD_TOKEN)
+        checked = _checks(handle, a, cu, pos, img_items, snd_items)
+    facts, batch_fatal, faults, img_own, clip_own, _ = checked
+    if gen is not None:
+        gen = per_sample(gen, facts.spans)
+        faults += generated_faults(gen, cfg.generated)
     dropping_policy = cfg.policy if cfg.policy != "repair" else cfg.fallback
     n = facts.num_entries
     unclaimed = img_own.owners is None and facts.total_tokens == 0 and n > 0
@@ -260,7 +288,7 @@ def _run(handle: LlavaHandle, ba: inspect.BoundArguments, step, mb) -> Any:
     why_raise: dict[int, str] = {}
     first_only = m.pre_process and not m.post_process
     for f in faults:
-        act = cfg.nonfinite if f.check == "nonfinite" else dropping_policy
+        act = {"nonfinite": cfg.nonfinite, "generated": cfg.generated}.get(f.check, dropping_policy)
         if act == "drop" and first_only and (f.check == "nonfinite" or f.modality == "sound"):
             act = "raise"
             why_raise[f.sample] = f"the last pipeline stage cannot see the {f.modality} embeddings"
@@ -283,6 +311,10 @@ def _run(handle: LlavaHandle, ba: inspect.BoundArguments, step, mb) -> Any:
                 actions[smp], why_raise[smp] = "raise", f"cannot drop: {plan.problem}"
             drops, plan = [], None
     emit(guard, faults, actions, batch_fatal, notes, why_raise, img_items, facts, step, mb)
+    if gen is not None and cfg.generated == "text":
+        kept = {s for s, x in enumerate(actions) if x == "keep"}
+        for rec in text_records(gen, step, mb, PAD_TOKEN, kept):
+            guard.log.emit(replace(rec, extra={**rec.extra, "adapter": "llava"}), caller=CALLER)
     local = outcome(
         guard, facts, img_own.owners, faults, actions, batch_fatal, why_raise, img_items, step, mb
     )

@@ -60,6 +60,7 @@ class QwenVLSpec:
             self.video_token_id,
             self.vision_start_token_id,
             self.vision_end_token_id,
+            self.text_id,
         )
 
     def check_grammar(self, grammar: Grammar) -> None:

@@ -16,12 +16,14 @@ docs/QWEN_VL.md.
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ...core.explain import error_message
 from ...core.fault_path import save_replay
+from ...core.generated import as_text, find_generated, text_records
 from ...core.guard import MediaGuard
 from ...core.outcome import GuardReport, LocalOutcome, MergeResult
 from ...core.plan import Plan, build_plan, digest
@@ -43,6 +45,7 @@ from .checks import (
     spec_from_model,
 )
 from .plan import (
+    CALLER,
     check_record,
     grid_note,
     host_rows,
@@ -203,11 +206,18 @@ class QwenVLHandle(GuardHandle):
     def _diagnose(self, call, ids, cu, lay, grids, pix, meta, check, step, mb):
         guard, spec, cfg = self.guard, self.spec, self.guard.config
         rows = host_rows(grids, spec)
+        labels, lmask = call.get("labels"), call.get("loss_mask")
+        gen = None
+        if labels is not None or lmask is not None:  # placeholders the policy generated
+            gen = find_generated(lay, labels, lmask, cfg.ignore_index)
+        if gen is not None:  # read as text from here on, and fed to the model as text
+            ids, lay = as_text(ids, gen, spec.text_id, cu, guard.grammar)
+            call.set("input_ids", ids)
         parsed = parse_layout(lay)
         items, item_row = token_items(rows, parsed, spec, pix, meta)
         report = report_for(parsed, items)
         verdict = Verdict(check.runs, check.bad, check.findings, 0, check.fingerprint)
-        plan = build_plan(lay.num_samples, items, verdict, report, cfg)
+        plan = build_plan(lay.num_samples, items, verdict, report, cfg, generated=gen)
         plan = refuse(plan, split_rows(report, item_row, rows), cfg)
         repairs, failed = {}, {}
         if plan.repairs:
@@ -227,6 +237,12 @@ class QwenVLHandle(GuardHandle):
         for s, why in plan.reasons:
             notes[s] = "; ".join(filter(None, (why, notes.get(s))))
         fatal_rec = write_records(guard, report, plan, items, notes, step, mb)
+        if gen is not None and cfg.generated == "text":
+            kept = {s for s, a in enumerate(plan.actions) if a in ("keep", "repair")}
+            for rec in text_records(gen, step, mb, spec.text_id, kept):
+                guard.log.emit(
+                    replace(rec, extra={**rec.extra, "adapter": "qwen_vl"}), caller=CALLER
+                )
         bundle = self._dump(ids, cu, items, report, plan, step, mb)
         message = None
         if plan.fatal or (report.orphans and cfg.policy == "raise"):

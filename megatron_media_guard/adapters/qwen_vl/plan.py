@@ -300,6 +300,7 @@ def refuse(plan: Plan, why: Mapping[int, str], config) -> Plan:
         tuple(repairs),
         digest(plan.digest, sorted(why.items())),
         tuple(sorted(reasons.items())),
+        plan.generated,
     )
 
 

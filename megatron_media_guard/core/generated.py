@@ -1,0 +1,188 @@
+"""Placeholders the policy generated (RL rollouts), found on the fault path.
+
+The policy can emit a placeholder token in its response; the generation engine fed it back
+as text, and only the trainer's merge would count it as media. A placeholder the loss trains
+on (labels != ``ignore_index`` and loss mask nonzero, where given) and outside every
+start/end region was generated, not expanded from media. Grammars without both markers
+(collapsed LLaVA, bare runs, end-only Pixtral) have no regions: being under the loss alone
+marks it, provided the loss does not train on every placeholder of the batch (a loss mask
+of ones tells media from generated tokens apart nowhere: then nothing is found). Such a token is always a finding of the aligned-path check (outside a region, or a
+run no item owns), so nothing here runs on the aligned path.
+
+``GuardConfig.generated`` decides: ``"text"`` feeds those positions as text (the ids the
+parse sees get a text id; the merge scatters nothing there; labels untouched), ``"drop"``
+drops the sample, ``"raise"`` raises it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..diagnostics import GuardRecord
+from .host import to_host
+from .parsed import FindingKind
+from .runs import TokenLayout
+from .validate import check_masks
+
+TEXT_REASON = "generated placeholder fed as text"
+
+
+@dataclass(frozen=True)
+class GeneratedSample:
+    """One sample's generated placeholders: its row and their positions in that row."""
+
+    sample: int
+    row: int
+    positions: tuple[int, ...]
+
+    def describe(self) -> str:
+        pos = list(self.positions[:16])
+        more = f" and {len(self.positions) - 16} more" if len(self.positions) > 16 else ""
+        return f"row {self.row} positions {pos}{more}"
+
+
+@dataclass(frozen=True)
+class Generated:
+    """The generated placeholders of one call: ``mask`` ``[b, s]`` on the ids' device, and per
+    sample (in sample order) where they are."""
+
+    mask: torch.Tensor
+    samples: tuple[GeneratedSample, ...]
+
+    def of(self, sample: int) -> GeneratedSample | None:
+        return next((g for g in self.samples if g.sample == sample), None)
+
+    def reasons(self, action: str) -> dict[int, str]:
+        """sample -> why it is dropped / raised (``action``), naming the positions."""
+        verb = {"drop": "dropped", "raise": "raised"}.get(action, action)
+        return {
+            g.sample: f"generated placeholder at {g.describe()} (under the loss, outside any "
+            f"media region; GuardConfig.generated={action!r}: sample {verb})"
+            for g in self.samples
+        }
+
+
+def under_loss(
+    labels: torch.Tensor | None, loss_mask: torch.Tensor | None, ignore_index: int
+) -> torch.Tensor | None:
+    """``[b, s]`` bool: the positions the loss trains on, by every signal given (labels not
+    ``ignore_index`` and loss mask nonzero); None when neither is given. Both must agree
+    where both are given: Megatron's labels are never ``ignore_index`` (its loss mask masks),
+    and a loss mask of ones next to Hugging Face labels leaves the labels in charge."""
+    out = None
+    if labels is not None:
+        out = labels != ignore_index
+    if loss_mask is not None:
+        lm = loss_mask != 0
+        out = lm if out is None else out & lm.to(out.device)
+    return out
+
+
+def generated_mask(
+    lay: TokenLayout,
+    labels: torch.Tensor | None,
+    loss_mask: torch.Tensor | None,
+    ignore_index: int,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``([b, s] bool, untrained)``: placeholders (not breaks) under the loss and, for a
+    grammar with start and end markers, outside every region; ``untrained`` (grammars without
+    both markers, else None) a device scalar: the placeholders the loss does not train on
+    (0: the loss tells nothing apart). None without labels or a loss mask. Off the aligned
+    path only (the region test is the full parse's, whose ``nonzero`` syncs)."""
+    check_masks(loss_mask, labels, lay.batch, lay.row_length, None)
+    loss = under_loss(labels, loss_mask, ignore_index)
+    if loss is None:
+        return None
+    loss = loss.to(lay.device)
+    ph = lay.ph
+    if lay.packed:
+        ph = ph & (lay.sample < lay.num_samples)  # padding placeholders are never merged
+    gen = ph & loss
+    g = lay.grammar
+    if g.start_id is not None and g.end_id is not None:
+        start, end = lay.run_bounds()
+        gen = gen & (lay.finding_codes(start, end) == int(FindingKind.OUTSIDE_REGION))
+        return gen, None
+    return gen, (ph & ~loss).sum()
+
+
+def find_generated(
+    lay: TokenLayout,
+    labels: torch.Tensor | None,
+    loss_mask: torch.Tensor | None,
+    ignore_index: int,
+) -> Generated | None:
+    """The generated placeholders of ``lay`` (None: none, or no labels / loss mask). One
+    transfer, sized by the number found."""
+    found = generated_mask(lay, labels, loss_mask, ignore_index)
+    if found is None:
+        return None
+    mask, untrained = found
+    pos = torch.nonzero(mask)
+    smp = lay.sample[pos[:, 0], pos[:, 1]]
+    table = torch.cat([pos, smp[:, None]], 1)
+    head = pos.new_ones(1, 3) if untrained is None else untrained.reshape(1, 1).expand(1, 3)
+    host = to_host(torch.cat([head, table]), why="positions of generated placeholders").tolist()
+    rows = host[1:]
+    if not rows or host[0][0] == 0:  # none, or a loss that trains on every placeholder
+        return None
+    by: dict[int, tuple[int, list[int]]] = {}
+    for row, col, s in rows:
+        by.setdefault(s, (row, []))[1].append(col)
+    samples = tuple(GeneratedSample(s, r, tuple(cols)) for s, (r, cols) in sorted(by.items()))
+    return Generated(mask, samples)
+
+
+def as_text(
+    input_ids: torch.Tensor, gen: Generated, text_id: int, cu_seqlens: torch.Tensor | None, grammar
+) -> tuple[torch.Tensor, TokenLayout]:
+    """``input_ids`` with the generated placeholders replaced by ``text_id`` (out of place), and
+    its layout: what the parse, the plan and the scatter then work from."""
+    ids = input_ids.masked_fill(gen.mask.reshape(input_ids.shape), text_id)
+    return ids, TokenLayout(ids, grammar, cu_seqlens)
+
+
+def text_records(
+    gen: Generated,
+    step: int | None,
+    microbatch: int | None,
+    text_id: int,
+    kept: set[int] | None = None,
+) -> list[GuardRecord]:
+    """A ``check`` record (action ``text``) per sample whose generated placeholders were fed as
+    text; ``kept``: only these samples (a sample dropped for another reason has its own)."""
+    return [
+        GuardRecord(
+            event="check",
+            step=step,
+            microbatch=microbatch,
+            sample=g.sample,
+            row=g.row,
+            action="text",
+            reason=f"{TEXT_REASON} at {g.describe()}",
+            extra={"positions": list(g.positions[:4096]), "text_id": text_id},
+        )
+        for g in gen.samples
+        if kept is None or g.sample in kept
+    ]
+
+
+def generated_record(
+    gen: Generated, sample: int, action: str, step: int | None, microbatch: int | None
+) -> GuardRecord:
+    """The drop / raise record of a sample whose tokens align once its generated placeholders
+    are text: the generated positions are the whole reason."""
+    g = gen.of(sample)
+    assert g is not None
+    return GuardRecord(
+        event=action,  # type: ignore[arg-type]
+        step=step,
+        microbatch=microbatch,
+        sample=sample,
+        row=g.row,
+        action=action,
+        reason=gen.reasons(action)[sample],
+        extra={"status": "generated", "positions": list(g.positions[:4096])},
+    )
