@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import megatron, mistral3, nemotron_omni, qwen
+from . import llava_onevision, megatron, mistral3, nemotron_omni, qwen
 from .spec import FamilySpec, ModalitySpec, Token
 
 FAMILIES: tuple[FamilySpec, ...] = (
@@ -18,6 +18,7 @@ FAMILIES: tuple[FamilySpec, ...] = (
     qwen.SPEC,
     nemotron_omni.SPEC,
     mistral3.SPEC,
+    llava_onevision.SPEC,
 )
 
 #: attributes that hold the model a wrapper trains (DDP / FSDP1's ``.module``, Bridge's
