@@ -110,7 +110,7 @@ ALL = [img(80, 80)]  # an aligned sample beside every fault: it must stay its ow
 N56 = 36  # a 56x56 image alone: base 16 + 4 rows of 4 + 1 newline (asserted below)
 FAULTS = [
     ("short image run", [[img(56, 56, tokens=N56 - 1)], ALL], 0, None),
-    ("short video run", [ALL + [vid(2)], [vid(2, tokens=8)]], 1, None),
+    ("short video run", [[*ALL, vid(2)], [vid(2, tokens=8)]], 1, None),
     ("+k/-k images", [[img(56, 56, tokens=N56 + 2)], [img(56, 56, tokens=N56 - 2)], ALL], 0, None),
     ("+k/-k videos", [[vid(2, tokens=10)], [vid(2, tokens=8)], ALL], 0, None),
     ("swap", [[img(56, 56)], [img(60, 130)], ALL], 0, (0, 1)),
