@@ -1,6 +1,6 @@
 """Consensus cost per guarded merge on 4 gloo ranks (TP2 x DP2), aligned path.
 
-Figure (DESIGN §10): at most two small all-reduces (<= 8 integers each) per guarded
+Target (docs/BENCHMARKS.md): at most two small all-reduces (<= 8 integers each) per guarded
 merge on the aligned path. ``StageConsensus`` makes one: 7 int64 over the stage
 group. Also timed, per rank, median over reps, interleaved: the guarded merge alone
 (no consensus), the same merge with the consensus, and ``agree`` alone (the

@@ -42,13 +42,16 @@ TIME_TARGET = {"drop, 1 of 4 bad": 2.0, "drop, all 4 bad": 2.0}
 
 
 def sizes(quick: bool) -> tuple[int, int, int, int]:
-    return (2, 4096, 256, 16) if quick else (4, 16384, 1024, 64)
+    """(b, s, h, runs per row); b is 4 in both: the cases name samples 0..3."""
+    return (4, 2048, 256, 16) if quick else (4, 16384, 1024, 64)
 
 
 def inputs(bad, b: int, s: int, h: int, runs: int):
     per = (s - 8) // runs - 5
     batch = build_batch(G, [[("image", per)] * runs for _ in range(b)], seq_len=s, text=2)
     items = list(batch.items)
+    if any(smp >= b for smp in bad):
+        raise ValueError(f"bad samples {bad} for a batch of {b}")
     for smp in bad:
         i = smp * runs
         items[i] = replace(items[i], num_features=items[i].num_features + 1)

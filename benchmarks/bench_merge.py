@@ -1,6 +1,6 @@
 """Guarded merge vs today's unguarded merge, and the vectorized parser vs a per-token loop.
 
-Figures (DESIGN §10), both sides timed in one run, interleaved, median of reps:
+Targets (docs/BENCHMARKS.md), both sides timed in one run, interleaved, median of reps:
 - aligned path: guarded merge / unguarded ``masked_scatter`` merge <= 1.05
   (CPU, b=4, s=16384, h=1024, bf16, 64 runs per row); with the NaN/Inf check on
   (the default) and off.

@@ -1,6 +1,6 @@
 """Repair cost: re-encoding 1 mismatched item vs encoding the whole batch of 16.
 
-Figure (DESIGN §10, "repair re-encodes only the mismatched items"): repairing one
+Target (docs/BENCHMARKS.md, "repair re-encodes only the mismatched items"): repairing one
 item of a 16-item batch costs at most 1.5/16 of encoding all 16, i.e.
 ``16 * t_repair / t_batch <= 1.5``. ``t_repair`` is one ``reencode`` call (recover
 frames from Qwen2-VL patches, bicubic+antialias resize, re-patchify, encode);

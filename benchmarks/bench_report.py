@@ -1,4 +1,4 @@
-"""Post-mortem reader throughput and memory (DESIGN §10: >= 200k records/s, memory flat).
+"""Post-mortem reader throughput and memory (target: >= 200k records/s, memory flat).
 
 Writes synthetic schema-v1 records (the writer's own ``build_record`` and
 ``json_dumps``, without the per-record fsync) across 4 rank files in a temporary
@@ -8,7 +8,7 @@ is the peak of Python allocations during a one-process ``summarize`` (tracemallo
 for a small and a 10x larger file set: flat means the two peaks are about equal.
 
 End to end: ``media-guard report DIR --json`` over 200k records in a fresh process, start-up
-included (best of 3 wall times; DESIGN/issue target >= 200k records/s), and the wall time of
+included (best of 3 wall times; target >= 200k records/s), and the wall time of
 ``media-guard --help``. The lines repeat a pool of 4096 records per rank up to step and
 microbatch, so the reader's template fast path (docs/DIAGNOSTICS.md) takes most of them;
 ``records/s, all lines distinct`` is the same command over lines that never repeat (every
@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 import tracemalloc
+from dataclasses import replace
 from pathlib import Path
 
 from megatron_media_guard.diagnostics import (
@@ -35,6 +36,7 @@ from megatron_media_guard.diagnostics import (
     json_dumps,
 )
 from megatron_media_guard.diagnostics.report import auto_jobs, find_files, summarize
+from megatron_media_guard.diagnostics.report_html import write_html
 
 RANKS = 4
 POOL = 4096  # distinct records; lines differ further by step and microbatch
@@ -103,6 +105,101 @@ def write_files(directory: Path, records: int, seed: int = 0) -> int:
                     rec.update(event="raise", sample_id="bad", reason="budget")
                 size += f.write(json_dumps(rec) + "\n")
     return size
+
+
+def write_run(
+    directory: Path, records: int = 1_000_000, ranks: int = 512, steps: int = 2000, seed: int = 0
+) -> int:
+    """A night on ``ranks`` ranks x ``steps`` steps, ``records`` lines in all (one file per
+    rank): mostly checks; drops on every rank at a low rate, many more on rank 137 (a bad
+    shard), repairs everywhere in steps 1200..1209 (a bad step window), a budget record on
+    rank 42 and one raise on rank 300 late in the run. Returns bytes written."""
+    rng = random.Random(seed)
+    base = RankInfo(rank=0)
+    t0 = "2026-05-09T07:35:25.123456+00:00"
+
+    def rec(event: str) -> dict:
+        return build_record(
+            _record_of(rng, event), base, time=t0, host="node-0", pid=1, caller="bench:gen"
+        )
+
+    pool = {e: [rec(e) for _ in range(64)] for e in ("check", "drop", "repair", "budget", "raise")}
+    per_rank, size = records // ranks, 0
+    for rank in range(ranks):
+        lines = []
+        for i in range(per_rank):
+            step = i * steps // per_rank
+            u = rng.random()
+            event = (
+                "raise"
+                if rank == 300 and i == per_rank * 3 // 4
+                else "budget"
+                if rank == 42 and i == per_rank // 2
+                else "drop"
+                if u < (0.25 if rank == 137 else 0.01)
+                else "repair"
+                if 1200 <= step < 1210 and u < 0.6
+                else "check"
+            )
+            r = dict(pool[event][i % 64], rank=rank, step=step, microbatch=i % 4, pid=1000 + rank)
+            if event == "raise":
+                r.update(action="raise", sample_id="ds/shard-0003/000017", reason="budget")
+            lines.append(json_dumps(r))
+        text = "\n".join(lines) + "\n"
+        with open(directory / file_name(rank), "w", encoding="utf-8") as f:
+            size += f.write(text)
+    return size
+
+
+def _record_of(rng: random.Random, event: str) -> GuardRecord:
+    """A record of ``event`` shaped like the writer's (see ``_record``)."""
+    while True:
+        r = _record(rng)
+        if event in ("check", "drop", "repair") and r.event == event:
+            return r
+        if event in ("budget", "raise") and r.event == "drop":
+            return replace(r, event=event, action="raise")  # type: ignore[arg-type]
+
+
+def page(records: int = 1_000_000, ranks: int = 512, steps: int = 2000) -> list[dict]:
+    """The page (``--html``) for ``records`` over ``ranks`` x ``steps``: its size, the time
+    to render and write it, and ``media-guard report DIR --html FILE`` end to end."""
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp, "run")
+        d.mkdir()
+        size = write_run(d, records, ranks, steps)
+        t = time.perf_counter()
+        s = summarize(d)
+        t_read = time.perf_counter() - t
+        t = time.perf_counter()
+        page_bytes = write_html(s, Path(tmp, "page.html"))
+        t_write = time.perf_counter() - t
+        assert s.records == records // ranks * ranks
+        t_e2e, c_e2e = _wall(["report", str(d), "--html", str(Path(tmp, "e2e.html"))], repeat=2)
+    where = f"{s.records:,} records, {ranks} ranks x {steps} steps, {size / 2**20:.0f} MiB"
+    return [
+        {
+            "benchmark": "report/page",
+            "metric": f"page bytes ({where})",
+            "value": page_bytes,
+            "target": "(one mailable file)",
+            "note": f"heatmap bins {s.heat.rank_bin}x{s.heat.step_bin} kept by the reader",
+        },
+        {
+            "benchmark": "report/page",
+            "metric": "page render + write s",
+            "value": t_write,
+            "target": "(reference)",
+            "note": f"after summarize() ({t_read:.2f} s, {s.records / t_read:,.0f} records/s)",
+        },
+        {
+            "benchmark": "report/page",
+            "metric": f"records/s, `media-guard report DIR --html FILE` ({where})",
+            "value": s.records / t_e2e,
+            "target": ">= 200000",
+            "note": f"fresh process, best of 2: {t_e2e:.2f} s wall, {c_e2e:.2f} s CPU",
+        },
+    ]
 
 
 def _rate(d: Path, records: int, jobs: int | None, repeat: int = 2) -> float:
@@ -249,6 +346,7 @@ def run(quick: bool = False) -> list[dict]:
             "note": "tracemalloc peak during summarize(jobs=1)",
         },
         *end_to_end(),
+        *page(*((200_000, 128, 500) if quick else (1_000_000, 512, 2000))),
     ]
 
 

@@ -77,6 +77,11 @@ def _report_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="log directory holding media_guard.rank*.jsonl (or one file)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument(
+        "--html",
+        metavar="FILE",
+        help="also write a self-contained page (heatmap, charts, tables) to FILE",
+    )
+    p.add_argument(
         "--rank", type=int_list, action="append", metavar="R", help="only these global ranks"
     )
     p.add_argument("--step", type=int_list, action="append", metavar="S", help="only these steps")
@@ -96,6 +101,16 @@ def _report_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _report_error(args: argparse.Namespace, message: str) -> int:
+    """One line why on stderr (and a JSON object on stdout with --json); exit 2."""
+    from .diagnostics.report_format import neutralise
+
+    print(neutralise(f"media-guard report: {message}"), file=sys.stderr)
+    if args.json:
+        print(json.dumps({"error": message, "exit_code": EXIT_USAGE}))
+    return EXIT_USAGE
+
+
 def _report_run(args: argparse.Namespace) -> int:
     from .diagnostics.report import summarize
     from .diagnostics.report_format import format_summary, neutralise
@@ -110,8 +125,11 @@ def _report_run(args: argparse.Namespace) -> int:
             jobs=args.jobs,
         )
     except MediaAlignmentError as err:
-        print(neutralise(f"media-guard report: {err}"), file=sys.stderr)
-        return EXIT_USAGE
+        return _report_error(args, str(err))
+    if not summary.files:  # a CI step reading a wrong path must not pass
+        return _report_error(
+            args, f"no media_guard.rank*.jsonl files in {args.dir} (nor its subdirectories)"
+        )
     for path, why in summary.skipped_files.items():
         print(neutralise(f"media-guard report: warning: skipped {path}: {why}"), file=sys.stderr)
     if summary.malformed or summary.torn_files:
@@ -120,6 +138,14 @@ def _report_run(args: argparse.Namespace) -> int:
             f"{len(summary.torn_files)} torn last line(s) skipped",
             file=sys.stderr,
         )
+    if args.html:
+        from .diagnostics.report_html import write_html
+
+        try:
+            size = write_html(summary, args.html)
+        except OSError as err:
+            return _report_error(args, f"cannot write --html {args.html}: {err.strerror or err}")
+        print(neutralise(f"media-guard report: page {args.html} ({size:,} bytes)"), file=sys.stderr)
     fail_on = dict.fromkeys(_flat(args.fail_on) or [])
     hits = {e: summary.count(e) for e in fail_on if summary.count(e)}
     if args.json:
@@ -145,7 +171,7 @@ register(
 
 
 def _replay_arguments(p: argparse.ArgumentParser) -> None:
-    from .replay.rerun import add_replay_arguments
+    from .replay.args import add_replay_arguments  # torch-free: `replay --help` imports none
 
     add_replay_arguments(p)
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Literal
 
@@ -24,6 +26,11 @@ _FIDELITIES = ("engine-replay", "unique", "closest-aspect")
 @dataclass(frozen=True)
 class GuardConfig:
     """What the guard does when placeholders and features disagree.
+
+    Each field not passed takes its ``MEDIA_GUARD_<FIELD>`` environment variable when set
+    (``MEDIA_GUARD_LOG_DIR=/runs/x/media_guard``, ``MEDIA_GUARD_POLICY=drop``, ...), else its
+    default: **argument, then environment, then default**. ``GuardConfig(environ={})`` reads
+    no variable; :meth:`with_env` lets the environment win over every field.
 
     policy: ``"raise"`` a :class:`MediaAlignmentError`; ``"drop"`` the sample (loss masked,
         labels ignored, no foreign feature merged); ``"repair"`` re-project the mismatched
@@ -91,34 +98,74 @@ class GuardConfig:
         if self.dump_max is not None and self.dump_max < 1:
             raise MediaInputError(f"dump_max must be >= 1 or None, got {self.dump_max}")
 
-    def with_env(self, environ: dict[str, str] | None = None) -> GuardConfig:
+    def with_env(self, environ: Mapping[str, str] | None = None) -> GuardConfig:
         """Overrides from ``MEDIA_GUARD_<FIELD>`` environment variables (e.g. MEDIA_GUARD_POLICY=drop;
-        MEDIA_GUARD_ALLOWED_FIDELITY=engine-replay,unique)."""
+        MEDIA_GUARD_ALLOWED_FIDELITY=engine-replay,unique): here the environment wins over every
+        field of ``self``, explicit or not (the Megatron launcher's order)."""
         env = os.environ if environ is None else environ
-        changes: dict[str, object] = {}
-        for f in fields(self):
-            raw = env.get(f"MEDIA_GUARD_{f.name.upper()}")
-            if raw is None:
-                continue
-            if f.name == "allowed_fidelity":
-                changes[f.name] = tuple(x.strip() for x in raw.split(",") if x.strip())
-            elif f.name == "ignore_index":
-                changes[f.name] = parse_int(f.name, raw)
-            elif f.name in ("fp8_multiple", "dump_max"):
-                changes[f.name] = None if raw.lower() in ("", "none") else parse_int(f.name, raw)
-            elif f.name in ("fp8", "dump_pixels", "dump_features"):
-                changes[f.name] = parse_bool(f.name, raw, allow_none=f.name == "fp8")
-            elif f.name in ("log_dir", "dump_dir"):
-                changes[f.name] = raw or None  # set but empty: off
-            else:
-                changes[f.name] = raw
-        try:
-            return replace(self, **changes)
-        except MediaInputError as err:
-            names = ", ".join(
-                f"MEDIA_GUARD_{k.upper()}={env[f'MEDIA_GUARD_{k.upper()}']!r}" for k in changes
-            )
-            raise err.with_context(f"from the environment ({names}): ") from None
+        return _checked(env, lambda changes: replace(self, **changes), _env_changes(env, ()))
+
+
+def _env_changes(env: Mapping[str, str], skip: Collection[str]) -> dict[str, object]:
+    """The fields ``MEDIA_GUARD_<FIELD>`` variables of ``env`` set (except those in ``skip``),
+    parsed; a variable that does not parse is a MediaInputError naming it."""
+    changes: dict[str, object] = {}
+    for f in fields(GuardConfig):
+        raw = env.get(f"MEDIA_GUARD_{f.name.upper()}")
+        if raw is None or f.name in skip:
+            continue
+        if f.name == "allowed_fidelity":
+            changes[f.name] = tuple(x.strip() for x in raw.split(",") if x.strip())
+        elif f.name == "ignore_index":
+            changes[f.name] = parse_int(f.name, raw)
+        elif f.name in ("fp8_multiple", "dump_max"):
+            changes[f.name] = None if raw.lower() in ("", "none") else parse_int(f.name, raw)
+        elif f.name in ("fp8", "dump_pixels", "dump_features"):
+            changes[f.name] = parse_bool(f.name, raw, allow_none=f.name == "fp8")
+        elif f.name in ("log_dir", "dump_dir"):
+            changes[f.name] = raw or None  # set but empty: off
+        else:
+            changes[f.name] = raw
+    return changes
+
+
+def _checked(env: Mapping[str, str], build, changes: dict[str, object]):
+    """``build(changes)``; a MediaInputError it raises names the variables it came from."""
+    try:
+        return build(changes)
+    except MediaInputError as err:
+        if not changes:
+            raise
+        names = ", ".join(
+            f"MEDIA_GUARD_{k.upper()}={env[f'MEDIA_GUARD_{k.upper()}']!r}" for k in changes
+        )
+        raise err.with_context(f"from the environment ({names}): ") from None
+
+
+_dataclass_init = GuardConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init_with_env(
+    self: GuardConfig, *args: object, environ: Mapping[str, str] | None = None, **kwargs: object
+) -> None:
+    """``GuardConfig(...)``: each field not given takes its ``MEDIA_GUARD_<FIELD>`` variable
+    when set, else its default (an argument wins over the environment, which wins over the
+    default). ``environ``: the variables to read (default ``os.environ``; ``{}``: none)."""
+    env = os.environ if environ is None else environ
+    given = {f.name for f in fields(GuardConfig)[: len(args)]} | set(kwargs)
+    changes = _parse_or_name(env, given)
+    _checked(env, lambda ch: _dataclass_init(self, *args, **kwargs, **ch), changes)
+
+
+def _parse_or_name(env: Mapping[str, str], given: Collection[str]) -> dict[str, object]:
+    try:
+        return _env_changes(env, given)
+    except MediaInputError as err:
+        raise err.with_context("GuardConfig from the environment: ") from None
+
+
+GuardConfig.__init__ = _init_with_env  # type: ignore[method-assign]
 
 
 def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:

@@ -3,12 +3,15 @@ the prompt budget (2010 placeholders a frame), the trainer re-processed them at 
 static budget (2550 features a frame). Today's merge fails on batch totals; the guard
 names the sample and item, then drops just that sample and training goes on.
 
-Run: ``python scripts/demo.py`` (CPU, a few seconds).
+Run: ``python scripts/demo.py [--log-dir DIR]`` (CPU, a few seconds). The per-rank log goes
+to DIR when given, else to a temporary directory removed at exit.
 """
 
 from __future__ import annotations
 
+import argparse
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -20,7 +23,17 @@ FRAMES = 4  # the seed had 16 frames; 4 keeps the demo small
 ENGINE_TOKENS, TRAINER_TOKENS = 2010, 2550  # RADIO tiler at 2400x1080, with and without budget
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--log-dir", default=None, help="keep the per-rank log here")
+    args = parser.parse_args(argv)
+    if args.log_dir is not None:
+        return run(args.log_dir, keep=True)
+    with tempfile.TemporaryDirectory(prefix="media_guard_demo_") as log_dir:
+        return run(log_dir, keep=False)
+
+
+def run(log_dir: str, *, keep: bool) -> int:
     grammar = Grammar.qwen2_vl()
     # sample 0: a short image; sample 1: the video the engine shrank
     batch = build_batch(grammar, [[("image", 64)], [("video", ENGINE_TOKENS)] * FRAMES])
@@ -51,7 +64,6 @@ def main() -> int:
         " -> crash, no sample, no item, no rank named\n"
     )
 
-    log_dir = tempfile.mkdtemp(prefix="media_guard_demo_")
     print("== guard, policy=raise ==")
     try:
         MediaGuard(GuardConfig(policy="raise", log_dir=log_dir), grammar=grammar).merge(
@@ -68,7 +80,10 @@ def main() -> int:
         f"actions per sample: {res.report.actions}; loss tokens kept per sample: "
         f"{res.loss_mask.sum(1).int().tolist()}"
     )
-    print(f"per-rank log: {log_dir}/media_guard.rank00000.jsonl")
+    log = Path(log_dir) / "media_guard.rank00000.jsonl"
+    lines = log.read_text().splitlines()
+    where = log if keep else "a temporary directory, removed now (--log-dir DIR keeps it)"
+    print(f"per-rank log: {len(lines)} record(s) in {where}")
     return 0 if res.report.dropped == (1,) else 1
 
 

@@ -4,12 +4,22 @@
 #   2. CUDA re-projection timing and the aligned merge ratio on the GPU,
 #   3. a world-size-1 NCCL smoke (needs megatron-core; skipped with a note otherwise),
 #   4. transformer-engine FP8 detection when TE is installed.
-# Uses the machine's python3 (which must hold a CUDA torch); installs nothing from the
-# network: the package is put on PYTHONPATH. Prints one summary line per step.
+# Uses the project's environment, ./.venv/bin/python (scripts/install.sh test makes it; its
+# torch must be a CUDA build), or $PYTHON when set; installs nothing from the network: the
+# package is put on PYTHONPATH. Prints one summary line per step.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-PY="${PYTHON:-python3}"
+PY="${PYTHON:-.venv/bin/python}"
+if [ ! -x "$PY" ] && ! command -v "$PY" >/dev/null 2>&1; then
+  echo "gpu_check: no Python at $PY: run 'bash scripts/install.sh test' first (it makes ./.venv), or set PYTHON=/path/to/python" >&2
+  exit 2
+fi
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  echo "gpu_check: $PY has no torch: run 'bash scripts/install.sh test', or set PYTHON to an environment with a CUDA torch" >&2
+  exit 2
+fi
+echo "gpu_check: using $PY"
 status=0
 step() {  # step NAME TIMEOUT CMD...
   local name=$1 limit=$2; shift 2

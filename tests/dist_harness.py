@@ -11,6 +11,11 @@ Failures: an exception in any rank fails the call (AssertionError) with every fa
 rank's traceback, the first failure first (the others are terminated); a rank still running after ``timeout`` seconds is a hang:
 every process is killed and AssertionError names the ranks that did not finish.
 Collectives inside the ranks also time out after ``pg_timeout`` seconds (gloo).
+
+``run_ranks(fn, 2, late_init=True)``: the rank's process starts with no process group and
+no ``RANK``/``WORLD_SIZE`` in its environment (a plain ``torch.multiprocessing`` launch);
+``fn(rank, world_size, init, *args)`` calls ``init()`` to create the group when it wants
+(e.g. after building the model and its guard).
 """
 
 from __future__ import annotations
@@ -42,7 +47,9 @@ def _rank_main(
     fn: Callable[..., Any],
     args: tuple,
     pg_timeout: float,
+    late_init: bool = False,
 ) -> None:
+    import functools
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -50,16 +57,15 @@ def _rank_main(
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{workdir}/store",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=pg_timeout),
-    )
+    init = functools.partial(_init_group, rank, world, workdir, pg_timeout)
+    if late_init:
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            os.environ.pop(name, None)
+    else:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+        init()
     try:
-        result = fn(rank, world, *args)
+        result = fn(rank, world, init, *args) if late_init else fn(rank, world, *args)
         with open(Path(workdir) / f"rank{rank}.pkl", "wb") as f:
             pickle.dump(result, f)
     except BaseException:
@@ -67,7 +73,20 @@ def _rank_main(
         (Path(workdir) / f"error{rank}.txt").write_text(f"{time.time()}\n{traceback.format_exc()}")
         raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _init_group(rank: int, world: int, workdir: str, pg_timeout: float) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{workdir}/store",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=pg_timeout),
+    )
 
 
 def run_ranks(
@@ -77,6 +96,7 @@ def run_ranks(
     args: tuple = (),
     timeout: float = 60.0,
     pg_timeout: float = 30.0,
+    late_init: bool = False,
 ) -> list[Any]:
     """``[fn(0, world_size, *args), ..., fn(world_size - 1, ...)]``, each in its own process.
 
@@ -87,7 +107,7 @@ def run_ranks(
     with tempfile.TemporaryDirectory(prefix="media_guard_dist_") as workdir:
         ctx = tmp.start_processes(
             _rank_main,
-            args=(world_size, workdir, fn, args, pg_timeout),
+            args=(world_size, workdir, fn, args, pg_timeout, late_init),
             nprocs=world_size,
             join=False,
             start_method=START_METHOD,

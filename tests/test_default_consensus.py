@@ -1,5 +1,5 @@
 """A MediaGuard built with no ``consensus=`` in an initialized torch.distributed job agrees
-with its peers (DESIGN §5): a fault on one of 4 gloo ranks makes every rank raise naming the
+with its peers (docs/CONSENSUS.md): a fault on one of 4 gloo ranks makes every rank raise naming the
 culprit, and the rank comes from torch.distributed even without ``RANK`` in the environment
 (a ``spawn`` launch). ``consensus=False`` is the explicit way back to deciding alone."""
 

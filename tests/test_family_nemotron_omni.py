@@ -21,6 +21,7 @@ from megatron_media_guard.geometry import RadioTilerGeometry
 pytest.importorskip("transformers.models.nemotron_h_omni")
 
 from megatron_media_guard.adapters import install_vlm
+from megatron_media_guard.families import layouts
 from megatron_media_guard.families import nemotron_omni as spec_mod
 from megatron_media_guard.testing.families import nemotron_omni as F
 from megatron_media_guard.testing.families.base import Media
@@ -188,13 +189,13 @@ def test_repair_reencodes_the_shrunk_image_at_the_engines_grid(model, tmp_path):
     assert (rec["fidelity"], rec["grid"]) == ("engine-replay", [6, 8])
     # the same image resized to 6x8 patches by hand and fed to the plain model
     rows = b.kwargs["pixel_values"][: 8 * 12]
-    img = spec_mod.patches_to_image(rows, 8, 12)[None]
+    img = layouts.patches_to_image(rows, 8, 12)[None]
     small = torch.nn.functional.interpolate(
         img, size=(96, 128), mode="bicubic", antialias=True, align_corners=False
     )[0]
     fixed = dict(b.kwargs)
     fixed["pixel_values"] = torch.cat(
-        [spec_mod.image_to_patches(small), b.kwargs["pixel_values"][96:]]
+        [layouts.image_to_patches(small), b.kwargs["pixel_values"][96:]]
     )
     fixed["image_grid_hw"] = torch.tensor([[6, 8], [2, 4]])
     with torch.no_grad():
@@ -305,3 +306,33 @@ def test_evs_rows_of_unequal_length_are_padded_not_shifted(evs_model):
         alone = F.make_batch(evs_model, [s])
         want = F.plain_logits(evs_model, alone)[0]
         torch.testing.assert_close(out[k, : want.shape[0]], want, atol=1e-5, rtol=1e-5)
+
+
+def test_check_batch_before_the_trainer_drops_the_bad_sample_without_a_model(model):
+    """The spec's own arithmetic on the processor's outputs (no model, no tower): the sample
+    whose run is short loses its media and its placeholders become text; the rest is as given,
+    and the checked batch then runs through the plain model."""
+    from megatron_media_guard.families.collate import check_batch
+
+    b = F.make_batch(model, [[IMG, AUD], [Media("image", (4, 4), tokens=3)], [IMG2]])
+    checked = check_batch("nemotron_omni", b.kwargs, config=model.config, tokenizer=TOKENS)
+    assert checked.report.actions == ("keep", "drop", "keep")
+    out = checked.batch
+    assert out["image_grid_hw"].tolist() == [[4, 4], [2, 4]]
+    assert out["pixel_values"].shape[0] == 16 + 8
+    assert not (out["input_ids"][1] == F.IMAGE).any()
+    assert torch.equal(out["input_ids"][0], b.input_ids[0])
+    with torch.no_grad():
+        got = model(**out).logits
+    for k in (0, 2):
+        want = own(model, [[IMG, AUD], None, [IMG2]][k])
+        torch.testing.assert_close(got[k, : b.lengths[k]], want, atol=1e-5, rtol=1e-5)
+
+
+def test_check_batch_leaves_an_aligned_batch_as_it_is(model):
+    from megatron_media_guard.families.collate import check_batch
+
+    b = F.make_batch(model, [[IMG], [VID], [AUD]])
+    checked = check_batch("nemotron_omni", b.kwargs, config=model.config, tokenizer=TOKENS)
+    assert checked.report.actions == ("keep",) * 3 and checked.dropped == ()
+    assert all(checked.batch[k] is v for k, v in b.kwargs.items())

@@ -59,7 +59,7 @@ def assert_radio_exact(geo: RadioTilerGeometry, hw, sol: Solution) -> None:
     ]
 
 
-# ---- the seed case (DESIGN section 1) --------------------------------------------------------
+# ---- the seed case (README, docs/GEOMETRY.md) ----------------------------------------------------
 def test_seed_unconstrained_frame_is_2550_tokens():
     radio = RadioTilerGeometry()
     assert radio.native(SEED_HW) == (68, 150)

@@ -174,6 +174,82 @@ def test_cycle_check_can_fail():
     assert _find_cycle({"a": {"b"}, "b": set()}) is None
 
 
+# docs/ARCHITECTURE.md's import table: what each part of the package may import, at module level
+# and (UP_INSIDE) only inside a function, reaching up the stack on one path. Anything else fails.
+_BASE = {"errors", "config"}
+ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
+    "config": {"errors"},
+    "diagnostics": {"errors"},
+    "geometry": {"errors"},
+    "core": _BASE | {"diagnostics", "geometry"},
+    "repair": _BASE | {"core", "diagnostics", "geometry"},
+    "families": _BASE | {"core", "geometry", "diagnostics"},
+    "ranks": _BASE | {"core", "diagnostics"},
+    "replay": _BASE | {"core", "diagnostics", "geometry"},
+    "adapters": _BASE
+    | {"core", "diagnostics", "geometry", "repair", "ranks", "families", "replay"},
+    "smoke": _BASE | {"core", "diagnostics", "geometry", "repair", "ranks", "families", "adapters"},
+    "testing": _BASE
+    | {"core", "diagnostics", "geometry", "repair", "ranks", "families", "adapters", "smoke"},
+    "launcher": {"adapters"},
+    "cli": set(),
+    "__main__": {"cli"},
+    "__init__": set(),
+}
+UP_INSIDE: dict[str, set[str]] = {
+    # the fault path writes bundles, re-encodes through repair; the default consensus and rank
+    "core": {"replay", "repair", "ranks"},
+    # the CLI loads each subcommand's side only when it runs (--help imports no torch)
+    "cli": {"diagnostics", "errors", "replay", "smoke"},
+    # the package's public names, loaded lazily
+    "__init__": {"config", "core", "diagnostics", "errors"},
+}
+
+
+def _part(path: Path) -> str:
+    parts = _module_name(path).split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _violations(path: Path, source: str | None = None) -> list[str]:
+    part = _part(path)
+    bad = []
+    top = {m for m, _ in _imports(path, module_level_only=True, source=source)}
+    for mod, line in _imports(path, module_level_only=False, source=source):
+        if not mod.startswith(NAME + "."):
+            continue
+        dep = mod.split(".")[1]
+        if dep == part or dep in ALLOWED[part]:
+            continue
+        if mod not in top and dep in UP_INSIDE.get(part, set()):
+            continue
+        where = "at module level" if mod in top else "inside a function"
+        bad.append(f"{_rel(path)}:{line} imports {mod} {where} ({part} may not)")
+    return bad
+
+
+def test_every_part_imports_only_what_the_table_allows():
+    assert {_part(p) for p in SOURCES} <= set(ALLOWED), "a new part needs a row in ALLOWED"
+    bad = [v for p in SOURCES for v in _violations(p)]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    "part,source",
+    [
+        ("core", "from ..adapters import install_vlm"),
+        ("core", "from ..repair.repairs import run_repairs"),  # up the stack at module level
+        ("repair", "def f():\n    from ..adapters.vlm import VLMHandle"),
+        ("families", "from ..adapters.vlm_install import install_vlm"),
+        ("geometry", "import torch\nfrom ..core.items import MediaItem"),
+    ],
+)
+def test_import_table_check_can_fail(part, source):
+    path = next(p for p in SOURCES if _part(p) == part and p.name != "__init__.py")
+    assert _violations(path, source), source
+
+
 @pytest.mark.parametrize("path", SOURCES, ids=_rel)
 def test_modules_stay_small(path):
     n = len(path.read_text().splitlines())

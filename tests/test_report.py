@@ -110,14 +110,21 @@ def test_counts_by_rank_event_action_reason(tmp_path):
     ("body", "tail", "records", "malformed", "torn"),
     [
         ([line(), line("drop")], '{"schema":1,"time":"2026', 2, 0, True),  # cut mid-record
-        ([line(), line("drop")], line("raise"), 2, 0, True),  # whole record but no newline
-        ([line(), line("drop"), '{"schema":1,"ev'], "", 2, 0, True),  # invalid JSON at EOF
-        ([line(), "\x00\x00\x00\x00"], "", 1, 0, True),  # NUL padding after a crash
+        ([line(), "x", line("drop")], "\x00\x00\x00\x00", 2, 1, True),  # NULs after a crash
+        # torn: only a last line without its newline that fails to parse after valid records
+        ([line(), line("drop")], line("raise"), 3, 0, False),  # whole record, no newline
+        ([line(), line("drop"), '{"schema":1,"ev'], "", 2, 1, False),  # has its newline
+        ([line(), "\x00\x00\x00\x00"], "", 1, 1, False),
+        ([], "hello world", 0, 1, False),  # a text file: malformed, not torn
+        (["hello world"], "", 0, 1, False),
+        (["garbage"], '{"schema":1,"ev', 0, 2, False),  # no valid record before it
         ([line(), "garbage", line("drop")], "", 2, 1, False),
         (["[1, 2]", '"text"', "null", "3", line()], "", 1, 4, False),  # JSON, not objects
+        ([line()], "3", 1, 1, False),  # parses, not an object: malformed
         (["", "   ", line()], "", 1, 0, False),  # blank lines: neither record nor garbage
-        ([line(), "garbage"], "", 1, 0, True),  # garbage as last line reads as a torn write
-        ([line(), "garbage", "", "  "], "", 1, 0, True),  # ... the last non-blank line
+        ([line()], "   ", 1, 0, False),
+        ([line(), "garbage"], "", 1, 1, False),
+        ([line(), "garbage", "", "  "], "", 1, 1, False),
         ([line()], "", 1, 0, False),
         ([], "", 0, 0, False),
     ],
@@ -352,6 +359,7 @@ def test_property_event_counts_survive_garbage_and_torn_tail(tmp_path_factory, r
     for pos, text in sorted(junk, reverse=True):
         lines.insert(min(pos, len(lines)), text)
     tail = ""
+    whole = ""
     if cut is not None and valid:
         whole = valid[cut % len(valid)]
         tail = whole[: 1 + cut % len(whole)]  # a prefix, possibly all of it but the newline
@@ -359,13 +367,13 @@ def test_property_event_counts_survive_garbage_and_torn_tail(tmp_path_factory, r
 
     s = summarize(d)
     want = Counter(r.event for r in recs)
+    if tail and tail == whole:  # a whole record without its newline is a record
+        want[json.loads(whole)["event"]] += 1
     assert {e: s.count(e) for e in EVENTS} == {e: want[e] for e in EVENTS}
-    assert s.records == len(recs)
-    bad = [x for x in lines if x not in valid and x.strip()]
-    nonblank = [x for x in lines if x.strip()]  # blank lines are skipped, never counted
-    last_is_bad = not tail and bool(nonblank) and nonblank[-1] not in valid
-    assert s.malformed == len(bad) - last_is_bad
-    assert bool(s.torn_files) == (bool(tail) or last_is_bad)
+    assert s.records == len(recs) + (bool(tail) and tail == whole)
+    bad = [x for x in lines if x not in valid and x.strip()]  # blank lines are never counted
+    assert s.malformed == len(bad)
+    assert bool(s.torn_files) == (bool(tail) and tail != whole)
 
 
 # -- CLI ---------------------------------------------------------------------------------------
@@ -423,9 +431,41 @@ def test_cli_text_names_the_culprit(logdir, capsys):
     assert "by rank:" in out and "by event:" in out and "top offending sample ids" in out
 
 
-def test_cli_empty_dir_is_not_an_error(tmp_path, capsys):
-    assert main(["report", str(tmp_path), "--fail-on", "raise"]) == 0
-    assert "no media_guard.rank*.jsonl files found" in capsys.readouterr().out
+@pytest.mark.parametrize("as_json", [False, True])
+def test_cli_no_files_is_an_error(tmp_path, capsys, as_json):
+    """A CI step reading a wrong path fails: exit 2 and one line why (a JSON object with
+    --json); the Python API still returns an empty summary."""
+    (tmp_path / "notes.txt").write_text("x")
+    assert main(["report", str(tmp_path), *(["--json"] if as_json else [])]) == 2
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "no media_guard.rank*.jsonl files in" in err
+    if as_json:
+        assert json.loads(out) == {"error": err.strip().split(": ", 1)[1], "exit_code": 2}
+    else:
+        assert out == ""
+    assert summarize(tmp_path).files == ()
+
+
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (lambda d: d / "nope", "no such diagnostics directory"),
+        (lambda d: d, "no media_guard.rank*.jsonl files"),
+    ],
+)
+def test_cli_json_error_is_one_object(tmp_path, capsys, make, why):
+    assert main(["report", str(make(tmp_path)), "--json"]) == 2
+    out, err = capsys.readouterr()
+    data = json.loads(out)
+    assert out.count("\n") == 1 and why in data["error"] and data["exit_code"] == 2
+    assert why in err
+
+
+def test_cli_text_file_named_like_a_log_is_malformed(tmp_path, capsys):
+    (tmp_path / file_name(0)).write_text("hello world")
+    assert main(["report", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert "1 malformed line(s)" in err and "0 torn" in err and "torn last line" not in out
 
 
 def test_register_adds_a_subcommand(capsys):

@@ -87,3 +87,44 @@ def test_mcore019_step_skips_where_its_wheels_cannot_be_used(tmp_path, system, m
     assert "required on Linux x86_64 only" in out.stderr
     assert not (repo / ".mcore019").exists()  # nothing downloaded, no test run
     assert not (repo / ".bridge062").exists()
+
+
+def _gpu_check_copy(tmp_path: Path, venv_python: str | None) -> Path:
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "gpu_check.sh", repo / "scripts" / "gpu_check.sh")
+    if venv_python is not None:
+        (repo / ".venv" / "bin").mkdir(parents=True)
+        _shim(repo / ".venv" / "bin", "python", venv_python)
+    return repo
+
+
+@pytest.mark.parametrize(
+    "venv_python, rc, needle",
+    [
+        (None, 2, "no Python at .venv/bin/python: run 'bash scripts/install.sh test'"),
+        ('[ "$1" = -c ] && exit 1; exit 0', 2, ".venv/bin/python has no torch"),
+        # the project's python runs (no CUDA here: the script stops at its CUDA check, rc 2)
+        (f'echo "venv python $*" >&2; exec "{sys.executable}" "$@"', 2, "venv python -c"),
+    ],
+)
+def test_gpu_check_uses_the_project_venv(tmp_path, venv_python, rc, needle):
+    """gpu_check.sh runs ./.venv/bin/python, not the system python3 (a machine without a
+    global torch got a raw ModuleNotFoundError), and says so when it is missing."""
+    repo = _gpu_check_copy(tmp_path, venv_python)
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    _shim(bindir, "python3", 'echo "system python3 used" >&2; exit 99')
+    env = dict(os.environ, PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    env.pop("PYTHON", None)
+    env["CUDA_VISIBLE_DEVICES"] = ""  # never the real GPU run, even on a GPU machine
+    out = subprocess.run(
+        ["bash", str(repo / "scripts" / "gpu_check.sh")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert "system python3 used" not in out.stderr
+    assert out.returncode == rc and needle in out.stderr + out.stdout, (out.stdout, out.stderr)

@@ -20,7 +20,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from ..core.apply import mask_dropped
+from ..core.apply import kept_tokens, mask_dropped
 from ..core.guard import MediaGuard
 from ..core.items import MediaItem
 from ..core.outcome import MergeResult
@@ -196,10 +196,28 @@ class GuardHandle:
         return tuple(getattr(report, "dropped", ()))
 
     def mask_loss(
-        self, loss_mask: torch.Tensor | None, labels: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        self,
+        loss_mask: torch.Tensor | None,
+        labels: torch.Tensor | None = None,
+        *,
+        return_count: bool = False,
+    ) -> tuple:
         """Zero the loss mask and ignore the labels of the samples the last guarded call
         dropped; returns new tensors (the inputs are not modified; None stays None).
+
+        return_count: return ``(loss_mask, labels, kept)``, ``kept`` the tokens the loss still
+        trains on (:func:`~megatron_media_guard.core.apply.kept_tokens`, no host transfer), for
+        a per-token loss across data-parallel ranks (docs/CONSENSUS.md, loss normalization).
+        """
+        out = self._masked(loss_mask, labels)
+        if not return_count:
+            return out
+        return (*out, kept_tokens(out[0], out[1], self.guard.config.ignore_index))
+
+    def _masked(
+        self, loss_mask: torch.Tensor | None, labels: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """:meth:`mask_loss`'s tensors.
 
         MIMO / generic (a :class:`MergeResult`): ``[b, s]`` like the call's ``input_ids``; a
         sample is that call's sample (a row, or a packed sample of ``cu_seqlens``), masked

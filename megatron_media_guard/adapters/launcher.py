@@ -159,7 +159,8 @@ def config_from_args(args: Any, environ: Mapping[str, str] | None = None) -> Gua
     if fid is not None:
         parts = [fid] if isinstance(fid, str) else list(fid)
         kw["allowed_fidelity"] = tuple(x.strip() for p in parts for x in p.split(",") if x.strip())
-    return GuardConfig(**kw).with_env(dict(_env(environ)))
+    env = dict(_env(environ))
+    return GuardConfig(**kw, environ=env).with_env(env)
 
 
 def _float(name: str, raw: str) -> float:
@@ -266,13 +267,13 @@ def install_from_args(
     config = config_from_args(args, environ)
     budget = budget_from_args(args, environ)
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-    found = [(i, find_vlm(c)) for i, c in enumerate(chunks)]
-    targets = [(i, kind, m) for i, f in found if f is not None for kind, m in [f]]
+    found = [(i, *find_family(c)) for i, c in enumerate(chunks)]
+    targets = [(i, spec.name, m, spec) for i, m, spec in found if spec is not None]
     if not targets:
         names = [type(c).__name__ for c in chunks]
         raise MediaInputError(
             f"no model of a known family found in the model chunks {names} (families: "
-            f"{', '.join(f.name for f in FAMILIES)}; use "
+            f"{', '.join(dict.fromkeys(f.name for f in FAMILIES))}; use "
             "megatron_media_guard.adapters.install_generic for a custom merge)"
         )
     consensus = StageConsensus.from_parallel_state(budget=budget)
@@ -281,15 +282,14 @@ def install_from_args(
     step_provider = _curr_iteration(args)
     guards: dict[str, MediaGuard] = {}
     group = HandleGroup()
-    if config.dump_dir is not None and any(kind == "llava" for _, kind, _ in targets):
+    if config.dump_dir is not None and any(kind == "llava" for _, kind, _, _ in targets):
         log.warning(
             "[media-guard] dump_dir %s: the LLaVA adapter writes no replay bundles (a bundle "
             "replays the core's expanded-token check, LLaVA's image tokens are collapsed); "
             "its findings are in the per-rank log",
             config.dump_dir,
         )
-    for _, kind, m in targets:
-        spec = next(f for f in FAMILIES if f.name == kind)
+    for _, kind, m, spec in targets:
         if kind not in guards:
             guards[kind] = guard_for(
                 spec, m, config, tokenizer, grammar=grammar, rank=rank, consensus=consensus
@@ -314,7 +314,7 @@ def install_from_args(
         group.append(hook)
     log.info(
         "[media-guard] installed on %s (policy %s, log_dir %s, dump_dir %s, budget %s)",
-        ", ".join(f"chunk {i}: {kind}" for i, kind, _ in targets),
+        ", ".join(f"chunk {i}: {kind}" for i, kind, _, _ in targets),
         config.policy,
         config.log_dir,
         config.dump_dir,

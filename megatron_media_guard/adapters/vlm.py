@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..core.guard import MediaGuard
+from ..core.interleave import token_order
 from ..core.outcome import MergeResult
 from ..core.runs import TokenLayout, parse_layout
 from ..errors import MediaInputError
@@ -34,7 +35,7 @@ from ..families.spec import Merged, ModalitySpec, present
 from .hooks import GuardHandle
 from .qwen_vl.checks import CallArgs
 from .qwen_vl.rewrite import add_anchor
-from .vlm_items import call_items, cut_blocks, parents, token_order
+from .vlm_items import call_items, cut_blocks, parents
 
 MARK = "_media_guard_vlm"
 PIXELS_FLAG = "_media_guard_pixels"  # tells a spec's encode to cut per-item pixels (repair)
@@ -123,10 +124,10 @@ class VLMHandle(GuardHandle):
         encoded = cut_blocks(mods, encoded, meta, ids, guard, step, mb)
         items, feats, listed = call_items(mods, encoded, meta)
         parent = parents(mods, encoded)
-        order = listed if listed is not None else token_order(ids, guard, mods, items, parent)
+        order = listed if listed is not None else token_order(ids, guard.grammar, items, parent)
         items = [items[i] for i in order]
         feats = [feats[i] for i in order]
-        emb = model.get_input_embeddings()(ids)
+        emb = self._embed(ids)
         labels = call.get("labels")
         res = guard.merge(
             emb,
@@ -165,15 +166,19 @@ class VLMHandle(GuardHandle):
 
     def _after_merge(self, call: CallArgs, ids, items, feats, res, owners) -> None:
         """The family's step after the merge (Nemotron's EVS), on the runs of this call."""
-        parsed = parse_layout(TokenLayout(ids, self.guard.grammar))
-        if len(parsed.runs) != len(items):
-            return  # only kept samples' runs could be paired: the merge already dropped them
-        acts = res.report.actions
-        runs = tuple(
-            (it, (r.row, r.start, r.end), acts[r.sample] != "drop", own)
-            for it, r, own in zip(items, parsed.runs, owners)
-        )
-        merged = Merged(_view(call, ids), runs, tuple(feats))
+
+        def runs() -> tuple:
+            # the runs' positions, read only when the step asks (a transfer sized by the runs)
+            parsed = parse_layout(TokenLayout(ids, self.guard.grammar))
+            if len(parsed.runs) != len(items):
+                return ()  # runs the merge could not pair with items: nothing to act on
+            acts = res.report.actions
+            return tuple(
+                (it, (r.row, r.start, r.end), acts[r.sample] != "drop", own)
+                for it, r, own in zip(items, parsed.runs, owners)
+            )
+
+        merged = Merged(_view(call, ids), items, feats, runs)
         for name, value in self.spec.after_merge(self.module, merged).items():
             call.set(name, value)
 
@@ -187,8 +192,14 @@ class VLMHandle(GuardHandle):
         rows = torch.tensor([s for s, pos in gen for _ in pos], device=ids.device)
         cols = torch.tensor([c for _, pos in gen for c in pos], device=ids.device)
         ids = ids.index_put((rows, cols), torch.tensor(self.text_id, device=ids.device))
-        text = self.module.get_input_embeddings()(ids[rows, cols])
+        text = self._embed(ids[rows, cols][None])[0]
         return emb.index_put((rows, cols), text.to(emb.dtype)), ids
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[b, s, h]`` token embeddings of ``ids``, as the family embeds them."""
+        if self.spec.embed is not None:
+            return self.spec.embed(self.module, ids)
+        return self.module.get_input_embeddings()(ids)
 
     def _drop_rewrite(self, call: CallArgs, ids, kw, mods, dropped, gone) -> torch.Tensor:
         """The dropped samples' placeholders as text in the ids (and the tensors that follow
@@ -203,7 +214,7 @@ class VLMHandle(GuardHandle):
             if isinstance(t, torch.Tensor):
                 call.set(name, t.masked_fill(hit, 0))
         for m in mods:
-            for name in m.rows:
+            for name in (n for n in m.rows if n in m.keep):  # the others left the call
                 t = kw.get(name)
                 if not isinstance(t, torch.Tensor):
                     continue

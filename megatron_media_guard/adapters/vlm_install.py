@@ -142,14 +142,11 @@ def install_vlm(
     """
     target, spec = find_family(model)
     if spec is None:
+        classes: dict[str, set[str]] = {}
+        for f in FAMILIES:  # a family's transformers and Bridge specs under one name
+            classes.setdefault(f.name, set()).update(c for v in f.classes.values() for c in v)
         known = ", ".join(
-            s.name
-            + (
-                f" ({', '.join(sorted(c for v in s.classes.values() for c in v))})"
-                if s.classes
-                else ""
-            )
-            for s in FAMILIES
+            name + (f" ({', '.join(sorted(c))})" if c else "") for name, c in classes.items()
         )
         raise MediaInputError(
             f"install_vlm: no family knows {type(model).__name__}; known: {known}"

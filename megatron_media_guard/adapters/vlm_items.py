@@ -10,7 +10,6 @@ from dataclasses import replace
 import torch
 
 from ..core.guard import MediaGuard
-from ..core.interleave import interleave
 from ..core.items import MediaItem
 from ..core.runs import TokenLayout, parse_layout
 from ..diagnostics import GuardRecord
@@ -147,61 +146,3 @@ def _end_of(items: list[MediaItem], lo: int, modality: str) -> int:
     while hi < len(items) and items[hi].modality == modality:
         hi += 1
     return hi
-
-
-def token_order(
-    ids, guard: MediaGuard, mods, items: list[MediaItem], parent: list[int]
-) -> list[int]:
-    """The items' permutation into token order. One modality: as consumed. Several: the runs'
-    order read from the ids (a transfer sized by the runs; mixed batches only); a run whose
-    token several modalities share takes the item the length interleaving gives it (when
-    only one interleaving fits; else :class:`MediaInputError` asks for ``set_items``)."""
-    if len(mods) == 1:
-        return list(range(len(items)))
-    g = guard.grammar
-    parsed = parse_layout(TokenLayout(ids, g))
-    streams: dict[str, dict[str, list[int]]] = {}  # token modality -> modality -> item indices
-    for i, it in enumerate(items):
-        tok = g.token_modality(it.modality)
-        streams.setdefault(tok, {}).setdefault(it.modality, []).append(i)
-    runs_of: dict[str, list[int]] = {}
-    samples_of: dict[str, list[int]] = {}
-    for r in parsed.runs:
-        runs_of.setdefault(r.modality, []).append(r.length)
-        samples_of.setdefault(r.modality, []).append(r.sample)
-    queue: dict[str, list[int]] = {}
-    for tok, by_mod in streams.items():
-        seqs = list(by_mod.values())
-        if len(seqs) == 1:
-            queue[tok] = seqs[0]
-            continue
-        if len(seqs) > 2:
-            raise MediaInputError(f"more than two modalities share the {tok!r} token")
-        a, b = seqs
-        la = [items[i].num_features for i in a]
-        lb = [items[i].num_features for i in b]
-        pick, unique = interleave(
-            runs_of.get(tok, []),
-            la,
-            lb,
-            groups=[parent[i] for i in b],
-            run_samples=samples_of.get(tok, []),
-        )
-        if pick is None:  # no interleaving fits: consumption order, the guard reports it
-            queue[tok] = a + b
-            continue
-        if not unique:  # equal lengths at a choice: the ids cannot tell, and a guess is silent
-            raise MediaInputError(
-                f"{' and '.join(by_mod)} runs share the {tok!r} token and have equal lengths "
-                "where their order is open: the ids cannot tell which is which. Give "
-                "handle.set_items(...) with one MediaItem per item in token order"
-            )
-        ia, ib = iter(a), iter(b)
-        queue[tok] = [next(ia) if s == 0 else next(ib) for s in pick]
-    order: list[int] = []
-    for r in parsed.runs:
-        q = queue.get(r.modality)
-        if q:
-            order.append(q.pop(0))
-    order += [i for q in queue.values() for i in q]  # items beyond the runs: the guard reports
-    return order

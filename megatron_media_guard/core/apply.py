@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import MediaAlignmentError
+from ..errors import MediaAlignmentError, MediaInputError
 from .host import to_host
 from .items import Batch
 from .runs import TokenLayout
@@ -150,3 +150,17 @@ def mask_dropped(
     if labels is not None:
         labels = labels.masked_fill(drop_tok, ignore_index)
     return loss_mask, labels
+
+
+def kept_tokens(
+    loss_mask: torch.Tensor | None, labels: torch.Tensor | None = None, ignore_index: int = -100
+) -> torch.Tensor:
+    """The tokens a loss trains on after the drops, as a 0-dim tensor on their device (no host
+    transfer): ``loss_mask.sum()`` when a loss mask is given (its token count for a 0/1 mask),
+    else ``(labels != ignore_index).sum()``. The denominator of a per-token loss: sum it over
+    the data-parallel ranks with the loss sums (Megatron's ``--calculate-per-token-loss``)."""
+    if loss_mask is not None:
+        return loss_mask.sum()
+    if labels is not None:
+        return (labels != ignore_index).sum()
+    raise MediaInputError("kept_tokens needs a loss_mask or labels")

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..diagnostics import GuardRecord
-from ..repair.repairs import run_repairs
 from .alignment import AlignmentReport, align
 from .apply import nonfinite_items, scatter_kept
-from .explain import check_records, error_message, nonfinite_record, plan_records
+from .conclude import conclude
+from .explain import check_records, nonfinite_record, plan_records
 from .generated import Generated, as_text, find_generated, generated_record, text_records
 from .outcome import MergeResult
 from .plan import Plan, build_plan
@@ -59,39 +59,38 @@ def diagnose(
     if plan.repairs and c.emb is None:  # the first stage's plan when every repair succeeds
         plan = plan.with_actions(plan.actions, plan.repairs)
     elif plan.repairs:
-        plan, replaced, failures = run_repairs(
-            plan, batch, guard, c.encoder, step=c.step, microbatch=c.microbatch
-        )
+        # up the stack, inside the function: repair re-encodes with the caller's encoder and
+        # returns its outcome; it never sees the guard
+        from ..repair.repairs import RepairContext, run_repairs
+
+        ctx = RepairContext(guard.geometry, guard.config, guard.grammar.name)
+        out = run_repairs(plan, batch, ctx, c.encoder, step=c.step, microbatch=c.microbatch)
+        plan, replaced, failures = out.plan, out.replaced, out.failures
+        for rec in out.records:
+            guard.log.emit(rec)
     fatal_record = write_records(guard, c, report, plan, nonfinite, gen)  # before the bundle:
     bundle_path = dump_bundle(guard, c, report)  # a full disk must not cost the record
-    fatal_msg = None
-    if plan.fatal or (report.orphans and guard.config.policy == "raise"):
-        fatal_msg = error_message(
-            report,
-            plan.fatal,
-            batch.items,
-            where=guard.where(c.step, c.microbatch),
-            log_path=guard.log.describe_path(),
-            notes={
-                **{k: f"repair failed, {v}" for k, v in failures.items()},
-                **dict(plan.reasons),
-            },
-            nonfinite=nonfinite,
-        )
-        if bundle_path is not None:
-            fatal_msg += f"\n  replay bundle: {bundle_path}"
-    stage = guard._agree(c, plan, report, fatal_msg, fatal_record)
-    guard.counters["mismatched"] += len(report.mismatched)
-    guard.counters["dropped"] += len(plan.dropped)
-    guard.counters["repaired"] += len(plan.repairs)
+    notes = {**{k: f"repair failed, {v}" for k, v in failures.items()}, **dict(plan.reasons)}
+    stage = conclude(
+        guard,
+        report,
+        plan,
+        batch.items,
+        step=c.step,
+        microbatch=c.microbatch,
+        notes=notes,
+        fatal_record=fatal_record,
+        bundle=bundle_path,
+        nonfinite=nonfinite,
+    )
     keep = torch.tensor([a in ("keep", "repair") for a in plan.actions], device=c.input_ids.device)
     if c.emb is None:
-        return guard._finish(c, None, plan, report, verdict, stage, keep)
+        return guard.result(c, None, plan, report, verdict, stage, keep)
     kept_items = [
         i for rep in report.samples if plan.actions[rep.sample] != "drop" for i in rep.items
     ]
     out = scatter_kept(c.emb, c.lay, batch, kept_items, replaced, keep)
-    return guard._finish(c, out, plan, report, verdict, stage, keep)
+    return guard.result(c, out, plan, report, verdict, stage, keep)
 
 
 def write_records(

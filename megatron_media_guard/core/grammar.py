@@ -1,4 +1,4 @@
-"""How media items appear in token ids, per model family (DESIGN §3).
+"""How media items appear in token ids, per model family (the presets below; docs/ARCHITECTURE.md).
 
 A grammar only names token ids; the ids themselves come from the user's
 tokenizer. Presets carry the published defaults where a family has fixed ids
@@ -132,7 +132,7 @@ class Grammar:
                 f"(has {[*self.modalities, *self.aliases]})"
             ) from None
 
-    # ---- presets (DESIGN §3) -------------------------------------------------
+    # ---- presets -----------------------------------------------------------
 
     @classmethod
     def qwen2_vl(

@@ -49,13 +49,18 @@ class MediaGuard:
     """Guards the merge of media features into text embeddings, per sample and per rank.
 
     config: policies and log directory. grammar: the model family's placeholder tokens.
-    rank: this rank's coordinates for diagnostics (default: torch.distributed's rank and
-        parallel_state's coordinates when initialized, else the RANK variable).
-    consensus: agrees decisions across ranks (see ``ranks/consensus.py``). Default (None): when
-        torch.distributed is initialized, a StageConsensus over megatron-core parallel_state's
-        groups if that is initialized, else over the world group (logged once); without
-        torch.distributed, single process. ``False``: no consensus (each rank decides alone).
-    geometry / encoder: used by ``policy="repair"`` to re-project mismatched items.
+    rank: this rank's coordinates for diagnostics (default: read when a record is written and
+        a message is made: torch.distributed's rank and parallel_state's coordinates when
+        initialized, else the RANK variable; a guard built before ``init_process_group``
+        names its own rank and writes its own file).
+    consensus: agrees decisions across ranks (see ``ranks/consensus.py``). Default (None):
+        resolved at the first guarded call that finds torch.distributed initialized (so a guard
+        built before ``init_process_group`` still agrees with its peers): a StageConsensus over
+        megatron-core parallel_state's groups if that is initialized, else over the world group
+        (logged once); without torch.distributed, single process. ``False``: no consensus
+        (each rank decides alone).
+    geometry / encoder: used by ``policy="repair"`` to re-project mismatched items (a repair
+        guard built without them warns: every mismatch then takes ``fallback``).
     """
 
     def __init__(
@@ -70,27 +75,48 @@ class MediaGuard:
     ) -> None:
         if grammar is None:
             raise MediaInputError("MediaGuard needs a grammar (e.g. Grammar.qwen2_vl())")
+        if consensus is True:
+            raise MediaInputError("consensus=True is not a consensus: pass one, None or False")
         self.config = config or GuardConfig()
         self.grammar = grammar
         self._codes = {m: k for k, m in enumerate(grammar.modalities)}
-        if rank is None or consensus is None:
+        self._rank, self._rank_source = rank, None
+        if rank is None:
             # function-level import: the core never imports torch.distributed; ranks/ does
-            from ..ranks.consensus import process_rank_info
-            from ..ranks.defaults import default_consensus
+            from ..ranks.defaults import ProcessRank
 
-            rank = rank or process_rank_info()
-            consensus = default_consensus() if consensus is None else consensus
-        if consensus is True:
-            raise MediaInputError("consensus=True is not a consensus: pass one, None or False")
-        if consensus is False:
-            consensus = None
-        self.rank = rank
-        self.consensus = consensus
+            self._rank_source = ProcessRank()
+        self._consensus = None if consensus is False else consensus
+        self._consensus_pending = consensus is None  # resolved by the first guarded call
         self.geometry = geometry
         self.encoder = encoder
-        self.log = DiagnosticsLog(self.config.log_dir, self.rank)
+        self.log = DiagnosticsLog(self.config.log_dir, rank, rank_source=self._rank_source)
         self.counters = {"merges": 0, "samples": 0, "mismatched": 0, "dropped": 0, "repaired": 0}
         self._agreed = True  # False between a merge's start and its collective
+        self._bind(self._consensus)
+        _ = self.consensus  # the default resolves now when torch.distributed is initialized
+        if self.config.policy == "repair" and (geometry is None or encoder is None):
+            _warn_repair_without(geometry, encoder, self.config.fallback)
+
+    @property
+    def rank(self) -> RankInfo:
+        """This rank's coordinates now (see ``rank`` in the class docstring)."""
+        return self._rank if self._rank_source is None else self._rank_source()
+
+    @property
+    def consensus(self) -> Consensus | None:
+        """The consensus in use; the default one is resolved once torch.distributed is
+        initialized (None until then: single process)."""
+        if self._consensus_pending:
+            from ..ranks.defaults import default_consensus
+
+            cons = default_consensus()  # None while torch.distributed is not initialized
+            if cons is not None:
+                self._consensus, self._consensus_pending = cons, False
+                self._bind(cons)
+        return self._consensus
+
+    def _bind(self, consensus: object | None) -> None:
         bind = getattr(consensus, "bind", None)
         if bind is not None:
             bind(self)
@@ -302,29 +328,16 @@ class MediaGuard:
         if not verdict.aligned(len(owning)):
             return diagnose(self, c, verdict, found)
         plan = build_plan(lay.num_samples, batch.items, verdict, None, self.config)
-        stage = self._agree(c, plan, None, None, None)
+        stage = self.settle(LocalOutcome.of_plan(plan, c.step, c.microbatch))
         if c.emb is None:
-            return self._finish(c, None, plan, None, verdict, stage, None)
+            return self.result(c, None, plan, None, verdict, stage, None)
         if not owning:  # no features: nothing to scatter (verified: no placeholder either)
-            return self._finish(c, c.emb, plan, None, verdict, stage, None)
+            return self.result(c, c.emb, plan, None, verdict, stage, None)
         src = batch.features
         if order != tuple(range(len(order))):  # explicit samples given out of token order
             src = src.index_select(0, rows_index(batch, order, src.device))
         out = scatter(c.emb, lay.ph, src)
-        return self._finish(c, out, plan, None, verdict, stage, None)
-
-    def _agree(self, c: Call, plan: Plan, report, fatal_msg, fatal_record) -> StageOutcome:
-        """Hands this rank's outcome to the consensus (or takes it as the stage's) and raises
-        on every rank when any rank of the stage must."""
-        local = LocalOutcome.of_plan(
-            plan,
-            c.step,
-            c.microbatch,
-            mismatched=len(report.mismatched) if report is not None else 0,
-            message=fatal_msg,
-            record=fatal_record,
-        )
-        return self.settle(local)
+        return self.result(c, out, plan, None, verdict, stage, None)
 
     def settle(self, local: LocalOutcome) -> StageOutcome:
         """Agrees this rank's outcome with its stage (single process: takes it as is) and, when
@@ -344,13 +357,13 @@ class MediaGuard:
                 context={"where": where, "sample": local.fatal_sample},
             )
         raise MediaAlignmentError(
-            f"Media alignment failed on rank {stage.culprit_rank} (step {stage.culprit_step}, "
-            f"sample {stage.culprit_sample}); this rank ({where}) stops with it.\n"
-            f"{stage.message or ''}",
+            _peer_message(stage, where),
             context={"where": where, "culprit_rank": stage.culprit_rank},
         )
 
-    def _finish(self, c: Call, out, plan: Plan, report, verdict, stage, keep) -> MergeResult:
+    def result(self, c: Call, out, plan: Plan, report, verdict, stage, keep) -> MergeResult:
+        """The :class:`MergeResult` of a settled call (the aligned path's and the fault
+        path's last step): drops masked in the loss mask and labels, the report assembled."""
         loss_mask, labels = c.loss_mask, c.labels
         if plan.dropped:
             loss_mask, labels = mask_dropped(
@@ -369,3 +382,32 @@ class MediaGuard:
             num_items=len(c.batch.items),
         )
         return MergeResult(out, loss_mask, labels, rep)
+
+
+def _peer_message(stage: StageOutcome, where: str) -> str:
+    """What a rank raises when another rank of its stage failed: the culprit's rank, step and
+    sample when it is a sample's fault, else what failed there (the error's type and text)."""
+    msg = stage.message or ""
+    at = f"rank {stage.culprit_rank} (step {stage.culprit_step}"
+    if stage.culprit_sample is not None:
+        head = f"Media alignment failed on {at}, sample {stage.culprit_sample})"
+        return f"{head}; this rank ({where}) stops with it.\n{msg}"
+    first, _, rest = msg.partition("\n")
+    head = f"The guarded merge failed on {at}): {first or 'no message'}"
+    return f"{head}\nThis rank ({where}) stops with it." + (f"\n{rest}" if rest else "")
+
+
+def _warn_repair_without(geometry: object | None, encoder: object | None, fallback: str) -> None:
+    """policy="repair" without what a repair needs: said once, at construction."""
+    import warnings
+
+    missing = [n for n, v in (("geometry", geometry), ("encoder", encoder)) if v is None]
+    if geometry is not None:
+        return  # an encoder can still come with each merge, or from the model (Qwen-VL)
+    warnings.warn(
+        f"MediaGuard(policy='repair') without {' and '.join(missing)}: no mismatch can be "
+        f"repaired, each one takes the fallback ({fallback!r}). Pass geometry= (and encoder=, "
+        "here or to each merge; the Qwen-VL adapter uses the model's vision tower)",
+        UserWarning,
+        stacklevel=3,
+    )

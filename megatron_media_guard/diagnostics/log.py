@@ -28,7 +28,7 @@ import socket
 import stat
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from .records import (
@@ -87,13 +87,24 @@ class DiagnosticsLog:
 
     log_dir: directory for ``media_guard.rank{global_rank:05d}.jsonl`` (created on
     the first record); None writes no file, only the logger line.
+    rank_source: called at each record for this rank's coordinates (e.g. torch.distributed's
+    rank once it is initialized: a writer built before ``init_process_group`` still names its
+    own rank and file); None: ``rank`` as given, fixed.
     """
 
-    def __init__(self, log_dir: str | os.PathLike[str] | None, rank: RankInfo | None = None):
-        self.rank = rank if rank is not None else RankInfo.from_env()
-        self.path: Path | None = (
-            None if log_dir is None else Path(log_dir) / file_name(self.rank.rank)
-        )
+    def __init__(
+        self,
+        log_dir: str | os.PathLike[str] | None,
+        rank: RankInfo | None = None,
+        *,
+        rank_source: Callable[[], RankInfo] | None = None,
+    ):
+        self._rank_source = rank_source
+        if rank is None:
+            rank = rank_source() if rank_source is not None else RankInfo.from_env()
+        self.rank = rank
+        self._dir = None if log_dir is None else Path(log_dir)
+        self.path: Path | None = None if self._dir is None else self._dir / file_name(rank.rank)
         self.host = socket.gethostname()
         self.write_errors = 0
         self.last_error: str | None = None  # why the last write failed; None: it succeeded
@@ -110,6 +121,8 @@ class DiagnosticsLog:
         """Write ``record`` as one fsync-ed line, log its summary, return the object written.
         Never raises (see the module docstring)."""
         caller = caller if caller is not None else _caller_name(1)
+        if self._rank_source is not None:
+            self._refresh_rank()
         try:
             rec = build_record(
                 record, self.rank, time=utc_now(), host=self.host, pid=os.getpid(), caller=caller
@@ -136,6 +149,21 @@ class DiagnosticsLog:
         if self._logger.isEnabledFor(level):
             self._logger.log(level, "%s", summary_line(rec))
         return rec
+
+    def _refresh_rank(self) -> None:
+        try:
+            rank = self._rank_source()  # type: ignore[misc]
+        except Exception:  # a half-torn-down process group: keep the last known rank
+            return
+        if rank == self.rank:
+            return
+        self.rank = rank
+        if self._dir is not None and self.path != self._dir / file_name(rank.rank):
+            if os.getpid() != self._lock_pid:  # a forked child: the parent's lock may be held
+                self._lock, self._lock_pid = threading.Lock(), os.getpid()
+            with self._lock:
+                self._close_fd()
+                self.path, self._end = self._dir / file_name(rank.rank), None
 
     def describe_path(self) -> str | None:
         """The log path for a message: None without a log directory; the path when the last

@@ -1,4 +1,4 @@
-"""Per-rank diagnostics: one JSONL file per rank, schema v1 (DESIGN §7).
+"""Per-rank diagnostics: one JSONL file per rank, schema v1 (docs/DIAGNOSTICS.md).
 
 Every guard decision worth a post-mortem is one :class:`GuardRecord`; a
 :class:`DiagnosticsLog` turns it into one JSON object per line in

@@ -10,9 +10,20 @@ from datetime import datetime, timezone
 from pathlib import Path
 from types import MappingProxyType
 
-from .records import EVENTS, FILE_PREFIX, FILE_SUFFIX, cut_words, json_safe
+from .records import EVENTS, FILE_PREFIX, FILE_SUFFIX, cut_words, json_safe, summary_line
+from .report_grid import (
+    NONE_LABEL,
+    OTHER_LABEL,
+    _family,
+    _Grid,
+    _HeavyHitters,
+    _label,
+    _size,
+    _small,
+    _Steps,
+)
 from .report_lines import (
-    LINE_BAD,
+    LINE_BLANK,
     LINE_OK,
     LINE_TORN,
     MAX_TEMPLATE_LINE,
@@ -22,77 +33,30 @@ from .report_lines import (
     parse_line,
     template_match,
 )
-from .report_summary import ReportSummary
+from .report_summary import GridCounts, ReportSummary
 
 FATAL_EVENT = "raise"
 OFFENDING_EVENTS = frozenset({"repair", "drop", "raise"})
-NONE_LABEL = "(none)"
-OTHER_LABEL = "(other)"
+HEAT_EVENTS = ("drop", "repair", "raise", "budget")  # the page's heatmap, in this order
 TOP_CAPACITY = 10_000
 LABEL_CAP = 1_000
 COMBO_CAP = 200_000
+HEAT_CAP = 65_536  # (rank, step, event) bins kept for the heatmap; then the bins grow
+SERIES_CAP = 16_384  # step bins of the records-over-steps chart
 PARALLEL_MIN_BYTES = 32 << 20
 _LABEL_LEN = 120
-_LABEL_SCAN = 1024  # a label depends only on this much of a string (memo keys stay small)
+_REASON_LEN = 4096  # the writer's longest string: a reason it wrote is never cut
+_EXAMPLE_LEN = 600  # an example record's summary line
 _SID_LEN = 200  # longer string sample ids are cut in the summary
 _SID_INT = 1 << 63
 _STEP_MAX, _STEP_MIN = 1 << 62, -(1 << 62)
 
+_HEAT = frozenset(HEAT_EVENTS)
+_NO_KIND = (NONE_LABEL, NONE_LABEL)
+_ITEM_KEYS = ("event", "modality", "item", "frames", "size", "fidelity", "family")
+
 _FILE_RE = re.compile(re.escape(FILE_PREFIX) + r"(\d+)" + re.escape(FILE_SUFFIX) + r"\Z")
 _DIGITS = re.compile(r"\d+")
-
-
-class _HeavyHitters:
-    """Counts of hashable keys in at most ``2 * capacity`` entries (batched Misra-Gries).
-
-    While fewer than ``2 * capacity`` distinct keys arrive the counts are exact. On
-    overflow the (capacity+1)-th largest count c is subtracted from every entry and
-    the non-positive ones dropped: each estimate then undercounts by at most the
-    sum of those c (``error``), and any key seen more than n/(capacity+1) times stays.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.counts: dict[object, int] = {}
-        self.error = 0
-
-    def add(self, key: object) -> None:
-        counts = self.counts
-        counts[key] = counts.get(key, 0) + 1
-        if len(counts) >= 2 * self.capacity:
-            self._prune()
-
-    def merge(self, other: _HeavyHitters) -> None:
-        """Fold in another summary (Misra-Gries summaries are mergeable: errors add)."""
-        counts = self.counts
-        for k, v in other.counts.items():
-            counts[k] = counts.get(k, 0) + v
-        self.error += other.error
-        if len(counts) >= 2 * self.capacity:
-            self._prune()
-
-    def _prune(self) -> None:
-        cut = sorted(self.counts.values(), reverse=True)[self.capacity]
-        self.error += cut
-        self.counts = {k: v - cut for k, v in self.counts.items() if v > cut}
-
-    def top(self, n: int) -> list[tuple[object, int]]:
-        return sorted(self.counts.items(), key=lambda kv: (-kv[1], str(kv[0])))[:n]
-
-
-def _label(value: object) -> str:
-    """A short one-line string key for a field (None, numbers, garbage, long text): whitespace
-    runs as one space, cut at a word boundary to at most ``_LABEL_LEN`` characters."""
-    if value is None:
-        return NONE_LABEL
-    if isinstance(value, str):
-        text = value[:_LABEL_SCAN]
-    else:
-        try:
-            text = json.dumps(value, default=str)[:_LABEL_SCAN]
-        except (ValueError, TypeError, RecursionError):  # huge ints, deep nesting
-            text = f"<{type(value).__name__}>"
-    return cut_words(" ".join(text.split()), _LABEL_LEN) or NONE_LABEL
 
 
 def _parse_time(value: object) -> datetime | None:
@@ -117,10 +81,15 @@ class _Aggregator:
     def __init__(self, ranks: Iterable[int] | None, steps: Iterable[int] | None) -> None:
         self.ranks = None if ranks is None else frozenset(ranks)
         self.steps = None if steps is None else frozenset(steps)
-        self.combo: dict[tuple[int | None, str, str, str], int] = {}
+        # (rank, event, action, reason class, (modality, family)) -> count
+        self.combo: dict[tuple, int] = {}
         self.reasons: dict[str, str] = {}
         self.reason_classes: set[str] = set()
+        # reason class -> (file index, line, rank, step, summary line); (none) has none
+        self.reason_examples: dict[str, tuple | None] = {NONE_LABEL: None}
         self.top = _HeavyHitters(TOP_CAPACITY)
+        self.heat = _Grid(HEAT_CAP, max_labels=len(HEAT_EVENTS) + 1)
+        self.series = _Steps(SERIES_CAP)
         self.lines = self.records = self.matched = self.malformed = self.other_schema = 0
         self.malformed_by_file: dict[str, int] = {}
         self.torn: list[str] = []
@@ -132,17 +101,18 @@ class _Aggregator:
         self.fatal_key: tuple | None = None
 
     def _reason(self, value: object) -> str:
-        """The class of a non-None reason (digits as ``#``), memoized per raw reason."""
-        key = value[:_LABEL_SCAN] if isinstance(value, str) else _label(value)
+        """The class of a non-None reason (digits as ``#``, full text up to the writer's
+        longest string), memoized per raw reason."""
+        key = value[: 2 * _REASON_LEN + 16] if isinstance(value, str) else _label(value)
         cls = self.reasons.get(key)
         if cls is None:
-            cls = _DIGITS.sub("#", _label(key))
+            cls = _DIGITS.sub("#", _label(key, _REASON_LEN))
             if cls not in self.reason_classes:
                 if len(self.reason_classes) >= LABEL_CAP:
                     cls = OTHER_LABEL
                 else:
                     self.reason_classes.add(cls)
-            if len(self.reasons) > 4 * LABEL_CAP:
+            if len(self.reasons) > 2 * LABEL_CAP:
                 self.reasons.clear()
             self.reasons[key] = cls
         return cls
@@ -157,14 +127,17 @@ class _Aggregator:
             return
         file_rank = _file_rank(path)
         self.templates = LineTemplates()  # per file: a template holds the rank, files differ
-        loads, top_add = json.loads, self.top.add
+        loads, top_add, heat_add = json.loads, self.top.add, self.heat.add
         combo, ranks, steps = self.combo, self.ranks, self.steps
+        filtered = ranks is not None or steps is not None
+        per_step, examples = self.series, self.reason_examples
+        series, s_shift, s_cap = per_step.counts, per_step.shift, per_step.cap
         known, add_template, facts_of = self.templates.facts, self.templates.add, self._facts
         match, max_len = template_match, MAX_TEMPLATE_LINE  # report_lines.cut, inlined
         lines = records = matched = bad = other_schema = 0
         fast = True
         lo, hi = _STEP_MAX, _STEP_MIN
-        last_bad = torn = False
+        torn = False
         try:
             with f:
                 for line in f:
@@ -181,14 +154,13 @@ class _Aggregator:
                     else:
                         status, rec = parse_line(line, loads)
                         if status is not LINE_OK:
-                            if status is LINE_TORN:  # only the last line can lack its newline
+                            if status is LINE_TORN and records:  # cut after valid records
                                 torn = True
                                 break
-                            if status is LINE_BAD:
-                                bad += 1
-                                last_bad = True
-                            else:
+                            if status is LINE_BLANK:
                                 lines -= 1  # a blank line is neither record nor garbage
+                            else:
+                                bad += 1
                             continue
                         facts = facts_of(rec)
                         step = rec.get("step")
@@ -196,9 +168,8 @@ class _Aggregator:
                             step = None
                         if key is not None:
                             add_template(key, rec, facts)
-                    last_bad = False
                     records += 1
-                    rank, event, action, reason, sid, schema_1 = facts
+                    rank, event, action, reason, sid, schema_1, kind, item = facts
                     if rank is None:
                         rank = file_rank
                     if ranks is not None and rank not in ranks:
@@ -211,27 +182,39 @@ class _Aggregator:
                             lo = step
                         if step > hi:
                             hi = step
+                        sb = step >> s_shift
+                        count = series.get(sb)
+                        if count is None:
+                            if len(series) >= s_cap:
+                                per_step.coarsen()
+                                series, s_shift = per_step.counts, per_step.shift
+                                sb = step >> s_shift
+                                count = series.get(sb, 0)
+                            else:
+                                count = 0
+                        series[sb] = count + 1
                     if not schema_1:
                         other_schema += 1
-                    key = (rank, event, action, reason)
+                    key = (rank, event, action, reason, kind)
                     count = combo.get(key)
                     if count is None:
                         if len(combo) >= COMBO_CAP:
-                            key = (rank, OTHER_LABEL, OTHER_LABEL, OTHER_LABEL)
+                            key = (rank, OTHER_LABEL, OTHER_LABEL, OTHER_LABEL, _NO_KIND)
                             count = combo.get(key, 0)
                         else:
                             count = 0
                     combo[key] = count + 1
-                    if event in OFFENDING_EVENTS:
+                    # a class is first seen in a full parse unless a filter skipped that line
+                    if (rec is not None or filtered) and reason not in examples:
+                        self._example(rec or loads(line), reason, rank, step, file_index, lines)
+                    if event in _HEAT:
+                        heat_add(rank, step, event)
                         if sid is not None:
-                            top_add(sid)
+                            top_add(sid, (file_index, lines, rank, step, event, *item))
                         if event == FATAL_EVENT:
                             self._fatal(rec or loads(line), rank, step, file_index, lines, name)
         except (OSError, ValueError) as err:  # EIO mid-file, a file replaced under us
             self.skipped[name] = f"read failed after {lines} lines ({type(err).__name__}: {err})"
-        if last_bad and not torn:  # invalid JSON at end of file: a torn write, not garbage
-            bad -= 1
-            torn = True
         if torn:
             self.torn.append(name)
         if bad:
@@ -245,8 +228,9 @@ class _Aggregator:
         self.templates = LineTemplates()  # freed: a worker returns (pickles) its counters only
 
     def _facts(self, rec: dict) -> tuple:
-        """(rank or None, event, action, reason class, sample id or None, schema is 1): what
-        the counters need from a record, every string bounded."""
+        """What the counters need from a record, every string bounded: (rank or None, event,
+        action, reason class, sample id or None, schema is 1, (modality, family), the action
+        as charted, the item (modality, item, frames, size, fidelity, family))."""
         get = rec.get
         rank, event, action, reason, sid = (
             get("rank"),
@@ -270,16 +254,47 @@ class _Aggregator:
                 sid = _label(sid)
         else:
             sid = None
-        return rank, event, action, reason, sid, get("schema") == 1
+        modality, family = _label(get("modality"), 40), _label(_family(rec), 40)
+        hw, extra = get("frame_hw"), get("extra")
+        if hw is None and isinstance(extra, dict):
+            hw = extra.get("size_hw")  # a repair's engine-sized image
+        item = (
+            None if modality == NONE_LABEL else modality,
+            _small(get("item")),
+            _small(get("num_frames")),
+            _size(hw),
+            None if get("fidelity") is None else _label(get("fidelity"), 40),
+            None if family == NONE_LABEL else family,
+        )
+        return (
+            rank,
+            event,
+            action,
+            reason,
+            sid,
+            get("schema") == 1,
+            (modality, family),
+            item,
+        )
+
+    def _example(self, rec: dict, reason: str, rank, step, file_index: int, line: int) -> None:
+        text = cut_words(summary_line(rec), _EXAMPLE_LEN)
+        self.reason_examples[reason] = (file_index, line, rank, step, text)
 
     def merge(self, other: _Aggregator) -> None:
         """Fold in the counters of another aggregator (same filters; files read elsewhere)."""
         combo = self.combo
         for key, n in other.combo.items():
             if key not in combo and len(combo) >= COMBO_CAP:
-                key = (key[0], OTHER_LABEL, OTHER_LABEL, OTHER_LABEL)
+                key = (key[0], OTHER_LABEL, OTHER_LABEL, OTHER_LABEL, _NO_KIND)
             combo[key] = combo.get(key, 0) + n
+        for reason, ex in other.reason_examples.items():
+            mine = self.reason_examples.get(reason)
+            if ex is not None and (mine is None or ex[:2] < mine[:2]):
+                self.reason_examples[reason] = ex
         self.top.merge(other.top)
+        self.heat.merge(other.heat)
+        self.series.merge(other.series)
         self.lines += other.lines
         self.records += other.records
         self.matched += other.matched
@@ -324,18 +339,36 @@ class _Aggregator:
         by_event: dict[str, int] = {}
         by_reason: dict[str, int] = {}
         by_action: dict[str, int] = {}
-        for (rank, event, action, reason), n in self.combo.items():
+        by_kind: dict[tuple[str, str, str], int] = {}
+        for (rank, event, action, reason, kind), n in self.combo.items():
             per = by_rank.setdefault(rank, {})
             per[event] = per.get(event, 0) + n
             by_event[event] = by_event.get(event, 0) + n
-            if event == "consensus":  # every rank's echo of one raise: not more raises
-                action = "(consensus)" if action == NONE_LABEL else f"{action} (consensus)"
+            action = _charted(event, action)
             by_action[action] = by_action.get(action, 0) + n
             by_reason[reason] = by_reason.get(reason, 0) + n
+            k = (*kind, event)
+            by_kind[k] = by_kind.get(k, 0) + n
 
         def ordered(d: dict[str, int]) -> Mapping[str, int]:
             return MappingProxyType(dict(sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))))
 
+        def where(file_index: int, line: int, rank, step) -> dict[str, object]:
+            return {"rank": rank, "step": step, "file": str(files[file_index]), "line": line}
+
+        reason_examples = {
+            r: MappingProxyType({**where(*ex[:4]), "text": ex[4]})
+            for r, ex in self.reason_examples.items()
+            if ex is not None and r in by_reason
+        }
+        top_ids = self.top.top(top)
+        sample_examples = {}
+        for sid, _ in top_ids:
+            ex = self.top.examples.get(sid)
+            if ex is not None:
+                sample_examples[sid] = MappingProxyType(
+                    {**where(*ex[:4]), **dict(zip(_ITEM_KEYS, ex[4:]))}
+                )
         ranks_sorted = sorted(by_rank, key=lambda r: (r is None, r or 0))
         return ReportSummary(
             files=tuple(str(p) for p in files),
@@ -353,14 +386,37 @@ class _Aggregator:
             by_event=MappingProxyType(_event_order(by_event)),
             by_reason=ordered(by_reason),
             by_action=ordered(by_action),
-            top_sample_ids=tuple(self.top.top(top)),  # type: ignore[arg-type]
+            top_sample_ids=tuple(top_ids),  # type: ignore[arg-type]
             sample_ids_exact=self.top.error == 0,
             first_step=self.first_step,
             last_step=self.last_step,
             first_fatal=None if self.fatal is None else MappingProxyType(self.fatal),
             ranks_filter=None if self.ranks is None else tuple(sorted(self.ranks)),
             steps_filter=None if self.steps is None else tuple(sorted(self.steps)),
+            heat=_grid(self.heat),
+            series=_per_step(self.series),
+            by_kind=MappingProxyType(dict(sorted(by_kind.items(), key=lambda kv: -kv[1]))),
+            reason_examples=MappingProxyType(reason_examples),
+            sample_examples=MappingProxyType(sample_examples),
         )
+
+
+def _grid(grid: _Grid) -> GridCounts:
+    return GridCounts(1 << grid.rank_shift, 1 << grid.step_shift, MappingProxyType(grid.cells()))
+
+
+def _per_step(steps: _Steps) -> GridCounts:
+    shift = steps.shift
+    cells = {(None, b << shift, "records"): n for b, n in sorted(steps.counts.items())}
+    return GridCounts(1, 1 << shift, MappingProxyType(cells))
+
+
+def _charted(event: str, action: str) -> str:
+    """The action as counted in ``by_action``: a consensus record is every rank's echo of a
+    stage-wide round, not an action of its own."""
+    if event == "consensus":
+        return "(consensus)" if action == NONE_LABEL else f"{action} (consensus)"
+    return action
 
 
 def _event_order(d: Mapping[str, int]) -> dict[str, int]:

@@ -53,13 +53,19 @@ def _short_id(value: object) -> str:
     return cut_words(repr(value), _ID_LEN)
 
 
-def _table(title: str, counts: Mapping[str, int], limit: int = 20) -> list[str]:
+def _table(
+    title: str, counts: Mapping[str, int], limit: int = 20, cut: int | None = 100
+) -> list[str]:
+    """Rows ``key  count``; keys cut at ``cut`` characters (None: never, count first)."""
     if not counts:
         return []
-    rows = [(cut_words(k, 100), n) for k, n in list(counts.items())[:limit]]
-    width = max(len(k) for k, _ in rows)
     out = [f"{title}:"]
-    out += [f"  {k:<{width}}  {n:>10,}" for k, n in rows]
+    if cut is None:  # full text (reasons): counts first, so rows line up however long
+        out += [f"  {n:>10,}  {k}" for k, n in list(counts.items())[:limit]]
+    else:
+        rows = [(cut_words(k, cut), n) for k, n in list(counts.items())[:limit]]
+        width = max(len(k) for k, _ in rows)
+        out += [f"  {k:<{width}}  {n:>10,}" for k, n in rows]
     if len(counts) > limit:
         out.append(f"  ... {len(counts) - limit} more (see --json)")
     return out
@@ -137,7 +143,7 @@ def format_summary(summary: ReportSummary) -> str:
         lines.append(
             "  (consensus: every rank's record of a stage-wide round; the stage's action, not its own)"
         )
-    lines += _table("by reason (digits shown as #)", s.by_reason)
+    lines += _table("by reason (digits shown as #, full text)", s.by_reason, cut=None)
     if s.top_sample_ids:
         note = "" if s.sample_ids_exact else " (estimated: counts are lower bounds)"
         lines.append(f"top offending sample ids (repair/drop/raise){note}:")

@@ -87,18 +87,21 @@ def parse_line(line: str, loads=json.loads) -> tuple[str, dict | None]:
     """``(LINE_OK, record)``, or ``(LINE_BAD | LINE_TORN | LINE_BLANK, None)``.
 
     Malformed (``LINE_BAD``): not JSON, JSON that is not an object, nesting too deep for the
-    parser, invalid UTF-8. Torn: a line without its newline that does not parse.
+    parser, invalid UTF-8. ``LINE_TORN``: a line without its newline that does not parse (the
+    reader counts it torn when it is the last line of a file after valid records, else
+    malformed). A whole record whose newline is missing is a record.
     """
     try:
         rec, end = _SCAN(line, 0)
-        if line[end:] != "\n":
+        rest = line[end:]
+        if rest and rest != "\n":
             raise ValueError(line)
     except (StopIteration, ValueError, RecursionError):
-        if line[-1:] != "\n":
-            return LINE_TORN, None
         try:
             rec = loads(line)
         except (ValueError, RecursionError):
+            if line[-1:] != "\n" and line.strip():
+                return LINE_TORN, None
             rec = None
     if type(rec) is not dict:
         return (LINE_BAD if line.strip() else LINE_BLANK), None

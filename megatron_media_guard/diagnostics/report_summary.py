@@ -4,7 +4,25 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+
+
+def _empty() -> Mapping:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class GridCounts:
+    """Exact counts in (rank, step) bins: ``cells[(first rank, first step, label)] = n``.
+
+    A bin holds ranks ``r .. r + rank_bin - 1`` and steps ``s .. s + step_bin - 1`` (bins are
+    aligned at multiples of their size); rank None: records with no rank, step None: records
+    with no step. ``label`` is the event (heatmap) or the action (events over steps)."""
+
+    rank_bin: int = 1
+    step_bin: int = 1
+    cells: Mapping[tuple[int | None, int | None, str], int] = field(default_factory=_empty)
 
 
 @dataclass(frozen=True)
@@ -40,15 +58,32 @@ class ReportSummary:
     first_fatal: Mapping[str, object] | None
     ranks_filter: tuple[int, ...] | None = None
     steps_filter: tuple[int, ...] | None = None
+    heat: GridCounts = field(default_factory=GridCounts)
+    series: GridCounts = field(default_factory=GridCounts)
+    by_kind: Mapping[tuple[str, str, str], int] = field(default_factory=_empty)
+    reason_examples: Mapping[str, Mapping[str, object]] = field(default_factory=_empty)
+    sample_examples: Mapping[object, Mapping[str, object]] = field(default_factory=_empty)
+
+    def by(self, which: str) -> dict[str, dict[str, int]]:
+        """``"modality"`` or ``"family"`` -> event -> count, from ``by_kind``."""
+        pos = {"modality": 0, "family": 1}[which]
+        out: dict[str, dict[str, int]] = {}
+        for key, n in self.by_kind.items():
+            per = out.setdefault(key[pos], {})
+            per[key[2]] = per.get(key[2], 0) + n
+        return out
 
     def count(self, event: str) -> int:
         """Records of ``event`` that passed the filters."""
         return self.by_event.get(event, 0)
 
     def to_dict(self) -> dict[str, object]:
-        """Plain JSON-ready data (rank keys as strings, ``"null"`` for unknown)."""
+        """Plain JSON-ready data (rank keys as strings, ``"null"`` for unknown). The grids
+        (``heat``, ``series``) are left out: the page draws them (``--html``)."""
         d: dict[str, object] = {}
         for f in fields(self):
+            if f.name in ("heat", "series", "by_kind", "sample_examples"):
+                continue
             v = getattr(self, f.name)
             d[f.name] = (
                 dict(v) if isinstance(v, Mapping) else list(v) if isinstance(v, tuple) else v
@@ -56,5 +91,11 @@ class ReportSummary:
         d["by_rank"] = {
             ("null" if r is None else str(r)): dict(ev) for r, ev in self.by_rank.items()
         }
-        d["top_sample_ids"] = [{"sample_id": s, "count": n} for s, n in self.top_sample_ids]
+        d["top_sample_ids"] = [
+            {"sample_id": s, "count": n, "example": dict(self.sample_examples.get(s) or {})}
+            for s, n in self.top_sample_ids
+        ]
+        d["reason_examples"] = {k: dict(v) for k, v in self.reason_examples.items()}
+        d["by_modality"] = self.by("modality")
+        d["by_family"] = self.by("family")
         return d

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import llava_onevision, megatron, mistral3, nemotron_omni, qwen
+from . import gemma3, internvl, kimi_k25, llava_onevision, megatron, mistral3, nemotron_omni, qwen
 from .spec import FamilySpec, ModalitySpec, Token
 
 FAMILIES: tuple[FamilySpec, ...] = (
@@ -17,6 +17,11 @@ FAMILIES: tuple[FamilySpec, ...] = (
     megatron.MIMO,
     qwen.SPEC,
     nemotron_omni.SPEC,
+    gemma3.SPEC,
+    gemma3.BRIDGE,
+    kimi_k25.SPEC,
+    kimi_k25.BRIDGE,
+    internvl.SPEC,
     mistral3.SPEC,
     llava_onevision.SPEC,
 )

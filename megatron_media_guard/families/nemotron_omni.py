@@ -1,54 +1,34 @@
-"""Nemotron 3 Nano Omni (transformers ``NemotronH_Omni_Reasoning_V3``): RADIO images, video
-tubelets on the same image token, Parakeet audio.
+"""Nemotron 3 Nano Omni (transformers ``NemotronH_Omni_Reasoning_V3``; docs/FAMILIES.md).
 
-- image: ``<img>`` ``<image>``xN ``</img>``; ``pixel_values`` ``[sum(gh*gw), 3*16*16]`` patch rows
-  (row-major patches, channel-major within a patch) with ``image_grid_hw`` ``[n, 2]``;
-  N = gh*gw/4 (pixel shuffle 0.5).
-- video: one ``<img>...</img>`` run per tubelet on the *image* token, each after its
-  "Frame k sampled at t seconds: " text; ``pixel_values_videos`` ``[V, T, 2*3, H, W]`` stacked;
-  (H/16)(W/16)/4 per tubelet. The plain model scatters images and videos into every image-token
-  position in turn, so it cannot take a batch with both; the guard merges per run in token order.
-- audio: ``<so_start>`` ``<so_embedding>``xN ``<so_end>``; ``input_features`` ``[n, L, mel]`` with
-  ``input_features_mask``; N from the tower's own ``_get_subsampling_output_length``.
+- image: ``<img>`` ``<image>``xN ``</img>``; ``pixel_values`` RADIO patch rows with
+  ``image_grid_hw``, N = gh*gw/4. Repair: RADIO tiler (the engine's budget replayed).
+- video: one ``<img>...</img>`` run per tubelet on the *image* token; ``pixel_values_videos``
+  ``[V, T, 2*3, H, W]`` stacked, (H/16)(W/16)/4 per tubelet. The plain model cannot take images
+  and videos in one batch; the guard merges per run in token order. EVS after the merge.
+- audio: ``<so_start>`` ``<so_embedding>``xN ``<so_end>``, N from Parakeet's subsampling.
 
-The config carries ``image_token_id`` / ``audio_token_id`` (None by default); the markers come
-from the tokenizer. Image repair: the item's patch rows become an image, are resized to the
-RADIO tiler's grid for the run's length (``RadioTilerGeometry``; the engine's budget replayed)
-and re-encoded through ``get_image_features``.
+Markers come from the tokenizer (the config has only the placeholder ids).
 """
 
 from __future__ import annotations
 
-import sys
+import math
 from typing import Any
 
 import torch
 
 from ..core.host import to_host
 from ..geometry import RadioTilerGeometry
-from .spec import Encoded, FamilySpec, Merged, ModalitySpec, Token, split_rows
+from .evs import prune_video_tokens
+from .layouts import image_to_patches, patches_to_image
+from .spec import Encoded, FamilySpec, ModalitySpec, Token, split_rows
 
 PATCH = 16
 
 
-def patches_to_image(rows: torch.Tensor, gh: int, gw: int) -> torch.Tensor:
-    """``[gh*gw, C*16*16]`` patch rows -> ``[C, 16*gh, 16*gw]`` pixels."""
-    c = rows.shape[1] // (PATCH * PATCH)
-    x = rows.reshape(gh, gw, c, PATCH, PATCH).permute(2, 0, 3, 1, 4)
-    return x.reshape(c, gh * PATCH, gw * PATCH)
-
-
-def image_to_patches(img: torch.Tensor) -> torch.Tensor:
-    """``[C, H, W]`` (H, W multiples of 16) -> ``[(H/16)*(W/16), C*16*16]`` patch rows."""
-    c, h, w = img.shape
-    x = img.reshape(c, h // PATCH, PATCH, w // PATCH, PATCH).permute(1, 3, 0, 2, 4)
-    return x.reshape((h // PATCH) * (w // PATCH), c * PATCH * PATCH)
-
-
 def _encode_image(model: Any, kw) -> Encoded:
     pv, grid = kw["pixel_values"], kw["image_grid_hw"]
-    feats = model.get_image_features(pv, grid, return_dict=True).pooler_output
-    feats = split_rows(feats, [])
+    feats = tuple(model.get_image_features(pv, grid, return_dict=True).pooler_output)
     if not kw.get("_media_guard_pixels"):
         return Encoded(feats)
     # repair only: the grids on the host to cut each image's patch rows (one small transfer)
@@ -99,49 +79,30 @@ def _encode_audio(model: Any, kw) -> Encoded:
     return Encoded(split_rows(flat, sizes))
 
 
-def _evs(model: Any, merged: Merged) -> dict[str, Any]:
-    """Efficient video sampling (``video_pruning_rate > 0``): each video's tokens pruned after
-    the merge with the model's own ``compute_retention_mask`` on that video's features, as the
-    plain forward does, and rows of unequal length right-padded (attention mask 0, labels
-    ignored) where the plain forward's ``.view(batch, -1)`` would move tokens between rows."""
-    rate = float(getattr(model, "video_pruning_rate", 0) or 0)
-    runs = [(k, r) for k, r in enumerate(merged.runs) if r[0].modality == "video"]
-    if rate <= 0 or not runs:
-        return {}
-    retention = sys.modules[type(model).__module__].compute_retention_mask
-    kw = merged.kwargs
-    ids = kw["input_ids"]
-    keep = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
-    video: dict[int, list[int]] = {}  # per video of a kept sample, its runs in order
-    for k, (_, _, kept, owner) in runs:
-        if kept:
-            video.setdefault(owner, []).append(k)
-    for group in video.values():
-        feats = torch.cat([merged.features[k] for k in group])
-        mask = retention(feats, len(group), rate)
-        at = 0
-        for k in group:
-            row, a, b = merged.runs[k][1]
-            keep[row, a:b] = mask[at : at + b - a]
-            at += b - a
-    lengths = keep.sum(1)
-    # the new row lengths size the pruned tensors (one small transfer, EVS calls only)
-    n = to_host(lengths, why="row lengths after EVS pruning").tolist()
-    width = max(n)
-    out: dict[str, Any] = {}
-    pad = {"inputs_embeds": 0.0, "input_ids": 0, "attention_mask": 0, "labels": -100}
-    for name, fill in pad.items():
-        t = kw.get(name)
-        if t is None:
-            continue
-        new = t.new_full((t.shape[0], width, *t.shape[2:]), fill)
-        for r in range(t.shape[0]):  # rows, not tokens
-            new[r, : n[r]] = t[r][keep[r]]
-        out[name] = new
-    if kw.get("attention_mask") is None and min(n) != width:
-        cols = torch.arange(width, device=ids.device)
-        out["attention_mask"] = (cols[None] < lengths[:, None]).long()
-    return out
+def _image_counts(config: Any, kw) -> list[list[int]]:
+    hw = to_host(kw["image_grid_hw"], why="image grids for the collate check").tolist()
+    return [[gh * gw // 4] for gh, gw in hw]
+
+
+def _video_counts(config: Any, kw) -> list[list[int]]:
+    v, t, _, h, w = kw["pixel_values_videos"].shape
+    return [[(h // PATCH) * (w // PATCH) // 4] * t for _ in range(v)]
+
+
+def _audio_counts(config: Any, kw) -> list[list[int]]:
+    """Parakeet's conv subsampling (the tower's ``_get_subsampling_output_length``) on the
+    model's input length ``mask.sum(-1) + 1``."""
+    a = config.audio_config
+    k, stride = a.subsampling_conv_kernel_size, a.subsampling_conv_stride
+    pad = (k - 1) // 2 * 2 - k
+    mask = kw.get("input_features_mask")
+    if mask is None:
+        n = [kw["input_features"].shape[1]] * kw["input_features"].shape[0]
+    else:
+        n = to_host(mask.sum(-1) + 1, why="audio lengths for the collate check").tolist()
+    for _ in range(int(math.log2(a.subsampling_factor))):
+        n = [math.floor((x + pad) / stride + 1) for x in n]
+    return [[x] for x in n]
 
 
 def _geometry(model: Any) -> RadioTilerGeometry:
@@ -160,6 +121,9 @@ SPEC = FamilySpec(
             start=Token((), "<img>"),
             end=Token((), "</img>"),
             reencode=_reencode_image,
+            rows=("image_grid_hw",),
+            patches={"pixel_values": "image_grid_hw"},
+            counts=_image_counts,
         ),
         ModalitySpec(
             "video",
@@ -167,6 +131,8 @@ SPEC = FamilySpec(
             ("pixel_values_videos",),
             _encode_video,
             shares="image",
+            rows=("pixel_values_videos",),
+            counts=_video_counts,
         ),
         ModalitySpec(
             "audio",
@@ -175,9 +141,11 @@ SPEC = FamilySpec(
             _encode_audio,
             start=Token((), "<so_start>"),
             end=Token((), "<so_end>"),
+            rows=("input_features", "input_features_mask"),
+            counts=_audio_counts,
         ),
     ),
     text=Token(("text_config.pad_token_id", "pad_token_id"), "<unk>", 0),
     geometry=_geometry,
-    after_merge=_evs,
+    after_merge=prune_video_tokens,
 )

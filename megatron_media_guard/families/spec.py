@@ -79,20 +79,30 @@ class Encoded:
 
 #: encode(model, call_kwargs) -> Encoded; call_kwargs holds the forward's keyword arguments
 Encode = Callable[[Any, Mapping[str, Any]], Encoded]
+#: counts(model config, inputs) -> per model-level item, the lengths of its runs
+Counts = Callable[[Any, Mapping[str, Any]], list[list[int]]]
 #: repair encoder for one item: (model, new_pixels [C, H', W']) -> features [n, h]
 Reencode = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
-@dataclass(frozen=True)
 class Merged:
-    """What a family's ``after_merge`` sees: the forward's keyword arguments after the merge
-    (``inputs_embeds`` merged, ``input_ids`` rewritten), and per run in token order its item,
-    its placeholder positions ``(row, start, end)``, whether its sample was kept, and the
-    model-level item it belongs to (a video's tubelets share one)."""
+    """What a family's ``after_merge`` sees: ``kwargs``, the forward's keyword arguments after
+    the merge (``inputs_embeds`` merged, ``input_ids`` rewritten), ``items`` and ``features``
+    in token order, and :meth:`runs`: per run its item, its placeholder positions ``(row, start,
+    end)``, whether its sample was kept and the model-level item it belongs to (a video's
+    tubelets share one). The runs are read from the ids only when asked for (a transfer)."""
 
-    kwargs: Mapping[str, Any]
-    runs: tuple[tuple[Any, tuple[int, int, int], bool, int], ...]
-    features: tuple[torch.Tensor, ...]  # per run, the features its item produced
+    def __init__(self, kwargs: Mapping[str, Any], items, features, runs: Callable[[], tuple]):
+        self.kwargs = kwargs
+        self.items = tuple(items)
+        self.features = tuple(features)
+        self._runs = runs
+        self._cache: tuple | None = None
+
+    def runs(self) -> tuple[tuple[Any, tuple[int, int, int], bool, int], ...]:
+        if self._cache is None:
+            self._cache = self._runs()
+        return self._cache
 
 
 #: after_merge(model, merged) -> keyword arguments to replace (Nemotron's EVS pruning)
@@ -114,8 +124,12 @@ class ModalitySpec:
     reencode: how one repaired item is encoded (None: this modality is never repaired).
     keep: of ``inputs``, those left in the call after the merge (the grids a model computes its
         positions from); the others are set to None.
-    rows: of ``keep``, those whose dim-0 rows are this modality's model-level items: a dropped
-        sample's rows leave them (its placeholders become text, so its positions follow).
+    rows: inputs whose dim-0 rows are this modality's model-level items (grids, stacked
+        videos, audio clips): a dropped sample's rows leave them (the engine: those it keeps;
+        :func:`~.collate.check_batch`: all).
+    patches: ``{input: grid input}`` for flat patch rows, ``prod(grid row)`` rows per item.
+    counts: ``counts(config, inputs)``: per model-level item, its runs' lengths, from the
+        inputs alone (no model): what :func:`~.collate.check_batch` checks before the trainer.
     """
 
     name: ModalityName
@@ -128,6 +142,8 @@ class ModalitySpec:
     reencode: Reencode | None = None
     keep: tuple[str, ...] = ()
     rows: tuple[str, ...] = ()
+    patches: Mapping[str, str] = field(default_factory=dict)
+    counts: Counts | None = None
     breaks: tuple[Token, ...] = ()
 
 
@@ -146,7 +162,9 @@ class FamilySpec:
     such as ``mm_token_type_ids``: 0 there); ``positions(model, kwargs)`` (the model's own
     rope-index function on the rewritten ids and kept grids) gives ``position_ids`` where the
     caller gave none; ``ids_with_embeds`` False: the forward takes ``input_ids`` or
-    ``inputs_embeds``, not both (``input_ids`` is then None).
+    ``inputs_embeds``, not both (``input_ids`` is then None). ``embed(model, ids)``: the
+    ``[b, s, h]`` token embeddings the merge starts from (None: ``model.get_input_embeddings()``;
+    Megatron-Bridge classes embed through their language model's own ``embedding``).
     """
 
     name: str
@@ -160,6 +178,7 @@ class FamilySpec:
     positions: Callable[[Any, Mapping[str, Any]], torch.Tensor] | None = None
     ids_with_embeds: bool = True
     after_merge: AfterMerge | None = None
+    embed: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
 
     def matches(self, model: Any) -> bool:
         if self.detect is not None and self.detect(model):
@@ -253,3 +272,9 @@ def split_rows(flat: torch.Tensor | Sequence[torch.Tensor], sizes: Sequence[int]
     if isinstance(flat, torch.Tensor):
         return tuple(flat.split(list(sizes)))
     return tuple(flat)
+
+
+def bridge_embed(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """A Megatron-Bridge VL model's token embeddings, ``[b, s, h]``: its language model's own
+    ``embedding`` (``[s, b, h]``, as Bridge's forwards call it), transposed."""
+    return model.language_model.embedding(input_ids=ids, position_ids=None).transpose(0, 1)

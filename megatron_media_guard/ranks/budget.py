@@ -1,4 +1,4 @@
-"""The drop budget (DESIGN §6): a silent flood of dropped samples becomes a named failure.
+"""The drop budget (docs/CONSENSUS.md): a silent flood of dropped samples becomes a named failure.
 
 Checked at step end on counters that are already summed over the stage's data-parallel
 replicas (each micro-batch counted once): :class:`~megatron_media_guard.ranks.consensus.StageConsensus`

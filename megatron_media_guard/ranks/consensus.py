@@ -1,4 +1,4 @@
-"""Per-rank consensus for the guarded merge (DESIGN §5): one small all-reduce per merge.
+"""Per-rank consensus for the guarded merge (docs/CONSENSUS.md): one small all-reduce per merge.
 
 Groups. The *stage group* is every rank of one pipeline stage (tensor x data x context
 parallel); the *micro-batch group* is the ranks of that stage holding the same
@@ -268,9 +268,11 @@ class StageConsensus:
             note, _ = _disagreement_message(disagree, local)
             message += "\n  (also: " + note.splitlines()[0] + ")"
         lines = message.splitlines()
+        sample = _none(culprit["sample"])
         reason = (
-            f"rank {culprit['rank']} raised (step {_none(culprit['step'])}, sample "
-            f"{_none(culprit['sample'])}); the stage stops with it: "
+            f"rank {culprit['rank']} raised (step {_none(culprit['step'])}"
+            + (f", sample {sample}" if sample is not None else "")
+            + "); the stage stops with it: "
             + (lines[1].strip() if len(lines) > 1 else lines[0])
         )
         self._record(local, "raise", reason, rows, [r["rank"] for r in fatal], got[1])

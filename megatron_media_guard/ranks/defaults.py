@@ -1,23 +1,27 @@
 """What a :class:`~megatron_media_guard.core.guard.MediaGuard` built without ``consensus=``
 or ``rank=`` gets (the guard imports this module lazily, inside its constructor: the core
-never imports torch.distributed itself).
+never imports torch.distributed itself). Both are resolved when they are used, not when the
+guard is built: a guard built before ``init_process_group`` (build the model and its guard,
+then launch) still agrees with its peers and writes its own rank's file.
 
-- consensus: when torch.distributed is initialized, a :class:`~.consensus.StageConsensus`
+- consensus (resolved at the first guarded call that finds torch.distributed initialized;
+  until then, single process): a :class:`~.consensus.StageConsensus`
   over megatron-core ``parallel_state``'s groups when that is initialized, else over the
   world group (every rank one stage, no micro-batch peers). A guard that decided alone
   would raise on the faulty rank while its peers wait in the next collective until the
   process-group timeout. Which one was chosen is logged once per process. Without
   torch.distributed: None (single process). ``consensus=False`` turns it off explicitly.
-- rank: :func:`~.consensus.process_rank_info` (torch.distributed's rank when it is initialized,
-  the tp/pp/dp/cp coordinates from ``parallel_state`` when that is, else ``RANK``).
+- rank: :class:`ProcessRank`, :func:`~.consensus.process_rank_info` at record time
+  (torch.distributed's rank when it is initialized, the tp/pp/dp/cp coordinates from
+  ``parallel_state`` when that is, else ``RANK``).
 """
 
 from __future__ import annotations
 
 import threading
 
-from ..diagnostics import get_logger
-from .consensus import StageConsensus, dist_ready, parallel_state
+from ..diagnostics import RankInfo, get_logger
+from .consensus import StageConsensus, dist_ready, parallel_state, process_rank_info
 
 _ANNOUNCED: set[str] = set()
 _LOCK = threading.Lock()
@@ -38,6 +42,21 @@ def default_consensus() -> StageConsensus | None:
         "rank alone",
     )
     return cons
+
+
+class ProcessRank:
+    """``process_rank_info()`` when asked, recomputed only when torch.distributed or
+    parallel_state became initialized since the last call (a few attribute reads otherwise)."""
+
+    def __init__(self) -> None:
+        self._key: tuple[bool, bool] | None = None
+        self._info = RankInfo()
+
+    def __call__(self) -> RankInfo:
+        key = (dist_ready(), parallel_state() is not None)
+        if key != self._key:
+            self._info, self._key = process_rank_info(), key
+        return self._info
 
 
 def _announce(key: str, line: str) -> None:

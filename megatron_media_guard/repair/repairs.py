@@ -8,18 +8,80 @@ Every attempt is written to the per-rank log with target, size, fidelity and dur
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from ..config import GuardConfig
 from ..core.items import Batch, MediaItem
 from ..core.plan import ItemRepair, Plan
 from ..diagnostics import GuardRecord
 from .fp8 import fp8_multiple
 from .reproject import reencode
 
-if TYPE_CHECKING:
-    from ..core.guard import MediaGuard
+
+@dataclass(frozen=True)
+class RepairContext:
+    """What a repair may use: the geometry that solves a target count and the config (its
+    allowed fidelity classes, fallback, fp8 padding). Nothing else of the guard."""
+
+    geometry: Any
+    config: GuardConfig
+    family: str = "this grammar"  # named when there is no geometry to repair with
+
+
+@dataclass(frozen=True)
+class RepairOutcome:
+    """What :func:`run_repairs` gives back: the plan after fallbacks, the new features by item
+    (samples whose every repair succeeded), per sample that fell back why, and one ``repair``
+    record per attempt for the caller to write."""
+
+    plan: Plan
+    replaced: dict[int, torch.Tensor]
+    failures: dict[int, str]
+    records: tuple[GuardRecord, ...]
+
+
+def repair_record(
+    *,
+    step: int | None,
+    microbatch: int | None,
+    sample: int,
+    item_index: int,
+    item: MediaItem,
+    target: int,
+    got: int,
+    facts: dict,
+    ok: bool,
+    fallback: str,
+    duration_ms: float,
+    first_mismatch: int | None = None,
+    grid: tuple[int, ...] | None = None,
+    extra: dict | None = None,
+) -> GuardRecord:
+    """The ``repair`` record of one attempt (the core's per item, Qwen-VL's per grid row)."""
+    size = facts.get("size_hw")
+    return GuardRecord(
+        event="repair",
+        step=step,
+        microbatch=microbatch,
+        sample=sample,
+        sample_id=item.sample_id,
+        item=item_index,
+        modality=item.modality,
+        expected=(target,),
+        got=(got,),
+        first_mismatch=first_mismatch,
+        num_frames=item.num_frames,
+        frame_hw=item.frame_hw,
+        grid=grid,
+        action="repair" if ok else f"fallback:{fallback}",
+        fidelity=facts.get("fidelity"),
+        reason=facts.get("reason"),
+        duration_ms=duration_ms,
+        extra={"size_hw": list(size) if size else None, **(extra or {})},
+    )
 
 
 def _source_hw(item: MediaItem) -> tuple[int, int] | None:
@@ -45,7 +107,7 @@ def solve_allowed(geo, target: int, hw: tuple[int, int], num_frames: int, config
 
 
 def _attempt(
-    r: ItemRepair, batch: Batch, guard: MediaGuard, encoder
+    r: ItemRepair, batch: Batch, ctx: RepairContext, encoder
 ) -> tuple[torch.Tensor | None, dict]:
     """Re-encode one item; returns (features or None, facts for the record)."""
     item = batch.items[r.item]
@@ -58,17 +120,20 @@ def _attempt(
         name
         for name, v in (
             ("encoder", encoder),
-            ("geometry", guard.geometry),
+            ("geometry", ctx.geometry),
             ("pixels", item.pixels),
             ("media size", hw),
         )
         if v is None
     ]
+    if ctx.geometry is None:  # the family has no sizing to repair with
+        facts["reason"] = f"cannot repair: no geometry for {ctx.family}"
+        return None, facts
     if missing:
         facts["reason"] = f"cannot repair: no {', '.join(missing)} given"
         return None, facts
-    geo = guard.geometry
-    sol, why_not = solve_allowed(geo, r.target, hw, item.num_frames or 1, guard.config)
+    geo = ctx.geometry
+    sol, why_not = solve_allowed(geo, r.target, hw, item.num_frames or 1, ctx.config)
     facts.update(fidelity=sol.fidelity, grid=getattr(sol, "grid", None), size_hw=sol.size_hw)
     if why_not is not None:
         facts["reason"] = why_not
@@ -85,7 +150,7 @@ def _attempt(
             sol,
             encoder,
             grid_thw=item.grid_thw,
-            fp8_multiple=fp8_multiple(guard.config.fp8, guard.config.fp8_multiple),
+            fp8_multiple=fp8_multiple(ctx.config.fp8, ctx.config.fp8_multiple),
             **kwargs,
         )
     except Exception as exc:  # OOM, shape errors in the user's encoder: recorded, then fallback
@@ -113,50 +178,44 @@ def _attempt(
 def run_repairs(
     plan: Plan,
     batch: Batch,
-    guard: MediaGuard,
+    ctx: RepairContext,
     encoder,
     *,
     step: int | None,
     microbatch: int | None,
-) -> tuple[Plan, dict[int, torch.Tensor], dict[int, str]]:
-    """Attempts every repair of ``plan``; returns the plan after fallbacks, the new features
-    by item index (only for samples whose every repair succeeded) and, per sample that fell
-    back, why its first failed repair failed."""
+) -> RepairOutcome:
+    """Attempts every repair of ``plan`` (only the items it names are re-encoded); a sample
+    is repaired only when all of its items are, else it takes ``config.fallback``."""
     done: dict[int, torch.Tensor] = {}
     failed: dict[int, str] = {}
+    records: list[GuardRecord] = []
     for r in plan.repairs:
         t0 = time.perf_counter()
-        feats, facts = _attempt(r, batch, guard, encoder)
-        ms = (time.perf_counter() - t0) * 1e3
+        feats, facts = _attempt(r, batch, ctx, encoder)
         item = batch.items[r.item]
         ok = feats is not None
         if ok:
             done[r.item] = feats
         else:
             failed.setdefault(r.sample, f"item {r.item}: {facts.get('reason')}")
-        guard.log.emit(
-            GuardRecord(
-                event="repair",
+        records.append(
+            repair_record(
                 step=step,
                 microbatch=microbatch,
                 sample=r.sample,
-                sample_id=item.sample_id,
-                item=r.item,
-                modality=item.modality,
-                expected=(r.target,),
-                got=(item.num_features,),
+                item_index=r.item,
+                item=item,
+                target=r.target,
+                got=item.num_features,
+                facts=facts,
+                ok=ok,
+                fallback=ctx.config.fallback,
+                duration_ms=(time.perf_counter() - t0) * 1e3,
                 first_mismatch=r.run,
-                num_frames=item.num_frames,
-                frame_hw=item.frame_hw,
                 grid=tuple(facts["grid"]) if facts.get("grid") else None,
-                action="repair" if ok else f"fallback:{guard.config.fallback}",
-                fidelity=facts.get("fidelity"),
-                reason=facts.get("reason"),
-                duration_ms=ms,
-                extra={"size_hw": list(facts["size_hw"]) if facts.get("size_hw") else None},
             )
         )
-    actions = [guard.config.fallback if s in failed else a for s, a in enumerate(plan.actions)]
+    actions = [ctx.config.fallback if s in failed else a for s, a in enumerate(plan.actions)]
     kept = [r for r in plan.repairs if r.sample not in failed]
     replaced = {r.item: done[r.item] for r in kept}
-    return plan.with_actions(actions, kept), replaced, failed
+    return RepairOutcome(plan.with_actions(actions, kept), replaced, failed, tuple(records))

@@ -75,7 +75,9 @@ def max_bytes_from_env(environ: Mapping[str, str] | None = None) -> int:
 
 
 def _mib(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB"
+    """A byte count for a message: bytes below 1 MiB (``--max-bytes 10``: "10 bytes", not
+    "0.0 MiB"), MiB above."""
+    return f"{n:,} bytes" if n < 2**20 else f"{n / 2**20:,.1f} MiB"
 
 
 def check_safetensors(path: Path, max_bytes: int) -> None:

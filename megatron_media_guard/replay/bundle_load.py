@@ -65,8 +65,8 @@ def _read_payload(
     """The metadata text and the tensors, each size checked against ``max_bytes`` before
     the payload is read (header / zip directory) and after (logical sizes)."""
     with open(path, "rb") as fh:
-        head = fh.read(4)
-    if head == _ZIP_MAGIC:
+        head = fh.read(16)
+    if head[:4] == _ZIP_MAGIC:
         check_torch_zip(path, max_bytes)
         obj = torch.load(path, map_location="cpu", weights_only=True)
         if not isinstance(obj, dict) or not isinstance(obj.get(FORMAT), str):
@@ -76,6 +76,11 @@ def _read_payload(
             raise BundleError(f"{path}: 'tensors' is not a mapping of name -> tensor")
         check_loaded(tensors, max_bytes)
         return obj[FORMAT], dict(tensors)
+    if not _safetensors_like(path, head):
+        raise BundleError(
+            f"{path} is not a media-guard bundle: neither a torch zip nor a safetensors file "
+            f"(it starts with {head[:16]!r})"
+        )
     st = _safetensors()
     if st is None:
         raise BundleError(
@@ -92,6 +97,27 @@ def _read_payload(
         return text, {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118
 
 
+def _safetensors_like(path: Path, head: bytes) -> bool:
+    """A safetensors file opens with its header's length (8 bytes, little-endian) and the
+    header's JSON object: a text file or any other format fails this at once (its first bytes
+    read as an absurd length). A length past the file is left to the limit check to name."""
+    return len(head) >= 9 and head[8:9] == b"{"
+
+
+def _not_a_file(path: Path) -> str:
+    if path.is_dir():
+        found = sorted(p.name for p in path.glob("media_guard.rank*.bundle"))[:3]
+        hint = (
+            f" (it holds {', '.join(found)}, ...)"
+            if found
+            else " (it holds no media_guard.rank*.bundle file)"
+        )
+        return f"{path} is a directory: give one bundle file{hint}"
+    if not path.exists():
+        return f"no bundle file at {path} (no such file)"
+    return f"{path} is not a regular file"
+
+
 def load_bundle(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> Bundle:
     """Read and validate a bundle; raises :class:`BundleError` naming what is wrong.
 
@@ -104,7 +130,7 @@ def load_bundle(path: str | os.PathLike[str], *, max_bytes: int | None = None) -
     except LimitError as err:
         raise BundleError(str(err)) from None
     if not path.is_file():  # follows a symlink; a FIFO or device is not a file
-        raise BundleError(f"no bundle file at {path}")
+        raise BundleError(_not_a_file(path))
     try:
         text, tensors = _read_payload(path, limit)
     except BundleError:

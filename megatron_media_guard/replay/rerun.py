@@ -24,6 +24,7 @@ from ..core.runs import TokenLayout, parse_layout
 from ..core.verify import Verdict
 from ..diagnostics.report_format import neutralise
 from ..errors import MediaAlignmentError
+from .args import add_replay_arguments
 from .bundle import BundleError, _json_default, report_summary
 from .bundle_load import Bundle, load_bundle
 
@@ -92,7 +93,8 @@ def replay(bundle: Bundle) -> ReplayResult:
             f"{report.total_placeholders} placeholders / {report.total_features} features"
         )
     else:
-        message = error_message(report, bad, bundle.items, where=where, log_path=bundle.log_path)
+        # no log path: a replay writes no log (the save-time one is the bundle's log_path)
+        message = error_message(report, bad, bundle.items, where=where, log_path=None)
     saved = tuple(int(m["sample"]) for m in bundle.report.get("mismatched", []))
     return ReplayResult(bundle.path, where, report, message, bad, plan.actions, saved)
 
@@ -100,35 +102,17 @@ def replay(bundle: Bundle) -> ReplayResult:
 # ---- command line ------------------------------------------------------------------------
 
 
-def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``media-guard replay``."""
-    parser.add_argument("bundle", help="a media_guard.rank*.bundle file")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument(
-        "--max-bytes",
-        type=int,
-        default=None,
-        metavar="N",
-        help="refuse a bundle declaring more than N bytes of tensors, before reading them "
-        "(default: $MEDIA_GUARD_REPLAY_MAX_BYTES or 1 GiB)",
-    )
-
-
 def run_replay(args: argparse.Namespace) -> int:
     """0: aligned now; 1: the mismatch reproduces; 2: the bundle cannot be read or is invalid
-    (one line on stderr saying why; never a traceback, never 1)."""
+    (one line on stderr saying why, and with ``--json`` one JSON object on stdout; never a
+    traceback, never 1)."""
     try:
         result = replay(load_bundle(args.bundle, max_bytes=getattr(args, "max_bytes", None)))
     except MediaAlignmentError as err:
-        print(f"media-guard replay: {neutralise(_one_line(str(err)))}", file=sys.stderr)
-        return EXIT_BAD_BUNDLE
+        return _bad_bundle(args, _one_line(str(err)))
     except Exception as err:  # whatever an invalid bundle trips in the replay itself
         why = _one_line(f"{type(err).__name__}: {err}")
-        print(
-            f"media-guard replay: {args.bundle}: invalid bundle ({neutralise(why)})",
-            file=sys.stderr,
-        )
-        return EXIT_BAD_BUNDLE
+        return _bad_bundle(args, f"{args.bundle}: invalid bundle ({why})")
     if args.json:
         print(json.dumps(result.to_dict(), default=_json_default))
     else:
@@ -136,6 +120,14 @@ def run_replay(args: argparse.Namespace) -> int:
         if result.saved_mismatched:
             print(f"  at save time: mismatched samples {list(result.saved_mismatched)[:16]}")
     return EXIT_ALIGNED if result.aligned else EXIT_MISMATCH
+
+
+def _bad_bundle(args: argparse.Namespace, why: str) -> int:
+    print(f"media-guard replay: {neutralise(why)}", file=sys.stderr)
+    if getattr(args, "json", False):
+        out = {"path": str(args.bundle), "error": neutralise(why), "exit": EXIT_BAD_BUNDLE}
+        print(json.dumps(out))
+    return EXIT_BAD_BUNDLE
 
 
 def _one_line(text: str, limit: int = 400) -> str:

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
+import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from .scenarios import DEFAULT_POLICIES, FAULT_SPECS, POLICIES, SCENARIOS
+from .names import DEFAULT_POLICIES, POLICIES
+from .names import FAULTS as SCENARIOS
 
 EXIT_OK = 0
 EXIT_MISMATCH = 1
@@ -144,14 +147,17 @@ def run_smoke(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available() or torch.cuda.device_count() < n:
             return _usage(f"--backend nccl needs {n} GPUs, found {torch.cuda.device_count()}")
-    log_dir = (
-        Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="media_guard_smoke_"))
-    )
+    if args.log_dir:
+        log_dir = Path(args.log_dir)
+        bad = _unusable_dir(log_dir)
+        if bad:
+            return _usage(f"--log-dir {log_dir}: {bad}")
+    else:  # removed at the end unless the run failed (then kept for the post-mortem)
+        log_dir = Path(tempfile.mkdtemp(prefix="media_guard_smoke_"))
     runs = [f"{s}.{p}" for s in args.scenario for p in args.policy]
     used = [r for r in runs if any((log_dir / r).glob("media_guard.rank*.jsonl"))]
     if used:
         return _usage(f"{log_dir} already holds diagnostics for {used[:3]}: use a fresh --log-dir")
-    log_dir.mkdir(parents=True, exist_ok=True)
     wargs = WorkerArgs(
         scenarios=tuple(args.scenario),
         policies=tuple(args.policy),
@@ -173,12 +179,44 @@ def run_smoke(args: argparse.Namespace) -> int:
         f"  log dir:   {log_dir}",
         flush=True,
     )
+    from .scenarios import FAULT_SPECS  # torch: only once the run starts
+
     for s in args.scenario:
         print(f"  - {s}: {FAULT_SPECS[s].what}", flush=True)
-    return _launch_and_check(wargs, n, args.timeout, log_dir)
+    code = EXIT_INTERRUPTED
+    try:
+        code = _launch_and_check(wargs, n, args.timeout, log_dir, temporary=not args.log_dir)
+    finally:
+        if not args.log_dir:
+            _drop_temp_dir(log_dir, code)
+    return code
 
 
-def _launch_and_check(wargs, nproc: int, timeout: float, log_dir: Path) -> int:
+def _unusable_dir(path: Path) -> str | None:
+    """Why ``path`` cannot be the log directory (created here when missing), else None."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        return "exists and is not a directory"
+    except OSError as err:
+        return f"cannot create it ({err.strerror or type(err).__name__})"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return "is not writable"
+    return None
+
+
+def _drop_temp_dir(log_dir: Path, code: int) -> None:
+    """The default (temporary) log directory: removed after a run that passed or was cut
+    short by the user; kept, and named, after a failure."""
+    if code in (EXIT_OK, EXIT_INTERRUPTED):
+        shutil.rmtree(log_dir, ignore_errors=True)
+    else:
+        print(f"  (temporary log dir kept for the post-mortem: {log_dir}; remove it when done)")
+
+
+def _launch_and_check(
+    wargs, nproc: int, timeout: float, log_dir: Path, *, temporary: bool = False
+) -> int:
     from .launch import LaunchError, LaunchSpec, launch
     from .verify import check_runs
 
@@ -191,9 +229,14 @@ def _launch_and_check(wargs, nproc: int, timeout: float, log_dir: Path) -> int:
         return EXIT_INTERRUPTED if err.interrupted else EXIT_LAUNCH
     ok, text = check_runs(wargs, results, log_dir)
     print(text)
+    hint = (
+        f"post-mortem: media-guard report {log_dir} (all runs) or {log_dir}/<scenario>.<policy>"
+        if not (ok and temporary)
+        else "pass --log-dir DIR to keep the per-rank logs"
+    )
     print(
         f"\nmedia-guard smoke: {'PASSED' if ok else 'FAILED'} in {time.perf_counter() - t0:.1f} s; "
-        f"post-mortem: media-guard report {log_dir} (all runs) or {log_dir}/<scenario>.<policy>",
+        + hint,
         flush=True,
     )
     return EXIT_OK if ok else EXIT_MISMATCH

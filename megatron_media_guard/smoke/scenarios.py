@@ -32,16 +32,15 @@ from ..config import GuardConfig
 from ..core.items import MediaItem
 from ..geometry import PatchMergeGeometry
 from .faults import FAULTS, PAD_ID, TEST_GRAMMARS, TEXT_HIGH, TEXT_LOW
+from .names import DEFAULT_POLICIES, POLICIES  # noqa: F401  (torch-free, for --help)
 
 Policy = Literal["raise", "drop", "repair"]
-POLICIES: tuple[str, ...] = ("raise", "drop", "repair")
-DEFAULT_POLICIES: tuple[str, ...] = ("raise", "drop")
 SCENARIOS: tuple[str, ...] = FAULTS
 
 GRAMMAR = TEST_GRAMMARS["qwen"]
 VOCAB = 1152  # > TEXT_HIGH, divisible by common tensor-parallel sizes
 GEOMETRY = PatchMergeGeometry(patch=4, merge=2, temporal_patch=2, min_pixels=256, max_pixels=4096)
-ALLOWED_FIDELITY = GuardConfig().allowed_fidelity
+ALLOWED_FIDELITY = GuardConfig(environ={}).allowed_fidelity
 IMAGE_SIZES: tuple[tuple[int, int], ...] = ((40, 56), (48, 40), (30, 70), (36, 60), (52, 36))
 VIDEO_SIZES: tuple[tuple[int, int], ...] = ((32, 48), (24, 40))
 VIDEO_FRAMES = 4

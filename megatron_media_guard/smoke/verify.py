@@ -23,6 +23,17 @@ def _summary(paths: Sequence[Path]) -> ReportSummary:
     return summarize(list(paths), jobs=1)
 
 
+def _page(summary: ReportSummary, path: Path) -> str:
+    """Write the post-mortem page next to the logs; the line that says where (or why not)."""
+    from ..diagnostics.report_html import write_html
+
+    try:
+        write_html(summary, path)
+    except OSError as err:
+        return f"post-mortem page not written ({path}: {err.strerror or err})"
+    return f"post-mortem page: {path.resolve().as_uri()}"
+
+
 def check_runs(
     args: WorkerArgs, results: Sequence[RankResult], log_dir: str | Path
 ) -> tuple[bool, str]:
@@ -59,7 +70,12 @@ def check_runs(
             )
     every = sorted(Path(log_dir).glob(f"*/{FILE_PREFIX}*{FILE_SUFFIX}"))
     out = ["", "== post-mortem: every rank's diagnostics, all runs (report.summarize) =="]
-    out.append(format_summary(_summary(every)) if every else "no diagnostics files were written")
+    if every:
+        post = _summary(every)
+        out.append(format_summary(post))
+        out.append(_page(post, Path(log_dir) / "report.html"))
+    else:
+        out.append("no diagnostics files were written")
     out += ["", "== scenario x policy: expected vs observed =="]
     out.append(table(rows))
     bad = [r for r in rows if not r.ok]

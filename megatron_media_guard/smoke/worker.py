@@ -102,7 +102,9 @@ class _Rank:
         name = f"{scenario}/{policy}"
         consensus = StageConsensus.from_parallel_state()
         guard = MediaGuard(
-            GuardConfig(policy=policy, log_dir=str(Path(a.log_dir) / f"{scenario}.{policy}")),
+            GuardConfig(  # environ={}: the scenarios' expectations hold whatever is exported
+                policy=policy, log_dir=str(Path(a.log_dir) / f"{scenario}.{policy}"), environ={}
+            ),
             GRAMMAR,
             rank=consensus.rank_info(),
             consensus=consensus,

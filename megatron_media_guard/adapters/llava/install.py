@@ -135,10 +135,10 @@ class LlavaHandle(GuardHandle):
             self._pre_hook = None
         self._packed = (None, None)
 
-    def mask_loss(self, loss_mask, labels=None):
+    def _masked(self, loss_mask, labels=None):
         res = self.last_result
         if not isinstance(res, LlavaResult) or not res.packed or not res.dropped:
-            return super().mask_loss(loss_mask, labels)
+            return super()._masked(loss_mask, labels)
         ignore = self.guard.config.ignore_index
         out = []
         for t, fill in ((loss_mask, 0), (labels, ignore)):

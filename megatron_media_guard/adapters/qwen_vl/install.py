@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ...core.explain import error_message
+from ...core.conclude import conclude
 from ...core.fault_path import save_replay
 from ...core.generated import as_text, find_generated, text_records
 from ...core.guard import MediaGuard
@@ -244,31 +244,18 @@ class QwenVLHandle(GuardHandle):
                     replace(rec, extra={**rec.extra, "adapter": "qwen_vl"}), caller=CALLER
                 )
         bundle = self._dump(ids, cu, items, report, plan, step, mb)
-        message = None
-        if plan.fatal or (report.orphans and cfg.policy == "raise"):
-            message = error_message(
-                report,
-                plan.fatal,
-                items,
-                where=guard.where(step, mb),
-                log_path=guard.log.describe_path(),
-                notes=notes,
-            )
-            if bundle is not None:
-                message += f"\n  replay bundle: {bundle}"
-        local = LocalOutcome.of_plan(
+        stage = conclude(
+            guard,
+            report,
             plan,
-            step,
-            mb,
-            mismatched=len(report.mismatched),
-            message=message,
-            record=fatal_rec,
+            items,
+            step=step,
+            microbatch=mb,
+            notes=notes,
+            fatal_record=fatal_rec,
+            bundle=bundle,
             digest=self._digest(check, plan),
         )
-        stage = guard.settle(local)
-        guard.counters["mismatched"] += len(report.mismatched)
-        guard.counters["dropped"] += len(plan.dropped)
-        guard.counters["repaired"] += len(plan.repairs)
         rw = rewrite(
             call,
             spec,

@@ -18,7 +18,7 @@ from ...core.plan import Plan, digest
 from ...core.runs import ParsedRuns
 from ...diagnostics import GuardRecord
 from ...errors import MediaInputError
-from ...repair.repairs import solve_allowed
+from ...repair.repairs import repair_record, solve_allowed
 from ...repair.reproject import resize_patches
 from .checks import MODALITIES, QwenVLSpec
 
@@ -229,33 +229,23 @@ def run_row_repairs(
             failed.setdefault(smp, f"{row.modality} grid row {row.index}: {facts.get('reason')}")
         else:
             done[ri] = RowRepair(ri, thw, patches)
-        guard.log.emit(
-            GuardRecord(
-                event="repair",
-                step=step,
-                microbatch=microbatch,
-                sample=smp,
-                sample_id=first.sample_id,
-                item=group_items[0],
-                modality=row.modality,
-                expected=(facts["target"],),
-                got=(row.features,),
-                num_frames=first.num_frames,
-                frame_hw=first.frame_hw,
-                grid=thw,
-                action="repair" if thw is not None else f"fallback:{guard.config.fallback}",
-                fidelity=facts.get("fidelity"),
-                reason=facts.get("reason"),
-                duration_ms=(time.perf_counter() - t0) * 1e3,
-                extra={
-                    "adapter": "qwen_vl",
-                    "grid_row": [row.modality, row.index],
-                    "grid_thw": list(row.thw),
-                    "size_hw": list(facts["size_hw"]) if facts.get("size_hw") else None,
-                },
-            ),
-            caller=CALLER,
+        rec = repair_record(
+            step=step,
+            microbatch=microbatch,
+            sample=smp,
+            item_index=group_items[0],
+            item=first,
+            target=facts["target"],
+            got=row.features,
+            facts=facts,
+            ok=thw is not None,
+            fallback=guard.config.fallback,
+            duration_ms=(time.perf_counter() - t0) * 1e3,
+            grid=thw,
+            extra={"adapter": "qwen_vl", "grid_row": [row.modality, row.index]}
+            | {"grid_thw": list(row.thw)},
         )
+        guard.log.emit(rec, caller=CALLER)
     # a sample is repaired only when all of its rows are
     done = {ri: rr for ri, rr in done.items() if sample_of[ri] not in failed}
     return done, failed

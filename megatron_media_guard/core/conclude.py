@@ -1,0 +1,68 @@
+"""The end of every fault path, whoever planned it (``MediaGuard.merge``'s parse, the Qwen-VL
+pre-hook's grid rows, the family engine through ``merge``): the message of a fatal plan, the
+stage's consensus round, the counters. Records and the replay bundle are written before it
+(a full disk must not cost the record), by the caller that knows what its items are."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from .alignment import AlignmentReport
+from .explain import error_message
+from .items import MediaItem
+from .outcome import LocalOutcome, StageOutcome
+from .plan import Plan
+
+if TYPE_CHECKING:
+    from .guard import MediaGuard
+
+
+def conclude(
+    guard: MediaGuard,
+    report: AlignmentReport,
+    plan: Plan,
+    items: Sequence[MediaItem],
+    *,
+    step: int | None,
+    microbatch: int | None,
+    notes: Mapping[int, str] | None = None,
+    fatal_record: dict | None = None,
+    bundle: object | None = None,
+    nonfinite: Mapping[int, list[int]] | None = None,
+    digest: int | None = None,
+) -> StageOutcome:
+    """Agrees a planned fault with the stage and counts it; raises on every rank of the stage
+    when any rank must (naming the culprit rank, step and sample).
+
+    notes: per sample, what the caller adds to the message (grid rows, a failed repair);
+    fatal_record: the first ``raise`` record this rank wrote (fetched by the peers);
+    bundle: the replay bundle's path, if one was saved; digest: the caller's plan digest
+    (default: the plan's own)."""
+    message = None
+    if plan.fatal or (report.orphans and guard.config.policy == "raise"):
+        message = error_message(
+            report,
+            plan.fatal,
+            items,
+            where=guard.where(step, microbatch),
+            log_path=guard.log.describe_path(),
+            notes=dict(notes or {}),
+            nonfinite=dict(nonfinite or {}),
+        )
+        if bundle is not None:
+            message += f"\n  replay bundle: {bundle}"
+    local = LocalOutcome.of_plan(
+        plan,
+        step,
+        microbatch,
+        mismatched=len(report.mismatched),
+        message=message,
+        record=fatal_record,
+        digest=digest,
+    )
+    stage = guard.settle(local)
+    guard.counters["mismatched"] += len(report.mismatched)
+    guard.counters["dropped"] += len(plan.dropped)
+    guard.counters["repaired"] += len(plan.repairs)
+    return stage

@@ -1,0 +1,371 @@
+"""The post-mortem as one self-contained page (``media-guard report DIR --html FILE``).
+
+Renders a :class:`~.report_summary.ReportSummary` (the streaming reader's bounded counters,
+nothing re-read) as HTML with inline CSS and SVG: no script, no font, no network access, so
+it opens from a ``file://`` URL and survives being mailed. Sections: the run's span and first
+fatal; a rank x step heatmap of drop/repair/raise/budget records (binned to at most
+:data:`MAX_ROWS` x :data:`MAX_COLS` cells, the bin size stated, exact counts in each cell's
+hover title); records over steps per action; reasons in full with an example record each;
+the top offending sample ids with their item; counts per modality and per model family.
+
+Every string from a record is escaped (``html.escape``, control characters shown as
+``\\x1b``). Cells carry ``data-r`` / ``data-s`` (first rank / step of the bin, ``none`` for
+records without one) and ``data-n`` (records in the cell) for tests and scrapers; the SVG
+states ``data-rank0``, ``data-rank-bin``, ``data-step0`` and ``data-step-bin``.
+Standard library only; never imports torch.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from os import PathLike
+from pathlib import Path
+
+from .report_aggregate import HEAT_EVENTS
+from .report_format import _namer, neutralise
+from .report_html_style import CSS, PALETTE
+from .report_summary import GridCounts, ReportSummary
+
+MAX_ROWS = 128  # heatmap rows (rank bins)
+MAX_COLS = 200  # heatmap and chart columns (step bins)
+MAX_TABLE = 50  # rows of the reasons / sample id tables
+_ID_HEAD = ("records", "sample id", "first event", "rank", "step", "modality", "item")
+_ID_HEAD += ("frames", "size (HxW)", "fidelity", "family", "where")
+
+
+def _e(value: object) -> str:
+    return html.escape(neutralise(str(value)), quote=True)
+
+
+def _fmt(n: int) -> str:
+    return f"{n:,}"
+
+
+def display_bins(lo: int, hi: int, stored: int, limit: int) -> tuple[int, int, int]:
+    """(first, size, count) of at most ``limit`` bins over ``lo..hi`` (bin starts at multiples
+    of ``stored``): ``size`` is a multiple of ``stored``, so every stored bin falls in one."""
+    span = (hi - lo) // stored + 1
+    size = stored * -(-span // limit)
+    return lo, size, (hi - lo) // size + 1
+
+
+def _span(a: int, b: int, what: str) -> str:
+    return f"{what} {a}" if a == b else f"{what}s {a}–{b}"
+
+
+def _axis(cells: Mapping, pos: int, stored: int, limit: int, span: Sequence[int] = ()):
+    """Display bins of the non-None values at ``pos`` of the cell keys, widened to ``span``
+    (the run's ranks or steps, so the map has the run's shape), or None if none."""
+    vals = [k[pos] for k in cells if k[pos] is not None]
+    if not vals:
+        return None
+    lo, hi = min(vals), max(vals)
+    if span:
+        lo, hi = min(lo, min(span) // stored * stored), max(hi, max(span))
+    return display_bins(lo, hi, stored, limit)
+
+
+def _index(value: int | None, axis, n: int) -> int:
+    """The display bin of a value; None goes to the extra last bin ``n``."""
+    if value is None or axis is None:
+        return n
+    first, size, _ = axis
+    return (value - first) // size
+
+
+def _label_of(value: int | None, axis, i: int, what: str) -> str:
+    if value is None or axis is None:
+        return f"no {what}"
+    first, size, _ = axis
+    a = first + i * size
+    return _span(a, a + size - 1, what)
+
+
+def _level(n: int, top: int) -> int:
+    """Colour level 1..len(PALETTE) of a count on a log scale up to ``top``."""
+    if top <= 1:
+        return len(PALETTE)
+    return 1 + min(len(PALETTE) - 1, int((len(PALETTE) - 1) * math.log(n) / math.log(top)))
+
+
+def _heatmap(grid: GridCounts, ranks: Sequence[int] = (), steps: Sequence[int] = ()) -> str:
+    cells = grid.cells
+    if not cells:
+        return "<p class=note>No drop, repair, raise or budget record: nothing to map.</p>"
+    ra = _axis(cells, 0, grid.rank_bin, MAX_ROWS, ranks)
+    sa = _axis(cells, 1, grid.step_bin, MAX_COLS, steps)
+    rows = (ra[2] if ra else 0) + any(k[0] is None for k in cells)
+    cols = (sa[2] if sa else 0) + any(k[1] is None for k in cells)
+    merged: dict[tuple[int, int], dict[str, int]] = {}
+    first_of: dict[tuple[int, int], tuple[int | None, int | None]] = {}
+    for (r, s, event), n in cells.items():
+        at = (_index(r, ra, ra[2] if ra else 0), _index(s, sa, sa[2] if sa else 0))
+        per = merged.setdefault(at, {})
+        per[event] = per.get(event, 0) + n
+        first_of[at] = (r, s)
+    top = max(sum(v.values()) for v in merged.values())
+    cw = max(3, min(40, 960 // cols))
+    ch = max(3, min(24, 640 // rows))
+    left, head = 86, 22
+    width, height = left + cols * cw + 40, head + rows * ch + 34
+    rank_bin = ra[1] if ra else 1
+    step_bin = sa[1] if sa else 1
+    out = [
+        f'<svg class=heat xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}"'
+        f' data-rank0="{ra[0] if ra else "none"}" data-rank-bin="{rank_bin}"'
+        f' data-step0="{sa[0] if sa else "none"}" data-step-bin="{step_bin}">',
+        f'<rect x="{left}" y="{head}" width="{cols * cw}" height="{rows * ch}" class=bg />',
+    ]
+    marks: list[str] = []
+    for (row, col), per in sorted(merged.items()):
+        r, s = first_of[(row, col)]
+        n = sum(per.values())
+        what = ", ".join(f"{per[e]:,} {e}" for e in (*HEAT_EVENTS, "(other)") if e in per)
+        where = f"{_label_of(r, ra, row, 'rank')}, {_label_of(s, sa, col, 'step')}".replace(
+            "no rank", "rank unknown"
+        )
+        rank_key = "none" if r is None else ra[0] + row * rank_bin
+        step_key = "none" if s is None else sa[0] + col * step_bin
+        cls = f"l{_level(n, top)}" + (" x" if "raise" in per else "")
+        out.append(
+            f'<rect x="{left + col * cw}" y="{head + row * ch}" width="{cw}" height="{ch}"'
+            f' class="{cls}" data-r="{rank_key}" data-s="{step_key}" data-n="{n}">'
+            f"<title>{_e(where)}: {_e(what)}</title></rect>"
+        )
+        if "raise" in per:  # a marker that stays visible however small the cell
+            cx, cy = left + col * cw + cw / 2, head + row * ch + ch / 2
+            marks.append(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="6" class=mark />')
+    out += marks
+    for row in range(rows):  # rank ticks: about 16
+        if row % max(1, rows // 16) == 0 or row == rows - 1:
+            is_none = ra is None or row >= ra[2]
+            text = "?" if is_none else str(ra[0] + row * rank_bin)
+            y = head + row * ch + ch / 2 + 4
+            out.append(f'<text x="{left - 6}" y="{y:.0f}" class=tick text-anchor=end>{text}</text>')
+    for col in range(cols):  # step ticks: about 10
+        if col % max(1, cols // 10) == 0 or col == cols - 1:
+            is_none = sa is None or col >= sa[2]
+            text = "none" if is_none else str(sa[0] + col * step_bin)
+            x = left + col * cw + cw / 2
+            out.append(f'<text x="{x:.0f}" y="{head + rows * ch + 14}" class=tick>{text}</text>')
+    out.append(
+        f'<text x="{left + cols * cw / 2:.0f}" y="{height - 4}" class=axis>step</text>'
+        f'<text x="{left - 6}" y="14" class=axis text-anchor=end>rank</text></svg>'
+    )
+    cell = f"{rank_bin} rank{'s' * (rank_bin > 1)} × {step_bin} step{'s' * (step_bin > 1)}"
+    starts: dict[int, int] = {}  # colour level -> the least count drawn in it
+    for i in range(len(PALETTE)):
+        n = max(1, math.ceil(top ** (i / (len(PALETTE) - 1)))) if top > 1 else 1
+        starts.setdefault(_level(n, top), n)
+    legend = "".join(f'<span class="sw l{lv}"></span>{_fmt(n)} ' for lv, n in starts.items())
+    return (
+        f"<p class=note>Each cell: <b class=bin>{cell}</b> ({rows} × {cols} cells; "
+        f"the reader kept bins of {grid.rank_bin} × {grid.step_bin}). Colour: records in the "
+        f"cell, log scale; outlined: the cell holds a raise. Hover a cell for its exact "
+        f"counts.</p><div class=scroll>{''.join(out)}</div>"
+        f"<p class=legend>records per cell, from: {legend}"
+        f'<span class="sw l8 x"></span>holds a raise (circled)</p>'
+    )
+
+
+def _series(s: ReportSummary) -> str:
+    """Bars over steps: every record (``series``), then each heatmap event summed over ranks
+    (``heat``), on shared step bins (the coarser of the two grids' bins, so both fold)."""
+    charts: dict[str, dict[int, int]] = {}
+    for grid, label_of in ((s.series, lambda _: "all records"), (s.heat, lambda e: e)):
+        for (_, step, label), n in grid.cells.items():
+            if step is not None:
+                per = charts.setdefault(label_of(label), {})
+                per[step] = per.get(step, 0) + n
+    if not charts:
+        return "<p class=note>No record with a step.</p>"
+    steps = [st for per in charts.values() for st in per]
+    stored = max(s.series.step_bin, s.heat.step_bin)
+    first, size, cols = display_bins(min(steps) // stored * stored, max(steps), stored, MAX_COLS)
+    bw = max(2, min(12, 960 // cols))
+    h = 44
+    out = [
+        f"<p class=note>Records over steps: all records, then each event of the heatmap; "
+        f"each bar: <b class=bin>{size} step{'s' * (size > 1)}</b>; each chart on its own "
+        f"scale; hover a bar for its count.</p>"
+    ]
+    order = ["all records", *(e for e in HEAT_EVENTS if e in charts)]
+    for label in order:
+        bars: dict[int, int] = {}
+        for step, n in charts[label].items():
+            i = (step - first) // size
+            bars[i] = bars.get(i, 0) + n
+        top = max(bars.values())
+        parts = [
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{cols * bw}" height="{h}"'
+            f' data-label="{_e(label)}" data-step0="{first}" data-step-bin="{size}">'
+        ]
+        for i, n in sorted(bars.items()):
+            bh = max(1.0, h * n / top)
+            a = first + i * size
+            parts.append(
+                f'<rect x="{i * bw}" y="{h - bh:.1f}" width="{max(1, bw - 1)}" height="{bh:.1f}"'
+                f' class="bar {_e(label.split()[0])}" data-s="{a}" data-n="{n}">'
+                f"<title>{_e(_span(a, a + size - 1, 'step'))}: {n:,} {_e(label)}</title></rect>"
+            )
+        parts.append("</svg>")
+        total = sum(bars.values())
+        out.append(
+            f"<div class=series><div class=slabel><b>{_e(label)}</b><br>{total:,} records, "
+            f"at most {top:,} per bar</div>{''.join(parts)}</div>"
+        )
+    return "".join(out)
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[object]], cls: str = "") -> str:
+    if not rows:
+        return "<p class=note>None.</p>"
+    th = "".join(f"<th>{_e(h)}</th>" for h in head)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{'' if v is None else _e(v)}</td>" for v in row) + "</tr>"
+        for row in rows
+    )
+    return f"<table class='{cls}'><tr>{th}</tr>{body}</table>"
+
+
+def _counts(s: ReportSummary, which: str) -> str:
+    data = s.by(which)
+    if which == "family" and set(data) <= {"(none)"}:
+        return (
+            "<p class=note>No record names a model family (<code>extra.adapter</code> or "
+            "<code>extra.family</code>; the adapters write it).</p>"
+        )
+    events = [e for e in s.by_event]
+    rows = [
+        [name, _fmt(sum(per.values())), *(_fmt(per.get(e, 0)) for e in events)]
+        for name, per in sorted(data.items(), key=lambda kv: -sum(kv[1].values()))
+    ]
+    return _table([which, "records", *events], rows, "num")
+
+
+def _header(s: ReportSummary, name) -> str:
+    known = [r for r in s.by_rank if r is not None]
+    facts = [
+        ("files", _fmt(len(s.files))),
+        (
+            "records",
+            _fmt(s.records)
+            + (f" ({_fmt(s.matched)} after filters)" if s.matched != s.records else ""),
+        ),
+        ("steps", "none" if s.first_step is None else f"{s.first_step} … {s.last_step}"),
+        ("ranks", f"{len(known)} ({min(known)} … {max(known)})" if known else "unknown"),
+    ]
+    if s.ranks_filter is not None or s.steps_filter is not None:
+        facts.append(("filters", f"ranks={s.ranks_filter} steps={s.steps_filter}"))
+    skipped = [f"{_e(name(f))}: {_e(why)}" for f, why in s.skipped_files.items()]
+    if s.malformed:
+        skipped.append(f"{_fmt(s.malformed)} malformed line(s)")
+    if s.torn_files:
+        skipped.append(f"torn last line in {', '.join(_e(name(f)) for f in s.torn_files)}")
+    if skipped:
+        facts.append(("skipped", "; ".join(skipped)))
+    dl = "".join(f"<dt>{_e(k)}</dt><dd>{v if k == 'skipped' else _e(v)}</dd>" for k, v in facts)
+    events = " ".join(
+        f"<span class='ev {e if e in HEAT_EVENTS else ''}'>{_e(e)} {_fmt(n)}</span>"
+        for e, n in s.by_event.items()
+    )
+    ff = s.first_fatal
+    if ff is None:
+        fatal = "<p class=ok>First fatal: none (no <code>raise</code> record).</p>"
+    else:
+        from .records import summary_line
+
+        who = [f"rank {'?' if ff.get('rank') is None else ff.get('rank')}"]
+        who += [f"{k} {ff.get(k)}" for k in ("step", "sample", "item") if ff.get(k) is not None]
+        if ff.get("sample_id") is not None:
+            who.append(f"id {ff.get('sample_id')!r}")
+        where = f"{name(str(ff.get('_file')))}:{ff.get('_line')}"
+        fatal = (
+            f"<div class=fatal><b>First fatal:</b> {_e(' '.join(who))} "
+            f"<code>{_e(where)}</code><br><code>{_e(summary_line(ff))}</code></div>"
+        )
+    return f"<dl>{dl}</dl><p>{events}</p>{fatal}"
+
+
+def render_html(summary: ReportSummary, title: str = "media-guard report") -> str:
+    """The page for ``summary`` (a string; :func:`write_html` writes it)."""
+    s = summary
+    name = _namer(s.files)
+    reasons = [
+        [
+            _fmt(n),
+            reason,
+            (ex := s.reason_examples.get(reason) or {}).get("text"),
+            f"{name(str(ex['file']))}:{ex['line']}" if ex else None,
+        ]
+        for reason, n in list(s.by_reason.items())[:MAX_TABLE]
+    ]
+    ids = []
+    for sid, n in s.top_sample_ids[:MAX_TABLE]:
+        ex = s.sample_examples.get(sid) or {}
+        ids.append(
+            [
+                _fmt(n),
+                repr(sid),
+                *(ex.get(k) for k in ("event", "rank", "step", "modality", "item", "frames")),
+                *(ex.get(k) for k in ("size", "fidelity", "family")),
+                f"{name(str(ex['file']))}:{ex['line']}" if ex else None,
+            ]
+        )
+    note = "" if s.sample_ids_exact else " (estimated: counts are lower bounds)"
+    more = len(s.by_reason) - MAX_TABLE
+    sections = [
+        ("Run", _header(s, name)),
+        (
+            "Drop / repair / raise / budget by rank × step",
+            _heatmap(
+                s.heat,
+                [r for r in s.by_rank if r is not None],
+                [] if s.first_step is None else [s.first_step, s.last_step],
+            ),
+        ),
+        ("Records over steps", _series(s)),
+        (
+            "Reasons (digits shown as #, full text)",
+            _table(["records", "reason", "example record", "where"], reasons, "reasons")
+            + (f"<p class=note>{more} more reasons: see --json.</p>" if more > 0 else ""),
+        ),
+        (
+            f"Top offending sample ids (repair/drop/raise){note}",
+            _table(
+                _ID_HEAD,
+                ids,
+            ),
+        ),
+        ("Per modality", _counts(s, "modality")),
+        ("Per model family", _counts(s, "family")),
+    ]
+    body = "".join(f"<section><h2>{_e(h)}</h2>{content}</section>" for h, content in sections)
+    return (
+        "<!DOCTYPE html><html lang=en><head><meta charset=utf-8>"
+        f"<title>{_e(title)}</title><style>{CSS}</style></head><body>"
+        f"<h1>{_e(title)}</h1>{body}<footer>media-guard report: a self-contained page, "
+        "no script and no network access.</footer></body></html>\n"
+    )
+
+
+def write_html(summary: ReportSummary, path: str | PathLike[str]) -> int:
+    """Write the page to ``path`` (atomically: a temporary file renamed); returns its bytes.
+    Raises OSError when the path cannot be written."""
+    data = render_html(summary).encode("utf-8")
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=".media-guard-report.", dir=target.parent or ".")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return len(data)

@@ -1,0 +1,79 @@
+"""Gemma 3 (transformers ``Gemma3ForConditionalGeneration``; Megatron-Bridge ``Gemma3VLModel``):
+a fixed count per image.
+
+- image: ``<start_of_image>`` ``<image_soft_token>``x``mm_tokens_per_image`` ``<end_of_image>``
+  per pixel row; ``pixel_values`` ``[rows, 3, S, S]``. Pan-and-scan crops are extra rows right
+  after their original (``num_crops`` never reaches the model): every row is one item.
+- ``token_type_ids`` (1 on the soft tokens) make each image block attend bidirectionally
+  (transformers); Bridge computes the same blocks from ``input_ids``. A dropped sample's soft
+  tokens become text in the ids and 0 in ``token_type_ids`` (``follow_ids``), so its blocks go
+  with them in both; their embeddings stay their own token's (no feature is placed).
+- a swap of two rows changes no count: nothing can see it (every row has the same count).
+
+Repair: ``FixedGeometry`` (every row is resized to S x S and yields ``mm`` features): no resize
+reaches another count, so a faulty sample takes the fallback with that reason.
+
+transformers' forward takes ``input_ids`` or ``inputs_embeds``, not both; Bridge's needs
+``input_ids`` beside ``inputs_embeds`` (its attention biases) and embeds through its language
+model: two specs of one family, the Bridge one a copy with its classes and those two fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from ..geometry import FixedGeometry
+from .spec import Encoded, FamilySpec, ModalitySpec, Token, bridge_embed
+
+
+def _encode_image(model: Any, kw) -> Encoded:
+    pv = kw["pixel_values"]
+    feats = tuple(model.get_image_features(pv, return_dict=True).pooler_output)  # [rows, mm, h]
+    if not kw.get("_media_guard_pixels"):
+        return Encoded(feats)
+    n, hw = pv.shape[0], (int(pv.shape[-2]), int(pv.shape[-1]))
+    return Encoded(feats, num_frames=(None,) * n, frame_hw=(hw,) * n, pixels=tuple(pv))
+
+
+def _reencode_image(model: Any, img: torch.Tensor) -> torch.Tensor:
+    return model.get_image_features(img[None], return_dict=True).pooler_output[0]
+
+
+def _geometry(model: Any) -> FixedGeometry:
+    cfg = model.config
+    size = int(cfg.vision_config.image_size)
+    return FixedGeometry(tokens_per_image=int(cfg.mm_tokens_per_image), size=(size, size))
+
+
+SPEC = FamilySpec(
+    name="gemma3",
+    classes={"transformers.": frozenset({"Gemma3ForConditionalGeneration", "Gemma3Model"})},
+    modalities=(
+        ModalitySpec(
+            "image",
+            Token(("image_token_id", "image_token_index"), "<image_soft_token>"),
+            ("pixel_values",),
+            _encode_image,
+            start=Token(("boi_token_id", "vision_start_token_id"), "<start_of_image>"),
+            end=Token(("eoi_token_id", "vision_end_token_id"), "<end_of_image>"),
+            reencode=_reencode_image,
+        ),
+    ),
+    text=Token(("text_config.pad_token_id", "pad_token_id"), "<pad>", 0),
+    geometry=_geometry,
+    follow_ids=("token_type_ids",),
+    ids_with_embeds=False,
+)
+
+#: Megatron-Bridge 0.6.2 ``Gemma3VLModel.forward(input_ids, attention_mask, position_ids,
+#: inputs_embeds, pixel_values, labels, ...)``; its provider names the markers
+#: ``vision_start_token_id`` / ``vision_end_token_id``
+BRIDGE = replace(
+    SPEC,
+    classes={"megatron.bridge.": frozenset({"Gemma3VLModel"})},
+    ids_with_embeds=True,
+    embed=bridge_embed,
+)

@@ -1,0 +1,40 @@
+"""``python -m benchmarks --quick`` used to crash in ``bench_fault_path.inputs`` (its quick
+batch had 2 samples, the "drop, all 4 bad" case names samples 0..3). Every case's inputs are
+built at both sizes' batch shape and the quick timing round runs (the full ``--quick`` run
+takes minutes on a shared CPU: not here)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks import bench_fault_path as bfp
+
+
+@pytest.mark.parametrize("quick", [True, False])
+@pytest.mark.parametrize("case", list(bfp.CASES))
+def test_every_case_fits_the_batch(case, quick):
+    b = bfp.sizes(quick)[0]
+    assert all(s < b for s in bfp.CASES[case][1]), (case, b)
+
+
+@pytest.mark.parametrize("case", list(bfp.CASES))
+def test_quick_inputs_hold_the_case(case):
+    _emb, ids, feats, items = bfp.inputs(bfp.CASES[case][1], *bfp.sizes(True))
+    assert (
+        feats.shape[0]
+        == sum(it.num_features for it in items)
+        == int((ids == bfp.G.placeholders["image"]).sum())
+    )
+
+
+def test_quick_timing_round_runs():
+    ratios = bfp.time_ratios(True, 1)
+    assert set(ratios) == set(bfp.CASES)
+    assert all(len(v) == 1 and math.isfinite(v[0]) and v[0] > 0 for v in ratios.values())
+
+
+def test_a_case_naming_a_sample_outside_the_batch_is_refused():
+    with pytest.raises(ValueError, match="bad samples"):
+        bfp.inputs((4,), *bfp.sizes(True))

@@ -1,0 +1,200 @@
+"""What a new user meets at the command line: ``media-guard replay`` and ``smoke`` on wrong
+input say one line and exit 2 (``--json`` prints JSON then too), ``replay --help`` and
+``smoke --help`` import no torch, and the smoke job and the demo leave no temporary
+directory behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_media_guard import GuardConfig
+from megatron_media_guard.diagnostics import RankInfo
+from megatron_media_guard.replay.bundle_save import save_bundle
+from megatron_media_guard.replay.rerun import replay_main
+from megatron_media_guard.smoke import EXIT_USAGE
+from megatron_media_guard.smoke import main as smoke_main
+from megatron_media_guard.testing import TEST_GRAMMARS, inject
+
+ROOT = Path(__file__).resolve().parents[1]
+Q = TEST_GRAMMARS["qwen"]
+
+
+def _bundle(d: Path, log_dir: str | None = None) -> Path:
+    batch = inject(Q, [[("image", 4)], [("image", 3)]], "surplus_feature")
+    path = save_bundle(
+        d,
+        input_ids=batch.input_ids,
+        items=batch.items,
+        grammar=Q,
+        config=GuardConfig(log_dir=log_dir, environ={}),
+        rank=RankInfo(rank=1),
+        step=3,
+    )
+    assert path is not None
+    return path
+
+
+def _text_file(d: Path) -> Path:
+    p = d / "notes.bundle"
+    p.write_text("hello world\n")
+    return p
+
+
+def _empty_dir(d: Path) -> Path:
+    (d / "junk").mkdir()
+    return d / "junk"
+
+
+def _dir_with_bundle(d: Path) -> Path:
+    _bundle(d / "dumps")
+    return d / "dumps"
+
+
+@pytest.mark.parametrize(
+    "make, extra, needle",
+    [
+        (_text_file, [], "not a media-guard bundle: neither a torch zip nor a safetensors file"),
+        (_empty_dir, [], "is a directory: give one bundle file"),
+        (_dir_with_bundle, [], "(it holds media_guard.rank00001.step3"),
+        (lambda d: d / "missing.bundle", [], "no bundle file at"),
+        (_bundle, ["--max-bytes", "10"], "limit of 10 bytes"),
+    ],
+)
+@pytest.mark.parametrize("as_json", [False, True])
+def test_replay_errors_say_what_is_wrong(tmp_path, capsys, make, extra, needle, as_json):
+    path = make(tmp_path)
+    capsys.readouterr()  # the save's own log line
+    code = replay_main([str(path), *extra, *(["--json"] if as_json else [])])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and needle in err, err
+    assert "0.0 MiB" not in err and "8,458,358" not in err
+    if as_json:
+        got = json.loads(out)
+        assert got["exit"] == 2 and needle in got["error"] and got["path"] == str(path)
+    else:
+        assert out == ""
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "ten"])
+def test_replay_max_bytes_must_be_a_positive_count(tmp_path, capsys, value):
+    assert replay_main([str(_bundle(tmp_path)), "--max-bytes", value]) == 2
+    assert "--max-bytes" in capsys.readouterr().err
+
+
+def test_replay_message_names_no_log_it_does_not_write(tmp_path, capsys):
+    path = _bundle(tmp_path, log_dir=str(tmp_path / "train_logs"))
+    capsys.readouterr()
+    assert replay_main([str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "replay of rank 1, step 3" in out
+    assert "per-rank log" not in out and "train_logs" not in out, out
+
+
+HELP_IMPORTS = """
+import sys
+from megatron_media_guard import cli
+try:
+    cli.main([{cmd!r}, "--help"])
+except SystemExit:
+    pass
+print("TORCH:" + ",".join(sorted(m for m in sys.modules if m == "torch")))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cmd", ["replay", "smoke", "report"])
+def test_subcommand_help_imports_no_torch(cmd):
+    out = subprocess.run(
+        [sys.executable, "-c", HELP_IMPORTS.format(cmd=cmd)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    ).stdout
+    assert "usage: media-guard " + cmd in out
+    assert out.strip().splitlines()[-1] == "TORCH:", out[-300:]
+
+
+def _a_file(d: Path) -> Path:
+    (d / "taken").write_text("x")
+    return d / "taken"
+
+
+def _under_a_file(d: Path) -> Path:
+    return _a_file(d) / "logs"
+
+
+def _read_only(d: Path) -> Path:
+    ro = d / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    return ro / "logs"
+
+
+@pytest.mark.parametrize(
+    "make, needle",
+    [
+        (_a_file, "exists and is not a directory"),
+        (_under_a_file, "cannot create it"),
+        (_read_only, "cannot create it"),
+    ],
+)
+def test_smoke_log_dir_that_cannot_be_used_is_one_line_and_exit_2(tmp_path, capsys, make, needle):
+    if make is _read_only and os.geteuid() == 0:
+        pytest.skip("root writes into a read-only directory")
+    path = make(tmp_path)
+    code = smoke_main(
+        ["--nproc", "1", "--steps", "1", "--scenario", "none", "--log-dir", str(path)]
+    )
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE
+    assert err.strip().splitlines() == [err.strip()] and needle in err and str(path) in err, err
+
+
+SMOKE_ONE = ["--nproc", "1", "--steps", "1", "--scenario", "none", "--policy", "raise"]
+
+
+def _leftovers(tmp: Path) -> list[str]:
+    return sorted(p.name for p in tmp.iterdir() if p.name.startswith("media_guard_"))
+
+
+@pytest.mark.timeout(200)
+def test_smoke_run_without_log_dir_leaves_no_temp_dir(tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    out = subprocess.run(
+        [sys.executable, "-m", "megatron_media_guard", "smoke", *SMOKE_ONE],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(ROOT)),
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "PASSED" in out.stdout and "--log-dir DIR" in out.stdout
+    assert _leftovers(tmp) == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("keep", [False, True])
+def test_demo_leaves_no_temp_dir(tmp_path, keep):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    argv = ["--log-dir", str(tmp_path / "kept")] if keep else []
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "demo.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(ROOT)),
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert _leftovers(tmp) == []
+    assert (tmp_path / "kept" / "media_guard.rank00000.jsonl").is_file() == keep

@@ -1,0 +1,117 @@
+"""``GuardConfig(...)`` as the README builds it reads ``MEDIA_GUARD_<FIELD>``: an argument wins
+over the environment, which wins over the default; ``environ={}`` reads none; ``with_env``
+still lets the environment win over every field. A repair guard that cannot repair says so
+when it is built."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+
+import pytest
+import torch
+
+from megatron_media_guard import Grammar, GuardConfig, MediaGuard, MediaInputError
+from megatron_media_guard.testing import TEST_GRAMMARS, inject
+
+ENV = {
+    "MEDIA_GUARD_POLICY": "drop",
+    "MEDIA_GUARD_LOG_DIR": "/from/env",
+    "MEDIA_GUARD_ALLOWED_FIDELITY": "unique",
+    "MEDIA_GUARD_DUMP_MAX": "none",
+    "MEDIA_GUARD_FP8": "true",
+}
+
+
+@pytest.mark.parametrize(
+    "kwargs, field, want",
+    [
+        ({}, "policy", "drop"),  # environment over default
+        ({}, "log_dir", "/from/env"),
+        ({}, "allowed_fidelity", ("unique",)),
+        ({}, "dump_max", None),
+        ({}, "fp8", True),
+        ({}, "fallback", "drop"),  # not in the environment: the default
+        ({"policy": "raise"}, "policy", "raise"),  # argument over environment
+        ({"log_dir": None}, "log_dir", None),  # an explicit None is an argument too
+        ({"dump_max": 3}, "dump_max", 3),
+        ({"environ": {}}, "policy", "raise"),  # no environment: defaults
+        ({"environ": {"MEDIA_GUARD_POLICY": "repair"}}, "policy", "repair"),
+    ],
+)
+def test_argument_then_environment_then_default(monkeypatch, kwargs, field, want):
+    for k, v in ENV.items():
+        monkeypatch.setenv(k, v)
+    assert getattr(GuardConfig(**kwargs), field) == want
+
+
+def test_positional_arguments_count_as_given(monkeypatch):
+    monkeypatch.setenv("MEDIA_GUARD_POLICY", "drop")
+    monkeypatch.setenv("MEDIA_GUARD_FALLBACK", "raise")
+    cfg = GuardConfig("repair")
+    assert (cfg.policy, cfg.fallback) == ("repair", "raise")
+
+
+def test_replace_and_with_env_keep_their_meaning(monkeypatch):
+    monkeypatch.setenv("MEDIA_GUARD_POLICY", "drop")
+    cfg = GuardConfig(policy="raise", fallback="raise")
+    assert dataclasses.replace(cfg, nonfinite="off").policy == "raise"  # replace: no env
+    assert cfg.with_env().policy == "drop"  # with_env: the environment wins
+    assert cfg.with_env({}).policy == "raise"
+
+
+@pytest.mark.parametrize(
+    "env, needle",
+    [
+        ({"MEDIA_GUARD_DUMP_MAX": "many"}, "MEDIA_GUARD_DUMP_MAX must be an integer"),
+        ({"MEDIA_GUARD_POLICY": "ignore"}, "MEDIA_GUARD_POLICY='ignore'"),
+        ({"MEDIA_GUARD_FP8": "maybe"}, "MEDIA_GUARD_FP8 must be true/false"),
+    ],
+)
+def test_a_bad_variable_is_named(env, needle):
+    with pytest.raises(MediaInputError, match=needle.replace("(", r"\(")):
+        GuardConfig(environ=env)
+    GuardConfig(policy="raise", dump_max=1, fp8=None, environ=env)  # all given: not read
+
+
+def test_the_readme_way_writes_where_the_variable_says(monkeypatch, tmp_path):
+    """README: `MEDIA_GUARD_LOG_DIR` sets the log directory of `GuardConfig(policy="drop")`."""
+    monkeypatch.setenv("MEDIA_GUARD_LOG_DIR", str(tmp_path / "logs"))
+    monkeypatch.delenv("RANK", raising=False)
+    q = TEST_GRAMMARS["qwen"]
+    batch = inject(q, [[("image", 4)]], "surplus_feature")
+    guard = MediaGuard(GuardConfig(policy="drop"), grammar=q)
+    emb = torch.zeros(*batch.input_ids.shape, 8)
+    guard.merge(emb, batch.input_ids, batch.features(8), batch.items)
+    guard.close()
+    lines = (tmp_path / "logs" / "media_guard.rank00000.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["action"] == "drop"
+
+
+@pytest.mark.parametrize(
+    "kwargs, missing",
+    [
+        ({}, "without geometry and encoder"),
+        ({"encoder": object()}, "without geometry:"),
+        ({"geometry": object(), "encoder": object()}, None),
+        ({"geometry": object()}, None),  # the encoder may come with each merge / the model
+    ],
+)
+def test_repair_without_geometry_warns_at_construction(kwargs, missing):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        MediaGuard(GuardConfig(policy="repair", environ={}), Grammar.qwen2_vl(), **kwargs)
+    msgs = [str(w.message) for w in seen if "policy='repair'" in str(w.message)]
+    if missing is None:
+        assert msgs == []
+    else:
+        assert len(msgs) == 1 and missing in msgs[0] and "fallback ('drop')" in msgs[0], msgs
+        assert seen[0].filename == __file__  # points at the caller's line
+
+
+def test_other_policies_never_warn():
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        MediaGuard(GuardConfig(policy="drop", environ={}), Grammar.qwen2_vl())
+    assert not [w for w in seen if "repair" in str(w.message)]

@@ -1,0 +1,207 @@
+"""install_vlm on transformers' real ``Gemma3ForConditionalGeneration`` (tiny random config, CPU):
+a fixed count per pixel row, pan-and-scan crops as extra rows, ``token_type_ids`` that make each
+image block attend bidirectionally (a drop must rewrite them with the ids).
+
+Inputs from ``testing/families/gemma3.py`` (transformers' real ``Gemma3ImageProcessorPil``).
+Comparisons are on the final hidden states (``lm_head`` of them are the logits; the 262k
+vocabulary dominates CPU time): the forward runs with ``logits_to_keep=1`` and a hook on
+``model.model`` keeps its ``last_hidden_state``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem
+from megatron_media_guard.core.host import count_transfers
+from megatron_media_guard.errors import MediaInputError
+from megatron_media_guard.geometry import FixedGeometry
+
+pytest.importorskip("transformers.models.gemma3")
+pytest.importorskip("PIL")
+
+from megatron_media_guard.adapters import install_vlm
+from megatron_media_guard.adapters.vlm_install import guard_for
+from megatron_media_guard.families import family_of
+from megatron_media_guard.families import gemma3 as spec_mod
+from megatron_media_guard.testing.families import gemma3 as F
+from megatron_media_guard.testing.families.base import Media as M
+
+pytestmark = pytest.mark.timeout(120)
+
+WIDE, TALL, SQUARE = M("image", (20, 64)), M("image", (40, 30)), M("image", (32, 32))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return F.tiny_model(seed=0)
+
+
+def forward(model, kw: dict):
+    """(final hidden states, output) of one forward; logits only for the last position
+    unless labels are given (the loss needs them all)."""
+    seen = []
+    hook = model.model.register_forward_hook(lambda m, a, o: seen.append(o.last_hidden_state))
+    extra = {} if "labels" in kw else {"logits_to_keep": 1}
+    try:
+        with torch.no_grad():
+            out = model(**kw, **extra)
+    finally:
+        hook.remove()
+    return seen[0], out
+
+
+def own(model, sample, **kw):
+    b = F.make_batch(model, [sample], **kw)
+    return F.plain_hidden(model, b)[0, : b.lengths[0]]
+
+
+def guarded(model, samples, config=None, items=None, labels=False, **kw):
+    b = F.make_batch(model, samples, **kw)
+    call = dict(b.kwargs, labels=b.input_ids.clone()) if labels else b.kwargs
+    with install_vlm(model, config or GuardConfig()) as h:
+        if items is not None:
+            h.set_items(items)
+        hidden, out = forward(model, call)
+        return b, hidden, out, h.last_result
+
+
+def test_the_registry_finds_both_classes(model):
+    assert family_of(model) is spec_mod.SPEC
+    assert family_of(model.model) is spec_mod.SPEC
+    assert spec_mod.BRIDGE.name == "gemma3" and spec_mod.BRIDGE.ids_with_embeds
+    g = spec_mod.SPEC.grammar(model)
+    assert (g.placeholders, g.start_id, g.end_id) == ({"image": F.IMAGE}, F.BOI, F.EOI)
+
+
+ALIGNED = [
+    ("one image each", [[SQUARE], [WIDE]], False),
+    ("two images, pan-and-scan crops", [[TALL, SQUARE], [WIDE]], True),
+]
+
+
+@pytest.mark.parametrize("name,samples,pas", ALIGNED, ids=[a[0] for a in ALIGNED])
+def test_aligned_batches_equal_the_plain_model(model, name, samples, pas):
+    b, hidden, _, res = guarded(model, samples, pan_and_scan=pas)
+    assert res.report.actions == ("keep",) * len(samples)
+    torch.testing.assert_close(hidden, F.plain_hidden(model, b), atol=1e-6, rtol=1e-6)
+
+
+def test_aligned_call_is_bit_identical_with_one_transfer(model):
+    b = F.make_batch(model, [[TALL, SQUARE], [WIDE]], pan_and_scan=True)
+    ref = F.plain_hidden(model, b)
+    with install_vlm(model, GuardConfig()), count_transfers() as n:
+        hidden, _ = forward(model, b.kwargs)
+    assert torch.equal(hidden, ref)
+    assert sum(n.values()) == 1, n  # the guard's verdict
+
+
+# (name, samples, bad samples, the kept sample); the plain model raises on a net short run
+# and runs +k/-k silently with features in the wrong sample (tests/test_fixture_gemma3.py)
+FAULTS = [
+    ("short run", [[M("image", (32, 32), tokens=3)], [WIDE]], {0}, 1),
+    ("surplus", [[SQUARE], [M("image", (32, 32), tokens=5)]], {1}, 0),
+    (
+        "+k/-k",
+        [[M("image", (32, 32), tokens=6)], [M("image", (20, 64), tokens=2)], [TALL]],
+        {0, 1},
+        2,
+    ),
+    ("short run before a crop", [[WIDE], [M("image", (20, 64), tokens=3)]], {1}, 0),
+]
+
+
+@pytest.mark.parametrize("name,samples,bad,kept", FAULTS, ids=[f[0] for f in FAULTS])
+def test_raise_names_the_sample(model, name, samples, bad, kept, tmp_path):
+    cfg = GuardConfig(log_dir=str(tmp_path))
+    first = min(bad)
+    with pytest.raises(MediaAlignmentError, match=rf"sample {first}\b"):
+        guarded(model, samples, cfg, pan_and_scan="crop" in name)
+    recs = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()]
+    assert {r["sample"] for r in recs if r["event"] == "raise"} >= bad
+
+
+def _as_text(b, k: int) -> dict:
+    """Sample ``k`` of the batch as the guard hands it on after a drop: no pixel rows, its soft
+    tokens their own token's embedding (no feature), its ``token_type_ids`` 0 (no blocks)."""
+    ids = b.input_ids[k : k + 1]
+    attn = b.kwargs["attention_mask"][k : k + 1]
+    return dict(input_ids=ids, attention_mask=attn, token_type_ids=torch.zeros_like(ids))
+
+
+@pytest.mark.parametrize("name,samples,bad,kept", FAULTS, ids=[f[0] for f in FAULTS])
+def test_drop_keeps_every_other_sample_equal_to_its_own_forward(model, name, samples, bad, kept):
+    pas = "crop" in name
+    seen = []
+    hook = model.model.language_model.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw["inputs_embeds"].detach().clone()), with_kwargs=True
+    )
+    try:
+        b, hidden, out, res = guarded(
+            model, samples, GuardConfig(policy="drop"), labels=True, pan_and_scan=pas
+        )
+    finally:
+        hook.remove()
+    assert {s for s, a in enumerate(res.report.actions) if a == "drop"} == bad
+    n = b.lengths[kept]
+    torch.testing.assert_close(hidden[kept, :n], own(model, samples[kept], pan_and_scan=pas))
+    emb = model.get_input_embeddings()
+    for k in bad:
+        text = _as_text(b, k)
+        assert torch.equal(seen[0][k], emb(text["input_ids"])[0])  # no feature in its row
+        # its bidirectional blocks went with its soft tokens: the plain model on that text
+        with torch.no_grad():
+            want = model.model(**text).last_hidden_state[0]
+        torch.testing.assert_close(hidden[k], want, atol=1e-5, rtol=1e-5)
+        assert (res.labels[k] == -100).all()
+    assert torch.isfinite(out.loss)
+
+
+def test_an_equal_size_swap_is_invisible_to_every_count(model):
+    """Every row has mm features: a swap changes no count, for the plain model and the guard
+    alike (the guard keeps the batch; nothing in the inputs tells the rows apart)."""
+    b, hidden, _, res = guarded(model, [[TALL, SQUARE], [WIDE]], swap=(0, 2))
+    assert res.report.actions == ("keep", "keep")
+    torch.testing.assert_close(hidden, F.plain_hidden(model, b), atol=1e-6, rtol=1e-6)
+
+
+def test_repair_falls_back_no_resize_reaches_another_count(model, tmp_path):
+    assert spec_mod.SPEC.geometry(model) == FixedGeometry(F.MM_TOKENS, (F.IMAGE_SIZE,) * 2)
+    cfg = GuardConfig(policy="repair", fallback="drop", log_dir=str(tmp_path))
+    samples = [[M("image", (32, 32), tokens=3)], [WIDE]]
+    b, hidden, _, res = guarded(model, samples, cfg)
+    assert res.report.actions == ("drop", "keep")
+    recs = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()]
+    why = " ".join(str(r.get("reason")) for r in recs if r["sample"] == 0)
+    assert "cannot be reached by resizing" in why, recs
+    torch.testing.assert_close(hidden[1, : b.lengths[1]], own(model, [WIDE]))
+
+
+def test_set_items_names_the_sample_id(model, tmp_path):
+    samples = [[SQUARE], [M("image", (32, 32), tokens=3)]]
+    items = [
+        MediaItem(0, sample=0, modality="image", sample_id="a"),
+        MediaItem(0, sample=1, modality="image", sample_id="b"),
+    ]
+    with pytest.raises(MediaAlignmentError, match="sample_id 'b'"):
+        guarded(model, samples, GuardConfig(log_dir=str(tmp_path)), items=items)
+    with pytest.raises(MediaInputError, match="set_items gave 1 items"):
+        guarded(model, samples, items=items[:1])
+
+
+def test_guard_for_builds_the_fixed_geometry(model):
+    g = guard_for(spec_mod.SPEC, model, GuardConfig(policy="repair"))
+    assert g.geometry == FixedGeometry(F.MM_TOKENS, (F.IMAGE_SIZE, F.IMAGE_SIZE))
+
+
+def test_remove_restores_the_plain_model(model):
+    b = F.make_batch(model, [[M("image", (32, 32), tokens=6)], [M("image", (20, 64), tokens=2)]])
+    h = install_vlm(model, GuardConfig())
+    with pytest.raises(MediaAlignmentError):
+        forward(model, b.kwargs)
+    h.remove()
+    forward(model, b.kwargs)  # the plain model again: silent, as measured
+    assert getattr(model, "_media_guard_vlm", None) is None

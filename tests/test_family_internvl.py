@@ -1,0 +1,206 @@
+"""install_vlm on transformers' real ``InternVLForConditionalGeneration`` (tiny random config,
+CPU): tiles of ``image_seq_length`` features, images' and video frames' tiles in one
+``pixel_values`` on one token, tiles per image never reaching the model.
+
+With ``set_items`` (one item per image, ``SEQ`` * its tiles, and one per video frame) every
+fault is caught per sample; without them the engine cuts the one block of tile features by the
+runs and says, in a ``check`` record, that only the total was checked.
+
+Inputs from ``testing/families/internvl.py`` (transformers' real ``GotOcr2ImageProcessorPil``).
+Comparisons on the final hidden states (``logits_to_keep=1``; a hook on ``model.model``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem
+from megatron_media_guard.core.host import count_transfers
+from megatron_media_guard.errors import MediaInputError
+
+pytest.importorskip("transformers.models.internvl")
+pytest.importorskip("PIL")
+
+from megatron_media_guard.adapters import install_vlm
+from megatron_media_guard.families import family_of
+from megatron_media_guard.families import internvl as spec_mod
+from megatron_media_guard.testing.families import internvl as F
+from megatron_media_guard.testing.families.base import Media as M
+
+pytestmark = pytest.mark.timeout(120)
+TOKENS = {"<img>": F.IMG_START, "</img>": F.IMG_END}
+ONE, WIDE, TALL = M("image", (56, 56)), M("image", (56, 112)), M("image", (100, 40))
+VID = M("video", (3,))
+CHECK = "only the total was checked"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return F.tiny_model(seed=0)
+
+
+def forward(model, kw: dict):
+    seen = []
+    hook = model.model.register_forward_hook(lambda m, a, o: seen.append(o.last_hidden_state))
+    extra = {} if "labels" in kw else {"logits_to_keep": 1}
+    try:
+        with torch.no_grad():
+            out = model(**kw, **extra)
+    finally:
+        hook.remove()
+    return seen[0], out
+
+
+def own(model, sample):
+    b = F.make_batch(model, [[M(m.modality, m.size) for m in sample]])
+    return F.plain_hidden(model, b)[0, : b.lengths[0]]
+
+
+def items_of(b, sample_ids=None) -> list[MediaItem]:
+    """What a collate that kept the processor's ``num_patches`` would give ``set_items``: per
+    tile block in ``pixel_values`` order, its sample and one item per image (SEQ x its tiles)
+    or per video frame (SEQ), all of the model's one modality. After a swap a block keeps its
+    place (its sample) and brings its tiles (``FamilyBatch.items``)."""
+    out = []
+    for s, mod, n in b.items:
+        sid = None if sample_ids is None else sample_ids[s]
+        sizes = [n] if mod == "image" else [F.SEQ] * (n // F.SEQ)
+        out += [MediaItem(x, sample=s, modality="image", sample_id=sid) for x in sizes]
+    return out
+
+
+def guarded(model, samples, config=None, items=True, labels=False, **kw):
+    b = F.make_batch(model, samples, **kw)
+    call = dict(b.kwargs, labels=b.input_ids.clone()) if labels else b.kwargs
+    with install_vlm(model, config or GuardConfig(), tokenizer=TOKENS) as h:
+        if items:
+            h.set_items(items_of(b) if items is True else items)
+        hidden, out = forward(model, call)
+        return b, hidden, out, h.last_result
+
+
+def records(path) -> list[dict]:
+    return [json.loads(x) for f in path.glob("*.jsonl") for x in f.read_text().splitlines()]
+
+
+def test_the_registry_and_the_grammar(model):
+    assert family_of(model) is spec_mod.SPEC and family_of(model.model) is spec_mod.SPEC
+    g = spec_mod.SPEC.grammar(model, TOKENS)
+    assert (g.placeholders, g.start_id, g.end_id) == ({"image": F.IMAGE}, F.IMG_START, F.IMG_END)
+    with pytest.raises(MediaInputError, match="'<img>'"):
+        install_vlm(model, GuardConfig())  # the markers are tokenizer-only
+
+
+ALIGNED = {
+    "images": [[WIDE, ONE], [TALL]],
+    "video": [[VID], [M("video", (2,))]],
+    "mixed image+video": [[WIDE, VID], [ONE, TALL]],
+}
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["set_items", "runs"])
+@pytest.mark.parametrize("name", list(ALIGNED))
+def test_aligned_batches_equal_the_plain_model(model, name, given, tmp_path):
+    cfg = GuardConfig(log_dir=str(tmp_path))
+    b, hidden, _, res = guarded(model, ALIGNED[name], cfg, items=given)
+    assert res.report.actions == ("keep",) * len(ALIGNED[name])
+    torch.testing.assert_close(hidden, F.plain_hidden(model, b), atol=1e-6, rtol=1e-6)
+    checks = [r for r in records(tmp_path) if r["event"] == "check"]
+    assert bool(checks) is not given  # cut by the runs: said so
+    assert all(CHECK in r["reason"] for r in checks)
+
+
+def test_aligned_call_with_set_items_is_bit_identical_with_one_transfer(model):
+    b = F.make_batch(model, ALIGNED["mixed image+video"])
+    ref = F.plain_hidden(model, b)
+    with install_vlm(model, GuardConfig(), tokenizer=TOKENS) as h, count_transfers() as n:
+        h.set_items(items_of(b))
+        hidden, _ = forward(model, b.kwargs)
+    assert torch.equal(hidden, ref)
+    assert sum(n.values()) == 1, n
+
+
+# (name, samples, swap, bad samples, a kept sample); unguarded, all but the short run are
+# silent with features in the wrong sample (tests/test_fixture_internvl.py)
+FAULTS = [
+    ("short run", [[M("image", (56, 112), tokens=10)], [ONE]], None, {0}, 1),
+    ("+k/-k images", [[M("image", (56, 56), tokens=6)], [M("image", (56, 112), tokens=10)],
+                      [TALL]], None, {0, 1}, 2),
+    ("+k/-k image and video frame", [[M("image", (56, 56), tokens=5)],
+                                     [M("video", (2,), tokens=7)], [ONE]], None, {0, 1}, 2),
+    ("swap of tile counts", [[WIDE], [ONE], [TALL]], (0, 1), {0, 1}, 2),
+    ("swap image and video", [[ONE], [VID], [WIDE]], (0, 1), {0, 1}, 2),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,samples,swap,bad,kept", FAULTS, ids=[f[0] for f in FAULTS])
+def test_raise_names_the_sample(model, name, samples, swap, bad, kept, tmp_path):
+    with pytest.raises(MediaAlignmentError, match=rf"sample {min(bad)}\b"):
+        guarded(model, samples, GuardConfig(log_dir=str(tmp_path)), swap=swap)
+    assert {r["sample"] for r in records(tmp_path) if r["event"] == "raise"} == bad
+
+
+@pytest.mark.parametrize("name,samples,swap,bad,kept", FAULTS, ids=[f[0] for f in FAULTS])
+def test_drop_keeps_every_other_sample_equal_to_its_own_forward(
+    model, name, samples, swap, bad, kept
+):
+    seen = []
+    hook = model.model.language_model.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw["inputs_embeds"].detach().clone()), with_kwargs=True
+    )
+    try:
+        b, hidden, out, res = guarded(
+            model, samples, GuardConfig(policy="drop"), labels=True, swap=swap
+        )
+    finally:
+        hook.remove()
+    assert {s for s, a in enumerate(res.report.actions) if a == "drop"} == bad
+    torch.testing.assert_close(hidden[kept, : b.lengths[kept]], own(model, samples[kept]))
+    text = model.get_input_embeddings()(b.input_ids)
+    for k in bad:
+        assert torch.equal(seen[0][k], text[k])  # no feature in a dropped sample's row
+        assert (res.labels[k] == -100).all()
+    assert torch.isfinite(out.loss)
+
+
+def test_without_set_items_only_the_total_is_checked(model, tmp_path):
+    """A net short run still raises (the total is off; the blame falls on the last run, which
+    takes what is left); a +k/-k keeps every sample, and the record says why it could not see."""
+    cfg = GuardConfig(log_dir=str(tmp_path))
+    with pytest.raises(MediaAlignmentError):
+        guarded(model, FAULTS[0][1], cfg, items=False)
+    res = guarded(model, FAULTS[1][1], cfg, items=False)[3]
+    assert res.report.actions == ("keep",) * 3
+    assert any(CHECK in r["reason"] for r in records(tmp_path) if r["event"] == "check")
+
+
+def test_set_items_names_the_sample_id_and_checks_the_total(model, tmp_path):
+    samples = [[WIDE], [M("image", (56, 56), tokens=3)]]
+    b = F.make_batch(model, samples)
+    with pytest.raises(MediaAlignmentError, match="sample_id 'b'"):
+        guarded(model, samples, GuardConfig(log_dir=str(tmp_path)), items=items_of(b, "ab"))
+    wrong = [MediaItem(F.SEQ, modality="image")] * 2  # WIDE has 3 tiles, not 1
+    with pytest.raises(MediaInputError, match="set_items declares 8 image features"):
+        guarded(model, samples, items=wrong)
+
+
+def test_repair_falls_back_naming_the_family(model, tmp_path):
+    cfg = GuardConfig(policy="repair", fallback="drop", log_dir=str(tmp_path))
+    b, hidden, _, res = guarded(model, [[M("image", (56, 112), tokens=10)], [ONE]], cfg)
+    assert res.report.actions == ("drop", "keep")
+    reasons = {r.get("reason") for r in records(tmp_path)}
+    assert "cannot repair: no geometry for internvl" in reasons, reasons
+    torch.testing.assert_close(hidden[1, : b.lengths[1]], own(model, [ONE]))
+
+
+def test_remove_restores_the_plain_model(model):
+    b = F.make_batch(model, FAULTS[1][1])
+    h = install_vlm(model, GuardConfig(), tokenizer=TOKENS)
+    h.set_items(items_of(b))
+    with pytest.raises(MediaAlignmentError):
+        forward(model, b.kwargs)
+    h.remove()
+    forward(model, b.kwargs)  # the plain model again: silent, as measured

@@ -1,0 +1,181 @@
+"""install_vlm on transformers' real ``Kimi_K25ForConditionalGeneration`` (tiny random config,
+CPU): images and time-pooled video chunks (one grid row and one run per chunk of <= 4 frames),
+each on its own placeholder token between ``<|media_begin|>`` / ``<|media_end|>``.
+
+Inputs from ``testing/families/kimi_k25.py`` (the processors import torchvision: patches and grids
+from their arithmetic). Comparisons are on the final hidden states (the 163k-vocabulary logits
+are their ``lm_head``): the forward runs with ``logits_to_keep=1`` and a hook on ``model.model``
+keeps its ``last_hidden_state``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem
+from megatron_media_guard.core.host import count_transfers
+from megatron_media_guard.errors import MediaInputError
+
+pytest.importorskip("transformers.models.kimi_k25")
+
+from megatron_media_guard.adapters import install_vlm
+from megatron_media_guard.families import family_of
+from megatron_media_guard.families import kimi_k25 as spec_mod
+from megatron_media_guard.testing.families import kimi_k25 as F
+from megatron_media_guard.testing.families.base import Media as M
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def img(h, w, tokens=None):
+    return M("image", (h, w), tokens)
+
+
+def vid(f, h, w, tokens=None):
+    return M("video", (f, h, w), tokens)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return F.tiny_model(seed=0)
+
+
+def forward(model, kw: dict):
+    seen = []
+    hook = model.model.register_forward_hook(lambda m, a, o: seen.append(o.last_hidden_state))
+    extra = {} if "labels" in kw else {"logits_to_keep": 1}
+    try:
+        with torch.no_grad():
+            out = model(**kw, **extra)
+    finally:
+        hook.remove()
+    return seen[0], out
+
+
+def plain(model, b):
+    return forward(model, b.kwargs)[0]
+
+
+def own(model, sample):
+    b = F.make_batch(model, [[M(m.modality, m.size) for m in sample]])
+    return plain(model, b)[0, : b.lengths[0]]
+
+
+def guarded(model, samples, config=None, items=None, labels=False, **kw):
+    b = F.make_batch(model, samples, **kw)
+    call = dict(b.kwargs, labels=b.input_ids.clone()) if labels else b.kwargs
+    with install_vlm(model, config or GuardConfig()) as h:
+        if items is not None:
+            h.set_items(items)
+        hidden, out = forward(model, call)
+        return b, hidden, out, h.last_result
+
+
+def test_the_registry_and_the_grammar(model):
+    assert family_of(model) is spec_mod.SPEC and family_of(model.model) is spec_mod.SPEC
+    g = spec_mod.SPEC.grammar(model)
+    cfg = model.config
+    assert g.placeholders == {"image": cfg.image_token_id, "video": cfg.video_token_id}
+    assert (g.start_id, g.end_id) == (cfg.vision_start_token_id, cfg.vision_end_token_id)
+    assert [m.name for m in spec_mod.BRIDGE.modalities] == ["image"]
+
+
+ALIGNED = {
+    "images": [[img(4, 6)], [img(8, 4), img(2, 2)]],
+    "videos (chunks of <= 4 frames)": [[vid(6, 4, 4)], [vid(3, 2, 4)]],
+    "mixed": [[img(4, 4)], [vid(6, 4, 4)], [vid(2, 2, 2), img(2, 2)]],
+}
+
+
+@pytest.mark.parametrize("name", list(ALIGNED))
+def test_aligned_batches_equal_the_plain_model(model, name):
+    b, hidden, _, res = guarded(model, ALIGNED[name])
+    assert res.report.actions == ("keep",) * len(ALIGNED[name])
+    torch.testing.assert_close(hidden, plain(model, b), atol=1e-6, rtol=1e-6)
+
+
+def test_aligned_images_are_bit_identical_with_one_transfer(model):
+    b = F.make_batch(model, ALIGNED["images"])
+    ref = plain(model, b)
+    with install_vlm(model, GuardConfig()), count_transfers() as n:
+        hidden, _ = forward(model, b.kwargs)
+    assert torch.equal(hidden, ref)
+    assert sum(n.values()) == 1, n
+
+
+# (name, samples, swap, bad samples, a kept sample); unguarded, all but the short run are
+# silent with features in the wrong sample (tests/test_fixture_kimi_k25.py)
+FAULTS = [
+    ("short run", [[img(4, 4, tokens=3)], [img(2, 4)]], None, {0}, 1),
+    ("+k/-k images", [[img(4, 4, tokens=6)], [img(4, 4, tokens=2)], [img(2, 2)]], None, {0, 1}, 2),
+    ("+k/-k video chunks", [[vid(6, 4, 4, tokens=9)], [vid(2, 4, 4, tokens=3)], [img(2, 2)]],
+     None, {0, 1}, 2),
+    ("swap of images", [[img(4, 4)], [img(2, 4)], [img(2, 2)]], (0, 1), {0, 1}, 2),
+    ("swap of videos", [[vid(2, 4, 4)], [vid(2, 2, 4)], [img(2, 2)]], (1, 2), {0, 1}, 2),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,samples,swap,bad,kept", FAULTS, ids=[f[0] for f in FAULTS])
+def test_raise_names_the_sample(model, name, samples, swap, bad, kept, tmp_path):
+    with pytest.raises(MediaAlignmentError, match=rf"sample {min(bad)}\b"):
+        guarded(model, samples, GuardConfig(log_dir=str(tmp_path)), swap=swap)
+    recs = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()]
+    assert {r["sample"] for r in recs if r["event"] == "raise"} == bad
+
+
+@pytest.mark.parametrize("name,samples,swap,bad,kept", FAULTS, ids=[f[0] for f in FAULTS])
+def test_drop_keeps_every_other_sample_equal_to_its_own_forward(
+    model, name, samples, swap, bad, kept
+):
+    seen = []
+    hook = model.model.language_model.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw["inputs_embeds"].detach().clone()), with_kwargs=True
+    )
+    try:
+        b, hidden, out, res = guarded(
+            model, samples, GuardConfig(policy="drop"), labels=True, swap=swap
+        )
+    finally:
+        hook.remove()
+    assert {s for s, a in enumerate(res.report.actions) if a == "drop"} == bad
+    torch.testing.assert_close(hidden[kept, : b.lengths[kept]], own(model, samples[kept]))
+    text = spec_mod._embed(model, b.input_ids)  # as the model embeds ids, placeholders as 0
+    for k in bad:
+        assert torch.equal(seen[0][k], text[k])  # no feature in a dropped sample's row
+        assert (res.labels[k] == -100).all()
+    assert torch.isfinite(out.loss)
+
+
+def test_repair_falls_back_naming_the_family(model, tmp_path):
+    cfg = GuardConfig(policy="repair", fallback="drop", log_dir=str(tmp_path))
+    b, hidden, _, res = guarded(model, [[img(4, 4, tokens=3)], [img(2, 4)]], cfg)
+    assert res.report.actions == ("drop", "keep")
+    recs = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()]
+    assert any(r.get("reason") == "cannot repair: no geometry for kimi_k25" for r in recs), recs
+    torch.testing.assert_close(hidden[1, : b.lengths[1]], own(model, [img(2, 4)]))
+
+
+def test_set_items_takes_one_item_per_chunk(model, tmp_path):
+    """``num_chunks_per_video`` never reaches the model: a 6-frame video is two chunk items."""
+    samples = [[vid(6, 4, 4)], [vid(2, 2, 2, tokens=3)]]
+    one_per_video = [MediaItem(0, sample=s, modality="video") for s in (0, 1)]
+    with pytest.raises(MediaInputError, match="set_items gave 2 items"):
+        guarded(model, samples, items=one_per_video)
+    chunks = [
+        MediaItem(0, sample=s, modality="video", sample_id=sid)
+        for s, sid in ((0, "a"), (0, "a"), (1, "b"))
+    ]
+    with pytest.raises(MediaAlignmentError, match="sample_id 'b'"):
+        guarded(model, samples, GuardConfig(log_dir=str(tmp_path)), items=chunks)
+
+
+def test_remove_restores_the_plain_model(model):
+    b = F.make_batch(model, [[img(4, 4, tokens=6)], [img(4, 4, tokens=2)]])
+    h = install_vlm(model, GuardConfig())
+    with pytest.raises(MediaAlignmentError):
+        forward(model, b.kwargs)
+    h.remove()
+    forward(model, b.kwargs)  # the plain model again: silent, as measured
