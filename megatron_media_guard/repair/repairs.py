@@ -113,9 +113,6 @@ def _attempt(
     item = batch.items[r.item]
     facts: dict = {"target": r.target}
     hw = _source_hw(item)
-    if guard.geometry is None:  # the family's sizing is not known: say which family
-        facts["reason"] = f"cannot repair: no geometry for {guard.grammar.name}"
-        return None, facts
     missing = [
         name
         for name, v in (
