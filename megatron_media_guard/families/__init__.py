@@ -23,6 +23,7 @@ FAMILIES: tuple[FamilySpec, ...] = (
     kimi_k25.BRIDGE,
     internvl.SPEC,
     mistral3.SPEC,
+    mistral3.BRIDGE,
     llava_onevision.SPEC,
 )
 

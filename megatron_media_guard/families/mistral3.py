@@ -17,13 +17,14 @@ through ``get_image_features``.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ..core.host import to_host
 from ..geometry import PixtralGeometry
-from .spec import Encoded, FamilySpec, ModalitySpec, Token
+from .spec import Encoded, FamilySpec, ModalitySpec, Token, bridge_embed
 
 
 def _features(model: Any, pixels: torch.Tensor, sizes: torch.Tensor, layer=None):
@@ -65,10 +66,7 @@ def _geometry(model: Any) -> PixtralGeometry:
 
 SPEC = FamilySpec(
     name="mistral3",
-    classes={
-        "transformers.": frozenset({"Mistral3ForConditionalGeneration", "Mistral3Model"}),
-        "megatron.bridge.": frozenset({"Ministral3Model"}),
-    },
+    classes={"transformers.": frozenset({"Mistral3ForConditionalGeneration", "Mistral3Model"})},
     modalities=(
         ModalitySpec(
             "image",
@@ -83,4 +81,14 @@ SPEC = FamilySpec(
     text=Token(("text_config.pad_token_id", "pad_token_id"), "<pad>", 0),
     geometry=_geometry,
     ids_with_embeds=False,
+)
+
+#: Megatron-Bridge 0.6.2 ``Ministral3Model.forward(input_ids, attention_mask, position_ids,
+#: inputs_embeds, pixel_values, labels, runtime_gather_output, image_sizes, ...)``: it embeds
+#: through its language model and merges only while ``pixel_values`` is given
+BRIDGE = replace(
+    SPEC,
+    classes={"megatron.bridge.": frozenset({"Ministral3Model"})},
+    ids_with_embeds=True,
+    embed=bridge_embed,
 )
