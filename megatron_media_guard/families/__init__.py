@@ -15,7 +15,9 @@ from . import (
     glm4v,
     internvl,
     kimi_k25,
+    llava_onevision,
     megatron,
+    mistral3,
     nemotron_omni,
     qwen,
     qwen2_audio,
@@ -37,6 +39,9 @@ FAMILIES: tuple[FamilySpec, ...] = (
     qwen3_omni.SPEC,
     glm4v.SPEC,
     ernie4_5_vl.SPEC,
+    mistral3.SPEC,
+    mistral3.BRIDGE,
+    llava_onevision.SPEC,
 )
 
 #: attributes that hold the model a wrapper trains (DDP / FSDP1's ``.module``, Bridge's

@@ -114,7 +114,10 @@ AfterMerge = Callable[[Any, Merged], Mapping[str, Any]]
 class ModalitySpec:
     """One modality of a family.
 
-    placeholder / start / end: its tokens (``start``/``end`` None: no markers of its own).
+    placeholder / start / end: its tokens (``start``/``end`` None: no markers of its own;
+        ``end`` alone: an end marker right after each run, Pixtral's ``[IMG_END]``).
+    breaks: tokens inside its runs that occupy positions and take no feature (Pixtral's
+        ``[IMG_BREAK]``; the grammar then has this one placeholder modality).
     shares: the modality whose placeholder token this one reuses (Nemotron video -> image).
     inputs: the forward keywords that carry its media; the first one present means the call
         holds this modality. All of them are set to None once the guard has merged.
@@ -147,6 +150,7 @@ class ModalitySpec:
     patches: Mapping[str, str] = field(default_factory=dict)
     counts: Counts | None = None
     type_id: int | None = None
+    breaks: tuple[Token, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -212,6 +216,8 @@ class FamilySpec:
         tokenizer); a clear error naming every token it could not find."""
         placeholders: dict[str, int] = {}
         pairs: list[tuple[int, int]] = []
+        end_only: list[int] = []
+        breaks: list[int] = []
         missing: list[str] = []
         for m in self.modalities:
             if m.shares is not None:
@@ -227,19 +233,36 @@ class FamilySpec:
                     missing.append(f"{m.name} start/end markers {_where(m.start)}")
                 elif (a, b) not in pairs:
                     pairs.append((a, b))
+            elif m.end is not None:
+                b = m.end.resolve(model, tokenizer)
+                if b is None:
+                    missing.append(f"{m.name} end marker {_where(m.end)}")
+                elif b not in end_only:
+                    end_only.append(b)
+            for t in m.breaks:
+                k = t.resolve(model, tokenizer)
+                if k is None:
+                    missing.append(f"{m.name} break token {_where(t)}")
+                elif k not in breaks:
+                    breaks.append(k)
         if missing:
             raise MediaInputError(
                 f"{self.name}: no token id for " + "; ".join(missing) + " (set them on "
                 "model.config or pass tokenizer= to install_vlm)"
             )
         aliases = {m.name: m.shares for m in self.modalities if m.shares is not None}
-        start, end = pairs[0] if pairs else (None, None)
+        if (pairs and end_only) or len(end_only) > 1:
+            raise MediaInputError(
+                f"{self.name}: one end-only marker, and no marker pairs beside it"
+            )
+        start, end = pairs[0] if pairs else (None, end_only[0] if end_only else None)
         text = self.text.resolve(model, tokenizer)
-        specials = {*placeholders.values(), *(t for p in pairs for t in p)}
+        specials = {*placeholders.values(), *(t for p in pairs for t in p), *end_only, *breaks}
         return Grammar(
             placeholders,
             start_id=start,
             end_id=end,
+            break_ids=tuple(breaks),
             regions=tuple(pairs[1:]),
             aliases=aliases,
             name=self.name,

@@ -8,11 +8,12 @@ megatron.
 
 from megatron_media_guard.geometry.fixed import FixedGeometry
 from megatron_media_guard.geometry.patch_merge import PatchMergeGeometry
+from megatron_media_guard.geometry.pixtral import PixtralGeometry
 from megatron_media_guard.geometry.radio import RadioEngineItem, RadioTilerGeometry
 from megatron_media_guard.geometry.solution import FIDELITIES, Fidelity, GeometryError, Solution
 from megatron_media_guard.geometry.tiled import TiledGeometry
 
-Geometry = PatchMergeGeometry | RadioTilerGeometry | TiledGeometry | FixedGeometry
+Geometry = PatchMergeGeometry | RadioTilerGeometry | TiledGeometry | FixedGeometry | PixtralGeometry
 
 __all__ = [
     "FIDELITIES",
@@ -21,6 +22,7 @@ __all__ = [
     "Geometry",
     "GeometryError",
     "PatchMergeGeometry",
+    "PixtralGeometry",
     "RadioEngineItem",
     "RadioTilerGeometry",
     "Solution",

@@ -1,0 +1,94 @@
+"""Mistral 3 / Pixtral (transformers ``Mistral3ForConditionalGeneration`` / ``Mistral3Model``;
+Megatron-Bridge ``Ministral3Model``, which binds transformers' ``get_image_features``).
+
+- image: ``rows`` rows of ``[IMG]``x``cols`` each followed by ``[IMG_BREAK]``, the last break
+  replaced by ``[IMG_END]``; ``rows, cols = image_sizes[n] // (patch * spatial_merge_size)``.
+  Breaks and the end marker take no feature: the item has rows*cols features and is one run
+  (the grammar's break tokens keep its rows together; ``[IMG_END]`` closes it).
+- ``pixel_values`` ``[n, 3, maxH, maxW]`` (each image top-left, zero-padded), ``image_sizes``
+  ``[n, 2]`` (H, W), both in token order; the tower attends within each image only.
+
+The config holds only ``image_token_id``; ``[IMG_BREAK]`` / ``[IMG_END]`` come from the
+tokenizer. Both forwards take ``input_ids`` or ``inputs_embeds``, so the guard passes only the
+embeddings. Repair: the item's own pixels (cut at its ``image_sizes``) resized to the grid
+:class:`PixtralGeometry` solves (the processor's longest-edge resize replayed) and re-encoded
+through ``get_image_features``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from ..core.host import to_host
+from ..geometry import PixtralGeometry
+from .spec import Encoded, FamilySpec, ModalitySpec, Token, bridge_embed
+
+
+def _features(model: Any, pixels: torch.Tensor, sizes: torch.Tensor, layer=None):
+    out = model.get_image_features(
+        pixels, image_sizes=sizes, vision_feature_layer=layer, return_dict=True
+    )
+    return tuple(out.pooler_output)
+
+
+def _encode_image(model: Any, kw) -> Encoded:
+    pv, sizes = kw["pixel_values"], kw["image_sizes"]
+    feats = _features(model, pv, sizes, kw.get("vision_feature_layer"))
+    if not kw.get("_media_guard_pixels"):
+        return Encoded(feats)
+    # repair only: the sizes on the host to cut each image out of its padding (one small transfer)
+    hw = to_host(sizes, why="image sizes to cut each item's pixels for repair").tolist()
+    return Encoded(
+        feats,
+        num_frames=(None,) * len(hw),
+        frame_hw=tuple((h, w) for h, w in hw),
+        pixels=tuple(pv[n, :, :h, :w] for n, (h, w) in enumerate(hw)),
+    )
+
+
+def _reencode_image(model: Any, img: torch.Tensor) -> torch.Tensor:
+    sizes = torch.tensor([list(img.shape[-2:])], dtype=torch.long, device=img.device)
+    return _features(model, img[None], sizes)[0]
+
+
+def _geometry(model: Any) -> PixtralGeometry:
+    cfg = getattr(model.config, "hf_config", model.config)  # Bridge keeps HF's config there
+    vis = cfg.vision_config
+    return PixtralGeometry(
+        longest_edge=int(vis.image_size),
+        patch=int(vis.patch_size),
+        merge=int(getattr(cfg, "spatial_merge_size", 2)),
+    )
+
+
+SPEC = FamilySpec(
+    name="mistral3",
+    classes={"transformers.": frozenset({"Mistral3ForConditionalGeneration", "Mistral3Model"})},
+    modalities=(
+        ModalitySpec(
+            "image",
+            Token(("image_token_id", "image_token_index"), "[IMG]"),
+            ("pixel_values", "image_sizes", "vision_feature_layer"),
+            _encode_image,
+            end=Token((), "[IMG_END]"),
+            breaks=(Token((), "[IMG_BREAK]"),),
+            reencode=_reencode_image,
+        ),
+    ),
+    text=Token(("text_config.pad_token_id", "pad_token_id"), "<pad>", 0),
+    geometry=_geometry,
+    ids_with_embeds=False,
+)
+
+#: Megatron-Bridge 0.6.2 ``Ministral3Model.forward(input_ids, attention_mask, position_ids,
+#: inputs_embeds, pixel_values, labels, runtime_gather_output, image_sizes, ...)``: it embeds
+#: through its language model and merges only while ``pixel_values`` is given
+BRIDGE = replace(
+    SPEC,
+    classes={"megatron.bridge.": frozenset({"Ministral3Model"})},
+    ids_with_embeds=True,
+    embed=bridge_embed,
+)

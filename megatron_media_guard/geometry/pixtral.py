@@ -1,0 +1,128 @@
+"""Pixtral / Mistral 3 sizing (transformers ``PixtralImageProcessor``'s
+``get_resize_output_image_size``, with ``patch_size = patch * spatial_merge_size``):
+
+    ratio = max(H / L, W / L)        (L = size["longest_edge"])
+    if ratio > 1: H, W = floor(H / ratio), floor(W / ratio)
+    H' = ceil(H / f) * f, W' likewise  (f = patch * merge = 28; small images grow)
+
+Tokens = (H'/f) * (W'/f) features (the ids add one ``[IMG_BREAK]`` / ``[IMG_END]`` per row,
+which take none). Each side is monotone in L, so for a target the longest edge that gives it
+(the engine's, replayed) is found by bisection, and its grid is the only one any L gives.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megatron_media_guard.geometry.solution import (
+    GeometryError,
+    Solution,
+    check_hw,
+    check_positive,
+    check_target,
+    choice_text,
+    divisor_pairs,
+    pick,
+    unreachable,
+)
+
+
+@dataclass(frozen=True)
+class PixtralGeometry:
+    """Pixtral sizing. longest_edge: the processor's ``size["longest_edge"]`` and the tower's
+    limit (``vision_config.image_size``: its rope table has image_size / patch positions per
+    side); patch / merge: ``vision_config.patch_size`` and ``spatial_merge_size``."""
+
+    longest_edge: int = 1540
+    patch: int = 14
+    merge: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("longest_edge", "patch", "merge"):
+            check_positive(getattr(self, name), name)
+
+    @property
+    def factor(self) -> int:
+        return self.patch * self.merge
+
+    @property
+    def max_cells(self) -> int:
+        """Merged cells per side the tower takes (an edge of at most ``longest_edge``)."""
+        return self.longest_edge // self.factor
+
+    def _cells(self, h: int, w: int, edge: int) -> tuple[int, int]:
+        ratio = max(h / edge, w / edge)
+        if ratio > 1:
+            h, w = math.floor(h / ratio), math.floor(w / ratio)
+        f = self.factor
+        return (h - 1) // f + 1, (w - 1) // f + 1
+
+    def size_for(self, hw: tuple[int, int], num_frames: int = 1, *, longest_edge=None):
+        """Pixel (H', W') the processor resizes to (``longest_edge`` overridable)."""
+        h, w = check_hw(hw)
+        edge = self.longest_edge if longest_edge is None else check_positive(longest_edge, "edge")
+        a, b = self._cells(h, w, edge)
+        if not a or not b:  # the processor fails on it too (a side of 0 pixels)
+            raise GeometryError(f"the Pixtral resize of {h}x{w} to longest edge {edge} is empty")
+        return a * self.factor, b * self.factor
+
+    def tokens(self, hw: tuple[int, int], num_frames: int = 1, *, longest_edge=None) -> int:
+        """(H'/f) * (W'/f): the image's features (its ``[IMG]`` placeholders)."""
+        hb, wb = self.size_for(hw, longest_edge=longest_edge)
+        return (hb // self.factor) * (wb // self.factor)
+
+    def _replay(self, h: int, w: int, n: int) -> tuple[int, tuple[int, int]] | None:
+        """The smallest longest edge whose resize gives n cells, if one does."""
+        lo, hi = 1, max(h, w)  # from max(H, W) on the image is only rounded up: the plateau
+        if math.prod(self._cells(h, w, hi)) < n:
+            return None
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if math.prod(self._cells(h, w, mid)) >= n:
+                hi = mid
+            else:
+                lo = mid + 1
+        cells = self._cells(h, w, lo)
+        return (lo, cells) if math.prod(cells) == n else None
+
+    def solve(self, target_tokens: int, hw: tuple[int, int], num_frames: int = 1) -> Solution:
+        """The pixel size that gives exactly ``target_tokens`` features, classed:
+        engine-replay (the processor's resize with another longest edge gives it), else the
+        grid of that many cells closest in aspect that the tower takes."""
+        n = check_target(target_tokens)
+        h, w = check_hw(hw)
+        f, top = self.factor, self.max_cells
+        if n == 0:
+            return unreachable("a Pixtral image yields at least one feature; target is 0")
+
+        def solution(a: int, b: int, fidelity, reason: str, budget: int | None) -> Solution:
+            grid = (a * self.merge, b * self.merge)
+            return Solution(n, (a * f, b * f), fidelity, reason, grid, budget=budget)
+
+        replay = self._replay(h, w, n)
+        if replay is not None and max(replay[1]) <= top:
+            edge, (a, b) = replay
+            return solution(
+                a,
+                b,
+                "engine-replay",
+                f"the Pixtral resize of {h}x{w} with longest_edge={edge} gives {a}x{b} cells",
+                edge,
+            )
+        fits = n <= top * top  # (else no divisor scan: the tower takes no such grid)
+        valid = [(a, b) for a, b in divisor_pairs(n) if a <= top and b <= top] if fits else []
+        if not valid:
+            return unreachable(
+                f"no grid a*b = {n} has both sides <= {top} cells (longest edge "
+                f"{self.longest_edge} px, {f} px per cell)"
+            )
+        (a, b), fidelity, count = pick(valid, (h, w), (f, f))
+        return solution(
+            a,
+            b,
+            fidelity,
+            f"no longest edge makes the Pixtral resize give {n} cells for {h}x{w}; "
+            f"{choice_text(count, a, b, f'of {n} cells')} (aspect)",
+            None,
+        )

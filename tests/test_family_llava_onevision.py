@@ -1,0 +1,187 @@
+"""install_vlm on transformers' real ``LlavaOnevisionForConditionalGeneration`` (tiny random
+config, CPU): bare ``<image>`` / ``<video>`` runs, anyres counts from ``image_sizes``, base + 1
+for the images of a multi-image sample (``batch_num_images``), pooled videos.
+
+Inputs come from ``testing/families/llava_onevision.py``. Aligned batches are compared with
+the plain model on the same batch; kept samples of a guarded faulty batch with the same
+sample's plain forward in a batch of its own (its own ``batch_num_images``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem
+from megatron_media_guard.core.host import count_transfers
+from megatron_media_guard.families import find_family
+from megatron_media_guard.families import llava_onevision as spec_mod
+
+pytest.importorskip("transformers.models.llava_onevision")
+
+from megatron_media_guard.adapters import install_vlm
+from megatron_media_guard.testing.families import llava_onevision as F
+from megatron_media_guard.testing.families.base import Media
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def img(h: int, w: int, tokens: int | None = None) -> Media:
+    return Media("image", (h, w), tokens)
+
+
+def vid(frames: int, tokens: int | None = None) -> Media:
+    return Media("video", (frames,), tokens)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The fixture's model with a narrow output head (1000 of the 151680 ids; the text ids are
+    drawn below 1000): the logits stay small, and every position's hidden state still shows."""
+    m = F.tiny_model()
+    torch.manual_seed(1)
+    m.lm_head = torch.nn.Linear(m.config.text_config.hidden_size, F.TEXT_IDS[1], bias=False)
+    m.config.text_config.vocab_size = F.TEXT_IDS[1]  # the loss reshapes logits by it
+    return m
+
+
+def text_labels(ids: torch.Tensor) -> torch.Tensor:
+    return torch.where(ids < F.TEXT_IDS[1], ids, -100)  # what the narrow head can score
+
+
+def logits(model, kwargs) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**kwargs).logits
+
+
+def own(model, sample) -> torch.Tensor:
+    b = F.make_batch(model, [sample])
+    return logits(model, b.kwargs)[0, : b.lengths[0]]
+
+
+def guarded(model, samples, config=None, items=None, **kw):
+    b = F.make_batch(model, samples, **kw)
+    with install_vlm(model, config or GuardConfig()) as h:
+        if items is not None:
+            h.set_items(items)
+        out = logits(model, b.kwargs)
+        return b, out, h.last_result
+
+
+def test_the_registry_finds_the_family_and_its_grammar(model):
+    target, spec = find_family(model)
+    assert spec is spec_mod.SPEC and target is model
+    g = spec.grammar(model)
+    assert dict(g.placeholders) == {"image": 151646, "video": 151647}
+    assert (g.start_id, g.end_id, g.break_ids) == (None, None, ())
+    assert find_family(model.model)[1] is spec_mod.SPEC
+    assert F.llava_onevision_num_features(56, 56, model.config) == N56
+
+
+ALIGNED = [
+    ("image", [[img(56, 56)], [img(60, 130)]]),
+    ("multi-image and single", [[img(56, 56), img(100, 40)], [img(80, 80)]]),
+    ("text-only sample", [[], [img(130, 60)]]),
+    ("video", [[vid(2)], [vid(2)]]),
+    ("image and video mixed", [[img(56, 56), vid(2)], [vid(2)], [img(90, 50), img(50, 90)]]),
+]
+
+
+@pytest.mark.parametrize("name,samples", ALIGNED, ids=[n for n, _ in ALIGNED])
+def test_aligned_batches_equal_the_plain_model(model, name, samples):
+    b, out, res = guarded(model, samples)
+    assert res.report.actions == ("keep",) * len(samples)
+    torch.testing.assert_close(out, logits(model, b.kwargs), atol=1e-6, rtol=1e-6)
+
+
+def test_aligned_call_is_bit_identical_with_one_transfer(model):
+    b = F.make_batch(model, ALIGNED[1][1])
+    ref = logits(model, b.kwargs)
+    h = install_vlm(model, GuardConfig())
+    with h, count_transfers() as n:
+        out = logits(model, b.kwargs)
+    assert torch.equal(out, ref)
+    assert sum(n.values()) == 1, n  # the guard's verdict; the model's own syncs are not counted
+
+
+ALL = [img(80, 80)]  # an aligned sample beside every fault: it must stay its own forward
+N56 = 36  # a 56x56 image alone: base 16 + 4 rows of 4 + 1 newline (asserted below)
+FAULTS = [
+    ("short image run", [[img(56, 56, tokens=N56 - 1)], ALL], 0, None),
+    ("short video run", [[*ALL, vid(2)], [vid(2, tokens=8)]], 1, None),
+    ("+k/-k images", [[img(56, 56, tokens=N56 + 2)], [img(56, 56, tokens=N56 - 2)], ALL], 0, None),
+    ("+k/-k videos", [[vid(2, tokens=10)], [vid(2, tokens=8)], ALL], 0, None),
+    ("swap", [[img(56, 56)], [img(60, 130)], ALL], 0, (0, 1)),
+    # one image of a two-image sample is short (base + 1 = 17): the whole sample goes
+    ("multi-image, one short", [[img(56, 56), img(100, 40, tokens=16)], ALL], 0, None),
+    # a kept two-image sample beside a dropped one keeps its base + 1 counts
+    ("beside a multi-image", [[img(56, 56, tokens=N56 - 1)], [img(56, 56), img(100, 40)]], 0, None),
+]
+
+
+@pytest.mark.parametrize("name,samples,bad,swap", FAULTS, ids=[f[0] for f in FAULTS])
+def test_raise_names_the_sample(model, name, samples, bad, swap, tmp_path):
+    cfg = GuardConfig(log_dir=str(tmp_path))
+    with pytest.raises(MediaAlignmentError, match=rf"sample {bad}\b"):
+        guarded(model, samples, cfg, swap=swap)
+    recs = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()]
+    assert any(r["event"] == "raise" and r["sample"] == bad for r in recs)
+
+
+@pytest.mark.parametrize("name,samples,bad,swap", FAULTS, ids=[f[0] for f in FAULTS])
+def test_drop_keeps_the_others_and_feeds_no_feature_to_dropped_rows(
+    model, name, samples, bad, swap
+):
+    b = F.make_batch(model, samples, swap=swap)
+    seen = []
+    hook = model.model.language_model.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw["inputs_embeds"].detach().clone()), with_kwargs=True
+    )
+    try:
+        with install_vlm(model, GuardConfig(policy="drop")) as h:
+            with torch.no_grad():
+                out = model(**b.kwargs, labels=text_labels(b.input_ids))
+            res = h.last_result
+    finally:
+        hook.remove()
+    dropped = {s for s, a in enumerate(res.report.actions) if a == "drop"}
+    assert bad in dropped and len(dropped) < len(samples)
+    text = model.get_input_embeddings()(b.input_ids)
+    for k in range(len(samples)):
+        if k in dropped:  # every placeholder kept its own token's embedding
+            assert torch.equal(seen[0][k], text[k])
+            assert (res.labels[k] == -100).all()
+        else:
+            want = own(model, samples[k])
+            torch.testing.assert_close(out.logits[k, : b.lengths[k]], want, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(out.loss)
+
+
+def test_repair_falls_back_naming_the_family(model, tmp_path):
+    cfg = GuardConfig(policy="repair", fallback="drop", log_dir=str(tmp_path))
+    _, _, res = guarded(model, FAULTS[0][1], cfg)
+    assert res.report.actions == ("drop", "keep")
+    recs = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()]
+    rep = next(r for r in recs if r["event"] == "repair")
+    assert rep["reason"] == "cannot repair: no geometry for llava_onevision"
+
+
+def test_set_items_names_the_sample_id(model, tmp_path):
+    items = [
+        MediaItem(0, sample=0, modality="image", sample_id="a"),
+        MediaItem(0, sample=1, modality="image", sample_id="b"),
+    ]
+    with pytest.raises(MediaAlignmentError, match="sample_id 'b'"):
+        guarded(
+            model, [ALL, [img(56, 56, tokens=N56 - 1)]], GuardConfig(log_dir=str(tmp_path)), items
+        )
+
+
+def test_remove_restores_the_plain_model(model):
+    b = F.make_batch(model, FAULTS[0][1])
+    h = install_vlm(model, GuardConfig())
+    h.remove()
+    with pytest.raises(ValueError, match="Image features and image tokens do not match"):
+        logits(model, b.kwargs)
