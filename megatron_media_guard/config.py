@@ -12,11 +12,13 @@ Policy = Literal["raise", "drop", "repair"]
 Fallback = Literal["drop", "raise"]
 NonFinite = Literal["raise", "drop", "off"]
 FidelityName = Literal["engine-replay", "unique", "closest-aspect", "unreachable"]
+KeepTower = Literal["always", "on_drop", "never"]
 
 _POLICIES = ("raise", "drop", "repair")
 _FALLBACKS = ("drop", "raise")
 _NONFINITE = ("raise", "drop", "off")
 _FIDELITIES = ("engine-replay", "unique", "closest-aspect")
+_KEEP_TOWER = ("always", "on_drop", "never")
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,12 @@ class GuardConfig:
     dump_max: at most this many bundles per rank and directory (None: no limit).
     fp8_multiple: the multiple to pad to when FP8 is active (None: ask transformer-engine's
         recipe, 16 when it cannot say; 32 for MXFP8).
+    keep_tower: when a micro-batch feeds the vision tower nothing, the guard runs it on a
+        minimal dummy input before the decoder (its output kept at a zero weight), so every
+        data-parallel rank enters it and gives its parameters a gradient: ``"always"`` (also
+        text-only micro-batches: what FSDP2 and DDP with ``find_unused_parameters=False``
+        need), ``"on_drop"`` (only when all its media were dropped), ``"never"``. Adapters
+        that run the tower themselves (Qwen-VL). See docs/PARALLEL.md.
     """
 
     policy: Policy = "raise"
@@ -53,11 +61,13 @@ class GuardConfig:
     dump_pixels: bool = True
     dump_features: bool = False
     dump_max: int | None = 16
+    keep_tower: KeepTower = "always"
 
     def __post_init__(self) -> None:
         _one_of("policy", self.policy, _POLICIES)
         _one_of("fallback", self.fallback, _FALLBACKS)
         _one_of("nonfinite", self.nonfinite, _NONFINITE)
+        _one_of("keep_tower", self.keep_tower, _KEEP_TOWER)
         if isinstance(self.allowed_fidelity, str):
             raise MediaInputError(
                 f"GuardConfig.allowed_fidelity must be a tuple of names, got the string "
