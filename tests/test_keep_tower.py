@@ -6,10 +6,13 @@ tests/test_parallel_tower.py."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 
 from megatron_media_guard import Grammar, GuardConfig, MediaGuard
+from megatron_media_guard.adapters.launcher import add_media_guard_args, config_from_args
 from megatron_media_guard.adapters.tower import TowerKeeper, float_leaves, tower_due
 from megatron_media_guard.errors import MediaInputError
 
@@ -72,6 +75,10 @@ def test_keep_tower_is_validated_and_read_from_the_environment():
     assert cfg.keep_tower == "on_drop"
     with pytest.raises(MediaInputError, match="MEDIA_GUARD_KEEP_TOWER"):
         GuardConfig().with_env({"MEDIA_GUARD_KEEP_TOWER": "yes"})
+    parser = add_media_guard_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--media-guard-keep-tower", "never"])
+    assert config_from_args(args, {}).keep_tower == "never"
+    assert config_from_args(parser.parse_args([]), {}).keep_tower == "always"
 
 
 def test_keeper_anchors_the_embeddings_once_else_the_output():

@@ -50,6 +50,7 @@ _CONFIG_ARGS = (
     ("log_dir", "media_guard_log_dir"),
     ("nonfinite", "media_guard_nonfinite"),
     ("dump_dir", "media_guard_dump_dir"),
+    ("keep_tower", "media_guard_keep_tower"),
 )
 StepEnd = Literal["auto", "zero_grad_buffer", "optimizer", "manual"]
 VlmKind = Literal["llava", "mimo", "qwen_vl"]
@@ -107,6 +108,13 @@ def add_media_guard_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         choices=("raise", "drop", "off"),
         default=None,
         help="NaN/Inf in an item's features: raise (default), drop its sample, or off.",
+    )
+    g.add_argument(
+        "--media-guard-keep-tower",
+        choices=("always", "on_drop", "never"),
+        default=None,
+        help="When a micro-batch feeds the vision tower nothing, run it on a dummy input "
+        "(Qwen-VL): always (default: text-only too; FSDP2 / DDP need it), on_drop, never.",
     )
     g.add_argument(
         "--media-guard-allowed-fidelity",
