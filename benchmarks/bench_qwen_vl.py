@@ -8,6 +8,10 @@ Figures (issue 8):
   consensus round), best of the interleaved reps. The tiny model (hidden 64, 2 layers) is a floor for any real forward, so
   "pre-hook alone / tiny forward" bounds the share of a realistic forward from above; target
   <= 1 %. Measured at a small batch and at b=4, s=8192 with 64 image runs.
+- keep_tower (issue 20): on a text-only micro-batch ``keep_tower="always"`` runs the vision
+  tower on one dummy 2x2 cell in the pre-hook; its cost alone and the guarded training step
+  (forward + backward) under "always" vs "never", against the tiny model's text-only forward,
+  (forward at b=2 s=64 and b=4 s=256, the step at b=2 s=64).
 - repair: vision-tower calls per guarded forward (must equal the plain forward's) and the
   resize cost per repaired item (unfold, bicubic+antialias resize, re-patchify) at realistic
   trainer sizes.
@@ -122,7 +126,78 @@ def run(quick: bool = False) -> list[dict]:
         _row("aligned long: pre-hook alone (ms)", t_hook, "-", note),
         _row("aligned long: pre-hook / tiny forward (%)", 100 * t_hook / t_plain, "<= 1", note),
     ]
+    rows += _keep_tower_rows(model, reps)
     rows += _repair_rows(model, reps)
+    return rows
+
+
+def _cpu_ms(fns: list, reps: int) -> list[float]:
+    """Minimum CPU ms of this thread for each of ``fns`` (interleaved, torch on 1 thread): on a
+    shared machine wall time swings 5x between calls, one thread's CPU time far less."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for fn in fns:
+            fn()
+        times: list[list[float]] = [[] for _ in fns]
+        for _ in range(reps):
+            for fn, acc in zip(fns, times, strict=True):
+                t0 = time.thread_time()
+                fn()
+                acc.append((time.thread_time() - t0) * 1e3)
+    finally:
+        torch.set_num_threads(threads)
+    return [min(t) for t in times]
+
+
+def _keep_tower_rows(model, reps: int) -> list[dict]:
+    from megatron_media_guard.adapters.qwen_vl.checks import spec_from_model
+    from megatron_media_guard.adapters.qwen_vl.rewrite import dummy_cell
+
+    dummy = dummy_cell(model, spec_from_model(model), torch.device("cpu"))
+    handles = {}
+    for mode in ("always", "never"):
+        cfg = GuardConfig(keep_tower=mode)
+        handles[mode] = install_qwen_vl(model, MediaGuard(cfg, grammar=Grammar.qwen2_vl()))
+        handles[mode].remove()
+    rows = []
+    for b, s in ((2, 64), (4, 256)):
+        g = torch.Generator().manual_seed(0)
+        text = {"input_ids": torch.randint(100, 1000, (b, s), generator=g)}
+        with torch.no_grad():
+            t_fwd, t_dummy = _cpu_ms([lambda t=text: model(**t), dummy], reps)
+        note = f"text-only b x s = ({b}, {s}); dummy: one 2x2 cell (4 patches); min CPU time of {reps}, 1 thread"
+        rows += [
+            _row(f"keep_tower: dummy tower call, s={s} (ms)", t_dummy, "-", note),
+            _row(f"keep_tower: text-only forward, s={s} (ms)", t_fwd, "-", note),
+            _row(
+                f"keep_tower: dummy / text-only forward, s={s} (%)",
+                100 * t_dummy / t_fwd,
+                "-",
+                note,
+            ),
+        ]
+
+    def step(mode: str) -> None:  # forward + backward at (2, 64): the last `text`'s first rows
+        h = handles[mode]
+        h.install_hooks()
+        try:
+            ids = text["input_ids"][:2, :64]
+            model(input_ids=ids, labels=ids).loss.backward()
+        finally:
+            h.remove()
+            model.zero_grad(set_to_none=True)
+
+    t_always, t_never = _cpu_ms([lambda: step("always"), lambda: step("never")], reps)
+    note = f"text-only b x s = (2, 64), forward + backward; min CPU time of {reps}, 1 thread"
+    rows.append(
+        _row(
+            "keep_tower: train step always / never - 1 (%)",
+            100 * (t_always / t_never - 1),
+            "-",
+            note,
+        )
+    )
     return rows
 
 
@@ -159,9 +234,7 @@ def _repair_rows(model, reps: int) -> list[dict]:
             clip = torch.randn(frames, 3, *hw)
         patches, meta = from_frames(clip, "qwen_patches", patch=PATCH)
         thw = tuple(meta["grid_thw"][0].tolist())
-        (ms,) = _median_ms(
-            [lambda p=patches, g=thw, t=to: resize_patches(p, g, t, patch=PATCH)], reps
-        )
+        (ms,) = _cpu_ms([lambda p=patches, g=thw, t=to: resize_patches(p, g, t, patch=PATCH)], reps)
         rows.append(_row(f"repair: resize per item, {name} (ms)", ms, "-", "CPU, float32"))
     return rows
 

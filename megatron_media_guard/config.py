@@ -15,12 +15,14 @@ Fallback = Literal["drop", "raise"]
 NonFinite = Literal["raise", "drop", "off"]
 Generated = Literal["text", "drop", "raise"]
 FidelityName = Literal["engine-replay", "unique", "closest-aspect", "unreachable"]
+KeepTower = Literal["always", "on_drop", "never"]
 
 _POLICIES = ("raise", "drop", "repair")
 _FALLBACKS = ("drop", "raise")
 _NONFINITE = ("raise", "drop", "off")
 _GENERATED = ("text", "drop", "raise")
 _FIDELITIES = ("engine-replay", "unique", "closest-aspect")
+_KEEP_TOWER = ("always", "on_drop", "never")
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,12 @@ class GuardConfig:
         them; ``"drop"``: its sample is dropped; ``"raise"``: its sample raises, naming the
         positions. Without labels or a loss mask nothing is looked for. Found on the fault
         path only (such a token is always a finding of the aligned check).
+    keep_tower: when a micro-batch feeds the vision tower nothing, the guard runs it on a
+        minimal dummy input before the decoder (its output kept at a zero weight), so every
+        data-parallel rank enters it and gives its parameters a gradient: ``"always"`` (also
+        text-only micro-batches: what FSDP2 and DDP with ``find_unused_parameters=False``
+        need), ``"on_drop"`` (only when all its media were dropped), ``"never"``. Adapters
+        that run the tower themselves (Qwen-VL). See docs/PARALLEL.md.
     """
 
     policy: Policy = "raise"
@@ -71,12 +79,14 @@ class GuardConfig:
     dump_features: bool = False
     dump_max: int | None = 16
     generated: Generated = "text"
+    keep_tower: KeepTower = "always"
 
     def __post_init__(self) -> None:
         _one_of("policy", self.policy, _POLICIES)
         _one_of("fallback", self.fallback, _FALLBACKS)
         _one_of("nonfinite", self.nonfinite, _NONFINITE)
         _one_of("generated", self.generated, _GENERATED)
+        _one_of("keep_tower", self.keep_tower, _KEEP_TOWER)
         if isinstance(self.allowed_fidelity, str):
             raise MediaInputError(
                 f"GuardConfig.allowed_fidelity must be a tuple of names, got the string "

@@ -336,3 +336,39 @@ def test_check_batch_leaves_an_aligned_batch_as_it_is(model):
     checked = check_batch("nemotron_omni", b.kwargs, config=model.config, tokenizer=TOKENS)
     assert checked.report.actions == ("keep",) * 3 and checked.dropped == ()
     assert all(checked.batch[k] is v for k, v in b.kwargs.items())
+
+
+@pytest.mark.parametrize("mode, runs", [("always", 1), ("on_drop", 0), ("never", 0)])
+def test_a_text_only_micro_batch_keeps_the_tower_in_step(model, mode, runs):
+    """keep_tower: a text-only call runs the model's own tower once, before the decoder, on a
+    dummy image, kept at a zero weight: every tower parameter an image batch trains gets a
+    (zero) gradient, the logits are the plain model's bit for bit (docs/PARALLEL.md)."""
+    model.zero_grad(set_to_none=True)
+    model(**F.make_batch(model, [[IMG2]]).kwargs).logits.sum().backward()
+    used = [p.grad is not None for p in model.vision_model.parameters()]
+    model.zero_grad(set_to_none=True)
+    b = F.make_batch(model, [[], []])
+    order: list[str] = []
+    hooks = [
+        model.vision_model.register_forward_hook(lambda *a: order.append("tower")),
+        model.language_model.register_forward_hook(lambda *a: order.append("decoder")),
+    ]
+    try:
+        ref = model(**b.kwargs).logits
+        order.clear()
+        model.zero_grad()
+        with install_vlm(model, GuardConfig(keep_tower=mode), tokenizer=TOKENS):
+            out = model(**b.kwargs).logits
+        out.sum().backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    assert torch.equal(out, ref)
+    assert order == ["tower"] * runs + ["decoder"]
+    grads = [p.grad for p, u in zip(model.vision_model.parameters(), used) if u]
+    assert grads
+    if runs:
+        assert all(g is not None and not g.any() for g in grads)
+    else:
+        assert all(g is None for g in grads)
+    model.zero_grad(set_to_none=True)

@@ -48,6 +48,7 @@ _CONFIG_ARGS = (
     ("nonfinite", "media_guard_nonfinite"),
     ("dump_dir", "media_guard_dump_dir"),
     ("generated", "media_guard_generated"),
+    ("keep_tower", "media_guard_keep_tower"),
 )
 StepEnd = Literal["auto", "zero_grad_buffer", "optimizer", "manual"]
 
@@ -100,6 +101,13 @@ def add_media_guard_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         default=None,
         help="A placeholder under the loss outside any media region (the policy generated "
         "it): feed it as text and keep the sample (default), drop the sample, or raise.",
+    )
+    g.add_argument(
+        "--media-guard-keep-tower",
+        choices=("always", "on_drop", "never"),
+        default=None,
+        help="When a micro-batch feeds the vision tower nothing, run it on a dummy input "
+        "(Qwen-VL): always (default: text-only too; FSDP2 / DDP need it), on_drop, never.",
     )
     g.add_argument(
         "--media-guard-allowed-fidelity",

@@ -34,7 +34,7 @@ from ..families import FamilySpec
 from ..families.spec import Merged, ModalitySpec, present
 from .hooks import GuardHandle
 from .qwen_vl.checks import CallArgs
-from .qwen_vl.rewrite import add_anchor
+from .tower import TowerKeeper, tower_due
 from .vlm_items import call_items, cut_blocks, parents, typed_order
 
 MARK = "_media_guard_vlm"
@@ -59,7 +59,7 @@ class VLMHandle(GuardHandle):
         self.text_id = text_id  # what a dropped sample's placeholders become in input_ids
         self.sig = inspect.signature(model.forward)
         self._hooks: list[Any] = []
-        self._all_dropped = False
+        self.keeper: TowerKeeper | None = None
 
     @property
     def installed(self) -> bool:
@@ -76,6 +76,8 @@ class VLMHandle(GuardHandle):
             m.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
             m.register_forward_hook(self._post_hook, with_kwargs=True),
         ]
+        get = getattr(m, "get_input_embeddings", None)
+        self.keeper = TowerKeeper(get() if callable(get) else None)
         object.__setattr__(m, MARK, self)
         return self
 
@@ -86,11 +88,14 @@ class VLMHandle(GuardHandle):
         if self._hooks:
             self.module.__dict__.pop(MARK, None)
         self._hooks = []
+        if self.keeper is not None:
+            self.keeper.remove()
+            self.keeper = None
 
     # ---- hooks ------------------------------------------------------------------------
 
     def _pre_hook(self, module: Any, args: tuple, kwargs: dict):
-        self._all_dropped = False
+        self.keeper.clear()  # a forward that raised leaves nothing behind
         try:
             call = CallArgs(self.sig, args, kwargs)
         except TypeError:
@@ -102,16 +107,18 @@ class VLMHandle(GuardHandle):
             return None  # encoded before the forward (transformers' generate)
         kw = {n: call.get(n) for m in self.spec.modalities for n in m.inputs}
         mods = present(self.spec, kw)
-        if not mods:
-            return None  # text-only: nothing to check
+        if not mods:  # text-only: nothing to check; the tower kept in step (docs/PARALLEL.md)
+            dummy = self.spec.dummy
+            if dummy is not None and tower_due(
+                self.guard.config.keep_tower, had_media=False, feeds_media=False
+            ):
+                self.keeper.run(lambda: dummy(module))
+            return None
         label = f"{self.spec.name} media guard"
         return self.call(label, lambda step, mb: self._run(call, ids, kw, mods, step, mb))
 
     def _post_hook(self, module: Any, args: tuple, kwargs: dict, out: Any) -> Any:
-        if not self._all_dropped:
-            return None
-        self._all_dropped = False
-        return add_anchor(out, None, True)  # a loss over no label: a finite zero
+        return self.keeper.attach(out)  # the dummy's anchor; a loss over no label: a zero
 
     # ---- one call -----------------------------------------------------------------------
 
@@ -170,9 +177,8 @@ class VLMHandle(GuardHandle):
         if spec.positions is not None and call.get("position_ids") is None:
             call.set("position_ids", spec.positions(model, _view(call, ids)))
         call.set("input_ids", ids if spec.ids_with_embeds else None)
-        self._all_dropped = bool(res.report.dropped) and len(res.report.dropped) == len(
-            res.report.actions
-        )
+        if res.report.dropped and len(res.report.dropped) == len(res.report.actions):
+            self.keeper.every_sample_dropped()  # the tower ran (encode): its features anchored
         if spec.after_merge is not None:
             self._after_merge(call, ids, items, feats, res, [parent[i] for i in order])
         return call.rebuild()

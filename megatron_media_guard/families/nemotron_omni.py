@@ -105,6 +105,12 @@ def _audio_counts(config: Any, kw) -> list[list[int]]:
     return [[x] for x in n]
 
 
+def _dummy(model: Any):  # one 2x2-patch image of zeros through the model's own tower path
+    cell = torch.zeros(4, 3 * PATCH * PATCH, device=model.device)
+    grid = torch.tensor([[2, 2]], device=model.device)
+    return model.get_image_features(cell, grid, return_dict=True).pooler_output
+
+
 def _geometry(model: Any) -> RadioTilerGeometry:
     return RadioTilerGeometry(patch=PATCH, pixel_shuffle=2)
 
@@ -148,4 +154,5 @@ SPEC = FamilySpec(
     text=Token(("text_config.pad_token_id", "pad_token_id"), "<unk>", 0),
     geometry=_geometry,
     after_merge=prune_video_tokens,
+    dummy=_dummy,
 )

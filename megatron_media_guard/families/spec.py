@@ -175,6 +175,8 @@ class FamilySpec:
     keyword arguments added to the call after the merge, built from the encoded outputs of
     the model-level items the merge placed (``kept``: per modality, their indices), for
     forwards that inject more than the merged embeddings (Qwen3-Omni's deepstack features).
+    ``dummy(model)``: the model's own tower on a minimal input, run before the decoder on a
+    text-only micro-batch (``GuardConfig.keep_tower``, docs/PARALLEL.md; None: not kept).
     ``token_types``: a forward
     keyword holding a per-token type (GLM-4V's ``mm_token_type_ids``): where modalities share
     a placeholder token, its value at a run's first token (a :attr:`ModalitySpec.type_id`)
@@ -195,6 +197,7 @@ class FamilySpec:
     embed: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
     reuse: Callable[[Any, Mapping[str, Encoded], Mapping[str, list[int]]], dict] | None = None
     token_types: str | None = None
+    dummy: Callable[[Any], Any] | None = None
 
     def matches(self, model: Any) -> bool:
         if self.detect is not None and self.detect(model):

@@ -42,6 +42,8 @@ class QwenVLSpec:
     video_runs: ``"one"`` run per video (Qwen2-VL / 2.5-VL) or one ``"per_group"`` of
     ``temporal_patch`` frames (Qwen3-VL, each group after its timestamp text).
     text_id: the token id a dropped sample's placeholders become (harmless text).
+    channels: image channels (``patch_dim`` = channels * temporal_patch * patch**2 values a
+    patch row holds).
     """
 
     image_token_id: int = 151655
@@ -53,6 +55,11 @@ class QwenVLSpec:
     merge: int = 2
     video_runs: VideoRuns = "one"
     text_id: int = QWEN_TEXT_PAD
+    channels: int = 3
+
+    @property
+    def patch_dim(self) -> int:
+        return self.channels * self.temporal_patch * self.patch * self.patch
 
     def grammar(self) -> Grammar:
         return Grammar.qwen2_vl(
@@ -120,6 +127,7 @@ def spec_from_model(model: Any, text_id: int | None = None) -> QwenVLSpec:
         merge=pick(d.merge, "spatial_merge_size", src=vis),
         video_runs="per_group" if qwen3 else "one",
         text_id=int(text_id),
+        channels=pick(d.channels, "in_channels", "in_chans", src=vis),
     )
     specials = set(spec.grammar().placeholders.values())
     specials |= {spec.vision_start_token_id, spec.vision_end_token_id}

@@ -31,6 +31,7 @@ from ...core.runs import TokenLayout, parse_layout
 from ...core.verify import Verdict
 from ...errors import MediaInputError
 from ..hooks import GuardHandle, ItemsProvider, StepProvider
+from ..tower import TowerKeeper, tower_due
 from .checks import (
     GRIDS,
     MODALITIES,
@@ -56,20 +57,18 @@ from .plan import (
     token_items,
     write_records,
 )
-from .rewrite import (
-    Rewritten,
-    add_anchor,
-    follow_ids,
-    removed_rows,
-    rewrite,
-    tower_anchor,
-)
+from .rewrite import dummy_cell, follow_ids, input_embeddings, removed_rows, rewrite
 
 MARK = "_media_guard_qwen_vl"
 
 
 class QwenVLHandle(GuardHandle):
     """The installed pre-hook (and its post-forward hook) on one Qwen-VL model instance.
+
+    When a call feeds the vision tower nothing (all its media dropped; text-only too under
+    ``keep_tower="always"``), the pre-hook runs the tower on a dummy cell before the model's
+    body and ``keeper`` (:class:`~..tower.TowerKeeper`) keeps it at a zero weight in the input
+    embeddings (else the output), so data-parallel wrappers see it as in any other step.
 
     ``last_result``: a :class:`MergeResult` (``embeddings`` None) whose report holds the
     actions per sample; ``mask_loss(loss_mask, labels)`` applies its drops for a loss computed
@@ -91,7 +90,7 @@ class QwenVLHandle(GuardHandle):
         self.loss_mask_inplace = loss_mask_inplace
         self.sig = inspect.signature(model.forward)
         self._hooks: list[Any] = []
-        self._post: tuple[Rewritten, bool] | None = None
+        self.keeper = TowerKeeper()
 
     @property
     def installed(self) -> bool:
@@ -109,6 +108,7 @@ class QwenVLHandle(GuardHandle):
             m.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
             m.register_forward_hook(self._post_hook, with_kwargs=True),
         ]
+        self.keeper = TowerKeeper(input_embeddings(m))
         object.__setattr__(m, MARK, self)
         return self
 
@@ -116,6 +116,7 @@ class QwenVLHandle(GuardHandle):
         """Takes both hooks off: the model is the plain model again (idempotent)."""
         for h in self._hooks:
             h.remove()
+        self.keeper.remove()
         if self._hooks:
             self.module.__dict__.pop(MARK, None)
         self._hooks = []
@@ -123,27 +124,38 @@ class QwenVLHandle(GuardHandle):
     # ---- hooks ----------------------------------------------------------------------
 
     def _pre_hook(self, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        self._post = None
+        self.keeper.clear()
         try:
             call = CallArgs(self.sig, args, kwargs)
         except TypeError:
             return None  # the model reports its own signature error
-        ids = call.get("input_ids")
-        if not isinstance(ids, torch.Tensor):
-            return None  # inputs_embeds only: no token ids to check
         if call.get("mm_encoder_outputs") is not None:
             return None  # encoded before the forward (transformers' generate): nothing to rewrite
-        return self.call("Qwen-VL media guard", lambda step, mb: self._run(call, ids, step, mb))
+        had = _feeds_tower(call)
+        ids = call.get("input_ids")
+        new = None
+        if isinstance(ids, torch.Tensor):  # inputs_embeds only: no token ids to check
+            new = self.call("Qwen-VL media guard", lambda step, mb: self._run(call, ids, step, mb))
+        self._keep_tower(module, call, had, ids)
+        return new
+
+    def _keep_tower(self, module: Any, call: CallArgs, had: bool, ids: Any) -> None:
+        """The tower on a dummy cell now, before the model's body, when this call feeds it
+        nothing (see adapters/tower.py). A call with a KV cache (a decoding step) is not a
+        text-only micro-batch."""
+        mode = self.guard.config.keep_tower
+        if not had and call.get("past_key_values") is not None:
+            return
+        if not tower_due(mode, had_media=had, feeds_media=_feeds_tower(call)):
+            return
+        ref = ids if isinstance(ids, torch.Tensor) else call.get("inputs_embeds")
+        device = ref.device if isinstance(ref, torch.Tensor) else torch.device("cpu")
+        run = dummy_cell(module, self.spec, device)
+        if run is not None:
+            self.keeper.run(run)
 
     def _post_hook(self, module: Any, args: tuple, kwargs: dict, out: Any) -> Any:
-        post, self._post = self._post, None
-        if post is None:
-            return None
-        rw, all_dropped = post
-        anchor = tower_anchor(module, self.spec, rw) if rw.vision_emptied else None
-        if anchor is None and not all_dropped:
-            return None
-        return add_anchor(out, anchor, all_dropped)
+        return self.keeper.attach(out)
 
     # ---- one call -------------------------------------------------------------------
 
@@ -273,9 +285,8 @@ class QwenVLHandle(GuardHandle):
             else [it.sample for it in meta],
         )
         self._result(plan, report, check, stage, step, mb, rw.input_ids, cu, rw)
-        all_dropped = all(a == "drop" for a in plan.actions)
-        if rw.vision_emptied or all_dropped:
-            self._post = (rw, all_dropped)
+        if all(a == "drop" for a in plan.actions):
+            self.keeper.every_sample_dropped()
         return call.rebuild()
 
     def _dump(self, ids, cu, items, report, plan, step, mb):
@@ -342,6 +353,10 @@ def install_qwen_vl(
         loss_mask_inplace=loss_mask_inplace,
     )
     return h.install_hooks()
+
+
+def _feeds_tower(call: CallArgs) -> bool:
+    return any(call.get(PIXELS[m]) is not None for m in MODALITIES)
 
 
 def _check_geometry(geo: Any, spec: QwenVLSpec) -> None:

@@ -8,7 +8,7 @@ that follows the ids (``mm_token_type_ids``, Bridge's ``image_input_mask`` /
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +16,7 @@ import torch
 
 from ...config import GuardConfig
 from ...core.alignment import AlignmentReport
-from ...core.apply import mask_dropped, token_keep, zero_anchor
+from ...core.apply import mask_dropped, token_keep
 from ...core.runs import TokenLayout
 from .checks import (
     GRIDS,
@@ -60,15 +60,11 @@ def removed_rows(
 
 @dataclass(frozen=True)
 class Rewritten:
-    """What the rewrite changed, for the result and the post-forward hook."""
+    """What the rewrite changed, for the result."""
 
     input_ids: torch.Tensor
     loss_mask: torch.Tensor | None
     labels: torch.Tensor | None
-    vision_emptied: bool  # every row left: the tower is anchored after the forward
-    patch_dim: int | None
-    pixel_dtype: torch.dtype | None
-    pixel_device: torch.device | None
 
 
 def rewrite(
@@ -109,22 +105,16 @@ def rewrite(
             call.set("loss_mask", loss_mask)
         if labels is not None:
             call.set("labels", labels)
-    had = remain = 0
-    patch_dim = dtype = device = None
     for m in MODALITIES:
         pix, grid = call.get(PIXELS[m]), call.get(GRIDS[m])
         mine = [(r, row) for r, row in enumerate(rows) if row.modality == m]
         if not mine:
             continue
-        had += 1 if pix is not None else 0
-        if pix is not None:
-            patch_dim, dtype, device = pix.shape[1], pix.dtype, pix.device
         kept = [(r, row) for r, row in mine if r not in gone]
         if row_sample is not None:
             kept.sort(key=lambda rr: row_sample[rr[0]])  # stable: token order within a sample
         moved = [r for r, _ in kept] != [r for r, _ in mine if r not in gone]
         if not moved and not any(r in gone or r in repairs for r, _ in mine):
-            remain += 1
             continue
         if grid is not None:
             thw = [repairs[r].thw if r in repairs else row.thw for r, row in kept]
@@ -142,7 +132,6 @@ def rewrite(
                 for r, row in kept
             ]
             call.set(PIXELS[m], torch.cat(pieces).to(pix.dtype) if pieces else None)
-            remain += 1 if pieces else 0
         if m == "video":
             ts = call.get("second_per_grid_ts")
             if ts is not None:
@@ -159,7 +148,7 @@ def rewrite(
         call.set("position_ids", None)
         if "mm_token_type_ids" in call.names and call.get("mm_token_type_ids") is None:
             call.set("mm_token_type_ids", derived_types(new_ids, spec, "mm_token_type_ids"))
-    return Rewritten(new_ids, loss_mask, labels, had > 0 and remain == 0, patch_dim, dtype, device)
+    return Rewritten(new_ids, loss_mask, labels)
 
 
 def follow_ids(call: CallArgs, spec: QwenVLSpec, ids: torch.Tensor) -> None:
@@ -176,52 +165,39 @@ def vision_tower(module: Any) -> Any:
     return attr_path(module, "visual", "model.visual", "vision_model")
 
 
-def _floats(out: Any) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out] if out.is_floating_point() else []
-    if isinstance(out, Mapping):
-        vals = list(out.values())
-    elif isinstance(out, (list, tuple)):
-        vals = list(out)
-    else:
-        vals = [getattr(out, k) for k in getattr(out, "__dataclass_fields__", {})]
-    return [t for v in vals if v is not None for t in _floats(v)]
+def input_embeddings(module: Any) -> Any:
+    """The token embedding module whose output the features are merged into: transformers'
+    ``get_input_embeddings()``, Megatron-Bridge's ``language_model.embedding`` (None if not
+    here: a later pipeline stage, an unknown layout)."""
+    get = getattr(module, "get_input_embeddings", None)
+    if callable(get):
+        try:
+            emb = get()
+        except (NotImplementedError, AttributeError):
+            emb = None
+        if isinstance(emb, torch.nn.Module):
+            return emb
+    emb = attr_path(module, "language_model.embedding")
+    return emb if isinstance(emb, torch.nn.Module) else None
 
 
-def tower_anchor(module: Any, spec: QwenVLSpec, rw: Rewritten) -> torch.Tensor | None:
-    """``-0.0`` depending on every vision-tower parameter: the tower runs once on one
-    ``merge x merge`` cell of zeros (the batch had media, all of it dropped), so DDP/FSDP see
-    its parameters used as in any other step."""
+def dummy_cell(module: Any, spec: QwenVLSpec, device: torch.device) -> Callable[[], Any] | None:
+    """The model's own vision tower on one ``merge x merge`` cell of zeros (grid
+    ``[[1, merge, merge]]``: the smallest input it takes), in the tower's parameter dtype, for
+    :meth:`~..tower.TowerKeeper.run`; None when the model has no tower here (a pipeline stage
+    without it)."""
     tower = vision_tower(module)
-    if tower is None or rw.patch_dim is None:
+    if tower is None:
         return None
+    dtype = next((p.dtype for p in tower.parameters() if p.is_floating_point()), torch.float32)
     m = spec.merge
-    dummy = torch.zeros(m * m, rw.patch_dim, dtype=rw.pixel_dtype, device=rw.pixel_device)
-    grid = torch.tensor([[1, m, m]], dtype=torch.long).to(rw.pixel_device)
-    try:
-        out = tower(dummy, grid_thw=grid)
-    except TypeError:
-        out = tower(hidden_states=dummy, grid_thw=grid)
-    floats = _floats(out)
-    return zero_anchor(*floats) if floats else None
 
+    def run() -> Any:
+        dummy = torch.zeros(m * m, spec.patch_dim, dtype=dtype, device=device)
+        grid = torch.tensor([[1, m, m]], dtype=torch.long).to(device, non_blocking=True)
+        try:
+            return tower(dummy, grid_thw=grid)
+        except TypeError:  # Bridge's Qwen3-VL vision model takes keywords only
+            return tower(hidden_states=dummy, grid_thw=grid)
 
-def add_anchor(out: Any, anchor: torch.Tensor | None, all_dropped: bool) -> Any:
-    """The model's output with ``anchor`` (-0.0: no bit changes) added to its loss / logits /
-    hidden states; with every sample dropped, a ``loss`` that averaged over no label becomes a
-    finite zero that still depends on the logits."""
-    if isinstance(out, torch.Tensor):
-        return out + anchor.to(out.dtype) if anchor is not None and out.is_floating_point() else out
-    if isinstance(out, Mapping):
-        for key in ("logits", "last_hidden_state", "loss"):
-            val = out.get(key)
-            if isinstance(val, torch.Tensor) and val.is_floating_point():
-                if key == "loss" and all_dropped and out.get("logits") is not None:
-                    val = zero_anchor(out["logits"]).to(val.dtype).reshape(val.shape)
-                if anchor is not None:
-                    val = val + anchor.to(val.dtype)
-                out[key] = val
-        return out
-    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
-        return (add_anchor(out[0], anchor, False), *out[1:])
-    return out
+    return run

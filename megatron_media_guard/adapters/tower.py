@@ -1,0 +1,151 @@
+"""Keeping a media tower in step across data-parallel ranks when a micro-batch feeds it nothing.
+
+FSDP2 (``fully_shard`` on the tower) all-gathers the tower's parameters when its forward starts
+and reduce-scatters their gradients in backward; DDP with ``find_unused_parameters=False`` and
+FSDP1 reduce every parameter's gradient. So on every rank the tower must run at the same point of
+the forward (before the decoder, where the model's own forward runs it) and give every one of its
+parameters a gradient. A micro-batch whose media were all dropped, or that holds none (text
+only), would skip it. The guard then runs the tower itself, in its forward **pre**-hook, on a
+minimal dummy input, and keeps the output in the graph with a zero weight: ``-0.0`` (the exact
+additive identity: no bit changes) added where real features would have gone, the input
+embeddings (a forward hook on the model's embedding module), else, when the embedding module is
+not known or not called (``inputs_embeds`` given), to the model's output in the post-hook.
+
+Why there: the autograd engine runs younger nodes first, so the decoder's backward runs before
+the tower's, as on a rank that fed real media (a tower run after the decoder would be
+all-gathered first in backward, too). And FSDP2 reduce-scatters a unit's gradients right after
+its backward only when its inputs require grad: with frozen embeddings the first decoder layer's
+input requires grad only through the merged features, so the anchor must enter the embeddings
+(anchored at the output, that layer's reduce-scatter moves to the end of backward and meets the
+peers' tower reduce-scatter). See docs/PARALLEL.md.
+
+Contract (an adapter or a family engine with a forward pre-hook and post-hook on one model):
+
+- one ``TowerKeeper(embeddings)`` per installed handle (``embeddings``: the model's input
+  embedding module, e.g. ``model.get_input_embeddings()``; None: anchor at the output);
+  ``keeper.remove()`` when the handle is removed;
+- pre-hook, first: ``keeper.clear()`` (a forward that raised leaves nothing behind);
+- pre-hook, once the call's inputs are final: ``if tower_due(config.keep_tower, had_media=...,
+  feeds_media=...)``, ``keeper.run(fn)`` where ``fn()`` calls the model's own tower module (the
+  one the wrappers shard, e.g. ``model.model.visual``) on a minimal dummy input (Qwen-VL: one
+  ``merge x merge`` cell of zeros, grid ``[[1, merge, merge]]``) and returns its output (any
+  nesting of tensors, tuples, dicts, dataclasses: every floating tensor in it is kept);
+- when every sample of the call is dropped: ``keeper.every_sample_dropped()`` (the loss, a mean
+  over no label, becomes a finite zero that still depends on the logits);
+- post-hook: ``return keeper.attach(out)`` (None when there is nothing to add: the output stays).
+
+The dummy's gradient is exactly zero. Under ``torch.no_grad`` the tower still runs (FSDP2
+all-gathers in evaluation forwards too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ..config import KeepTower
+from ..core.apply import zero_anchor
+from ..errors import MediaInputError
+
+
+def tower_due(mode: KeepTower, *, had_media: bool, feeds_media: bool) -> bool:
+    """Whether the guard runs the dummy tower call: the forward will not run the tower
+    (``feeds_media`` False) and ``mode`` asks for it (``"always"``; ``"on_drop"``: the call had
+    media, all dropped; ``"never"``)."""
+    if feeds_media or mode == "never":
+        return False
+    return mode == "always" or had_media
+
+
+def float_leaves(out: Any) -> list[torch.Tensor]:
+    """Every floating tensor in ``out`` (tensors, mappings, lists / tuples, dataclasses such as
+    transformers' ``ModelOutput``), depth first."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.is_floating_point() else []
+    if isinstance(out, Mapping):
+        vals = list(out.values())
+    elif isinstance(out, (list, tuple)):
+        vals = list(out)
+    else:
+        vals = [getattr(out, k) for k in getattr(out, "__dataclass_fields__", {})]
+    return [t for v in vals if v is not None for t in float_leaves(v)]
+
+
+class TowerKeeper:
+    """One forward's kept tower output, between the pre-hook and the post-hook (see module doc)."""
+
+    def __init__(self, embeddings: torch.nn.Module | None = None) -> None:
+        self._anchor: torch.Tensor | None = None
+        self._placed = False
+        self._all_dropped = False
+        self._hook = (
+            None if embeddings is None else embeddings.register_forward_hook(self._into_embeddings)
+        )
+
+    @property
+    def pending(self) -> bool:
+        return self._anchor is not None or self._all_dropped
+
+    def clear(self) -> None:
+        self._anchor, self._placed, self._all_dropped = None, False, False
+
+    def remove(self) -> None:
+        """Takes the embedding hook off (idempotent)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self.clear()
+
+    def run(self, tower_call: Callable[[], Any]) -> None:
+        """Runs the tower now (call it in the pre-hook) and keeps a ``-0.0`` that depends on
+        every floating tensor it returned."""
+        floats = float_leaves(tower_call())
+        if not floats:
+            raise MediaInputError("the dummy tower call returned no floating-point tensor")
+        self._anchor, self._placed = zero_anchor(*floats), False
+
+    def every_sample_dropped(self) -> None:
+        self._all_dropped = True
+
+    def _into_embeddings(self, module: Any, args: tuple, out: Any) -> Any:
+        if self._anchor is None or self._placed:
+            return None
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            return None
+        self._placed = True
+        return out + self._anchor.to(out.dtype)
+
+    def attach(self, out: Any) -> Any:
+        """The model's output with the kept anchor added, unless the embeddings took it (call
+        it in the post-hook); None when there is nothing to add (a forward hook returning None
+        leaves the output as it is)."""
+        anchor = None if self._placed else self._anchor
+        all_dropped = self._all_dropped
+        self.clear()
+        if anchor is None and not all_dropped:
+            return None
+        return anchored(out, anchor, all_dropped)
+
+
+def anchored(out: Any, anchor: torch.Tensor | None, all_dropped: bool) -> Any:
+    """``out`` with ``anchor`` (-0.0: no bit changes) added to its ``logits`` /
+    ``last_hidden_state`` / ``loss`` (a mapping such as ``ModelOutput``, in place), to a tensor,
+    or to a tuple's first tensor; with ``all_dropped``, a ``loss`` next to ``logits`` becomes a
+    finite zero that depends on the logits."""
+    if isinstance(out, torch.Tensor):
+        return out + anchor.to(out.dtype) if anchor is not None and out.is_floating_point() else out
+    if isinstance(out, Mapping):
+        for key in ("logits", "last_hidden_state", "loss"):
+            val = out.get(key)
+            if isinstance(val, torch.Tensor) and val.is_floating_point():
+                if key == "loss" and all_dropped and out.get("logits") is not None:
+                    val = zero_anchor(out["logits"]).to(val.dtype).reshape(val.shape)
+                if anchor is not None:
+                    val = val + anchor.to(val.dtype)
+                out[key] = val
+        return out
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        return (anchored(out[0], anchor, False), *out[1:])
+    return out

@@ -1,0 +1,199 @@
+"""``GuardConfig.keep_tower`` on the real tiny transformers Qwen2.5-VL / Qwen3-VL (one process):
+when the tower runs, where (before the first decoder layer, through the model's own tower
+module), what it leaves behind (no bit of the output changes, every tower parameter a zero
+gradient), and ``adapters.tower`` itself. The 2-rank FSDP2 / DDP loops are in
+tests/test_parallel_tower.py."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from megatron_media_guard import Grammar, GuardConfig, MediaGuard
+from megatron_media_guard.adapters.launcher import add_media_guard_args, config_from_args
+from megatron_media_guard.adapters.tower import TowerKeeper, float_leaves, tower_due
+from megatron_media_guard.errors import MediaInputError
+
+pytest.importorskip("transformers.models.qwen3_vl")
+pytest.importorskip("PIL")
+
+from megatron_media_guard.adapters import install_qwen_vl
+from megatron_media_guard.testing.qwen_vl import (
+    Sample,
+    build_batch,
+    patch_of,
+    seed_failure,
+    smooth_image,
+    tiny_model,
+)
+
+FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+_MODELS: dict = {}
+
+
+def model_for(family: str) -> torch.nn.Module:
+    if family not in _MODELS:
+        _MODELS[family] = tiny_model(family).train()
+    return _MODELS[family]
+
+
+def batch(family: str, kind: str) -> dict:
+    cells = (patch_of(family) * 2) ** 2
+    if kind == "text":
+        return build_batch([Sample(()), Sample(())], family, patch_of(family), 30 * cells, text=7)
+    if kind == "image":
+        media = [Sample((("image", smooth_image(60, 84, 3)),)), Sample(())]
+        return build_batch(media, family, patch_of(family), 30 * cells)
+    _, bad = seed_failure(family, [Sample((("image", smooth_image(150, 200, 1)),))], 12, 30)
+    return bad  # "dropped": its one image mismatched, dropped under policy="drop"
+
+
+@pytest.mark.parametrize(
+    "mode, had, feeds, due",
+    [
+        ("always", False, False, True),
+        ("always", True, False, True),
+        ("always", True, True, False),
+        ("on_drop", False, False, False),
+        ("on_drop", True, False, True),
+        ("on_drop", True, True, False),
+        ("never", True, False, False),
+        ("never", False, False, False),
+    ],
+)
+def test_tower_due(mode, had, feeds, due):
+    assert tower_due(mode, had_media=had, feeds_media=feeds) is due
+
+
+def test_keep_tower_is_validated_and_read_from_the_environment():
+    assert GuardConfig().keep_tower == "always"
+    with pytest.raises(MediaInputError, match="keep_tower must be one of"):
+        GuardConfig(keep_tower="sometimes")
+    cfg = GuardConfig().with_env({"MEDIA_GUARD_KEEP_TOWER": "on_drop"})
+    assert cfg.keep_tower == "on_drop"
+    with pytest.raises(MediaInputError, match="MEDIA_GUARD_KEEP_TOWER"):
+        GuardConfig().with_env({"MEDIA_GUARD_KEEP_TOWER": "yes"})
+    parser = add_media_guard_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--media-guard-keep-tower", "never"])
+    assert config_from_args(args, {}).keep_tower == "never"
+    assert config_from_args(parser.parse_args([]), {}).keep_tower == "always"
+
+
+def test_keeper_anchors_the_embeddings_once_else_the_output():
+    emb = torch.nn.Embedding(10, 4)
+    tower = torch.nn.Linear(3, 2)
+    keeper = TowerKeeper(emb)
+    keeper.run(lambda: {"a": tower(torch.zeros(1, 3)), "n": torch.ones(1, dtype=torch.long)})
+    e1 = emb(torch.tensor([1, 2]))
+    e2 = emb(torch.tensor([3]))  # a second call: already placed
+    assert e1.grad_fn.name() == "AddBackward0" and e2.grad_fn.name() == "EmbeddingBackward0"
+    assert keeper.attach({"logits": e1}) is None  # the embeddings took it: nothing to add
+    e1.sum().backward()
+    assert tower.weight.grad is not None and not tower.weight.grad.any()
+    keeper.run(lambda: (tower(torch.zeros(1, 3)),))
+    out = keeper.attach({"logits": torch.ones(2, requires_grad=True)})  # embeddings not called
+    assert out["logits"].grad_fn.name() == "AddBackward0"
+    assert not keeper.pending and keeper.attach({"logits": torch.ones(1)}) is None
+    keeper.remove()
+    keeper.run(lambda: tower(torch.zeros(1, 3)))
+    assert emb(torch.tensor([1])).grad_fn.name() == "EmbeddingBackward0"  # hook gone
+    with pytest.raises(MediaInputError, match="no floating-point tensor"):
+        keeper.run(lambda: torch.ones(1, dtype=torch.long))
+    assert len(float_leaves({"x": [torch.ones(1), None, (torch.zeros(2),)]})) == 2
+
+
+def _spy_order(model) -> tuple[list[str], list]:
+    order: list[str] = []
+    hooks = [
+        model.model.visual.register_forward_pre_hook(lambda m, a: order.append("visual")),
+        model.model.language_model.layers[0].register_forward_pre_hook(
+            lambda m, a: order.append("layer0")
+        ),
+    ]
+    return order, hooks
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    "kind, mode, calls",
+    [
+        ("text", "always", 1),
+        ("text", "on_drop", 0),
+        ("text", "never", 0),
+        ("dropped", "always", 1),
+        ("dropped", "on_drop", 1),
+        ("dropped", "never", 0),
+        ("image", "always", 1),  # the model's own call, no dummy
+        ("image", "never", 1),
+    ],
+)
+def test_the_tower_runs_before_the_decoder_and_changes_no_bit(family, kind, mode, calls):
+    model = model_for(family)
+    b = batch(family, kind)
+    guard = MediaGuard(GuardConfig(policy="drop", keep_tower=mode), grammar=Grammar.qwen2_vl())
+    with torch.no_grad(), install_qwen_vl(model, guard) as h:
+        want = None
+        if kind != "dropped":
+            h.remove()
+            want = model(**b).logits
+            h.install_hooks()
+        order, hooks = _spy_order(model)
+        try:
+            got = model(**b)
+        finally:
+            for x in hooks:
+                x.remove()
+    assert order.count("visual") == calls, order
+    if calls:
+        assert order.index("visual") < order.index("layer0"), order
+    if want is not None:
+        assert torch.equal(got.logits, want)  # -0.0 added: the same bits
+    assert torch.isfinite(got.logits).all()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("mode", ["always", "never"])
+def test_text_only_gives_every_tower_parameter_a_zero_gradient(family, mode):
+    model = model_for(family)
+    b = batch(family, "text")
+    guard = MediaGuard(GuardConfig(keep_tower=mode), grammar=Grammar.qwen2_vl())
+    model.zero_grad(set_to_none=True)
+    with install_qwen_vl(model, guard):
+        loss = model(**b, labels=b["input_ids"]).loss
+    loss.backward()
+    grads = [p.grad for p in model.model.visual.parameters()]
+    if mode == "always":
+        assert all(g is not None and not g.any() for g in grads)
+    else:
+        assert all(g is None for g in grads)
+    assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.any()
+    model.zero_grad(set_to_none=True)
+
+
+def test_inputs_embeds_and_decoding_steps():
+    """``inputs_embeds`` given: the embeddings never run, the output takes the anchor; a call
+    with a KV cache is a decoding step, not a text-only micro-batch: no dummy."""
+    family = "qwen2_5_vl"
+    model = model_for(family)
+    b = batch(family, "text")
+    guard = MediaGuard(GuardConfig(), grammar=Grammar.qwen2_vl())
+    emb = model.get_input_embeddings()(b["input_ids"]).detach()
+    with install_qwen_vl(model, guard):
+        order, hooks = _spy_order(model)
+        try:
+            out = model(inputs_embeds=emb, attention_mask=b["attention_mask"])
+            first = list(order)
+            order.clear()
+            with torch.no_grad():
+                pre = model(**b, use_cache=True)
+                order.clear()
+                step = dict(input_ids=b["input_ids"][:, -1:], past_key_values=pre.past_key_values)
+                model(**step)
+        finally:
+            for x in hooks:
+                x.remove()
+    assert first == ["visual", "layer0"]
+    assert out.logits.grad_fn.name() == "AddBackward0"  # anchored at the output
+    assert order == ["layer0"]
