@@ -372,3 +372,20 @@ def test_smoke_post_mortem_writes_the_page_next_to_its_logs(tmp_path):
     page = tmp_path / "report.html"
     assert ok and f"post-mortem page: {page.resolve().as_uri()}" in text
     assert parse(page.read_text(encoding="utf-8")).cells
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(
+    "keys",
+    [
+        [(-1, 0), (0, -1), (0, 0), (-1, -1)],  # bins shifting never merges: must stop anyway
+        [(-50, 3), (0, 0), (-3, 70), (5, -2)],
+        [(None, None), (None, 1), (1, None), (0, 0)],
+    ],
+)
+def test_a_full_grid_stops_coarsening_when_nothing_can_fold(keys):
+    g = _Grid(2)
+    for r, s in keys * 3:
+        for label in "abc":
+            g.add(r, s, label)
+    assert sum(g.counts.values()) == len(keys) * 3 * 3

@@ -149,3 +149,19 @@ def anchored(out: Any, anchor: torch.Tensor | None, all_dropped: bool) -> Any:
     if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
         return (anchored(out[0], anchor, False), *out[1:])
     return out
+
+
+def input_embeddings(module: Any) -> torch.nn.Module | None:
+    """The token embedding module whose output the features are merged into: transformers'
+    ``get_input_embeddings()``, Megatron-Bridge's ``language_model.embedding`` (None if not
+    here: a later pipeline stage, an unknown layout)."""
+    get = getattr(module, "get_input_embeddings", None)
+    if callable(get):
+        try:
+            emb = get()
+        except (NotImplementedError, AttributeError):
+            emb = None
+        if isinstance(emb, torch.nn.Module):
+            return emb
+    emb = getattr(getattr(module, "language_model", None), "embedding", None)
+    return emb if isinstance(emb, torch.nn.Module) else None

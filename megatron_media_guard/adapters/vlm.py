@@ -19,7 +19,6 @@ family to their installers (Qwen-VL's input rewrite, megatron-core's LLaVA and M
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,19 +28,18 @@ from ..core.guard import MediaGuard
 from ..core.interleave import token_order
 from ..core.outcome import MergeResult
 from ..core.runs import TokenLayout, parse_layout
-from ..errors import MediaInputError
 from ..families import FamilySpec
 from ..families.spec import Merged, ModalitySpec, present
-from .hooks import GuardHandle
+from .forward_hook import ForwardHookHandle
 from .qwen_vl.checks import CallArgs
-from .tower import TowerKeeper, tower_due
+from .tower import tower_due
 from .vlm_items import call_items, cut_blocks, parents, typed_order
 
 MARK = "_media_guard_vlm"
 PIXELS_FLAG = "_media_guard_pixels"  # tells a spec's encode to cut per-item pixels (repair)
 
 
-class VLMHandle(GuardHandle):
+class VLMHandle(ForwardHookHandle):
     """The installed pre-hook (and post-forward hook) of one family model instance.
 
     ``last_result``: a :class:`MergeResult` (``embeddings`` None) of the last guarded call;
@@ -51,46 +49,14 @@ class VLMHandle(GuardHandle):
     inherit its item's fields.
     """
 
+    MARK = MARK
+
     def __init__(
         self, model: Any, guard: MediaGuard, spec: FamilySpec, text_id: int, **kw: Any
     ) -> None:
-        super().__init__(model, "forward", guard, "vlm", **kw)
+        super().__init__(model, guard, "vlm", **kw)
         self.spec = spec
         self.text_id = text_id  # what a dropped sample's placeholders become in input_ids
-        self.sig = inspect.signature(model.forward)
-        self._hooks: list[Any] = []
-        self.keeper: TowerKeeper | None = None
-
-    @property
-    def installed(self) -> bool:
-        return bool(self._hooks)
-
-    def install_hooks(self) -> VLMHandle:
-        m = self.module
-        if m.__dict__.get(MARK) is not None:
-            raise MediaInputError(
-                f"this {type(m).__name__} is already guarded (by a vlm handle); call "
-                "handle.remove() before installing again"
-            )
-        self._hooks = [
-            m.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
-            m.register_forward_hook(self._post_hook, with_kwargs=True),
-        ]
-        get = getattr(m, "get_input_embeddings", None)
-        self.keeper = TowerKeeper(get() if callable(get) else None)
-        object.__setattr__(m, MARK, self)
-        return self
-
-    def remove(self) -> None:
-        """Takes both hooks off: the model is the plain model again (idempotent)."""
-        for h in self._hooks:
-            h.remove()
-        if self._hooks:
-            self.module.__dict__.pop(MARK, None)
-        self._hooks = []
-        if self.keeper is not None:
-            self.keeper.remove()
-            self.keeper = None
 
     # ---- hooks ------------------------------------------------------------------------
 

@@ -113,12 +113,17 @@ class _Grid:
                 return key, have or 0
 
     def _coarsen(self) -> bool:
-        """Double the bin size of the busier dimension; False when nothing can fold."""
+        """Double the bin size of the busier dimension that can still fold; False when none
+        can. A dimension folds while some bin index is neither 0 nor -1: shifting takes every
+        index toward those two, so each doubling makes progress and the loop in :meth:`room`
+        ends (negative ranks or steps never reach 0)."""
         ranks = {k[0] for k in self.counts if k[0] is not None}  # None bins never fold
         steps = {k[1] for k in self.counts if k[1] is not None}
-        if len(ranks) <= 1 and len(steps) <= 1:
+        fold_r = len(ranks) > 1 and any(r not in (0, -1) for r in ranks)
+        fold_s = len(steps) > 1 and any(s not in (0, -1) for s in steps)
+        if not (fold_r or fold_s):
             return False
-        if len(steps) >= len(ranks):
+        if fold_s and (len(steps) >= len(ranks) or not fold_r):
             self._rekey(self.rank_shift, self.step_shift + 1)
         else:
             self._rekey(self.rank_shift + 1, self.step_shift)

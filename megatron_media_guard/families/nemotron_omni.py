@@ -1,4 +1,4 @@
-"""Nemotron 3 Nano Omni (transformers ``NemotronH_Omni_Reasoning_V3``; docs/FAMILIES.md).
+"""Nemotron 3 Nano Omni (``NemotronH_Omni_Reasoning_V3``); markers from the tokenizer.
 
 - image: ``<img>`` ``<image>``xN ``</img>``; ``pixel_values`` RADIO patch rows with
   ``image_grid_hw``, N = gh*gw/4. Repair: RADIO tiler (the engine's budget replayed).
@@ -6,8 +6,6 @@
   ``[V, T, 2*3, H, W]`` stacked, (H/16)(W/16)/4 per tubelet. The plain model cannot take images
   and videos in one batch; the guard merges per run in token order. EVS after the merge.
 - audio: ``<so_start>`` ``<so_embedding>``xN ``<so_end>``, N from Parakeet's subsampling.
-
-Markers come from the tokenizer (the config has only the placeholder ids).
 """
 
 from __future__ import annotations
@@ -62,8 +60,7 @@ def _encode_video(model: Any, kw) -> Encoded:
     parent = tuple(v for v, groups in enumerate(split) for _ in groups)
     tp = int(getattr(model.config, "video_temporal_patch_size", 2))
     n = len(tubelets)
-    # no pixels for repair: the videos of a call are stacked, so one tubelet resized alone
-    # would not stack with the others; a mismatched video takes the fallback
+    # no pixels: stacked videos, a tubelet resized alone would not stack (a fallback, no repair)
     return Encoded(tubelets, num_frames=(tp,) * n, frame_hw=((h, w),) * n, parent=parent)
 
 
@@ -106,13 +103,8 @@ def _audio_counts(config: Any, kw) -> list[list[int]]:
 
 
 def _dummy(model: Any):  # one 2x2-patch image of zeros through the model's own tower path
-    cell = torch.zeros(4, 3 * PATCH * PATCH, device=model.device)
-    grid = torch.tensor([[2, 2]], device=model.device)
-    return model.get_image_features(cell, grid, return_dict=True).pooler_output
-
-
-def _geometry(model: Any) -> RadioTilerGeometry:
-    return RadioTilerGeometry(patch=PATCH, pixel_shuffle=2)
+    cell, grid = torch.zeros(4, 3 * PATCH * PATCH), torch.tensor([[2, 2]])
+    return model.get_image_features(cell.to(model.device), grid.to(model.device)).pooler_output
 
 
 SPEC = FamilySpec(
@@ -152,7 +144,7 @@ SPEC = FamilySpec(
         ),
     ),
     text=Token(("text_config.pad_token_id", "pad_token_id"), "<unk>", 0),
-    geometry=_geometry,
+    geometry=lambda model: RadioTilerGeometry(patch=PATCH, pixel_shuffle=2),
     after_merge=prune_video_tokens,
     dummy=_dummy,
 )

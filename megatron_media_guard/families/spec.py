@@ -24,6 +24,19 @@ ModalityName = Literal["image", "video", "audio"]
 Apply = Literal["embed", "qwen_vl", "llava", "mimo"]
 
 
+def attr_path(obj: Any, *names: str) -> Any:
+    """The first of the dotted attribute paths ``names`` that is set on ``obj`` (else None)."""
+    for name in names:
+        cur = obj
+        for part in name.split("."):
+            cur = getattr(cur, part, None)
+            if cur is None:
+                break
+        if cur is not None:
+            return cur
+    return None
+
+
 @dataclass(frozen=True)
 class Token:
     """Where one token id comes from: the first of ``config`` attribute paths that is set on
@@ -35,17 +48,11 @@ class Token:
     default: int | None = None
 
     def resolve(self, model: Any, tokenizer: Any = None) -> int | None:
-        cfg = getattr(model, "config", None)
-        for path in self.config:
-            cur = cfg
-            for part in path.split("."):
-                cur = getattr(cur, part, None)
-                if cur is None:
-                    break
-            if cur is not None:
-                if isinstance(cur, (list, tuple)):  # e.g. eos_token_id lists
-                    cur = cur[0]
-                return int(cur)
+        cur = attr_path(getattr(model, "config", None), *self.config)
+        if cur is not None:
+            if isinstance(cur, (list, tuple)):  # e.g. eos_token_id lists
+                cur = cur[0]
+            return int(cur)
         if self.text is not None and isinstance(tokenizer, Mapping):  # {token text: id}
             tid = tokenizer.get(self.text)
             if tid is not None:

@@ -23,6 +23,7 @@ from ...core.host import to_host
 from ...core.runs import TokenLayout
 from ...core.verify import fingerprint_weights as id_weights
 from ...errors import MediaInputError
+from ...families.spec import attr_path
 
 VideoRuns = Literal["one", "per_group"]
 MODALITIES: tuple[str, str] = ("image", "video")
@@ -80,19 +81,6 @@ class QwenVLSpec:
                 f"config {exp}; build the guard with Grammar.qwen2_vl(image_pad, video_pad, "
                 "vision_start, vision_end) from the model's token ids"
             )
-
-
-def attr_path(obj: Any, *names: str) -> Any:
-    """The first of the dotted attribute paths ``names`` that is set on ``obj`` (else None)."""
-    for name in names:
-        cur = obj
-        for part in name.split("."):
-            cur = getattr(cur, part, None)
-            if cur is None:
-                break
-        if cur is not None:
-            return cur
-    return None
 
 
 def spec_from_model(model: Any, text_id: int | None = None) -> QwenVLSpec:

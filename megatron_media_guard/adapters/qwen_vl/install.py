@@ -15,7 +15,6 @@ docs/QWEN_VL.md.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import replace
 from typing import Any
 
@@ -30,8 +29,9 @@ from ...core.plan import Plan, build_plan, digest
 from ...core.runs import TokenLayout, parse_layout
 from ...core.verify import Verdict
 from ...errors import MediaInputError
-from ..hooks import GuardHandle, ItemsProvider, StepProvider
-from ..tower import TowerKeeper, tower_due
+from ..forward_hook import ForwardHookHandle
+from ..hooks import ItemsProvider, StepProvider
+from ..tower import tower_due
 from .checks import (
     GRIDS,
     MODALITIES,
@@ -57,12 +57,12 @@ from .plan import (
     token_items,
     write_records,
 )
-from .rewrite import dummy_cell, follow_ids, input_embeddings, removed_rows, rewrite
+from .rewrite import dummy_cell, follow_ids, removed_rows, rewrite
 
 MARK = "_media_guard_qwen_vl"
 
 
-class QwenVLHandle(GuardHandle):
+class QwenVLHandle(ForwardHookHandle):
     """The installed pre-hook (and its post-forward hook) on one Qwen-VL model instance.
 
     When a call feeds the vision tower nothing (all its media dropped; text-only too under
@@ -76,6 +76,8 @@ class QwenVLHandle(GuardHandle):
     video rows) adding ``sample``, ``sample_id`` and ``source_hw``.
     """
 
+    MARK = MARK
+
     def __init__(
         self,
         model: Any,
@@ -85,41 +87,9 @@ class QwenVLHandle(GuardHandle):
         loss_mask_inplace: bool = False,
         **kw: Any,
     ) -> None:
-        super().__init__(model, "forward", guard, "qwen_vl", **kw)
+        super().__init__(model, guard, "qwen_vl", **kw)
         self.spec = spec
         self.loss_mask_inplace = loss_mask_inplace
-        self.sig = inspect.signature(model.forward)
-        self._hooks: list[Any] = []
-        self.keeper = TowerKeeper()
-
-    @property
-    def installed(self) -> bool:
-        return bool(self._hooks)
-
-    def install_hooks(self) -> QwenVLHandle:
-        m = self.module
-        other = m.__dict__.get(MARK)
-        if other is not None:
-            raise MediaInputError(
-                f"this {type(m).__name__} is already guarded (by a qwen_vl handle); call "
-                "handle.remove() before installing again"
-            )
-        self._hooks = [
-            m.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
-            m.register_forward_hook(self._post_hook, with_kwargs=True),
-        ]
-        self.keeper = TowerKeeper(input_embeddings(m))
-        object.__setattr__(m, MARK, self)
-        return self
-
-    def remove(self) -> None:
-        """Takes both hooks off: the model is the plain model again (idempotent)."""
-        for h in self._hooks:
-            h.remove()
-        self.keeper.remove()
-        if self._hooks:
-            self.module.__dict__.pop(MARK, None)
-        self._hooks = []
 
     # ---- hooks ----------------------------------------------------------------------
 

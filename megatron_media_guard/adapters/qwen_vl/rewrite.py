@@ -165,22 +165,6 @@ def vision_tower(module: Any) -> Any:
     return attr_path(module, "visual", "model.visual", "vision_model")
 
 
-def input_embeddings(module: Any) -> Any:
-    """The token embedding module whose output the features are merged into: transformers'
-    ``get_input_embeddings()``, Megatron-Bridge's ``language_model.embedding`` (None if not
-    here: a later pipeline stage, an unknown layout)."""
-    get = getattr(module, "get_input_embeddings", None)
-    if callable(get):
-        try:
-            emb = get()
-        except (NotImplementedError, AttributeError):
-            emb = None
-        if isinstance(emb, torch.nn.Module):
-            return emb
-    emb = attr_path(module, "language_model.embedding")
-    return emb if isinstance(emb, torch.nn.Module) else None
-
-
 def dummy_cell(module: Any, spec: QwenVLSpec, device: torch.device) -> Callable[[], Any] | None:
     """The model's own vision tower on one ``merge x merge`` cell of zeros (grid
     ``[[1, merge, merge]]``: the smallest input it takes), in the tower's parameter dtype, for
