@@ -53,7 +53,8 @@ def _embed(model: Any, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _dummy(model: Any):  # one 2x2-patch image of zeros through the tower and the projector
-    (mh, mw), p = model.config.vision_config.merge_kernel_size, model.config.vision_config.patch_size
+    v = model.config.vision_config
+    (mh, mw), p = v.merge_kernel_size, v.patch_size
     pv = tower_zeros(model, "vision_tower", mh * mw, 3, p, p)
     grid = torch.tensor([[1, mh, mw]], device=pv.device)
     return model.get_image_features(pv, grid, return_dict=True).pooler_output
