@@ -235,6 +235,11 @@ def test_a_text_only_micro_batch_keeps_the_tower_in_step(model, mode, runs):
     media, text = (F.make_batch(model, s).kwargs for s in ([[img(2, 2)]], [[], []]))
     inner = model.model
     check_keeps_tower(
-        model, mode, runs, media=media, text=text,
-        towers=[inner.vision_tower, inner.resampler_model], decoder=inner.language_model,
+        model,
+        mode,
+        runs,
+        media=media,
+        text=text,
+        towers=[inner.vision_tower, inner.resampler_model],
+        decoder=inner.language_model,
     )

@@ -215,7 +215,10 @@ def test_a_text_only_micro_batch_keeps_the_tower_in_step(model, mode, runs):
     media, text = (F.make_batch(model, s).kwargs for s in ([[SQUARE]], [[], []]))
     inner = model.model
     check_keeps_tower(
-        model, mode, runs, media={**media, "logits_to_keep": 1},
+        model,
+        mode,
+        runs,
+        media={**media, "logits_to_keep": 1},
         text={**text, "logits_to_keep": 1},
         towers=[inner.vision_tower, inner.multi_modal_projector],
         decoder=inner.language_model,

@@ -214,8 +214,12 @@ def test_a_text_only_micro_batch_keeps_the_tower_in_step(model, mode, runs):
     media, text = (F.make_batch(model, s).kwargs for s in ([[ONE]], [[], []]))
     inner = model.model
     check_keeps_tower(
-        model, mode, runs, media={**media, "logits_to_keep": 1},
-        text={**text, "logits_to_keep": 1}, tokenizer=TOKENS,
+        model,
+        mode,
+        runs,
+        media={**media, "logits_to_keep": 1},
+        text={**text, "logits_to_keep": 1},
+        tokenizer=TOKENS,
         towers=[inner.vision_tower, inner.multi_modal_projector],
         decoder=inner.language_model,
     )

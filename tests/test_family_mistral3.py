@@ -213,7 +213,12 @@ def test_a_text_only_micro_batch_keeps_the_tower_in_step(model, mode, runs):
     media, text = (F.make_batch(model, s).kwargs for s in ([ALL], [[], []]))
     inner = model.model
     check_keeps_tower(
-        model, mode, runs, media=media, text=text, tokenizer=TOKENS,
+        model,
+        mode,
+        runs,
+        media=media,
+        text=text,
+        tokenizer=TOKENS,
         towers=[inner.vision_tower, inner.multi_modal_projector],
         decoder=inner.language_model,
     )

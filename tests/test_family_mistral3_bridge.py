@@ -105,7 +105,13 @@ def test_a_text_only_micro_batch_keeps_bridges_tower_in_step(bridge, mode, runs)
         for s in ([ALL[0:1]], [[], []])
     )
     check_keeps_tower(
-        model, mode, runs, media=media, text=text, tokenizer=TOKENS, out=lambda o: o[0],
+        model,
+        mode,
+        runs,
+        media=media,
+        text=text,
+        tokenizer=TOKENS,
+        out=lambda o: o[0],
         towers=[model.vision_tower, model.multi_modal_projector],
         decoder=model.language_model.lm,  # Bridge calls language_model.forward: no hook there
     )

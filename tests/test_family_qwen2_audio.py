@@ -194,6 +194,12 @@ def test_a_text_only_micro_batch_keeps_the_tower_in_step(model, mode, runs):
     media, text = (F.make_batch(model, s).kwargs for s in ([[aud(100)]], [[], []]))
     inner = model.model
     check_keeps_tower(
-        inner, mode, runs, media=media, text=text, out=lambda o: o.last_hidden_state,
-        towers=[inner.audio_tower, inner.multi_modal_projector], decoder=inner.language_model,
+        inner,
+        mode,
+        runs,
+        media=media,
+        text=text,
+        out=lambda o: o.last_hidden_state,
+        towers=[inner.audio_tower, inner.multi_modal_projector],
+        decoder=inner.language_model,
     )

@@ -226,6 +226,12 @@ def test_a_text_only_micro_batch_keeps_the_tower_in_step(model, mode, runs):
     media, text = (F.make_batch(model, s).kwargs for s in ([[img(2, 2), aud(120)]], [[], []]))
     inner = model.model
     check_keeps_tower(
-        model, mode, runs, media=media, text=text, tokenizer=TOKENS,
-        towers=[inner.visual, inner.audio_tower], decoder=inner.language_model,
+        model,
+        mode,
+        runs,
+        media=media,
+        text=text,
+        tokenizer=TOKENS,
+        towers=[inner.visual, inner.audio_tower],
+        decoder=inner.language_model,
     )
