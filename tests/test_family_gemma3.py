@@ -205,3 +205,21 @@ def test_remove_restores_the_plain_model(model):
     h.remove()
     forward(model, b.kwargs)  # the plain model again: silent, as measured
     assert getattr(model, "_media_guard_vlm", None) is None
+
+
+@pytest.mark.parametrize("mode, runs", [("always", 1), ("on_drop", 0), ("never", 0)])
+def test_a_text_only_micro_batch_keeps_the_tower_in_step(model, mode, runs):
+    """keep_tower (docs/PARALLEL.md): the dummy image through the tower and the projector."""
+    from tower_check import check_keeps_tower
+
+    media, text = (F.make_batch(model, s).kwargs for s in ([[SQUARE]], [[], []]))
+    inner = model.model
+    check_keeps_tower(
+        model,
+        mode,
+        runs,
+        media={**media, "logits_to_keep": 1},
+        text={**text, "logits_to_keep": 1},
+        towers=[inner.vision_tower, inner.multi_modal_projector],
+        decoder=inner.language_model,
+    )

@@ -281,3 +281,21 @@ def test_check_batch_before_the_trainer_drops_the_bad_sample_without_a_model(mod
         torch.testing.assert_close(
             got[k, : b.lengths[k]], own(model, samples[k]), atol=1e-5, rtol=0
         )
+
+
+@pytest.mark.parametrize("mode, runs", [("always", 1), ("on_drop", 0), ("never", 0)])
+def test_a_text_only_micro_batch_keeps_the_tower_in_step(model, mode, runs):
+    """keep_tower (docs/PARALLEL.md): one 2x2-patch image of zeros through get_image_features."""
+    from tower_check import check_keeps_tower
+
+    media, text = (F.make_batch(model, s).kwargs for s in ([[img(2, 2)]], [[], []]))
+    inner = model.model
+    check_keeps_tower(
+        model,
+        mode,
+        runs,
+        media=media,
+        text=text,
+        towers=[inner.visual],
+        decoder=inner.language_model,
+    )

@@ -204,3 +204,22 @@ def test_remove_restores_the_plain_model(model):
         forward(model, b.kwargs)
     h.remove()
     forward(model, b.kwargs)  # the plain model again: silent, as measured
+
+
+@pytest.mark.parametrize("mode, runs", [("always", 1), ("on_drop", 0), ("never", 0)])
+def test_a_text_only_micro_batch_keeps_the_tower_in_step(model, mode, runs):
+    """keep_tower (docs/PARALLEL.md): one dummy tile through the tower and the projector."""
+    from tower_check import check_keeps_tower
+
+    media, text = (F.make_batch(model, s).kwargs for s in ([[ONE]], [[], []]))
+    inner = model.model
+    check_keeps_tower(
+        model,
+        mode,
+        runs,
+        media={**media, "logits_to_keep": 1},
+        text={**text, "logits_to_keep": 1},
+        tokenizer=TOKENS,
+        towers=[inner.vision_tower, inner.multi_modal_projector],
+        decoder=inner.language_model,
+    )

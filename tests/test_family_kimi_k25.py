@@ -179,3 +179,22 @@ def test_remove_restores_the_plain_model(model):
         forward(model, b.kwargs)
     h.remove()
     forward(model, b.kwargs)  # the plain model again: silent, as measured
+
+
+@pytest.mark.parametrize("mode, runs", [("always", 1), ("on_drop", 0), ("never", 0)])
+def test_a_text_only_micro_batch_keeps_the_tower_in_step(model, mode, runs):
+    """keep_tower (docs/PARALLEL.md): one 2x2-patch image through the tower and projector."""
+    from tower_check import check_keeps_tower
+
+    media, text = (F.make_batch(model, s).kwargs for s in ([[img(2, 2)]], [[], []]))
+    inner = model.model
+    check_keeps_tower(
+        model,
+        mode,
+        runs,
+        media={**media, "logits_to_keep": 1},
+        text={**text, "logits_to_keep": 1},
+        towers=[inner.vision_tower, inner.mm_projector],
+        decoder=inner.language_model,
+    )
+    assert spec_mod.BRIDGE.dummy is None  # Bridge's own feature path: not kept (untested)

@@ -185,3 +185,22 @@ def test_remove_restores_the_plain_model(model):
     h.remove()
     with pytest.raises(ValueError, match="Image features and image tokens do not match"):
         logits(model, b.kwargs)
+
+
+@pytest.mark.parametrize("mode, runs", [("always", 1), ("on_drop", 0), ("never", 0)])
+def test_a_text_only_micro_batch_keeps_the_tower_in_step(model, mode, runs):
+    """keep_tower (docs/PARALLEL.md): one video frame of zeros through the tower and the
+    projector; every tower parameter an anyres image trains gets a zero gradient."""
+    from tower_check import check_keeps_tower
+
+    media, text = (F.make_batch(model, s).kwargs for s in ([ALL], [[], []]))
+    inner = model.model
+    check_keeps_tower(
+        model,
+        mode,
+        runs,
+        media=media,
+        text=text,
+        towers=[inner.vision_tower, inner.multi_modal_projector],
+        decoder=inner.language_model,
+    )

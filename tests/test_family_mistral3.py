@@ -203,3 +203,22 @@ def test_remove_restores_the_plain_model(model):
 def test_missing_break_and_end_tokens_are_named(model):
     with pytest.raises(MediaInputError, match=r"\[IMG_END\].*\[IMG_BREAK\]"):
         install_vlm(model, GuardConfig())
+
+
+@pytest.mark.parametrize("mode, runs", [("always", 1), ("on_drop", 0), ("never", 0)])
+def test_a_text_only_micro_batch_keeps_the_tower_in_step(model, mode, runs):
+    """keep_tower (docs/PARALLEL.md): a 28 x 56 image through the tower and the projector."""
+    from tower_check import check_keeps_tower
+
+    media, text = (F.make_batch(model, s).kwargs for s in ([ALL], [[], []]))
+    inner = model.model
+    check_keeps_tower(
+        model,
+        mode,
+        runs,
+        media=media,
+        text=text,
+        tokenizer=TOKENS,
+        towers=[inner.vision_tower, inner.multi_modal_projector],
+        decoder=inner.language_model,
+    )

@@ -92,3 +92,26 @@ def test_drop_keeps_the_aligned_sample_and_remove_restores(bridge):
     torch.testing.assert_close(out[2, :n], forward(model, alone)[0], atol=1e-5, rtol=1e-5)
     h.remove()
     forward(model, b)  # Bridge's own forward again: silent
+
+
+@pytest.mark.parametrize("mode, runs", [("always", 1), ("never", 0)])
+def test_a_text_only_micro_batch_keeps_bridges_tower_in_step(bridge, mode, runs):
+    """keep_tower (docs/PARALLEL.md): the same dummy through Bridge's bound get_image_features."""
+    from tower_check import check_keeps_tower
+
+    model, full = bridge
+    media, text = (
+        {k: v for k, v in F.make_batch(full, s).kwargs.items() if k != "attention_mask"}
+        for s in ([ALL[0:1]], [[], []])
+    )
+    check_keeps_tower(
+        model,
+        mode,
+        runs,
+        media=media,
+        text=text,
+        tokenizer=TOKENS,
+        out=lambda o: o[0],
+        towers=[model.vision_tower, model.multi_modal_projector],
+        decoder=model.language_model.lm,  # Bridge calls language_model.forward: no hook there
+    )

@@ -214,3 +214,24 @@ def test_a_thinker_config_without_vision_start_is_refused_at_install():
     bare = F.tiny_model(seed=1, vision_start_token_id=None)
     with pytest.raises(MediaInputError, match=r"config\.vision_start_token_id"):
         install_vlm(bare, GuardConfig(), tokenizer={**TOKENS, "<|vision_start|>": F.VISION_START})
+
+
+@pytest.mark.parametrize("mode, runs", [("always", 1), ("on_drop", 0), ("never", 0)])
+def test_a_text_only_micro_batch_keeps_the_tower_in_step(model, mode, runs):
+    """keep_tower (docs/PARALLEL.md): both towers on zeros (a 2x2-patch image, its deepstack
+    mergers included, and one audio chunk); every parameter an image + audio batch trains
+    gets a zero gradient."""
+    from tower_check import check_keeps_tower
+
+    media, text = (F.make_batch(model, s).kwargs for s in ([[img(2, 2), aud(120)]], [[], []]))
+    inner = model.model
+    check_keeps_tower(
+        model,
+        mode,
+        runs,
+        media=media,
+        text=text,
+        tokenizer=TOKENS,
+        towers=[inner.visual, inner.audio_tower],
+        decoder=inner.language_model,
+    )

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..geometry import PatchMergeGeometry
-from .mrope import grid_counts, image_encoder, rope_positions
+from .mrope import grid_counts, image_encoder, patch_dummy, rope_positions
 from .spec import Encoded, FamilySpec, ModalitySpec, Token, split_rows
 
 PATCH, MERGE = 14, 2
@@ -79,4 +79,5 @@ SPEC = FamilySpec(
     follow_ids=("mm_token_type_ids", "moe_mm_token_type_ids"),
     positions=rope_positions,
     ids_with_embeds=False,
+    dummy=patch_dummy("vision_tower"),
 )

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..geometry import FixedGeometry
-from .spec import Encoded, FamilySpec, ModalitySpec, Token, bridge_embed
+from .spec import Encoded, FamilySpec, ModalitySpec, Token, bridge_embed, tower_zeros
 
 
 def _encode_image(model: Any, kw) -> Encoded:
@@ -48,6 +48,12 @@ def _geometry(model: Any) -> FixedGeometry:
     return FixedGeometry(tokens_per_image=int(cfg.mm_tokens_per_image), size=(size, size))
 
 
+def _dummy(model: Any):  # one S x S image of zeros through the tower and the projector
+    size = int(model.config.vision_config.image_size)
+    pv = tower_zeros(model, "vision_tower", 1, 3, size, size)
+    return model.get_image_features(pv, return_dict=True).pooler_output
+
+
 SPEC = FamilySpec(
     name="gemma3",
     classes={"transformers.": frozenset({"Gemma3ForConditionalGeneration", "Gemma3Model"})},
@@ -66,6 +72,7 @@ SPEC = FamilySpec(
     geometry=_geometry,
     follow_ids=("token_type_ids",),
     ids_with_embeds=False,
+    dummy=_dummy,
 )
 
 #: Megatron-Bridge 0.6.2 ``Gemma3VLModel.forward(input_ids, attention_mask, position_ids,

@@ -26,7 +26,7 @@ from typing import Any
 
 from ..core.host import to_host
 from ..geometry import PatchMergeGeometry
-from .mrope import grid_counts, image_encoder, rope_positions
+from .mrope import grid_counts, image_encoder, patch_dummy, rope_positions
 from .spec import Encoded, FamilySpec, ModalitySpec, Token
 
 PATCH, TEMPORAL, MERGE = 14, 2, 2
@@ -119,4 +119,5 @@ SPEC = FamilySpec(
     token_types="mm_token_type_ids",
     positions=rope_positions,
     ids_with_embeds=False,
+    dummy=patch_dummy("visual"),
 )

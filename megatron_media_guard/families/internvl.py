@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .spec import Encoded, FamilySpec, ModalitySpec, Token
+from .spec import Encoded, FamilySpec, ModalitySpec, Token, tower_zeros
 
 
 def _encode_image(model: Any, kw) -> Encoded:
@@ -32,6 +32,12 @@ def _encode_image(model: Any, kw) -> Encoded:
         return_dict=True,
     ).pooler_output  # [tiles, image_seq_length, hidden]
     return Encoded((out.reshape(-1, out.shape[-1]),), split="items")
+
+
+def _dummy(model: Any):  # one tile of zeros through the tower and the projector
+    h, w = model.config.vision_config.image_size
+    pv = tower_zeros(model, "vision_tower", 1, 3, h, w)
+    return model.get_image_features(pv, return_dict=True).pooler_output
 
 
 SPEC = FamilySpec(
@@ -49,4 +55,5 @@ SPEC = FamilySpec(
     ),
     text=Token(("text_config.pad_token_id", "pad_token_id"), "<|endoftext|>", 0),
     ids_with_embeds=False,
+    dummy=_dummy,
 )

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .spec import Encoded, FamilySpec, ModalitySpec, Token, bridge_embed
+from .spec import Encoded, FamilySpec, ModalitySpec, Token, bridge_embed, tower_zeros
 
 
 def _encode_image(model: Any, kw) -> Encoded:
@@ -50,6 +50,14 @@ def _embed(model: Any, ids: torch.Tensor) -> torch.Tensor:
     cfg = model.config
     mm = (ids == cfg.image_token_id) | (ids == cfg.video_token_id)
     return model.get_input_embeddings()(ids.masked_fill(mm, 0))
+
+
+def _dummy(model: Any):  # one 2x2-patch image of zeros through the tower and the projector
+    v = model.config.vision_config
+    (mh, mw), p = v.merge_kernel_size, v.patch_size
+    pv = tower_zeros(model, "vision_tower", mh * mw, 3, p, p)
+    grid = torch.tensor([[1, mh, mw]], device=pv.device)
+    return model.get_image_features(pv, grid, return_dict=True).pooler_output
 
 
 _START = Token(("vision_start_token_id",), "<|media_begin|>")
@@ -78,6 +86,7 @@ SPEC = FamilySpec(
     ),
     text=Token(("text_config.pad_token_id", "pad_token_id"), "[PAD]", 0),
     embed=_embed,
+    dummy=_dummy,
 )
 
 
@@ -99,4 +108,5 @@ BRIDGE = replace(
     ),
     text=Token(("pad_token_id",), "[PAD]", 0),
     embed=bridge_embed,
+    dummy=None,  # its own _extract_image_features: no test on Bridge's class yet
 )

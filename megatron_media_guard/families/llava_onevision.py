@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .spec import Encoded, FamilySpec, ModalitySpec, Token
+from .spec import Encoded, FamilySpec, ModalitySpec, Token, tower_zeros
 
 
 def _encode_image(model: Any, kw) -> Encoded:
@@ -47,6 +47,14 @@ def _encode_video(model: Any, kw) -> Encoded:
         return_dict=True,
     )
     return Encoded(tuple(out.pooler_output))  # [v, N, h]: one row per video
+
+
+def _dummy(model: Any):
+    """One video frame of zeros (a single tile: no anyres pinpoint to match) through the tower,
+    the projector and the pooling, as the spec's video encode runs them."""
+    size = int(model.config.vision_config.image_size)
+    pv = tower_zeros(model, "vision_tower", 1, 1, 3, size, size)
+    return model.get_video_features(pv, return_dict=True).pooler_output
 
 
 SPEC = FamilySpec(
@@ -78,4 +86,5 @@ SPEC = FamilySpec(
     ),
     text=Token(("text_config.pad_token_id", "pad_token_id"), "<|endoftext|>", 0),
     ids_with_embeds=False,
+    dummy=_dummy,
 )

@@ -24,7 +24,7 @@ import torch
 
 from ..core.host import to_host
 from ..geometry import PixtralGeometry
-from .spec import Encoded, FamilySpec, ModalitySpec, Token, bridge_embed
+from .spec import Encoded, FamilySpec, ModalitySpec, Token, bridge_embed, tower_zeros
 
 
 def _features(model: Any, pixels: torch.Tensor, sizes: torch.Tensor, layer=None):
@@ -64,6 +64,16 @@ def _geometry(model: Any) -> PixtralGeometry:
     )
 
 
+def _dummy(model: Any):
+    """An image of zeros of two features (one would be squeezed flat by the model's own
+    ``get_image_features``), through the tower, the patch merger and the projector."""
+    g = _geometry(model)
+    side = g.patch * g.merge
+    pv = tower_zeros(model, "vision_tower", 1, 3, side, 2 * side)
+    sizes = torch.tensor([[side, 2 * side]], device=pv.device)
+    return _features(model, pv, sizes)
+
+
 SPEC = FamilySpec(
     name="mistral3",
     classes={"transformers.": frozenset({"Mistral3ForConditionalGeneration", "Mistral3Model"})},
@@ -81,6 +91,7 @@ SPEC = FamilySpec(
     text=Token(("text_config.pad_token_id", "pad_token_id"), "<pad>", 0),
     geometry=_geometry,
     ids_with_embeds=False,
+    dummy=_dummy,
 )
 
 #: Megatron-Bridge 0.6.2 ``Ministral3Model.forward(input_ids, attention_mask, position_ids,

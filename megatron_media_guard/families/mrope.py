@@ -13,7 +13,7 @@ import torch
 
 from ..core.host import to_host
 from ..errors import MediaInputError
-from .spec import Encoded, split_rows
+from .spec import Encoded, split_rows, tower_zeros
 
 
 def rows_to_image(rows: torch.Tensor, h: int, w: int, p: int, tp: int, m: int) -> torch.Tensor:
@@ -96,3 +96,19 @@ def grid_counts(grid: str, per_run: bool, div: int = 4):
         return [[t * h * w // div] for t, h, w in thw]
 
     return counts
+
+
+def patch_dummy(tower: str):
+    """A spec's ``dummy`` for patch-row towers: one ``merge x merge`` patch image of zeros
+    (``[m*m, C*tp*p*p]``, grid ``[[1, m, m]]``) through the model's own
+    ``get_image_features`` (tower and merger; its whole output kept, deepstack features too),
+    ``tp`` the config's temporal patch (1 if none)."""
+
+    def dummy(model: Any):
+        v = model.config.vision_config
+        m, p, tp = v.spatial_merge_size, v.patch_size, getattr(v, "temporal_patch_size", 1)
+        pv = tower_zeros(model, tower, m * m, v.in_channels * tp * p * p)
+        grid = torch.tensor([[1, m, m]], device=pv.device)
+        return model.get_image_features(pv, grid, return_dict=True)
+
+    return dummy

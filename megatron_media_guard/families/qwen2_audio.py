@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..core.host import to_host
-from .spec import Encoded, FamilySpec, ModalitySpec, Token
+from .spec import Encoded, FamilySpec, ModalitySpec, Token, tower_zeros
 
 
 def _parts(model: Any):
@@ -59,6 +59,17 @@ def _encode_audio(model: Any, kw) -> Encoded:
     return Encoded(tuple(f[: int(n)] for f, n in zip(feats, sizes)))
 
 
+def _dummy(model: Any):
+    """One clip of zeros through the tower and the projector, as the encode runs them: the
+    tower takes only its fixed ``2 * max_source_positions`` mel frames, so a full window."""
+    tower, proj = _parts(model)
+    frames = 2 * tower.config.max_source_positions
+    x = tower_zeros(model, "audio_tower", 1, tower.config.num_mel_bins, frames)
+    valid = torch.ones(1, (frames - 2) // 2 + 1, dtype=torch.bool, device=x.device)
+    mask = _key_mask(tower, valid, proj.linear.weight.dtype)
+    return proj(tower(x, attention_mask=mask).last_hidden_state)
+
+
 SPEC = FamilySpec(
     name="qwen2_audio",
     # Bridge's Qwen2AudioModel (same merge, same legacy switch) is not registered yet: it has
@@ -77,4 +88,5 @@ SPEC = FamilySpec(
         ),
     ),
     text=Token(("text_config.pad_token_id", "pad_token_id"), "<|endoftext|>", 151643),
+    dummy=_dummy,
 )

@@ -2,10 +2,10 @@
 
 Image: ``<|vision_start|>`` ``<|image_pad|>``x(t*h*w/4) ``<|vision_end|>``; video: ONE such run
 per video on ``<|video_pad|>``; audio: ``<|audio_start|>`` ``<|audio_pad|>``xn ``<|audio_end|>``,
-n = the module's ``_get_feat_extract_output_lengths`` of the clip's mel frames. The model checks
-image / video totals only, audio not at all. The guard merges per run and passes
-``inputs_embeds``; the forward builds deepstack only from encoder outputs, so the kept items'
-own outputs go back in as ``mm_encoder_outputs`` (re-placed where the guard put them). Grids,
+n = the module's ``_get_feat_extract_output_lengths`` of the clip's mel frames (the model checks
+only image / video totals). The guard merges per run and passes ``inputs_embeds``; the forward
+builds deepstack only from encoder outputs, so the kept items' own outputs go back in as
+``mm_encoder_outputs`` (re-placed where the guard put them). Text-only: both towers kept. Grids,
 ``video_second_per_grid`` and ``feature_attention_mask`` stay (dropped rows out) for the
 model's own ``get_rope_index``. The config lacks ``vision_start_token_id`` (its rope reads it;
 151652 in checkpoints): set it. ``use_audio_in_video`` is refused; no repair geometry. Bridge's
@@ -21,7 +21,8 @@ import torch
 
 from ..core.host import to_host
 from ..errors import MediaInputError
-from .spec import Encoded, FamilySpec, ModalitySpec, Token
+from .mrope import patch_dummy
+from .spec import Encoded, FamilySpec, ModalitySpec, Token, tower_zeros
 
 _AUDIO = ("input_features", "feature_attention_mask", "audio_feature_lengths")
 
@@ -71,9 +72,8 @@ def _reuse(model: Any, encoded, kept) -> dict:
 
 
 def _positions(model: Any, kw) -> torch.Tensor | None:
-    """The model's own MRoPE positions on the (rewritten) ids and kept grids; None where the
-    model computes none (no attention mask). A start marker whose run was dropped (its
-    placeholders now text) is read as the text after it, as the model's rope would need."""
+    """The model's own MRoPE positions on the (rewritten) ids and kept grids (None without an
+    attention mask); a dropped run's start marker reads as the text after it, as the rope needs."""
     ids, attn = kw["input_ids"], kw.get("attention_mask")
     if attn is None:
         return None
@@ -93,6 +93,13 @@ def _positions(model: Any, kw) -> torch.Tensor | None:
     )
     inner.rope_deltas = deltas  # as the model's own forward leaves it, for decoding
     return pos
+
+
+def _dummy(model: Any):  # both towers: a patch image (deepstack kept) and one audio chunk
+    a = model.config.audio_config
+    mel = tower_zeros(model, "audio_tower", 1, a.num_mel_bins, 2 * a.n_window)
+    mask = torch.ones(mel.shape[::2], dtype=torch.long, device=mel.device)
+    return patch_dummy("visual")(model), model.get_audio_features(mel, mask, return_dict=True)
 
 
 # vision start from the config only: the model's own rope reads config.vision_start_token_id
@@ -139,4 +146,5 @@ SPEC = FamilySpec(
     text=Token(("text_config.pad_token_id", "pad_token_id"), "<|endoftext|>", 151643),
     positions=_positions,
     reuse=_reuse,
+    dummy=_dummy,
 )

@@ -304,3 +304,14 @@ def bridge_embed(model: Any, ids: torch.Tensor) -> torch.Tensor:
     """A Megatron-Bridge VL model's token embeddings, ``[b, s, h]``: its language model's own
     ``embedding`` (``[s, b, h]``, as Bridge's forwards call it), transposed."""
     return model.language_model.embedding(input_ids=ids, position_ids=None).transpose(0, 1)
+
+
+def tower_zeros(model: Any, tower: str, *shape: int) -> torch.Tensor:
+    """Zeros of ``shape`` for a spec's ``dummy``: on the device and in the dtype of the model's
+    tower (attribute ``tower`` of the model or of its ``.model``; its first floating
+    parameter), so the dummy call takes the tower's own path as a real input would."""
+    mod = getattr(model, tower, None)
+    if mod is None:
+        mod = getattr(model.model, tower)
+    p = next(p for p in mod.parameters() if p.is_floating_point())
+    return torch.zeros(shape, dtype=p.dtype, device=p.device)
