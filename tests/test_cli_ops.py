@@ -180,6 +180,8 @@ def test_smoke_run_without_log_dir_leaves_no_temp_dir(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "PASSED" in out.stdout and "--log-dir DIR" in out.stdout
     assert _leftovers(tmp) == []
+    # no line points at a page that went with the temporary logs
+    assert "file://" not in out.stdout and "removed with the temporary logs" in out.stdout
 
 
 @pytest.mark.timeout(120)

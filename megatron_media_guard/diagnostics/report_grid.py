@@ -70,7 +70,8 @@ class _HeavyHitters:
 class _Grid:
     """Exact counts of (rank, step, label) in bins: key ``(rank >> rank_shift or None,
     step >> step_shift or None, label)``; at most ``cap`` keys (plus those that cannot fold:
-    records without a rank or step) and ``max_labels`` labels.
+    records without a rank or step, and the bins -1 and 0 a negative rank or step ends in) and
+    ``max_labels`` labels.
 
     When a new key would pass ``cap``, the dimension with more distinct bins (steps on a tie)
     doubles its bin size and the keys fold together: the counts stay exact per (coarser) bin.

@@ -228,11 +228,18 @@ def _launch_and_check(
         print(f"  diagnostics so far: {log_dir}", file=sys.stderr)
         return EXIT_INTERRUPTED if err.interrupted else EXIT_LAUNCH
     ok, text = check_runs(wargs, results, log_dir)
+    if ok and temporary:  # the page goes with the temporary logs: never point at a removed file
+        text = "\n".join(
+            "post-mortem page: written, and removed with the temporary logs"
+            if line.startswith("post-mortem page: file://")
+            else line
+            for line in text.splitlines()
+        )
     print(text)
     hint = (
         f"post-mortem: media-guard report {log_dir} (all runs) or {log_dir}/<scenario>.<policy>"
         if not (ok and temporary)
-        else "pass --log-dir DIR to keep the per-rank logs"
+        else "pass --log-dir DIR to keep the per-rank logs and the post-mortem page"
     )
     print(
         f"\nmedia-guard smoke: {'PASSED' if ok else 'FAILED'} in {time.perf_counter() - t0:.1f} s; "
