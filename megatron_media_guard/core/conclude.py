@@ -52,7 +52,8 @@ def conclude(
         )
         if bundle is not None:
             message += f"\n  replay bundle: {bundle}"
-    local = LocalOutcome.of_plan(
+    return settle_plan(
+        guard,
         plan,
         step,
         microbatch,
@@ -61,8 +62,28 @@ def conclude(
         record=fatal_record,
         digest=digest,
     )
+
+
+def settle_plan(
+    guard: MediaGuard,
+    plan: Plan,
+    step: int | None,
+    microbatch: int | None,
+    *,
+    mismatched: int,
+    message: str | None = None,
+    record: dict | None = None,
+    digest: int | None = None,
+) -> StageOutcome:
+    """This rank's outcome of a planned call (fatal when there is a ``message``) agreed with
+    the stage, and the guard's counters: the last step of every guarded call that found
+    something, :func:`conclude`'s and the adapters' whose findings are their own (LLaVA's
+    per-tile checks)."""
+    local = LocalOutcome.of_plan(
+        plan, step, microbatch, mismatched=mismatched, message=message, record=record, digest=digest
+    )
     stage = guard.settle(local)
-    guard.counters["mismatched"] += len(report.mismatched)
+    guard.counters["mismatched"] += mismatched
     guard.counters["dropped"] += len(plan.dropped)
     guard.counters["repaired"] += len(plan.repairs)
     return stage

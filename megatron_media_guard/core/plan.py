@@ -19,6 +19,15 @@ from .swap import suspected_swaps
 from .verify import Verdict
 
 Action = Literal["keep", "drop", "repair", "raise"]
+#: how far each action goes: where several findings of one sample ask for different actions,
+#: the sample takes the one that goes furthest (:func:`worst`)
+SEVERITY: dict[str, int] = {"keep": 0, "repair": 1, "drop": 2, "raise": 3}
+
+
+def worst(a: Action, b: Action) -> Action:
+    """The action of ``a`` and ``b`` that goes further (keep < repair < drop < raise)."""
+    return a if SEVERITY[a] >= SEVERITY[b] else b
+
 
 #: statuses a re-projection can fix: one run per item, same modalities, only the media
 #: size differs. Equal totals with different lengths (LENGTH_MISMATCH) look like swapped

@@ -41,6 +41,7 @@ from ...config import GuardConfig
 from ...core.generated import text_records
 from ...core.guard import MediaGuard
 from ...core.outcome import StageOutcome
+from ...core.plan import worst
 from ...errors import MediaInputError
 from ..hooks import GuardHandle, ItemsProvider, StepProvider
 from .checks import (
@@ -56,10 +57,8 @@ from .drop import PAD_TOKEN, finish_outputs, plan_drop, rewrite_inputs
 from .layout import layout_problems, packed_cu_seqlens, sound_padded
 from .measure import LlavaFacts, measure, refine_finite
 from .packed import Span
-from .report import CALLER, emit, outcome
+from .report import CALLER, emit, settle
 from .sound import sound_faults
-
-_SEVERITY = {"keep": 0, "drop": 1, "raise": 2}
 
 
 @dataclass(frozen=True)
@@ -292,8 +291,7 @@ def _run(handle: LlavaHandle, ba: inspect.BoundArguments, step, mb) -> Any:
         if act == "drop" and first_only and (f.check == "nonfinite" or f.modality == "sound"):
             act = "raise"
             why_raise[f.sample] = f"the last pipeline stage cannot see the {f.modality} embeddings"
-        if _SEVERITY[act] > _SEVERITY[actions[f.sample]]:
-            actions[f.sample] = act
+        actions[f.sample] = worst(act, actions[f.sample])
     drops = [i for i, x in enumerate(actions) if x == "drop"]
     plan = None
     if drops or (unclaimed and dropping_policy != "raise"):
@@ -315,14 +313,11 @@ def _run(handle: LlavaHandle, ba: inspect.BoundArguments, step, mb) -> Any:
         kept = {s for s, x in enumerate(actions) if x == "keep"}
         for rec in text_records(gen, step, mb, PAD_TOKEN, kept):
             guard.log.emit(replace(rec, extra={**rec.extra, "adapter": "llava"}), caller=CALLER)
-    local = outcome(
+    stage = settle(
         guard, facts, img_own.owners, faults, actions, batch_fatal, why_raise, img_items, step, mb
     )
-    stage = guard.settle(local)
     guard.counters["merges"] += 1
     guard.counters["samples"] += facts.batch
-    guard.counters["mismatched"] += len({f.sample for f in faults})
-    guard.counters["dropped"] += len(drops)
     mode = "as-is" if plan is None else ("restructure" if plan.restructures else "zero")
     result = LlavaResult(
         step,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ...core.conclude import settle_plan
 from ...core.items import MediaItem
-from ...core.outcome import LocalOutcome
-from ...core.plan import digest
+from ...core.plan import Plan, digest
 from ...diagnostics import GuardRecord
 from .checks import LlavaFault
 from .measure import LlavaFacts
@@ -74,7 +74,7 @@ def _fault_line(f: LlavaFault, items, why_raise) -> str:
     return f"{head}: {label} - {f.reason}; expected {list(f.expected)}, got {list(f.got)}{tail}"
 
 
-def outcome(
+def settle(
     guard,
     facts: LlavaFacts,
     owners,
@@ -85,7 +85,9 @@ def outcome(
     items,
     step,
     mb,
-) -> LocalOutcome:
+):
+    """The raise message (when a sample or the batch must raise) and the plan of this call,
+    agreed with the stage and counted through the core's :func:`settle_plan`."""
     where = guard.where(step, mb)
     fatal = [i for i, x in enumerate(actions) if x == "raise"]
     message = None
@@ -125,15 +127,6 @@ def outcome(
         [(f.check, f.modality, f.sample, f.item) for f in faults],
         batch_fatal,
     )
-    return LocalOutcome(
-        step=step,
-        microbatch=mb,
-        digest=plan_digest,
-        num_samples=facts.batch,
-        mismatched=len({f.sample for f in faults}),
-        dropped=sum(1 for x in actions if x == "drop"),
-        repaired=0,
-        fatal=message is not None,
-        fatal_sample=fatal[0] if fatal else None,
-        message=message,
-    )
+    plan = Plan(tuple(actions), (), plan_digest)
+    mismatched = len({f.sample for f in faults})
+    return settle_plan(guard, plan, step, mb, mismatched=mismatched, message=message)
