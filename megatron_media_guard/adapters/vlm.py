@@ -1,4 +1,5 @@
-"""``install_vlm``: one engine for every model family the registry knows (``families/``).
+"""The family engine: one forward pre-hook for every model family the registry knows
+(``families/``).
 
 A family is a :class:`~megatron_media_guard.families.spec.FamilySpec`; this module is the
 only code that runs it. For ``apply="embed"`` families the guard is a forward pre-hook on the
@@ -44,9 +45,10 @@ class VLMHandle(ForwardHookHandle):
 
     ``last_result``: a :class:`MergeResult` (``embeddings`` None) of the last guarded call;
     ``mask_loss(loss_mask, labels)`` applies its drops. ``set_items``: one :class:`MediaItem`
-    per model-level item (images, then videos, then audio clips, each in the order the model
-    consumes them) adding ``sample``, ``sample_id`` and ``source_hw``; a video's tubelets
-    inherit its item's fields.
+    per model-level item (an image, a video, an audio clip; the k-th item of a modality in the
+    list describes the model's k-th item of that modality) adding ``sample``, ``sample_id`` and
+    ``source_hw``; a video's tubelets inherit its item's fields; the list's order is taken as
+    the token order (it decides where modalities share a placeholder).
     """
 
     MARK = MARK
