@@ -38,6 +38,7 @@ FAMILIES: tuple[FamilySpec, ...] = (
     qwen2_audio.SPEC,
     qwen3_omni.SPEC,
     glm4v.SPEC,
+    glm4v.BRIDGE,
     ernie4_5_vl.SPEC,
     mistral3.SPEC,
     mistral3.BRIDGE,
