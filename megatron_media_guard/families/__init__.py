@@ -40,6 +40,7 @@ FAMILIES: tuple[FamilySpec, ...] = (
     glm4v.SPEC,
     glm4v.BRIDGE,
     ernie4_5_vl.SPEC,
+    ernie4_5_vl.BRIDGE,
     mistral3.SPEC,
     mistral3.BRIDGE,
     llava_onevision.SPEC,
