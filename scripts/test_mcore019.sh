@@ -96,12 +96,14 @@ import warnings
 
 warnings.simplefilter("ignore")
 from megatron_media_guard.testing import bridge
-from megatron_media_guard.testing.bridge_models import NEMOTRON_OMNI, NEMOTRON_VL, QWEN3, QWEN25
+from megatron_media_guard.testing.bridge_models import (
+    ERNIE45VL, GLM45V, NEMOTRON_OMNI, NEMOTRON_VL, QWEN3, QWEN25,
+)
 
 assert bridge.missing() is None, bridge.missing()
 root = os.environ["MEGATRON_BRIDGE_ROOT"]
 with bridge.bridge_modules(root):
-    for name in (QWEN25, QWEN3, NEMOTRON_VL, NEMOTRON_OMNI):
+    for name in (QWEN25, QWEN3, NEMOTRON_VL, NEMOTRON_OMNI, GLM45V, ERNIE45VL):
         importlib.import_module(name)
 print(f"megatron-bridge {sys.argv[1]} model modules from {root}")
 PYEOF
@@ -110,6 +112,7 @@ if [ "$#" -eq 0 ]; then
         tests/test_adapter_llava_omni.py tests/test_adapter_mimo.py tests/test_launcher.py \
         tests/test_adapter_dist.py tests/test_dist_layouts.py \
         tests/test_adapter_qwen_vl_bridge.py tests/test_adapter_llava_bridge.py \
-        tests/test_family_mistral3_bridge.py
+        tests/test_family_mistral3_bridge.py tests/test_family_glm4v_bridge.py \
+        tests/test_family_ernie4_5_vl_bridge.py
 fi
 exec "$PY" -m pytest -q -p no:cacheprovider "$@"

@@ -17,11 +17,12 @@ re-encoded through ``get_image_features`` (tower and resampler); videos are neve
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ..geometry import PatchMergeGeometry
 from .mrope import grid_counts, image_encoder, patch_dummy, rope_positions
-from .spec import Encoded, FamilySpec, ModalitySpec, Token, split_rows
+from .spec import Encoded, FamilySpec, ModalitySpec, Token, bridge_embed, split_rows
 
 PATCH, MERGE = 14, 2
 _encode_image, _reencode_image = image_encoder(PATCH, 1, MERGE)
@@ -80,4 +81,33 @@ SPEC = FamilySpec(
     positions=rope_positions,
     ids_with_embeds=False,
     dummy=patch_dummy("vision_tower"),
+)
+
+
+def _normalized(encode, key: str):
+    """``encode`` on the pixels after the Bridge model's own ``_normalize_pixel_values`` (its
+    forward rescales and CLIP-normalizes the processor's raw patches before the tower)."""
+
+    def run(model: Any, kw) -> Encoded:
+        return encode(model, {**kw, key: model._normalize_pixel_values(kw[key])})
+
+    return run
+
+
+#: Megatron-Bridge 0.6.2 ``Ernie45VLModel.forward(input_ids, attention_mask, position_ids,
+#: inputs_embeds, pixel_values, pixel_values_videos, image_grid_thw, video_grid_thw,
+#: mm_token_type_ids, moe_mm_token_type_ids, ...)``: it merges only while pixels are given and
+#: always computes its M-RoPE itself from ``input_ids`` and the grids (``position_ids``
+#: ignored). Repair resizes the normalized pixels (the normalization is per channel).
+_IMG, _VID = SPEC.modalities
+BRIDGE = replace(
+    SPEC,
+    classes={"megatron.bridge.": frozenset({"Ernie45VLModel"})},
+    modalities=(
+        replace(_IMG, encode=_normalized(_encode_image, "pixel_values")),
+        replace(_VID, encode=_normalized(_encode_video, "pixel_values_videos")),
+    ),
+    positions=None,
+    ids_with_embeds=True,
+    embed=bridge_embed,
 )

@@ -21,13 +21,13 @@ Image repair: the image processor's ``smart_resize`` (an image is a clip of 2 fr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..core.host import to_host
 from ..geometry import PatchMergeGeometry
 from .mrope import grid_counts, image_encoder, patch_dummy, rope_positions
-from .spec import Encoded, FamilySpec, ModalitySpec, Token
+from .spec import Encoded, FamilySpec, ModalitySpec, Token, bridge_embed
 
 PATCH, TEMPORAL, MERGE = 14, 2, 2
 _encode_image, _reencode_image = image_encoder(PATCH, TEMPORAL, MERGE)
@@ -120,4 +120,17 @@ SPEC = FamilySpec(
     positions=rope_positions,
     ids_with_embeds=False,
     dummy=patch_dummy("visual"),
+)
+
+#: Megatron-Bridge 0.6.2 ``GLM45VModel.forward(input_ids, attention_mask, position_ids,
+#: inputs_embeds, pixel_values, pixel_values_videos, image_grid_thw, video_grid_thw,
+#: mm_token_type_ids, ...)``: it merges only while pixels are given and always computes its
+#: M-RoPE itself (``get_rope_index`` on ``input_ids``, ``mm_token_type_ids`` and the grids,
+#: ``position_ids`` ignored): the guard passes the ids with the embeddings and no positions
+BRIDGE = replace(
+    SPEC,
+    classes={"megatron.bridge.": frozenset({"GLM45VModel"})},
+    positions=None,
+    ids_with_embeds=True,
+    embed=bridge_embed,
 )

@@ -15,6 +15,11 @@ stands in:
   ``Qwen3VLGPTModel`` (:class:`TinyLanguageModel`); the provider's
   ``get_gpt_layer_with_transformer_engine_spec`` likewise. The process groups are a
   one-rank stand-in (no ``torch.distributed``).
+- ``GLM45VModel`` (:func:`glm45v`): Bridge's provider (tiny, dense, float32) and class; its
+  ``__init__`` builds transformers' real GLM-4V vision tower; the language model is
+  :class:`TinyLanguageModel` around transformers' tiny GLM-4V text model.
+- ``Ernie45VLModel`` (:func:`ernie45_vl`): likewise (transformers' real Ernie 4.5 VL vision
+  tower and resampler, built by Bridge's ``__init__``; Bridge's MoE decoder never built).
 - ``NemotronVLModel`` / ``NemotronOmniModel``: Bridge's wrappers around megatron-core
   0.19.2's real ``LLaVAModel`` (:func:`nemotron`); stand-ins: the CLIP tower (swapped during
   construction; its ``__init__`` calls ``.cuda()``), the GPT decoder block (attention asks for
@@ -43,6 +48,8 @@ QWEN25 = "megatron.bridge.models.qwen_vl.modeling_qwen25_vl"
 QWEN3 = "megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model"
 NEMOTRON_VL = "megatron.bridge.models.nemotron_vl.modeling_nemotron_vl"
 NEMOTRON_OMNI = "megatron.bridge.models.nemotron_omni.modeling_nemotron_omni"
+GLM45V = "megatron.bridge.models.glm_vl.modeling_glm_45v"
+ERNIE45VL = "megatron.bridge.models.ernie_vl.modeling_ernie45_vl.model"
 
 
 def segments(packed_seq_params) -> list[tuple[int, int]]:
@@ -356,3 +363,55 @@ def nemotron(
     llava.language_model.decoder = TinyDecoder(hidden)
     cls = wrapper.NemotronOmniModel if kind == "omni" else wrapper.NemotronVLModel
     return cls(llava_model=llava).eval()
+
+
+def _mrope_vl(provider_cls, full: nn.Module, seed: int, **extra) -> nn.Module:
+    """Bridge's real class from a subclass of its real provider ``provider_cls`` (tiny, dense,
+    float32: ``full``'s vision config, token ids and text sizes), eval mode; its language
+    model :class:`TinyLanguageModel` around ``full``."""
+
+    class Provider(provider_cls):
+        def provide_language_model(self, pre_process=None, post_process=None, vp_stage=None):
+            return TinyLanguageModel(full)
+
+    c, t = full.config, full.config.text_config
+    ids = ("image_token_id", "video_token_id", "image_start_token_id", "image_end_token_id")
+    ids += ("video_start_token_id", "video_end_token_id")
+    f32 = dict(bf16=False, params_dtype=torch.float32, autocast_dtype=torch.float32)
+    provider = Provider(
+        vision_config=c.vision_config,
+        num_layers=1,
+        hidden_size=t.hidden_size,
+        ffn_hidden_size=t.intermediate_size,
+        num_attention_heads=t.num_attention_heads,
+        num_query_groups=t.num_key_value_heads,
+        kv_channels=t.hidden_size // t.num_attention_heads,
+        vocab_size=t.vocab_size,
+        mrope_section=list(t.rope_parameters["mrope_section"]),
+        **{k: getattr(c, k) for k in ids},
+        **f32,
+        **extra,
+    )
+    provider._pg_collection = one_rank_groups()
+    torch.manual_seed(seed)
+    return provider.provide(pre_process=True, post_process=True).eval()
+
+
+def glm45v(full: nn.Module, seed: int = 0) -> nn.Module:
+    """Bridge's real ``GLM45VModel`` from its real ``GLM45VModelProvider`` (``full``: the tiny
+    ``Glm4vForConditionalGeneration``; its MoE and MTP defaults turned off)."""
+    import importlib
+
+    mod = importlib.import_module("megatron.bridge.models.glm_vl.glm_45v_provider")
+    dense = dict(num_moe_experts=None, moe_layer_freq=1, mtp_num_layers=None)
+    dense.update(moe_grouped_gemm=False, moe_permute_fusion=False, moe_shared_expert_overlap=False)
+    return _mrope_vl(mod.GLM45VModelProvider, full, seed, **dense)
+
+
+def ernie45_vl(full: nn.Module, seed: int = 0) -> nn.Module:
+    """Bridge's real ``Ernie45VLModel`` from its real ``Ernie45VLModelProvider`` (``full``: the
+    tiny ``Ernie4_5_VLMoeForConditionalGeneration``, whose config Bridge's resampler reads)."""
+    import importlib
+
+    mod = importlib.import_module("megatron.bridge.models.ernie_vl.ernie45_vl_provider")
+    return _mrope_vl(mod.Ernie45VLModelProvider, full, seed, hf_config=full.config)
