@@ -439,9 +439,10 @@ def gemma3_vl(full: nn.Module, seed: int = 0) -> nn.Module:
     with _swapped(mod, TENorm=_ZeroCenteredRMSNorm):
         model = mod.Gemma3VLModel(cfg)
     proj = model.multi_modal_projector.proj
-    # one rank: its all-gather is the identity, but megatron-core's gather asks torch.distributed
-    # for the group (None without it) before it looks at the size: the gather is skipped
-    proj.gather_output = False
+    # one rank: its collectives (the output's all-gather, the input grad's all-reduce) are
+    # identities, but megatron-core asks torch.distributed for the group (None without it)
+    # before it looks at the size: both are skipped
+    proj.gather_output, proj.disable_grad_reduce = False, True
     with torch.no_grad():  # drawn at unit scale, as the fixture's transformers projector
         proj.weight.normal_(0.0, proj.weight.shape[1] ** -0.5)
     return model.eval()
