@@ -29,7 +29,7 @@ PLUS_MINUS = [[Media("image", (40, 24), 5)], [Media("image", (24, 40), 3)], ALL]
 
 @pytest.fixture(scope="module")
 def bridge():
-    from megatron_media_guard.testing.bridge_models import gemma3_vl
+    from megatron_media_guard.testing.bridge_models_hf import gemma3_vl
 
     with loader.bridge_modules(loader.find_root()):
         full = F.tiny_model()
