@@ -36,6 +36,7 @@ FAMILIES: tuple[FamilySpec, ...] = (
     kimi_k25.BRIDGE,
     internvl.SPEC,
     qwen2_audio.SPEC,
+    qwen2_audio.BRIDGE,
     qwen3_omni.SPEC,
     glm4v.SPEC,
     glm4v.BRIDGE,

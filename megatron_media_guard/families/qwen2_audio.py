@@ -14,17 +14,23 @@ first N rows). The config knows only ``audio_token_id``; the markers come from t
 clip's features, the sequence growing) never runs under the guard: a run of one placeholder
 for a longer clip is a short run, handled by the policy. No repair geometry (mel features are
 not resized): a repair falls back.
+
+Megatron-Bridge 0.6.2's ``Qwen2AudioModel`` runs the same merge (and the same legacy switch)
+and has no ``get_input_embeddings``: its spec embeds through its language model. It merges
+audio whenever ``input_features`` is given, ``inputs_embeds`` or not: the engine passes its
+audio inputs as None once it has merged (neither is in ``keep``).
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ..core.host import to_host
-from .spec import Encoded, FamilySpec, ModalitySpec, Token, tower_zeros
+from .spec import Encoded, FamilySpec, ModalitySpec, Token, bridge_embed, tower_zeros
 
 
 def _parts(model: Any):
@@ -72,8 +78,6 @@ def _dummy(model: Any):
 
 SPEC = FamilySpec(
     name="qwen2_audio",
-    # Bridge's Qwen2AudioModel (same merge, same legacy switch) is not registered yet: it has
-    # no get_input_embeddings (its embedding is language_model.embedding, [s, b, h])
     classes={
         "transformers.": frozenset({"Qwen2AudioForConditionalGeneration", "Qwen2AudioModel"}),
     },
@@ -89,4 +93,11 @@ SPEC = FamilySpec(
     ),
     text=Token(("text_config.pad_token_id", "pad_token_id"), "<|endoftext|>", 151643),
     dummy=_dummy,
+)
+
+#: Megatron-Bridge 0.6.2 ``Qwen2AudioModel.forward(input_ids, attention_mask, position_ids,
+#: inputs_embeds, input_features, feature_attention_mask, labels, ...)``; its provider holds
+#: ``audio_token_id`` / ``pad_token_id`` (the markers: the tokenizer's, or the defaults)
+BRIDGE = replace(
+    SPEC, classes={"megatron.bridge.": frozenset({"Qwen2AudioModel"})}, embed=bridge_embed
 )
