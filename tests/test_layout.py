@@ -184,7 +184,7 @@ ALLOWED: dict[str, set[str]] = {
     "geometry": {"errors"},
     "core": _BASE | {"diagnostics", "geometry"},
     "repair": _BASE | {"core", "diagnostics", "geometry"},
-    "families": _BASE | {"core", "geometry", "diagnostics"},
+    "families": _BASE | {"core", "geometry", "diagnostics", "repair"},
     "ranks": _BASE | {"core", "diagnostics"},
     "replay": _BASE | {"core", "diagnostics", "geometry"},
     "adapters": _BASE

@@ -2,7 +2,8 @@
 (``adapters/vlm.py``); ``FAMILIES`` is the registry ``install_vlm`` and ``install_from_args``
 search. A new family is a module here with a ``SPEC`` and one line below (docs/FAMILIES.md).
 
-May import ``core``, ``geometry``, ``errors`` and torch; never ``adapters`` or torch.distributed.
+May import ``core``, ``geometry``, ``repair`` (pixel layouts), ``errors`` and torch; never
+``adapters`` or torch.distributed.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ FAMILIES: tuple[FamilySpec, ...] = (
     gemma3.SPEC,
     gemma3.BRIDGE,
     kimi_k25.SPEC,
-    kimi_k25.BRIDGE,
     internvl.SPEC,
     qwen2_audio.SPEC,
     qwen2_audio.BRIDGE,

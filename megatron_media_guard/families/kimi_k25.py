@@ -1,5 +1,5 @@
-"""Kimi K2.5 (transformers ``Kimi_K25ForConditionalGeneration``; Megatron-Bridge
-``KimiK25VLModel``): MoonViT images and video chunks, time-pooled.
+"""Kimi K2.5 (transformers ``Kimi_K25ForConditionalGeneration``): MoonViT images and video
+chunks, time-pooled.
 
 - image: ``<|media_begin|>`` "image" ``<|media_content|>`` ``<|media_pad|>``x(h*w/4)
   ``<|media_end|>``; ``pixel_values`` ``[sum(t*h*w), 3, 14, 14]`` with ``image_grid_thw`` rows
@@ -18,20 +18,18 @@ Repair: none. The processors resize by ``navit_resize`` (a patch budget and a pe
 never upscaling, then *padding* to a multiple of 28); they need torchvision, so no oracle test
 can pin that arithmetic here, and a repair falls back ("no geometry for kimi_k25").
 
-Bridge 0.6.2's ``KimiK25VLModel.forward(input_ids, attention_mask, position_ids, inputs_embeds,
-pixel_values, image_grid_thw, labels, ...)`` takes images only, on its provider's
-``media_placeholder_token_id`` (markers from the tokenizer), and encodes through its own
-``_extract_image_features`` (a list per image); it embeds through its language model.
+Bridge 0.6.2's ``KimiK25VLModel`` is not registered: its class builds from remote code, so it
+cannot run here, and an adapter is not claimed for a class it never ran on. (Its forward takes
+images only, on ``media_placeholder_token_id``, through its own ``_extract_image_features``.)
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
 
-from .spec import Encoded, FamilySpec, ModalitySpec, Token, bridge_embed, tower_zeros
+from .spec import Encoded, FamilySpec, ModalitySpec, Token, tower_zeros
 
 
 def _encode_image(model: Any, kw) -> Encoded:
@@ -87,26 +85,4 @@ SPEC = FamilySpec(
     text=Token(("text_config.pad_token_id", "pad_token_id"), "[PAD]", 0),
     embed=_embed,
     dummy=_dummy,
-)
-
-
-def _encode_bridge_image(model: Any, kw) -> Encoded:
-    feats = model._extract_image_features(kw["pixel_values"], kw["image_grid_thw"])
-    return Encoded(tuple(feats))
-
-
-#: Bridge's class: images only, its own feature path, its language model's embedding
-BRIDGE = replace(
-    SPEC,
-    classes={"megatron.bridge.": frozenset({"KimiK25VLModel"})},
-    modalities=(
-        replace(
-            SPEC.modalities[0],
-            placeholder=Token(("media_placeholder_token_id", "image_token_id"), "<|media_pad|>"),
-            encode=_encode_bridge_image,
-        ),
-    ),
-    text=Token(("pad_token_id",), "[PAD]", 0),
-    embed=bridge_embed,
-    dummy=None,  # its own _extract_image_features: no test on Bridge's class yet
 )

@@ -13,24 +13,24 @@ import torch
 
 from ..core.host import to_host
 from ..errors import MediaInputError
+from ..repair.pixels import from_frames, to_frames
 from .spec import Encoded, split_rows, tower_zeros
 
 
 def rows_to_image(rows: torch.Tensor, h: int, w: int, p: int, tp: int, m: int) -> torch.Tensor:
     """One image's ``[h*w, C*tp*p*p]`` patch rows (grid ``(1, h, w)``) -> ``[C, h*p, w*p]``
-    (the first of the ``tp`` frames the processor repeated)."""
-    c = rows.shape[1] // (tp * p * p)
-    x = rows.reshape(h // m, w // m, m, m, c, tp, p, p)[:, :, :, :, :, 0]
-    return x.permute(4, 0, 2, 5, 1, 3, 6).reshape(c, h * p, w * p)
+    (the first of the ``tp`` frames the processor repeated): ``repair.pixels``' layout."""
+    frames = to_frames(
+        rows, "qwen_patches", grid_thw=(1, h, w), patch=p, temporal_patch=tp, merge=m
+    )
+    return frames[0]
 
 
 def image_to_rows(img: torch.Tensor, p: int, tp: int, m: int) -> torch.Tensor:
     """``[C, H, W]`` (multiples of ``p*m``) -> ``[(H/p)*(W/p), C*tp*p*p]`` patch rows, the
     image repeated over the ``tp`` frames of a temporal patch as the processor does."""
-    c, hh, ww = img.shape
-    x = img.reshape(c, hh // (p * m), m, p, ww // (p * m), m, p).permute(1, 4, 2, 5, 0, 3, 6)
-    x = x.unsqueeze(5).expand(-1, -1, -1, -1, -1, tp, -1, -1)
-    return x.reshape((hh // p) * (ww // p), c * tp * p * p)
+    rows, _ = from_frames(img[None], "qwen_patches", patch=p, temporal_patch=tp, merge=m)
+    return rows
 
 
 def image_encoder(patch: int, temporal: int, merge: int):
