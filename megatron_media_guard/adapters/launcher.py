@@ -139,8 +139,8 @@ def add_media_guard_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         "--media-guard-dump-dir",
         default=None,
         help="GuardConfig.dump_dir: save a replay bundle of each mismatched micro-batch here "
-        "(media-guard replay BUNDLE; holds token ids and pixels: sensitive). MIMO, Qwen-VL and "
-        "custom merges; the LLaVA adapter writes none.",
+        "(media-guard replay BUNDLE; holds token ids and pixels: sensitive). Every merge; "
+        "LLaVA only for an image token too many or too few (docs/MEGATRON.md).",
     )
     g.add_argument(
         "--media-guard-disable",
@@ -290,13 +290,6 @@ def install_from_args(
     step_provider = _curr_iteration(args)
     guards: dict[str, MediaGuard] = {}
     group = HandleGroup()
-    if config.dump_dir is not None and any(kind == "llava" for _, kind, _, _ in targets):
-        log.warning(
-            "[media-guard] dump_dir %s: the LLaVA adapter writes no replay bundles (a bundle "
-            "replays the core's expanded-token check, LLaVA's image tokens are collapsed); "
-            "its findings are in the per-rank log",
-            config.dump_dir,
-        )
     for _, kind, m, spec in targets:
         if kind not in guards:
             guards[kind] = guard_for(

@@ -2,7 +2,9 @@
 
 Runs come from :func:`runs.parse_runs`; items in feature-concatenation order. The
 check is per sample and per run, so errors that cancel in batch totals (+k in one
-sample, -k in another; two items of different lengths swapped) are caught.
+sample, -k in another; two items of different lengths swapped) are caught. Under a
+collapsed grammar (one token per item, expanded by the model: megatron-core LLaVA) a run
+stands for its whole item, so only the number of runs per sample is checked.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ def _forced(small: Sequence[tuple], big: Sequence[tuple]) -> list[int] | None:
 
 
 def _assign_implicit(
-    runs: Sequence[Run], items: Sequence[MediaItem]
+    runs: Sequence[Run], items: Sequence[MediaItem], collapsed: bool = False
 ) -> tuple[list[int | None], list[int]]:
     """Pairs runs with items that carry no sample label; returns each item's sample (None:
     unclaimed) and the unclaimed items that hold features (orphans).
@@ -129,8 +131,8 @@ def _assign_implicit(
     mismatch), never fed a guessed item. Items without features own no run.
     """
     real = [i for i, it in enumerate(items) if it.num_features > 0]
-    rk = [_key(r.length, r.modality) for r in runs]
-    ik = [_key(items[i].num_features, items[i].modality) for i in real]
+    rk = [_key(0 if collapsed else r.length, r.modality) for r in runs]
+    ik = [_key(0 if collapsed else items[i].num_features, items[i].modality) for i in real]
     owner: list[int | None] = [None] * len(items)
     if len(rk) == len(ik):
         for k, i in enumerate(real):
@@ -164,7 +166,7 @@ def align(
         owner: list[int | None] = [it.sample if it.num_features else None for it in items]
         orphans: list[int] = []
     else:
-        owner, orphans = _assign_implicit(parsed.runs, items)
+        owner, orphans = _assign_implicit(parsed.runs, items, parsed.collapsed)
     runs_of: dict[int, list[Run]] = {}
     for r in parsed.runs:
         runs_of.setdefault(r.sample, []).append(r)
@@ -186,6 +188,7 @@ def align(
             [(i, items[i]) for i in items_of.get(smp, [])],
             finds_of.get(smp, []),
             row=smp if not parsed.packed else 0,
+            collapsed=parsed.collapsed,
         )
         for smp in range(parsed.num_samples)
     )
@@ -206,9 +209,13 @@ def _sample_report(
     items: list[tuple[int, MediaItem]],
     findings: list[Finding],
     row: int,
+    collapsed: bool = False,
 ) -> SampleReport:
-    expected = tuple(r.length for r in runs)
     got = tuple(it.num_features for _, it in items)
+    if collapsed:  # one token per item, expanded by the model: a run is as long as its item
+        expected = tuple(g for g, _ in zip(got, runs)) + tuple(1 for _ in runs[len(got) :])
+    else:
+        expected = tuple(r.length for r in runs)
     rmods = tuple(r.modality for r in runs)
     imods = tuple(it.modality for _, it in items)
     first = next(

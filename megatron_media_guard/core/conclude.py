@@ -5,11 +5,13 @@ stage's consensus round, the counters. Records and the replay bundle are written
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from ..diagnostics import GuardRecord
 from .alignment import AlignmentReport
 from .explain import error_message
+from .faults import FaultContext, ItemFault, batch_records, fault_message, fault_records
 from .items import MediaItem
 from .outcome import LocalOutcome, StageOutcome
 from .plan import Plan
@@ -61,6 +63,70 @@ def conclude(
         message=message,
         record=fatal_record,
         digest=digest,
+    )
+
+
+def conclude_faults(
+    guard: MediaGuard,
+    faults: Sequence[ItemFault],
+    actions: Sequence[str],
+    ctx: FaultContext,
+    *,
+    what: str,
+    unit: str,
+    summary: str,
+    digest: int,
+    step: int | None,
+    microbatch: int | None,
+    batch_fatal: Sequence[str] = (),
+    notes: Sequence[str] = (),
+    records: Sequence[GuardRecord] = (),
+    caller: str | None = None,
+    bundle: Callable[[], object | None] | None = None,
+) -> StageOutcome:
+    """The fault path of a call whose findings are :class:`~.faults.ItemFault` s (an
+    adapter's own checks: LLaVA's collapsed tokens): one record per fault, the call's
+    batch-level problems (``batch_fatal`` raise) and ``notes`` as records, then ``records``
+    (e.g. generated placeholders fed as text), the raise message, the consensus round (the
+    first ``raise`` record is the one the peers fetch) and the counters.
+
+    actions: per sample (or packed sub-sample), keep / drop / raise; what / unit / summary:
+    the message's words for what was guarded, its samples, and the batch's totals; bundle:
+    saves the call's replay bundle (after the records: a full disk must not cost them) and
+    returns its path, named in the message."""
+    fatal_record = None
+    written_all = [
+        *fault_records(faults, actions, ctx, step=step, microbatch=microbatch),
+        *batch_records(batch_fatal, notes, ctx.adapter, step, microbatch),
+        *records,
+    ]
+    for rec in written_all:
+        written = guard.log.emit(rec, caller=caller)
+        if rec.event == "raise" and fatal_record is None:
+            fatal_record = written
+    message = fault_message(
+        faults,
+        actions,
+        ctx,
+        where=guard.where(step, microbatch),
+        what=what,
+        unit=unit,
+        batch_fatal=batch_fatal,
+        summary=summary,
+        log_path=guard.log.describe_path(),
+    )
+    path = bundle() if bundle is not None else None
+    if message is not None and path is not None:
+        message += f"\n  replay bundle: {path}"
+    plan = Plan(tuple(actions), (), digest)
+    return settle_plan(
+        guard,
+        plan,
+        step,
+        microbatch,
+        mismatched=len({f.sample for f in faults}),
+        message=message,
+        record=fatal_record,
     )
 
 

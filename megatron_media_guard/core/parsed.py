@@ -62,3 +62,4 @@ class ParsedRuns:
     row_length: int
     packed: bool
     aliases: Mapping[str, str] = field(default_factory=dict)  # the grammar's (Grammar.aliases)
+    collapsed: bool = False  # the grammar's: each run is one token standing for a whole item

@@ -435,5 +435,11 @@ def parse_layout(lay: TokenLayout) -> ParsedRuns:
         for row, col, kind, smp in ft
     )
     return ParsedRuns(
-        runs, findings, lay.num_samples, lay.row_length, lay.packed, lay.grammar.aliases
+        runs,
+        findings,
+        lay.num_samples,
+        lay.row_length,
+        lay.packed,
+        lay.grammar.aliases,
+        lay.grammar.collapsed,
     )

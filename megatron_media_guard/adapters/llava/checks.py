@@ -10,10 +10,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
+from ...core.faults import ItemFault
 from ...core.generated import Generated, GeneratedSample, find_generated
 from ...core.grammar import Grammar
 from ...core.items import MediaItem
@@ -21,37 +21,15 @@ from ...core.runs import TokenLayout, parse_layout
 from ...errors import MediaInputError
 from .measure import LlavaFacts
 
-Check = Literal["count", "tiles", "max_length", "nonfinite", "segment", "generated"]
-Modality = Literal["image", "sound", "sample"]
 SOUND_MODALITIES = frozenset({"sound", "audio"})
+
+#: one finding of LLaVA's checks: core's item fault (its records and message are core's)
+LlavaFault = ItemFault
 
 
 @functools.lru_cache(maxsize=16)
 def llava_grammar(image_token_index: int) -> Grammar:
     return Grammar.llava(int(image_token_index))
-
-
-@dataclass(frozen=True)
-class LlavaFault:
-    """One finding in one sample.
-
-    modality: ``image`` (item = index in ``num_image_tiles``), ``sound`` (item = clip, the
-    index in ``sound_embeddings_len``) or ``sample`` (a packed sub-sample whose expansion
-    does not fill its ``cu_seqlens`` span). item None: no item can be named.
-    item_in_sample: its index among the sample's items. expected / got: what the token side
-    and the media side say (counts for ``count``, feature rows for ``tiles``, positions for
-    ``max_length`` and ``segment``, affected units for ``nonfinite``).
-    """
-
-    sample: int
-    check: Check
-    modality: Modality
-    item: int | None
-    item_in_sample: int | None
-    expected: tuple[int, ...]
-    got: tuple[int, ...]
-    tiles: int | None
-    reason: str
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ from .drop import PAD_TOKEN, finish_outputs, plan_drop, rewrite_inputs
 from .layout import layout_problems, packed_cu_seqlens, sound_padded
 from .measure import LlavaFacts, measure, refine_finite
 from .packed import Span
-from .report import CALLER, emit, settle
+from .report import settle
 from .sound import sound_faults
 
 
@@ -308,13 +308,27 @@ def _run(handle: LlavaHandle, ba: inspect.BoundArguments, step, mb) -> Any:
             for smp in drops:
                 actions[smp], why_raise[smp] = "raise", f"cannot drop: {plan.problem}"
             drops, plan = [], None
-    emit(guard, faults, actions, batch_fatal, notes, why_raise, img_items, facts, step, mb)
+    text = []
     if gen is not None and cfg.generated == "text":
         kept = {s for s, x in enumerate(actions) if x == "keep"}
-        for rec in text_records(gen, step, mb, PAD_TOKEN, kept):
-            guard.log.emit(replace(rec, extra={**rec.extra, "adapter": "llava"}), caller=CALLER)
+        text = [
+            replace(rec, extra={**rec.extra, "adapter": "llava"})
+            for rec in text_records(gen, step, mb, PAD_TOKEN, kept)
+        ]
     stage = settle(
-        guard, facts, img_own.owners, faults, actions, batch_fatal, why_raise, img_items, step, mb
+        guard,
+        facts,
+        img_own.owners,
+        faults,
+        actions,
+        batch_fatal=batch_fatal,
+        notes=notes,
+        why_raise=why_raise,
+        items=img_items,
+        records=text,
+        ids=a["input_ids"],
+        step=step,
+        mb=mb,
     )
     guard.counters["merges"] += 1
     guard.counters["samples"] += facts.batch

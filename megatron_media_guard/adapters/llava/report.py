@@ -1,12 +1,17 @@
-"""Records, the raise message and the stage outcome of one guarded LLaVA call."""
+"""What a guarded LLaVA call says about its findings: the context of its item faults, the
+summary line of its raise message and its plan digest. The records, the message, the
+consensus round and the counters are core's (:func:`~megatron_media_guard.core.conclude.
+conclude_faults`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ...core.conclude import settle_plan
+from ...core.conclude import conclude_faults
+from ...core.fault_path import save_replay
+from ...core.faults import FaultContext
 from ...core.items import MediaItem
-from ...core.plan import Plan, digest
+from ...core.plan import digest
 from ...diagnostics import GuardRecord
 from .checks import LlavaFault
 from .measure import LlavaFacts
@@ -22,56 +27,36 @@ def sample_id(items: Sequence[MediaItem] | None, smp: int):
     )
 
 
-def emit(guard, faults, actions, batch_fatal, notes, why_raise, items, facts, step, mb) -> None:
-    for f in faults:
-        act = actions[f.sample]
-        reason = f"{f.check}: {f.reason}"
-        if f.sample in why_raise:
-            reason += f" (raise: {why_raise[f.sample]})"
-        guard.log.emit(
-            GuardRecord(
-                event="raise" if act == "raise" else "drop",
-                step=step,
-                microbatch=mb,
-                sample=f.sample,
-                sample_id=sample_id(items, f.sample),
-                row=facts.spans[f.sample].row,
-                item=f.item,
-                modality=f.modality,
-                expected=f.expected,
-                got=f.got,
-                first_mismatch=0 if f.check == "count" else None,
-                tiles=f.tiles,
-                action=act,
-                reason=reason,
-                extra={"adapter": "llava", "check": f.check},
-            ),
-            caller=CALLER,
+def _summary(facts: LlavaFacts) -> str:
+    out = (
+        f"{facts.total_tokens} image tokens / {facts.num_entries} num_image_tiles "
+        f"entries ({sum(facts.entries)} tiles), img_seq_len {facts.img_seq_len}, "
+        f"language_max_sequence_length {facts.max_len}"
+    )
+    if facts.clip_rows or any(facts.sound):
+        out += (
+            f"; {sum(facts.sound)} sound tokens / {sum(facts.clip_rows)} rows in "
+            f"{facts.num_clips} clips"
         )
-    for text, fatal in [(t, True) for t in batch_fatal] + [(t, False) for t in notes]:
-        guard.log.emit(
-            GuardRecord(
-                event="raise" if fatal else "check",
-                step=step,
-                microbatch=mb,
-                action="raise" if fatal else "unused",
-                reason=text,
-                extra={"adapter": "llava", "check": text.split(":")[0]},
-            ),
-            caller=CALLER,
-        )
+    return out
 
 
-def _fault_line(f: LlavaFault, items, why_raise) -> str:
-    sid = sample_id(items, f.sample)
-    head = f"  sample {f.sample}" + (f" (sample_id {sid!r})" if sid is not None else "")
-    if f.item is not None:
-        what = "image" if f.modality == "image" else "clip"
-        head += f", {what} {f.item} (#{f.item_in_sample} in the sample"
-        head += f", {f.tiles} tiles)" if f.tiles is not None else ")"
-    tail = f" (raise: {why_raise[f.sample]})" if f.sample in why_raise else ""
-    label = f.check if f.modality != "sound" else f"sound {f.check}"
-    return f"{head}: {label} - {f.reason}; expected {list(f.expected)}, got {list(f.got)}{tail}"
+def _bundle(guard, facts: LlavaFacts, faults, owners, items, ids, step, mb):
+    """The replay bundle's saver, for the faults a replay can re-run: an image token too many
+    or too few in a sample (a collapsed grammar's replay checks the runs per sample). The
+    other checks (tiles, sequence length, NaN/Inf, sound, packed spans) read facts the bundle
+    does not hold: no bundle."""
+    if facts.packed or not any(f.check == "count" and f.modality == "image" for f in faults):
+        return None
+    if items is None:
+        L = facts.img_seq_len
+        items = [
+            MediaItem(t * L, modality="image", sample=None if owners is None else owners[j])
+            for j, t in enumerate(facts.entries)
+        ]
+    return lambda: save_replay(
+        guard, input_ids=ids, items=items, cu_seqlens=None, step=step, microbatch=mb, report=None
+    )
 
 
 def settle(
@@ -80,43 +65,24 @@ def settle(
     owners,
     faults: Sequence[LlavaFault],
     actions: Sequence[str],
+    *,
     batch_fatal: Sequence[str],
+    notes: Sequence[str],
     why_raise: dict[int, str],
-    items,
+    items: Sequence[MediaItem] | None,
+    records: Sequence[GuardRecord],
+    ids,
     step,
     mb,
 ):
-    """The raise message (when a sample or the batch must raise) and the plan of this call,
-    agreed with the stage and counted through the core's :func:`settle_plan`."""
-    where = guard.where(step, mb)
-    fatal = [i for i, x in enumerate(actions) if x == "raise"]
-    message = None
-    unit = "packed sub-samples" if facts.packed else "samples"
-    if fatal or batch_fatal:
-        lines = [
-            f"Media alignment failed ({where}): LLaVA _preprocess_data, "
-            f"{len(fatal)} of {facts.batch} {unit}"
-            + (f" and {len(batch_fatal)} batch-level problem(s)" if batch_fatal else "")
-            + ":"
-        ]
-        lines += [f"  batch {t}" for t in batch_fatal]
-        lines += [_fault_line(f, items, why_raise) for f in faults if actions[f.sample] == "raise"][
-            :8
-        ]
-        lines.append(
-            f"  batch: {facts.total_tokens} image tokens / {facts.num_entries} num_image_tiles "
-            f"entries ({sum(facts.entries)} tiles), img_seq_len {facts.img_seq_len}, "
-            f"language_max_sequence_length {facts.max_len}"
-            + (
-                f"; {sum(facts.sound)} sound tokens / {sum(facts.clip_rows)} rows in "
-                f"{facts.num_clips} clips"
-                if facts.clip_rows or any(facts.sound)
-                else ""
-            )
-        )
-        if guard.log.path is not None:
-            lines.append(f"  per-rank log: {guard.log.describe_path()}")
-        message = "\n".join(lines)
+    """Records, raise message and plan of this call, agreed with the stage and counted, on
+    core's item-fault path."""
+    ctx = FaultContext(
+        adapter="llava",
+        row=lambda smp: facts.spans[smp].row,
+        sample_id=lambda smp: sample_id(items, smp),
+        why_raise=why_raise,
+    )
     plan_digest = digest(
         facts.tokens,
         facts.entries,
@@ -127,6 +93,20 @@ def settle(
         [(f.check, f.modality, f.sample, f.item) for f in faults],
         batch_fatal,
     )
-    plan = Plan(tuple(actions), (), plan_digest)
-    mismatched = len({f.sample for f in faults})
-    return settle_plan(guard, plan, step, mb, mismatched=mismatched, message=message)
+    return conclude_faults(
+        guard,
+        faults,
+        actions,
+        ctx,
+        what="LLaVA _preprocess_data",
+        unit="packed sub-samples" if facts.packed else "samples",
+        summary=_summary(facts),
+        digest=plan_digest,
+        step=step,
+        microbatch=mb,
+        batch_fatal=batch_fatal,
+        notes=notes,
+        records=records,
+        caller=CALLER,
+        bundle=_bundle(guard, facts, faults, owners, items, ids, step, mb),
+    )

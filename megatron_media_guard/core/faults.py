@@ -1,0 +1,158 @@
+"""Item faults: what an adapter's own checks find where the run alignment cannot read the
+tokens (megatron-core LLaVA's collapsed ``<image>`` tokens, one per image and expanded by the
+model; its sound tokens, one per embedding row), and their records and raise message.
+
+The adapter says what it found (:class:`ItemFault`, frozen data); the wording of the records
+and of the message, the consensus round and the counters are core's
+(:func:`~.conclude.conclude_faults`), as for every other fault path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from ..diagnostics import GuardRecord
+
+Check = Literal["count", "tiles", "max_length", "nonfinite", "segment", "generated"]
+FaultModality = Literal["image", "sound", "sample"]
+
+
+@dataclass(frozen=True)
+class ItemFault:
+    """One finding in one sample.
+
+    modality: ``image`` (item = its index among the call's images), ``sound`` (item = clip)
+    or ``sample`` (a packed sub-sample whose expansion does not fill its span). item None: no
+    item can be named. item_in_sample: its index among the sample's items. expected / got:
+    what the token side and the media side say (counts for ``count``, feature rows for
+    ``tiles``, positions for ``max_length`` and ``segment``, affected units for
+    ``nonfinite``). tiles: the image's tile count, where it has one.
+    """
+
+    sample: int
+    check: Check
+    modality: FaultModality
+    item: int | None
+    item_in_sample: int | None
+    expected: tuple[int, ...]
+    got: tuple[int, ...]
+    tiles: int | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class FaultContext:
+    """What the records and the message of one call name beside the faults: the adapter,
+    each sample's row and ``sample_id`` (``sample_id(smp)``; None: none known) and, per
+    sample, why it must raise where the policy said drop (``why_raise``)."""
+
+    adapter: str
+    row: Callable[[int], int]
+    sample_id: Callable[[int], str | int | None]
+    why_raise: Mapping[int, str]
+
+
+def fault_records(
+    faults: Sequence[ItemFault],
+    actions: Sequence[str],
+    ctx: FaultContext,
+    *,
+    step: int | None,
+    microbatch: int | None,
+) -> list[GuardRecord]:
+    """One ``drop`` / ``raise`` record per fault (the sample's action decides which)."""
+    out = []
+    for f in faults:
+        act = actions[f.sample]
+        reason = f"{f.check}: {f.reason}"
+        if f.sample in ctx.why_raise:
+            reason += f" (raise: {ctx.why_raise[f.sample]})"
+        out.append(
+            GuardRecord(
+                event="raise" if act == "raise" else "drop",
+                step=step,
+                microbatch=microbatch,
+                sample=f.sample,
+                sample_id=ctx.sample_id(f.sample),
+                row=ctx.row(f.sample),
+                item=f.item,
+                modality=f.modality,
+                expected=f.expected,
+                got=f.got,
+                first_mismatch=0 if f.check == "count" else None,
+                tiles=f.tiles,
+                action=act,  # type: ignore[arg-type]
+                reason=reason,
+                extra={"adapter": ctx.adapter, "check": f.check},
+            )
+        )
+    return out
+
+
+def batch_records(
+    fatal: Sequence[str], notes: Sequence[str], adapter: str, step, microbatch
+) -> list[GuardRecord]:
+    """Problems of the whole call (``fatal``: it raises) and ``notes`` (``check`` records:
+    entries no token uses); each text starts with its check name, ``"<check>: ..."``."""
+    return [
+        GuardRecord(
+            event="raise" if bad else "check",
+            step=step,
+            microbatch=microbatch,
+            action="raise" if bad else "unused",
+            reason=text,
+            extra={"adapter": adapter, "check": text.split(":")[0]},
+        )
+        for text, bad in [(t, True) for t in fatal] + [(t, False) for t in notes]
+    ]
+
+
+def fault_line(f: ItemFault, ctx: FaultContext) -> str:
+    """One line of the raise message: the sample (and its id), the item, the check, both
+    sides."""
+    sid = ctx.sample_id(f.sample)
+    head = f"  sample {f.sample}" + (f" (sample_id {sid!r})" if sid is not None else "")
+    if f.item is not None:
+        what = "image" if f.modality == "image" else "clip"
+        head += f", {what} {f.item} (#{f.item_in_sample} in the sample"
+        head += f", {f.tiles} tiles)" if f.tiles is not None else ")"
+    tail = f" (raise: {ctx.why_raise[f.sample]})" if f.sample in ctx.why_raise else ""
+    label = f.check if f.modality != "sound" else f"sound {f.check}"
+    return f"{head}: {label} - {f.reason}; expected {list(f.expected)}, got {list(f.got)}{tail}"
+
+
+def fault_message(
+    faults: Sequence[ItemFault],
+    actions: Sequence[str],
+    ctx: FaultContext,
+    *,
+    where: str,
+    what: str,
+    unit: str,
+    batch_fatal: Sequence[str],
+    summary: str,
+    log_path: str | None,
+) -> str | None:
+    """The raise message of a call whose samples (or whole batch) must raise, else None:
+    ``where`` (rank, step), ``what`` was guarded, how many ``unit`` (samples, packed
+    sub-samples) raise, the batch-level problems, the first eight raising faults, the call's
+    ``summary`` line, the per-rank log."""
+    fatal = [i for i, x in enumerate(actions) if x == "raise"]
+    if not (fatal or batch_fatal):
+        return None
+    lines = [
+        f"Media alignment failed ({where}): {what}, {len(fatal)} of {len(actions)} {unit}"
+        + (f" and {len(batch_fatal)} batch-level problem(s)" if batch_fatal else "")
+        + ":"
+    ]
+    lines += [f"  batch {t}" for t in batch_fatal]
+    lines += [fault_line(f, ctx) for f in faults if actions[f.sample] == "raise"][:8]
+    lines.append(f"  batch: {summary}")
+    if log_path is not None:
+        lines.append(f"  per-rank log: {log_path}")
+    return "\n".join(lines)
+
+
+__all__ = ["Check", "FaultContext", "FaultModality", "ItemFault"]
