@@ -101,7 +101,8 @@ def _encode_bridge(model: Any, kw) -> Encoded:
 def _bridge_after_merge(model: Any, merged: Merged) -> dict:
     """Bridge's pre-expanded merge beside the scatter: ``position_ids`` from the attention mask
     (else from the ids against ``pad_token_id``), labels ``ignore_index`` on the placeholders,
-    the attention mask dropped (its language model attends causally)."""
+    the attention mask dropped (its language model attends causally). A dropped sample's
+    placeholders are text here already and its labels ignored."""
     kw, cfg = merged.kwargs, model.config
     ids, mask = kw["input_ids"], kw.get("attention_mask")
     if mask is None:
