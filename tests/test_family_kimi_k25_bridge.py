@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ REASON = loader.missing()
 pytestmark = [pytest.mark.skipif(REASON is not None, reason=REASON or ""), pytest.mark.timeout(180)]
 
 from megatron_media_guard.adapters import install_vlm  # noqa: E402
+from megatron_media_guard.adapters.launcher import find_vlm  # noqa: E402
 from megatron_media_guard.families import find_family  # noqa: E402
 from megatron_media_guard.families import kimi_k25 as spec_mod  # noqa: E402
 from megatron_media_guard.families.spec import bridge_embed  # noqa: E402
@@ -92,6 +94,8 @@ def test_bridge_builds_its_tower_from_the_local_remote_code(bridge):
     assert tower.__module__.startswith("transformers_modules.")  # get_class_from_dynamic_module
     assert isinstance(model.vision_tower, Kimi_K25VisionModel)  # transformers' own tower
     assert find_family(model)[1] is spec_mod.BRIDGE
+    wrapped = SimpleNamespace(module=model)  # a DDP-style wrapper, as install_from_args sees it
+    assert find_vlm(wrapped) == ("kimi_k25", model)
 
 
 @pytest.mark.parametrize(
