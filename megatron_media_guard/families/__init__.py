@@ -34,6 +34,7 @@ FAMILIES: tuple[FamilySpec, ...] = (
     gemma3.SPEC,
     gemma3.BRIDGE,
     kimi_k25.SPEC,
+    kimi_k25.BRIDGE,
     internvl.SPEC,
     qwen2_audio.SPEC,
     qwen2_audio.BRIDGE,

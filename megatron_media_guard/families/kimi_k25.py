@@ -1,5 +1,5 @@
-"""Kimi K2.5 (transformers ``Kimi_K25ForConditionalGeneration``): MoonViT images and video
-chunks, time-pooled.
+"""Kimi K2.5 (transformers ``Kimi_K25ForConditionalGeneration``; Megatron-Bridge
+``KimiK25VLModel``): MoonViT images and video chunks, time-pooled.
 
 - image: ``<|media_begin|>`` "image" ``<|media_content|>`` ``<|media_pad|>``x(h*w/4)
   ``<|media_end|>``; ``pixel_values`` ``[sum(t*h*w), 3, 14, 14]`` with ``image_grid_thw`` rows
@@ -18,18 +18,23 @@ Repair: none. The processors resize by ``navit_resize`` (a patch budget and a pe
 never upscaling, then *padding* to a multiple of 28); they need torchvision, so no oracle test
 can pin that arithmetic here, and a repair falls back ("no geometry for kimi_k25").
 
-Bridge 0.6.2's ``KimiK25VLModel`` is not registered: its class builds from remote code, so it
-cannot run here, and an adapter is not claimed for a class it never ran on. (Its forward takes
-images only, on ``media_placeholder_token_id``, through its own ``_extract_image_features``.)
+Bridge 0.6.2's ``KimiK25VLModel.forward(input_ids, attention_mask, position_ids, inputs_embeds,
+pixel_values, image_grid_thw, labels, ...)`` (:data:`BRIDGE`): images only, on its provider's
+``media_placeholder_token_id`` (the markers from the tokenizer), through its own
+``_extract_image_features`` (one tensor per grid row), embedded by its language model. Given
+``inputs_embeds`` and no pixels it skips its merge and what goes with it; the guard redoes that
+part (:func:`_bridge_after_merge`): positions from the attention mask, labels ignored on the
+placeholders, no attention mask to the language model.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from .spec import Encoded, FamilySpec, ModalitySpec, Token, tower_zeros
+from .spec import Encoded, FamilySpec, Merged, ModalitySpec, Token, bridge_embed, tower_zeros
 
 
 def _encode_image(model: Any, kw) -> Encoded:
@@ -85,4 +90,50 @@ SPEC = FamilySpec(
     text=Token(("text_config.pad_token_id", "pad_token_id"), "[PAD]", 0),
     embed=_embed,
     dummy=_dummy,
+)
+
+
+def _encode_bridge(model: Any, kw) -> Encoded:
+    pv = kw["pixel_values"].to(model.vision_tower.dtype)  # as Bridge's forward
+    return Encoded(tuple(model._extract_image_features(pv, kw["image_grid_thw"])))
+
+
+def _bridge_after_merge(model: Any, merged: Merged) -> dict:
+    """Bridge's pre-expanded merge beside the scatter: ``position_ids`` from the attention mask
+    (else from the ids against ``pad_token_id``), labels ``ignore_index`` on the placeholders,
+    the attention mask dropped (its language model attends causally). A dropped sample's
+    placeholders are text here already and its labels ignored."""
+    kw, cfg = merged.kwargs, model.config
+    ids, mask = kw["input_ids"], kw.get("attention_mask")
+    if mask is None:
+        mask = (ids != cfg.pad_token_id).long()
+    out = {"position_ids": (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 1), "attention_mask": None}
+    if isinstance(kw.get("labels"), torch.Tensor):
+        ph = ids == model.media_placeholder_token_id
+        out["labels"] = kw["labels"].masked_fill(ph, cfg.ignore_index)
+    return out
+
+
+def _bridge_dummy(model: Any):  # one 2x2-patch image of zeros through Bridge's tower
+    v = model.vision_tower_config
+    (mh, mw), p = v.merge_kernel_size, v.patch_size
+    pv = tower_zeros(model, "vision_tower", mh * mw, 3, p, p)
+    return model._extract_image_features(pv, torch.tensor([[1, mh, mw]], device=pv.device))
+
+
+#: Megatron-Bridge 0.6.2 ``KimiK25VLModel``: images only, its own feature path and embedding
+BRIDGE = replace(
+    SPEC,
+    classes={"megatron.bridge.": frozenset({"KimiK25VLModel"})},
+    modalities=(
+        replace(
+            SPEC.modalities[0],
+            placeholder=Token(("media_placeholder_token_id", "image_token_id"), "<|media_pad|>"),
+            encode=_encode_bridge,
+        ),
+    ),
+    text=Token(("pad_token_id",), "[PAD]", 0),
+    embed=bridge_embed,
+    after_merge=_bridge_after_merge,
+    dummy=_bridge_dummy,
 )
