@@ -114,6 +114,6 @@ if [ "$#" -eq 0 ]; then
         tests/test_adapter_qwen_vl_bridge.py tests/test_adapter_llava_bridge.py \
         tests/test_family_mistral3_bridge.py tests/test_family_mrope_bridge.py \
         tests/test_family_gemma3_bridge.py \
-        tests/test_family_qwen2_audio_bridge.py
+        tests/test_family_qwen2_audio_bridge.py tests/test_family_qwen3_omni_bridge.py
 fi
 exec "$PY" -m pytest -q -p no:cacheprovider "$@"

@@ -21,7 +21,7 @@ from ..core.grammar import Grammar
 from ..errors import MediaInputError
 
 ModalityName = Literal["image", "video", "audio"]
-Apply = Literal["embed", "qwen_vl", "llava", "mimo"]
+Apply = Literal["embed", "inputs", "qwen_vl", "llava", "mimo"]
 
 
 def attr_path(obj: Any, *names: str) -> Any:
@@ -165,9 +165,12 @@ class FamilySpec:
     """A model family: ``classes`` by defining package prefix (a subclass counts),
     ``modalities`` in the model's consumption order, ``text`` the id a generated or dropped
     placeholder becomes, ``geometry`` a factory for the repair geometry (None: no repair).
-    ``apply``: ``"embed"`` (the guard merges and passes ``inputs_embeds``), ``"qwen_vl"``
-    (the Qwen-VL input rewrite, for models whose positions follow their grids), ``"llava"`` /
-    ``"mimo"`` (megatron-core's merge methods, wrapped). ``detect``: a test of the model
+    ``apply``: ``"embed"`` (the guard merges and passes ``inputs_embeds``), ``"inputs"``
+    (for forwards that take no ``inputs_embeds``: the items sized by each modality's
+    ``counts``, the plan applied by rewriting the inputs, the model's own merge run on them;
+    ``encode`` is never called), ``"qwen_vl"`` (the Qwen-VL input rewrite, for models whose
+    positions follow their grids), ``"llava"`` / ``"mimo"`` (megatron-core's merge methods,
+    wrapped). ``detect``: a test of the model
     beside ``classes`` (megatron-core's classes, matched by isinstance or their methods).
 
     After the merge (``apply="embed"``) the forward gets ``inputs_embeds``; a dropped sample's
@@ -285,6 +288,12 @@ def _where(tok: Token) -> str:
     if tok.text:
         parts.append(f"tokenizer {tok.text!r}")
     return f"({' / '.join(parts) or 'nowhere'})"
+
+
+def model_encodes(model: Any, kwargs: Mapping[str, Any]) -> Encoded:
+    """The ``encode`` of an ``apply="inputs"`` modality: the model encodes its media itself;
+    the engine sizes the items from ``counts`` and never calls this."""
+    raise MediaInputError("apply='inputs': the model encodes its own media; nothing calls this")
 
 
 def present(spec: FamilySpec, kwargs: Mapping[str, Any]) -> list[ModalitySpec]:
