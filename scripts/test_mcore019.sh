@@ -99,11 +99,12 @@ from megatron_media_guard.testing import bridge
 from megatron_media_guard.testing.bridge_models import (
     ERNIE45VL, GLM45V, NEMOTRON_OMNI, NEMOTRON_VL, QWEN3, QWEN25,
 )
+from megatron_media_guard.testing.bridge_models_omni import THINKER
 
 assert bridge.missing() is None, bridge.missing()
 root = os.environ["MEGATRON_BRIDGE_ROOT"]
 with bridge.bridge_modules(root):
-    for name in (QWEN25, QWEN3, NEMOTRON_VL, NEMOTRON_OMNI, GLM45V, ERNIE45VL):
+    for name in (QWEN25, QWEN3, NEMOTRON_VL, NEMOTRON_OMNI, GLM45V, ERNIE45VL, THINKER):
         importlib.import_module(name)
 print(f"megatron-bridge {sys.argv[1]} model modules from {root}")
 PYEOF
