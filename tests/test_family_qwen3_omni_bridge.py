@@ -8,6 +8,7 @@ silently, and a short audio run silently loses features. Runs under ``scripts/te
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -21,6 +22,10 @@ REASON = loader.missing()
 pytestmark = [pytest.mark.skipif(REASON is not None, reason=REASON or ""), pytest.mark.timeout(180)]
 
 from megatron_media_guard.adapters import install_vlm  # noqa: E402
+from megatron_media_guard.adapters.launcher import (  # noqa: E402
+    add_media_guard_args,
+    install_from_args,
+)
 from megatron_media_guard.families import find_family  # noqa: E402
 from megatron_media_guard.families import qwen3_omni_bridge as spec_mod  # noqa: E402
 from megatron_media_guard.families.collate import check_batch  # noqa: E402
@@ -206,6 +211,25 @@ def test_remove_restores_bridges_own_forward(bridge):
         forward(model, kw)
     h.remove()
     assert torch.equal(forward(model, kw), ref)  # silent again, bit for bit
+
+
+def test_install_from_args_guards_the_thinker_and_zeros_the_callers_loss_mask(bridge):
+    """Megatron-LM's path: Bridge's step builds its loss from the loss_mask it passed."""
+    model, full = bridge
+    args = add_media_guard_args(argparse.ArgumentParser()).parse_args(
+        ["--media-guard-policy", "drop"]
+    )
+    b = batch(full, FAULTS["short audio run"][0])
+    lm = torch.ones(b.input_ids.shape)
+    kw = {**b.kwargs, "labels": torch.roll(b.input_ids, -1, 1), "loss_mask": lm}
+    group = install_from_args([model], args, step_end="manual", environ={})
+    try:
+        assert [h.module for h in group] == [model.thinker]
+        forward(model, kw)
+        assert group[0].last_result.report.actions == ("drop", "keep")
+        assert lm[0].eq(0).all() and lm[1].eq(1).all()
+    finally:
+        group.remove()
 
 
 def test_check_batch_with_the_bridge_spec_feeds_bridge_a_consistent_batch(bridge):

@@ -18,7 +18,7 @@ the forward prefers, else ``audio_feature_lengths``), the plan applied to the in
 dropped sample's patch rows, grid rows and ``video_second_per_grid`` leave the call; its
 audio clips stay (no ``rows``): with no placeholder left in its row, Bridge's per-row trim
 takes none of their features, and rows and clips stay paired for the zip and for Bridge's
-rope, which counts audio start markers. Token ids from the model's config (Bridge's
+rope, which counts audio start markers (a clip taken out makes it index past the lengths). Token ids from the model's config (Bridge's
 provider holds them all); no repair geometry. ``use_audio_in_video`` is not attributed.
 """
 
