@@ -134,12 +134,13 @@ class ModalitySpec:
         positions from); the others are set to None.
     rows: inputs whose dim-0 rows are this modality's model-level items (grids, stacked
         videos, audio clips): a dropped sample's rows leave them (the engine: those it keeps;
-        :func:`~.collate.check_batch`: all).
+        :func:`~.collate.check_batch` and ``apply="inputs"``: all).
     patches: ``{input: grid input}`` for flat patch rows, ``prod(grid row)`` rows per item; a
         kept grid's row of a repaired item takes the solved patch grid in its last two
         entries (h, w) before positions are computed.
     counts: ``counts(config, inputs)``: per model-level item, its runs' lengths, from the
-        inputs alone (no model): what :func:`~.collate.check_batch` checks before the trainer.
+        inputs alone (no model): what :func:`~.collate.check_batch` checks before the trainer,
+        and what an ``apply="inputs"`` family's items are sized by.
     type_id: this modality's value in the family's per-token type tensor
         (:attr:`FamilySpec.token_types`), for modalities that share a placeholder token.
     """
