@@ -100,11 +100,12 @@ from megatron_media_guard.testing.bridge_models import (
     ERNIE45VL, GLM45V, NEMOTRON_OMNI, NEMOTRON_VL, QWEN3, QWEN25,
 )
 from megatron_media_guard.testing.bridge_models_kimi import KIMI_K25_VL
+from megatron_media_guard.testing.bridge_models_omni import THINKER
 
 assert bridge.missing() is None, bridge.missing()
 root = os.environ["MEGATRON_BRIDGE_ROOT"]
 with bridge.bridge_modules(root):
-    for name in (QWEN25, QWEN3, NEMOTRON_VL, NEMOTRON_OMNI, GLM45V, ERNIE45VL, KIMI_K25_VL):
+    for name in (QWEN25, QWEN3, NEMOTRON_VL, NEMOTRON_OMNI, GLM45V, ERNIE45VL, KIMI_K25_VL, THINKER):
         importlib.import_module(name)
 print(f"megatron-bridge {sys.argv[1]} model modules from {root}")
 PYEOF
@@ -115,6 +116,7 @@ if [ "$#" -eq 0 ]; then
         tests/test_adapter_qwen_vl_bridge.py tests/test_adapter_llava_bridge.py \
         tests/test_family_mistral3_bridge.py tests/test_family_mrope_bridge.py \
         tests/test_family_gemma3_bridge.py \
-        tests/test_family_qwen2_audio_bridge.py tests/test_family_kimi_k25_bridge.py
+        tests/test_family_qwen2_audio_bridge.py tests/test_family_kimi_k25_bridge.py \
+        tests/test_family_qwen3_omni_bridge.py
 fi
 exec "$PY" -m pytest -q -p no:cacheprovider "$@"

@@ -128,6 +128,24 @@ def test_repair_digest_matches_when_the_repair_succeeds():
     assert lp.loss_mask.eq(1).all()
 
 
+def test_a_single_stage_without_features_attempts_its_repairs():
+    """repairs="attempt" (check_batch, the input rewrite): with no geometry every planned
+    repair falls back with the merge's reason; "assume" (the last stage) takes the first
+    stage's success on trust."""
+    g = TEST_GRAMMARS["qwen"]
+    batch = inject(g, LAYOUT, "budget_shrink")
+    cfg = GuardConfig(policy="repair", fallback="drop")
+    with pytest.warns(UserWarning, match="no mismatch can be repaired"):
+        guard = MediaGuard(cfg, grammar=g)
+    lone = guard.last_stage(batch.input_ids, batch.items, repairs="attempt")
+    last = guard.last_stage(batch.input_ids, batch.items)
+    assert lone.report.actions[0] == "drop" and not lone.report.repaired
+    assert last.report.actions[0] == "repair" and last.report.repaired
+    emb = torch.randn(*batch.input_ids.shape, H)
+    first = guard.merge(emb, batch.input_ids, batch.features(H), batch.items)
+    assert first.report.actions == lone.report.actions
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 10_000),

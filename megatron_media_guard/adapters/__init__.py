@@ -21,6 +21,7 @@ from .llava.install import LlavaHandle, LlavaResult, install_llava
 from .mimo import install_mimo
 from .qwen_vl.install import QwenVLHandle, install_qwen_vl
 from .vlm import VLMHandle
+from .vlm_inputs import InputsHandle
 from .vlm_install import install_vlm
 
 ImageFault = LlavaFault  # the 0.1 name (before sound faults); kept for existing imports
@@ -30,6 +31,7 @@ __all__ = [
     "GuardHandle",
     "HandleGroup",
     "ImageFault",
+    "InputsHandle",
     "LlavaFault",
     "LlavaHandle",
     "LlavaResult",

@@ -143,7 +143,7 @@ class VLMHandle(ForwardHookHandle):
             for name, value in spec.reuse(model, encoded, kept).items():
                 call.set(name, value)
         if spec.positions is not None and call.get("position_ids") is None:
-            call.set("position_ids", spec.positions(model, _view(call, ids)))
+            call.set("position_ids", spec.positions(model, call_view(call, ids)))
         call.set("input_ids", ids if spec.ids_with_embeds else None)
         if res.report.dropped and len(res.report.dropped) == len(res.report.actions):
             self.keeper.every_sample_dropped()  # the tower ran (encode): its features anchored
@@ -165,7 +165,7 @@ class VLMHandle(ForwardHookHandle):
                 for it, r, own in zip(items, parsed.runs, owners)
             )
 
-        merged = Merged(_view(call, ids), items, feats, runs)
+        merged = Merged(call_view(call, ids), items, feats, runs)
         for name, value in self.spec.after_merge(self.module, merged).items():
             call.set(name, value)
 
@@ -233,7 +233,7 @@ class VLMHandle(ForwardHookHandle):
         return ids
 
 
-def _view(call: CallArgs, ids: torch.Tensor) -> dict:
+def call_view(call: CallArgs, ids: torch.Tensor) -> dict:
     """The call's keyword arguments as the model would see them, ``input_ids`` = ``ids``."""
     out = dict(call.bound.arguments)
     out.update(out.pop(call.varkw, None) or {})

@@ -1,6 +1,7 @@
 """``install_vlm``: find a model's family in the registry (``families.FAMILIES``) and install
 that family's guard: the family engine (``adapters/vlm.py``) for ``apply="embed"`` specs,
-Qwen-VL's input rewrite, or megatron-core's LLaVA / MIMO merge wrappers. One table, no
+its input rewrite (``adapters/vlm_inputs.py``) for ``apply="inputs"`` specs, Qwen-VL's input
+rewrite, or megatron-core's LLaVA / MIMO merge wrappers. One table, no
 if-chains; ``install_from_args`` uses the same one."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from ..errors import MediaInputError
 from ..families import FAMILIES, FamilySpec, find_family
 from .hooks import GuardHandle, ItemsProvider, StepProvider
 from .vlm import VLMHandle
+from .vlm_inputs import InputsHandle
 
 
 def family_grammar(spec: FamilySpec, model: Any, tokenizer: Any = None) -> Grammar:
@@ -46,6 +48,7 @@ def _mimo_grammar(spec: FamilySpec, model: Any, tokenizer: Any) -> Grammar:
 
 _GRAMMARS = {
     "embed": _embed_grammar,
+    "inputs": _embed_grammar,
     "qwen_vl": _qwen_grammar,
     "llava": _llava_grammar,
     "mimo": _mimo_grammar,
@@ -68,7 +71,7 @@ def guard_for(
 
 
 def _check_guard(spec: FamilySpec, model: Any, guard: MediaGuard, tokenizer: Any) -> None:
-    if spec.apply != "embed":
+    if spec.apply not in ("embed", "inputs"):
         return  # the megatron-core and Qwen-VL installers check their grammar themselves
     have = dict(guard.grammar.placeholders)
     want = {
@@ -81,14 +84,24 @@ def _check_guard(spec: FamilySpec, model: Any, guard: MediaGuard, tokenizer: Any
         )
 
 
-def _install_embed(model, guard, spec, tokenizer=None, **kw) -> GuardHandle:
+def _text_id(model, guard, spec, tokenizer) -> int:
     text = spec.text.resolve(model, tokenizer)
     if text is None or text in guard.grammar.placeholders.values():
         raise MediaInputError(
             f"{spec.name}: no text token id for a dropped sample's placeholders (got {text}); "
             "set the model config's pad_token_id or pass a tokenizer"
         )
+    return text
+
+
+def _install_embed(model, guard, spec, tokenizer=None, **kw) -> GuardHandle:
+    text = _text_id(model, guard, spec, tokenizer)
     return VLMHandle(model, guard, spec, text, **kw).install_hooks()
+
+
+def _install_inputs(model, guard, spec, tokenizer=None, **kw) -> GuardHandle:
+    text = _text_id(model, guard, spec, tokenizer)
+    return InputsHandle(model, guard, spec, text, **kw).install_hooks()
 
 
 def _install_qwen(model, guard, spec, tokenizer=None, **kw) -> GuardHandle:
@@ -114,6 +127,7 @@ def _install_mimo(model, guard, spec, tokenizer=None, **kw) -> GuardHandle:
 #: how each kind of family is installed (FamilySpec.apply -> installer)
 INSTALLERS = {
     "embed": _install_embed,
+    "inputs": _install_inputs,
     "qwen_vl": _install_qwen,
     "llava": _install_llava,
     "mimo": _install_mimo,
@@ -138,7 +152,8 @@ def install_vlm(
     ``.module``, Megatron-Bridge's ``.llava_model``) and submodules are looked through. An
     unknown model raises, listing the families known. tokenizer: anything with
     ``convert_tokens_to_ids``, or a ``{token text: id}`` mapping, for markers the config lacks.
-    install_kw: passed to the family's installer (``loss_mask_inplace=`` for Qwen-VL).
+    install_kw: passed to the family's installer (``loss_mask_inplace=`` for Qwen-VL and
+    ``apply="inputs"`` families).
     """
     target, spec = find_family(model)
     if spec is None:

@@ -56,8 +56,8 @@ def diagnose(
     )
     replaced: dict[int, torch.Tensor] = {}
     failures: dict[int, str] = {}
-    if plan.repairs and c.emb is None:  # the first stage's plan when every repair succeeds
-        plan = plan.with_actions(plan.actions, plan.repairs)
+    if plan.repairs and c.emb is None and c.repairs == "assume":
+        plan = plan.with_actions(plan.actions, plan.repairs)  # the first stage's, all repaired
     elif plan.repairs:
         # up the stack, inside the function: repair re-encodes with the caller's encoder and
         # returns its outcome; it never sees the guard

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 
@@ -43,6 +44,7 @@ class Call:
     step: int | None
     microbatch: int | None
     encoder: object | None
+    repairs: Literal["assume", "attempt"] = "assume"  # without features (emb None): last_stage
 
 
 class MediaGuard:
@@ -189,14 +191,19 @@ class MediaGuard:
         cu_seqlens: torch.Tensor | None = None,
         step: int | None = None,
         microbatch: int | None = None,
+        repairs: Literal["assume", "attempt"] = "assume",
     ) -> MergeResult:
         """The merge's decisions without features, for the last pipeline stage (which needs the
         loss mask) or any rank without the vision side. ``embeddings`` of the result is None.
 
         Same verdict and plan as :meth:`merge` on the same ids and item metadata, and the same
         consensus round. It cannot see two things the first stage sees: NaN/Inf features
-        (``nonfinite="drop"``) and a repair that fails and falls back (it assumes success);
-        use ``fallback="raise"`` with pipeline parallelism.
+        (``nonfinite="drop"``) and a repair that fails and falls back (``repairs="assume"``:
+        it assumes success); use ``fallback="raise"`` with pipeline parallelism.
+        ``repairs="attempt"``: no other stage merges (the collate check, an input rewrite
+        whose model encodes and merges itself): each planned repair is attempted as the
+        merge's would be, with no features and no encoder, so it takes ``fallback`` with the
+        reason (no geometry for the family, else no encoder / pixels).
         """
 
         def prepare() -> Call:
@@ -216,6 +223,7 @@ class MediaGuard:
                 step,
                 microbatch,
                 None,
+                repairs,
             )
 
         return self._guarded(prepare, step, microbatch)

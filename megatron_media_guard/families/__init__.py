@@ -23,6 +23,7 @@ from . import (
     qwen,
     qwen2_audio,
     qwen3_omni,
+    qwen3_omni_bridge,
 )
 from .spec import FamilySpec, ModalitySpec, Token
 
@@ -39,6 +40,7 @@ FAMILIES: tuple[FamilySpec, ...] = (
     qwen2_audio.SPEC,
     qwen2_audio.BRIDGE,
     qwen3_omni.SPEC,
+    qwen3_omni_bridge.SPEC,
     glm4v.SPEC,
     glm4v.BRIDGE,
     ernie4_5_vl.SPEC,

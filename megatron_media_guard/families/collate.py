@@ -13,7 +13,9 @@ Each item's feature count comes from the spec's ``counts`` (the processor's own 
 the inputs: grids, stacked tubelets, audio masks). A sample whose runs disagree is dropped
 (``GuardConfig(policy="drop")``, the default here) or raises: its media leave the inputs (the
 spec's ``rows`` / ``patches`` say where they sit), its placeholders become the family's text
-token, its labels are ignored. The batch keeps its shape. Records go to the guard's log as in
+token, its labels are ignored. The batch keeps its shape. A planned repair falls back
+(``GuardConfig.fallback``): nothing here re-encodes. The steps are :mod:`.inputs`'s, shared
+with the ``apply="inputs"`` pre-hook. Records go to the guard's log as in
 training (``GuardConfig(log_dir=...)``).
 """
 
@@ -28,13 +30,11 @@ import torch
 
 from ..config import GuardConfig
 from ..core.guard import MediaGuard
-from ..core.host import to_host
-from ..core.interleave import token_order
 from ..core.items import MediaItem
 from ..core.outcome import GuardReport
-from ..core.runs import TokenLayout
 from ..errors import MediaInputError
 from . import FAMILIES
+from .inputs import counted, drop_inputs, gone_items, plan_items
 from .spec import FamilySpec, present
 
 
@@ -73,27 +73,18 @@ def check_batch(
         guard = MediaGuard(cfg, spec.grammar(holder, tokenizer), consensus=False)
     text = spec.text.resolve(holder, tokenizer)
     mods = present(spec, batch)
-    items: list[MediaItem] = []
-    owner: list[tuple[str, int]] = []  # per item: its modality and model-level index
-    for m in mods:
-        if m.counts is None:
-            raise MediaInputError(f"{spec.name}: {m.name} has no counts: check it in the model")
-        for k, runs in enumerate(m.counts(config, batch)):
-            for n in runs:
-                items.append(MediaItem(int(n), modality=m.name))
-                owner.append((m.name, k))
-    order = token_order(ids, guard.grammar, items, [k for _, k in owner])
-    items = [items[i] for i in order]
-    owner = [owner[i] for i in order]
-    res = guard.last_stage(ids, items, labels=batch.get("labels"), step=step)
+    encoded = counted(spec, mods, config, batch)
+    items = [MediaItem(f.shape[0], modality=m.name) for m in mods for f in encoded[m.name].features]
+    parent = [k for m in mods for k in encoded[m.name].parent]
+    res, owner = plan_items(guard, ids, items, parent, labels=batch.get("labels"), step=step)
     report = res.report
     dropped = set(report.dropped)
     if not dropped:
         return BatchCheck(dict(batch), report)
-    gone = set()
-    if report.alignment is not None:
-        gone = {owner[i] for r in report.alignment.samples if r.sample in dropped for i in r.items}
-    return BatchCheck(_drop(spec, batch, mods, guard, dropped, gone, text, res.labels), report)
+    out = drop_inputs(spec, batch, mods, guard, dropped, gone_items(report, owner), text)
+    if res.labels is not None:
+        out["labels"] = res.labels
+    return BatchCheck({k: v for k, v in out.items() if v is not None}, report)
 
 
 def _spec(family: str | FamilySpec) -> FamilySpec:
@@ -103,36 +94,6 @@ def _spec(family: str | FamilySpec) -> FamilySpec:
         if s.name == family:
             return s
     raise MediaInputError(f"no family {family!r}; known: {[s.name for s in FAMILIES]}")
-
-
-def _drop(spec, batch, mods, guard, dropped, gone, text, labels) -> dict[str, Any]:
-    out = dict(batch)
-    ids = batch["input_ids"]
-    lay = TokenLayout(ids, guard.grammar)
-    sel = torch.zeros(lay.num_samples, dtype=torch.bool)
-    sel[sorted(dropped)] = True
-    hit = lay.ph & sel.to(ids.device)[:, None]
-    out["input_ids"] = ids.masked_fill(hit, text)
-    for name in spec.follow_ids:
-        if isinstance(batch.get(name), torch.Tensor):
-            out[name] = batch[name].masked_fill(hit, 0)
-    if labels is not None:
-        out["labels"] = labels
-    for m in mods:
-        for name, grid in m.patches.items():
-            g = batch.get(grid)
-            if isinstance(batch.get(name), torch.Tensor) and isinstance(g, torch.Tensor):
-                # patch rows per item: prod of its grid row (a small transfer, drops only)
-                sizes = to_host(g.prod(-1), why="patch rows per item to drop").tolist()
-                keep = [k for k in range(len(sizes)) if (m.name, k) not in gone]
-                pieces = batch[name].split(sizes)
-                out[name] = torch.cat([pieces[k] for k in keep]) if keep else None
-        for name in m.rows:
-            t = batch.get(name)
-            if isinstance(t, torch.Tensor):
-                keep = [k for k in range(t.shape[0]) if (m.name, k) not in gone]
-                out[name] = t[keep] if keep else None
-    return {k: v for k, v in out.items() if v is not None}
 
 
 __all__ = ["BatchCheck", "check_batch"]

@@ -21,7 +21,7 @@ from ..core.grammar import Grammar
 from ..errors import MediaInputError
 
 ModalityName = Literal["image", "video", "audio"]
-Apply = Literal["embed", "qwen_vl", "llava", "mimo"]
+Apply = Literal["embed", "inputs", "qwen_vl", "llava", "mimo"]
 
 
 def attr_path(obj: Any, *names: str) -> Any:
@@ -134,12 +134,13 @@ class ModalitySpec:
         positions from); the others are set to None.
     rows: inputs whose dim-0 rows are this modality's model-level items (grids, stacked
         videos, audio clips): a dropped sample's rows leave them (the engine: those it keeps;
-        :func:`~.collate.check_batch`: all).
+        :func:`~.collate.check_batch` and ``apply="inputs"``: all).
     patches: ``{input: grid input}`` for flat patch rows, ``prod(grid row)`` rows per item; a
         kept grid's row of a repaired item takes the solved patch grid in its last two
         entries (h, w) before positions are computed.
     counts: ``counts(config, inputs)``: per model-level item, its runs' lengths, from the
-        inputs alone (no model): what :func:`~.collate.check_batch` checks before the trainer.
+        inputs alone (no model): what :func:`~.collate.check_batch` checks before the trainer,
+        and what an ``apply="inputs"`` family's items are sized by.
     type_id: this modality's value in the family's per-token type tensor
         (:attr:`FamilySpec.token_types`), for modalities that share a placeholder token.
     """
@@ -165,9 +166,12 @@ class FamilySpec:
     """A model family: ``classes`` by defining package prefix (a subclass counts),
     ``modalities`` in the model's consumption order, ``text`` the id a generated or dropped
     placeholder becomes, ``geometry`` a factory for the repair geometry (None: no repair).
-    ``apply``: ``"embed"`` (the guard merges and passes ``inputs_embeds``), ``"qwen_vl"``
-    (the Qwen-VL input rewrite, for models whose positions follow their grids), ``"llava"`` /
-    ``"mimo"`` (megatron-core's merge methods, wrapped). ``detect``: a test of the model
+    ``apply``: ``"embed"`` (the guard merges and passes ``inputs_embeds``), ``"inputs"``
+    (for forwards that take no ``inputs_embeds``: the items sized by each modality's
+    ``counts``, the plan applied by rewriting the inputs, the model's own merge run on them;
+    ``encode`` is never called), ``"qwen_vl"`` (the Qwen-VL input rewrite, for models whose
+    positions follow their grids), ``"llava"`` / ``"mimo"`` (megatron-core's merge methods,
+    wrapped). ``detect``: a test of the model
     beside ``classes`` (megatron-core's classes, matched by isinstance or their methods).
 
     After the merge (``apply="embed"``) the forward gets ``inputs_embeds``; a dropped sample's
@@ -285,6 +289,12 @@ def _where(tok: Token) -> str:
     if tok.text:
         parts.append(f"tokenizer {tok.text!r}")
     return f"({' / '.join(parts) or 'nowhere'})"
+
+
+def model_encodes(model: Any, kwargs: Mapping[str, Any]) -> Encoded:
+    """The ``encode`` of an ``apply="inputs"`` modality: the model encodes its media itself;
+    the engine sizes the items from ``counts`` and never calls this."""
+    raise MediaInputError("apply='inputs': the model encodes its own media; nothing calls this")
 
 
 def present(spec: FamilySpec, kwargs: Mapping[str, Any]) -> list[ModalitySpec]:

@@ -1,0 +1,255 @@
+"""install_vlm on Megatron-Bridge 0.6.2's real ``Qwen3OmniThinkerModel`` (inside its
+``Qwen3OmniModel``; provider, ``__init__``, forwards and rope from the wheel, CPU): its own
+transformers vision and audio encoders built from the tiny thinker config, the language model
+transformers' tiny Qwen3-Omni text model (``testing/bridge_models_omni.py`` says what stands
+in). Bridge's forward takes no ``inputs_embeds``: the guard (``apply="inputs"``) rewrites the
+inputs and lets Bridge's own merge run. Unguarded, a short image run, a +k/-k and a swap run
+silently, and a short audio run silently loses features. Runs under ``scripts/test_mcore019.sh``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem
+from megatron_media_guard.testing import bridge as loader
+
+pytest.importorskip("transformers.models.qwen3_omni_moe")
+REASON = loader.missing()
+pytestmark = [pytest.mark.skipif(REASON is not None, reason=REASON or ""), pytest.mark.timeout(180)]
+
+from megatron_media_guard.adapters import install_vlm  # noqa: E402
+from megatron_media_guard.adapters.launcher import (  # noqa: E402
+    add_media_guard_args,
+    install_from_args,
+)
+from megatron_media_guard.families import find_family  # noqa: E402
+from megatron_media_guard.families import qwen3_omni_bridge as spec_mod  # noqa: E402
+from megatron_media_guard.families.collate import check_batch  # noqa: E402
+from megatron_media_guard.testing.families import qwen3_omni as F  # noqa: E402
+from megatron_media_guard.testing.families.base import Media  # noqa: E402
+
+TEXT = 151643  # the spec's text token: a dropped sample's placeholders
+
+
+def img(h, w, tokens=None):
+    return Media("image", (h, w), tokens)
+
+
+def vid(t, h, w, tokens=None):
+    return Media("video", (t, h, w), tokens)
+
+
+def aud(frames, tokens=None):
+    return Media("audio", (frames,), tokens)
+
+
+# Bridge's audio merge pairs rows with clips (zip, strict): one clip per row wherever audio is
+ALIGNED = {
+    "image": [[img(4, 4)], [img(2, 4), img(2, 2)], []],
+    "video": [[vid(2, 4, 4)], [vid(1, 2, 4)]],
+    "audio": [[aud(100)], [aud(61)]],
+    "mixed": [[aud(100), img(4, 4)], [img(2, 4), aud(61), vid(2, 2, 4)]],
+}
+# name: (samples, swap, culprit, dropped); every case keeps its last, aligned sample
+FAULTS = {
+    "short image run": ([[img(4, 4, 3)], [img(2, 4)]], None, 0, (0,)),
+    "+k/-k": ([[img(4, 4, 5)], [img(2, 4, 1)], [img(2, 2)]], None, 0, (0, 1)),
+    "swap": ([[img(4, 4)], [img(2, 4)], [img(2, 2)]], (0, 1), 0, (0, 1)),
+    "short audio run": ([[aud(100, 12)], [aud(61)]], None, 0, (0,)),
+    "mixed, video +1": ([[aud(120), vid(2, 4, 4, 9)], [aud(61), img(2, 4)]], None, 0, (0,)),
+}
+
+
+@pytest.fixture(scope="module")
+def bridge():
+    from megatron_media_guard.testing.bridge_models_omni import qwen3_omni
+
+    with loader.bridge_modules(loader.find_root()):
+        full = F.tiny_model()
+        yield qwen3_omni(full), full
+
+
+def batch(full, samples, swap=None):
+    return F.make_batch(full, samples, swap=swap)
+
+
+def forward(model, kwargs) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**kwargs)
+
+
+def alone(model, full, sample) -> torch.Tensor:
+    return forward(model, batch(full, [sample]).kwargs)[0]
+
+
+def test_the_registry_finds_the_thinker_in_bridges_wrapper(bridge):
+    model, _ = bridge
+    target, spec = find_family(model)
+    assert target is model.thinker and spec is spec_mod.SPEC and spec.apply == "inputs"
+    assert type(target).__module__.startswith("megatron.bridge.")
+
+
+@pytest.mark.parametrize("case", list(ALIGNED))
+def test_aligned_batches_are_bit_identical(bridge, case):
+    model, full = bridge
+    kw = batch(full, ALIGNED[case]).kwargs
+    ref = forward(model, kw)
+    with install_vlm(model, GuardConfig()) as h:
+        assert torch.equal(forward(model, kw), ref)
+    assert set(h.last_result.report.actions) == {"keep"}
+
+
+@pytest.mark.parametrize("case", list(FAULTS))
+def test_faults_run_unguarded_and_raise_naming_the_sample(bridge, case, tmp_path):
+    model, full = bridge
+    samples, swap, culprit, _ = FAULTS[case]
+    kw = batch(full, samples, swap).kwargs
+    if case == "mixed, video +1":  # more placeholders than features: Bridge's total check
+        with pytest.raises(ValueError, match="exceed produced features"):
+            forward(model, kw)
+    else:
+        forward(model, kw)  # Bridge trims or scatters by batch totals: silent
+    h = install_vlm(model, GuardConfig(log_dir=str(tmp_path)))
+    with h, pytest.raises(MediaAlignmentError, match=rf"sample {culprit}\b"):
+        forward(model, kw)
+    recs = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()]
+    assert any(r["event"] == "raise" and r["sample"] == culprit for r in recs)
+
+
+def test_a_short_image_run_corrupts_the_next_sample_unguarded(bridge):
+    """Bridge's trim cuts the batch's last feature: sample 1 (aligned) gets sample 0's."""
+    model, full = bridge
+    samples = FAULTS["short image run"][0]
+    b = batch(full, samples)
+    out, n = forward(model, b.kwargs), b.lengths[1]
+    assert not torch.allclose(out[1, :n], alone(model, full, samples[1]), atol=1e-4)
+
+
+def _as_text(ids: torch.Tensor, spec_ids) -> torch.Tensor:
+    return ids.masked_fill(torch.isin(ids, torch.tensor(spec_ids)), TEXT)
+
+
+@pytest.mark.parametrize("case", list(FAULTS))
+def test_drop_keeps_each_kept_sample_as_its_own_forward(bridge, case):
+    model, full = bridge
+    samples, swap, _, dropped = FAULTS[case]
+    b = batch(full, samples, swap)
+    with install_vlm(model, GuardConfig(policy="drop")) as h:
+        out = forward(model, b.kwargs)
+    assert h.last_result.report.dropped == dropped
+    c = full.config
+    pads = [c.image_token_id, c.video_token_id, c.audio_token_id]
+    for s, sample in enumerate(samples):
+        n = b.lengths[s]
+        if s in dropped:  # its placeholders decode as text: no feature placed there
+            ids = _as_text(b.input_ids[s : s + 1, :n], pads)
+            want = forward(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})[0]
+        else:
+            want = alone(model, full, sample)
+        torch.testing.assert_close(out[s, :n], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+def test_drop_ignores_the_labels_and_masks_the_loss(bridge, inplace):
+    model, full = bridge
+    b = batch(full, FAULTS["short image run"][0])
+    labels = torch.roll(b.input_ids, -1, 1)
+    lm = torch.ones(b.input_ids.shape)
+    kw = {**b.kwargs, "labels": labels, "loss_mask": lm}
+    with install_vlm(model, GuardConfig(policy="drop"), loss_mask_inplace=inplace) as h:
+        loss = forward(model, kw)  # per-token loss [b, s]
+    assert loss.shape == b.input_ids.shape
+    assert h.last_result.loss_mask[0].eq(0).all() and h.last_result.loss_mask[1].eq(1).all()
+    assert h.last_result.labels[0].eq(-100).all() and labels[0].ne(-100).all()  # not in place
+    assert lm[0].eq(0).all() if inplace else lm.eq(1).all()
+    masked, _ = h.mask_loss(torch.ones(b.input_ids.shape))
+    assert masked[0].eq(0).all() and masked[1].eq(1).all()
+
+
+def test_repair_falls_back_with_the_engines_reason(bridge, tmp_path):
+    model, full = bridge
+    kw = batch(full, FAULTS["short audio run"][0]).kwargs
+    cfg = GuardConfig(policy="repair", fallback="drop", log_dir=str(tmp_path))
+    with pytest.warns(UserWarning, match="no mismatch can be repaired"):
+        h = install_vlm(model, cfg)
+    with h:
+        forward(model, kw)
+    assert h.last_result.report.actions == ("drop", "keep")
+    recs = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()]
+    reasons = [r["reason"] for r in recs if r["event"] == "repair"]
+    assert reasons and all("no geometry for qwen3_omni" in r for r in reasons)
+
+
+def test_set_step_and_set_items_reach_the_records(bridge, tmp_path):
+    model, full = bridge
+    kw = batch(full, FAULTS["short audio run"][0]).kwargs
+    meta = [MediaItem(13, modality="audio", sample_id="clip-a"), MediaItem(8, modality="audio")]
+    h = install_vlm(model, GuardConfig(log_dir=str(tmp_path)))
+    h.set_step(7)
+    h.set_items(meta)
+    with (
+        h,
+        pytest.raises(MediaAlignmentError, match=r"(?s)step 7\b.*sample 0 \(sample_id 'clip-a'\)"),
+    ):
+        forward(model, kw)
+    recs = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()]
+    assert any(
+        r["event"] == "raise" and r["sample_id"] == "clip-a" and r["step"] == 7 for r in recs
+    )
+
+
+def test_remove_restores_bridges_own_forward(bridge):
+    model, full = bridge
+    kw = batch(full, FAULTS["+k/-k"][0]).kwargs
+    ref = forward(model, kw)
+    h = install_vlm(model, GuardConfig())
+    with pytest.raises(MediaAlignmentError):
+        forward(model, kw)
+    h.remove()
+    assert torch.equal(forward(model, kw), ref)  # silent again, bit for bit
+
+
+def test_install_from_args_guards_the_thinker_and_zeros_the_callers_loss_mask(bridge):
+    """Megatron-LM's path: Bridge's step builds its loss from the loss_mask it passed."""
+    model, full = bridge
+    args = add_media_guard_args(argparse.ArgumentParser()).parse_args(
+        ["--media-guard-policy", "drop"]
+    )
+    b = batch(full, FAULTS["short audio run"][0])
+    lm = torch.ones(b.input_ids.shape)
+    kw = {**b.kwargs, "labels": torch.roll(b.input_ids, -1, 1), "loss_mask": lm}
+    group = install_from_args([model], args, step_end="manual", environ={})
+    try:
+        assert [h.module for h in group] == [model.thinker]
+        forward(model, kw)
+        assert group[0].last_result.report.actions == ("drop", "keep")
+        assert lm[0].eq(0).all() and lm[1].eq(1).all()
+    finally:
+        group.remove()
+
+
+def test_check_batch_with_the_bridge_spec_feeds_bridge_a_consistent_batch(bridge):
+    """The collate check shares the drop: its batch runs on the plain class, kept samples
+    as their own forwards (the dropped sample's audio clip stays, paired with its row)."""
+    model, full = bridge
+    samples = FAULTS["mixed, video +1"][0]
+    checked = check_batch(spec_mod.SPEC, batch(full, samples).kwargs, config=model.thinker.config)
+    assert checked.dropped == (0,)
+    assert checked.batch["input_features"].shape[0] == 2  # the dropped row's clip stays
+    assert "pixel_values_videos" not in checked.batch  # its only video left
+    out, n = forward(model, checked.batch), batch(full, samples).lengths[1]
+    torch.testing.assert_close(out[1, :n], alone(model, full, samples[1]), atol=1e-5, rtol=1e-5)
+
+
+def test_bridges_audio_path_calls_an_encoder_method_transformers_lacks(bridge, monkeypatch):
+    """Measured: the released class raises on every audio call with transformers 5.x (the
+    fixture binds the method; testing/bridge_models_omni.py). The guard does not hide it."""
+    model, full = bridge
+    monkeypatch.delattr(model.thinker.audio_model, "_get_feat_extract_output_lengths")
+    kw = batch(full, ALIGNED["audio"]).kwargs
+    with pytest.raises(AttributeError, match="_get_feat_extract_output_lengths"):
+        forward(model, kw)
