@@ -142,6 +142,8 @@ class ModalitySpec:
         inputs alone (no model): what :func:`~.collate.check_batch` checks before the trainer.
     type_id: this modality's value in the family's per-token type tensor
         (:attr:`FamilySpec.token_types`), for modalities that share a placeholder token.
+    nests: its start/end markers may also sit right inside another modality's region, read
+        as part of that region's markers (Qwen3-Omni's audio in video; ``Grammar.inner``).
     """
 
     name: ModalityName
@@ -158,6 +160,7 @@ class ModalitySpec:
     counts: Counts | None = None
     type_id: int | None = None
     breaks: tuple[Token, ...] = ()
+    nests: bool = False
 
 
 @dataclass(frozen=True)
@@ -226,6 +229,7 @@ class FamilySpec:
         tokenizer); a clear error naming every token it could not find."""
         placeholders: dict[str, int] = {}
         pairs: list[tuple[int, int]] = []
+        inner: list[tuple[int, int]] = []
         end_only: list[int] = []
         breaks: list[int] = []
         missing: list[str] = []
@@ -241,8 +245,11 @@ class FamilySpec:
                 a, b = m.start.resolve(model, tokenizer), m.end.resolve(model, tokenizer)
                 if a is None or b is None:
                     missing.append(f"{m.name} start/end markers {_where(m.start)}")
-                elif (a, b) not in pairs:
-                    pairs.append((a, b))
+                else:
+                    if (a, b) not in pairs:
+                        pairs.append((a, b))
+                    if m.nests and (a, b) not in inner:
+                        inner.append((a, b))
             elif m.end is not None:
                 b = m.end.resolve(model, tokenizer)
                 if b is None:
@@ -277,6 +284,7 @@ class FamilySpec:
             aliases=aliases,
             name=self.name,
             text_id=None if text in specials else text,
+            inner=tuple(inner),
         )
 
 
