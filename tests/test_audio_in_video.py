@@ -67,7 +67,7 @@ def test_property_float32_seconds_per_grid_read_back(grid, fps, per_second, audi
     to the exact quotient where fps is a decimal such as 0.26), the model gets it as a float32
     tensor: read back, the runs equal the processor's, ties included."""
     spg = 2 / fps
-    (back,) = seconds_per_grid(torch.tensor([spg], dtype=torch.float32), 2)
+    (back,) = seconds_per_grid(torch.tensor([spg]).tolist(), torch.float32, 2)
     want = processor_runs(grid, spg, per_second, audio_tokens)
     assert interleaved_runs(grid, back, per_second, audio_tokens) == want
 
@@ -94,5 +94,7 @@ def test_a_float32_tie_would_fall_the_other_way_without_the_read_back():
     # audio token 26 (the processor's float64 puts it first)
     spg32 = torch.tensor([2 / 3], dtype=torch.float32)
     raw = interleaved_runs((4, 2, 2), spg32.item(), 13.0, 40)
-    back = interleaved_runs((4, 2, 2), seconds_per_grid(spg32, 2)[0], 13.0, 40)
+    back = interleaved_runs(
+        (4, 2, 2), seconds_per_grid(spg32.tolist(), torch.float32, 2)[0], 13.0, 40
+    )
     assert back == processor_runs((4, 2, 2), 2 / 3, 13.0, 40) != raw

@@ -82,6 +82,9 @@ class Encoded:
     frame_hw: tuple[tuple[int, int] | None, ...] = ()
     pixels: tuple[torch.Tensor | None, ...] = ()  # layout "image": [C, H, W] for repair
     parent: tuple[int, ...] = ()  # per item: index of the model-level item (video -> tubelets)
+    # per item: its sample where the ids tie it there as the model does (Qwen3-Omni's audio in
+    # video), given for every item of the call or for none; a set_items call takes precedence
+    sample: tuple[int, ...] = ()
     output: Any = None  # the model's own feature output, for FamilySpec.reuse
 
 
