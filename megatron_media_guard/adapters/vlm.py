@@ -73,7 +73,7 @@ class VLMHandle(ForwardHookHandle):
             return None  # no token ids to check (or the caller merged already)
         if call.get("mm_encoder_outputs") is not None:
             return None  # encoded before the forward (transformers' generate)
-        kw = {n: call.get(n) for m in self.spec.modalities for n in m.inputs}
+        kw = {"input_ids": ids, **{n: call.get(n) for m in self.spec.modalities for n in m.inputs}}
         mods = present(self.spec, kw)
         if not mods:  # text-only: nothing to check; the tower kept in step (docs/PARALLEL.md)
             dummy = self.spec.dummy

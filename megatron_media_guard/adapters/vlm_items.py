@@ -97,6 +97,7 @@ def call_items(
                     num_frames=enc.num_frames[k] if enc.num_frames else None,
                     frame_hw=enc.frame_hw[k] if enc.frame_hw else None,
                     pixels=enc.pixels[k] if enc.pixels else None,
+                    sample=enc.sample[k] if enc.sample and meta is None else None,
                 )
             )
             feats.append(f)

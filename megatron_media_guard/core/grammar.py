@@ -32,6 +32,13 @@ class Grammar:
     aliases: modalities that share another modality's placeholder token, ``{"video": "image"}``
         (Nemotron Omni's video tubelets, GLM-4V's video frames): their items match runs of that
         token, and keep their own name in reports and records.
+    inner: of the marker pairs (``start_id``/``end_id`` and ``regions``), those whose region may
+        also sit right inside a region of another pair, its start right after that region's
+        start and its end right before that region's end (Qwen3-Omni's audio in video:
+        ``<|vision_start|><|audio_start|>`` ... ``<|audio_end|><|vision_end|>``). Such nested
+        markers are read as part of the outer region's markers: the outer region holds the
+        runs of both modalities, and a nested start without its nested end (or the reverse)
+        is a finding. Elsewhere the pair opens and closes regions as any other.
     text_id: a text token id of the tokenizer (e.g. its pad token), fed at the positions
         of placeholders the policy generated (``GuardConfig.generated="text"``). Only the
         parse reads it in :meth:`MediaGuard.merge` (whose embeddings are given: such a
@@ -47,6 +54,7 @@ class Grammar:
     regions: tuple[tuple[int, int], ...] = ()
     aliases: Mapping[str, str] = field(default_factory=dict)
     text_id: int | None = field(default=None, compare=False)
+    inner: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.placeholders:
@@ -75,6 +83,13 @@ class Grammar:
             )
         if self.collapsed and (self.start_id is not None or self.break_ids):
             raise MediaInputError("a collapsed grammar has no start token or breaks")
+        inner = tuple((int(a), int(b)) for a, b in self.inner)
+        pairs = [(self.start_id, self.end_id), *regions]
+        if any(p not in pairs for p in inner) or len(set(inner)) >= len(pairs):
+            raise MediaInputError(
+                f"Grammar inner pairs {list(inner)} must be marker pairs of the grammar "
+                f"({pairs}), and at least one pair must stay outer"
+            )
         aliases = dict(self.aliases)
         for alias, target in aliases.items():
             if alias in ids or target not in ids:
@@ -94,6 +109,7 @@ class Grammar:
         object.__setattr__(self, "placeholders", MappingProxyType(ids))
         object.__setattr__(self, "break_ids", tuple(self.break_ids))
         object.__setattr__(self, "regions", regions)
+        object.__setattr__(self, "inner", inner)
         object.__setattr__(self, "aliases", MappingProxyType(aliases))
 
     @property
@@ -110,6 +126,17 @@ class Grammar:
     def end_ids(self) -> tuple[int, ...]:
         """Every token that closes a region (``end_id`` first)."""
         return () if self.end_id is None else (self.end_id, *(b for _, b in self.regions))
+
+    @property
+    def outer_start_ids(self) -> tuple[int, ...]:
+        """The starts of the pairs that are not :attr:`inner` (an inner start nests after one)."""
+        inner = {a for a, _ in self.inner}
+        return tuple(t for t in self.start_ids if t not in inner)
+
+    @property
+    def outer_end_ids(self) -> tuple[int, ...]:
+        inner = {b for _, b in self.inner}
+        return tuple(t for t in self.end_ids if t not in inner)
 
     def token_modality(self, modality: str) -> str:
         """The modality whose placeholder token ``modality`` uses (itself unless aliased)."""

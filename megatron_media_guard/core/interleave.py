@@ -77,7 +77,8 @@ def token_order(ids, grammar: Grammar, items: list[MediaItem], parent: list[int]
     """The items' permutation into token order. One modality: as consumed. Several: the runs'
     order read from the ids (a transfer sized by the runs; mixed batches only); a run whose
     token several modalities share takes the item the length interleaving gives it (when
-    only one interleaving fits; else :class:`MediaInputError` asks for ``set_items``)."""
+    only one interleaving fits; else :class:`MediaInputError` asks for ``set_items``). Items
+    that all carry their sample (no shared token) are taken per sample."""
     if len({it.modality for it in items}) <= 1:
         return list(range(len(items)))
     g = grammar
@@ -86,6 +87,14 @@ def token_order(ids, grammar: Grammar, items: list[MediaItem], parent: list[int]
     for i, it in enumerate(items):
         tok = g.token_modality(it.modality)
         streams.setdefault(tok, {}).setdefault(it.modality, []).append(i)
+    if all(it.sample is not None for it in items) and all(len(v) == 1 for v in streams.values()):
+        # items tied to their samples: a run takes the next item of its modality in its sample,
+        # so that one sample's surplus or shortfall never shifts another's items
+        mine: dict[tuple[int, str], list[int]] = {}
+        for i, it in enumerate(items):
+            mine.setdefault((it.sample, g.token_modality(it.modality)), []).append(i)
+        order = [mine[k].pop(0) for r in parsed.runs if mine.get(k := (r.sample, r.modality))]
+        return order + [i for q in mine.values() for i in q]  # beyond the runs: reported
     runs_of: dict[str, list[int]] = {}
     samples_of: dict[str, list[int]] = {}
     for r in parsed.runs:

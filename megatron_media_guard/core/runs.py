@@ -15,6 +15,7 @@ from itertools import pairwise
 import torch
 
 from ..errors import MediaInputError
+from . import nesting
 from .grammar import Grammar
 from .host import to_host
 from .parsed import Finding, FindingKind, ParsedRuns, Run
@@ -111,12 +112,18 @@ class TokenLayout:
         return content
 
     @cached_property
-    def is_start(self) -> torch.Tensor | None:
-        return self._any_of(self.grammar.start_ids)
+    def is_start(self) -> torch.Tensor | None:  # a nested start (Grammar.inner) opens none
+        out = self._any_of(self.grammar.start_ids)
+        return out if self.nested is None else out & ~self.nested.start
 
     @cached_property
     def is_end(self) -> torch.Tensor | None:
-        return self._any_of(self.grammar.end_ids)
+        out = self._any_of(self.grammar.end_ids)
+        return out if self.nested is None else out & ~self.nested.end
+
+    @cached_property
+    def nested(self) -> nesting.Nested | None:  # the inner pairs' nested markers, if any
+        return nesting.markers(self) if self.grammar.inner else None
 
     def _any_of(self, toks: tuple[int, ...]) -> torch.Tensor | None:
         if not toks:
@@ -204,6 +211,7 @@ class TokenLayout:
             return count + self.cu_violations()
         i32 = torch.int32
         d = torch.cumsum(self.is_start, 1, dtype=i32) - torch.cumsum(self.is_end, 1, dtype=i32)
+        marked = nesting.with_markers(self, self.is_start | self.is_end | self.content)
         if self.seg_start is None:
             # d outside {0, 1}, or content where d != 1: d < content (as 0/1) or d > 1
             count = torch.count_nonzero((d < self.content) | (d > 1)) + torch.count_nonzero(
@@ -217,9 +225,10 @@ class TokenLayout:
             at_end = self.next(torch.zeros_like(run_end), fill=True)
             padding = self.sample == self.num_samples
             bad = bad | (at_end & (d != 0))
-            bad = bad | (padding & (self.content | self.is_start | self.is_end))
+            bad = bad | (padding & marked)
             count = bad.sum()
-        text_next = ~self.next(self.is_start | self.is_end | self.content, fill=True)
+        count = count + nesting.violations(self)  # nested markers (Grammar.inner) unpaired
+        text_next = ~self.next(marked, fill=True)
         count = count + torch.count_nonzero(run_end & text_next)
         if empty is not None:
             count = count + empty
@@ -318,7 +327,7 @@ class TokenLayout:
         marks: list[tuple[torch.Tensor, FindingKind]] = []
         if self.packed:
             padding = self.sample == self.num_samples
-            special = self.content
+            special = nesting.with_markers(self, self.content)
             for t in (self.is_start, self.is_end):
                 if t is not None:
                     special = special | t
@@ -335,9 +344,11 @@ class TokenLayout:
             marks.append((self.is_start & (last_marker == self.col), self._cut_kind()))
             # a run followed by text while its region is open and a marker still comes
             # later in the sample: the end token is missing (no later marker: it was cut)
-            text_next = ~self.next(marker | self.content, fill=True)
+            text_next = ~self.next(nesting.with_markers(self, marker | self.content), fill=True)
             unterminated = run_end & text_next & inside & (last_marker > self.col)
             marks.append((unterminated, FindingKind.UNTERMINATED))
+            if self.nested is not None:
+                marks += nesting.marks(self, inside, last_m)
         elif g.end_id is not None:
             # end-only grammar (Pixtral): every run is closed by the end token right after it
             at_last = self.next(torch.zeros_like(run_end), fill=True)

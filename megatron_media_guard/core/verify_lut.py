@@ -38,7 +38,8 @@ _TABLES: dict[tuple, tuple] = {}
 
 def tables(grammar: Grammar, packed: bool, s: int, dev: torch.device) -> tuple | None:
     """The lookup tables for :func:`check` (per grammar and device, cached), or None where
-    the general check decides: packed rows, breaks, no markers, more than four modalities,
+    the general check decides: packed rows, breaks, no markers, nested marker pairs
+    (``Grammar.inner``), more than four modalities,
     special ids spread too far for a table, rows of 2**30 tokens or more, or off CPU (the
     check sizes its run positions by a host-side count, which on CPU costs no sync)."""
     if s >= _MAX_ROW:
@@ -56,6 +57,7 @@ def tables(grammar: Grammar, packed: bool, s: int, dev: torch.device) -> tuple |
         and grammar.end_id is not None
         and not grammar.break_ids
         and not grammar.collapsed
+        and not grammar.inner
         and len(grammar.placeholders) <= 4
     )
     if ok:

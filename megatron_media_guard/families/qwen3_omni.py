@@ -1,15 +1,16 @@
 """Qwen3-Omni thinker (transformers ``Qwen3OmniMoeThinkerForConditionalGeneration`` / ``...Model``).
 
-Image: ``<|vision_start|>`` ``<|image_pad|>``x(t*h*w/4) ``<|vision_end|>``; video: ONE such run
-per video on ``<|video_pad|>``; audio: ``<|audio_start|>`` ``<|audio_pad|>``xn ``<|audio_end|>``,
-n = the module's ``_get_feat_extract_output_lengths`` of the clip's mel frames (the model checks
-only image / video totals). The guard merges per run and passes ``inputs_embeds``; the forward
-builds deepstack only from encoder outputs, so the kept items' own outputs go back in as
-``mm_encoder_outputs`` (re-placed where the guard put them). Text-only: both towers kept. Grids,
-``video_second_per_grid`` and ``feature_attention_mask`` stay (dropped rows out) for the
-model's own ``get_rope_index``. The config lacks ``vision_start_token_id`` (its rope reads it;
-151652 in checkpoints): set it. ``use_audio_in_video`` is refused; no repair geometry. Bridge's
-``Qwen3OmniThinkerModel`` takes no ``inputs_embeds``: not registered here.
+Image: ``<|vision_start|>`` ``<|image_pad|>``x(t*h*w/4) ``<|vision_end|>``; video: one such run on
+``<|video_pad|>``; audio: ``<|audio_start|>`` ``<|audio_pad|>``xn ``<|audio_end|>``, n from the
+module's ``_get_feat_extract_output_lengths`` (the model checks only image / video totals). Audio
+in video (``use_audio_in_video=True``): ``<|vision_start|><|audio_start|>`` ... ``<|audio_end|>
+<|vision_end|>`` interleaves the video's grids and its clip's tokens; the k-th audio region takes
+clip k as the model pairs them, and both are cut into the runs' items (``audio_in_video.py``).
+The guard merges per run and passes ``inputs_embeds``; the kept items' own encoder outputs go
+back in as ``mm_encoder_outputs`` (deepstack). Text-only: both towers kept. Grids, seconds per
+grid and ``feature_attention_mask`` stay (dropped rows out) for the model's ``get_rope_index``;
+set ``config.vision_start_token_id`` (151652; the config lacks it). No repair geometry. Bridge:
+``qwen3_omni_bridge.py``.
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ from typing import Any
 
 import torch
 
-from ..core.host import to_host
-from ..errors import MediaInputError
+from . import audio_in_video as aiv
 from .mrope import patch_dummy
 from .spec import Encoded, FamilySpec, ModalitySpec, Token, tower_zeros
 
@@ -31,16 +31,20 @@ def _inner(model: Any):  # the ThinkerModel: itself, or a ...ForConditionalGener
     return model.model if hasattr(model, "model") else model
 
 
+def _count(model: Any):  # the model module's _get_feat_extract_output_lengths
+    return sys.modules[type(_inner(model)).__module__]._get_feat_extract_output_lengths
+
+
 def _visual(kind: str):
     def encode(model: Any, kw) -> Encoded:
-        if kind == "video" and kw.get("use_audio_in_video"):
-            raise MediaInputError(
-                "qwen3_omni: use_audio_in_video=True interleaves video and audio placeholders "
-                "in one region; the guard does not attribute those runs yet"
-            )
         pv, grid = kw[f"pixel_values{'_videos' if kind == 'video' else ''}"], kw[f"{kind}_grid_thw"]
         out = getattr(model, f"get_{kind}_features")(pv, grid, return_dict=True)
-        return Encoded(tuple(out.pooler_output), output=out)
+        feats = tuple(out.pooler_output)
+        if not kw.get("use_audio_in_video") and (kind == "image" or kw["input_features"] is None):
+            return Encoded(feats, output=out)
+        got = aiv.chunks(model, kw, _count(model))
+        pieces, parent, sample = aiv.cut(feats, getattr(got, kind, {}), got.sample.get(kind))
+        return Encoded(pieces, parent=parent, sample=sample, output=out)
 
     return encode
 
@@ -48,12 +52,10 @@ def _visual(kind: str):
 def _encode_audio(model: Any, kw) -> Encoded:
     x, mask, lengths = (kw.get(n) for n in _AUDIO)
     flat = model.get_audio_features(x, mask, lengths, return_dict=True).last_hidden_state
-    frames = mask.sum(-1) if mask is not None else lengths
-    n_window = model.config.audio_config.n_window
-    count = sys.modules[type(_inner(model)).__module__]._get_feat_extract_output_lengths
-    # the tower's output holds every clip back to back: their counts cut it per clip
-    sizes = to_host(count(frames, n_window), why="audio clip lengths to cut the flat features")
-    return Encoded(tuple(flat.split(sizes.tolist())))
+    got = aiv.chunks(model, kw, _count(model))  # the clips back to back: cut per clip and run
+    clips = flat.split(list(got.clip_tokens))
+    pieces, parent, sample = aiv.cut(clips, got.audio, got.sample.get("audio"))
+    return Encoded(pieces, parent=parent, sample=sample)
 
 
 def _reuse(model: Any, encoded, kept) -> dict:
@@ -78,19 +80,16 @@ def _positions(model: Any, kw) -> torch.Tensor | None:
     if attn is None:
         return None
     inner, cfg = _inner(model), model.config
-    pads = torch.tensor(
-        [cfg.image_token_id, cfg.video_token_id, cfg.audio_token_id, cfg.audio_start_token_id],
-        device=ids.device,
-    )
+    pads = [cfg.image_token_id, cfg.video_token_id, cfg.audio_token_id, cfg.audio_start_token_id]
+    pads = torch.tensor(pads, device=ids.device)
     nxt = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)
     starts = (ids == cfg.audio_start_token_id) | (ids == cfg.vision_start_token_id)
     ids = torch.where(starts & ~torch.isin(nxt, pads), nxt, ids)
     mask = kw.get("feature_attention_mask")
     grids = kw.get("image_grid_thw"), kw.get("video_grid_thw")
     lens = mask.sum(1) if mask is not None else None
-    pos, deltas = inner.get_rope_index(
-        ids, *grids, attn, False, lens, kw.get("video_second_per_grid")
-    )
+    spg, flag = kw.get("video_second_per_grid"), bool(kw.get("use_audio_in_video"))
+    pos, deltas = inner.get_rope_index(ids, *grids, attn, flag, lens, spg)
     inner.rope_deltas = deltas  # as the model's own forward leaves it, for decoding
     return pos
 
@@ -123,6 +122,7 @@ SPEC = FamilySpec(
             end=Token((), "<|audio_end|>"),
             keep=_AUDIO[1:],
             rows=_AUDIO[1:],
+            nests=True,  # audio in video: right inside the video's vision region
         ),
         ModalitySpec(
             "image",

@@ -82,6 +82,9 @@ class Encoded:
     frame_hw: tuple[tuple[int, int] | None, ...] = ()
     pixels: tuple[torch.Tensor | None, ...] = ()  # layout "image": [C, H, W] for repair
     parent: tuple[int, ...] = ()  # per item: index of the model-level item (video -> tubelets)
+    # per item: its sample where the ids tie it there as the model does (Qwen3-Omni's audio in
+    # video), given for every item of the call or for none; a set_items call takes precedence
+    sample: tuple[int, ...] = ()
     output: Any = None  # the model's own feature output, for FamilySpec.reuse
 
 
@@ -143,6 +146,8 @@ class ModalitySpec:
         and what an ``apply="inputs"`` family's items are sized by.
     type_id: this modality's value in the family's per-token type tensor
         (:attr:`FamilySpec.token_types`), for modalities that share a placeholder token.
+    nests: its start/end markers may also sit right inside another modality's region, read
+        as part of that region's markers (Qwen3-Omni's audio in video; ``Grammar.inner``).
     """
 
     name: ModalityName
@@ -159,6 +164,7 @@ class ModalitySpec:
     counts: Counts | None = None
     type_id: int | None = None
     breaks: tuple[Token, ...] = ()
+    nests: bool = False
 
 
 @dataclass(frozen=True)
@@ -230,6 +236,7 @@ class FamilySpec:
         tokenizer); a clear error naming every token it could not find."""
         placeholders: dict[str, int] = {}
         pairs: list[tuple[int, int]] = []
+        inner: list[tuple[int, int]] = []
         end_only: list[int] = []
         breaks: list[int] = []
         missing: list[str] = []
@@ -245,8 +252,11 @@ class FamilySpec:
                 a, b = m.start.resolve(model, tokenizer), m.end.resolve(model, tokenizer)
                 if a is None or b is None:
                     missing.append(f"{m.name} start/end markers {_where(m.start)}")
-                elif (a, b) not in pairs:
-                    pairs.append((a, b))
+                else:
+                    if (a, b) not in pairs:
+                        pairs.append((a, b))
+                    if m.nests and (a, b) not in inner:
+                        inner.append((a, b))
             elif m.end is not None:
                 b = m.end.resolve(model, tokenizer)
                 if b is None:
@@ -281,6 +291,7 @@ class FamilySpec:
             aliases=aliases,
             name=self.name,
             text_id=None if text in specials else text,
+            inner=tuple(inner),
         )
 
 

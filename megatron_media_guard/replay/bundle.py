@@ -103,6 +103,7 @@ def _grammar_meta(g: Grammar) -> dict:
         "collapsed": g.collapsed,
         "name": g.name,
         "regions": [list(pair) for pair in g.regions],
+        "inner": [list(pair) for pair in g.inner],
         "aliases": dict(g.aliases),
     }
 

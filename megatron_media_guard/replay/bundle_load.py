@@ -195,6 +195,7 @@ def _from_meta(path: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> Bund
         collapsed=g["collapsed"],
         name=g["name"],
         regions=tuple(tuple(pair) for pair in g.get("regions", ())),
+        inner=tuple(tuple(pair) for pair in g.get("inner", ())),
         aliases=dict(g.get("aliases", {})),
     )
     rank = RankInfo(**meta["rank"]) if meta.get("rank") is not None else None

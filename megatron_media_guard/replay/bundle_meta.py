@@ -120,15 +120,17 @@ def _check_grammar(g: object) -> None:
     name = g.get("name")
     if not (isinstance(name, str) and len(name) <= MAX_NAME):
         raise _fail("grammar.name", name, f"a string of at most {MAX_NAME} characters")
-    regions = g.get("regions", [])  # absent in bundles written before marker pairs existed
-    if (
-        not isinstance(regions, list)
-        or len(regions) > 16
-        or not all(
-            isinstance(p, list) and len(p) == 2 and all(type(t) is int for t in p) for p in regions
-        )
-    ):
-        raise _fail("grammar.regions", regions, "a list of [start, end] token id pairs")
+    for key in ("regions", "inner"):  # absent in bundles written before they existed
+        pairs = g.get(key, [])
+        if (
+            not isinstance(pairs, list)
+            or len(pairs) > 16
+            or not all(
+                isinstance(p, list) and len(p) == 2 and all(type(t) is int for t in p)
+                for p in pairs
+            )
+        ):
+            raise _fail(f"grammar.{key}", pairs, "a list of [start, end] token id pairs")
     aliases = g.get("aliases", {})
     if (
         not isinstance(aliases, dict)

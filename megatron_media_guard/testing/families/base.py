@@ -30,12 +30,13 @@ class Media:
         ``(h, w)`` or pixel size ``(H, W)``, a video's ``(frames, h, w)``, an audio clip's mel
         frames ``(L,)``, a tile count ``(tiles,)``.
     tokens: placeholders written for this item's run(s) in the ids when it differs from the
-        feature count (fault injection); None: aligned.
+        feature count (fault injection); None: aligned. A tuple: the lengths of each of the
+        item's runs, for items laid out as several runs (Qwen3-Omni's audio in video).
     """
 
     modality: Modality
     size: tuple[int, ...]
-    tokens: int | None = None
+    tokens: int | tuple[int, ...] | None = None
 
 
 @dataclass

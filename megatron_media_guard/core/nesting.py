@@ -1,0 +1,73 @@
+"""Marker pairs nested right inside another pair's region (``Grammar.inner``), on the device.
+
+Qwen3-Omni's audio in video opens with ``<|vision_start|><|audio_start|>`` and closes with
+``<|audio_end|><|vision_end|>``: the inner start right after an outer start and the inner end
+right before an outer end are read as part of the outer region's markers (neither opens nor
+closes a region, neither is text). What is left to check is that they pair up: a region that
+opened with a nested start closes with a nested end, and a nested end closes only such a
+region. Elementwise work and scans over the ids, as in ``runs.py``; no sync in
+:func:`violations` (the aligned path's structure count).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from .parsed import FindingKind
+
+if TYPE_CHECKING:  # runs.py imports this module
+    from .runs import TokenLayout
+
+
+class Nested(NamedTuple):
+    """``[b, s]`` bool masks: nested starts, nested ends, either."""
+
+    start: torch.Tensor
+    end: torch.Tensor
+    either: torch.Tensor
+
+
+def markers(lay: TokenLayout) -> Nested:
+    """The inner pairs' starts right after an outer start and ends right before an outer end
+    (within a packed sample: ``lay.prev`` / ``lay.next`` stop at its boundaries)."""
+    g = lay.grammar
+    start = lay._any_of(tuple(a for a, _ in g.inner)) & lay.prev(lay._any_of(g.outer_start_ids))
+    end = lay._any_of(tuple(b for _, b in g.inner)) & lay.next(lay._any_of(g.outer_end_ids))
+    return Nested(start, end, start | end)
+
+
+def with_markers(lay: TokenLayout, x: torch.Tensor) -> torch.Tensor:
+    """``x`` or a nested marker (those are no text: a run before ``<|audio_end|>`` is closed)."""
+    return x if lay.nested is None else x | lay.nested.either
+
+
+def violations(lay: TokenLayout) -> torch.Tensor | int:
+    """Device scalar, no sync: 0 exactly when nested starts and ends pair up, given regions that
+    are otherwise well formed. Their depth ``x`` (nested starts minus nested ends so far, per
+    packed sample) stays in {0, 1} and is 0 at every region's end."""
+    if lay.nested is None:
+        return 0
+    i32 = torch.int32
+    x = torch.cumsum(lay.nested.start, 1, dtype=i32) - torch.cumsum(lay.nested.end, 1, dtype=i32)
+    if lay.seg_start is not None:
+        first = lay.seg_start
+        x = x - torch.where(first > 0, x.gather(1, (first - 1).clamp(min=0)), 0)
+    return torch.count_nonzero((x < 0) | (x > 1) | (lay.is_end & (x != 0)))
+
+
+def marks(
+    lay: TokenLayout, inside: torch.Tensor, last_marker: torch.Tensor
+) -> list[tuple[torch.Tensor, FindingKind]]:
+    """The exact findings (``TokenLayout.finding_codes``): a region's end where its nested start
+    was never closed (unterminated), a nested end whose region opened without one (end without
+    start). ``inside`` / ``last_marker``: per token, whether a region is open and the column of
+    the last (outer) marker before it."""
+    after = (last_marker + 1).clamp(max=lay.row_length - 1)
+    opened = inside & lay.nested.start.gather(1, after)  # the open region began nested
+    closes = lay.prev(lay.nested.end)
+    return [
+        (lay.is_end & opened & ~closes, FindingKind.UNTERMINATED),
+        (lay.nested.end & ~opened, FindingKind.END_WITHOUT_START),
+    ]
