@@ -22,7 +22,9 @@ Run: ``python -m benchmarks --only families`` (or ``python benchmarks/bench_fami
 from __future__ import annotations
 
 import gc
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -154,14 +156,30 @@ def _seed_case() -> list[dict]:
     ]
 
 
-def run(quick: bool = False) -> list[dict]:
+def _load(start: float) -> dict:
+    end = os.getloadavg()[0]
+    return dict(
+        benchmark="families/machine",
+        metric="load average (1 min), end of the aligned rows",
+        value=end,
+        target="info",
+        note=f"at their start {start:.2f}; {os.cpu_count()} cores (CPU time rows: 1 thread)",
+    )
+
+
+def run(quick: bool = False, only: tuple[str, ...] = ()) -> list[dict]:
+    """``only``: family fixture names (default all)."""
     rows = _spec_rows()
+    start = os.getloadavg()[0]
     for case in cases(quick):
+        if only and case.family not in only:
+            continue
         if quick:
             rows += _aligned(case, 256, 2, "info (small shape)")
         else:
             rows += _aligned(case, SEQ, REPS, "<= 0.01")
         gc.collect()
+    rows.append(_load(start))
     rows += _seed_case()
     return rows
 
@@ -169,4 +187,4 @@ def run(quick: bool = False) -> list[dict]:
 if __name__ == "__main__":
     from benchmarks.__main__ import format_table
 
-    print(format_table(run()))
+    print(format_table(run(only=tuple(sys.argv[1:]))))

@@ -5,14 +5,16 @@ calling thread (``time.thread_time()``, torch at one thread so every kernel runs
 far less. Plain and guarded forwards are interleaved, and the pre-hook is also timed from the
 inside: its own time, and the time of the model's own calls it makes on the model's behalf
 (the feature methods and towers, which the plain forward runs too; the rope index the guard
-hands the forward as ``position_ids``; the token-embedding lookup), each timed at the outermost
-call (a feature method calling its tower counts once). ``hook - model calls`` is the guard's
+hands the forward as ``position_ids``; the token-embedding lookup; the tower's attention mask
+where the spec builds it with the model's own function), each timed at the outermost call (a
+feature method calling its tower counts once). ``hook - model calls`` is the guard's
 own work: the figure the <= 1 % target is about, since the tower runs in both forwards.
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -30,6 +32,9 @@ METHODS = {
 }
 #: towers and projectors a spec may run directly (Qwen2-Audio has no get_audio_features)
 TOWERS = ("vision_tower", "visual", "vision_model", "audio_tower", "multi_modal_projector")
+#: functions of a tower's modeling module that its model's forward calls before the tower and a
+#: spec calls the same way (Qwen2-Audio's encode builds the tower's mask as the forward does)
+MODULE_FUNCS = {"create_bidirectional_mask": "mask"}
 
 
 @dataclass(frozen=True)
@@ -84,28 +89,37 @@ class _Clock:
         return timed
 
 
-def _instrument(model: Any, clock: _Clock) -> list[tuple[Any, str]]:
-    """Instance attributes that shadow the model's methods with timed ones; returns what to
-    delete to restore them."""
+def _instrument(model: Any, clock: _Clock) -> list[Callable[[], None]]:
+    """Instance attributes that shadow the model's methods with timed ones (and timed module
+    functions of its towers' modeling modules); returns the calls that restore them."""
     owners = [model, getattr(model, "model", None)]
-    done: list[tuple[Any, str]] = []
+    undo: list[Callable[[], None]] = []
+
+    def shadow(obj: Any, name: str, kind: str) -> None:
+        fn = getattr(obj, name, None)
+        if callable(fn) and name not in obj.__dict__:
+            object.__setattr__(obj, name, clock.wrap(kind, fn))
+            undo.append(lambda: object.__delattr__(obj, name))
+
     for obj in (o for o in owners if o is not None):
         for kind, names in METHODS.items():
             for name in names:
-                fn = getattr(obj, name, None)
-                if callable(fn) and name not in obj.__dict__:
-                    object.__setattr__(obj, name, clock.wrap(kind, fn))
-                    done.append((obj, name))
+                shadow(obj, name, kind)
         for name in TOWERS:
             mod = getattr(obj, name, None)
-            if isinstance(mod, torch.nn.Module) and "forward" not in mod.__dict__:
-                object.__setattr__(mod, "forward", clock.wrap("encode", mod.forward))
-                done.append((mod, "forward"))
-    emb = model.get_input_embeddings()
-    if "forward" not in emb.__dict__:
-        object.__setattr__(emb, "forward", clock.wrap("embed", emb.forward))
-        done.append((emb, "forward"))
-    return done
+            if not isinstance(mod, torch.nn.Module):
+                continue
+            shadow(mod, "forward", "encode")
+            pymod = sys.modules[type(mod).__module__]
+            for fname, kind in MODULE_FUNCS.items():
+                fn = getattr(pymod, fname, None)
+                if callable(fn) and not getattr(fn, "_timed", False):
+                    timed = clock.wrap(kind, fn)
+                    timed._timed = True
+                    setattr(pymod, fname, timed)
+                    undo.append(lambda pymod=pymod, fname=fname, fn=fn: setattr(pymod, fname, fn))
+    shadow(model.get_input_embeddings(), "forward", "embed")
+    return undo
 
 
 def last_token_head(model: Any):
@@ -161,8 +175,8 @@ def measure(model: Any, handle: Any, kwargs: dict, reps: int, items=None) -> Hoo
     finally:
         torch.set_num_threads(threads)
         head.remove()
-        for obj, name in restore:
-            object.__delattr__(obj, name)
+        for undo in reversed(restore):
+            undo()
         del handle._pre_hook
     kinds = sorted({k for c in inside for k in c if k != "hook"})
     own = tuple(c["hook"] - sum(c[k] for k in kinds) for c in inside)
