@@ -1,39 +1,46 @@
-"""The family engine (install_vlm) on transformers' tiny Nemotron 3 Nano Omni, CPU, no grad.
+"""The family guards (install_vlm) on every family fixture's tiny transformers model, CPU.
 
-Figures (issue 16):
+Figures (issues 16 and 17):
 
 - spec size: lines of each family's spec module (target <= 150, tests aside);
-- aligned path: the guarded forward vs the plain forward on the same batch, interleaved, the
-  guard's share = (guarded - plain) / plain (the tower runs in both: the guard runs it through
-  the model's own method instead of the model's forward; target <= 1 %), and the guard's
-  device-to-host transfers per forward (target 1), at a small batch and at b=4, s=8192;
+- aligned path, per family (``benchmarks/family_cases.py``: 4 samples of ~8192 tokens, the
+  family's media at real checkpoints' item sizes, text filling the rows): the plain and the
+  guarded forward, interleaved, no grad, in CPU time of one thread (``benchmarks/hook_cost.py``;
+  the vocabulary projection keeps the last position in both), the guarded forward's share over
+  the plain one, and the guard's own pre-hook work (the pre-hook minus the model's own calls it
+  makes on the model's behalf: feature methods / towers, rope index, token embeddings) as a
+  share of the plain forward (target <= 1 %), with its device-to-host transfers (target 1);
 - the seed's case: 16 frames of 2400x1080 sized by the engine in a ~32k prompt (runs of 2010)
   against the trainer's 2550-feature grids: the RADIO solver's grid and fidelity class for the
   run's length, and the resize of one item's patch rows on CPU (rows -> image -> bicubic +
   antialias -> rows), per item.
 
-Run: ``python -m benchmarks --only families`` (or ``python benchmarks/bench_families.py``).
+Run: ``python -m benchmarks --only families`` (or ``python benchmarks/bench_families.py``);
+``--quick``: one small batch per family, 2 reps.
 """
 
 from __future__ import annotations
 
+import gc
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.family_cases import Case, build, cases, set_items, tokenizer
+from benchmarks.hook_cost import HookCost, measure
 from megatron_media_guard import GuardConfig
 from megatron_media_guard.adapters import install_vlm
-from megatron_media_guard.core.host import count_transfers
 from megatron_media_guard.families import layouts
 from megatron_media_guard.geometry import RadioTilerGeometry
 from megatron_media_guard.repair.reproject import resize_frames
-from megatron_media_guard.testing.families import nemotron_omni as F
-from megatron_media_guard.testing.families.base import Media
 
 SPECS = Path(__file__).resolve().parents[1] / "megatron_media_guard" / "families"
-TOKENS = {"<img>": F.IMG_START, "</img>": F.IMG_END, "<so_start>": F.SO_START, "<so_end>": F.SO_END}
+SEQ = 8192  # tokens per sample, 4 samples
+REPS = 3  # interleaved (plain, guarded) pairs per case, after one guarded warm-up
 
 
 def _times(fns, reps: int) -> list[float]:
@@ -67,43 +74,48 @@ def _spec_rows() -> list[dict]:
     return rows
 
 
-def _aligned(model, samples, reps: int, label: str) -> list[dict]:
-    b = F.make_batch(model, samples)
-    tokens = b.input_ids.numel()
-
-    def plain():
-        with torch.no_grad():
-            model(**b.kwargs)
-
-    handle = install_vlm(model, GuardConfig(), tokenizer=TOKENS)
+def _aligned(case: Case, seq: int, reps: int, target: str) -> list[dict]:
+    model, batch = build(case, seq)
+    handle = install_vlm(model, GuardConfig(), tokenizer=tokenizer(case.family))
     handle.remove()
+    items = set_items(case, batch)
+    c = measure(model, handle, batch.kwargs, reps, items=items)
+    b, s = batch.input_ids.shape
+    name = f"families/{case.family}/aligned/{case.label}"
+    shape = f"{b}x{s} tokens, {len(batch.items)} items" + (", set_items" if items else "")
+    return _rows(name, shape, c, target)
 
-    def guarded():
-        handle.install_hooks()
-        try:
-            with torch.no_grad():
-                model(**b.kwargs)
-        finally:
-            handle.remove()
 
-    with count_transfers() as seen:
-        guarded()
-    p, g = _times([plain, guarded], reps)
-    share = (g - p) / p
+def _rows(name: str, shape: str, c: HookCost, target: str) -> list[dict]:
+    calls = ", ".join(f"{k} {v:.1f}" for k, v in c.calls.items()) or "none"
+    lo, hi = min(c.own), max(c.own)
     return [
         dict(
-            benchmark=f"families/nemotron/aligned/{label}",
-            metric="guard share of forward",
-            value=share,
-            target="<= 0.01",
-            note=f"{tokens} tokens; plain {p:.0f} ms, guarded {g:.0f} ms (median of {reps})",
+            benchmark=name,
+            metric="guard's own pre-hook work / plain forward",
+            value=c.own_ms / c.plain,
+            target=target,
+            note=(
+                f"{shape}; own {c.own_ms:.1f} ms (range {lo:.1f}-{hi:.1f}) = pre-hook "
+                f"{c.hook:.1f} - model's calls in it ({calls}); plain {c.plain:.0f} ms"
+            ),
         ),
         dict(
-            benchmark=f"families/nemotron/aligned/{label}",
-            metric="d2h transfers",
-            value=sum(seen.values()),
+            benchmark=name,
+            metric="(guarded - plain) / plain",
+            value=(c.guarded - c.plain) / c.plain,
+            target="info",
+            note=(
+                f"plain {c.plain:.0f} ms, guarded {c.guarded:.0f} ms: CPU ms of 1 thread, "
+                f"median of {c.reps} interleaved"
+            ),
+        ),
+        dict(
+            benchmark=name,
+            metric="d2h transfers per guarded forward",
+            value=sum(c.transfers.values()),
             target="<= 1",
-            note=", ".join(seen) or "none",
+            note="; ".join(f"{n}x {why}" for why, n in c.transfers.items()) or "none",
         ),
     ]
 
@@ -144,14 +156,30 @@ def _seed_case() -> list[dict]:
     ]
 
 
-def run(quick: bool = False) -> list[dict]:
+def _load(start: float) -> dict:
+    end = os.getloadavg()[0]
+    return dict(
+        benchmark="families/machine",
+        metric="load average (1 min), end of the aligned rows",
+        value=end,
+        target="info",
+        note=f"at their start {start:.2f}; {os.cpu_count()} cores (CPU time rows: 1 thread)",
+    )
+
+
+def run(quick: bool = False, only: tuple[str, ...] = ()) -> list[dict]:
+    """``only``: family fixture names (default all)."""
     rows = _spec_rows()
-    model = F.tiny_model()
-    img = Media("image", (8, 8))
-    rows += _aligned(model, [[img, img], [img]], 3 if quick else 15, "small")
-    if not quick:
-        big = Media("image", (64, 64))  # 1024 tokens each: 8 per row fill 8192 tokens
-        rows += _aligned(model, [[big] * 8] * 4, 3, "b4-s8192")
+    start = os.getloadavg()[0]
+    for case in cases(quick):
+        if only and case.family not in only:
+            continue
+        if quick:
+            rows += _aligned(case, 256, 2, "info (small shape)")
+        else:
+            rows += _aligned(case, SEQ, REPS, "<= 0.01")
+        gc.collect()
+    rows.append(_load(start))
     rows += _seed_case()
     return rows
 
@@ -159,4 +187,4 @@ def run(quick: bool = False) -> list[dict]:
 if __name__ == "__main__":
     from benchmarks.__main__ import format_table
 
-    print(format_table(run()))
+    print(format_table(run(only=tuple(sys.argv[1:]))))
