@@ -424,7 +424,7 @@ def parse_layout(lay: TokenLayout) -> ParsedRuns:
     nr = st.shape[0]
     rt = host[: nr * 6].view(nr, 6).tolist()
     ft = host[nr * 6 :].view(-1, 4).tolist()
-    names = lay.grammar.modalities
+    g = lay.grammar
     runs = tuple(
         Run(
             sample=smp,
@@ -432,7 +432,7 @@ def parse_layout(lay: TokenLayout) -> ParsedRuns:
             start=a,
             end=e + 1,
             length=ln,
-            modality=names[mc] if mc >= 0 else "break",
+            modality=g.modalities[mc] if mc >= 0 else "break",
         )
         for row, a, e, ln, mc, smp in rt
     )
@@ -446,11 +446,5 @@ def parse_layout(lay: TokenLayout) -> ParsedRuns:
         for row, col, kind, smp in ft
     )
     return ParsedRuns(
-        runs,
-        findings,
-        lay.num_samples,
-        lay.row_length,
-        lay.packed,
-        lay.grammar.aliases,
-        lay.grammar.collapsed,
+        runs, findings, lay.num_samples, lay.row_length, lay.packed, g.aliases, g.collapsed
     )
