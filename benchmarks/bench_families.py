@@ -102,6 +102,16 @@ def _rows(name: str, shape: str, c: HookCost, target: str) -> list[dict]:
         ),
         dict(
             benchmark=name,
+            metric="own work net of the merge it replaces / plain forward",
+            value=c.net_ms / c.plain,
+            target=target,
+            note=(
+                f"own {c.own_ms:.1f} ms - the plain forward's own merge {c.merge:.1f} ms "
+                "(get_placeholder_mask + masked_scatter, which the guarded forward skips)"
+            ),
+        ),
+        dict(
+            benchmark=name,
             metric="(guarded - plain) / plain",
             value=(c.guarded - c.plain) / c.plain,
             target="info",

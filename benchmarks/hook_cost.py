@@ -48,10 +48,17 @@ class HookCost:
     own: tuple[float, ...]  # hook - model calls, per rep
     transfers: Counter[str]
     reps: int
+    merge: float = 0.0  # the model's merge the guarded forward skips (see :func:`_plain_merge`)
 
     @property
     def own_ms(self) -> float:
         return statistics.median(self.own)
+
+    @property
+    def net_ms(self) -> float:
+        """The guard's own work less the merge it takes over from the plain forward (the
+        guarded forward gets ``inputs_embeds`` and skips its own masks and scatter)."""
+        return self.own_ms - self.merge
 
 
 class _Clock:
@@ -122,6 +129,24 @@ def _instrument(model: Any, clock: _Clock) -> list[Callable[[], None]]:
     return undo
 
 
+def _plain_merge(model: Any, clock: _Clock) -> list[Callable[[], None]]:
+    """Times, inside a forward, the model's ``get_placeholder_mask`` and every
+    ``Tensor.masked_scatter`` (the merge of transformers' VLMs; the guard's CPU scatter uses
+    neither); returns the calls that restore them. Plain minus guarded is the merge the
+    guarded forward skips (none where the guard rewrites the inputs: Qwen-VL)."""
+    undo: list[Callable[[], None]] = []
+    for obj in (model, getattr(model, "model", None)):
+        fn = getattr(obj, "get_placeholder_mask", None) if obj is not None else None
+        if callable(fn) and "get_placeholder_mask" not in obj.__dict__:
+            object.__setattr__(obj, "get_placeholder_mask", clock.wrap("merge", fn))
+            undo.append(lambda obj=obj: object.__delattr__(obj, "get_placeholder_mask"))
+    for name in ("masked_scatter", "masked_scatter_"):
+        fn = getattr(torch.Tensor, name)
+        setattr(torch.Tensor, name, clock.wrap("merge", fn))
+        undo.append(lambda name=name, fn=fn: setattr(torch.Tensor, name, fn))
+    return undo
+
+
 def last_token_head(model: Any):
     """A pre-hook on the vocabulary projection that keeps the last position only (the
     removable handle): logits over 150k-260k words at 4 x 8192 positions do not fit in memory,
@@ -145,6 +170,21 @@ def measure(model: Any, handle: Any, kwargs: dict, reps: int, items=None) -> Hoo
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
 
+    merge_clock = _Clock()
+
+    def merging(fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            undo = _plain_merge(model, merge_clock)
+            merge_clock.in_hook = True  # the whole forward is the scope
+            try:
+                fn()
+            finally:
+                merge_clock.in_hook = False
+                for u in reversed(undo):
+                    u()
+
+        return run
+
     def plain() -> None:
         with torch.no_grad():
             model(**kwargs)
@@ -164,12 +204,15 @@ def measure(model: Any, handle: Any, kwargs: dict, reps: int, items=None) -> Hoo
             guarded()
         times: dict[str, list[float]] = {"plain": [], "guarded": []}
         inside: list[Counter[str]] = []
+        merges: dict[str, list[float]] = {"plain": [], "guarded": []}
         for _ in range(reps):
-            for name, fn in (("plain", plain), ("guarded", guarded)):
+            for name, fn in (("plain", merging(plain)), ("guarded", merging(guarded))):
                 clock.acc = Counter()
+                merge_clock.acc = Counter()
                 t0 = time.thread_time()
                 fn()
                 times[name].append((time.thread_time() - t0) * 1e3)
+                merges[name].append(merge_clock.acc["merge"] * 1e3)
                 if name == "guarded":
                     inside.append(Counter({k: v * 1e3 for k, v in clock.acc.items()}))
     finally:
@@ -188,4 +231,5 @@ def measure(model: Any, handle: Any, kwargs: dict, reps: int, items=None) -> Hoo
         own=own,
         transfers=seen,
         reps=reps,
+        merge=statistics.median(merges["plain"]) - statistics.median(merges["guarded"]),
     )
