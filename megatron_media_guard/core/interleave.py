@@ -6,11 +6,30 @@ decide which stream feeds each run. Host-side, off the single-modality aligned p
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from ..errors import MediaInputError
 from .grammar import Grammar
+from .host import to_host
 from .items import MediaItem
-from .runs import TokenLayout, parse_layout
+from .run_table import run_table
+from .runs import TokenLayout
+
+
+class _Run(NamedTuple):
+    sample: int
+    modality: str
+    length: int
+
+
+def _runs(ids, grammar: Grammar) -> list[_Run]:
+    """Each run's sample, modality and length in token order, in one transfer sized by the
+    runs (no structure check: the merge that follows checks the runs, this only orders)."""
+    lay = TokenLayout(ids, grammar)
+    t = run_table(lay, *lay.run_bounds())[:, [5, 4, 3]]
+    rows = to_host(t, why="run order of a call mixing modalities").tolist()
+    names = grammar.modalities
+    return [_Run(s, names[c] if c >= 0 else "break", n) for s, c, n in rows]
 
 
 def interleave(
@@ -82,7 +101,7 @@ def token_order(ids, grammar: Grammar, items: list[MediaItem], parent: list[int]
     if len({it.modality for it in items}) <= 1:
         return list(range(len(items)))
     g = grammar
-    parsed = parse_layout(TokenLayout(ids, g))
+    runs = _runs(ids, g)
     streams: dict[str, dict[str, list[int]]] = {}  # token modality -> modality -> item indices
     for i, it in enumerate(items):
         tok = g.token_modality(it.modality)
@@ -93,11 +112,11 @@ def token_order(ids, grammar: Grammar, items: list[MediaItem], parent: list[int]
         mine: dict[tuple[int, str], list[int]] = {}
         for i, it in enumerate(items):
             mine.setdefault((it.sample, g.token_modality(it.modality)), []).append(i)
-        order = [mine[k].pop(0) for r in parsed.runs if mine.get(k := (r.sample, r.modality))]
+        order = [mine[k].pop(0) for r in runs if mine.get(k := (r.sample, r.modality))]
         return order + [i for q in mine.values() for i in q]  # beyond the runs: reported
     runs_of: dict[str, list[int]] = {}
     samples_of: dict[str, list[int]] = {}
-    for r in parsed.runs:
+    for r in runs:
         runs_of.setdefault(r.modality, []).append(r.length)
         samples_of.setdefault(r.modality, []).append(r.sample)
     queue: dict[str, list[int]] = {}
@@ -130,7 +149,7 @@ def token_order(ids, grammar: Grammar, items: list[MediaItem], parent: list[int]
         ia, ib = iter(a), iter(b)
         queue[tok] = [next(ia) if s == 0 else next(ib) for s in pick]
     order: list[int] = []
-    for r in parsed.runs:
+    for r in runs:
         q = queue.get(r.modality)
         if q:
             order.append(q.pop(0))

@@ -19,6 +19,7 @@ from . import nesting
 from .grammar import Grammar
 from .host import to_host
 from .parsed import Finding, FindingKind, ParsedRuns, Run
+from .run_table import run_table
 
 _FITS: dict[tuple[int, torch.dtype], Grammar] = {}  # grammars whose ids fit a dtype
 
@@ -404,16 +405,7 @@ def parse_layout(lay: TokenLayout) -> ParsedRuns:
     # the cheap structure check decides whether the exact (costlier) findings are needed
     malformed = bool(to_host(lay.structure_violations(start, end), why="any malformed structure"))
     codes = lay.finding_codes(start, end) if malformed else None
-    ph_cum = torch.cumsum(lay.ph, 1)
-    # torch.nonzero sizes its output by the number of runs (a sync on CUDA); row-major
-    # order, so starts and ends pair up
-    st = torch.nonzero(start)
-    en = torch.nonzero(end)
-    sr, sc, ec = st[:, 0], st[:, 1], en[:, 1]
-    lengths = ph_cum[sr, ec] - ph_cum[sr, sc] + lay.ph[sr, sc].to(ph_cum.dtype)
-    first_code = lay.run_codes(start)[sr, sc]
-    first_code = torch.where(lengths == 0, -1, first_code)  # breaks only: no modality
-    table = torch.stack([sr, sc, ec, lengths, first_code, lay.sample[sr, sc]], dim=1)
+    table = run_table(lay, start, end)
     if codes is not None:
         fr, fc = torch.nonzero(codes).unbind(1)
         ftab = torch.stack([fr, fc, codes[fr, fc].long(), lay.sample[fr, fc]], dim=1)
@@ -421,7 +413,7 @@ def parse_layout(lay: TokenLayout) -> ParsedRuns:
         ftab = table.new_empty(0, 4)
     # one transfer of the run table and the findings: sized by runs + findings, not tokens
     host = to_host(torch.cat([table.reshape(-1), ftab.reshape(-1)]), why="run table for diagnosis")
-    nr = st.shape[0]
+    nr = table.shape[0]
     rt = host[: nr * 6].view(nr, 6).tolist()
     ft = host[nr * 6 :].view(-1, 4).tolist()
     g = lay.grammar
