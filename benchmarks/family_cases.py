@@ -18,14 +18,12 @@ with a dense block mask (patches squared), so 16 images of 1024 patches is what 
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_media_guard import MediaItem
-from megatron_media_guard.testing.families.base import FamilyBatch, Media
+from megatron_media_guard.testing.families.base import FamilyBatch, Media, swapped
 
 #: (family fixture, label) in the table's order
 FAMILIES = (
@@ -147,19 +145,6 @@ def fixture(family: str):
     return importlib.import_module(f"megatron_media_guard.testing.families.{family}")
 
 
-@contextlib.contextmanager
-def constants(mod: Any, values: dict[str, Any]) -> Iterator[None]:
-    """``mod``'s module constants set to ``values`` inside the block, restored after."""
-    old = {k: getattr(mod, k) for k in values}
-    for k, v in values.items():
-        setattr(mod, k, v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(mod, k, v)
-
-
 def set_items(case: Case, batch: FamilyBatch) -> list[MediaItem] | None:
     """What the collate gives ``set_items`` where the family needs it for per-item checks
     (InternVL: the tiles per image never reach the model; one item per image, ``SEQ`` x its
@@ -181,7 +166,7 @@ def build(case: Case, seq: int) -> tuple[Any, FamilyBatch]:
     F = fixture(case.family)
     k = len(case.media)
     samples = [list(case.media[s % k :] + case.media[: s % k]) for s in range(4)]  # rotated
-    with constants(F, case.consts):
+    with swapped(F, **case.consts):
         model = F.tiny_model(**case.model)
         one = [list(case.media)]
         a = F.make_batch(model, one, text_len=1).lengths[0]

@@ -35,13 +35,12 @@ attention is emulated by decoding each packed sample alone.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
 from torch import nn
 
+from .families.base import swapped
 from .qwen_vl import tiny_config, tiny_model
 
 QWEN25 = "megatron.bridge.models.qwen_vl.modeling_qwen25_vl"
@@ -192,18 +191,6 @@ def qwen25_vl(seed: int = 0) -> nn.Module:
     return provider.provide(pre_process=True, post_process=True).eval()
 
 
-@contextmanager
-def _swapped(module, **names) -> Iterator[None]:
-    old = {k: getattr(module, k) for k in names}
-    for k, v in names.items():
-        setattr(module, k, v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(module, k, v)
-
-
 def _spec(*_args, **_kwargs) -> SimpleNamespace:
     return SimpleNamespace(submodules=SimpleNamespace(self_attention=SimpleNamespace(module=None)))
 
@@ -233,8 +220,8 @@ def qwen3_vl(seed: int = 0) -> nn.Module:
     )
     provider._pg_collection = one_rank_groups()
     with (
-        _swapped(provider_mod, get_gpt_layer_with_transformer_engine_spec=_spec),
-        _swapped(
+        swapped(provider_mod, get_gpt_layer_with_transformer_engine_spec=_spec),
+        swapped(
             model_mod,
             get_vit_layer_with_transformer_engine_spec=_spec,
             Qwen3VLVisionModel=vision_model,
@@ -343,7 +330,7 @@ def nemotron(
         sound_projection=nn.Linear(16, hidden),
         sound_token_index=sound_token,
     )
-    with _swapped(llava_mod, CLIPViTModel=TinyViT):
+    with swapped(llava_mod, CLIPViTModel=TinyViT):
         llava = llava_mod.LLaVAModel(
             lang,
             get_gpt_layer_local_spec(),

@@ -24,7 +24,8 @@ import importlib
 import torch
 from torch import nn
 
-from .bridge_models import TinyLanguageModel, _swapped, one_rank_groups
+from .bridge_models import TinyLanguageModel, one_rank_groups
+from .families.base import swapped
 
 THINKER = "megatron.bridge.models.qwen_omni.modeling_qwen3_omni.thinker_model"
 PROVIDER = "megatron.bridge.models.qwen_omni.qwen3_omni_provider"
@@ -81,7 +82,7 @@ def qwen3_omni(full: nn.Module, seed: int = 0, *, audio: bool = True) -> nn.Modu
         return OmniLanguageModel(full, config)
 
     torch.manual_seed(seed)
-    with _swapped(thinker_mod, Qwen3VLGPTModel=gpt_model):
+    with swapped(thinker_mod, Qwen3VLGPTModel=gpt_model):
         model = provider.provide(pre_process=True, post_process=True)
     if audio:
         _bind_output_lengths(model.thinker.audio_model)

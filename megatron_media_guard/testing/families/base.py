@@ -13,7 +13,8 @@ can inject the faults the guard exists for:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -67,3 +68,17 @@ def right_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor,
         ids[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
         mask[i, : len(r)] = 1
     return ids, mask
+
+
+@contextlib.contextmanager
+def swapped(obj: Any, **values: Any) -> Iterator[None]:
+    """``obj``'s attributes (a module's constants or classes) set to ``values`` inside the
+    block, restored after."""
+    old = {k: getattr(obj, k) for k in values}
+    for k, v in values.items():
+        setattr(obj, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(obj, k, v)
