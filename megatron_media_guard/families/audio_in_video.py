@@ -13,7 +13,7 @@ as the model does, so that the spec cuts both into the runs' items (:func:`cut`)
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -152,6 +152,17 @@ def chunks(model: Any, kw: Mapping[str, Any], count: Callable) -> Chunks:
     fits = flag and all(len(rows_of[m]) == want[m] for m in want)
     sample = {m: tuple(r) for m, r in rows_of.items()} if fits else {}
     return Chunks(tuple(tokens), video, audio, sample)
+
+
+def chunks_once(model: Any, kw: MutableMapping[str, Any], count: Callable) -> Chunks:
+    """:func:`chunks`, read once per call: the modalities' encodes share the call's ``kw``
+    (the engine's own dict), which keeps the result under a private key."""
+    if _KEY not in kw:
+        kw[_KEY] = chunks(model, kw, count)
+    return kw[_KEY]
+
+
+_KEY = "_media_guard_audio_in_video"
 
 
 def _tp(cfg: Any) -> int:

@@ -42,7 +42,7 @@ def _visual(kind: str):
         feats = tuple(out.pooler_output)
         if not kw.get("use_audio_in_video") and (kind == "image" or kw["input_features"] is None):
             return Encoded(feats, output=out)
-        got = aiv.chunks(model, kw, _count(model))
+        got = aiv.chunks_once(model, kw, _count(model))
         pieces, parent, sample = aiv.cut(feats, getattr(got, kind, {}), got.sample.get(kind))
         return Encoded(pieces, parent=parent, sample=sample, output=out)
 
@@ -52,7 +52,7 @@ def _visual(kind: str):
 def _encode_audio(model: Any, kw) -> Encoded:
     x, mask, lengths = (kw.get(n) for n in _AUDIO)
     flat = model.get_audio_features(x, mask, lengths, return_dict=True).last_hidden_state
-    got = aiv.chunks(model, kw, _count(model))  # the clips back to back: cut per clip and run
+    got = aiv.chunks_once(model, kw, _count(model))  # the clips back to back: cut per clip and run
     clips = flat.split(list(got.clip_tokens))
     pieces, parent, sample = aiv.cut(clips, got.audio, got.sample.get("audio"))
     return Encoded(pieces, parent=parent, sample=sample)
