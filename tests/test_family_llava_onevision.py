@@ -16,8 +16,10 @@ import torch
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem
 from megatron_media_guard.core.host import count_transfers
-from megatron_media_guard.families import find_family
+from megatron_media_guard.families import anyres_pixels, find_family
 from megatron_media_guard.families import llava_onevision as spec_mod
+from megatron_media_guard.geometry.anyres import fitted_size
+from megatron_media_guard.repair.reproject import resize_frames
 
 pytest.importorskip("transformers.models.llava_onevision")
 
@@ -159,13 +161,99 @@ def test_drop_keeps_the_others_and_feeds_no_feature_to_dropped_rows(
     assert torch.isfinite(out.loss)
 
 
-def test_repair_falls_back_naming_the_family(model, tmp_path):
-    cfg = GuardConfig(policy="repair", fallback="drop", log_dir=str(tmp_path))
-    _, _, res = guarded(model, FAULTS[0][1], cfg)
-    assert res.report.actions == ("drop", "keep")
+ANY = ("engine-replay", "unique", "closest-aspect")  # anyres repairs are closest-aspect
+
+
+def _records(tmp_path, event):
     recs = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()]
-    rep = next(r for r in recs if r["event"] == "repair")
-    assert rep["reason"] == "cannot repair: no geometry for llava_onevision"
+    return [r for r in recs if r["event"] == event]
+
+
+def test_repair_reencodes_a_short_and_a_long_run(model, tmp_path):
+    """56x56 gives 36 features; runs of 34 (short) and 40 (long) are re-encoded at sizes whose
+    anyres count is the run's; the aligned sample between them stays its own forward."""
+    samples = [[img(56, 56, tokens=34)], ALL, [img(56, 56, tokens=40)]]
+    b = F.make_batch(model, samples)
+    seen = []
+    hook = model.model.language_model.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw["inputs_embeds"].detach().clone()), with_kwargs=True
+    )
+    try:
+        cfg = GuardConfig(policy="repair", allowed_fidelity=ANY, log_dir=str(tmp_path))
+        with install_vlm(model, cfg) as h:
+            out = logits(model, b.kwargs)
+            res = h.last_result
+    finally:
+        hook.remove()
+    assert res.report.actions == ("repair", "keep", "repair")
+    reps = _records(tmp_path, "repair")
+    assert [r["action"] for r in reps] == ["repair", "repair"]
+    assert [r["fidelity"] for r in reps] == ["closest-aspect"] * 2
+    geo = spec_mod._geometry(model)
+    assert [geo.tokens(tuple(r["extra"]["size_hw"])) for r in reps] == [34, 40]
+    torch.testing.assert_close(out[1, : b.lengths[1]], own(model, ALL), atol=1e-5, rtol=1e-5)
+    # by hand: sample 0's pixels resized to the solved size, tiled, fed to the plain model
+    one = F.make_batch(model, [samples[0]])
+    size = tuple(reps[0]["extra"]["size_hw"])
+    pix = anyres_pixels.stitch(geo, one.kwargs["pixel_values"][0], 56, 56)
+    pv = anyres_pixels.tiles_for(geo, resize_frames(pix[None], size)[0])[None]
+    fixed = {**one.kwargs, "pixel_values": pv, "image_sizes": torch.tensor([size])}
+    torch.testing.assert_close(
+        out[0, : b.lengths[0]], logits(model, fixed)[0], atol=1e-5, rtol=1e-5
+    )
+    text = model.get_input_embeddings()(b.input_ids)
+    for k, n in ((0, 34), (2, 40)):  # every placeholder of the run took a feature
+        ph = b.input_ids[k] == model.config.image_token_id
+        assert int(ph.sum()) == n and not torch.equal(seen[0][k][ph], text[k][ph])
+        assert torch.isfinite(out[k]).all()
+
+
+def test_repair_of_a_multi_image_sample_falls_back_saying_why(model, tmp_path):
+    cfg = GuardConfig(policy="repair", fallback="drop", allowed_fidelity=ANY, log_dir=str(tmp_path))
+    _, out, res = guarded(model, [[img(56, 56), img(100, 40, tokens=26)], ALL], cfg)
+    assert res.report.actions == ("drop", "keep")
+    (rep,) = _records(tmp_path, "repair")
+    assert "multi-image sample" in rep["reason"] and "base + 1 = 17" in rep["reason"]
+    torch.testing.assert_close(out[1, : F.make_batch(model, [ALL]).lengths[0]], own(model, ALL))
+
+
+def test_repair_falls_back_where_no_size_gives_the_count(model, tmp_path):
+    cfg = GuardConfig(policy="repair", fallback="drop", log_dir=str(tmp_path))
+    _, _, res = guarded(model, FAULTS[0][1], cfg)  # 35: no size gives an odd 16 + r * (c + 1)
+    assert res.report.actions == ("drop", "keep")
+    (rep,) = _records(tmp_path, "repair")
+    assert rep["reason"].startswith("unreachable: no image size")
+
+
+def test_tiles_are_the_processors_and_stitch_back_exactly(model):
+    """The real Pil processor on an image already at its fitted size (no resize): its tiles
+    stitched with the padding cut are the normalized image itself, and ``tiles_for`` on that
+    image gives the processor's pinpoint tiles exactly (the base tile up to the resampler)."""
+    import numpy as np
+    from PIL import Image
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+        LlavaOnevisionImageProcessorPil,
+    )
+
+    geo = spec_mod._geometry(model)
+    ip = LlavaOnevisionImageProcessorPil(
+        size={"height": F.TILE, "width": F.TILE}, image_grid_pinpoints=F.PINPOINTS
+    )
+    rng = np.random.default_rng(0)
+    for h, w in [(112, 80), (56, 150), (168, 168), (100, 112)]:
+        assert fitted_size(h, w, geo.size_for((h, w))) == (h, w)
+        raw = rng.integers(0, 255, (h, w, 3), dtype=np.uint8)
+        pv = ip([[Image.fromarray(raw)]], return_tensors="pt")["pixel_values"][0]
+        mean, std = torch.tensor(anyres_pixels.MEAN), torch.tensor(anyres_pixels.STD)
+        norm = (torch.from_numpy(raw).permute(2, 0, 1) / 255 - mean[:, None, None]) / std[
+            :, None, None
+        ]
+        stitched = anyres_pixels.stitch(geo, pv, h, w)
+        torch.testing.assert_close(stitched, norm, atol=1e-5, rtol=0)
+        tiles = anyres_pixels.tiles_for(geo, stitched)
+        assert tiles.shape == pv.shape
+        torch.testing.assert_close(tiles[1:], pv[1:], atol=1e-5, rtol=0)
+        assert (tiles[0] - pv[0]).abs().mean() < 0.1  # torch vs PIL bicubic on the base tile
 
 
 def test_set_items_names_the_sample_id(model, tmp_path):

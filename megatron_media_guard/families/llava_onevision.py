@@ -15,28 +15,79 @@ sample's items are left unplaced and nothing is encoded again, so a kept multi-i
 keeps its base + 1 counts (re-encoding after removing one image of a two-image sample would
 turn its sibling anyres: another count and tiles ``pixel_values`` does not hold).
 
-No repair geometry: an anyres count is many-to-one in the image size (pinpoint choice,
-unpadding, the anyres_max cap) and its tiles are cut from the original image, which the
-model never receives; a multi-image count (base + 1) does not depend on the size at all.
+Repair (anyres images, :class:`AnyresGeometry`): the item's tiles are a split of the image
+resized into its best pinpoint and zero-padded (centred), so stitching them and cutting the
+padding gives back that resized image exactly; it is resized to the solved size, cut into that
+size's pinpoint tiles + base tile as the processor does (torch ops; the padding is the
+processor's zero pixel, normalized with its default OPENAI_CLIP mean/std) and re-encoded by
+``get_image_features`` as one single-image sample. An image of a multi-image sample is one
+tile, base + 1 whatever its size: its repair falls back, saying so.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from ..core.host import to_host
+from ..errors import MediaInputError
+from ..geometry import AnyresGeometry
+from .anyres_pixels import stitch, tiles_for
 from .spec import Encoded, FamilySpec, ModalitySpec, Token, tower_zeros
 
 
-def _encode_image(model: Any, kw) -> Encoded:
+def _features(model: Any, pv, sizes, bni, kw=None):
+    kw = kw or {}
     out = model.get_image_features(
-        kw["pixel_values"],
-        kw["image_sizes"],
+        pv,
+        sizes,
         vision_feature_layer=kw.get("vision_feature_layer"),
         vision_feature_select_strategy=kw.get("vision_feature_select_strategy"),
-        batch_num_images=kw.get("batch_num_images"),
+        batch_num_images=bni,
         return_dict=True,
     )
-    return Encoded(tuple(out.pooler_output))  # one [N_q, h] per image, newlines included
+    return tuple(out.pooler_output)  # one [N_q, h] per image, newlines included
+
+
+def _encode_image(model: Any, kw) -> Encoded:
+    pv, sizes, bni = kw["pixel_values"], kw["image_sizes"], kw.get("batch_num_images")
+    feats = _features(model, pv, sizes, bni, kw)
+    if not kw.get("_media_guard_pixels"):
+        return Encoded(feats)
+    # repair only: sizes and images per sample on the host (one small transfer)
+    n = sizes.shape[0]
+    flat = sizes.flatten() if bni is None else torch.cat([sizes.flatten(), bni.to(sizes)])
+    host = to_host(flat, why="image sizes and images per sample to rebuild items for repair")
+    hw = host[: 2 * n].view(n, 2).tolist()
+    multi = [c > 1 for c in host[2 * n :].tolist() for _ in range(c)] or [False] * n
+    geo = _geometry(model)
+    pixels = tuple(
+        pv[q, :1] if multi[q] else stitch(geo, pv[q], h, w) for q, (h, w) in enumerate(hw)
+    )  # a multi-image item: its one tile as [1, C, T, T], which _reencode_image refuses
+    return Encoded(feats, num_frames=(None,) * n, frame_hw=tuple(map(tuple, hw)), pixels=pixels)
+
+
+def _reencode_image(model: Any, img: torch.Tensor) -> torch.Tensor:
+    geo = _geometry(model)
+    if img.ndim != 3:
+        raise MediaInputError(
+            f"an image of a multi-image sample is one tile of base + 1 = {geo.side**2 + 1} "
+            "features whatever its size: no resize changes its count"
+        )
+    one = torch.tensor([1], device=img.device)
+    sizes = torch.tensor([list(img.shape[-2:])], device=img.device)
+    return _features(model, tiles_for(geo, img)[None], sizes, one)[0]
+
+
+def _geometry(model: Any) -> AnyresGeometry:
+    cfg = model.config
+    return AnyresGeometry(
+        pinpoints=tuple(map(tuple, cfg.image_grid_pinpoints)),
+        tile=int(cfg.vision_config.image_size),
+        patch=int(cfg.vision_config.patch_size),
+        max_tiles=int(cfg.vision_aspect_ratio.removeprefix("anyres_max_")),
+    )
 
 
 def _encode_video(model: Any, kw) -> Encoded:
@@ -76,6 +127,7 @@ SPEC = FamilySpec(
                 "vision_feature_select_strategy",
             ),
             _encode_image,
+            reencode=_reencode_image,
         ),
         ModalitySpec(
             "video",
@@ -85,6 +137,7 @@ SPEC = FamilySpec(
         ),
     ),
     text=Token(("text_config.pad_token_id", "pad_token_id"), "<|endoftext|>", 0),
+    geometry=_geometry,
     ids_with_embeds=False,
     dummy=_dummy,
 )

@@ -6,6 +6,7 @@ Pure Python: imports only ``errors`` from the package; no torch, torch.distribut
 megatron.
 """
 
+from megatron_media_guard.geometry.anyres import AnyresGeometry
 from megatron_media_guard.geometry.fixed import FixedGeometry
 from megatron_media_guard.geometry.patch_merge import PatchMergeGeometry
 from megatron_media_guard.geometry.pixtral import PixtralGeometry
@@ -13,10 +14,18 @@ from megatron_media_guard.geometry.radio import RadioEngineItem, RadioTilerGeome
 from megatron_media_guard.geometry.solution import FIDELITIES, Fidelity, GeometryError, Solution
 from megatron_media_guard.geometry.tiled import TiledGeometry
 
-Geometry = PatchMergeGeometry | RadioTilerGeometry | TiledGeometry | FixedGeometry | PixtralGeometry
+Geometry = (
+    PatchMergeGeometry
+    | RadioTilerGeometry
+    | TiledGeometry
+    | FixedGeometry
+    | PixtralGeometry
+    | AnyresGeometry
+)
 
 __all__ = [
     "FIDELITIES",
+    "AnyresGeometry",
     "Fidelity",
     "FixedGeometry",
     "Geometry",
