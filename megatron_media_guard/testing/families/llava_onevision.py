@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ...geometry.anyres import best_resolution
 from .base import FamilyBatch, Media, right_pad
 
 FAMILY = "llava_onevision"
@@ -58,20 +59,10 @@ def tiny_model(seed: int = 0, **overrides: Any) -> torch.nn.Module:
     return LlavaOnevisionForConditionalGeneration(config).eval().float()
 
 
-def select_best_resolution(
-    height: int, width: int, pinpoints: Sequence[Sequence[int]]
-) -> tuple[int, int]:
-    """``transformers.image_processing_utils.select_best_resolution``: the pinpoint ``(h, w)``
-    keeping the most of the image when it is fitted inside (``scale = min(w / W, h / H)``, sides
-    truncated), ties to the least wasted area, the first in list order after that."""
-    best, best_eff, best_waste = (0, 0), 0, math.inf
-    for h, w in pinpoints:
-        scale = min(w / width, h / height)
-        eff = min(int(width * scale) * int(height * scale), width * height)
-        waste = w * h - eff
-        if eff > best_eff or (eff == best_eff and waste < best_waste):
-            best, best_eff, best_waste = (h, w), eff, waste
-    return best
+#: ``transformers.image_processing_utils.select_best_resolution`` as ``(height, width,
+#: pinpoints)``: the repair geometry's own copy (tested against transformers' in
+#: tests/test_fixture_llava_onevision.py)
+select_best_resolution = best_resolution
 
 
 def llava_onevision_num_features(
