@@ -10,10 +10,9 @@ keeps its ``last_hidden_state``.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
+from family_checks import raised_samples, records
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem
 from megatron_media_guard.core.host import count_transfers
@@ -119,10 +118,8 @@ FAULTS = [
 
 @pytest.mark.parametrize("name,samples,swap,bad,kept", FAULTS, ids=[f[0] for f in FAULTS])
 def test_raise_names_the_sample(model, name, samples, swap, bad, kept, tmp_path):
-    with pytest.raises(MediaAlignmentError, match=rf"sample {min(bad)}\b"):
-        guarded(model, samples, GuardConfig(log_dir=str(tmp_path)), swap=swap)
-    recs = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()]
-    assert {r["sample"] for r in recs if r["event"] == "raise"} == bad
+    cfg = GuardConfig(log_dir=str(tmp_path))
+    assert raised_samples(lambda: guarded(model, samples, cfg, swap=swap), bad, tmp_path) == bad
 
 
 @pytest.mark.parametrize("name,samples,swap,bad,kept", FAULTS, ids=[f[0] for f in FAULTS])
@@ -152,7 +149,7 @@ def test_repair_falls_back_naming_the_family(model, tmp_path):
     cfg = GuardConfig(policy="repair", fallback="drop", log_dir=str(tmp_path))
     b, hidden, _, res = guarded(model, [[img(4, 4, tokens=3)], [img(2, 4)]], cfg)
     assert res.report.actions == ("drop", "keep")
-    recs = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()]
+    recs = records(tmp_path)
     assert any(r.get("reason") == "cannot repair: no geometry for kimi_k25" for r in recs), recs
     torch.testing.assert_close(hidden[1, : b.lengths[1]], own(model, [img(2, 4)]))
 

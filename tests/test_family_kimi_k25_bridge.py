@@ -15,12 +15,12 @@ features fall through to its dynamic expansion and crash with a bare shape error
 
 from __future__ import annotations
 
-import json
 import re
 from types import SimpleNamespace
 
 import pytest
 import torch
+from family_checks import records
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError
 from megatron_media_guard.testing import bridge as loader
@@ -135,7 +135,7 @@ def test_short_run_is_recut_silently_by_bridge_and_raises_guarded(bridge, tmp_pa
     h = install_vlm(model, GuardConfig(log_dir=str(tmp_path)), tokenizer=tokens)
     with h, pytest.raises(MediaAlignmentError, match=r"sample 0\b"):
         forward(model, b.kwargs)
-    recs = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()]
+    recs = records(tmp_path)
     assert any(r["event"] == "raise" and r["sample"] == 0 for r in recs)
 
 

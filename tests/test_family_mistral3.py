@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+from family_checks import raised_samples, records
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaGuard, MediaItem
 from megatron_media_guard.core.host import count_transfers
@@ -108,10 +109,7 @@ FAULTS = [
 @pytest.mark.parametrize("name,samples,bad,swap", FAULTS, ids=[f[0] for f in FAULTS])
 def test_raise_names_the_sample(model, name, samples, bad, swap, tmp_path):
     cfg = GuardConfig(log_dir=str(tmp_path))
-    with pytest.raises(MediaAlignmentError, match=rf"sample {bad}\b"):
-        guarded(model, samples, cfg, swap=swap)
-    recs = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()]
-    assert any(r["event"] == "raise" and r["sample"] == bad for r in recs)
+    assert bad in raised_samples(lambda: guarded(model, samples, cfg, swap=swap), bad, tmp_path)
 
 
 @pytest.mark.parametrize("name,samples,bad,swap", FAULTS, ids=[f[0] for f in FAULTS])
@@ -175,7 +173,7 @@ def test_repair_falls_back_where_no_grid_fits(model, tmp_path):
     cfg = GuardConfig(policy="repair", fallback="drop", log_dir=str(tmp_path))
     _, _, res = guarded(model, [[img(56, 84, tokens=61)], ALL], cfg)
     assert res.report.actions == ("drop", "keep")
-    recs = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()]
+    recs = records(tmp_path)
     assert any("unreachable" in (r.get("reason") or "") for r in recs if r["event"] == "repair")
 
 

@@ -8,10 +8,9 @@ None. Runs under ``scripts/test_mcore019.sh``."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
+from family_checks import records
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError
 from megatron_media_guard.testing import bridge as loader
@@ -72,7 +71,7 @@ def test_short_run_raises_in_bridge_and_names_the_sample_guarded(bridge, tmp_pat
     h = install_vlm(model, GuardConfig(log_dir=str(tmp_path)))
     with h, pytest.raises(MediaAlignmentError, match=r"sample 1\b"):
         forward(model, b)
-    recs = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()]
+    recs = records(tmp_path)
     assert any(r["event"] == "raise" and r["sample"] == 1 for r in recs)
 
 

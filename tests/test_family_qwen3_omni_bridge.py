@@ -9,10 +9,10 @@ silently, and a short audio run silently loses features. Runs under ``scripts/te
 from __future__ import annotations
 
 import argparse
-import json
 
 import pytest
 import torch
+from family_checks import records
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem
 from megatron_media_guard.testing import bridge as loader
@@ -116,7 +116,7 @@ def test_faults_run_unguarded_and_raise_naming_the_sample(bridge, case, tmp_path
     h = install_vlm(model, GuardConfig(log_dir=str(tmp_path)))
     with h, pytest.raises(MediaAlignmentError, match=rf"sample {culprit}\b"):
         forward(model, kw)
-    recs = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()]
+    recs = records(tmp_path)
     assert any(r["event"] == "raise" and r["sample"] == culprit for r in recs)
 
 
@@ -179,7 +179,7 @@ def test_repair_falls_back_with_the_engines_reason(bridge, tmp_path):
     with h:
         forward(model, kw)
     assert h.last_result.report.actions == ("drop", "keep")
-    recs = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()]
+    recs = records(tmp_path)
     reasons = [r["reason"] for r in recs if r["event"] == "repair"]
     assert reasons and all("no geometry for qwen3_omni" in r for r in reasons)
 
@@ -196,7 +196,7 @@ def test_set_step_and_set_items_reach_the_records(bridge, tmp_path):
         pytest.raises(MediaAlignmentError, match=r"(?s)step 7\b.*sample 0 \(sample_id 'clip-a'\)"),
     ):
         forward(model, kw)
-    recs = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()]
+    recs = records(tmp_path)
     assert any(
         r["event"] == "raise" and r["sample_id"] == "clip-a" and r["step"] == 7 for r in recs
     )
