@@ -14,6 +14,7 @@ can inject the faults the guard exists for:
 from __future__ import annotations
 
 import contextlib
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -82,3 +83,9 @@ def swapped(obj: Any, **values: Any) -> Iterator[None]:
     finally:
         for k, v in old.items():
             setattr(obj, k, v)
+
+
+def rng(seed: int, *key: object) -> torch.Generator:
+    """A generator seeded by ``seed`` and ``key`` (a stable hash of their ``repr``): the same
+    sample always gets the same pixels and text, whatever else is in the batch."""
+    return torch.Generator().manual_seed(zlib.crc32(repr((seed, *key)).encode()))

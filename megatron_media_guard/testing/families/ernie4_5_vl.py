@@ -12,12 +12,11 @@ random ``[Σ patches, 3·14·14]`` float32 rows (temporal patch 1: one row per p
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Sequence
 
 import torch
 
-from .base import FamilyBatch, Media, right_pad
+from .base import FamilyBatch, Media, right_pad, rng
 
 FAMILY = "ernie4_5_vl"
 
@@ -81,8 +80,7 @@ def image_grid(height: int, width: int) -> tuple[int, int, int]:
 
 
 def _rng(seed: int, sample: Sequence[Media], k: int, what: str) -> torch.Generator:
-    key = repr((seed, [(m.modality, m.size) for m in sample], k, what)).encode()
-    return torch.Generator().manual_seed(zlib.crc32(key))
+    return rng(seed, [(m.modality, m.size) for m in sample], k, what)
 
 
 def _grid(media: Media) -> tuple[int, int, int]:

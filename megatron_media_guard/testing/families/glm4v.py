@@ -17,12 +17,11 @@ stand-in id (``TIMESTAMP_ID + second``) where the real tokenizer writes the digi
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Sequence
 
 import torch
 
-from .base import FamilyBatch, Media, right_pad
+from .base import FamilyBatch, Media, right_pad, rng
 
 FAMILY = "glm4v"
 
@@ -96,8 +95,7 @@ def image_grid(height: int, width: int) -> tuple[int, int, int]:
 
 
 def _rng(seed: int, sample: Sequence[Media], k: int, what: str) -> torch.Generator:
-    key = repr((seed, [(m.modality, m.size) for m in sample], k, what)).encode()
-    return torch.Generator().manual_seed(zlib.crc32(key))
+    return rng(seed, [(m.modality, m.size) for m in sample], k, what)
 
 
 def _counts(media: Media) -> tuple[int, int]:

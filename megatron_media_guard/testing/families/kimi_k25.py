@@ -16,12 +16,11 @@ The image / video processors import torchvision (absent): pixels are random
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Sequence
 
 import torch
 
-from .base import FamilyBatch, Media, right_pad
+from .base import FamilyBatch, Media, right_pad, rng
 
 FAMILY = "kimi_k25"
 
@@ -77,8 +76,7 @@ def tiny_model(seed: int = 0, **overrides):
 
 
 def _rng(seed: int, sample: Sequence[Media], k: int, what: str) -> torch.Generator:
-    key = repr((seed, [(m.modality, m.size) for m in sample], k, what)).encode()
-    return torch.Generator().manual_seed(zlib.crc32(key))
+    return rng(seed, [(m.modality, m.size) for m in sample], k, what)
 
 
 def _grids(media: Media) -> list[tuple[int, int, int]]:

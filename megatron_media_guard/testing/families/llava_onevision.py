@@ -16,14 +16,13 @@ against the real ``LlavaOnevisionImageProcessorPil`` outputs fed to the processo
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ...geometry.anyres import best_resolution
-from .base import FamilyBatch, Media, right_pad
+from .base import FamilyBatch, Media, right_pad, rng
 
 FAMILY = "llava_onevision"
 
@@ -124,10 +123,6 @@ def video_num_features(frames: int, config: Any) -> int:
     return frames * math.ceil(side / 2) ** 2 + 1
 
 
-def _rng(seed: int, *key: object) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(repr((seed, *key)).encode()))
-
-
 def _text(gen: torch.Generator, n: int) -> list[int]:
     return torch.randint(*TEXT_IDS, (n,), generator=gen).tolist()
 
@@ -167,13 +162,13 @@ def make_batch(
     batch_num_images: list[int] = []
     for s, sample in enumerate(samples):
         key = tuple((m.modality, m.size) for m in sample)
-        gen = _rng(seed, key)
+        gen = rng(seed, key)
         n_img = sum(m.modality == "image" for m in sample)
         if n_img:
             batch_num_images.append(n_img)
         row, sample_runs = _text(gen, text_len), []
         for k, media in enumerate(sample):
-            pix = _rng(seed, key, k)
+            pix = rng(seed, key, k)
             if media.modality == "image" and len(media.size) == 2:
                 h, w = media.size
                 n = llava_onevision_num_features(h, w, cfg, multi_image=n_img > 1)

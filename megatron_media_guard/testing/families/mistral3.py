@@ -15,13 +15,12 @@ its arithmetic above; its Pillow image processor (``PixtralImageProcessorPil``) 
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from .base import FamilyBatch, Media, right_pad
+from .base import FamilyBatch, Media, right_pad, rng
 
 FAMILY = "mistral3"
 
@@ -90,10 +89,6 @@ def image_run(n_image: int, cols: int, image_id: int) -> list[int]:
     return ids
 
 
-def _rng(seed: int, *key: object) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(repr((seed, *key)).encode()))
-
-
 def _text(gen: torch.Generator, n: int) -> list[int]:
     return torch.randint(*TEXT_IDS, (n,), generator=gen).tolist()
 
@@ -126,7 +121,7 @@ def make_batch(
     items: list[tuple[int, str, int]] = []
     for s, sample in enumerate(samples):
         key = tuple((m.modality, m.size) for m in sample)
-        gen = _rng(seed, key)
+        gen = rng(seed, key)
         row, sample_runs = [BOS_ID, *_text(gen, text_len)], []
         for k, media in enumerate(sample):
             if media.modality != "image" or len(media.size) != 2:
@@ -138,7 +133,7 @@ def make_batch(
             n_ids = n if media.tokens is None else media.tokens
             row += image_run(n_ids, w // p, image_id) + _text(gen, text_len)
             sample_runs.append(("image", n_ids))
-            pixels.append(torch.randn((3, h, w), generator=_rng(seed, key, k)))
+            pixels.append(torch.randn((3, h, w), generator=rng(seed, key, k)))
             sizes.append((h, w))
             items.append((s, "image", n))
         rows.append(row)

@@ -14,13 +14,12 @@ word-level tokenizer holding the real special ids: no download).
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from .base import FamilyBatch, Media, right_pad
+from .base import FamilyBatch, Media, right_pad, rng
 
 FAMILY = "qwen2_audio"
 
@@ -71,10 +70,6 @@ def max_frames(model: torch.nn.Module) -> int:
     return model.config.audio_config.max_source_positions * 2
 
 
-def _rng(seed: int, *key: object) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(repr((seed, *key)).encode()))
-
-
 def _text(gen: torch.Generator, n: int) -> list[int]:
     return torch.randint(*TEXT_IDS, (n,), generator=gen).tolist()
 
@@ -109,7 +104,7 @@ def make_batch(
     items: list[tuple[int, str, int]] = []
     for s, sample in enumerate(samples):
         key = tuple((m.modality, m.size) for m in sample)
-        gen = _rng(seed, key)
+        gen = rng(seed, key)
         row, sample_runs = _text(gen, text_len), []
         for k, media in enumerate(sample):
             if media.modality != "audio" or len(media.size) != 1:
@@ -122,7 +117,7 @@ def make_batch(
             row += [BOS_ID, *[audio_id] * n_ids, EOS_ID, *_text(gen, text_len)]
             sample_runs.append(("audio", n_ids))
             x = torch.zeros((mel, frames_max))
-            x[:, :frames] = torch.randn((mel, frames), generator=_rng(seed, key, k))
+            x[:, :frames] = torch.randn((mel, frames), generator=rng(seed, key, k))
             feats.append(x)
             lengths.append(frames)
             items.append((s, "audio", n))

@@ -22,14 +22,13 @@ int32, as ``WhisperFeatureExtractor(padding=True)`` gives.
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Sequence
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from .base import FamilyBatch, Media, right_pad
+from .base import FamilyBatch, Media, right_pad, rng
 
 FAMILY = "qwen3_omni"
 
@@ -153,8 +152,7 @@ def interleaved_runs(model, grid, mel_frames: int, fps: float = FPS) -> list[tup
 
 
 def _rng(seed: int, sample: Sequence[Media], k: int, what: str) -> torch.Generator:
-    key = repr((seed, [(m.modality, m.size) for m in sample], k, what)).encode()
-    return torch.Generator().manual_seed(zlib.crc32(key))
+    return rng(seed, [(m.modality, m.size) for m in sample], k, what)
 
 
 def _count(media: Media) -> int:
