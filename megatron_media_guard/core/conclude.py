@@ -95,12 +95,12 @@ def conclude_faults(
     saves the call's replay bundle (after the records: a full disk must not cost them) and
     returns its path, named in the message."""
     fatal_record = None
-    written_all = [
+    recs = [
         *fault_records(faults, actions, ctx, step=step, microbatch=microbatch),
         *batch_records(batch_fatal, notes, ctx.adapter, step, microbatch),
         *records,
     ]
-    for rec in written_all:
+    for rec in recs:
         written = guard.log.emit(rec, caller=caller)
         if rec.event == "raise" and fatal_record is None:
             fatal_record = written
