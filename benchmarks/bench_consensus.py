@@ -30,8 +30,9 @@ WORLD = 4
 def _rank(rank: int, world: int, workdir: str, reps: int, b: int, s: int, h: int) -> None:
     import torch.distributed as dist
 
-    from megatron_media_guard import GuardConfig, MediaGuard, RankInfo
+    from megatron_media_guard import GuardConfig, MediaGuard
     from megatron_media_guard.core.outcome import LocalOutcome
+    from megatron_media_guard.diagnostics import RankInfo
     from megatron_media_guard.ranks.consensus import _FIELDS, StageConsensus
     from megatron_media_guard.testing import TEST_GRAMMARS, build_batch
 

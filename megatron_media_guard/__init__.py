@@ -1,71 +1,85 @@
 """megatron_media_guard: per-sample, per-rank guard for merging media features into text
-embeddings in Megatron vision-language training.
+embeddings in vision-language training (Megatron, Megatron-Bridge, transformers).
 
-Public surface::
+The public surface::
 
-    guard = MediaGuard(GuardConfig(policy="drop", log_dir="logs"), grammar=Grammar.qwen2_vl())
-    res = guard.merge(embeddings, input_ids, features, items=items, loss_mask=lm, labels=labels)
-    res.embeddings, res.loss_mask, res.labels, res.report
+    # guard a model of a known family (docs/FAMILIES.md), or every one a Megatron launcher built
+    handle = install_vlm(model, GuardConfig(policy="drop", log_dir="logs"), tokenizer=tok)
+    group = install_from_args(model, args)
+    # check a batch before the trainer (collate function, rollout worker): no model, no tower
+    checked = check_batch("glm4v", batch, config=model.config, tokenizer=tok)
+    # the merge itself, for a model no family knows (repair: geometry=, encoder=)
+    guard = MediaGuard(GuardConfig(policy="drop"), grammar=Grammar.qwen2_vl())
+    res = guard.merge(embeddings, input_ids, features, items, loss_mask=lm, labels=labels)
+    res.embeddings, res.loss_mask, res.labels, res.report       # MergeResult, GuardReport
 
-The names below load on first use (PEP 562), so ``import megatron_media_guard`` and the
-torch-free parts (``diagnostics``, ``media-guard report``, ``--help``) do not import torch.
-The pipeline and the import rules: docs/ARCHITECTURE.md.
+- install: ``install_vlm``, ``install_from_args``, ``check_batch``;
+- the guard: ``MediaGuard``, ``GuardConfig``, ``Grammar``, ``MediaItem``, ``parse_runs``,
+  and what a merge returns: ``MergeResult``, ``GuardReport``;
+- repair geometries: ``PatchMergeGeometry``, ``RadioTilerGeometry``, ``TiledGeometry``,
+  ``FixedGeometry``, ``PixtralGeometry``, ``AnyresGeometry``;
+- errors: ``MediaGuardError`` (the root) with ``MediaAlignmentError`` (a fault in the data;
+  ``ConsensusError``, ``DropBudgetExceeded``) and ``MediaInputError`` (a wrong call).
+
+Everything else lives in its package (``core``, ``diagnostics``, ``adapters``, ``families``,
+``geometry``, ...). The names load on first use (PEP 562), so ``import megatron_media_guard``
+and the torch-free parts (``diagnostics``, ``media-guard report``, ``--help``) do not import
+torch. The pipeline and the import rules: docs/ARCHITECTURE.md.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING
+import importlib as _importlib
+import typing as _typing
 
 __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS = {
-    "AlignmentReport": ".core.alignment",
-    "SampleReport": ".core.alignment",
-    "Status": ".core.alignment",
-    "check_alignment": ".core.alignment",
+    "install_vlm": ".adapters.vlm_install",
+    "install_from_args": ".adapters.launcher",
+    "check_batch": ".families.collate",
+    "MediaGuard": ".core.guard",
     "GuardConfig": ".config",
-    "GuardRecord": ".diagnostics.records",
-    "RankInfo": ".diagnostics.records",
-    "ConsensusError": ".errors",
-    "DropBudgetExceeded": ".errors",
-    "MediaAlignmentError": ".errors",
-    "MediaInputError": ".errors",
     "Grammar": ".core.grammar",
     "MediaItem": ".core.items",
-    "MediaGuard": ".core.guard",
-    "GuardReport": ".core.outcome",
-    "MergeResult": ".core.outcome",
-    "Finding": ".core.runs",
-    "FindingKind": ".core.runs",
-    "ParsedRuns": ".core.runs",
-    "Run": ".core.runs",
     "parse_runs": ".core.runs",
+    "MergeResult": ".core.outcome",
+    "GuardReport": ".core.outcome",
+    "PatchMergeGeometry": ".geometry.patch_merge",
+    "RadioTilerGeometry": ".geometry.radio",
+    "TiledGeometry": ".geometry.tiled",
+    "FixedGeometry": ".geometry.fixed",
+    "PixtralGeometry": ".geometry.pixtral",
+    "AnyresGeometry": ".geometry.anyres",
+    "MediaGuardError": ".errors",
+    "MediaAlignmentError": ".errors",
+    "MediaInputError": ".errors",
+    "ConsensusError": ".errors",
+    "DropBudgetExceeded": ".errors",
 }
 
+# the same names as _EXPORTS, spelled out for type checkers (tests/test_public_surface.py)
 __all__ = [
-    "AlignmentReport",
+    "AnyresGeometry",
     "ConsensusError",
     "DropBudgetExceeded",
-    "Finding",
-    "FindingKind",
+    "FixedGeometry",
     "Grammar",
     "GuardConfig",
-    "GuardRecord",
     "GuardReport",
     "MediaAlignmentError",
     "MediaGuard",
+    "MediaGuardError",
     "MediaInputError",
     "MediaItem",
     "MergeResult",
-    "ParsedRuns",
-    "RankInfo",
-    "Run",
-    "SampleReport",
-    "Status",
+    "PatchMergeGeometry",
+    "PixtralGeometry",
+    "RadioTilerGeometry",
+    "TiledGeometry",
     "__version__",
-    "check_alignment",
+    "check_batch",
+    "install_from_args",
+    "install_vlm",
     "parse_runs",
 ]
 
@@ -74,22 +88,38 @@ def __getattr__(name: str) -> object:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
+    value = getattr(_importlib.import_module(module, __name__), name)
     globals()[name] = value  # later lookups skip this hook
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+    """The public names only (not this module's helpers, nor the subpackages loaded so far)."""
+    return sorted(__all__)
 
 
-if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+if _typing.TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from .adapters.launcher import install_from_args
+    from .adapters.vlm_install import install_vlm
     from .config import GuardConfig
-    from .core.alignment import AlignmentReport, SampleReport, Status, check_alignment
     from .core.grammar import Grammar
     from .core.guard import MediaGuard
     from .core.items import MediaItem
     from .core.outcome import GuardReport, MergeResult
-    from .core.runs import Finding, FindingKind, ParsedRuns, Run, parse_runs
-    from .diagnostics.records import GuardRecord, RankInfo
-    from .errors import ConsensusError, DropBudgetExceeded, MediaAlignmentError, MediaInputError
+    from .core.runs import parse_runs
+    from .errors import (
+        ConsensusError,
+        DropBudgetExceeded,
+        MediaAlignmentError,
+        MediaGuardError,
+        MediaInputError,
+    )
+    from .families.collate import check_batch
+    from .geometry import (
+        AnyresGeometry,
+        FixedGeometry,
+        PatchMergeGeometry,
+        PixtralGeometry,
+        RadioTilerGeometry,
+        TiledGeometry,
+    )

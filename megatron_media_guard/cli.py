@@ -114,7 +114,7 @@ def _report_error(args: argparse.Namespace, message: str) -> int:
 def _report_run(args: argparse.Namespace) -> int:
     from .diagnostics.report import summarize
     from .diagnostics.report_format import format_summary, neutralise
-    from .errors import MediaAlignmentError
+    from .errors import MediaGuardError
 
     try:
         summary = summarize(
@@ -124,7 +124,7 @@ def _report_run(args: argparse.Namespace) -> int:
             top=max(0, args.top),
             jobs=args.jobs,
         )
-    except MediaAlignmentError as err:
+    except MediaGuardError as err:
         return _report_error(args, str(err))
     if not summary.files:  # a CI step reading a wrong path must not pass
         return _report_error(

@@ -1,5 +1,16 @@
 """The library's one exception family.
 
+::
+
+    MediaGuardError                      every error the library raises (catch it for "any")
+    ├── MediaAlignmentError (RuntimeError)   a fault in the data: placeholders and features
+    │   ├── ConsensusError                   disagree, or the ranks that must agree did not
+    │   └── DropBudgetExceeded
+    └── MediaInputError (ValueError)         a wrong call: bad dtype, shape, option, tokenizer
+
+A trainer that skips a batch on ``except MediaAlignmentError`` never swallows its own wrong
+call (a ``MediaInputError``); ``except MediaGuardError`` catches both.
+
 Inner code raises with the fact it found; the public call that catches it
 re-raises with the context the user needs (rank, step, sample, item), in the
 spirit of einops' layered errors. ``context`` carries the same facts as data.
@@ -10,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 
-class MediaAlignmentError(RuntimeError):
-    """Placeholders and media features disagree, or the guard was given bad input.
+class MediaGuardError(Exception):
+    """The root of the library's errors.
 
     ``context`` is a plain mapping of the facts behind the message (JSON-safe),
     so launchers and tests can read them without parsing text.
@@ -21,15 +32,21 @@ class MediaAlignmentError(RuntimeError):
         super().__init__(message)
         self.context: dict[str, object] = dict(context or {})
 
-    def with_context(self, prefix: str, **context: object) -> MediaAlignmentError:
+    def with_context(self, prefix: str, **context: object) -> MediaGuardError:
         """A copy of this error of the same type, message prefixed, context extended."""
         err = type(self).__new__(type(self))
-        MediaAlignmentError.__init__(err, f"{prefix}{self}", context={**self.context, **context})
+        MediaGuardError.__init__(err, f"{prefix}{self}", context={**self.context, **context})
         return err
 
 
-class MediaInputError(MediaAlignmentError, ValueError):
-    """The guard was called with input it cannot interpret (dtype, shape, device, ids)."""
+class MediaAlignmentError(MediaGuardError, RuntimeError):
+    """A fault in the data: placeholders and media features disagree (or a repair of them
+    failed), or the ranks that must agree on it did not."""
+
+
+class MediaInputError(MediaGuardError, ValueError):
+    """A wrong call: the guard was given input it cannot interpret (dtype, shape, device,
+    ids, an option or a tokenizer); the message names the function called and what to pass."""
 
 
 class ConsensusError(MediaAlignmentError):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from dist_harness import run_ranks
 
-from megatron_media_guard import Grammar, GuardConfig, MediaAlignmentError, MediaGuard, MediaItem
+from megatron_media_guard import Grammar, GuardConfig, MediaGuard, MediaGuardError, MediaItem
 from megatron_media_guard.adapters import guard_merge_fn, install_llava, install_mimo
 from megatron_media_guard.diagnostics import RankInfo
 from megatron_media_guard.ranks.consensus import StageConsensus
@@ -109,7 +109,7 @@ def adapters_worker(rank: int, world: int) -> dict:
         try:
             fn(rank == culprit)
             out[name] = {"raised": None}
-        except MediaAlignmentError as err:
+        except MediaGuardError as err:  # any library error: the culprit's own, the peers'
             out[name] = {
                 "raised": type(err).__name__,
                 "msg": str(err),

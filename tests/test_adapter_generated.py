@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from megatron_media_guard import Grammar, GuardConfig, MediaAlignmentError, MediaGuard, RankInfo
+from megatron_media_guard import Grammar, GuardConfig, MediaAlignmentError, MediaGuard
+from megatron_media_guard.diagnostics import RankInfo
 
 pytest.importorskip("transformers")
 

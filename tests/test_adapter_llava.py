@@ -21,11 +21,11 @@ from megatron_media_guard import (  # noqa: E402
     MediaGuard,
     MediaInputError,
     MediaItem,
-    RankInfo,
 )
 from megatron_media_guard.adapters import guarded_by, install_llava  # noqa: E402
 from megatron_media_guard.core.host import count_transfers  # noqa: E402
 from megatron_media_guard.core.outcome import StageOutcome  # noqa: E402
+from megatron_media_guard.diagnostics import RankInfo  # noqa: E402
 
 TOK = -200
 L = 3  # img_seq_len

@@ -14,7 +14,7 @@ pytest.importorskip("PIL")
 def qwen_worker(rank: int, world: int, policy: str) -> dict:
     import torch
 
-    from megatron_media_guard import Grammar, GuardConfig, MediaAlignmentError, MediaGuard
+    from megatron_media_guard import Grammar, GuardConfig, MediaGuard, MediaGuardError
     from megatron_media_guard.adapters import install_qwen_vl
     from megatron_media_guard.diagnostics import RankInfo
     from megatron_media_guard.ranks.consensus import StageConsensus
@@ -36,7 +36,7 @@ def qwen_worker(rank: int, world: int, policy: str) -> dict:
     try:
         with torch.no_grad():
             model(**(mixed if rank == 1 else engine))
-    except MediaAlignmentError as err:
+    except MediaGuardError as err:
         out.update(raised=True, culprit=err.context.get("culprit_rank"), msg=str(err))
     out["tower_calls"] = len(calls)
     out["stage_dropped"] = guard.counters["dropped"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_media_guard import MediaItem, Status, check_alignment
+from megatron_media_guard import MediaItem
+from megatron_media_guard.core.alignment import Status, check_alignment
 from megatron_media_guard.testing import TEST_GRAMMARS, build_batch, inject
 
 Q = TEST_GRAMMARS["qwen"]

@@ -16,10 +16,9 @@ from megatron_media_guard import (
     MediaGuard,
     MediaInputError,
     MediaItem,
-    RankInfo,
 )
 from megatron_media_guard.core import explain
-from megatron_media_guard.diagnostics import get_logger
+from megatron_media_guard.diagnostics import RankInfo, get_logger
 from megatron_media_guard.testing import TEST_GRAMMARS, inject
 
 Q = TEST_GRAMMARS["qwen"]

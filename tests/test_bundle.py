@@ -23,8 +23,8 @@ from megatron_media_guard import (
     MediaGuard,
     MediaInputError,
     MediaItem,
-    RankInfo,
 )
+from megatron_media_guard.diagnostics import RankInfo
 from megatron_media_guard.replay import bundle_load, bundle_save
 from megatron_media_guard.replay.bundle import FORMAT, BundleError, report_summary
 from megatron_media_guard.replay.bundle_load import load_bundle
@@ -296,7 +296,7 @@ def test_corrupt_bundle_is_a_clear_error(tmp_path, corruption):
     CORRUPTIONS[corruption](path)
     with pytest.raises(BundleError, match=str(path.name)) as info:
         load_bundle(path)
-    assert isinstance(info.value, MediaAlignmentError)
+    assert isinstance(info.value, MediaInputError)  # a file that is no bundle: a wrong call
 
 
 def test_inconsistent_bundle_fails_replay_not_crash(tmp_path):
@@ -444,8 +444,9 @@ def test_bad_arguments_raise(tmp_path, case):
 
 def test_guard_saves_a_bundle_that_replays_to_the_same_diagnostic(tmp_path):
     """dump_dir wired into the merge: the raise names the bundle, replay reproduces it."""
-    from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaGuard, RankInfo
+    from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaGuard
     from megatron_media_guard.cli import main as cli_main
+    from megatron_media_guard.diagnostics import RankInfo
 
     batch = inject(TEST_GRAMMARS["qwen"], [[("image", 4)], [("video", 6)]], "budget_shrink")
     feats = batch.features(8)

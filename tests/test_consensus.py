@@ -20,9 +20,9 @@ from megatron_media_guard import (
     GuardConfig,
     MediaGuard,
     MediaInputError,
-    RankInfo,
 )
 from megatron_media_guard.core.outcome import LocalOutcome
+from megatron_media_guard.diagnostics import RankInfo
 from megatron_media_guard.ranks.budget import DropBudget
 from megatron_media_guard.ranks.consensus import (
     StageConsensus,

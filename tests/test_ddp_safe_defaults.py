@@ -32,7 +32,7 @@ def ddp_worker(rank: int, world: int, init, log_dir: str) -> dict:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from megatron_media_guard import Grammar, GuardConfig, MediaAlignmentError, MediaGuard
+    from megatron_media_guard import Grammar, GuardConfig, MediaGuard, MediaGuardError
     from megatron_media_guard.adapters import install_qwen_vl
     from megatron_media_guard.testing.qwen_vl import Sample, seed_failure, smooth_image, tiny_model
 
@@ -58,7 +58,7 @@ def ddp_worker(rank: int, world: int, init, log_dir: str) -> dict:
         opt.zero_grad()
         try:
             loss = ddp(**batch, labels=labels).loss
-        except MediaAlignmentError as err:
+        except MediaGuardError as err:  # rank 0's bad input is a MediaInputError there
             out["raised"][s] = {
                 "culprit": err.context.get("culprit_rank", guard.rank.rank),
                 "msg": str(err),

@@ -23,7 +23,7 @@ from megatron_media_guard.diagnostics import (
     get_logger,
     summary_line,
 )
-from megatron_media_guard.errors import MediaAlignmentError
+from megatron_media_guard.errors import MediaInputError
 
 SEED = GuardRecord(
     "drop",
@@ -223,7 +223,7 @@ def test_values_are_strict_json(tmp_path):
 
 
 def test_unknown_event_is_rejected():
-    with pytest.raises(MediaAlignmentError, match="unknown diagnostics event 'oops'"):
+    with pytest.raises(MediaInputError, match="unknown diagnostics event 'oops'"):
         GuardRecord("oops")  # type: ignore[arg-type]
 
 

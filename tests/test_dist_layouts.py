@@ -95,7 +95,7 @@ def _batch(dp: int, fault: str | None, step: int):
 
 
 def _run_scenario(name, ps, info, log_dir, step0):
-    from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaGuard
+    from megatron_media_guard import GuardConfig, MediaGuard, MediaGuardError
     from megatron_media_guard.ranks.budget import DropBudget
     from megatron_media_guard.ranks.consensus import StageConsensus
     from megatron_media_guard.testing import TEST_GRAMMARS
@@ -148,7 +148,7 @@ def _run_scenario(name, ps, info, log_dir, step0):
                 out["loss_masks"].append(lp.loss_mask.tolist())
             out["stage_dropped"] = (res.report.stage if first else lp.report.stage).dropped
             guard.on_step_end(step)
-    except MediaAlignmentError as err:
+    except MediaGuardError as err:
         out.update(error=type(err).__name__, message=str(err), context=dict(err.context), step=step)
     out["total_collectives"] = cons.collectives
     return out

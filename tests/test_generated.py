@@ -19,9 +19,9 @@ from megatron_media_guard import (
     MediaAlignmentError,
     MediaGuard,
     MediaInputError,
-    RankInfo,
 )
 from megatron_media_guard.adapters.launcher import add_media_guard_args, config_from_args
+from megatron_media_guard.diagnostics import RankInfo
 from megatron_media_guard.testing import TEST_GRAMMARS, build_batch, random_layout
 
 H = 8

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from megatron_media_guard.errors import MediaAlignmentError
+from megatron_media_guard.errors import MediaAlignmentError, MediaInputError
 from megatron_media_guard.geometry import (
     FixedGeometry,
     GeometryError,
@@ -425,10 +425,11 @@ FAMILIES = [PatchMergeGeometry(), RadioTilerGeometry(), TiledGeometry(), FixedGe
         (lambda g: g.solve(10, (0, 0)), "positive"),
     ],
 )
-def test_bad_input_raises_media_alignment_error(geo, call, match):
-    with pytest.raises(MediaAlignmentError, match=match) as info:
+def test_bad_input_raises_media_input_error(geo, call, match):
+    with pytest.raises(MediaInputError, match=match) as info:
         call(geo)
     assert isinstance(info.value, GeometryError)
+    assert not isinstance(info.value, MediaAlignmentError)  # a wrong call, not a data fault
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_media_guard import GuardConfig, MediaItem, RankInfo
-from megatron_media_guard.diagnostics import get_logger
+from megatron_media_guard import GuardConfig, MediaItem
+from megatron_media_guard.diagnostics import RankInfo, get_logger
 from megatron_media_guard.errors import MediaInputError
 from megatron_media_guard.replay import bundle_load
 from megatron_media_guard.replay.bundle import FORMAT

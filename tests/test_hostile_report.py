@@ -16,10 +16,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_media_guard import RankInfo
 from megatron_media_guard.cli import main
 from megatron_media_guard.diagnostics import (
     GuardRecord,
+    RankInfo,
     build_record,
     file_name,
     get_logger,

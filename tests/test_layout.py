@@ -203,7 +203,7 @@ UP_INSIDE: dict[str, set[str]] = {
     # the CLI loads each subcommand's side only when it runs (--help imports no torch)
     "cli": {"diagnostics", "errors", "replay", "smoke"},
     # the package's public names, loaded lazily
-    "__init__": {"config", "core", "diagnostics", "errors"},
+    "__init__": {"adapters", "config", "core", "diagnostics", "errors", "families", "geometry"},
 }
 
 
@@ -260,7 +260,8 @@ TORCH_FREE = """
 import sys
 import {name}, {name}.cli, {name}.errors, {name}.config
 import {name}.diagnostics, {name}.diagnostics.report, {name}.diagnostics.report_format
-from {name} import GuardConfig, GuardRecord, MediaAlignmentError
+from {name} import GuardConfig, MediaAlignmentError, MediaGuardError
+from {name}.diagnostics import GuardRecord
 try:
     {name}.cli.main(["--help"])
     {name}.cli.main(["report", "--help"])

@@ -16,8 +16,8 @@ from collections.abc import Mapping
 import pytest
 import torch
 
-from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaGuard, RankInfo
-from megatron_media_guard.diagnostics import DiagnosticsLog, GuardRecord, get_logger, log
+from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaGuard
+from megatron_media_guard.diagnostics import DiagnosticsLog, GuardRecord, RankInfo, get_logger, log
 from megatron_media_guard.diagnostics.report import summarize
 from megatron_media_guard.replay import bundle_save
 from megatron_media_guard.testing import TEST_GRAMMARS, inject

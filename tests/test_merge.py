@@ -19,9 +19,9 @@ from megatron_media_guard import (
     MediaGuard,
     MediaInputError,
     MediaItem,
-    RankInfo,
 )
 from megatron_media_guard.core.host import count_transfers
+from megatron_media_guard.diagnostics import RankInfo
 from megatron_media_guard.testing import FAULTS, TEST_GRAMMARS, build_batch, inject, random_layout
 
 Q = TEST_GRAMMARS["qwen"]

@@ -24,8 +24,8 @@ from megatron_media_guard import (
     MediaGuard,
     MediaInputError,
     MediaItem,
-    RankInfo,
 )
+from megatron_media_guard.diagnostics import RankInfo
 from megatron_media_guard.geometry import Solution
 from megatron_media_guard.testing import FAULTS, TEST_GRAMMARS, build_batch, inject, random_layout
 

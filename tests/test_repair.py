@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_media_guard import GuardConfig, MediaGuard, MediaItem, RankInfo
+from megatron_media_guard import GuardConfig, MediaGuard, MediaItem
+from megatron_media_guard.diagnostics import RankInfo
 from megatron_media_guard.geometry import PatchMergeGeometry
 from megatron_media_guard.repair.pixels import from_frames
 from megatron_media_guard.testing import TEST_GRAMMARS, build_batch

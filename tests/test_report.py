@@ -27,7 +27,7 @@ from megatron_media_guard.diagnostics import (
 from megatron_media_guard.diagnostics.report import ReportSummary, summarize
 from megatron_media_guard.diagnostics.report_aggregate import _HeavyHitters
 from megatron_media_guard.diagnostics.report_format import format_summary
-from megatron_media_guard.errors import MediaAlignmentError
+from megatron_media_guard.errors import MediaInputError
 
 
 @pytest.fixture(autouse=True)
@@ -478,7 +478,7 @@ def test_register_adds_a_subcommand(capsys):
 
 
 def test_summarize_rejects_missing_path(tmp_path):
-    with pytest.raises(MediaAlignmentError, match="no such diagnostics"):
+    with pytest.raises(MediaInputError, match="no such diagnostics"):
         summarize(tmp_path / "missing")
 
 

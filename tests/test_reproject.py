@@ -11,7 +11,7 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from megatron_media_guard.errors import MediaAlignmentError
+from megatron_media_guard.errors import MediaAlignmentError, MediaInputError
 from megatron_media_guard.repair import fp8
 from megatron_media_guard.repair.pixels import from_frames, to_frames
 from megatron_media_guard.repair.reproject import ReencodeResult, reencode, resize_frames
@@ -193,18 +193,18 @@ def test_wrong_count_encoder_raises_naming_both_counts() -> None:
 
 
 @pytest.mark.parametrize(
-    ("target", "fragment"),
+    ("target", "fragment", "error"),
     [
-        (Target(13, (84, 112)), "gives 12 tokens"),
-        (Target(12, (84, 100)), "not a multiple of patch*merge"),
-        (Target(12, None), "no pixel size"),
-        (Target(12, None, reachable=False, reason="prime N with thumbnail"), "prime N"),
+        (Target(13, (84, 112)), "gives 12 tokens", MediaAlignmentError),
+        (Target(12, (84, 100)), "not a multiple of patch*merge", MediaInputError),
+        (Target(12, None), "no pixel size", MediaAlignmentError),
+        (Target(12, None, reachable=False, reason="prime N"), "prime N", MediaAlignmentError),
     ],
 )
-def test_inconsistent_target_raises_before_encoding(target: Target, fragment: str) -> None:
+def test_inconsistent_target_raises_before_encoding(target: Target, fragment: str, error) -> None:
     patches, grid_thw = qwen_item()
     encoder = QwenLikeEncoder()
-    with pytest.raises(MediaAlignmentError, match=re.escape(fragment)):
+    with pytest.raises(error, match=re.escape(fragment)):
         reencode(patches, "qwen_patches", target, encoder, grid_thw=grid_thw)
     assert encoder.calls == []
 
@@ -252,7 +252,7 @@ def test_pad_for_fp8_and_trim(n: int, multiple: int, n_pad: int) -> None:
 def test_padding_multiple_keeps_whole_merge_groups() -> None:
     assert fp8.padded_multiple(16, 4) == 16
     assert fp8.padded_multiple(6, 4) == 12
-    with pytest.raises(MediaAlignmentError):
+    with pytest.raises(MediaInputError):
         fp8.padded_multiple(0, 4)
 
 

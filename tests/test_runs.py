@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_media_guard import FindingKind, Grammar, MediaInputError, parse_runs
+from megatron_media_guard import Grammar, MediaInputError, parse_runs
+from megatron_media_guard.core.runs import FindingKind
 from megatron_media_guard.testing import TEST_GRAMMARS, build_batch, reference_runs
 
 Q = TEST_GRAMMARS["qwen"]  # image 5, video 6, start 3, end 4

@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_media_guard import FindingKind, Grammar, MediaInputError, parse_runs
-from megatron_media_guard.core.runs import TokenLayout
+from megatron_media_guard import Grammar, MediaInputError, parse_runs
+from megatron_media_guard.core.runs import FindingKind, TokenLayout
 from megatron_media_guard.testing import reference_runs
 
 VS, VE, IMG, VID, AS, AE, AUD = 3, 4, 5, 6, 7, 9, 8

@@ -16,7 +16,6 @@ module gets its own subpackage (``llava/``, ``qwen_vl/``); a one-module adapter 
 
 from .generic import ArgMap, guard_merge_fn, infer_items, install_generic
 from .hooks import GuardHandle, HandleGroup, guarded_by
-from .llava.checks import LlavaFault
 from .llava.install import LlavaHandle, LlavaResult, install_llava
 from .mimo import install_mimo
 from .qwen_vl.install import QwenVLHandle, install_qwen_vl
@@ -24,15 +23,11 @@ from .vlm import VLMHandle
 from .vlm_inputs import InputsHandle
 from .vlm_install import install_vlm
 
-ImageFault = LlavaFault  # the 0.1 name (before sound faults); kept for existing imports
-
 __all__ = [
     "ArgMap",
     "GuardHandle",
     "HandleGroup",
-    "ImageFault",
     "InputsHandle",
-    "LlavaFault",
     "LlavaHandle",
     "LlavaResult",
     "QwenVLHandle",

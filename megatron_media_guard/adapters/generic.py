@@ -30,7 +30,7 @@ from ..core.items import MediaItem
 from ..core.outcome import MergeResult
 from ..core.runs import ParsedRuns, parse_runs
 from ..diagnostics import GuardRecord
-from ..errors import MediaAlignmentError, MediaInputError
+from ..errors import MediaGuardError, MediaInputError
 from .hooks import GuardHandle, ItemsProvider, StepProvider
 
 OutputFn = Callable[[MergeResult], Any]
@@ -256,7 +256,7 @@ def merge_through_guard(
             microbatch=microbatch,
             cu_seqlens=cu_seqlens,
         )
-    except MediaAlignmentError as err:
+    except MediaGuardError as err:
         if note is None:
             raise
         raise err.with_context(f"{note}\n") from None

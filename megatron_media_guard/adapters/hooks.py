@@ -25,7 +25,7 @@ from ..core.guard import MediaGuard
 from ..core.items import MediaItem
 from ..core.outcome import MergeResult
 from ..core.runs import TokenLayout
-from ..errors import MediaAlignmentError, MediaInputError
+from ..errors import MediaGuardError, MediaInputError
 from ..ranks.consensus import dist_ready
 
 AdapterKind = Literal["llava", "mimo", "generic", "qwen_vl", "vlm", "step_end"]
@@ -157,7 +157,7 @@ class GuardHandle:
         The guard's round starts (:meth:`MediaGuard.begin`) before the adapter's own checks;
         ``body`` must end in ``guard.merge`` / ``guard.settle``, which join the stage's
         collective. An exception before that joins it as this rank's fatal outcome
-        (:meth:`MediaGuard.fail`) and is re-raised here; a :class:`MediaAlignmentError`
+        (:meth:`MediaGuard.fail`) and is re-raised here; a :class:`MediaGuardError`
         without a where-context gets ``"<label> (rank r, step s, microbatch m): "`` once.
         """
         step, mb = self.next_call()
@@ -165,7 +165,7 @@ class GuardHandle:
         guard.begin()
         try:
             return body(step, mb)
-        except MediaAlignmentError as err:
+        except MediaGuardError as err:
             if not err.context.get("where"):
                 where = guard.where(step, mb)
                 err = err.with_context(f"{label} ({where}): ", where=where)

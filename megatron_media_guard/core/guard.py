@@ -16,7 +16,7 @@ import torch
 
 from ..config import GuardConfig
 from ..diagnostics import DiagnosticsLog, GuardRecord, RankInfo
-from ..errors import MediaAlignmentError, MediaInputError
+from ..errors import MediaAlignmentError, MediaGuardError, MediaInputError
 from .alignment import AlignmentReport, align
 from .apply import mask_dropped, nonfinite_items, rows_index, scatter
 from .fault_path import diagnose
@@ -239,7 +239,7 @@ class MediaGuard:
                     "the model): use the LLaVA adapter, not the generic merge"
                 )
             return self._merge(prepare())
-        except MediaAlignmentError as err:
+        except MediaGuardError as err:
             if not err.context.get("where"):
                 where = self.where(step, microbatch)
                 err = err.with_context(f"MediaGuard.merge ({where}): ", where=where)

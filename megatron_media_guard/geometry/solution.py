@@ -13,13 +13,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron_media_guard.errors import MediaAlignmentError
+from megatron_media_guard.errors import MediaInputError
 
 Fidelity = Literal["engine-replay", "unique", "closest-aspect", "unreachable"]
 FIDELITIES: tuple[Fidelity, ...] = ("engine-replay", "unique", "closest-aspect", "unreachable")
 
 
-class GeometryError(MediaAlignmentError, ValueError):
+class GeometryError(MediaInputError):
     """A geometry was given input it cannot size (bad size, count, frames or config)."""
 
 

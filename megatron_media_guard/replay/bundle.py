@@ -39,7 +39,7 @@ from ..config import GuardConfig
 from ..core.alignment import AlignmentReport
 from ..core.grammar import Grammar
 from ..core.items import MediaItem
-from ..errors import MediaAlignmentError
+from ..errors import MediaInputError
 
 FORMAT = "media_guard.bundle"
 SCHEMA_VERSION = 1
@@ -48,7 +48,7 @@ _ZIP_MAGIC = b"PK\x03\x04"
 _MAX_SAMPLES_IN_SUMMARY = 256
 
 
-class BundleError(MediaAlignmentError):
+class BundleError(MediaInputError):
     """A bundle cannot be read: missing, corrupt, partial, or of an unknown schema."""
 
 

@@ -15,7 +15,7 @@ from ..config import GuardConfig
 from ..core.grammar import Grammar
 from ..core.items import MediaItem
 from ..diagnostics import RankInfo
-from ..errors import MediaAlignmentError
+from ..errors import MediaGuardError
 from .bundle import (
     _ZIP_MAGIC,
     FORMAT,
@@ -159,7 +159,7 @@ def load_bundle(path: str | os.PathLike[str], *, max_bytes: int | None = None) -
         ValueError,
         AttributeError,
         RecursionError,
-        MediaAlignmentError,
+        MediaGuardError,
     ) as err:
         raise BundleError(
             f"{path}: bundle metadata is invalid ({type(err).__name__}: {err})",

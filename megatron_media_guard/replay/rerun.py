@@ -23,7 +23,7 @@ from ..core.plan import build_plan
 from ..core.runs import TokenLayout, parse_layout
 from ..core.verify import Verdict
 from ..diagnostics.report_format import neutralise
-from ..errors import MediaAlignmentError
+from ..errors import MediaGuardError
 from .args import add_replay_arguments
 from .bundle import BundleError, _json_default, report_summary
 from .bundle_load import Bundle, load_bundle
@@ -80,7 +80,7 @@ def replay(bundle: Bundle) -> ReplayResult:
         lay = TokenLayout(bundle.input_ids, bundle.grammar, bundle.cu_seqlens)
         norm = metadata_batch(bundle.items, lay.num_samples)
         report = align(parse_layout(lay), norm.items, explicit=norm.explicit)
-    except MediaAlignmentError as err:
+    except MediaGuardError as err:
         raise BundleError(f"{bundle.path}: bundle content is inconsistent: {err}") from None
     bad = tuple(r.sample for r in report.mismatched)
     verdict = Verdict(report.num_runs, len(bad), len(report.stray_findings), 0, 0)
@@ -108,7 +108,7 @@ def run_replay(args: argparse.Namespace) -> int:
     traceback, never 1)."""
     try:
         result = replay(load_bundle(args.bundle, max_bytes=getattr(args, "max_bytes", None)))
-    except MediaAlignmentError as err:
+    except MediaGuardError as err:
         return _bad_bundle(args, _one_line(str(err)))
     except Exception as err:  # whatever an invalid bundle trips in the replay itself
         why = _one_line(f"{type(err).__name__}: {err}")

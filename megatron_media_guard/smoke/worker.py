@@ -31,7 +31,7 @@ with warnings.catch_warnings():  # megatron-core warns about missing TE/Apex on 
 from ..config import GuardConfig
 from ..core.guard import MediaGuard
 from ..diagnostics import LOGGER_NAME, get_logger
-from ..errors import MediaAlignmentError
+from ..errors import MediaGuardError
 from ..ranks.consensus import StageConsensus
 from .runspec import Observation, RankResult, WorkerArgs
 from .scenarios import GEOMETRY, GRAMMAR, micro_batch
@@ -116,7 +116,7 @@ class _Rank:
         opt = torch.optim.SGD(self.model.parameters(), lr=a.lr)
         losses: list[float] = []
         drops, repairs, injected = [], [], []
-        err: MediaAlignmentError | None = None
+        err: MediaGuardError | None = None
         raised_step = None
         for step in range(a.steps):
             faulty = self.dp == self.fault_dp and step == a.fault_step
@@ -131,7 +131,7 @@ class _Rank:
                 sync_gradients(self.model, self.dp_group)
                 opt.step()
                 guard.on_step_end(step)
-            except MediaAlignmentError as exc:
+            except MediaGuardError as exc:
                 err, raised_step = exc, step
                 self.say(
                     f"{counter} {name:<28} step {step}  RAISED {_culprit_text(exc, self.rank)}"
@@ -216,7 +216,7 @@ class _Rank:
         sys.stdout.flush()
 
 
-def _culprit_text(err: MediaAlignmentError, rank: int) -> str:
+def _culprit_text(err: MediaGuardError, rank: int) -> str:
     c = err.context.get("culprit_rank", rank)
     head = " ".join(str(err).split())
     head = head if len(head) <= 160 else head[:157] + "..."

@@ -7,7 +7,7 @@ device-to-host transfer), ``layout`` and ``packed`` (rows and THD sub-samples), 
 copying features), ``report`` (messages and records). See docs/MEGATRON.md.
 """
 
-from .checks import LlavaFault, llava_grammar
+from .checks import llava_grammar
 from .install import LlavaHandle, LlavaResult, install_llava
 
-__all__ = ["LlavaFault", "LlavaHandle", "LlavaResult", "install_llava", "llava_grammar"]
+__all__ = ["LlavaHandle", "LlavaResult", "install_llava", "llava_grammar"]

@@ -23,9 +23,6 @@ from .measure import LlavaFacts
 
 SOUND_MODALITIES = frozenset({"sound", "audio"})
 
-#: one finding of LLaVA's checks: core's item fault (its records and message are core's)
-LlavaFault = ItemFault
-
 
 @functools.lru_cache(maxsize=16)
 def llava_grammar(image_token_index: int) -> Grammar:
@@ -109,13 +106,13 @@ def image_owners(facts: LlavaFacts, items: Sequence[MediaItem] | None) -> ImageO
     return ImageOwners(None if owners is None else tuple(owners), consistent)
 
 
-def _segment_faults(facts: LlavaFacts) -> list[LlavaFault]:
+def _segment_faults(facts: LlavaFacts) -> list[ItemFault]:
     out = []
     for smp, sp in enumerate(facts.spans):
         if not sp.resolved:
             span = sp.merged_end - sp.merged_start
             out.append(
-                LlavaFault(
+                ItemFault(
                     smp,
                     "segment",
                     "sample",
@@ -134,14 +131,14 @@ def _segment_faults(facts: LlavaFacts) -> list[LlavaFault]:
 
 def _count_faults(
     facts: LlavaFacts, own: ImageOwners, items: Sequence[MediaItem] | None
-) -> list[LlavaFault]:
-    out: list[LlavaFault] = []
+) -> list[ItemFault]:
+    out: list[ItemFault] = []
     K, n = facts.total_tokens, facts.num_entries
     if own.owners is None:  # totals disagree and nothing says which sample is short
         for smp, k in enumerate(facts.tokens):
             if k:
                 out.append(
-                    LlavaFault(
+                    ItemFault(
                         smp,
                         "count",
                         "image",
@@ -159,7 +156,7 @@ def _count_faults(
         k, js = facts.tokens[smp], own.of(smp)
         if k != len(js):
             out.append(
-                LlavaFault(
+                ItemFault(
                     smp,
                     "count",
                     "image",
@@ -176,7 +173,7 @@ def _count_faults(
         for j, (it, t) in enumerate(zip(items, facts.entries)):
             if it.num_features != t * L:
                 out.append(
-                    LlavaFault(
+                    ItemFault(
                         it.sample,  # type: ignore[arg-type]
                         "tiles",
                         "image",
@@ -192,10 +189,10 @@ def _count_faults(
     return out
 
 
-def _cross_fault(smp, j, i, t, end, facts: LlavaFacts, seq_len) -> LlavaFault:
+def _cross_fault(smp, j, i, t, end, facts: LlavaFacts, seq_len) -> ItemFault:
     L, m = facts.img_seq_len, facts.max_len
     start = end - t * L
-    return LlavaFault(
+    return ItemFault(
         smp,
         "max_length",
         "image",
@@ -209,10 +206,10 @@ def _cross_fault(smp, j, i, t, end, facts: LlavaFacts, seq_len) -> LlavaFault:
     )
 
 
-def _length_faults(facts: LlavaFacts, own: ImageOwners, ids, skip: set[int]) -> list[LlavaFault]:
+def _length_faults(facts: LlavaFacts, own: ImageOwners, ids, skip: set[int]) -> list[ItemFault]:
     if own.owners is None:
         return []
-    out: list[LlavaFault] = []
+    out: list[ItemFault] = []
     first = {}
     for j, smp in enumerate(own.owners):
         first.setdefault(smp, j)
@@ -258,10 +255,10 @@ def _length_faults(facts: LlavaFacts, own: ImageOwners, ids, skip: set[int]) -> 
     return out
 
 
-def _nonfinite_faults(facts: LlavaFacts, own: ImageOwners) -> list[LlavaFault]:
+def _nonfinite_faults(facts: LlavaFacts, own: ImageOwners) -> list[ItemFault]:
     if not facts.entry_bad or own.owners is None:
         return []
-    out: list[LlavaFault] = []
+    out: list[ItemFault] = []
     seen: set[int] = set()
     index_in_sample: dict[int, int] = {}
     for j, smp in enumerate(own.owners):
@@ -271,7 +268,7 @@ def _nonfinite_faults(facts: LlavaFacts, own: ImageOwners) -> list[LlavaFault]:
             continue
         seen.add(smp)
         out.append(
-            LlavaFault(
+            ItemFault(
                 smp,
                 "nonfinite",
                 "image",
@@ -288,7 +285,7 @@ def _nonfinite_faults(facts: LlavaFacts, own: ImageOwners) -> list[LlavaFault]:
 
 def image_faults(
     facts: LlavaFacts, items: Sequence[MediaItem] | None, ids
-) -> tuple[list[LlavaFault], ImageOwners]:
+) -> tuple[list[ItemFault], ImageOwners]:
     """``(faults, owners)`` for the images and the packed sub-samples."""
     own = image_owners(facts, items)
     faults = _segment_faults(facts) + _count_faults(facts, own, items)
@@ -326,13 +323,13 @@ def per_sample(gen: Generated, spans) -> Generated:
     return Generated(gen.mask, samples)
 
 
-def generated_faults(gen: Generated, action: str) -> list[LlavaFault]:
+def generated_faults(gen: Generated, action: str) -> list[ItemFault]:
     """One ``generated`` fault per sample when ``GuardConfig.generated`` drops or raises
     (none under ``"text"``: the tokens were fed as text and the sample stays)."""
     if action == "text":
         return []
     why = gen.reasons(action)
     return [
-        LlavaFault(g.sample, "generated", "image", None, None, g.positions, (), None, why[g.sample])
+        ItemFault(g.sample, "generated", "image", None, None, g.positions, (), None, why[g.sample])
         for g in gen.samples
     ]

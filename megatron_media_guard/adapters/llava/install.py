@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from ...config import GuardConfig
+from ...core.faults import ItemFault
 from ...core.generated import text_records
 from ...core.guard import MediaGuard
 from ...core.outcome import StageOutcome
@@ -45,7 +46,6 @@ from ...core.plan import worst
 from ...errors import MediaInputError
 from ..hooks import GuardHandle, ItemsProvider, StepProvider
 from .checks import (
-    LlavaFault,
     generated_faults,
     generated_tokens,
     image_faults,
@@ -71,7 +71,7 @@ class LlavaResult:
     microbatch: int | None
     num_samples: int
     actions: tuple[str, ...]
-    faults: tuple[LlavaFault, ...]
+    faults: tuple[ItemFault, ...]
     mode: str  # "as-is", "zero" (dropped positions zeroed) or "restructure"
     stage: StageOutcome | None
     spans: tuple[Span, ...] = ()

@@ -9,11 +9,10 @@ from collections.abc import Sequence
 
 from ...core.conclude import conclude_faults
 from ...core.fault_path import save_replay
-from ...core.faults import FaultContext
+from ...core.faults import FaultContext, ItemFault
 from ...core.items import MediaItem
 from ...core.plan import digest
 from ...diagnostics import GuardRecord
-from .checks import LlavaFault
 from .measure import LlavaFacts
 
 CALLER = "megatron_media_guard.adapters.llava"
@@ -63,7 +62,7 @@ def settle(
     guard,
     facts: LlavaFacts,
     owners,
-    faults: Sequence[LlavaFault],
+    faults: Sequence[ItemFault],
     actions: Sequence[str],
     *,
     batch_fatal: Sequence[str],

@@ -16,8 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ...core.faults import ItemFault
 from ...core.items import MediaItem
-from .checks import LlavaFault, item_owners
+from .checks import item_owners
 from .measure import LlavaFacts
 
 
@@ -79,14 +80,14 @@ def clip_owners(facts: LlavaFacts, items: Sequence[MediaItem] | None) -> ClipOwn
 
 def sound_faults(
     facts: LlavaFacts, items: Sequence[MediaItem] | None, sound_known: bool
-) -> tuple[list[LlavaFault], ClipOwners | None]:
+) -> tuple[list[ItemFault], ClipOwners | None]:
     """Count, max-length and NaN/Inf faults of the sound; (``[]``, None) when this stage
     does not see the sound (no ``sound_embeddings``) or the model has no sound token."""
     if not sound_known or facts.sound_token_index is None:
         return [], None
     own = clip_owners(facts, items)
     rows = facts.clip_rows
-    out: list[LlavaFault] = []
+    out: list[ItemFault] = []
     for smp in range(facts.batch):
         mine = own.clips[smp]
         got = sum(rows[c] for c in mine)
@@ -95,7 +96,7 @@ def sound_faults(
             if k == 0 and not mine:
                 continue
             out.append(
-                LlavaFault(
+                ItemFault(
                     smp,
                     "count",
                     "sound",
@@ -118,7 +119,7 @@ def sound_faults(
         if facts.sound_past[smp] and mine:
             past = facts.sound_past[smp]
             out.append(
-                LlavaFault(
+                ItemFault(
                     smp,
                     "max_length",
                     "sound",
@@ -136,7 +137,7 @@ def sound_faults(
         if bad:
             c = bad[0]
             out.append(
-                LlavaFault(
+                ItemFault(
                     smp,
                     "nonfinite",
                     "sound",

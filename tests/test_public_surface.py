@@ -1,0 +1,177 @@
+"""What a user imports from the top level, and the one error family they catch.
+
+- ``from megatron_media_guard import install_vlm, check_batch, ...`` gives the functions users
+  call (and the geometries, the errors, the result types), lazily: importing the package
+  imports no torch; ``dir()`` lists those names, not the module's helpers.
+- ``MediaGuardError`` is the root; ``MediaAlignmentError`` (a fault in the data) and
+  ``MediaInputError`` (a wrong call) are siblings under it, so a trainer that skips a batch on
+  ``except MediaAlignmentError`` does not swallow its own wrong call.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import megatron_media_guard as mmg
+from megatron_media_guard import (
+    ConsensusError,
+    DropBudgetExceeded,
+    Grammar,
+    GuardConfig,
+    MediaAlignmentError,
+    MediaGuard,
+    MediaGuardError,
+    MediaInputError,
+    MediaItem,
+)
+from megatron_media_guard.testing import build_batch
+
+# (public name, module that defines it): what a user calls, one screen of names
+PUBLIC = {
+    "install_vlm": "megatron_media_guard.adapters.vlm_install",
+    "install_from_args": "megatron_media_guard.adapters.launcher",
+    "check_batch": "megatron_media_guard.families.collate",
+    "MediaGuard": "megatron_media_guard.core.guard",
+    "GuardConfig": "megatron_media_guard.config",
+    "Grammar": "megatron_media_guard.core.grammar",
+    "MediaItem": "megatron_media_guard.core.items",
+    "parse_runs": "megatron_media_guard.core.runs",
+    "MergeResult": "megatron_media_guard.core.outcome",
+    "GuardReport": "megatron_media_guard.core.outcome",
+    "PatchMergeGeometry": "megatron_media_guard.geometry.patch_merge",
+    "RadioTilerGeometry": "megatron_media_guard.geometry.radio",
+    "TiledGeometry": "megatron_media_guard.geometry.tiled",
+    "FixedGeometry": "megatron_media_guard.geometry.fixed",
+    "PixtralGeometry": "megatron_media_guard.geometry.pixtral",
+    "AnyresGeometry": "megatron_media_guard.geometry.anyres",
+    "MediaGuardError": "megatron_media_guard.errors",
+    "MediaAlignmentError": "megatron_media_guard.errors",
+    "MediaInputError": "megatron_media_guard.errors",
+    "ConsensusError": "megatron_media_guard.errors",
+    "DropBudgetExceeded": "megatron_media_guard.errors",
+}
+# internals that left the top level: each stays importable from its own package
+INTERNAL = {
+    "Run": "megatron_media_guard.core.runs",
+    "ParsedRuns": "megatron_media_guard.core.runs",
+    "Finding": "megatron_media_guard.core.runs",
+    "FindingKind": "megatron_media_guard.core.runs",
+    "AlignmentReport": "megatron_media_guard.core.alignment",
+    "SampleReport": "megatron_media_guard.core.alignment",
+    "Status": "megatron_media_guard.core.alignment",
+    "check_alignment": "megatron_media_guard.core.alignment",
+    "GuardRecord": "megatron_media_guard.diagnostics.records",
+    "RankInfo": "megatron_media_guard.diagnostics.records",
+}
+
+
+@pytest.mark.parametrize("name,module", sorted(PUBLIC.items()))
+def test_public_name_is_the_object_its_module_defines(name, module):
+    obj = getattr(mmg, name)
+    assert obj is getattr(sys.modules[module], name)
+    assert getattr(obj, "__module__", module) == module
+
+
+def test_all_and_dir_list_exactly_the_public_names():
+    public = {*PUBLIC, "__version__"}
+    assert set(mmg.__all__) == public and len(mmg.__all__) == len(public)
+    # the module's own helpers (importlib, typing, the export table) are not part of it
+    assert dir(mmg) == sorted(public)
+    for helper in ("TYPE_CHECKING", "annotations", "importlib", "typing"):
+        assert helper not in dir(mmg)
+
+
+@pytest.mark.parametrize("name,module", sorted(INTERNAL.items()))
+def test_internals_stay_in_their_packages(name, module):
+    with pytest.raises(AttributeError):
+        getattr(mmg, name)
+    __import__(module)
+    assert getattr(sys.modules[module], name) is not None
+
+
+def test_aliases_are_gone():
+    import megatron_media_guard.adapters as adapters
+    import megatron_media_guard.adapters.llava as llava
+
+    for mod in (adapters, llava):
+        assert not hasattr(mod, "ImageFault") and not hasattr(mod, "LlavaFault")
+
+
+FROM_IMPORT = """
+from megatron_media_guard import (
+    install_vlm, install_from_args, check_batch, MediaGuardError, MediaAlignmentError,
+    MediaInputError, GuardConfig,
+)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_from_import_of_the_install_functions_works_and_import_alone_loads_no_torch():
+    """``import megatron_media_guard`` (and the errors, the config) imports no torch; the
+    install functions load it on first use, as ``from ... import install_vlm`` does."""
+    code = "import sys, megatron_media_guard as m\n"
+    code += "from megatron_media_guard import MediaInputError, GuardConfig\n"
+    code += "print('TORCH:' + str('torch' in sys.modules))\n"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=100, check=True
+    ).stdout
+    assert "TORCH:False" in out
+    subprocess.run(
+        [sys.executable, "-c", FROM_IMPORT], capture_output=True, text=True, timeout=100, check=True
+    )
+
+
+# ---- the error family ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cls,bases",
+    [
+        (MediaAlignmentError, (MediaGuardError, RuntimeError)),
+        (MediaInputError, (MediaGuardError, ValueError)),
+        (ConsensusError, (MediaAlignmentError,)),
+        (DropBudgetExceeded, (MediaAlignmentError,)),
+    ],
+)
+def test_one_root_with_a_data_branch_and_a_call_branch(cls, bases):
+    assert all(issubclass(cls, b) for b in bases)
+    data, call = issubclass(cls, MediaAlignmentError), issubclass(cls, MediaInputError)
+    assert data != call  # every error is one of the two, never both
+
+
+def test_with_context_keeps_the_type_and_extends_the_context():
+    err = MediaInputError("bad dtype", context={"dtype": "float32"})
+    out = err.with_context("MediaGuard.merge (step 3): ", where="step 3")
+    assert type(out) is MediaInputError
+    assert str(out) == "MediaGuard.merge (step 3): bad dtype"
+    assert out.context == {"dtype": "float32", "where": "step 3"}
+
+
+def _skip_on_alignment_fault(guard: MediaGuard, *args) -> str:
+    """A trainer's loop body: skip the batch on a fault in the data, let the rest propagate."""
+    try:
+        guard.merge(*args)
+    except MediaAlignmentError:
+        return "skipped"
+    return "merged"
+
+
+def test_a_trainers_except_alignment_does_not_swallow_a_wrong_call():
+    grammar = Grammar.qwen2_vl()
+    guard = MediaGuard(GuardConfig(policy="raise", log_dir=None, environ={}), grammar=grammar)
+    batch = build_batch(grammar, [[("image", 4)], [("image", 3)]])
+    ids, items = batch.input_ids, batch.items
+    emb, feats = torch.randn(*ids.shape, 8), batch.features(8, torch.float32, 0)
+    assert _skip_on_alignment_fault(guard, emb, ids, feats, items) == "merged"
+    # a fault in the data (sample 1's item one feature short): the trainer skips the batch
+    short = [items[0], MediaItem(sample=1, num_features=2)]
+    assert _skip_on_alignment_fault(guard, emb, ids, feats[:6], short) == "skipped"
+    # a wrong call (float ids): not a fault in the data, it reaches the trainer
+    with pytest.raises(MediaInputError) as info:
+        _skip_on_alignment_fault(guard, emb, ids.float(), feats, items)
+    assert not isinstance(info.value, MediaAlignmentError)
+    assert isinstance(info.value, MediaGuardError)
