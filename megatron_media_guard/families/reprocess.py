@@ -147,9 +147,10 @@ class Reprocessor:
             raise MediaAlignmentError(self._video_refusal(r, plan, batch, key))
         pin = PINS.get(self.spec.name)
         if pin is None or self.geometry is None:
+            what = "its processor has no pin" if pin is None else "it has no geometry"
             raise MediaAlignmentError(
                 f"cannot repair: {self.spec.name} images are not re-processed from the "
-                "original here (no pin for its processor)"
+                f"original here ({what})"
             )
         original = self.media[key]
         hw = tuple(as_channels_first(original).shape[-2:])
