@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as Fn
 from family_checks import records
+from originals import picture
 from PIL import Image
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError
@@ -43,15 +44,6 @@ NEMOTRON_TOKENS = {
     "<so_start>": nemotron_omni.SO_START,
     "<so_end>": nemotron_omni.SO_END,
 }
-
-
-def picture(h: int, w: int, seed: int) -> Image.Image:
-    """A smooth RGB picture with edges (random noise would make every resampler agree less)."""
-    rs = np.random.RandomState(seed)
-    y, x = np.mgrid[0:h, 0:w]
-    base = np.stack([np.sin(x / (7 + c) + y / (11 + c) + rs.rand() * 6) for c in range(3)], -1)
-    img = (base * 100 + 128 + rs.randint(-20, 20, (h, w, 3))).clip(0, 255)
-    return Image.fromarray(img.astype(np.uint8))
 
 
 def radio_oracle(img: Image.Image, budget: int) -> tuple[torch.Tensor, tuple[int, int]]:
