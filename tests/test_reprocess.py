@@ -194,6 +194,23 @@ def test_no_original_falls_back_saying_so(family, tmp_path):
 
 
 @pytest.mark.parametrize("family", sorted(CASES))
+def test_a_sample_is_repaired_only_when_all_its_items_are(family):
+    """Two short images in one sample, the second without its original: the sample falls
+    back whole (dropped), nothing of it is re-processed into the batch."""
+    case = CASES[family]()
+    imgs = [picture(300, 500, 1), picture(260, 300, 5)]
+    (_, g0), (_, g1) = (case.static(im) for im in imgs)
+    n0, n1 = (case.engine(im)[2] for im in imgs)
+    model = model_of(case)
+    media = [Media("image", case.media(g0), tokens=n0), Media("image", case.media(g1), tokens=n1)]
+    kw = dict(case.fixture.make_batch(model, [media]).kwargs)
+    kw["pixel_values"] = torch.cat([case.static(im)[0] for im in imgs])
+    kw[case.grid] = torch.tensor([list(g0), list(g1)])
+    out = run(case, kw, [imgs[0], None], model)
+    assert out.report.actions == ("drop",) and out.reprocessed == () and out.matched == set()
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
 def test_a_fidelity_the_config_does_not_allow_falls_back(family):
     case = CASES[family]()
     imgs = [picture(300, 500, 1)]

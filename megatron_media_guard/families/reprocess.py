@@ -118,6 +118,9 @@ class Reprocessor:
         except MediaAlignmentError as err:
             facts["reason"] = str(err)
             return None, facts
+        except Exception as err:  # a geometry's or converter's own error: recorded, fallback
+            facts["reason"] = f"re-processing failed: {type(err).__name__}: {err}"[:500]
+            return None, facts
         facts.update(
             fidelity=sol.fidelity,
             size_hw=sol.size_hw,
@@ -145,8 +148,10 @@ class Reprocessor:
         mod, k = key
         if mod != "image":
             raise MediaAlignmentError(self._video_refusal(r, plan, batch, key))
-        pin = PINS.get(self.spec.name)
-        if pin is None or self.geometry is None:
+        pin, geo = PINS.get(self.spec.name), self.geometry
+        if isinstance(geo, Mapping):  # a geometry per modality
+            geo = geo.get(mod)
+        if pin is None or geo is None:
             what = "its processor has no pin" if pin is None else "it has no geometry"
             raise MediaAlignmentError(
                 f"cannot repair: {self.spec.name} images are not re-processed from the "
@@ -154,7 +159,7 @@ class Reprocessor:
             )
         original = self.media[key]
         hw = tuple(as_channels_first(original).shape[-2:])
-        sol, why_not = solve_allowed(self.geometry, r.target, hw, 1, ctx.config)
+        sol, why_not = solve_allowed(geo, r.target, hw, 1, ctx.config)
         facts.update(fidelity=sol.fidelity, size_hw=sol.size_hw)
         if why_not is not None:
             raise MediaAlignmentError(f"{mod} {k} ({hw[0]}x{hw[1]}): {why_not}")
