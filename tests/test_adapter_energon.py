@@ -133,3 +133,40 @@ def test_a_raise_is_fatal_for_energon():
     _, data = turns()
     with pytest.raises(FatalSampleError, match="media guard"):
         list(loader(RolloutEncoder(GuardConfig(policy="raise")), data))
+
+
+class PackingEncoder(energon.TaskEncoder):
+    """The check per sample after packing selects it (``postencode_sample``, which energon runs
+    on each sample of a selected pack before ``pack_selected_samples``): a drop leaves the
+    pack, the rest is packed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plain = RolloutEncoder(GuardConfig(policy="repair"))
+
+    def select_samples_to_pack(self, samples: list[dict]) -> list[list[dict]]:
+        return [samples]  # one pack of the whole buffer
+
+    def postencode_sample(self, sample: dict) -> dict:
+        enc = self.plain.encode_sample(sample)
+        return self.plain.encode_batch(self.plain.batch([enc]))
+
+    def pack_selected_samples(self, samples: list[dict]) -> dict:
+        return {"keys": [s["key"] for s in samples], "samples": samples}
+
+    def batch(self, packs: list[dict]) -> dict:
+        (pack,) = packs
+        return pack
+
+
+def test_after_packing_a_dropped_sample_leaves_the_pack():
+    imgs, data = turns()
+    enc = PackingEncoder()
+    wc = energon.WorkerConfig(rank=0, world_size=1, num_workers=0)
+    ds = enc.build_encode_sample(Turns(data, wc), worker_config=wc)
+    ds = enc.build_batch(ds, batch_size=1, packing_buffer_size=3, worker_config=wc)
+    (pack,) = list(energon.get_loader(ds, watchdog_timeout_seconds=None))
+    assert pack["keys"] == [0, 1]  # turn 2 (no original) skipped inside the pack
+    _, engine = engine_run(imgs[1])
+    assert torch.equal(pack["samples"][1]["inputs"]["pixel_values"], engine["pixel_values"])
+    assert pack["samples"][1]["matched"] == {("image", 0)}
