@@ -354,3 +354,16 @@ def test_media_of_the_wrong_length_is_refused_naming_check_batch():
     model, kw, _ = batch_for(case, imgs, [None])
     with pytest.raises(MediaInputError, match=r"check_batch\(media=...\) has 2 originals for 1"):
         run(case, kw, imgs * 2, model)
+
+
+@pytest.mark.parametrize("family", ["glm4v", "ernie4_5_vl"])
+def test_a_processor_family_without_its_processor_falls_back_saying_so(family, tmp_path):
+    case = CASES[family]()
+    imgs = [picture(300, 500, 1)]
+    _, _, n = case.engine(imgs[0])
+    model, kw, _ = batch_for(case, imgs, [n])
+    bare = Case(case.family, case.fixture, None, case.grid)
+    out = run(bare, kw, imgs, model, log_dir=str(tmp_path))
+    assert out.report.actions == ("drop",) and out.reprocessed == ()
+    (rec,) = [r for r in records(tmp_path) if r["event"] == "repair"]
+    assert "no processor given" in rec["reason"]
