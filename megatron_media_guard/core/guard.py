@@ -192,6 +192,7 @@ class MediaGuard:
         step: int | None = None,
         microbatch: int | None = None,
         repairs: Literal["assume", "attempt"] = "assume",
+        encoder: object | None = None,
     ) -> MergeResult:
         """The merge's decisions without features, for the last pipeline stage (which needs the
         loss mask) or any rank without the vision side. ``embeddings`` of the result is None.
@@ -203,7 +204,10 @@ class MediaGuard:
         ``repairs="attempt"``: no other stage merges (the collate check, an input rewrite
         whose model encodes and merges itself): each planned repair is attempted as the
         merge's would be, with no features and no encoder, so it takes ``fallback`` with the
-        reason (no geometry for the family, else no encoder / pixels).
+        reason (no geometry for the family, else no encoder / pixels). ``encoder``: with
+        ``"attempt"``, what repairs an item instead: an object whose ``reprocess(repair, plan,
+        batch, context)`` re-processes it from its original media (the collate check's
+        :class:`~megatron_media_guard.families.reprocess.Reprocessor`).
         """
 
         def prepare() -> Call:
@@ -222,7 +226,7 @@ class MediaGuard:
                 False,
                 step,
                 microbatch,
-                None,
+                encoder,
                 repairs,
             )
 

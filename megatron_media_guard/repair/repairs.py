@@ -107,9 +107,13 @@ def solve_allowed(geo, target: int, hw: tuple[int, int], num_frames: int, config
 
 
 def _attempt(
-    r: ItemRepair, batch: Batch, ctx: RepairContext, encoder
+    r: ItemRepair, plan: Plan, batch: Batch, ctx: RepairContext, encoder
 ) -> tuple[torch.Tensor | None, dict]:
-    """Re-encode one item; returns (features or None, facts for the record)."""
+    """Re-encode one item; returns (features or None, facts for the record). An encoder with
+    ``reprocess`` (the collate check's) repairs the item from its original media itself."""
+    redo = getattr(encoder, "reprocess", None)
+    if redo is not None:
+        return redo(r, plan, batch, ctx)
     item = batch.items[r.item]
     facts: dict = {"target": r.target}
     hw = _source_hw(item)
@@ -188,7 +192,7 @@ def run_repairs(
     records: list[GuardRecord] = []
     for r in plan.repairs:
         t0 = time.perf_counter()
-        feats, facts = _attempt(r, batch, ctx, encoder)
+        feats, facts = _attempt(r, plan, batch, ctx, encoder)
         item = batch.items[r.item]
         ok = feats is not None
         if ok:

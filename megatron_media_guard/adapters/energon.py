@@ -1,0 +1,91 @@
+"""megatron-energon (Megatron's multimodal data loader): the media check inside a ``TaskEncoder``.
+
+Call :func:`guard_batch` where a task encoder has the model inputs of a batch (``encode_batch``)
+or of one sample (``postencode_sample``, which energon runs on each sample it packs):
+
+::
+
+    from megatron.energon import DefaultTaskEncoder
+    from megatron_media_guard import GuardConfig
+    from megatron_media_guard.adapters.energon import guard_batch
+
+    class Encoder(DefaultTaskEncoder):
+        def encode_batch(self, batch):
+            inputs, originals = batch["inputs"], batch["media"]
+            return guard_batch(
+                inputs, "glm4v", config=model_config, guard=GuardConfig(policy="repair"),
+                media=originals, processor=image_processor,
+            ).batch
+
+A sample the check drops becomes energon's own ``SkipSample`` (``on_drop="skip"``, the
+default: energon skips the batch, or the one sample in ``postencode_sample``); ``"mask"`` keeps
+the batch with the dropped samples text-only and their labels ignored (``check_batch``'s drop).
+A sample the guard must raise for (``policy="raise"``, ``fallback="raise"``) becomes
+``FatalSampleError``, which energon's error handling never swallows. Mismatched items whose
+originals are given are re-processed at the rollout's runs (``policy="repair"``,
+:mod:`~megatron_media_guard.families.reprocess`). megatron-energon is imported only when
+needed. Recipe: docs/DATA_SIDE.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from ..errors import MediaAlignmentError, MediaInputError
+from ..families.collate import BatchCheck, check_batch
+
+OnDrop = Literal["skip", "mask"]
+
+
+def _energon():
+    """megatron-energon's own exceptions (``megatron.energon.errors``), imported when needed."""
+    try:
+        from megatron.energon import errors
+    except ImportError as err:  # pragma: no cover - the test extra installs it
+        raise MediaInputError(
+            "guard_batch needs megatron-energon (pip install megatron-energon)"
+        ) from err
+    return errors
+
+
+def guard_batch(
+    inputs: Mapping[str, Any],
+    family: str,
+    *,
+    config: Any,
+    tokenizer: Any = None,
+    guard: Any = None,
+    media: Any = None,
+    processor: Any = None,
+    on_drop: OnDrop = "skip",
+    step: int | None = None,
+) -> BatchCheck:
+    """:func:`~megatron_media_guard.families.collate.check_batch` on ``inputs`` (the model's
+    keyword arguments, ``input_ids`` ``[b, s]``), its outcome in energon's terms (module
+    docstring). Returns the :class:`BatchCheck` (``.batch``: the inputs to feed the model)."""
+    if on_drop not in ("skip", "mask"):
+        raise MediaInputError(f"guard_batch(on_drop=...) must be 'skip' or 'mask', got {on_drop!r}")
+    try:
+        checked = check_batch(
+            family,
+            inputs,
+            config=config,
+            tokenizer=tokenizer,
+            guard=guard,
+            step=step,
+            media=media,
+            processor=processor,
+        )
+    except MediaAlignmentError as err:
+        raise _energon().FatalSampleError(f"media guard: {err}") from err
+    if checked.dropped and on_drop == "skip":
+        rep = checked.report
+        raise _energon().SkipSample(
+            f"media guard dropped sample(s) {list(rep.dropped)} of {rep.num_samples} "
+            "(placeholder runs and media disagree; see the guard's log)"
+        )
+    return checked
+
+
+__all__ = ["guard_batch"]

@@ -1,0 +1,242 @@
+"""The data side's repair: each mismatched item re-processed from its original media, pinned to
+the rollout's run, before the trainer sees it (the seed's fix, NeMo-RL's
+``reprocess_images_at_rollout_budgets``, in :func:`~.collate.check_batch`).
+
+The guard plans as always (:meth:`MediaGuard.last_stage`, every planned repair attempted): a
+:class:`Reprocessor` is its ``encoder``, and for each planned repair it
+
+1. solves the run's length on the original's size with the family's geometry
+   (:func:`~..repair.repairs.solve_allowed`: the fidelity classes ``GuardConfig.
+   allowed_fidelity`` allows);
+2. processes the original at the solved size the way the family's processor does
+   (:mod:`.pinning`: the processor's own budget knobs, else its own resize then no resize,
+   else the library's implementation of its arithmetic);
+3. checks that the result has exactly the run's length, else refuses: the run's length does
+   not uniquely determine an input the processor maps there; nothing is inferred.
+
+A refusal (no original, a video, no pin for the family, a count that does not land) makes the
+guard take ``GuardConfig.fallback`` for the sample (drop, or raise naming why). The items the
+plan keeps repaired are :class:`Reprocessed`; :func:`replace_rows` puts their rows and grid rows
+in the batch (the aligned items' tensors are untouched).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..core.host import to_host
+from ..core.items import MediaItem
+from ..core.outcome import GuardReport
+from ..core.plan import ItemRepair, Plan
+from ..errors import MediaAlignmentError, MediaInputError
+from ..repair.repairs import solve_allowed
+from .pinning import PINS, Processed, as_channels_first
+from .spec import FamilySpec, ModalitySpec
+
+Key = tuple[str, int]  # (modality, model-level index)
+
+
+@dataclass(frozen=True)
+class Reprocessed:
+    """One item re-processed from its original at the rollout's run: matched to the rollout.
+
+    modality / index: the item (its row in that modality's grid input of the batch as given);
+    sample: its sample; tokens: its run's length; fidelity: the solution's class (geometry
+    ``Solution``); size_hw: the pixel size it was processed at; grid: the processor's grid row;
+    how: ``pinned`` (the processor's own budget knobs, ``knobs``), ``resized`` (its own resize,
+    then no resize) or ``own-arithmetic``; duration_ms: solve + process, host wall time.
+    """
+
+    modality: str
+    index: int
+    sample: int
+    tokens: int
+    fidelity: str
+    size_hw: tuple[int, int]
+    grid: tuple[int, ...]
+    how: str
+    knobs: tuple[tuple[str, int], ...]
+    duration_ms: float
+    rows: torch.Tensor = field(compare=False, repr=False)
+
+
+def originals(media: Any, keys: Sequence[Key]) -> dict[Key, Any]:
+    """``media`` by item: a sequence with one original per model-level item in ``keys``' order
+    (every image, then every video, ...; None where there is none), or a mapping modality ->
+    its originals in order."""
+    if isinstance(media, Mapping):
+        out = {}
+        for mod, seq in media.items():
+            for k, m in enumerate(seq):
+                out[(mod, k)] = m
+        return out
+    media = list(media)
+    if len(media) != len(keys):
+        raise MediaInputError(
+            f"check_batch(media=...) has {len(media)} originals for {len(keys)} media items "
+            f"({', '.join(f'{m} {k}' for m, k in keys)}): pass one per item in that order "
+            "(None where there is none), or a dict modality -> list"
+        )
+    return dict(zip(keys, media))
+
+
+class Reprocessor:
+    """The guard's ``encoder`` in :func:`~.collate.check_batch`: repairs an item by
+    re-processing its original (module docstring). ``items``/``parent``: the items as
+    check_batch made them and each one's model-level index; ``media``: see :func:`originals`."""
+
+    def __init__(
+        self,
+        spec: FamilySpec,
+        geometry: Any,
+        items: Sequence[MediaItem],
+        parent: Sequence[int],
+        media: Any,
+        processor: Any = None,
+    ) -> None:
+        self.spec, self.geometry, self.processor = spec, geometry, processor
+        self.key = {id(it): (it.modality, k) for it, k in zip(items, parent)}
+        self.runs: dict[Key, list[MediaItem]] = {}
+        for it, k in zip(items, parent):
+            self.runs.setdefault((it.modality, k), []).append(it)
+        self.media = originals(media, list(self.runs))
+        self.done: dict[Key, Reprocessed] = {}
+
+    def reprocess(self, r: ItemRepair, plan: Plan, batch, ctx) -> tuple[Any, dict]:
+        """One planned repair (``repair.repairs``' hook): (new rows or None, facts)."""
+        t0 = time.perf_counter()
+        item = batch.items[r.item]
+        facts: dict = {"target": r.target}
+        key = self.key.get(id(item))
+        try:
+            sol, proc = self._solve_and_process(r, plan, batch, item, key, ctx, facts)
+        except MediaAlignmentError as err:
+            facts["reason"] = str(err)
+            return None, facts
+        except Exception as err:  # a geometry's or converter's own error: recorded, fallback
+            facts["reason"] = f"re-processing failed: {type(err).__name__}: {err}"[:500]
+            return None, facts
+        facts.update(
+            fidelity=sol.fidelity,
+            size_hw=sol.size_hw,
+            grid=proc.grid,
+            reason=f"re-processed from the original ({proc.how}): {sol.reason}",
+        )
+        self.done[key] = Reprocessed(
+            key[0],
+            key[1],
+            r.sample,
+            r.target,
+            sol.fidelity,
+            tuple(sol.size_hw),
+            proc.grid,
+            proc.how,
+            proc.knobs,
+            (time.perf_counter() - t0) * 1e3,
+            proc.rows,
+        )
+        return proc.rows, facts
+
+    def _solve_and_process(self, r, plan, batch, item, key, ctx, facts):
+        if key is None or self.media.get(key) is None:
+            raise MediaAlignmentError("cannot repair: no original media given for this item")
+        mod, k = key
+        if mod != "image":
+            raise MediaAlignmentError(self._video_refusal(r, plan, batch, key))
+        pin, geo = PINS.get(self.spec.name), self.geometry
+        if isinstance(geo, Mapping):  # a geometry per modality
+            geo = geo.get(mod)
+        if pin is None or geo is None:
+            what = "its processor has no pin" if pin is None else "it has no geometry"
+            raise MediaAlignmentError(
+                f"cannot repair: {self.spec.name} images are not re-processed from the "
+                f"original here ({what})"
+            )
+        original = self.media[key]
+        hw = tuple(as_channels_first(original).shape[-2:])
+        sol, why_not = solve_allowed(geo, r.target, hw, 1, ctx.config)
+        facts.update(fidelity=sol.fidelity, size_hw=sol.size_hw)
+        if why_not is not None:
+            raise MediaAlignmentError(f"{mod} {k} ({hw[0]}x{hw[1]}): {why_not}")
+        try:
+            proc: Processed = pin.run(self.processor, original, sol)
+        except MediaAlignmentError:
+            raise
+        except Exception as exc:  # the processor's own errors: recorded, then the fallback
+            raise MediaAlignmentError(
+                f"re-processing {mod} {k} failed: {type(exc).__name__}: {exc}"[:500]
+            ) from None
+        if proc.tokens != r.target:
+            raise MediaAlignmentError(
+                f"{mod} {k} ({hw[0]}x{hw[1]}): the processor gives {proc.tokens} tokens "
+                f"(grid {list(proc.grid)}, {proc.how}"
+                + (f" with {dict(proc.knobs)}" if proc.knobs else f" at {sol.size_hw}")
+                + f") for a run of {r.target}: the run's length does not uniquely determine "
+                "an input the processor maps to it; refused, no grid inferred"
+            )
+        return sol, proc
+
+    def _video_refusal(self, r: ItemRepair, plan: Plan, batch, key: Key) -> str:
+        """Both totals, the frame count and the first mismatching run of a video."""
+        mod, k = key
+        runs = self.runs[key]
+        want = {id(batch.items[x.item]): x.target for x in plan.repairs if x.sample == r.sample}
+        static = [it.num_features for it in runs]
+        rollout = [want.get(id(it), it.num_features) for it in runs]
+        first = next(i for i, (a, b) in enumerate(zip(static, rollout)) if a != b)
+        frames = self._frames(key)
+        return (
+            f"{mod} {k} ({frames} frames): the static processing gives {sum(static)} "
+            f"placeholders in {len(static)} run(s), the rollout {sum(rollout)}; first "
+            f"mismatching run: {first} ({static[first]} vs {rollout[first]}); a video is not "
+            "re-processed here: refused, no grid inferred"
+        )
+
+    def _frames(self, key: Key) -> int | str:
+        frames = self.media.get(key)
+        try:
+            return len(frames)
+        except TypeError:
+            return "?"
+
+    def kept(self, report: GuardReport) -> tuple[Reprocessed, ...]:
+        """The re-processed items whose samples the plan kept repaired."""
+        keep = {s for s, a in enumerate(report.actions) if a == "repair"}
+        return tuple(d for d in self.done.values() if d.sample in keep)
+
+
+def replace_rows(
+    spec: FamilySpec,
+    inputs: Mapping[str, Any],
+    mods: Sequence[ModalitySpec],
+    done: Sequence[Reprocessed],
+) -> dict[str, Any]:
+    """``inputs`` with each re-processed item's rows in its modality's ``patches`` input and its
+    grid row replaced (the other items' rows are the same tensors' values; new tensors only
+    where something was replaced). The one row replacement of the data side."""
+    out = dict(inputs)
+    for m in mods:
+        mine = {d.index: d for d in done if d.modality == m.name}
+        if not mine:
+            continue
+        for name, grid_name in m.patches.items():
+            pix, grid = inputs.get(name), inputs.get(grid_name)
+            if not isinstance(pix, torch.Tensor) or not isinstance(grid, torch.Tensor):
+                continue
+            # patch rows per item to cut the flat input (a small transfer, repairs only)
+            sizes = to_host(grid.prod(-1), why="patch rows per item to replace").tolist()
+            pieces = list(pix.split(sizes))
+            g = grid.clone()
+            for k, d in mine.items():
+                pieces[k] = d.rows.to(pix.device, pix.dtype)
+                g[k] = torch.tensor(d.grid, dtype=g.dtype, device=g.device)
+            out[name], out[grid_name] = torch.cat(pieces), g
+    return out
+
+
+__all__ = ["Reprocessed", "Reprocessor", "originals", "replace_rows"]

@@ -1,0 +1,369 @@
+"""check_batch repairs from the original media (families/reprocess.py, families/pinning.py).
+
+Every family with a pin: a batch processed statically (the processor at its own budget), ids
+written by an engine that sized one image smaller; ``check_batch(policy="repair", media=...,
+processor=...)`` must return the pixel rows and grid row the processor makes of the original at
+the engine's size (max abs difference 0), the aligned item untouched, and the tiny model must
+take the result. GLM-4V and Ernie run their real (PIL-backend) image processors; Nemotron Omni's
+needs torchvision (no CPU build here): its oracle is the processor's own ``get_patch_grid_size``
+and ``convert_image_to_patches`` (compiled from the installed source) around the float resize
+and fused normalization its torchvision backend does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as Fn
+from family_checks import records
+from originals import picture
+from PIL import Image
+
+from megatron_media_guard import GuardConfig, MediaAlignmentError
+from megatron_media_guard.core.items import MediaItem
+from megatron_media_guard.core.plan import ItemRepair
+from megatron_media_guard.errors import MediaInputError
+from megatron_media_guard.families import FAMILIES
+from megatron_media_guard.families.collate import check_batch
+from megatron_media_guard.families.pinning import PINS, PatchMergePin, RadioPin
+from megatron_media_guard.families.reprocess import Reprocessor
+from megatron_media_guard.geometry import PatchMergeGeometry, RadioTilerGeometry
+from megatron_media_guard.testing.families import ernie4_5_vl, glm4v, nemotron_omni
+from megatron_media_guard.testing.families.base import Media
+
+pytest.importorskip("transformers.models.glm4v.image_processing_pil_glm4v")
+
+NEMOTRON_TOKENS = {
+    "<img>": nemotron_omni.IMG_START,
+    "</img>": nemotron_omni.IMG_END,
+    "<so_start>": nemotron_omni.SO_START,
+    "<so_end>": nemotron_omni.SO_END,
+}
+
+
+def radio_oracle(img: Image.Image, budget: int) -> tuple[torch.Tensor, tuple[int, int]]:
+    """Nemotron Omni's image processor on ``img`` at ``budget`` patches: its own grid and patch
+    functions, the torchvision float path between them."""
+    fns = nemotron_omni.processor_functions()
+    gh, gw = fns["get_patch_grid_size"](img.height, img.width, 16, 2, 1024, budget)
+    x = torch.from_numpy(np.asarray(img.convert("RGB"))).permute(2, 0, 1)[None].float()
+    x = Fn.interpolate(x, (16 * gh, 16 * gw), mode="bicubic", antialias=True, align_corners=False)
+    mean = torch.tensor((0.48145466, 0.4578275, 0.40821073)) * 255.0
+    std = torch.tensor((0.26862954, 0.26130258, 0.27577711)) * 255.0
+    x = (x - mean.view(1, 3, 1, 1)) / std.view(1, 3, 1, 1)
+    return fns["convert_image_to_patches"](x, 16)[0], (gh, gw)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One family: its fixture, its processor (None: own arithmetic), the grid input, and how
+    the static trainer and the engine process an original."""
+
+    family: str
+    fixture: Any
+    processor: Any
+    grid: str
+    tokenizer: Any = None
+
+    def static(self, img):
+        if self.processor is None:
+            grid = RadioTilerGeometry().grid_for((img.height, img.width))
+            rows = RadioPin().run(None, img, SimpleNamespace(grid=grid)).rows
+            return rows, grid
+        out = self.processor(images=[img], return_tensors="pt")
+        return out["pixel_values"], tuple(out[self.grid][0].tolist())
+
+    def engine(self, img):
+        """The engine's processing at a smaller budget: rows, grid row, tokens."""
+        if self.processor is None:
+            rows, grid = radio_oracle(img, 1024)  # an over-full request: 1024 patches each
+            return rows, grid, grid[0] * grid[1] // 4
+        lo = self.processor.size.shortest_edge
+        out = self.processor(
+            images=[img], size={"shortest_edge": lo, "longest_edge": lo * 3}, return_tensors="pt"
+        )
+        grid = tuple(out[self.grid][0].tolist())
+        return out["pixel_values"], grid, int(np.prod(grid)) // 4
+
+    def media(self, grid) -> tuple[int, ...]:
+        return tuple(grid[-2:])
+
+
+def _glm():
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+
+    return Case("glm4v", glm4v, Glm4vImageProcessorPil(), "image_grid_thw")
+
+
+def _ernie():
+    from transformers.models.ernie4_5_vl_moe.image_processing_pil_ernie4_5_vl_moe import (
+        Ernie4_5_VLMoeImageProcessorPil,
+    )
+
+    return Case("ernie4_5_vl", ernie4_5_vl, Ernie4_5_VLMoeImageProcessorPil(), "image_grid_thw")
+
+
+def _nemotron():
+    return Case("nemotron_omni", nemotron_omni, None, "image_grid_hw", NEMOTRON_TOKENS)
+
+
+CASES = {"glm4v": _glm, "ernie4_5_vl": _ernie, "nemotron_omni": _nemotron}
+_MODELS: dict[str, Any] = {}
+
+
+def model_of(case: Case):
+    if case.family not in _MODELS:
+        _MODELS[case.family] = case.fixture.tiny_model()
+    return _MODELS[case.family]
+
+
+def batch_for(case: Case, imgs, tokens: list[int | None]):
+    """The static trainer's batch of one image per sample, the ids with ``tokens`` per run."""
+    model = model_of(case)
+    static = [case.static(im) for im in imgs]
+    samples = [[Media("image", case.media(g), tokens=t)] for (_, g), t in zip(static, tokens)]
+    kw = dict(case.fixture.make_batch(model, samples).kwargs)
+    kw["pixel_values"] = torch.cat([r for r, _ in static])
+    kw[case.grid] = torch.tensor([list(g) for _, g in static])
+    return model, kw, static
+
+
+def run(case: Case, kw, imgs, model, **cfg):
+    guard = GuardConfig(policy="repair", **cfg)
+    return check_batch(
+        case.family,
+        kw,
+        config=model.config,
+        tokenizer=case.tokenizer,
+        guard=guard,
+        media=imgs,
+        processor=case.processor,
+    )
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_a_short_run_is_repaired_to_what_the_processor_makes_at_the_engines_size(family):
+    case = CASES[family]()
+    imgs = [picture(300, 500, 1), picture(120, 150, 2)]
+    rows, grid, n = case.engine(imgs[0])
+    model, kw, static = batch_for(case, imgs, [n, None])
+    assert static[0][0].shape[0] != rows.shape[0]  # the trainer's item is bigger than the run
+    out = run(case, kw, imgs, model)
+    assert out.report.actions == ("repair", "keep")
+    (done,) = out.reprocessed
+    assert (done.modality, done.index, done.sample, done.tokens) == ("image", 0, 0, n)
+    assert done.fidelity == "engine-replay" and tuple(done.grid) == grid
+    assert out.matched == {("image", 0)}
+    b = out.batch
+    assert b[case.grid].tolist() == [list(grid), list(static[1][1])]
+    got = b["pixel_values"][: rows.shape[0]]
+    assert got.shape == rows.shape and (got - rows).abs().max().item() == 0.0
+    assert torch.equal(b["pixel_values"][rows.shape[0] :], static[1][0])  # aligned: untouched
+    assert torch.equal(b["input_ids"], kw["input_ids"])
+    with torch.no_grad():  # the model takes it: every run gets its count
+        model(**b)
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_an_aligned_batch_is_returned_as_given(family):
+    case = CASES[family]()
+    imgs = [picture(200, 260, 3)]
+    model, kw, _ = batch_for(case, imgs, [None])
+    out = run(case, kw, imgs, model)
+    assert out.report.actions == ("keep",) and out.reprocessed == () and out.matched == set()
+    assert all(out.batch[k] is v for k, v in kw.items())
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_no_original_falls_back_saying_so(family, tmp_path):
+    case = CASES[family]()
+    imgs = [picture(300, 500, 1)]
+    _, _, n = case.engine(imgs[0])
+    model, kw, _ = batch_for(case, imgs, [n])
+    out = run(case, kw, [None], model, log_dir=str(tmp_path))
+    assert out.report.actions == ("drop",) and out.reprocessed == ()
+    (rec,) = [r for r in records(tmp_path) if r["event"] == "repair"]
+    assert rec["action"] == "fallback:drop" and "no original" in rec["reason"]
+    with pytest.raises(MediaAlignmentError, match="no original"):
+        run(case, kw, [None], model, fallback="raise")
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_a_sample_is_repaired_only_when_all_its_items_are(family):
+    """Two short images in one sample, the second without its original: the sample falls
+    back whole (dropped), nothing of it is re-processed into the batch."""
+    case = CASES[family]()
+    imgs = [picture(300, 500, 1), picture(260, 300, 5)]
+    (_, g0), (_, g1) = (case.static(im) for im in imgs)
+    n0, n1 = (case.engine(im)[2] for im in imgs)
+    model = model_of(case)
+    media = [Media("image", case.media(g0), tokens=n0), Media("image", case.media(g1), tokens=n1)]
+    kw = dict(case.fixture.make_batch(model, [media]).kwargs)
+    kw["pixel_values"] = torch.cat([case.static(im)[0] for im in imgs])
+    kw[case.grid] = torch.tensor([list(g0), list(g1)])
+    out = run(case, kw, [imgs[0], None], model)
+    assert out.report.actions == ("drop",) and out.reprocessed == () and out.matched == set()
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_a_fidelity_the_config_does_not_allow_falls_back(family):
+    case = CASES[family]()
+    imgs = [picture(300, 500, 1)]
+    _, _, n = case.engine(imgs[0])
+    model, kw, _ = batch_for(case, imgs, [n])
+    out = run(case, kw, imgs, model, allowed_fidelity=("unique",))
+    assert out.report.actions == ("drop",) and out.reprocessed == ()
+
+
+def test_a_size_no_budget_reaches_is_resized_by_the_processors_own_resize():
+    """A closest-aspect solution (no budget lands there): the original resized to the solved
+    size with the processor's resampling, then processed without resizing; equal to PIL's
+    bicubic resize of the original fed to the processor with ``do_resize=False``."""
+    case = _glm()
+    img = picture(300, 500, 1)
+    geo = glm4v_geometry()
+    n = next(k for k in range(40, 400) if geo.solve(k, (300, 500)).fidelity == "closest-aspect")
+    model, kw, _ = batch_for(case, [img], [n])
+    out = run(case, kw, [img], model, allowed_fidelity=("engine-replay", "closest-aspect"))
+    (done,) = out.reprocessed
+    assert done.how == "resized" and done.fidelity == "closest-aspect" and done.tokens == n
+    h, w = done.size_hw
+    ref = case.processor(
+        images=[img.resize((w, h), Image.BICUBIC)], do_resize=False, return_tensors="pt"
+    )
+    assert torch.equal(out.batch["pixel_values"], ref["pixel_values"])
+    assert out.batch["image_grid_thw"].tolist() == ref["image_grid_thw"].tolist()
+
+
+def glm4v_geometry():
+    from megatron_media_guard.families.glm4v import geometry
+
+    return geometry()
+
+
+def one_more():
+    """A processor that cannot be pinned to the run: GLM-4V's, whose output always holds one
+    merged cell (one token) more than it should."""
+    from transformers.image_processing_utils import BatchFeature
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+
+    class OneMore(Glm4vImageProcessorPil):
+        def preprocess(self, images, **kw):
+            out = super().preprocess(images, **kw)
+            pv, (_, h, w) = out["pixel_values"], out["image_grid_thw"][0].tolist()
+            n = h * w // 4 + 1
+            grid = torch.tensor([[1, 2, 2 * n]])
+            return BatchFeature(
+                {"pixel_values": pv.new_zeros(4 * n, pv.shape[1]), "image_grid_thw": grid}
+            )
+
+    return OneMore()
+
+
+def test_a_processor_that_cannot_be_pinned_is_refused_and_left_as_it_was(tmp_path):
+    case = _glm()
+    img = picture(300, 500, 1)
+    _, _, n = case.engine(img)
+    model, kw, _ = batch_for(case, [img], [n])
+    stub = one_more()
+    before = stub.to_dict()
+    stubbed = Case(case.family, case.fixture, stub, case.grid)
+    with pytest.raises(MediaAlignmentError, match="does not uniquely determine") as err:
+        run(stubbed, kw, [img], model, fallback="raise", log_dir=str(tmp_path))
+    assert f"gives {n + 1} tokens" in str(err.value) and f"run of {n}" in str(err.value)
+    out = run(stubbed, kw, [img], model)
+    assert out.report.actions == ("drop",) and out.reprocessed == ()
+    assert "pixel_values" not in out.batch  # dropped, never an inferred grid
+    assert stub.to_dict() == before
+    (rec,) = [r for r in records(tmp_path) if r["event"] == "repair"]
+    assert rec["action"] == "fallback:raise" and "does not uniquely determine" in rec["reason"]
+
+
+def test_a_static_video_against_a_longer_rollout_is_refused_naming_both_totals():
+    """Nemotron Omni: a 6-frame 32x32 video is 3 tubelets of one token (3 placeholders); the
+    rollout wrote 4 (its last run 2)."""
+    model = model_of(_nemotron())
+    b = nemotron_omni.make_batch(model, [[Media("video", (6, 2, 2), tokens=4)]])
+    frames = [picture(32, 32, k) for k in range(6)]
+    with pytest.raises(MediaAlignmentError) as err:
+        check_batch(
+            "nemotron_omni",
+            b.kwargs,
+            config=model.config,
+            tokenizer=NEMOTRON_TOKENS,
+            guard=GuardConfig(policy="repair", fallback="raise"),
+            media=[frames],
+        )
+    msg = str(err.value)
+    for part in ("gives 3 placeholders", "the rollout 4", "6 frames", "first mismatching run: 2"):
+        assert part in msg, (part, msg)
+
+
+def test_the_qwen_processor_is_pinned_by_its_own_budget_knobs():
+    """Qwen-VL (no collate spec with counts on this branch): the pin on the real
+    ``Qwen2VLImageProcessorPil`` (the torchvision one needs torchvision) equals the processor
+    at the engine's ``max_pixels``, with its settings left as they were."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    proc = Qwen2VLImageProcessorPil()
+    before = proc.to_dict()
+    img = picture(300, 500, 4)
+    engine = proc(images=[img], max_pixels=28 * 28 * 30, return_tensors="pt")
+    t, h, w = engine["image_grid_thw"][0].tolist()
+    sol = PatchMergeGeometry().solve(h * w // 4, (300, 500))
+    assert sol.fidelity == "engine-replay"
+    got = PatchMergePin().run(proc, img, sol)
+    assert got.how == "pinned" and got.grid == (t, h, w) and got.tokens == h * w // 4
+    assert torch.equal(got.rows, engine["pixel_values"])
+    assert proc.to_dict() == before
+
+
+def test_every_registered_family_either_has_a_pin_or_falls_back_saying_so():
+    """A pin re-processes the images of a family that sizes them with a geometry and keeps
+    them as patch rows with a grid; every other family's repair falls back naming why."""
+    img = picture(64, 64, 0)
+    for spec in FAMILIES:
+        pin = PINS.get(spec.name)
+        if pin is not None and spec.geometry is not None:
+            grids = set(spec.modality("image").patches.values())
+            assert grids and (not isinstance(pin, PatchMergePin) or pin.grid_input in grids)
+            continue
+        if not any(m.name == "image" for m in spec.modalities):
+            continue
+        item = MediaItem(256, modality="image")
+        rep = Reprocessor(spec, None, [item], [0], [img])
+        got, facts = rep.reprocess(
+            ItemRepair(item=0, sample=0, target=100, run=0),
+            None,
+            SimpleNamespace(items=(item,)),
+            SimpleNamespace(config=GuardConfig(policy="repair")),
+        )
+        assert got is None and f"{spec.name} images are not re-processed" in facts["reason"]
+
+
+def test_media_of_the_wrong_length_is_refused_naming_check_batch():
+    case = _nemotron()
+    imgs = [picture(300, 500, 1)]
+    model, kw, _ = batch_for(case, imgs, [None])
+    with pytest.raises(MediaInputError, match=r"check_batch\(media=...\) has 2 originals for 1"):
+        run(case, kw, imgs * 2, model)
+
+
+@pytest.mark.parametrize("family", ["glm4v", "ernie4_5_vl"])
+def test_a_processor_family_without_its_processor_falls_back_saying_so(family, tmp_path):
+    case = CASES[family]()
+    imgs = [picture(300, 500, 1)]
+    _, _, n = case.engine(imgs[0])
+    model, kw, _ = batch_for(case, imgs, [n])
+    bare = Case(case.family, case.fixture, None, case.grid)
+    out = run(bare, kw, imgs, model, log_dir=str(tmp_path))
+    assert out.report.actions == ("drop",) and out.reprocessed == ()
+    (rec,) = [r for r in records(tmp_path) if r["event"] == "repair"]
+    assert "no processor given" in rec["reason"]
