@@ -14,6 +14,9 @@ model instance that
 4. lets the model's forward run on ``inputs_embeds`` with the media inputs taken out, and the
    labels of dropped samples ignored.
 
+A text-only call is guarded too: planned with no items (it joins the stage's round with the
+same collectives, docs/CONSENSUS.md) and passed on untouched unless a placeholder stands in it.
+
 ``install_vlm`` (``adapters/vlm_install.py``) finds the family and hands other kinds of
 family to their installers (Qwen-VL's input rewrite, megatron-core's LLaVA and MIMO).
 """
@@ -75,14 +78,9 @@ class VLMHandle(ForwardHookHandle):
             return None  # encoded before the forward (transformers' generate)
         kw = {"input_ids": ids, **{n: call.get(n) for m in self.spec.modalities for n in m.inputs}}
         mods = present(self.spec, kw)
-        if not mods:  # text-only: nothing to check; the tower kept in step (docs/PARALLEL.md)
-            dummy = self.spec.dummy
-            if dummy is not None and tower_due(
-                self.guard.config.keep_tower, had_media=False, feeds_media=False
-            ):
-                self.keeper.run(lambda: dummy(module))
-            return None
         label = f"{self.spec.name} media guard"
+        if not mods:  # text only: a guarded call all the same (it joins the stage's round)
+            return self.call(label, lambda step, mb: self._text_only(call, ids, step, mb))
         return self.call(label, lambda step, mb: self._run(call, ids, kw, mods, step, mb))
 
     def _post_hook(self, module: Any, args: tuple, kwargs: dict, out: Any) -> Any:
@@ -151,6 +149,37 @@ class VLMHandle(ForwardHookHandle):
             self._after_merge(call, ids, items, feats, res, [parent[i] for i in order])
         return call.rebuild()
 
+    def _text_only(self, call: CallArgs, ids: torch.Tensor, step, mb):
+        """A call that carries no media. The tower kept in step first (docs/PARALLEL.md), where
+        a media call encodes; then planned with no items (:meth:`MediaGuard.last_stage`: no
+        placeholder may stand in the ids), which joins the stage's round with the collectives
+        of a media call's merge, so every rank meets its peers whatever its micro-batch holds.
+        Aligned: the call goes on untouched (the model's own forward). A literal placeholder
+        takes the plan as in a media call: fed as text (``generated="text"``), dropped (its
+        placeholders as text, its labels ignored) or raised."""
+        dummy = self.spec.dummy
+        if dummy is not None and tower_due(
+            self.guard.config.keep_tower, had_media=False, feeds_media=False
+        ):
+            self.keeper.run(lambda: dummy(self.module))
+        call_items((), {}, self.take_items())  # set_items for this call: it holds no item
+        labels = call.get("labels")
+        labels = labels if isinstance(labels, torch.Tensor) else None
+        res = self.guard.last_stage(ids, (), labels=labels, step=step, microbatch=mb)
+        self.record(res, ids, None)
+        _, new = self._generated_as_text(res, ids)
+        dropped = set(res.report.dropped)
+        if not dropped and new is ids:
+            return None
+        if dropped:
+            new = self._drop_rewrite(call, new, {}, (), dropped, set())
+            if labels is not None:
+                call.set("labels", res.labels)
+            if len(dropped) == len(res.report.actions):
+                self.keeper.every_sample_dropped()
+        call.set("input_ids", new)
+        return call.rebuild()
+
     def _after_merge(self, call: CallArgs, ids, items, feats, res, owners) -> None:
         """The family's step after the merge (Nemotron's EVS), on the runs of this call."""
 
@@ -194,7 +223,8 @@ class VLMHandle(ForwardHookHandle):
 
     def _generated_as_text(self, res, ids: torch.Tensor):
         """Placeholders the policy generated (``GuardConfig.generated="text"``, kept samples):
-        fed the family's text token, in the embeddings and in the ids; labels untouched."""
+        fed the family's text token, in the embeddings (when the call merged) and in the ids;
+        labels untouched."""
         emb = res.embeddings
         gen = [(s, p) for s, p in res.report.generated if res.report.actions[s] != "drop"]
         if not gen or self.guard.config.generated != "text":
@@ -202,6 +232,8 @@ class VLMHandle(ForwardHookHandle):
         rows = torch.tensor([s for s, pos in gen for _ in pos], device=ids.device)
         cols = torch.tensor([c for _, pos in gen for c in pos], device=ids.device)
         ids = ids.index_put((rows, cols), torch.tensor(self.text_id, device=ids.device))
+        if emb is None:  # a text-only call: the model embeds the ids itself
+            return None, ids
         text = self._embed(ids[rows, cols][None])[0]
         return emb.index_put((rows, cols), text.to(emb.dtype)), ids
 

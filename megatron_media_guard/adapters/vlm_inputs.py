@@ -13,7 +13,8 @@ The pre-hook reads the call's keyword arguments and
    dropped sample's placeholders become the family's text token, its items' rows leave the
    spec's ``rows`` / ``patches`` inputs, its labels are ignored and its ``loss_mask`` zeroed
    (out of place, or in the caller's tensor with ``loss_mask_inplace``), so that the model's
-   own merge sees a consistent batch. An aligned call is passed on untouched.
+   own merge sees a consistent batch. An aligned call is passed on untouched; a text-only
+   call is planned the same way (no items: it joins the stage's round as every call does).
 
 Rows are samples: the Bridge forwards this serves refuse packed sequences.
 """
@@ -66,9 +67,7 @@ class InputsHandle(ForwardHookHandle):
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
             return None
         view = call_view(call, ids)
-        mods = present(self.spec, view)
-        if not mods:
-            return None  # text-only: nothing to check
+        mods = present(self.spec, view)  # none (text only): planned all the same (the round)
         label = f"{self.spec.name} media guard"
         return self.call(label, lambda step, mb: self._run(call, ids, view, mods, step, mb))
 
