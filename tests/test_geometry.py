@@ -36,27 +36,17 @@ def _radio_grid(geo: RadioTilerGeometry, hw, budget: int):
 
 
 def assert_radio_exact(geo: RadioTilerGeometry, hw, sol: Solution) -> None:
-    """A reachable RADIO solution gives its count from size_hw; an engine-replay is the
-    engine's own sizing of ``hw`` at ``sol.budget``, and the tiler keeps size_hw at that
-    budget unless (the second quirk) no budget in [min, cap] both lands and keeps."""
+    """A reachable RADIO solution is the tiler's at ``sol.budget``: an engine-replay is the
+    engine's own sizing of ``hw`` at that budget; any other answer is a frame the tiler keeps
+    unchanged at that budget (an engine budget: in [min_num_patches, max_num_patches])."""
     assert sol.reachable and sol.size_hw == (16 * sol.grid[0], 16 * sol.grid[1])
-    if sol.fidelity != "engine-replay":
-        assert sol.budget is None and round_trip(geo, sol) == sol.tokens
-        return
-    assert geo.tokens(hw, sol.num_frames, budget=sol.budget) == sol.tokens
-    assert geo.grid_for(hw, sol.budget) == sol.grid
-    if round_trip(geo, sol) == sol.tokens:
-        return
-    # the upscale to min_num_patches overshot the budget; the frame is kept at its own count
-    q = sol.grid[0] * sol.grid[1]
-    assert "overshoots" in sol.reason and geo.min_num_patches <= q
-    assert geo.grid_for(sol.size_hw, q) == sol.grid
-    budgets = range(max(geo.min_num_patches, 1), geo.cap + 1)
-    assert not [
-        b
-        for b in budgets
-        if _radio_grid(geo, hw, b) == sol.grid == _radio_grid(geo, sol.size_hw, b)
-    ]
+    assert sol.budget is not None and geo.min_num_patches <= sol.budget <= geo.cap
+    if sol.fidelity == "engine-replay":
+        assert geo.tokens(hw, sol.num_frames, budget=sol.budget) == sol.tokens
+        assert geo.grid_for(hw, sol.budget) == sol.grid
+    else:
+        assert geo.grid_for(sol.size_hw, sol.budget) == sol.grid
+        assert round_trip(geo, sol) == sol.tokens
 
 
 # ---- the seed case (README, docs/GEOMETRY.md) ----------------------------------------------------
@@ -132,31 +122,29 @@ SWEEP_BUDGETS = [512, 1024, 2048, 4096, 8165, 13312, 20000]
 def test_radio_sweep_7_sizes_x_7_budgets():
     """Targets the tiler gives at 49 budgets, solved back on the default training geometry.
 
-    The math: a count needs 4N patches; above max_num_patches (13312) no grid is kept, and
-    below min_num_patches (1024) the tiler upscales every grid except at a budget of exactly
-    1024 (no upscale there), so such a count is reachable only if the tiler gives it at 1024.
-    Budget 512 is below every engine budget: its counts (< 256 tokens) are unreachable for all
-    seven sizes; 20000 exceeds the cap only for the 3000x4000 image (4941 tokens).
+    At an engine budget (1024..13312) the count is the engine's: an engine-replay of the
+    grid itself. Budget 512 is below every engine budget (the engine floors a share at
+    min_num_patches): its counts are no replay of that source, but at a budget of 1024 (no
+    upscale there) the tiler keeps every even grid of up to 1024 patches, so they are
+    reached by a kept frame. 20000 exceeds the cap: unreachable only where its count needs
+    more than 13312 patches (the 3000x4000 image, 4941 tokens).
     """
     radio = RadioTilerGeometry()
-    unreachable, seen = set(), []
+    unreachable = set()
     for hw in SWEEP_SIZES:
         for budget in SWEEP_BUDGETS:
             target = radio.tokens(hw, budget=budget)
             sol = radio.solve(target, hw)
-            q = 4 * target
-            math_says = q > 13312 or (q < 1024 and radio.tokens(hw, budget=1024) != target)
-            assert (not sol.reachable) == math_says, (hw, budget, target, sol)
-            if sol.reachable:
-                assert sol.tokens == target and round_trip(radio, sol) == target
-                assert sol.fidelity == "engine-replay"
-            else:
-                assert sol.reason and sol.size_hw is None and sol.tokens == 0
+            if 4 * target > 13312:
+                assert not sol.reachable and "above max_num_patches" in sol.reason
+                assert sol.size_hw is None and sol.tokens == 0
                 unreachable.add((hw, budget))
-                seen.append(f"{hw}@{budget}: {target} -> {sol.reason}")
-    print("\n".join(seen))
-    expected = {(hw, 512) for hw in SWEEP_SIZES} | {((3000, 4000), 20000)}
-    assert unreachable == expected
+                continue
+            assert sol.tokens == target
+            assert_radio_exact(radio, hw, sol)
+            if 1024 <= budget <= 13312:
+                assert sol.fidelity == "engine-replay" and sol.grid == radio.grid_for(hw, budget)
+    assert unreachable == {((3000, 4000), 20000)}
 
 
 @pytest.mark.parametrize(
@@ -166,7 +154,8 @@ def test_radio_sweep_7_sizes_x_7_budgets():
         (2550, SEED_HW, "engine-replay", (68, 150), "budget"),
         (2011, SEED_HW, "closest-aspect", (2, 4022), "2 grids"),  # prime: 1x2011 or 2011x1
         (3329, SEED_HW, "unreachable", None, "above max_num_patches 13312"),
-        (100, SEED_HW, "unreachable", None, "below min_num_patches 1024"),
+        # 400 patches: no engine budget sizes the seed there; a 10x40 frame is kept at 1024
+        (100, SEED_HW, "closest-aspect", (10, 40), "at 1024 patches"),
         (0, SEED_HW, "unreachable", None, "target is 0"),
     ],
 )
@@ -182,26 +171,24 @@ def test_radio_solve_table(target, hw, fidelity, grid, reason_has):
 
 
 @pytest.mark.parametrize(
-    ("hw", "landing", "replay_budget", "one_budget"),
+    ("hw", "budget"),
     [
         # 8x149 native: the upscale at 1025 overshoots to 8x143, the evenness step gives
-        # 8x142 = 1136 > 1025 patches; fed back at 1025 a 128x2272 frame becomes 8x140, but
-        # at 1043 the media still lands on 8x142 and the frame is kept: one budget does both
-        ((112, 2369), 1025, 1043, True),
-        # 8x151 native: lands on 8x142 only for budgets 1025..1038 and the frame is kept only
-        # from 1043: the engine's grid, replayed at 1025 (the second quirk)
-        ((112, 2401), 1025, 1025, False),
+        # 8x142 = 1136 > 1025 patches: still the engine's grid (pinned at 1028, a multiple
+        # of 4 a one-image request can have)
+        ((112, 2369), 1028),
+        # 8x151 native: lands on 8x142 only for budgets 1025..1038, and a 128x2272 frame is
+        # kept only from 1043: the engine's grid all the same (the engine resizes the source)
+        ((112, 2401), 1028),
     ],
 )
-def test_radio_upscale_past_the_budget_is_still_a_replay(hw, landing, replay_budget, one_budget):
+def test_radio_upscale_past_the_budget_is_still_a_replay(hw, budget):
     radio = RadioTilerGeometry()
-    grid = radio.grid_for(hw, landing)
-    assert grid == (8, 142) and grid[0] * grid[1] > landing  # the engine's own grid
-    sol = radio.solve(radio.tokens(hw, budget=landing), hw)
+    grid = radio.grid_for(hw, 1025)
+    assert grid == (8, 142) and grid[0] * grid[1] > 1025  # the engine's own grid
+    sol = radio.solve(radio.tokens(hw, budget=1025), hw)
     assert sol.fidelity == "engine-replay" and sol.grid == grid, sol
-    assert sol.budget == replay_budget
-    assert (round_trip(radio, sol) == sol.tokens) == one_budget
-    assert ("overshoots" in sol.reason) != one_budget
+    assert sol.budget == budget
     assert_radio_exact(radio, hw, sol)
 
 
@@ -521,21 +508,22 @@ def test_property_patch_merge_solves_its_own_count(h, w, frames, cfg):
     budget=st.one_of(st.none(), st.integers(1024, 13312)),
 )
 def test_property_radio_solves_any_engine_count(h, w, cfg, budget):
+    """Every count the tiler gives a source at an engine budget comes back as the tiler's own
+    sizing of that source (the upscale-then-evenness grids below min_num_patches included);
+    a replay where only one grid of that count is the tiler's, else closest-aspect (the
+    count does not tell the budget apart), and then the engine's grid is one of those."""
     assume(budget is None or budget >= cfg.min_num_patches)
     if budget is not None and cfg.cap is not None:
         budget = min(budget, cfg.cap)
     n = cfg.tokens((h, w), budget=budget)
     sol = cfg.solve(n, (h, w))
-    ph, pw = cfg.grid_for((h, w), budget)
-    used = cfg.static_budget if budget is None else budget
-    if ph * pw < cfg.min_num_patches < used:
-        # the documented quirk: an evenness step after the upscale left the grid below
-        # min_num_patches; fed back at a budget above the minimum the tiler upscales it again
-        assert not sol.reachable or sol.fidelity != "engine-replay" or sol.grid == (ph, pw)
-        return
-    assert sol.fidelity == "engine-replay", sol
-    assert sol.tokens == n
+    assert sol.tokens == n and sol.fidelity in ("engine-replay", "closest-aspect"), sol
     assert_radio_exact(cfg, (h, w), sol)
+    assert cfg.grid_for((h, w), sol.budget) == sol.grid  # the tiler's grid for the source
+    if sol.fidelity == "engine-replay":
+        assert sol.grid == cfg.grid_for((h, w), budget)
+    else:
+        assert "does not tell which the engine used" in sol.reason
 
 
 @SETTINGS
