@@ -21,10 +21,30 @@ from megatron_media_guard.geometry import (
 SEED_HW = (1080, 2400)  # a 2400x1080 (W x H) frame
 
 
-def round_trip(geo, sol: Solution) -> int:
-    """The count the solved size gives when fed back through the family's own sizing."""
+def pm_replay_budget(geo: PatchMergeGeometry, sol: Solution) -> dict:
+    """The pixel budget a patch-merge engine-replay names (its knob, in ``reason``; the
+    other knob open: min_pixels 1 under a max_pixels, no max_pixels under a min_pixels)."""
+    if "max_pixels=" in sol.reason:
+        return {"min_pixels": 1, "max_pixels": sol.budget}
+    return {"min_pixels": sol.budget, "max_pixels": max(sol.budget, 1 << 62)}
+
+
+def round_trip(geo, sol: Solution, hw=None) -> int:
+    """The count the solution gives through the family's own sizing: RADIO at its budget;
+    patch-merge: an engine-replay is the processor's sizing of the source ``hw`` at the
+    budget it names (size_hw included), any other answer a frame it keeps unchanged at
+    min_pixels = max_pixels = budget."""
     if isinstance(geo, RadioTilerGeometry):
         return geo.tokens(sol.size_hw, sol.num_frames, budget=sol.budget)
+    if isinstance(geo, PatchMergeGeometry):
+        if sol.fidelity != "engine-replay":
+            px = {"min_pixels": sol.budget, "max_pixels": sol.budget}
+            assert geo.size_for(sol.size_hw, sol.num_frames, **px) == sol.size_hw
+            return geo.tokens(sol.size_hw, sol.num_frames, **px)
+        if hw is not None:
+            cfg = pm_replay_budget(geo, sol)
+            assert geo.size_for(hw, sol.num_frames, **cfg) == sol.size_hw
+            return geo.tokens(hw, sol.num_frames, **cfg)
     return geo.tokens(sol.size_hw, sol.num_frames)
 
 
@@ -244,7 +264,7 @@ def test_patch_merge_grow_replays_the_engine_min_pixels(min_pixels):
 def test_patch_merge_target_off_the_engine_path_is_closest_aspect():
     geo = PatchMergeGeometry.qwen2_vl()
     sol = geo.solve(1000, SEED_HW)  # the shrink path of 1080x2400 steps over 1000
-    assert sol.fidelity == "closest-aspect" and sol.budget is None
+    assert sol.fidelity == "closest-aspect" and sol.budget == 1000 * 28 * 28
     assert round_trip(geo, sol) == 1000
     a, b = sol.size_hw[0] // 28, sol.size_hw[1] // 28
     assert a * b == 1000 and b > a  # wide, like the media
@@ -253,14 +273,17 @@ def test_patch_merge_target_off_the_engine_path_is_closest_aspect():
 @pytest.mark.parametrize(
     ("target", "hw", "frames", "fidelity", "reason_has"),
     [
-        (1281, (1080, 2400), 1, "unreachable", "above max_pixels 1003520"),
-        (3, (1080, 2400), 1, "unreachable", "below min_pixels 3136"),
+        # past the static budget: the engine's max_pixels may be larger (its shrink path steps
+        # over 1281, so a kept frame), or smaller (1x3 cells, below the static min_pixels)
+        (1281, (1080, 2400), 1, "closest-aspect", "min_pixels = max_pixels = 1004304"),
+        (3354, (1080, 2400), 1, "engine-replay", "max_pixels=2629536"),
+        (3, (1080, 2400), 1, "engine-replay", "max_pixels=3176"),
         (211, (1000, 1000), 1, "unreachable", "aspect ratio above 200"),  # prime > 200
         (289, (100, 2000), 1, "unique", "only the grid 17x17"),  # 1x289 exceeds the aspect cap
         (10, (10, 2500), 1, "unreachable", "exceeds 200"),  # the processor rejects the media
-        # 29x5615 (aspect 194) resizes to 28x5628 = 1x201 cells (aspect 201), which the
-        # processor rejects when fed back: not a replay
-        (201, (29, 5615), 1, "closest-aspect", "that it keeps when fed back"),
+        # 29x5615 (aspect 194) resizes to 28x5628 = 1x201 cells (aspect 201): the processor
+        # rejects that frame when fed back, but the engine resized the source: a replay
+        (201, (29, 5615), 1, "engine-replay", "1x201 merged cells"),
         (0, (100, 100), 1, "unreachable", "target is 0"),
         # 112 = 7x16 cells: 1080x2400 under max_pixels 100000
         (3 * 112, (1080, 2400), 5, "engine-replay", "7x16 merged cells x 3 group(s)"),
@@ -275,7 +298,7 @@ def test_patch_merge_solve_table(target, hw, frames, fidelity, reason_has):
     assert sol.fidelity == fidelity, sol
     assert reason_has in sol.reason
     if sol.reachable:
-        assert round_trip(geo, sol) == target and sol.num_frames == frames
+        assert round_trip(geo, sol, hw) == target and sol.num_frames == frames
         assert sol.grid == (sol.size_hw[0] // 14, sol.size_hw[1] // 14)
 
 
@@ -478,19 +501,11 @@ def test_property_patch_merge_solves_its_own_count(h, w, frames, cfg):
     hb, wb = cfg.size_for((h, w), frames)
     n = cfg.tokens((h, w), frames)
     sol = cfg.solve(n, (h, w), frames)
-    # the processor keeps its own output (not so at the max(f, .) clamp, at odd T in Qwen3
-    # video, or where rounding pushes the aspect past 200 and it rejects its own output)
-    try:
-        kept = cfg.size_for((hb, wb), frames) == (hb, wb)
-    except GeometryError:
-        kept = False
-    if not kept:
-        assert sol.fidelity != "engine-replay" or sol.size_hw != (hb, wb), sol
-        assert not sol.reachable or round_trip(cfg, sol) == n
-        return
+    # the processor's own output for the source, whether or not it would keep that frame
+    # when fed back (the max(f, .) clamp, odd T in Qwen3 video, rounding past the aspect cap)
     assert sol.fidelity == "engine-replay", sol
     assert sol.size_hw == (hb, wb) and sol.grid == (hb // cfg.patch, wb // cfg.patch)
-    assert round_trip(cfg, sol) == n
+    assert round_trip(cfg, sol, (h, w)) == n
     assert n == math.ceil(frames / cfg.temporal_patch) * (hb // f) * (wb // f)
 
 
@@ -574,16 +589,16 @@ def test_property_patch_merge_any_target_is_exact_or_named(h, w, target, frames,
     assume(max(h, w) / min(h, w) <= 200)
     sol = cfg.solve(target, (h, w), frames)
     if sol.reachable:
-        assert sol.tokens == target and round_trip(cfg, sol) == target
+        assert sol.tokens == target and round_trip(cfg, sol, (h, w)) == target
     else:
         assert sol.reason and sol.tokens == 0 and sol.size_hw is None
         g = math.ceil(frames / cfg.temporal_patch)
         if target and target % g == 0:
             n = target // g
-            # every grid a*b = n is outside the budget or the aspect cap
+            # every grid a*b = n is past the aspect cap (a budget of its own area keeps any
+            # other)
             assert all(
-                not (cfg.min_pixels <= n * cfg.factor**2 <= cfg.max_pixels)
-                or max(a, b) / min(a, b) > cfg.max_aspect
+                max(a, b) / min(a, b) > cfg.max_aspect
                 for a in range(1, n + 1)
                 if n % a == 0
                 for b in [n // a]

@@ -23,8 +23,10 @@ from functools import cached_property
 
 from megatron_media_guard.geometry.solution import (
     GeometryError,
+    HwKind,
     Solution,
     check_hw,
+    check_hw_kind,
     check_positive,
     check_target,
     pick,
@@ -117,10 +119,19 @@ class AnyresGeometry:
         found = [hw for hw in sorted(own) if min(hw) >= 1 and self.tokens(hw) == n]
         return found + [hw for hw in self._lattice.get(n, ()) if hw not in own]
 
-    def solve(self, target_tokens: int, hw: tuple[int, int], num_frames: int = 1) -> Solution:
-        """An image size whose anyres count is exactly ``target_tokens`` (see the module)."""
+    def solve(
+        self,
+        target_tokens: int,
+        hw: tuple[int, int],
+        num_frames: int = 1,
+        *,
+        hw_kind: HwKind = "source",
+    ) -> Solution:
+        """An image size whose anyres count is exactly ``target_tokens`` (see the module;
+        ``hw_kind="frame"``: a size the processor already padded, never a replay)."""
         n = check_target(target_tokens)
         h, w = check_hw(hw)
+        kind = check_hw_kind(hw_kind)
 
         def solution(size: tuple[int, int], fidelity, reason: str) -> Solution:
             bh, bw = best_resolution(*size, self.pinpoints)
@@ -128,7 +139,7 @@ class AnyresGeometry:
             grid = self.feature_grid(size)
             return Solution(n, size, fidelity, reason, grid, tiles=tiles, thumbnail=True)
 
-        if self.tokens((h, w)) == n:
+        if kind == "source" and self.tokens((h, w)) == n:
             return solution((h, w), "engine-replay", f"the anyres count of {h}x{w} is {n}")
         found = self._candidates(n, h, w) if n > self.side**2 else []
         if not found:
