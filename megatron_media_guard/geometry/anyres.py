@@ -10,8 +10,10 @@
 The count is many-to-one in (H, W): it depends on the chosen pinpoint and on the aspect, not
 on the pixels. ``solve`` keeps the image's own size when that already gives the target
 (engine-replay), else picks, of every size on a lattice of ``patch``-pixel steps up to the
-largest pinpoint side (plus every size of the image's own aspect on it) that gives the target,
-the one closest in aspect, then in area (closest-aspect); unreachable when none does. An image
+largest pinpoint side, the sizes filling one side of each pinpoint at every unpad step (so
+that every count some image gives is on it), and every size of the image's own aspect on
+the patch steps, that gives the target, the one closest in aspect, then in area
+(closest-aspect); unreachable when none does. An image
 of a multi-image sample is one tile, base + 1 whatever its size: no geometry changes it.
 """
 
@@ -104,12 +106,25 @@ class AnyresGeometry:
 
     @cached_property
     def _lattice(self) -> dict[int, list[tuple[int, int]]]:
+        """Count -> sizes giving it: every size on ``patch``-pixel steps up to the largest
+        pinpoint side, and the sizes filling one side of a pinpoint with the other side at
+        each unpad step. The count is the chosen pinpoint's map less the rows (columns) that
+        unpadding drops, a function of int(round(h * cw / w)) (the side the image fills); a
+        patch-step lattice can step over some of those values (a 14x337 image's count was
+        reached by no lattice size), the filled-side sizes take each (±1 px for rounding)."""
         top = max(max(p) for p in self.pinpoints) // self.patch
+        sizes = {
+            (i * self.patch, j * self.patch) for i in range(1, top + 1) for j in range(1, top + 1)
+        }
+        for bh, bw in self.pinpoints:
+            ch, cw = self.side * bh // self.tile, self.side * bw // self.tile
+            for k in range(ch + 1):  # wider than the pinpoint: k rows kept of ch
+                sizes |= {(h, bw) for d in (-1, 0, 1) if 1 <= (h := round(k * bw / cw) + d) <= bh}
+            for k in range(cw + 1):  # taller: k columns kept of cw
+                sizes |= {(bh, w) for d in (-1, 0, 1) if 1 <= (w := round(k * bh / ch) + d) <= bw}
         out: dict[int, list[tuple[int, int]]] = {}
-        for i in range(1, top + 1):
-            for j in range(1, top + 1):
-                hw = (i * self.patch, j * self.patch)
-                out.setdefault(self.tokens(hw), []).append(hw)
+        for hw in sorted(sizes):
+            out.setdefault(self.tokens(hw), []).append(hw)
         return out
 
     def _candidates(self, n: int, h: int, w: int) -> list[tuple[int, int]]:
@@ -141,7 +156,7 @@ class AnyresGeometry:
 
         if kind == "source" and self.tokens((h, w)) == n:
             return solution((h, w), "engine-replay", f"the anyres count of {h}x{w} is {n}")
-        found = self._candidates(n, h, w) if n > self.side**2 else []
+        found = self._candidates(n, h, w) if n >= self.side**2 else []
         if not found:
             return unreachable(
                 f"no image size (on {self.patch}-px steps up to the largest pinpoint) has an "
