@@ -21,10 +21,30 @@ from megatron_media_guard.geometry import (
 SEED_HW = (1080, 2400)  # a 2400x1080 (W x H) frame
 
 
-def round_trip(geo, sol: Solution) -> int:
-    """The count the solved size gives when fed back through the family's own sizing."""
+def pm_replay_budget(geo: PatchMergeGeometry, sol: Solution) -> dict:
+    """The pixel budget a patch-merge engine-replay names (its knob, in ``reason``; the
+    other knob open: min_pixels 1 under a max_pixels, no max_pixels under a min_pixels)."""
+    if "max_pixels=" in sol.reason:
+        return {"min_pixels": 1, "max_pixels": sol.budget}
+    return {"min_pixels": sol.budget, "max_pixels": max(sol.budget, 1 << 62)}
+
+
+def round_trip(geo, sol: Solution, hw=None) -> int:
+    """The count the solution gives through the family's own sizing: RADIO at its budget;
+    patch-merge: an engine-replay is the processor's sizing of the source ``hw`` at the
+    budget it names (size_hw included), any other answer a frame it keeps unchanged at
+    min_pixels = max_pixels = budget."""
     if isinstance(geo, RadioTilerGeometry):
         return geo.tokens(sol.size_hw, sol.num_frames, budget=sol.budget)
+    if isinstance(geo, PatchMergeGeometry):
+        if sol.fidelity != "engine-replay":
+            px = {"min_pixels": sol.budget, "max_pixels": sol.budget}
+            assert geo.size_for(sol.size_hw, sol.num_frames, **px) == sol.size_hw
+            return geo.tokens(sol.size_hw, sol.num_frames, **px)
+        if hw is not None:
+            cfg = pm_replay_budget(geo, sol)
+            assert geo.size_for(hw, sol.num_frames, **cfg) == sol.size_hw
+            return geo.tokens(hw, sol.num_frames, **cfg)
     return geo.tokens(sol.size_hw, sol.num_frames)
 
 
@@ -36,27 +56,17 @@ def _radio_grid(geo: RadioTilerGeometry, hw, budget: int):
 
 
 def assert_radio_exact(geo: RadioTilerGeometry, hw, sol: Solution) -> None:
-    """A reachable RADIO solution gives its count from size_hw; an engine-replay is the
-    engine's own sizing of ``hw`` at ``sol.budget``, and the tiler keeps size_hw at that
-    budget unless (the second quirk) no budget in [min, cap] both lands and keeps."""
+    """A reachable RADIO solution is the tiler's at ``sol.budget``: an engine-replay is the
+    engine's own sizing of ``hw`` at that budget; any other answer is a frame the tiler keeps
+    unchanged at that budget (an engine budget: in [min_num_patches, max_num_patches])."""
     assert sol.reachable and sol.size_hw == (16 * sol.grid[0], 16 * sol.grid[1])
-    if sol.fidelity != "engine-replay":
-        assert sol.budget is None and round_trip(geo, sol) == sol.tokens
-        return
-    assert geo.tokens(hw, sol.num_frames, budget=sol.budget) == sol.tokens
-    assert geo.grid_for(hw, sol.budget) == sol.grid
-    if round_trip(geo, sol) == sol.tokens:
-        return
-    # the upscale to min_num_patches overshot the budget; the frame is kept at its own count
-    q = sol.grid[0] * sol.grid[1]
-    assert "overshoots" in sol.reason and geo.min_num_patches <= q
-    assert geo.grid_for(sol.size_hw, q) == sol.grid
-    budgets = range(max(geo.min_num_patches, 1), geo.cap + 1)
-    assert not [
-        b
-        for b in budgets
-        if _radio_grid(geo, hw, b) == sol.grid == _radio_grid(geo, sol.size_hw, b)
-    ]
+    assert sol.budget is not None and geo.min_num_patches <= sol.budget <= geo.cap
+    if sol.fidelity == "engine-replay":
+        assert geo.tokens(hw, sol.num_frames, budget=sol.budget) == sol.tokens
+        assert geo.grid_for(hw, sol.budget) == sol.grid
+    else:
+        assert geo.grid_for(sol.size_hw, sol.budget) == sol.grid
+        assert round_trip(geo, sol) == sol.tokens
 
 
 # ---- the seed case (README, docs/GEOMETRY.md) ----------------------------------------------------
@@ -132,31 +142,29 @@ SWEEP_BUDGETS = [512, 1024, 2048, 4096, 8165, 13312, 20000]
 def test_radio_sweep_7_sizes_x_7_budgets():
     """Targets the tiler gives at 49 budgets, solved back on the default training geometry.
 
-    The math: a count needs 4N patches; above max_num_patches (13312) no grid is kept, and
-    below min_num_patches (1024) the tiler upscales every grid except at a budget of exactly
-    1024 (no upscale there), so such a count is reachable only if the tiler gives it at 1024.
-    Budget 512 is below every engine budget: its counts (< 256 tokens) are unreachable for all
-    seven sizes; 20000 exceeds the cap only for the 3000x4000 image (4941 tokens).
+    At an engine budget (1024..13312) the count is the engine's: an engine-replay of the
+    grid itself. Budget 512 is below every engine budget (the engine floors a share at
+    min_num_patches): its counts are no replay of that source, but at a budget of 1024 (no
+    upscale there) the tiler keeps every even grid of up to 1024 patches, so they are
+    reached by a kept frame. 20000 exceeds the cap: unreachable only where its count needs
+    more than 13312 patches (the 3000x4000 image, 4941 tokens).
     """
     radio = RadioTilerGeometry()
-    unreachable, seen = set(), []
+    unreachable = set()
     for hw in SWEEP_SIZES:
         for budget in SWEEP_BUDGETS:
             target = radio.tokens(hw, budget=budget)
             sol = radio.solve(target, hw)
-            q = 4 * target
-            math_says = q > 13312 or (q < 1024 and radio.tokens(hw, budget=1024) != target)
-            assert (not sol.reachable) == math_says, (hw, budget, target, sol)
-            if sol.reachable:
-                assert sol.tokens == target and round_trip(radio, sol) == target
-                assert sol.fidelity == "engine-replay"
-            else:
-                assert sol.reason and sol.size_hw is None and sol.tokens == 0
+            if 4 * target > 13312:
+                assert not sol.reachable and "above max_num_patches" in sol.reason
+                assert sol.size_hw is None and sol.tokens == 0
                 unreachable.add((hw, budget))
-                seen.append(f"{hw}@{budget}: {target} -> {sol.reason}")
-    print("\n".join(seen))
-    expected = {(hw, 512) for hw in SWEEP_SIZES} | {((3000, 4000), 20000)}
-    assert unreachable == expected
+                continue
+            assert sol.tokens == target
+            assert_radio_exact(radio, hw, sol)
+            if 1024 <= budget <= 13312:
+                assert sol.fidelity == "engine-replay" and sol.grid == radio.grid_for(hw, budget)
+    assert unreachable == {((3000, 4000), 20000)}
 
 
 @pytest.mark.parametrize(
@@ -166,7 +174,8 @@ def test_radio_sweep_7_sizes_x_7_budgets():
         (2550, SEED_HW, "engine-replay", (68, 150), "budget"),
         (2011, SEED_HW, "closest-aspect", (2, 4022), "2 grids"),  # prime: 1x2011 or 2011x1
         (3329, SEED_HW, "unreachable", None, "above max_num_patches 13312"),
-        (100, SEED_HW, "unreachable", None, "below min_num_patches 1024"),
+        # 400 patches: no engine budget sizes the seed there; a 10x40 frame is kept at 1024
+        (100, SEED_HW, "closest-aspect", (10, 40), "at 1024 patches"),
         (0, SEED_HW, "unreachable", None, "target is 0"),
     ],
 )
@@ -182,26 +191,24 @@ def test_radio_solve_table(target, hw, fidelity, grid, reason_has):
 
 
 @pytest.mark.parametrize(
-    ("hw", "landing", "replay_budget", "one_budget"),
+    ("hw", "budget"),
     [
         # 8x149 native: the upscale at 1025 overshoots to 8x143, the evenness step gives
-        # 8x142 = 1136 > 1025 patches; fed back at 1025 a 128x2272 frame becomes 8x140, but
-        # at 1043 the media still lands on 8x142 and the frame is kept: one budget does both
-        ((112, 2369), 1025, 1043, True),
-        # 8x151 native: lands on 8x142 only for budgets 1025..1038 and the frame is kept only
-        # from 1043: the engine's grid, replayed at 1025 (the second quirk)
-        ((112, 2401), 1025, 1025, False),
+        # 8x142 = 1136 > 1025 patches: still the engine's grid (pinned at 1028, a multiple
+        # of 4 a one-image request can have)
+        ((112, 2369), 1028),
+        # 8x151 native: lands on 8x142 only for budgets 1025..1038, and a 128x2272 frame is
+        # kept only from 1043: the engine's grid all the same (the engine resizes the source)
+        ((112, 2401), 1028),
     ],
 )
-def test_radio_upscale_past_the_budget_is_still_a_replay(hw, landing, replay_budget, one_budget):
+def test_radio_upscale_past_the_budget_is_still_a_replay(hw, budget):
     radio = RadioTilerGeometry()
-    grid = radio.grid_for(hw, landing)
-    assert grid == (8, 142) and grid[0] * grid[1] > landing  # the engine's own grid
-    sol = radio.solve(radio.tokens(hw, budget=landing), hw)
+    grid = radio.grid_for(hw, 1025)
+    assert grid == (8, 142) and grid[0] * grid[1] > 1025  # the engine's own grid
+    sol = radio.solve(radio.tokens(hw, budget=1025), hw)
     assert sol.fidelity == "engine-replay" and sol.grid == grid, sol
-    assert sol.budget == replay_budget
-    assert (round_trip(radio, sol) == sol.tokens) == one_budget
-    assert ("overshoots" in sol.reason) != one_budget
+    assert sol.budget == budget
     assert_radio_exact(radio, hw, sol)
 
 
@@ -257,7 +264,7 @@ def test_patch_merge_grow_replays_the_engine_min_pixels(min_pixels):
 def test_patch_merge_target_off_the_engine_path_is_closest_aspect():
     geo = PatchMergeGeometry.qwen2_vl()
     sol = geo.solve(1000, SEED_HW)  # the shrink path of 1080x2400 steps over 1000
-    assert sol.fidelity == "closest-aspect" and sol.budget is None
+    assert sol.fidelity == "closest-aspect" and sol.budget == 1000 * 28 * 28
     assert round_trip(geo, sol) == 1000
     a, b = sol.size_hw[0] // 28, sol.size_hw[1] // 28
     assert a * b == 1000 and b > a  # wide, like the media
@@ -266,14 +273,17 @@ def test_patch_merge_target_off_the_engine_path_is_closest_aspect():
 @pytest.mark.parametrize(
     ("target", "hw", "frames", "fidelity", "reason_has"),
     [
-        (1281, (1080, 2400), 1, "unreachable", "above max_pixels 1003520"),
-        (3, (1080, 2400), 1, "unreachable", "below min_pixels 3136"),
+        # past the static budget: the engine's max_pixels may be larger (its shrink path steps
+        # over 1281, so a kept frame), or smaller (1x3 cells, below the static min_pixels)
+        (1281, (1080, 2400), 1, "closest-aspect", "min_pixels = max_pixels = 1004304"),
+        (3354, (1080, 2400), 1, "engine-replay", "max_pixels=2629536"),
+        (3, (1080, 2400), 1, "engine-replay", "max_pixels=3176"),
         (211, (1000, 1000), 1, "unreachable", "aspect ratio above 200"),  # prime > 200
         (289, (100, 2000), 1, "unique", "only the grid 17x17"),  # 1x289 exceeds the aspect cap
         (10, (10, 2500), 1, "unreachable", "exceeds 200"),  # the processor rejects the media
-        # 29x5615 (aspect 194) resizes to 28x5628 = 1x201 cells (aspect 201), which the
-        # processor rejects when fed back: not a replay
-        (201, (29, 5615), 1, "closest-aspect", "that it keeps when fed back"),
+        # 29x5615 (aspect 194) resizes to 28x5628 = 1x201 cells (aspect 201): the processor
+        # rejects that frame when fed back, but the engine resized the source: a replay
+        (201, (29, 5615), 1, "engine-replay", "1x201 merged cells"),
         (0, (100, 100), 1, "unreachable", "target is 0"),
         # 112 = 7x16 cells: 1080x2400 under max_pixels 100000
         (3 * 112, (1080, 2400), 5, "engine-replay", "7x16 merged cells x 3 group(s)"),
@@ -288,7 +298,7 @@ def test_patch_merge_solve_table(target, hw, frames, fidelity, reason_has):
     assert sol.fidelity == fidelity, sol
     assert reason_has in sol.reason
     if sol.reachable:
-        assert round_trip(geo, sol) == target and sol.num_frames == frames
+        assert round_trip(geo, sol, hw) == target and sol.num_frames == frames
         assert sol.grid == (sol.size_hw[0] // 14, sol.size_hw[1] // 14)
 
 
@@ -492,19 +502,11 @@ def test_property_patch_merge_solves_its_own_count(h, w, frames, cfg):
     hb, wb = cfg.size_for((h, w), frames)
     n = cfg.tokens((h, w), frames)
     sol = cfg.solve(n, (h, w), frames)
-    # the processor keeps its own output (not so at the max(f, .) clamp, at odd T in Qwen3
-    # video, or where rounding pushes the aspect past 200 and it rejects its own output)
-    try:
-        kept = cfg.size_for((hb, wb), frames) == (hb, wb)
-    except GeometryError:
-        kept = False
-    if not kept:
-        assert sol.fidelity != "engine-replay" or sol.size_hw != (hb, wb), sol
-        assert not sol.reachable or round_trip(cfg, sol) == n
-        return
+    # the processor's own output for the source, whether or not it would keep that frame
+    # when fed back (the max(f, .) clamp, odd T in Qwen3 video, rounding past the aspect cap)
     assert sol.fidelity == "engine-replay", sol
     assert sol.size_hw == (hb, wb) and sol.grid == (hb // cfg.patch, wb // cfg.patch)
-    assert round_trip(cfg, sol) == n
+    assert round_trip(cfg, sol, (h, w)) == n
     assert n == math.ceil(frames / cfg.temporal_patch) * (hb // f) * (wb // f)
 
 
@@ -522,21 +524,22 @@ def test_property_patch_merge_solves_its_own_count(h, w, frames, cfg):
     budget=st.one_of(st.none(), st.integers(1024, 13312)),
 )
 def test_property_radio_solves_any_engine_count(h, w, cfg, budget):
+    """Every count the tiler gives a source at an engine budget comes back as the tiler's own
+    sizing of that source (the upscale-then-evenness grids below min_num_patches included);
+    a replay where only one grid of that count is the tiler's, else closest-aspect (the
+    count does not tell the budget apart), and then the engine's grid is one of those."""
     assume(budget is None or budget >= cfg.min_num_patches)
     if budget is not None and cfg.cap is not None:
         budget = min(budget, cfg.cap)
     n = cfg.tokens((h, w), budget=budget)
     sol = cfg.solve(n, (h, w))
-    ph, pw = cfg.grid_for((h, w), budget)
-    used = cfg.static_budget if budget is None else budget
-    if ph * pw < cfg.min_num_patches < used:
-        # the documented quirk: an evenness step after the upscale left the grid below
-        # min_num_patches; fed back at a budget above the minimum the tiler upscales it again
-        assert not sol.reachable or sol.fidelity != "engine-replay" or sol.grid == (ph, pw)
-        return
-    assert sol.fidelity == "engine-replay", sol
-    assert sol.tokens == n
+    assert sol.tokens == n and sol.fidelity in ("engine-replay", "closest-aspect"), sol
     assert_radio_exact(cfg, (h, w), sol)
+    assert cfg.grid_for((h, w), sol.budget) == sol.grid  # the tiler's grid for the source
+    if sol.fidelity == "engine-replay":
+        assert sol.grid == cfg.grid_for((h, w), budget)
+    else:
+        assert "does not tell which the engine used" in sol.reason
 
 
 @SETTINGS
@@ -587,16 +590,16 @@ def test_property_patch_merge_any_target_is_exact_or_named(h, w, target, frames,
     assume(max(h, w) / min(h, w) <= 200)
     sol = cfg.solve(target, (h, w), frames)
     if sol.reachable:
-        assert sol.tokens == target and round_trip(cfg, sol) == target
+        assert sol.tokens == target and round_trip(cfg, sol, (h, w)) == target
     else:
         assert sol.reason and sol.tokens == 0 and sol.size_hw is None
         g = math.ceil(frames / cfg.temporal_patch)
         if target and target % g == 0:
             n = target // g
-            # every grid a*b = n is outside the budget or the aspect cap
+            # every grid a*b = n is past the aspect cap (a budget of its own area keeps any
+            # other)
             assert all(
-                not (cfg.min_pixels <= n * cfg.factor**2 <= cfg.max_pixels)
-                or max(a, b) / min(a, b) > cfg.max_aspect
+                max(a, b) / min(a, b) > cfg.max_aspect
                 for a in range(1, n + 1)
                 if n % a == 0
                 for b in [n // a]

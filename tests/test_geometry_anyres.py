@@ -81,10 +81,11 @@ def test_tokens_match_the_processor_and_the_model(model):
 
 TABLE = [  # (hw, target, fidelity, size_hw)
     ((100, 60), 16 + 8 * 5, "engine-replay", (100, 60)),  # its own count: the size is kept
-    ((100, 60), 40, "closest-aspect", (84, 28)),  # 8x2 features + newlines on a 2x1 grid
+    ((100, 60), 40, "closest-aspect", (112, 41)),  # 8x2 features + newlines on a 2x1 grid
     ((100, 60), 16 + 12 * 13, "closest-aspect", (168, 154)),  # 12x12 (the cap): near square
     ((56, 56), 17, "unreachable", None),  # base + 1 is the multi-image count, never anyres
-    ((56, 56), 16, "unreachable", None),  # a 0-row map only for a sliver (off the lattice)
+    # a 0-row map: a sliver unpads to no rows (a 14x337 image does); a 13x56 one too
+    ((56, 56), 16, "closest-aspect", (13, 56)),
     ((56, 56), 10**6, "unreachable", None),  # beyond the cap
 ]
 
@@ -125,3 +126,14 @@ def test_bad_config_is_named():
         AnyresGeometry(pinpoints=F.PINPOINTS, tile=56, max_tiles=0)
     with pytest.raises(GeometryError, match="positive"):
         GEO.solve(40, (0, 3))
+
+
+def test_every_count_of_a_sliver_is_reached():
+    """Slivers unpad to few rows (down to none): every count such images give is reached,
+    from any image size (the lattice once stepped over some: a 14x337 image's count 16)."""
+    counts = {GEO.tokens((h, w)) for h in range(1, 57) for w in range(300, 340)}
+    counts |= {GEO.tokens((w, h)) for h in range(1, 57) for w in range(300, 340)}
+    assert GEO.side**2 in counts  # the 0-row map
+    for n in sorted(counts):
+        sol = GEO.solve(n, (1, 1))
+        assert sol.reachable and GEO.tokens(sol.size_hw) == n, (n, sol.reason)

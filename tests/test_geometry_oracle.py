@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_geometry import pm_replay_budget
 
 from megatron_media_guard.geometry import GeometryError, PatchMergeGeometry, RadioTilerGeometry
 
@@ -126,15 +127,13 @@ def test_solved_sizes_round_trip_through_smart_resize(name):
             if not sol.reachable:
                 continue
             reachable += 1
-            hb, wb = oracle_hw(geo, sol.size_hw)
-            assert (hb, wb) == sol.size_hw, (hw, target, sol)
-            assert (hb // geo.factor) * (wb // geo.factor) == target
-            if sol.fidelity == "engine-replay":  # the budget found replays the processor
-                knob = "max_pixels" if "max_pixels=" in sol.reason else "min_pixels"
-                cfg = {"min_pixels": geo.min_pixels, "max_pixels": geo.max_pixels}
-                cfg[knob] = sol.budget
-                if knob == "min_pixels":
-                    cfg["max_pixels"] = max(cfg["max_pixels"], sol.budget)
+            if sol.fidelity != "engine-replay":  # a frame kept at min = max = budget pixels
+                px = {"min_pixels": sol.budget, "max_pixels": sol.budget}
+                kept = smart_resize(*sol.size_hw, factor=geo.factor, **px)
+                assert tuple(kept) == sol.size_hw, (hw, target, sol)
+                assert (kept[0] // geo.factor) * (kept[1] // geo.factor) == target
+            else:  # the budget found replays the processor on the source
+                cfg = pm_replay_budget(geo, sol)
                 replay = smart_resize(hw[0], hw[1], factor=geo.factor, **cfg)
                 assert tuple(replay) == sol.size_hw, (hw, target, sol)
     assert reachable > 150

@@ -1,7 +1,9 @@
 """Geometry families: how a processor turns pixels into a token count, and back.
 
 Every family has ``tokens(hw, num_frames=1, ...)``, ``size_for(hw, num_frames=1, ...)``
-and ``solve(target_tokens, hw, num_frames=1) -> Solution`` (exact, with a fidelity class).
+and ``solve(target_tokens, hw, num_frames=1, *, hw_kind="source") -> Solution`` (exact,
+with a fidelity class; ``hw_kind="frame"`` when ``hw`` is a size the training processor
+already resized, not the original: then no answer is claimed as the engine's sizing).
 Pure Python: imports only ``errors`` from the package; no torch, torch.distributed or
 megatron.
 """
@@ -11,7 +13,14 @@ from megatron_media_guard.geometry.fixed import FixedGeometry
 from megatron_media_guard.geometry.patch_merge import PatchMergeGeometry
 from megatron_media_guard.geometry.pixtral import PixtralGeometry
 from megatron_media_guard.geometry.radio import RadioEngineItem, RadioTilerGeometry
-from megatron_media_guard.geometry.solution import FIDELITIES, Fidelity, GeometryError, Solution
+from megatron_media_guard.geometry.solution import (
+    FIDELITIES,
+    HW_KINDS,
+    Fidelity,
+    GeometryError,
+    HwKind,
+    Solution,
+)
 from megatron_media_guard.geometry.tiled import TiledGeometry
 
 Geometry = (
@@ -25,11 +34,13 @@ Geometry = (
 
 __all__ = [
     "FIDELITIES",
+    "HW_KINDS",
     "AnyresGeometry",
     "Fidelity",
     "FixedGeometry",
     "Geometry",
     "GeometryError",
+    "HwKind",
     "PatchMergeGeometry",
     "PixtralGeometry",
     "RadioEngineItem",

@@ -10,8 +10,10 @@
 The count is many-to-one in (H, W): it depends on the chosen pinpoint and on the aspect, not
 on the pixels. ``solve`` keeps the image's own size when that already gives the target
 (engine-replay), else picks, of every size on a lattice of ``patch``-pixel steps up to the
-largest pinpoint side (plus every size of the image's own aspect on it) that gives the target,
-the one closest in aspect, then in area (closest-aspect); unreachable when none does. An image
+largest pinpoint side, the sizes filling one side of each pinpoint at every unpad step (so
+that every count some image gives is on it), and every size of the image's own aspect on
+the patch steps, that gives the target, the one closest in aspect, then in area
+(closest-aspect); unreachable when none does. An image
 of a multi-image sample is one tile, base + 1 whatever its size: no geometry changes it.
 """
 
@@ -23,8 +25,10 @@ from functools import cached_property
 
 from megatron_media_guard.geometry.solution import (
     GeometryError,
+    HwKind,
     Solution,
     check_hw,
+    check_hw_kind,
     check_positive,
     check_target,
     pick,
@@ -102,12 +106,25 @@ class AnyresGeometry:
 
     @cached_property
     def _lattice(self) -> dict[int, list[tuple[int, int]]]:
+        """Count -> sizes giving it: every size on ``patch``-pixel steps up to the largest
+        pinpoint side, and the sizes filling one side of a pinpoint with the other side at
+        each unpad step. The count is the chosen pinpoint's map less the rows (columns) that
+        unpadding drops, a function of int(round(h * cw / w)) (the side the image fills); a
+        patch-step lattice can step over some of those values (a 14x337 image's count was
+        reached by no lattice size), the filled-side sizes take each (±1 px for rounding)."""
         top = max(max(p) for p in self.pinpoints) // self.patch
+        sizes = {
+            (i * self.patch, j * self.patch) for i in range(1, top + 1) for j in range(1, top + 1)
+        }
+        for bh, bw in self.pinpoints:
+            ch, cw = self.side * bh // self.tile, self.side * bw // self.tile
+            for k in range(ch + 1):  # wider than the pinpoint: k rows kept of ch
+                sizes |= {(h, bw) for d in (-1, 0, 1) if 1 <= (h := round(k * bw / cw) + d) <= bh}
+            for k in range(cw + 1):  # taller: k columns kept of cw
+                sizes |= {(bh, w) for d in (-1, 0, 1) if 1 <= (w := round(k * bh / ch) + d) <= bw}
         out: dict[int, list[tuple[int, int]]] = {}
-        for i in range(1, top + 1):
-            for j in range(1, top + 1):
-                hw = (i * self.patch, j * self.patch)
-                out.setdefault(self.tokens(hw), []).append(hw)
+        for hw in sorted(sizes):
+            out.setdefault(self.tokens(hw), []).append(hw)
         return out
 
     def _candidates(self, n: int, h: int, w: int) -> list[tuple[int, int]]:
@@ -117,10 +134,19 @@ class AnyresGeometry:
         found = [hw for hw in sorted(own) if min(hw) >= 1 and self.tokens(hw) == n]
         return found + [hw for hw in self._lattice.get(n, ()) if hw not in own]
 
-    def solve(self, target_tokens: int, hw: tuple[int, int], num_frames: int = 1) -> Solution:
-        """An image size whose anyres count is exactly ``target_tokens`` (see the module)."""
+    def solve(
+        self,
+        target_tokens: int,
+        hw: tuple[int, int],
+        num_frames: int = 1,
+        *,
+        hw_kind: HwKind = "source",
+    ) -> Solution:
+        """An image size whose anyres count is exactly ``target_tokens`` (see the module;
+        ``hw_kind="frame"``: a size the processor already padded, never a replay)."""
         n = check_target(target_tokens)
         h, w = check_hw(hw)
+        kind = check_hw_kind(hw_kind)
 
         def solution(size: tuple[int, int], fidelity, reason: str) -> Solution:
             bh, bw = best_resolution(*size, self.pinpoints)
@@ -128,9 +154,9 @@ class AnyresGeometry:
             grid = self.feature_grid(size)
             return Solution(n, size, fidelity, reason, grid, tiles=tiles, thumbnail=True)
 
-        if self.tokens((h, w)) == n:
+        if kind == "source" and self.tokens((h, w)) == n:
             return solution((h, w), "engine-replay", f"the anyres count of {h}x{w} is {n}")
-        found = self._candidates(n, h, w) if n > self.side**2 else []
+        found = self._candidates(n, h, w) if n >= self.side**2 else []
         if not found:
             return unreachable(
                 f"no image size (on {self.patch}-px steps up to the largest pinpoint) has an "

@@ -9,9 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_media_guard.geometry.solution import (
+    HwKind,
     Solution,
     check_frames,
     check_hw,
+    check_hw_kind,
     check_positive,
     check_target,
     unreachable,
@@ -38,10 +40,19 @@ class FixedGeometry:
         check_hw(hw)
         return check_frames(num_frames) * self.tokens_per_image
 
-    def solve(self, target_tokens: int, hw: tuple[int, int], num_frames: int = 1) -> Solution:
-        """Reachable only for num_frames * tokens_per_image: the processor's one size."""
+    def solve(
+        self,
+        target_tokens: int,
+        hw: tuple[int, int],
+        num_frames: int = 1,
+        *,
+        hw_kind: HwKind = "source",
+    ) -> Solution:
+        """Reachable only for num_frames * tokens_per_image: the processor's one size (a
+        replay from the source or a frame alike: there is no other)."""
         n = check_target(target_tokens)
         check_hw(hw)
+        check_hw_kind(hw_kind)
         t = check_frames(num_frames)
         want = t * self.tokens_per_image
         if n != want:

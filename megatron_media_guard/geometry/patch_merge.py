@@ -20,9 +20,11 @@ from dataclasses import dataclass
 
 from megatron_media_guard.geometry.solution import (
     GeometryError,
+    HwKind,
     Solution,
     check_frames,
     check_hw,
+    check_hw_kind,
     check_positive,
     check_target,
     choice_text,
@@ -172,11 +174,6 @@ class PatchMergeGeometry:
             return None
         return hb // self.factor, wb // self.factor
 
-    def _fixed(self, a: int, b: int, t: int) -> bool:
-        """The configured processor keeps an (a*f, b*f) frame as it is."""
-        f = self.factor
-        return self._cells(a * f, b * f, t, self.min_pixels, self.max_pixels) == (a, b)
-
     def _smallest(self, lo: int, hi: int, n: int, cells) -> tuple[int, tuple[int, int]] | None:
         """Smallest budget in [lo, hi] whose (monotone) cell product reaches n, if it is n."""
         top = cells(hi)
@@ -215,11 +212,32 @@ class PatchMergeGeometry:
         found = self._smallest(natural + 1, top, n, lambda m: self._cells(h, w, t, m, _NO_CAP))
         return ("min_pixels", *found) if found else None
 
-    def solve(self, target_tokens: int, hw: tuple[int, int], num_frames: int = 1) -> Solution:
-        """The pixel size that gives exactly ``target_tokens`` (see module doc), classed."""
+    def _keep_pixels(self, a: int, b: int, t: int) -> int | None:
+        """A pixel budget (min_pixels = max_pixels = it) at which the processor keeps an
+        (a*f, b*f) frame as it is: its own (frame-weighted) area, where the processor takes
+        the frame at all (aspect, clip length); None otherwise."""
+        f = self.factor
+        t_bar = round(t / self.temporal_patch) * self.temporal_patch if self.temporal_budget else 1
+        px = max(t_bar, 1) * a * b * f * f
+        return px if self._cells(a * f, b * f, t, px, px) == (a, b) else None
+
+    def solve(
+        self,
+        target_tokens: int,
+        hw: tuple[int, int],
+        num_frames: int = 1,
+        *,
+        hw_kind: HwKind = "source",
+    ) -> Solution:
+        """The pixel size that gives exactly ``target_tokens`` (see module doc), classed:
+        engine-replay where the processor's resize of the source under some min_pixels or
+        max_pixels gives it (``hw_kind="source"``); else (or for ``hw_kind="frame"``, a size
+        the processor already resized) the grid of that many cells closest in aspect that the
+        processor keeps unchanged at some budget (``budget``: min_pixels = max_pixels = it)."""
         n_total = check_target(target_tokens)
         h, w = check_hw(hw)
         t = check_frames(num_frames)
+        kind = check_hw_kind(hw_kind)
         f = self.factor
         if n_total == 0:
             return unreachable("a patch-merge item yields at least one token; target is 0", t)
@@ -247,60 +265,42 @@ class PatchMergeGeometry:
                 budget=budget,
             )
 
-        replay = self._replay(h, w, t, n)
-        if replay is not None and self._fixed(*replay[2], t):
-            knob, budget, (a, b) = replay
+        replay = self._replay(h, w, t, n) if kind == "source" else None
+        if replay is not None:  # the engine resizes the source: its grid whether or not
+            knob, budget, (a, b) = replay  # the processor would keep that frame when fed back
+            other = "min_pixels 1" if knob == "max_pixels" else "no max_pixels"
             return solution(
                 a,
                 b,
                 "engine-replay",
-                f"the processor's resize with {knob}={budget} gives {a}x{b} merged cells "
-                f"x {g} group(s) = {n_total}",
+                f"the processor's resize with {knob}={budget} ({other}) gives {a}x{b} "
+                f"merged cells x {g} group(s) = {n_total}",
                 budget,
             )
-        valid = [
-            (a, b)
-            for a, b in (divisor_pairs(n) if self._may_keep(n, t) else ())
-            if self._fixed(a, b, t)
-        ]
+        valid = {}
+        for a, b in divisor_pairs(n):
+            px = self._keep_pixels(a, b, t)
+            if px is not None:
+                valid[(a, b)] = px
         if not valid:
             return unreachable(self._why_not(n, n_total, g, t), t)
-        (a, b), fidelity, count = pick(valid, (h, w), (f, f))
+        (a, b), fidelity, count = pick(list(valid), (h, w), (f, f))
+        lead = (
+            "with only a processed frame's size"
+            if kind == "frame"
+            else f"no pixel budget makes the processor give {n} merged cells per group for {h}x{w}"
+        )
         return solution(
             a,
             b,
             fidelity,
-            f"no pixel budget makes the processor give {n} merged cells per group for "
-            f"{h}x{w}"
-            + ("" if replay is None else " that it keeps when fed back")
-            + f"; {choice_text(count, a, b, f'of {n} cells')} (min/max pixels, aspect)",
-            None,
+            f"{lead}; {choice_text(count, a, b, f'of {n} cells')} (kept unchanged at "
+            f"min_pixels = max_pixels = {valid[(a, b)]}; aspect)",
+            valid[(a, b)],
         )
 
-    def _may_keep(self, n: int, t: int) -> bool:
-        """False when the configured processor keeps no grid of n cells: above max_pixels
-        (for every frame count it compares) each side of 2 or more cells shrinks. Skips the
-        divisor scan for huge targets (which would cost O(divisors))."""
-        f = self.factor
-        frames = t if self.temporal_budget else 1
-        t_bar = round(t / self.temporal_patch) * self.temporal_patch if self.temporal_budget else 1
-        return n < 2 or min(frames, t_bar) * n * f * f <= self.max_pixels
-
     def _why_not(self, n: int, n_total: int, g: int, t: int) -> str:
-        f = self.factor
-        t_bar = round(t / self.temporal_patch) * self.temporal_patch if self.temporal_budget else 1
-        px = t_bar * n * f * f
-        if px > self.max_pixels:
-            return (
-                f"{n_total} tokens need {n} merged cells per group = {px} pixels, "
-                f"above max_pixels {self.max_pixels}"
-            )
-        if px < self.min_pixels:
-            return (
-                f"{n_total} tokens need {n} merged cells per group = {px} pixels, "
-                f"below min_pixels {self.min_pixels}"
-            )
         return (
-            f"every grid a*b = {n} has aspect ratio above {self.max_aspect:g} "
-            f"(or is resized again by the processor)"
+            f"{n_total} tokens: every grid a*b = {n} merged cells has aspect ratio above "
+            f"{self.max_aspect:g} (or the processor resizes it again at every budget)"
         )

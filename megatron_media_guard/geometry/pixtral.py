@@ -17,8 +17,10 @@ from dataclasses import dataclass
 
 from megatron_media_guard.geometry.solution import (
     GeometryError,
+    HwKind,
     Solution,
     check_hw,
+    check_hw_kind,
     check_positive,
     check_target,
     choice_text,
@@ -86,12 +88,21 @@ class PixtralGeometry:
         cells = self._cells(h, w, lo)
         return (lo, cells) if math.prod(cells) == n else None
 
-    def solve(self, target_tokens: int, hw: tuple[int, int], num_frames: int = 1) -> Solution:
+    def solve(
+        self,
+        target_tokens: int,
+        hw: tuple[int, int],
+        num_frames: int = 1,
+        *,
+        hw_kind: HwKind = "source",
+    ) -> Solution:
         """The pixel size that gives exactly ``target_tokens`` features, classed:
         engine-replay (the processor's resize with another longest edge gives it), else the
-        grid of that many cells closest in aspect that the tower takes."""
+        grid of that many cells closest in aspect that the tower takes (also for
+        ``hw_kind="frame"``: a size the processor already resized, so no replay is claimed)."""
         n = check_target(target_tokens)
         h, w = check_hw(hw)
+        kind = check_hw_kind(hw_kind)
         f, top = self.factor, self.max_cells
         if n == 0:
             return unreachable("a Pixtral image yields at least one feature; target is 0")
@@ -100,7 +111,7 @@ class PixtralGeometry:
             grid = (a * self.merge, b * self.merge)
             return Solution(n, (a * f, b * f), fidelity, reason, grid, budget=budget)
 
-        replay = self._replay(h, w, n)
+        replay = self._replay(h, w, n) if kind == "source" else None
         if replay is not None and max(replay[1]) <= top:
             edge, (a, b) = replay
             return solution(

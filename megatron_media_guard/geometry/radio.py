@@ -23,12 +23,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from math import ceil, floor, sqrt
 
-from megatron_media_guard.geometry.radio_search import landing_budgets, replay_budgets
+from megatron_media_guard.geometry.radio_search import (
+    _INF,
+    keep_budget,
+    landing_budgets,
+    pin_budget,
+)
 from megatron_media_guard.geometry.solution import (
     GeometryError,
+    HwKind,
     Solution,
     check_frames,
     check_hw,
+    check_hw_kind,
     check_positive,
     check_target,
     choice_text,
@@ -195,6 +202,12 @@ class RadioTilerGeometry:
         )
 
     # ---- the inverse ---------------------------------------------------------------------
+    def _budgets(self) -> tuple[int, int]:
+        """[lo, hi]: every per-item budget the engine can give (``engine_tokens``: the
+        request's patches clamped to [min_num_patches, max_num_patches], then shares floored
+        at min_num_patches)."""
+        return max(self.min_num_patches, 1), self.cap if self.cap is not None else _INF
+
     def _round_trips(self, grid: tuple[int, int], budget: int | None) -> bool:
         """The tiler keeps a (16*ph, 16*pw) frame as it is at ``budget``."""
         ph, pw = grid
@@ -203,40 +216,42 @@ class RadioTilerGeometry:
         native = round(ph + 0.5), round(pw + 0.5)
         return _tile(*native, b, self.min_num_patches, self.pixel_shuffle, self.factor_max) == grid
 
-    def _kept_grids(self, n: int) -> list[tuple[int, int]]:
-        """Every (d*a, d*b) grid with a*b == n that the tiler keeps as it is at the static
-        budget, a ascending (``_round_trips`` over the divisors, its lookups hoisted: a
-        highly composite target has hundreds of grids to class)."""
-        d, mn, fmax, b = (
-            self.pixel_shuffle,
-            self.min_num_patches,
-            self.factor_max,
-            self.static_budget,
-        )
-        q = d * d * n  # every candidate's patch count
-        # The tiler keeps a grid whose native size is itself (even sides: round(ph + 0.5) is
-        # ph, half to even) without evaluating it when the factor cap is 1 and the budget
-        # holds it: s = min(sqrt(b / q), 1) is exactly 1.0 for b >= q, the floors are the
-        # sides, no upscale (q >= min, or b <= min), and the sides are multiples of d.
-        plain = fmax == 1.0 and b >= q and (q >= mn or b <= mn)
-        if plain and d % 2 == 0:  # every side even: every candidate is kept
-            return [(d * a, d * (n // a)) for a in divisors(n)]
+    def _kept_grids(self, n: int) -> list[tuple[tuple[int, int], int]]:
+        """Every (d*a, d*b) grid with a*b == n that the tiler keeps as it is at some engine
+        budget, a ascending, each with the smallest such budget (``keep_budget``)."""
+        d = self.pixel_shuffle
         out = []
         for a in divisors(n):
-            ph, pw = d * a, d * (n // a)
-            h0, w0 = round(ph + 0.5), round(pw + 0.5)
-            if (plain and h0 == ph and w0 == pw) or _tile(h0, w0, b, mn, d, fmax) == (ph, pw):
-                out.append((ph, pw))
+            grid = (d * a, d * (n // a))
+            b = keep_budget(self, grid)
+            if b is not None:
+                out.append((grid, b))
         return out
 
-    def solve(self, target_tokens: int, hw: tuple[int, int], num_frames: int = 1) -> Solution:
-        """The patch grid giving exactly ``target_tokens``; engine-replay where a budget
-        makes the tiler land on it and the tiler keeps a frame of that size (``budget``:
-        the smallest budget doing both, else, for an upscale past the budget, the first
-        landing, with the budget that keeps the frame named in ``reason``)."""
+    def solve(
+        self,
+        target_tokens: int,
+        hw: tuple[int, int],
+        num_frames: int = 1,
+        *,
+        hw_kind: HwKind = "source",
+    ) -> Solution:
+        """The patch grid giving exactly ``target_tokens``.
+
+        hw_kind "source" (``hw`` is the original media): every grid the tiler gives that
+        media at some engine budget in [min_num_patches, max_num_patches] with that count;
+        one such grid is the engine's (engine-replay, ``budget`` a budget that lands there,
+        a multiple of pixel_shuffle**2 where one does: a one-image request's budget); several
+        of one count are told apart by aspect (closest-aspect, never a guess called a
+        replay). hw_kind "frame" (``hw`` is a frame the training processor already resized:
+        the original's aspect is lost to the rounding), or a source the tiler never sizes to
+        that count: the grids of that count the tiler keeps unchanged at some engine budget,
+        closest in aspect (unique / closest-aspect; ``budget``: the smallest that keeps it).
+        """
         n_total = check_target(target_tokens)
         h, w = check_hw(hw)
         t = check_frames(num_frames)
+        kind = check_hw_kind(hw_kind)
         d, px = self.pixel_shuffle, self.patch
         if n_total == 0:
             return unreachable("a RADIO item yields at least one token; target is 0", t)
@@ -260,65 +275,58 @@ class RadioTilerGeometry:
                 budget=budget,
             )
 
-        landings = landing_budgets(self, ph0, pw0, q)  # (budget, grid), budget ascending
-        replays: dict[tuple[int, int], tuple[int, int]] = {}  # grid -> (landing, keep)
-        for gr in dict.fromkeys(g for _, g in landings):
-            found = replay_budgets(self, ph0, pw0, gr, [b for b, g in landings if g == gr])
-            if found is not None:
-                replays[gr] = found
-        # a grid one budget both lands on and keeps beats one that needs two budgets
-        pool = [gr for gr, (b, k) in replays.items() if b == k] or list(replays)
-        if pool:
-            best, _, count = pick(pool, (h, w), (px, px))
-            b, k = replays[best]
-            more = f"; {count - 1} other grid(s) also replay" if count > 1 else ""
-            two = (
-                ""
-                if b == k
-                else f" (the upscale overshoots that budget, which re-tiles a frame of that "
-                f"size; no budget both lands there and keeps it; {k} patches keep it)"
+        lands = ""
+        if kind == "source":
+            landings = landing_budgets(self, ph0, pw0, q)  # (budget, grid), budget ascending
+            if landings:
+                grids = list(dict.fromkeys(gr for _, gr in landings))
+                best, fidelity, count = pick(grids, (h, w), (px, px))
+                b = pin_budget(self, ph0, pw0, best, [b for b, gr in landings if gr == best])
+                fidelity = "engine-replay" if count == 1 else fidelity
+                more = (
+                    ""
+                    if count == 1
+                    else f"; {count} grids of {q} patches are the tiler's at some budget "
+                    f"({', '.join(f'{a}x{c}' for a, c in grids)}): the count does not "
+                    f"tell which the engine used, {best[0]}x{best[1]} is closest in aspect"
+                )
+                return solution(
+                    best,
+                    fidelity,
+                    f"the tiler at a budget of {b} patches sizes {ph0}x{pw0} native patches "
+                    f"to {best[0]}x{best[1]} = {n} tokens per group{more}",
+                    b,
+                )
+            lo, _ = self._budgets()
+            lands = (
+                f"no budget in [{lo}, {self.cap}] makes the tiler give {n} tokens for "
+                f"{ph0}x{pw0} native patches; "
             )
-            return solution(
-                best,
-                "engine-replay",
-                f"the tiler at a budget of {b} patches sizes {ph0}x{pw0} native "
-                f"patches to {best[0]}x{best[1]} = {n} tokens per group{two}{more}",
-                b,
-            )
-        lands = (
-            f"the tiler lands on {landings[0][1][0]}x{landings[0][1][1]} at a budget of "
-            f"{landings[0][0]} patches but re-tiles a frame of that size"
-            if landings
-            else f"no budget in [{self.min_num_patches}, {self.cap}] makes the tiler give "
-            f"{n} tokens for {ph0}x{pw0} native patches"
-        )
         valid = self._kept_grids(n) if q <= self._kept_bound() else []
         if not valid:
-            return unreachable(f"{lands}; {self._why_not(n, q)}", t)
-        best, fidelity, count = pick(valid, (h, w), (px, px))
+            return unreachable(f"{lands}{self._why_not(n, q)}", t)
+        best, fidelity, count = pick([gr for gr, _ in valid], (h, w), (px, px))
+        keep = dict(valid)[best]
+        frame = "with only a processed frame's size, " if kind == "frame" else ""
         return solution(
             best,
             fidelity,
-            f"{lands}; {choice_text(count, best[0], best[1], f'of {q} patches')} "
-            f"(kept as it is under the static budget)",
-            None,
+            f"{lands}{frame}{choice_text(count, best[0], best[1], f'of {q} patches')} "
+            f"(grids the tiler keeps unchanged at some engine budget; this one at "
+            f"{keep} patches)",
+            keep,
         )
 
     def _kept_bound(self) -> int:
-        """No grid of more patches than this is kept as it is at the static budget B: the
-        floors hold at most B patches, the upscale at most 2 * min + 2 (ceil(u*fh) *
+        """No grid of more patches than this is kept as it is at any engine budget B <= hi:
+        the floors hold at most B patches, the upscale at most 2 * min + 2 (ceil(u*fh) *
         ceil(u*fw) with u*u*fh*fw = min and fw/fh within [1/min, min]), and the evenness step
         raises a side past the budget only from below d (at most d times the patches).
         Skips the divisor scan for huge targets (which would cost O(divisors))."""
-        d = self.pixel_shuffle
-        return d * max(self.static_budget, 2 * self.min_num_patches + 2) + d * d
+        d, (_, hi) = self.pixel_shuffle, self._budgets()
+        return d * max(hi, 2 * self.min_num_patches + 2) + d * d
 
     def _why_not(self, n: int, q: int) -> str:
         if self.cap is not None and q > self.cap:
             return f"{n} tokens need {q} patches, above max_num_patches {self.cap}"
-        if q < self.min_num_patches:
-            return (
-                f"{n} tokens need {q} patches, below min_num_patches {self.min_num_patches}: "
-                f"the tiler upscales such a frame"
-            )
-        return f"no grid of {q} patches is kept as it is by the tiler"
+        return f"no grid of {q} patches is kept as it is by the tiler at any engine budget"

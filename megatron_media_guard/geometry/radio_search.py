@@ -192,38 +192,43 @@ def _bound_along(
     return x if nxt <= fb else min(limit, _floor_start(nxt, nb, p))
 
 
-def replay_budgets(
-    geo: RadioTilerGeometry,
-    ph0: int,
-    pw0: int,
-    grid: tuple[int, int],
-    starts: list[int],
-) -> tuple[int, int] | None:
-    """(landing, keep) budgets that replay ``grid`` for ph0 x pw0 native patches.
+def keep_budget(geo: RadioTilerGeometry, grid: tuple[int, int]) -> int | None:
+    """An engine budget (``geo._budgets()``) at which the tiler keeps a (16*ph, 16*pw)
+    frame as it is, None where none does.
 
-    starts: the budgets, ascending, where the media lands on ``grid`` (every run's start,
-    as ``landing_budgets`` gives them). Returns (b, b) for the smallest budget b at which
-    the media lands on ``grid`` and the tiler keeps a frame of that size as it is; where no
-    budget does both, (the first landing, the first budget that keeps the frame) when the
-    frame is kept at a budget of its own patch count (the upscale to min_num_patches
-    overshot the budget); None otherwise (a landing below min_num_patches: re-tiled at
-    every budget above the minimum). Both budget sets are unions of runs, so where they
-    meet they meet at a run start of one of them: the candidates are the media's starts
-    and the frame's own landing budgets.
-    """
-    if geo._round_trips(grid, starts[0]):
-        return starts[0], starts[0]
+    The tiler's code paths: a frame of even sides is its own native grid (round(ph + 0.5)
+    is ph, half to even), so at a budget of its own patch count s is exactly 1 and the
+    floors are the sides; below min_num_patches the budget min_num_patches itself skips the
+    upscale (it needs budget > min). So the count clamped into [lo, hi] keeps it whenever
+    any budget does for factor_max 1 and even sides; other configurations (odd pixel
+    shuffle, another factor cap, a grid past the cap that the upscale reaches) fall back to
+    the frame's own landings, the exact search."""
+    lo, hi = geo._budgets()
     q = grid[0] * grid[1]
+    if q > geo._kept_bound():
+        return None
+    b0 = min(max(q, lo), hi)
+    if geo._round_trips(grid, b0):
+        return b0
     own = geo.native((grid[0] * geo.patch, grid[1] * geo.patch))
-    keeps = [b for b, g in landing_budgets(geo, *own, q) if g == grid]
-    for b in sorted({*starts, *keeps}):
-        if b > starts[0] and geo._round_trips(grid, b):
-            try:
-                if geo._grid(ph0, pw0, b) == grid:
-                    return b, b
-            except GeometryError:
-                continue
-    hi = geo.cap if geo.cap is not None else _INF
-    if keeps and geo.min_num_patches <= q <= hi and geo._round_trips(grid, q):
-        return starts[0], keeps[0]
-    return None
+    return next((b for b, g in landing_budgets(geo, *own, q) if g == grid), None)
+
+
+def pin_budget(
+    geo: RadioTilerGeometry, ph0: int, pw0: int, grid: tuple[int, int], starts: list[int]
+) -> int:
+    """A budget at which ph0 x pw0 native patches land on ``grid``, for a repair to pin:
+    of the landing runs (``starts``, ascending, from ``landing_budgets``) the first that
+    holds a multiple of pixel_shuffle**2 or min_num_patches itself (a one-image request's
+    budget: 4 * (max_model_len - prompt - 4), clamped), else the first landing."""
+    m = geo.pixel_shuffle**2
+    for b in starts:
+        if b == geo.min_num_patches:
+            return b
+        c = -(-b // m) * m
+        try:
+            if geo._grid(ph0, pw0, c) == grid:
+                return c
+        except GeometryError:
+            continue
+    return starts[0]

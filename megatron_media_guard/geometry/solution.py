@@ -7,16 +7,21 @@ number of tokens, and how sure the family is that this is the sizing the engine 
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Iterator
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Literal
 
 from megatron_media_guard.errors import MediaInputError
 
 Fidelity = Literal["engine-replay", "unique", "closest-aspect", "unreachable"]
 FIDELITIES: tuple[Fidelity, ...] = ("engine-replay", "unique", "closest-aspect", "unreachable")
+# What the size given to ``solve`` is: the original media ("source"), or a frame the
+# training processor already resized ("frame": the original's aspect lost to its rounding,
+# so no answer is called the engine's own sizing).
+HwKind = Literal["source", "frame"]
+HW_KINDS: tuple[HwKind, ...] = ("source", "frame")
 
 
 class GeometryError(MediaInputError):
@@ -93,6 +98,16 @@ def check_hw(hw: object) -> tuple[int, int]:
     return h, w
 
 
+def check_hw_kind(hw_kind: object) -> HwKind:
+    if hw_kind not in HW_KINDS:
+        raise GeometryError(
+            f"hw_kind must be one of {list(HW_KINDS)} (the original media's size, or a frame "
+            f"the training processor already resized), got {hw_kind!r}",
+            context={"hw_kind": str(hw_kind)},
+        )
+    return hw_kind  # type: ignore[return-value]
+
+
 def check_frames(num_frames: object) -> int:
     t = _int(num_frames, "num_frames")
     if t < 1:
@@ -163,11 +178,12 @@ def pick(
     """The candidate (rows, cols) closest in aspect to ``hw``, then in area (rows*scale_h *
     cols*scale_w vs H*W), then fewest rows; with its fidelity and the number of candidates."""
     h, w = hw
-    area, cell, log = h * w, scale[0] * scale[1], math.log
-    # aspect distance |log((r / c) / (H / W))| (as one quotient, so that equal ratios tie
-    # exactly), then area, then fewest rows, then the first listed
+    area, cell = h * w, scale[0] * scale[1]
+    # aspect distance |log((r / c) / (H / W))|, compared exactly as the ratio of the larger
+    # to the smaller of r*W and c*H (a ratio and its reciprocal tie), then area, then
+    # fewest rows, then the first listed
     best = min(
-        (abs(log((r * w) / (c * h))), abs(r * c * cell - area), r, i)
+        (Fraction(max(r * w, c * h), min(r * w, c * h)), abs(r * c * cell - area), r, i)
         for i, (r, c) in enumerate(candidates)
     )
     fidelity: Fidelity = "unique" if len(candidates) == 1 else "closest-aspect"

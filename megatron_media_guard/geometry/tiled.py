@@ -15,9 +15,11 @@ from functools import lru_cache
 
 from megatron_media_guard.geometry.solution import (
     GeometryError,
+    HwKind,
     Solution,
     check_frames,
     check_hw,
+    check_hw_kind,
     check_positive,
     check_target,
     choice_text,
@@ -101,11 +103,22 @@ class TiledGeometry:
         c, r = self.tiles_for(hw, max_tiles=max_tiles)
         return t * self._per_frame(c, r)
 
-    def solve(self, target_tokens: int, hw: tuple[int, int], num_frames: int = 1) -> Solution:
+    def solve(
+        self,
+        target_tokens: int,
+        hw: tuple[int, int],
+        num_frames: int = 1,
+        *,
+        hw_kind: HwKind = "source",
+    ) -> Solution:
         """The tile grid giving exactly ``target_tokens``; engine-replay where some max_tiles
-        makes the processor pick it for this image."""
+        makes the processor pick it for this image (``hw_kind="source"``; the engine tiles
+        the source, kept canvas or not); else, and for ``hw_kind="frame"`` (a canvas the
+        processor already made), the grid of that many tiles closest in aspect that the
+        processor keeps as it is."""
         n_total = check_target(target_tokens)
         h, w = check_hw(hw)
+        kind = check_hw_kind(hw_kind)
         t = check_frames(num_frames)
         tpt, s = self.tokens_per_tile, self.tile
         if n_total == 0:
@@ -142,9 +155,10 @@ class TiledGeometry:
                 budget=budget,
             )
 
-        for m in range(max(k, self.min_tiles), self.max_tiles + 1):
+        replays = range(max(k, self.min_tiles), self.max_tiles + 1) if kind == "source" else ()
+        for m in replays:
             cr = self._pick(h, w, m)
-            if cr[0] * cr[1] == k and self._keeps(cr):
+            if cr[0] * cr[1] == k:
                 return solution(
                     cr,
                     "engine-replay",
