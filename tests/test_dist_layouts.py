@@ -27,7 +27,9 @@ MEDIA = [[("image", 4), ("image", 6)], [("image", 3)], [("image", 8)], [("image"
 
 
 class StubGeometry:
-    def solve(self, target: int, hw: tuple[int, int], num_frames: int = 1) -> Solution:
+    def solve(
+        self, target: int, hw: tuple[int, int], num_frames: int = 1, *, hw_kind="source"
+    ) -> Solution:
         return Solution(target, (target, 2), "unique", "stub geometry", None)
 
 

@@ -138,7 +138,9 @@ def test_repair_reencodes_the_image_at_the_processors_grid(model, tmp_path):
     equal to the plain model fed that image by hand."""
     cfg = GuardConfig(policy="repair", log_dir=str(tmp_path))
     samples = [[img(8, 12, tokens=12)], [img(2, 4)]]
-    b, out, res = guarded(model, samples, cfg)
+    # the original's size (the engine sized it): a frame alone would be a guess, not a replay
+    source = [MediaItem(0, sample=0, source_hw=(8 * 14, 12 * 14)), MediaItem(0, sample=1)]
+    b, out, res = guarded(model, samples, cfg, items=source)
     assert res.report.actions == ("repair", "keep")
     rec = next(
         json.loads(x)

@@ -146,7 +146,9 @@ def test_repair_reencodes_at_the_engines_longest_edge(model, tmp_path):
     with a smaller longest edge (2x3 cells) replayed, the item's own pixels re-encoded."""
     cfg = GuardConfig(policy="repair", log_dir=str(tmp_path))
     samples = [[img(112, 168, tokens=6)], ALL]
-    b, out, res = guarded(model, samples, cfg)
+    # the original's size (the engine sized it): a frame alone would be a guess, not a replay
+    source = [MediaItem(0, sample=0, source_hw=(112, 168)), MediaItem(0, sample=1)]
+    b, out, res = guarded(model, samples, cfg, items=source)
     assert res.report.actions == ("repair", "keep")
     rec = next(
         json.loads(x)

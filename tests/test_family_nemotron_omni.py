@@ -176,7 +176,9 @@ def test_repair_reencodes_the_shrunk_image_at_the_engines_grid(model, tmp_path):
     cfg = GuardConfig(policy="repair", log_dir=str(tmp_path))
     guard = MediaGuard(cfg, grammar=spec_mod.SPEC.grammar(model, TOKENS), geometry=geo)
     samples = [[Media("image", (8, 12), tokens=12)], [IMG2]]
-    b, out, res = guarded(model, samples, guard=guard)
+    # the original's size (the engine sized it): a frame alone would be a guess, not a replay
+    source = [MediaItem(0, sample=0, source_hw=(8 * 16, 12 * 16)), MediaItem(0, sample=1)]
+    b, out, res = guarded(model, samples, guard=guard, items=source)
     assert res.report.actions == ("repair", "keep")
     rec = next(
         json.loads(x)

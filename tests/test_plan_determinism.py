@@ -107,7 +107,7 @@ def test_raise_policy_raises_on_both_stages_naming_the_sample():
 
 
 class Geo:
-    def solve(self, target, hw, num_frames=1):
+    def solve(self, target, hw, num_frames=1, *, hw_kind="source"):
         return Solution(target, (target, 2), "unique", "stub", None)
 
 

@@ -215,7 +215,7 @@ def test_a_geometry_that_breaks_its_contract_falls_back(tmp_path):
     from megatron_media_guard.geometry import Solution
 
     class LyingGeometry:
-        def solve(self, target, hw, num_frames=1):
+        def solve(self, target, hw, num_frames=1, *, hw_kind="source"):
             return Solution(
                 tokens=target + 1, size_hw=(28, 28), fidelity="unique", reason="x", grid=(2, 2)
             )

@@ -34,6 +34,7 @@ from ..core.outcome import MergeResult
 from ..core.runs import TokenLayout, parse_layout
 from ..families import FamilySpec
 from ..families.spec import Merged, ModalitySpec, present
+from ..repair.repairs import media_hw
 from .forward_hook import ForwardHookHandle
 from .qwen_vl.checks import CallArgs
 from .tower import tower_due
@@ -213,8 +214,10 @@ class VLMHandle(ForwardHookHandle):
                 t = out.get(name)
                 if not isinstance(t, torch.Tensor):
                     continue
-                hw = it.source_hw or it.frame_hw
-                sol = self.guard.geometry.solve(target[k], hw, num_frames=it.num_frames or 1)
+                hw, kind = media_hw(it)  # as the repair solved it
+                sol = self.guard.geometry.solve(
+                    target[k], hw, num_frames=it.num_frames or 1, hw_kind=kind
+                )
                 t = t.clone()
                 t[parent[k], -2:] = torch.tensor(sol.grid, dtype=t.dtype, device=t.device)
                 out[name] = t

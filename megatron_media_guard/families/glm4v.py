@@ -53,8 +53,10 @@ class ClipGeometry:
     geo: PatchMergeGeometry
     frames: int = TEMPORAL
 
-    def solve(self, target_tokens: int, hw: tuple[int, int], num_frames: int = 1):
-        return self.geo.solve(target_tokens, hw, max(num_frames, self.frames))
+    def solve(
+        self, target_tokens: int, hw: tuple[int, int], num_frames: int = 1, *, hw_kind="source"
+    ):
+        return self.geo.solve(target_tokens, hw, max(num_frames, self.frames), hw_kind=hw_kind)
 
     def tokens(self, hw: tuple[int, int], num_frames: int = 1) -> int:
         return self.geo.tokens(hw, max(num_frames, self.frames))

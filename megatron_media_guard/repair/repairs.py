@@ -17,6 +17,7 @@ from ..config import GuardConfig
 from ..core.items import Batch, MediaItem
 from ..core.plan import ItemRepair, Plan
 from ..diagnostics import GuardRecord
+from ..geometry import HwKind
 from .fp8 import fp8_multiple
 from .reproject import reencode
 
@@ -84,20 +85,25 @@ def repair_record(
     )
 
 
-def _source_hw(item: MediaItem) -> tuple[int, int] | None:
+def media_hw(item: MediaItem) -> tuple[tuple[int, int] | None, HwKind]:
+    """The size a repair solves from, and what it is: the original media's (``source_hw``,
+    "source": the engine sized that), else a frame the training processor already resized
+    ("frame": a solution from it is never an engine replay)."""
     if item.source_hw is not None:
-        return item.source_hw
+        return item.source_hw, "source"
     if item.frame_hw is not None:
-        return item.frame_hw
+        return item.frame_hw, "frame"
     if item.pixels is not None and item.layout == "image" and item.pixels.dim() in (3, 4):
-        return int(item.pixels.shape[-2]), int(item.pixels.shape[-1])
-    return None
+        return (int(item.pixels.shape[-2]), int(item.pixels.shape[-1])), "frame"
+    return None, "frame"
 
 
-def solve_allowed(geo, target: int, hw: tuple[int, int], num_frames: int, config):
+def solve_allowed(
+    geo, target: int, hw: tuple[int, int], num_frames: int, config, hw_kind: HwKind = "source"
+):
     """``(solution, None)`` when ``geo`` reaches ``target`` at a fidelity ``config`` allows, else
-    ``(solution, why not)``."""
-    sol = geo.solve(target, hw, num_frames=num_frames)
+    ``(solution, why not)``. hw_kind: what ``hw`` is (see :func:`media_hw`)."""
+    sol = geo.solve(target, hw, num_frames=num_frames, hw_kind=hw_kind)
     if not sol.reachable:
         return sol, f"unreachable: {sol.reason}"
     if sol.fidelity not in config.allowed_fidelity:
@@ -116,7 +122,7 @@ def _attempt(
         return redo(r, plan, batch, ctx)
     item = batch.items[r.item]
     facts: dict = {"target": r.target}
-    hw = _source_hw(item)
+    hw, hw_kind = media_hw(item)
     missing = [
         name
         for name, v in (
@@ -134,7 +140,7 @@ def _attempt(
         facts["reason"] = f"cannot repair: no {', '.join(missing)} given"
         return None, facts
     geo = ctx.geometry
-    sol, why_not = solve_allowed(geo, r.target, hw, item.num_frames or 1, ctx.config)
+    sol, why_not = solve_allowed(geo, r.target, hw, item.num_frames or 1, ctx.config, hw_kind)
     facts.update(fidelity=sol.fidelity, grid=getattr(sol, "grid", None), size_hw=sol.size_hw)
     if why_not is not None:
         facts["reason"] = why_not
