@@ -15,14 +15,18 @@ set ``config.vision_start_token_id`` (151652; the config lacks it). No repair ge
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Any
 
 import torch
 
+from ..errors import MediaInputError
 from . import audio_in_video as aiv
 from .mrope import patch_dummy
-from .spec import Encoded, FamilySpec, ModalitySpec, Token, tower_zeros
+from .spec import Encoded, FamilySpec, ModalitySpec, Token, attr_path, count_table, tower_zeros
+
+_HF = "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe"
 
 _AUDIO = ("input_features", "feature_attention_mask", "audio_feature_lengths")
 
@@ -56,6 +60,52 @@ def _encode_audio(model: Any, kw) -> Encoded:
     clips = flat.split(list(got.clip_tokens))
     pieces, parent, sample = aiv.cut(clips, got.audio, got.sample.get("audio"))
     return Encoded(pieces, parent=parent, sample=sample)
+
+
+def vision_counts(kind: str):
+    """One run of ``t*h*w/merge**2`` per row of ``{kind}_grid_thw`` (a video is one run), at
+    ``patch * (h, w)`` pixels, ``t * temporal_patch`` frames (the thinker's vision config, or
+    Bridge's provider's)."""
+
+    def counts(config: Any, kw) -> torch.Tensor:
+        def vis(name: str, default: int) -> int:
+            paths = (name, f"vision_config.{name}", f"thinker_config.vision_config.{name}")
+            return int(attr_path(config, *paths) or default)
+
+        merge, p, tp = (
+            vis("spatial_merge_size", 2),
+            vis("patch_size", 16),
+            vis("temporal_patch_size", 2),
+        )
+        thw = kw[f"{kind}_grid_thw"].long()
+        n = thw.prod(-1) // merge**2
+        frames = thw[:, 0] * tp if kind == "video" else 0
+        return count_table(n, frames=frames, hw=thw[:, 1:] * p, grid=thw)
+
+    return counts
+
+
+def audio_counts(config: Any, kw) -> torch.Tensor:
+    """Per clip, the tower's output length of its mel frames (transformers'
+    ``_get_feat_extract_output_lengths``, torch ops) from ``feature_attention_mask`` (else
+    ``audio_feature_lengths``), the tower's ``n_window`` (the thinker config's; Bridge's provider
+    holds it as ``thinker_config``; 50, the function's default, where neither says)."""
+    if kw.get("use_audio_in_video"):
+        raise MediaInputError(
+            "qwen3_omni: use_audio_in_video=True interleaves video and audio placeholders in "
+            "one region; the inputs alone do not attribute those runs (check it in the model: "
+            "install_vlm)"
+        )
+    mask, lengths = kw.get("feature_attention_mask"), kw.get("audio_feature_lengths")
+    frames = mask.sum(-1) if mask is not None else lengths
+    if frames is None:
+        raise MediaInputError(
+            "qwen3_omni: input_features without feature_attention_mask or "
+            "audio_feature_lengths (the forward needs one of them too)"
+        )
+    n_window = attr_path(config, "thinker_config.audio_config.n_window", "audio_config.n_window")
+    count = importlib.import_module(_HF)._get_feat_extract_output_lengths
+    return count_table(count(frames.long(), int(n_window or 50)))
 
 
 def _reuse(model: Any, encoded, kept) -> dict:
@@ -121,7 +171,8 @@ SPEC = FamilySpec(
             start=Token(("audio_start_token_id",), "<|audio_start|>"),
             end=Token((), "<|audio_end|>"),
             keep=_AUDIO[1:],
-            rows=_AUDIO[1:],
+            rows=_AUDIO,
+            counts=audio_counts,
             nests=True,  # audio in video: right inside the video's vision region
         ),
         ModalitySpec(
@@ -131,6 +182,8 @@ SPEC = FamilySpec(
             _visual("image"),
             keep=("image_grid_thw",),
             rows=("image_grid_thw",),
+            patches={"pixel_values": "image_grid_thw"},
+            counts=vision_counts("image"),
             **_VISION,
         ),
         ModalitySpec(
@@ -140,6 +193,8 @@ SPEC = FamilySpec(
             _visual("video"),
             keep=_VIDEO[1:],
             rows=_VIDEO[1:3],
+            patches={"pixel_values_videos": "video_grid_thw"},
+            counts=vision_counts("video"),
             **_VISION,
         ),
     ),
@@ -147,4 +202,5 @@ SPEC = FamilySpec(
     positions=_positions,
     reuse=_reuse,
     dummy=_dummy,
+    drop_markers=True,  # its rope pairs each audio start with the next clip's length
 )
