@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from family_checks import raised_samples, records
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem
 from megatron_media_guard.core.host import count_transfers
@@ -289,3 +291,25 @@ def test_internvl_without_per_image_tiles_says_what_is_missing():
     wrong = [MediaItem(4, modality="image"), MediaItem(4, modality="image")]
     with pytest.raises(MediaInputError, match="each item is whole rows"):
         check_batch("internvl", b.kwargs, config=model.config, tokenizer=case.tokens, items=wrong)
+
+
+# ---- the counts are the model's arithmetic (torch ops against the host formula) ----
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 4000), st.integers(1, 4000), st.booleans(), st.sampled_from([9, 4, 1]))
+def test_llava_onevision_counts_on_the_device_are_the_models(h, w, multi, k):
+    """anyres_tokens (torch, float64) equals the fixture's host restatement of
+    pack_image_features (itself checked against transformers' in test_fixture_llava_onevision)
+    at the shipped geometry (384-px tiles, patch 14, 36 pinpoints) for any size."""
+    from transformers import LlavaOnevisionConfig
+
+    from megatron_media_guard.families.llava_onevision import anyres_tokens
+    from megatron_media_guard.testing.families.llava_onevision import (
+        llava_onevision_num_features,
+    )
+
+    cfg = LlavaOnevisionConfig(vision_aspect_ratio=f"anyres_max_{k}")
+    sizes = torch.tensor([[h, w]])
+    got = anyres_tokens(sizes, torch.tensor([multi]), cfg).item()
+    assert got == llava_onevision_num_features(h, w, cfg, multi_image=multi)
