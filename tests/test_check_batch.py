@@ -235,6 +235,9 @@ def test_float_ids_are_refused_by_check_batch(glm):
     with pytest.raises(MediaInputError, match=r"^check_batch: input_ids must hold integer") as err:
         check_batch("glm4v", kw, config=model.config)
     assert "MediaGuard" not in str(err.value)
+    kw = dict(b.kwargs, labels=b.input_ids.float())
+    with pytest.raises(MediaInputError, match=r"^check_batch \(.*\): labels must be integer"):
+        check_batch("glm4v", kw, config=model.config)
 
 
 def test_no_config_and_missing_markers_say_to_pass_them_to_check_batch():
@@ -278,6 +281,15 @@ def test_records_carry_the_ids_the_grid_and_the_size_as_in_training(glm, tmp_pat
     check_batch("glm4v", b.kwargs, config=model.config, guard=cfg, items=items)
     (rec,) = [r for r in records(tmp_path / "b") if r["event"] == "drop"]
     assert rec["sample_id"] == "img-b"
+
+
+def test_items_tied_to_samples_are_refused_as_the_model_places_items_in_order(glm):
+    """A swap the caller's sample assignment would explain is still a swap for the plain
+    model, which places the items in order: check_batch takes no MediaItem.sample."""
+    _F, model, b = glm
+    items = [MediaItem(1, sample=1), MediaItem(1, sample=0)]
+    with pytest.raises(MediaInputError, match=r"check_batch: items= set MediaItem\.sample"):
+        check_batch("glm4v", b.kwargs, config=model.config, items=items)
 
 
 def test_internvl_without_per_image_tiles_says_what_is_missing():

@@ -73,9 +73,8 @@ def check_batch(
     sample_ids: per sample (row of ``input_ids``) the data pipeline's id (a rollout id), carried
     into the records and the message. items: one :class:`MediaItem` per model-level item (an
     image, a video, a clip), per modality in the model's order: its ``sample_id``,
-    ``source_hw``, ``sample`` (given for every item: the check also ties each item to that
-    sample) and, for a family whose inputs do not size its items (InternVL: tiles per image),
-    its ``num_features``."""
+    ``source_hw`` and, for a family whose inputs do not size its items (InternVL: tiles per
+    image), its ``num_features`` (not ``sample``: the model places items in order)."""
     spec = _spec(family)
     ids = _ids(batch)
     if config is None:
@@ -129,7 +128,7 @@ def _spec(family: str | FamilySpec) -> FamilySpec:
     for s in FAMILIES:
         if s.name == family:
             return s
-    known = ", ".join(dict.fromkeys(s.name for s in FAMILIES))
+    known = ", ".join(dict.fromkeys(s.name for s in FAMILIES))  # Bridge specs share names
     raise MediaInputError(f"{CALLER}: no family {family!r}; known: {known}")
 
 
@@ -196,15 +195,19 @@ def _given(mods, encoded, items: Sequence[MediaItem] | None) -> dict:
             f"{CALLER}: items= gives {got} for this batch's {want} model-level items (one per "
             "image, video and audio clip, per modality in the model's order)"
         )
-    explicit = sum(it.sample is not None for it in items)
-    if explicit not in (0, len(items)):
-        raise MediaInputError(f"{CALLER}: give MediaItem.sample for every item or for none")
+    if any(it.sample is not None for it in items):
+        # the model places its items in order: an item tied elsewhere is put there by no one
+        raise MediaInputError(
+            f"{CALLER}: items= set MediaItem.sample, but the plain model places each item on "
+            "the next run in token order, not by sample: leave sample unset (the check ties "
+            "each item to the run the model gives it)"
+        )
     out: dict[tuple[str, int], dict] = {}
     rank: dict[str, int] = {}
     for it in items:
         k = rank.get(it.modality, 0)
         rank[it.modality] = k + 1
-        fields = {"sample_id": it.sample_id, "source_hw": it.source_hw, "sample": it.sample}
+        fields = {"sample_id": it.sample_id, "source_hw": it.source_hw}
         out[(it.modality, k)] = {f: v for f, v in fields.items() if v is not None}
     return out
 

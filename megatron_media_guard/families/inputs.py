@@ -66,7 +66,9 @@ def counted(
 
 
 def _table(t: Any, spec: FamilySpec, m: ModalitySpec, caller: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):  # host lists of run lengths per item
+    """``t`` as a full-width count table. Counts written as host lists of run lengths per
+    item (an older spec's, already read) are taken as their table."""
+    if not isinstance(t, torch.Tensor):
         if any(len(set(r)) > 1 for r in t):
             raise MediaInputError(f"{spec.name}: {m.name} counts give runs of unequal lengths")
         t = torch.tensor([[len(r), r[0] if r else 0] for r in t], dtype=torch.long)
@@ -165,13 +167,11 @@ def drop_inputs(
     lay = TokenLayout(ids, guard.grammar)
     sel = torch.zeros(lay.num_samples, dtype=torch.bool)
     sel[sorted(dropped)] = True
-    hit = lay.ph & sel.to(ids.device)[:, None]
+    of_dropped = sel.to(ids.device)[:, None]
+    hit = lay.ph & of_dropped
     marks = (*guard.grammar.start_ids, *guard.grammar.end_ids)
-    if spec.drop_markers and marks:
-        hit = (
-            hit
-            | torch.isin(ids, torch.tensor(marks, device=ids.device)) & sel.to(ids.device)[:, None]
-        )
+    if spec.drop_markers and marks:  # the dropped samples' region markers become text too
+        hit = hit | torch.isin(ids, torch.tensor(marks, device=ids.device)) & of_dropped
     out["input_ids"] = ids.masked_fill(hit, text)
     for name in spec.follow_ids:
         if isinstance(inputs.get(name), torch.Tensor):
