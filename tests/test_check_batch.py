@@ -316,7 +316,7 @@ def test_llava_onevision_counts_on_the_device_are_the_models(h, w, multi, k):
     at the shipped geometry (384-px tiles, patch 14, 36 pinpoints) for any size."""
     from transformers import LlavaOnevisionConfig
 
-    from megatron_media_guard.families.llava_onevision import anyres_tokens
+    from megatron_media_guard.families.anyres_pixels import anyres_tokens
     from megatron_media_guard.testing.families.llava_onevision import (
         llava_onevision_num_features,
     )

@@ -33,8 +33,8 @@ import torch
 from ..core.host import to_host
 from ..errors import MediaInputError
 from ..geometry import AnyresGeometry
-from .anyres_pixels import stitch, tiles_for
-from .spec import Encoded, FamilySpec, ModalitySpec, Token, count_table, tower_zeros
+from .anyres_pixels import image_counts, stitch, tiles_for, video_counts
+from .spec import Encoded, FamilySpec, ModalitySpec, Token, tower_zeros
 
 
 def _features(model: Any, pv, sizes, bni, kw=None):
@@ -90,67 +90,6 @@ def _geometry(model: Any) -> AnyresGeometry:
     )
 
 
-def anyres_tokens(sizes: torch.Tensor, multi: torch.Tensor, config: Any) -> torch.Tensor:
-    """Per ``image_sizes`` row ``(H, W)``, the features ``pack_image_features`` makes, as torch
-    ops on its device (float64, Python's arithmetic): ``base + 1`` where ``multi`` (its sample
-    has several images), else the best pinpoint (most kept area, then least waste, the first
-    on a tie), the unpadded feature map, the ``anyres_max_k`` downscale and one newline
-    feature per row after the base tile (:class:`AnyresGeometry` on the host)."""
-    v = config.vision_config
-    tile, side = int(v.image_size), int(v.image_size) // int(v.patch_size)
-    k = int(config.vision_aspect_ratio.removeprefix("anyres_max_"))
-    f64 = dict(dtype=torch.float64, device=sizes.device)
-    h, w = sizes.to(**f64).unbind(-1)
-    pins = torch.tensor(config.image_grid_pinpoints, **f64)  # [P, 2] (H, W)
-    ph, pw = pins[:, 0], pins[:, 1]
-    scale = torch.minimum(pw / w[:, None], ph / h[:, None])  # [n, P]
-    eff = torch.minimum(
-        torch.trunc(w[:, None] * scale) * torch.trunc(h[:, None] * scale), (w * h)[:, None]
-    )
-    waste = ph * pw - eff
-    best = eff == eff.max(1, keepdim=True).values
-    waste = torch.where(best, waste, torch.inf)
-    pick = (best & (waste == waste.min(1, keepdim=True).values)).int().argmax(1)
-    cur_h, cur_w = side * (ph[pick] // tile), side * (pw[pick] // tile)
-    wider = w / h > cur_w / cur_h
-    new_h = torch.trunc(torch.round(h * (cur_w / w), decimals=7))
-    new_w = torch.trunc(torch.round(w * (cur_h / h), decimals=7))
-    cur_h = torch.where(
-        wider, cur_h - 2 * torch.div(cur_h - new_h, 2, rounding_mode="floor"), cur_h
-    )
-    cur_w = torch.where(
-        wider, cur_w, cur_w - 2 * torch.div(cur_w - new_w, 2, rounding_mode="floor")
-    )
-    ratio = torch.sqrt(cur_h * cur_w / (k * side**2))
-    down = ratio > 1.1
-    cur_h = torch.where(down, torch.div(cur_h, ratio, rounding_mode="floor"), cur_h)
-    cur_w = torch.where(down, torch.div(cur_w, ratio, rounding_mode="floor"), cur_w)
-    n = side**2 + cur_h * (cur_w + 1)
-    return torch.where(multi, side**2 + 1, n).long()
-
-
-def _image_counts(config: Any, kw) -> torch.Tensor:
-    """:func:`anyres_tokens` of each image, multi-image where ``batch_num_images`` says its
-    sample has several (the model's ``need_patching``), at its original size."""
-    sizes, bni = kw["image_sizes"], kw.get("batch_num_images")
-    n = sizes.shape[0]
-    if bni is None:
-        multi = torch.zeros(n, dtype=torch.bool, device=sizes.device)
-    else:
-        bni = torch.as_tensor(bni, device=sizes.device)
-        multi = torch.repeat_interleave(bni > 1, bni, output_size=n)
-    return count_table(anyres_tokens(sizes, multi, config), hw=sizes)
-
-
-def _video_counts(config: Any, kw) -> torch.Tensor:
-    """``frames * ceil(side / 2)**2 + 1`` per stacked video (its pooling, one newline)."""
-    pv = kw["pixel_values_videos"]
-    v, frames = pv.shape[:2]
-    side = int(config.vision_config.image_size) // int(config.vision_config.patch_size)
-    n = torch.full((v,), frames * (-(-side // 2)) ** 2 + 1, device=pv.device)
-    return count_table(n, frames=frames, hw=tuple(pv.shape[-2:]))
-
-
 def _encode_video(model: Any, kw) -> Encoded:
     out = model.get_video_features(
         kw["pixel_values_videos"],
@@ -191,7 +130,7 @@ SPEC = FamilySpec(
             reencode=_reencode_image,
             rows=("pixel_values", "image_sizes"),
             groups=("batch_num_images",),
-            counts=_image_counts,
+            counts=image_counts,
         ),
         ModalitySpec(
             "video",
@@ -199,7 +138,7 @@ SPEC = FamilySpec(
             ("pixel_values_videos", "image_sizes_videos"),
             _encode_video,
             rows=("pixel_values_videos", "image_sizes_videos"),
-            counts=_video_counts,
+            counts=video_counts,
         ),
     ),
     text=Token(("text_config.pad_token_id", "pad_token_id"), "<|endoftext|>", 0),

@@ -15,18 +15,15 @@ set ``config.vision_start_token_id`` (151652; the config lacks it). No repair ge
 
 from __future__ import annotations
 
-import importlib
 import sys
 from typing import Any
 
 import torch
 
-from ..errors import MediaInputError
 from . import audio_in_video as aiv
 from .mrope import patch_dummy
-from .spec import Encoded, FamilySpec, ModalitySpec, Token, attr_path, count_table, tower_zeros
-
-_HF = "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe"
+from .qwen3_omni_counts import audio_counts, vision_counts
+from .spec import Encoded, FamilySpec, ModalitySpec, Token, tower_zeros
 
 _AUDIO = ("input_features", "feature_attention_mask", "audio_feature_lengths")
 
@@ -60,52 +57,6 @@ def _encode_audio(model: Any, kw) -> Encoded:
     clips = flat.split(list(got.clip_tokens))
     pieces, parent, sample = aiv.cut(clips, got.audio, got.sample.get("audio"))
     return Encoded(pieces, parent=parent, sample=sample)
-
-
-def vision_counts(kind: str):
-    """One run of ``t*h*w/merge**2`` per row of ``{kind}_grid_thw`` (a video is one run), at
-    ``patch * (h, w)`` pixels, ``t * temporal_patch`` frames (the thinker's vision config, or
-    Bridge's provider's)."""
-
-    def counts(config: Any, kw) -> torch.Tensor:
-        def vis(name: str, default: int) -> int:
-            paths = (name, f"vision_config.{name}", f"thinker_config.vision_config.{name}")
-            return int(attr_path(config, *paths) or default)
-
-        merge, p, tp = (
-            vis("spatial_merge_size", 2),
-            vis("patch_size", 16),
-            vis("temporal_patch_size", 2),
-        )
-        thw = kw[f"{kind}_grid_thw"].long()
-        n = thw.prod(-1) // merge**2
-        frames = thw[:, 0] * tp if kind == "video" else 0
-        return count_table(n, frames=frames, hw=thw[:, 1:] * p, grid=thw)
-
-    return counts
-
-
-def audio_counts(config: Any, kw) -> torch.Tensor:
-    """Per clip, the tower's output length of its mel frames (transformers'
-    ``_get_feat_extract_output_lengths``, torch ops) from ``feature_attention_mask`` (else
-    ``audio_feature_lengths``), the tower's ``n_window`` (the thinker config's; Bridge's provider
-    holds it as ``thinker_config``; 50, the function's default, where neither says)."""
-    if kw.get("use_audio_in_video"):
-        raise MediaInputError(
-            "qwen3_omni: use_audio_in_video=True interleaves video and audio placeholders in "
-            "one region; the inputs alone do not attribute those runs (check it in the model: "
-            "install_vlm)"
-        )
-    mask, lengths = kw.get("feature_attention_mask"), kw.get("audio_feature_lengths")
-    frames = mask.sum(-1) if mask is not None else lengths
-    if frames is None:
-        raise MediaInputError(
-            "qwen3_omni: input_features without feature_attention_mask or "
-            "audio_feature_lengths (the forward needs one of them too)"
-        )
-    n_window = attr_path(config, "thinker_config.audio_config.n_window", "audio_config.n_window")
-    count = importlib.import_module(_HF)._get_feat_extract_output_lengths
-    return count_table(count(frames.long(), int(n_window or 50)))
 
 
 def _reuse(model: Any, encoded, kept) -> dict:

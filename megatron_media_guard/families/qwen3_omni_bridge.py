@@ -24,7 +24,7 @@ provider holds them all); no repair geometry. ``use_audio_in_video`` is not attr
 
 from __future__ import annotations
 
-from .qwen3_omni import audio_counts, vision_counts
+from .qwen3_omni_counts import audio_counts, vision_counts
 from .spec import FamilySpec, ModalitySpec, Token, model_encodes
 
 _VISION = dict(
