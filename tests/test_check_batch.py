@@ -104,7 +104,8 @@ _MODELS: dict = {}
 
 def fixture(name: str):
     case = CASES[name]
-    if case.xfail:
+    spec = next(s for s in FAMILIES if s.name == name)
+    if case.xfail and not any(m.counts for m in spec.modalities):  # runs once it has counts
         pytest.xfail(case.xfail)
     F = importlib.import_module(f"megatron_media_guard.testing.families.{case.fixture}")
     if name not in _MODELS:
