@@ -49,6 +49,7 @@ def sample_record(
         first_mismatch=rep.first_mismatch,
         num_frames=item.num_frames if item else None,
         frame_hw=item.frame_hw if item else None,
+        grid=item.grid_thw if item else None,
         action=action,
         reason=f"{rep.status}: {rep.reason}",
         extra={"status": str(rep.status), "findings": [f.describe() for f in rep.findings[:8]]},

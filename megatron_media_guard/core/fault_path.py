@@ -45,6 +45,15 @@ def diagnose(
         c = replace(c, input_ids=ids, lay=lay)
     batch = c.batch
     report = align(parse_layout(c.lay), batch.items, explicit=batch.explicit)
+    if c.sample_ids is not None:  # the caller's per-sample ids where no item names one
+        ids = c.sample_ids
+        named = [
+            r
+            if r.sample_id is not None or r.sample >= len(ids)
+            else replace(r, sample_id=ids[r.sample])
+            for r in report.samples
+        ]
+        report = replace(report, samples=tuple(named))
     nonfinite: dict[int, list[int]] = {}  # sample -> its items holding NaN/Inf
     if verdict.nonfinite:
         owner = {i: rep.sample for rep in report.samples for i in rep.items}

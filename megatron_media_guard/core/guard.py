@@ -21,7 +21,7 @@ from .alignment import AlignmentReport, align
 from .apply import mask_dropped, nonfinite_items, rows_index, scatter
 from .fault_path import diagnose
 from .grammar import Grammar
-from .items import Batch, MediaItem, metadata_batch, normalize
+from .items import Batch, MediaItem, check_sample_id, metadata_batch, normalize
 from .outcome import Consensus, GuardReport, LocalOutcome, MergeResult, StageOutcome
 from .plan import Plan, build_plan
 from .runs import TokenLayout, parse_layout
@@ -45,6 +45,7 @@ class Call:
     microbatch: int | None
     encoder: object | None
     repairs: Literal["assume", "attempt"] = "assume"  # without features (emb None): last_stage
+    sample_ids: tuple | None = None  # per sample, the caller's id (items without one take it)
 
 
 class MediaGuard:
@@ -193,6 +194,8 @@ class MediaGuard:
         microbatch: int | None = None,
         repairs: Literal["assume", "attempt"] = "assume",
         encoder: object | None = None,
+        sample_ids: Sequence[str | int | None] | None = None,
+        caller: str = "MediaGuard.last_stage",
     ) -> MergeResult:
         """The merge's decisions without features, for the last pipeline stage (which needs the
         loss mask) or any rank without the vision side. ``embeddings`` of the result is None.
@@ -208,6 +211,9 @@ class MediaGuard:
         ``"attempt"``, what repairs an item instead: an object whose ``reprocess(repair, plan,
         batch, context)`` re-processes it from its original media (the collate check's
         :class:`~megatron_media_guard.families.reprocess.Reprocessor`).
+        ``sample_ids``: per sample, the data pipeline's id, named in the records and the
+        message of a sample whose items carry none. ``caller``: the function named in the
+        errors of bad input.
         """
 
         def prepare() -> Call:
@@ -228,11 +234,12 @@ class MediaGuard:
                 microbatch,
                 encoder,
                 repairs,
+                None if sample_ids is None else tuple(map(check_sample_id, sample_ids)),
             )
 
-        return self._guarded(prepare, step, microbatch)
+        return self._guarded(prepare, step, microbatch, caller)
 
-    def _guarded(self, prepare, step, microbatch) -> MergeResult:
+    def _guarded(self, prepare, step, microbatch, caller: str = "MediaGuard.merge") -> MergeResult:
         """Runs one guarded call; a library error gets the rank/step context, and any error
         raised before this rank's collective still takes part in it (see :meth:`fail`)."""
         self.begin()
@@ -246,7 +253,7 @@ class MediaGuard:
         except MediaGuardError as err:
             if not err.context.get("where"):
                 where = self.where(step, microbatch)
-                err = err.with_context(f"MediaGuard.merge ({where}): ", where=where)
+                err = err.with_context(f"{caller} ({where}): ", where=where)
             self.fail(err, step, microbatch)
             raise err from None
         except Exception as err:  # e.g. out of memory inside the checks: the peers must not hang

@@ -1,5 +1,6 @@
 """LLaVA-OneVision's anyres pixels as torch ops (on the pixels' device): the image back from
-its tiles, and an image cut into tiles the way ``LlavaOnevisionImageProcessor`` cuts them.
+its tiles, and an image cut into tiles the way ``LlavaOnevisionImageProcessor`` cuts them; and
+its spec's ``counts``, the features ``pack_image_features`` makes per ``image_sizes`` row.
 
 The processor resizes an image into its best pinpoint (aspect kept, ``get_patch_output_size``),
 pads it centred to the pinpoint with zero pixels, splits that canvas row-major into tiles of
@@ -11,11 +12,14 @@ its default mean/std (OPENAI_CLIP; a processor configured with others pads to an
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..geometry import AnyresGeometry
 from ..geometry.anyres import best_resolution, fitted_size
 from ..repair.reproject import resize_frames
+from .spec import count_table
 
 MEAN, STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 
@@ -43,3 +47,64 @@ def tiles_for(geo: AnyresGeometry, img: torch.Tensor) -> torch.Tensor:
     canvas[:, top : top + nh, left : left + nw] = resize_frames(img[None], (nh, nw))[0]
     grid = canvas.unflatten(1, (bh // t, t)).unflatten(3, (bw // t, t)).permute(1, 3, 0, 2, 4)
     return torch.cat([resize_frames(img[None], (t, t)), grid.flatten(0, 1)])
+
+
+def anyres_tokens(sizes: torch.Tensor, multi: torch.Tensor, config: Any) -> torch.Tensor:
+    """Per ``image_sizes`` row ``(H, W)``, the features ``pack_image_features`` makes, as torch
+    ops on its device (float64, Python's arithmetic): ``base + 1`` where ``multi`` (its sample
+    has several images), else the best pinpoint (most kept area, then least waste, the first
+    on a tie), the unpadded feature map, the ``anyres_max_k`` downscale and one newline
+    feature per row after the base tile (:class:`AnyresGeometry` on the host)."""
+    v = config.vision_config
+    tile, side = int(v.image_size), int(v.image_size) // int(v.patch_size)
+    k = int(config.vision_aspect_ratio.removeprefix("anyres_max_"))
+    f64 = dict(dtype=torch.float64, device=sizes.device)
+    h, w = sizes.to(**f64).unbind(-1)
+    pins = torch.tensor(config.image_grid_pinpoints, **f64)  # [P, 2] (H, W)
+    ph, pw = pins[:, 0], pins[:, 1]
+    scale = torch.minimum(pw / w[:, None], ph / h[:, None])  # [n, P]
+    eff = torch.minimum(
+        torch.trunc(w[:, None] * scale) * torch.trunc(h[:, None] * scale), (w * h)[:, None]
+    )
+    waste = ph * pw - eff
+    best = eff == eff.max(1, keepdim=True).values
+    waste = torch.where(best, waste, torch.inf)
+    pick = (best & (waste == waste.min(1, keepdim=True).values)).int().argmax(1)
+    cur_h, cur_w = side * (ph[pick] // tile), side * (pw[pick] // tile)
+    wider = w / h > cur_w / cur_h
+    new_h = torch.trunc(torch.round(h * (cur_w / w), decimals=7))
+    new_w = torch.trunc(torch.round(w * (cur_h / h), decimals=7))
+    cur_h = torch.where(
+        wider, cur_h - 2 * torch.div(cur_h - new_h, 2, rounding_mode="floor"), cur_h
+    )
+    cur_w = torch.where(
+        wider, cur_w, cur_w - 2 * torch.div(cur_w - new_w, 2, rounding_mode="floor")
+    )
+    ratio = torch.sqrt(cur_h * cur_w / (k * side**2))
+    down = ratio > 1.1
+    cur_h = torch.where(down, torch.div(cur_h, ratio, rounding_mode="floor"), cur_h)
+    cur_w = torch.where(down, torch.div(cur_w, ratio, rounding_mode="floor"), cur_w)
+    n = side**2 + cur_h * (cur_w + 1)
+    return torch.where(multi, side**2 + 1, n).long()
+
+
+def image_counts(config: Any, kw) -> torch.Tensor:
+    """:func:`anyres_tokens` of each image, multi-image where ``batch_num_images`` says its
+    sample has several (the model's ``need_patching``), at its original size."""
+    sizes, bni = kw["image_sizes"], kw.get("batch_num_images")
+    n = sizes.shape[0]
+    if bni is None:
+        multi = torch.zeros(n, dtype=torch.bool, device=sizes.device)
+    else:
+        bni = torch.as_tensor(bni, device=sizes.device)
+        multi = torch.repeat_interleave(bni > 1, bni, output_size=n)
+    return count_table(anyres_tokens(sizes, multi, config), hw=sizes)
+
+
+def video_counts(config: Any, kw) -> torch.Tensor:
+    """``frames * ceil(side / 2)**2 + 1`` per stacked video (its pooling, one newline)."""
+    pv = kw["pixel_values_videos"]
+    v, frames = pv.shape[:2]
+    side = int(config.vision_config.image_size) // int(config.vision_config.patch_size)
+    n = torch.full((v,), frames * (-(-side // 2)) ** 2 + 1, device=pv.device)
+    return count_table(n, frames=frames, hw=tuple(pv.shape[-2:]))

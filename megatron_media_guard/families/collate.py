@@ -5,23 +5,25 @@ processor's outputs and the rollout's token ids, with no model and no tower (CPU
 
     from megatron_media_guard.families.collate import check_batch
 
-    checked = check_batch("nemotron_omni", batch, config=model_config, tokenizer=tokenizer)
+    checked = check_batch("gemma3", batch, config=model_config, sample_ids=ids)
     batch = checked.batch            # every kept sample consistent; dropped ones text-only
     checked.report.actions           # per sample: keep / drop
 
-Each item's feature count comes from the spec's ``counts`` (the processor's own arithmetic on
-the inputs: grids, stacked tubelets, audio masks). A sample whose runs disagree is dropped
-(``GuardConfig(policy="drop")``, the default here) or raises: its media leave the inputs (the
-spec's ``rows`` / ``patches`` say where they sit), its placeholders become the family's text
-token, its labels are ignored. The batch keeps its shape. A planned repair falls back
-(``GuardConfig.fallback``): nothing here re-encodes. The steps are :mod:`.inputs`'s, shared
-with the ``apply="inputs"`` pre-hook. Records go to the guard's log as in
-training (``GuardConfig(log_dir=...)``).
+Each item's feature count comes from the spec's ``counts`` (the model's own arithmetic on the
+inputs: grids, image sizes, fixed tokens per image, stacked tubelets, audio masks), computed on
+the inputs' device and read in one transfer. A sample whose runs disagree is dropped
+(``GuardConfig(policy="drop")``, the default here) or raises naming it: its media leave the
+inputs (the spec's ``rows`` / ``patches`` / ``groups`` say where they sit), its placeholders
+become the family's text token, its labels are ignored. The batch keeps its shape. A planned
+repair falls back (``GuardConfig.fallback``): nothing here re-encodes. The steps are
+:mod:`.inputs`'s, shared with the ``apply="inputs"`` pre-hook. Records go to the guard's log
+as in training (``GuardConfig(log_dir=...)``), with the samples' ids (``sample_ids=``) and each
+item's frames, size and grid as the batch gives them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -37,6 +39,8 @@ from . import FAMILIES
 from .inputs import counted, drop_inputs, gone_items, plan_items
 from .reprocess import Reprocessed, Reprocessor, replace_rows
 from .spec import FamilySpec, present
+
+CALLER = "check_batch"
 
 
 @dataclass(frozen=True)
@@ -67,38 +71,69 @@ def check_batch(
     tokenizer: Any = None,
     guard: MediaGuard | GuardConfig | None = None,
     step: int | None = None,
+    sample_ids: Sequence[str | int | None] | None = None,
+    items: Sequence[MediaItem] | None = None,
     media: Any = None,
     processor: Any = None,
 ) -> BatchCheck:
     """Checks one collated batch of ``family`` (a name from the registry or a spec) against its
     token ids. config: the model's config (``AutoConfig``: token ids and sizes; no weights).
-    guard: a guard to use, or the config of one (default: drop, no consensus). media: one
-    original per item (``policy="repair"``: mismatched items re-processed from them with
-    ``processor``, :mod:`.reprocess`; ``BatchCheck.reprocessed`` / ``matched`` name them)."""
+    tokenizer: the tokenizer object or a ``{token: id}`` mapping, for markers the config lacks.
+    guard: a guard to use, or the config of one (default: drop, no consensus).
+    sample_ids: per sample (row of ``input_ids``) the data pipeline's id (a rollout id), carried
+    into the records and the message. items: one :class:`MediaItem` per model-level item (an
+    image, a video, a clip), per modality in the model's order: its ``sample_id``,
+    ``source_hw`` and, for a family whose inputs do not size its items (InternVL: tiles per
+    image), its ``num_features`` (not ``sample``: the model places items in order).
+    media: one original per item (``policy="repair"``: mismatched items re-processed from them
+    with ``processor``, :mod:`.reprocess`; ``BatchCheck.reprocessed`` / ``matched`` name
+    them)."""
     spec = _spec(family)
-    ids = batch.get("input_ids")
-    if not isinstance(ids, torch.Tensor):
-        raise MediaInputError("check_batch needs the batch's input_ids tensor")
+    ids = _ids(batch)
+    if config is None:
+        raise MediaInputError(
+            f"{CALLER}({spec.name!r}, ...) needs config= (the model's config, e.g. "
+            "AutoConfig.from_pretrained(path): its token ids and sizes; no weights)"
+        )
+    _check_tokenizer(tokenizer)
+    sids = _sample_ids(sample_ids, ids.shape[0])
     holder = SimpleNamespace(config=config)
     geo = spec.geometry(holder) if media is not None and spec.geometry else None
     if not isinstance(guard, MediaGuard):
         cfg = guard if guard is not None else GuardConfig(policy="drop")
-        guard = MediaGuard(cfg, spec.grammar(holder, tokenizer), consensus=False, geometry=geo)
+        grammar = spec.grammar(holder, tokenizer, CALLER)
+        guard = MediaGuard(cfg, grammar, consensus=False, geometry=geo)
     text = spec.text.resolve(holder, tokenizer)
     mods = present(spec, batch)
-    encoded = counted(spec, mods, config, batch)
-    items = [MediaItem(f.shape[0], modality=m.name) for m in mods for f in encoded[m.name].features]
+    encoded = counted(spec, mods, config, batch, items, CALLER)
+    given = _given(mods, encoded, items)
+    listed = [
+        MediaItem(
+            f.shape[0],
+            modality=m.name,
+            num_frames=enc.num_frames[i],
+            frame_hw=enc.frame_hw[i],
+            grid_thw=enc.grid[i],
+            **given.get((m.name, enc.parent[i]), {}),
+        )
+        for m in mods
+        for enc in (encoded[m.name],)
+        for i, f in enumerate(enc.features)
+    ]
     parent = [k for m in mods for k in encoded[m.name].parent]
-    rep = None if media is None else Reprocessor(spec, geo, items, parent, media, processor)
-    kw = dict(labels=batch.get("labels"), step=step, encoder=rep)
-    res, owner = plan_items(guard, ids, items, parent, **kw)
+    rep = None if media is None else Reprocessor(spec, geo, listed, parent, media, processor)
+    labels = batch.get("labels")
+    kw = dict(labels=labels, step=step, sample_ids=sids, caller=CALLER, encoder=rep)
+    res, owner = plan_items(guard, ids, listed, parent, **kw)
     report = res.report
     done = () if rep is None else rep.kept(report)
     batch = replace_rows(spec, batch, mods, done) if done else batch
     dropped = set(report.dropped)
     if not dropped:
         return BatchCheck(dict(batch), report, done)
-    out = drop_inputs(spec, batch, mods, guard, dropped, gone_items(report, owner), text)
+    spans = {k: e.spans for k, e in encoded.items() if any(n != 1 for n in e.spans)}
+    gone = gone_items(report, owner)
+    out = drop_inputs(spec, batch, mods, guard, dropped, gone, text, spans)
     if res.labels is not None:
         out["labels"] = res.labels
     return BatchCheck({k: v for k, v in out.items() if v is not None}, report, done)
@@ -110,7 +145,88 @@ def _spec(family: str | FamilySpec) -> FamilySpec:
     for s in FAMILIES:
         if s.name == family:
             return s
-    raise MediaInputError(f"no family {family!r}; known: {[s.name for s in FAMILIES]}")
+    known = ", ".join(dict.fromkeys(s.name for s in FAMILIES))  # Bridge specs share names
+    raise MediaInputError(f"{CALLER}: no family {family!r}; known: {known}")
+
+
+def _ids(batch: Mapping[str, Any]) -> torch.Tensor:
+    if not isinstance(batch, Mapping):
+        raise MediaInputError(
+            f"{CALLER} takes the processor's batch as a mapping of its keyword arguments, got "
+            f"{type(batch).__name__}"
+        )
+    ids = batch.get("input_ids")
+    if not isinstance(ids, torch.Tensor):
+        raise MediaInputError(f"{CALLER} needs the batch's input_ids tensor [b, s]")
+    if ids.dim() != 2 or ids.numel() == 0:
+        raise MediaInputError(f"{CALLER}: input_ids must be [b, s], got {tuple(ids.shape)}")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise MediaInputError(
+            f"{CALLER}: input_ids must hold integer token ids, got {ids.dtype} (pass the "
+            "tokenizer's ids, e.g. ids.long())"
+        )
+    return ids
+
+
+def _check_tokenizer(tokenizer: Any) -> None:
+    if tokenizer is None or isinstance(tokenizer, Mapping):
+        return
+    if not callable(getattr(tokenizer, "convert_tokens_to_ids", None)):
+        raise MediaInputError(
+            f"{CALLER}: tokenizer= is a {type(tokenizer).__name__}; pass the tokenizer object "
+            "(AutoTokenizer.from_pretrained(...)) or a {token: id} mapping"
+        )
+
+
+def _sample_ids(sample_ids, rows: int) -> tuple | None:
+    if sample_ids is None:
+        return None
+    if isinstance(sample_ids, (str, bytes)) or not isinstance(sample_ids, Sequence):
+        raise MediaInputError(
+            f"{CALLER}: sample_ids= takes one id per sample (row of input_ids), got "
+            f"{type(sample_ids).__name__}"
+        )
+    if len(sample_ids) != rows:
+        raise MediaInputError(
+            f"{CALLER}: {len(sample_ids)} sample_ids for {rows} samples (rows of input_ids)"
+        )
+    return tuple(sample_ids)
+
+
+def _given(mods, encoded, items: Sequence[MediaItem] | None) -> dict:
+    """``(modality, model-level index) -> fields`` the caller's ``items`` lay on the items."""
+    if items is None:
+        return {}
+    items = list(items)
+    for g, it in enumerate(items):
+        if not isinstance(it, MediaItem):
+            raise MediaInputError(
+                f"{CALLER}: items[{g}] is a {type(it).__name__}; pass MediaItem objects"
+            )
+    want = {m.name: len(set(encoded[m.name].parent)) for m in mods}
+    got: dict[str, int] = {}
+    for it in items:
+        got[it.modality] = got.get(it.modality, 0) + 1
+    if got != {k: v for k, v in want.items() if v}:
+        raise MediaInputError(
+            f"{CALLER}: items= gives {got} for this batch's {want} model-level items (one per "
+            "image, video and audio clip, per modality in the model's order)"
+        )
+    if any(it.sample is not None for it in items):
+        # the model places its items in order: an item tied elsewhere is put there by no one
+        raise MediaInputError(
+            f"{CALLER}: items= set MediaItem.sample, but the plain model places each item on "
+            "the next run in token order, not by sample: leave sample unset (the check ties "
+            "each item to the run the model gives it)"
+        )
+    out: dict[tuple[str, int], dict] = {}
+    rank: dict[str, int] = {}
+    for it in items:
+        k = rank.get(it.modality, 0)
+        rank[it.modality] = k + 1
+        fields = {"sample_id": it.sample_id, "source_hw": it.source_hw}
+        out[(it.modality, k)] = {f: v for f, v in fields.items() if v is not None}
+    return out
 
 
 __all__ = ["BatchCheck", "check_batch"]

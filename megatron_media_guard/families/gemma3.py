@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..geometry import FixedGeometry
-from .spec import Encoded, FamilySpec, ModalitySpec, Token, bridge_embed, tower_zeros
+from .spec import Encoded, FamilySpec, ModalitySpec, Token, bridge_embed, count_table, tower_zeros
 
 
 def _encode_image(model: Any, kw) -> Encoded:
@@ -40,6 +40,13 @@ def _encode_image(model: Any, kw) -> Encoded:
 
 def _reencode_image(model: Any, img: torch.Tensor) -> torch.Tensor:
     return model.get_image_features(img[None], return_dict=True).pooler_output[0]
+
+
+def _counts(config: Any, kw) -> torch.Tensor:
+    """``mm_tokens_per_image`` per pixel row (crops included), at the rows' size."""
+    pv = kw["pixel_values"]
+    n = torch.full((pv.shape[0],), int(config.mm_tokens_per_image), device=pv.device)
+    return count_table(n, hw=tuple(pv.shape[-2:]))
 
 
 def _geometry(model: Any) -> FixedGeometry:
@@ -66,6 +73,8 @@ SPEC = FamilySpec(
             start=Token(("boi_token_id", "vision_start_token_id"), "<start_of_image>"),
             end=Token(("eoi_token_id", "vision_end_token_id"), "<end_of_image>"),
             reencode=_reencode_image,
+            rows=("pixel_values",),
+            counts=_counts,
         ),
     ),
     text=Token(("text_config.pad_token_id", "pad_token_id"), "<pad>", 0),

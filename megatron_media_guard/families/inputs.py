@@ -19,24 +19,105 @@ from ..core.items import MediaItem
 from ..core.outcome import GuardReport, MergeResult
 from ..core.runs import TokenLayout
 from ..errors import MediaInputError
-from .spec import Encoded, FamilySpec, ModalitySpec
+from .spec import COUNT_COLUMNS, Encoded, FamilySpec, ModalitySpec
 
 
-def counted(spec: FamilySpec, mods: Sequence[ModalitySpec], config: Any, inputs) -> dict:
+def counted(
+    spec: FamilySpec,
+    mods: Sequence[ModalitySpec],
+    config: Any,
+    inputs,
+    items: Sequence[MediaItem] | None = None,
+    caller: str = "counts",
+) -> dict[str, Encoded]:
     """Per modality, what its tower would produce, sized from ``inputs`` alone: an
     :class:`Encoded` of zero-width ``[n, 0]`` features, one per run, ``parent`` the
-    model-level item (a video of several runs shares one)."""
-    out: dict[str, Encoded] = {}
+    model-level item (a video of several runs shares one), with its frames, frame size and
+    grid where the inputs say them. Every modality's :func:`~.spec.count_table` comes to the
+    host in one transfer. ``items``: one per model-level item, per modality in the model's
+    order; a ``split="items"`` modality's items are cut by their ``num_features`` (``caller``
+    names the function that was called, in the errors)."""
+    tables = []
     for m in mods:
         if m.counts is None:
-            raise MediaInputError(f"{spec.name}: {m.name} has no counts: check it in the model")
-        sizes, parent = [], []
-        for k, runs in enumerate(m.counts(config, inputs)):
-            sizes += [int(n) for n in runs]
-            parent += [k] * len(runs)
-        feats = tuple(torch.empty(n, 0) for n in sizes)
-        out[m.name] = Encoded(feats, parent=tuple(parent))
+            raise MediaInputError(
+                f"{caller}: {spec.name}'s {m.name} inputs do not give its feature counts: "
+                "check it in the model (install_vlm)"
+            )
+        try:
+            got = m.counts(config, inputs)
+        except KeyError as err:  # an input the counts read is not in the batch
+            raise MediaInputError(
+                f"{caller}: {spec.name}'s {m.name} inputs lack {err.args[0]!r} (the family's "
+                f"processor returns it beside {m.inputs[0]!r}: pass it in the batch)"
+            ) from None
+        tables.append(_table(got, spec, m, caller))
+    if not tables:
+        return {}
+    # the call's one transfer for its counts: every modality's table at once
+    host = to_host(torch.cat(tables), why="per-item counts from the inputs").tolist()
+    out: dict[str, Encoded] = {}
+    for m, t in zip(mods, tables):
+        rows, host = host[: t.shape[0]], host[t.shape[0] :]
+        if m.split == "items":
+            rows = _cut(spec, m, rows, [it for it in items or () if it.modality == m.name], caller)
+        out[m.name] = _encoded(rows)
     return out
+
+
+def _table(t: Any, spec: FamilySpec, m: ModalitySpec, caller: str) -> torch.Tensor:
+    """``t`` as a full-width count table. Counts written as host lists of run lengths per
+    item (an older spec's, already read) are taken as their table."""
+    if not isinstance(t, torch.Tensor):
+        if any(len(set(r)) > 1 for r in t):
+            raise MediaInputError(f"{spec.name}: {m.name} counts give runs of unequal lengths")
+        t = torch.tensor([[len(r), r[0] if r else 0] for r in t], dtype=torch.long)
+    if t.dim() != 2 or not 2 <= t.shape[1] <= len(COUNT_COLUMNS):
+        raise MediaInputError(f"{caller}: {spec.name}'s {m.name} counts gave {tuple(t.shape)}")
+    pad = len(COUNT_COLUMNS) - t.shape[1]
+    return torch.nn.functional.pad(t.long(), (0, pad)) if pad else t.long()
+
+
+def _cut(spec, m: ModalitySpec, rows: list, given: Sequence[MediaItem], caller: str) -> list:
+    """A split modality's one block ``(units, tokens per unit)`` as the given items' rows
+    (one run each, ``spans`` its units)."""
+    units, per, _, h, w = rows[0][:5] if rows else (0, 0, 0, 0, 0)
+    total = units * per
+    what = f"{units} rows of {m.rows[0] if m.rows else m.inputs[0]!r}"
+    if not given:
+        raise MediaInputError(
+            f"{caller}: {spec.name}: the inputs hold {what} ({per} features each, {total} in "
+            f"all) but not which {m.name} each row belongs to (the processor drops that): pass "
+            f"items= (one MediaItem per {m.name} in the model's order, num_features = {per} x "
+            "its rows)"
+        )
+    sizes = [it.num_features for it in given]
+    if sum(sizes) != total or any(n % per for n in sizes):
+        raise MediaInputError(
+            f"{caller}: items= declares {m.name} features {sizes} ({sum(sizes)} in all); the "
+            f"inputs hold {what} of {per} features ({total}): each item is whole rows"
+        )
+    return [[1, n, 0, h, w, 0, 0, 0, n // per] for n in sizes]  # each unit at h x w
+
+
+def _encoded(rows: list) -> Encoded:
+    feats, parent, frames, hw, grid, spans = [], [], [], [], [], []
+    for k, (runs, n, f, h, w, gt, gh, gw, *span) in enumerate(rows):
+        for _ in range(runs):
+            feats.append(torch.empty(n, 0))
+            parent.append(k)
+            frames.append(f or None)
+            hw.append((h, w) if h and w else None)
+            grid.append((gt, gh, gw) if gt and gh and gw else None)
+        spans.append(span[0] if span else 1)
+    return Encoded(
+        tuple(feats),
+        num_frames=tuple(frames),
+        frame_hw=tuple(hw),
+        parent=tuple(parent),
+        grid=tuple(grid),
+        spans=tuple(spans),
+    )
 
 
 def plan_items(
@@ -74,16 +155,23 @@ def drop_inputs(
     dropped: set[int],
     gone: set[tuple[str, int]],
     text: int,
+    spans: Mapping[str, Sequence[int]] | None = None,
 ) -> dict[str, Any]:
     """``inputs`` with the dropped samples' placeholders as ``text`` (and 0 in the spec's
     ``follow_ids``), their items' rows out of the modalities' ``rows`` and ``patches``
-    inputs (an input left with no row becomes None). Labels are the caller's to mask."""
+    inputs (an input left with no row becomes None). ``spans``: per modality, the rows of
+    its ``rows`` inputs each model-level item holds (default one; :attr:`Encoded.spans`).
+    Labels are the caller's to mask."""
     out = dict(inputs)
     ids = inputs["input_ids"]
     lay = TokenLayout(ids, guard.grammar)
     sel = torch.zeros(lay.num_samples, dtype=torch.bool)
     sel[sorted(dropped)] = True
-    hit = lay.ph & sel.to(ids.device)[:, None]
+    of_dropped = sel.to(ids.device)[:, None]
+    hit = lay.ph & of_dropped
+    marks = (*guard.grammar.start_ids, *guard.grammar.end_ids)
+    if spec.drop_markers and marks:  # the dropped samples' region markers become text too
+        hit = hit | torch.isin(ids, torch.tensor(marks, device=ids.device)) & of_dropped
     out["input_ids"] = ids.masked_fill(hit, text)
     for name in spec.follow_ids:
         if isinstance(inputs.get(name), torch.Tensor):
@@ -97,9 +185,23 @@ def drop_inputs(
                 keep = [k for k in range(len(sizes)) if (m.name, k) not in gone]
                 pieces = inputs[name].split(sizes)
                 out[name] = torch.cat([pieces[k] for k in keep]) if keep else None
-        for name in m.rows:
+        for name in m.groups:
             t = inputs.get(name)
             if isinstance(t, torch.Tensor):
+                # items per sample (a small transfer, drops only): an entry whose items all
+                # left goes with them
+                per = to_host(t, why="items per sample to drop a sample's entry").tolist()
+                first = [sum(per[:e]) for e in range(len(per))]
+                keep = [e for e, n in enumerate(per) if not n or (m.name, first[e]) not in gone]
+                out[name] = t[keep] if keep else None
+        span = (spans or {}).get(m.name)
+        for name in m.rows:
+            t = inputs.get(name)
+            if isinstance(t, torch.Tensor) and span:  # several rows per item (InternVL's tiles)
+                pieces = t.split(list(span))
+                keep = [k for k in range(len(span)) if (m.name, k) not in gone]
+                out[name] = torch.cat([pieces[k] for k in keep]) if keep else None
+            elif isinstance(t, torch.Tensor):
                 keep = [k for k in range(t.shape[0]) if (m.name, k) not in gone]
                 out[name] = t[keep] if keep else None
     return out

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .spec import Encoded, FamilySpec, ModalitySpec, Token, tower_zeros
+import torch
+
+from .spec import Encoded, FamilySpec, ModalitySpec, Token, count_table, tower_zeros
 
 
 def _encode_image(model: Any, kw) -> Encoded:
@@ -32,6 +34,14 @@ def _encode_image(model: Any, kw) -> Encoded:
         return_dict=True,
     ).pooler_output  # [tiles, image_seq_length, hidden]
     return Encoded((out.reshape(-1, out.shape[-1]),), split="items")
+
+
+def _counts(config: Any, kw) -> torch.Tensor:
+    """The call's tiles as one block of ``image_seq_length`` features each (``split="items"``:
+    which tiles make which image is the caller's, ``check_batch(items=...)``)."""
+    pv = kw["pixel_values"]
+    tiles = torch.full((1,), int(config.image_seq_length), device=pv.device)
+    return count_table(tiles, runs=pv.shape[0], hw=tuple(pv.shape[-2:]))
 
 
 def _dummy(model: Any):  # one tile of zeros through the tower and the projector
@@ -51,6 +61,9 @@ SPEC = FamilySpec(
             _encode_image,
             start=Token((), "<img>"),
             end=Token((), "</img>"),
+            rows=("pixel_values",),
+            counts=_counts,
+            split="items",
         ),
     ),
     text=Token(("text_config.pad_token_id", "pad_token_id"), "<|endoftext|>", 0),

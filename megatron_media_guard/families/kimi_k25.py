@@ -34,7 +34,17 @@ from typing import Any
 
 import torch
 
-from .spec import Encoded, FamilySpec, Merged, ModalitySpec, Token, bridge_embed, tower_zeros
+from .spec import (
+    Encoded,
+    FamilySpec,
+    Merged,
+    ModalitySpec,
+    Token,
+    attr_path,
+    bridge_embed,
+    count_table,
+    tower_zeros,
+)
 
 
 def _encode_image(model: Any, kw) -> Encoded:
@@ -46,6 +56,20 @@ def _encode_video(model: Any, kw) -> Encoded:
     pv, grid = kw["pixel_values_videos"], kw["video_grid_thw"]
     out = model.get_video_features(pv, grid, return_dict=True)
     return Encoded(tuple(out.pooler_output))  # one per chunk (grid row)
+
+
+def _counts(grid: str):
+    """One run of ``h*w / (mh*mw)`` per ``(t, h, w)`` grid row (a video chunk's frames
+    mean-pooled: ``t`` is its frames), at ``patch * (h, w)`` pixels."""
+
+    def counts(config: Any, kw) -> torch.Tensor:
+        v = attr_path(config, "vision_config", "vision_tower_config") or config
+        (mh, mw), p = v.merge_kernel_size, int(v.patch_size)
+        thw = kw[grid].long()
+        n = thw[:, 1] * thw[:, 2] // (mh * mw)
+        return count_table(n, frames=thw[:, 0], hw=thw[:, 1:] * p, grid=thw)
+
+    return counts
 
 
 def _embed(model: Any, ids: torch.Tensor) -> torch.Tensor:
@@ -77,6 +101,9 @@ SPEC = FamilySpec(
             _encode_image,
             start=_START,
             end=_END,
+            rows=("image_grid_thw",),
+            patches={"pixel_values": "image_grid_thw"},
+            counts=_counts("image_grid_thw"),
         ),
         ModalitySpec(
             "video",
@@ -85,6 +112,9 @@ SPEC = FamilySpec(
             _encode_video,
             start=_START,
             end=_END,
+            rows=("video_grid_thw",),
+            patches={"pixel_values_videos": "video_grid_thw"},
+            counts=_counts("video_grid_thw"),
         ),
     ),
     text=Token(("text_config.pad_token_id", "pad_token_id"), "[PAD]", 0),

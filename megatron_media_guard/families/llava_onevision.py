@@ -33,7 +33,7 @@ import torch
 from ..core.host import to_host
 from ..errors import MediaInputError
 from ..geometry import AnyresGeometry
-from .anyres_pixels import stitch, tiles_for
+from .anyres_pixels import image_counts, stitch, tiles_for, video_counts
 from .spec import Encoded, FamilySpec, ModalitySpec, Token, tower_zeros
 
 
@@ -128,12 +128,17 @@ SPEC = FamilySpec(
             ),
             _encode_image,
             reencode=_reencode_image,
+            rows=("pixel_values", "image_sizes"),
+            groups=("batch_num_images",),
+            counts=image_counts,
         ),
         ModalitySpec(
             "video",
             Token(("video_token_id", "video_token_index"), "<video>"),
             ("pixel_values_videos", "image_sizes_videos"),
             _encode_video,
+            rows=("pixel_values_videos", "image_sizes_videos"),
+            counts=video_counts,
         ),
     ),
     text=Token(("text_config.pad_token_id", "pad_token_id"), "<|endoftext|>", 0),

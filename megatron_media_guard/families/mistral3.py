@@ -24,7 +24,7 @@ import torch
 
 from ..core.host import to_host
 from ..geometry import PixtralGeometry
-from .spec import Encoded, FamilySpec, ModalitySpec, Token, bridge_embed, tower_zeros
+from .spec import Encoded, FamilySpec, ModalitySpec, Token, bridge_embed, count_table, tower_zeros
 
 
 def _features(model: Any, pixels: torch.Tensor, sizes: torch.Tensor, layer=None):
@@ -52,6 +52,16 @@ def _encode_image(model: Any, kw) -> Encoded:
 def _reencode_image(model: Any, img: torch.Tensor) -> torch.Tensor:
     sizes = torch.tensor([list(img.shape[-2:])], dtype=torch.long, device=img.device)
     return _features(model, img[None], sizes)[0]
+
+
+def _counts(config: Any, kw) -> torch.Tensor:
+    """``(H // p) * (W // p)`` per ``image_sizes`` row (``p = patch * spatial_merge_size``,
+    the patch merger's split), its ``[IMG_BREAK]`` / ``[IMG_END]`` taking none."""
+    cfg = getattr(config, "hf_config", config)
+    p = int(cfg.vision_config.patch_size) * int(getattr(cfg, "spatial_merge_size", 2))
+    sizes = kw["image_sizes"]
+    rows, cols = (sizes // p).unbind(-1)
+    return count_table(rows * cols, hw=sizes, grid=torch.stack([rows * 0 + 1, rows, cols], -1))
 
 
 def _geometry(model: Any) -> PixtralGeometry:
@@ -86,6 +96,8 @@ SPEC = FamilySpec(
             end=Token((), "[IMG_END]"),
             breaks=(Token((), "[IMG_BREAK]"),),
             reencode=_reencode_image,
+            rows=("pixel_values", "image_sizes"),
+            counts=_counts,
         ),
     ),
     text=Token(("text_config.pad_token_id", "pad_token_id"), "<pad>", 0),

@@ -14,7 +14,7 @@ import torch
 from ..core.host import to_host
 from ..errors import MediaInputError
 from ..repair.pixels import from_frames, to_frames
-from .spec import Encoded, split_rows, tower_zeros
+from .spec import Encoded, count_table, split_rows, tower_zeros
 
 
 def rows_to_image(rows: torch.Tensor, h: int, w: int, p: int, tp: int, m: int) -> torch.Tensor:
@@ -85,15 +85,17 @@ def rope_positions(model: Any, kw) -> torch.Tensor:
     )[0]
 
 
-def grid_counts(grid: str, per_run: bool, div: int = 4):
+def grid_counts(grid: str, per_run: bool, div: int = 4, patch: int = 14):
     """``counts`` for the collate check from a ``[n, 3]`` (t, h, w) grid input: one run of
-    t*h*w/``div`` per item, or (``per_run``: GLM-4V's video frames) t runs of h*w/``div``."""
+    t*h*w/``div`` per item, or (``per_run``: GLM-4V's video frames) t runs of h*w/``div``; at
+    ``patch * (h, w)`` pixels."""
 
-    def counts(config: Any, kw) -> list[list[int]]:
-        thw = to_host(kw[grid], why="grids for the collate check").tolist()
+    def counts(config: Any, kw) -> torch.Tensor:
+        thw = kw[grid].long()
+        t, hw = thw[:, 0], thw[:, 1:]
         if per_run:
-            return [[h * w // div] * t for t, h, w in thw]
-        return [[t * h * w // div] for t, h, w in thw]
+            return count_table(hw.prod(-1) // div, runs=t, hw=hw * patch, grid=thw)
+        return count_table(thw.prod(-1) // div, hw=hw * patch, grid=thw)
 
     return counts
 

@@ -19,7 +19,7 @@ from ..core.host import to_host
 from ..geometry import RadioTilerGeometry
 from .evs import prune_video_tokens
 from .layouts import image_to_patches, patches_to_image
-from .spec import Encoded, FamilySpec, ModalitySpec, Token, split_rows
+from .spec import Encoded, FamilySpec, ModalitySpec, Token, count_table, split_rows
 
 PATCH = 16
 
@@ -76,30 +76,35 @@ def _encode_audio(model: Any, kw) -> Encoded:
     return Encoded(split_rows(flat, sizes))
 
 
-def _image_counts(config: Any, kw) -> list[list[int]]:
-    hw = to_host(kw["image_grid_hw"], why="image grids for the collate check").tolist()
-    return [[gh * gw // 4] for gh, gw in hw]
+def _image_counts(config: Any, kw) -> torch.Tensor:
+    hw = kw["image_grid_hw"].long()
+    return count_table(hw.prod(-1) // 4, hw=hw * PATCH)
 
 
-def _video_counts(config: Any, kw) -> list[list[int]]:
-    v, t, _, h, w = kw["pixel_values_videos"].shape
-    return [[(h // PATCH) * (w // PATCH) // 4] * t for _ in range(v)]
+def _video_counts(config: Any, kw) -> torch.Tensor:
+    pv = kw["pixel_values_videos"]
+    v, t, _, h, w = pv.shape
+    n = torch.full((v,), (h // PATCH) * (w // PATCH) // 4, device=pv.device)
+    tp = int(getattr(config, "video_temporal_patch_size", 2))
+    return count_table(n, runs=t, frames=tp, hw=(h, w))
 
 
-def _audio_counts(config: Any, kw) -> list[list[int]]:
+def _audio_counts(config: Any, kw) -> torch.Tensor:
     """Parakeet's conv subsampling (the tower's ``_get_subsampling_output_length``) on the
-    model's input length ``mask.sum(-1) + 1``."""
+    model's input length ``mask.sum(-1) + 1``: ``floor((x + pad) / stride + 1)`` per stage."""
     a = config.audio_config
     k, stride = a.subsampling_conv_kernel_size, a.subsampling_conv_stride
     pad = (k - 1) // 2 * 2 - k
-    mask = kw.get("input_features_mask")
-    if mask is None:
-        n = [kw["input_features"].shape[1]] * kw["input_features"].shape[0]
-    else:
-        n = to_host(mask.sum(-1) + 1, why="audio lengths for the collate check").tolist()
+    x, mask = kw["input_features"], kw.get("input_features_mask")
+    n = (
+        mask.sum(-1) + 1
+        if mask is not None
+        else torch.full(x.shape[:1], x.shape[1], device=x.device)
+    )
+    n = n.long()
     for _ in range(int(math.log2(a.subsampling_factor))):
-        n = [math.floor((x + pad) / stride + 1) for x in n]
-    return [[x] for x in n]
+        n = torch.div(n + pad, stride, rounding_mode="floor") + 1
+    return count_table(n)
 
 
 def _dummy(model: Any):  # one 2x2-patch image of zeros through the model's own tower path

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..core.host import to_host
-from .spec import Encoded, FamilySpec, ModalitySpec, Token, bridge_embed, tower_zeros
+from .spec import Encoded, FamilySpec, ModalitySpec, Token, bridge_embed, count_table, tower_zeros
 
 
 def _parts(model: Any):
@@ -65,6 +65,17 @@ def _encode_audio(model: Any, kw) -> Encoded:
     return Encoded(tuple(f[: int(n)] for f, n in zip(feats, sizes)))
 
 
+def _counts(config: Any, kw) -> torch.Tensor:
+    """Per clip ``((L - 1) // 2 + 1 - 2) // 2 + 1`` of its L mel frames (the tower's
+    ``_get_feat_extract_output_lengths``; the whole window without a mask)."""
+    x, mask = kw["input_features"], kw.get("feature_attention_mask")
+    frames = (
+        mask.sum(-1) if mask is not None else torch.full(x.shape[:1], x.shape[-1], device=x.device)
+    )
+    n = ((frames.long() - 1) // 2 + 1 - 2) // 2 + 1
+    return count_table(n.clamp(min=0))
+
+
 def _dummy(model: Any):
     """One clip of zeros through the tower and the projector, as the encode runs them: the
     tower takes only its fixed ``2 * max_source_positions`` mel frames, so a full window."""
@@ -89,6 +100,8 @@ SPEC = FamilySpec(
             _encode_audio,
             start=Token((), "<|audio_bos|>", 151647),
             end=Token((), "<|audio_eos|>", 151648),
+            rows=("input_features", "feature_attention_mask"),
+            counts=_counts,
         ),
     ),
     text=Token(("text_config.pad_token_id", "pad_token_id"), "<|endoftext|>", 151643),

@@ -22,6 +22,7 @@ import torch
 
 from . import audio_in_video as aiv
 from .mrope import patch_dummy
+from .qwen3_omni_counts import audio_counts, vision_counts
 from .spec import Encoded, FamilySpec, ModalitySpec, Token, tower_zeros
 
 _AUDIO = ("input_features", "feature_attention_mask", "audio_feature_lengths")
@@ -121,7 +122,8 @@ SPEC = FamilySpec(
             start=Token(("audio_start_token_id",), "<|audio_start|>"),
             end=Token((), "<|audio_end|>"),
             keep=_AUDIO[1:],
-            rows=_AUDIO[1:],
+            rows=_AUDIO,
+            counts=audio_counts,
             nests=True,  # audio in video: right inside the video's vision region
         ),
         ModalitySpec(
@@ -131,6 +133,8 @@ SPEC = FamilySpec(
             _visual("image"),
             keep=("image_grid_thw",),
             rows=("image_grid_thw",),
+            patches={"pixel_values": "image_grid_thw"},
+            counts=vision_counts("image"),
             **_VISION,
         ),
         ModalitySpec(
@@ -140,6 +144,8 @@ SPEC = FamilySpec(
             _visual("video"),
             keep=_VIDEO[1:],
             rows=_VIDEO[1:3],
+            patches={"pixel_values_videos": "video_grid_thw"},
+            counts=vision_counts("video"),
             **_VISION,
         ),
     ),
@@ -147,4 +153,5 @@ SPEC = FamilySpec(
     positions=_positions,
     reuse=_reuse,
     dummy=_dummy,
+    drop_markers=True,  # its rope pairs each audio start with the next clip's length
 )

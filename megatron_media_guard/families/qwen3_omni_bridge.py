@@ -24,48 +24,8 @@ provider holds them all); no repair geometry. ``use_audio_in_video`` is not attr
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
-from ..core.host import to_host
-from ..errors import MediaInputError
-from .spec import FamilySpec, ModalitySpec, Token, attr_path, model_encodes
-
-_HF = "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe"
-
-
-def _grid_counts(kind: str):
-    """One run of ``t*h*w/merge**2`` per row of ``{kind}_grid_thw``."""
-
-    def counts(config: Any, kw) -> list[list[int]]:
-        merge = attr_path(config, "spatial_merge_size", "vision_config.spatial_merge_size")
-        thw = to_host(kw[f"{kind}_grid_thw"], why=f"{kind} grids to size the items").tolist()
-        return [[t * h * w // (merge or 2) ** 2] for t, h, w in thw]
-
-    return counts
-
-
-def _audio_counts(config: Any, kw) -> list[list[int]]:
-    """Per clip, the tower's output length of its mel frames (transformers' function, the
-    tower's ``n_window``: the thinker config's, Bridge's provider holds it as
-    ``thinker_config``; 50, the function's default, where neither says)."""
-    if kw.get("use_audio_in_video"):
-        raise MediaInputError(
-            "qwen3_omni (Bridge): use_audio_in_video=True interleaves video and audio "
-            "placeholders in one region; the guard does not attribute those runs"
-        )
-    mask, lengths = kw.get("feature_attention_mask"), kw.get("audio_feature_lengths")
-    frames = mask.sum(-1) if mask is not None else lengths
-    if frames is None:
-        raise MediaInputError(
-            "qwen3_omni (Bridge): input_features without feature_attention_mask or "
-            "audio_feature_lengths (the forward needs one of them too)"
-        )
-    n_window = attr_path(config, "thinker_config.audio_config.n_window", "audio_config.n_window")
-    count = importlib.import_module(_HF)._get_feat_extract_output_lengths
-    out = count(frames.long(), int(n_window or 50))
-    return [[n] for n in to_host(out, why="audio clip lengths to size the items").tolist()]
-
+from .qwen3_omni_counts import audio_counts, vision_counts
+from .spec import FamilySpec, ModalitySpec, Token, model_encodes
 
 _VISION = dict(
     start=Token(("vision_start_token_id",), "<|vision_start|>"),
@@ -85,7 +45,7 @@ SPEC = FamilySpec(
             model_encodes,
             rows=("image_grid_thw",),
             patches={"pixel_values": "image_grid_thw"},
-            counts=_grid_counts("image"),
+            counts=vision_counts("image"),
             **_VISION,
         ),
         ModalitySpec(
@@ -95,7 +55,7 @@ SPEC = FamilySpec(
             model_encodes,
             rows=_VIDEO[1:],
             patches={"pixel_values_videos": "video_grid_thw"},
-            counts=_grid_counts("video"),
+            counts=vision_counts("video"),
             **_VISION,
         ),
         ModalitySpec(
@@ -105,7 +65,7 @@ SPEC = FamilySpec(
             model_encodes,
             start=Token(("audio_start_token_id",), "<|audio_start|>"),
             end=Token(("audio_end_token_id",), "<|audio_end|>"),
-            counts=_audio_counts,
+            counts=audio_counts,
         ),
     ),
     text=Token(

@@ -86,12 +86,47 @@ class Encoded:
     # video), given for every item of the call or for none; a set_items call takes precedence
     sample: tuple[int, ...] = ()
     output: Any = None  # the model's own feature output, for FamilySpec.reuse
+    grid: tuple[tuple[int, int, int] | None, ...] = ()  # per item: its (t, h, w) feature grid
+    spans: tuple[int, ...] = ()  # per model-level item: its dim-0 rows in ``rows`` (default 1)
 
 
 #: encode(model, call_kwargs) -> Encoded; call_kwargs holds the forward's keyword arguments
 Encode = Callable[[Any, Mapping[str, Any]], Encoded]
-#: counts(model config, inputs) -> per model-level item, the lengths of its runs
-Counts = Callable[[Any, Mapping[str, Any]], list[list[int]]]
+#: counts(model config, inputs) -> per model-level item its runs and their size, a
+#: :func:`count_table` on the inputs' device, made by torch ops alone (no host read: the
+#: caller brings every modality's table to the host in one transfer)
+Counts = Callable[[Any, Mapping[str, Any]], torch.Tensor]
+
+#: the columns of a count table: runs, placeholders per run, frames, frame height and width
+#: (pixels), feature grid (t, h, w); 0 where unknown
+COUNT_COLUMNS = ("runs", "tokens", "frames", "height", "width", "grid_t", "grid_h", "grid_w")
+
+
+def count_table(
+    tokens: torch.Tensor,
+    runs: torch.Tensor | int = 1,
+    *,
+    frames: torch.Tensor | int = 0,
+    hw: torch.Tensor | tuple[int, int] | None = None,
+    grid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A ``counts`` result: per model-level item (``tokens``: ``[n]``, placeholders per run)
+    its ``runs`` (all of one length: a video's frame runs), ``frames``, frame size ``hw``
+    (``[n, 2]`` or one ``(H, W)`` for all) and feature ``grid`` (``[n, 3]``), int64
+    ``[n, 8]`` (:data:`COUNT_COLUMNS`) on ``tokens``' device; the sizes only name the item in
+    records and messages (0: unknown)."""
+    n, dev = tokens.shape[0], tokens.device
+
+    def cols(v, k: int) -> torch.Tensor:
+        if v is None:
+            return torch.zeros(n, k, dtype=torch.long, device=dev)
+        t = torch.as_tensor(v, device=dev).long()
+        return t.reshape(-1, k).expand(n, k) if t.numel() <= k else t.reshape(n, k)
+
+    parts = [cols(runs, 1), tokens.long().reshape(n, 1), cols(frames, 1), cols(hw, 2)]
+    return torch.cat([*parts, cols(grid, 3)], dim=1)
+
+
 #: repair encoder for one item: (model, new_pixels [C, H', W']) -> features [n, h]
 Reencode = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -141,9 +176,17 @@ class ModalitySpec:
     patches: ``{input: grid input}`` for flat patch rows, ``prod(grid row)`` rows per item; a
         kept grid's row of a repaired item takes the solved patch grid in its last two
         entries (h, w) before positions are computed.
-    counts: ``counts(config, inputs)``: per model-level item, its runs' lengths, from the
-        inputs alone (no model): what :func:`~.collate.check_batch` checks before the trainer,
-        and what an ``apply="inputs"`` family's items are sized by.
+    counts: ``counts(config, inputs)``: per model-level item its runs and their length (a
+        :func:`count_table`, torch ops on the inputs' device), from the inputs alone (no
+        model): what :func:`~.collate.check_batch` checks before the trainer, and what an
+        ``apply="inputs"`` family's items are sized by.
+    split: ``"items"``: the inputs do not say how the model's output falls into items
+        (InternVL: tiles per image never reach the model); ``counts`` gives the call's block
+        as one row (runs = units, e.g. tiles, each of ``tokens``), cut by the caller's item
+        metadata (``check_batch(items=...)``), each item whole units.
+    groups: inputs with one entry per sample that holds items of this modality, its item
+        count (LLaVA-OneVision's ``batch_num_images``): a dropped sample's entry leaves them
+        with its items (:func:`~.collate.check_batch`, ``apply="inputs"``).
     type_id: this modality's value in the family's per-token type tensor
         (:attr:`FamilySpec.token_types`), for modalities that share a placeholder token.
     nests: its start/end markers may also sit right inside another modality's region, read
@@ -162,6 +205,8 @@ class ModalitySpec:
     rows: tuple[str, ...] = ()
     patches: Mapping[str, str] = field(default_factory=dict)
     counts: Counts | None = None
+    split: Literal["items"] | None = None
+    groups: tuple[str, ...] = ()
     type_id: int | None = None
     breaks: tuple[Token, ...] = ()
     nests: bool = False
@@ -197,7 +242,10 @@ class FamilySpec:
     ``token_types``: a forward
     keyword holding a per-token type (GLM-4V's ``mm_token_type_ids``): where modalities share
     a placeholder token, its value at a run's first token (a :attr:`ModalitySpec.type_id`)
-    says whose run it is, instead of the length interleaving.
+    says whose run it is, instead of the length interleaving. ``drop_markers``: a dropped
+    sample's start / end markers become ``text`` too when the inputs are rewritten
+    (:func:`~.collate.check_batch`), for forwards that count regions by their markers
+    (Qwen3-Omni's rope pairs each audio start with the next clip's length).
     """
 
     name: str
@@ -215,6 +263,7 @@ class FamilySpec:
     reuse: Callable[[Any, Mapping[str, Encoded], Mapping[str, list[int]]], dict] | None = None
     token_types: str | None = None
     dummy: Callable[[Any], Any] | None = None
+    drop_markers: bool = False
 
     def matches(self, model: Any) -> bool:
         if self.detect is not None and self.detect(model):
@@ -231,9 +280,10 @@ class FamilySpec:
                 return m
         raise MediaInputError(f"family {self.name!r} has no modality {name!r}")
 
-    def grammar(self, model: Any, tokenizer: Any = None) -> Grammar:
+    def grammar(self, model: Any, tokenizer: Any = None, caller: str = "install_vlm") -> Grammar:
         """The guard's grammar from the model's config (markers the config lacks from the
-        tokenizer); a clear error naming every token it could not find."""
+        tokenizer); a clear error naming every token it could not find (and ``caller``, the
+        function to pass the tokenizer to)."""
         placeholders: dict[str, int] = {}
         pairs: list[tuple[int, int]] = []
         inner: list[tuple[int, int]] = []
@@ -272,7 +322,7 @@ class FamilySpec:
         if missing:
             raise MediaInputError(
                 f"{self.name}: no token id for " + "; ".join(missing) + " (set them on "
-                "model.config or pass tokenizer= to install_vlm)"
+                f"model.config or pass tokenizer= to {caller})"
             )
         aliases = {m.name: m.shares for m in self.modalities if m.shares is not None}
         if (pairs and end_only) or len(end_only) > 1:
