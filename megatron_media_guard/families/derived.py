@@ -1,0 +1,277 @@
+"""A family spec read from a transformers class itself, for the VLMs no written spec names.
+
+Most transformers VLMs follow one convention, and :func:`derive` reads a
+:class:`~.spec.FamilySpec` (``apply="embed"``, the one engine) from it:
+
+- the forward (of the class or of its ``.model``) calls ``self.get_<m>_features(...)`` for
+  ``m`` in image / video / audio and merges the result with ``masked_scatter``; the
+  arguments it passes (positional or keyword, read from its source with ``ast``) are the
+  modality's forward keywords, the first one its media tensor;
+- ``config.<m>_token_id`` (or ``<m>_token_index``) is the placeholder; no markers (runs are
+  bare: a run ends at any other token);
+- the output attribute the forward reads (``pooler_output`` or ``last_hidden_state``) gives the
+  features: a tuple is one tensor per item; a ``[n, L, h]`` tensor one item per row (an image
+  or a tile, as the model's rows are), cut to its valid rows where the output carries an
+  ``attention_mask`` (Gemma 4's audio); a flat ``[sum, h]`` tensor is cut by the tower's own
+  ``_get_feat_extract_output_lengths`` (Whisper-style audio towers), else by the runs in the
+  ids with only the total checked (the engine's ``split="items"``). A forward that applies
+  ``multi_modal_projector`` after the call (Llama 4) has it applied here too, on the whole block;
+- a forward that *adds* the features onto the placeholder embeddings (Molmo2) gets the same
+  sum (the placeholder's embedding plus the feature); one that merges with ``index_put``
+  (Phi-4-multimodal) is refused, as is a class with no feature method the forward calls.
+
+What a written spec knows and this cannot: repair geometry (none: a repair falls back), marker
+tokens, per-item counts the inputs never carry (tiles per image: each tile is an item), audio in
+video, Bridge classes, EVS. ``derive`` says so once, in a warning, at install.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+import warnings
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..core.host import to_host
+from ..errors import MediaInputError
+from .spec import Encoded, FamilySpec, ModalitySpec, Token
+
+MODALITIES = ("image", "video", "audio")
+TEXT = Token(
+    ("text_config.pad_token_id", "pad_token_id", "text_config.eos_token_id", "eos_token_id"),
+    None,
+    0,
+)
+_LAST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> last media call
+
+
+def _source(owner: Any) -> str | None:
+    try:
+        return textwrap.dedent(inspect.getsource(type(owner).forward))
+    except (OSError, TypeError):
+        return None
+
+
+def _calls(tree: ast.AST, attr: str) -> list[ast.Call]:
+    found = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == attr
+    ]
+    return sorted(found, key=lambda n: (n.lineno, n.col_offset))
+
+
+def _scatter(owner: Any, tree: ast.AST, call: ast.Call) -> tuple[ast.Call | None, int]:
+    """The first ``masked_scatter`` after the feature call: in the forward, else in a method of
+    the class the forward calls after it (Idefics3's ``inputs_merger``); and the forward's
+    last line up to it."""
+    later = [c for c in _calls(tree, "masked_scatter") if c.lineno >= call.lineno]
+    if later:
+        return later[0], later[0].end_lineno
+    for c in ast.walk(tree):
+        if not (isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)):
+            continue
+        fn = getattr(type(owner), c.func.attr, None)
+        if c.lineno < call.lineno or not isinstance(c.func.value, ast.Name) or fn is None:
+            continue
+        try:
+            inner = _calls(ast.parse(textwrap.dedent(inspect.getsource(fn))), "masked_scatter")
+        except (OSError, TypeError):
+            continue
+        if inner:
+            return inner[0], c.end_lineno
+    return None, 0
+
+
+def _modality(model: Any, m: str, fwd: set[str], notes: list[str]) -> ModalitySpec | str:
+    """The spec of modality ``m`` read from the class, or what is missing (a string)."""
+    method = f"get_{m}_features"
+    tok = Token((f"{m}_token_id", f"{m}_token_index"))
+    if tok.resolve(model) is None:
+        return f"no config.{m}_token_id"
+    for path in ("", "model"):
+        owner = getattr(model, path) if path else model
+        src = _source(owner) if owner is not None else None
+        if src and f"self.{method}(" in src:
+            break
+    else:
+        return f"no forward calls self.{method}(...)"
+    tree = ast.parse(src)
+    call = _calls(tree, method)[0]
+    scatter, end = _scatter(owner, tree, call)
+    if scatter is None:
+        puts = "index_put" if "index_put" in src else "no masked_scatter"
+        return f"{m} merged by {puts} (not a scatter of placeholders): refused"
+    lines = src.splitlines()[call.lineno - 1 : end]
+    seg = "\n".join(lines)
+    params = list(inspect.signature(getattr(owner, method)).parameters)
+    args: dict[str, str] = {}
+    for p, a in [*zip(params, call.args), *((k.arg, k.value) for k in call.keywords)]:
+        if p is None or isinstance(a, ast.Constant):  # **kwargs, return_dict=True
+            continue
+        if isinstance(a, ast.Name) and a.id in fwd:
+            args[p] = a.id
+        else:
+            notes.append(f"{method}'s {p} is computed in the forward: left to its default")
+    if not args:
+        return f"{method}'s media argument is no forward keyword"
+    media = next(iter(args.values()))
+    extra = [p for p in sorted(fwd) if m in p and not p.startswith("use_") and p != media]
+    inputs = tuple(dict.fromkeys([media, *args.values(), *extra]))
+    read = {a: seg.find(a) for a in ("pooler_output", "last_hidden_state") if a in seg}
+    attr = min(read, key=read.__getitem__) if read else "pooler_output"
+    adds = len(scatter.args) > 1 and isinstance(scatter.args[1], ast.BinOp)
+    how = dict(
+        owner=path,
+        method=method,
+        args=args,
+        attr=attr,
+        project="multi_modal_projector(" in seg,
+        strip=".attention_mask" in seg,
+        adds=tok if adds else None,
+    )
+    if how["project"]:
+        notes.append(f"{m}: the forward's multi_modal_projector applied after {method}")
+    if adds:
+        notes.append(f"{m}: the forward adds features onto the placeholder embeddings: so does this")
+    return ModalitySpec(
+        m, tok, inputs, lambda model, kw: _encode(model, kw, m, inputs, how), keep=inputs[1:],
+        rows=inputs[1:],
+    )
+
+
+def _encode(model: Any, kw: Mapping[str, Any], m: str, inputs, how: dict) -> Encoded:
+    owner = getattr(model, how["owner"]) if how["owner"] else model
+    call = {p: kw.get(i) for p, i in how["args"].items()}
+    _LAST.setdefault(model, {})[m] = {i: kw.get(i) for i in inputs}
+    out = getattr(owner, how["method"])(**call, return_dict=True)
+    feats = getattr(out, how["attr"])
+    if how["project"]:  # on the whole block, as the forward does, then back per row / item
+        flat = torch.cat(list(feats)) if isinstance(feats, (list, tuple)) else feats
+        proj = model.multi_modal_projector if hasattr(model, "multi_modal_projector") else None
+        proj = proj or owner.multi_modal_projector
+        sizes = [f.shape[0] for f in feats] if isinstance(feats, (list, tuple)) else None
+        done = proj(flat.reshape(-1, flat.shape[-1]))
+        feats = done.split(sizes) if sizes else done.reshape(*flat.shape[:-1], -1)
+    if how["adds"] is not None:
+        ph = torch.tensor([how["adds"].resolve(model)], device=model.device)
+        base = model.get_input_embeddings()(ph)[0]
+        feats = tuple(base.to(f.dtype) + f for f in feats) if isinstance(feats, tuple) else base + feats
+    if isinstance(feats, (list, tuple)):
+        return Encoded(tuple(f.reshape(-1, f.shape[-1]) for f in feats), output=out)
+    if feats.dim() == 3 and how["strip"] and getattr(out, "attention_mask", None) is not None:
+        n = to_host(out.attention_mask.sum(-1), why="valid feature rows per item (derived)")
+        return Encoded(tuple(f[: int(k)] for f, k in zip(feats, n.tolist())), output=out)
+    if feats.dim() == 3:
+        return Encoded(tuple(feats), output=out)
+    sizes = _lengths(owner, call, how)
+    if sizes is None:  # one flat block: cut by the runs in the ids (only the total checked)
+        return Encoded((feats,), split="items", output=out)
+    return Encoded(tuple(feats.split(sizes)), output=out)
+
+
+def _lengths(owner: Any, call: dict, how: dict) -> list[int] | None:
+    """Per item, its rows of a flat output, from the tower's own output-length function on the
+    first mask / length argument (Whisper-style audio towers); None where there is none."""
+    fn = next(
+        (getattr(s, "_get_feat_extract_output_lengths") for s in owner.modules()
+         if hasattr(s, "_get_feat_extract_output_lengths")),
+        None,
+    )
+    lens = next(
+        (v.sum(-1) if v.dim() == 2 else v
+         for k, v in list(call.items())[1:] if isinstance(v, torch.Tensor) and v.dim() in (1, 2)),
+        None,
+    )
+    if fn is None or lens is None:
+        return None
+    out = fn(lens)
+    out = out[-1] if isinstance(out, tuple) else out
+    return to_host(out, why="feature rows per item from the tower's lengths (derived)").tolist()
+
+
+def _dummy(mods: tuple[ModalitySpec, ...]):
+    """keep_tower: the first modality's last media call again, its media zeroed (nothing
+    before the model's first media call: the class gives no minimal input)."""
+
+    def dummy(model: Any):
+        last = _LAST.get(model, {})
+        m = next((m for m in mods if m.name in last), None)
+        if m is None:
+            return None
+        kw = dict(last[m.name])
+        kw[m.inputs[0]] = torch.zeros_like(kw[m.inputs[0]])
+        return m.encode(model, kw).features
+
+    return dummy
+
+
+def _per_layer(placeholders: tuple[Token, ...]):
+    """Gemma 3n / 4's per-layer inputs, computed as their forward does from the ids with every
+    placeholder as the pad token (the forward cannot take them and ``inputs_embeds`` both)."""
+
+    def after(model: Any, merged) -> dict:
+        ids = merged.kwargs["input_ids"]
+        lm = model.model.language_model
+        pad = model.config.get_text_config().pad_token_id
+        ph = torch.tensor([t.resolve(model) for t in placeholders], device=ids.device)
+        return {"per_layer_inputs": lm.get_per_layer_inputs(ids.masked_fill(torch.isin(ids, ph), pad), None)}
+
+    return after
+
+
+def derive(model: Any) -> FamilySpec | None:
+    """The spec of a transformers VLM class no written spec names; None for a model that is
+    no transformers VLM at all; :class:`MediaInputError` naming what is missing for one that
+    does not follow the convention. Warns once what was derived and what could not be."""
+    cls = type(model)
+    if not cls.__module__.startswith("transformers.") or not any(
+        hasattr(o, f"get_{m}_features") or hasattr(o, "get_placeholder_mask")
+        for o in (model, getattr(model, "model", None)) for m in MODALITIES
+    ):
+        return None
+    fwd = set(inspect.signature(model.forward).parameters)
+    notes: list[str] = []
+    found = {m: _modality(model, m, fwd, notes) for m in MODALITIES}
+    mods = tuple(s for s in found.values() if isinstance(s, ModalitySpec))
+    missing = [f"{m}: {why}" for m, why in found.items() if isinstance(why, str)]
+    if not mods or "inputs_embeds" not in fwd or any("refused" in w for w in missing):
+        raise MediaInputError(
+            f"install_vlm: no written spec knows {cls.__name__} and it does not follow the "
+            f"transformers convention (get_<m>_features + config.<m>_token_id + masked_scatter): "
+            + "; ".join(missing + ([] if "inputs_embeds" in fwd else ["no inputs_embeds"]))
+        )
+    srcs = "".join(_source(o) or "" for o in (model, getattr(model, "model", None)) if o is not None)
+    both = "exactly one of input_ids or inputs_embeds" not in srcs
+    per_layer = "per_layer_inputs" in fwd and bool(
+        getattr(model.config.get_text_config(), "hidden_size_per_layer_input", 0)
+    )
+    spec = FamilySpec(
+        name=f"derived:{cls.__name__}",
+        classes={cls.__module__: frozenset({cls.__name__})},
+        modalities=mods,
+        text=TEXT,
+        follow_ids=tuple(p for p in sorted(fwd) if p.endswith("token_type_ids")),
+        ids_with_embeds=both,
+        after_merge=_per_layer(tuple(m.placeholder for m in mods)) if per_layer else None,
+        dummy=_dummy(mods),
+    )
+    warnings.warn(
+        f"media guard: {cls.__name__} has no written family spec; derived from the class: "
+        + ", ".join(f"{m.name} ({', '.join(m.inputs)})" for m in mods)
+        + ". Not derived: repair geometry (a repair falls back), marker tokens (runs are bare), "
+        "per-item counts the inputs do not carry (a tile or a flat block is cut as the ids "
+        "say), audio in video; keep_tower replays the last media call's shapes"
+        + "".join(f"; {n}" for n in notes)
+        + "".join(f"; {w}" for w in missing if not w.split(": ", 1)[1].startswith("no ")),
+        stacklevel=3,
+    )
+    return spec
+
+
+__all__ = ["derive"]
