@@ -138,9 +138,15 @@ def _modality(model: Any, m: str, fwd: set[str], notes: list[str]) -> ModalitySp
     if how["project"]:
         notes.append(f"{m}: the forward's multi_modal_projector applied after {method}")
     if adds:
-        notes.append(f"{m}: the forward adds features onto the placeholder embeddings: so does this")
+        notes.append(
+            f"{m}: the forward adds features onto the placeholder embeddings: so does this"
+        )
     return ModalitySpec(
-        m, tok, inputs, lambda model, kw: _encode(model, kw, m, inputs, how), keep=inputs[1:],
+        m,
+        tok,
+        inputs,
+        lambda model, kw: _encode(model, kw, m, inputs, how),
+        keep=inputs[1:],
         rows=inputs[1:],
     )
 
@@ -148,7 +154,9 @@ def _modality(model: Any, m: str, fwd: set[str], notes: list[str]) -> ModalitySp
 def _encode(model: Any, kw: Mapping[str, Any], m: str, inputs, how: dict) -> Encoded:
     owner = getattr(model, how["owner"]) if how["owner"] else model
     call = {p: kw.get(i) for p, i in how["args"].items()}
-    _LAST.setdefault(model, {})[m] = {i: kw.get(i) for i in inputs}
+    media = kw.get(inputs[0])  # keep_tower's replay: the media's shape, not its values
+    last = {i: kw.get(i) for i in inputs[1:]}
+    _LAST.setdefault(model, {})[m] = {**last, inputs[0]: (media.shape, media.dtype, media.device)}
     out = getattr(owner, how["method"])(**call, return_dict=True)
     feats = getattr(out, how["attr"])
     if how["project"]:  # on the whole block, as the forward does, then back per row / item
@@ -161,7 +169,9 @@ def _encode(model: Any, kw: Mapping[str, Any], m: str, inputs, how: dict) -> Enc
     if how["adds"] is not None:
         ph = torch.tensor([how["adds"].resolve(model)], device=model.device)
         base = model.get_input_embeddings()(ph)[0]
-        feats = tuple(base.to(f.dtype) + f for f in feats) if isinstance(feats, tuple) else base + feats
+        feats = (
+            tuple(base.to(f.dtype) + f for f in feats) if isinstance(feats, tuple) else base + feats
+        )
     if isinstance(feats, (list, tuple)):
         return Encoded(tuple(f.reshape(-1, f.shape[-1]) for f in feats), output=out)
     if feats.dim() == 3 and how["strip"] and getattr(out, "attention_mask", None) is not None:
@@ -179,13 +189,19 @@ def _lengths(owner: Any, call: dict, how: dict) -> list[int] | None:
     """Per item, its rows of a flat output, from the tower's own output-length function on the
     first mask / length argument (Whisper-style audio towers); None where there is none."""
     fn = next(
-        (getattr(s, "_get_feat_extract_output_lengths") for s in owner.modules()
-         if hasattr(s, "_get_feat_extract_output_lengths")),
+        (
+            s._get_feat_extract_output_lengths
+            for s in owner.modules()
+            if hasattr(s, "_get_feat_extract_output_lengths")
+        ),
         None,
     )
     lens = next(
-        (v.sum(-1) if v.dim() == 2 else v
-         for k, v in list(call.items())[1:] if isinstance(v, torch.Tensor) and v.dim() in (1, 2)),
+        (
+            v.sum(-1) if v.dim() == 2 else v
+            for k, v in list(call.items())[1:]
+            if isinstance(v, torch.Tensor) and v.dim() in (1, 2)
+        ),
         None,
     )
     if fn is None or lens is None:
@@ -196,8 +212,9 @@ def _lengths(owner: Any, call: dict, how: dict) -> list[int] | None:
 
 
 def _dummy(mods: tuple[ModalitySpec, ...]):
-    """keep_tower: the first modality's last media call again, its media zeroed (nothing
-    before the model's first media call: the class gives no minimal input)."""
+    """keep_tower: the first modality's last media call again, its media all ones (zeros are
+    padding to Idefics3); nothing before the model's first media call: the class gives no
+    minimal input."""
 
     def dummy(model: Any):
         last = _LAST.get(model, {})
@@ -205,7 +222,8 @@ def _dummy(mods: tuple[ModalitySpec, ...]):
         if m is None:
             return None
         kw = dict(last[m.name])
-        kw[m.inputs[0]] = torch.zeros_like(kw[m.inputs[0]])
+        shape, dtype, device = kw[m.inputs[0]]
+        kw[m.inputs[0]] = torch.ones(shape, dtype=dtype, device=device)  # zeros: padding to some
         return m.encode(model, kw).features
 
     return dummy
@@ -220,7 +238,11 @@ def _per_layer(placeholders: tuple[Token, ...]):
         lm = model.model.language_model
         pad = model.config.get_text_config().pad_token_id
         ph = torch.tensor([t.resolve(model) for t in placeholders], device=ids.device)
-        return {"per_layer_inputs": lm.get_per_layer_inputs(ids.masked_fill(torch.isin(ids, ph), pad), None)}
+        return {
+            "per_layer_inputs": lm.get_per_layer_inputs(
+                ids.masked_fill(torch.isin(ids, ph), pad), None
+            )
+        }
 
     return after
 
@@ -230,23 +252,26 @@ def derive(model: Any) -> FamilySpec | None:
     no transformers VLM at all; :class:`MediaInputError` naming what is missing for one that
     does not follow the convention. Warns once what was derived and what could not be."""
     cls = type(model)
-    if not cls.__module__.startswith("transformers.") or not any(
-        hasattr(o, f"get_{m}_features") or hasattr(o, "get_placeholder_mask")
-        for o in (model, getattr(model, "model", None)) for m in MODALITIES
-    ):
-        return None
     fwd = set(inspect.signature(model.forward).parameters)
+    media = any("pixel_values" in p or "input_features" in p for p in fwd)
+    if not cls.__module__.startswith("transformers.") or not media:
+        return None
     notes: list[str] = []
     found = {m: _modality(model, m, fwd, notes) for m in MODALITIES}
     mods = tuple(s for s in found.values() if isinstance(s, ModalitySpec))
     missing = [f"{m}: {why}" for m, why in found.items() if isinstance(why, str)]
+    srcs = "".join(
+        _source(o) or "" for o in (model, getattr(model, "model", None)) if o is not None
+    )
+    puts = sorted({type(s).__name__ for s in model.modules() if "index_put(" in (_source(s) or "")})
+    if puts and "masked_scatter" not in srcs:  # Phi-4-multimodal: merged inside its embedding
+        missing.append(f"merged with index_put in {', '.join(puts)} (not a scatter): refused")
     if not mods or "inputs_embeds" not in fwd or any("refused" in w for w in missing):
         raise MediaInputError(
             f"install_vlm: no written spec knows {cls.__name__} and it does not follow the "
             f"transformers convention (get_<m>_features + config.<m>_token_id + masked_scatter): "
             + "; ".join(missing + ([] if "inputs_embeds" in fwd else ["no inputs_embeds"]))
         )
-    srcs = "".join(_source(o) or "" for o in (model, getattr(model, "model", None)) if o is not None)
     both = "exactly one of input_ids or inputs_embeds" not in srcs
     per_layer = "per_layer_inputs" in fwd and bool(
         getattr(model.config.get_text_config(), "hidden_size_per_layer_input", 0)

@@ -23,10 +23,22 @@ import torch
 from .families.base import FamilyBatch, Media, right_pad, rng
 
 TEXT_LO, TEXT_HI = 1000, 1900
-TXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-           num_key_value_heads=2, head_dim=8)
-CLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-            image_size=16, patch_size=4)
+TXT = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+)
+CLIP = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    image_size=16,
+    patch_size=4,
+)
 
 
 @dataclass(frozen=True)
@@ -42,28 +54,33 @@ class Case:
 def _cat(key: str, dim: int = 0):
     def collate(items):
         return {key: torch.cat([kw[key] for _, _, kw in items], dim)} if items else {}
+
     return collate
 
 
 def by_modality(**per: Callable) -> Callable:
     """collate: each modality's items through its own collate, merged."""
+
     def collate(items):
         out: dict = {}
         for m, fn in per.items():
             out.update(fn([it for it in items if it[1] == m]))
         return out
+
     return collate
 
 
 def stack(*keys: str) -> Callable:
     def collate(items):
         return {k: torch.cat([kw[k] for _, _, kw in items]) for k in keys} if items else {}
+
     return collate
 
 
 def _pixels(*shape: int) -> Callable:
     def item(m, size, g):
         return {"pixel_values": torch.randn(1, *shape, generator=g)}
+
     return item
 
 
@@ -73,6 +90,7 @@ def _seed(make: Callable[[], Any], cls: str) -> Callable[[], torch.nn.Module]:
 
         torch.manual_seed(0)
         return getattr(transformers, cls)(make()).float().eval()
+
     return build
 
 
@@ -82,25 +100,30 @@ def _seed(make: Callable[[], Any], cls: str) -> Callable[[], torch.nn.Module]:
 def _llava():
     from transformers import LlavaConfig
 
-    return LlavaConfig(vision_config=dict(model_type="clip_vision_model", **CLIP),
-                       text_config=dict(model_type="llama", **TXT, vocab_size=32064))
+    return LlavaConfig(
+        vision_config=dict(model_type="clip_vision_model", **CLIP),
+        text_config=dict(model_type="llama", **TXT, vocab_size=32064),
+    )
 
 
 def _paligemma():
     from transformers import PaliGemmaConfig
 
-    return PaliGemmaConfig(vision_config=dict(model_type="siglip_vision_model", **CLIP,
-                                              projection_dim=32),
-                           text_config=dict(model_type="gemma", **TXT, vocab_size=257216),
-                           projection_dim=32)
+    return PaliGemmaConfig(
+        vision_config=dict(model_type="siglip_vision_model", **CLIP, projection_dim=32),
+        text_config=dict(model_type="gemma", **TXT, vocab_size=257216),
+        projection_dim=32,
+    )
 
 
 def _llava_next():
     from transformers import LlavaNextConfig
 
-    return LlavaNextConfig(vision_config=dict(model_type="clip_vision_model", **CLIP),
-                           text_config=dict(model_type="llama", **TXT, vocab_size=32064),
-                           image_grid_pinpoints=[[16, 16], [16, 32], [32, 16], [32, 32]])
+    return LlavaNextConfig(
+        vision_config=dict(model_type="clip_vision_model", **CLIP),
+        text_config=dict(model_type="llama", **TXT, vocab_size=32064),
+        image_grid_pinpoints=[[16, 16], [16, 32], [32, 16], [32, 32]],
+    )
 
 
 def _llava_next_item(m, size, g):
@@ -114,15 +137,21 @@ def _llava_next_item(m, size, g):
 def _aya():
     from transformers import AyaVisionConfig
 
-    return AyaVisionConfig(vision_config=dict(model_type="siglip_vision_model", **CLIP),
-                           text_config=dict(model_type="cohere2", **TXT), downsample_factor=2)
+    return AyaVisionConfig(
+        vision_config=dict(model_type="siglip_vision_model", **CLIP),
+        text_config=dict(model_type="cohere2", **TXT),
+        downsample_factor=2,
+    )
 
 
 def _cohere2_vision():
     from transformers import Cohere2VisionConfig
 
-    return Cohere2VisionConfig(vision_config=dict(model_type="siglip_vision_model", **CLIP),
-                               text_config=dict(model_type="cohere2", **TXT), downsample_factor=2)
+    return Cohere2VisionConfig(
+        vision_config=dict(model_type="siglip_vision_model", **CLIP),
+        text_config=dict(model_type="cohere2", **TXT),
+        downsample_factor=2,
+    )
 
 
 def _tiles(m, size, g):  # size: (tiles,) of 16 x 16
@@ -134,9 +163,18 @@ def _idefics3(cls: str):
 
     def make():
         return getattr(transformers, cls)(
-            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                               num_attention_heads=2, image_size=16, patch_size=4),
-            text_config=dict(model_type="llama", **TXT, vocab_size=128260), scale_factor=2)
+            vision_config=dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                image_size=16,
+                patch_size=4,
+            ),
+            text_config=dict(model_type="llama", **TXT, vocab_size=128260),
+            scale_factor=2,
+        )
+
     return make
 
 
@@ -158,13 +196,29 @@ def _llama4():
     from transformers import Llama4Config
 
     return Llama4Config(
-        vision_config=dict(hidden_size=32, intermediate_size=128, num_hidden_layers=1,
-                           num_attention_heads=2, image_size=16, patch_size=4,
-                           vision_output_dim=32, projector_input_dim=32,
-                           projector_output_dim=32, pixel_shuffle_ratio=0.5),
-        text_config=dict(hidden_size=32, intermediate_size=64, intermediate_size_mlp=64,
-                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=8, num_local_experts=2, moe_layers=[]),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=16,
+            patch_size=4,
+            vision_output_dim=32,
+            projector_input_dim=32,
+            projector_output_dim=32,
+            pixel_shuffle_ratio=0.5,
+        ),
+        text_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            intermediate_size_mlp=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_local_experts=2,
+            moe_layers=[],
+        ),
     )
 
 
@@ -172,17 +226,39 @@ def _gemma4():
     from transformers import Gemma4Config
 
     return Gemma4Config(
-        text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                         global_head_dim=8, hidden_size_per_layer_input=8,
-                         vocab_size_per_layer_input=262144, layer_types=None,
-                         sliding_window=16),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=2, num_key_value_heads=2, head_dim=16,
-                           patch_size=4, pooling_kernel_size=2, position_embedding_size=64),
-        audio_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                          subsampling_conv_channels=[128, 4], output_proj_dims=32,
-                          attention_chunk_size=4, attention_context_left=5),
+        text_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            global_head_dim=8,
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=262144,
+            layer_types=None,
+            sliding_window=16,
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=16,
+            patch_size=4,
+            pooling_kernel_size=2,
+            position_embedding_size=64,
+        ),
+        audio_config=dict(
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            subsampling_conv_channels=[128, 4],
+            output_proj_dims=32,
+            attention_chunk_size=4,
+            attention_context_left=5,
+        ),
     )
 
 
@@ -203,8 +279,11 @@ def _gemma4_item(m, size, g):
     if m == "video":  # size: (frames, h, w)
         f, h, w = size
         pv, pos = zip(*[_gemma4_patches(h, w, g) for _ in range(f)])
-        return {"pixel_values_videos": torch.stack(pv), "video_position_ids": torch.stack(pos),
-                "num_frames_per_video": torch.tensor([f])}
+        return {
+            "pixel_values_videos": torch.stack(pv),
+            "video_position_ids": torch.stack(pos),
+            "num_frames_per_video": torch.tensor([f]),
+        }
     (t,) = size  # audio: mel frames, padded to 48
     x = torch.zeros(1, 48, 128)
     x[0, :t] = torch.randn(t, 128, generator=g)
@@ -218,16 +297,34 @@ def _qwen_omni():
 
     return Qwen2_5OmniThinkerConfig(  # the checkpoints' thinker configs set vision_start
         vision_start_token_id=151652,
-        text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2,
-                         rope_parameters=dict(rope_type="default", mrope_section=[1, 1, 2],
-                                              rope_theta=10000.0)),
-        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
-                           out_hidden_size=32, fullatt_block_indexes=[0], patch_size=4,
-                           window_size=16),
-        audio_config=dict(d_model=32, encoder_layers=1, encoder_attention_heads=2,
-                          encoder_ffn_dim=64, output_dim=32, num_mel_bins=16, n_window=8,
-                          max_source_positions=64),
+        text_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_parameters=dict(rope_type="default", mrope_section=[1, 1, 2], rope_theta=10000.0),
+        ),
+        vision_config=dict(
+            depth=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=32,
+            fullatt_block_indexes=[0],
+            patch_size=4,
+            window_size=16,
+        ),
+        audio_config=dict(
+            d_model=32,
+            encoder_layers=1,
+            encoder_attention_heads=2,
+            encoder_ffn_dim=64,
+            output_dim=32,
+            num_mel_bins=16,
+            n_window=8,
+            max_source_positions=64,
+        ),
     )
 
 
@@ -249,36 +346,86 @@ def _qwen_omni_item(m, size, g):
 
 
 CASES: tuple[Case, ...] = (
-    Case("llava", _seed(_llava, "LlavaForConditionalGeneration"), _pixels(3, 16, 16),
-         stack("pixel_values"), {"image": ((1,),)}),
-    Case("paligemma", _seed(_paligemma, "PaliGemmaForConditionalGeneration"),
-         _pixels(3, 16, 16), stack("pixel_values"), {"image": ((1,),)}),
-    Case("llava_next", _seed(_llava_next, "LlavaNextForConditionalGeneration"),
-         _llava_next_item, stack("pixel_values", "image_sizes"),
-         {"image": ((16, 16), (16, 32))}),
-    Case("aya_vision", _seed(_aya, "AyaVisionForConditionalGeneration"), _tiles,
-         stack("pixel_values"), {"image": ((2,), (3,))}),
-    Case("cohere2_vision", _seed(_cohere2_vision, "Cohere2VisionForConditionalGeneration"),
-         _tiles, stack("pixel_values"), {"image": ((1,), (2,))}),
-    Case("idefics3", _seed(_idefics3("Idefics3Config"), "Idefics3ForConditionalGeneration"),
-         _tiles, _per_sample_tiles, {"image": ((2,), (3,))}),
-    Case("smolvlm", _seed(_idefics3("SmolVLMConfig"), "SmolVLMForConditionalGeneration"),
-         _tiles, _per_sample_tiles, {"image": ((1,), (2,))}),
-    Case("llama4", _seed(_llama4, "Llama4ForConditionalGeneration"), _tiles,
-         stack("pixel_values"), {"image": ((1,), (2,))}, attr={"image": "last_hidden_state"}),
-    Case("gemma4", _seed(_gemma4, "Gemma4ForConditionalGeneration"), _gemma4_item,
-         by_modality(image=stack("pixel_values", "image_position_ids"),
-                     video=stack("pixel_values_videos", "video_position_ids",
-                                 "num_frames_per_video"),
-                     audio=stack("input_features", "input_features_mask")),
-         {"image": ((2, 4), (4, 4)), "video": ((2, 2, 2), (2, 2, 4)), "audio": ((24,), (40,))}),
-    Case("qwen2_5_omni", _seed(_qwen_omni, "Qwen2_5OmniThinkerForConditionalGeneration"),
-         _qwen_omni_item,
-         by_modality(image=stack("pixel_values", "image_grid_thw"),
-                     video=stack("pixel_values_videos", "video_grid_thw", "video_second_per_grid"),
-                     audio=stack("input_features", "feature_attention_mask")),
-         {"image": ((1, 2, 2), (1, 2, 4)), "video": ((2, 2, 2), (2, 2, 4)),
-          "audio": ((24,), (40,))}, attr={"audio": "last_hidden_state"}),
+    Case(
+        "llava",
+        _seed(_llava, "LlavaForConditionalGeneration"),
+        _pixels(3, 16, 16),
+        stack("pixel_values"),
+        {"image": ((1,),)},
+    ),
+    Case(
+        "paligemma",
+        _seed(_paligemma, "PaliGemmaForConditionalGeneration"),
+        _pixels(3, 16, 16),
+        stack("pixel_values"),
+        {"image": ((1,),)},
+    ),
+    Case(
+        "llava_next",
+        _seed(_llava_next, "LlavaNextForConditionalGeneration"),
+        _llava_next_item,
+        stack("pixel_values", "image_sizes"),
+        {"image": ((16, 16), (16, 32))},
+    ),
+    Case(
+        "aya_vision",
+        _seed(_aya, "AyaVisionForConditionalGeneration"),
+        _tiles,
+        stack("pixel_values"),
+        {"image": ((2,), (3,))},
+    ),
+    Case(
+        "cohere2_vision",
+        _seed(_cohere2_vision, "Cohere2VisionForConditionalGeneration"),
+        _tiles,
+        stack("pixel_values"),
+        {"image": ((1,), (2,))},
+    ),
+    Case(
+        "idefics3",
+        _seed(_idefics3("Idefics3Config"), "Idefics3ForConditionalGeneration"),
+        _tiles,
+        _per_sample_tiles,
+        {"image": ((2,), (3,))},
+    ),
+    Case(
+        "smolvlm",
+        _seed(_idefics3("SmolVLMConfig"), "SmolVLMForConditionalGeneration"),
+        _tiles,
+        _per_sample_tiles,
+        {"image": ((1,), (2,))},
+    ),
+    Case(
+        "llama4",
+        _seed(_llama4, "Llama4ForConditionalGeneration"),
+        _tiles,
+        stack("pixel_values"),
+        {"image": ((1,), (2,))},
+        attr={"image": "last_hidden_state"},
+    ),
+    Case(
+        "gemma4",
+        _seed(_gemma4, "Gemma4ForConditionalGeneration"),
+        _gemma4_item,
+        by_modality(
+            image=stack("pixel_values", "image_position_ids"),
+            video=stack("pixel_values_videos", "video_position_ids", "num_frames_per_video"),
+            audio=stack("input_features", "input_features_mask"),
+        ),
+        {"image": ((2, 4), (4, 4)), "video": ((2, 2, 2), (2, 2, 4)), "audio": ((24,), (40,))},
+    ),
+    Case(
+        "qwen2_5_omni",
+        _seed(_qwen_omni, "Qwen2_5OmniThinkerForConditionalGeneration"),
+        _qwen_omni_item,
+        by_modality(
+            image=stack("pixel_values", "image_grid_thw"),
+            video=stack("pixel_values_videos", "video_grid_thw", "video_second_per_grid"),
+            audio=stack("input_features", "feature_attention_mask"),
+        ),
+        {"image": ((1, 2, 4), (1, 4, 4)), "video": ((2, 2, 2), (2, 2, 4)), "audio": ((24,), (40,))},
+        attr={"audio": "last_hidden_state"},
+    ),
 )
 
 
@@ -309,15 +456,23 @@ def own_runs(case: Case, model, modality: str, inputs: dict) -> list[int]:
 
 def placeholder(model, modality: str) -> int:
     cfg = model.config
-    return int(getattr(cfg, f"{modality}_token_id", None) or getattr(cfg, f"{modality}_token_index"))
+    return int(
+        getattr(cfg, f"{modality}_token_id", None) or getattr(cfg, f"{modality}_token_index")
+    )
 
 
-def make_batch(case: Case, model, samples: Sequence[Sequence[Media]], *,
-               swap: tuple[str, int, int] | None = None, seed: int = 0) -> FamilyBatch:
+def make_batch(
+    case: Case,
+    model,
+    samples: Sequence[Sequence[Media]],
+    *,
+    swap: tuple[str, int, int] | None = None,
+    seed: int = 0,
+) -> FamilyBatch:
     """Ids and media inputs (module docstring); ``batch.items``: (sample, modality, count)."""
     rows, runs, media, items = [], [], [], []
     for s, sample in enumerate(samples):
-        g = rng(seed, s, [(m.modality, m.size) for m in sample])
+        g = rng(seed, [(m.modality, m.size) for m in sample])  # the same whatever else
         row = torch.randint(TEXT_LO, TEXT_HI, (4,), generator=g).tolist()
         sruns = []
         for m in sample:
@@ -350,8 +505,11 @@ def make_batch(case: Case, model, samples: Sequence[Sequence[Media]], *,
 def hidden(model, kwargs: dict) -> torch.Tensor:
     """The decoder's last hidden states of one forward (no logits over the vocabulary)."""
     seen = []
-    hook = model.get_decoder().register_forward_hook(lambda m, a, o: seen.append(o[0]))
-    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    dec = model.get_decoder()
+    dec = getattr(dec, "model", dec)  # Llama 4's decoder is a ...ForCausalLM
+    hook = dec.register_forward_hook(lambda m, a, o: seen.append(o[0]))
+    keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+    extra = {"logits_to_keep": 1} if keep and "labels" not in kwargs else {}
     try:
         with torch.no_grad():
             model(**kwargs, **extra)
