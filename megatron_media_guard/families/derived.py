@@ -1,28 +1,19 @@
 """A family spec read from a transformers class itself, for the VLMs no written spec names.
 
-Most transformers VLMs follow one convention, and :func:`derive` reads a
-:class:`~.spec.FamilySpec` (``apply="embed"``, the one engine) from it:
-
-- the forward (of the class or of its ``.model``) calls ``self.get_<m>_features(...)`` for
-  ``m`` in image / video / audio and merges the result with ``masked_scatter``; the
-  arguments it passes (positional or keyword, read from its source with ``ast``) are the
-  modality's forward keywords, the first one its media tensor;
-- ``config.<m>_token_id`` (or ``<m>_token_index``) is the placeholder; no markers (runs are
-  bare: a run ends at any other token);
-- the output attribute the forward reads (``pooler_output`` or ``last_hidden_state``) gives the
-  features: a tuple is one tensor per item; a ``[n, L, h]`` tensor one item per row (an image
-  or a tile, as the model's rows are), cut to its valid rows where the output carries an
-  ``attention_mask`` (Gemma 4's audio); a flat ``[sum, h]`` tensor is cut by the tower's own
-  ``_get_feat_extract_output_lengths`` (Whisper-style audio towers), else by the runs in the
-  ids with only the total checked (the engine's ``split="items"``). A forward that applies
-  ``multi_modal_projector`` after the call (Llama 4) has it applied here too, on the whole block;
-- a forward that *adds* the features onto the placeholder embeddings (Molmo2) gets the same
-  sum (the placeholder's embedding plus the feature); one that merges with ``index_put``
-  (Phi-4-multimodal) is refused, as is a class with no feature method the forward calls.
-
-What a written spec knows and this cannot: repair geometry (none: a repair falls back), marker
-tokens, per-item counts the inputs never carry (tiles per image: each tile is an item), audio in
-video, Bridge classes, EVS. ``derive`` says so once, in a warning, at install.
+:func:`derive` reads an ``apply="embed"`` :class:`~.spec.FamilySpec` from the convention most
+transformers VLMs follow: the forward (of the class or its ``.model``) calls
+``self.get_<m>_features(...)`` (image / video / audio) and merges with ``masked_scatter`` (in
+the forward or a method it calls); the arguments it passes, read from its source (``ast``), are
+the modality's keywords, the first its media; ``config.<m>_token_id`` / ``_index`` is the
+placeholder (runs are bare: no markers). The attribute the forward reads (``pooler_output`` /
+``last_hidden_state``) gives the features: a tuple is one tensor per item, a ``[n, L, h]``
+tensor one item per row (an image or a tile), cut to its valid rows where the output carries
+an ``attention_mask`` (Gemma 4's audio); a flat block is cut by the tower's own
+``_get_feat_extract_output_lengths``, else by the runs in the ids (only the total checked).
+What the forward does after the call is done too: ``multi_modal_projector`` (Llama 4), adding
+the features onto the placeholder embeddings (Molmo2). A merge by ``index_put``
+(Phi-4-multimodal) is refused. Not derivable (written specs): repair geometry, markers, counts
+the inputs never carry (tiles per image), audio in video, Bridge, EVS; said once, at install.
 """
 
 from __future__ import annotations
@@ -33,6 +24,7 @@ import textwrap
 import warnings
 import weakref
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -50,19 +42,17 @@ TEXT = Token(
 _LAST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> last media call
 
 
-def _source(owner: Any) -> str | None:
+def _source(fn: Any) -> str | None:
     try:
-        return textwrap.dedent(inspect.getsource(type(owner).forward))
+        return textwrap.dedent(inspect.getsource(fn))
     except (OSError, TypeError):
         return None
 
 
-def _calls(tree: ast.AST, attr: str) -> list[ast.Call]:
-    found = [
-        n
-        for n in ast.walk(tree)
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == attr
-    ]
+def _calls(tree: ast.AST, attr: str | None = None) -> list[ast.Call]:
+    """The method calls in ``tree`` (of ``attr`` only, if given), in source order."""
+    found = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    found = [n for n in found if isinstance(n.func, ast.Attribute) and attr in (None, n.func.attr)]
     return sorted(found, key=lambda n: (n.lineno, n.col_offset))
 
 
@@ -70,20 +60,12 @@ def _scatter(owner: Any, tree: ast.AST, call: ast.Call) -> tuple[ast.Call | None
     """The first ``masked_scatter`` after the feature call: in the forward, else in a method of
     the class the forward calls after it (Idefics3's ``inputs_merger``); and the forward's
     last line up to it."""
-    later = [c for c in _calls(tree, "masked_scatter") if c.lineno >= call.lineno]
-    if later:
-        return later[0], later[0].end_lineno
-    for c in ast.walk(tree):
-        if not (isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)):
-            continue
-        fn = getattr(type(owner), c.func.attr, None)
-        if c.lineno < call.lineno or not isinstance(c.func.value, ast.Name) or fn is None:
-            continue
-        try:
-            inner = _calls(ast.parse(textwrap.dedent(inspect.getsource(fn))), "masked_scatter")
-        except (OSError, TypeError):
-            continue
-        if inner:
+    for c in (c for c in _calls(tree) if c.lineno >= call.lineno):
+        if c.func.attr == "masked_scatter":
+            return c, c.end_lineno
+        src = _source(getattr(type(owner), c.func.attr, None))
+        inner = _calls(ast.parse(src), "masked_scatter") if src else []
+        if inner and isinstance(c.func.value, ast.Name):
             return inner[0], c.end_lineno
     return None, 0
 
@@ -96,7 +78,7 @@ def _modality(model: Any, m: str, fwd: set[str], notes: list[str]) -> ModalitySp
         return f"no config.{m}_token_id"
     for path in ("", "model"):
         owner = getattr(model, path) if path else model
-        src = _source(owner) if owner is not None else None
+        src = _source(type(owner).forward) if owner is not None else None
         if src and f"self.{method}(" in src:
             break
     else:
@@ -107,8 +89,7 @@ def _modality(model: Any, m: str, fwd: set[str], notes: list[str]) -> ModalitySp
     if scatter is None:
         puts = "index_put" if "index_put" in src else "no masked_scatter"
         return f"{m} merged by {puts} (not a scatter of placeholders): refused"
-    lines = src.splitlines()[call.lineno - 1 : end]
-    seg = "\n".join(lines)
+    seg = "\n".join(src.splitlines()[call.lineno - 1 : end])
     params = list(inspect.signature(getattr(owner, method)).parameters)
     args: dict[str, str] = {}
     for p, a in [*zip(params, call.args), *((k.arg, k.value) for k in call.keywords)]:
@@ -126,29 +107,15 @@ def _modality(model: Any, m: str, fwd: set[str], notes: list[str]) -> ModalitySp
     read = {a: seg.find(a) for a in ("pooler_output", "last_hidden_state") if a in seg}
     attr = min(read, key=read.__getitem__) if read else "pooler_output"
     adds = len(scatter.args) > 1 and isinstance(scatter.args[1], ast.BinOp)
-    how = dict(
-        owner=path,
-        method=method,
-        args=args,
-        attr=attr,
-        project="multi_modal_projector(" in seg,
-        strip=".attention_mask" in seg,
-        adds=tok if adds else None,
-    )
-    if how["project"]:
+    project, strip = "multi_modal_projector(" in seg, ".attention_mask" in seg
+    how = dict(owner=path, method=method, args=args, attr=attr, project=project, strip=strip)
+    how["adds"] = tok if adds else None
+    if project:
         notes.append(f"{m}: the forward's multi_modal_projector applied after {method}")
     if adds:
-        notes.append(
-            f"{m}: the forward adds features onto the placeholder embeddings: so does this"
-        )
-    return ModalitySpec(
-        m,
-        tok,
-        inputs,
-        lambda model, kw: _encode(model, kw, m, inputs, how),
-        keep=inputs[1:],
-        rows=inputs[1:],
-    )
+        notes.append(f"{m}: the forward adds its features onto the placeholder embeddings")
+    encode = lambda model, kw: _encode(model, kw, m, inputs, how)  # noqa: E731
+    return ModalitySpec(m, tok, inputs, encode, keep=inputs[1:], rows=inputs[1:])
 
 
 def _encode(model: Any, kw: Mapping[str, Any], m: str, inputs, how: dict) -> Encoded:
@@ -188,24 +155,12 @@ def _encode(model: Any, kw: Mapping[str, Any], m: str, inputs, how: dict) -> Enc
 def _lengths(owner: Any, call: dict, how: dict) -> list[int] | None:
     """Per item, its rows of a flat output, from the tower's own output-length function on the
     first mask / length argument (Whisper-style audio towers); None where there is none."""
-    fn = next(
-        (
-            s._get_feat_extract_output_lengths
-            for s in owner.modules()
-            if hasattr(s, "_get_feat_extract_output_lengths")
-        ),
-        None,
-    )
-    lens = next(
-        (
-            v.sum(-1) if v.dim() == 2 else v
-            for k, v in list(call.items())[1:]
-            if isinstance(v, torch.Tensor) and v.dim() in (1, 2)
-        ),
-        None,
-    )
-    if fn is None or lens is None:
+    name = "_get_feat_extract_output_lengths"
+    fn = next((getattr(s, name) for s in owner.modules() if hasattr(s, name)), None)
+    given = [v for v in list(call.values())[1:] if isinstance(v, torch.Tensor) and v.dim() < 3]
+    if fn is None or not given:
         return None
+    lens = given[0].sum(-1) if given[0].dim() == 2 else given[0]
     out = fn(lens)
     out = out[-1] if isinstance(out, tuple) else out
     return to_host(out, why="feature rows per item from the tower's lengths (derived)").tolist()
@@ -238,11 +193,8 @@ def _per_layer(placeholders: tuple[Token, ...]):
         lm = model.model.language_model
         pad = model.config.get_text_config().pad_token_id
         ph = torch.tensor([t.resolve(model) for t in placeholders], device=ids.device)
-        return {
-            "per_layer_inputs": lm.get_per_layer_inputs(
-                ids.masked_fill(torch.isin(ids, ph), pad), None
-            )
-        }
+        text = ids.masked_fill(torch.isin(ids, ph), pad)
+        return {"per_layer_inputs": lm.get_per_layer_inputs(text, None)}
 
     return after
 
@@ -258,14 +210,17 @@ def derive(model: Any) -> FamilySpec | None:
         return None
     notes: list[str] = []
     found = {m: _modality(model, m, fwd, notes) for m in MODALITIES}
-    mods = tuple(s for s in found.values() if isinstance(s, ModalitySpec))
+    mods, ids = [], {}  # a placeholder two modalities share (Molmo2): the later one aliases
+    for s in (s for s in found.values() if isinstance(s, ModalitySpec)):
+        tid = s.placeholder.resolve(model)
+        mods.append(replace(s, shares=ids[tid]) if tid in ids else s)
+        ids.setdefault(tid, s.name)
+    mods = tuple(mods)
     missing = [f"{m}: {why}" for m, why in found.items() if isinstance(why, str)]
-    srcs = "".join(
-        _source(o) or "" for o in (model, getattr(model, "model", None)) if o is not None
-    )
-    puts = sorted({type(s).__name__ for s in model.modules() if "index_put(" in (_source(s) or "")})
+    srcs = "".join(_source(type(o).forward) or "" for o in (model, getattr(model, "model", model)))
+    puts = {type(s).__name__ for s in model.modules() if "index_put(" in (_source(s.forward) or "")}
     if puts and "masked_scatter" not in srcs:  # Phi-4-multimodal: merged inside its embedding
-        missing.append(f"merged with index_put in {', '.join(puts)} (not a scatter): refused")
+        missing.append(f"merged with index_put in {', '.join(sorted(puts))}: refused")
     if not mods or "inputs_embeds" not in fwd or any("refused" in w for w in missing):
         raise MediaInputError(
             f"install_vlm: no written spec knows {cls.__name__} and it does not follow the "

@@ -1,44 +1,25 @@
-"""Tiny random transformers VLMs that no written family spec names, and batches for them, for
-the derived families (``families/derived.py``; tests and benchmarks only).
+"""Tiny random transformers VLMs that no written family spec names, for the derived families
+(``families/derived.py``; tests and benchmarks only; batches: ``derived_batch.py``).
 
 One :class:`Case` per class: ``build()`` a tiny random model (default special token ids,
-vision depth 1, hidden 32-64, 1-2 text layers), ``item(modality, size, gen)`` one media item's
+vision depth 1-2, hidden 32, 1-2 text layers), ``item(modality, size, gen)`` one media item's
 forward inputs, ``collate(items)`` the call's media keywords from ``(sample, modality, inputs)``
-in prompt order. :func:`make_batch` lays each item's runs in the ids from the model's *own*
-feature method on that item alone (one run per element / row of its output: an image, a tile,
-a clip), with one text token between runs (a tile separator) and text around items;
-``Media(..., tokens=n)`` gives the item ``n`` placeholders in all (its last run absorbs the
-difference), ``swap=(modality, i, j)`` exchanges two items' inputs, the ids unchanged.
+in prompt order, ``sizes`` per modality a small and a large item, ``attr`` the output attribute
+the forward reads where it is not ``pooler_output``.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .families.base import FamilyBatch, Media, right_pad, rng
-
-TEXT_LO, TEXT_HI = 1000, 1900
-TXT = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-)
-CLIP = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    image_size=16,
-    patch_size=4,
-)
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+TXT = dict(SMALL, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+CLIP = dict(SMALL, num_attention_heads=2, image_size=16, patch_size=4)
+HEAD = dict(num_attention_heads=2, num_key_value_heads=2, head_dim=16)
 
 
 @dataclass(frozen=True)
@@ -49,13 +30,6 @@ class Case:
     collate: Callable[[list[tuple[int, str, dict]]], dict]
     sizes: Mapping[str, tuple[tuple, ...]]  # per modality: sizes; two of different counts
     attr: Mapping[str, str] = field(default_factory=dict)  # output attribute if not pooler
-
-
-def _cat(key: str, dim: int = 0):
-    def collate(items):
-        return {key: torch.cat([kw[key] for _, _, kw in items], dim)} if items else {}
-
-    return collate
 
 
 def by_modality(**per: Callable) -> Callable:
@@ -84,46 +58,20 @@ def _pixels(*shape: int) -> Callable:
     return item
 
 
-def _seed(make: Callable[[], Any], cls: str) -> Callable[[], torch.nn.Module]:
+def _tiny(prefix: str, **config: Any) -> Callable[[], torch.nn.Module]:
+    """``<prefix>ForConditionalGeneration(<prefix>Config(**config))``, seeded, float32, eval."""
+
     def build():
         import transformers
 
         torch.manual_seed(0)
-        return getattr(transformers, cls)(make()).float().eval()
+        cfg = getattr(transformers, f"{prefix}Config")(**config)
+        return getattr(transformers, f"{prefix}ForConditionalGeneration")(cfg).float().eval()
 
     return build
 
 
 # ---- the classes ------------------------------------------------------------------------
-
-
-def _llava():
-    from transformers import LlavaConfig
-
-    return LlavaConfig(
-        vision_config=dict(model_type="clip_vision_model", **CLIP),
-        text_config=dict(model_type="llama", **TXT, vocab_size=32064),
-    )
-
-
-def _paligemma():
-    from transformers import PaliGemmaConfig
-
-    return PaliGemmaConfig(
-        vision_config=dict(model_type="siglip_vision_model", **CLIP, projection_dim=32),
-        text_config=dict(model_type="gemma", **TXT, vocab_size=257216),
-        projection_dim=32,
-    )
-
-
-def _llava_next():
-    from transformers import LlavaNextConfig
-
-    return LlavaNextConfig(
-        vision_config=dict(model_type="clip_vision_model", **CLIP),
-        text_config=dict(model_type="llama", **TXT, vocab_size=32064),
-        image_grid_pinpoints=[[16, 16], [16, 32], [32, 16], [32, 32]],
-    )
 
 
 def _llava_next_item(m, size, g):
@@ -134,48 +82,8 @@ def _llava_next_item(m, size, g):
     return {"pixel_values": pv, "image_sizes": torch.tensor([[h, w]])}
 
 
-def _aya():
-    from transformers import AyaVisionConfig
-
-    return AyaVisionConfig(
-        vision_config=dict(model_type="siglip_vision_model", **CLIP),
-        text_config=dict(model_type="cohere2", **TXT),
-        downsample_factor=2,
-    )
-
-
-def _cohere2_vision():
-    from transformers import Cohere2VisionConfig
-
-    return Cohere2VisionConfig(
-        vision_config=dict(model_type="siglip_vision_model", **CLIP),
-        text_config=dict(model_type="cohere2", **TXT),
-        downsample_factor=2,
-    )
-
-
 def _tiles(m, size, g):  # size: (tiles,) of 16 x 16
     return {"pixel_values": torch.randn(size[0], 3, 16, 16, generator=g)}
-
-
-def _idefics3(cls: str):
-    import transformers
-
-    def make():
-        return getattr(transformers, cls)(
-            vision_config=dict(
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                image_size=16,
-                patch_size=4,
-            ),
-            text_config=dict(model_type="llama", **TXT, vocab_size=128260),
-            scale_factor=2,
-        )
-
-    return make
 
 
 def _per_sample_tiles(items):
@@ -190,76 +98,6 @@ def _per_sample_tiles(items):
     for s, p in enumerate(per):
         pv[s, : p.shape[0]] = p
     return {"pixel_values": pv}
-
-
-def _llama4():
-    from transformers import Llama4Config
-
-    return Llama4Config(
-        vision_config=dict(
-            hidden_size=32,
-            intermediate_size=128,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            image_size=16,
-            patch_size=4,
-            vision_output_dim=32,
-            projector_input_dim=32,
-            projector_output_dim=32,
-            pixel_shuffle_ratio=0.5,
-        ),
-        text_config=dict(
-            hidden_size=32,
-            intermediate_size=64,
-            intermediate_size_mlp=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            num_local_experts=2,
-            moe_layers=[],
-        ),
-    )
-
-
-def _gemma4():
-    from transformers import Gemma4Config
-
-    return Gemma4Config(
-        text_config=dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            global_head_dim=8,
-            hidden_size_per_layer_input=8,
-            vocab_size_per_layer_input=262144,
-            layer_types=None,
-            sliding_window=16,
-        ),
-        vision_config=dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            head_dim=16,
-            patch_size=4,
-            pooling_kernel_size=2,
-            position_embedding_size=64,
-        ),
-        audio_config=dict(
-            hidden_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            subsampling_conv_channels=[128, 4],
-            output_proj_dims=32,
-            attention_chunk_size=4,
-            attention_context_left=5,
-        ),
-    )
 
 
 def _gemma4_patches(h: int, w: int, g, pad: int = 64):
@@ -292,42 +130,6 @@ def _gemma4_item(m, size, g):
     return {"input_features": x, "input_features_mask": mask}
 
 
-def _qwen_omni():
-    from transformers import Qwen2_5OmniThinkerConfig
-
-    return Qwen2_5OmniThinkerConfig(  # the checkpoints' thinker configs set vision_start
-        vision_start_token_id=151652,
-        text_config=dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            rope_parameters=dict(rope_type="default", mrope_section=[1, 1, 2], rope_theta=10000.0),
-        ),
-        vision_config=dict(
-            depth=1,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=32,
-            fullatt_block_indexes=[0],
-            patch_size=4,
-            window_size=16,
-        ),
-        audio_config=dict(
-            d_model=32,
-            encoder_layers=1,
-            encoder_attention_heads=2,
-            encoder_ffn_dim=64,
-            output_dim=32,
-            num_mel_bins=16,
-            n_window=8,
-            max_source_positions=64,
-        ),
-    )
-
-
 def _qwen_omni_item(m, size, g):
     if m in ("image", "video"):
         t, h, w = size  # grid (t, h, w) in patches; rows of 3 * 2 * 4 * 4
@@ -345,67 +147,163 @@ def _qwen_omni_item(m, size, g):
     return {"input_features": x, "feature_attention_mask": mask}
 
 
+def _molmo2_item(m, size, g):
+    """size: (crops,) of 2 x 2 patches of 14 px; each crop pooled 2 patches per token."""
+    (c,) = size
+    return {
+        "pixel_values": torch.randn(c, 4, 588, generator=g),
+        "image_token_pooling": torch.arange(4 * c).view(2 * c, 2),
+        "image_grids": torch.tensor([[1, c, 1, c]]),
+    }
+
+
+def _molmo2_collate(items):
+    """Pooling indices point into the call's flat patches: each item's offset by those before."""
+    if not items:
+        return {}
+    out, at = stack("pixel_values", "image_grids")(items), 0
+    pools = []
+    for _, _, kw in items:
+        pools.append(kw["image_token_pooling"] + at)
+        at += kw["pixel_values"].shape[0] * 4
+    return {**out, "image_token_pooling": torch.cat(pools)}
+
+
 CASES: tuple[Case, ...] = (
     Case(
         "llava",
-        _seed(_llava, "LlavaForConditionalGeneration"),
+        _tiny(
+            "Llava",
+            vision_config=dict(CLIP, model_type="clip_vision_model"),
+            text_config=dict(TXT, model_type="llama", vocab_size=32064),
+        ),
         _pixels(3, 16, 16),
         stack("pixel_values"),
         {"image": ((1,),)},
     ),
     Case(
         "paligemma",
-        _seed(_paligemma, "PaliGemmaForConditionalGeneration"),
+        _tiny(
+            "PaliGemma",
+            vision_config=dict(CLIP, model_type="siglip_vision_model", projection_dim=32),
+            text_config=dict(TXT, model_type="gemma", vocab_size=257216),
+            projection_dim=32,
+        ),
         _pixels(3, 16, 16),
         stack("pixel_values"),
         {"image": ((1,),)},
     ),
     Case(
         "llava_next",
-        _seed(_llava_next, "LlavaNextForConditionalGeneration"),
+        _tiny(
+            "LlavaNext",
+            vision_config=dict(CLIP, model_type="clip_vision_model"),
+            text_config=dict(TXT, model_type="llama", vocab_size=32064),
+            image_grid_pinpoints=[[16, 16], [16, 32], [32, 16], [32, 32]],
+        ),
         _llava_next_item,
         stack("pixel_values", "image_sizes"),
         {"image": ((16, 16), (16, 32))},
     ),
     Case(
         "aya_vision",
-        _seed(_aya, "AyaVisionForConditionalGeneration"),
+        _tiny(
+            "AyaVision",
+            vision_config=dict(CLIP, model_type="siglip_vision_model"),
+            text_config=dict(TXT, model_type="cohere2"),
+            downsample_factor=2,
+        ),
         _tiles,
         stack("pixel_values"),
         {"image": ((2,), (3,))},
     ),
     Case(
         "cohere2_vision",
-        _seed(_cohere2_vision, "Cohere2VisionForConditionalGeneration"),
+        _tiny(
+            "Cohere2Vision",
+            vision_config=dict(CLIP, model_type="siglip_vision_model"),
+            text_config=dict(TXT, model_type="cohere2"),
+            downsample_factor=2,
+        ),
         _tiles,
         stack("pixel_values"),
         {"image": ((1,), (2,))},
     ),
     Case(
         "idefics3",
-        _seed(_idefics3("Idefics3Config"), "Idefics3ForConditionalGeneration"),
+        _tiny(
+            "Idefics3",
+            vision_config=dict(CLIP),
+            scale_factor=2,
+            text_config=dict(TXT, model_type="llama", vocab_size=128260),
+        ),
         _tiles,
         _per_sample_tiles,
         {"image": ((2,), (3,))},
     ),
     Case(
         "smolvlm",
-        _seed(_idefics3("SmolVLMConfig"), "SmolVLMForConditionalGeneration"),
+        _tiny(
+            "SmolVLM",
+            vision_config=dict(CLIP),
+            scale_factor=2,
+            text_config=dict(TXT, model_type="llama", vocab_size=128260),
+        ),
         _tiles,
         _per_sample_tiles,
         {"image": ((1,), (2,))},
     ),
-    Case(
+    Case(  # pixel shuffle 0.5: 4 x 32 channels into the adapter's MLP
         "llama4",
-        _seed(_llama4, "Llama4ForConditionalGeneration"),
+        _tiny(
+            "Llama4",
+            vision_config=dict(
+                CLIP,
+                intermediate_size=128,
+                vision_output_dim=32,
+                projector_input_dim=32,
+                projector_output_dim=32,
+                pixel_shuffle_ratio=0.5,
+            ),
+            text_config=dict(TXT, intermediate_size_mlp=64, num_local_experts=2, moe_layers=[]),
+        ),
         _tiles,
         stack("pixel_values"),
         {"image": ((1,), (2,))},
         attr={"image": "last_hidden_state"},
     ),
-    Case(
+    Case(  # per-layer inputs (8 per layer), vision pooled 2 x 2, audio subsampled 4x
         "gemma4",
-        _seed(_gemma4, "Gemma4ForConditionalGeneration"),
+        _tiny(
+            "Gemma4",
+            text_config=dict(
+                TXT,
+                num_hidden_layers=2,
+                global_head_dim=8,
+                hidden_size_per_layer_input=8,
+                vocab_size_per_layer_input=262144,
+                layer_types=None,
+                sliding_window=16,
+            ),
+            vision_config=dict(
+                SMALL,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                head_dim=16,
+                patch_size=4,
+                pooling_kernel_size=2,
+                position_embedding_size=64,
+            ),
+            audio_config=dict(
+                hidden_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                subsampling_conv_channels=[128, 4],
+                output_proj_dims=32,
+                attention_chunk_size=4,
+                attention_context_left=5,
+            ),
+        ),
         _gemma4_item,
         by_modality(
             image=stack("pixel_values", "image_position_ids"),
@@ -414,9 +312,40 @@ CASES: tuple[Case, ...] = (
         ),
         {"image": ((2, 4), (4, 4)), "video": ((2, 2, 2), (2, 2, 4)), "audio": ((24,), (40,))},
     ),
-    Case(
+    Case(  # the checkpoints' thinker configs set vision_start (its rope reads it)
         "qwen2_5_omni",
-        _seed(_qwen_omni, "Qwen2_5OmniThinkerForConditionalGeneration"),
+        _tiny(
+            "Qwen2_5OmniThinker",
+            vision_start_token_id=151652,
+            text_config=dict(
+                SMALL,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                rope_parameters=dict(
+                    rope_type="default", mrope_section=[1, 1, 2], rope_theta=10000.0
+                ),
+            ),
+            vision_config=dict(
+                depth=1,
+                hidden_size=32,
+                intermediate_size=64,
+                num_heads=2,
+                out_hidden_size=32,
+                fullatt_block_indexes=[0],
+                patch_size=4,
+                window_size=16,
+            ),
+            audio_config=dict(
+                d_model=32,
+                encoder_layers=1,
+                encoder_attention_heads=2,
+                encoder_ffn_dim=64,
+                output_dim=32,
+                num_mel_bins=16,
+                n_window=8,
+                max_source_positions=64,
+            ),
+        ),
         _qwen_omni_item,
         by_modality(
             image=stack("pixel_values", "image_grid_thw"),
@@ -426,101 +355,27 @@ CASES: tuple[Case, ...] = (
         {"image": ((1, 2, 4), (1, 4, 4)), "video": ((2, 2, 2), (2, 2, 4)), "audio": ((24,), (40,))},
         attr={"audio": "last_hidden_state"},
     ),
+    Case(  # adds its features onto the placeholder embeddings; video shares the image token
+        "molmo2",
+        _tiny(
+            "Molmo2",
+            vision_config=dict(
+                SMALL,
+                num_hidden_layers=2,
+                image_size=[28, 28],
+                patch_size=14,
+                num_position_embeddings=4,
+                **HEAD,
+            ),
+            adapter_config=dict(SMALL, vision_feature_layer=[-1, -2], text_hidden_size=32, **HEAD),
+            text_config=dict(TXT, vocab_size=152064),
+        ),
+        _molmo2_item,
+        _molmo2_collate,
+        {"image": ((1,), (2,))},
+    ),
 )
-
-
-# ---- batches ------------------------------------------------------------------------------
-
-
-def owner(model):
-    return model.model if hasattr(model, "model") else model
-
-
-def own_runs(case: Case, model, modality: str, inputs: dict) -> list[int]:
-    """The lengths of one item's runs, from the model's own feature method on it alone."""
-    kw = case.collate([(0, modality, inputs)])
-    o = owner(model)
-    fn = getattr(o, f"get_{modality}_features")
-    names = inspect.signature(fn).parameters
-    with torch.no_grad():
-        out = fn(**{k: v for k, v in kw.items() if k in names}, return_dict=True)
-    feats = getattr(out, case.attr.get(modality, "pooler_output"))
-    if isinstance(feats, (list, tuple)):
-        return [int(f.reshape(-1, f.shape[-1]).shape[0]) for f in feats]
-    if feats.dim() == 3 and getattr(out, "attention_mask", None) is not None:
-        return [int(out.attention_mask.sum())]
-    if feats.dim() == 3:
-        return [int(feats.shape[1])] * int(feats.shape[0])
-    return [int(feats.shape[0])]
-
-
-def placeholder(model, modality: str) -> int:
-    cfg = model.config
-    return int(
-        getattr(cfg, f"{modality}_token_id", None) or getattr(cfg, f"{modality}_token_index")
-    )
-
-
-def make_batch(
-    case: Case,
-    model,
-    samples: Sequence[Sequence[Media]],
-    *,
-    swap: tuple[str, int, int] | None = None,
-    seed: int = 0,
-) -> FamilyBatch:
-    """Ids and media inputs (module docstring); ``batch.items``: (sample, modality, count)."""
-    rows, runs, media, items = [], [], [], []
-    for s, sample in enumerate(samples):
-        g = rng(seed, [(m.modality, m.size) for m in sample])  # the same whatever else
-        row = torch.randint(TEXT_LO, TEXT_HI, (4,), generator=g).tolist()
-        sruns = []
-        for m in sample:
-            inputs = case.item(m.modality, m.size, g)
-            lens = own_runs(case, model, m.modality, inputs)
-            if m.tokens is not None:
-                lens[-1] += m.tokens - sum(lens)
-            ph = placeholder(model, m.modality)
-            for n in lens:
-                row += [ph] * n + torch.randint(TEXT_LO, TEXT_HI, (1,), generator=g).tolist()
-            row += torch.randint(TEXT_LO, TEXT_HI, (3,), generator=g).tolist()
-            sruns += [(m.modality, n) for n in lens]
-            media.append([s, m.modality, inputs])
-            items.append((s, m.modality, sum(lens)))
-        rows.append(row)
-        runs.append(sruns)
-    if swap is not None:
-        mod, i, j = swap
-        idx = [k for k, it in enumerate(media) if it[1] == mod]
-        a, b = idx[i], idx[j]
-        media[a][2], media[b][2] = media[b][2], media[a][2]
-    ids, attn = right_pad(rows, TEXT_LO)
-    kwargs = {"input_ids": ids, "attention_mask": attn}
-    kwargs.update(case.collate([tuple(x) for x in media]))
-    if "token_type_ids" in inspect.signature(model.forward).parameters:
-        kwargs["token_type_ids"] = torch.zeros_like(ids)
-    return FamilyBatch(kwargs, items, runs, [len(r) for r in rows])
-
-
-def hidden(model, kwargs: dict) -> torch.Tensor:
-    """The decoder's last hidden states of one forward (no logits over the vocabulary)."""
-    seen = []
-    dec = model.get_decoder()
-    dec = getattr(dec, "model", dec)  # Llama 4's decoder is a ...ForCausalLM
-    hook = dec.register_forward_hook(lambda m, a, o: seen.append(o[0]))
-    keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-    extra = {"logits_to_keep": 1} if keep and "labels" not in kwargs else {}
-    try:
-        with torch.no_grad():
-            model(**kwargs, **extra)
-    except AttributeError as e:  # Llama 4 (5.24): its output fails after the decoder ran
-        if not seen or "image_outputs" not in str(e):
-            raise
-    finally:
-        hook.remove()
-    return seen[-1]
-
 
 CASE = {c.name: c for c in CASES}
 
-__all__ = ["CASE", "CASES", "Case", "hidden", "make_batch", "own_runs"]
+__all__ = ["CASE", "CASES", "Case", "by_modality", "stack"]
