@@ -6,11 +6,11 @@ transformers VLMs follow: the forward (of the class or its ``.model``) calls
 the forward or a method it calls); the arguments it passes, read from its source (``ast``), are
 the modality's keywords, the first its media; ``config.<m>_token_id`` / ``_index`` is the
 placeholder (runs are bare: no markers). The attribute the forward reads (``pooler_output`` /
-``last_hidden_state``) gives the features: a tuple is one tensor per item, a ``[n, L, h]``
-tensor one item per row (an image or a tile), cut to its valid rows where the output carries
-an ``attention_mask`` (Gemma 4's audio); a flat block is cut by the tower's own
-``_get_feat_extract_output_lengths``, else by the runs in the ids (only the total checked).
-What the forward does after the call is done too: ``multi_modal_projector`` (Llama 4), adding
+``last_hidden_state``) gives the features: a tuple is one tensor per item (a ``[k, L, h]``
+one: ``k`` tiles, Idefics3's per-sample list), a ``[n, L, h]`` tensor one item per row, cut to
+its valid rows where the output carries an ``attention_mask`` (Gemma 4's audio); a flat block
+is cut by the tower's ``_get_feat_extract_output_lengths``, else by the runs in the ids (only
+the total checked). What the forward does after the call is done too: ``multi_modal_projector`` (Llama 4), adding
 the features onto the placeholder embeddings (Molmo2). A merge by ``index_put``
 (Phi-4-multimodal) is refused. Not derivable (written specs): repair geometry, markers, counts
 the inputs never carry (tiles per image), audio in video, Bridge, EVS; said once, at install.
@@ -139,8 +139,9 @@ def _encode(model: Any, kw: Mapping[str, Any], m: str, inputs, how: dict) -> Enc
         feats = (
             tuple(base.to(f.dtype) + f for f in feats) if isinstance(feats, tuple) else base + feats
         )
-    if isinstance(feats, (list, tuple)):
-        return Encoded(tuple(f.reshape(-1, f.shape[-1]) for f in feats), output=out)
+    if isinstance(feats, (list, tuple)):  # per item; a [k, L, h] item (Idefics3): k tiles
+        parts = [(k, r) for k, f in enumerate(feats) for r in (f if f.dim() == 3 else [f])]
+        return Encoded(tuple(r for _, r in parts), parent=tuple(k for k, _ in parts), output=out)
     if feats.dim() == 3 and how["strip"] and getattr(out, "attention_mask", None) is not None:
         n = to_host(out.attention_mask.sum(-1), why="valid feature rows per item (derived)")
         return Encoded(tuple(f[: int(k)] for f, k in zip(feats, n.tolist())), output=out)

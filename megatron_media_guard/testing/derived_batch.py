@@ -34,8 +34,8 @@ def own_runs(case: Case, model, modality: str, inputs: dict) -> list[int]:
     with torch.no_grad():
         out = fn(**{k: v for k, v in kw.items() if k in names}, return_dict=True)
     feats = getattr(out, case.attr.get(modality, "pooler_output"))
-    if isinstance(feats, (list, tuple)):
-        return [int(f.reshape(-1, f.shape[-1]).shape[0]) for f in feats]
+    if isinstance(feats, (list, tuple)):  # an element [k, L, h]: k tiles (Idefics3)
+        return [int(f.shape[-2]) for f in feats for _ in range(f.shape[0] if f.dim() == 3 else 1)]
     if feats.dim() == 3 and getattr(out, "attention_mask", None) is not None:
         return [int(out.attention_mask.sum())]
     if feats.dim() == 3:

@@ -59,14 +59,20 @@ def _pixels(*shape: int) -> Callable:
 
 
 def _tiny(prefix: str, **config: Any) -> Callable[[], torch.nn.Module]:
-    """``<prefix>ForConditionalGeneration(<prefix>Config(**config))``, seeded, float32, eval."""
+    """``<prefix>ForConditionalGeneration(<prefix>Config(**config))``, seeded, float32, eval;
+    the projector's weights drawn at unit scale (transformers' init makes some features ~1e-7)."""
 
     def build():
         import transformers
 
         torch.manual_seed(0)
         cfg = getattr(transformers, f"{prefix}Config")(**config)
-        return getattr(transformers, f"{prefix}ForConditionalGeneration")(cfg).float().eval()
+        model = getattr(transformers, f"{prefix}ForConditionalGeneration")(cfg).float().eval()
+        with torch.no_grad():  # features at the embeddings' scale, so a misplaced one shows
+            for name, p in model.named_parameters():
+                if "multi_modal_projector" in name and p.dim() == 2:
+                    p.normal_(0.0, p.shape[1] ** -0.5)
+        return model
 
     return build
 
