@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from family_checks import raised_samples
+from family_checks import raised_samples, records
 
 from megatron_media_guard import GuardConfig
 from megatron_media_guard.core.host import count_transfers
@@ -32,10 +32,9 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:media guard.*derived:UserWarning"),
 ]
 
-#: per case, the transfers of an aligned call beyond the guard's verdict: the derivation's own
-#: (audio: Gemma 4's valid rows per clip, Qwen2.5-Omni's tower lengths, as the written
-#: Qwen2-Audio spec), and the engine's run order of a call mixing modalities
-EXTRA = {"gemma4": 2, "qwen2_5_omni": 2}
+#: the aligned calls that read per-clip rows on the host (one transfer beside the verdict, as
+#: the written Qwen2-Audio spec): Gemma 4's valid rows, Qwen2.5-Omni's tower lengths
+HOST_ROWS = {("gemma4", "audio"), ("qwen2_5_omni", "audio")}
 NAMES = [c.name for c in CASES]
 
 
@@ -88,17 +87,34 @@ def test_the_spec_is_derived_and_said_once(name):
     assert "repair geometry" in str(w[0].message)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_aligned_is_bit_identical_with_one_transfer(name):
+def aligned(name, samples, transfers):
     m = model(name)
-    samples = [[small] for _, small, _ in sizes(name)] + [[big for _, _, big in sizes(name)]]
     b = make_batch(CASE[name], m, samples)
     ref = hidden(m, b.kwargs)
     with install_vlm(m, GuardConfig()) as h, count_transfers() as n:
         out = hidden(m, b.kwargs)
     assert torch.equal(out, ref)
     assert h.last_result.report.actions == ("keep",) * len(samples)
-    assert sum(n.values()) == 1 + EXTRA.get(name, 0), n
+    assert sum(n.values()) == transfers, n
+
+
+MODS = [(name, mod) for name in NAMES for mod in CASE[name].sizes]
+
+
+@pytest.mark.parametrize("name,mod", MODS, ids=[f"{n}-{m}" for n, m in MODS])
+def test_aligned_is_bit_identical_with_one_transfer(name, mod):
+    _, small, big = next(s for s in sizes(name) if s[0] == mod)
+    aligned(name, [[small], [big]], 1 + ((name, mod) in HOST_ROWS))
+
+
+MIXED = [name for name in NAMES if len(CASE[name].sizes) > 1]
+
+
+@pytest.mark.parametrize("name", MIXED)
+def test_a_call_mixing_modalities_is_bit_identical(name):
+    """One more transfer: the engine reads the runs' order of a mixed call from the ids."""
+    samples = [[small] for _, small, _ in sizes(name)] + [[big for _, _, big in sizes(name)]]
+    aligned(name, samples, 2 + sum((name, m) in HOST_ROWS for m in CASE[name].sizes))
 
 
 def faults(name):
@@ -240,3 +256,15 @@ def test_an_index_put_merge_is_refused_saying_so():
         MediaInputError, match=r"does not follow the transformers convention.*index_put"
     ):
         find_family(Phi4MultimodalForCausalLM(cfg))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_repair_falls_back_saying_no_geometry_was_derived(name, tmp_path):
+    _, small, big = sizes(name)[0]
+    n = sum(runs(name, small))
+    cfg = GuardConfig(policy="repair", fallback="drop", log_dir=str(tmp_path))
+    b, out, res = guarded(name, [[M(small.modality, small.size, tokens=n - 1)], [big]], cfg)
+    assert res.report.actions == ("drop", "keep")
+    why = " ".join(str(r.get("reason")) for r in records(tmp_path) if r["sample"] == 0)
+    assert "no geometry for derived:" in why, why
+    torch.testing.assert_close(out[1, : b.lengths[1]], own(name, [big]))
