@@ -128,17 +128,15 @@ def _encode(model: Any, kw: Mapping[str, Any], m: str, inputs, how: dict) -> Enc
     feats = getattr(out, how["attr"])
     if how["project"]:  # on the whole block, as the forward does, then back per row / item
         flat = torch.cat(list(feats)) if isinstance(feats, (list, tuple)) else feats
-        proj = model.multi_modal_projector if hasattr(model, "multi_modal_projector") else None
-        proj = proj or owner.multi_modal_projector
+        proj = owner.multi_modal_projector  # the module the forward calls it on
         sizes = [f.shape[0] for f in feats] if isinstance(feats, (list, tuple)) else None
         done = proj(flat.reshape(-1, flat.shape[-1]))
         feats = done.split(sizes) if sizes else done.reshape(*flat.shape[:-1], -1)
     if how["adds"] is not None:
         ph = torch.tensor([how["adds"].resolve(model)], device=model.device)
         base = model.get_input_embeddings()(ph)[0]
-        feats = (
-            tuple(base.to(f.dtype) + f for f in feats) if isinstance(feats, tuple) else base + feats
-        )
+        many = isinstance(feats, (list, tuple))
+        feats = tuple(base.to(f.dtype) + f for f in feats) if many else base + feats
     if isinstance(feats, (list, tuple)):  # per item; a [k, L, h] item (Idefics3): k tiles
         parts = [(k, r) for k, f in enumerate(feats) for r in (f if f.dim() == 3 else [f])]
         return Encoded(tuple(r for _, r in parts), parent=tuple(k for k, _ in parts), output=out)
