@@ -145,13 +145,13 @@ def _encode(model: Any, kw: Mapping[str, Any], m: str, inputs, how: dict) -> Enc
         return Encoded(tuple(f[: int(k)] for f, k in zip(feats, n.tolist())), output=out)
     if feats.dim() == 3:
         return Encoded(tuple(feats), output=out)
-    sizes = _lengths(owner, call, how)
+    sizes = _lengths(owner, call)
     if sizes is None:  # one flat block: cut by the runs in the ids (only the total checked)
         return Encoded((feats,), split="items", output=out)
     return Encoded(tuple(feats.split(sizes)), output=out)
 
 
-def _lengths(owner: Any, call: dict, how: dict) -> list[int] | None:
+def _lengths(owner: Any, call: dict) -> list[int] | None:
     """Per item, its rows of a flat output, from the tower's own output-length function on the
     first mask / length argument (Whisper-style audio towers); None where there is none."""
     name = "_get_feat_extract_output_lengths"
@@ -217,9 +217,11 @@ def derive(model: Any) -> FamilySpec | None:
     mods = tuple(mods)
     missing = [f"{m}: {why}" for m, why in found.items() if isinstance(why, str)]
     srcs = "".join(_source(type(o).forward) or "" for o in (model, getattr(model, "model", model)))
-    puts = {type(s).__name__ for s in model.modules() if "index_put(" in (_source(s.forward) or "")}
-    if puts and "masked_scatter" not in srcs:  # Phi-4-multimodal: merged inside its embedding
-        missing.append(f"merged with index_put in {', '.join(sorted(puts))}: refused")
+    if "masked_scatter" not in srcs:  # where else does it merge? (Phi-4: in its embedding)
+        subs = {type(s).__name__: s for s in model.modules()}
+        puts = sorted(n for n, s in subs.items() if "index_put(" in (_source(s.forward) or ""))
+        if puts:
+            missing.append(f"merged with index_put in {', '.join(puts)}: refused")
     if not mods or "inputs_embeds" not in fwd or any("refused" in w for w in missing):
         raise MediaInputError(
             f"install_vlm: no written spec knows {cls.__name__} and it does not follow the "
