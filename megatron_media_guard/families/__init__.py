@@ -25,6 +25,7 @@ from . import (
     qwen3_omni,
     qwen3_omni_bridge,
 )
+from .derived import derive
 from .spec import FamilySpec, ModalitySpec, Token
 
 FAMILIES: tuple[FamilySpec, ...] = (
@@ -74,7 +75,9 @@ def family_of(model: Any) -> FamilySpec | None:
 def find_family(model: Any) -> tuple[Any, FamilySpec | None]:
     """The (possibly wrapped) model a family knows, and that family; ``(model, None)`` if none.
     Wrappers first (DDP's ``.module``, Bridge's ``.llava_model``), then the submodules, the
-    outermost first (a ``...ForConditionalGeneration``, not the model it holds)."""
+    outermost first (a ``...ForConditionalGeneration``, not the model it holds); else a spec
+    derived from a transformers class (:func:`~.derived.derive`, which refuses a class off the
+    convention with what is missing)."""
     for m in unwrap(model):
         spec = family_of(m)
         if spec is not None:
@@ -85,6 +88,10 @@ def find_family(model: Any) -> tuple[Any, FamilySpec | None]:
             spec = family_of(sub)
             if spec is not None:
                 return sub, spec
+    for m in unwrap(model):  # no written spec: one read from the class (families/derived.py)
+        spec = derive(m)
+        if spec is not None:
+            return m, spec
     return model, None
 
 
