@@ -19,7 +19,8 @@ The public surface::
 - repair geometries: ``PatchMergeGeometry``, ``RadioTilerGeometry``, ``TiledGeometry``,
   ``FixedGeometry``, ``PixtralGeometry``, ``AnyresGeometry``;
 - errors: ``MediaGuardError`` (the root) with ``MediaAlignmentError`` (a fault in the data;
-  ``ConsensusError``, ``DropBudgetExceeded``) and ``MediaInputError`` (a wrong call).
+  ``DropBudgetExceeded``), ``MediaInputError`` (a wrong call) and ``ConsensusError`` (ranks
+  that did not agree, or a peer that failed on something other than its data).
 
 Everything else lives in its package (``core``, ``diagnostics``, ``adapters``, ``families``,
 ``geometry``, ...). The names load on first use (PEP 562), so ``import megatron_media_guard``

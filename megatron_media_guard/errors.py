@@ -4,12 +4,16 @@
 
     MediaGuardError                      every error the library raises (catch it for "any")
     ├── MediaAlignmentError (RuntimeError)   a fault in the data: placeholders and features
-    │   ├── ConsensusError                   disagree, or the ranks that must agree did not
-    │   └── DropBudgetExceeded
-    └── MediaInputError (ValueError)         a wrong call: bad dtype, shape, option, tokenizer
+    │   └── DropBudgetExceeded               disagree (on this rank or a peer of its stage)
+    ├── MediaInputError (ValueError)         a wrong call: bad dtype, shape, option, tokenizer
+    └── ConsensusError (RuntimeError)        the ranks that must agree did not, or a peer
+                                             failed on something other than its data
 
 A trainer that skips a batch on ``except MediaAlignmentError`` never swallows its own wrong
-call (a ``MediaInputError``); ``except MediaGuardError`` catches both.
+call (a ``MediaInputError``), and every rank of the stage takes the same branch: a data fault
+on one rank is a ``MediaAlignmentError`` on all of them, while a peer's wrong call (or
+out-of-memory) is a ``ConsensusError`` here, so no rank skips while another stops.
+``except MediaGuardError`` catches all three.
 
 Inner code raises with the fact it found; the public call that catches it
 re-raises with the context the user needs (rank, step, sample, item), in the
@@ -49,8 +53,10 @@ class MediaInputError(MediaGuardError, ValueError):
     ids, an option or a tokenizer); the message names the function called and what to pass."""
 
 
-class ConsensusError(MediaAlignmentError):
-    """Ranks that must agree (same micro-batch, same stage) did not, or one of them failed."""
+class ConsensusError(MediaGuardError, RuntimeError):
+    """Ranks that must agree (same micro-batch, same stage) did not, or a peer failed on
+    something other than a fault in its data (a wrong call, out of memory): not a
+    ``MediaAlignmentError``, so a trainer that skips data faults stops here, as that peer did."""
 
 
 class DropBudgetExceeded(MediaAlignmentError):

@@ -133,14 +133,14 @@ def test_from_import_of_the_install_functions_works_and_import_alone_loads_no_to
     [
         (MediaAlignmentError, (MediaGuardError, RuntimeError)),
         (MediaInputError, (MediaGuardError, ValueError)),
-        (ConsensusError, (MediaAlignmentError,)),
+        (ConsensusError, (MediaGuardError, RuntimeError)),
         (DropBudgetExceeded, (MediaAlignmentError,)),
     ],
 )
-def test_one_root_with_a_data_branch_and_a_call_branch(cls, bases):
+def test_one_root_with_a_data_branch_a_call_branch_and_a_ranks_branch(cls, bases):
     assert all(issubclass(cls, b) for b in bases)
-    data, call = issubclass(cls, MediaAlignmentError), issubclass(cls, MediaInputError)
-    assert data != call  # every error is one of the two, never both
+    kinds = [issubclass(cls, k) for k in (MediaAlignmentError, MediaInputError, ConsensusError)]
+    assert sum(kinds) == 1  # every error is one of the three, never two
 
 
 def test_with_context_keeps_the_type_and_extends_the_context():

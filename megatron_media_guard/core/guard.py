@@ -16,7 +16,7 @@ import torch
 
 from ..config import GuardConfig
 from ..diagnostics import DiagnosticsLog, GuardRecord, RankInfo
-from ..errors import MediaAlignmentError, MediaGuardError, MediaInputError
+from ..errors import ConsensusError, MediaAlignmentError, MediaGuardError, MediaInputError
 from .alignment import AlignmentReport, align
 from .apply import mask_dropped, nonfinite_items, rows_index, scatter
 from .fault_path import diagnose
@@ -284,6 +284,7 @@ class MediaGuard:
                 repaired=0,
                 fatal=True,
                 message=f"{type(err).__name__}: {err}",
+                fault="data" if isinstance(err, MediaAlignmentError) else "call",
             )
         )
 
@@ -375,7 +376,10 @@ class MediaGuard:
                 local.message or "media alignment failed",
                 context={"where": where, "sample": local.fatal_sample},
             )
-        raise MediaAlignmentError(
+        # the peer's branch of the error family: a data fault there is one here (a trainer
+        # that skips it skips on every rank); its failed call stops this rank as it stopped it
+        peer = MediaAlignmentError if stage.culprit_fault == "data" else ConsensusError
+        raise peer(
             _peer_message(stage, where),
             context={"where": where, "culprit_rank": stage.culprit_rank},
         )

@@ -8,7 +8,7 @@ outcome is the stage outcome: everything works single-process.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
@@ -16,6 +16,11 @@ if TYPE_CHECKING:
     from .alignment import AlignmentReport
     from .plan import Plan
     from .verify import Verdict
+
+
+#: what made a rank fatal: a fault in its data (its peers raise ``MediaAlignmentError`` too) or
+#: a failed call (a wrong call, out of memory: its peers raise ``ConsensusError``)
+FaultKind = Literal["data", "call"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,7 @@ class LocalOutcome:
     fatal_sample: int | None = None
     message: str | None = None  # the full diagnostic when fatal
     record: dict | None = None  # the JSONL record of the fatal event
+    fault: FaultKind = "data"  # when fatal: what failed
 
     @classmethod
     def of_plan(
@@ -73,6 +79,7 @@ class StageOutcome:
     culprit_sample: int | None = None
     culprit_step: int | None = None
     message: str | None = None  # the culprit's diagnostic (fetched from it when fatal)
+    culprit_fault: FaultKind = "data"  # what failed on the culprit
     mismatched: int = 0
     dropped: int = 0
     repaired: int = 0
@@ -86,6 +93,7 @@ class StageOutcome:
             culprit_sample=out.fatal_sample,
             culprit_step=out.step,
             message=out.message,
+            culprit_fault=out.fault,
             mismatched=out.mismatched,
             dropped=out.dropped,
             repaired=out.repaired,

@@ -49,6 +49,7 @@ from ..errors import ConsensusError, MediaInputError
 _LANE = (1 << 30) - 1
 _FIELDS = ("check0", "check1", "samples", "mismatched", "dropped", "repaired", "fatal")
 _ROW = ("rank", "group", "digest", "fatal", "sample", "step", "microbatch", "samples")
+_FATAL_CODE = {"data": 1, "call": 2}  # the row's "fatal": 0 = not fatal, else what failed
 COUNTERS = ("samples", "mismatched", "dropped", "repaired")
 
 
@@ -282,6 +283,7 @@ class StageConsensus:
             culprit_sample=_none(culprit["sample"]),
             culprit_step=_none(culprit["step"]),
             message=message,
+            culprit_fault="call" if culprit["fatal"] == _FATAL_CODE["call"] else "data",
             collectives=calls,
             **stage,
         )
@@ -316,7 +318,7 @@ class StageConsensus:
             self.rank,
             self.group_id,
             local.digest,
-            int(local.fatal),
+            _FATAL_CODE[local.fault] if local.fatal else 0,
             -1 if local.fatal_sample is None else local.fatal_sample,
             -1 if local.step is None else local.step,
             -1 if local.microbatch is None else local.microbatch,
