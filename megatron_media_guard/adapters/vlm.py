@@ -31,8 +31,7 @@ from ..core.outcome import MergeResult
 from ..core.runs import TokenLayout, parse_layout
 from ..families import FamilySpec
 from ..families.spec import Merged, ModalitySpec, present
-from .forward_hook import ForwardHookHandle
-from .qwen_vl.checks import CallArgs
+from .forward_hook import CallArgs, ForwardHookHandle
 from .tower import tower_due
 from .vlm_items import call_items, cut_blocks, parents, typed_order
 

@@ -29,8 +29,7 @@ from ..core.outcome import MergeResult
 from ..families import FamilySpec
 from ..families.inputs import counted, drop_inputs, gone_items, plan_items
 from ..families.spec import present
-from .forward_hook import ForwardHookHandle
-from .qwen_vl.checks import CallArgs
+from .forward_hook import CallArgs, ForwardHookHandle
 from .vlm import MARK, call_view
 from .vlm_items import call_items, parents, typed_order
 

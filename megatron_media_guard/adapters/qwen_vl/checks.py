@@ -10,7 +10,6 @@ preceded by its timestamp text), so there a video row stands for ``t`` runs of `
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import pairwise
@@ -24,6 +23,7 @@ from ...core.runs import TokenLayout
 from ...core.verify import fingerprint_weights as id_weights
 from ...errors import MediaInputError
 from ...families.spec import attr_path
+from ..forward_hook import CallArgs
 
 VideoRuns = Literal["one", "per_group"]
 MODALITIES: tuple[str, str] = ("image", "video")
@@ -125,45 +125,6 @@ def spec_from_model(model: Any, text_id: int | None = None) -> QwenVLSpec:
             "(drop_token_id=)"
         )
     return spec
-
-
-class CallArgs:
-    """The keyword view of one forward call (positional arguments bound by the signature);
-    ``set`` writes back, :meth:`rebuild` gives ``(args, kwargs)`` for the model."""
-
-    def __init__(self, sig: inspect.Signature, args: tuple, kwargs: dict) -> None:
-        self.bound = sig.bind(*args, **kwargs)
-        self.varkw = next(
-            (p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD), None
-        )
-        self.names = {
-            p.name
-            for p in sig.parameters.values()
-            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
-        }
-        self.changed = False
-
-    def _extra(self) -> dict:
-        return self.bound.arguments.get(self.varkw, {}) if self.varkw else {}
-
-    def get(self, name: str) -> Any:
-        a = self.bound.arguments
-        return a[name] if name in a else self._extra().get(name)
-
-    def given(self, name: str) -> bool:
-        return name in self.bound.arguments or name in self._extra()
-
-    def set(self, name: str, value: Any) -> None:
-        self.changed = True
-        if name in self.names:
-            self.bound.arguments[name] = value
-        elif self.varkw:
-            self.bound.arguments.setdefault(self.varkw, {})[name] = value
-        else:
-            raise MediaInputError(f"the model's forward takes no {name!r}")
-
-    def rebuild(self) -> tuple[tuple, dict]:
-        return tuple(self.bound.args), dict(self.bound.kwargs)
 
 
 def packed_offsets(call: CallArgs, ids: torch.Tensor) -> torch.Tensor | None:

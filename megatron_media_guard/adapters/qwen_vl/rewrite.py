@@ -18,12 +18,12 @@ from ...config import GuardConfig
 from ...core.alignment import AlignmentReport
 from ...core.apply import mask_dropped, token_keep
 from ...core.runs import TokenLayout
+from ..forward_hook import CallArgs
 from .checks import (
     GRIDS,
     MODALITIES,
     PIXELS,
     TYPE_INPUTS,
-    CallArgs,
     QwenVLSpec,
     attr_path,
     derived_types,
