@@ -27,12 +27,6 @@ def _embed_grammar(spec: FamilySpec, model: Any, tokenizer: Any) -> Grammar:
     return spec.grammar(model, tokenizer)
 
 
-def _qwen_grammar(spec: FamilySpec, model: Any, tokenizer: Any) -> Grammar:
-    from .qwen_vl.checks import spec_from_model
-
-    return spec_from_model(model).grammar()
-
-
 def _llava_grammar(spec: FamilySpec, model: Any, tokenizer: Any) -> Grammar:
     from .llava.checks import llava_grammar
 
@@ -49,7 +43,7 @@ def _mimo_grammar(spec: FamilySpec, model: Any, tokenizer: Any) -> Grammar:
 _GRAMMARS = {
     "embed": _embed_grammar,
     "inputs": _embed_grammar,
-    "qwen_vl": _qwen_grammar,
+    "qwen_vl": _embed_grammar,
     "llava": _llava_grammar,
     "mimo": _mimo_grammar,
 }

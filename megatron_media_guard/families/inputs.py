@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..core.apply import token_keep
 from ..core.guard import MediaGuard
 from ..core.host import to_host
 from ..core.interleave import token_order
@@ -78,31 +79,98 @@ def drop_inputs(
     """``inputs`` with the dropped samples' placeholders as ``text`` (and 0 in the spec's
     ``follow_ids``), their items' rows out of the modalities' ``rows`` and ``patches``
     inputs (an input left with no row becomes None). Labels are the caller's to mask."""
-    out = dict(inputs)
     ids = inputs["input_ids"]
     lay = TokenLayout(ids, guard.grammar)
-    sel = torch.zeros(lay.num_samples, dtype=torch.bool)
-    sel[sorted(dropped)] = True
-    hit = lay.ph & sel.to(ids.device)[:, None]
-    out["input_ids"] = ids.masked_fill(hit, text)
+    keep = torch.ones(lay.num_samples, dtype=torch.bool)
+    keep[sorted(dropped)] = False
+    out = {**inputs, **placeholders_as_text(spec, inputs, lay, keep.to(ids.device), text)}
+    kept = {m.name: [k for k in range(n_items(m, inputs)) if (m.name, k) not in gone] for m in mods}
+    return {**out, **take_items(inputs, mods, kept)}
+
+
+def placeholders_as_text(
+    spec: FamilySpec, inputs: Mapping[str, Any], lay: TokenLayout, keep: torch.Tensor, text: int
+) -> dict[str, Any]:
+    """``input_ids`` with the placeholders of every sample ``keep`` (``[num_samples]`` bool on
+    the device) does not keep as ``text`` (and those in a packed row's padding, which no item
+    feeds), and the spec's ``follow_ids`` 0 there."""
+    hit = lay.ph & ~token_keep(lay, keep)
+    out = {"input_ids": inputs["input_ids"].masked_fill(hit, text)}
     for name in spec.follow_ids:
         if isinstance(inputs.get(name), torch.Tensor):
             out[name] = inputs[name].masked_fill(hit, 0)
-    for m in mods:
-        for name, grid in m.patches.items():
-            g = inputs.get(grid)
-            if isinstance(inputs.get(name), torch.Tensor) and isinstance(g, torch.Tensor):
-                # patch rows per item: prod of its grid row (a small transfer, drops only)
-                sizes = to_host(g.prod(-1), why="patch rows per item to drop").tolist()
-                keep = [k for k in range(len(sizes)) if (m.name, k) not in gone]
-                pieces = inputs[name].split(sizes)
-                out[name] = torch.cat([pieces[k] for k in keep]) if keep else None
-        for name in m.rows:
-            t = inputs.get(name)
-            if isinstance(t, torch.Tensor):
-                keep = [k for k in range(t.shape[0]) if (m.name, k) not in gone]
-                out[name] = t[keep] if keep else None
     return out
 
 
-__all__ = ["counted", "drop_inputs", "gone_items", "plan_items"]
+def n_items(m: ModalitySpec, inputs: Mapping[str, Any]) -> int:
+    """The model-level items of ``m`` in ``inputs``: the rows of its first row input given."""
+    for name in (*m.rows, *m.patches.values()):
+        t = inputs.get(name)
+        if isinstance(t, (torch.Tensor, list, tuple)):
+            return len(t)
+    return 0
+
+
+def take_items(
+    inputs: Mapping[str, Any],
+    mods: Sequence[ModalitySpec],
+    keep: Mapping[str, Sequence[int]],
+    *,
+    sizes: Mapping[str, Sequence[int]] | None = None,
+    repaired: Mapping[tuple[str, int], tuple[Sequence[int], torch.Tensor | None]] | None = None,
+) -> dict[str, Any]:
+    """The modalities' ``rows`` and ``patches`` inputs holding the items ``keep`` names (per
+    modality, its model-level items in the order the model is to take them), a repaired item
+    ``(modality, k)`` with its new grid row ``(t, h, w)`` and patch rows; an input left with
+    no item is None, one left as it was is not returned. sizes: per modality, the patch rows
+    of each item where the caller has them (else read from the grid: one transfer)."""
+    out: dict[str, Any] = {}
+    fixed = repaired or {}
+    for m in mods:
+        ks = list(keep.get(m.name, ()))
+        mine = {k: v for (name, k), v in fixed.items() if name == m.name}
+        for name, grid in m.patches.items():
+            x, g = inputs.get(name), inputs.get(grid)
+            if not isinstance(x, torch.Tensor) or not isinstance(g, torch.Tensor):
+                continue
+            if sizes is not None and m.name in sizes:
+                n = list(sizes[m.name])
+            else:  # patch rows per item: prod of its grid row (a small transfer, drops only)
+                n = to_host(g.prod(-1), why="patch rows per item to drop").tolist()
+            if ks == list(range(len(n))) and not mine:
+                continue
+            pieces, parts = x.split(n), []
+            for k in ks:
+                new = mine[k][1] if k in mine else None
+                parts.append(pieces[k] if new is None else new)
+            out[name] = torch.cat(parts).to(x.dtype) if parts else None
+        grids = set(m.patches.values())
+        for name in m.rows:
+            t = inputs.get(name)
+            if not isinstance(t, (torch.Tensor, list, tuple)):
+                continue
+            fix = [(j, mine[k][0]) for j, k in enumerate(ks) if k in mine] if name in grids else []
+            if ks == list(range(len(t))) and not fix:
+                continue
+            if not ks:
+                out[name] = None
+            elif isinstance(t, torch.Tensor):
+                idx = torch.tensor(ks, dtype=torch.long).to(t.device, non_blocking=True)
+                new = t.index_select(0, idx)
+                for j, thw in fix:
+                    new[j] = torch.tensor(list(thw), dtype=t.dtype).to(t.device, non_blocking=True)
+                out[name] = new
+            else:
+                out[name] = type(t)(t[k] for k in ks)
+    return out
+
+
+__all__ = [
+    "counted",
+    "drop_inputs",
+    "gone_items",
+    "n_items",
+    "placeholders_as_text",
+    "plan_items",
+    "take_items",
+]

@@ -11,7 +11,7 @@ preceded by its timestamp text), so there a video row stands for ``t`` runs of `
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import pairwise
 from typing import Any, Literal
 
@@ -22,6 +22,7 @@ from ...core.host import to_host
 from ...core.runs import TokenLayout
 from ...core.verify import fingerprint_weights as id_weights
 from ...errors import MediaInputError
+from ...families import qwen
 from ...families.spec import attr_path
 from ..forward_hook import CallArgs
 
@@ -63,13 +64,15 @@ class QwenVLSpec:
         return self.channels * self.temporal_patch * self.patch * self.patch
 
     def grammar(self) -> Grammar:
-        return Grammar.qwen2_vl(
+        """The family spec's grammar (``FamilySpec.grammar``) with these ids."""
+        g = Grammar.qwen2_vl(
             self.image_token_id,
             self.video_token_id,
             self.vision_start_token_id,
             self.vision_end_token_id,
             self.text_id,
         )
+        return replace(g, name=qwen.SPEC.name)
 
     def check_grammar(self, grammar: Grammar) -> None:
         want = self.grammar()
@@ -84,38 +87,31 @@ class QwenVLSpec:
 
 
 def spec_from_model(model: Any, text_id: int | None = None) -> QwenVLSpec:
-    """Token ids and sizes from ``model.config`` (transformers) or the Bridge model's config,
-    with the Qwen2-VL defaults where neither names them."""
+    """Token ids and sizes of ``model`` as the family spec reads them (``families/qwen.py``:
+    ``model.config``, transformers' or the Bridge provider's, with the Qwen2-VL defaults)."""
     cfg = getattr(model, "config", None)
-    d = QwenVLSpec()
-    vis = attr_path(cfg, "vision_config")
-
-    def pick(default: int, *names: str, src: Any = cfg) -> int:
-        v = attr_path(src, *names) if src is not None else None
-        if v is None:
-            v = attr_path(model, *names)
-        return int(v) if v is not None else default
-
-    model_type = str(attr_path(cfg, "model_type") or "")
-    qwen3 = model_type.startswith("qwen3") or type(model).__name__.startswith("Qwen3")
+    fam = qwen.SPEC
+    image, video = fam.modality("image"), fam.modality("video")
     vocab = attr_path(cfg, "text_config.vocab_size", "vocab_size")
     if text_id is None:
-        text_id = attr_path(cfg, "pad_token_id", "text_config.pad_token_id")
+        text_id = attr_path(cfg, *fam.text.config)
         if text_id is None and (vocab is None or int(vocab) > QWEN_TEXT_PAD):
             text_id = QWEN_TEXT_PAD
         if text_id is None:
             raise MediaInputError("no pad token id in the model's config: pass drop_token_id=")
+    s = qwen.sizes(model)
+    channels = attr_path(cfg, "vision_config.in_channels", "vision_config.in_chans")
     spec = QwenVLSpec(
-        image_token_id=pick(d.image_token_id, "image_token_id"),
-        video_token_id=pick(d.video_token_id, "video_token_id"),
-        vision_start_token_id=pick(d.vision_start_token_id, "vision_start_token_id"),
-        vision_end_token_id=pick(d.vision_end_token_id, "vision_end_token_id"),
-        patch=pick(16 if qwen3 else d.patch, "patch_size", src=vis),
-        temporal_patch=pick(d.temporal_patch, "temporal_patch_size", src=vis),
-        merge=pick(d.merge, "spatial_merge_size", src=vis),
-        video_runs="per_group" if qwen3 else "one",
+        image_token_id=image.placeholder.resolve(model),
+        video_token_id=video.placeholder.resolve(model),
+        vision_start_token_id=image.start.resolve(model),
+        vision_end_token_id=image.end.resolve(model),
+        patch=s["patch"],
+        temporal_patch=s["temporal_patch"],
+        merge=s["merge"],
+        video_runs="per_group" if qwen.is_qwen3(model) else "one",
         text_id=int(text_id),
-        channels=pick(d.channels, "in_channels", "in_chans", src=vis),
+        channels=3 if channels is None else int(channels),
     )
     specials = set(spec.grammar().placeholders.values())
     specials |= {spec.vision_start_token_id, spec.vision_end_token_id}
