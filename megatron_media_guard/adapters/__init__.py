@@ -19,10 +19,10 @@ from .hooks import GuardHandle, HandleGroup, guarded_by
 from .llava.checks import LlavaFault
 from .llava.install import LlavaHandle, LlavaResult, install_llava
 from .mimo import install_mimo
-from .qwen_vl.install import QwenVLHandle, install_qwen_vl
+from .qwen_vl.install import QwenVLHandle
 from .vlm import VLMHandle
 from .vlm_inputs import InputsHandle
-from .vlm_install import install_vlm
+from .vlm_install import install_qwen_vl, install_vlm
 
 ImageFault = LlavaFault  # the 0.1 name (before sound faults); kept for existing imports
 

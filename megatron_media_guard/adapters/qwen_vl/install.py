@@ -300,7 +300,7 @@ class QwenVLHandle(ForwardHookHandle):
         self.record(MergeResult(None, lm, lab, rep), ids, cu)
 
 
-def install_qwen_vl(
+def install_handle(
     model: Any,
     guard: MediaGuard,
     *,
@@ -310,17 +310,8 @@ def install_qwen_vl(
     drop_token_id: int | None = None,
     loss_mask_inplace: bool = False,
 ) -> QwenVLHandle:
-    """Guard one Qwen-VL model instance (transformers or Megatron-Bridge) before its vision tower.
-
-    guard: its grammar must carry the model's token ids (``Grammar.qwen2_vl()`` for the
-    default ones); its ``geometry`` (one, or ``{"image": ..., "video": ...}``) for ``repair``,
-    else the one of the model's vision config (:func:`~...families.qwen.geometry`: the
-    processor's default pixel budgets).
-    drop_token_id: the text id a dropped sample's placeholders become (default: the config's
-    pad token, else ``<|endoftext|>`` 151643).
-    loss_mask_inplace: also zero the dropped samples in the caller's ``loss_mask`` tensor (for
-    a loss built from it before the forward: Megatron-Bridge's ``vlm_step`` / ``qwen3_vl_step``).
-    """
+    """The Qwen-VL family's installer (``install_vlm``'s table; the public name is
+    :func:`~..vlm_install.install_qwen_vl`, whose docstring says what each option does)."""
     if not isinstance(model, torch.nn.Module):
         raise MediaInputError(f"install_qwen_vl takes an nn.Module, got {type(model).__name__}")
     spec = spec_from_model(model, drop_token_id)
