@@ -88,6 +88,20 @@ def drop_inputs(
     return {**out, **take_items(inputs, mods, kept)}
 
 
+def generated_as_text(
+    report: GuardReport, ids: torch.Tensor, text: int, generated: str
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """``ids`` with the placeholders the policy generated in kept samples as ``text``
+    (``GuardConfig.generated="text"``: the model's merge must not count them), and their
+    ``(rows, cols)`` (None when there are none)."""
+    gen = [(s, p) for s, p in report.generated if report.actions[s] != "drop"]
+    if not gen or generated != "text":
+        return ids, None
+    rows = torch.tensor([s for s, pos in gen for _ in pos], device=ids.device)
+    cols = torch.tensor([c for _, pos in gen for c in pos], device=ids.device)
+    return ids.index_put((rows, cols), torch.tensor(text, device=ids.device)), (rows, cols)
+
+
 def placeholders_as_text(
     spec: FamilySpec, inputs: Mapping[str, Any], lay: TokenLayout, keep: torch.Tensor, text: int
 ) -> dict[str, Any]:
@@ -168,6 +182,7 @@ def take_items(
 __all__ = [
     "counted",
     "drop_inputs",
+    "generated_as_text",
     "gone_items",
     "n_items",
     "placeholders_as_text",
