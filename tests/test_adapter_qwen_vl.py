@@ -194,6 +194,33 @@ def test_check_batch_drops_as_the_guard_does_without_a_model(family):
     assert check_batch("qwen_vl", aligned, config=model.config).report.actions == ("keep",) * 3
 
 
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_a_dropped_video_takes_its_second_per_grid_ts_along(as_tensor):
+    """Qwen2.5-VL's seconds per grid row follow the kept video rows, as a list or a tensor, in
+    the model hook's rewrite and in check_batch (the same rewrite)."""
+    from megatron_media_guard.families.collate import check_batch
+
+    family = "qwen2_5_vl"
+    clips = [SAMPLES[1], Sample((("video", smooth_clip(4, 56, 56, 5)),))]  # 2nd: same sizes
+    _, mixed = seed_failure(family, clips, ENGINE, TRAINER)
+    mixed["second_per_grid_ts"] = torch.tensor([1.0, 2.0]) if as_tensor else [1.0, 2.0]
+    model = model_for(family)
+    checked = check_batch("qwen_vl", mixed, config=model.config)
+    assert checked.report.actions == ("drop", "keep")
+    got = checked.batch["second_per_grid_ts"]
+    assert (got.tolist() if as_tensor else got) == [2.0]
+    seen, _ = spy(inner(model))
+    try:
+        with torch.no_grad(), install_qwen_vl(model, guard_for(family, "drop")) as h:
+            model(**mixed)
+    finally:
+        clear(inner(model))
+    assert h.last_result.report.actions == ("drop", "keep")
+    got = seen["second_per_grid_ts"]
+    assert (got.tolist() if as_tensor else got) == [2.0]
+    assert torch.equal(seen["video_grid_thw"], checked.batch["video_grid_thw"])
+
+
 @pytest.mark.parametrize("install", ["install_vlm", "install_qwen_vl"])
 def test_repair_takes_the_geometry_of_the_models_config(family, install, tmp_path):
     """No geometry= from the user: the vision config's patch / merge / temporal patch with the
