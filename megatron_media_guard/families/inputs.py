@@ -147,12 +147,12 @@ def take_items(
             x, g = inputs.get(name), inputs.get(grid)
             if not isinstance(x, torch.Tensor) or not isinstance(g, torch.Tensor):
                 continue
+            if ks == list(range(g.shape[0])) and not mine:
+                continue  # every item kept, in order: the input as it was
             if sizes is not None and m.name in sizes:
                 n = list(sizes[m.name])
             else:  # patch rows per item: prod of its grid row (a small transfer, drops only)
                 n = to_host(g.prod(-1), why="patch rows per item to drop").tolist()
-            if ks == list(range(len(n))) and not mine:
-                continue
             pieces, parts = x.split(n), []
             for k in ks:
                 new = mine[k][1] if k in mine else None
