@@ -173,6 +173,86 @@ def test_drop_masks_the_samples_and_leaves_the_others_bit_identical(family):
     assert torch.equal(h.last_result.labels, lab)
 
 
+def test_check_batch_drops_as_the_guard_does_without_a_model(family):
+    """check_batch on the processor's batch (no model): the seed failure's samples lose their
+    media exactly as the hand-made oracle takes them out, and the plain model runs on it."""
+    from megatron_media_guard.families.collate import check_batch
+
+    _, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
+    model = model_for(family)
+    checked = check_batch("qwen_vl", mixed, config=model.config)
+    assert checked.report.actions == ("drop", "drop", "keep")
+    want = _without_media(mixed, family, {0, 1})
+    for key, value in want.items():
+        got = checked.batch.get(key)
+        assert got is None if value is None else torch.equal(got, value), key
+    with torch.no_grad():
+        out = model(**checked.batch)
+        ref = model(**want)
+    assert torch.equal(out.logits[2], ref.logits[2])
+    aligned = build_batch(SAMPLES, family, patch_of(family), TRAINER * (patch_of(family) * 2) ** 2)
+    assert check_batch("qwen_vl", aligned, config=model.config).report.actions == ("keep",) * 3
+
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_a_dropped_video_takes_its_second_per_grid_ts_along(as_tensor):
+    """Qwen2.5-VL's seconds per grid row follow the kept video rows, as a list or a tensor, in
+    the model hook's rewrite and in check_batch (the same rewrite)."""
+    from megatron_media_guard.families.collate import check_batch
+
+    family = "qwen2_5_vl"
+    clips = [SAMPLES[1], Sample((("video", smooth_clip(4, 56, 56, 5)),))]  # 2nd: same sizes
+    _, mixed = seed_failure(family, clips, ENGINE, TRAINER)
+    mixed["second_per_grid_ts"] = torch.tensor([1.0, 2.0]) if as_tensor else [1.0, 2.0]
+    model = model_for(family)
+    checked = check_batch("qwen_vl", mixed, config=model.config)
+    assert checked.report.actions == ("drop", "keep")
+    got = checked.batch["second_per_grid_ts"]
+    assert (got.tolist() if as_tensor else got) == [2.0]
+    seen, _ = spy(inner(model))
+    try:
+        with torch.no_grad(), install_qwen_vl(model, guard_for(family, "drop")) as h:
+            model(**mixed)
+    finally:
+        clear(inner(model))
+    assert h.last_result.report.actions == ("drop", "keep")
+    got = seen["second_per_grid_ts"]
+    assert (got.tolist() if as_tensor else got) == [2.0]
+    assert torch.equal(seen["video_grid_thw"], checked.batch["video_grid_thw"])
+
+
+@pytest.mark.parametrize("install", ["install_vlm", "install_qwen_vl"])
+def test_repair_takes_the_geometry_of_the_models_config(family, install, tmp_path):
+    """No geometry= from the user: the vision config's patch / merge / temporal patch with the
+    processor's default budgets. Qwen2.5-VL repairs both items; Qwen3-VL's image processor
+    never makes fewer than 64 tokens (min_pixels 65536), so its 12-token image falls back with
+    that reason, never for want of a geometry."""
+    from megatron_media_guard.adapters import install_vlm
+    from megatron_media_guard.families import qwen
+
+    _, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
+    model = model_for(family)
+    s = dict(patch=patch_of(family), merge=2, temporal_patch=2)
+    want = (
+        {"image": PatchMergeGeometry.qwen3_vl(**s), "video": PatchMergeGeometry.qwen3_vl_video(**s)}
+        if family == "qwen3_vl"
+        else PatchMergeGeometry.qwen2_vl(**s)
+    )
+    assert qwen.geometry(model) == want
+    cfg = GuardConfig(policy="repair", fallback="drop", log_dir=str(tmp_path))
+    if install == "install_vlm":
+        h = install_vlm(model, cfg)
+    else:
+        h = install_qwen_vl(model, MediaGuard(cfg, grammar=Grammar.qwen2_vl()))
+    with torch.no_grad(), h:
+        model(**mixed)
+    first = "drop" if family == "qwen3_vl" else "repair"
+    assert h.last_result.report.actions == (first, "repair", "keep")
+    recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
+    reasons = [str(r.get("reason")) for r in recs]
+    assert not any("no geometry" in r for r in reasons), reasons
+
+
 def test_repair_runs_the_tower_once_and_matches_the_engine_sizes(family):
     engine, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
     model = model_for(family)

@@ -18,10 +18,10 @@ from .generic import ArgMap, guard_merge_fn, infer_items, install_generic
 from .hooks import GuardHandle, HandleGroup, guarded_by
 from .llava.install import LlavaHandle, LlavaResult, install_llava
 from .mimo import install_mimo
-from .qwen_vl.install import QwenVLHandle, install_qwen_vl
+from .qwen_vl.install import QwenVLHandle
 from .vlm import VLMHandle
 from .vlm_inputs import InputsHandle
-from .vlm_install import install_vlm
+from .vlm_install import install_qwen_vl, install_vlm
 
 __all__ = [
     "ArgMap",

@@ -1,6 +1,7 @@
 """A guard installed as a forward pre-hook and post-forward hook on one model instance (the
 Qwen-VL adapter and the family engine): install / remove, the mark that refuses a second
-install, and the tower keeper between the two hooks."""
+install, the tower keeper between the two hooks, and :class:`CallArgs`, the keyword view of
+the call the pre-hook sees."""
 
 from __future__ import annotations
 
@@ -11,6 +12,45 @@ from ..core.guard import MediaGuard
 from ..errors import MediaInputError
 from .hooks import AdapterKind, GuardHandle
 from .tower import TowerKeeper, input_embeddings
+
+
+class CallArgs:
+    """The keyword view of one forward call (positional arguments bound by the signature);
+    ``set`` writes back, :meth:`rebuild` gives ``(args, kwargs)`` for the model."""
+
+    def __init__(self, sig: inspect.Signature, args: tuple, kwargs: dict) -> None:
+        self.bound = sig.bind(*args, **kwargs)
+        self.varkw = next(
+            (p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD), None
+        )
+        self.names = {
+            p.name
+            for p in sig.parameters.values()
+            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+        }
+        self.changed = False
+
+    def _extra(self) -> dict:
+        return self.bound.arguments.get(self.varkw, {}) if self.varkw else {}
+
+    def get(self, name: str) -> Any:
+        a = self.bound.arguments
+        return a[name] if name in a else self._extra().get(name)
+
+    def given(self, name: str) -> bool:
+        return name in self.bound.arguments or name in self._extra()
+
+    def set(self, name: str, value: Any) -> None:
+        self.changed = True
+        if name in self.names:
+            self.bound.arguments[name] = value
+        elif self.varkw:
+            self.bound.arguments.setdefault(self.varkw, {})[name] = value
+        else:
+            raise MediaInputError(f"the model's forward takes no {name!r}")
+
+    def rebuild(self) -> tuple[tuple, dict]:
+        return tuple(self.bound.args), dict(self.bound.kwargs)
 
 
 class ForwardHookHandle(GuardHandle):

@@ -248,10 +248,9 @@ def install_from_args(
     forward pre-hook, with ``loss_mask_inplace=True`` so a dropped sample's ``loss_mask`` is
     zeroed in the caller's tensor, which Bridge's forward steps build the loss from); every
     other family's model (docs/FAMILIES.md) through the family engine. Grammar and repair
-    geometry come from the family (``tokenizer``: for marker tokens a model's config lacks).
-    Families without a geometry (the Qwen-VL one among them: its sizing depends on the
-    processor's pixel budget, which the arguments cannot give) take the fallback on a repair;
-    build the guard with ``geometry=`` and call the installer yourself to repair.
+    geometry come from the family (``tokenizer``: for marker tokens a model's config lacks;
+    Qwen-VL's geometry: its vision config's sizes with the processor's default pixel
+    budgets). Families without a geometry take the fallback on a repair.
 
     One :class:`MediaGuard` per model family, shared by the chunks, with a
     ``StageConsensus`` from megatron-core ``parallel_state`` when torch.distributed is

@@ -33,10 +33,10 @@ from ..core.interleave import token_order
 from ..core.outcome import MergeResult
 from ..core.runs import TokenLayout, parse_layout
 from ..families import FamilySpec
+from ..families.inputs import generated_as_text, n_items, placeholders_as_text, take_items
 from ..families.spec import Merged, ModalitySpec, present
 from ..repair.repairs import media_hw
-from .forward_hook import ForwardHookHandle
-from .qwen_vl.checks import CallArgs
+from .forward_hook import CallArgs, ForwardHookHandle
 from .tower import tower_due
 from .vlm_items import call_items, cut_blocks, parents, typed_order
 
@@ -228,17 +228,14 @@ class VLMHandle(ForwardHookHandle):
         """Placeholders the policy generated (``GuardConfig.generated="text"``, kept samples):
         fed the family's text token, in the embeddings (when the call merged) and in the ids;
         labels untouched."""
-        emb = res.embeddings
-        gen = [(s, p) for s, p in res.report.generated if res.report.actions[s] != "drop"]
-        if not gen or self.guard.config.generated != "text":
-            return emb, ids
-        rows = torch.tensor([s for s, pos in gen for _ in pos], device=ids.device)
-        cols = torch.tensor([c for _, pos in gen for c in pos], device=ids.device)
-        ids = ids.index_put((rows, cols), torch.tensor(self.text_id, device=ids.device))
-        if emb is None:  # a text-only call: the model embeds the ids itself
+        cfg = self.guard.config
+        ids, at = generated_as_text(res.report, ids, self.text_id, cfg.generated)
+        if at is None:
+            return res.embeddings, ids
+        if res.embeddings is None:  # a text-only call: the model embeds the ids itself
             return None, ids
-        text = self._embed(ids[rows, cols][None])[0]
-        return emb.index_put((rows, cols), text.to(emb.dtype)), ids
+        text = self._embed(ids[at][None])[0]
+        return res.embeddings.index_put(at, text.to(res.embeddings.dtype)), ids
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """``[b, s, h]`` token embeddings of ``ids``, as the family embeds them."""
@@ -248,24 +245,24 @@ class VLMHandle(ForwardHookHandle):
 
     def _drop_rewrite(self, call: CallArgs, ids, kw, mods, dropped, gone) -> torch.Tensor:
         """The dropped samples' placeholders as text in the ids (and the tensors that follow
-        them), their items' rows out of the kept grids; returns the new ids."""
+        them), their items' rows out of the kept grids (the inputs rewrite,
+        ``families/inputs.py``); returns the new ids."""
         lay = TokenLayout(ids, self.guard.grammar)
-        sel = torch.zeros(lay.num_samples, dtype=torch.bool)
-        sel[sorted(dropped)] = True
-        hit = lay.ph & sel.to(ids.device)[:, None]  # [b, s]: rows are the samples here
-        ids = ids.masked_fill(hit, self.text_id)
-        for name in self.spec.follow_ids:
-            t = call.get(name)
-            if isinstance(t, torch.Tensor):
-                call.set(name, t.masked_fill(hit, 0))
-        for m in mods:
-            for name in (n for n in m.rows if n in m.keep):  # the others left the call
-                t = kw.get(name)
-                if not isinstance(t, torch.Tensor):
-                    continue
-                keep = [r for r in range(t.shape[0]) if (m.name, r) not in gone]
-                call.set(name, t[keep] if keep else None)
-        return ids
+        keep = torch.ones(lay.num_samples, dtype=torch.bool)
+        keep[sorted(dropped)] = False
+        follow = {n: call.get(n) for n in self.spec.follow_ids}
+        out = placeholders_as_text(
+            self.spec, {**follow, "input_ids": ids}, lay, keep.to(ids.device), self.text_id
+        )
+        rows = {n: kw.get(n) for m in mods for n in m.rows if n in m.keep}  # the others left
+        kept = {
+            m.name: [k for k in range(n_items(m, rows)) if (m.name, k) not in gone] for m in mods
+        }
+        out.update(take_items(rows, mods, kept))
+        for name, value in out.items():
+            if name != "input_ids":
+                call.set(name, value)
+        return out["input_ids"]
 
 
 def call_view(call: CallArgs, ids: torch.Tensor) -> dict:

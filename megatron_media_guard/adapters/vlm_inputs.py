@@ -28,10 +28,9 @@ import torch
 from ..core.guard import MediaGuard
 from ..core.outcome import MergeResult
 from ..families import FamilySpec
-from ..families.inputs import counted, drop_inputs, gone_items, plan_items
+from ..families.inputs import counted, drop_inputs, generated_as_text, gone_items, plan_items
 from ..families.spec import present
-from .forward_hook import ForwardHookHandle
-from .qwen_vl.checks import CallArgs
+from .forward_hook import CallArgs, ForwardHookHandle
 from .vlm import MARK, call_view
 from .vlm_items import call_items, parents, typed_order
 
@@ -109,13 +108,7 @@ class InputsHandle(ForwardHookHandle):
     def _generated_as_text(self, res: MergeResult, ids: torch.Tensor) -> torch.Tensor:
         """Placeholders the policy generated in kept samples (``GuardConfig.generated="text"``)
         as the family's text token, so the model's merge does not count them."""
-        rep = res.report
-        gen = [(s, p) for s, p in rep.generated if rep.actions[s] != "drop"]
-        if not gen or self.guard.config.generated != "text":
-            return ids
-        rows = torch.tensor([s for s, pos in gen for _ in pos], device=ids.device)
-        cols = torch.tensor([c for _, pos in gen for c in pos], device=ids.device)
-        return ids.index_put((rows, cols), torch.tensor(self.text_id, device=ids.device))
+        return generated_as_text(res.report, ids, self.text_id, self.guard.config.generated)[0]
 
 
 __all__ = ["InputsHandle"]

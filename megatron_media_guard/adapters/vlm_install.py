@@ -14,6 +14,7 @@ from ..core.guard import MediaGuard
 from ..errors import MediaInputError
 from ..families import FAMILIES, FamilySpec, find_family
 from .hooks import GuardHandle, ItemsProvider, StepProvider
+from .qwen_vl.install import install_handle as qwen_handle
 from .vlm import VLMHandle
 from .vlm_inputs import InputsHandle
 
@@ -25,12 +26,6 @@ def family_grammar(spec: FamilySpec, model: Any, tokenizer: Any = None) -> Gramm
 
 def _embed_grammar(spec: FamilySpec, model: Any, tokenizer: Any) -> Grammar:
     return spec.grammar(model, tokenizer)
-
-
-def _qwen_grammar(spec: FamilySpec, model: Any, tokenizer: Any) -> Grammar:
-    from .qwen_vl.checks import spec_from_model
-
-    return spec_from_model(model).grammar()
 
 
 def _llava_grammar(spec: FamilySpec, model: Any, tokenizer: Any) -> Grammar:
@@ -49,7 +44,7 @@ def _mimo_grammar(spec: FamilySpec, model: Any, tokenizer: Any) -> Grammar:
 _GRAMMARS = {
     "embed": _embed_grammar,
     "inputs": _embed_grammar,
-    "qwen_vl": _qwen_grammar,
+    "qwen_vl": _embed_grammar,
     "llava": _llava_grammar,
     "mimo": _mimo_grammar,
 }
@@ -105,9 +100,7 @@ def _install_inputs(model, guard, spec, tokenizer=None, **kw) -> GuardHandle:
 
 
 def _install_qwen(model, guard, spec, tokenizer=None, **kw) -> GuardHandle:
-    from .qwen_vl.install import install_qwen_vl
-
-    return install_qwen_vl(model, guard, **kw)
+    return qwen_handle(model, guard, **kw)
 
 
 def _install_llava(model, guard, spec, tokenizer=None, **kw) -> GuardHandle:
@@ -177,4 +170,23 @@ def install_vlm(
     return INSTALLERS[spec.apply](target, guard, spec, tokenizer, **common, **install_kw)
 
 
-__all__ = ["INSTALLERS", "family_grammar", "guard_for", "install_vlm"]
+def install_qwen_vl(
+    model: Any, config_or_guard: GuardConfig | MediaGuard | None = None, **options: Any
+) -> GuardHandle:
+    """Qwen2-VL / 2.5-VL / 3-VL / 3.5, transformers or Megatron-Bridge: :func:`install_vlm` under
+    the family's name (docs/QWEN_VL.md): the inputs checked and rewritten before the tower.
+
+    config_or_guard: as for :func:`install_vlm`; a guard's grammar must carry the model's token
+    ids (``Grammar.qwen2_vl()`` for the default ones), its ``geometry`` (one, or ``{"image":
+    ..., "video": ...}``) repairs, else the one of the model's vision config
+    (:func:`~..families.qwen.geometry`: the processors' default pixel budgets).
+    options: ``items_provider``, ``step_provider``, ``auto_step_end``; ``drop_token_id``: the
+    text id a dropped sample's placeholders become (default: the config's pad token, else
+    ``<|endoftext|>`` 151643); ``loss_mask_inplace``: also zero the dropped samples in the
+    caller's ``loss_mask`` tensor (a loss built from it before the forward: Megatron-Bridge's
+    ``vlm_step`` / ``qwen3_vl_step``).
+    """
+    return install_vlm(model, config_or_guard, **options)
+
+
+__all__ = ["INSTALLERS", "family_grammar", "guard_for", "install_qwen_vl", "install_vlm"]

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..core.apply import token_keep
 from ..core.guard import MediaGuard
 from ..core.host import to_host
 from ..core.interleave import token_order
@@ -162,29 +163,16 @@ def drop_inputs(
     inputs (an input left with no row becomes None). ``spans``: per modality, the rows of
     its ``rows`` inputs each model-level item holds (default one; :attr:`Encoded.spans`).
     Labels are the caller's to mask."""
-    out = dict(inputs)
     ids = inputs["input_ids"]
     lay = TokenLayout(ids, guard.grammar)
-    sel = torch.zeros(lay.num_samples, dtype=torch.bool)
-    sel[sorted(dropped)] = True
-    of_dropped = sel.to(ids.device)[:, None]
-    hit = lay.ph & of_dropped
-    marks = (*guard.grammar.start_ids, *guard.grammar.end_ids)
-    if spec.drop_markers and marks:  # the dropped samples' region markers become text too
-        hit = hit | torch.isin(ids, torch.tensor(marks, device=ids.device)) & of_dropped
-    out["input_ids"] = ids.masked_fill(hit, text)
-    for name in spec.follow_ids:
-        if isinstance(inputs.get(name), torch.Tensor):
-            out[name] = inputs[name].masked_fill(hit, 0)
+    keep = torch.ones(lay.num_samples, dtype=torch.bool)
+    keep[sorted(dropped)] = False
+    marks = (*guard.grammar.start_ids, *guard.grammar.end_ids) if spec.drop_markers else ()
+    out = {**inputs, **placeholders_as_text(spec, inputs, lay, keep.to(ids.device), text, marks)}
+    n = {m.name: n_items(m, inputs, (spans or {}).get(m.name)) for m in mods}
+    kept = {m.name: [k for k in range(n[m.name]) if (m.name, k) not in gone] for m in mods}
+    out.update(take_items(inputs, mods, kept, spans=spans))
     for m in mods:
-        for name, grid in m.patches.items():
-            g = inputs.get(grid)
-            if isinstance(inputs.get(name), torch.Tensor) and isinstance(g, torch.Tensor):
-                # patch rows per item: prod of its grid row (a small transfer, drops only)
-                sizes = to_host(g.prod(-1), why="patch rows per item to drop").tolist()
-                keep = [k for k in range(len(sizes)) if (m.name, k) not in gone]
-                pieces = inputs[name].split(sizes)
-                out[name] = torch.cat([pieces[k] for k in keep]) if keep else None
         for name in m.groups:
             t = inputs.get(name)
             if isinstance(t, torch.Tensor):
@@ -192,19 +180,130 @@ def drop_inputs(
                 # left goes with them
                 per = to_host(t, why="items per sample to drop a sample's entry").tolist()
                 first = [sum(per[:e]) for e in range(len(per))]
-                keep = [e for e, n in enumerate(per) if not n or (m.name, first[e]) not in gone]
-                out[name] = t[keep] if keep else None
-        span = (spans or {}).get(m.name)
-        for name in m.rows:
-            t = inputs.get(name)
-            if isinstance(t, torch.Tensor) and span:  # several rows per item (InternVL's tiles)
-                pieces = t.split(list(span))
-                keep = [k for k in range(len(span)) if (m.name, k) not in gone]
-                out[name] = torch.cat([pieces[k] for k in keep]) if keep else None
-            elif isinstance(t, torch.Tensor):
-                keep = [k for k in range(t.shape[0]) if (m.name, k) not in gone]
-                out[name] = t[keep] if keep else None
+                left = [e for e, c in enumerate(per) if not c or (m.name, first[e]) not in gone]
+                out[name] = t[left] if left else None
     return out
 
 
-__all__ = ["counted", "drop_inputs", "gone_items", "plan_items"]
+def generated_as_text(
+    report: GuardReport, ids: torch.Tensor, text: int, generated: str
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """``ids`` with the placeholders the policy generated in kept samples as ``text``
+    (``GuardConfig.generated="text"``: the model's merge must not count them), and their
+    ``(rows, cols)`` (None when there are none)."""
+    gen = [(s, p) for s, p in report.generated if report.actions[s] != "drop"]
+    if not gen or generated != "text":
+        return ids, None
+    rows = torch.tensor([s for s, pos in gen for _ in pos], device=ids.device)
+    cols = torch.tensor([c for _, pos in gen for c in pos], device=ids.device)
+    return ids.index_put((rows, cols), torch.tensor(text, device=ids.device)), (rows, cols)
+
+
+def placeholders_as_text(
+    spec: FamilySpec,
+    inputs: Mapping[str, Any],
+    lay: TokenLayout,
+    keep: torch.Tensor,
+    text: int,
+    markers: Sequence[int] = (),
+) -> dict[str, Any]:
+    """``input_ids`` with the placeholders of every sample ``keep`` (``[num_samples]`` bool on
+    the device) does not keep as ``text`` (and those in a packed row's padding, which no item
+    feeds), and the spec's ``follow_ids`` 0 there. ``markers``: region markers that leave
+    with such a sample too (``FamilySpec.drop_markers``: a position code counts them)."""
+    ids = inputs["input_ids"]
+    gone = ~token_keep(lay, keep)
+    hit = lay.ph & gone
+    if markers:
+        hit = hit | torch.isin(ids, torch.tensor(list(markers), device=ids.device)) & gone
+    out = {"input_ids": ids.masked_fill(hit, text)}
+    for name in spec.follow_ids:
+        if isinstance(inputs.get(name), torch.Tensor):
+            out[name] = inputs[name].masked_fill(hit, 0)
+    return out
+
+
+def n_items(m: ModalitySpec, inputs: Mapping[str, Any], span: Sequence[int] | None = None) -> int:
+    """The model-level items of ``m`` in ``inputs``: the rows of its first row input given
+    (``span``: the rows each item holds, when an item holds several)."""
+    if span:
+        return len(span)
+    for name in (*m.rows, *m.patches.values()):
+        t = inputs.get(name)
+        if isinstance(t, (torch.Tensor, list, tuple)):
+            return len(t)
+    return 0
+
+
+def take_items(
+    inputs: Mapping[str, Any],
+    mods: Sequence[ModalitySpec],
+    keep: Mapping[str, Sequence[int]],
+    *,
+    sizes: Mapping[str, Sequence[int]] | None = None,
+    repaired: Mapping[tuple[str, int], tuple[Sequence[int], torch.Tensor | None]] | None = None,
+    spans: Mapping[str, Sequence[int]] | None = None,
+) -> dict[str, Any]:
+    """The modalities' ``rows`` and ``patches`` inputs holding the items ``keep`` names (per
+    modality, its model-level items in the order the model is to take them), a repaired item
+    ``(modality, k)`` with its new grid row ``(t, h, w)`` and patch rows; an input left with
+    no item is None, one left as it was is not returned. sizes: per modality, the patch rows
+    of each item where the caller has them (else read from the grid: one transfer). spans:
+    per modality, the rows of its ``rows`` inputs each item holds (InternVL's tiles)."""
+    out: dict[str, Any] = {}
+    fixed = repaired or {}
+    for m in mods:
+        ks = list(keep.get(m.name, ()))
+        mine = {k: v for (name, k), v in fixed.items() if name == m.name}
+        for name, grid in m.patches.items():
+            x, g = inputs.get(name), inputs.get(grid)
+            if not isinstance(x, torch.Tensor) or not isinstance(g, torch.Tensor):
+                continue
+            if ks == list(range(g.shape[0])) and not mine:
+                continue  # every item kept, in order: the input as it was
+            if sizes is not None and m.name in sizes:
+                n = list(sizes[m.name])
+            else:  # patch rows per item: prod of its grid row (a small transfer, drops only)
+                n = to_host(g.prod(-1), why="patch rows per item to drop").tolist()
+            pieces, parts = x.split(n), []
+            for k in ks:
+                new = mine[k][1] if k in mine else None
+                parts.append(pieces[k] if new is None else new)
+            out[name] = torch.cat(parts).to(x.dtype) if parts else None
+        grids = set(m.patches.values())
+        span = (spans or {}).get(m.name)
+        for name in m.rows:
+            t = inputs.get(name)
+            if not isinstance(t, (torch.Tensor, list, tuple)):
+                continue
+            if span and isinstance(t, torch.Tensor):  # several rows per item: cut by item
+                if ks != list(range(len(span))):
+                    pieces = t.split(list(span))
+                    out[name] = torch.cat([pieces[k] for k in ks]) if ks else None
+                continue
+            fix = [(j, mine[k][0]) for j, k in enumerate(ks) if k in mine] if name in grids else []
+            if ks == list(range(len(t))) and not fix:
+                continue
+            if not ks:
+                out[name] = None
+            elif isinstance(t, torch.Tensor):
+                idx = torch.tensor(ks, dtype=torch.long).to(t.device, non_blocking=True)
+                new = t.index_select(0, idx)
+                for j, thw in fix:
+                    new[j] = torch.tensor(list(thw), dtype=t.dtype).to(t.device, non_blocking=True)
+                out[name] = new
+            else:
+                out[name] = type(t)(t[k] for k in ks)
+    return out
+
+
+__all__ = [
+    "counted",
+    "drop_inputs",
+    "generated_as_text",
+    "gone_items",
+    "n_items",
+    "placeholders_as_text",
+    "plan_items",
+    "take_items",
+]

@@ -8,6 +8,6 @@ per-sample plan, repairs solved and resized, records), ``rewrite`` (the inputs m
 rows dropped or replaced, placeholders to text, labels and loss mask). See docs/QWEN_VL.md.
 """
 
-from .install import QwenVLHandle, install_qwen_vl
+from .install import QwenVLHandle, install_handle
 
-__all__ = ["QwenVLHandle", "install_qwen_vl"]
+__all__ = ["QwenVLHandle", "install_handle"]

@@ -10,9 +10,8 @@ preceded by its timestamp text), so there a video row stands for ``t`` runs of `
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import pairwise
 from typing import Any, Literal
 
@@ -23,7 +22,9 @@ from ...core.host import to_host
 from ...core.runs import TokenLayout
 from ...core.verify import fingerprint_weights as id_weights
 from ...errors import MediaInputError
+from ...families import qwen
 from ...families.spec import attr_path
+from ..forward_hook import CallArgs
 
 VideoRuns = Literal["one", "per_group"]
 MODALITIES: tuple[str, str] = ("image", "video")
@@ -63,13 +64,15 @@ class QwenVLSpec:
         return self.channels * self.temporal_patch * self.patch * self.patch
 
     def grammar(self) -> Grammar:
-        return Grammar.qwen2_vl(
+        """The family spec's grammar (``FamilySpec.grammar``) with these ids."""
+        g = Grammar.qwen2_vl(
             self.image_token_id,
             self.video_token_id,
             self.vision_start_token_id,
             self.vision_end_token_id,
             self.text_id,
         )
+        return replace(g, name=qwen.SPEC.name)
 
     def check_grammar(self, grammar: Grammar) -> None:
         want = self.grammar()
@@ -84,38 +87,31 @@ class QwenVLSpec:
 
 
 def spec_from_model(model: Any, text_id: int | None = None) -> QwenVLSpec:
-    """Token ids and sizes from ``model.config`` (transformers) or the Bridge model's config,
-    with the Qwen2-VL defaults where neither names them."""
+    """Token ids and sizes of ``model`` as the family spec reads them (``families/qwen.py``:
+    ``model.config``, transformers' or the Bridge provider's, with the Qwen2-VL defaults)."""
     cfg = getattr(model, "config", None)
-    d = QwenVLSpec()
-    vis = attr_path(cfg, "vision_config")
-
-    def pick(default: int, *names: str, src: Any = cfg) -> int:
-        v = attr_path(src, *names) if src is not None else None
-        if v is None:
-            v = attr_path(model, *names)
-        return int(v) if v is not None else default
-
-    model_type = str(attr_path(cfg, "model_type") or "")
-    qwen3 = model_type.startswith("qwen3") or type(model).__name__.startswith("Qwen3")
+    fam = qwen.SPEC
+    image, video = fam.modality("image"), fam.modality("video")
     vocab = attr_path(cfg, "text_config.vocab_size", "vocab_size")
     if text_id is None:
-        text_id = attr_path(cfg, "pad_token_id", "text_config.pad_token_id")
+        text_id = attr_path(cfg, *fam.text.config)
         if text_id is None and (vocab is None or int(vocab) > QWEN_TEXT_PAD):
             text_id = QWEN_TEXT_PAD
         if text_id is None:
             raise MediaInputError("no pad token id in the model's config: pass drop_token_id=")
+    s = qwen.sizes(model)
+    channels = attr_path(cfg, "vision_config.in_channels", "vision_config.in_chans")
     spec = QwenVLSpec(
-        image_token_id=pick(d.image_token_id, "image_token_id"),
-        video_token_id=pick(d.video_token_id, "video_token_id"),
-        vision_start_token_id=pick(d.vision_start_token_id, "vision_start_token_id"),
-        vision_end_token_id=pick(d.vision_end_token_id, "vision_end_token_id"),
-        patch=pick(16 if qwen3 else d.patch, "patch_size", src=vis),
-        temporal_patch=pick(d.temporal_patch, "temporal_patch_size", src=vis),
-        merge=pick(d.merge, "spatial_merge_size", src=vis),
-        video_runs="per_group" if qwen3 else "one",
+        image_token_id=image.placeholder.resolve(model),
+        video_token_id=video.placeholder.resolve(model),
+        vision_start_token_id=image.start.resolve(model),
+        vision_end_token_id=image.end.resolve(model),
+        patch=s["patch"],
+        temporal_patch=s["temporal_patch"],
+        merge=s["merge"],
+        video_runs="per_group" if qwen.is_qwen3(model) else "one",
         text_id=int(text_id),
-        channels=pick(d.channels, "in_channels", "in_chans", src=vis),
+        channels=3 if channels is None else int(channels),
     )
     specials = set(spec.grammar().placeholders.values())
     specials |= {spec.vision_start_token_id, spec.vision_end_token_id}
@@ -125,45 +121,6 @@ def spec_from_model(model: Any, text_id: int | None = None) -> QwenVLSpec:
             "(drop_token_id=)"
         )
     return spec
-
-
-class CallArgs:
-    """The keyword view of one forward call (positional arguments bound by the signature);
-    ``set`` writes back, :meth:`rebuild` gives ``(args, kwargs)`` for the model."""
-
-    def __init__(self, sig: inspect.Signature, args: tuple, kwargs: dict) -> None:
-        self.bound = sig.bind(*args, **kwargs)
-        self.varkw = next(
-            (p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD), None
-        )
-        self.names = {
-            p.name
-            for p in sig.parameters.values()
-            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
-        }
-        self.changed = False
-
-    def _extra(self) -> dict:
-        return self.bound.arguments.get(self.varkw, {}) if self.varkw else {}
-
-    def get(self, name: str) -> Any:
-        a = self.bound.arguments
-        return a[name] if name in a else self._extra().get(name)
-
-    def given(self, name: str) -> bool:
-        return name in self.bound.arguments or name in self._extra()
-
-    def set(self, name: str, value: Any) -> None:
-        self.changed = True
-        if name in self.names:
-            self.bound.arguments[name] = value
-        elif self.varkw:
-            self.bound.arguments.setdefault(self.varkw, {})[name] = value
-        else:
-            raise MediaInputError(f"the model's forward takes no {name!r}")
-
-    def rebuild(self) -> tuple[tuple, dict]:
-        return tuple(self.bound.args), dict(self.bound.kwargs)
 
 
 def packed_offsets(call: CallArgs, ids: torch.Tensor) -> torch.Tensor | None:

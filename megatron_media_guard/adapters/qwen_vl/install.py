@@ -29,7 +29,8 @@ from ...core.plan import Plan, build_plan, digest
 from ...core.runs import TokenLayout, parse_layout
 from ...core.verify import Verdict
 from ...errors import MediaInputError
-from ..forward_hook import ForwardHookHandle
+from ...families import qwen
+from ..forward_hook import CallArgs, ForwardHookHandle
 from ..hooks import ItemsProvider, StepProvider
 from ..tower import tower_due
 from .checks import (
@@ -37,7 +38,6 @@ from .checks import (
     MODALITIES,
     PIXELS,
     TYPE_INPUTS,
-    CallArgs,
     GridCheck,
     QwenVLSpec,
     check_grids,
@@ -89,6 +89,8 @@ class QwenVLHandle(ForwardHookHandle):
     ) -> None:
         super().__init__(model, guard, "qwen_vl", **kw)
         self.spec = spec
+        # the repair geometry: the guard's, else the one the model's config gives
+        self.geometry = guard.geometry if guard.geometry is not None else qwen.geometry(model)
         self.loss_mask_inplace = loss_mask_inplace
 
     # ---- hooks ----------------------------------------------------------------------
@@ -204,7 +206,16 @@ class QwenVLHandle(ForwardHookHandle):
         repairs, failed = {}, {}
         if plan.repairs:
             repairs, failed = run_row_repairs(
-                guard, spec, plan, rows, items, item_row, pix, step=step, microbatch=mb
+                guard,
+                spec,
+                plan,
+                rows,
+                items,
+                item_row,
+                pix,
+                geometry=self.geometry,
+                step=step,
+                microbatch=mb,
             )
         actions = [cfg.fallback if s in failed else a for s, a in enumerate(plan.actions)]
         actions, gone = removed_rows(report, item_row, actions, cfg)
@@ -289,7 +300,7 @@ class QwenVLHandle(ForwardHookHandle):
         self.record(MergeResult(None, lm, lab, rep), ids, cu)
 
 
-def install_qwen_vl(
+def install_handle(
     model: Any,
     guard: MediaGuard,
     *,
@@ -299,15 +310,8 @@ def install_qwen_vl(
     drop_token_id: int | None = None,
     loss_mask_inplace: bool = False,
 ) -> QwenVLHandle:
-    """Guard one Qwen-VL model instance (transformers or Megatron-Bridge) before its vision tower.
-
-    guard: its grammar must carry the model's token ids (``Grammar.qwen2_vl()`` for the
-    default ones); ``geometry`` (one, or ``{"image": ..., "video": ...}``) for ``repair``.
-    drop_token_id: the text id a dropped sample's placeholders become (default: the config's
-    pad token, else ``<|endoftext|>`` 151643).
-    loss_mask_inplace: also zero the dropped samples in the caller's ``loss_mask`` tensor (for
-    a loss built from it before the forward: Megatron-Bridge's ``vlm_step`` / ``qwen3_vl_step``).
-    """
+    """The Qwen-VL family's installer (``install_vlm``'s table; the public name is
+    :func:`~..vlm_install.install_qwen_vl`, whose docstring says what each option does)."""
     if not isinstance(model, torch.nn.Module):
         raise MediaInputError(f"install_qwen_vl takes an nn.Module, got {type(model).__name__}")
     spec = spec_from_model(model, drop_token_id)

@@ -139,20 +139,19 @@ class RowRepair:
     patches: torch.Tensor | None
 
 
-def _geometry(guard, modality: str):
-    geo = guard.geometry
+def _geometry(geo, modality: str):
     if isinstance(geo, Mapping):
         return geo.get(modality)
     return geo
 
 
-def _solve_row(guard, spec, row: GridRow, targets: list[int], item: MediaItem):
+def _solve_row(guard, geometry, spec, row: GridRow, targets: list[int], item: MediaItem):
     """(new thw, facts) or (None, facts with the reason) for one row's repair."""
     facts: dict = {"target": sum(targets)}
     if len(set(targets)) > 1:
         facts["reason"] = f"the groups of one video need different sizes {targets}"
         return None, facts
-    geo = _geometry(guard, row.modality)
+    geo = _geometry(geometry, row.modality)
     if geo is None:
         facts["reason"] = f"cannot repair: no geometry for {row.modality}"
         return None, facts
@@ -189,11 +188,13 @@ def run_row_repairs(
     item_row: Sequence[int],
     pixels: Mapping[str, torch.Tensor | None],
     *,
+    geometry,
     step: int | None,
     microbatch: int | None,
 ) -> tuple[dict[int, RowRepair], dict[int, str]]:
-    """Solves and resizes every row the plan repairs; returns the repairs by row and, per
-    sample that must fall back, why. Each attempt is written to the per-rank log."""
+    """Solves (``geometry``: one, or ``{"image": ..., "video": ...}``) and resizes every row
+    the plan repairs; returns the repairs by row and, per sample that must fall back, why.
+    Each attempt is written to the per-rank log."""
     want: dict[int, dict[int, int]] = {}  # row -> {token item: target}
     sample_of: dict[int, int] = {}
     for r in plan.repairs:
@@ -207,7 +208,7 @@ def run_row_repairs(
         group_items = [i for i, x in enumerate(item_row) if x == ri]
         per = [targets.get(i, items[i].num_features) for i in group_items]
         first = items[group_items[0]]
-        thw, facts = _solve_row(guard, spec, row, per, first)
+        thw, facts = _solve_row(guard, geometry, spec, row, per, first)
         patches = None
         pix = pixels.get(row.modality)
         if thw is not None and pix is not None:

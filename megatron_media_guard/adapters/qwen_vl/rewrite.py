@@ -16,14 +16,14 @@ import torch
 
 from ...config import GuardConfig
 from ...core.alignment import AlignmentReport
-from ...core.apply import mask_dropped, token_keep
+from ...core.apply import mask_dropped
 from ...core.runs import TokenLayout
+from ...families import qwen
+from ...families.inputs import placeholders_as_text, take_items
+from ..forward_hook import CallArgs
 from .checks import (
-    GRIDS,
     MODALITIES,
-    PIXELS,
     TYPE_INPUTS,
-    CallArgs,
     QwenVLSpec,
     attr_path,
     derived_types,
@@ -89,10 +89,10 @@ def rewrite(
     items): each modality's kept rows are put in sample order, the order the model feeds them
     to the runs in."""
     keep = torch.tensor([a in ("keep", "repair") for a in actions], device=ids.device)
-    dropped_ph = lay.ph & ~token_keep(lay, keep)
     new_ids = ids
     if any(a not in ("keep", "repair") for a in actions) or gone or strays:
-        new_ids = ids.masked_fill(dropped_ph, spec.text_id)
+        new_ids = placeholders_as_text(qwen.SPEC, {"input_ids": ids}, lay, keep, spec.text_id)
+        new_ids = new_ids["input_ids"]
         call.set("input_ids", new_ids)
     follow_ids(call, spec, new_ids)
     loss_mask, labels = call.get("loss_mask"), call.get("labels")
@@ -105,43 +105,26 @@ def rewrite(
             call.set("loss_mask", loss_mask)
         if labels is not None:
             call.set("labels", labels)
+    # the rows the plan keeps (repaired ones resized), through the spec's rows / patches
+    kept_rows, sizes, fixed = {}, {}, {}
     for m in MODALITIES:
-        pix, grid = call.get(PIXELS[m]), call.get(GRIDS[m])
         mine = [(r, row) for r, row in enumerate(rows) if row.modality == m]
-        if not mine:
-            continue
         kept = [(r, row) for r, row in mine if r not in gone]
         if row_sample is not None:
             kept.sort(key=lambda rr: row_sample[rr[0]])  # stable: token order within a sample
-        moved = [r for r, _ in kept] != [r for r, _ in mine if r not in gone]
-        if not moved and not any(r in gone or r in repairs for r, _ in mine):
-            continue
-        if grid is not None:
-            thw = [repairs[r].thw if r in repairs else row.thw for r, row in kept]
-            new_grid = (
-                torch.tensor(thw, dtype=grid.dtype).to(grid.device, non_blocking=True)
-                if kept
-                else None
-            )
-            call.set(GRIDS[m], new_grid)
-        if pix is not None:
-            pieces = [
-                repairs[r].patches
-                if r in repairs and repairs[r].patches is not None
-                else pix[row.offset : row.offset + row.patches]
+        kept_rows[m] = [row.index for _, row in kept]
+        sizes[m] = [row.patches for _, row in mine]
+        fixed.update(
+            {
+                (m, row.index): (repairs[r].thw, repairs[r].patches)
                 for r, row in kept
-            ]
-            call.set(PIXELS[m], torch.cat(pieces).to(pix.dtype) if pieces else None)
-        if m == "video":
-            ts = call.get("second_per_grid_ts")
-            if ts is not None:
-                idx = [row.index for _, row in kept]
-                if isinstance(ts, torch.Tensor):
-                    sel = torch.tensor(idx, dtype=torch.long).to(ts.device)
-                    ts = ts.index_select(0, sel) if idx else None
-                else:
-                    ts = [ts[i] for i in idx] if idx else None
-                call.set("second_per_grid_ts", ts)
+                if r in repairs
+            }
+        )
+    mods = qwen.SPEC.modalities
+    view = {n: call.get(n) for m in mods for n in (*m.rows, *m.patches)}
+    for name, value in take_items(view, mods, kept_rows, sizes=sizes, repaired=fixed).items():
+        call.set(name, value)
     if call.changed and call.get("position_ids") is not None:
         # MRoPE positions follow the grids: the model recomputes them from the new ones
         # (transformers only with mm_token_type_ids, so those are derived from the ids)
