@@ -33,6 +33,7 @@ from megatron_media_guard.testing.qwen_vl import (
     seed_failure,
     smooth_clip,
     smooth_image,
+    source_items,
     tiny_model,
 )
 
@@ -224,9 +225,9 @@ def test_a_dropped_video_takes_its_second_per_grid_ts_along(as_tensor):
 @pytest.mark.parametrize("install", ["install_vlm", "install_qwen_vl"])
 def test_repair_takes_the_geometry_of_the_models_config(family, install, tmp_path):
     """No geometry= from the user: the vision config's patch / merge / temporal patch with the
-    processor's default budgets. Qwen2.5-VL repairs both items; Qwen3-VL's image processor
-    never makes fewer than 64 tokens (min_pixels 65536), so its 12-token image falls back with
-    that reason, never for want of a geometry."""
+    processor's default budgets (a count below the static minimum is still the engine's at a
+    smaller one): both families repair both items from their originals' sizes, never falling
+    back for want of a geometry."""
     from megatron_media_guard.adapters import install_vlm
     from megatron_media_guard.families import qwen
 
@@ -245,9 +246,9 @@ def test_repair_takes_the_geometry_of_the_models_config(family, install, tmp_pat
     else:
         h = install_qwen_vl(model, MediaGuard(cfg, grammar=Grammar.qwen2_vl()))
     with torch.no_grad(), h:
+        h.set_items(source_items(SAMPLES, mixed))  # the originals' sizes: an engine replay
         model(**mixed)
-    first = "drop" if family == "qwen3_vl" else "repair"
-    assert h.last_result.report.actions == (first, "repair", "keep")
+    assert h.last_result.report.actions == ("repair", "repair", "keep")
     recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
     reasons = [str(r.get("reason")) for r in recs]
     assert not any("no geometry" in r for r in reasons), reasons
@@ -265,6 +266,7 @@ def test_repair_runs_the_tower_once_and_matches_the_engine_sizes(family):
             ref_feats, plain_calls = torch.cat(tower_out), len(tower_out)
             tower_out.clear()
             with install_qwen_vl(model, guard_for(family, "repair")) as h:
+                h.set_items(source_items(SAMPLES, mixed))  # the originals' sizes
                 out = model(**mixed, labels=engine["input_ids"])
     finally:
         clear(inner(model))
@@ -298,7 +300,8 @@ def test_qwen3_deepstack_follows_the_repaired_items():
         with torch.no_grad():
             model(**engine)
             want = {k: seen[k] for k in ("visual_pos_masks", "deepstack_visual_embeds")}
-            with install_qwen_vl(model, guard_for(family, "repair")):
+            with install_qwen_vl(model, guard_for(family, "repair")) as h:
+                h.set_items(source_items(SAMPLES, mixed))  # the originals' sizes
                 model(**mixed)
     finally:
         clear(lm)
@@ -450,7 +453,8 @@ def test_passed_position_ids_are_recomputed_after_a_rewrite():
     )
     seen, _ = spy(inner(model))
     try:
-        with torch.no_grad(), install_qwen_vl(model, guard_for(family, "repair")):
+        with torch.no_grad(), install_qwen_vl(model, guard_for(family, "repair")) as h:
+            h.set_items(source_items(SAMPLES, mixed))  # the originals' sizes
             model(**dict(mixed, mm_token_type_ids=None), position_ids=pos)
     finally:
         clear(inner(model))

@@ -39,6 +39,7 @@ from megatron_media_guard.testing.qwen_vl import (  # noqa: E402
     seed_failure,
     smooth_clip,
     smooth_image,
+    source_items,
 )
 
 ENGINE, TRAINER = 12, 30
@@ -235,6 +236,7 @@ def test_packed_thd_repair_matches_the_engine_sized_batch(models, family):
             calls.clear()
             packed = pack(mixed)
             with install_qwen_vl(model, guard_for(family, "repair")) as h:
+                h.set_items(source_items(SAMPLES, mixed))  # the originals' sizes
                 got = model(**packed, labels=packed["input_ids"])
     finally:
         hook.remove()

@@ -26,6 +26,7 @@ from megatron_media_guard.testing.qwen_vl import (
     seed_failure,
     smooth_clip,
     smooth_image,
+    source_items,
     tiny_model,
 )
 
@@ -130,7 +131,7 @@ def test_install_from_args_guards_the_model_and_remove_restores_it(case):
         ([], {}, "raise"),  # the default policy
         (["--media-guard-policy", "raise"], {"MEDIA_GUARD_POLICY": "drop"}, "drop"),
         (["--media-guard-policy", "drop"], {"MEDIA_GUARD_POLICY": "raise"}, "raise"),
-        # the geometry of the model's config; Qwen3-VL's 64-token minimum: the image falls back
+        # the geometry of the model's config, the originals' sizes: both items repaired
         (["--media-guard-policy", "repair"], {}, "repair"),
         (["--media-guard-policy", "drop", "--media-guard-disable"], {}, "unguarded"),
         (["--media-guard-policy", "drop"], {"MEDIA_GUARD_DISABLE": "1"}, "unguarded"),
@@ -150,10 +151,10 @@ def test_the_seed_failure_is_handled_as_the_arguments_say(case, argv, env, want)
                 with pytest.raises(ValueError, match=r"features and .* tokens do not match"):
                     model(**mixed)
             elif want == "repair":
+                group[0].set_items(source_items(SAMPLES, mixed))  # the originals' sizes
                 model(**mixed)
-                qwen3 = type(model).__name__.startswith("Qwen3")
                 report = group[0].last_result.report
-                assert report.actions == ("drop" if qwen3 else "repair", "repair", "keep")
+                assert report.actions == ("repair", "repair", "keep")
             else:
                 model(**mixed)
                 report = group[0].last_result.report

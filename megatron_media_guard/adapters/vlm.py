@@ -33,7 +33,7 @@ from ..core.interleave import token_order
 from ..core.outcome import MergeResult
 from ..core.runs import TokenLayout, parse_layout
 from ..families import FamilySpec
-from ..families.inputs import generated_as_text, n_items, placeholders_as_text, take_items
+from ..families.inputs import generated_as_text, placeholders_as_text, take_items
 from ..families.spec import Merged, ModalitySpec, present
 from ..repair.repairs import media_hw
 from .forward_hook import CallArgs, ForwardHookHandle
@@ -255,8 +255,11 @@ class VLMHandle(ForwardHookHandle):
             self.spec, {**follow, "input_ids": ids}, lay, keep.to(ids.device), self.text_id
         )
         rows = {n: kw.get(n) for m in mods for n in m.rows if n in m.keep}  # the others left
-        kept = {
-            m.name: [k for k in range(n_items(m, rows)) if (m.name, k) not in gone] for m in mods
+        kept = {  # per input, by its own length: a derived spec's rows need not be one per item
+            n: [k for k in range(len(rows[n])) if (m.name, k) not in gone]
+            for m in mods
+            for n in m.rows
+            if isinstance(rows.get(n), (torch.Tensor, list, tuple))
         }
         out.update(take_items(rows, mods, kept))
         for name, value in out.items():

@@ -247,7 +247,9 @@ def take_items(
     """The modalities' ``rows`` and ``patches`` inputs holding the items ``keep`` names (per
     modality, its model-level items in the order the model is to take them), a repaired item
     ``(modality, k)`` with its new grid row ``(t, h, w)`` and patch rows; an input left with
-    no item is None, one left as it was is not returned. sizes: per modality, the patch rows
+    no item is None, one left as it was is not returned. ``keep`` may also name a ``rows``
+    input: its own rows to keep (an input whose rows are not one per item, such as a derived
+    spec's by-the-way inputs, is cut by its own length). sizes: per modality, the patch rows
     of each item where the caller has them (else read from the grid: one transfer). spans:
     per modality, the rows of its ``rows`` inputs each item holds (InternVL's tiles)."""
     out: dict[str, Any] = {}
@@ -276,6 +278,7 @@ def take_items(
             t = inputs.get(name)
             if not isinstance(t, (torch.Tensor, list, tuple)):
                 continue
+            ks = list(keep.get(name, keep.get(m.name, ())))
             if span and isinstance(t, torch.Tensor):  # several rows per item: cut by item
                 if ks != list(range(len(span))):
                     pieces = t.split(list(span))

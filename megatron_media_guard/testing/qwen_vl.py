@@ -202,3 +202,23 @@ def smooth_image(height: int, width: int, seed: int = 0) -> np.ndarray:
 
 def smooth_clip(frames: int, height: int, width: int, seed: int = 0) -> np.ndarray:
     return np.stack([smooth_image(height, width, seed + k) for k in range(frames)])
+
+
+def source_items(samples, batch, merge: int = 2) -> list:
+    """One ``MediaItem`` per grid row of ``batch`` (its images, then its videos, each in sample
+    order) with its sample and its original's size (``source_hw``): what a trainer that kept
+    the originals passes to ``set_items``, so that a repair replays the engine's own sizing
+    instead of guessing from the trainer's frame."""
+    from ..core.items import MediaItem
+
+    out = []
+    for modality in ("image", "video"):
+        grid = batch.get(f"{modality}_grid_thw")
+        rows = [] if grid is None else grid.tolist()
+        media = [
+            (s, m) for s, smp in enumerate(samples) for kind, m in smp.media if kind == modality
+        ]
+        for (t, h, w), (s, m) in zip(rows, media, strict=True):
+            hw = tuple(int(x) for x in m.shape[-3:-1])  # [H, W, 3] or [T, H, W, 3]
+            out.append(MediaItem(t * h * w // merge**2, sample=s, modality=modality, source_hw=hw))
+    return out

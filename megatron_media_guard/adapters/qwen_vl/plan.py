@@ -18,7 +18,7 @@ from ...core.plan import Plan, digest
 from ...core.runs import ParsedRuns
 from ...diagnostics import GuardRecord
 from ...errors import MediaInputError
-from ...repair.repairs import repair_record, solve_allowed
+from ...repair.repairs import media_hw, repair_record, solve_allowed
 from ...repair.reproject import resize_patches
 from .checks import MODALITIES, QwenVLSpec
 
@@ -158,8 +158,8 @@ def _solve_row(guard, geometry, spec, row: GridRow, targets: list[int], item: Me
     total = targets[0] * row.runs
     facts["target"] = total
     frames = row.thw[0] * spec.temporal_patch if row.modality == "video" else 1
-    hw = item.source_hw or item.frame_hw
-    sol, why_not = solve_allowed(geo, total, hw, frames, guard.config)
+    hw, kind = media_hw(item)  # a processed frame alone is never an engine replay
+    sol, why_not = solve_allowed(geo, total, hw, frames, guard.config, kind)
     facts.update(fidelity=sol.fidelity, size_hw=sol.size_hw, reason=why_not or sol.reason)
     if why_not is not None:
         return None, facts
