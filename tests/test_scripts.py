@@ -128,3 +128,24 @@ def test_gpu_check_uses_the_project_venv(tmp_path, venv_python, rc, needle):
     )
     assert "system python3 used" not in out.stderr
     assert out.returncode == rc and needle in out.stderr + out.stdout, (out.stdout, out.stderr)
+
+
+def test_mcore019_version_line_names_megatron_cores_version_alone(tmp_path):
+    """megatron.core.__version__ appends ``git rev-parse HEAD`` of the working directory (this
+    repository's commit, e.g. "0.19.2+f25b802"): the script's line names the wheel's version."""
+    if not (ROOT / ".mcore019" / ".version").is_file() or not (ROOT / ".bridge062").is_dir():
+        pytest.skip("megatron-core 0.19.2 / Bridge 0.6.2 not unpacked (scripts/test_mcore019.sh)")
+    if shutil.which("git") is None:
+        pytest.skip("no git: the suffix megatron-core appends cannot occur")
+    repo = _scratch(tmp_path, "test_mcore019.sh")
+    for name in (".mcore019", ".bridge062", "megatron_media_guard"):
+        (repo / name).symlink_to((ROOT / name).resolve())
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "x"], check=True)
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    out = _run(repo, "test_mcore019.sh", bindir, "--version")  # pytest --version: no tests
+    assert out.returncode == 0, out.stderr
+    line = next(x for x in out.stdout.splitlines() if x.startswith("megatron-core "))
+    assert line.split()[1] == "0.19.2", line
