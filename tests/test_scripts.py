@@ -149,3 +149,40 @@ def test_mcore019_version_line_names_megatron_cores_version_alone(tmp_path):
     assert out.returncode == 0, out.stderr
     line = next(x for x in out.stdout.splitlines() if x.startswith("megatron-core "))
     assert line.split()[1] == "0.19.2", line
+
+
+@pytest.mark.parametrize(
+    "args, log_dir, dump_dir",
+    [
+        ([], "media_guard_logs/smoke-*", "media_guard_logs/smoke-*/bundles"),
+        (["--log-dir", "out"], "out", "out/bundles"),
+        (["--log-dir=out", "--steps", "2"], "out", "out/bundles"),
+        (["--dump-dir", "b"], "media_guard_logs/smoke-*", "b"),
+        (["--log-dir", "out", "--dump-dir="], "out", ""),
+    ],
+)
+def test_smoke_sh_keeps_logs_page_and_bundles_by_default(tmp_path, args, log_dir, dump_dir):
+    """scripts/smoke.sh (the main job) keeps what the README shows: the logs and their page in
+    a fresh directory, and the replay bundles in its bundles/ (``media-guard smoke`` alone uses
+    a temporary directory)."""
+    import fnmatch
+    import shlex
+
+    repo = _scratch(tmp_path, "smoke.sh")
+    _shim(repo / "scripts", "install.sh", "exit 0")
+    _shim(repo / ".venv" / "bin", "media-guard", 'printf "%s\\n" "$@" > "$(dirname "$0")/argv"')
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    out = _run(repo, "smoke.sh", bindir, *args)
+    assert out.returncode == 0, out.stderr
+    argv = (repo / ".venv" / "bin" / "argv").read_text().splitlines()
+    assert argv[0] == "smoke"
+
+    def value(flag):
+        got = [a.split("=", 1)[1] for a in argv if a.startswith(flag + "=")]
+        got += [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == flag]
+        assert len(got) == 1, (flag, argv)
+        return got[0]
+
+    assert fnmatch.fnmatch(value("--log-dir"), log_dir), shlex.join(argv)
+    assert fnmatch.fnmatch(value("--dump-dir"), dump_dir), shlex.join(argv)
