@@ -48,9 +48,15 @@ def conclude(
     path = bundle() if bundle is not None else None
     message = None
     if plan.fatal or first is not None or fatal:
+        # a call fatal for no sample's sake (items no run claims): its check records say why
+        shown = (
+            written
+            if first is not None
+            else [{**w, "event": "raise"} if w.get("event") == "check" else w for w in written]
+        )
         message = alignment_message(
             guard.where(step, microbatch),
-            written,
+            shown,
             total=len(plan.actions),
             summary=summary,
             what=what,

@@ -98,6 +98,7 @@ def alignment_message(
     unit: str = "samples",
     log_path: str | None = None,
     bundle: object | None = None,
+    checks: bool = False,
 ) -> str:
     """The raise message of a call, from the records it wrote: where (rank, step, microbatch),
     what was guarded and how many of its ``total`` ``unit`` raise, then one line per ``raise``
@@ -106,10 +107,13 @@ def alignment_message(
     first line says it), the batch's ``summary``, the per-rank log and the replay bundle.
 
     Never raises: should building the text fail on some field, a shorter message that still
-    names the where and the failure takes its place (the alignment error must come out)."""
+    names the where and the failure takes its place (the alignment error must come out).
+    ``checks``: the ``check`` records are listed too (a call fatal for no sample's sake:
+    items no placeholder run claims, under ``policy="raise"``)."""
     try:
         recs = [r if isinstance(r, Mapping) else _as_dict(r) for r in records]
-        raised = [r for r in recs if r.get("event") == "raise"]
+        fatal = ("raise", "check") if checks else ("raise",)
+        raised = [r for r in recs if r.get("event") in fatal]
         samples = len({r.get("sample") for r in raised if r.get("sample") is not None})
         batch = sum(1 for r in raised if r.get("sample") is None)
         head = f"Media alignment failed ({where}): " + (f"{what}, " if what else "")
