@@ -81,11 +81,16 @@ import sys
 import warnings
 
 warnings.simplefilter("ignore")
+from importlib.metadata import version
+
 import megatron.core as mc
 
-v = mc.__version__.split("+")[0]
-assert v == sys.argv[1], f"megatron-core {mc.__version__} on the path, not {sys.argv[1]}"
-print(f"megatron-core {mc.__version__} from {mc.__file__}")
+# the wheel's own version: megatron.core.__version__ appends `git rev-parse HEAD` of the
+# working directory, which is this repository's commit, not megatron-core's
+v = version("megatron-core")
+assert v == sys.argv[1], f"megatron-core {v} on the path, not {sys.argv[1]}"
+assert mc.__version__.split("+")[0] == v, f"megatron.core {mc.__version__} is not the wheel {v}"
+print(f"megatron-core {v} from {mc.__file__}")
 PYEOF
 # Bridge's leaf model modules import (a broken fetch fails here, not as skipped tests)
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" - "$BRIDGE" <<'PYEOF'

@@ -20,6 +20,7 @@ from megatron_media_guard.adapters import (
     infer_items,
     install_generic,
 )
+from megatron_media_guard.adapters.hooks import GuardHandle
 from megatron_media_guard.core.runs import parse_runs
 
 START, END, PAD = 3, 4, 5
@@ -216,3 +217,39 @@ def test_unassignable_features_stay_in_the_graph():
     assert torch.equal(out, emb)  # nothing merged, and -0.0 added changes no bit
     out.sum().backward()
     assert feats.grad is not None and (feats.grad == 0).all()
+
+
+def _end(h):
+    h.guard.on_step_end(0)
+
+
+@pytest.mark.parametrize(
+    "ops, want",
+    [
+        # no step and no step end: the handle cannot tell micro-batches from steps, names none
+        (["call", "call"], [(None, None), (None, None)]),
+        # step ends (the training loop, the optimizer hook) without a step: counted from 0
+        (
+            ["call", _end, "call", "call", _end, "call"],
+            [(None, None), (None, 0), (None, 1), (None, 0)],
+        ),
+        # set_step: from 0 in each step
+        ([5, "call", "call", 6, "call"], [(5, 0), (5, 1), (6, 0)]),
+        # the same step set again is the same step; a step end starts the next from 0
+        ([5, "call", 5, "call", _end, "call"], [(5, 0), (5, 1), (5, 0)]),
+        # set_step's own microbatch wins
+        [[(3, 2), "call", "call"], [(3, 2), (3, 2)]],
+    ],
+)
+def test_microbatches_are_counted_per_step_from_zero(ops, want):
+    guard = MediaGuard(GuardConfig(), GRAMMAR, consensus=False)
+    h = GuardHandle(TinyVLM(), "merge_embeddings", guard, "generic", auto_step_end=False)
+    got = []
+    for op in ops:
+        if op == "call":
+            got.append(h.next_call())
+        elif callable(op):
+            op(h)
+        else:
+            h.set_step(*(op if isinstance(op, tuple) else (op,)))
+    assert got == want

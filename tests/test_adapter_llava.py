@@ -158,7 +158,7 @@ def test_image_crossing_max_length_is_caught():
     install_llava(model, guard_for("raise"))
     with pytest.raises(MediaAlignmentError, match="language_max_sequence_length 8") as e:
         call(model, x)
-    assert "sample 2, image 3" in str(e.value) and "[3, 9)" in str(e.value)
+    assert "sample 2 row 2, image item 3" in str(e.value) and "[3, 9)" in str(e.value)
     assert e.value.context["sample"] == 2  # samples 0 and 1 fit (their text is cut: fine)
 
 

@@ -147,7 +147,7 @@ def test_raise_names_the_sample_and_clip(models):
         with pytest.raises(MediaAlignmentError) as e:
             run(w, kw)
     msg = str(e.value)
-    for part in ("step 5", "sample 2, clip 1", "3 sound tokens", "2 sound_embeddings_len"):
+    for part in ("step 5", "sound item 1", "3 sound tokens", "2 sound_embeddings_len"):
         assert part in msg, part
 
 

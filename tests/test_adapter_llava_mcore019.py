@@ -108,7 +108,7 @@ def test_release_defaults_negative_ids():
     install_llava(model, MediaGuard(GuardConfig(), Grammar.llava(-200)))
     assert all(torch.equal(a, b) for a, b in zip(ref, model._preprocess_data(**args)))
     args["sound_embeddings_len"] = torch.tensor([2, 2])
-    with pytest.raises(MediaAlignmentError, match=r"sample 0, clip 0.*3 sound tokens"):
+    with pytest.raises(MediaAlignmentError, match=r"sample 0 row 0, sound item 0.*3 sound tokens"):
         model._preprocess_data(**args)
 
 
@@ -127,8 +127,14 @@ def image_and_sound(b):
 
 
 FAULTS = {
-    "sound-short": (short_sound, ["sample 1, clip 1", "3 sound tokens", "2 sound_embeddings_len"]),
-    "extra-sound-token": (extra_sound_token, ["sample 1, clip 1", "4 sound tokens", "3 sound_"]),
+    "sound-short": (
+        short_sound,
+        ["sample 1 row 1, sound item 1", "3 sound tokens", "2 sound_embeddings_len"],
+    ),
+    "extra-sound-token": (
+        extra_sound_token,
+        ["sample 1 row 1, sound item 1", "4 sound tokens", "3 sound_"],
+    ),
     "image+sound": (
         image_and_sound,
         ["sample 1", "3 image tokens", "2 num_image_tiles", "4 sound"],
@@ -183,7 +189,7 @@ def test_nonfinite_sound_rows(policy):
     batch.sound_embeddings[2, 2, 1] = float("inf")  # clip 2, a placed row
     ref = call(standin(batch), batch)
     if policy == "raise":
-        with pytest.raises(MediaAlignmentError, match=r"sample 2, clip 2.*sound nonfinite"):
+        with pytest.raises(MediaAlignmentError, match=r"sample 2 row 2, sound item 2.*nonfinite"):
             call(model, batch)
         return
     out = call(model, batch)

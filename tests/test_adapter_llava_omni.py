@@ -190,7 +190,7 @@ def test_packed_row_sound_fault_in_the_middle_sub_sample(policy):
         for part in (
             "rank 2",
             "step 4",
-            "sample 1, clip 1",
+            "sound item 1",
             "3 sound tokens",
             "2 sound_embeddings_len",
         ):
@@ -243,7 +243,12 @@ def test_packed_row_count_fault_in_the_middle_names_the_sub_sample(policy):
     with pytest.raises(MediaAlignmentError) as e:
         run_forward(model, batch)
     msg = str(e.value)
-    assert "sample 1: segment" in msg and "sample 0" not in msg and "sample 2" not in msg
+    assert (
+        "sample 1 row 0: " in msg
+        and "segment:" in msg
+        and "sample 0" not in msg
+        and "sample 2" not in msg
+    )
     assert "1 of 3 packed sub-samples" in msg
     if policy == "drop":
         assert "cannot drop" in msg
@@ -274,8 +279,8 @@ def test_packed_row_extra_image_token_in_the_middle():
     with pytest.raises(MediaAlignmentError) as e:
         run_forward(model, batch)
     msg = str(e.value)
-    assert "1 of 3 packed sub-samples" in msg and "sample 1: segment" in msg
-    assert "sample 1: count - sample holds 3 image tokens, its items 2" in msg
+    assert "1 of 3 packed sub-samples" in msg and "sample 1 row 0: " in msg and "segment:" in msg
+    assert "count: sample holds 3 image tokens, its items 2" in msg
     assert "cannot drop" in msg and e.value.context["sample"] == 1
 
 

@@ -131,7 +131,7 @@ def test_raise_names_rank_step_sample_item_and_grid(family, tmp_path):
             model(**mixed)
     msg = str(err.value)
     assert "single process (RANK unset), step 7" in msg and "2 of 3 samples" in msg
-    assert "sample 0 row 0: surplus" in msg and "item 0 (image" in msg
+    assert "sample 0 row 0, image item 0" in msg and "(surplus " in msg
     grid = mixed["image_grid_thw"][0].tolist()
     assert f"image grid row 0 thw {tuple(grid)}" in msg
     assert "sample 1" in msg and "video grid row 0" in msg

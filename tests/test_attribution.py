@@ -107,7 +107,7 @@ def test_message_building_cannot_hide_the_alignment_error(tmp_path, monkeypatch)
     def broken(*a, **k):
         raise RuntimeError("a field that cannot be printed")
 
-    monkeypatch.setattr(explain, "describe_sample", broken)
+    monkeypatch.setattr(explain, "summary_line", broken)
     batch = inject(Q, LAYOUT, "surplus_feature")
     guard = MediaGuard(GuardConfig(log_dir=str(tmp_path)), Q, rank=RankInfo(rank=4))
     emb = torch.zeros(*batch.input_ids.shape, 8)

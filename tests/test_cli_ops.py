@@ -182,6 +182,29 @@ def test_smoke_run_without_log_dir_leaves_no_temp_dir(tmp_path):
     assert _leftovers(tmp) == []
     # no line points at a page that went with the temporary logs
     assert "file://" not in out.stdout and "removed with the temporary logs" in out.stdout
+    # and the README says exactly that, in the words the run prints
+    page = next(x for x in out.stdout.splitlines() if x.startswith("post-mortem page"))
+    assert f"`{page}`" in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.timeout(200)
+def test_smoke_dump_dir_writes_bundles_that_replay_reproduces(tmp_path):
+    """``media-guard smoke --dump-dir DIR``: each run's mismatched micro-batches are saved under
+    ``DIR/<scenario>.<policy>/`` (the worker's config used to ignore any dump directory), and
+    ``media-guard replay`` reproduces them."""
+    dirs = ["--log-dir", str(tmp_path / "logs"), "--dump-dir", str(tmp_path / "dumps")]
+    run = ["--nproc", "1", "--steps", "1", "--scenario", "budget_shrink", "--policy", "raise,drop"]
+    out = subprocess.run(
+        [sys.executable, "-m", "megatron_media_guard", "smoke", *run, *dirs],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    for run in ("budget_shrink.raise", "budget_shrink.drop"):
+        (bundle,) = sorted((tmp_path / "dumps" / run).glob("*.bundle"))
+        assert replay_main([str(bundle)]) == 1  # the mismatch reproduces offline
 
 
 @pytest.mark.timeout(120)

@@ -127,7 +127,7 @@ def test_no_log_dir_writes_nothing_but_logs(tmp_path, capsys):
     log = DiagnosticsLog(None, RankInfo(rank=2))
     rec = log.emit(SEED)
     assert log.path is None and rec["event"] == "drop"
-    assert "[media-guard] rank 2 step 12 mb 0: drop sample 5" in capsys.readouterr().err
+    assert "[media-guard] rank 2, step 12, microbatch 0: sample 5" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 
@@ -157,8 +157,8 @@ def test_logger_is_idempotent_and_does_not_propagate(tmp_path, capsys):
     assert seen == []  # nothing reached the root logger
     err = capsys.readouterr().err.splitlines()
     assert err == [
-        "[media-guard] rank 0 step 1: check",
-        "[media-guard] rank 0 step 1: drop sample 0",
+        "[media-guard] rank 0, step 1: check",
+        "[media-guard] rank 0, step 1: sample 0 -> drop",
     ]
 
 
@@ -302,11 +302,10 @@ def test_write_failure_does_not_raise(tmp_path, capsys):
                 "frame_hw": [1080, 2400],
             },
             [
-                "[media-guard] rank 3 step 12 mb 0: drop sample 5 (id 'abc') item 2 image:",
-                "expected 16 runs [2010 x16] = 32160, got 16 items [2550 x16] = 40800",
-                "first mismatch run 0, surplus 8640 - r",
-                "grid 67x30",
-                "16 frames 1080x2400 (HxW)",
+                "[media-guard] rank 3, step 12, microbatch 0: sample 5 (sample_id 'abc'), "
+                "image item 2 (16 frames of 1080x2400 (HxW), grid 67x30): placeholder runs "
+                "[2010 x16] = 32160 vs item features [2550 x16] = 40800 (surplus 8640, first "
+                "mismatch at run 0); r -> drop",
             ],
         ),
         (
@@ -321,11 +320,9 @@ def test_write_failure_does_not_raise(tmp_path, capsys):
                 "fidelity": "unique",
             },
             [
-                "rank ?: repair",
-                "repair sample 0 (id 17)",
-                "expected 2 runs [256, 257] = 513",
-                "deficit 1",
-                "fidelity unique",
+                "single process (RANK unset): sample 0 (sample_id 17): ",
+                "placeholder runs [256, 257] = 513 vs item features [256 x2] = 512 (deficit 1)",
+                "; fidelity unique -> repair",
             ],
         ),
         (
@@ -336,7 +333,7 @@ def test_write_failure_does_not_raise(tmp_path, capsys):
                 "action": "keep",
                 "duration_ms": 0.25,
             },
-            ["equal totals", "action keep", "0.25 ms"],
+            ["[5, 4] = 9 (equal totals); 0.25 ms -> keep (check)"],
         ),
         (  # garbage types from a foreign file: no crash, one line
             {
@@ -347,9 +344,9 @@ def test_write_failure_does_not_raise(tmp_path, capsys):
                 "frame_hw": [1],
                 "reason": "a\nb",
             },
-            ["rank [1]", "expected x y", "- a b"],
+            ["rank [1]", "expected x y", "; a b"],
         ),
-        ({}, ["[media-guard] rank ?: ?"]),
+        ({}, ["[media-guard] single process (RANK unset): ?"]),
     ],
 )
 def test_summary_line(rec, parts):

@@ -64,3 +64,58 @@ def test_check_records_name_unclaimed_items_with_the_callers_wording():
         0,
     )
     assert check_records(_report([[("image", 2)]], [MediaItem(2)]), 3, 0, "{}") == []
+
+
+# -- one line per record: the console, the exception, the report and the page say the same ----
+FAULT_CASES = ["surplus_feature", "extra_pad", "swapped_items", "offsetting", "cut_by_max_len"]
+LAYOUT = [[("image", 4), ("image", 6)], [("image", 3)], [("video", 8)], []]
+
+
+@pytest.mark.parametrize("fault", FAULT_CASES)
+def test_one_record_line_everywhere_each_fact_once(tmp_path, capsys, fault):
+    import html
+
+    import torch
+
+    from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaGuard
+    from megatron_media_guard.diagnostics import RankInfo
+    from megatron_media_guard.diagnostics.report import summarize
+    from megatron_media_guard.diagnostics.report_format import format_summary
+    from megatron_media_guard.diagnostics.report_html import render_html
+    from megatron_media_guard.testing import inject
+
+    batch = inject(Q, LAYOUT, fault)
+    guard = MediaGuard(GuardConfig(log_dir=str(tmp_path)), Q, rank=RankInfo(rank=2))
+    emb = torch.zeros(*batch.input_ids.shape, 8)
+    with pytest.raises(MediaAlignmentError) as info:
+        guard.merge(emb, batch.input_ids, batch.features(8), batch.items, step=4, microbatch=0)
+    guard.close()
+    console = [
+        x for x in capsys.readouterr().err.splitlines() if x.startswith("[media-guard] rank 2")
+    ]
+    raised = [x for x in console if x.endswith("-> raise")]
+    assert raised, console
+    head = "[media-guard] rank 2, step 4, microbatch 0: "
+    msg = str(info.value)
+    assert msg.splitlines()[0].startswith("Media alignment failed (rank 2, step 4, microbatch 0)")
+    for line in raised:
+        assert line.startswith(head)
+        # the exception carries the same line, less the where its first line already says
+        assert "  " + line.removeprefix(head) in msg.splitlines(), (line, msg)
+        for internal in ("status=", "findings=[]", "extra "):
+            assert internal not in line, line
+        # each fact once: the sample, the status word, the two totals
+        body = line.removeprefix(head)
+        assert body.count("sample ") == 1, line
+        for word in ("surplus", "deficit", "length_mismatch", "count_mismatch", "truncated"):
+            assert body.count(word) <= 1, (word, line)
+        totals = [t for t in body.split() if t.isdigit()]
+        assert len(totals) == len(set(totals)) or "x" in body or "[" in body, line
+    summary = summarize(tmp_path, jobs=1)
+    first = next(x for x in format_summary(summary).splitlines() if x.startswith("first fatal"))
+    assert first == "first fatal: " + raised[0].removeprefix("[media-guard] ")
+    page = render_html(summary)
+    assert (
+        html.escape(raised[0].removeprefix("[media-guard] "), quote=False) in html.unescape(page)
+        or html.escape(raised[0].removeprefix("[media-guard] ")) in page
+    )

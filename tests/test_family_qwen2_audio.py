@@ -123,7 +123,9 @@ def test_a_clip_whose_run_has_no_placeholder_is_an_orphan_set_items_attributes(m
     """bos/eos with nothing between is no run: raise names the item; drop leaves the clip
     unused (the report says so); ``set_items`` ties it to its sample, which is dropped."""
     samples = [[aud(40)], [aud(100, tokens=0)], [aud(61)]]
-    with pytest.raises(MediaAlignmentError, match=r"items with no placeholder run: \[1\]"):
+    with pytest.raises(
+        MediaAlignmentError, match=r"items \[1\] could not be tied to a placeholder run"
+    ):
         guarded(model, samples, GuardConfig(log_dir=str(tmp_path)))
     b, out, res = guarded(model, samples, GuardConfig(policy="drop"))
     assert res.report.actions == ("keep",) * 3 and res.report.alignment.orphans == (1,)

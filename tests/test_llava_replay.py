@@ -58,7 +58,7 @@ def test_count_fault_bundle_replays_to_the_same_sample(tmp_path):
     path = str(e.value).split("replay bundle: ")[1].splitlines()[0].strip()
     result = replay(load_bundle(path))
     assert result.mismatched == (0,) == result.saved_mismatched
-    assert "sample 0" in result.message and "2 placeholder runs for 1 items" in result.message
+    assert "sample 0" in result.message and "2 runs for 1 item" in result.message
 
 
 def test_faults_a_replay_cannot_rerun_leave_no_bundle(tmp_path):

@@ -122,9 +122,9 @@ def test_raise_names_everything(tmp_path):
         "image",
         "[4, 6]",
         "[5, 7]",
-        "first mismatching run 0",
+        "first mismatch at run 0",
         "surplus",
-        "frame 56x84",
+        "56x84 (HxW)",
     ]:
         assert needle in msg, (needle, msg)
     # the record was on disk before the raise

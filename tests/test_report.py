@@ -246,8 +246,8 @@ def test_first_fatal(tmp_path, files, want):
     assert s.first_fatal is not None and s.first_fatal["sample_id"] == want
     text = format_summary(s)
     assert (
-        f"first fatal: rank {s.first_fatal['rank']} step {s.first_fatal['step']} sample 0 (id '{want}') item 1"
-        in text
+        f"first fatal: rank {s.first_fatal['rank']}, step {s.first_fatal['step']}: "
+        f"sample 0 (sample_id '{want}'), item 1: why -> raise" in text
     )
 
 
@@ -427,7 +427,7 @@ def test_cli_json_is_one_object(logdir, capsys):
 def test_cli_text_names_the_culprit(logdir, capsys):
     assert main(["report", str(logdir)]) == 0
     out = capsys.readouterr().out
-    assert "first fatal: rank 1 step 2 sample 3 (id 'b')" in out
+    assert "first fatal: rank 1, step 2: sample 3 (sample_id 'b')" in out
     assert "by rank:" in out and "by event:" in out and "top offending sample ids" in out
 
 

@@ -47,8 +47,11 @@ class GuardHandle:
     items: the training step calls :meth:`set_items` before the forward (consumed by
         the next guarded call), or passes ``items_provider`` (called on every guarded call).
     step / microbatch: :meth:`set_step`, or ``step_provider`` (e.g. Megatron-LM's
-        ``args.curr_iteration``); the microbatch is the index of the guarded call since
-        the step last changed. With ``auto_step_end`` the handle calls
+        ``args.curr_iteration``). The microbatch (unless :meth:`set_step` gives it) is the
+        index of the guarded call in its step, from 0: a step begins when the step changes
+        or the guard's previous step ended (``on_step_end``, whoever called it). Knowing
+        neither (no step, no step ended yet), the handle names no microbatch.
+        With ``auto_step_end`` the handle calls
         ``guard.on_step_end(previous_step)`` on the first call of a new step (the drop
         budget is checked there) unless the training loop already did. Default (None):
         only while torch.distributed is not initialized, because a distributed step end
@@ -93,6 +96,7 @@ class GuardHandle:
         self._microbatch: int | None = None
         self._calls_in_step = 0
         self._seen_step: object = _MISSING
+        self._seen_ends = guard.steps_ended
 
     # ---- per-call inputs ------------------------------------------------------
 
@@ -131,8 +135,11 @@ class GuardHandle:
                 auto = not dist_ready()
             if auto and isinstance(prev, int) and step is not None:
                 self._close_step(prev)
+            self._seen_ends = self.guard.steps_ended
+        elif self.guard.steps_ended != self._seen_ends:  # the step ended since the last call
+            self._seen_ends, self._calls_in_step = self.guard.steps_ended, 0
         mb = self._microbatch if self._explicit_step and self._microbatch is not None else None
-        if mb is None:
+        if mb is None and (step is not None or self.guard.steps_ended):
             mb = self._calls_in_step
         self._calls_in_step += 1
         return step, mb

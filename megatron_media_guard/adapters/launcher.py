@@ -35,8 +35,9 @@ from ..core.grammar import Grammar
 from ..core.guard import MediaGuard
 from ..diagnostics import get_logger
 from ..errors import MediaInputError
-from ..families import FAMILIES, find_family
+from ..families import find_family, no_family
 from ..families.qwen import SPEC as QWEN_SPEC
+from ..families.spec import check_tokenizer
 from ..ranks.consensus import StageConsensus, dist_ready
 from .hooks import HandleGroup, ItemsProvider, OptimizerStepEnd, install_step_end
 from .vlm_install import INSTALLERS, guard_for
@@ -266,23 +267,24 @@ def install_from_args(
     log = get_logger()
     if step_end not in typing.get_args(StepEnd):
         raise MediaInputError(
-            f"step_end must be one of {list(typing.get_args(StepEnd))}, got {step_end!r}"
+            f"install_from_args: step_end must be one of {list(typing.get_args(StepEnd))}, "
+            f"got {step_end!r}"
         )
+    check_tokenizer(tokenizer, "install_from_args")
     if disabled(args, environ):
         log.info("[media-guard] disabled (--media-guard-disable / MEDIA_GUARD_DISABLE)")
         return HandleGroup()
-    config = config_from_args(args, environ)
-    budget = budget_from_args(args, environ)
+    try:
+        config = config_from_args(args, environ)
+        budget = budget_from_args(args, environ)
+    except MediaInputError as err:  # a bad --media-guard-* value or MEDIA_GUARD_* variable
+        raise err.with_context("install_from_args: ") from None
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     found = [(i, *find_family(c)) for i, c in enumerate(chunks)]
     targets = [(i, spec.name, m, spec) for i, m, spec in found if spec is not None]
     if not targets:
         names = [type(c).__name__ for c in chunks]
-        raise MediaInputError(
-            f"no model of a known family found in the model chunks {names} (families: "
-            f"{', '.join(dict.fromkeys(f.name for f in FAMILIES))}; use "
-            "megatron_media_guard.adapters.install_generic for a custom merge)"
-        )
+        raise no_family("install_from_args", f"the model chunks {names} (nor their wrappers)")
     consensus = StageConsensus.from_parallel_state(budget=budget)
     rank = consensus.rank_info()
     distributed = dist_ready()
@@ -291,9 +293,12 @@ def install_from_args(
     group = HandleGroup()
     for _, kind, m, spec in targets:
         if kind not in guards:
-            guards[kind] = guard_for(
-                spec, m, config, tokenizer, grammar=grammar, rank=rank, consensus=consensus
-            )
+            try:
+                guards[kind] = guard_for(
+                    spec, m, config, tokenizer, grammar=grammar, rank=rank, consensus=consensus
+                )
+            except MediaInputError as err:  # a token the config and the tokenizer lack
+                raise err.with_context("install_from_args: ") from None
             consensus.bind(guards[kind])
         common: dict[str, Any] = dict(
             items_provider=items_provider,
@@ -307,7 +312,11 @@ def install_from_args(
     if step_end in ("auto", "zero_grad_buffer"):
         hook = install_step_end(chunks[0], "zero_grad_buffer", list(group), step_provider)
         if hook is None and step_end == "zero_grad_buffer":
-            raise MediaInputError(f"{type(chunks[0]).__name__} has no zero_grad_buffer")
+            raise MediaInputError(
+                f"install_from_args: step_end='zero_grad_buffer', but {type(chunks[0]).__name__} "
+                "has no zero_grad_buffer (wrap the model in megatron-core's DDP first, or pass "
+                "step_end='optimizer' / 'manual')"
+            )
     if hook is None and step_end in ("auto", "optimizer"):
         hook = OptimizerStepEnd(list(group), step_provider)
     if hook is not None:

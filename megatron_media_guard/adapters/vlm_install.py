@@ -12,7 +12,8 @@ from ..config import GuardConfig
 from ..core.grammar import Grammar
 from ..core.guard import MediaGuard
 from ..errors import MediaInputError
-from ..families import FAMILIES, FamilySpec, find_family
+from ..families import FamilySpec, find_family, no_family
+from ..families.spec import check_tokenizer
 from .hooks import GuardHandle, ItemsProvider, StepProvider
 from .qwen_vl.install import install_handle as qwen_handle
 from .vlm import VLMHandle
@@ -148,22 +149,18 @@ def install_vlm(
     install_kw: passed to the family's installer (``loss_mask_inplace=`` for Qwen-VL and
     ``apply="inputs"`` families).
     """
+    check_tokenizer(tokenizer, "install_vlm")
     target, spec = find_family(model)
     if spec is None:
-        classes: dict[str, set[str]] = {}
-        for f in FAMILIES:  # a family's transformers and Bridge specs under one name
-            classes.setdefault(f.name, set()).update(c for v in f.classes.values() for c in v)
-        known = ", ".join(
-            name + (f" ({', '.join(sorted(c))})" if c else "") for name, c in classes.items()
-        )
-        raise MediaInputError(
-            f"install_vlm: no family knows {type(model).__name__}; known: {known}"
-        )
+        raise no_family("install_vlm", f"{type(model).__name__} (nor a wrapper or submodule of it)")
     if isinstance(config_or_guard, MediaGuard):
         guard = config_or_guard
         _check_guard(spec, target, guard, tokenizer)
     else:
-        guard = guard_for(spec, target, config_or_guard, tokenizer)
+        try:
+            guard = guard_for(spec, target, config_or_guard, tokenizer)
+        except MediaInputError as err:  # a token the config and the tokenizer lack
+            raise err.with_context("install_vlm: ") from None
     common = dict(
         items_provider=items_provider, step_provider=step_provider, auto_step_end=auto_step_end
     )

@@ -233,10 +233,10 @@ def _sample_report(
     ph, ft = sum(expected), sum(got)
     if structural:
         status = Status.MALFORMED
-        reason = "; ".join(f.describe() for f in structural[:3])
+        reason = "; ".join(f.in_sample() for f in structural[:3])
     elif truncs:
         status = Status.TRUNCATED
-        reason = "; ".join(f.describe() for f in truncs[:3])
+        reason = "; ".join(f.in_sample() for f in truncs[:3])
     elif len(expected) != len(got):
         status = Status.COUNT_MISMATCH
         reason = f"{len(expected)} placeholder runs for {len(got)} items"

@@ -1,18 +1,16 @@
-"""The end of every fault path, whoever planned it (``MediaGuard.merge``'s parse, the Qwen-VL
-pre-hook's grid rows, the family engine through ``merge``): the message of a fatal plan, the
-stage's consensus round, the counters. Records and the replay bundle are written before it
-(a full disk must not cost the record), by the caller that knows what its items are."""
+"""The one end of every fault path, whoever planned it (``MediaGuard.merge``'s parse, an
+adapter's own checks: LLaVA's collapsed tokens, the Qwen-VL pre-hook's grid rows): the
+records written (before the replay bundle: a full disk must not cost them), the bundle, the
+raise message built from those records (:func:`~.explain.alignment_message`), the stage's
+consensus round and the counters."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from ..diagnostics import GuardRecord
-from .alignment import AlignmentReport
-from .explain import error_message
-from .faults import FaultContext, ItemFault, batch_records, fault_message, fault_records
-from .items import MediaItem
+from .explain import alignment_message
 from .outcome import LocalOutcome, StageOutcome
 from .plan import Plan
 
@@ -22,111 +20,59 @@ if TYPE_CHECKING:
 
 def conclude(
     guard: MediaGuard,
-    report: AlignmentReport,
     plan: Plan,
-    items: Sequence[MediaItem],
+    records: Sequence[GuardRecord],
     *,
     step: int | None,
     microbatch: int | None,
-    notes: Mapping[int, str] | None = None,
-    fatal_record: dict | None = None,
-    bundle: object | None = None,
-    nonfinite: Mapping[int, list[int]] | None = None,
-    digest: int | None = None,
-) -> StageOutcome:
-    """Agrees a planned fault with the stage and counts it; raises on every rank of the stage
-    when any rank must (naming the culprit rank, step and sample).
-
-    notes: per sample, what the caller adds to the message (grid rows, a failed repair);
-    fatal_record: the first ``raise`` record this rank wrote (fetched by the peers);
-    bundle: the replay bundle's path, if one was saved; digest: the caller's plan digest
-    (default: the plan's own)."""
-    message = None
-    if plan.fatal or (report.orphans and guard.config.policy == "raise"):
-        message = error_message(
-            report,
-            plan.fatal,
-            items,
-            where=guard.where(step, microbatch),
-            log_path=guard.log.describe_path(),
-            notes=dict(notes or {}),
-            nonfinite=dict(nonfinite or {}),
-        )
-        if bundle is not None:
-            message += f"\n  replay bundle: {bundle}"
-    return settle_plan(
-        guard,
-        plan,
-        step,
-        microbatch,
-        mismatched=len(report.mismatched),
-        message=message,
-        record=fatal_record,
-        digest=digest,
-    )
-
-
-def conclude_faults(
-    guard: MediaGuard,
-    faults: Sequence[ItemFault],
-    actions: Sequence[str],
-    ctx: FaultContext,
-    *,
-    what: str,
-    unit: str,
+    mismatched: int,
     summary: str,
-    digest: int,
-    step: int | None,
-    microbatch: int | None,
-    batch_fatal: Sequence[str] = (),
-    notes: Sequence[str] = (),
-    records: Sequence[GuardRecord] = (),
+    what: str | None = None,
+    unit: str = "samples",
+    fatal: bool = False,
     caller: str | None = None,
     bundle: Callable[[], object | None] | None = None,
+    digest: int | None = None,
 ) -> StageOutcome:
-    """The fault path of a call whose findings are :class:`~.faults.ItemFault` s (an
-    adapter's own checks: LLaVA's collapsed tokens): one record per fault, the call's
-    batch-level problems (``batch_fatal`` raise) and ``notes`` as records, then ``records``
-    (e.g. generated placeholders fed as text), the raise message, the consensus round (the
-    first ``raise`` record is the one the peers fetch) and the counters.
+    """Writes ``records`` (one per dropped / raised sample, the call's checks), saves the
+    replay bundle (``bundle()`` returns its path, or None), agrees the planned call with the
+    stage and counts it; raises on every rank of the stage when any rank must, naming the
+    culprit rank, step and sample (the first ``raise`` record is the one the peers fetch).
 
-    actions: per sample (or packed sub-sample), keep / drop / raise; what / unit / summary:
-    the message's words for what was guarded, its samples, and the batch's totals; bundle:
-    saves the call's replay bundle (after the records: a full disk must not cost them) and
-    returns its path, named in the message."""
-    fatal_record = None
-    recs = [
-        *fault_records(faults, actions, ctx, step=step, microbatch=microbatch),
-        *batch_records(batch_fatal, notes, ctx.adapter, step, microbatch),
-        *records,
-    ]
-    for rec in recs:
-        written = guard.log.emit(rec, caller=caller)
-        if rec.event == "raise" and fatal_record is None:
-            fatal_record = written
-    message = fault_message(
-        faults,
-        actions,
-        ctx,
-        where=guard.where(step, microbatch),
-        what=what,
-        unit=unit,
-        batch_fatal=batch_fatal,
-        summary=summary,
-        log_path=guard.log.describe_path(),
-    )
+    The call is fatal when the plan raises a sample, a record raises (a batch-level problem)
+    or ``fatal`` (e.g. items no run claims under ``policy="raise"``). ``summary`` / ``what`` /
+    ``unit``: the message's batch totals, what was guarded, and what its samples are;
+    ``digest``: the caller's plan digest (default: the plan's own)."""
+    written = [guard.log.emit(rec, caller=caller) for rec in records]
+    first = next((w for w in written if w.get("event") == "raise"), None)
     path = bundle() if bundle is not None else None
-    if message is not None and path is not None:
-        message += f"\n  replay bundle: {path}"
-    plan = Plan(tuple(actions), (), digest)
+    message = None
+    if plan.fatal or first is not None or fatal:
+        # a call fatal for no sample's sake (items no run claims): its check records say why
+        shown = (
+            written
+            if first is not None
+            else [{**w, "event": "raise"} if w.get("event") == "check" else w for w in written]
+        )
+        message = alignment_message(
+            guard.where(step, microbatch),
+            shown,
+            total=len(plan.actions),
+            summary=summary,
+            what=what,
+            unit=unit,
+            log_path=guard.log.describe_path(),
+            bundle=path,
+        )
     return settle_plan(
         guard,
         plan,
         step,
         microbatch,
-        mismatched=len({f.sample for f in faults}),
+        mismatched=mismatched,
         message=message,
-        record=fatal_record,
+        record=first,
+        digest=digest,
     )
 
 
@@ -142,9 +88,7 @@ def settle_plan(
     digest: int | None = None,
 ) -> StageOutcome:
     """This rank's outcome of a planned call (fatal when there is a ``message``) agreed with
-    the stage, and the guard's counters: the last step of every guarded call that found
-    something, :func:`conclude`'s and the adapters' whose findings are their own (LLaVA's
-    per-tile checks)."""
+    the stage, and the guard's counters: the last step of :func:`conclude`."""
     local = LocalOutcome.of_plan(
         plan, step, microbatch, mismatched=mismatched, message=message, record=record, digest=digest
     )

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import fields, replace
 from typing import TYPE_CHECKING
 
-from ..diagnostics import GuardRecord
+from ..diagnostics import GuardRecord, summary_line
 from .alignment import AlignmentReport, SampleReport
 from .items import MediaItem
 
@@ -52,7 +52,7 @@ def sample_record(
         grid=item.grid_thw if item else None,
         action=action,
         reason=f"{rep.status}: {rep.reason}",
-        extra={"status": str(rep.status), "findings": [f.describe() for f in rep.findings[:8]]},
+        extra={"status": str(rep.status), "findings": [f.in_sample() for f in rep.findings[:8]]},
     )
 
 
@@ -89,110 +89,65 @@ def nonfinite_reason(bad_items: Sequence[int]) -> str:
     return f"nonfinite: NaN/Inf in the features of {noun} {which}"
 
 
-def describe_sample(
-    rep: SampleReport, items: Sequence[MediaItem], nonfinite: Sequence[int] = ()
-) -> str:
-    """A full sentence naming the sample, its id, the item and both counts (for a sample
-    whose features hold NaN/Inf, ``nonfinite`` lists those items and names the cause)."""
-    if nonfinite and rep.ok:
-        idx = nonfinite[0]
-        it = items[idx]
-        sid = rep.sample_id
-        head = f"sample {rep.sample}" + (f" (sample_id {sid!r})" if sid is not None else "")
-        return (
-            f"{head} row {rep.row}: {nonfinite_reason(nonfinite)} "
-            f"(item {idx}: {_media(it)}); its placeholder runs {list(rep.expected)} match "
-            f"the item features {list(rep.got)}."
-        )
-    idx, item = _item_of(rep, items)
-    head = [f"sample {rep.sample}"]
-    sid = rep.sample_id
-    if sid is not None:
-        head.append(f"(sample_id {sid!r})")
-    head.append(f"row {rep.row}: {rep.status} — {rep.reason}.")
-    tail = [
-        f"Placeholder runs {list(rep.expected)} ({sum(rep.expected)} in all) vs item features "
-        f"{list(rep.got)} ({sum(rep.got)} in all)"
-    ]
-    if rep.first_mismatch is not None:
-        tail.append(f"; first mismatching run {rep.first_mismatch}")
-    if item is not None:
-        tail.append(f", item {idx} ({_media(item)})")
-    return " ".join(head) + " " + "".join(tail) + "."
-
-
-def _media(item: MediaItem) -> str:
-    media = item.modality
-    if item.num_frames is not None:
-        media += f", {item.num_frames} frames"
-    if item.frame_hw is not None:
-        media += f", frame {item.frame_hw[0]}x{item.frame_hw[1]} (HxW)"
-    return f"{media}, {item.num_features} features"
-
-
-def error_message(
-    report: AlignmentReport,
-    fatal: Sequence[int],
-    items: Sequence[MediaItem],
-    *,
+def alignment_message(
     where: str,
-    log_path: str | None,
-    notes: dict[int, str] | None = None,
-    nonfinite: dict[int, Sequence[int]] | None = None,
+    records: Sequence[Mapping[str, object] | GuardRecord],
+    *,
+    total: int,
+    summary: str,
+    what: str | None = None,
+    unit: str = "samples",
+    log_path: str | None = None,
+    bundle: object | None = None,
+    checks: bool = False,
 ) -> str:
-    """The raise message: where (rank/step), the first fatal sample in full, the others briefly.
+    """The raise message of a call, from the records it wrote: where (rank, step, microbatch),
+    what was guarded and how many of its ``total`` ``unit`` raise, then one line per ``raise``
+    record (the first eight) built by the one record line
+    (:func:`~megatron_media_guard.diagnostics.records.summary_line`, without its where: the
+    first line says it), the batch's ``summary``, the per-rank log and the replay bundle.
 
-    nonfinite: sample -> its items whose features hold NaN/Inf (the cause of those samples).
     Never raises: should building the text fail on some field, a shorter message that still
-    names the samples and the failure takes its place (the alignment error must come out).
-    """
+    names the where and the failure takes its place (the alignment error must come out).
+    ``checks``: the ``check`` records are listed too (a call fatal for no sample's sake:
+    items no placeholder run claims, under ``policy="raise"``)."""
     try:
-        return _error_message(report, fatal, items, where, log_path, notes or {}, nonfinite or {})
+        recs = [r if isinstance(r, Mapping) else _as_dict(r) for r in records]
+        fatal = ("raise", "check") if checks else ("raise",)
+        raised = [r for r in recs if r.get("event") in fatal]
+        samples = len({r.get("sample") for r in raised if r.get("sample") is not None})
+        batch = sum(1 for r in raised if r.get("sample") is None)
+        head = f"Media alignment failed ({where}): " + (f"{what}, " if what else "")
+        head += f"{samples} of {total} {unit}"
+        head += f" and {batch} batch-level problem(s):" if batch else ":"
+        lines = [head] + ["  " + summary_line(r, where=False) for r in raised[:8]]
+        if len(raised) > 8:
+            lines.append(f"  ... and {len(raised) - 8} more (the per-rank log has them all)")
+        lines.append(f"  batch: {summary}")
     except Exception as err:
-        return (
-            f"Media alignment failed ({where}): samples {list(fatal)[:16]} "
-            f"(the full message could not be built: {type(err).__name__})"
-            + (f"\n  per-rank log: {log_path}" if log_path else "")
-        )
-
-
-def _error_message(report, fatal, items, where, log_path, notes, nonfinite) -> str:
-    bad = [report.samples[s] for s in fatal]
-    head = f"Media alignment failed ({where}): {len(bad)} of {len(report.samples)} samples"
-    lines = [head + (":" if bad else ".")]
-
-    def note(rep: SampleReport) -> str:
-        return f" ({notes[rep.sample]})" if rep.sample in notes else ""
-
-    if bad:
-        first = bad[0]
-        if first.ok and not nonfinite.get(first.sample) and first.sample in notes:
-            # aligned tokens raised for another reason (a generated placeholder, a shared row)
-            sid = first.sample_id
-            head = f"sample {first.sample}" + (f" (sample_id {sid!r})" if sid is not None else "")
-            lines.append(f"  {head} row {first.row}: {notes[first.sample]}")
-        else:
-            lines.append("  " + describe_sample(first, items, nonfinite.get(first.sample, ())))
-            lines[-1] += note(first)
-    for rep in bad[1:6]:
-        if rep.ok and nonfinite.get(rep.sample):
-            why = nonfinite_reason(nonfinite[rep.sample]) + note(rep)
-        elif rep.ok and rep.sample in notes:
-            why = notes[rep.sample]
-        else:
-            why = f"{rep.status} — {rep.reason}{note(rep)}"
-        lines.append(f"  sample {rep.sample}: {why}")
-    if len(bad) > 6:
-        lines.append(f"  ... and {len(bad) - 6} more")
-    if report.orphans:
-        lines.append(f"  items with no placeholder run: {list(report.orphans)[:10]}")
-    lines.append(
-        f"  batch: {report.num_runs} runs / {report.num_items} items, "
-        f"{report.total_placeholders} placeholders / {report.total_features} features"
-    )
+        lines = [
+            f"Media alignment failed ({where}) (the full message could not be built: "
+            f"{type(err).__name__})"
+        ]
     if log_path:
         lines.append(f"  per-rank log: {log_path}")
+    if bundle is not None:
+        lines.append(f"  replay bundle: {bundle}")
     return "\n".join(lines)
+
+
+def _as_dict(rec: GuardRecord) -> dict[str, object]:
+    """A record as the log writes it (tuples as lists), for one not written."""
+    out = {f.name: getattr(rec, f.name) for f in fields(rec)}
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
+
+def batch_summary(report: AlignmentReport) -> str:
+    """The totals line of a parsed call's message."""
+    return (
+        f"{report.num_runs} runs / {report.num_items} items, "
+        f"{report.total_placeholders} placeholders / {report.total_features} features"
+    )
 
 
 def plan_records(

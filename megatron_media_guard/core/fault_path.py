@@ -13,7 +13,7 @@ from ..diagnostics import GuardRecord
 from .alignment import AlignmentReport, align
 from .apply import nonfinite_items, scatter_kept
 from .conclude import conclude
-from .explain import check_records, nonfinite_record, plan_records
+from .explain import batch_summary, check_records, nonfinite_record, plan_records
 from .generated import Generated, as_text, find_generated, generated_record, text_records
 from .outcome import MergeResult
 from .plan import Plan, build_plan
@@ -22,6 +22,8 @@ from .verify import Verdict
 
 if TYPE_CHECKING:
     from .guard import Call, MediaGuard
+
+CALLER = "megatron_media_guard.core.fault_path"
 
 
 def diagnose(
@@ -77,21 +79,19 @@ def diagnose(
         plan, replaced, failures = out.plan, out.replaced, out.failures
         for rec in out.records:
             guard.log.emit(rec)
-    fatal_record = write_records(guard, c, report, plan, nonfinite, gen)  # before the bundle:
-    bundle_path = dump_bundle(guard, c, report)  # a full disk must not cost the record
-    notes = {**{k: f"repair failed, {v}" for k, v in failures.items()}, **dict(plan.reasons)}
+    failed = {k: f"repair failed, {v}" for k, v in failures.items()}
     stage = conclude(
         guard,
-        report,
         plan,
-        batch.items,
+        call_records(guard, c, report, plan, nonfinite, gen, failed),
         step=c.step,
         microbatch=c.microbatch,
-        notes=notes,
-        fatal_record=fatal_record,
-        bundle=bundle_path,
-        nonfinite=nonfinite,
-    )
+        mismatched=len(report.mismatched),
+        summary=batch_summary(report),
+        fatal=bool(report.orphans) and guard.config.policy == "raise",
+        caller=CALLER,
+        bundle=lambda: dump_bundle(guard, c, report),  # after the records: a full disk
+    )  # must not cost them
     keep = torch.tensor([a in ("keep", "repair") for a in plan.actions], device=c.input_ids.device)
     if c.emb is None:
         return guard.result(c, None, plan, report, verdict, stage, keep)
@@ -102,39 +102,52 @@ def diagnose(
     return guard.result(c, out, plan, report, verdict, stage, keep)
 
 
-def write_records(
+def call_records(
     guard: MediaGuard,
     c: Call,
     report: AlignmentReport,
     plan: Plan,
     nonfinite: dict[int, list[int]] | None = None,
     gen: Generated | None = None,
-) -> dict | None:
-    """Writes one record per dropped or fatal sample (and for unused items, and for samples
-    whose generated placeholders were fed as text); returns the first fatal one, the record
-    consensus fetches from the culprit. ``nonfinite``: sample -> its items whose features
-    hold NaN/Inf. ``gen``: the generated placeholders found."""
-    nonfinite = nonfinite or {}
+    failed: dict[int, str] | None = None,
+) -> list[GuardRecord]:
+    """The records of a planned call: one per dropped or fatal sample (``failed``: why its
+    repair failed, first in its reason), one for unused items, and one per sample whose
+    generated placeholders were fed as text. ``nonfinite``: sample -> its items whose
+    features hold NaN/Inf. ``gen``: the generated placeholders found."""
+    nonfinite, failed = nonfinite or {}, failed or {}
     items, step, mb = c.batch.items, c.step, c.microbatch
+
+    reasons = dict(plan.reasons)
 
     def aligned(smp: int, act: str) -> GuardRecord:  # aligned tokens: generated, NaN/Inf
         bad = nonfinite.get(smp, [])
         if gen is not None and gen.of(smp) is not None and not bad:
-            return generated_record(gen, smp, act, step, mb)
-        return nonfinite_record(report.samples[smp], items, bad, act, step=step, microbatch=mb)
+            rec = generated_record(gen, smp, act, step, mb)
+        else:
+            rec = nonfinite_record(report.samples[smp], items, bad, act, step=step, microbatch=mb)
+        rep = report.samples[smp]  # the sample's id and row, as its other records name them
+        rec = replace(
+            rec,
+            sample_id=rec.sample_id if rec.sample_id is not None else rep.sample_id,
+            row=rec.row if rec.row is not None else rep.row,
+        )
+        why = reasons.get(smp)
+        if why and why not in (rec.reason or ""):
+            rec = replace(rec, reason=f"{why}; {rec.reason}" if rec.reason else why)
+        return rec
 
-    fatal = None
-    for _, act, rec in plan_records(report, plan, items, step, mb, aligned):
-        written = guard.log.emit(rec)
-        if act == "raise" and fatal is None:
-            fatal = written
-    for rec in check_records(report, step, mb, "items {} could not be tied to a placeholder run"):
-        guard.log.emit(rec)  # placeholders in a packed row's padding are never merged
+    out = []
+    for smp, _, rec in plan_records(report, plan, items, step, mb, aligned):
+        if smp in failed:
+            rec = replace(rec, reason=f"{failed[smp]}; {rec.reason}")
+        out.append(rec)
+    # placeholders in a packed row's padding are never merged
+    out += check_records(report, step, mb, "items {} could not be tied to a placeholder run")
     if gen is not None and guard.config.generated == "text":
         kept = {s for s, a in enumerate(plan.actions) if a in ("keep", "repair")}
-        for rec in text_records(gen, step, mb, guard.grammar.neutral_text_id(), kept):
-            guard.log.emit(rec)
-    return fatal
+        out += text_records(gen, step, mb, guard.grammar.neutral_text_id(), kept)
+    return out
 
 
 def dump_bundle(guard: MediaGuard, c: Call, report: AlignmentReport):

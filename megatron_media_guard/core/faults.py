@@ -1,10 +1,11 @@
 """Item faults: what an adapter's own checks find where the run alignment cannot read the
 tokens (megatron-core LLaVA's collapsed ``<image>`` tokens, one per image and expanded by the
-model; its sound tokens, one per embedding row), and their records and raise message.
+model; its sound tokens, one per embedding row), and their records (the raise message is
+built from them, as every fault path's is).
 
 The adapter says what it found (:class:`ItemFault`, frozen data); the wording of the records
 and of the message, the consensus round and the counters are core's
-(:func:`~.conclude.conclude_faults`), as for every other fault path.
+(:func:`~.conclude.conclude`), as for every other fault path.
 """
 
 from __future__ import annotations
@@ -107,52 +108,6 @@ def batch_records(
         )
         for text, bad in [(t, True) for t in fatal] + [(t, False) for t in notes]
     ]
-
-
-def fault_line(f: ItemFault, ctx: FaultContext) -> str:
-    """One line of the raise message: the sample (and its id), the item, the check, both
-    sides."""
-    sid = ctx.sample_id(f.sample)
-    head = f"  sample {f.sample}" + (f" (sample_id {sid!r})" if sid is not None else "")
-    if f.item is not None:
-        what = "image" if f.modality == "image" else "clip"
-        head += f", {what} {f.item} (#{f.item_in_sample} in the sample"
-        head += f", {f.tiles} tiles)" if f.tiles is not None else ")"
-    tail = f" (raise: {ctx.why_raise[f.sample]})" if f.sample in ctx.why_raise else ""
-    label = f.check if f.modality != "sound" else f"sound {f.check}"
-    return f"{head}: {label} - {f.reason}; expected {list(f.expected)}, got {list(f.got)}{tail}"
-
-
-def fault_message(
-    faults: Sequence[ItemFault],
-    actions: Sequence[str],
-    ctx: FaultContext,
-    *,
-    where: str,
-    what: str,
-    unit: str,
-    batch_fatal: Sequence[str],
-    summary: str,
-    log_path: str | None,
-) -> str | None:
-    """The raise message of a call whose samples (or whole batch) must raise, else None:
-    ``where`` (rank, step), ``what`` was guarded, how many ``unit`` (samples, packed
-    sub-samples) raise, the batch-level problems, the first eight raising faults, the call's
-    ``summary`` line, the per-rank log."""
-    fatal = [i for i, x in enumerate(actions) if x == "raise"]
-    if not (fatal or batch_fatal):
-        return None
-    lines = [
-        f"Media alignment failed ({where}): {what}, {len(fatal)} of {len(actions)} {unit}"
-        + (f" and {len(batch_fatal)} batch-level problem(s)" if batch_fatal else "")
-        + ":"
-    ]
-    lines += [f"  batch {t}" for t in batch_fatal]
-    lines += [fault_line(f, ctx) for f in faults if actions[f.sample] == "raise"][:8]
-    lines.append(f"  batch: {summary}")
-    if log_path is not None:
-        lines.append(f"  per-rank log: {log_path}")
-    return "\n".join(lines)
 
 
 __all__ = ["Check", "FaultContext", "FaultModality", "ItemFault"]

@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 
 from ..config import GuardConfig
-from ..diagnostics import DiagnosticsLog, GuardRecord, RankInfo
+from ..diagnostics import DiagnosticsLog, GuardRecord, RankInfo, where_text
 from ..errors import ConsensusError, MediaAlignmentError, MediaGuardError, MediaInputError
 from .alignment import AlignmentReport, align
 from .apply import mask_dropped, nonfinite_items, rows_index, scatter
@@ -95,6 +95,7 @@ class MediaGuard:
         self.encoder = encoder
         self.log = DiagnosticsLog(self.config.log_dir, rank, rank_source=self._rank_source)
         self.counters = {"merges": 0, "samples": 0, "mismatched": 0, "dropped": 0, "repaired": 0}
+        self.steps_ended = 0  # on_step_end calls so far (handles count micro-batches per step)
         self._agreed = True  # False between a merge's start and its collective
         self._bind(self._consensus)
         _ = self.consensus  # the default resolves now when torch.distributed is initialized
@@ -308,19 +309,15 @@ class MediaGuard:
         self.log.emit(GuardRecord(event="step", step=step, extra=counts))
         for k in self.counters:
             self.counters[k] = 0
+        self.steps_ended += 1
         return counts
 
     # ---- internals --------------------------------------------------------------
 
     def where(self, step: int | None, microbatch: int | None) -> str:
-        """``"rank 3, step 12, microbatch 0"``: the context every message of this guard names."""
-        r = self.rank.rank
-        parts = [f"rank {r}" if r is not None else "single process (RANK unset)"]
-        if step is not None:
-            parts.append(f"step {step}")
-        if microbatch is not None:
-            parts.append(f"microbatch {microbatch}")
-        return ", ".join(parts)
+        """``"rank 3, step 12, microbatch 0"``: the context every message of this guard names,
+        in the words of its record lines (:func:`~megatron_media_guard.diagnostics.where_text`)."""
+        return where_text(self.rank.rank, step, microbatch)
 
     def _merge(self, c: Call) -> MergeResult:
         batch, lay = c.batch, c.lay

@@ -51,6 +51,10 @@ class Finding:
         where = "padding" if self.sample is None else f"sample {self.sample}"
         return f"{self.kind.label} at row {self.row} position {self.position} ({where})"
 
+    def in_sample(self) -> str:
+        """What :meth:`describe` says, less the sample and row its sample's record names."""
+        return f"{self.kind.label} at position {self.position}"
+
 
 @dataclass(frozen=True)
 class ParsedRuns:

@@ -14,6 +14,7 @@ from .records import (
     LOGGER_NAME,
     SCHEMA_KEYS,
     SCHEMA_VERSION,
+    SINGLE_PROCESS,
     EventName,
     GuardRecord,
     RankInfo,
@@ -23,6 +24,7 @@ from .records import (
     json_safe,
     summary_line,
     utc_now,
+    where_text,
 )
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "LOGGER_NAME",
     "SCHEMA_KEYS",
     "SCHEMA_VERSION",
+    "SINGLE_PROCESS",
     "DiagnosticsLog",
     "EventName",
     "GuardRecord",
@@ -43,4 +46,5 @@ __all__ = [
     "json_safe",
     "summary_line",
     "utc_now",
+    "where_text",
 ]

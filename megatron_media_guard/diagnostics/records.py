@@ -258,88 +258,179 @@ def _compact(values: list[int], limit: int = 8) -> str:
     return "[" + ", ".join(parts) + "]"
 
 
-def _lengths(label: str, noun: str, value: object) -> str | None:
-    ints = _ints(value)
-    if ints is None:
-        return None if value is None else f"{label} {_clean(value, 80)}"
-    if len(ints) <= 1:
-        return f"{label} {_compact(ints)}"
-    return f"{label} {len(ints)} {noun} {_compact(ints)} = {sum(ints)}"
+#: how a record, a message or a report names a process without a rank (RANK unset, no
+#: torch.distributed): the same words everywhere
+SINGLE_PROCESS = "single process (RANK unset)"
+
+#: an adapter's checks whose expected / got are placeholder and feature counts (others hold
+#: positions or affected units, shown as they are)
+_COUNT_CHECKS = ("count", "tiles")
+
+#: a sample's statuses whose whole reason is the two counts (the line says them once)
+_COUNT_STATUSES = ("surplus", "deficit", "count_mismatch", "length_mismatch")
 
 
-def summary_line(rec: Mapping[str, object]) -> str:
-    """One line for a record dict (tolerates missing and mistyped fields).
+def where_text(rank: object, step: object = None, microbatch: object = None) -> str:
+    """``"rank 3, step 12, microbatch 0"`` (``"single process (RANK unset), ..."`` without a
+    rank): the one way a record line, an exception and a report name a guarded call."""
+    parts = [SINGLE_PROCESS if rank is None else f"rank {_clean(rank, 20)}"]
+    if step is not None:
+        parts.append(f"step {_clean(step, 20)}")
+    if microbatch is not None:
+        parts.append(f"microbatch {_clean(microbatch, 20)}")
+    return ", ".join(parts)
 
-    ``[media-guard] rank 3 step 12 mb 0: drop sample 5 (id 'abc') row 1 item 2 image:
-    expected [2010] got [2550], first mismatch run 0, surplus 540 - <reason>; action ...``
-    """
-    g = rec.get
-    rank = g("rank")
-    head = f"[media-guard] rank {'?' if rank is None else _clean(rank, 20)}"
-    if g("step") is not None:
-        head += f" step {_clean(g('step'), 20)}"
-    if g("microbatch") is not None:
-        head += f" mb {_clean(g('microbatch'), 20)}"
-    subject = [_clean(g("event", "?"), 20)]
-    if g("sample") is not None:
-        subject.append(f"sample {_clean(g('sample'), 20)}")
-    sid = g("sample_id")
-    if sid is not None:
-        subject.append(f"(id {_clean(_repr(sid), 80)})")
-    for key in ("row", "item"):
-        if g(key) is not None:
-            subject.append(f"{key} {_clean(g(key), 20)}")
-    if g("modality") is not None:
-        subject.append(_clean(g("modality"), 20))
-    line = f"{head}: {' '.join(subject)}"
 
-    facts = [
-        s
-        for s in (
-            _lengths("expected", "runs", g("expected")),
-            _lengths("got", "items", g("got")),
+def _counts(exp: list[int] | None, got: list[int] | None, first: object, status: object) -> str:
+    """The two sides of a record once: ``3 placeholders vs 4 features (surplus 1)``, or per
+    run with their totals, and the sample's status when the counts are its cause; nothing
+    when they agree."""
+    if (exp is None) != (got is None):  # one side only: shown as it is
+        side = exp if exp is not None else got
+        noun = "placeholder runs" if exp is not None else "item features"
+        return f"{noun} {_compact(side)} = {sum(side)}"  # type: ignore[arg-type]
+    if exp is None or got is None or exp == got:
+        return ""
+    if len(exp) <= 1 and len(got) <= 1:
+        out = f"{sum(exp)} placeholders vs {sum(got)} features"
+    else:
+        out = (
+            f"placeholder runs {_compact(exp)} = {sum(exp)} vs item features "
+            f"{_compact(got)} = {sum(got)}"
         )
-        if s
-    ]
-    detail = ", ".join(facts)
-    if g("first_mismatch") is not None:
-        detail += f", first mismatch run {_clean(g('first_mismatch'), 20)}"
-    exp, got = _ints(g("expected")), _ints(g("got"))
-    if exp is not None and got is not None and exp != got:
-        delta = sum(got) - sum(exp)
-        detail += (
-            f", surplus {delta}"
-            if delta > 0
-            else f", deficit {-delta}"
-            if delta < 0
-            else ", equal totals"
-        )
-    if detail:
-        line += f": {detail.lstrip(', ')}"
-    if g("reason"):
-        line += f" - {_clean(g('reason'))}"
+    delta = sum(got) - sum(exp)
+    why = [f"surplus {delta}" if delta > 0 else f"deficit {-delta}" if delta else "equal totals"]
+    if status in ("count_mismatch", "length_mismatch"):
+        why.insert(0, f"{status}:")
+    if len(exp) != len(got):
+        runs = f"{len(exp)} run" + ("s" if len(exp) != 1 else "")
+        why.append(f"{runs} for {len(got)} item" + ("s" if len(got) != 1 else ""))
+    elif first is not None and (len(exp) > 1 or not delta):
+        why.append(f"first mismatch at run {_clean(first, 20)}")
+    return (
+        f"{out} ({why[0]} {', '.join(why[1:])})"
+        if why[0].endswith(":")
+        else (f"{out} ({', '.join(why)})")
+    )
 
-    tail = []
-    if g("action") is not None and g("action") != g("event"):
-        tail.append(f"action {_clean(g('action'), 40)}")
-    if g("fidelity") is not None:
-        tail.append(f"fidelity {_clean(g('fidelity'), 40)}")
-    grid = _ints(g("grid"))
-    if grid:
-        tail.append("grid " + "x".join(map(str, grid)))
-    if g("tiles") is not None:
-        tail.append(f"tiles {_clean(g('tiles'), 20)}")
+
+def _reason(reason: object, counted: bool) -> str:
+    """The record's reason less what the counts already say (``surplus: 4 features for 3
+    placeholders (+1)`` once the line shows both counts)."""
+    if not reason:
+        return ""
+    text = _clean(reason)
+    if counted:
+        keep = [c for c in text.split("; ") if c.split(":")[0] not in _COUNT_STATUSES]
+        text = "; ".join(keep)
+    return text
+
+
+def _extra(extra: object, reason: str) -> str:
+    """``extra``'s entries that add something: never ``status`` (the reason or the counts
+    say it), ``findings`` / ``check`` only when the reason does not already hold them."""
+    if not isinstance(extra, Mapping) or not extra:
+        return ""
+    out = []
+    for k, v in extra.items():
+        if k == "status":
+            continue
+        if k == "findings" and (not v or all(_clean(f) in reason for f in v)):
+            continue
+        if k == "check" and reason.startswith(f"{v}:"):
+            continue
+        if v is None or (isinstance(v, str) and _clean(v) in reason):  # said already
+            continue
+        out.append(f"{k}={v}")
+    return _clean(", ".join(out), 160)
+
+
+def _media(g) -> str:
+    """What the record says of its item's media: frames, frame size, grid, tiles."""
+    out = []
     hw = _ints(g("frame_hw"))
     frames = g("num_frames")
-    if frames is not None or hw:
-        media = f"{_clean(frames, 20)} frames" if frames is not None else "media"
-        tail.append(media + (f" {hw[0]}x{hw[1]} (HxW)" if hw and len(hw) == 2 else ""))
+    size = f"{hw[0]}x{hw[1]} (HxW)" if hw and len(hw) == 2 else None
+    if frames is not None:
+        out.append(f"{_clean(frames, 20)} frames" + (f" of {size}" if size else ""))
+    elif size:
+        out.append(size)
+    grid = _ints(g("grid"))
+    if grid:
+        out.append("grid " + "x".join(map(str, grid)))
+    if g("tiles") is not None:
+        out.append(f"{_clean(g('tiles'), 20)} tiles")
+    return ", ".join(out)
+
+
+def summary_line(rec: Mapping[str, object], *, where: bool = True) -> str:
+    """The one line of a record, in the order an operator reads it: where (rank, step,
+    microbatch), the sample (its id, its row), the item (and its media), what was expected
+    and what was found, why, and the action. Each fact once; the same text is the console
+    line, a line of the exception, the report's "first fatal" line and the page's examples.
+    Tolerates missing and mistyped fields.
+
+    ``[media-guard] rank 3, step 12, microbatch 0: sample 5 (sample_id 'abc') row 1, image
+    item 2 (16 frames, 1080x2400 (HxW)): 2010 placeholders vs 2550 features (surplus 540)
+    -> drop``; ``where=False``: without the ``[media-guard] <where>:`` head (a line of a
+    message that names the where once, above)."""
+    g = rec.get
+    subject = []
+    if g("sample") is not None:
+        head = f"sample {_clean(g('sample'), 20)}"
+        if g("sample_id") is not None:
+            head += f" (sample_id {_clean(_repr(g('sample_id')), 80)})"
+        if g("row") is not None:
+            head += f" row {_clean(g('row'), 20)}"
+        subject.append(head)
+    elif g("row") is not None:
+        subject.append(f"row {_clean(g('row'), 20)}")
+    media = _media(g)
+    modality = _clean(g("modality"), 20) if g("modality") is not None else None
+    if modality == "sample":  # a packed sub-sample's own fault: the sample says it
+        modality = None
+    if g("item") is not None:
+        item = f"{modality + ' ' if modality else ''}item {_clean(g('item'), 20)}"
+        subject.append(item + (f" ({media})" if media else ""))
+    elif modality or media:
+        subject.append(" ".join(x for x in (modality, f"({media})" if media else "") if x))
+    exp, got = _ints(g("expected")), _ints(g("got"))
+    extra = g("extra")
+    status = extra.get("status") if isinstance(extra, Mapping) else None
+    check = extra.get("check") if isinstance(extra, Mapping) else None
+    if check is not None and check not in _COUNT_CHECKS and exp is not None and got is not None:
+        counts = f"expected {_compact(exp)}, found {_compact(got)}"  # positions, units: as is
+    else:
+        counts = _counts(exp, got, g("first_mismatch"), status)
+    odd = [  # a foreign file's fields that are no lists of ints: shown as they are
+        f"{k} {_clean(g(k), 80)}"
+        for k in ("expected", "got")
+        if g(k) is not None and _ints(g(k)) is None
+    ]
+    reason = _reason(g("reason"), bool(counts))
+    body = [x for x in (counts, *odd, reason) if x]
+    shown = _extra(extra, reason)
+    if shown:
+        body.append(shown)
+    if g("fidelity") is not None:
+        body.append(f"fidelity {_clean(g('fidelity'), 40)}")
     ms = g("duration_ms")
     if isinstance(ms, (int, float)) and not isinstance(ms, bool):
-        tail.append(f"{ms:.3g} ms")
-    extra = g("extra")
-    if isinstance(extra, Mapping) and extra:
-        tail.append("extra " + _clean(", ".join(f"{k}={v}" for k, v in extra.items()), 160))
-    if tail:
-        line += "; " + "; ".join(tail)
+        body.append(f"{ms:.3g} ms")
+    event, action = _clean(g("event", "?"), 20), g("action")
+    end = ""
+    if action is None and event in ("drop", "raise", "repair"):  # the event is the action
+        end = f" -> {event}"
+    elif action is None:  # a record of no decision (a step's counters): its event first
+        subject.insert(0, event)
+    elif _clean(action, 40) == event:
+        end = f" -> {event}"
+    else:
+        end = f" -> {_clean(action, 40)} ({event})"
+    line = ", ".join(subject)
+    if body:
+        line = f"{line}: {'; '.join(body)}" if line else "; ".join(body)
+    line += end
+    if where:
+        line = f"[media-guard] {where_text(g('rank'), g('step'), g('microbatch'))}: {line}"
     return line

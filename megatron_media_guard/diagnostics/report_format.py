@@ -121,19 +121,11 @@ def format_summary(summary: ReportSummary) -> str:
         lines.append(f"note: {s.other_schema:,} record(s) with a schema other than 1")
     if s.first_fatal is not None:
         ff = s.first_fatal
-        culprit = [f"rank {'?' if ff.get('rank') is None else ff.get('rank')}"]
-        for key in ("step", "sample"):
-            if ff.get(key) is not None:
-                culprit.append(f"{key} {ff.get(key)}")
-        if ff.get("sample_id") is not None:
-            culprit.append(f"(id {_short_id(ff.get('sample_id'))})")
-        if ff.get("item") is not None:
-            culprit.append(f"item {ff.get('item')}")
+        where = f"  [{name(str(ff.get('_file')))}:{ff.get('_line')}]"
         if ff.get("time") is not None:
-            culprit.append(f"at {cut_words(str(ff.get('time')), 40)}")
-        where = f"{name(str(ff.get('_file')))}:{ff.get('_line')}"
-        lines.append(f"first fatal: {' '.join(culprit)} [{where}]")
-        lines.append("  " + summary_line(ff))
+            where += f" at {cut_words(str(ff.get('time')), 40)}"
+        lines.append("first fatal: " + summary_line(ff).removeprefix("[media-guard] "))
+        lines.append(where)
     else:
         lines.append("first fatal: none (no 'raise' record)")
     lines += _rank_table(s.by_rank)

@@ -279,14 +279,11 @@ def _header(s: ReportSummary, name) -> str:
     else:
         from .records import summary_line
 
-        who = [f"rank {'?' if ff.get('rank') is None else ff.get('rank')}"]
-        who += [f"{k} {ff.get(k)}" for k in ("step", "sample", "item") if ff.get(k) is not None]
-        if ff.get("sample_id") is not None:
-            who.append(f"id {ff.get('sample_id')!r}")
         where = f"{name(str(ff.get('_file')))}:{ff.get('_line')}"
+        line = summary_line(ff).removeprefix("[media-guard] ")
         fatal = (
-            f"<div class=fatal><b>First fatal:</b> {_e(' '.join(who))} "
-            f"<code>{_e(where)}</code><br><code>{_e(summary_line(ff))}</code></div>"
+            f"<div class=fatal><b>First fatal</b> <code>{_e(where)}</code><br>"
+            f"<code>{_e(line)}</code></div>"
         )
     return f"<dl>{dl}</dl><p>{events}</p>{fatal}"
 

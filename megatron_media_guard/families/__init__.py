@@ -8,8 +8,10 @@ May import ``core``, ``geometry``, ``repair`` (pixel layouts), ``errors`` and to
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any
 
+from ..errors import MediaInputError
 from . import (
     ernie4_5_vl,
     gemma3,
@@ -95,12 +97,34 @@ def find_family(model: Any) -> tuple[Any, FamilySpec | None]:
     return model, None
 
 
+def family_names() -> tuple[str, ...]:
+    """Each registered family's name once, in registry order (a family's transformers and
+    Bridge specs share a name)."""
+    return tuple(dict.fromkeys(f.name for f in FAMILIES))
+
+
+def no_family(caller: str, what: str) -> MediaInputError:
+    """The refusal of ``what`` (a model, a family name) that no family knows, from ``caller``:
+    a few short lines, each family named once (their classes are in docs/FAMILIES.md)."""
+    names = textwrap.fill(
+        ", ".join(family_names()), width=88, initial_indent="    ", subsequent_indent="    "
+    )
+    return MediaInputError(
+        f"{caller}: no family knows {what}.\n"
+        f"  known families (their classes: docs/FAMILIES.md):\n{names}\n"
+        "  another model: guard its merge with install_generic or MediaGuard.merge",
+        context={"caller": caller, "families": list(family_names())},
+    )
+
+
 __all__ = [
     "FAMILIES",
     "FamilySpec",
     "ModalitySpec",
     "Token",
+    "family_names",
     "family_of",
     "find_family",
+    "no_family",
     "unwrap",
 ]

@@ -37,6 +37,22 @@ def attr_path(obj: Any, *names: str) -> Any:
     return None
 
 
+def check_tokenizer(tokenizer: Any, caller: str) -> None:
+    """Refuses a ``tokenizer=`` that is neither None, a ``{token text: id}`` mapping, nor an
+    object with ``convert_tokens_to_ids`` (a model name given as a string, most often)."""
+    if tokenizer is None or isinstance(tokenizer, Mapping):
+        return
+    if callable(getattr(tokenizer, "convert_tokens_to_ids", None)):
+        return
+    what = repr(tokenizer) if isinstance(tokenizer, str) else f"a {type(tokenizer).__name__}"
+    raise MediaInputError(
+        f"{caller}: tokenizer={what} cannot look up token ids: pass the tokenizer object "
+        "(anything with convert_tokens_to_ids, e.g. AutoTokenizer.from_pretrained(name)) or a "
+        "{token text: id} mapping",
+        context={"caller": caller, "tokenizer": type(tokenizer).__name__},
+    )
+
+
 @dataclass(frozen=True)
 class Token:
     """Where one token id comes from: the first of ``config`` attribute paths that is set on
@@ -48,6 +64,7 @@ class Token:
     default: int | None = None
 
     def resolve(self, model: Any, tokenizer: Any = None) -> int | None:
+        check_tokenizer(tokenizer, "the family's token lookup")
         cur = attr_path(getattr(model, "config", None), *self.config)
         if cur is not None:
             if isinstance(cur, (list, tuple)):  # e.g. eos_token_id lists
@@ -320,9 +337,20 @@ class FamilySpec:
                 elif k not in breaks:
                     breaks.append(k)
         if missing:
+            if tokenizer is None:
+                fix = "set them on model.config, or pass tokenizer= (the model's tokenizer"
+                fix += " or a {token text: id} mapping)"
+            elif isinstance(tokenizer, Mapping):
+                fix = "the tokenizer mapping given has none of these tokens: add them to it"
+            else:
+                fix = (
+                    f"the tokenizer given ({type(tokenizer).__name__}) does not know these "
+                    "tokens (unknown, or its unk id): pass the model's own tokenizer, or a "
+                    "{token text: id} mapping"
+                )
             raise MediaInputError(
-                f"{self.name}: no token id for " + "; ".join(missing) + " (set them on "
-                f"model.config or pass tokenizer= to {caller})"
+                f"{caller}: {self.name}: no token id for " + "; ".join(missing) + f" ({fix})",
+                context={"family": self.name, "missing": missing},
             )
         aliases = {m.name: m.shares for m in self.modalities if m.shares is not None}
         if (pairs and end_only) or len(end_only) > 1:

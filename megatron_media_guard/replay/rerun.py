@@ -17,11 +17,12 @@ from pathlib import Path
 
 from ..config import GuardConfig
 from ..core.alignment import AlignmentReport, align
-from ..core.explain import error_message
+from ..core.explain import alignment_message, batch_summary, sample_record
 from ..core.items import metadata_batch
 from ..core.plan import build_plan
 from ..core.runs import TokenLayout, parse_layout
 from ..core.verify import Verdict
+from ..diagnostics import where_text
 from ..diagnostics.report_format import neutralise
 from ..errors import MediaGuardError
 from .args import add_replay_arguments
@@ -64,12 +65,7 @@ class ReplayResult:
 
 def _replay_where(bundle: Bundle) -> str:
     r = bundle.rank.rank if bundle.rank is not None else None
-    parts = [f"replay of rank {r}" if r is not None else "replay of single process (RANK unset)"]
-    if bundle.step is not None:
-        parts.append(f"step {bundle.step}")
-    if bundle.microbatch is not None:
-        parts.append(f"microbatch {bundle.microbatch}")
-    return ", ".join(parts)
+    return "replay of " + where_text(r, bundle.step, bundle.microbatch)
 
 
 def replay(bundle: Bundle) -> ReplayResult:
@@ -86,15 +82,21 @@ def replay(bundle: Bundle) -> ReplayResult:
     verdict = Verdict(report.num_runs, len(bad), len(report.stray_findings), 0, 0)
     config = bundle.config or GuardConfig()
     plan = build_plan(len(report.samples), bundle.items, verdict, report, config)
+    mb = bundle.microbatch
     if report.ok:
         message = (
             f"Media alignment ok ({where}): {len(report.samples)} samples aligned, "
-            f"{report.num_runs} runs / {report.num_items} items, "
-            f"{report.total_placeholders} placeholders / {report.total_features} features"
+            + batch_summary(report)
         )
     else:
         # no log path: a replay writes no log (the save-time one is the bundle's log_path)
-        message = error_message(report, bad, bundle.items, where=where, log_path=None)
+        records = [
+            sample_record(rep, norm.items, "raise", "raise", step=bundle.step, microbatch=mb)
+            for rep in report.mismatched
+        ]
+        message = alignment_message(
+            where, records, total=len(report.samples), summary=batch_summary(report)
+        )
     saved = tuple(int(m["sample"]) for m in bundle.report.get("mismatched", []))
     return ReplayResult(bundle.path, where, report, message, bad, plan.actions, saved)
 

@@ -75,6 +75,12 @@ def add_smoke_arguments(p: argparse.ArgumentParser) -> None:
         "--log-dir", default=None, help="diagnostics directory (default: a fresh temp dir)"
     )
     p.add_argument(
+        "--dump-dir",
+        default=None,
+        help="save a replay bundle of each mismatched micro-batch under DIR/<scenario>.<policy>/ "
+        "(for `media-guard replay`; default: none)",
+    )
+    p.add_argument(
         "--tp", type=int, default=1, help="tensor-parallel size (default 1; DP = nproc / tp)"
     )
     p.add_argument(
@@ -154,6 +160,12 @@ def run_smoke(args: argparse.Namespace) -> int:
             return _usage(f"--log-dir {log_dir}: {bad}")
     else:  # removed at the end unless the run failed (then kept for the post-mortem)
         log_dir = Path(tempfile.mkdtemp(prefix="media_guard_smoke_"))
+    dump_dir = None
+    if args.dump_dir:
+        dump_dir = Path(args.dump_dir)
+        bad = _unusable_dir(dump_dir)
+        if bad:
+            return _usage(f"--dump-dir {dump_dir}: {bad}")
     runs = [f"{s}.{p}" for s in args.scenario for p in args.policy]
     used = [r for r in runs if any((log_dir / r).glob("media_guard.rank*.jsonl"))]
     if used:
@@ -171,12 +183,14 @@ def run_smoke(args: argparse.Namespace) -> int:
         seed=args.seed,
         verbose=args.verbose,
         hang_rank=args.hang_rank,
+        dump_dir=None if dump_dir is None else str(dump_dir),
     )
     print(
         f"media-guard smoke: {n} ranks ({backend}), TP{tp} DP{n // tp}, steps 0..{steps - 1} per run; "
         f"fault on rank {fault_rank} at step {fault_step}\n"
         f"  scenarios: {', '.join(args.scenario)}\n  policies:  {', '.join(args.policy)}\n"
-        f"  log dir:   {log_dir}",
+        f"  log dir:   {log_dir}"
+        + (f"\n  dump dir:  {dump_dir} (replay bundles)" if dump_dir is not None else ""),
         flush=True,
     )
     from .scenarios import FAULT_SPECS  # torch: only once the run starts

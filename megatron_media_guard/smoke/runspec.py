@@ -26,6 +26,7 @@ class WorkerArgs:
     lr: float = 0.05
     verbose: bool = False
     hang_rank: int | None = None  # testing the launcher's timeout: this rank sleeps forever
+    dump_dir: str | None = None  # replay bundles of mismatched micro-batches, per run
 
 
 @dataclass(frozen=True)

@@ -101,9 +101,13 @@ class _Rank:
         t0 = time.perf_counter()
         name = f"{scenario}/{policy}"
         consensus = StageConsensus.from_parallel_state()
+        run = f"{scenario}.{policy}"
         guard = MediaGuard(
             GuardConfig(  # environ={}: the scenarios' expectations hold whatever is exported
-                policy=policy, log_dir=str(Path(a.log_dir) / f"{scenario}.{policy}"), environ={}
+                policy=policy,
+                log_dir=str(Path(a.log_dir) / run),
+                dump_dir=None if a.dump_dir is None else str(Path(a.dump_dir) / run),
+                environ={},
             ),
             GRAMMAR,
             rank=consensus.rank_info(),

@@ -1,17 +1,17 @@
 """What a guarded LLaVA call says about its findings: the context of its item faults, the
 summary line of its raise message and its plan digest. The records, the message, the
 consensus round and the counters are core's (:func:`~megatron_media_guard.core.conclude.
-conclude_faults`)."""
+conclude`), as for every fault path."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ...core.conclude import conclude_faults
+from ...core.conclude import conclude
 from ...core.fault_path import save_replay
-from ...core.faults import FaultContext, ItemFault
+from ...core.faults import FaultContext, ItemFault, batch_records, fault_records
 from ...core.items import MediaItem
-from ...core.plan import digest
+from ...core.plan import Plan, digest
 from ...diagnostics import GuardRecord
 from .measure import LlavaFacts
 
@@ -92,20 +92,21 @@ def settle(
         [(f.check, f.modality, f.sample, f.item) for f in faults],
         batch_fatal,
     )
-    return conclude_faults(
+    recs = [
+        *fault_records(faults, actions, ctx, step=step, microbatch=mb),
+        *batch_records(batch_fatal, notes, ctx.adapter, step, mb),
+        *records,
+    ]
+    return conclude(
         guard,
-        faults,
-        actions,
-        ctx,
-        what="LLaVA _preprocess_data",
-        unit="packed sub-samples" if facts.packed else "samples",
-        summary=_summary(facts),
-        digest=plan_digest,
+        Plan(tuple(actions), (), plan_digest),
+        recs,
         step=step,
         microbatch=mb,
-        batch_fatal=batch_fatal,
-        notes=notes,
-        records=records,
+        mismatched=len({f.sample for f in faults}),
+        summary=_summary(facts),
+        what="LLaVA _preprocess_data",
+        unit="packed sub-samples" if facts.packed else "samples",
         caller=CALLER,
         bundle=_bundle(guard, facts, faults, owners, items, ids, step, mb),
     )

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ...core.conclude import conclude
+from ...core.explain import batch_summary
 from ...core.fault_path import save_replay
 from ...core.generated import as_text, find_generated, text_records
 from ...core.guard import MediaGuard
@@ -50,12 +51,12 @@ from .plan import (
     check_record,
     grid_note,
     host_rows,
+    plan_call_records,
     refuse,
     report_for,
     run_row_repairs,
     split_rows,
     token_items,
-    write_records,
 )
 from .rewrite import dummy_cell, follow_ids, removed_rows, rewrite
 
@@ -229,24 +230,24 @@ class QwenVLHandle(ForwardHookHandle):
             notes[s] = "; ".join(filter(None, (notes.get(s), f"repair failed, {why}")))
         for s, why in plan.reasons:
             notes[s] = "; ".join(filter(None, (why, notes.get(s))))
-        fatal_rec = write_records(guard, report, plan, items, notes, step, mb)
+        records = plan_call_records(report, plan, items, notes, step, mb)
         if gen is not None and cfg.generated == "text":
             kept = {s for s, a in enumerate(plan.actions) if a in ("keep", "repair")}
-            for rec in text_records(gen, step, mb, spec.text_id, kept):
-                guard.log.emit(
-                    replace(rec, extra={**rec.extra, "adapter": "qwen_vl"}), caller=CALLER
-                )
-        bundle = self._dump(ids, cu, items, report, plan, step, mb)
+            records += [
+                replace(rec, extra={**rec.extra, "adapter": "qwen_vl"})
+                for rec in text_records(gen, step, mb, spec.text_id, kept)
+            ]
         stage = conclude(
             guard,
-            report,
             plan,
-            items,
+            records,
             step=step,
             microbatch=mb,
-            notes=notes,
-            fatal_record=fatal_rec,
-            bundle=bundle,
+            mismatched=len(report.mismatched),
+            summary=batch_summary(report),
+            fatal=bool(report.orphans) and cfg.policy == "raise",
+            caller=CALLER,
+            bundle=lambda: self._dump(ids, cu, items, report, plan, step, mb),
             digest=self._digest(check, plan),
         )
         rw = rewrite(

@@ -307,25 +307,33 @@ def grid_note(rep, items: Sequence[MediaItem], item_row: Sequence[int], rows, sp
     return "; ".join(parts)
 
 
-def write_records(guard, report, plan: Plan, items, notes, step, mb) -> dict | None:
-    """One record per dropped or raised sample (and for unused rows, placeholders in packed
-    padding); returns the first fatal one, the record consensus fetches from the culprit."""
+def plan_call_records(report, plan: Plan, items, notes, step, mb) -> list[GuardRecord]:
+    """One record per dropped or raised sample (its grid rows under ``extra.grids``), and for
+    unused rows and placeholders in packed padding; core's ``conclude`` writes them."""
     reasons = dict(plan.reasons)
 
     def aligned(smp: int, act: str) -> GuardRecord:  # a grid row it shares is split or dropped
         why = reasons.get(smp, "a grid row it shares left with a dropped sample")
-        return GuardRecord(event=act, step=step, microbatch=mb, sample=smp, action=act, reason=why)
+        rep = report.samples[smp]
+        return GuardRecord(
+            event=act,
+            step=step,
+            microbatch=mb,
+            sample=smp,
+            sample_id=rep.sample_id,
+            row=rep.row,
+            action=act,
+            reason=why,
+        )
 
-    fatal = None
-    for smp, act, rec in plan_records(report, plan, items, step, mb, aligned):
+    out = []
+    for smp, _, rec in plan_records(report, plan, items, step, mb, aligned):
         extra = {**(rec.extra or {}), "adapter": "qwen_vl", "grids": notes.get(smp)}
-        written = guard.log.emit(replace(rec, extra=extra), caller=CALLER)
-        if act == "raise" and fatal is None:
-            fatal = written
+        out.append(replace(rec, extra=extra))
     orphans = "grid rows of items {} have no placeholder run"
     for rec in check_records(report, step, mb, orphans):  # padding placeholders: made text
-        guard.log.emit(replace(rec, extra={"adapter": "qwen_vl"}), caller=CALLER)
-    return fatal
+        out.append(replace(rec, extra={"adapter": "qwen_vl"}))
+    return out
 
 
 def check_record(guard, step, mb, action: str, reason: str) -> None:
