@@ -203,9 +203,12 @@ def derive(model: Any) -> FamilySpec | None:
     no transformers VLM at all; :class:`MediaInputError` naming what is missing for one that
     does not follow the convention. Warns once what was derived and what could not be."""
     cls = type(model)
+    if not cls.__module__.startswith("transformers.") or not callable(
+        getattr(model, "forward", None)
+    ):
+        return None  # no transformers model: nothing to derive from
     fwd = set(inspect.signature(model.forward).parameters)
-    media = any("pixel_values" in p or "input_features" in p for p in fwd)
-    if not cls.__module__.startswith("transformers.") or not media:
+    if not any("pixel_values" in p or "input_features" in p for p in fwd):
         return None
     notes: list[str] = []
     found = {m: _modality(model, m, fwd, notes) for m in MODALITIES}
