@@ -45,9 +45,10 @@ from megatron_media_guard.families.pinning import (
 )
 from megatron_media_guard.families.reprocess import Reprocessor
 from megatron_media_guard.geometry import PatchMergeGeometry, RadioTilerGeometry
-from megatron_media_guard.testing import qwen_vl, video_processors
+from megatron_media_guard.testing import video_processors
 from megatron_media_guard.testing.families import ernie4_5_vl, glm4v, nemotron_omni
-from megatron_media_guard.testing.families.base import FamilyBatch, Media, right_pad
+from megatron_media_guard.testing.families.base import Media
+from megatron_media_guard.testing.qwen_fixture import QwenFixture
 
 pytest.importorskip("transformers.models.glm4v.image_processing_pil_glm4v")
 
@@ -125,49 +126,12 @@ def _nemotron():
     return Case("nemotron_omni", nemotron_omni, None, "image_grid_hw", NEMOTRON_TOKENS)
 
 
-@dataclass(frozen=True)
-class QwenIds:
-    """The ids a Qwen-VL processor writes (``qwen_vl``'s tiny models, default token ids):
-    image ``size=(h, w)`` patch grid, one run of h*w/4; video ``size=(t, h, w)``, Qwen2.5-VL
-    one run of t*h*w/4, Qwen3-VL t runs of h*w/4 each after its timestamp text (``tokens``:
-    the video's total, the difference on its last run)."""
-
-    family: str
-
-    def tiny_model(self):
-        return qwen_vl.tiny_model(self.family)
-
-    def make_batch(self, model, samples) -> FamilyBatch:
-        del model
-        rng, rows = np.random.default_rng(0), []
-        for sample in samples:
-            row = list(rng.integers(100, 1000, 4))
-            for m in sample:
-                if m.modality == "image":
-                    n = m.size[0] * m.size[1] // 4
-                    lens, pad = [n if m.tokens is None else m.tokens], qwen_vl.IMAGE
-                else:
-                    t, h, w = m.size
-                    lens = [h * w // 4] * t if self.family == "qwen3_vl" else [t * h * w // 4]
-                    lens[-1] += 0 if m.tokens is None else m.tokens - sum(lens)
-                    pad = qwen_vl.VIDEO
-                for n in lens:
-                    row += list(rng.integers(100, 1000, 2)) if self.family == "qwen3_vl" else []
-                    row += [qwen_vl.START, *[pad] * n, qwen_vl.END]
-                row += list(rng.integers(100, 1000, 3))
-            rows.append([int(x) for x in row])
-        ids, attn = right_pad(rows, 151643)
-        types = (ids == qwen_vl.IMAGE).long() + 2 * (ids == qwen_vl.VIDEO).long()
-        kw = {"input_ids": ids, "attention_mask": attn, "mm_token_type_ids": types}
-        return FamilyBatch(kw, [], [], [len(r) for r in rows])
-
-
 def _qwen():
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
-    return Case("qwen_vl", QwenIds("qwen2_5_vl"), Qwen2VLImageProcessorPil(), "image_grid_thw")
+    return Case("qwen_vl", QwenFixture("qwen2_5_vl"), Qwen2VLImageProcessorPil(), "image_grid_thw")
 
 
 CASES = {
@@ -449,12 +413,14 @@ def frames_array(frames: list[Image.Image]) -> np.ndarray:
 @dataclass(frozen=True)
 class VideoCase:
     """One family's videos: its spec, its fixture, its video processor (oracle), and the
-    engine's smaller budget (``size`` of the video processor)."""
+    engine's smaller budget (``size`` of the video processor); as_array: the originals passed
+    as arrays ``[T, H, W, C]`` (else lists of PIL frames)."""
 
     family: str
     fixture: Any
     processor: str
     engine_size: dict
+    as_array: bool = False
 
     def model(self):
         key = ("video", self.processor)
@@ -482,7 +448,7 @@ class VideoCase:
             kw,
             config=self.model().config,
             guard=GuardConfig(policy="repair", **cfg),
-            media={"video": videos},
+            media={"video": [frames_array(v) if self.as_array else v for v in videos]},
             processor={"video": self.settings()},
         )
 
@@ -490,18 +456,22 @@ class VideoCase:
 VIDEO_CASES = {
     "qwen2_5_vl": VideoCase(
         "qwen_vl",
-        QwenIds("qwen2_5_vl"),
+        QwenFixture("qwen2_5_vl"),
         "qwen2_vl",
         {"shortest_edge": 3136, "longest_edge": 28 * 28 * 40},
     ),
     "qwen3_vl": VideoCase(
         "qwen_vl",
-        QwenIds("qwen3_vl"),
+        QwenFixture("qwen3_vl"),
         "qwen3_vl",
         {"shortest_edge": 4096, "longest_edge": 4 * 32 * 32 * 30},
     ),
     "glm4v": VideoCase(
-        "glm4v", glm4v, "glm4v", {"shortest_edge": 112 * 112, "longest_edge": 4 * 28 * 28 * 40}
+        "glm4v",
+        glm4v,
+        "glm4v",
+        {"shortest_edge": 112 * 112, "longest_edge": 4 * 28 * 28 * 40},
+        as_array=True,
     ),
 }
 
