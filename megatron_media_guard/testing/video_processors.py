@@ -97,6 +97,12 @@ def settings(name: str) -> dict[str, Any]:
     return {k: d[k] for k in keys if k in d}
 
 
+def shares_budget(name: str) -> bool:
+    """Whether the processor's frames share its pixel budget (its ``smart_resize`` takes the
+    frame count: Qwen3-VL, GLM-4V), else the budget is per frame (Qwen2-VL)."""
+    return "num_frames" in inspect.signature(processor(name)["smart_resize"]).parameters
+
+
 def process(
     name: str, frames: np.ndarray, size: dict[str, int] | None = None
 ) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -116,7 +122,7 @@ def process(
         min_pixels=size["shortest_edge"],
         max_pixels=size["longest_edge"],
     )
-    if "num_frames" in inspect.signature(p["smart_resize"]).parameters:
+    if shares_budget(name):
         kw.update(num_frames=t, temporal_factor=tp)
     h, w = p["smart_resize"](**kw)
     x = video.reshape(-1, *video.shape[2:])
@@ -132,4 +138,4 @@ def process(
     return rows[0], (gt, gh, gw)
 
 
-__all__ = ["MODULES", "process", "processor", "settings"]
+__all__ = ["MODULES", "process", "processor", "settings", "shares_budget"]
