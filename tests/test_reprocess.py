@@ -333,9 +333,9 @@ def test_a_static_video_against_a_longer_rollout_is_refused_naming_both_totals()
 
 
 def test_the_qwen_processor_is_pinned_by_its_own_budget_knobs():
-    """Qwen-VL (no collate spec with counts on this branch): the pin on the real
-    ``Qwen2VLImageProcessorPil`` (the torchvision one needs torchvision) equals the processor
-    at the engine's ``max_pixels``, with its settings left as they were."""
+    """The pin alone on the real ``Qwen2VLImageProcessorPil`` (the torchvision one needs
+    torchvision) at a Qwen2-VL geometry's solution: equal to the processor at the engine's
+    ``max_pixels`` (a knob passed per call), with its settings left as they were."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
