@@ -514,10 +514,11 @@ def test_a_video_whose_runs_differ_is_refused_never_guessed(case, tmp_path):
     videos = [clip(4, 224, 336, 1)]
     _, (t, h, w) = video_processors.process(vc.processor, frames_array(videos[0]), vc.engine_size)
     kw, _ = vc.batch(videos, [(t, h, w)], [t * h * w // 4 - 4])
-    with pytest.raises(MediaAlignmentError, match="do not uniquely determine") as err:
+    with pytest.raises(MediaAlignmentError, match="does not uniquely determine") as err:
         vc.check(kw, videos, fallback="raise", log_dir=str(tmp_path))
     per = h * w // 4
-    assert f"runs [{per}, {per - 4}] differ" in str(err.value)
+    assert "gives every temporal group the same run" in str(err.value)
+    assert f"runs [{per}, {per - 4}]" in str(err.value)
     out = vc.check(kw, videos)
     assert out.report.actions == ("drop",) and out.reprocessed == ()
     assert "pixel_values_videos" not in out.batch
@@ -529,7 +530,7 @@ def test_a_video_count_that_does_not_land_is_refused_never_guessed():
     videos = [clip(4, 224, 336, 1)]
     _, (t, h, w) = video_processors.process(vc.processor, frames_array(videos[0]), vc.engine_size)
     kw, _ = vc.batch(videos, [(t, h, w)], [t * h * w // 4 + 1])
-    with pytest.raises(MediaAlignmentError, match="do not uniquely determine") as err:
+    with pytest.raises(MediaAlignmentError, match="does not uniquely determine") as err:
         vc.check(kw, videos, fallback="raise")
     assert "not divisible by the 2 temporal groups" in str(err.value)
 
@@ -571,3 +572,15 @@ def test_a_processor_family_without_its_processor_falls_back_saying_so(family, t
     assert out.report.actions == ("drop",) and out.reprocessed == ()
     (rec,) = [r for r in records(tmp_path) if r["event"] == "repair"]
     assert "no processor given" in rec["reason"]
+
+
+def test_frames_that_make_another_number_of_groups_are_refused():
+    """Qwen3-VL: the rollout wrote the 2 runs of a 4-frame video; 6 frames make 3 groups."""
+    vc = VIDEO_CASES["qwen3_vl"]
+    videos = [clip(4, 224, 336, 1)]
+    _, grid = video_processors.process(vc.processor, frames_array(videos[0]), vc.engine_size)
+    kw, _ = vc.batch(videos, [grid])
+    with pytest.raises(MediaAlignmentError, match="does not uniquely determine") as err:
+        vc.check(kw, [clip(6, 224, 336, 1)], fallback="raise")
+    assert "its frames make 3 temporal groups" in str(err.value)
+    assert "the rollout wrote 2 runs" in str(err.value)

@@ -228,37 +228,35 @@ class Reprocessor:
         t, hw = frames.shape[0], tuple(frames.shape[-2:])
         groups = -(-t // sizes["temporal_patch"])
         what = f"{mod} {k} ({t} frames, {hw[0]}x{hw[1]})"
+
+        def refused(detail: str) -> MediaAlignmentError:
+            return MediaAlignmentError(
+                f"{what}: {detail}: the rollout's runs {rollout} do not give it one frame "
+                "size; the run length does not uniquely determine an input the processor "
+                "maps to it; refused, no grid inferred"
+            )
+
         per_group = len(static) > 1  # the family counts a run per temporal group
         if per_group and len(rollout) != groups:
-            raise MediaAlignmentError(
-                f"{what}: {groups} temporal groups of {sizes['temporal_patch']} frames, the "
-                f"rollout has {len(rollout)} runs: the frames do not give its runs; refused, no "
-                "grid inferred"
+            raise refused(
+                f"its frames make {groups} temporal groups of {sizes['temporal_patch']} frames, "
+                f"one run each, the rollout wrote {len(rollout)} runs"
             )
         if per_group and len(set(rollout)) != 1:
-            raise MediaAlignmentError(
-                f"{what}: the rollout's runs {rollout} differ, but one frame size gives every "
-                "temporal group the same run: the runs do not uniquely determine an input the "
-                "processor maps to them; refused, no grid inferred"
-            )
+            raise refused("one frame size gives every temporal group the same run")
         total = sum(rollout)
         sol, why_not = solve_allowed(geo, total, hw, t, ctx.config)
         facts.update(fidelity=sol.fidelity, size_hw=sol.size_hw)
         if why_not is not None:
-            raise MediaAlignmentError(
-                f"{what}: {why_not} (the rollout's runs {rollout}: the run lengths do not "
-                "uniquely determine a frame size; refused, no grid inferred)"
-            )
+            raise refused(why_not)
         proc = self._run(pin.run, key, self._processor(mod), frames, sol, sizes)
         gt, gh, gw = proc.grid
         cell = gh * gw // (sizes["merge"] ** 2)
         got = [cell] * gt if per_group else [gt * cell]
         if got != rollout:
-            raise MediaAlignmentError(
-                f"{what}: the processor gives runs {got} (grid {list(proc.grid)}, "
-                f"{proc.how} at {sol.size_hw}) for the rollout's {rollout}: the run lengths do "
-                "not uniquely determine an input the processor maps to them; refused, no grid "
-                "inferred"
+            raise refused(
+                f"the processor gives runs {got} (grid {list(proc.grid)}, {proc.how} at "
+                f"{sol.size_hw})"
             )
         return sol, proc, total
 
