@@ -10,10 +10,11 @@ Nemotron Omni with its own arithmetic (the engine's shared budget of 16 frames i
 functions from the installed source around the float bicubic resize and fused normalization of
 its torchvision backend).
 
-Videos (one per sample, 4 frames, ``VIDEO_SIZES``): Qwen2.5-VL (one run per video), Qwen3-VL and
-GLM-4V (a run per temporal group), the engine's video processor at a quarter of the static
-processing's pixels; the oracle is the video processor's own ``smart_resize``, ``patchify`` and
-defaults compiled from the installed source around torchvision's uint8 resize
+Videos (one per sample, 4 frames, ``VIDEO_SIZES``): Qwen2.5-VL and Ernie 4.5 VL (one run per
+video; Ernie with ``draw_on_frames=False``), Qwen3-VL and GLM-4V (a run per temporal group),
+the engine's video processor at a quarter of the static processing's pixels; the oracle is the
+video processor's own code compiled from the installed source (``smart_resize``, ``patchify``,
+Ernie's ``_preprocess``, the defaults) around torchvision's uint8 resize
 (``testing/video_processors.py``: the processors import torchvision).
 
     python -m benchmarks.bench_reprocess
@@ -143,7 +144,7 @@ def measure(case) -> dict:
     }
 
 
-def measure_video(label: str, family: str, fixture, processor: str) -> dict:
+def measure_video(label: str, family: str, fixture, processor: str, **overrides) -> dict:
     """One batch of ``VIDEO_SIZES`` clips, each sized by the engine's video processor at a
     quarter of the static processing's pixels per frame (module docstring)."""
     model = fixture.tiny_model()
@@ -152,7 +153,7 @@ def measure_video(label: str, family: str, fixture, processor: str) -> dict:
         for k, (h, w) in enumerate(VIDEO_SIZES)
     ]
     stat = [video_processors.process(processor, c) for c in clips]
-    cfg = video_processors.settings(processor)
+    cfg = video_processors.settings(processor) | overrides
     p, f = cfg["patch_size"], cfg["patch_size"] * cfg["merge_size"]
     share = FRAMES if video_processors.shares_budget(processor) else 1
     eng = [
@@ -172,7 +173,7 @@ def measure_video(label: str, family: str, fixture, processor: str) -> dict:
         config=model.config,
         guard=GuardConfig(policy="repair"),
         media={"video": [list(c) for c in clips]},
-        processor={"video": video_processors.settings(processor)},
+        processor={"video": cfg},
     )
     wall = time.perf_counter() - t0
     rows = out.batch["pixel_values_videos"].split(out.batch["video_grid_thw"].prod(-1).tolist())
@@ -229,6 +230,8 @@ def main() -> None:
         ("glm4v videos (a run per group)", "glm4v", glm4v, "glm4v"),
     ):
         print(measure_video(label, family, fixture, processor))
+    label = "ernie4_5_vl videos (one run, draw_on_frames=False)"
+    print(measure_video(label, "ernie4_5_vl", ernie4_5_vl, "ernie4_5_vl", draw_on_frames=False))
 
 
 if __name__ == "__main__":

@@ -10,10 +10,11 @@ oracle is the processor's own ``get_patch_grid_size`` and ``convert_image_to_pat
 (compiled from the installed source) around the float resize and fused normalization its
 torchvision backend does.
 
-Videos, every family with a video pin (Qwen2.5-VL one run, Qwen3-VL a run per temporal group,
-GLM-4V a run per temporal group): the video processors need torchvision, so the oracle is
-:mod:`megatron_media_guard.testing.video_processors` (their own ``smart_resize``, ``patchify``
-and defaults compiled from the installed source, around torchvision's uint8 resize).
+Videos, every family with a video pin (Qwen2.5-VL and Ernie 4.5 VL one run, Qwen3-VL and GLM-4V
+a run per temporal group): the video processors need torchvision, so the oracle is
+:mod:`megatron_media_guard.testing.video_processors` (their own ``smart_resize``, ``patchify``,
+Ernie's ``_preprocess`` and defaults compiled from the installed source, around torchvision's
+uint8 resize).
 """
 
 from __future__ import annotations
@@ -414,13 +415,15 @@ def frames_array(frames: list[Image.Image]) -> np.ndarray:
 class VideoCase:
     """One family's videos: its spec, its fixture, its video processor (oracle), and the
     engine's smaller budget (``size`` of the video processor); as_array: the originals passed
-    as arrays ``[T, H, W, C]`` (else lists of PIL frames)."""
+    as arrays ``[T, H, W, C]`` (else lists of PIL frames); settings: over the processor's
+    defaults (Ernie: ``draw_on_frames=False``)."""
 
     family: str
     fixture: Any
     processor: str
     engine_size: dict
     as_array: bool = False
+    overrides: tuple = ()
 
     def model(self):
         key = ("video", self.processor)
@@ -429,7 +432,7 @@ class VideoCase:
         return _MODELS[key]
 
     def settings(self) -> dict:
-        return video_processors.settings(self.processor)
+        return video_processors.settings(self.processor) | dict(self.overrides)
 
     def batch(self, videos, grids, tokens=None):
         """The rollout's ids for one video per sample at ``grids`` (its runs), the static
@@ -473,6 +476,13 @@ VIDEO_CASES = {
         {"shortest_edge": 112 * 112, "longest_edge": 4 * 28 * 28 * 40},
         as_array=True,
     ),
+    "ernie4_5_vl": VideoCase(
+        "ernie4_5_vl",
+        ernie4_5_vl,
+        "ernie4_5_vl",
+        {"shortest_edge": 3136, "longest_edge": 28 * 28 * 40},
+        overrides=(("draw_on_frames", False),),
+    ),
 }
 
 
@@ -493,7 +503,8 @@ def test_a_short_video_is_repaired_from_its_frames_to_what_the_processor_makes(c
     assert out.report.actions == ("repair", "keep")
     (done,) = out.reprocessed
     t, h, w = eng_grid
-    assert (done.modality, done.index, done.sample, done.tokens) == ("video", 0, 0, t * h * w // 4)
+    tokens = t * h * w // (8 if vc.family == "ernie4_5_vl" else 4)  # Ernie: t counts frames
+    assert (done.modality, done.index, done.sample, done.tokens) == ("video", 0, 0, tokens)
     assert done.fidelity == "engine-replay" and done.how == "own-arithmetic"
     assert tuple(done.grid) == eng_grid and out.matched == {("video", 0)}
     b = out.batch
@@ -584,3 +595,16 @@ def test_frames_that_make_another_number_of_groups_are_refused():
         vc.check(kw, [clip(6, 224, 336, 1)], fallback="raise")
     assert "its frames make 3 temporal groups" in str(err.value)
     assert "the rollout wrote 2 runs" in str(err.value)
+
+
+def test_an_ernie_video_drawn_on_is_refused_saying_why(tmp_path):
+    """Ernie's video processor draws timestamps on the frames by default (a font file): a
+    video processed so is refused, naming it, never re-processed without the drawing."""
+    vc = VIDEO_CASES["ernie4_5_vl"]
+    videos = [clip(4, 224, 336, 1)]
+    _, grid = video_processors.process(vc.processor, frames_array(videos[0]), vc.engine_size)
+    kw, _ = vc.batch(videos, [grid])
+    drawn = VideoCase(vc.family, vc.fixture, vc.processor, vc.engine_size)
+    assert drawn.settings()["draw_on_frames"] is True
+    with pytest.raises(MediaAlignmentError, match="draw_on_frames"):
+        drawn.check(kw, videos, fallback="raise")

@@ -15,13 +15,14 @@ its pixels and grid are what the processor makes of it at the engine's size.
   with the mean and std scaled by ``1/rescale_factor`` (its fused rescale-and-normalize), cut
   into row-major patches (:func:`.layouts.image_to_patches`). A processor passed in lends its
   ``image_mean`` / ``image_std`` / ``rescale_factor`` / ``patch_size``.
-- :class:`PatchMergeVideoPin` (Qwen2-VL / 2.5-VL, Qwen3-VL / 3.5, GLM-4V videos): their video
-  processors import torchvision, so the library's own implementation of what they do after
-  sizing: the frames as given (the processor's input after its frame sampling; RGB, channels
-  first) resized to the solved size by :func:`tensor_resize` (torchvision's tensor resize:
-  bicubic with antialias, natively on uint8 on CPU), the fused rescale-and-normalize, padded to
-  whole temporal groups by repeating the last frame and cut into merge-block patch rows
-  (:func:`~..repair.pixels.from_frames`, the processors' ``patchify``). The video processor (or
+- :class:`PatchMergeVideoPin` (Qwen2-VL / 2.5-VL, Qwen3-VL / 3.5, GLM-4V, Ernie 4.5 VL videos):
+  their video processors import torchvision, so the library's own implementation of what they
+  do after sizing: the frames as given (the processor's input after its frame sampling; RGB,
+  channels first) padded to whole temporal groups by repeating the last frame, resized to the
+  solved size by :func:`tensor_resize` (torchvision's tensor resize: bicubic with antialias,
+  natively on uint8 on CPU), the fused rescale-and-normalize, and cut into merge-block patch
+  rows (:func:`~..repair.pixels.from_frames`, the processors' ``patchify``; Ernie one frame a
+  row, and only with ``draw_on_frames=False``: its default draws timestamps with a font). The video processor (or
   its ``video_preprocessor_config`` as a dict) lends ``image_mean`` / ``image_std`` /
   ``rescale_factor`` / ``do_rescale`` / ``do_normalize``; its ``patch_size`` / ``merge_size`` /
   ``temporal_patch_size`` must be the model's.
@@ -261,10 +262,21 @@ def _setting(processor: Any, name: str, default: Any) -> Any:
 
 @dataclass(frozen=True)
 class PatchMergeVideoPin:
-    """A patch-merge video processor (``video_grid_thw`` rows ``(t, h, w)``, ``t*h*w/merge**2``
-    tokens) at a solved frame size: the library's own implementation (module docstring)."""
+    """A patch-merge video processor (``video_grid_thw`` rows ``(t, h, w)``) at a solved frame
+    size: the library's own implementation (module docstring). Tokens: ``h*w/merge**2`` per
+    temporal group of ``temporal_patch`` frames (the clip padded to whole groups by repeating
+    its last frame).
+
+    row_frames: frames in one patch row, the processor's ``patchify``: None, the temporal patch
+    (Qwen-VL, GLM-4V: ``t`` counts groups); 1 (Ernie 4.5 VL: one frame a row, ``t`` counts
+    frames, its resampler merges the pairs). draws: the family's video processor can draw each
+    frame's timestamp on it (``draw_on_frames``, Ernie's default): refused when on, the font
+    rendering is not reproduced.
+    """
 
     grid_input: str = "video_grid_thw"
+    row_frames: int | None = None
+    draws: bool = False
 
     def run(self, processor: Any, original: Any, solution: Any, sizes: Mapping) -> Processed:
         """``sizes``: the model's ``patch`` / ``merge`` / ``temporal_patch``."""
@@ -273,6 +285,12 @@ class PatchMergeVideoPin:
                 "no video processor given to re-process the frames with: pass processor="
                 "{'image': ..., 'video': <the family's video processor, or its "
                 "video_preprocessor_config as a dict>}"
+            )
+        if self.draws and _setting(processor, "draw_on_frames", True):
+            raise MediaAlignmentError(
+                "the video processor draws each frame's timestamp on it (draw_on_frames, its "
+                "default) with its font, which is not reproduced here: re-processed only with "
+                "draw_on_frames=False"
             )
         for key, name in (
             ("patch", "patch_size"),
@@ -291,7 +309,11 @@ class PatchMergeVideoPin:
                 f"the video processor resamples with {resample!r}; only its bicubic resize "
                 "is reproduced here"
             )
-        frames = tensor_resize(as_frames(original), solution.size_hw)
+        p, m, tp = sizes["patch"], sizes["merge"], sizes["temporal_patch"]
+        frames = as_frames(original)
+        if pad := -frames.shape[0] % tp:  # whole temporal groups: the last frame repeated
+            frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)])
+        frames = tensor_resize(frames, solution.size_hw)
         x = rescale_normalize(
             frames,
             _setting(processor, "image_mean", CLIP_MEAN),
@@ -300,10 +322,11 @@ class PatchMergeVideoPin:
             bool(_setting(processor, "do_rescale", True)),
             bool(_setting(processor, "do_normalize", True)),
         )
-        p, m, tp = sizes["patch"], sizes["merge"], sizes["temporal_patch"]
-        rows, _ = from_frames(x, "qwen_patches", patch=p, temporal_patch=tp, merge=m)
-        grid = (-(-x.shape[0] // tp), x.shape[-2] // p, x.shape[-1] // p)
-        return Processed(rows, grid, grid[0] * grid[1] * grid[2] // (m * m), "own-arithmetic")
+        rf = self.row_frames or tp
+        rows, _ = from_frames(x, "qwen_patches", patch=p, temporal_patch=rf, merge=m)
+        grid = (x.shape[0] // rf, x.shape[-2] // p, x.shape[-1] // p)
+        tokens = x.shape[0] // tp * (grid[1] * grid[2] // (m * m))
+        return Processed(rows, grid, tokens, "own-arithmetic")
 
 
 #: per family, how its images are re-processed from the original (absent: never; the
@@ -319,6 +342,7 @@ PINS: dict[str, PatchMergePin | RadioPin] = {
 VIDEO_PINS: dict[str, PatchMergeVideoPin] = {
     "qwen_vl": PatchMergeVideoPin(),
     "glm4v": PatchMergeVideoPin(),
+    "ernie4_5_vl": PatchMergeVideoPin(row_frames=1, draws=True),
 }
 
 #: why a family's videos are never re-processed (a family in neither: no pin for it)
@@ -326,10 +350,6 @@ NO_VIDEO_PIN: dict[str, str] = {
     "nemotron_omni": (
         "Nemotron Omni sizes every video frame to its fixed video_target_num_patches, not to "
         "a pixel budget: no size of the frames gives the rollout's runs"
-    ),
-    "ernie4_5_vl": (
-        "Ernie 4.5 VL's video processor draws each frame's timestamp on it with its font "
-        "(draw_on_frames), which is not reproduced here"
     ),
 }
 

@@ -14,12 +14,12 @@ The guard plans as always (:meth:`MediaGuard.last_stage`, every planned repair a
 3. checks that the result has exactly the run's length, else refuses: the run's length does
    not uniquely determine an input the processor maps there; nothing is inferred.
 
-A video (a patch-merge family with a video pin: Qwen-VL, GLM-4V) is solved and processed
+A video (a patch-merge family with a video pin: Qwen-VL, GLM-4V, Ernie) is solved and processed
 whole, once, from its frames: its runs as the rollout wrote them (one run of ``t*h*w/m**2``,
 or ``t`` runs of ``h*w/m**2``, as the family counts it), ``t`` fixed by the frame count and
 the temporal patch; ``t`` runs that differ, or a run count other than ``t``, do not determine
-one frame size and are refused. A family without a video pin (Nemotron Omni, Ernie 4.5 VL)
-refuses its videos naming both totals, the frame count, the first mismatching run and why.
+one frame size and are refused. A family without a video pin (Nemotron Omni) refuses its
+videos naming both totals, the frame count, the first mismatching run and why.
 
 A refusal (no original, no pin for the family or modality, a count that does not land) makes
 the guard take ``GuardConfig.fallback`` for the sample (drop, or raise naming why). The items
@@ -250,9 +250,9 @@ class Reprocessor:
         if why_not is not None:
             raise refused(why_not)
         proc = self._run(pin.run, key, self._processor(mod), frames, sol, sizes)
-        gt, gh, gw = proc.grid
+        _, gh, gw = proc.grid
         cell = gh * gw // (sizes["merge"] ** 2)
-        got = [cell] * gt if per_group else [gt * cell]
+        got = [cell] * (proc.tokens // cell) if per_group else [proc.tokens]
         if got != rollout:
             raise refused(
                 f"the processor gives runs {got} (grid {list(proc.grid)}, {proc.how} at "
