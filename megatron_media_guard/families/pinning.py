@@ -22,10 +22,10 @@ its pixels and grid are what the processor makes of it at the engine's size.
   solved size by :func:`tensor_resize` (torchvision's tensor resize: bicubic with antialias,
   natively on uint8 on CPU), the fused rescale-and-normalize, and cut into merge-block patch
   rows (:func:`~..repair.pixels.from_frames`, the processors' ``patchify``; Ernie one frame a
-  row, and only with ``draw_on_frames=False``: its default draws timestamps with a font). The video processor (or
-  its ``video_preprocessor_config`` as a dict) lends ``image_mean`` / ``image_std`` /
-  ``rescale_factor`` / ``do_rescale`` / ``do_normalize``; its ``patch_size`` / ``merge_size`` /
-  ``temporal_patch_size`` must be the model's.
+  row, and only with ``draw_on_frames=False``: its default draws timestamps with a font). The
+  video processor (or its ``video_preprocessor_config`` as a dict) lends ``image_mean`` /
+  ``image_std`` / ``rescale_factor`` / ``do_rescale`` / ``do_normalize``; its ``patch_size`` /
+  ``merge_size`` / ``temporal_patch_size`` must be the model's (``run(..., sizes)``).
 
 Each ``run(processor, original, solution)`` returns a :class:`Processed` or raises
 :class:`~megatron_media_guard.errors.MediaAlignmentError` saying why not (the caller falls back).

@@ -53,8 +53,9 @@ class Reprocessed:
     """One item re-processed from its original at the rollout's run: matched to the rollout.
 
     modality / index: the item (its row in that modality's grid input of the batch as given);
-    sample: its sample; tokens: its runs' total length (a video: all its runs); fidelity: the solution's class (geometry
-    ``Solution``); size_hw: the pixel size it was processed at; grid: the processor's grid row;
+    sample: its sample; tokens: its runs' total length (a video: all of its runs); fidelity:
+    the solution's class (geometry ``Solution``); size_hw: the pixel size it was processed at
+    (a video: each frame's); grid: the processor's grid row;
     how: ``pinned`` (the processor's own budget knobs, ``knobs``), ``resized`` (its own resize,
     then no resize) or ``own-arithmetic``; duration_ms: solve + process, host wall time.
     """
