@@ -3,11 +3,19 @@ the largest absolute difference between the repaired pixel rows and the processo
 at the engine's size, and the time per repaired item.
 
 One batch per family, one image per sample, every image sized smaller by the engine than by the
-static trainer: GLM-4V and Ernie 4.5 VL with their real PIL image processors (the engine's
-``longest_edge`` a quarter of the static processing's pixels), Nemotron Omni with its own
-arithmetic (the engine's shared budget of 16 frames in a near-full 32k request, the seed's case
-for 2400x1080; its oracle: the processor's own grid and patch functions from the installed
-source around the float bicubic resize and fused normalization of its torchvision backend).
+static trainer: Qwen-VL (a tiny Qwen2.5-VL config), GLM-4V and Ernie 4.5 VL with their real PIL
+image processors (the engine's ``longest_edge`` a quarter of the static processing's pixels),
+Nemotron Omni with its own arithmetic (the engine's shared budget of 16 frames in a near-full
+32k request, the seed's case for 2400x1080; its oracle: the processor's own grid and patch
+functions from the installed source around the float bicubic resize and fused normalization of
+its torchvision backend).
+
+Videos (one per sample, 4 frames, ``VIDEO_SIZES``): Qwen2.5-VL and Ernie 4.5 VL (one run per
+video; Ernie with ``draw_on_frames=False``), Qwen3-VL and GLM-4V (a run per temporal group),
+the engine's video processor at a quarter of the static processing's pixels; the oracle is the
+video processor's own code compiled from the installed source (``smart_resize``, ``patchify``,
+Ernie's ``_preprocess``, the defaults) around torchvision's uint8 resize
+(``testing/video_processors.py``: the processors import torchvision).
 
     python -m benchmarks.bench_reprocess
 """
@@ -27,10 +35,14 @@ from megatron_media_guard import GuardConfig
 from megatron_media_guard.families.collate import check_batch
 from megatron_media_guard.families.pinning import CLIP_MEAN, CLIP_STD, RadioPin
 from megatron_media_guard.geometry import RadioTilerGeometry
+from megatron_media_guard.testing import video_processors
 from megatron_media_guard.testing.families import ernie4_5_vl, glm4v, nemotron_omni
 from megatron_media_guard.testing.families.base import Media
+from megatron_media_guard.testing.qwen_fixture import QwenFixture
 
 SIZES = [(300, 500), (480, 640), (1080, 2400), (2000, 33), (768, 1024), (1024, 768)]
+VIDEO_SIZES = [(224, 336), (360, 640), (480, 854), (720, 1280)]
+FRAMES = 4
 TOKENS = {
     "<img>": nemotron_omni.IMG_START,
     "</img>": nemotron_omni.IMG_END,
@@ -132,14 +144,72 @@ def measure(case) -> dict:
     }
 
 
+def measure_video(label: str, family: str, fixture, processor: str, **overrides) -> dict:
+    """One batch of ``VIDEO_SIZES`` clips, each sized by the engine's video processor at a
+    quarter of the static processing's pixels per frame (module docstring)."""
+    model = fixture.tiny_model()
+    clips = [
+        np.stack([np.asarray(picture(h, w, 10 * k + f)) for f in range(FRAMES)])
+        for k, (h, w) in enumerate(VIDEO_SIZES)
+    ]
+    stat = [video_processors.process(processor, c) for c in clips]
+    cfg = video_processors.settings(processor) | overrides
+    p, f = cfg["patch_size"], cfg["patch_size"] * cfg["merge_size"]
+    share = FRAMES if video_processors.shares_budget(processor) else 1
+    eng = [
+        video_processors.process(
+            processor, c, {"shortest_edge": f * f, "longest_edge": share * gh * gw * p * p // 4}
+        )
+        for c, (_, (_, gh, gw)) in zip(clips, stat)
+    ]
+    samples = [[Media("video", g)] for _, g in eng]
+    kw = dict(fixture.make_batch(model, samples).kwargs)
+    kw["pixel_values_videos"] = torch.cat([r for r, _ in stat])
+    kw["video_grid_thw"] = torch.tensor([list(g) for _, g in stat])
+    t0 = time.perf_counter()
+    out = check_batch(
+        family,
+        kw,
+        config=model.config,
+        guard=GuardConfig(policy="repair"),
+        media={"video": [list(c) for c in clips]},
+        processor={"video": cfg},
+    )
+    wall = time.perf_counter() - t0
+    rows = out.batch["pixel_values_videos"].split(out.batch["video_grid_thw"].prod(-1).tolist())
+    kept = [k for k, a in enumerate(out.report.actions) if a != "drop"]
+    diff = max(
+        (a - eng[k][0]).abs().max().item() if a.shape == eng[k][0].shape else float("inf")
+        for a, k in zip(rows, kept)
+    )
+    per = [d.duration_ms for d in out.reprocessed]
+    return {
+        "case": label,
+        "items": len(clips),
+        "mismatched": sum(a != "keep" for a in out.report.actions),
+        "dropped": len(out.report.dropped),
+        "repaired": len(out.reprocessed),
+        "fidelity": sorted({d.fidelity for d in out.reprocessed}),
+        "how": sorted({d.how for d in out.reprocessed}),
+        "max_abs": diff,
+        "ms_per_item_median": statistics.median(per) if per else None,
+        "ms_per_item_max": max(per) if per else None,
+        "check_batch_ms_per_item": wall * 1e3 / len(clips),
+    }
+
+
 def main() -> None:
     from transformers.models.ernie4_5_vl_moe.image_processing_pil_ernie4_5_vl_moe import (
         Ernie4_5_VLMoeImageProcessorPil,
     )
     from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
 
     torch.set_num_threads(1)
     cases = [
+        patch_merge_case("qwen_vl", QwenFixture("qwen2_5_vl"), Qwen2VLImageProcessorPil()),
         patch_merge_case("glm4v", glm4v, Glm4vImageProcessorPil()),
         patch_merge_case("ernie4_5_vl", ernie4_5_vl, Ernie4_5_VLMoeImageProcessorPil()),
         radio_case(32768, 32768 - 8200),  # the seed's: 2400x1080 -> 2010 tokens each
@@ -148,6 +218,20 @@ def main() -> None:
     print(f"sizes (H, W): {SIZES}; torch threads 1")
     for case in cases:
         print(measure(case))
+    print(f"videos: {FRAMES} frames each, sizes (H, W): {VIDEO_SIZES}")
+    for label, family, fixture, processor in (
+        ("qwen_vl videos (Qwen2.5-VL: one run)", "qwen_vl", QwenFixture("qwen2_5_vl"), "qwen2_vl"),
+        (
+            "qwen_vl videos (Qwen3-VL: a run per group)",
+            "qwen_vl",
+            QwenFixture("qwen3_vl"),
+            "qwen3_vl",
+        ),
+        ("glm4v videos (a run per group)", "glm4v", glm4v, "glm4v"),
+    ):
+        print(measure_video(label, family, fixture, processor))
+    label = "ernie4_5_vl videos (one run, draw_on_frames=False)"
+    print(measure_video(label, "ernie4_5_vl", ernie4_5_vl, "ernie4_5_vl", draw_on_frames=False))
 
 
 if __name__ == "__main__":

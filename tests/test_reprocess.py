@@ -4,10 +4,17 @@ Every family with a pin: a batch processed statically (the processor at its own 
 written by an engine that sized one image smaller; ``check_batch(policy="repair", media=...,
 processor=...)`` must return the pixel rows and grid row the processor makes of the original at
 the engine's size (max abs difference 0), the aligned item untouched, and the tiny model must
-take the result. GLM-4V and Ernie run their real (PIL-backend) image processors; Nemotron Omni's
-needs torchvision (no CPU build here): its oracle is the processor's own ``get_patch_grid_size``
-and ``convert_image_to_patches`` (compiled from the installed source) around the float resize
-and fused normalization its torchvision backend does.
+take the result. Qwen-VL (a real-shaped tiny Qwen2.5-VL config), GLM-4V and Ernie run their
+real (PIL-backend) image processors; Nemotron Omni's needs torchvision (no CPU build here): its
+oracle is the processor's own ``get_patch_grid_size`` and ``convert_image_to_patches``
+(compiled from the installed source) around the float resize and fused normalization its
+torchvision backend does.
+
+Videos, every family with a video pin (Qwen2.5-VL and Ernie 4.5 VL one run, Qwen3-VL and GLM-4V
+a run per temporal group): the video processors need torchvision, so the oracle is
+:mod:`megatron_media_guard.testing.video_processors` (their own ``smart_resize``, ``patchify``,
+Ernie's ``_preprocess`` and defaults compiled from the installed source, around torchvision's
+uint8 resize).
 """
 
 from __future__ import annotations
@@ -30,11 +37,19 @@ from megatron_media_guard.core.plan import ItemRepair
 from megatron_media_guard.errors import MediaInputError
 from megatron_media_guard.families import FAMILIES
 from megatron_media_guard.families.collate import check_batch
-from megatron_media_guard.families.pinning import PINS, PatchMergePin, RadioPin
+from megatron_media_guard.families.pinning import (
+    NO_VIDEO_PIN,
+    PINS,
+    VIDEO_PINS,
+    PatchMergePin,
+    RadioPin,
+)
 from megatron_media_guard.families.reprocess import Reprocessor
 from megatron_media_guard.geometry import PatchMergeGeometry, RadioTilerGeometry
+from megatron_media_guard.testing import video_processors
 from megatron_media_guard.testing.families import ernie4_5_vl, glm4v, nemotron_omni
 from megatron_media_guard.testing.families.base import Media
+from megatron_media_guard.testing.qwen_fixture import QwenFixture
 
 pytest.importorskip("transformers.models.glm4v.image_processing_pil_glm4v")
 
@@ -112,7 +127,20 @@ def _nemotron():
     return Case("nemotron_omni", nemotron_omni, None, "image_grid_hw", NEMOTRON_TOKENS)
 
 
-CASES = {"glm4v": _glm, "ernie4_5_vl": _ernie, "nemotron_omni": _nemotron}
+def _qwen():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    return Case("qwen_vl", QwenFixture("qwen2_5_vl"), Qwen2VLImageProcessorPil(), "image_grid_thw")
+
+
+CASES = {
+    "qwen_vl": _qwen,
+    "glm4v": _glm,
+    "ernie4_5_vl": _ernie,
+    "nemotron_omni": _nemotron,
+}
 _MODELS: dict[str, Any] = {}
 
 
@@ -285,8 +313,8 @@ def test_a_processor_that_cannot_be_pinned_is_refused_and_left_as_it_was(tmp_pat
 
 
 def test_a_static_video_against_a_longer_rollout_is_refused_naming_both_totals():
-    """Nemotron Omni: a 6-frame 32x32 video is 3 tubelets of one token (3 placeholders); the
-    rollout wrote 4 (its last run 2)."""
+    """Nemotron Omni (no video pin: fixed patches per frame): a 6-frame 32x32 video is 3
+    tubelets of one token (3 placeholders); the rollout wrote 4 (its last run 2)."""
     model = model_of(_nemotron())
     b = nemotron_omni.make_batch(model, [[Media("video", (6, 2, 2), tokens=4)]])
     frames = [picture(32, 32, k) for k in range(6)]
@@ -302,12 +330,13 @@ def test_a_static_video_against_a_longer_rollout_is_refused_naming_both_totals()
     msg = str(err.value)
     for part in ("gives 3 placeholders", "the rollout 4", "6 frames", "first mismatching run: 2"):
         assert part in msg, (part, msg)
+    assert "video_target_num_patches" in msg and "no grid inferred" in msg
 
 
 def test_the_qwen_processor_is_pinned_by_its_own_budget_knobs():
-    """Qwen-VL (no collate spec with counts on this branch): the pin on the real
-    ``Qwen2VLImageProcessorPil`` (the torchvision one needs torchvision) equals the processor
-    at the engine's ``max_pixels``, with its settings left as they were."""
+    """The pin alone on the real ``Qwen2VLImageProcessorPil`` (the torchvision one needs
+    torchvision) at a Qwen2-VL geometry's solution: equal to the processor at the engine's
+    ``max_pixels`` (a knob passed per call), with its settings left as they were."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
@@ -348,6 +377,193 @@ def test_every_registered_family_either_has_a_pin_or_falls_back_saying_so():
         assert got is None and f"{spec.name} images are not re-processed" in facts["reason"]
 
 
+def test_every_registered_family_with_videos_has_a_video_pin_or_refuses_saying_why():
+    """A video pin for each family whose videos are patch-merge grids sized by a budget;
+    every other family's video repair is refused, naming why and the video's runs."""
+    frames = [picture(64, 64, k) for k in range(4)]
+    for spec in FAMILIES:
+        if not any(m.name == "video" for m in spec.modalities):
+            continue
+        pin = VIDEO_PINS.get(spec.name)
+        if pin is not None:
+            assert spec.geometry is not None
+            assert pin.grid_input in spec.modality("video").patches.values()
+            continue
+        items = [MediaItem(16, modality="video"), MediaItem(16, modality="video")]
+        rep = Reprocessor(spec, None, items, [0, 0], [frames])
+        got, facts = rep.reprocess(
+            ItemRepair(item=1, sample=0, target=12, run=1),
+            SimpleNamespace(repairs=(ItemRepair(item=1, sample=0, target=12, run=1),)),
+            SimpleNamespace(items=tuple(items)),
+            SimpleNamespace(config=GuardConfig(policy="repair")),
+        )
+        why = NO_VIDEO_PIN.get(spec.name, f"{spec.name} has no video pin")
+        assert got is None and why in facts["reason"], (spec.name, facts)
+        assert "gives 32 placeholders in 2 run(s), the rollout 28" in facts["reason"]
+        assert "4 frames" in facts["reason"] and "first mismatching run: 1" in facts["reason"]
+
+
+def clip(t: int, h: int, w: int, seed: int = 0) -> list[Image.Image]:
+    return [picture(h, w, seed + k) for k in range(t)]
+
+
+def frames_array(frames: list[Image.Image]) -> np.ndarray:
+    return np.stack([np.asarray(f) for f in frames])
+
+
+@dataclass(frozen=True)
+class VideoCase:
+    """One family's videos: its spec, its fixture, its video processor (oracle), and the
+    engine's smaller budget (``size`` of the video processor); as_array: the originals passed
+    as arrays ``[T, H, W, C]`` (else lists of PIL frames); settings: over the processor's
+    defaults (Ernie: ``draw_on_frames=False``)."""
+
+    family: str
+    fixture: Any
+    processor: str
+    engine_size: dict
+    as_array: bool = False
+    overrides: tuple = ()
+
+    def model(self):
+        key = ("video", self.processor)
+        if key not in _MODELS:
+            _MODELS[key] = self.fixture.tiny_model()
+        return _MODELS[key]
+
+    def settings(self) -> dict:
+        return video_processors.settings(self.processor) | dict(self.overrides)
+
+    def batch(self, videos, grids, tokens=None):
+        """The rollout's ids for one video per sample at ``grids`` (its runs), the static
+        processing's pixels and grids."""
+        tokens = tokens or [None] * len(videos)
+        samples = [[Media("video", g, tokens=n)] for g, n in zip(grids, tokens)]
+        kw = dict(self.fixture.make_batch(self.model(), samples).kwargs)
+        static = [video_processors.process(self.processor, frames_array(v)) for v in videos]
+        kw["pixel_values_videos"] = torch.cat([r for r, _ in static])
+        kw["video_grid_thw"] = torch.tensor([list(g) for _, g in static])
+        return kw, static
+
+    def check(self, kw, videos, **cfg):
+        return check_batch(
+            self.family,
+            kw,
+            config=self.model().config,
+            guard=GuardConfig(policy="repair", **cfg),
+            media={"video": [frames_array(v) if self.as_array else v for v in videos]},
+            processor={"video": self.settings()},
+        )
+
+
+VIDEO_CASES = {
+    "qwen2_5_vl": VideoCase(
+        "qwen_vl",
+        QwenFixture("qwen2_5_vl"),
+        "qwen2_vl",
+        {"shortest_edge": 3136, "longest_edge": 28 * 28 * 40},
+    ),
+    "qwen3_vl": VideoCase(
+        "qwen_vl",
+        QwenFixture("qwen3_vl"),
+        "qwen3_vl",
+        {"shortest_edge": 4096, "longest_edge": 4 * 32 * 32 * 30},
+    ),
+    "glm4v": VideoCase(
+        "glm4v",
+        glm4v,
+        "glm4v",
+        {"shortest_edge": 112 * 112, "longest_edge": 4 * 28 * 28 * 40},
+        as_array=True,
+    ),
+    "ernie4_5_vl": VideoCase(
+        "ernie4_5_vl",
+        ernie4_5_vl,
+        "ernie4_5_vl",
+        {"shortest_edge": 3136, "longest_edge": 28 * 28 * 40},
+        overrides=(("draw_on_frames", False),),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(VIDEO_CASES))
+def test_a_short_video_is_repaired_from_its_frames_to_what_the_processor_makes(case):
+    """The engine's video processor at a smaller budget wrote the first video's runs; the
+    check re-processes it from its frames: rows and grid equal to the video processor's own
+    at the engine's size (max abs 0); the aligned video's rows untouched; the model takes it."""
+    vc = VIDEO_CASES[case]
+    videos = [clip(4, 224, 336, 1), clip(2, 112, 140, 7)]
+    eng_rows, eng_grid = video_processors.process(
+        vc.processor, frames_array(videos[0]), vc.engine_size
+    )
+    aligned = video_processors.process(vc.processor, frames_array(videos[1]))
+    kw, static = vc.batch(videos, [eng_grid, aligned[1]])
+    assert static[0][0].shape[0] > eng_rows.shape[0]  # the trainer's video is the bigger one
+    out = vc.check(kw, videos)
+    assert out.report.actions == ("repair", "keep")
+    (done,) = out.reprocessed
+    t, h, w = eng_grid
+    tokens = t * h * w // (8 if vc.family == "ernie4_5_vl" else 4)  # Ernie: t counts frames
+    assert (done.modality, done.index, done.sample, done.tokens) == ("video", 0, 0, tokens)
+    assert done.fidelity == "engine-replay" and done.how == "own-arithmetic"
+    assert tuple(done.grid) == eng_grid and out.matched == {("video", 0)}
+    b = out.batch
+    assert b["video_grid_thw"].tolist() == [list(eng_grid), list(aligned[1])]
+    got = b["pixel_values_videos"][: eng_rows.shape[0]]
+    assert got.shape == eng_rows.shape and (got - eng_rows).abs().max().item() == 0.0
+    assert torch.equal(b["pixel_values_videos"][eng_rows.shape[0] :], static[1][0])
+    assert torch.equal(b["input_ids"], kw["input_ids"])
+    with torch.no_grad():
+        vc.model()(**b)
+
+
+@pytest.mark.parametrize("case", ["qwen3_vl", "glm4v"])
+def test_a_video_whose_runs_differ_is_refused_never_guessed(case, tmp_path):
+    """A run per temporal group: one frame size gives every group the same run, so runs
+    that differ (the last one 4 short) determine no size."""
+    vc = VIDEO_CASES[case]
+    videos = [clip(4, 224, 336, 1)]
+    _, (t, h, w) = video_processors.process(vc.processor, frames_array(videos[0]), vc.engine_size)
+    kw, _ = vc.batch(videos, [(t, h, w)], [t * h * w // 4 - 4])
+    with pytest.raises(MediaAlignmentError, match="does not uniquely determine") as err:
+        vc.check(kw, videos, fallback="raise", log_dir=str(tmp_path))
+    per = h * w // 4
+    assert "gives every temporal group the same run" in str(err.value)
+    assert f"runs [{per}, {per - 4}]" in str(err.value)
+    out = vc.check(kw, videos)
+    assert out.report.actions == ("drop",) and out.reprocessed == ()
+    assert "pixel_values_videos" not in out.batch
+
+
+def test_a_video_count_that_does_not_land_is_refused_never_guessed():
+    """Qwen2.5-VL: one run of t*h*w/4 over 2 temporal groups; an odd count lands on no size."""
+    vc = VIDEO_CASES["qwen2_5_vl"]
+    videos = [clip(4, 224, 336, 1)]
+    _, (t, h, w) = video_processors.process(vc.processor, frames_array(videos[0]), vc.engine_size)
+    kw, _ = vc.batch(videos, [(t, h, w)], [t * h * w // 4 + 1])
+    with pytest.raises(MediaAlignmentError, match="does not uniquely determine") as err:
+        vc.check(kw, videos, fallback="raise")
+    assert "not divisible by the 2 temporal groups" in str(err.value)
+
+
+def test_a_video_without_its_video_processor_falls_back_saying_so(tmp_path):
+    vc = VIDEO_CASES["qwen3_vl"]
+    videos = [clip(4, 224, 336, 1)]
+    _, grid = video_processors.process(vc.processor, frames_array(videos[0]), vc.engine_size)
+    kw, _ = vc.batch(videos, [grid])
+    out = check_batch(
+        vc.family,
+        kw,
+        config=vc.model().config,
+        guard=GuardConfig(policy="repair", log_dir=str(tmp_path)),
+        media=[videos[0]],
+        processor=None,
+    )
+    assert out.report.actions == ("drop",) and out.reprocessed == ()
+    recs = [r for r in records(tmp_path) if r["event"] == "repair"]
+    assert recs and all("no video processor given" in r["reason"] for r in recs)
+
+
 def test_media_of_the_wrong_length_is_refused_naming_check_batch():
     case = _nemotron()
     imgs = [picture(300, 500, 1)]
@@ -356,7 +572,7 @@ def test_media_of_the_wrong_length_is_refused_naming_check_batch():
         run(case, kw, imgs * 2, model)
 
 
-@pytest.mark.parametrize("family", ["glm4v", "ernie4_5_vl"])
+@pytest.mark.parametrize("family", ["qwen_vl", "glm4v", "ernie4_5_vl"])
 def test_a_processor_family_without_its_processor_falls_back_saying_so(family, tmp_path):
     case = CASES[family]()
     imgs = [picture(300, 500, 1)]
@@ -367,3 +583,28 @@ def test_a_processor_family_without_its_processor_falls_back_saying_so(family, t
     assert out.report.actions == ("drop",) and out.reprocessed == ()
     (rec,) = [r for r in records(tmp_path) if r["event"] == "repair"]
     assert "no processor given" in rec["reason"]
+
+
+def test_frames_that_make_another_number_of_groups_are_refused():
+    """Qwen3-VL: the rollout wrote the 2 runs of a 4-frame video; 6 frames make 3 groups."""
+    vc = VIDEO_CASES["qwen3_vl"]
+    videos = [clip(4, 224, 336, 1)]
+    _, grid = video_processors.process(vc.processor, frames_array(videos[0]), vc.engine_size)
+    kw, _ = vc.batch(videos, [grid])
+    with pytest.raises(MediaAlignmentError, match="does not uniquely determine") as err:
+        vc.check(kw, [clip(6, 224, 336, 1)], fallback="raise")
+    assert "its frames make 3 temporal groups" in str(err.value)
+    assert "the rollout wrote 2 runs" in str(err.value)
+
+
+def test_an_ernie_video_drawn_on_is_refused_saying_why(tmp_path):
+    """Ernie's video processor draws timestamps on the frames by default (a font file): a
+    video processed so is refused, naming it, never re-processed without the drawing."""
+    vc = VIDEO_CASES["ernie4_5_vl"]
+    videos = [clip(4, 224, 336, 1)]
+    _, grid = video_processors.process(vc.processor, frames_array(videos[0]), vc.engine_size)
+    kw, _ = vc.batch(videos, [grid])
+    drawn = VideoCase(vc.family, vc.fixture, vc.processor, vc.engine_size)
+    assert drawn.settings()["draw_on_frames"] is True
+    with pytest.raises(MediaAlignmentError, match="draw_on_frames"):
+        drawn.check(kw, videos, fallback="raise")

@@ -15,6 +15,17 @@ its pixels and grid are what the processor makes of it at the engine's size.
   with the mean and std scaled by ``1/rescale_factor`` (its fused rescale-and-normalize), cut
   into row-major patches (:func:`.layouts.image_to_patches`). A processor passed in lends its
   ``image_mean`` / ``image_std`` / ``rescale_factor`` / ``patch_size``.
+- :class:`PatchMergeVideoPin` (Qwen2-VL / 2.5-VL, Qwen3-VL / 3.5, GLM-4V, Ernie 4.5 VL videos):
+  their video processors import torchvision, so the library's own implementation of what they
+  do after sizing: the frames as given (the processor's input after its frame sampling; RGB,
+  channels first) padded to whole temporal groups by repeating the last frame, resized to the
+  solved size by :func:`tensor_resize` (torchvision's tensor resize: bicubic with antialias,
+  natively on uint8 on CPU), the fused rescale-and-normalize, and cut into merge-block patch
+  rows (:func:`~..repair.pixels.from_frames`, the processors' ``patchify``; Ernie one frame a
+  row, and only with ``draw_on_frames=False``: its default draws timestamps with a font). The
+  video processor (or its ``video_preprocessor_config`` as a dict) lends ``image_mean`` /
+  ``image_std`` / ``rescale_factor`` / ``do_rescale`` / ``do_normalize``; its ``patch_size`` /
+  ``merge_size`` / ``temporal_patch_size`` must be the model's (``run(..., sizes)``).
 
 Each ``run(processor, original, solution)`` returns a :class:`Processed` or raises
 :class:`~megatron_media_guard.errors.MediaAlignmentError` saying why not (the caller falls back).
@@ -22,13 +33,16 @@ Each ``run(processor, original, solution)`` returns a :class:`Processed` or rais
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ..errors import MediaAlignmentError, MediaInputError
+from ..repair.pixels import from_frames
 from ..repair.reproject import resize_frames
 from .layouts import image_to_patches
 
@@ -174,12 +188,145 @@ class RadioPin:
             img = img.expand(3, -1, -1)
         frames = img[None, :3].to(torch.float32)
         frames = resize_frames(frames, (gh * patch, gw * patch))
-        # the processor's fused rescale and normalize: (x - mean/r) / (std/r), r = rescale
-        m = torch.tensor(mean) * (1.0 / rescale)
-        s = torch.tensor(std) * (1.0 / rescale)
-        x = frames[0].sub(m.view(-1, 1, 1)).div_(s.view(-1, 1, 1))
-        rows = image_to_patches(x, patch)
+        x = rescale_normalize(frames, mean, std, rescale)
+        rows = image_to_patches(x[0], patch)
         return Processed(rows, (gh, gw), gh * gw // (self.merge * self.merge), "own-arithmetic")
+
+
+def rescale_normalize(
+    frames: torch.Tensor,
+    mean: Sequence[float],
+    std: Sequence[float],
+    rescale: float,
+    do_rescale: bool = True,
+    do_normalize: bool = True,
+) -> torch.Tensor:
+    """Frames ``[T, C, H, W]`` as transformers' torchvision backend rescales and normalizes
+    them (``rescale_and_normalize``): float32, fused as ``(x - mean/r) / (std/r)`` with
+    ``r = rescale`` when both are on; else ``x * r``, or ``(x - mean) / std``."""
+    x = frames.to(torch.float32)
+    if do_normalize:
+        r = 1.0 / rescale if do_rescale else 1.0
+        m = torch.tensor(mean) * r if do_rescale else torch.tensor(mean)
+        s = torch.tensor(std) * r if do_rescale else torch.tensor(std)
+        return x.sub(m.view(-1, 1, 1)).div_(s.view(-1, 1, 1))
+    return x * rescale if do_rescale else x
+
+
+def tensor_resize(frames: torch.Tensor, size_hw: tuple[int, int]) -> torch.Tensor:
+    """Frames ``[T, C, H, W]`` resized as torchvision's tensor ``resize`` does with bicubic
+    and antialias (what the transformers video processors call): the frames themselves at
+    their own size; uint8 on CPU natively (torch's uint8 antialiased bicubic kernel, which
+    rounds differently from the float path); else :func:`~..repair.reproject.resize_frames`
+    (float, then rounded and clamped for an integer dtype: torchvision's path elsewhere)."""
+    if tuple(frames.shape[-2:]) == tuple(size_hw):
+        return frames
+    if frames.dtype == torch.uint8 and frames.device.type == "cpu":
+        return F.interpolate(
+            frames, size=tuple(size_hw), mode="bicubic", antialias=True, align_corners=False
+        )
+    return resize_frames(frames, size_hw)
+
+
+def as_frames(original: Any) -> torch.Tensor:
+    """A video's original as the video processors read it: ``[T, C, H, W]`` (RGB, its dtype
+    kept) from a list of frames (PIL images, arrays ``HWC`` / ``CHW``) or an array / tensor
+    ``[T, H, W, C]`` / ``[T, C, H, W]``."""
+    if isinstance(original, (list, tuple)):
+        frames = [as_channels_first(f) for f in original]
+    else:
+        t = (
+            original
+            if isinstance(original, torch.Tensor)
+            else torch.as_tensor(np.asarray(original))
+        )
+        if t.ndim != 4:
+            raise MediaInputError(
+                "a video's original must be its frames: a list of PIL images / arrays, or an "
+                f"array [T, H, W, C] / [T, C, H, W], got shape {tuple(t.shape)}"
+            )
+        frames = [as_channels_first(f) for f in t]
+    if not frames or len({tuple(f.shape) for f in frames}) != 1:
+        sizes = sorted({tuple(f.shape) for f in frames})
+        raise MediaInputError(
+            f"a video's original must hold at least one frame, all of one size; got {sizes}"
+        )
+    x = torch.stack(frames)
+    return x.expand(-1, 3, -1, -1) if x.shape[1] == 1 else x[:, :3]
+
+
+def _setting(processor: Any, name: str, default: Any) -> Any:
+    v = processor.get(name) if isinstance(processor, Mapping) else getattr(processor, name, None)
+    return default if v is None else v
+
+
+@dataclass(frozen=True)
+class PatchMergeVideoPin:
+    """A patch-merge video processor (``video_grid_thw`` rows ``(t, h, w)``) at a solved frame
+    size: the library's own implementation (module docstring). Tokens: ``h*w/merge**2`` per
+    temporal group of ``temporal_patch`` frames (the clip padded to whole groups by repeating
+    its last frame).
+
+    row_frames: frames in one patch row, the processor's ``patchify``: None, the temporal patch
+    (Qwen-VL, GLM-4V: ``t`` counts groups); 1 (Ernie 4.5 VL: one frame a row, ``t`` counts
+    frames, its resampler merges the pairs). draws: the family's video processor can draw each
+    frame's timestamp on it (``draw_on_frames``, Ernie's default): refused when on, the font
+    rendering is not reproduced.
+    """
+
+    grid_input: str = "video_grid_thw"
+    row_frames: int | None = None
+    draws: bool = False
+
+    def run(self, processor: Any, original: Any, solution: Any, sizes: Mapping) -> Processed:
+        """``sizes``: the model's ``patch`` / ``merge`` / ``temporal_patch``."""
+        if processor is None:
+            raise MediaAlignmentError(
+                "no video processor given to re-process the frames with: pass processor="
+                "{'image': ..., 'video': <the family's video processor, or its "
+                "video_preprocessor_config as a dict>}"
+            )
+        if self.draws and _setting(processor, "draw_on_frames", True):
+            raise MediaAlignmentError(
+                "the video processor draws each frame's timestamp on it (draw_on_frames, its "
+                "default) with its font, which is not reproduced here: re-processed only with "
+                "draw_on_frames=False"
+            )
+        for key, name in (
+            ("patch", "patch_size"),
+            ("merge", "merge_size"),
+            ("temporal_patch", "temporal_patch_size"),
+        ):
+            got = int(_setting(processor, name, sizes[key]))
+            if got != sizes[key]:
+                raise MediaAlignmentError(
+                    f"the video processor's {name} is {got}, the model's {sizes[key]}: "
+                    "pass the model's own video processor"
+                )
+        resample = _setting(processor, "resample", 3)
+        if int(getattr(resample, "value", resample)) != 3:  # PIL / torchvision bicubic
+            raise MediaAlignmentError(
+                f"the video processor resamples with {resample!r}; only its bicubic resize "
+                "is reproduced here"
+            )
+        p, m, tp = sizes["patch"], sizes["merge"], sizes["temporal_patch"]
+        frames = as_frames(original)
+        if pad := -frames.shape[0] % tp:  # whole temporal groups: the last frame repeated
+            frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)])
+        frames = tensor_resize(frames, solution.size_hw)
+        x = rescale_normalize(
+            frames,
+            _setting(processor, "image_mean", CLIP_MEAN),
+            _setting(processor, "image_std", CLIP_STD),
+            float(_setting(processor, "rescale_factor", 1 / 255)),
+            bool(_setting(processor, "do_rescale", True)),
+            bool(_setting(processor, "do_normalize", True)),
+        )
+        rf = self.row_frames or tp
+        rows, _ = from_frames(x, "qwen_patches", patch=p, temporal_patch=rf, merge=m)
+        grid = (x.shape[0] // rf, x.shape[-2] // p, x.shape[-1] // p)
+        tokens = x.shape[0] // tp * (grid[1] * grid[2] // (m * m))
+        return Processed(rows, grid, tokens, "own-arithmetic")
 
 
 #: per family, how its images are re-processed from the original (absent: never; the
@@ -191,4 +338,31 @@ PINS: dict[str, PatchMergePin | RadioPin] = {
     "nemotron_omni": RadioPin(),
 }
 
-__all__ = ["PINS", "PatchMergePin", "Processed", "RadioPin", "as_channels_first"]
+#: per family, how its videos are re-processed from their frames
+VIDEO_PINS: dict[str, PatchMergeVideoPin] = {
+    "qwen_vl": PatchMergeVideoPin(),
+    "glm4v": PatchMergeVideoPin(),
+    "ernie4_5_vl": PatchMergeVideoPin(row_frames=1, draws=True),
+}
+
+#: why a family's videos are never re-processed (a family in neither: no pin for it)
+NO_VIDEO_PIN: dict[str, str] = {
+    "nemotron_omni": (
+        "Nemotron Omni sizes every video frame to its fixed video_target_num_patches, not to "
+        "a pixel budget: no size of the frames gives the rollout's runs"
+    ),
+}
+
+__all__ = [
+    "NO_VIDEO_PIN",
+    "PINS",
+    "VIDEO_PINS",
+    "PatchMergePin",
+    "PatchMergeVideoPin",
+    "Processed",
+    "RadioPin",
+    "as_channels_first",
+    "as_frames",
+    "rescale_normalize",
+    "tensor_resize",
+]

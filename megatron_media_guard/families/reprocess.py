@@ -14,10 +14,17 @@ The guard plans as always (:meth:`MediaGuard.last_stage`, every planned repair a
 3. checks that the result has exactly the run's length, else refuses: the run's length does
    not uniquely determine an input the processor maps there; nothing is inferred.
 
-A refusal (no original, a video, no pin for the family, a count that does not land) makes the
-guard take ``GuardConfig.fallback`` for the sample (drop, or raise naming why). The items the
-plan keeps repaired are :class:`Reprocessed`; :func:`replace_rows` puts their rows and grid rows
-in the batch (the aligned items' tensors are untouched).
+A video (a patch-merge family with a video pin: Qwen-VL, GLM-4V, Ernie) is solved and processed
+whole, once, from its frames: its runs as the rollout wrote them (one run of ``t*h*w/m**2``,
+or ``t`` runs of ``h*w/m**2``, as the family counts it), ``t`` fixed by the frame count and
+the temporal patch; ``t`` runs that differ, or a run count other than ``t``, do not determine
+one frame size and are refused. A family without a video pin (Nemotron Omni) refuses its
+videos naming both totals, the frame count, the first mismatching run and why.
+
+A refusal (no original, no pin for the family or modality, a count that does not land) makes
+the guard take ``GuardConfig.fallback`` for the sample (drop, or raise naming why). The items
+the plan keeps repaired are :class:`Reprocessed`; :func:`replace_rows` puts their rows and grid
+rows in the batch (the aligned items' tensors are untouched).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from ..core.outcome import GuardReport
 from ..core.plan import ItemRepair, Plan
 from ..errors import MediaAlignmentError, MediaInputError
 from ..repair.repairs import solve_allowed
-from .pinning import PINS, Processed, as_channels_first
+from .pinning import NO_VIDEO_PIN, PINS, VIDEO_PINS, Processed, as_channels_first, as_frames
 from .spec import FamilySpec, ModalitySpec
 
 Key = tuple[str, int]  # (modality, model-level index)
@@ -46,8 +53,9 @@ class Reprocessed:
     """One item re-processed from its original at the rollout's run: matched to the rollout.
 
     modality / index: the item (its row in that modality's grid input of the batch as given);
-    sample: its sample; tokens: its run's length; fidelity: the solution's class (geometry
-    ``Solution``); size_hw: the pixel size it was processed at; grid: the processor's grid row;
+    sample: its sample; tokens: its runs' total length (a video: all of its runs); fidelity:
+    the solution's class (geometry ``Solution``); size_hw: the pixel size it was processed at
+    (a video: each frame's); grid: the processor's grid row;
     how: ``pinned`` (the processor's own budget knobs, ``knobs``), ``resized`` (its own resize,
     then no resize) or ``own-arithmetic``; duration_ms: solve + process, host wall time.
     """
@@ -106,6 +114,14 @@ class Reprocessor:
             self.runs.setdefault((it.modality, k), []).append(it)
         self.media = originals(media, list(self.runs))
         self.done: dict[Key, Reprocessed] = {}
+        self.failed: dict[Key, str] = {}  # a video refused once is refused for each of its runs
+
+    def _processor(self, mod: str) -> Any:
+        """The processor for ``mod``: ``processor[mod]`` of a mapping, else the one given
+        (images only: a video needs its video processor)."""
+        if isinstance(self.processor, Mapping):
+            return self.processor.get(mod)
+        return self.processor if mod == "image" else None
 
     def reprocess(self, r: ItemRepair, plan: Plan, batch, ctx) -> tuple[Any, dict]:
         """One planned repair (``repair.repairs``' hook): (new rows or None, facts)."""
@@ -113,13 +129,23 @@ class Reprocessor:
         item = batch.items[r.item]
         facts: dict = {"target": r.target}
         key = self.key.get(id(item))
-        try:
-            sol, proc = self._solve_and_process(r, plan, batch, item, key, ctx, facts)
-        except MediaAlignmentError as err:
-            facts["reason"] = str(err)
+        if key in self.done:  # another run of a video already re-processed whole
+            d = self.done[key]
+            facts.update(fidelity=d.fidelity, size_hw=d.size_hw, grid=d.grid)
+            facts["reason"] = f"re-processed from the original with its video ({d.how})"
+            return d.rows, facts
+        if key in self.failed:
+            facts["reason"] = self.failed[key]
             return None, facts
-        except Exception as err:  # a geometry's or converter's own error: recorded, fallback
-            facts["reason"] = f"re-processing failed: {type(err).__name__}: {err}"[:500]
+        try:
+            sol, proc, tokens = self._solve_and_process(r, plan, batch, item, key, ctx, facts)
+        except Exception as err:
+            if isinstance(err, MediaAlignmentError):
+                facts["reason"] = str(err)
+            else:  # a geometry's or converter's own error: recorded, fallback
+                facts["reason"] = f"re-processing failed: {type(err).__name__}: {err}"[:500]
+            if key is not None and key[0] != "image":
+                self.failed[key] = facts["reason"]
             return None, facts
         facts.update(
             fidelity=sol.fidelity,
@@ -131,7 +157,7 @@ class Reprocessor:
             key[0],
             key[1],
             r.sample,
-            r.target,
+            tokens,
             sol.fidelity,
             tuple(sol.size_hw),
             proc.grid,
@@ -146,11 +172,11 @@ class Reprocessor:
         if key is None or self.media.get(key) is None:
             raise MediaAlignmentError("cannot repair: no original media given for this item")
         mod, k = key
+        if mod == "video":
+            return self._video(r, plan, batch, key, ctx, facts)
         if mod != "image":
-            raise MediaAlignmentError(self._video_refusal(r, plan, batch, key))
-        pin, geo = PINS.get(self.spec.name), self.geometry
-        if isinstance(geo, Mapping):  # a geometry per modality
-            geo = geo.get(mod)
+            raise MediaAlignmentError(f"cannot repair: {mod} items are not re-processed here")
+        pin, geo = PINS.get(self.spec.name), self._geometry(mod)
         if pin is None or geo is None:
             what = "its processor has no pin" if pin is None else "it has no geometry"
             raise MediaAlignmentError(
@@ -163,14 +189,7 @@ class Reprocessor:
         facts.update(fidelity=sol.fidelity, size_hw=sol.size_hw)
         if why_not is not None:
             raise MediaAlignmentError(f"{mod} {k} ({hw[0]}x{hw[1]}): {why_not}")
-        try:
-            proc: Processed = pin.run(self.processor, original, sol)
-        except MediaAlignmentError:
-            raise
-        except Exception as exc:  # the processor's own errors: recorded, then the fallback
-            raise MediaAlignmentError(
-                f"re-processing {mod} {k} failed: {type(exc).__name__}: {exc}"[:500]
-            ) from None
+        proc: Processed = self._run(pin.run, key, self._processor(mod), original, sol)
         if proc.tokens != r.target:
             raise MediaAlignmentError(
                 f"{mod} {k} ({hw[0]}x{hw[1]}): the processor gives {proc.tokens} tokens "
@@ -179,22 +198,87 @@ class Reprocessor:
                 + f") for a run of {r.target}: the run's length does not uniquely determine "
                 "an input the processor maps to it; refused, no grid inferred"
             )
-        return sol, proc
+        return sol, proc, r.target
 
-    def _video_refusal(self, r: ItemRepair, plan: Plan, batch, key: Key) -> str:
-        """Both totals, the frame count and the first mismatching run of a video."""
+    def _geometry(self, mod: str) -> Any:
+        geo = self.geometry
+        return geo.get(mod) if isinstance(geo, Mapping) else geo  # a geometry per modality
+
+    @staticmethod
+    def _run(run, key: Key, *args) -> Processed:
+        try:
+            return run(*args)
+        except MediaAlignmentError:
+            raise
+        except Exception as exc:  # the processor's own errors: recorded, then the fallback
+            raise MediaAlignmentError(
+                f"re-processing {key[0]} {key[1]} failed: {type(exc).__name__}: {exc}"[:500]
+            ) from None
+
+    def _video(self, r: ItemRepair, plan: Plan, batch, key: Key, ctx, facts):
+        """A video solved and processed whole from its frames, pinned to all of its runs."""
         mod, k = key
-        runs = self.runs[key]
+        pin, geo = VIDEO_PINS.get(self.spec.name), self._geometry(mod)
+        if pin is None or geo is None:
+            why = NO_VIDEO_PIN.get(self.spec.name, f"{self.spec.name} has no video pin")
+            raise MediaAlignmentError(self._video_refusal(r, plan, batch, key, why))
+        static, rollout = self._video_runs(r, plan, batch, key)
+        base = getattr(geo, "geo", geo)  # GLM-4V's clip geometry wraps a patch-merge one
+        sizes = {n: int(getattr(base, n)) for n in ("patch", "merge", "temporal_patch")}
+        frames = as_frames(self.media[key])
+        t, hw = frames.shape[0], tuple(frames.shape[-2:])
+        groups = -(-t // sizes["temporal_patch"])
+        what = f"{mod} {k} ({t} frames, {hw[0]}x{hw[1]})"
+
+        def refused(detail: str) -> MediaAlignmentError:
+            return MediaAlignmentError(
+                f"{what}: {detail}: the rollout's runs {rollout} do not give it one frame "
+                "size; the run length does not uniquely determine an input the processor "
+                "maps to it; refused, no grid inferred"
+            )
+
+        per_group = len(static) > 1  # the family counts a run per temporal group
+        if per_group and len(rollout) != groups:
+            raise refused(
+                f"its frames make {groups} temporal groups of {sizes['temporal_patch']} frames, "
+                f"one run each, the rollout wrote {len(rollout)} runs"
+            )
+        if per_group and len(set(rollout)) != 1:
+            raise refused("one frame size gives every temporal group the same run")
+        total = sum(rollout)
+        sol, why_not = solve_allowed(geo, total, hw, t, ctx.config)
+        facts.update(fidelity=sol.fidelity, size_hw=sol.size_hw)
+        if why_not is not None:
+            raise refused(why_not)
+        proc = self._run(pin.run, key, self._processor(mod), frames, sol, sizes)
+        _, gh, gw = proc.grid
+        cell = gh * gw // (sizes["merge"] ** 2)
+        got = [cell] * (proc.tokens // cell) if per_group else [proc.tokens]
+        if got != rollout:
+            raise refused(
+                f"the processor gives runs {got} (grid {list(proc.grid)}, {proc.how} at "
+                f"{sol.size_hw})"
+            )
+        return sol, proc, total
+
+    def _video_runs(self, r: ItemRepair, plan: Plan, batch, key: Key):
+        """A video's runs: as the static processing gives them, as the rollout wrote them."""
         want = {id(batch.items[x.item]): x.target for x in plan.repairs if x.sample == r.sample}
-        static = [it.num_features for it in runs]
-        rollout = [want.get(id(it), it.num_features) for it in runs]
-        first = next(i for i, (a, b) in enumerate(zip(static, rollout)) if a != b)
+        static = [it.num_features for it in self.runs[key]]
+        rollout = [want.get(id(it), it.num_features) for it in self.runs[key]]
+        return static, rollout
+
+    def _video_refusal(self, r: ItemRepair, plan: Plan, batch, key: Key, why: str) -> str:
+        """Both totals, the frame count, the first mismatching run of a video, and why."""
+        mod, k = key
+        static, rollout = self._video_runs(r, plan, batch, key)
+        first = next((i for i, (a, b) in enumerate(zip(static, rollout)) if a != b), 0)
         frames = self._frames(key)
         return (
             f"{mod} {k} ({frames} frames): the static processing gives {sum(static)} "
             f"placeholders in {len(static)} run(s), the rollout {sum(rollout)}; first "
             f"mismatching run: {first} ({static[first]} vs {rollout[first]}); a video is not "
-            "re-processed here: refused, no grid inferred"
+            f"re-processed here ({why}): refused, no grid inferred"
         )
 
     def _frames(self, key: Key) -> int | str:
