@@ -314,12 +314,17 @@ def _counts(exp: list[int] | None, got: list[int] | None, first: object, status:
     )
 
 
+#: a reason's share of the line: room for a repair's refusal with its facts (the record keeps it
+#: whole, up to 4096 characters)
+_REASON_CHARS = 400
+
+
 def _reason(reason: object, counted: bool) -> str:
     """The record's reason less what the counts already say (``surplus: 4 features for 3
     placeholders (+1)`` once the line shows both counts)."""
     if not reason:
         return ""
-    text = _clean(reason)
+    text = _clean(reason, _REASON_CHARS)
     if counted:
         keep = [c for c in text.split("; ") if c.split(":")[0] not in _COUNT_STATUSES]
         text = "; ".join(keep)

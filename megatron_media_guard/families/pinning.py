@@ -347,10 +347,7 @@ VIDEO_PINS: dict[str, PatchMergeVideoPin] = {
 
 #: why a family's videos are never re-processed (a family in neither: no pin for it)
 NO_VIDEO_PIN: dict[str, str] = {
-    "nemotron_omni": (
-        "Nemotron Omni sizes every video frame to its fixed video_target_num_patches, not to "
-        "a pixel budget: no size of the frames gives the rollout's runs"
-    ),
+    "nemotron_omni": ("frames sized by the fixed video_target_num_patches, not a pixel budget"),
 }
 
 __all__ = [

@@ -45,6 +45,12 @@ from ..repair.repairs import solve_allowed
 from .pinning import NO_VIDEO_PIN, PINS, VIDEO_PINS, Processed, as_channels_first, as_frames
 from .spec import FamilySpec, ModalitySpec
 
+#: a refusal's verdict, first in its reason (the one-line record keeps 200 characters)
+UNDETERMINED = (
+    "the run's length does not uniquely determine an input the processor maps to it "
+    "(refused, no grid inferred)"
+)
+
 Key = tuple[str, int]  # (modality, model-level index)
 
 
@@ -191,12 +197,13 @@ class Reprocessor:
             raise MediaAlignmentError(f"{mod} {k} ({hw[0]}x{hw[1]}): {why_not}")
         proc: Processed = self._run(pin.run, key, self._processor(mod), original, sol)
         if proc.tokens != r.target:
+            # the verdict first: the one-line record keeps a reason's first 200 characters
             raise MediaAlignmentError(
-                f"{mod} {k} ({hw[0]}x{hw[1]}): the processor gives {proc.tokens} tokens "
-                f"(grid {list(proc.grid)}, {proc.how}"
+                f"{UNDETERMINED}: {mod} {k} ({hw[0]}x{hw[1]}): the processor gives "
+                f"{proc.tokens} tokens for a run of {r.target} (grid {list(proc.grid)}, "
+                f"{proc.how}"
                 + (f" with {dict(proc.knobs)}" if proc.knobs else f" at {sol.size_hw}")
-                + f") for a run of {r.target}: the run's length does not uniquely determine "
-                "an input the processor maps to it; refused, no grid inferred"
+                + ")"
             )
         return sol, proc, r.target
 
@@ -231,11 +238,7 @@ class Reprocessor:
         what = f"{mod} {k} ({t} frames, {hw[0]}x{hw[1]})"
 
         def refused(detail: str) -> MediaAlignmentError:
-            return MediaAlignmentError(
-                f"{what}: {detail}: the rollout's runs {rollout} do not give it one frame "
-                "size; the run length does not uniquely determine an input the processor "
-                "maps to it; refused, no grid inferred"
-            )
+            return MediaAlignmentError(f"{UNDETERMINED}: {what}, rollout runs {rollout}: {detail}")
 
         per_group = len(static) > 1  # the family counts a run per temporal group
         if per_group and len(rollout) != groups:
@@ -277,8 +280,8 @@ class Reprocessor:
         return (
             f"{mod} {k} ({frames} frames): the static processing gives {sum(static)} "
             f"placeholders in {len(static)} run(s), the rollout {sum(rollout)}; first "
-            f"mismatching run: {first} ({static[first]} vs {rollout[first]}); a video is not "
-            f"re-processed here ({why}): refused, no grid inferred"
+            f"mismatching run: {first} ({static[first]} vs {rollout[first]}); refused, no grid "
+            f"inferred: {why}"
         )
 
     def _frames(self, key: Key) -> int | str:
