@@ -1,0 +1,424 @@
+"""The contract every registered family keeps, one :class:`FamilyCase` per family x class.
+
+On the real transformers class of each family (tiny random config, CPU, batches from
+``megatron_media_guard/testing/families/``), guarded by ``install_vlm`` as a user installs it:
+
+- an aligned single-modality call is the plain forward bit for bit, with ``transfers``
+  device-to-host transfers (``core.host.count_transfers``); an aligned batch of three samples
+  (mixed modalities where the family takes them) equals the plain forward;
+- one run short, or +k in one sample and -k in another, raises naming the sample (message and
+  ``raise`` record), or drops it with every other sample equal to its own forward and the
+  dropped sample's labels ignored;
+- ``remove()`` leaves every module as it was (attributes and hooks) and the plain forward's
+  outcome on a faulty batch;
+- ``keep_tower``: a text-only call runs the tower once, before the decoder, at zero weight,
+  only under ``"always"`` (``tests/tower_check.py``);
+- ``policy="repair"``: a family with a geometry (built from the model's config, no
+  ``geometry=`` from the user) repairs or falls back on a short run with every other sample
+  equal to its own forward; one without says why in the record;
+- ``check_batch``: the family's case in ``tests/test_check_batch.py`` (the data side, its own
+  table: keep / raise naming the sample / drop, the plain model taking the returned batch).
+
+The samples and the tokenizer stand-ins come from the tables of ``tests/test_check_batch.py``
+and ``tests/test_text_only_rank.py`` (imported, not copied). Bridge 0.6.2's classes are rows of
+the table too; their behaviour runs in ``tests/test_family_*_bridge.py`` and
+``tests/test_family_mrope_bridge.py`` under ``bash scripts/test_mcore019.sh`` (skipped without
+Bridge); here the registry must route each to its spec. A family registered without a case
+fails :func:`test_every_registered_family_has_a_case`; docs/FAMILIES.md's capability table is
+checked against this table and the registry.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from family_checks import raised_samples, records
+from test_check_batch import CASES as BATCH_CASES
+from test_check_batch import FAULTS, NO_FIXTURE, faulty
+from test_text_only_rank import CASES as ONE_ITEM
+
+from megatron_media_guard import GuardConfig, MediaItem
+from megatron_media_guard.core.host import count_transfers
+from megatron_media_guard.families import FAMILIES
+
+pytest.importorskip("transformers")
+pytest.importorskip("PIL")
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@dataclass(frozen=True)
+class FamilyCase:
+    """One family on one class.
+
+    family: the registry's name; cls: the class the guard is installed on; fixture: its
+    ``testing/families`` module; towers / decoder: attribute paths from the model to the
+    tower modules (tower first) and the decoder, for keep_tower; transfers: device-to-host
+    transfers of an aligned single-modality call; check_batch: the data-side check takes
+    the family's processor batch; repair: the family builds a repair geometry from its
+    config; bridge: Bridge 0.6.2 trains the family (a row with ``bridge_cls``)."""
+
+    family: str
+    cls: str
+    fixture: str
+    towers: tuple[str, ...]
+    decoder: str = "model.language_model"
+    transfers: int = 1
+    check_batch: bool = True
+    repair: bool = False
+    bridge_cls: str | None = None
+
+    @property
+    def one_item(self):
+        """(media of one aligned item, tokenizer stand-in) from test_text_only_rank."""
+        c = ONE_ITEM["qwen3_5" if self.family == "qwen_vl" else self.family]
+        return c.media, c.tokens
+
+    @property
+    def samples(self):
+        """Three aligned samples from test_check_batch (the faults shift samples 0 and 1)."""
+        return BATCH_CASES[self.family].samples
+
+    @property
+    def per_item(self) -> bool:
+        """The family's per-item counts come from ``set_items`` (InternVL's tiles)."""
+        return BATCH_CASES[self.family].items
+
+
+CASES = {
+    c.family: c
+    for c in [
+        FamilyCase(
+            "nemotron_omni",
+            "NemotronH_Omni_Reasoning_V3",
+            "nemotron_omni",
+            ("vision_model",),
+            "language_model",
+            repair=True,
+            bridge_cls="NemotronOmniModel (megatron-core LLaVAModel: the llava family)",
+        ),
+        FamilyCase(
+            "gemma3",
+            "Gemma3ForConditionalGeneration",
+            "gemma3",
+            ("model.vision_tower", "model.multi_modal_projector"),
+            repair=True,
+            bridge_cls="Gemma3VLModel",
+        ),
+        FamilyCase(
+            "kimi_k25",
+            "Kimi_K25ForConditionalGeneration",
+            "kimi_k25",
+            ("model.vision_tower", "model.mm_projector"),
+            bridge_cls="KimiK25VLModel",
+        ),
+        FamilyCase(
+            "internvl",
+            "InternVLForConditionalGeneration",
+            "internvl",
+            ("model.vision_tower", "model.multi_modal_projector"),
+        ),
+        FamilyCase(
+            "qwen2_audio",
+            "Qwen2AudioForConditionalGeneration",
+            "qwen2_audio",
+            ("model.audio_tower", "model.multi_modal_projector"),
+            # the clips' feature counts (to cut the projector's padded rows), then the verdict
+            transfers=2,
+            bridge_cls="Qwen2AudioModel",
+        ),
+        FamilyCase(
+            "qwen3_omni",
+            "Qwen3OmniMoeThinkerForConditionalGeneration",
+            "qwen3_omni",
+            ("model.visual", "model.audio_tower"),
+            bridge_cls="Qwen3OmniThinkerModel",
+        ),
+        FamilyCase(
+            "glm4v",
+            "Glm4vForConditionalGeneration",
+            "glm4v",
+            ("model.visual",),
+            repair=True,
+            bridge_cls="GLM45VModel",
+        ),
+        FamilyCase(
+            "ernie4_5_vl",
+            "Ernie4_5_VLMoeForConditionalGeneration",
+            "ernie4_5_vl",
+            ("model.vision_tower", "model.resampler_model"),
+            repair=True,
+            bridge_cls="Ernie45VLModel",
+        ),
+        FamilyCase(
+            "mistral3",
+            "Mistral3ForConditionalGeneration",
+            "mistral3",
+            ("model.vision_tower", "model.multi_modal_projector"),
+            repair=True,
+            bridge_cls="Ministral3Model",
+        ),
+        FamilyCase(
+            "llava_onevision",
+            "LlavaOnevisionForConditionalGeneration",
+            "llava_onevision",
+            ("model.vision_tower", "model.multi_modal_projector"),
+            repair=True,
+        ),
+        FamilyCase(
+            "qwen_vl",
+            "Qwen3_5ForConditionalGeneration",
+            "qwen3_5",
+            ("model.visual",),
+            repair=True,
+            bridge_cls="Qwen25VLModel, Qwen3VLModel",
+        ),
+    ]
+}
+NAMES = sorted(CASES)
+
+
+def test_every_registered_family_has_a_case():
+    """A family added to the registry fails here until it has a row (megatron-core's LLaVA and
+    MIMO merges have no processor batch: tests/test_adapter_llava*.py, test_adapter_mimo.py)."""
+    names = {s.name for s in FAMILIES}
+    assert names == set(CASES) | set(NO_FIXTURE), names ^ (set(CASES) | set(NO_FIXTURE))
+    assert set(BATCH_CASES) == set(CASES)  # test_check_batch runs the same families
+
+
+def test_the_registry_routes_every_class_of_the_table():
+    """Each row's transformers class and Bridge class are the names the registry holds for
+    the family (a renamed class in either fails)."""
+    for case in CASES.values():
+        specs = [s for s in FAMILIES if s.name == case.family]
+        hf = {c for s in specs for c in s.classes.get("transformers.", ())}
+        assert case.cls in hf, (case.family, hf)
+        bridge = {c for s in specs for c in s.classes.get("megatron.bridge.", ())}
+        if case.bridge_cls and "llava" not in case.bridge_cls:
+            assert set(case.bridge_cls.split(", ")) <= bridge, (case.family, bridge)
+        elif not case.bridge_cls:
+            assert not bridge, case.family
+
+
+_MODELS: dict = {}
+
+
+def build(name: str):
+    """(case, fixture module, model) of a row; the model is built once per session."""
+    case = CASES[name]
+    F = importlib.import_module(f"megatron_media_guard.testing.families.{case.fixture}")
+    if name not in _MODELS:
+        _MODELS[name] = F.tiny_model(seed=0)
+    model = _MODELS[name]
+    assert type(model).__name__ == case.cls
+    return case, F, model
+
+
+def attr(model, path: str):
+    for part in path.split("."):
+        model = getattr(model, part)
+    return model
+
+
+def logits(model, kw: dict) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**kw).logits
+
+
+def guarded(name: str, model, b, config: GuardConfig | None = None, labels: bool = False):
+    """(logits, last result) of one call under ``install_vlm``; InternVL's items from
+    ``set_items`` (the tiles per image never reach the model)."""
+    from megatron_media_guard.adapters import install_vlm
+
+    case = CASES[name]
+    kw = dict(b.kwargs, labels=b.input_ids.clone()) if labels else b.kwargs
+    with install_vlm(model, config or GuardConfig(), tokenizer=case.one_item[1]) as h:
+        if case.per_item:
+            h.set_items([MediaItem(n, modality=mod) for _, mod, n in b.items])
+        out = logits(model, kw)
+        return out, h.last_result
+
+
+def own(F, model, sample) -> torch.Tensor:
+    b = F.make_batch(model, [sample])
+    return logits(model, b.kwargs)[0, : b.lengths[0]]
+
+
+def fault_batch(F, model, case, fault: str):
+    ok = F.make_batch(model, case.samples)
+    return F.make_batch(model, faulty(ok, case.samples, FAULTS[fault]))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_an_aligned_call_is_the_plain_forward_bit_for_bit(name):
+    case, F, model = build(name)
+    media, _ = case.one_item
+    b = F.make_batch(model, [[media], [media]])
+    ref = logits(model, b.kwargs)
+    with count_transfers() as n:
+        out, res = guarded(name, model, b)
+    assert res.report.actions == ("keep", "keep")
+    assert torch.equal(out, ref)
+    assert sum(n.values()) == case.transfers, n
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_an_aligned_batch_equals_the_plain_forward(name):
+    case, F, model = build(name)
+    b = F.make_batch(model, case.samples)
+    out, res = guarded(name, model, b)
+    assert res.report.actions == ("keep",) * 3
+    torch.testing.assert_close(out, logits(model, b.kwargs), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+@pytest.mark.parametrize("name", NAMES)
+def test_a_fault_raises_naming_the_sample(name, fault, tmp_path):
+    case, F, model = build(name)
+    b = fault_batch(F, model, case, fault)
+    cfg = GuardConfig(policy="raise", log_dir=str(tmp_path))
+    bad = set(FAULTS[fault])
+    assert raised_samples(lambda: guarded(name, model, b, cfg), bad, tmp_path) >= {min(bad)}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+@pytest.mark.parametrize("name", NAMES)
+def test_a_drop_keeps_every_other_sample_equal_to_its_own_forward(name, fault):
+    case, F, model = build(name)
+    b = fault_batch(F, model, case, fault)
+    bad = set(FAULTS[fault])
+    out, res = guarded(name, model, b, GuardConfig(policy="drop"), labels=True)
+    assert {s for s, a in enumerate(res.report.actions) if a == "drop"} == bad
+    for k in {0, 1, 2} - bad:
+        want = own(F, model, case.samples[k])
+        torch.testing.assert_close(out[k, : b.lengths[k]], want, atol=1e-5, rtol=1e-5)
+    for k in bad:
+        assert (res.labels[k] == -100).all()
+
+
+def _state(model) -> dict:
+    """Every module's attributes and hooks, and the class of the model."""
+    return {
+        name: (
+            type(m),
+            sorted(vars(m)),
+            dict(m._forward_pre_hooks),
+            dict(m._forward_hooks),
+            dict(m._forward_pre_hooks_with_kwargs),
+        )
+        for name, m in model.named_modules()
+    }
+
+
+def _outcome(model, kw):
+    try:
+        return logits(model, kw)
+    except Exception as e:  # the plain model's own error on a faulty batch
+        return type(e)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_remove_leaves_the_model_as_it_was(name):
+    from megatron_media_guard.adapters import install_vlm
+
+    case, F, model = build(name)
+    b = fault_batch(F, model, case, "+k/-k across two samples")
+    before, plain = _state(model), _outcome(model, b.kwargs)
+    h = install_vlm(model, GuardConfig(), tokenizer=case.one_item[1])
+    assert _state(model) != before
+    h.remove()
+    assert _state(model) == before
+    after = _outcome(model, b.kwargs)
+    if isinstance(plain, torch.Tensor):
+        assert torch.equal(after, plain)
+    else:
+        assert after is plain
+
+
+@pytest.mark.parametrize("mode, runs", [("always", 1), ("on_drop", 0), ("never", 0)])
+@pytest.mark.parametrize("name", NAMES)
+def test_a_text_only_micro_batch_keeps_the_tower_in_step(name, mode, runs):
+    from tower_check import check_keeps_tower
+
+    case, F, model = build(name)
+    _media, tokens = case.one_item
+    check_keeps_tower(
+        model,
+        mode,
+        runs,
+        media=F.make_batch(model, [case.samples[0]]).kwargs,
+        text=F.make_batch(model, [[], []]).kwargs,
+        tokenizer=tokens,
+        towers=[attr(model, p) for p in case.towers],
+        decoder=attr(model, case.decoder),
+    )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_repair_where_the_family_has_a_geometry(name, tmp_path):
+    """A geometry from the config alone; a short run repaired or dropped with a reason, every
+    other sample its own forward; a family without one says so in the record."""
+    from megatron_media_guard.adapters.vlm_install import guard_for
+
+    case, F, model = build(name)
+    spec = next(
+        s for s in FAMILIES if s.name == name and case.cls in s.classes.get("transformers.", ())
+    )
+    geo = guard_for(spec, model, GuardConfig(policy="repair"), case.one_item[1]).geometry
+    assert (geo is not None) == case.repair, geo
+    b = fault_batch(F, model, case, "one run short")
+    cfg = GuardConfig(policy="repair", fallback="drop", log_dir=str(tmp_path))
+    out, res = guarded(name, model, b, cfg)
+    assert res.report.actions[1] in ("repair", "drop") and res.report.actions[::2] == ("keep",) * 2
+    for k in (0, 2):
+        want = own(F, model, case.samples[k])
+        torch.testing.assert_close(out[k, : b.lengths[k]], want, atol=1e-5, rtol=1e-5)
+    if res.report.actions[1] == "drop":
+        why = " ".join(str(r.get("reason")) for r in records(tmp_path) if r["sample"] == 1)
+        assert why.strip() and why != "None", why
+        if not case.repair:
+            assert "no geometry" in why, why
+
+
+# ---- docs/FAMILIES.md's capability table is this table and the registry ----
+
+_YES = {True: "yes", False: "no"}
+
+
+def capability_rows() -> dict[str, tuple[str, ...]]:
+    """family -> (install_vlm, check_batch, repair, keep_tower, Bridge), as the table says."""
+    rows = {
+        c.family: (
+            c.cls,
+            _YES[c.check_batch],
+            _YES[c.repair],
+            "yes",
+            c.bridge_cls or "no",
+        )
+        for c in CASES.values()
+    }
+    rows.update(
+        {
+            # keep_tower: not part of megatron-core's merges' contract ("-")
+            "llava": ("install_llava (megatron-core LLaVAModel)", "no", "no", "-", "yes"),
+            "mimo": ("install_mimo (megatron-core MimoModel)", "no", "no", "-", "no"),
+        }
+    )
+    return rows
+
+
+def test_the_capability_table_in_the_docs_is_the_registrys():
+    text = (Path(__file__).parents[2] / "docs" / "FAMILIES.md").read_text()
+    section = text.split("## Capabilities", 1)[1].split("\n## ", 1)[0]
+    found = {}
+    for line in section.splitlines():
+        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        if len(cells) == 6 and not set(cells[0]) <= {"-"} and cells[0] != "family":
+            found[cells[0]] = tuple(re.sub(r"`", "", c) for c in cells[1:])
+    assert found == capability_rows()
+    assert set(found) == {s.name for s in FAMILIES}
