@@ -45,6 +45,7 @@ from test_text_only_rank import CASES as ONE_ITEM
 from megatron_media_guard import GuardConfig, MediaItem
 from megatron_media_guard.core.host import count_transfers
 from megatron_media_guard.families import FAMILIES
+from megatron_media_guard.testing.families.base import Media as M
 
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
@@ -61,7 +62,9 @@ class FamilyCase:
     tower modules (tower first) and the decoder, for keep_tower; transfers: device-to-host
     transfers of an aligned single-modality call; check_batch: the data-side check takes
     the family's processor batch; repair: the family builds a repair geometry from its
-    config; bridge: Bridge 0.6.2 trains the family (a row with ``bridge_cls``)."""
+    config; bridge_cls: the class Bridge 0.6.2 trains the family with; aligned: the batch of the
+    bit-identical call (default: one item of ``tests/test_text_only_rank.py`` in each of two
+    samples)."""
 
     family: str
     cls: str
@@ -72,6 +75,7 @@ class FamilyCase:
     check_batch: bool = True
     repair: bool = False
     bridge_cls: str | None = None
+    aligned: tuple | None = None
 
     @property
     def one_item(self):
@@ -90,6 +94,10 @@ class FamilyCase:
         return BATCH_CASES[self.family].items
 
 
+def img(*size):
+    return M("image", size)
+
+
 CASES = {
     c.family: c
     for c in [
@@ -101,6 +109,7 @@ CASES = {
             "language_model",
             repair=True,
             bridge_cls="NemotronOmniModel (megatron-core LLaVAModel: the llava family)",
+            aligned=([img(4, 4)], [img(2, 4)]),
         ),
         FamilyCase(
             "gemma3",
@@ -116,12 +125,14 @@ CASES = {
             "kimi_k25",
             ("model.vision_tower", "model.mm_projector"),
             bridge_cls="KimiK25VLModel",
+            aligned=([img(4, 6)], [img(8, 4), img(2, 2)]),
         ),
         FamilyCase(
             "internvl",
             "InternVLForConditionalGeneration",
             "internvl",
             ("model.vision_tower", "model.multi_modal_projector"),
+            aligned=([img(56, 112), img(56, 56)], [img(100, 40)]),
         ),
         FamilyCase(
             "qwen2_audio",
@@ -146,6 +157,7 @@ CASES = {
             ("model.visual",),
             repair=True,
             bridge_cls="GLM45VModel",
+            aligned=([img(4, 6)], [img(8, 4), img(2, 2)]),
         ),
         FamilyCase(
             "ernie4_5_vl",
@@ -154,6 +166,7 @@ CASES = {
             ("model.vision_tower", "model.resampler_model"),
             repair=True,
             bridge_cls="Ernie45VLModel",
+            aligned=([img(4, 6)], [img(8, 4), img(2, 2)]),
         ),
         FamilyCase(
             "mistral3",
@@ -162,6 +175,7 @@ CASES = {
             ("model.vision_tower", "model.multi_modal_projector"),
             repair=True,
             bridge_cls="Ministral3Model",
+            aligned=([img(56, 84)], [img(84, 56), img(28, 28)]),
         ),
         FamilyCase(
             "llava_onevision",
@@ -169,6 +183,7 @@ CASES = {
             "llava_onevision",
             ("model.vision_tower", "model.multi_modal_projector"),
             repair=True,
+            aligned=([img(56, 56), img(100, 40)], [img(80, 80)]),
         ),
         FamilyCase(
             "qwen_vl",
@@ -258,7 +273,7 @@ def fault_batch(F, model, case, fault: str):
 def test_an_aligned_call_is_the_plain_forward_bit_for_bit(name):
     case, F, model = build(name)
     media, _ = case.one_item
-    b = F.make_batch(model, [[media], [media]])
+    b = F.make_batch(model, list(case.aligned or ([media], [media])))
     ref = logits(model, b.kwargs)
     with count_transfers() as n:
         out, res = guarded(name, model, b)
@@ -382,7 +397,7 @@ def test_repair_where_the_family_has_a_geometry(name, tmp_path):
         why = " ".join(str(r.get("reason")) for r in records(tmp_path) if r["sample"] == 1)
         assert why.strip() and why != "None", why
         if not case.repair:
-            assert "no geometry" in why, why
+            assert f"cannot repair: no geometry for {name}" in why, why
 
 
 # ---- docs/FAMILIES.md's capability table is this table and the registry ----
