@@ -17,7 +17,6 @@ import torch
 from family_checks import raised_samples
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem
-from megatron_media_guard.core.host import count_transfers
 from megatron_media_guard.repair.pixels import from_frames, to_frames
 from megatron_media_guard.repair.reproject import resize_frames
 
@@ -118,16 +117,6 @@ def test_single_modality_batch_equals_the_plain_batch(model):
 def test_plain_model_cannot_take_a_mixed_batch(model):
     with pytest.raises(ValueError, match="Image features and image tokens do not match"):
         logits(model, F.make_batch(model, ALIGNED[3][1]))
-
-
-def test_single_modality_aligned_call_is_bit_identical_with_one_transfer(model):
-    b = F.make_batch(model, [[img(4, 6)], [img(8, 4), img(2, 2)]])
-    ref = logits(model, b)
-    h = install_vlm(model, GuardConfig())
-    with h, count_transfers() as n, torch.no_grad():
-        out = model(**b.kwargs).logits
-    assert torch.equal(out, ref)
-    assert sum(n.values()) == 1, n  # the guard's verdict; the model's own syncs are not counted
 
 
 FAULTS = [
@@ -243,13 +232,6 @@ def test_set_items_names_sample_ids(model, tmp_path):
         guarded(model, samples, GuardConfig(log_dir=str(tmp_path)), items=items)
 
 
-def test_remove_restores_the_plain_model(model):
-    b = F.make_batch(model, ALIGNED[3][1])
-    install_vlm(model, GuardConfig()).remove()
-    with pytest.raises(ValueError, match="Image features and image tokens"):
-        logits(model, b)
-
-
 def test_registry_knows_glm4v_and_glm45v(model):
     from transformers import Glm4vMoeForConditionalGeneration
 
@@ -284,21 +266,3 @@ def test_check_batch_before_the_trainer_drops_the_bad_sample_without_a_model(mod
         torch.testing.assert_close(
             got[k, : b.lengths[k]], own(model, samples[k]), atol=1e-5, rtol=0
         )
-
-
-@pytest.mark.parametrize("mode, runs", [("always", 1), ("on_drop", 0), ("never", 0)])
-def test_a_text_only_micro_batch_keeps_the_tower_in_step(model, mode, runs):
-    """keep_tower (docs/PARALLEL.md): one 2x2-patch image of zeros through get_image_features."""
-    from tower_check import check_keeps_tower
-
-    media, text = (F.make_batch(model, s).kwargs for s in ([[img(2, 2)]], [[], []]))
-    inner = model.model
-    check_keeps_tower(
-        model,
-        mode,
-        runs,
-        media=media,
-        text=text,
-        towers=[inner.visual],
-        decoder=inner.language_model,
-    )

@@ -14,7 +14,6 @@ import torch
 from family_checks import raised_samples, records
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem
-from megatron_media_guard.core.host import count_transfers
 from megatron_media_guard.families import anyres_pixels, find_family
 from megatron_media_guard.families import llava_onevision as spec_mod
 from megatron_media_guard.geometry.anyres import fitted_size
@@ -95,16 +94,6 @@ def test_aligned_batches_equal_the_plain_model(model, name, samples):
     b, out, res = guarded(model, samples)
     assert res.report.actions == ("keep",) * len(samples)
     torch.testing.assert_close(out, logits(model, b.kwargs), atol=1e-6, rtol=1e-6)
-
-
-def test_aligned_call_is_bit_identical_with_one_transfer(model):
-    b = F.make_batch(model, ALIGNED[1][1])
-    ref = logits(model, b.kwargs)
-    h = install_vlm(model, GuardConfig())
-    with h, count_transfers() as n:
-        out = logits(model, b.kwargs)
-    assert torch.equal(out, ref)
-    assert sum(n.values()) == 1, n  # the guard's verdict; the model's own syncs are not counted
 
 
 ALL = [img(80, 80)]  # an aligned sample beside every fault: it must stay its own forward
@@ -261,30 +250,3 @@ def test_set_items_names_the_sample_id(model, tmp_path):
         guarded(
             model, [ALL, [img(56, 56, tokens=N56 - 1)]], GuardConfig(log_dir=str(tmp_path)), items
         )
-
-
-def test_remove_restores_the_plain_model(model):
-    b = F.make_batch(model, FAULTS[0][1])
-    h = install_vlm(model, GuardConfig())
-    h.remove()
-    with pytest.raises(ValueError, match="Image features and image tokens do not match"):
-        logits(model, b.kwargs)
-
-
-@pytest.mark.parametrize("mode, runs", [("always", 1), ("on_drop", 0), ("never", 0)])
-def test_a_text_only_micro_batch_keeps_the_tower_in_step(model, mode, runs):
-    """keep_tower (docs/PARALLEL.md): one video frame of zeros through the tower and the
-    projector; every tower parameter an anyres image trains gets a zero gradient."""
-    from tower_check import check_keeps_tower
-
-    media, text = (F.make_batch(model, s).kwargs for s in ([ALL], [[], []]))
-    inner = model.model
-    check_keeps_tower(
-        model,
-        mode,
-        runs,
-        media=media,
-        text=text,
-        towers=[inner.vision_tower, inner.multi_modal_projector],
-        decoder=inner.language_model,
-    )

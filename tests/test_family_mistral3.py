@@ -15,7 +15,6 @@ import torch
 from family_checks import raised_samples, records
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaGuard, MediaItem
-from megatron_media_guard.core.host import count_transfers
 from megatron_media_guard.errors import MediaInputError
 from megatron_media_guard.families import find_family
 from megatron_media_guard.families import mistral3 as spec_mod
@@ -85,16 +84,6 @@ def test_aligned_batches_equal_the_plain_model(model, name, samples):
     b, out, res = guarded(model, samples)
     assert res.report.actions == ("keep",) * len(samples)
     torch.testing.assert_close(out, logits(model, b.kwargs), atol=1e-6, rtol=1e-6)
-
-
-def test_aligned_call_is_bit_identical_with_one_transfer(model):
-    b = F.make_batch(model, [[img(56, 84)], [img(84, 56), img(28, 28)]])
-    ref = logits(model, b.kwargs)
-    h = install_vlm(model, GuardConfig(), tokenizer=TOKENS)
-    with h, count_transfers() as n:
-        out = logits(model, b.kwargs)
-    assert torch.equal(out, ref)
-    assert sum(n.values()) == 1, n  # the guard's verdict; the model's own syncs are not counted
 
 
 ALL = [img(28, 56)]  # an aligned sample beside every fault: it must stay its own forward
@@ -192,33 +181,6 @@ def test_a_guard_built_by_hand_with_the_family_grammar(model):
     assert res.report.actions == ("keep", "keep")
 
 
-def test_remove_restores_the_plain_model(model):
-    b = F.make_batch(model, [[img(56, 84, tokens=5)], ALL])
-    h = install_vlm(model, GuardConfig(), tokenizer=TOKENS)
-    h.remove()
-    with pytest.raises(ValueError, match="Image features and image tokens do not match"):
-        logits(model, b.kwargs)
-
-
 def test_missing_break_and_end_tokens_are_named(model):
     with pytest.raises(MediaInputError, match=r"\[IMG_END\].*\[IMG_BREAK\]"):
         install_vlm(model, GuardConfig())
-
-
-@pytest.mark.parametrize("mode, runs", [("always", 1), ("on_drop", 0), ("never", 0)])
-def test_a_text_only_micro_batch_keeps_the_tower_in_step(model, mode, runs):
-    """keep_tower (docs/PARALLEL.md): a 28 x 56 image through the tower and the projector."""
-    from tower_check import check_keeps_tower
-
-    media, text = (F.make_batch(model, s).kwargs for s in ([ALL], [[], []]))
-    inner = model.model
-    check_keeps_tower(
-        model,
-        mode,
-        runs,
-        media=media,
-        text=text,
-        tokenizer=TOKENS,
-        towers=[inner.vision_tower, inner.multi_modal_projector],
-        decoder=inner.language_model,
-    )

@@ -182,22 +182,3 @@ def test_remove_restores_the_plain_model_and_its_legacy_path(model):
 def test_the_registry_knows_both_transformers_classes(model):
     assert find_family(model)[1].name == "qwen2_audio"
     assert find_family(model.model) == (model.model, find_family(model)[1])
-
-
-@pytest.mark.parametrize("mode, runs", [("always", 1), ("on_drop", 0), ("never", 0)])
-def test_a_text_only_micro_batch_keeps_the_tower_in_step(model, mode, runs):
-    """keep_tower (docs/PARALLEL.md): one window of zeros through the tower and the projector."""
-    from tower_check import check_keeps_tower
-
-    media, text = (F.make_batch(model, s).kwargs for s in ([[aud(100)]], [[], []]))
-    inner = model.model
-    check_keeps_tower(
-        inner,
-        mode,
-        runs,
-        media=media,
-        text=text,
-        out=lambda o: o.last_hidden_state,
-        towers=[inner.audio_tower, inner.multi_modal_projector],
-        decoder=inner.language_model,
-    )

@@ -329,14 +329,6 @@ def test_flag_and_ids_that_disagree_are_refused(model, samples, flag, match):
         logits(model, b.kwargs)
 
 
-def test_remove_restores_the_plain_model(model):
-    b = F.make_batch(model, [[aud(100, tokens=16)], [aud(60, tokens=5)]])
-    h = install_vlm(model, GuardConfig(), tokenizer=TOKENS)
-    h.remove()
-    logits(model, b.kwargs)  # plain again: +k/-k audio runs silently
-    logits(model, F.make_batch(model, [[bent(model, LONG, 1, -1)], [SHORT]]).kwargs)  # and this
-
-
 def test_missing_markers_name_the_tokens(model):
     with pytest.raises(MediaInputError, match="audio start/end markers"):
         install_vlm(model, GuardConfig())
@@ -346,24 +338,3 @@ def test_a_thinker_config_without_vision_start_is_refused_at_install():
     bare = F.tiny_model(seed=1, vision_start_token_id=None)
     with pytest.raises(MediaInputError, match=r"config\.vision_start_token_id"):
         install_vlm(bare, GuardConfig(), tokenizer={**TOKENS, "<|vision_start|>": F.VISION_START})
-
-
-@pytest.mark.parametrize("mode, runs", [("always", 1), ("on_drop", 0), ("never", 0)])
-def test_a_text_only_micro_batch_keeps_the_tower_in_step(model, mode, runs):
-    """keep_tower (docs/PARALLEL.md): both towers on zeros (a 2x2-patch image, its deepstack
-    mergers included, and one audio chunk); every parameter an image + audio batch trains
-    gets a zero gradient."""
-    from tower_check import check_keeps_tower
-
-    media, text = (F.make_batch(model, s).kwargs for s in ([[img(2, 2), aud(120)]], [[], []]))
-    inner = model.model
-    check_keeps_tower(
-        model,
-        mode,
-        runs,
-        media=media,
-        text=text,
-        tokenizer=TOKENS,
-        towers=[inner.visual, inner.audio_tower],
-        decoder=inner.language_model,
-    )
