@@ -94,8 +94,12 @@ class FamilyCase:
         return BATCH_CASES[self.family].items
 
 
-def img(*size):
-    return M("image", size)
+def img(*size, n=None):
+    return M("image", size, n)
+
+
+def vid(*size, n=None):
+    return M("video", size, n)
 
 
 CASES = {
@@ -398,6 +402,100 @@ def test_repair_where_the_family_has_a_geometry(name, tmp_path):
         assert why.strip() and why != "None", why
         if not case.repair:
             assert f"cannot repair: no geometry for {name}" in why, why
+
+
+# ---- each family's own faults (its swaps, its modalities, its multi-item samples) ----
+
+
+@dataclass(frozen=True)
+class Fault:
+    """samples (fault injected with ``Media(..., tokens=k)``), the sample that must be named,
+    ``swap``: items exchanged (``make_batch(swap=)``); every sample not dropped is compared."""
+
+    name: str
+    samples: list
+    bad: int
+    swap: tuple[int, int] | None = None
+
+
+FAMILY_FAULTS = {
+    "ernie4_5_vl": (
+        Fault("short run", [[img(4, 6, n=5)], [img(8, 4)]], 0, None),
+        Fault("+k/-k", [[img(4, 6, n=8)], [img(8, 4, n=6), img(2, 2)], [img(2, 4)]], 0, None),
+        Fault("swap", [[img(2, 2), img(4, 6)], [img(8, 4)], [img(2, 4)]], 1, (1, 2)),
+        Fault("video +k/-k", [[vid(2, 4, 4, n=5)], [vid(4, 2, 4, n=3)], [vid(2, 2, 4)]], 0, None),
+        Fault("mixed batch, video short", [[img(4, 4)], [vid(2, 4, 4, n=3), img(2, 2)]], 1, None),
+    ),
+    "glm4v": (
+        Fault("short run", [[img(4, 6, n=5)], [img(8, 4)]], 0, None),
+        Fault("+k/-k", [[img(4, 6, n=8)], [img(8, 4, n=6), img(2, 2)], [img(2, 4)]], 0, None),
+        Fault("swap", [[img(2, 2), img(4, 6)], [img(8, 4)], [img(2, 4)]], 1, (1, 2)),
+        Fault("video frame short", [[vid(2, 4, 4)], [vid(2, 4, 4, n=7)]], 1, None),
+        Fault("mixed batch, image short", [[vid(2, 2, 4)], [img(4, 4, n=3), img(2, 2)]], 1, None),
+    ),
+    "mistral3": (
+        Fault("short run", [[img(56, 84, n=5)], [img(28, 56)]], 0, None),
+        Fault("surplus", [[img(28, 56)], [img(56, 84, n=7)]], 1, None),
+        Fault("+k/-k", [[img(56, 84, n=7)], [img(56, 84, n=5)], [img(28, 56)]], 0, None),
+        Fault("swap", [[img(56, 84)], [img(28, 28)], [img(28, 56)]], 0, (0, 1)),
+    ),
+    # a 56x56 image alone is 36 features (base 16 + 4 rows of 4 + 1 newline); one short image
+    # of a two-image sample (base + 1 = 17) drops the whole sample; a kept two-image sample
+    # beside a dropped one keeps its base + 1 counts
+    "llava_onevision": (
+        Fault("short image run", [[img(56, 56, n=35)], [img(80, 80)]], 0, None),
+        Fault("short video run", [[img(80, 80), vid(2)], [vid(2, n=8)]], 1, None),
+        Fault("+k/-k images", [[img(56, 56, n=38)], [img(56, 56, n=34)], [img(80, 80)]], 0, None),
+        Fault("+k/-k videos", [[vid(2, n=10)], [vid(2, n=8)], [img(80, 80)]], 0, None),
+        Fault("swap", [[img(56, 56)], [img(60, 130)], [img(80, 80)]], 0, (0, 1)),
+        Fault("multi-image one short", [[img(56, 56), img(100, 40, n=16)], [img(80, 80)]], 0, None),
+        Fault("beside a multi-image", [[img(56, 56, n=35)], [img(56, 56), img(100, 40)]], 0, None),
+    ),
+}
+FAULT_ROWS = [(f, x) for f, xs in FAMILY_FAULTS.items() for x in xs]
+FAULT_IDS = [f"{f}-{x.name}" for f, x in FAULT_ROWS]
+
+
+@pytest.mark.parametrize("name,fault", FAULT_ROWS, ids=FAULT_IDS)
+def test_a_family_fault_raises_naming_the_sample(name, fault, tmp_path):
+    _case, F, model = build(name)
+    b = F.make_batch(model, fault.samples, swap=fault.swap)
+    cfg = GuardConfig(policy="raise", log_dir=str(tmp_path))
+    assert fault.bad in raised_samples(lambda: guarded(name, model, b, cfg), fault.bad, tmp_path)
+
+
+@pytest.mark.parametrize("name,fault", FAULT_ROWS, ids=FAULT_IDS)
+def test_a_family_fault_dropped_feeds_no_feature_and_keeps_the_others(name, fault):
+    """The dropped rows reach the decoder as their own tokens' embeddings, their labels
+    ignored; every other sample equals its own forward; the loss stays finite."""
+    from megatron_media_guard.adapters import install_vlm
+
+    case, F, model = build(name)
+    b = F.make_batch(model, fault.samples, swap=fault.swap)
+    vocab = model.config.get_text_config().vocab_size
+    labels = torch.where(b.input_ids < vocab, b.input_ids, -100)
+    seen = []
+    hook = attr(model, case.decoder).register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw["inputs_embeds"].detach().clone()), with_kwargs=True
+    )
+    try:
+        with install_vlm(model, GuardConfig(policy="drop"), tokenizer=case.one_item[1]) as h:
+            with torch.no_grad():
+                out = model(**b.kwargs, labels=labels)
+            res = h.last_result
+    finally:
+        hook.remove()
+    dropped = {s for s, a in enumerate(res.report.actions) if a == "drop"}
+    assert fault.bad in dropped and len(dropped) < len(fault.samples)
+    text = model.get_input_embeddings()(b.input_ids)
+    for k in range(len(fault.samples)):
+        if k in dropped:
+            assert torch.equal(seen[0][k], text[k])
+            assert (res.labels[k] == -100).all()
+        else:
+            want = own(F, model, fault.samples[k])
+            torch.testing.assert_close(out.logits[k, : b.lengths[k]], want, atol=1e-5, rtol=0)
+    assert torch.isfinite(out.loss)
 
 
 # ---- docs/FAMILIES.md's capability table is this table and the registry ----
