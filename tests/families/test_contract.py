@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import importlib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +45,7 @@ from test_text_only_rank import CASES as ONE_ITEM
 
 from megatron_media_guard import GuardConfig, MediaItem
 from megatron_media_guard.core.host import count_transfers
-from megatron_media_guard.families import FAMILIES
+from megatron_media_guard.families import FAMILIES, kimi_k25
 from megatron_media_guard.testing.families.base import Media as M
 
 pytest.importorskip("transformers")
@@ -64,7 +65,8 @@ class FamilyCase:
     the family's processor batch; repair: the family builds a repair geometry from its
     config; bridge_cls: the class Bridge 0.6.2 trains the family with; aligned: the batch of the
     bit-identical call (default: one item of ``tests/test_text_only_rank.py`` in each of two
-    samples)."""
+    samples); embed: how the model embeds ids where not ``get_input_embeddings()`` (a dropped
+    row reaches the decoder as exactly that)."""
 
     family: str
     cls: str
@@ -76,6 +78,7 @@ class FamilyCase:
     repair: bool = False
     bridge_cls: str | None = None
     aligned: tuple | None = None
+    embed: Callable | None = None
 
     @property
     def one_item(self):
@@ -100,6 +103,13 @@ def img(*size, n=None):
 
 def vid(*size, n=None):
     return M("video", size, n)
+
+
+def aud(*size, n=None):
+    return M("audio", size, n)
+
+
+BY = [img(2, 4), vid(2, 2, 2)]  # Qwen3-Omni's bystander
 
 
 CASES = {
@@ -128,6 +138,7 @@ CASES = {
             "Kimi_K25ForConditionalGeneration",
             "kimi_k25",
             ("model.vision_tower", "model.mm_projector"),
+            embed=kimi_k25._embed,  # placeholders past the vocabulary embed as 0
             bridge_cls="KimiK25VLModel",
             aligned=([img(4, 6)], [img(8, 4), img(2, 2)]),
         ),
@@ -409,13 +420,20 @@ def test_repair_where_the_family_has_a_geometry(name, tmp_path):
 
 @dataclass(frozen=True)
 class Fault:
-    """samples (fault injected with ``Media(..., tokens=k)``), the sample that must be named,
-    ``swap``: items exchanged (``make_batch(swap=)``); every sample not dropped is compared."""
+    """samples (fault injected with ``Media(..., tokens=k)``); bad: the sample that must be
+    named (and dropped), or the set of samples that must be, exactly; ``swap``: items exchanged
+    (``make_batch(swap=)``); every sample not dropped is compared with its own forward."""
 
     name: str
     samples: list
-    bad: int
+    bad: int | frozenset
     swap: tuple[int, int] | None = None
+
+    def check(self, got: set[int]) -> None:
+        if isinstance(self.bad, int):
+            assert self.bad in got, got
+        else:
+            assert got == self.bad, got
 
 
 FAMILY_FAULTS = {
@@ -451,6 +469,65 @@ FAMILY_FAULTS = {
         Fault("multi-image one short", [[img(56, 56), img(100, 40, n=16)], [img(80, 80)]], 0, None),
         Fault("beside a multi-image", [[img(56, 56, n=35)], [img(56, 56), img(100, 40)]], 0, None),
     ),
+    # unguarded, all but the short run are silent (tests/test_fixture_kimi_k25.py)
+    "kimi_k25": (
+        Fault("short run", [[img(4, 4, n=3)], [img(2, 4)]], frozenset({0}), None),
+        Fault(
+            "+k/-k images",
+            [[img(4, 4, n=6)], [img(4, 4, n=2)], [img(2, 2)]],
+            frozenset({0, 1}),
+            None,
+        ),
+        Fault(
+            "+k/-k video chunks",
+            [[vid(6, 4, 4, n=9)], [vid(2, 4, 4, n=3)], [img(2, 2)]],
+            frozenset({0, 1}),
+            None,
+        ),
+        Fault("swap of images", [[img(4, 4)], [img(2, 4)], [img(2, 2)]], frozenset({0, 1}), (0, 1)),
+        Fault(
+            "swap of videos",
+            [[vid(2, 4, 4)], [vid(2, 2, 4)], [img(2, 2)]],
+            frozenset({0, 1}),
+            (1, 2),
+        ),
+    ),
+    # an aligned bystander of the row's modality beside every fault
+    "nemotron_omni": (
+        Fault("short run", [[img(4, 4, n=3)], [img(2, 4)], [img(2, 4)]], 0, None),
+        Fault("+k/-k", [[img(4, 4, n=5)], [img(4, 4, n=3)], [img(2, 4)]], 0, None),
+        Fault("swap", [[img(4, 4)], [img(2, 2)], [img(2, 4)]], 0, (0, 1)),
+        Fault(
+            "video tubelet short", [[vid(4, 4, 4)], [vid(4, 4, 4, n=7)], [vid(4, 4, 4)]], 1, None
+        ),
+        Fault("audio short", [[aud(40)], [aud(40, n=2)], [aud(40)]], 1, None),
+    ),
+    "qwen2_audio": (
+        Fault("short run", [[aud(100, n=24)], [aud(40)], [aud(61)]], 0, None),
+        Fault("surplus", [[aud(40)], [aud(100, n=26)], [aud(61)]], 1, None),
+        Fault("+k/-k", [[aud(100, n=28)], [aud(40, n=7)], [aud(61)]], 0, None),
+        Fault("swap", [[aud(100)], [aud(40)], [aud(61)]], 0, (0, 1)),
+        # every run <= 1 placeholder: the plain model's legacy path would expand them silently
+        Fault("runs cut to one", [[aud(100, n=1)], [aud(40)], [aud(61)]], 0, None),
+    ),
+    # the bystander (BY) after the faulty samples in every modality's consumption order; no
+    # audio clip beside an image swap (audio is consumed first and would shift its indices)
+    "qwen3_omni": (
+        Fault("short image run", [[img(4, 6, n=5)], [img(8, 4)], [*BY, aud(50)]], 0, None),
+        Fault("+k/-k images", [[img(4, 6, n=8)], [img(8, 4, n=6)], [*BY, aud(50)]], 0, None),
+        Fault("swap of images", [[img(4, 6)], [img(8, 4)], BY], 0, (0, 1)),
+        Fault("+k/-k videos", [[vid(2, 4, 4, n=10)], [vid(3, 2, 4, n=4)], [*BY, aud(50)]], 0, None),
+        Fault("short audio run", [[aud(100, n=10)], [aud(60)], [*BY, aud(50)]], 0, None),
+        Fault("surplus audio run", [[aud(60)], [aud(100, n=16)], [*BY, aud(50)]], 1, None),
+        Fault("+k/-k audio", [[aud(100, n=16)], [aud(60, n=5)], [*BY, aud(50)]], 0, None),
+        Fault("swap of audio clips", [[aud(100)], [aud(60)], [*BY, aud(50)]], 0, (0, 1)),
+        Fault(
+            "audio fault beside an image",
+            [[aud(100, n=10), img(2, 2)], [aud(60)], [*BY, aud(50)]],
+            0,
+            None,
+        ),
+    ),
 }
 FAULT_ROWS = [(f, x) for f, xs in FAMILY_FAULTS.items() for x in xs]
 FAULT_IDS = [f"{f}-{x.name}" for f, x in FAULT_ROWS]
@@ -461,7 +538,7 @@ def test_a_family_fault_raises_naming_the_sample(name, fault, tmp_path):
     _case, F, model = build(name)
     b = F.make_batch(model, fault.samples, swap=fault.swap)
     cfg = GuardConfig(policy="raise", log_dir=str(tmp_path))
-    assert fault.bad in raised_samples(lambda: guarded(name, model, b, cfg), fault.bad, tmp_path)
+    fault.check(raised_samples(lambda: guarded(name, model, b, cfg), fault.bad, tmp_path))
 
 
 @pytest.mark.parametrize("name,fault", FAULT_ROWS, ids=FAULT_IDS)
@@ -486,8 +563,9 @@ def test_a_family_fault_dropped_feeds_no_feature_and_keeps_the_others(name, faul
     finally:
         hook.remove()
     dropped = {s for s, a in enumerate(res.report.actions) if a == "drop"}
-    assert fault.bad in dropped and len(dropped) < len(fault.samples)
-    text = model.get_input_embeddings()(b.input_ids)
+    fault.check(dropped)
+    assert len(dropped) < len(fault.samples)
+    text = (case.embed or (lambda m, ids: m.get_input_embeddings()(ids)))(model, b.input_ids)
     for k in range(len(fault.samples)):
         if k in dropped:
             assert torch.equal(seen[0][k], text[k])
