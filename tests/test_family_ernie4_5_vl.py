@@ -61,22 +61,6 @@ def guarded(model, samples, config=None, items=None, **kw):
         return b, out, h.last_result
 
 
-ALIGNED = [
-    ("images", [[img(4, 6)], [img(8, 4), img(2, 2)]]),
-    ("videos", [[vid(2, 4, 4)], [vid(4, 2, 4)]]),
-    ("image and video", [[vid(2, 2, 4), img(4, 4)], [img(2, 2)]]),
-]
-
-
-@pytest.mark.parametrize("name,samples", ALIGNED, ids=[n for n, _ in ALIGNED])
-def test_aligned_batches_equal_the_plain_model(model, name, samples):
-    b, out, res = guarded(model, samples)
-    assert res.report.actions == ("keep",) * len(samples)
-    torch.testing.assert_close(out.logits, logits(model, b), atol=1e-5, rtol=0)
-    for k, s in enumerate(samples):
-        torch.testing.assert_close(out.logits[k, : b.lengths[k]], own(model, s), atol=1e-5, rtol=0)
-
-
 def test_repair_reencodes_the_image_at_the_processors_grid(model, tmp_path):
     """An 8x12-patch image (24 features) whose run holds 12: re-encoded at the grid the
     processor's own resize gives for 12 (6x8 patches), its grid row replaced for M-RoPE;

@@ -27,10 +27,6 @@ from megatron_media_guard.testing.families.base import Media as M
 pytestmark = pytest.mark.timeout(120)
 
 
-def img(h, w, tokens=None):
-    return M("image", (h, w), tokens)
-
-
 def vid(f, h, w, tokens=None):
     return M("video", (f, h, w), tokens)
 
@@ -77,20 +73,6 @@ def test_the_registry_and_the_grammar(model):
     cfg = model.config
     assert g.placeholders == {"image": cfg.image_token_id, "video": cfg.video_token_id}
     assert (g.start_id, g.end_id) == (cfg.vision_start_token_id, cfg.vision_end_token_id)
-
-
-ALIGNED = {
-    "images": [[img(4, 6)], [img(8, 4), img(2, 2)]],
-    "videos (chunks of <= 4 frames)": [[vid(6, 4, 4)], [vid(3, 2, 4)]],
-    "mixed": [[img(4, 4)], [vid(6, 4, 4)], [vid(2, 2, 2), img(2, 2)]],
-}
-
-
-@pytest.mark.parametrize("name", list(ALIGNED))
-def test_aligned_batches_equal_the_plain_model(model, name):
-    b, hidden, _, res = guarded(model, ALIGNED[name])
-    assert res.report.actions == ("keep",) * len(ALIGNED[name])
-    torch.testing.assert_close(hidden, plain(model, b), atol=1e-6, rtol=1e-6)
 
 
 def test_set_items_takes_one_item_per_chunk(model, tmp_path):

@@ -32,10 +32,6 @@ def img(h: int, w: int, tokens: int | None = None) -> Media:
     return Media("image", (h, w), tokens)
 
 
-def vid(frames: int, tokens: int | None = None) -> Media:
-    return Media("video", (frames,), tokens)
-
-
 @pytest.fixture(scope="module")
 def model():
     """The fixture's model with a narrow output head (1000 of the 151680 ids; the text ids are
@@ -45,10 +41,6 @@ def model():
     m.lm_head = torch.nn.Linear(m.config.text_config.hidden_size, F.TEXT_IDS[1], bias=False)
     m.config.text_config.vocab_size = F.TEXT_IDS[1]  # the loss reshapes logits by it
     return m
-
-
-def text_labels(ids: torch.Tensor) -> torch.Tensor:
-    return torch.where(ids < F.TEXT_IDS[1], ids, -100)  # what the narrow head can score
 
 
 def logits(model, kwargs) -> torch.Tensor:
@@ -78,22 +70,6 @@ def test_the_registry_finds_the_family_and_its_grammar(model):
     assert (g.start_id, g.end_id, g.break_ids) == (None, None, ())
     assert find_family(model.model)[1] is spec_mod.SPEC
     assert F.llava_onevision_num_features(56, 56, model.config) == N56
-
-
-ALIGNED = [
-    ("image", [[img(56, 56)], [img(60, 130)]]),
-    ("multi-image and single", [[img(56, 56), img(100, 40)], [img(80, 80)]]),
-    ("text-only sample", [[], [img(130, 60)]]),
-    ("video", [[vid(2)], [vid(2)]]),
-    ("image and video mixed", [[img(56, 56), vid(2)], [vid(2)], [img(90, 50), img(50, 90)]]),
-]
-
-
-@pytest.mark.parametrize("name,samples", ALIGNED, ids=[n for n, _ in ALIGNED])
-def test_aligned_batches_equal_the_plain_model(model, name, samples):
-    b, out, res = guarded(model, samples)
-    assert res.report.actions == ("keep",) * len(samples)
-    torch.testing.assert_close(out, logits(model, b.kwargs), atol=1e-6, rtol=1e-6)
 
 
 ALL = [img(80, 80)]  # an aligned sample beside every fault: it must stay its own forward

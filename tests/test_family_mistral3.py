@@ -72,20 +72,6 @@ def test_the_registry_finds_the_family_and_its_grammar(model):
     assert find_family(model.model)[1] is spec_mod.SPEC  # Mistral3Model alone too
 
 
-ALIGNED = [
-    ("one each", [[img(56, 84)], [img(84, 56)]]),
-    ("ragged, a text-only sample", [[img(28, 28), img(84, 84)], [], [img(56, 28)]]),
-    ("two in one sample", [[], [img(112, 56), img(28, 56)]]),
-]
-
-
-@pytest.mark.parametrize("name,samples", ALIGNED, ids=[n for n, _ in ALIGNED])
-def test_aligned_batches_equal_the_plain_model(model, name, samples):
-    b, out, res = guarded(model, samples)
-    assert res.report.actions == ("keep",) * len(samples)
-    torch.testing.assert_close(out, logits(model, b.kwargs), atol=1e-6, rtol=1e-6)
-
-
 ALL = [img(28, 56)]  # an aligned sample beside every fault: it must stay its own forward
 
 
@@ -136,7 +122,7 @@ def test_set_items_names_the_sample_id(model, tmp_path):
 
 def test_a_guard_built_by_hand_with_the_family_grammar(model):
     guard = MediaGuard(GuardConfig(), grammar=spec_mod.SPEC.grammar(model, TOKENS))
-    _, _, res = guarded(model, ALIGNED[0][1], guard=guard)
+    _, _, res = guarded(model, [[img(56, 84)], [img(84, 56)]], guard=guard)
     assert res.report.actions == ("keep", "keep")
 
 

@@ -52,22 +52,6 @@ def guarded(model, samples, config=None, items=None, **kw):
         return b, out, h.last_result
 
 
-ALIGNED = [
-    ("one each", [[aud(100)], [aud(40)]]),
-    ("ragged, a text-only sample", [[aud(20), aud(61)], [], [aud(400)]]),
-    ("zero-feature clip", [[aud(2), aud(100)], [aud(9)]]),  # L=2: bos/eos, no placeholder
-    ("one feature per clip (plain: legacy path)", [[aud(3)], [aud(4), aud(5)]]),
-    ("full 30 s clip", [[aud(3000)], [aud(41)]]),
-]
-
-
-@pytest.mark.parametrize("name,samples", ALIGNED, ids=[n for n, _ in ALIGNED])
-def test_aligned_batches_equal_the_plain_model(model, name, samples):
-    b, out, res = guarded(model, samples)
-    assert res.report.actions == ("keep",) * len(samples)
-    torch.testing.assert_close(out, hidden(model, b.kwargs), atol=1e-6, rtol=1e-6)
-
-
 def test_aligned_call_on_the_full_class_is_bit_identical_with_two_transfers(model):
     b = F.make_batch(model, [[aud(100)], [aud(40), aud(77)]])
     with torch.no_grad():

@@ -73,22 +73,6 @@ def lm_inputs(model, fn):
     return seen
 
 
-ALIGNED = [
-    ("images", [[img(4, 6)], [img(8, 4), img(2, 2)]]),
-    ("videos", [[vid(2, 4, 4)], [vid(3, 2, 4)]]),
-    ("audio", [[aud(100)], [aud(60), aud(230)]]),
-    ("mixed", [[img(4, 4), aud(80)], [vid(2, 4, 4)], [aud(50), img(2, 2)]]),
-    ("image and video in one sample", [[vid(2, 2, 4), img(2, 4)], [img(4, 4)]]),
-]
-
-
-@pytest.mark.parametrize("name,samples", ALIGNED, ids=[n for n, _ in ALIGNED])
-def test_aligned_batches_equal_the_plain_model(model, name, samples):
-    b, out, res = guarded(model, samples)
-    assert res.report.actions == ("keep",) * len(samples)
-    torch.testing.assert_close(out, logits(model, b.kwargs), atol=1e-6, rtol=1e-6)
-
-
 def test_deepstack_reaches_the_text_model_as_in_the_plain_forward(model):
     b = F.make_batch(model, [[img(4, 4), aud(80)], [vid(2, 4, 4)]])
     plain = lm_inputs(model, lambda: logits(model, b.kwargs))

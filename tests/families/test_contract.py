@@ -415,6 +415,62 @@ def test_repair_where_the_family_has_a_geometry(name, tmp_path):
             assert f"cannot repair: no geometry for {name}" in why, why
 
 
+# ---- each family's own aligned batches (ragged, text-only samples, mixed modalities) ----
+
+FAMILY_ALIGNED = {
+    "ernie4_5_vl": (
+        ("images", [[img(4, 6)], [img(8, 4), img(2, 2)]]),
+        ("videos", [[vid(2, 4, 4)], [vid(4, 2, 4)]]),
+        ("image and video", [[vid(2, 2, 4), img(4, 4)], [img(2, 2)]]),
+    ),
+    "kimi_k25": (
+        ("images", [[img(4, 6)], [img(8, 4), img(2, 2)]]),
+        ("videos (chunks of <= 4 frames)", [[vid(6, 4, 4)], [vid(3, 2, 4)]]),
+        ("mixed", [[img(4, 4)], [vid(6, 4, 4)], [vid(2, 2, 2), img(2, 2)]]),
+    ),
+    "llava_onevision": (
+        ("image", [[img(56, 56)], [img(60, 130)]]),
+        ("multi-image and single", [[img(56, 56), img(100, 40)], [img(80, 80)]]),
+        ("text-only sample", [[], [img(130, 60)]]),
+        ("video", [[vid(2)], [vid(2)]]),
+        ("image and video mixed", [[img(56, 56), vid(2)], [vid(2)], [img(90, 50), img(50, 90)]]),
+    ),
+    "mistral3": (
+        ("one each", [[img(56, 84)], [img(84, 56)]]),
+        ("ragged, a text-only sample", [[img(28, 28), img(84, 84)], [], [img(56, 28)]]),
+        ("two in one sample", [[], [img(112, 56), img(28, 56)]]),
+    ),
+    "qwen3_omni": (
+        ("images", [[img(4, 6)], [img(8, 4), img(2, 2)]]),
+        ("videos", [[vid(2, 4, 4)], [vid(3, 2, 4)]]),
+        ("audio", [[aud(100)], [aud(60), aud(230)]]),
+        ("mixed", [[img(4, 4), aud(80)], [vid(2, 4, 4)], [aud(50), img(2, 2)]]),
+        ("image and video in one sample", [[vid(2, 2, 4), img(2, 4)], [img(4, 4)]]),
+    ),
+    "qwen2_audio": (
+        ("one each", [[aud(100)], [aud(40)]]),
+        ("ragged, a text-only sample", [[aud(20), aud(61)], [], [aud(400)]]),
+        ("zero-feature clip", [[aud(2), aud(100)], [aud(9)]]),  # L=2: bos/eos, no placeholder
+        ("one feature per clip (plain: legacy path)", [[aud(3)], [aud(4), aud(5)]]),
+        ("full 30 s clip", [[aud(3000)], [aud(41)]]),
+    ),
+}
+ALIGNED_ROWS = [(f, n, s) for f, xs in FAMILY_ALIGNED.items() for n, s in xs]
+
+
+@pytest.mark.parametrize(
+    "name,_batch,samples", ALIGNED_ROWS, ids=[f"{f}-{n}" for f, n, _ in ALIGNED_ROWS]
+)
+def test_a_family_aligned_batch_is_the_plain_forward_and_each_samples_own(name, _batch, samples):
+    _case, F, model = build(name)
+    b = F.make_batch(model, samples)
+    out, res = guarded(name, model, b)
+    assert res.report.actions == ("keep",) * len(samples)
+    torch.testing.assert_close(out, logits(model, b.kwargs), atol=1e-6, rtol=1e-6)
+    for k, s in enumerate(samples):
+        torch.testing.assert_close(out[k, : b.lengths[k]], own(F, model, s), atol=1e-5, rtol=0)
+
+
 # ---- each family's own faults (its swaps, its modalities, its multi-item samples) ----
 
 
