@@ -108,11 +108,6 @@ def test_aligned_batches_equal_each_samples_own_forward(model, name, samples):
         torch.testing.assert_close(out.logits[k, : b.lengths[k]], own(model, s), atol=1e-5, rtol=0)
 
 
-def test_single_modality_batch_equals_the_plain_batch(model):
-    b, out, _ = guarded(model, ALIGNED[0][1])
-    assert torch.equal(out.logits, logits(model, b))
-
-
 def test_plain_model_cannot_take_a_mixed_batch(model):
     with pytest.raises(ValueError, match="Image features and image tokens do not match"):
         logits(model, F.make_batch(model, ALIGNED[3][1]))
