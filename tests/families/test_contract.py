@@ -18,6 +18,10 @@ On the real transformers class of each family (tiny random config, CPU, batches 
   equal to its own forward; one without says why in the record;
 - ``check_batch``: the family's case in ``tests/test_check_batch.py`` (the data side, its own
   table: keep / raise naming the sample / drop, the plain model taking the returned batch).
+- each family's own batches, as rows of the same checks: ``FAMILY_ALIGNED`` (ragged, text-only
+  samples, mixed modalities: the plain forward and each sample's own) and ``FAMILY_FAULTS``
+  (its swaps, videos, audio, multi-image samples: raised naming the sample; dropped with no
+  feature in the dropped rows, their labels ignored, every other sample its own forward).
 
 The samples and the tokenizer stand-ins come from the tables of ``tests/test_check_batch.py``
 and ``tests/test_text_only_rank.py`` (imported, not copied). Bridge 0.6.2's classes are rows of
