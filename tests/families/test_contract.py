@@ -636,6 +636,46 @@ def test_a_family_fault_dropped_feeds_no_feature_and_keeps_the_others(name, faul
     assert torch.isfinite(out.loss)
 
 
+# ---- Bridge 0.6.2's classes (bash scripts/test_mcore019.sh; skipped without Bridge) ----
+
+#: family -> (the module constant to import first, the builder over the transformers model)
+BRIDGE_BUILDERS = {
+    "gemma3": ("bridge_models_hf:GEMMA3_VL", "bridge_models_hf:gemma3_vl"),
+    "qwen2_audio": ("bridge_models_hf:QWEN2_AUDIO", "bridge_models_hf:qwen2_audio"),
+    "glm4v": ("bridge_models:GLM45V", "bridge_models:glm45v"),
+    "ernie4_5_vl": ("bridge_models:ERNIE45VL", "bridge_models:ernie45_vl"),
+    "qwen3_omni": ("bridge_models_omni:THINKER", "bridge_models_omni:qwen3_omni"),
+}
+
+
+def _testing(ref: str):
+    mod, name = ref.split(":")
+    return getattr(importlib.import_module(f"megatron_media_guard.testing.{mod}"), name)
+
+
+@pytest.mark.parametrize("name", sorted(BRIDGE_BUILDERS))
+def test_the_registry_routes_bridges_class_to_the_family(name):
+    """Bridge's real class, built from the wheel around the row's transformers model, is
+    found as the family (the other Bridge rows: Kimi K2.5 and Ministral 3 need their own
+    builders, Qwen-VL's in tests/test_adapter_qwen_vl_bridge.py; each *_bridge file runs the
+    behaviour)."""
+    from megatron_media_guard.families import find_family
+    from megatron_media_guard.testing import bridge as loader
+
+    reason = loader.missing()
+    if reason is not None:
+        pytest.skip(reason)
+    case, _F, full = build(name)
+    const, builder = BRIDGE_BUILDERS[name]
+    with loader.bridge_modules(loader.find_root()):
+        importlib.import_module(_testing(const))
+        model = _testing(builder)(full)
+        target, spec = find_family(model)
+    assert spec.name == name
+    assert type(target).__module__.startswith("megatron.bridge.")
+    assert type(target).__name__ in case.bridge_cls.split(", ")
+
+
 # ---- docs/FAMILIES.md's capability table is this table and the registry ----
 
 _YES = {True: "yes", False: "no"}
