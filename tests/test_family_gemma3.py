@@ -194,31 +194,3 @@ def test_set_items_names_the_sample_id(model, tmp_path):
 def test_guard_for_builds_the_fixed_geometry(model):
     g = guard_for(spec_mod.SPEC, model, GuardConfig(policy="repair"))
     assert g.geometry == FixedGeometry(F.MM_TOKENS, (F.IMAGE_SIZE, F.IMAGE_SIZE))
-
-
-def test_remove_restores_the_plain_model(model):
-    b = F.make_batch(model, [[M("image", (32, 32), tokens=6)], [M("image", (20, 64), tokens=2)]])
-    h = install_vlm(model, GuardConfig())
-    with pytest.raises(MediaAlignmentError):
-        forward(model, b.kwargs)
-    h.remove()
-    forward(model, b.kwargs)  # the plain model again: silent, as measured
-    assert getattr(model, "_media_guard_vlm", None) is None
-
-
-@pytest.mark.parametrize("mode, runs", [("always", 1), ("on_drop", 0), ("never", 0)])
-def test_a_text_only_micro_batch_keeps_the_tower_in_step(model, mode, runs):
-    """keep_tower (docs/PARALLEL.md): the dummy image through the tower and the projector."""
-    from tower_check import check_keeps_tower
-
-    media, text = (F.make_batch(model, s).kwargs for s in ([[SQUARE]], [[], []]))
-    inner = model.model
-    check_keeps_tower(
-        model,
-        mode,
-        runs,
-        media={**media, "logits_to_keep": 1},
-        text={**text, "logits_to_keep": 1},
-        towers=[inner.vision_tower, inner.multi_modal_projector],
-        decoder=inner.language_model,
-    )

@@ -14,10 +14,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from family_checks import raised_samples
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem
-from megatron_media_guard.core.host import count_transfers
 from megatron_media_guard.repair.pixels import from_frames, to_frames
 from megatron_media_guard.repair.reproject import resize_frames
 
@@ -110,67 +108,9 @@ def test_aligned_batches_equal_each_samples_own_forward(model, name, samples):
         torch.testing.assert_close(out.logits[k, : b.lengths[k]], own(model, s), atol=1e-5, rtol=0)
 
 
-def test_single_modality_batch_equals_the_plain_batch(model):
-    b, out, _ = guarded(model, ALIGNED[0][1])
-    assert torch.equal(out.logits, logits(model, b))
-
-
 def test_plain_model_cannot_take_a_mixed_batch(model):
     with pytest.raises(ValueError, match="Image features and image tokens do not match"):
         logits(model, F.make_batch(model, ALIGNED[3][1]))
-
-
-def test_single_modality_aligned_call_is_bit_identical_with_one_transfer(model):
-    b = F.make_batch(model, [[img(4, 6)], [img(8, 4), img(2, 2)]])
-    ref = logits(model, b)
-    h = install_vlm(model, GuardConfig())
-    with h, count_transfers() as n, torch.no_grad():
-        out = model(**b.kwargs).logits
-    assert torch.equal(out, ref)
-    assert sum(n.values()) == 1, n  # the guard's verdict; the model's own syncs are not counted
-
-
-FAULTS = [
-    ("short run", [[img(4, 6, tokens=5)], [img(8, 4)]], 0, None),
-    ("+k/-k", [[img(4, 6, tokens=8)], [img(8, 4, tokens=6), img(2, 2)], [img(2, 4)]], 0, None),
-    ("swap", [[img(2, 2), img(4, 6)], [img(8, 4)], [img(2, 4)]], 1, (1, 2)),
-    ("video frame short", [[vid(2, 4, 4)], [vid(2, 4, 4, tokens=7)]], 1, None),
-    ("mixed batch, image short", [[vid(2, 2, 4)], [img(4, 4, tokens=3), img(2, 2)]], 1, None),
-]
-
-
-@pytest.mark.parametrize("name,samples,bad,swap", FAULTS, ids=[f[0] for f in FAULTS])
-def test_raise_names_the_sample(model, name, samples, bad, swap, tmp_path):
-    cfg = GuardConfig(log_dir=str(tmp_path))
-    assert bad in raised_samples(lambda: guarded(model, samples, cfg, swap=swap), bad, tmp_path)
-
-
-@pytest.mark.parametrize("name,samples,bad,swap", FAULTS, ids=[f[0] for f in FAULTS])
-def test_drop_keeps_every_other_sample_equal_to_its_own_forward(model, name, samples, bad, swap):
-    b = F.make_batch(model, samples, swap=swap)
-    seen = []
-    hook = model.model.language_model.register_forward_pre_hook(
-        lambda m, a, kw: seen.append(kw["inputs_embeds"].detach().clone()), with_kwargs=True
-    )
-    try:
-        with install_vlm(model, GuardConfig(policy="drop")) as h, torch.no_grad():
-            out = model(**b.kwargs, labels=b.input_ids.clone())
-    finally:
-        hook.remove()
-    res = h.last_result
-    dropped = {s for s, a in enumerate(res.report.actions) if a == "drop"}
-    assert bad in dropped
-    kept = set(range(len(samples))) - dropped
-    assert kept, "every sample dropped: the case compares nothing"
-    for k in kept:
-        torch.testing.assert_close(
-            out.logits[k, : b.lengths[k]], own(model, samples[k]), atol=1e-5, rtol=0
-        )
-    text = model.get_input_embeddings()(b.input_ids)
-    for k in dropped:  # no feature placed into a dropped row: its own tokens' embeddings
-        assert torch.equal(seen[0][k], text[k])
-        assert (res.labels[k] == -100).all()
-    assert torch.isfinite(out.loss)
 
 
 def test_repair_reencodes_the_image_at_the_processors_grid(model, tmp_path):
@@ -243,13 +183,6 @@ def test_set_items_names_sample_ids(model, tmp_path):
         guarded(model, samples, GuardConfig(log_dir=str(tmp_path)), items=items)
 
 
-def test_remove_restores_the_plain_model(model):
-    b = F.make_batch(model, ALIGNED[3][1])
-    install_vlm(model, GuardConfig()).remove()
-    with pytest.raises(ValueError, match="Image features and image tokens"):
-        logits(model, b)
-
-
 def test_registry_knows_glm4v_and_glm45v(model):
     from transformers import Glm4vMoeForConditionalGeneration
 
@@ -284,21 +217,3 @@ def test_check_batch_before_the_trainer_drops_the_bad_sample_without_a_model(mod
         torch.testing.assert_close(
             got[k, : b.lengths[k]], own(model, samples[k]), atol=1e-5, rtol=0
         )
-
-
-@pytest.mark.parametrize("mode, runs", [("always", 1), ("on_drop", 0), ("never", 0)])
-def test_a_text_only_micro_batch_keeps_the_tower_in_step(model, mode, runs):
-    """keep_tower (docs/PARALLEL.md): one 2x2-patch image of zeros through get_image_features."""
-    from tower_check import check_keeps_tower
-
-    media, text = (F.make_batch(model, s).kwargs for s in ([[img(2, 2)]], [[], []]))
-    inner = model.model
-    check_keeps_tower(
-        model,
-        mode,
-        runs,
-        media=media,
-        text=text,
-        towers=[inner.visual],
-        decoder=inner.language_model,
-    )

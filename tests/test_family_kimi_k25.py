@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from family_checks import raised_samples, records
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem
-from megatron_media_guard.core.host import count_transfers
 from megatron_media_guard.errors import MediaInputError
 
 pytest.importorskip("transformers.models.kimi_k25")
@@ -27,10 +25,6 @@ from megatron_media_guard.testing.families import kimi_k25 as F
 from megatron_media_guard.testing.families.base import Media as M
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def img(h, w, tokens=None):
-    return M("image", (h, w), tokens)
 
 
 def vid(f, h, w, tokens=None):
@@ -81,79 +75,6 @@ def test_the_registry_and_the_grammar(model):
     assert (g.start_id, g.end_id) == (cfg.vision_start_token_id, cfg.vision_end_token_id)
 
 
-ALIGNED = {
-    "images": [[img(4, 6)], [img(8, 4), img(2, 2)]],
-    "videos (chunks of <= 4 frames)": [[vid(6, 4, 4)], [vid(3, 2, 4)]],
-    "mixed": [[img(4, 4)], [vid(6, 4, 4)], [vid(2, 2, 2), img(2, 2)]],
-}
-
-
-@pytest.mark.parametrize("name", list(ALIGNED))
-def test_aligned_batches_equal_the_plain_model(model, name):
-    b, hidden, _, res = guarded(model, ALIGNED[name])
-    assert res.report.actions == ("keep",) * len(ALIGNED[name])
-    torch.testing.assert_close(hidden, plain(model, b), atol=1e-6, rtol=1e-6)
-
-
-def test_aligned_images_are_bit_identical_with_one_transfer(model):
-    b = F.make_batch(model, ALIGNED["images"])
-    ref = plain(model, b)
-    with install_vlm(model, GuardConfig()), count_transfers() as n:
-        hidden, _ = forward(model, b.kwargs)
-    assert torch.equal(hidden, ref)
-    assert sum(n.values()) == 1, n
-
-
-# (name, samples, swap, bad samples, a kept sample); unguarded, all but the short run are
-# silent with features in the wrong sample (tests/test_fixture_kimi_k25.py)
-FAULTS = [
-    ("short run", [[img(4, 4, tokens=3)], [img(2, 4)]], None, {0}, 1),
-    ("+k/-k images", [[img(4, 4, tokens=6)], [img(4, 4, tokens=2)], [img(2, 2)]], None, {0, 1}, 2),
-    ("+k/-k video chunks", [[vid(6, 4, 4, tokens=9)], [vid(2, 4, 4, tokens=3)], [img(2, 2)]],
-     None, {0, 1}, 2),
-    ("swap of images", [[img(4, 4)], [img(2, 4)], [img(2, 2)]], (0, 1), {0, 1}, 2),
-    ("swap of videos", [[vid(2, 4, 4)], [vid(2, 2, 4)], [img(2, 2)]], (1, 2), {0, 1}, 2),
-]  # fmt: skip
-
-
-@pytest.mark.parametrize("name,samples,swap,bad,kept", FAULTS, ids=[f[0] for f in FAULTS])
-def test_raise_names_the_sample(model, name, samples, swap, bad, kept, tmp_path):
-    cfg = GuardConfig(log_dir=str(tmp_path))
-    assert raised_samples(lambda: guarded(model, samples, cfg, swap=swap), bad, tmp_path) == bad
-
-
-@pytest.mark.parametrize("name,samples,swap,bad,kept", FAULTS, ids=[f[0] for f in FAULTS])
-def test_drop_keeps_every_other_sample_equal_to_its_own_forward(
-    model, name, samples, swap, bad, kept
-):
-    seen = []
-    hook = model.model.language_model.register_forward_pre_hook(
-        lambda m, a, kw: seen.append(kw["inputs_embeds"].detach().clone()), with_kwargs=True
-    )
-    try:
-        b, hidden, out, res = guarded(
-            model, samples, GuardConfig(policy="drop"), labels=True, swap=swap
-        )
-    finally:
-        hook.remove()
-    assert {s for s, a in enumerate(res.report.actions) if a == "drop"} == bad
-    torch.testing.assert_close(hidden[kept, : b.lengths[kept]], own(model, samples[kept]))
-    text = spec_mod._embed(model, b.input_ids)  # as the model embeds ids, placeholders as 0
-    for k in bad:
-        assert torch.equal(seen[0][k], text[k])  # no feature in a dropped sample's row
-        assert (res.labels[k] == -100).all()
-    assert torch.isfinite(out.loss)
-
-
-def test_repair_falls_back_naming_the_family(model, tmp_path):
-    cfg = GuardConfig(policy="repair", fallback="drop", log_dir=str(tmp_path))
-    b, hidden, _, res = guarded(model, [[img(4, 4, tokens=3)], [img(2, 4)]], cfg)
-    assert res.report.actions == ("drop", "keep")
-    recs = records(tmp_path)
-    assert any(r.get("reason") == "cannot repair: no geometry for kimi_k25" for r in recs), recs
-    torch.testing.assert_close(hidden[1, : b.lengths[1]], own(model, [img(2, 4)]))
-
-
 def test_set_items_takes_one_item_per_chunk(model, tmp_path):
     """``num_chunks_per_video`` never reaches the model: a 6-frame video is two chunk items."""
     samples = [[vid(6, 4, 4)], [vid(2, 2, 2, tokens=3)]]
@@ -166,30 +87,3 @@ def test_set_items_takes_one_item_per_chunk(model, tmp_path):
     ]
     with pytest.raises(MediaAlignmentError, match="sample_id 'b'"):
         guarded(model, samples, GuardConfig(log_dir=str(tmp_path)), items=chunks)
-
-
-def test_remove_restores_the_plain_model(model):
-    b = F.make_batch(model, [[img(4, 4, tokens=6)], [img(4, 4, tokens=2)]])
-    h = install_vlm(model, GuardConfig())
-    with pytest.raises(MediaAlignmentError):
-        forward(model, b.kwargs)
-    h.remove()
-    forward(model, b.kwargs)  # the plain model again: silent, as measured
-
-
-@pytest.mark.parametrize("mode, runs", [("always", 1), ("on_drop", 0), ("never", 0)])
-def test_a_text_only_micro_batch_keeps_the_tower_in_step(model, mode, runs):
-    """keep_tower (docs/PARALLEL.md): one 2x2-patch image through the tower and projector."""
-    from tower_check import check_keeps_tower
-
-    media, text = (F.make_batch(model, s).kwargs for s in ([[img(2, 2)]], [[], []]))
-    inner = model.model
-    check_keeps_tower(
-        model,
-        mode,
-        runs,
-        media={**media, "logits_to_keep": 1},
-        text={**text, "logits_to_keep": 1},
-        towers=[inner.vision_tower, inner.mm_projector],
-        decoder=inner.language_model,
-    )

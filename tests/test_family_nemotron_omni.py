@@ -12,10 +12,8 @@ import json
 
 import pytest
 import torch
-from family_checks import raised_samples
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaGuard, MediaItem
-from megatron_media_guard.core.host import count_transfers
 from megatron_media_guard.errors import MediaInputError
 from megatron_media_guard.geometry import RadioTilerGeometry
 
@@ -109,49 +107,6 @@ def test_plain_model_cannot_take_a_mixed_image_video_batch(model):
         plain(model, [[IMG], [VID]])
 
 
-def test_single_modality_aligned_call_is_bit_identical_with_one_transfer(model):
-    b = F.make_batch(model, [[IMG], [IMG2]])
-    ref = F.plain_logits(model, b)
-    guard = install_vlm(model, GuardConfig(), tokenizer=TOKENS)
-    with guard, count_transfers() as n, torch.no_grad():
-        out = model(**b.kwargs).logits
-    assert torch.equal(out, ref)
-    assert sum(n.values()) == 1, n  # the guard's verdict; the model's own syncs are not counted
-
-
-FAULTS = [
-    ("short run", [[Media("image", (4, 4), tokens=3)], [IMG2]], 0, None),
-    ("+k/-k", [[Media("image", (4, 4), tokens=5)], [Media("image", (4, 4), tokens=3)]], 0, None),
-    ("swap", [[IMG], [Media("image", (2, 2))]], 0, (0, 1)),
-    ("video tubelet short", [[VID], [Media("video", (4, 4, 4), tokens=7)]], 1, None),
-    ("audio short", [[AUD], [Media("audio", (40,), tokens=2)]], 1, None),
-]
-
-
-@pytest.mark.parametrize("name,samples,bad,swap", FAULTS, ids=[f[0] for f in FAULTS])
-def test_raise_names_the_sample(model, name, samples, bad, swap, tmp_path):
-    cfg = GuardConfig(log_dir=str(tmp_path))
-    assert bad in raised_samples(lambda: guarded(model, samples, cfg, swap=swap), bad, tmp_path)
-
-
-@pytest.mark.parametrize("name,samples,bad,swap", FAULTS, ids=[f[0] for f in FAULTS])
-def test_drop_keeps_every_other_sample_equal_to_its_own_forward(model, name, samples, bad, swap):
-    b = F.make_batch(model, samples, swap=swap)
-    labels = b.input_ids.clone()
-    with install_vlm(model, GuardConfig(policy="drop"), tokenizer=TOKENS) as h:
-        with torch.no_grad():
-            out = model(**b.kwargs, labels=labels)
-        res = h.last_result
-    dropped = {s for s, a in enumerate(res.report.actions) if a == "drop"}
-    assert bad in dropped
-    for k in set(range(len(samples))) - dropped:
-        ref = own(model, samples[k]) if swap is None else None
-        if ref is not None:
-            torch.testing.assert_close(out.logits[k, : b.lengths[k]], ref, atol=1e-5, rtol=1e-5)
-    assert (res.labels[bad] == -100).all()
-    assert torch.isfinite(out.loss)
-
-
 def test_swap_drop_feeds_no_feature_to_the_dropped_rows(model):
     samples = [[IMG], [Media("image", (2, 2))]]
     b = F.make_batch(model, samples, swap=(0, 1))
@@ -233,14 +188,6 @@ def test_set_items_count_and_modality_are_checked(model):
         guarded(model, [[IMG], [IMG2]], items=[MediaItem(0, modality="image")])
     with pytest.raises(MediaInputError, match="modality 'audio'"):
         guarded(model, [[IMG], [IMG2]], items=[MediaItem(0, modality="audio")] * 2)
-
-
-def test_remove_restores_the_plain_model(model):
-    b = F.make_batch(model, [[IMG], [VID]])
-    h = install_vlm(model, GuardConfig(), tokenizer=TOKENS)
-    h.remove()
-    with pytest.raises(Exception, match="feature vectors for"), torch.no_grad():
-        model(**b.kwargs)
 
 
 def test_missing_markers_name_the_tokens(model):
@@ -336,39 +283,3 @@ def test_check_batch_leaves_an_aligned_batch_as_it_is(model):
     checked = check_batch("nemotron_omni", b.kwargs, config=model.config, tokenizer=TOKENS)
     assert checked.report.actions == ("keep",) * 3 and checked.dropped == ()
     assert all(checked.batch[k] is v for k, v in b.kwargs.items())
-
-
-@pytest.mark.parametrize("mode, runs", [("always", 1), ("on_drop", 0), ("never", 0)])
-def test_a_text_only_micro_batch_keeps_the_tower_in_step(model, mode, runs):
-    """keep_tower: a text-only call runs the model's own tower once, before the decoder, on a
-    dummy image, kept at a zero weight: every tower parameter an image batch trains gets a
-    (zero) gradient, the logits are the plain model's bit for bit (docs/PARALLEL.md)."""
-    model.zero_grad(set_to_none=True)
-    model(**F.make_batch(model, [[IMG2]]).kwargs).logits.sum().backward()
-    used = [p.grad is not None for p in model.vision_model.parameters()]
-    model.zero_grad(set_to_none=True)
-    b = F.make_batch(model, [[], []])
-    order: list[str] = []
-    hooks = [
-        model.vision_model.register_forward_hook(lambda *a: order.append("tower")),
-        model.language_model.register_forward_hook(lambda *a: order.append("decoder")),
-    ]
-    try:
-        ref = model(**b.kwargs).logits
-        order.clear()
-        model.zero_grad()
-        with install_vlm(model, GuardConfig(keep_tower=mode), tokenizer=TOKENS):
-            out = model(**b.kwargs).logits
-        out.sum().backward()
-    finally:
-        for h in hooks:
-            h.remove()
-    assert torch.equal(out, ref)
-    assert order == ["tower"] * runs + ["decoder"]
-    grads = [p.grad for p, u in zip(model.vision_model.parameters(), used) if u]
-    assert grads
-    if runs:
-        assert all(g is not None and not g.any() for g in grads)
-    else:
-        assert all(g is None for g in grads)
-    model.zero_grad(set_to_none=True)

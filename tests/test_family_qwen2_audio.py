@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from family_checks import raised_samples
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem
 from megatron_media_guard.adapters import install_vlm
@@ -53,22 +52,6 @@ def guarded(model, samples, config=None, items=None, **kw):
         return b, out, h.last_result
 
 
-ALIGNED = [
-    ("one each", [[aud(100)], [aud(40)]]),
-    ("ragged, a text-only sample", [[aud(20), aud(61)], [], [aud(400)]]),
-    ("zero-feature clip", [[aud(2), aud(100)], [aud(9)]]),  # L=2: bos/eos, no placeholder
-    ("one feature per clip (plain: legacy path)", [[aud(3)], [aud(4), aud(5)]]),
-    ("full 30 s clip", [[aud(3000)], [aud(41)]]),
-]
-
-
-@pytest.mark.parametrize("name,samples", ALIGNED, ids=[n for n, _ in ALIGNED])
-def test_aligned_batches_equal_the_plain_model(model, name, samples):
-    b, out, res = guarded(model, samples)
-    assert res.report.actions == ("keep",) * len(samples)
-    torch.testing.assert_close(out, hidden(model, b.kwargs), atol=1e-6, rtol=1e-6)
-
-
 def test_aligned_call_on_the_full_class_is_bit_identical_with_two_transfers(model):
     b = F.make_batch(model, [[aud(100)], [aud(40), aud(77)]])
     with torch.no_grad():
@@ -81,42 +64,6 @@ def test_aligned_call_on_the_full_class_is_bit_identical_with_two_transfers(mode
     # the clips' feature counts (to cut the projector's padded rows) and the guard's verdict
     assert sum(n.values()) == 2, n
     assert any("audio clip lengths" in why for why in n)
-
-
-FAULTS = [
-    ("short run", [[aud(100, tokens=24)], [aud(40)]], 0, None),
-    ("surplus", [[aud(40)], [aud(100, tokens=26)]], 1, None),
-    ("+k/-k", [[aud(100, tokens=28)], [aud(40, tokens=7)]], 0, None),
-    ("swap", [[aud(100)], [aud(40)]], 0, (0, 1)),
-    # every run <= 1 placeholder: the plain model's legacy path would expand them silently
-    ("runs cut to one", [[aud(100, tokens=1)], [aud(40)]], 0, None),
-]
-
-
-@pytest.mark.parametrize("name,samples,bad,swap", FAULTS, ids=[f[0] for f in FAULTS])
-def test_raise_names_the_sample(model, name, samples, bad, swap, tmp_path):
-    cfg = GuardConfig(log_dir=str(tmp_path))
-    assert bad in raised_samples(lambda: guarded(model, samples, cfg, swap=swap), bad, tmp_path)
-
-
-@pytest.mark.parametrize("name,samples,bad,swap", FAULTS, ids=[f[0] for f in FAULTS])
-def test_drop_keeps_every_other_sample_equal_to_its_own_forward(model, name, samples, bad, swap):
-    samples = [*samples, [aud(61)]]  # an aligned bystander
-    b = F.make_batch(model, samples, swap=swap)
-    labels = b.input_ids.clone()
-    with install_vlm(model, GuardConfig(policy="drop")) as h, torch.no_grad():
-        out = model(**b.kwargs, labels=labels, output_hidden_states=True)
-        res = h.last_result
-    dropped = {s for s, a in enumerate(res.report.actions) if a == "drop"}
-    assert bad in dropped and len(samples) - 1 not in dropped
-    last = out.hidden_states[-1]  # after the final norm: the lm_head's input
-    for k in set(range(len(samples))) - dropped:
-        want = own(model, samples[k]) if swap is None or k == len(samples) - 1 else None
-        if want is not None:
-            torch.testing.assert_close(last[k, : b.lengths[k]], want, atol=1e-5, rtol=1e-5)
-    for s in dropped:
-        assert (res.labels[s] == -100).all()
-    assert torch.isfinite(out.loss)
 
 
 def test_a_clip_whose_run_has_no_placeholder_is_an_orphan_set_items_attributes(model, tmp_path):
@@ -182,22 +129,3 @@ def test_remove_restores_the_plain_model_and_its_legacy_path(model):
 def test_the_registry_knows_both_transformers_classes(model):
     assert find_family(model)[1].name == "qwen2_audio"
     assert find_family(model.model) == (model.model, find_family(model)[1])
-
-
-@pytest.mark.parametrize("mode, runs", [("always", 1), ("on_drop", 0), ("never", 0)])
-def test_a_text_only_micro_batch_keeps_the_tower_in_step(model, mode, runs):
-    """keep_tower (docs/PARALLEL.md): one window of zeros through the tower and the projector."""
-    from tower_check import check_keeps_tower
-
-    media, text = (F.make_batch(model, s).kwargs for s in ([[aud(100)]], [[], []]))
-    inner = model.model
-    check_keeps_tower(
-        inner,
-        mode,
-        runs,
-        media=media,
-        text=text,
-        out=lambda o: o.last_hidden_state,
-        towers=[inner.audio_tower, inner.multi_modal_projector],
-        decoder=inner.language_model,
-    )

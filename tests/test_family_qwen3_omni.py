@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from family_checks import raised_samples
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem
 from megatron_media_guard.adapters import install_vlm
@@ -74,22 +73,6 @@ def lm_inputs(model, fn):
     return seen
 
 
-ALIGNED = [
-    ("images", [[img(4, 6)], [img(8, 4), img(2, 2)]]),
-    ("videos", [[vid(2, 4, 4)], [vid(3, 2, 4)]]),
-    ("audio", [[aud(100)], [aud(60), aud(230)]]),
-    ("mixed", [[img(4, 4), aud(80)], [vid(2, 4, 4)], [aud(50), img(2, 2)]]),
-    ("image and video in one sample", [[vid(2, 2, 4), img(2, 4)], [img(4, 4)]]),
-]
-
-
-@pytest.mark.parametrize("name,samples", ALIGNED, ids=[n for n, _ in ALIGNED])
-def test_aligned_batches_equal_the_plain_model(model, name, samples):
-    b, out, res = guarded(model, samples)
-    assert res.report.actions == ("keep",) * len(samples)
-    torch.testing.assert_close(out, logits(model, b.kwargs), atol=1e-6, rtol=1e-6)
-
-
 def test_deepstack_reaches_the_text_model_as_in_the_plain_forward(model):
     b = F.make_batch(model, [[img(4, 4), aud(80)], [vid(2, 4, 4)]])
     plain = lm_inputs(model, lambda: logits(model, b.kwargs))
@@ -114,48 +97,6 @@ def test_single_modality_aligned_call_is_bit_identical(model, samples, transfers
         out = logits(model, b.kwargs)
     assert torch.equal(out, ref)
     assert sum(n.values()) == transfers, n
-
-
-# (samples, the bad sample, swap); a third aligned sample stands by in the drop test
-FAULTS = [
-    ("short image run", [[img(4, 6, tokens=5)], [img(8, 4)]], 0, None),
-    ("+k/-k images", [[img(4, 6, tokens=8)], [img(8, 4, tokens=6)]], 0, None),
-    ("swap of images", [[img(4, 6)], [img(8, 4)]], 0, (0, 1)),
-    ("+k/-k videos", [[vid(2, 4, 4, tokens=10)], [vid(3, 2, 4, tokens=4)]], 0, None),
-    ("short audio run", [[aud(100, tokens=10)], [aud(60)]], 0, None),
-    ("surplus audio run", [[aud(60)], [aud(100, tokens=16)]], 1, None),
-    ("+k/-k audio", [[aud(100, tokens=16)], [aud(60, tokens=5)]], 0, None),
-    ("swap of audio clips", [[aud(100)], [aud(60)]], 0, (0, 1)),
-    ("audio fault beside an image", [[aud(100, tokens=10), img(2, 2)], [aud(60)]], 0, None),
-]
-
-
-@pytest.mark.parametrize("name,samples,bad,swap", FAULTS, ids=[f[0] for f in FAULTS])
-def test_raise_names_the_sample(model, name, samples, bad, swap, tmp_path):
-    cfg = GuardConfig(log_dir=str(tmp_path))
-    assert bad in raised_samples(lambda: guarded(model, samples, cfg, swap=swap), bad, tmp_path)
-
-
-@pytest.mark.parametrize("name,samples,bad,swap", FAULTS, ids=[f[0] for f in FAULTS])
-def test_drop_keeps_every_other_sample_equal_to_its_own_forward(model, name, samples, bad, swap):
-    # an aligned bystander (after the faulty samples in every modality's consumption order;
-    # no audio clip beside an image swap: audio is consumed first and would shift its indices)
-    extra = [] if swap is not None and "image" in name else [aud(50)]
-    samples = [*samples, [img(2, 4), vid(2, 2, 2), *extra]]
-    b = F.make_batch(model, samples, swap=swap)
-    labels = b.input_ids.clone()
-    with install_vlm(model, GuardConfig(policy="drop"), tokenizer=TOKENS) as h:
-        out = model(**b.kwargs, labels=labels)
-        res = h.last_result
-    dropped = {s for s, a in enumerate(res.report.actions) if a == "drop"}
-    assert bad in dropped and len(samples) - 1 not in dropped
-    for k in set(range(len(samples))) - dropped:
-        want = own(model, samples[k])
-        got = out.logits[k, : b.lengths[k]].detach()
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    for s in dropped:
-        assert (res.labels[s] == -100).all()
-    assert torch.isfinite(out.loss)
 
 
 def test_drop_feeds_no_feature_and_no_deepstack_to_the_dropped_rows(model):
@@ -329,14 +270,6 @@ def test_flag_and_ids_that_disagree_are_refused(model, samples, flag, match):
         logits(model, b.kwargs)
 
 
-def test_remove_restores_the_plain_model(model):
-    b = F.make_batch(model, [[aud(100, tokens=16)], [aud(60, tokens=5)]])
-    h = install_vlm(model, GuardConfig(), tokenizer=TOKENS)
-    h.remove()
-    logits(model, b.kwargs)  # plain again: +k/-k audio runs silently
-    logits(model, F.make_batch(model, [[bent(model, LONG, 1, -1)], [SHORT]]).kwargs)  # and this
-
-
 def test_missing_markers_name_the_tokens(model):
     with pytest.raises(MediaInputError, match="audio start/end markers"):
         install_vlm(model, GuardConfig())
@@ -346,24 +279,3 @@ def test_a_thinker_config_without_vision_start_is_refused_at_install():
     bare = F.tiny_model(seed=1, vision_start_token_id=None)
     with pytest.raises(MediaInputError, match=r"config\.vision_start_token_id"):
         install_vlm(bare, GuardConfig(), tokenizer={**TOKENS, "<|vision_start|>": F.VISION_START})
-
-
-@pytest.mark.parametrize("mode, runs", [("always", 1), ("on_drop", 0), ("never", 0)])
-def test_a_text_only_micro_batch_keeps_the_tower_in_step(model, mode, runs):
-    """keep_tower (docs/PARALLEL.md): both towers on zeros (a 2x2-patch image, its deepstack
-    mergers included, and one audio chunk); every parameter an image + audio batch trains
-    gets a zero gradient."""
-    from tower_check import check_keeps_tower
-
-    media, text = (F.make_batch(model, s).kwargs for s in ([[img(2, 2), aud(120)]], [[], []]))
-    inner = model.model
-    check_keeps_tower(
-        model,
-        mode,
-        runs,
-        media=media,
-        text=text,
-        tokenizer=TOKENS,
-        towers=[inner.visual, inner.audio_tower],
-        decoder=inner.language_model,
-    )
