@@ -35,14 +35,13 @@ class Case:
     """fixture: its module under testing/families; tokens: the markers the config lacks;
     samples: three aligned samples, the first media of samples 0 and 1 single-run items of at
     least two placeholders (the faults shift them); items: pass per-item counts (InternVL);
-    sized: the items have a pixel size to name; xfail: why the family cannot pass yet."""
+    sized: the items have a pixel size to name."""
 
     fixture: str
     samples: tuple
     tokens: dict = field(default_factory=dict)
     items: bool = False
     sized: bool = True
-    xfail: str | None = None
 
 
 def img(*size):
@@ -84,11 +83,7 @@ CASES = {
         # sample 2 holds two images (base + 1 each): a drop beside it keeps its counts
         ([img(56, 56)], [img(60, 130)], [img(56, 56), img(100, 40)]),
     ),
-    "qwen_vl": Case(
-        "qwen3_5",
-        ([img(64, 64)], [img(64, 96)], [img(96, 64)]),
-        xfail="the Qwen-VL family is not a spec with counts yet (a parallel change makes it one)",
-    ),
+    "qwen_vl": Case("qwen3_5", ([img(64, 64)], [img(64, 96)], [img(96, 64)])),
 }
 #: registered families with no fixture here: megatron-core's merges (no processor batch)
 NO_FIXTURE = {"llava": "megatron-core LLaVA (collapsed tokens)", "mimo": "megatron-core MIMO"}
@@ -104,9 +99,6 @@ _MODELS: dict = {}
 
 def fixture(name: str):
     case = CASES[name]
-    spec = next(s for s in FAMILIES if s.name == name)
-    if case.xfail and not any(m.counts for m in spec.modalities):  # runs once it has counts
-        pytest.xfail(case.xfail)
     F = importlib.import_module(f"megatron_media_guard.testing.families.{case.fixture}")
     if name not in _MODELS:
         _MODELS[name] = F.tiny_model(seed=0)
