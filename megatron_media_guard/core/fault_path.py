@@ -5,29 +5,53 @@ replay bundle, consensus, merge of the kept samples)."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from ..diagnostics import GuardRecord
+from ..config import GuardConfig
+from ..diagnostics import GuardRecord, RankInfo
 from .alignment import AlignmentReport, align
 from .apply import nonfinite_items, scatter_kept
-from .conclude import conclude
+from .call import Call
+from .conclude import Concluding, conclude
 from .explain import batch_summary, check_records, nonfinite_record, plan_records
 from .generated import Generated, as_text, find_generated, generated_record, text_records
-from .outcome import MergeResult
+from .grammar import Grammar
+from .outcome import MergeResult, StageOutcome
 from .plan import Plan, build_plan
 from .runs import parse_layout
 from .verify import Verdict
 
-if TYPE_CHECKING:
-    from .guard import Call, MediaGuard
+
+class Diagnosing(Concluding, Protocol):
+    """What the fault path reads and calls of the guard that passes itself in
+    (:class:`~.guard.MediaGuard`, which imports this module: the guard is described here, not
+    imported)."""
+
+    config: GuardConfig
+    grammar: Grammar
+    geometry: object | None
+
+    @property
+    def rank(self) -> RankInfo: ...
+    def result(
+        self,
+        c: Call,
+        out: torch.Tensor | None,
+        plan: Plan,
+        report: AlignmentReport | None,
+        verdict: Verdict,
+        stage: StageOutcome,
+        keep: list[int] | None,
+    ) -> MergeResult: ...
+
 
 CALLER = "megatron_media_guard.core.fault_path"
 
 
 def diagnose(
-    guard: MediaGuard, c: Call, verdict: Verdict, found: list[int] | None = None
+    guard: Diagnosing, c: Call, verdict: Verdict, found: list[int] | None = None
 ) -> MergeResult:
     """The fault path: full parse, per-sample report, plan, repairs, records, bundle, the
     consensus round, then the merge of what is kept. ``found``: the items holding NaN/Inf
@@ -103,7 +127,7 @@ def diagnose(
 
 
 def call_records(
-    guard: MediaGuard,
+    guard: Diagnosing,
     c: Call,
     report: AlignmentReport,
     plan: Plan,
@@ -150,7 +174,7 @@ def call_records(
     return out
 
 
-def dump_bundle(guard: MediaGuard, c: Call, report: AlignmentReport):
+def dump_bundle(guard: Diagnosing, c: Call, report: AlignmentReport):
     """Saves a replay bundle of a mismatched micro-batch when ``config.dump_dir`` is set."""
     if report.ok:
         return None
@@ -168,7 +192,7 @@ def dump_bundle(guard: MediaGuard, c: Call, report: AlignmentReport):
 
 
 def save_replay(
-    guard: MediaGuard, *, input_ids, items, cu_seqlens, step, microbatch, report, features=None
+    guard: Diagnosing, *, input_ids, items, cu_seqlens, step, microbatch, report, features=None
 ):
     """Saves a replay bundle when ``config.dump_dir`` is set (the guard's and the adapters'
     one way to). Any failure is contained: one error line, no bundle, the caller goes on with

@@ -9,7 +9,7 @@ verdict says something is off.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Literal
 
 import torch
@@ -19,33 +19,15 @@ from ..diagnostics import DiagnosticsLog, GuardRecord, RankInfo, where_text
 from ..errors import ConsensusError, MediaAlignmentError, MediaGuardError, MediaInputError
 from .alignment import AlignmentReport, align
 from .apply import mask_dropped, nonfinite_items, rows_index, scatter
+from .call import Call
 from .fault_path import diagnose
 from .grammar import Grammar
-from .items import Batch, MediaItem, check_sample_id, metadata_batch, normalize
+from .items import MediaItem, check_sample_id, metadata_batch, normalize
 from .outcome import Consensus, GuardReport, LocalOutcome, MergeResult, StageOutcome
 from .plan import Plan, build_plan
 from .runs import TokenLayout, parse_layout
 from .validate import check_inputs, check_labels_dtype, check_masks
 from .verify import verify
-
-
-@dataclass(frozen=True)
-class Call:
-    """One merge call's inputs, validated. ``emb`` is the ``[b, s, h]`` view."""
-
-    emb: torch.Tensor | None  # None: the last pipeline stage (no features, no merge)
-    input_ids: torch.Tensor
-    cu_seqlens: torch.Tensor | None
-    lay: TokenLayout
-    batch: Batch
-    loss_mask: torch.Tensor | None
-    labels: torch.Tensor | None
-    seq_first: bool
-    step: int | None
-    microbatch: int | None
-    encoder: object | None
-    repairs: Literal["assume", "attempt"] = "assume"  # without features (emb None): last_stage
-    sample_ids: tuple | None = None  # per sample, the caller's id (items without one take it)
 
 
 class MediaGuard:
