@@ -20,6 +20,7 @@ from .generated import Generated, as_text, find_generated, generated_record, tex
 from .grammar import Grammar
 from .outcome import MergeResult, StageOutcome
 from .plan import Plan, build_plan
+from .repairs import RepairContext, run_repairs
 from .runs import parse_layout
 from .verify import Verdict
 
@@ -94,10 +95,7 @@ def diagnose(
     if plan.repairs and c.emb is None and c.repairs == "assume":
         plan = plan.with_actions(plan.actions, plan.repairs)  # the first stage's, all repaired
     elif plan.repairs:
-        # up the stack, inside the function: repair re-encodes with the caller's encoder and
-        # returns its outcome; it never sees the guard
-        from ..repair.repairs import RepairContext, run_repairs
-
+        # repairs re-encode with the caller's encoder and return their outcome; never the guard
         ctx = RepairContext(guard.geometry, guard.config, guard.grammar.name)
         out = run_repairs(plan, batch, ctx, c.encoder, step=c.step, microbatch=c.microbatch)
         plan, replaced, failures = out.plan, out.replaced, out.failures
