@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 
 from ..config import GuardConfig
-from ..diagnostics import GuardRecord, RankInfo
+from ..diagnostics import GuardRecord, RankInfo, get_logger
 from .alignment import AlignmentReport, align
 from .apply import nonfinite_items, scatter_kept
 from .call import Call
@@ -20,6 +20,7 @@ from .generated import Generated, as_text, find_generated, generated_record, tex
 from .grammar import Grammar
 from .outcome import MergeResult, StageOutcome
 from .plan import Plan, build_plan
+from .providers import bundle_writer
 from .repairs import RepairContext, run_repairs
 from .runs import parse_layout
 from .verify import Verdict
@@ -198,10 +199,10 @@ def save_replay(
     cfg = guard.config
     if cfg.dump_dir is None:
         return None
+    save_bundle = bundle_writer()  # replay/'s, through core/providers.py
     try:
-        # up the stack, inside the function: bundles are written only on the fault path
-        from ..replay.bundle_save import save_bundle
-
+        if save_bundle is None:
+            raise RuntimeError("no bundle writer: import megatron_media_guard.replay.bundle_save")
         return save_bundle(
             cfg.dump_dir,
             input_ids=input_ids,
@@ -218,8 +219,6 @@ def save_replay(
             max_bundles=cfg.dump_max,
         )
     except Exception as err:  # a full disk under torch.save, an odd item field: never fatal
-        from ..diagnostics import get_logger
-
         get_logger().error(
             "[media-guard] replay bundle not saved in %s: %s: %s",
             cfg.dump_dir,

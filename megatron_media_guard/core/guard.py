@@ -25,6 +25,7 @@ from .grammar import Grammar
 from .items import MediaItem, check_sample_id, metadata_batch, normalize
 from .outcome import Consensus, GuardReport, LocalOutcome, MergeResult, StageOutcome
 from .plan import Plan, build_plan
+from .providers import default_consensus, process_rank
 from .runs import TokenLayout, parse_layout
 from .validate import check_inputs, check_labels_dtype, check_masks
 from .verify import verify
@@ -66,11 +67,8 @@ class MediaGuard:
         self.grammar = grammar
         self._codes = {m: k for k, m in enumerate(grammar.modalities)}
         self._rank, self._rank_source = rank, None
-        if rank is None:
-            # function-level import: the core never imports torch.distributed; ranks/ does
-            from ..ranks.defaults import ProcessRank
-
-            self._rank_source = ProcessRank()
+        if rank is None:  # ranks/ provides it (core/providers.py): the core never reads dist
+            self._rank_source = process_rank
         self._consensus = None if consensus is False else consensus
         self._consensus_pending = consensus is None  # resolved by the first guarded call
         self.geometry = geometry
@@ -94,9 +92,7 @@ class MediaGuard:
         """The consensus in use; the default one is resolved once torch.distributed is
         initialized (None until then: single process)."""
         if self._consensus_pending:
-            from ..ranks.defaults import default_consensus
-
-            cons = default_consensus()  # None while torch.distributed is not initialized
+            cons = default_consensus()  # ranks/'s, through core/providers.py  # None while torch.distributed is not initialized
             if cons is not None:
                 self._consensus, self._consensus_pending = cons, False
                 self._bind(cons)
