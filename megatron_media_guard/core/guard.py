@@ -44,7 +44,9 @@ class MediaGuard:
         built before ``init_process_group`` still agrees with its peers): a StageConsensus over
         megatron-core parallel_state's groups if that is initialized, else over the world group
         (logged once); without torch.distributed, single process. ``False``: no consensus
-        (each rank decides alone).
+        (each rank decides alone). The default and the default ``rank`` come from ``ranks/``
+        through ``core/providers.py`` (the core never imports torch.distributed): a guard
+        built as ``megatron_media_guard.MediaGuard`` or by an adapter has them.
     geometry / encoder: used by ``policy="repair"`` to re-project mismatched items (a repair
         guard built without them warns: every mismatch then takes ``fallback``).
     """
