@@ -85,10 +85,20 @@ __all__ = [
 ]
 
 
+# torch-side names: before one resolves, the modules that hand the core what it calls but may
+# not import register it (core/providers.py: the default consensus and rank from ranks/, the
+# replay-bundle writer from replay/); the torch-free names (config, errors) load neither
+_TORCH_SIDE = (".core.", ".families.", ".adapters.")
+_PROVIDERS = (".ranks.defaults", ".replay.bundle_save")
+
+
 def __getattr__(name: str) -> object:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if module.startswith(_TORCH_SIDE):
+        for provider in _PROVIDERS:
+            _importlib.import_module(provider, __name__)
     value = getattr(_importlib.import_module(module, __name__), name)
     globals()[name] = value  # later lookups skip this hook
     return value

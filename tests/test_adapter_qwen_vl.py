@@ -371,12 +371,12 @@ def test_replay_bundle_of_a_mismatched_batch(family, tmp_path):
 
 def test_a_failed_bundle_save_does_not_stop_the_drop(family, tmp_path, monkeypatch):
     """A full disk under the replay bundle costs the bundle only: the drop goes on."""
-    import megatron_media_guard.replay.bundle_save as bundle_save
+    from megatron_media_guard.core import providers
 
     def full(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(bundle_save, "save_bundle", full)
+    monkeypatch.setitem(providers._PROVIDED, "bundle", full)  # the writer the fault path calls
     _, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
     model = model_for(family)
     guard = guard_for(family, "drop", dump_dir=str(tmp_path))

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaGuard
+from megatron_media_guard.core import providers
 from megatron_media_guard.diagnostics import DiagnosticsLog, GuardRecord, RankInfo, get_logger, log
 from megatron_media_guard.diagnostics.report import summarize
 from megatron_media_guard.replay import bundle_save
@@ -199,7 +200,7 @@ def test_record_is_written_before_the_bundle(tmp_path, monkeypatch):
         seen.append(summarize(tmp_path / "logs", jobs=1).count("raise"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(bundle_save, "save_bundle", spy)
+    monkeypatch.setitem(providers._PROVIDED, "bundle", spy)  # the writer the fault path calls
     cfg = GuardConfig(log_dir=str(tmp_path / "logs"), dump_dir=str(tmp_path / "dumps"))
     guard = MediaGuard(cfg, Q, rank=RankInfo(rank=0))
     batch = inject(Q, LAYOUT, "surplus_feature")

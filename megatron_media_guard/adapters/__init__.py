@@ -14,6 +14,10 @@ megatron-core (lazily, where a release may be absent). A model family with more 
 module gets its own subpackage (``llava/``, ``qwen_vl/``); a one-module adapter stays a module.
 """
 
+# what the core calls but may not import (core/providers.py): the default consensus and rank,
+# the replay-bundle writer; importing these modules registers them for every adapter's guard
+from ..ranks import defaults as _process_defaults  # noqa: F401
+from ..replay import bundle_save as _bundle_writer  # noqa: F401
 from .generic import ArgMap, guard_merge_fn, infer_items, install_generic
 from .hooks import GuardHandle, HandleGroup, guarded_by
 from .llava.install import LlavaHandle, LlavaResult, install_llava

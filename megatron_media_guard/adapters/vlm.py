@@ -31,11 +31,11 @@ import torch
 from ..core.guard import MediaGuard
 from ..core.interleave import token_order
 from ..core.outcome import MergeResult
+from ..core.repairs import media_hw
 from ..core.runs import TokenLayout, parse_layout
 from ..families import FamilySpec
 from ..families.inputs import generated_as_text, placeholders_as_text, take_items
 from ..families.spec import Merged, ModalitySpec, present
-from ..repair.repairs import media_hw
 from .forward_hook import CallArgs, ForwardHookHandle
 from .tower import tower_due
 from .vlm_items import call_items, cut_blocks, parents, typed_order

@@ -7,19 +7,28 @@ consensus round and the counters."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from ..diagnostics import GuardRecord
+from ..diagnostics import DiagnosticsLog, GuardRecord
 from .explain import alignment_message
 from .outcome import LocalOutcome, StageOutcome
 from .plan import Plan
 
-if TYPE_CHECKING:
-    from .guard import MediaGuard
+
+class Concluding(Protocol):
+    """What the end of a fault path reads and calls of the guard that passes itself in
+    (:class:`~.guard.MediaGuard`, which imports this module: the guard is described here, not
+    imported). ``counters`` are the guard's, counted here."""
+
+    log: DiagnosticsLog
+    counters: dict[str, int]
+
+    def where(self, step: int | None, microbatch: int | None) -> str: ...
+    def settle(self, local: LocalOutcome) -> StageOutcome: ...
 
 
 def conclude(
-    guard: MediaGuard,
+    guard: Concluding,
     plan: Plan,
     records: Sequence[GuardRecord],
     *,
@@ -77,7 +86,7 @@ def conclude(
 
 
 def settle_plan(
-    guard: MediaGuard,
+    guard: Concluding,
     plan: Plan,
     step: int | None,
     microbatch: int | None,

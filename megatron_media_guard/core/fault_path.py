@@ -5,29 +5,55 @@ replay bundle, consensus, merge of the kept samples)."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from ..diagnostics import GuardRecord
+from ..config import GuardConfig
+from ..diagnostics import GuardRecord, RankInfo, get_logger
 from .alignment import AlignmentReport, align
 from .apply import nonfinite_items, scatter_kept
-from .conclude import conclude
+from .call import Call
+from .conclude import Concluding, conclude
 from .explain import batch_summary, check_records, nonfinite_record, plan_records
 from .generated import Generated, as_text, find_generated, generated_record, text_records
-from .outcome import MergeResult
+from .grammar import Grammar
+from .outcome import MergeResult, StageOutcome
 from .plan import Plan, build_plan
+from .providers import bundle_writer
+from .repairs import RepairContext, run_repairs
 from .runs import parse_layout
 from .verify import Verdict
 
-if TYPE_CHECKING:
-    from .guard import Call, MediaGuard
+
+class Diagnosing(Concluding, Protocol):
+    """What the fault path reads and calls of the guard that passes itself in
+    (:class:`~.guard.MediaGuard`, which imports this module: the guard is described here, not
+    imported)."""
+
+    config: GuardConfig
+    grammar: Grammar
+    geometry: object | None
+
+    @property
+    def rank(self) -> RankInfo: ...
+    def result(
+        self,
+        c: Call,
+        out: torch.Tensor | None,
+        plan: Plan,
+        report: AlignmentReport | None,
+        verdict: Verdict,
+        stage: StageOutcome,
+        keep: list[int] | None,
+    ) -> MergeResult: ...
+
 
 CALLER = "megatron_media_guard.core.fault_path"
 
 
 def diagnose(
-    guard: MediaGuard, c: Call, verdict: Verdict, found: list[int] | None = None
+    guard: Diagnosing, c: Call, verdict: Verdict, found: list[int] | None = None
 ) -> MergeResult:
     """The fault path: full parse, per-sample report, plan, repairs, records, bundle, the
     consensus round, then the merge of what is kept. ``found``: the items holding NaN/Inf
@@ -70,10 +96,7 @@ def diagnose(
     if plan.repairs and c.emb is None and c.repairs == "assume":
         plan = plan.with_actions(plan.actions, plan.repairs)  # the first stage's, all repaired
     elif plan.repairs:
-        # up the stack, inside the function: repair re-encodes with the caller's encoder and
-        # returns its outcome; it never sees the guard
-        from ..repair.repairs import RepairContext, run_repairs
-
+        # repairs re-encode with the caller's encoder and return their outcome; never the guard
         ctx = RepairContext(guard.geometry, guard.config, guard.grammar.name)
         out = run_repairs(plan, batch, ctx, c.encoder, step=c.step, microbatch=c.microbatch)
         plan, replaced, failures = out.plan, out.replaced, out.failures
@@ -103,7 +126,7 @@ def diagnose(
 
 
 def call_records(
-    guard: MediaGuard,
+    guard: Diagnosing,
     c: Call,
     report: AlignmentReport,
     plan: Plan,
@@ -150,7 +173,7 @@ def call_records(
     return out
 
 
-def dump_bundle(guard: MediaGuard, c: Call, report: AlignmentReport):
+def dump_bundle(guard: Diagnosing, c: Call, report: AlignmentReport):
     """Saves a replay bundle of a mismatched micro-batch when ``config.dump_dir`` is set."""
     if report.ok:
         return None
@@ -168,7 +191,7 @@ def dump_bundle(guard: MediaGuard, c: Call, report: AlignmentReport):
 
 
 def save_replay(
-    guard: MediaGuard, *, input_ids, items, cu_seqlens, step, microbatch, report, features=None
+    guard: Diagnosing, *, input_ids, items, cu_seqlens, step, microbatch, report, features=None
 ):
     """Saves a replay bundle when ``config.dump_dir`` is set (the guard's and the adapters'
     one way to). Any failure is contained: one error line, no bundle, the caller goes on with
@@ -176,10 +199,10 @@ def save_replay(
     cfg = guard.config
     if cfg.dump_dir is None:
         return None
+    save_bundle = bundle_writer()  # replay/'s, through core/providers.py
     try:
-        # up the stack, inside the function: bundles are written only on the fault path
-        from ..replay.bundle_save import save_bundle
-
+        if save_bundle is None:
+            raise RuntimeError("no bundle writer: import megatron_media_guard.replay.bundle_save")
         return save_bundle(
             cfg.dump_dir,
             input_ids=input_ids,
@@ -196,8 +219,6 @@ def save_replay(
             max_bundles=cfg.dump_max,
         )
     except Exception as err:  # a full disk under torch.save, an odd item field: never fatal
-        from ..diagnostics import get_logger
-
         get_logger().error(
             "[media-guard] replay bundle not saved in %s: %s: %s",
             cfg.dump_dir,

@@ -9,7 +9,7 @@ verdict says something is off.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Literal
 
 import torch
@@ -19,33 +19,16 @@ from ..diagnostics import DiagnosticsLog, GuardRecord, RankInfo, where_text
 from ..errors import ConsensusError, MediaAlignmentError, MediaGuardError, MediaInputError
 from .alignment import AlignmentReport, align
 from .apply import mask_dropped, nonfinite_items, rows_index, scatter
+from .call import Call
 from .fault_path import diagnose
 from .grammar import Grammar
-from .items import Batch, MediaItem, check_sample_id, metadata_batch, normalize
+from .items import MediaItem, check_sample_id, metadata_batch, normalize
 from .outcome import Consensus, GuardReport, LocalOutcome, MergeResult, StageOutcome
 from .plan import Plan, build_plan
+from .providers import default_consensus, process_rank
 from .runs import TokenLayout, parse_layout
 from .validate import check_inputs, check_labels_dtype, check_masks
 from .verify import verify
-
-
-@dataclass(frozen=True)
-class Call:
-    """One merge call's inputs, validated. ``emb`` is the ``[b, s, h]`` view."""
-
-    emb: torch.Tensor | None  # None: the last pipeline stage (no features, no merge)
-    input_ids: torch.Tensor
-    cu_seqlens: torch.Tensor | None
-    lay: TokenLayout
-    batch: Batch
-    loss_mask: torch.Tensor | None
-    labels: torch.Tensor | None
-    seq_first: bool
-    step: int | None
-    microbatch: int | None
-    encoder: object | None
-    repairs: Literal["assume", "attempt"] = "assume"  # without features (emb None): last_stage
-    sample_ids: tuple | None = None  # per sample, the caller's id (items without one take it)
 
 
 class MediaGuard:
@@ -61,7 +44,9 @@ class MediaGuard:
         built before ``init_process_group`` still agrees with its peers): a StageConsensus over
         megatron-core parallel_state's groups if that is initialized, else over the world group
         (logged once); without torch.distributed, single process. ``False``: no consensus
-        (each rank decides alone).
+        (each rank decides alone). The default and the default ``rank`` come from ``ranks/``
+        through ``core/providers.py`` (the core never imports torch.distributed): a guard
+        built as ``megatron_media_guard.MediaGuard`` or by an adapter has them.
     geometry / encoder: used by ``policy="repair"`` to re-project mismatched items (a repair
         guard built without them warns: every mismatch then takes ``fallback``).
     """
@@ -84,11 +69,8 @@ class MediaGuard:
         self.grammar = grammar
         self._codes = {m: k for k, m in enumerate(grammar.modalities)}
         self._rank, self._rank_source = rank, None
-        if rank is None:
-            # function-level import: the core never imports torch.distributed; ranks/ does
-            from ..ranks.defaults import ProcessRank
-
-            self._rank_source = ProcessRank()
+        if rank is None:  # ranks/ provides it (core/providers.py): the core never reads dist
+            self._rank_source = process_rank
         self._consensus = None if consensus is False else consensus
         self._consensus_pending = consensus is None  # resolved by the first guarded call
         self.geometry = geometry
@@ -112,9 +94,7 @@ class MediaGuard:
         """The consensus in use; the default one is resolved once torch.distributed is
         initialized (None until then: single process)."""
         if self._consensus_pending:
-            from ..ranks.defaults import default_consensus
-
-            cons = default_consensus()  # None while torch.distributed is not initialized
+            cons = default_consensus()  # ranks/'s, through core/providers.py  # None while torch.distributed is not initialized
             if cons is not None:
                 self._consensus, self._consensus_pending = cons, False
                 self._bind(cons)

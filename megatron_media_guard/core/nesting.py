@@ -11,14 +11,12 @@ region. Elementwise work and scans over the ids, as in ``runs.py``; no sync in
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
+from .grammar import Grammar
 from .parsed import FindingKind
-
-if TYPE_CHECKING:  # runs.py imports this module
-    from .runs import TokenLayout
 
 
 class Nested(NamedTuple):
@@ -29,7 +27,24 @@ class Nested(NamedTuple):
     either: torch.Tensor
 
 
-def markers(lay: TokenLayout) -> Nested:
+class NestingLayout(Protocol):
+    """What this module reads of a layout (``runs.TokenLayout`` is one; runs.py imports this
+    module, so the layout is described here rather than imported)."""
+
+    grammar: Grammar
+    row_length: int
+    seg_start: torch.Tensor | None
+
+    @property
+    def nested(self) -> Nested | None: ...
+    @property
+    def is_end(self) -> torch.Tensor | None: ...
+    def _any_of(self, toks: tuple[int, ...]) -> torch.Tensor | None: ...
+    def prev(self, x: torch.Tensor, fill: bool | int = False) -> torch.Tensor: ...
+    def next(self, x: torch.Tensor, fill: bool | int = False) -> torch.Tensor: ...
+
+
+def markers(lay: NestingLayout) -> Nested:
     """The inner pairs' starts right after an outer start and ends right before an outer end
     (within a packed sample: ``lay.prev`` / ``lay.next`` stop at its boundaries)."""
     g = lay.grammar
@@ -38,12 +53,12 @@ def markers(lay: TokenLayout) -> Nested:
     return Nested(start, end, start | end)
 
 
-def with_markers(lay: TokenLayout, x: torch.Tensor) -> torch.Tensor:
+def with_markers(lay: NestingLayout, x: torch.Tensor) -> torch.Tensor:
     """``x`` or a nested marker (those are no text: a run before ``<|audio_end|>`` is closed)."""
     return x if lay.nested is None else x | lay.nested.either
 
 
-def violations(lay: TokenLayout) -> torch.Tensor | int:
+def violations(lay: NestingLayout) -> torch.Tensor | int:
     """Device scalar, no sync: 0 exactly when nested starts and ends pair up, given regions that
     are otherwise well formed. Their depth ``x`` (nested starts minus nested ends so far, per
     packed sample) stays in {0, 1} and is 0 at every region's end."""
@@ -58,7 +73,7 @@ def violations(lay: TokenLayout) -> torch.Tensor | int:
 
 
 def marks(
-    lay: TokenLayout, inside: torch.Tensor, last_marker: torch.Tensor
+    lay: NestingLayout, inside: torch.Tensor, last_marker: torch.Tensor
 ) -> list[tuple[torch.Tensor, FindingKind]]:
     """The exact findings (``TokenLayout.finding_codes``): a region's end where its nested start
     was never closed (unterminated), a nested end whose region opened without one (end without

@@ -4,18 +4,27 @@ parse (:func:`~.runs.parse_layout`) and the run order of a mixed call
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:  # runs.py imports this module
-    from .runs import TokenLayout
+
+class RunLayout(Protocol):
+    """What the table reads of a layout (``runs.TokenLayout`` is one; runs.py imports this
+    module, so the layout is described here rather than imported)."""
+
+    @property
+    def ph(self) -> torch.Tensor: ...
+    @property
+    def sample(self) -> torch.Tensor: ...
+    def run_codes(self, run_start: torch.Tensor) -> torch.Tensor: ...
+
 
 #: the table's columns
 COLUMNS = ("row", "start", "last", "length", "code", "sample")
 
 
-def run_table(lay: TokenLayout, start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+def run_table(lay: RunLayout, start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
     """``[runs, 6]`` int64 in token order (:data:`COLUMNS`): each run's row, first and last
     column, placeholder count (breaks excluded), modality code of its first token (-1: breaks
     only) and sample. ``start`` / ``end``: :meth:`TokenLayout.run_bounds`."""

@@ -6,7 +6,7 @@ The guard plans as always (:meth:`MediaGuard.last_stage`, every planned repair a
 :class:`Reprocessor` is its ``encoder``, and for each planned repair it
 
 1. solves the run's length on the original's size with the family's geometry
-   (:func:`~..repair.repairs.solve_allowed`: the fidelity classes ``GuardConfig.
+   (:func:`~..core.repairs.solve_allowed`: the fidelity classes ``GuardConfig.
    allowed_fidelity`` allows);
 2. processes the original at the solved size the way the family's processor does
    (:mod:`.pinning`: the processor's own budget knobs, else its own resize then no resize,
@@ -40,8 +40,8 @@ from ..core.host import to_host
 from ..core.items import MediaItem
 from ..core.outcome import GuardReport
 from ..core.plan import ItemRepair, Plan
+from ..core.repairs import solve_allowed
 from ..errors import MediaAlignmentError, MediaInputError
-from ..repair.repairs import solve_allowed
 from .pinning import NO_VIDEO_PIN, PINS, VIDEO_PINS, Processed, as_channels_first, as_frames
 from .spec import FamilySpec, ModalitySpec
 
@@ -130,7 +130,7 @@ class Reprocessor:
         return self.processor if mod == "image" else None
 
     def reprocess(self, r: ItemRepair, plan: Plan, batch, ctx) -> tuple[Any, dict]:
-        """One planned repair (``repair.repairs``' hook): (new rows or None, facts)."""
+        """One planned repair (``core.repairs``' hook): (new rows or None, facts)."""
         t0 = time.perf_counter()
         item = batch.items[r.item]
         facts: dict = {"target": r.target}

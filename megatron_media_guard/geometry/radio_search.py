@@ -17,22 +17,37 @@ Windows, for a target of q patches (h, w the final grid; fh, fw the floors):
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from megatron_media_guard.geometry.solution import GeometryError, divisors
-
-if TYPE_CHECKING:
-    from megatron_media_guard.geometry.radio import RadioTilerGeometry
 
 _INF = 1 << 62
 
 
-def _budget_at(geo: RadioTilerGeometry, s: float, p: int) -> int:
+class TilerView(Protocol):
+    """What the search reads of the tiler (``radio.RadioTilerGeometry`` is one; radio.py
+    imports this module, so the tiler is described here rather than imported)."""
+
+    patch: int
+    pixel_shuffle: int
+    min_num_patches: int
+    factor_max: float
+
+    @property
+    def cap(self) -> int | None: ...
+    def native(self, hw: tuple[int, int]) -> tuple[int, int]: ...
+    def _grid(self, ph0: int, pw0: int, budget: int) -> tuple[int, int]: ...
+    def _budgets(self) -> tuple[int, int]: ...
+    def _round_trips(self, grid: tuple[int, int], budget: int | None) -> bool: ...
+    def _kept_bound(self) -> int: ...
+
+
+def _budget_at(geo: TilerView, s: float, p: int) -> int:
     """A budget past which the scale factor exceeds ``s`` (unbounded at the factor cap)."""
     return _INF if s >= geo.factor_max else math.ceil(s * s * p) + 2
 
 
-def windows(geo: RadioTilerGeometry, ph0: int, pw0: int, q: int) -> list[tuple[int, int]]:
+def windows(geo: TilerView, ph0: int, pw0: int, q: int) -> list[tuple[int, int]]:
     """Budget ranges that can give q patches: the plain regime, then the upscale regime."""
     p, ssum, mn, d = ph0 * pw0, ph0 + pw0, geo.min_num_patches, geo.pixel_shuffle
     k = d - 1  # the evenness step moves a side by at most d - 1
@@ -53,7 +68,7 @@ def windows(geo: RadioTilerGeometry, ph0: int, pw0: int, q: int) -> list[tuple[i
     return out
 
 
-def _prepare(geo: RadioTilerGeometry, ph0: int, pw0: int, budget: int):
+def _prepare(geo: TilerView, ph0: int, pw0: int, budget: int):
     """(fh, fw, h, w): floors and the pre-evenness grid; None where the tiler would fail."""
     s = min(math.sqrt(budget / (ph0 * pw0)), geo.factor_max)
     fh, fw = math.floor(s * ph0), math.floor(s * pw0)
@@ -73,7 +88,7 @@ def _even_options(v: int, d: int) -> tuple[int, ...]:
 
 
 def landing_budgets(
-    geo: RadioTilerGeometry, ph0: int, pw0: int, q: int
+    geo: TilerView, ph0: int, pw0: int, q: int
 ) -> list[tuple[int, tuple[int, int]]]:
     """(budget, grid) pairs in [min, cap] where the tiler's grid has q patches, budget
     ascending; at least the first budget of every segment and threshold run that lands."""
@@ -149,7 +164,7 @@ def _floor_start(v: int, n0: int, p: int) -> int:
 
 
 def _bound_along(
-    geo: RadioTilerGeometry,
+    geo: TilerView,
     sides: dict[int, tuple[int, int]],
     x: int,
     fa: int,
@@ -192,7 +207,7 @@ def _bound_along(
     return x if nxt <= fb else min(limit, _floor_start(nxt, nb, p))
 
 
-def keep_budget(geo: RadioTilerGeometry, grid: tuple[int, int]) -> int | None:
+def keep_budget(geo: TilerView, grid: tuple[int, int]) -> int | None:
     """An engine budget (``geo._budgets()``) at which the tiler keeps a (16*ph, 16*pw)
     frame as it is, None where none does.
 
@@ -214,9 +229,7 @@ def keep_budget(geo: RadioTilerGeometry, grid: tuple[int, int]) -> int | None:
     return next((b for b, g in landing_budgets(geo, *own, q) if g == grid), None)
 
 
-def pin_budget(
-    geo: RadioTilerGeometry, ph0: int, pw0: int, grid: tuple[int, int], starts: list[int]
-) -> int:
+def pin_budget(geo: TilerView, ph0: int, pw0: int, grid: tuple[int, int], starts: list[int]) -> int:
     """A budget at which ph0 x pw0 native patches land on ``grid``, for a repair to pin:
     of the landing runs (``starts``, ascending, from ``landing_budgets``) the first that
     holds a multiple of pixel_shuffle**2 or min_num_patches itself (a one-image request's

@@ -6,3 +6,7 @@ The only place besides ``adapters`` that imports torch.distributed (and megatron
 ``parallel_state``, lazily). Degrades to single-process when torch.distributed is not
 initialized.
 """
+
+# importing anything of ranks/ registers the default consensus and rank with the core
+# (core/providers.py): the core never imports ranks/
+from . import defaults as _defaults  # noqa: F401

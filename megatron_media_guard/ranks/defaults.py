@@ -1,6 +1,7 @@
 """What a :class:`~megatron_media_guard.core.guard.MediaGuard` built without ``consensus=``
-or ``rank=`` gets (the guard imports this module lazily, inside its constructor: the core
-never imports torch.distributed itself). Both are resolved when they are used, not when the
+or ``rank=`` gets. The core never imports this module (nor torch.distributed): importing it
+registers both with ``core/providers.py`` (the package ``__init__`` and ``adapters/`` import
+it; see there). Both are resolved when they are used, not when the
 guard is built: a guard built before ``init_process_group`` (build the model and its guard,
 then launch) still agrees with its peers and writes its own rank's file.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import threading
 
+from ..core.providers import ProcessDefaults, provide_process
 from ..diagnostics import RankInfo, get_logger
 from .consensus import StageConsensus, dist_ready, parallel_state, process_rank_info
 
@@ -65,3 +67,7 @@ def _announce(key: str, line: str) -> None:
             return
         _ANNOUNCED.add(key)
     get_logger().info("%s", line)
+
+
+# one ProcessRank for the process: its cache follows torch.distributed / parallel_state
+provide_process(ProcessDefaults(rank=ProcessRank(), consensus=default_consensus))

@@ -1,6 +1,8 @@
 """Re-projection of mismatched items: ``pixels`` (layouts: image, Qwen patches),
 ``reproject`` (resize on the item's device, re-patchify, re-encode, verify the count),
-``repairs`` (runs a plan's repairs and records them), ``fp8`` (FP8 padding multiples).
+``fp8`` (FP8 padding multiples). Running a plan's repairs is the fault path's
+(``core/repairs.py``), which calls these.
 
-Imports torch, ``core`` and ``geometry``; never torch.distributed or megatron.
+Imports torch and ``geometry``, never ``core`` (the core imports this), torch.distributed or
+megatron.
 """

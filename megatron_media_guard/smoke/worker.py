@@ -33,6 +33,7 @@ from ..core.guard import MediaGuard
 from ..diagnostics import LOGGER_NAME, get_logger
 from ..errors import MediaGuardError
 from ..ranks.consensus import StageConsensus
+from ..replay import bundle_save as _bundle_writer  # noqa: F401  (core/providers.py)
 from .runspec import Observation, RankResult, WorkerArgs
 from .scenarios import GEOMETRY, GRAMMAR, micro_batch
 

@@ -15,10 +15,10 @@ from ...core.explain import check_records, plan_records
 from ...core.host import to_host
 from ...core.items import MediaItem
 from ...core.plan import Plan, digest
+from ...core.repairs import media_hw, repair_record, solve_allowed
 from ...core.runs import ParsedRuns
 from ...diagnostics import GuardRecord
 from ...errors import MediaInputError
-from ...repair.repairs import media_hw, repair_record, solve_allowed
 from ...repair.reproject import resize_patches
 from .checks import MODALITIES, QwenVLSpec
 

@@ -14,12 +14,12 @@ from typing import Any
 import torch
 
 from ..config import GuardConfig
-from ..core.items import Batch, MediaItem
-from ..core.plan import ItemRepair, Plan
 from ..diagnostics import GuardRecord
 from ..geometry import HwKind
-from .fp8 import fp8_multiple
-from .reproject import reencode
+from ..repair.fp8 import fp8_multiple
+from ..repair.reproject import reencode
+from .items import Batch, MediaItem
+from .plan import ItemRepair, Plan
 
 
 @dataclass(frozen=True)
