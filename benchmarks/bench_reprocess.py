@@ -122,26 +122,7 @@ def measure(case) -> dict:
         processor=processor,
     )
     wall = time.perf_counter() - t0
-    rows = out.batch["pixel_values"].split(out.batch[grid_key].prod(-1).tolist())
-    kept = [k for k, a in enumerate(out.report.actions) if a != "drop"]
-    diff = max(
-        (a - eng[k][0]).abs().max().item() if a.shape == eng[k][0].shape else float("inf")
-        for a, k in zip(rows, kept)
-    )
-    per = [d.duration_ms for d in out.reprocessed]
-    return {
-        "case": label,
-        "items": len(imgs),
-        "mismatched": sum(a != "keep" for a in out.report.actions),
-        "dropped": len(out.report.dropped),
-        "repaired": len(out.reprocessed),
-        "fidelity": sorted({d.fidelity for d in out.reprocessed}),
-        "how": sorted({d.how for d in out.reprocessed}),
-        "max_abs": diff,
-        "ms_per_item_median": statistics.median(per) if per else None,
-        "ms_per_item_max": max(per) if per else None,
-        "check_batch_ms_per_item": wall * 1e3 / len(imgs),
-    }
+    return _row(label, out, eng, "pixel_values", grid_key, wall)
 
 
 def measure_video(label: str, family: str, fixture, processor: str, **overrides) -> dict:
@@ -176,7 +157,13 @@ def measure_video(label: str, family: str, fixture, processor: str, **overrides)
         processor={"video": cfg},
     )
     wall = time.perf_counter() - t0
-    rows = out.batch["pixel_values_videos"].split(out.batch["video_grid_thw"].prod(-1).tolist())
+    return _row(label, out, eng, "pixel_values_videos", "video_grid_thw", wall)
+
+
+def _row(label: str, out, eng, pixels: str, grid: str, wall: float) -> dict:
+    """One table row: the returned items' rows against the engine's (``eng``: per item its
+    ``(rows, grid)``), the repairs and their time."""
+    rows = out.batch[pixels].split(out.batch[grid].prod(-1).tolist())
     kept = [k for k, a in enumerate(out.report.actions) if a != "drop"]
     diff = max(
         (a - eng[k][0]).abs().max().item() if a.shape == eng[k][0].shape else float("inf")
@@ -185,7 +172,7 @@ def measure_video(label: str, family: str, fixture, processor: str, **overrides)
     per = [d.duration_ms for d in out.reprocessed]
     return {
         "case": label,
-        "items": len(clips),
+        "items": len(eng),
         "mismatched": sum(a != "keep" for a in out.report.actions),
         "dropped": len(out.report.dropped),
         "repaired": len(out.reprocessed),
@@ -194,11 +181,11 @@ def measure_video(label: str, family: str, fixture, processor: str, **overrides)
         "max_abs": diff,
         "ms_per_item_median": statistics.median(per) if per else None,
         "ms_per_item_max": max(per) if per else None,
-        "check_batch_ms_per_item": wall * 1e3 / len(clips),
+        "check_batch_ms_per_item": wall * 1e3 / len(eng),
     }
 
 
-def main() -> None:
+def _image_cases(quick: bool) -> list:
     from transformers.models.ernie4_5_vl_moe.image_processing_pil_ernie4_5_vl_moe import (
         Ernie4_5_VLMoeImageProcessorPil,
     )
@@ -207,19 +194,18 @@ def main() -> None:
         Qwen2VLImageProcessorPil,
     )
 
-    torch.set_num_threads(1)
     cases = [
-        patch_merge_case("qwen_vl", QwenFixture("qwen2_5_vl"), Qwen2VLImageProcessorPil()),
-        patch_merge_case("glm4v", glm4v, Glm4vImageProcessorPil()),
-        patch_merge_case("ernie4_5_vl", ernie4_5_vl, Ernie4_5_VLMoeImageProcessorPil()),
-        radio_case(32768, 32768 - 8200),  # the seed's: 2400x1080 -> 2010 tokens each
-        radio_case(8192, 8192 - 100),  # over-full: 1024 patches each
+        lambda: patch_merge_case("qwen_vl", QwenFixture("qwen2_5_vl"), Qwen2VLImageProcessorPil()),
+        lambda: patch_merge_case("glm4v", glm4v, Glm4vImageProcessorPil()),
+        lambda: patch_merge_case("ernie4_5_vl", ernie4_5_vl, Ernie4_5_VLMoeImageProcessorPil()),
+        lambda: radio_case(32768, 32768 - 8200),  # the seed's: 2400x1080 -> 2010 tokens each
+        lambda: radio_case(8192, 8192 - 100),  # over-full: 1024 patches each
     ]
-    print(f"sizes (H, W): {SIZES}; torch threads 1")
-    for case in cases:
-        print(measure(case))
-    print(f"videos: {FRAMES} frames each, sizes (H, W): {VIDEO_SIZES}")
-    for label, family, fixture, processor in (
+    return cases[:1] if quick else cases
+
+
+def _video_cases(quick: bool) -> list:
+    cases = [
         ("qwen_vl videos (Qwen2.5-VL: one run)", "qwen_vl", QwenFixture("qwen2_5_vl"), "qwen2_vl"),
         (
             "qwen_vl videos (Qwen3-VL: a run per group)",
@@ -228,10 +214,59 @@ def main() -> None:
             "qwen3_vl",
         ),
         ("glm4v videos (a run per group)", "glm4v", glm4v, "glm4v"),
-    ):
-        print(measure_video(label, family, fixture, processor))
-    label = "ernie4_5_vl videos (one run, draw_on_frames=False)"
-    print(measure_video(label, "ernie4_5_vl", ernie4_5_vl, "ernie4_5_vl", draw_on_frames=False))
+        (
+            "ernie4_5_vl videos (one run, draw_on_frames=False)",
+            "ernie4_5_vl",
+            ernie4_5_vl,
+            "ernie4_5_vl",
+        ),
+    ]
+    return cases[:1] if quick else cases
+
+
+def run(quick: bool = False) -> list[dict]:
+    """Rows for ``python -m benchmarks``: per case the items repaired, the largest pixel
+    difference from the processor's own output at the engine's size, the time per item."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        results = [measure(make()) for make in _image_cases(quick)]
+        for label, family, fixture, processor in _video_cases(quick):
+            extra = {"draw_on_frames": False} if family == "ernie4_5_vl" else {}
+            results.append(measure_video(label, family, fixture, processor, **extra))
+    finally:
+        torch.set_num_threads(threads)
+    rows = []
+    for d in results:
+        note = (
+            f"{d['repaired']}/{d['mismatched']} mismatched of {d['items']} repaired, "
+            f"{'/'.join(d['fidelity'])}, {'/'.join(d['how'])}; CPU, 1 thread"
+        )
+        rows.append(
+            dict(
+                benchmark=f"reprocess/{d['case']}",
+                metric="max abs vs the processor at the engine's size",
+                value=d["max_abs"],
+                target="<= 0",
+                note=note,
+            )
+        )
+        rows.append(
+            dict(
+                benchmark=f"reprocess/{d['case']}",
+                metric="ms per repaired item, median",
+                value=d["ms_per_item_median"],
+                target="info",
+                note=f"max {d['ms_per_item_max']:.1f}",
+            )
+        )
+    return rows
+
+
+def main() -> None:
+    print(f"sizes (H, W): {SIZES}; videos: {FRAMES} frames each, sizes {VIDEO_SIZES}")
+    for row in run():
+        print(row)
 
 
 if __name__ == "__main__":
