@@ -134,6 +134,12 @@ def zero_anchor(*tensors: torch.Tensor) -> torch.Tensor:
     return -total
 
 
+def dropped_tokens(lay: TokenLayout, keep: torch.Tensor) -> torch.Tensor:
+    """``[b, s]`` bool: the token belongs to a sample ``keep`` drops (padding of a packed row:
+    False)."""
+    return ~token_keep(lay, keep) & (lay.sample < lay.num_samples)
+
+
 def mask_dropped(
     lay: TokenLayout,
     keep: torch.Tensor,
@@ -143,7 +149,7 @@ def mask_dropped(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The caller's loss mask with dropped samples zeroed (created as float32 ones when None)
     and labels set to ``ignore_index`` there. Out of place: the caller's tensors are kept."""
-    drop_tok = ~token_keep(lay, keep) & (lay.sample < lay.num_samples)
+    drop_tok = dropped_tokens(lay, keep)
     if loss_mask is None:
         loss_mask = torch.ones(lay.batch, lay.row_length, dtype=torch.float32, device=keep.device)
     loss_mask = loss_mask.masked_fill(drop_tok, 0)

@@ -7,7 +7,6 @@ checks live in :mod:`.sound`. Loops run over samples and images, never tokens.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -15,18 +14,13 @@ import torch
 
 from ...core.faults import ItemFault
 from ...core.generated import Generated, GeneratedSample, find_generated
-from ...core.grammar import Grammar
 from ...core.items import MediaItem
 from ...core.runs import TokenLayout, parse_layout
 from ...errors import MediaInputError
 from .measure import LlavaFacts
+from .packed import llava_grammar
 
 SOUND_MODALITIES = frozenset({"sound", "audio"})
-
-
-@functools.lru_cache(maxsize=16)
-def llava_grammar(image_token_index: int) -> Grammar:
-    return Grammar.llava(int(image_token_index))
 
 
 @dataclass(frozen=True)

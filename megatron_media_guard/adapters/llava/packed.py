@@ -18,11 +18,24 @@ walks agreeing shows it is right).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from ...core.grammar import Grammar
+from ...core.runs import TokenLayout
+
 i64 = torch.int64
+
+
+@functools.lru_cache(maxsize=16)
+def llava_grammar(token: int, modality: str = "image") -> Grammar:
+    """megatron-core LLaVA's collapsed grammar: one token per image (or, ``modality="sound"``,
+    one per sound row)."""
+    if modality == "image":
+        return Grammar.llava(int(token))
+    return Grammar({modality: int(token)}, collapsed=True, name="llava")
 
 
 @dataclass(frozen=True)
@@ -47,12 +60,26 @@ class Boundaries:
     pos: tuple[int, ...]
     unmatched: tuple[int, ...] = ()
 
-    def spans(self, cu: tuple[int, ...]) -> tuple[Span, ...]:
-        bad = set(self.unmatched)
-        return tuple(
-            Span(0, self.pos[i], self.pos[i + 1], cu[i], cu[i + 1], i not in bad)
-            for i in range(len(cu) - 1)
-        )
+
+def sample_layout(ids: torch.Tensor, grammar: Grammar, spans, packed: bool) -> TokenLayout:
+    """The call's samples as core's token layout over ``ids`` ``[b, s]``: the rows, or the
+    packed sub-samples at their compact columns (``spans``, :class:`Span`)."""
+    cu = None
+    if packed:
+        cu = torch.tensor([sp.start for sp in spans] + [spans[-1].end]).to(ids.device)
+    return TokenLayout(ids, grammar, cu)
+
+
+def merged_layout(spans, packed: bool, shape: tuple[int, int], device) -> TokenLayout:
+    """The call's samples in megatron-core's expanded output ``[b, S]`` (rows, or the packed
+    sub-samples' merged spans): a layout whose tokens are positions (only its samples are
+    read)."""
+    cu = None
+    if packed:
+        cu = torch.tensor([sp.merged_start for sp in spans] + [spans[-1].merged_end])
+        cu = cu.to(device)
+    ids = torch.zeros(shape, dtype=i64, device=device)
+    return TokenLayout(ids, llava_grammar(-200), cu)
 
 
 def _landing(start, total, cu, lens_rev, s):
@@ -71,16 +98,14 @@ def _landing(start, total, cu, lens_rev, s):
     return f, lf, g, lg
 
 
-def _from_positions(pos: torch.Tensor, k: int, s: int) -> torch.Tensor:
-    dev = pos.device
-    marker = torch.full((s + 1,), -1, dtype=i64, device=dev)
-    marker.scatter_reduce_(0, pos[:k].clamp(0, s), torch.arange(k, device=dev), "amax")
-    sample_of = torch.cummax(marker[:s], 0).values.clamp(min=0)
-    after = torch.arange(s, device=dev) >= pos[k]
-    return torch.where(after, torch.full_like(sample_of, k), sample_of)
+def _from_positions(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Sub-sample of each token of the row whose sub-samples start at compact columns
+    ``pos`` (k: after the last): core's packed layout."""
+    return TokenLayout(ids, llava_grammar(-200), pos).sample[0]
 
 
 def device_segments(
+    ids: torch.Tensor,
     *,
     start: torch.Tensor,
     lens: torch.Tensor,
@@ -91,17 +116,17 @@ def device_segments(
     boundaries: Boundaries | None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``(sample of each token [1, s] (k: after the last), facts to bring to the host)``
-    for one row: ``start`` / ``lens`` ``[s]`` are each token's first merged position and
+    for one row ``ids`` ``[1, s]``: ``start`` / ``lens`` ``[s]`` are each token's first merged position and
     expansion, ``lens_rev`` the expansion with entries assigned from the end."""
     s, k = start.numel(), cu.numel() - 1
     parts: dict[str, torch.Tensor] = {"cu": cu}
     rev = lens_rev
     if boundaries is not None:
-        sample_of = _from_positions(torch.tensor(boundaries.pos, dtype=i64).to(cu.device), k, s)
+        sample_of = _from_positions(ids, torch.tensor(boundaries.pos, dtype=i64).to(cu.device))
     else:
         f, lf, g, lg = _landing(start, total, cu, rev, s)
         parts.update(f=f, lf=lf, g=g, lg=lg)
-        sample_of = _from_positions(f, k, s)
+        sample_of = _from_positions(ids, f)
         if position_ids is not None and position_ids.numel() == s:
             resets = position_ids.reshape(-1).to(cu.device) == 0
             # one reset per sub-sample, the first at column 0: chosen on the device (no sync)
