@@ -46,23 +46,30 @@ def scatter(emb: torch.Tensor, mask: torch.Tensor, src: torch.Tensor) -> torch.T
 
 
 def nonfinite_items(batch: Batch) -> list[int]:
-    """Items whose features hold NaN/Inf (one transfer of one flag per item).
-
-    min and max propagate NaN and show +-Inf: two scalars per item, no temporary of the
-    features' size."""
-    if not batch.items:
-        return []
+    """Items whose features hold NaN/Inf (one transfer of one flag per item)."""
     f = batch.features
-    zero = f.new_zeros(2)
-    lohi = torch.stack(
+    views = [f[a:b] for a, b in (batch.rows(i) for i in range(len(batch.items)))]
+    bad = nonfinite_flags(views, why="which items hold NaN/Inf")
+    return [i for i, b in enumerate(bad) if b]
+
+
+def nonfinite_flags(views: Sequence[torch.Tensor], *, why: str) -> list[bool]:
+    """Whether each of ``views`` (any shapes, dtypes, one device) holds NaN/Inf: one transfer
+    of one flag per view (``why``: what the caller asks, for the transfer's comment).
+
+    min and max propagate NaN and show +-Inf: two scalars per view, no temporary of the
+    views' size."""
+    if not views:
+        return []
+    flags = torch.stack(
         [
-            torch.stack(torch.aminmax(f[a:b])) if b > a and f.shape[1] else zero
-            for a, b in (batch.rows(i) for i in range(len(batch.items)))
+            ~torch.isfinite(torch.stack(torch.aminmax(v))).all()
+            if v.numel()
+            else torch.zeros((), dtype=torch.bool, device=v.device)
+            for v in views
         ]
     )
-    flags = ~torch.isfinite(lohi).all(1)
-    bad = to_host(flags, why="which items hold NaN/Inf").tolist()
-    return [i for i, b in enumerate(bad) if b]
+    return [bool(b) for b in to_host(flags, why=why).tolist()]
 
 
 def token_keep(lay: TokenLayout, keep: torch.Tensor) -> torch.Tensor:
