@@ -161,7 +161,6 @@ def measure(
 
         rev = n - ph.sum() + img_idx  # entry of each image counted from the last one
         sample_of, seg_parts = device_segments(
-            input_ids,
             start=start[0],
             lens=lens[0],
             lens_rev=expand(rev, ph & (rev >= 0))[0],

@@ -98,14 +98,15 @@ def _landing(start, total, cu, lens_rev, s):
     return f, lf, g, lg
 
 
-def _from_positions(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """Sub-sample of each token of the row whose sub-samples start at compact columns
-    ``pos`` (k: after the last): core's packed layout."""
-    return TokenLayout(ids, llava_grammar(-200), pos).sample[0]
+def _from_positions(pos: torch.Tensor, s: int) -> torch.Tensor:
+    """Sub-sample of each of the ``s`` columns of a row whose sub-samples start at compact
+    columns ``pos`` (k: after the last), numbered as core's :class:`TokenLayout` numbers a
+    packed row's samples (not built here: its bounds cost a host copy on the aligned path)."""
+    col = torch.arange(s, device=pos.device)
+    return (torch.searchsorted(pos, col, right=True) - 1).clamp(min=0)
 
 
 def device_segments(
-    ids: torch.Tensor,
     *,
     start: torch.Tensor,
     lens: torch.Tensor,
@@ -116,17 +117,17 @@ def device_segments(
     boundaries: Boundaries | None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``(sample of each token [1, s] (k: after the last), facts to bring to the host)``
-    for one row ``ids`` ``[1, s]``: ``start`` / ``lens`` ``[s]`` are each token's first merged position and
+    for one row: ``start`` / ``lens`` ``[s]`` are each token's first merged position and
     expansion, ``lens_rev`` the expansion with entries assigned from the end."""
     s, k = start.numel(), cu.numel() - 1
     parts: dict[str, torch.Tensor] = {"cu": cu}
     rev = lens_rev
     if boundaries is not None:
-        sample_of = _from_positions(ids, torch.tensor(boundaries.pos, dtype=i64).to(cu.device))
+        sample_of = _from_positions(torch.tensor(boundaries.pos, dtype=i64).to(cu.device), s)
     else:
         f, lf, g, lg = _landing(start, total, cu, rev, s)
         parts.update(f=f, lf=lf, g=g, lg=lg)
-        sample_of = _from_positions(ids, f)
+        sample_of = _from_positions(f, s)
         if position_ids is not None and position_ids.numel() == s:
             resets = position_ids.reshape(-1).to(cu.device) == 0
             # one reset per sub-sample, the first at column 0: chosen on the device (no sync)
