@@ -1,4 +1,6 @@
-"""Sub-samples of a packed THD row (Megatron-Bridge's Nemotron Omni in-batch packing).
+"""Sub-samples of a packed THD row (Megatron-Bridge's Nemotron Omni in-batch packing), and the
+call's samples as core's :class:`~...core.runs.TokenLayout` (rows, or packed sub-samples by
+their compact or merged boundaries), on which the drop rewrites and masks.
 
 The collate concatenates a micro-batch's compact rows into one ``[1, total]`` row; the
 model's ``forward`` gets ``packed_seq_params`` whose ``cu_seqlens_q(_padded)`` are the
