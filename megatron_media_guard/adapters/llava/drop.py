@@ -178,7 +178,7 @@ def finish_outputs(
     ref = labels if labels is not None else lmask
     if ref is None and emb is not None:
         ref = emb[:, :, 0].t() if seq_first else emb[:, :, 0]
-    if ref is not None and plan.drops:
+    if ref is not None and ref.numel() and plan.drops:
         lay = merged_layout(facts.spans, facts.packed, tuple(ref.shape[:2]), ref.device)
         gone = dropped_tokens(lay, _keep(facts, plan.drops, ref.device))
         if emb is not None:
