@@ -61,15 +61,12 @@ def nonfinite_flags(views: Sequence[torch.Tensor], *, why: str) -> list[bool]:
     views' size."""
     if not views:
         return []
-    flags = torch.stack(
-        [
-            ~torch.isfinite(torch.stack(torch.aminmax(v))).all()
-            if v.numel()
-            else torch.zeros((), dtype=torch.bool, device=v.device)
-            for v in views
-        ]
-    )
-    return [bool(b) for b in to_host(flags, why=why).tolist()]
+    lohi = [torch.stack(torch.aminmax(v)) if v.numel() else v.new_zeros(2) for v in views]
+    if len({p.dtype for p in lohi}) == 1:
+        ok = torch.isfinite(torch.stack(lohi))
+    else:  # views of several dtypes (LLaVA's images and clips): tested one by one
+        ok = torch.stack([torch.isfinite(p) for p in lohi])
+    return [bool(b) for b in to_host(~ok.all(1), why=why).tolist()]
 
 
 def token_keep(lay: TokenLayout, keep: torch.Tensor) -> torch.Tensor:
