@@ -46,23 +46,27 @@ def scatter(emb: torch.Tensor, mask: torch.Tensor, src: torch.Tensor) -> torch.T
 
 
 def nonfinite_items(batch: Batch) -> list[int]:
-    """Items whose features hold NaN/Inf (one transfer of one flag per item).
-
-    min and max propagate NaN and show +-Inf: two scalars per item, no temporary of the
-    features' size."""
-    if not batch.items:
-        return []
+    """Items whose features hold NaN/Inf (one transfer of one flag per item)."""
     f = batch.features
-    zero = f.new_zeros(2)
-    lohi = torch.stack(
-        [
-            torch.stack(torch.aminmax(f[a:b])) if b > a and f.shape[1] else zero
-            for a, b in (batch.rows(i) for i in range(len(batch.items)))
-        ]
-    )
-    flags = ~torch.isfinite(lohi).all(1)
-    bad = to_host(flags, why="which items hold NaN/Inf").tolist()
+    views = [f[a:b] for a, b in (batch.rows(i) for i in range(len(batch.items)))]
+    bad = nonfinite_flags(views, why="which items hold NaN/Inf")
     return [i for i, b in enumerate(bad) if b]
+
+
+def nonfinite_flags(views: Sequence[torch.Tensor], *, why: str) -> list[bool]:
+    """Whether each of ``views`` (any shapes, dtypes, one device) holds NaN/Inf: one transfer
+    of one flag per view (``why``: what the caller asks, for the transfer's comment).
+
+    min and max propagate NaN and show +-Inf: two scalars per view, no temporary of the
+    views' size."""
+    if not views:
+        return []
+    lohi = [torch.stack(torch.aminmax(v)) if v.numel() else v.new_zeros(2) for v in views]
+    if len({p.dtype for p in lohi}) == 1:
+        ok = torch.isfinite(torch.stack(lohi))
+    else:  # views of several dtypes (LLaVA's images and clips): tested one by one
+        ok = torch.stack([torch.isfinite(p) for p in lohi])
+    return [bool(b) for b in to_host(~ok.all(1), why=why).tolist()]
 
 
 def token_keep(lay: TokenLayout, keep: torch.Tensor) -> torch.Tensor:
@@ -134,6 +138,12 @@ def zero_anchor(*tensors: torch.Tensor) -> torch.Tensor:
     return -total
 
 
+def dropped_tokens(lay: TokenLayout, keep: torch.Tensor) -> torch.Tensor:
+    """``[b, s]`` bool: the token belongs to a sample ``keep`` drops (padding of a packed row:
+    False)."""
+    return ~token_keep(lay, keep) & (lay.sample < lay.num_samples)
+
+
 def mask_dropped(
     lay: TokenLayout,
     keep: torch.Tensor,
@@ -143,7 +153,7 @@ def mask_dropped(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The caller's loss mask with dropped samples zeroed (created as float32 ones when None)
     and labels set to ``ignore_index`` there. Out of place: the caller's tensors are kept."""
-    drop_tok = ~token_keep(lay, keep) & (lay.sample < lay.num_samples)
+    drop_tok = dropped_tokens(lay, keep)
     if loss_mask is None:
         loss_mask = torch.ones(lay.batch, lay.row_length, dtype=torch.float32, device=keep.device)
     loss_mask = loss_mask.masked_fill(drop_tok, 0)

@@ -35,12 +35,12 @@ class ItemFault:
     sample: int
     check: Check
     modality: FaultModality
-    item: int | None
-    item_in_sample: int | None
-    expected: tuple[int, ...]
-    got: tuple[int, ...]
-    tiles: int | None
     reason: str
+    item: int | None = None
+    item_in_sample: int | None = None
+    expected: tuple[int, ...] = ()
+    got: tuple[int, ...] = ()
+    tiles: int | None = None
 
 
 @dataclass(frozen=True)

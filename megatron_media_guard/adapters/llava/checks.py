@@ -7,7 +7,6 @@ checks live in :mod:`.sound`. Loops run over samples and images, never tokens.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -15,18 +14,13 @@ import torch
 
 from ...core.faults import ItemFault
 from ...core.generated import Generated, GeneratedSample, find_generated
-from ...core.grammar import Grammar
 from ...core.items import MediaItem
 from ...core.runs import TokenLayout, parse_layout
 from ...errors import MediaInputError
 from .measure import LlavaFacts
+from .packed import llava_grammar
 
 SOUND_MODALITIES = frozenset({"sound", "audio"})
-
-
-@functools.lru_cache(maxsize=16)
-def llava_grammar(image_token_index: int) -> Grammar:
-    return Grammar.llava(int(image_token_index))
 
 
 @dataclass(frozen=True)
@@ -116,14 +110,10 @@ def _segment_faults(facts: LlavaFacts) -> list[ItemFault]:
                     smp,
                     "segment",
                     "sample",
-                    None,
-                    None,
-                    (span,),
-                    (),
-                    None,
                     f"packed sub-sample [{sp.merged_start}, {sp.merged_end}) of cu_seqlens is "
                     "not filled by the expansion of its tokens (an image token or an image's "
                     "token count differs from what the packing assumed)",
+                    expected=(span,),
                 )
             )
     return out
@@ -142,13 +132,9 @@ def _count_faults(
                         smp,
                         "count",
                         "image",
-                        None,
-                        None,
-                        (k,),
-                        (),
-                        None,
                         f"the batch holds {K} image tokens for {n} num_image_tiles entries; "
                         "without item metadata the entries cannot be assigned to samples",
+                        expected=(k,),
                     )
                 )
         return out
@@ -160,12 +146,11 @@ def _count_faults(
                     smp,
                     "count",
                     "image",
-                    js[k] if k < len(js) else None,
-                    min(k, len(js)),
-                    (k,),
-                    (len(js),),
-                    None,
                     f"sample holds {k} image tokens, its items {len(js)} num_image_tiles entries",
+                    item=js[k] if k < len(js) else None,
+                    item_in_sample=min(k, len(js)),
+                    expected=(k,),
+                    got=(len(js),),
                 )
             )
     if items is not None:
@@ -174,16 +159,16 @@ def _count_faults(
             if it.num_features != t * L:
                 out.append(
                     ItemFault(
-                        it.sample,  # type: ignore[arg-type]
+                        it.sample,
                         "tiles",
                         "image",
-                        j,
-                        own.of(it.sample).index(j),  # type: ignore[arg-type]
-                        (t * L,),
-                        (it.num_features,),
-                        t,
                         f"num_image_tiles gives {t} x img_seq_len {L} = {t * L} feature rows, "
                         f"the item metadata {it.num_features}",
+                        item=j,
+                        item_in_sample=own.of(it.sample).index(j),
+                        expected=(t * L,),
+                        got=(it.num_features,),
+                        tiles=t,
                     )
                 )
     return out
@@ -196,13 +181,13 @@ def _cross_fault(smp, j, i, t, end, facts: LlavaFacts, seq_len) -> ItemFault:
         smp,
         "max_length",
         "image",
-        j,
-        i,
-        (t * L,),
-        (max(0, m - start),),
-        t,
         f"image expands to positions [{start}, {end}) of {seq_len}, past "
         f"language_max_sequence_length {m}: megatron-core would cut it after the merge",
+        item=j,
+        item_in_sample=i,
+        expected=(t * L,),
+        got=(max(0, m - start),),
+        tiles=t,
     )
 
 
@@ -272,12 +257,12 @@ def _nonfinite_faults(facts: LlavaFacts, own: ImageOwners) -> list[ItemFault]:
                 smp,
                 "nonfinite",
                 "image",
-                j,
-                i,
-                (facts.entries[j],),
-                (facts.entry_bad[j],),
-                facts.entries[j],
                 "NaN/Inf in the image's embeddings (got: tiles / rows affected)",
+                item=j,
+                item_in_sample=i,
+                expected=(facts.entries[j],),
+                got=(facts.entry_bad[j],),
+                tiles=facts.entries[j],
             )
         )
     return out
@@ -330,6 +315,6 @@ def generated_faults(gen: Generated, action: str) -> list[ItemFault]:
         return []
     why = gen.reasons(action)
     return [
-        ItemFault(g.sample, "generated", "image", None, None, g.positions, (), None, why[g.sample])
+        ItemFault(g.sample, "generated", "image", why[g.sample], expected=g.positions)
         for g in gen.samples
     ]

@@ -25,15 +25,17 @@ in the graph through :func:`~..core.apply.zero_anchor`, added to one output elem
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ...core.apply import zero_anchor
+from ...core.apply import dropped_tokens, zero_anchor
+from ...families.inputs import placeholders_as_text
+from ...families.megatron import LLAVA
 from .checks import ImageOwners
 from .measure import LlavaFacts
-from .packed import Span
+from .packed import llava_grammar, merged_layout, sample_layout
 from .sound import ClipOwners
 
 PAD_TOKEN = 0  # what megatron-core's forward embeds at image-token positions
@@ -53,7 +55,6 @@ class DropPlan:
     unclaimed: bool = False
     unused_sound: bool = False
     problem: str | None = None
-    spans: tuple[Span, ...] = field(default=())
 
     @property
     def restructures(self) -> bool:
@@ -118,16 +119,14 @@ def plan_drop(
         clips = tuple(c for i in bad for c in snd.clips[i])
         if (sound_samples or clips) and sound_padded and problem is None:
             problem = "with sound_pad_to_clip_duration every row of a clip is placed"
-    return DropPlan(drops, targets, sound_samples, clips, unclaimed, unused_sound, problem, spans)
+    return DropPlan(drops, targets, sound_samples, clips, unclaimed, unused_sound, problem)
 
 
-def _columns(facts: LlavaFacts, samples: Sequence[int], device) -> torch.Tensor:
-    """``[b, s]`` mask of the compact token columns of ``samples`` (a loop over samples)."""
-    m = torch.zeros(facts.rows, facts.row_length, dtype=torch.bool)
-    for smp in samples:
-        sp = facts.spans[smp]
-        m[sp.row, sp.start : sp.end] = True
-    return m.to(device, non_blocking=True)
+def _keep(facts: LlavaFacts, gone: Sequence[int], device) -> torch.Tensor:
+    """``[samples]`` bool on ``device``: the samples not in ``gone``."""
+    keep = torch.ones(facts.batch, dtype=torch.bool)
+    keep[list(gone)] = False
+    return keep.to(device, non_blocking=True)
 
 
 def rewrite_inputs(a: dict[str, Any], facts: LlavaFacts, plan: DropPlan) -> Any:
@@ -147,9 +146,11 @@ def rewrite_inputs(a: dict[str, Any], facts: LlavaFacts, plan: DropPlan) -> Any:
         remove = ph & (within >= tgt)
         add = text & (from_end <= (tgt - have).clamp(min=0))
         ids = torch.where(remove, PAD_TOKEN, torch.where(add, facts.image_token_index, ids))
-    if plan.sound_samples:
-        cols = _columns(facts, plan.sound_samples, ids.device)
-        ids = ids.masked_fill(cols & (ids == facts.sound_token_index), PAD_TOKEN)
+    if plan.sound_samples:  # the one rewrite of placeholders to text, on the sound tokens
+        snd = llava_grammar(facts.sound_token_index, "sound")  # type: ignore[arg-type]
+        lay = sample_layout(ids, snd, facts.spans, facts.packed)
+        keep = _keep(facts, plan.sound_samples, ids.device)
+        ids = placeholders_as_text(LLAVA, {"input_ids": ids}, lay, keep, PAD_TOKEN)["input_ids"]
     a["input_ids"] = ids
     lens = a.get("sound_embeddings_len")
     if plan.clips and lens is not None:
@@ -171,16 +172,21 @@ def finish_outputs(
     out: Any, plan: DropPlan, facts: LlavaFacts, ignore_index: int, seq_first: bool, anchor
 ) -> Any:
     """Zero the dropped samples' positions in the merged embeddings, ignore their labels and
-    zero their loss mask (in place on megatron-core's freshly made outputs)."""
+    zero their loss mask (in place on megatron-core's freshly made outputs), at core's
+    dropped tokens of the expanded layout."""
     emb, labels, lmask = out[0], out[1], out[2]
-    for sp in plan.spans:
-        lo, hi = (0, None) if not facts.packed else (sp.merged_start, sp.merged_end)
+    ref = labels if labels is not None else lmask
+    if ref is None and emb is not None:
+        ref = emb[:, :, 0].t() if seq_first else emb[:, :, 0]
+    if ref is not None and ref.numel() and plan.drops:
+        lay = merged_layout(facts.spans, facts.packed, tuple(ref.shape[:2]), ref.device)
+        gone = dropped_tokens(lay, _keep(facts, plan.drops, ref.device))
         if emb is not None:
-            (emb[lo:hi, sp.row] if seq_first else emb[sp.row, lo:hi]).zero_()
+            emb.masked_fill_((gone.t() if seq_first else gone).unsqueeze(-1), 0)
         if labels is not None:
-            labels[sp.row, lo:hi] = ignore_index
+            labels.masked_fill_(gone, ignore_index)
         if lmask is not None:
-            lmask[sp.row, lo:hi] = 0
+            lmask.masked_fill_(gone, 0)
     if anchor is not None and emb is not None and emb.numel():
         emb[(0,) * emb.dim()].add_(anchor.to(emb.dtype))  # -0.0: no bit changes
     return out

@@ -39,7 +39,7 @@ import torch
 
 from ...config import GuardConfig
 from ...core.faults import ItemFault
-from ...core.generated import text_records
+from ...core.generated import as_text, text_records
 from ...core.guard import MediaGuard
 from ...core.outcome import StageOutcome
 from ...core.plan import worst
@@ -266,7 +266,8 @@ def _run(handle: LlavaHandle, ba: inspect.BoundArguments, step, mb) -> Any:
         # an image token too many may be one the policy generated (fault path only)
         gen = generated_tokens(guard, a)
     if gen is not None:  # fed as text (token 0, as the forward embedded it), then checked
-        a["input_ids"] = a["input_ids"].masked_fill(gen.mask, PAD_TOKEN)
+        grammar = llava_grammar(int(a["image_token_index"]))
+        a["input_ids"] = as_text(a["input_ids"], gen, PAD_TOKEN, None, grammar)[0]
         checked = _checks(handle, a, cu, pos, img_items, snd_items)
     facts, batch_fatal, faults, img_own, clip_own, _ = checked
     if gen is not None:

@@ -13,9 +13,11 @@ sub-samples of one packed row.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import accumulate
 
 import torch
 
+from ...core.apply import nonfinite_flags
 from ...core.host import to_host
 from ...errors import MediaInputError
 from .packed import Boundaries, Span, device_segments, host_spans
@@ -256,28 +258,23 @@ def refine_finite(
     sound_embeddings: torch.Tensor | None,
 ) -> LlavaFacts:
     """Exact NaN/Inf flags for the entries and clips the sums flagged (diagnose path only;
-    reads only the flagged items' views)."""
-    bad_e = [j for j, x in enumerate(facts.entry_bad) if x]
-    bad_c = [c for c, x in enumerate(facts.clip_bad) if x]
-    if not bad_e and not bad_c:
-        return facts
-    checks = []
-    if bad_e and image_embeddings is not None:
-        dim = 0 if packed_rows else 1
-        starts = [0]
-        for t in facts.entries:
-            starts.append(starts[-1] + t)
-        for j in bad_e:
-            view = image_embeddings.narrow(dim, starts[j], facts.entries[j])
-            checks.append((~torch.isfinite(view)).any())
-    if bad_c and sound_embeddings is not None:
-        for c in bad_c:
-            view = sound_embeddings[: facts.clip_rows[c], c]
-            checks.append((~torch.isfinite(view)).any())
-    flags = to_host(torch.stack(checks), why="which LLaVA images / clips hold NaN/Inf").tolist()
+    reads only the flagged items' views, through core's per-view check)."""
     entry_bad, clip_bad = list(facts.entry_bad), list(facts.clip_bad)
-    for j, bad in zip(bad_e, flags[: len(bad_e)]):
-        entry_bad[j] = int(bad)
-    for c, bad in zip(bad_c, flags[len(bad_e) :]):
-        clip_bad[c] = int(bad)
+    views: list[tuple[list[int], int, torch.Tensor]] = []  # (flags, index, view)
+    if image_embeddings is not None:
+        dim, starts = (0 if packed_rows else 1), (0, *accumulate(facts.entries))
+        views += [
+            (entry_bad, j, image_embeddings.narrow(dim, starts[j], facts.entries[j]))
+            for j, x in enumerate(facts.entry_bad)
+            if x
+        ]
+    if sound_embeddings is not None:
+        views += [
+            (clip_bad, c, sound_embeddings[: facts.clip_rows[c], c])
+            for c, x in enumerate(facts.clip_bad)
+            if x
+        ]
+    why = "which LLaVA images / clips hold NaN/Inf"
+    for (flags, i, _), bad in zip(views, nonfinite_flags([v for *_, v in views], why=why)):
+        flags[i] = int(bad)
     return replace(facts, entry_bad=tuple(entry_bad), clip_bad=tuple(clip_bad))

@@ -1,4 +1,6 @@
-"""Sub-samples of a packed THD row (Megatron-Bridge's Nemotron Omni in-batch packing).
+"""Sub-samples of a packed THD row (Megatron-Bridge's Nemotron Omni in-batch packing), and the
+call's samples as core's :class:`~...core.runs.TokenLayout` (rows, or packed sub-samples by
+their compact or merged boundaries), on which the drop rewrites and masks.
 
 The collate concatenates a micro-batch's compact rows into one ``[1, total]`` row; the
 model's ``forward`` gets ``packed_seq_params`` whose ``cu_seqlens_q(_padded)`` are the
@@ -18,11 +20,24 @@ walks agreeing shows it is right).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from ...core.grammar import Grammar
+from ...core.runs import TokenLayout
+
 i64 = torch.int64
+
+
+@functools.lru_cache(maxsize=16)
+def llava_grammar(token: int, modality: str = "image") -> Grammar:
+    """megatron-core LLaVA's collapsed grammar: one token per image (or, ``modality="sound"``,
+    one per sound row)."""
+    if modality == "image":
+        return Grammar.llava(int(token))
+    return Grammar({modality: int(token)}, collapsed=True, name="llava")
 
 
 @dataclass(frozen=True)
@@ -47,12 +62,26 @@ class Boundaries:
     pos: tuple[int, ...]
     unmatched: tuple[int, ...] = ()
 
-    def spans(self, cu: tuple[int, ...]) -> tuple[Span, ...]:
-        bad = set(self.unmatched)
-        return tuple(
-            Span(0, self.pos[i], self.pos[i + 1], cu[i], cu[i + 1], i not in bad)
-            for i in range(len(cu) - 1)
-        )
+
+def sample_layout(ids: torch.Tensor, grammar: Grammar, spans, packed: bool) -> TokenLayout:
+    """The call's samples as core's token layout over ``ids`` ``[b, s]``: the rows, or the
+    packed sub-samples at their compact columns (``spans``, :class:`Span`)."""
+    cu = None
+    if packed:
+        cu = torch.tensor([sp.start for sp in spans] + [spans[-1].end]).to(ids.device)
+    return TokenLayout(ids, grammar, cu)
+
+
+def merged_layout(spans, packed: bool, shape: tuple[int, int], device) -> TokenLayout:
+    """The call's samples in megatron-core's expanded output ``[b, S]`` (rows, or the packed
+    sub-samples' merged spans): a layout whose tokens are positions (only its samples are
+    read)."""
+    cu = None
+    if packed:
+        cu = torch.tensor([sp.merged_start for sp in spans] + [spans[-1].merged_end])
+        cu = cu.to(device)
+    ids = torch.zeros(shape, dtype=i64, device=device)
+    return TokenLayout(ids, llava_grammar(-200), cu)
 
 
 def _landing(start, total, cu, lens_rev, s):
@@ -71,13 +100,12 @@ def _landing(start, total, cu, lens_rev, s):
     return f, lf, g, lg
 
 
-def _from_positions(pos: torch.Tensor, k: int, s: int) -> torch.Tensor:
-    dev = pos.device
-    marker = torch.full((s + 1,), -1, dtype=i64, device=dev)
-    marker.scatter_reduce_(0, pos[:k].clamp(0, s), torch.arange(k, device=dev), "amax")
-    sample_of = torch.cummax(marker[:s], 0).values.clamp(min=0)
-    after = torch.arange(s, device=dev) >= pos[k]
-    return torch.where(after, torch.full_like(sample_of, k), sample_of)
+def _from_positions(pos: torch.Tensor, s: int) -> torch.Tensor:
+    """Sub-sample of each of the ``s`` columns of a row whose sub-samples start at compact
+    columns ``pos`` (k: after the last), numbered as core's :class:`TokenLayout` numbers a
+    packed row's samples (not built here: its bounds cost a host copy on the aligned path)."""
+    col = torch.arange(s, device=pos.device)
+    return (torch.searchsorted(pos, col, right=True) - 1).clamp(min=0)
 
 
 def device_segments(
@@ -97,11 +125,11 @@ def device_segments(
     parts: dict[str, torch.Tensor] = {"cu": cu}
     rev = lens_rev
     if boundaries is not None:
-        sample_of = _from_positions(torch.tensor(boundaries.pos, dtype=i64).to(cu.device), k, s)
+        sample_of = _from_positions(torch.tensor(boundaries.pos, dtype=i64).to(cu.device), s)
     else:
         f, lf, g, lg = _landing(start, total, cu, rev, s)
         parts.update(f=f, lf=lf, g=g, lg=lg)
-        sample_of = _from_positions(f, k, s)
+        sample_of = _from_positions(f, s)
         if position_ids is not None and position_ids.numel() == s:
             resets = position_ids.reshape(-1).to(cu.device) == 0
             # one reset per sub-sample, the first at column 0: chosen on the device (no sync)

@@ -18,14 +18,6 @@ from .measure import LlavaFacts
 CALLER = "megatron_media_guard.adapters.llava"
 
 
-def sample_id(items: Sequence[MediaItem] | None, smp: int):
-    if not items:
-        return None
-    return next(
-        (it.sample_id for it in items if it.sample == smp and it.sample_id is not None), None
-    )
-
-
 def _summary(facts: LlavaFacts) -> str:
     out = (
         f"{facts.total_tokens} image tokens / {facts.num_entries} num_image_tiles "
@@ -76,12 +68,8 @@ def settle(
 ):
     """Records, raise message and plan of this call, agreed with the stage and counted, on
     core's item-fault path."""
-    ctx = FaultContext(
-        adapter="llava",
-        row=lambda smp: facts.spans[smp].row,
-        sample_id=lambda smp: sample_id(items, smp),
-        why_raise=why_raise,
-    )
+    sids = {it.sample: it.sample_id for it in reversed(items or ()) if it.sample_id is not None}
+    ctx = FaultContext("llava", lambda smp: facts.spans[smp].row, sids.get, why_raise)
     plan_digest = digest(
         facts.tokens,
         facts.entries,

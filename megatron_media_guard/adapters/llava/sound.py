@@ -100,11 +100,6 @@ def sound_faults(
                     smp,
                     "count",
                     "sound",
-                    mine[0] if mine else None,
-                    0 if mine else None,
-                    (k,),
-                    (got,),
-                    None,
                     f"sample holds {k} sound tokens, "
                     + (
                         f"its clip(s) {list(mine)} {got} sound_embeddings_len rows"
@@ -113,6 +108,10 @@ def sound_faults(
                     )
                     + f" (batch: {sum(facts.sound)} sound tokens, {sum(rows)} rows in "
                     f"{len(rows)} clips)",
+                    item=mine[0] if mine else None,
+                    item_in_sample=0 if mine else None,
+                    expected=(k,),
+                    got=(got,),
                 )
             )
             continue
@@ -123,14 +122,13 @@ def sound_faults(
                     smp,
                     "max_length",
                     "sound",
-                    mine[-1],
-                    len(mine) - 1,
-                    (k,),
-                    (k - past,),
-                    None,
                     f"{past} of the sample's {k} sound rows fall past "
                     f"language_max_sequence_length {facts.max_len}: megatron-core would cut "
                     "them after the merge",
+                    item=mine[-1],
+                    item_in_sample=len(mine) - 1,
+                    expected=(k,),
+                    got=(k - past,),
                 )
             )
         bad = [c for c in mine if facts.clip_bad and facts.clip_bad[c]]
@@ -141,12 +139,11 @@ def sound_faults(
                     smp,
                     "nonfinite",
                     "sound",
-                    c,
-                    mine.index(c),
-                    (rows[c],),
-                    (facts.clip_bad[c],),
-                    None,
                     "NaN/Inf in the clip's sound embeddings (got: rows affected)",
+                    item=c,
+                    item_in_sample=mine.index(c),
+                    expected=(rows[c],),
+                    got=(facts.clip_bad[c],),
                 )
             )
     return out, own
