@@ -87,7 +87,8 @@ class TokenLayout:
             self.num_samples = cu.numel() - 1
             # sample index; tokens at or past cu[-1] get num_samples (padding)
             self.sample = (torch.searchsorted(cu, self.col, right=True) - 1).clamp(min=0)
-            bounds = torch.cat([cu, cu.new_tensor([s])])
+            # the row's end by a fill on the device: a tensor from a host list would copy and sync
+            bounds = torch.cat([cu, torch.full((1,), s, dtype=cu.dtype, device=cu.device)])
             self.seg_start = bounds[self.sample]
             self.seg_end = bounds[self.sample + 1]
             self.boundary = self.col == self.seg_start  # first token of a packed sample
