@@ -79,3 +79,19 @@ def record_line(event: str, rank: int | None = 0, **fields) -> str:
     rec = build_record(GuardRecord(event, **fields), RankInfo(rank=rank), time=time, host="h",
                        pid=1, caller="t:t")  # fmt: skip
     return json_dumps(rec)
+
+
+def saved_bundle(d, **config):
+    """A replay bundle of a two-sample Qwen batch with a surplus feature in sample 0 (rank 1,
+    step 3; ``config``: the GuardConfig's fields), saved under ``d``."""
+    from megatron_media_guard import GuardConfig
+    from megatron_media_guard.diagnostics import RankInfo
+    from megatron_media_guard.replay.bundle_save import save_bundle
+    from megatron_media_guard.testing import TEST_GRAMMARS, inject
+
+    q = TEST_GRAMMARS["qwen"]
+    batch = inject(q, [[("image", 4)], [("image", 3)]], "surplus_feature")
+    path = save_bundle(d, input_ids=batch.input_ids, items=batch.items, grammar=q,
+                       config=GuardConfig(**config), rank=RankInfo(rank=1), step=3)  # fmt: skip
+    assert path is not None
+    return path
