@@ -29,3 +29,69 @@ def raised_samples(run: Callable[[], object], bad: int | set[int], log_dir) -> s
     with pytest.raises(MediaAlignmentError, match=rf"sample {first}\b"):
         run()
     return {r["sample"] for r in records(log_dir) if r["event"] == "raise"}
+
+
+def decoder_inputs(decoder, run: Callable[[], object]):
+    """(the ``inputs_embeds`` keyword ``decoder`` received in its first call while ``run()``
+    ran: what the merge handed the language model, ``run()``'s result)."""
+    seen = []
+    hook = decoder.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw["inputs_embeds"].detach().clone()), with_kwargs=True
+    )
+    try:
+        out = run()
+    finally:
+        hook.remove()
+    return seen[0], out
+
+
+def hidden_forward(model, kw: dict):
+    """(final hidden states of ``model.model``, output) of one forward under no_grad, where
+    the wide vocabulary dominates CPU time: logits for the last position only unless labels
+    are given (the loss needs them all)."""
+    import torch
+
+    seen = []
+    hook = model.model.register_forward_hook(lambda m, a, o: seen.append(o.last_hidden_state))
+    extra = {} if "labels" in kw else {"logits_to_keep": 1}
+    try:
+        with torch.no_grad():
+            out = model(**kw, **extra)
+    finally:
+        hook.remove()
+    return seen[0], out
+
+
+def named_items(modality: str, ids: str = "ab"):
+    """One item per sample (sample ``k`` named ``ids[k]``): what ``set_items`` takes for
+    a batch of one item per sample."""
+    from megatron_media_guard import MediaItem
+
+    return [MediaItem(0, sample=s, modality=modality, sample_id=i) for s, i in enumerate(ids)]
+
+
+def record_line(event: str, rank: int | None = 0, **fields) -> str:
+    """One schema-v1 record line as the writer makes it (no I/O, no newline), at a fixed
+    time unless ``time=`` is given."""
+    from megatron_media_guard.diagnostics import GuardRecord, RankInfo, build_record, json_dumps
+
+    time = fields.pop("time", "2026-01-01T00:00:00.000000+00:00")
+    rec = build_record(GuardRecord(event, **fields), RankInfo(rank=rank), time=time, host="h",
+                       pid=1, caller="t:t")  # fmt: skip
+    return json_dumps(rec)
+
+
+def saved_bundle(d, **config):
+    """A replay bundle of a two-sample Qwen batch with a surplus feature in sample 0 (rank 1,
+    step 3; ``config``: the GuardConfig's fields), saved under ``d``."""
+    from megatron_media_guard import GuardConfig
+    from megatron_media_guard.diagnostics import RankInfo
+    from megatron_media_guard.replay.bundle_save import save_bundle
+    from megatron_media_guard.testing import TEST_GRAMMARS, inject
+
+    q = TEST_GRAMMARS["qwen"]
+    batch = inject(q, [[("image", 4)], [("image", 3)]], "surplus_feature")
+    path = save_bundle(d, input_ids=batch.input_ids, items=batch.items, grammar=q,
+                       config=GuardConfig(**config), rank=RankInfo(rank=1), step=3)  # fmt: skip
+    assert path is not None
+    return path

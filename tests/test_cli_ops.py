@@ -12,32 +12,19 @@ import sys
 from pathlib import Path
 
 import pytest
+from family_checks import saved_bundle
 
-from megatron_media_guard import GuardConfig
-from megatron_media_guard.diagnostics import RankInfo
-from megatron_media_guard.replay.bundle_save import save_bundle
 from megatron_media_guard.replay.rerun import replay_main
 from megatron_media_guard.smoke import EXIT_USAGE
 from megatron_media_guard.smoke import main as smoke_main
-from megatron_media_guard.testing import TEST_GRAMMARS, inject
+from megatron_media_guard.testing import TEST_GRAMMARS
 
 ROOT = Path(__file__).resolve().parents[1]
 Q = TEST_GRAMMARS["qwen"]
 
 
 def _bundle(d: Path, log_dir: str | None = None) -> Path:
-    batch = inject(Q, [[("image", 4)], [("image", 3)]], "surplus_feature")
-    path = save_bundle(
-        d,
-        input_ids=batch.input_ids,
-        items=batch.items,
-        grammar=Q,
-        config=GuardConfig(log_dir=log_dir, environ={}),
-        rank=RankInfo(rank=1),
-        step=3,
-    )
-    assert path is not None
-    return path
+    return saved_bundle(d, log_dir=log_dir, environ={})
 
 
 def _text_file(d: Path) -> Path:

@@ -5,16 +5,19 @@ image block attend bidirectionally (a drop must rewrite them with the ids).
 Inputs from ``testing/families/gemma3.py`` (transformers' real ``Gemma3ImageProcessorPil``).
 Comparisons are on the final hidden states (``lm_head`` of them are the logits; the 262k
 vocabulary dominates CPU time): the forward runs with ``logits_to_keep=1`` and a hook on
-``model.model`` keeps its ``last_hidden_state``.
+``model.model`` keeps its ``last_hidden_state``. The fixture's own checks (pan-and-scan crops,
+``token_type_ids``, logits as ``lm_head`` of the hidden states) come first; the plain class
+under the faults: ``tests/test_fixture_plain.py``; the shared contract: ``tests/families/``.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from family_checks import raised_samples, records
+from family_checks import decoder_inputs, named_items, raised_samples, records
+from family_checks import hidden_forward as forward
 
-from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem
+from megatron_media_guard import GuardConfig, MediaAlignmentError
 from megatron_media_guard.core.host import count_transfers
 from megatron_media_guard.errors import MediaInputError
 from megatron_media_guard.geometry import FixedGeometry
@@ -39,18 +42,31 @@ def model():
     return F.tiny_model(seed=0)
 
 
-def forward(model, kw: dict):
-    """(final hidden states, output) of one forward; logits only for the last position
-    unless labels are given (the loss needs them all)."""
-    seen = []
-    hook = model.model.register_forward_hook(lambda m, a, o: seen.append(o.last_hidden_state))
-    extra = {} if "labels" in kw else {"logits_to_keep": 1}
-    try:
-        with torch.no_grad():
-            out = model(**kw, **extra)
-    finally:
-        hook.remove()
-    return seen[0], out
+def test_pan_and_scan_crops_are_extra_images_after_their_original(model):
+    """40x30 -> 2 crops, 32x32 -> none, 20x64 -> 3: the processor's ``num_crops``, which the
+    processor pops; each crop is one more pixel row and one more full run."""
+    batch = F.make_batch(model, [[TALL, SQUARE], [WIDE]], pan_and_scan=True)
+    from PIL import Image
+
+    out = F.image_processor(True)(images=[Image.new("RGB", (64, 20))], return_tensors="pt")
+    assert out["num_crops"].tolist() == [3]
+    assert batch.kwargs["pixel_values"].shape == (8, 3, 32, 32)
+    assert [len(r) for r in batch.runs] == [4, 4]
+    assert batch.items == [(0, "image", 4)] * 4 + [(1, "image", 4)] * 4
+    ids = batch.input_ids
+    assert int((ids == F.BOI).sum()) == int((ids == F.EOI).sum()) == 8
+    assert torch.equal(batch.kwargs["token_type_ids"] == 1, ids == F.IMAGE)
+
+
+def test_token_type_ids_matter(model):
+    """They make each image block attend bidirectionally: without them the output changes, so a
+    rewrite of the ids must rewrite them too."""
+    b = F.make_batch(model, [[TALL, SQUARE], [WIDE]])
+    kw = dict(b.kwargs)
+    kw.pop("token_type_ids")
+    with torch.no_grad():
+        without = model.model(**kw).last_hidden_state
+    assert (without - F.plain_hidden(model, b)).abs().max() > 1e-3
 
 
 def own(model, sample, **kw):
@@ -83,23 +99,20 @@ ALIGNED = [
 
 
 @pytest.mark.parametrize("name,samples,pas", ALIGNED, ids=[a[0] for a in ALIGNED])
-def test_aligned_batches_equal_the_plain_model(model, name, samples, pas):
-    b, hidden, _, res = guarded(model, samples, pan_and_scan=pas)
-    assert res.report.actions == ("keep",) * len(samples)
-    torch.testing.assert_close(hidden, F.plain_hidden(model, b), atol=1e-6, rtol=1e-6)
-
-
-def test_aligned_call_is_bit_identical_with_one_transfer(model):
-    b = F.make_batch(model, [[TALL, SQUARE], [WIDE]], pan_and_scan=True)
+def test_an_aligned_call_is_the_plain_model_bit_for_bit_with_one_transfer(
+    model, name, samples, pas
+):
+    b = F.make_batch(model, samples, pan_and_scan=pas)
     ref = F.plain_hidden(model, b)
-    with install_vlm(model, GuardConfig()), count_transfers() as n:
+    with install_vlm(model, GuardConfig()) as h, count_transfers() as n:
         hidden, _ = forward(model, b.kwargs)
+    assert h.last_result.report.actions == ("keep",) * len(samples)
     assert torch.equal(hidden, ref)
     assert sum(n.values()) == 1, n  # the guard's verdict
 
 
 # (name, samples, bad samples, the kept sample); the plain model raises on a net short run
-# and runs +k/-k silently with features in the wrong sample (tests/test_fixture_gemma3.py)
+# and runs +k/-k silently with features in the wrong sample (tests/test_fixture_plain.py)
 FAULTS = [
     ("short run", [[M("image", (32, 32), tokens=3)], [WIDE]], {0}, 1),
     ("surplus", [[SQUARE], [M("image", (32, 32), tokens=5)]], {1}, 0),
@@ -134,23 +147,18 @@ def _as_text(b, k: int) -> dict:
 @pytest.mark.parametrize("name,samples,bad,kept", FAULTS, ids=[f[0] for f in FAULTS])
 def test_drop_keeps_every_other_sample_equal_to_its_own_forward(model, name, samples, bad, kept):
     pas = "crop" in name
-    seen = []
-    hook = model.model.language_model.register_forward_pre_hook(
-        lambda m, a, kw: seen.append(kw["inputs_embeds"].detach().clone()), with_kwargs=True
+    cfg = GuardConfig(policy="drop")
+    emb, (b, hidden, out, res) = decoder_inputs(
+        model.model.language_model,
+        lambda: guarded(model, samples, cfg, labels=True, pan_and_scan=pas),
     )
-    try:
-        b, hidden, out, res = guarded(
-            model, samples, GuardConfig(policy="drop"), labels=True, pan_and_scan=pas
-        )
-    finally:
-        hook.remove()
     assert {s for s, a in enumerate(res.report.actions) if a == "drop"} == bad
     n = b.lengths[kept]
     torch.testing.assert_close(hidden[kept, :n], own(model, samples[kept], pan_and_scan=pas))
-    emb = model.get_input_embeddings()
+    embed = model.get_input_embeddings()
     for k in bad:
         text = _as_text(b, k)
-        assert torch.equal(seen[0][k], emb(text["input_ids"])[0])  # no feature in its row
+        assert torch.equal(emb[k], embed(text["input_ids"])[0])  # no feature in its row
         # its bidirectional blocks went with its soft tokens: the plain model on that text
         with torch.no_grad():
             want = model.model(**text).last_hidden_state[0]
@@ -180,11 +188,7 @@ def test_repair_falls_back_no_resize_reaches_another_count(model, tmp_path):
 
 
 def test_set_items_names_the_sample_id(model, tmp_path):
-    samples = [[SQUARE], [M("image", (32, 32), tokens=3)]]
-    items = [
-        MediaItem(0, sample=0, modality="image", sample_id="a"),
-        MediaItem(0, sample=1, modality="image", sample_id="b"),
-    ]
+    samples, items = [[SQUARE], [M("image", (32, 32), tokens=3)]], named_items("image")
     with pytest.raises(MediaAlignmentError, match="sample_id 'b'"):
         guarded(model, samples, GuardConfig(log_dir=str(tmp_path)), items=items)
     with pytest.raises(MediaInputError, match="set_items gave 1 items"):

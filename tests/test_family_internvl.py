@@ -7,14 +7,17 @@ fault is caught per sample; without them the engine cuts the one block of tile f
 runs and says, in a ``check`` record, that only the total was checked.
 
 Inputs from ``testing/families/internvl.py`` (transformers' real ``GotOcr2ImageProcessorPil``).
-Comparisons on the final hidden states (``logits_to_keep=1``; a hook on ``model.model``).
+Comparisons on the final hidden states (``logits_to_keep=1``; a hook on ``model.model``). The
+fixture's own layout and tile counts come first; the plain class under the faults:
+``tests/test_fixture_plain.py``; the shared contract: ``tests/families/``.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from family_checks import raised_samples, records
+from family_checks import decoder_inputs, raised_samples, records
+from family_checks import hidden_forward as forward
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem
 from megatron_media_guard.core.host import count_transfers
@@ -41,16 +44,25 @@ def model():
     return F.tiny_model(seed=0)
 
 
-def forward(model, kw: dict):
-    seen = []
-    hook = model.model.register_forward_hook(lambda m, a, o: seen.append(o.last_hidden_state))
-    extra = {} if "labels" in kw else {"logits_to_keep": 1}
-    try:
-        with torch.no_grad():
-            out = model(**kw, **extra)
-    finally:
-        hook.remove()
-    return seen[0], out
+def test_batch_layout(model):
+    b = F.make_batch(model, [[WIDE, VID], [ONE, TALL]])
+    # tiles: WIDE 2 + thumbnail, VID 3 frames, ONE 1, TALL 3 + thumbnail
+    assert b.kwargs["pixel_values"].shape == (3 + 3 + 1 + 4, 3, F.TILE, F.TILE)
+    assert b.items == [(0, "image", 12), (0, "video", 12), (1, "image", 4), (1, "image", 16)]
+    assert b.runs == [
+        [("image", 12), ("video", 4), ("video", 4), ("video", 4)],
+        [("image", 4), ("image", 16)],
+    ]
+    assert set(b.kwargs) == {"input_ids", "attention_mask", "pixel_values"}  # no tile counts
+
+
+@pytest.mark.parametrize("hw", [(56, 56), (56, 112), (100, 40), (60, 300), (90, 100)])
+def test_tile_counts_are_the_processors_and_the_geometrys(model, hw):
+    from megatron_media_guard.geometry.tiled import TiledGeometry
+
+    b = F.make_batch(model, [[M("image", hw)]])
+    geo = TiledGeometry(tile=F.TILE, tokens_per_tile=F.SEQ, max_tiles=F.MAX_TILES)
+    assert b.items[0][2] == geo.tokens(hw)
 
 
 def own(model, sample):
@@ -99,27 +111,21 @@ ALIGNED = {
 @pytest.mark.parametrize("given", [True, False], ids=["set_items", "runs"])
 @pytest.mark.parametrize("name", list(ALIGNED))
 def test_aligned_batches_equal_the_plain_model(model, name, given, tmp_path):
+    """With ``set_items``: bit for bit, one transfer; cut by the runs: the record says so."""
     cfg = GuardConfig(log_dir=str(tmp_path))
-    b, hidden, _, res = guarded(model, ALIGNED[name], cfg, items=given)
+    with count_transfers() as n:
+        b, hidden, _, res = guarded(model, ALIGNED[name], cfg, items=given)
     assert res.report.actions == ("keep",) * len(ALIGNED[name])
     torch.testing.assert_close(hidden, F.plain_hidden(model, b), atol=1e-6, rtol=1e-6)
+    if given:
+        assert torch.equal(hidden, F.plain_hidden(model, b)) and sum(n.values()) == 1, n
     checks = [r for r in records(tmp_path) if r["event"] == "check"]
     assert bool(checks) is not given  # cut by the runs: said so
     assert all(CHECK in r["reason"] for r in checks)
 
 
-def test_aligned_call_with_set_items_is_bit_identical_with_one_transfer(model):
-    b = F.make_batch(model, ALIGNED["mixed image+video"])
-    ref = F.plain_hidden(model, b)
-    with install_vlm(model, GuardConfig(), tokenizer=TOKENS) as h, count_transfers() as n:
-        h.set_items(items_of(b))
-        hidden, _ = forward(model, b.kwargs)
-    assert torch.equal(hidden, ref)
-    assert sum(n.values()) == 1, n
-
-
 # (name, samples, swap, bad samples, a kept sample); unguarded, all but the short run are
-# silent with features in the wrong sample (tests/test_fixture_internvl.py)
+# silent with features in the wrong sample (tests/test_fixture_plain.py)
 FAULTS = [
     ("short run", [[M("image", (56, 112), tokens=10)], [ONE]], None, {0}, 1),
     ("+k/-k images", [[M("image", (56, 56), tokens=6)], [M("image", (56, 112), tokens=10)],
@@ -141,21 +147,15 @@ def test_raise_names_the_sample(model, name, samples, swap, bad, kept, tmp_path)
 def test_drop_keeps_every_other_sample_equal_to_its_own_forward(
     model, name, samples, swap, bad, kept
 ):
-    seen = []
-    hook = model.model.language_model.register_forward_pre_hook(
-        lambda m, a, kw: seen.append(kw["inputs_embeds"].detach().clone()), with_kwargs=True
+    cfg = GuardConfig(policy="drop")
+    emb, (b, hidden, out, res) = decoder_inputs(
+        model.model.language_model, lambda: guarded(model, samples, cfg, labels=True, swap=swap)
     )
-    try:
-        b, hidden, out, res = guarded(
-            model, samples, GuardConfig(policy="drop"), labels=True, swap=swap
-        )
-    finally:
-        hook.remove()
     assert {s for s, a in enumerate(res.report.actions) if a == "drop"} == bad
     torch.testing.assert_close(hidden[kept, : b.lengths[kept]], own(model, samples[kept]))
     text = model.get_input_embeddings()(b.input_ids)
     for k in bad:
-        assert torch.equal(seen[0][k], text[k])  # no feature in a dropped sample's row
+        assert torch.equal(emb[k], text[k])  # no feature in a dropped sample's row
         assert (res.labels[k] == -100).all()
     assert torch.isfinite(out.loss)
 

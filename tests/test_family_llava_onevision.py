@@ -5,15 +5,27 @@ for the images of a multi-image sample (``batch_num_images``), pooled videos.
 Inputs come from ``testing/families/llava_onevision.py``. Aligned batches are compared with
 the plain model on the same batch; kept samples of a guarded faulty batch with the same
 sample's plain forward in a batch of its own (its own ``batch_num_images``).
+
+The fixture's counts come first, against the processor's own code
+(``LlavaOnevisionProcessor._get_number_of_features`` / ``replace_image_token`` /
+``replace_video_token``, called on a stand-in ``self``: the processor cannot be built without
+torchvision) fed with the real ``LlavaOnevisionImageProcessorPil`` outputs, and against the
+model's own ``get_image_features`` / ``get_video_features`` (the fixture's model,
+``plain_model``); a multi-image sample's count depends on ``batch_num_images``. The plain class
+under the faults: ``tests/test_fixture_plain.py``; the shared contract and the family's own
+faults: ``tests/families/``.
 """
 
 from __future__ import annotations
 
+import types
+
+import numpy as np
 import pytest
 import torch
-from family_checks import records
+from family_checks import decoder_inputs, named_items, records
 
-from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem
+from megatron_media_guard import GuardConfig, MediaAlignmentError
 from megatron_media_guard.families import anyres_pixels, find_family
 from megatron_media_guard.families import llava_onevision as spec_mod
 from megatron_media_guard.geometry.anyres import fitted_size
@@ -30,6 +42,135 @@ pytestmark = pytest.mark.timeout(120)
 
 def img(h: int, w: int, tokens: int | None = None) -> Media:
     return Media("image", (h, w), tokens)
+
+
+def vid(frames: int, tokens: int | None = None) -> Media:
+    return Media("video", (frames,), tokens)
+
+
+@pytest.fixture(scope="module")
+def plain_model():
+    """The fixture's model as it is (its full output head)."""
+    return F.tiny_model(seed=0)
+
+
+def _image_feats(model, kwargs):
+    with torch.no_grad():
+        return model.model.get_image_features(
+            kwargs["pixel_values"],
+            kwargs["image_sizes"],
+            batch_num_images=kwargs["batch_num_images"],
+        ).pooler_output
+
+
+# -- 1. oracles ---------------------------------------------------------------------------------
+
+
+def _processor_self(config):
+    """What ``LlavaOnevisionProcessor``'s counting methods read from ``self``."""
+    from transformers.models.llava_onevision.processing_llava_onevision import (
+        LlavaOnevisionProcessor,
+    )
+
+    side = config.vision_config.image_size // config.vision_config.patch_size
+    proc = types.SimpleNamespace(
+        num_image_tokens=side * side,
+        vision_feature_select_strategy=config.vision_feature_select_strategy,
+        vision_aspect_ratio=config.vision_aspect_ratio,
+        image_token=F.IMAGE_TOKEN,
+        video_token=F.VIDEO_TOKEN,
+        image_processor=types.SimpleNamespace(image_grid_pinpoints=config.image_grid_pinpoints),
+    )
+    for name in ("_get_number_of_features", "_get_unpadded_features", "replace_image_token"):
+        setattr(proc, name, types.MethodType(getattr(LlavaOnevisionProcessor, name), proc))
+    proc.replace_video_token = types.MethodType(LlavaOnevisionProcessor.replace_video_token, proc)
+    return proc
+
+
+SIZES = [(h, w) for h in (1, 20, 56, 57, 100, 333, 1000, 3000) for w in (1, 30, 56, 300, 999, 2500)]
+
+
+@pytest.mark.parametrize("aspect", ["anyres_max_9", "anyres_max_4"])
+def test_count_matches_processor_arithmetic(plain_model, aspect):
+    model = plain_model
+    from transformers.image_processing_utils import select_best_resolution
+
+    cfg = types.SimpleNamespace(
+        vision_config=model.config.vision_config,
+        image_grid_pinpoints=model.config.image_grid_pinpoints,
+        vision_aspect_ratio=aspect,
+        vision_feature_select_strategy="full",
+    )
+    proc = _processor_self(cfg)
+    for h, w in SIZES:
+        assert F.select_best_resolution(h, w, cfg.image_grid_pinpoints) == select_best_resolution(
+            (h, w), cfg.image_grid_pinpoints
+        )
+        want = proc._get_number_of_features(h, w, F.TILE, F.TILE)
+        assert F.llava_onevision_num_features(h, w, cfg) == want, (h, w)
+
+
+def _pil(h, w, rng):
+    from PIL import Image
+
+    return Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
+
+
+@pytest.mark.parametrize("aspect", ["anyres_max_9", "anyres_max_4"])
+def test_counts_match_image_processor_processor_and_model(aspect):
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+        LlavaOnevisionImageProcessorPil,
+    )
+
+    model = F.tiny_model(vision_aspect_ratio=aspect)
+    ip = LlavaOnevisionImageProcessorPil(
+        size={"height": F.TILE, "width": F.TILE}, image_grid_pinpoints=F.PINPOINTS
+    )
+    rng = np.random.default_rng(0)
+    per_sample = [[(1000, 1000)], [(30, 300), (56, 56)], [(57, 2500)], [(333, 999)], [(20, 20)]]
+    out = ip([[_pil(h, w, rng) for h, w in s] for s in per_sample], return_tensors="pt")
+    proc = _processor_self(model.config)
+    n_images = sum(len(s) for s in per_sample)
+    from_proc = [proc.replace_image_token(out, q).count(F.IMAGE_TOKEN) for q in range(n_images)]
+    feats = _image_feats(model, out)
+    b = F.make_batch(model, [[img(h, w) for h, w in s] for s in per_sample])
+    assert from_proc == [f.shape[0] for f in feats] == [n for _, _, n in b.items]
+    # the fixture's layout is the processor's: shapes, dtypes, sizes, batch_num_images
+    for name in ("pixel_values", "image_sizes", "batch_num_images"):
+        assert b.kwargs[name].shape == out[name].shape, name
+        assert b.kwargs[name].dtype == out[name].dtype, name
+    assert b.kwargs["image_sizes"].tolist() == out["image_sizes"].tolist()
+    assert (
+        b.kwargs["batch_num_images"].tolist() == out["batch_num_images"].tolist() == [1, 2, 1, 1, 1]
+    )
+    # zero tiles after an image's own (the model slices them off by image_size_to_num_patches)
+    tiles = [
+        F.num_tiles(h, w, model.config, multi_image=len(s) > 1) for s in per_sample for h, w in s
+    ]
+    assert tiles == [37, 1, 1, 7, 13, 2]  # multi-image: one padded-to-square tile each
+    for q, t in enumerate(tiles):
+        assert out["pixel_values"][q, t:].abs().sum() == 0
+
+
+def test_video_count_matches_processor_and_model(plain_model):
+    model = plain_model
+    proc = _processor_self(model.config)
+    b = F.make_batch(model, [[vid(3)], [vid(3)]])
+    pv = b.kwargs["pixel_values_videos"]
+    from_proc = len(proc.replace_video_token({"pixel_values_videos": pv}, 0)) // len(F.VIDEO_TOKEN)
+    with torch.no_grad():
+        feats = model.model.get_video_features(pv).pooler_output
+    assert from_proc == feats.shape[1] == F.video_num_features(3, model.config) == 3 * 2 * 2 + 1
+    assert b.items == [(0, "video", 13), (1, "video", 13)]
+
+
+def test_aligned_multi_image_without_batch_num_images_raises(plain_model):
+    model = plain_model
+    # the count of a multi-image sample depends on batch_num_images; dropped, anyres counts apply
+    b = F.make_batch(model, [[img(30, 300), img(56, 56)], [img(200, 200)]])
+    kwargs = {k: v for k, v in b.kwargs.items() if k != "batch_num_images"}
+    with pytest.raises(ValueError, match="Image features and image tokens do not match"):
+        model.model(**kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -87,17 +228,13 @@ def test_repair_reencodes_a_short_and_a_long_run(model, tmp_path):
     anyres count is the run's; the aligned sample between them stays its own forward."""
     samples = [[img(56, 56, tokens=34)], ALL, [img(56, 56, tokens=40)]]
     b = F.make_batch(model, samples)
-    seen = []
-    hook = model.model.language_model.register_forward_pre_hook(
-        lambda m, a, kw: seen.append(kw["inputs_embeds"].detach().clone()), with_kwargs=True
-    )
-    try:
-        cfg = GuardConfig(policy="repair", allowed_fidelity=ANY, log_dir=str(tmp_path))
+    cfg = GuardConfig(policy="repair", allowed_fidelity=ANY, log_dir=str(tmp_path))
+
+    def run():
         with install_vlm(model, cfg) as h:
-            out = logits(model, b.kwargs)
-            res = h.last_result
-    finally:
-        hook.remove()
+            return logits(model, b.kwargs), h.last_result
+
+    emb, (out, res) = decoder_inputs(model.model.language_model, run)
     assert res.report.actions == ("repair", "keep", "repair")
     reps = _records(tmp_path, "repair")
     assert [r["action"] for r in reps] == ["repair", "repair"]
@@ -117,7 +254,7 @@ def test_repair_reencodes_a_short_and_a_long_run(model, tmp_path):
     text = model.get_input_embeddings()(b.input_ids)
     for k, n in ((0, 34), (2, 40)):  # every placeholder of the run took a feature
         ph = b.input_ids[k] == model.config.image_token_id
-        assert int(ph.sum()) == n and not torch.equal(seen[0][k][ph], text[k][ph])
+        assert int(ph.sum()) == n and not torch.equal(emb[k][ph], text[k][ph])
         assert torch.isfinite(out[k]).all()
 
 
@@ -172,11 +309,6 @@ def test_tiles_are_the_processors_and_stitch_back_exactly(model):
 
 
 def test_set_items_names_the_sample_id(model, tmp_path):
-    items = [
-        MediaItem(0, sample=0, modality="image", sample_id="a"),
-        MediaItem(0, sample=1, modality="image", sample_id="b"),
-    ]
+    cfg = GuardConfig(log_dir=str(tmp_path))
     with pytest.raises(MediaAlignmentError, match="sample_id 'b'"):
-        guarded(
-            model, [ALL, [img(56, 56, tokens=N56 - 1)]], GuardConfig(log_dir=str(tmp_path)), items
-        )
+        guarded(model, [ALL, [img(56, 56, tokens=N56 - 1)]], cfg, named_items("image"))

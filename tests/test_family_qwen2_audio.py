@@ -2,16 +2,26 @@
 (tiny random config, CPU): audio clips, ``<|audio_bos|>`` ``<|AUDIO|>``xN ``<|audio_eos|>``.
 
 Inputs come from ``testing/families/qwen2_audio.py`` (checked against the real processor in
-``tests/test_fixture_qwen2_audio.py``). Most calls go through ``model.model`` (the
+the processor oracles below). Most calls go through ``model.model`` (the
 ``Qwen2AudioModel``: the 151680-wide ``lm_head`` would cost most of the time) and compare last
 hidden states; the labels / loss tests use the full class. The tower always runs 3000 mel
 frames, so each sample of a plain batch equals its own forward.
+
+The fixture's arithmetic against the real ``Qwen2AudioProcessor`` (``WhisperFeatureExtractor`` and
+an in-memory word-level tokenizer with the real special ids) and the tower's own
+``_get_feat_extract_output_lengths`` comes first, then the plain class's legacy path: a run cut
+to ONE placeholder in a batch with no two adjacent placeholders is re-expanded (the output
+grows longer than the ids). The plain class under the other faults and the merge's placement:
+``tests/test_fixture_plain.py``; the shared contract and the family's own faults:
+``tests/families/``.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from family_checks import named_items
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem
 from megatron_media_guard.adapters import install_vlm
@@ -31,6 +41,72 @@ def aud(frames: int, tokens: int | None = None) -> Media:
 @pytest.fixture(scope="module")
 def model():
     return F.tiny_model(seed=0)
+
+
+def _processor():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2AudioProcessor, WhisperFeatureExtractor
+
+    specials = {F.AUDIO_TOKEN: 151646, F.BOS_TOKEN: F.BOS_ID, F.EOS_TOKEN: F.EOS_ID}
+    vocab = {
+        "[UNK]": 0,
+        **{f"w{i}": i for i in range(1, 20)},
+        "<|endoftext|>": F.PAD_ID,
+        **specials,
+    }
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk, unk_token="[UNK]", pad_token="<|endoftext|>",
+        additional_special_tokens=list(specials),
+    )  # fmt: skip
+    fe = WhisperFeatureExtractor(feature_size=128, sampling_rate=F.SAMPLING_RATE)
+    return Qwen2AudioProcessor(feature_extractor=fe, tokenizer=tok)
+
+
+SAMPLES = [1, 320, 321, 1600, 123457, 500000]
+
+
+def test_counts_and_layout_match_qwen2_audio_processor(model):
+    proc = _processor()
+    rng = np.random.default_rng(0)
+    clips = [rng.standard_normal(n).astype(np.float32) for n in SAMPLES]
+    text = [f"w1 {F.BOS_TOKEN}{F.AUDIO_TOKEN}{F.EOS_TOKEN} w2" for _ in SAMPLES]
+    out = proc(text=text, audio=clips, return_tensors="pt", padding=True)
+    frames = [F.mel_frames(n) for n in SAMPLES]
+    assert out["feature_attention_mask"].sum(-1).tolist() == frames
+    assert out["feature_attention_mask"].dtype == torch.int32
+    assert out["input_features"].shape == (len(SAMPLES), 128, F.max_frames(model))
+    assert out["input_features"].dtype == torch.float32
+    # the processor's rows == the fixture's run (1 text id each side instead of text_len)
+    b = F.make_batch(model, [[aud(f)] for f in frames], text_len=1)
+    for s, f in enumerate(frames):
+        want = [F.BOS_ID, *[151646] * F.num_features(f), F.EOS_ID]
+        got = out["input_ids"][s][out["attention_mask"][s] == 1].tolist()
+        assert got[1:-1] == want == b.input_ids[s, 1 : b.lengths[s] - 1].tolist()
+    assert [n for _, _, n in b.items] == [F.num_features(f) for f in frames]
+
+
+def test_count_formula_is_the_towers():
+    frames = torch.arange(1, 3001)
+    _, n = F.tiny_model().model.audio_tower._get_feat_extract_output_lengths(frames)
+    assert n.tolist() == [F.num_features(f) for f in range(1, 3001)]
+    assert n.tolist() == ((frames + 1) // 4).tolist()  # the closed form in the notes
+    assert F.num_features(1) == F.num_features(2) == 0 and F.num_features(3000) == 750
+
+
+@pytest.mark.parametrize(
+    "samples, grown",
+    [
+        ([[aud(100, tokens=1)]], 24),  # one sample, its run cut to 1 placeholder
+        ([[aud(100, tokens=1)], [aud(40, tokens=1)]], 24),  # both cut: rows padded to the longest
+    ],
+)
+def test_unguarded_single_placeholder_runs_take_the_legacy_expansion(model, samples, grown):
+    b = F.make_batch(model, samples)
+    with torch.no_grad():
+        hidden = model.model(**b.kwargs).last_hidden_state  # no error: the legacy merge expands
+    assert hidden.shape[1] == b.input_ids.shape[1] + grown
 
 
 def hidden(model, kwargs):
@@ -86,22 +162,6 @@ def test_a_clip_whose_run_has_no_placeholder_is_an_orphan_set_items_attributes(m
         )
 
 
-def test_drop_feeds_no_feature_to_the_dropped_rows(model):
-    samples = [[aud(100)], [aud(40)], [aud(61)]]
-    b = F.make_batch(model, samples, swap=(0, 1))
-    seen = []
-    hook = model.model.language_model.register_forward_pre_hook(
-        lambda m, a, kw: seen.append(kw["inputs_embeds"].detach().clone()), with_kwargs=True
-    )
-    try:
-        _, _, res = guarded(model, samples, GuardConfig(policy="drop"), swap=(0, 1))
-    finally:
-        hook.remove()
-    assert res.report.actions == ("drop", "drop", "keep")
-    text = model.get_input_embeddings()(b.input_ids)
-    assert torch.equal(seen[0][:2], text[:2])  # every placeholder kept its token's embedding
-
-
 def test_repair_falls_back_naming_the_family(model, tmp_path):
     cfg = GuardConfig(policy="repair", fallback="raise", log_dir=str(tmp_path))
     with pytest.raises(MediaAlignmentError, match="no geometry for qwen2_audio"):
@@ -112,10 +172,9 @@ def test_repair_falls_back_naming_the_family(model, tmp_path):
 
 
 def test_set_items_names_the_sample_id(model, tmp_path):
-    samples = [[aud(100)], [aud(40, tokens=9)]]
-    items = [MediaItem(0, sample=s, modality="audio", sample_id=n) for s, n in ((0, "a"), (1, "b"))]
     with pytest.raises(MediaAlignmentError, match="sample_id 'b'"):
-        guarded(model, samples, GuardConfig(log_dir=str(tmp_path)), items=items)
+        guarded(model, [[aud(100)], [aud(40, tokens=9)]], GuardConfig(log_dir=str(tmp_path)),
+                items=named_items("audio"))  # fmt: skip
 
 
 def test_remove_restores_the_plain_model_and_its_legacy_path(model):

@@ -7,48 +7,27 @@ diagnostic could carry."""
 from __future__ import annotations
 
 import json
-import logging
 import struct
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
+from family_checks import saved_bundle
 
-from megatron_media_guard import GuardConfig, MediaItem
-from megatron_media_guard.diagnostics import RankInfo, get_logger
+from megatron_media_guard import MediaItem
 from megatron_media_guard.errors import MediaInputError
 from megatron_media_guard.replay import bundle_load
 from megatron_media_guard.replay.bundle import FORMAT
 from megatron_media_guard.replay.bundle_save import save_bundle
 from megatron_media_guard.replay.rerun import replay_main
-from megatron_media_guard.testing import TEST_GRAMMARS, inject
+from megatron_media_guard.testing import TEST_GRAMMARS
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("quiet_logger")]
 Q = TEST_GRAMMARS["qwen"]
 
 
-@pytest.fixture(autouse=True)
-def _quiet_logger():
-    get_logger().setLevel(logging.ERROR)
-    yield
-    get_logger().setLevel(logging.INFO)
-
-
 # ---- replay: hostile bundles ----------------------------------------------------------------
-
-
-def _good_bundle(d: Path) -> Path:
-    batch = inject(Q, [[("image", 4)], [("image", 3)]], "surplus_feature")
-    return save_bundle(
-        d,
-        input_ids=batch.input_ids,
-        items=batch.items,
-        grammar=Q,
-        config=GuardConfig(),
-        rank=RankInfo(rank=1),
-        step=3,
-    )
 
 
 def _meta_and_tensors(path: Path) -> tuple[dict, dict]:
@@ -151,7 +130,7 @@ HOSTILE_BUNDLES = {
 @pytest.mark.parametrize("case", sorted(HOSTILE_BUNDLES))
 def test_hostile_bundle_exits_2_with_one_line(tmp_path, case, capsys):
     make, why = HOSTILE_BUNDLES[case]
-    meta, tensors = _meta_and_tensors(_good_bundle(tmp_path))
+    meta, tensors = _meta_and_tensors(saved_bundle(tmp_path))
     path = make(tmp_path, meta, tensors)
     assert replay_main([str(path), "--max-bytes", str(1 << 20)]) == 2
     out, err = capsys.readouterr()
@@ -161,14 +140,14 @@ def test_hostile_bundle_exits_2_with_one_line(tmp_path, case, capsys):
 
 
 def test_good_bundle_still_reproduces_with_exit_1(tmp_path, capsys):
-    path = _good_bundle(tmp_path)
+    path = saved_bundle(tmp_path)
     assert replay_main([str(path), "--max-bytes", str(1 << 20)]) == 1
     assert "Media alignment failed" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("field", ["modality", "sample_id"])
 def test_escape_sequences_in_a_bundle_never_reach_the_terminal(tmp_path, capsys, field):
-    meta, tensors = _meta_and_tensors(_good_bundle(tmp_path))
+    meta, tensors = _meta_and_tensors(saved_bundle(tmp_path))
     value = "\x1b[2Jevil" if field == "modality" else "\x1b]0;title\x07id"
     path = _item(field, value)(tmp_path, meta, tensors)
     code = replay_main([str(path), "--max-bytes", str(1 << 20)])
@@ -178,7 +157,7 @@ def test_escape_sequences_in_a_bundle_never_reach_the_terminal(tmp_path, capsys,
 
 
 def test_the_limit_is_configurable_and_checked_before_loading(tmp_path, monkeypatch, capsys):
-    path = _good_bundle(tmp_path)
+    path = saved_bundle(tmp_path)
     loaded = []
     real = bundle_load.torch.load
     monkeypatch.setattr(

@@ -6,49 +6,29 @@ post-mortem is kept, never a hang (every test has a hard timeout), never a trace
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from family_checks import record_line
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_media_guard.cli import main
 from megatron_media_guard.diagnostics import (
-    GuardRecord,
-    RankInfo,
-    build_record,
     file_name,
-    get_logger,
-    json_dumps,
     report_lines,
 )
 from megatron_media_guard.diagnostics.report import summarize
 from megatron_media_guard.diagnostics.report_format import format_summary
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("quiet_logger")]
 
 
-@pytest.fixture(autouse=True)
-def _quiet_logger():
-    get_logger().setLevel(logging.ERROR)
-    yield
-    get_logger().setLevel(logging.INFO)
-
-
-def line(event="drop", rank=0, step=1, mb=0, time="2026-01-01T00:00:00.000000+00:00", **kw):
-    rec = build_record(
-        GuardRecord(event, step=step, microbatch=mb, **kw),
-        RankInfo(rank=rank),
-        time=time,
-        host="h",
-        pid=1,
-        caller="t:t",
-    )
-    return json_dumps(rec) + "\n"
+def line(event="drop", rank=0, step=1, mb=0, **kw):
+    return record_line(event, rank, step=step, microbatch=mb, **kw) + "\n"
 
 
 GOOD = [line(sample_id="s0", reason="surplus: 5 features for 4 placeholders (+1)")] * 3

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import logging
 from collections import Counter
 from pathlib import Path
 from unittest import mock
 
 import pytest
+from family_checks import record_line
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,10 +18,7 @@ from megatron_media_guard.diagnostics import (
     DiagnosticsLog,
     GuardRecord,
     RankInfo,
-    build_record,
     file_name,
-    get_logger,
-    json_dumps,
     report_aggregate,
 )
 from megatron_media_guard.diagnostics.report import ReportSummary, summarize
@@ -29,25 +26,11 @@ from megatron_media_guard.diagnostics.report_aggregate import _HeavyHitters
 from megatron_media_guard.diagnostics.report_format import format_summary
 from megatron_media_guard.errors import MediaInputError
 
-
-@pytest.fixture(autouse=True)
-def _quiet_logger():
-    get_logger().setLevel(logging.ERROR)
-    yield
-    get_logger().setLevel(logging.INFO)
+pytestmark = pytest.mark.usefixtures("quiet_logger")
 
 
 def line(event: str = "check", rank: int | None = 0, **fields: object) -> str:
-    """A schema-v1 line as the writer makes it (no I/O)."""
-    rec = build_record(
-        GuardRecord(event, **fields),  # type: ignore[arg-type]
-        RankInfo(rank=rank),
-        time="2026-01-01T00:00:00.000000+00:00",
-        host="h",
-        pid=1,
-        caller="t:t",
-    )
-    return json_dumps(rec)
+    return record_line(event, rank, **fields)
 
 
 def raw(**fields: object) -> str:

@@ -6,7 +6,6 @@ is installed."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import shutil
@@ -18,17 +17,13 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from family_checks import record_line
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_media_guard.cli import main
 from megatron_media_guard.diagnostics import (
-    GuardRecord,
-    RankInfo,
-    build_record,
     file_name,
-    get_logger,
-    json_dumps,
     report_aggregate,
 )
 from megatron_media_guard.diagnostics.report import summarize
@@ -36,27 +31,12 @@ from megatron_media_guard.diagnostics.report_format import format_summary
 from megatron_media_guard.diagnostics.report_grid import _Grid
 from megatron_media_guard.diagnostics.report_html import MAX_COLS, MAX_ROWS, render_html
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("quiet_logger")]
 HEAT = ("drop", "repair", "raise", "budget")
 
 
-@pytest.fixture(autouse=True)
-def _quiet_logger():
-    get_logger().setLevel(logging.ERROR)
-    yield
-    get_logger().setLevel(logging.INFO)
-
-
 def line(event: str, rank: int | None, step: int | None, **kw: object) -> str:
-    rec = build_record(
-        GuardRecord(event, step=step, microbatch=0, **kw),  # type: ignore[arg-type]
-        RankInfo(rank=rank),
-        time="2026-01-01T00:00:00.000000+00:00",
-        host="h",
-        pid=1,
-        caller="t:t",
-    )
-    return json_dumps(rec) + "\n"
+    return record_line(event, rank, step=step, microbatch=0, **kw) + "\n"
 
 
 def write_run(d: Path, rows: list[tuple[str, int | None, int | None]]) -> None:

@@ -1,0 +1,407 @@
+"""install_vlm on Megatron-Bridge 0.6.2's real classes (their ``__init__`` and forward from the
+wheel, CPU) of the engine families Bridge trains with one merge each: ``Gemma3VLModel`` (its own
+SigLIP tower and projector, :class:`Gemma3LanguageModel` decoding under the attention biases
+Bridge computes from ``input_ids``), ``Ministral3Model`` (transformers' Pixtral tower and projector
+built by Bridge itself) and ``Qwen2AudioModel`` (transformers' audio encoder and projector built by
+Bridge; Bridge merges audio whenever ``input_features`` is given: the guard passes it as None)
+and ``KimiK25VLModel`` (its provider, ``_extract_image_features`` and
+``_merge_input_ids_with_image_features``; ``hf_model_path`` a local directory,
+``testing/bridge_models_kimi.py``: a ``config.json`` and a stand-in remote
+``modeling_kimi_k25.py`` over transformers' native tower and projector, loaded through
+``get_class_from_dynamic_module``). The language model is a tiny stand-in (megatron-core's
+GPTModel attention needs CUDA; Kimi's: transformers' tiny DeepSeek-V3 text model), the provider
+config a stand-in with the attributes each class reads.
+
+Bridge checks only the batch total before its ``masked_scatter``: +k/-k runs silently unguarded,
+a net short run raises naming no sample. Kimi's pre-expanded merge (pinned below): +k/-k and
+swaps run silently; a short run takes its "truncated pre-expanded" branch, which re-cuts the
+features per sample: silent too (a short first image of two hands its last feature to the
+second image's run); more placeholders than features fall through to its dynamic expansion and
+crash with a bare shape error. One :class:`BridgeCase` per class, then each class's own checks;
+the M-RoPE classes: ``tests/test_family_mrope_bridge.py``. Runs under
+``scripts/test_mcore019.sh``."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+from family_checks import decoder_inputs, records
+
+from megatron_media_guard import GuardConfig, MediaAlignmentError
+from megatron_media_guard.testing import bridge as loader
+from megatron_media_guard.testing.families.base import Media
+
+pytest.importorskip("transformers")
+REASON = loader.missing()
+pytestmark = [pytest.mark.skipif(REASON is not None, reason=REASON or ""), pytest.mark.timeout(180)]
+
+from megatron_media_guard.adapters import install_vlm  # noqa: E402
+from megatron_media_guard.adapters.launcher import find_vlm  # noqa: E402
+from megatron_media_guard.families import find_family  # noqa: E402
+from megatron_media_guard.families.spec import bridge_embed  # noqa: E402
+from megatron_media_guard.testing.families import kimi_k25 as K_F  # noqa: E402
+from megatron_media_guard.testing.families import mistral3 as M3  # noqa: E402
+
+
+def img(*size, n=None):
+    return Media("image", size, n)
+
+
+def aud(*size, n=None):
+    return Media("audio", size, n)
+
+
+def _gemma3(full):
+    from megatron_media_guard.testing.bridge_models_hf import gemma3_vl
+
+    return gemma3_vl(full)
+
+
+def _ministral3(full):
+    from megatron_media_guard.testing.bridge_models import TinyLanguageModel, one_rank_groups
+
+    mod = importlib.import_module("megatron.bridge.models.ministral3.modeling_ministral3")
+    cfg = SimpleNamespace(
+        hf_config=full.config,
+        image_token_id=full.config.image_token_id,
+        share_embeddings_and_output_weights=False,
+        sequence_parallel=False,
+        _pg_collection=one_rank_groups(),
+        provide_language_model=lambda **kw: TinyLanguageModel(full),
+    )
+    return mod.Ministral3Model(cfg).eval()
+
+
+def _kimi_k25(full, tmp):
+    from megatron_media_guard.testing import bridge_models_kimi as K
+
+    hf_dir = K.write_hf_dir(tmp / "checkpoint", full)
+    with K.local_remote_code(tmp):
+        return K.kimi_k25_vl(full, hf_dir, pad_id=K_F.PAD_ID)
+
+
+def _qwen2_audio(full):
+    from megatron_media_guard.testing.bridge_models_hf import qwen2_audio
+
+    return qwen2_audio(full)
+
+
+@dataclass(frozen=True)
+class BridgeCase:
+    """fixture: the transformers model's ``testing/families`` module; build: Bridge's class
+    around it; tokens: the tokenizer stand-in (or built from the transformers model); drop:
+    a batch key Bridge's forward does not take; first: its output is a tuple (logits first);
+    towers: the tower modules for keep_tower;
+    aligned / plus_minus: batches (``plus_minus``: samples 0 and 1 +k/-k, sample 2 aligned,
+    the batch total right); short: a net short (or surplus) run in sample 1, Bridge's error and
+    its message; tmp: ``build`` takes a temporary directory (Kimi's checkpoint)."""
+
+    cls: str
+    fixture: str
+    build: Callable
+    aligned: list
+    plus_minus: list
+    towers: tuple[str, str]
+    tokens: dict | Callable | None = None
+    drop: str | None = None
+    first: bool = True
+    short: tuple[list, type, str] | None = None
+    tmp: bool = False
+
+    @property
+    def F(self):
+        return importlib.import_module(f"megatron_media_guard.testing.families.{self.fixture}")
+
+    def forward(self, model, batch=None, **kw) -> torch.Tensor:
+        """The logits of Bridge's forward on ``batch`` (less ``drop``) or on ``kw``."""
+        if batch is not None:
+            kw = {k: v for k, v in batch.kwargs.items() if k != self.drop}
+        with torch.no_grad():
+            out = model(**kw)
+        return out[0] if self.first else out
+
+    def install(self, model, config: GuardConfig):
+        return install_vlm(model, config, tokenizer=self.tokens)
+
+
+M3_TOKENS = {"[IMG_BREAK]": M3.BREAK_ID, "[IMG_END]": M3.END_ID}
+CASES = {
+    c.cls: c
+    for c in [
+        BridgeCase(
+            "Gemma3VLModel", "gemma3", _gemma3,
+            aligned=[[img(40, 24)], [], [img(32, 32), img(24, 40)]],
+            plus_minus=[[img(40, 24, n=5)], [img(24, 40, n=3)], [img(32, 32)]],
+            towers=("vision_tower", "multi_modal_projector"),
+            drop="token_type_ids",  # Bridge computes the image blocks from the ids
+            short=([[img(32, 32)], [img(32, 32, n=3)]], ValueError, "does not match"),
+        ),
+        BridgeCase(
+            "Ministral3Model", "mistral3", _ministral3,
+            aligned=[[img(56, 84)], [img(84, 56)], [img(28, 56)]],
+            plus_minus=[[img(56, 84, n=7)], [img(56, 84, n=5)], [img(28, 56)]],
+            towers=("vision_tower", "multi_modal_projector"),
+            tokens=M3_TOKENS,
+            drop="attention_mask",
+        ),
+        BridgeCase(
+            "Qwen2AudioModel", "qwen2_audio", _qwen2_audio,
+            aligned=[[aud(100)], [], [aud(20), aud(61)]],
+            plus_minus=[[aud(100, n=26)], [aud(60, n=14)], [aud(61)]],  # 25 + 1, 15 - 1
+            towers=("audio_tower", "multi_modal_projector"),
+            first=False,
+            short=([[aud(100)], [aud(60, n=14)]], ValueError, "do not match"),
+        ),
+        BridgeCase(
+            "KimiK25VLModel", "kimi_k25", _kimi_k25,
+            aligned=[[img(4, 4)], [], [img(2, 4), img(4, 2)]],
+            plus_minus=[[img(4, 4, n=5)], [img(2, 4, n=1)], [img(4, 2)]],  # 4 + 1, 2 - 1
+            towers=("vision_tower", "mm_projector"),
+            tokens=lambda full: {
+                "<|media_begin|>": full.config.vision_start_token_id,
+                "<|media_end|>": full.config.vision_end_token_id,
+            },
+            first=False,
+            # surplus: Bridge's dynamic expansion crashes bare
+            short=([[img(2, 2)], [img(4, 4, n=5)]], RuntimeError, "shape mismatch"),
+            tmp=True,
+        ),
+    ]
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def bridge(request, tmp_path_factory):
+    """(case, Bridge's model, the transformers model it was built around)."""
+    case = CASES[request.param]
+    with loader.bridge_modules(loader.find_root()):
+        full = case.F.tiny_model()
+        tmp = (tmp_path_factory.mktemp(case.fixture),) if case.tmp else ()
+        if callable(case.tokens):
+            case = replace(case, tokens=case.tokens(full))
+        yield case, case.build(full, *tmp), full
+
+
+def test_the_registry_finds_bridges_class(bridge):
+    case, model, _ = bridge
+    assert type(model).__module__.startswith("megatron.bridge.")
+    assert type(model).__name__ == case.cls
+    spec = importlib.import_module(f"megatron_media_guard.families.{case.fixture}").BRIDGE
+    assert find_family(model)[1] is spec  # its own forward keywords, not the transformers spec
+
+
+def test_aligned_batch_is_bit_identical(bridge):
+    case, model, full = bridge
+    b = case.F.make_batch(full, case.aligned)
+    ref = case.forward(model, b)
+    with case.install(model, GuardConfig()) as h:
+        assert torch.equal(case.forward(model, b), ref)
+    assert h.last_result.report.actions == ("keep",) * len(case.aligned)
+
+
+@pytest.mark.parametrize("bridge", [c for c in CASES if CASES[c].short], indirect=True)
+def test_short_run_raises_in_bridge_and_names_the_sample_guarded(bridge, tmp_path):
+    case, model, full = bridge
+    samples, error, message = case.short
+    b = case.F.make_batch(full, samples)
+    with pytest.raises(error, match=message):  # Bridge's batch total: no sample
+        case.forward(model, b)
+    h = case.install(model, GuardConfig(log_dir=str(tmp_path)))
+    with h, pytest.raises(MediaAlignmentError, match=r"sample 1\b"):
+        case.forward(model, b)
+    assert any(r["event"] == "raise" and r["sample"] == 1 for r in records(tmp_path))
+
+
+def test_plus_minus_k_is_silent_unguarded_and_raises_guarded(bridge):
+    case, model, full = bridge
+    b = case.F.make_batch(full, case.plus_minus)
+    case.forward(model, b)  # Bridge's batch-total check passes
+    h = case.install(model, GuardConfig())
+    with h, pytest.raises(MediaAlignmentError, match=r"sample 0\b"):
+        case.forward(model, b)
+
+
+def test_drop_keeps_the_aligned_sample_feeds_no_feature_and_remove_restores(bridge):
+    """Samples 0 and 1 dropped: each row decodes its own token embeddings (no feature placed;
+    Gemma 3's soft tokens also leave the ids its image blocks are built from:
+    :func:`test_a_gemma3_dropped_sample_gets_no_image_block`); sample 2 is its own forward."""
+    case, model, full = bridge
+    b = case.F.make_batch(full, case.plus_minus)
+    h = case.install(model, GuardConfig(policy="drop"))
+    with h:
+        out = case.forward(model, b)
+    assert h.last_result.report.actions == ("drop", "drop", "keep")
+    alone = case.F.make_batch(full, [case.plus_minus[2]])
+    n = alone.lengths[0]
+    torch.testing.assert_close(out[2, :n], case.forward(model, alone)[0], atol=1e-5, rtol=1e-5)
+    if case.fixture != "gemma3":
+        for s in (0, 1):
+            ids = b.input_ids[s : s + 1, : b.lengths[s]]
+            text = case.forward(model, input_ids=ids, inputs_embeds=bridge_embed(model, ids))[0]
+            torch.testing.assert_close(out[s, : b.lengths[s]], text, atol=1e-5, rtol=1e-5)
+    h.remove()
+    case.forward(model, b)  # Bridge's own forward again: silent
+
+
+@pytest.mark.parametrize("bridge", ["Gemma3VLModel"], indirect=True)
+def test_a_gemma3_dropped_sample_gets_no_feature_and_no_image_block(bridge):
+    """A dropped sample keeps its soft tokens' own embeddings (no feature placed) and its soft
+    tokens are text in the ids Bridge builds its attention biases from (no bidirectional
+    block): its row equals Bridge's forward on exactly that, the sample alone."""
+    case, model, full = bridge
+    F = case.F
+    b = F.make_batch(full, case.plus_minus)
+    with case.install(model, GuardConfig(policy="drop")):
+        out = case.forward(model, b)
+    n = b.lengths[0]
+    ids = b.kwargs["input_ids"][:1, :n]
+    text = ids.masked_fill(ids == F.IMAGE, F.PAD)
+    with torch.no_grad():
+        alone = model(input_ids=text, inputs_embeds=bridge_embed(model, ids))[0]
+        image_block = model(input_ids=ids, inputs_embeds=bridge_embed(model, ids))[0]
+    torch.testing.assert_close(out[0, :n], alone[0], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out[0, :n], image_block[0], atol=1e-3)  # the biases differ
+
+
+@pytest.mark.parametrize("mode, runs", [("always", 1), ("never", 0)])
+def test_a_text_only_micro_batch_keeps_bridges_tower_in_step(bridge, mode, runs):
+    """keep_tower (docs/PARALLEL.md): the dummy through Bridge's own tower and projector."""
+    from tower_check import check_keeps_tower
+
+    case, model, full = bridge
+    media, text = (
+        {k: v for k, v in case.F.make_batch(full, s).kwargs.items() if k != case.drop}
+        for s in ([case.plus_minus[2]], [[], []])
+    )
+    check_keeps_tower(
+        model,
+        mode,
+        runs,
+        media=media,
+        text=text,
+        tokenizer=case.tokens,
+        out=(lambda o: o[0]) if case.first else (lambda o: o),
+        towers=[getattr(model, t) for t in case.towers],
+        decoder=model.language_model.lm,  # Bridge calls language_model.forward: no hook there
+    )
+
+
+# ---- Kimi K2.5's own merge ----
+
+KIMI = pytest.mark.parametrize("bridge", ["KimiK25VLModel"], indirect=True)
+SHORT = [[img(4, 4, n=3), img(2, 4)], [img(2, 2)]]  # sample 0's first run one short
+PLUS_MINUS = CASES["KimiK25VLModel"].plus_minus
+SWAP = [[img(4, 4)], [img(2, 4)], [img(4, 2)]]  # images 0 and 1 exchanged: 2 for 4, 4 for 2
+
+
+@KIMI
+def test_kimis_bridge_builds_its_tower_from_the_local_remote_code(bridge):
+    from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25VisionModel
+
+    _, model, _ = bridge
+    assert type(model).__module__ == "megatron.bridge.models.kimi_vl.modeling_kimi_k25_vl"
+    tower = type(model.vision_tower)
+    assert tower.__name__ == "MoonViT3dPretrainedModel"
+    assert tower.__module__.startswith("transformers_modules.")  # get_class_from_dynamic_module
+    assert isinstance(model.vision_tower, Kimi_K25VisionModel)  # transformers' own tower
+    wrapped = SimpleNamespace(module=model)  # a DDP-style wrapper, as install_from_args sees it
+    assert find_vlm(wrapped) == ("kimi_k25", model)
+
+
+@KIMI
+@pytest.mark.parametrize(
+    "extra",
+    [{"labels": True}, {"attention_mask": None}, {"labels": True, "position_ids": True}],
+    ids=["labels", "no-attention-mask", "caller-positions"],
+)
+def test_a_kimi_aligned_batch_is_bit_identical_with_bridges_after_merge_steps(bridge, extra):
+    """Bridge's merge also sets the positions from the attention mask (over a caller's), the
+    labels' placeholders to ignore_index (the stand-in's per-token loss sees any other label)
+    and no attention mask: the guard's after-merge step does the same."""
+    case, model, full = bridge
+    b = K_F.make_batch(full, case.aligned)
+    kw = dict(b.kwargs)
+    if extra.get("labels"):
+        kw["labels"] = b.input_ids.clone()
+    if extra.get("position_ids"):
+        kw["position_ids"] = torch.zeros_like(b.input_ids)
+    if "attention_mask" in extra:
+        kw["attention_mask"] = None
+    ref = case.forward(model, **kw)
+    h = case.install(model, GuardConfig())
+    with h:
+        assert torch.equal(case.forward(model, **kw), ref)
+    assert h.last_result.report.actions == ("keep", "keep", "keep")
+
+
+@KIMI
+def test_a_kimi_short_run_is_recut_silently_by_bridge_and_raises_guarded(bridge, tmp_path):
+    case, model, full = bridge
+    b = K_F.make_batch(full, SHORT)
+    # Bridge's truncated pre-expanded branch: no error
+    emb, _ = decoder_inputs(model.language_model.lm, lambda: case.forward(model, b))
+    with torch.no_grad():
+        feats = model._extract_image_features(b.kwargs["pixel_values"], b.kwargs["image_grid_thw"])
+    runs = (b.input_ids[0] == full.config.image_token_id).nonzero().flatten()
+    second = runs[3]  # the first placeholder of image 1's run
+    assert torch.equal(emb[0, second], feats[0][3])  # image 0's last feature, in image 1's run
+    h = case.install(model, GuardConfig(log_dir=str(tmp_path)))
+    with h, pytest.raises(MediaAlignmentError, match=r"sample 0\b"):
+        case.forward(model, b)
+    recs = records(tmp_path)
+    assert any(r["event"] == "raise" and r["sample"] == 0 for r in recs)
+
+
+@KIMI
+@pytest.mark.parametrize(
+    "samples, swap, named",
+    [(PLUS_MINUS, None, (0, 1)), (SWAP, (0, 1), (0, 1))],
+    ids=["plus-minus-k", "swap"],
+)
+def test_kimi_faults_silent_in_bridge_are_named_guarded(bridge, samples, swap, named):
+    case, model, full = bridge
+    b = K_F.make_batch(full, samples, swap=swap)
+    case.forward(model, b)  # the batch total matches: Bridge's 1:1 scatter runs
+    h = case.install(model, GuardConfig())
+    with h, pytest.raises(MediaAlignmentError) as err:
+        case.forward(model, b)
+    found = {int(n) for n in re.findall(r"^  sample (\d+)\b", str(err.value), re.M)}
+    assert found == set(named)  # the aligned sample 2 is not named
+
+
+@KIMI
+@pytest.mark.parametrize(
+    "samples, swap, actions",
+    [
+        ([*SHORT, [img(4, 2)]], None, ("drop", "keep", "keep")),
+        (PLUS_MINUS, None, ("drop", "drop", "keep")),
+        (SWAP, (0, 1), ("drop", "drop", "keep")),
+    ],
+    ids=["short", "plus-minus-k", "swap"],
+)
+def test_a_kimi_drop_keeps_each_aligned_sample_and_its_loss(bridge, samples, swap, actions):
+    case, model, full = bridge
+    b = K_F.make_batch(full, samples, swap=swap)
+    h = case.install(model, GuardConfig(policy="drop"))
+    with h:
+        logits = case.forward(model, b)
+        loss = case.forward(model, **b.kwargs, labels=b.input_ids.clone())
+    assert h.last_result.report.actions == actions
+    for s, act in enumerate(actions):
+        n = b.lengths[s]
+        if act == "keep":
+            alone = K_F.make_batch(full, [samples[s]])
+            ref = case.forward(model, alone)[0]
+            ref_loss = case.forward(model, **alone.kwargs, labels=alone.input_ids.clone())[0]
+            torch.testing.assert_close(loss[s, :n], ref_loss, atol=1e-5, rtol=1e-5)
+        else:  # a dropped row decodes its own token embeddings: no feature placed
+            ids = b.input_ids[s : s + 1, :n]
+            ref = case.forward(model, input_ids=ids, inputs_embeds=bridge_embed(model, ids))[0]
+            assert (h.last_result.labels[s, :n] == -100).all()  # its loss is ignored
+        torch.testing.assert_close(logits[s, :n], ref, atol=1e-5, rtol=1e-5)

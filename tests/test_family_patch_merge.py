@@ -1,0 +1,223 @@
+"""GLM-4V and Ernie 4.5 VL on transformers' real classes (tiny random config, CPU): the two
+patch-merge families with grids in the inputs and M-RoPE positions from ``mm_token_type_ids``,
+one :class:`GridCase` each.
+
+- the fixture's grids and the spec's geometry are the PIL image processor's (and solving for
+  its count gives its grid back);
+- ``policy="repair"`` re-encodes a short image run at the grid the processor's own resize
+  gives for the run (its grid row replaced for M-RoPE), equal to the plain model fed that
+  image by hand; a short video run falls back;
+- ``set_items`` names the sample id; ``check_batch`` on the processor's outputs (no model)
+  drops the short sample and the plain model takes the checked batch.
+
+The shared contract (aligned, raise, drop, remove, keep_tower): ``tests/families/``; each
+family's own batches: ``FAMILY_FAULTS`` there and ``tests/test_family_glm4v.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem
+from megatron_media_guard.repair.pixels import from_frames, to_frames
+from megatron_media_guard.repair.reproject import resize_frames
+from megatron_media_guard.testing.families.base import Media
+
+pytest.importorskip("transformers.models.glm4v")
+pytest.importorskip("transformers.models.ernie4_5_vl_moe")
+pytest.importorskip("PIL")
+
+from megatron_media_guard.adapters import install_vlm
+from megatron_media_guard.families import family_of
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def img(*size, n=None):
+    return Media("image", size, n)
+
+
+def vid(*size, n=None):
+    return Media("video", size, n)
+
+
+@dataclass(frozen=True)
+class GridCase:
+    """family: the registry's name and the fixture's; processor: its PIL image processor
+    (module, class); classes: transformers classes the registry must hold; short_video: the
+    frame run of a 2x4x4 video one short; check: a batch whose sample 1 is short, and the
+    grid rows ``check_batch`` keeps (key, rows)."""
+
+    family: str
+    processor: tuple[str, str]
+    classes: tuple[str, ...]
+    short_video: int
+    check: list
+    kept: tuple[str, list]
+
+    @property
+    def F(self):
+        return importlib.import_module(f"megatron_media_guard.testing.families.{self.family}")
+
+    @property
+    def spec(self):
+        return importlib.import_module(f"megatron_media_guard.families.{self.family}")
+
+
+CASES = {
+    c.family: c
+    for c in [
+        GridCase(
+            "glm4v",
+            ("glm4v.image_processing_pil_glm4v", "Glm4vImageProcessorPil"),
+            ("Glm4vForConditionalGeneration", "Glm4vMoeForConditionalGeneration"),
+            short_video=7,
+            # videos only: check_batch orders images and frame runs by the length
+            # interleaving, not by mm_token_type_ids
+            check=[[vid(2, 4, 4)], [vid(2, 4, 4, n=7)], [vid(2, 2, 4)]],
+            kept=("video_grid_thw", [[2, 4, 4], [2, 2, 4]]),
+        ),
+        GridCase(
+            "ernie4_5_vl",
+            (
+                "ernie4_5_vl_moe.image_processing_pil_ernie4_5_vl_moe",
+                "Ernie4_5_VLMoeImageProcessorPil",
+            ),
+            ("Ernie4_5_VLMoeForConditionalGeneration",),
+            short_video=3,
+            check=[[vid(2, 4, 4), img(4, 6)], [img(8, 4, n=5)], [img(2, 4)]],
+            kept=("image_grid_thw", [[1, 4, 6], [1, 2, 4]]),
+        ),
+    ]
+}
+NAMES = sorted(CASES)
+_MODELS: dict = {}
+
+
+def model_of(case: GridCase):
+    if case.family not in _MODELS:
+        _MODELS[case.family] = case.F.tiny_model()
+    return _MODELS[case.family]
+
+
+def own(case: GridCase, model, sample) -> torch.Tensor:
+    """``sample``'s logits in a batch of its own, plain model."""
+    b = case.F.make_batch(model, [sample])
+    with torch.no_grad():
+        return model(**b.kwargs).logits[0, : b.lengths[0]]
+
+
+def guarded(case: GridCase, model, samples, config=None, items=None):
+    b = case.F.make_batch(model, samples)
+    with install_vlm(model, config or GuardConfig()) as h:
+        if items is not None:
+            h.set_items(items)
+        with torch.no_grad():
+            out = model(**b.kwargs)
+        return b, out, h.last_result
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_registry_knows_the_classes(name):
+    case = CASES[name]
+    assert family_of(model_of(case)) is case.spec.SPEC
+    assert set(case.classes) <= set(case.spec.SPEC.classes["transformers."])
+
+
+@pytest.mark.parametrize(
+    "hw", [(50, 60), (224, 224), (300, 171), (1080, 2400), (20, 400), (3000, 4000)]
+)
+@pytest.mark.parametrize("name", NAMES)
+def test_grids_and_geometry_are_the_pil_image_processors(name, hw):
+    """The fixture's resize arithmetic gives the processor's ``image_grid_thw`` and patches;
+    the spec's geometry sizes the image as the processor does, and solving for that count
+    gives that grid back."""
+    from PIL import Image
+
+    case = CASES[name]
+    module, cls = case.processor
+    proc = getattr(importlib.import_module(f"transformers.models.{module}"), cls)()
+    out = proc(images=[Image.fromarray(np.zeros((*hw, 3), np.uint8))], return_tensors="pt")
+    t, h, w = case.F.image_grid(*hw)
+    assert out["image_grid_thw"].tolist() == [[t, h, w]]
+    assert tuple(out["pixel_values"].shape) == (t * h * w, case.F.PATCH_DIM)
+    geo = case.spec.geometry()
+    assert geo.tokens(hw) == t * h * w // 4
+    sol = geo.solve(t * h * w // 4, hw)
+    assert (sol.fidelity, sol.grid) == ("engine-replay", (h, w))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_repair_reencodes_the_image_at_the_processors_grid(name, tmp_path):
+    """An 8x12-patch image (24 features) whose run holds 12: re-encoded at the grid the
+    processor's own resize gives for 12 (6x8 patches), its grid row replaced for M-RoPE;
+    equal to the plain model fed that image by hand."""
+    case = CASES[name]
+    model, P = model_of(case), case.F.PATCH
+    cfg = GuardConfig(policy="repair", log_dir=str(tmp_path))
+    samples = [[img(8, 12, n=12)], [img(2, 4)]]
+    # the original's size (the engine sized it): a frame alone would be a guess, not a replay
+    source = [
+        MediaItem(0, sample=0, source_hw=(8 * P, 12 * P)),
+        MediaItem(0, sample=1, source_hw=(2 * P, 4 * P)),
+    ]
+    b, out, res = guarded(case, model, samples, cfg, items=source)
+    assert res.report.actions == ("repair", "keep")
+    rec = next(
+        json.loads(x)
+        for f in tmp_path.glob("*.jsonl")
+        for x in f.read_text().splitlines()
+        if '"repair"' in x
+    )
+    assert (rec["fidelity"], rec["grid"]) == ("engine-replay", [6, 8])
+    kw, tp = b.kwargs, getattr(case.F, "TEMPORAL_PATCH", 1)
+    qwen = {"patch": P, "temporal_patch": tp, "merge": 2}
+    frames = to_frames(kw["pixel_values"][:96], "qwen_patches", grid_thw=(1, 8, 12), **qwen)
+    small = resize_frames(frames[:1], (84, 112)).expand(tp, -1, -1, -1)
+    small, _ = from_frames(small, "qwen_patches", **qwen)
+    fixed = dict(
+        kw,
+        pixel_values=torch.cat([small, kw["pixel_values"][96:]]),
+        image_grid_thw=torch.tensor([[1, 6, 8], [1, 2, 4]]),
+    )
+    with torch.no_grad():
+        ref = model(**fixed).logits
+    torch.testing.assert_close(out.logits, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_short_video_run_falls_back_and_set_items_names_its_sample_id(name, tmp_path):
+    case = CASES[name]
+    model = model_of(case)
+    samples = [[vid(2, 4, 4)], [vid(2, 4, 4, n=case.short_video)]]
+    cfg = GuardConfig(policy="repair", fallback="drop", log_dir=str(tmp_path))
+    assert guarded(case, model, samples, cfg)[2].report.actions == ("keep", "drop")
+    items = [MediaItem(0, sample=s, modality="video", sample_id=i) for s, i in enumerate("ab")]
+    with pytest.raises(MediaAlignmentError, match="sample_id 'b'"):
+        guarded(case, model, samples, GuardConfig(log_dir=str(tmp_path)), items=items)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_check_batch_before_the_trainer_drops_the_bad_sample_without_a_model(name):
+    """The spec's own counts on the processor's outputs (no model): the sample whose run is
+    short loses its media; the checked batch then runs through the plain model."""
+    from megatron_media_guard.families.collate import check_batch
+
+    case = CASES[name]
+    model = model_of(case)
+    b = case.F.make_batch(model, case.check)
+    checked = check_batch(name, b.kwargs, config=model.config)
+    assert checked.report.actions == ("keep", "drop", "keep")
+    key, rows = case.kept
+    assert checked.batch[key].tolist() == rows
+    with torch.no_grad():
+        got = model(**checked.batch).logits
+    for k in (0, 2):
+        want = own(case, model, case.check[k])
+        torch.testing.assert_close(got[k, : b.lengths[k]], want, atol=1e-5, rtol=0)
