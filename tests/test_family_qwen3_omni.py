@@ -3,7 +3,7 @@ config with deepstack, CPU): images, one-run videos, audio clips, videos with th
 (``use_audio_in_video``: one region of interleaved runs, laid out by the processor's own method);
 MRoPE positions from the grids.
 
-Inputs come from ``testing/families/qwen3_omni.py`` (``tests/test_fixture_qwen3_omni.py`` pins
+Inputs come from ``testing/families/qwen3_omni.py`` (``tests/test_fixture_plain.py`` pins
 the plain model: aligned batches equal each sample's own forward, +k/-k and swaps are silent,
 audio is not counted at all). The guarded forward must equal the plain one on aligned batches,
 deepstack included, and each kept sample its own plain forward after a drop.

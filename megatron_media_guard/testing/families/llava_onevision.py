@@ -8,7 +8,7 @@ tile; a sample with several images gets base + 1 per image, told by ``batch_num_
 video ``frames * ceil(side / 2) ** 2 + 1``.
 
 ``LlavaOnevisionProcessor`` cannot be built here (its video-processor lookup needs torchvision),
-so the ids are built from that arithmetic; ``tests/test_fixture_llava_onevision.py`` checks it
+so the ids are built from that arithmetic; ``tests/test_family_llava_onevision.py`` checks it
 against the real ``LlavaOnevisionImageProcessorPil`` outputs fed to the processor's own
 ``replace_image_token`` / ``replace_video_token`` and to the model's own ``get_image_features``.
 """
@@ -60,7 +60,7 @@ def tiny_model(seed: int = 0, **overrides: Any) -> torch.nn.Module:
 
 #: ``transformers.image_processing_utils.select_best_resolution`` as ``(height, width,
 #: pinpoints)``: the repair geometry's own copy (tested against transformers' in
-#: tests/test_fixture_llava_onevision.py)
+#: tests/test_family_llava_onevision.py)
 select_best_resolution = best_resolution
 
 

@@ -9,7 +9,7 @@ The config knows only ``image_token_id`` (10, alias of ``image_token_index``); t
 ids are the Mistral (tekken) tokenizer's ``[IMG_BREAK]`` = 12, ``[IMG_END]`` = 13, ``<pad>`` = 11,
 ``<s>`` = 1. ``PixtralProcessor`` itself needs torchvision (absent here), so the ids are built from
 its arithmetic above; its Pillow image processor (``PixtralImageProcessorPil``) does run, and
-``tests/test_fixture_mistral3.py`` checks :func:`resized_size` and the pixel layout against it.
+``tests/test_family_mistral3.py`` checks :func:`resized_size` and the pixel layout against it.
 """
 
 from __future__ import annotations

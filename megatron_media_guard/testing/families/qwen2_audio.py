@@ -7,7 +7,7 @@ no placeholder). The config knows only ``audio_token_id`` (151646, alias ``audio
 markers are the Qwen2 tokenizer's ``<|audio_bos|>`` 151647 / ``<|audio_eos|>`` 151648, pad
 ``<|endoftext|>`` 151643.
 
-The ids are built here from that arithmetic; ``tests/test_fixture_qwen2_audio.py`` checks them
+The ids are built here from that arithmetic; ``tests/test_family_qwen2_audio.py`` checks them
 against the real ``Qwen2AudioProcessor`` (a ``WhisperFeatureExtractor``, numpy, and an in-memory
 word-level tokenizer holding the real special ids: no download).
 """
