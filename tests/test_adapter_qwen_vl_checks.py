@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_media_guard import Grammar
-from megatron_media_guard.adapters.vlm_inputs import _split_items, patch_rows_bad
+from megatron_media_guard.adapters.vlm_inputs import patch_rows_bad
 from megatron_media_guard.core.alignment import align
 from megatron_media_guard.core.host import count_transfers
 from megatron_media_guard.core.interleave import token_order
@@ -23,6 +23,7 @@ from megatron_media_guard.core.runs import TokenLayout, parse_layout
 from megatron_media_guard.core.verify import verify
 from megatron_media_guard.families import qwen
 from megatron_media_guard.families.inputs import count_tables, counted, verify_tables
+from megatron_media_guard.families.inputs_items import split_items
 from megatron_media_guard.families.spec import present
 
 G = Grammar.qwen2_vl()
@@ -122,7 +123,7 @@ def _report(lay, ids, grids, per_group):
     parent = [k for m in mods for k in enc[m.name].parent]
     order = token_order(ids, G, items, parent)
     items, parent = [items[i] for i in order], [parent[i] for i in order]
-    _, split = _split_items(lay, items, parent)
+    _, split = split_items(lay, items, parent)
     return align(parse_layout(lay), items), split
 
 

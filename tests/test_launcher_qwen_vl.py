@@ -144,7 +144,9 @@ def test_the_seed_failure_is_handled_as_the_arguments_say(case, argv, env, want)
     try:
         with torch.no_grad():
             if want == "raise":
-                with pytest.raises(MediaAlignmentError, match=r"image grid row 0 thw"):
+                with pytest.raises(
+                    MediaAlignmentError, match=r"image item 0 \(\d+x\d+ \(HxW\), grid 1x"
+                ):
                     model(**mixed)
             elif want == "unguarded":
                 assert len(group) == 0 and _state(model) == before

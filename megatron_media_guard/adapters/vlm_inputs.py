@@ -29,7 +29,6 @@ spec's ``dummy`` runs the tower on a minimal input (``adapters/tower.py``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -37,9 +36,7 @@ import torch
 
 from ..core.guard import MediaGuard
 from ..core.interleave import token_order
-from ..core.items import MediaItem
-from ..core.outcome import MergeResult
-from ..core.runs import TokenLayout, parse_layout
+from ..core.runs import TokenLayout
 from ..diagnostics import GuardRecord
 from ..errors import MediaInputError
 from ..families import FamilySpec
@@ -52,6 +49,16 @@ from ..families.inputs import (
     on_device,
     plan_items,
     verify_tables,
+)
+from ..families.inputs_items import (
+    check_declared,
+    grids_of,
+    in_order,
+    meta_tables,
+    orphans,
+    sample_of,
+    sample_order,
+    split_items,
 )
 from ..families.resize import Resizer
 from ..families.spec import present
@@ -145,7 +152,7 @@ class InputsHandle(ForwardHookHandle):
         tables = count_tables(spec, mods, config, view)
         rows = patch_rows_bad(view, mods)
         types = self._types(view, ids)
-        ok, samples, declared = _meta_tables(meta, mods, tables, lay.num_samples)
+        ok, samples, declared = meta_tables(meta, mods, tables, lay.num_samples)
         if on_device(spec) and ok:
             # the runs against the tables on the device: the verdict (with the inputs' own
             # checks) is the aligned call's one transfer
@@ -180,14 +187,14 @@ class InputsHandle(ForwardHookHandle):
         config = getattr(self.module, "config", None)
         encoded = counted(spec, mods, config, view, tables=tables)
         items, _, listed = call_items(mods, encoded, meta)  # checks the items' modalities
-        _check_declared(meta, mods, encoded)
+        check_declared(meta, mods, encoded)
         parent = parents(mods, encoded)
-        grids = [g for m in mods for g in _grids(encoded[m.name])]
+        grids = [g for m in mods for g in grids_of(encoded[m.name])]
         items = [it if g is None else replace(it, grid_thw=g) for it, g in zip(items, grids)]
         explicit = meta is not None and all(it.sample is not None for it in meta)
         if explicit:
             listed = None  # tied to their samples: token_order takes them per sample
-            if not _in_order(meta):
+            if not in_order(meta):
                 self._note(
                     step,
                     mb,
@@ -199,7 +206,7 @@ class InputsHandle(ForwardHookHandle):
             listed = typed_order(ids, guard.grammar, mods, items, view.get(spec.token_types))
         order = listed if listed is not None else token_order(ids, guard.grammar, items, parent)
         items, parent = [items[i] for i in order], [parent[i] for i in order]
-        items, split = _split_items(lay, items, parent)
+        items, split = split_items(lay, items, parent)
         for (mod, k), why in split.items():  # never kept or repaired: its samples mismatch
             grid = next(
                 (it.grid_thw for it, p in zip(items, parent) if (it.modality, p) == (mod, k)), None
@@ -216,16 +223,15 @@ class InputsHandle(ForwardHookHandle):
         report = res.report
         new_ids = generated_as_text(report, ids, self.text_id, guard.config.generated)[0]
         dropped = set(report.dropped)
-        gone = gone_items(report, owner) | _orphans(report, owner)
+        gone = gone_items(report, owner) | orphans(report, owner)
         kept = {s for s, a in enumerate(report.actions) if a in ("keep", "repair")}
-        sample_of = _sample_of(report, owner)
-        fixed = rep.repaired(kept, sample_of) if rep is not None else {}
-        smp_order = _sample_order(meta, mods) if explicit and not _in_order(meta) else None
+        owners = sample_of(report, owner)
+        fixed = rep.repaired(kept, owners) if rep is not None else {}
+        smp_order = sample_order(meta, mods) if explicit and not in_order(meta) else None
         strays = lay.packed and bool(report.alignment and report.alignment.stray_findings)
         if not (dropped or gone or fixed or smp_order or strays) and new_ids is ids:
-            if all(a == "drop" for a in report.actions) and report.actions:
-                self.keeper.every_sample_dropped()
-            return None  # the call as given: the model's own forward, bit for bit
+            self._follow(call, ids)  # the ids are the truth: given token types follow them
+            return call.rebuild() if call.changed else None  # else the model's own forward
         out = drop_inputs(
             spec,
             {**view, "input_ids": new_ids},
@@ -277,12 +283,12 @@ class InputsHandle(ForwardHookHandle):
         derive = self.spec.derive
         if derive is None:
             return
-        g = self.guard.grammar
+        g, media_changed = self.guard.grammar, call.changed
         for name in self.spec.follow_ids:
             given = call.get(name)
             if isinstance(given, torch.Tensor):
                 call.set(name, derive(name, ids.to(given.device), g).to(given.dtype))
-        if call.changed and call.get("position_ids") is not None:
+        if media_changed and call.get("position_ids") is not None:
             call.set("position_ids", None)
             for name in self.spec.follow_ids:
                 if name in call.names and call.get(name) is None:
@@ -293,11 +299,6 @@ class InputsHandle(ForwardHookHandle):
         """A ``check`` record: the inputs were put right without touching any sample."""
         rec = GuardRecord(event="check", step=step, microbatch=mb, action=action, reason=reason)
         self.guard.log.emit(rec)
-
-    def _generated_as_text(self, res: MergeResult, ids: torch.Tensor) -> torch.Tensor:
-        """Placeholders the policy generated in kept samples (``GuardConfig.generated="text"``)
-        as the family's text token, so the model's merge does not count them."""
-        return generated_as_text(res.report, ids, self.text_id, self.guard.config.generated)[0]
 
 
 def packed_offsets(call: CallArgs, ids: torch.Tensor) -> torch.Tensor | None:
@@ -333,138 +334,6 @@ def patch_rows_bad(view, mods) -> torch.Tensor | None:
 
 def _names(spec: FamilySpec, view: dict) -> list[str]:
     return sorted(n for n in spec.follow_ids if isinstance(view.get(n), torch.Tensor))
-
-
-def _in_order(meta: Sequence[MediaItem]) -> bool:
-    """Whether each modality's items come in sample order."""
-    last: dict[str, int] = {}
-    for it in meta:
-        if it.sample is not None:
-            if it.sample < last.get(it.modality, -1):
-                return False
-            last[it.modality] = it.sample
-    return True
-
-
-def _meta_tables(meta, mods, tables, num_samples: int):
-    """``(ok, samples, declared)``: whether the call's ``set_items`` (if any) can be checked
-    on the device, and then per modality the sample (None: not given) and the declared
-    features of each model-level item. Not where they do not match the tables' rows (host
-    shapes) or a modality's samples decrease: the fault path says what is wrong, or feeds
-    the rows in sample order."""
-    if meta is None:
-        return True, None, None
-    mine = {m.name: [it for it in meta if it.modality == m.name] for m in mods}
-    if sum(map(len, mine.values())) != len(meta):
-        return False, None, None
-    if any(len(mine[m.name]) != t.shape[0] for m, t in zip(mods, tables)):
-        return False, None, None
-    given = [it.sample is not None for it in meta]
-    if any(given) and (not all(given) or not _in_order(meta)):
-        return False, None, None
-    if any(given) and any(not 0 <= it.sample < num_samples for it in meta):
-        return False, None, None
-
-    def dev(values, t):
-        return torch.tensor(values, dtype=torch.long).to(t.device, non_blocking=True)
-
-    declared = {
-        m.name: dev([it.num_features for it in mine[m.name]], t) for m, t in zip(mods, tables)
-    }
-    if not any(given):
-        return True, None, declared
-    samples = {m.name: dev([it.sample for it in mine[m.name]], t) for m, t in zip(mods, tables)}
-    return True, samples, declared
-
-
-def _check_declared(meta, mods, encoded) -> None:
-    """An item of ``set_items`` whose ``num_features`` is not its inputs' count (the runs of
-    its model-level item in all), named with its grid."""
-    if meta is None:
-        return
-    rank: dict[str, int] = {}
-    for g, it in enumerate(meta):
-        enc = encoded.get(it.modality)
-        if enc is None:
-            continue
-        k = rank.get(it.modality, 0)
-        rank[it.modality] = k + 1
-        mine = [i for i, p in enumerate(enc.parent) if p == k]
-        if not mine:
-            continue
-        total = sum(int(enc.features[i].shape[0]) for i in mine)
-        if it.num_features != total:
-            grid = enc.grid[mine[0]] if enc.grid else None
-            raise MediaInputError(
-                f"item {g} is {it.modality} with {it.num_features} features; {it.modality} "
-                f"grid row {k} {grid} gives {total}",
-                context={"item": g, "grid_thw": list(grid) if grid else None},
-            )
-
-
-def _split_items(lay: TokenLayout, items: list[MediaItem], parent: list[int]):
-    """Items (token order) of a model-level item whose runs lie in more than one sample (a
-    Qwen3-VL video's temporal groups split between samples), tied to the sample of its first
-    run, so that no sample keeps them; and per such item why (the repair refuses it). Reads
-    the runs only when a model-level item has several (a transfer, fault path)."""
-    keys = [(it.modality, p) for it, p in zip(items, parent)]
-    if len(set(keys)) == len(keys):
-        return items, {}
-    runs = parse_layout(lay).runs
-    seen: dict[str, int] = {}
-    run_sample: list[int | None] = []
-    by_mod: dict[str, list] = {}
-    for r in runs:
-        by_mod.setdefault(r.modality, []).append(r.sample)
-    for it in items:
-        tok = lay.grammar.token_modality(it.modality)
-        k = seen.get(tok, 0)
-        seen[tok] = k + 1
-        got = by_mod.get(tok, [])
-        run_sample.append(got[k] if k < len(got) else None)
-    where: dict[tuple, set] = {}
-    for key, s in zip(keys, run_sample):
-        if s is not None:
-            where.setdefault(key, set()).add(s)
-    split = {key: smp for key, smp in where.items() if len(smp) > 1}
-    if not split or any(it.sample is not None for it in items) or None in run_sample:
-        why = {k: f"its runs fall in samples {sorted(v)}" for k, v in split.items()}
-        return items, why
-    first = {}
-    for key, s in zip(keys, run_sample):
-        first.setdefault(key, s)
-    tied = [
-        replace(it, sample=first[key] if key in split else s)
-        for it, key, s in zip(items, keys, run_sample)
-    ]
-    why = {k: f"its runs fall in samples {sorted(v)}" for k, v in split.items()}
-    return tied, why
-
-
-def _grids(enc) -> list:
-    """Per item of ``enc`` its grid (named in the records), None where the inputs give none."""
-    return list(enc.grid) if enc.grid else [None] * len(enc.features)
-
-
-def _orphans(report, owner) -> set[tuple[str, int]]:
-    """Model-level items of which no run is tied to a sample (they leave the inputs)."""
-    rep = report.alignment
-    if rep is None:
-        return set()
-    tied = {i for r in rep.samples for i in r.items}
-    used = {owner[i] for i in tied}
-    return {o for i, o in enumerate(owner) if i not in tied and o not in used}
-
-
-def _sample_of(report, owner) -> dict[tuple[str, int], int]:
-    rep = report.alignment
-    if rep is None:
-        return {}
-    return {owner[i]: r.sample for r in rep.samples for i in r.items}
-
-
-def _sample_order(meta, mods) -> dict[str, list[int]]:
-    return {m.name: [it.sample for it in meta if it.modality == m.name] for m in mods}
 
 
 __all__ = ["InputsHandle", "packed_offsets", "patch_rows_bad"]

@@ -102,9 +102,26 @@ def _install_embed(model, guard, spec, tokenizer=None, **kw) -> GuardHandle:
 
 
 def _install_inputs(model, guard, spec, tokenizer=None, drop_token_id=None, **kw) -> GuardHandle:
+    _check_markers(spec, model, guard.grammar, tokenizer)
     text = _text_id(model, guard, spec, tokenizer, drop_token_id)
     _check_geometry(spec, model, guard.geometry)
     return InputsHandle(model, guard, spec, text, **kw).install_hooks()
+
+
+def _check_markers(spec: FamilySpec, model: Any, grammar: Grammar, tokenizer: Any) -> None:
+    """The guard's placeholders and markers against the model's own (an input rewrite on the
+    wrong ids would feed the model's merge a batch it cannot take)."""
+    try:
+        want = spec.grammar(model, tokenizer)
+    except MediaInputError:
+        return  # the config lacks a marker: the guard's grammar is all there is to go by
+    got = (dict(grammar.placeholders), grammar.start_id, grammar.end_id)
+    exp = (dict(want.placeholders), want.start_id, want.end_id)
+    if got != exp:
+        raise MediaInputError(
+            f"the guard's grammar (placeholders, start, end) {got} differs from the model's "
+            f"config {exp}: build the guard with the family's grammar (FamilySpec.grammar)"
+        )
 
 
 def _check_geometry(spec: FamilySpec, model: Any, geo: Any) -> None:
