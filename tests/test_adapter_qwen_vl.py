@@ -134,8 +134,9 @@ def test_raise_names_rank_step_sample_item_and_grid(family, tmp_path):
     msg = str(err.value)
     assert "single process (RANK unset), step 7" in msg and "2 of 3 samples" in msg
     assert "sample 0 row 0, image item 0" in msg and "(surplus " in msg
-    grid = mixed["image_grid_thw"][0].tolist()
-    assert f"image item 0 (112x168 (HxW), grid {'x'.join(map(str, grid))})" in msg
+    t, h, w = mixed["image_grid_thw"][0].tolist()
+    size = f"{h * patch_of(family)}x{w * patch_of(family)} (HxW)"
+    assert f"image item 0 ({size}, grid {t}x{h}x{w})" in msg
     vgrid = "x".join(map(str, mixed["video_grid_thw"][0].tolist()))
     assert "sample 1" in msg and "video item 1 (" in msg and f"grid {vgrid}" in msg
     recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]

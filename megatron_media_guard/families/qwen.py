@@ -92,8 +92,8 @@ def _counts(kind: str):
 
     def counts(config: Any, kw) -> list[list[int]]:
         per_run = kind == "video" and is_qwen3(config)
-        m = sizes(config)["merge"]
-        return grid_counts(f"{kind}_grid_thw", per_run, m * m)(config, kw)
+        s = sizes(config)
+        return grid_counts(f"{kind}_grid_thw", per_run, s["merge"] ** 2, s["patch"])(config, kw)
 
     return counts
 
