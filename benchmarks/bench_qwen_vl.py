@@ -151,10 +151,11 @@ def _cpu_ms(fns: list, reps: int) -> list[float]:
 
 
 def _keep_tower_rows(model, reps: int) -> list[dict]:
-    from megatron_media_guard.adapters.qwen_vl.checks import spec_from_model
-    from megatron_media_guard.adapters.qwen_vl.rewrite import dummy_cell
+    from megatron_media_guard.families import qwen
 
-    dummy = dummy_cell(model, spec_from_model(model), torch.device("cpu"))
+    def dummy():
+        return qwen.dummy(model)
+
     handles = {}
     for mode in ("always", "never"):
         cfg = GuardConfig(keep_tower=mode)

@@ -23,7 +23,7 @@ pytest.importorskip("transformers.models.qwen3_vl")
 pytest.importorskip("PIL")
 
 from megatron_media_guard.adapters import install_qwen_vl
-from megatron_media_guard.adapters.qwen_vl.checks import spec_from_model
+from megatron_media_guard.families import qwen
 from megatron_media_guard.testing.qwen_vl import (
     IMAGE,
     VIDEO,
@@ -95,10 +95,12 @@ def clear(module) -> None:
 
 
 def test_config_gives_the_sizes_and_ids(family):
-    spec = spec_from_model(model_for(family))
-    assert (spec.image_token_id, spec.video_token_id) == (IMAGE, VIDEO)
-    assert (spec.patch, spec.merge, spec.temporal_patch) == (patch_of(family), 2, 2)
-    assert spec.video_runs == ("per_group" if family == "qwen3_vl" else "one")
+    model = model_for(family)
+    grammar = qwen.SPEC.grammar(model)
+    assert (grammar.placeholders["image"], grammar.placeholders["video"]) == (IMAGE, VIDEO)
+    s = qwen.sizes(model)
+    assert (s["patch"], s["merge"], s["temporal_patch"]) == (patch_of(family), 2, 2)
+    assert qwen.is_qwen3(model) == (family == "qwen3_vl")  # videos: one run per group
 
 
 @pytest.mark.parametrize("head", [True, False])
@@ -132,9 +134,11 @@ def test_raise_names_rank_step_sample_item_and_grid(family, tmp_path):
     msg = str(err.value)
     assert "single process (RANK unset), step 7" in msg and "2 of 3 samples" in msg
     assert "sample 0 row 0, image item 0" in msg and "(surplus " in msg
-    grid = mixed["image_grid_thw"][0].tolist()
-    assert f"image grid row 0 thw {tuple(grid)}" in msg
-    assert "sample 1" in msg and "video grid row 0" in msg
+    t, h, w = mixed["image_grid_thw"][0].tolist()
+    size = f"{h * patch_of(family)}x{w * patch_of(family)} (HxW)"
+    assert f"image item 0 ({size}, grid {t}x{h}x{w})" in msg
+    vgrid = "x".join(map(str, mixed["video_grid_thw"][0].tolist()))
+    assert "sample 1" in msg and "video item 1 (" in msg and f"grid {vgrid}" in msg
     recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
     raised = [r for r in recs if r["event"] == "raise"]
     assert [(r["sample"], r["modality"]) for r in raised] == [(0, "image"), (1, "video")]
@@ -349,7 +353,7 @@ def test_items_metadata_names_the_sample_ids(family, tmp_path):
         model(**mixed)
         assert h.last_result.report.actions == ("drop", "drop", "keep")
         h.set_items(items[:1])
-        with pytest.raises(MediaInputError, match="1 items for 2 image and 1 video grid rows"):
+        with pytest.raises(MediaInputError, match=r"set_items gave 1 items .*'video': 1"):
             model(**mixed)
     recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
     assert [r["sample_id"] for r in recs if r["event"] == "drop"] == ["r0", "r1"]
@@ -430,7 +434,9 @@ def test_remove_restores_the_plain_model(family):
 def test_install_checks_the_guard_against_the_config(family):
     model = model_for(family)
     wrong = MediaGuard(GuardConfig(), grammar=Grammar.qwen2_vl(image_pad=5))
-    with pytest.raises(MediaInputError, match="differs from the model's config"):
+    with pytest.raises(
+        MediaInputError, match=r"grammar placeholders .* differ from the qwen_vl model's"
+    ):
         install_qwen_vl(model, wrong)
     other = 16 if family == "qwen2_5_vl" else 14
     geo = {"image": PatchMergeGeometry(patch=other), "video": None}

@@ -162,7 +162,10 @@ def test_raise_names_the_samples_bridge_would_mix(models, family):
             model(**bridge_args(mixed))
     msg = str(e.value)
     assert "step 3" in msg and "2 of 3 samples" in msg
-    assert "sample 1" in msg and "sample 2" in msg and "video grid row 0" in msg
+    t, h, w = mixed["video_grid_thw"][0].tolist()
+    p = patch_of(family)
+    named = f"video item 2 ({h * p}x{w * p} (HxW), grid {t}x{h}x{w})"  # its size and grid row
+    assert "sample 1" in msg and "sample 2" in msg and named in msg
 
 
 @pytest.mark.parametrize("family", FAMILIES)

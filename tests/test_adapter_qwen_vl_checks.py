@@ -1,9 +1,12 @@
-"""The Qwen-VL pre-hook's device check against its slow path (no model needed): on random
-batches of images and videos, with and without a fault in the grids or the ids, packed or not,
-the one-transfer verdict is "aligned" exactly when the per-sample report finds nothing and no
-grid row's runs lie in two samples."""
+"""The ``inputs`` mode's device check (``families.inputs.verify_tables`` on the Qwen-VL spec's
+count tables) against its slow path (no model needed): on random batches of images and
+videos, with and without a fault in the grids or the ids, packed or not, the one-transfer
+verdict is "aligned" exactly when the per-sample report finds nothing and no grid row's runs
+lie in two samples."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,16 +14,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_media_guard import Grammar
-from megatron_media_guard.adapters.qwen_vl.checks import QwenVLSpec, check_grids
-from megatron_media_guard.adapters.qwen_vl.plan import (
-    host_rows,
-    report_for,
-    split_rows,
-    token_items,
-)
+from megatron_media_guard.adapters.vlm_inputs import patch_rows_bad
+from megatron_media_guard.core.alignment import align
 from megatron_media_guard.core.host import count_transfers
+from megatron_media_guard.core.interleave import token_order
+from megatron_media_guard.core.items import MediaItem
 from megatron_media_guard.core.runs import TokenLayout, parse_layout
 from megatron_media_guard.core.verify import verify
+from megatron_media_guard.families import qwen
+from megatron_media_guard.families.inputs import count_tables, counted, verify_tables
+from megatron_media_guard.families.inputs_items import split_items
+from megatron_media_guard.families.spec import present
 
 G = Grammar.qwen2_vl()
 IMG, VID, START, END = G.placeholders["image"], G.placeholders["video"], G.start_id, G.end_id
@@ -85,6 +89,44 @@ def _case(samples, per_group, packed, fault, k):
     return ids, cu, grids
 
 
+def _config(per_group: bool):
+    """A config as the spec reads it: Qwen3-VL's videos one run per temporal group."""
+    kind = "qwen3_vl" if per_group else "qwen2_5_vl"
+    return SimpleNamespace(model_type=kind, vision_config=SimpleNamespace(spatial_merge_size=2))
+
+
+def _inputs(ids, grids, pixels=None):
+    out = {"input_ids": ids, "image_grid_thw": grids["image"], "video_grid_thw": grids["video"]}
+    for m, name in (("image", "pixel_values"), ("video", "pixel_values_videos")):
+        if grids[m] is not None:
+            rows = int(grids[m].prod(-1).sum()) if pixels is None else pixels[m]
+            out[name] = torch.zeros(rows, 1)
+    return out
+
+
+def _check(lay, ids, grids, per_group, extra=()):
+    inputs = _inputs(ids, grids)
+    mods = present(qwen.SPEC, inputs)
+    tables = count_tables(qwen.SPEC, mods, _config(per_group), inputs)
+    return verify_tables(lay, ids, mods, tables, extra=extra)
+
+
+def _report(lay, ids, grids, per_group):
+    """The host path: the items from the read tables, in token order, the per-sample report
+    and the model-level items whose runs lie in two samples."""
+    inputs = _inputs(ids, grids)
+    mods = present(qwen.SPEC, inputs)
+    enc = counted(qwen.SPEC, mods, _config(per_group), inputs)
+    items = [
+        MediaItem(int(f.shape[0]), modality=m.name) for m in mods for f in enc[m.name].features
+    ]
+    parent = [k for m in mods for k in enc[m.name].parent]
+    order = token_order(ids, G, items, parent)
+    items, parent = [items[i] for i in order], [parent[i] for i in order]
+    _, split = split_items(lay, items, parent)
+    return align(parse_layout(lay), items), split
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     samples=st.lists(st.lists(media, max_size=3), min_size=1, max_size=3),
@@ -94,32 +136,27 @@ def _case(samples, per_group, packed, fault, k):
     k=st.integers(0, 7),
 )
 def test_device_verdict_agrees_with_the_report(samples, per_group, packed, fault, k):
-    spec = QwenVLSpec(video_runs="per_group" if per_group else "one")
     ids, cu, grids = _case(samples, per_group, packed, fault, k)
     lay = TokenLayout(ids, G, cu)
     with count_transfers() as seen:
-        check = check_grids(lay, ids, grids, {"image": None, "video": None}, spec)
+        verdict, _ = _check(lay, ids, grids, per_group)
     assert sum(seen.values()) == 1
-    parsed = parse_layout(lay)
-    rows = host_rows(grids, spec)
-    items, item_row = token_items(rows, parsed, spec, {}, None)
-    report = report_for(parsed, items)
-    split = split_rows(report, item_row, rows)  # a video's groups in two samples
-    assert check.aligned == (report.ok and not split), (report.mismatched, report.orphans, check)
+    aligned = verdict.bad_runs == 0 and verdict.findings == 0
+    report, split = _report(lay, ids, grids, per_group)
+    assert aligned == (report.ok and not split), (report.mismatched, report.orphans, verdict)
     if fault == "none":
-        assert check.aligned
+        assert aligned
     if fault in ("grid_h", "extra_row") and any(samples):
-        assert not check.aligned
+        assert not aligned
 
 
 def test_pixel_rows_are_checked_against_the_grids():
-    spec = QwenVLSpec()
-    ids, cu, grids = _case([[("image", 1, 4, 4)]], False, False, "none", 0)
-    lay = TokenLayout(ids, G, cu)
-    ok = check_grids(lay, ids, grids, {"image": 16, "video": None}, spec)
-    bad = check_grids(lay, ids, grids, {"image": 15, "video": None}, spec)
-    assert ok.aligned and not ok.pixel_rows_bad and not ok.types_bad
-    assert bad.pixel_rows_bad and not bad.aligned
+    ids, _, grids = _case([[("image", 1, 4, 4)]], False, False, "none", 0)
+    mods = qwen.SPEC.modalities
+    for rows, bad in ((16, 0), (15, 1)):
+        inputs = _inputs(ids, grids, {"image": rows})
+        got = patch_rows_bad(inputs, mods)  # the device scalar the verdict reads
+        assert int(got) == bad
 
 
 # ---- the fingerprint: pinned to its formula, and the ids' part equal to the core's ---------
@@ -131,16 +168,23 @@ def _signed(v: int) -> int:
     return (v + 2**63) % 2**64 - 2**63
 
 
-def _reference_fingerprint(ids: torch.Tensor, grids) -> int:
+def _reference_fingerprint(ids: torch.Tensor, grids, per_group: bool = False) -> int:
     """The fingerprint in Python integers: ``sum((id + 1) * (pos * MIX + 1))`` over the flat
-    ids plus, per modality with rows, ``sum(g * (j * MIX_GRID + code + 1))`` over its flat
-    grid, mod 2**64 (the value every rank of a micro-batch group must reproduce bit for bit)."""
+    ids plus, per modality with items, ``sum(v * (j * MIX_GRID + code + 1))`` over its flat
+    ``[runs, tokens]`` table (from its grid rows), mod 2**64 (the value every rank of a
+    micro-batch group must reproduce bit for bit)."""
     fp = sum((int(t) + 1) * (p * MIX + 1) for p, t in enumerate(ids.reshape(-1).tolist()))
     for mod in ("image", "video"):
         g = grids.get(mod)
         if g is not None and g.shape[0]:
             code = G.modality_code(mod)
-            fp += sum(v * (j * MIX_GRID + code + 1) for j, v in enumerate(g.reshape(-1).tolist()))
+            table = []
+            for t, h, w in g.tolist():
+                runs, tokens = (
+                    (t, h * w // 4) if mod == "video" and per_group else (1, t * h * w // 4)
+                )
+                table += [runs if tokens else 0, tokens]
+            fp += sum(v * (j * MIX_GRID + code + 1) for j, v in enumerate(table))
     return _signed(fp)
 
 
@@ -154,18 +198,17 @@ def _reference_fingerprint(ids: torch.Tensor, grids) -> int:
     ],
 )
 def test_fingerprint_is_pinned_to_its_formula(samples, per_group, packed):
-    spec = QwenVLSpec(video_runs="per_group" if per_group else "one")
     ids, cu, grids = _case(samples, per_group, packed, "none", 0)
     ids[..., 0] = 2**40 + 12345  # large ids: the products wrap
     lay = TokenLayout(ids, G, cu)
-    check = check_grids(lay, ids, grids, {"image": None, "video": None}, spec)
-    assert check.fingerprint == _reference_fingerprint(ids, grids)
+    verdict, _ = _check(lay, ids, grids, per_group)
+    assert verdict.fingerprint == _reference_fingerprint(ids, grids, per_group)
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (2, 9), (3, 1000)])
 def test_text_only_fingerprint_equals_the_core_verify_fingerprint(shape):
     ids = torch.randint(0, 2**31, shape, generator=torch.Generator().manual_seed(shape[1]))
     lay = TokenLayout(ids, G)
-    check = check_grids(lay, ids, {"image": None, "video": None}, {}, QwenVLSpec())
+    verdict, _ = _check(lay, ids, {"image": None, "video": None}, False)
     core = verify(lay, ids.reshape(-1), [], [], None, None)
-    assert check.fingerprint == core.fingerprint == _reference_fingerprint(ids, {})
+    assert verdict.fingerprint == core.fingerprint == _reference_fingerprint(ids, {})

@@ -49,7 +49,10 @@ def test_one_rank_mismatched_raise_stops_every_rank():
     res = run_ranks(qwen_worker, 2, args=("raise",), timeout=150, pg_timeout=160)
     assert all(r["raised"] for r in res), res
     assert res[0]["culprit"] == 1 and "failed on rank 1 (step 5, sample 0)" in res[0]["msg"]
-    assert "rank 1, step 5" in res[1]["msg"] and "image grid row 0" in res[1]["msg"]
+    assert (
+        "rank 1, step 5" in res[1]["msg"]
+        and "image item 0 (112x168 (HxW), grid 1x8x12)" in res[1]["msg"]
+    )
     assert [r["tower_calls"] for r in res] == [0, 0]  # raised before the vision tower
 
 

@@ -1,7 +1,8 @@
-"""``set_items`` on the Qwen-VL pre-hook: one :class:`MediaItem` per grid row, checked against
-the grids. The count, the modalities and "samples for all or none" are checked when the call
-starts (``checks.meta_tensors``); a declared feature count is checked on the device with the
-runs and, when it disagrees with its grid row, named on the slow path (``plan.token_items``).
+"""``set_items`` on the Qwen-VL family (the ``inputs`` engine): one :class:`MediaItem` per grid
+row, checked against the grids. Items whose count or modalities do not match the grid rows, or
+that give samples for some items only, never take the device path and are named on the fault
+path (``vlm_items.call_items``, the guard's item checks); a declared feature count is checked
+on the device with the runs and, when it disagrees with its grid row, named on the fault path.
 Real tiny transformers Qwen2.5-VL, aligned batch (image, video, image)."""
 
 from __future__ import annotations
@@ -59,10 +60,10 @@ def _edit(items, what):
 @pytest.mark.parametrize(
     "what, match",
     [
-        ("count", r"set_items gave 1 items for 2 image and 1 video grid rows"),
-        ("modality", r"item 0 of the image rows has modality 'video'"),
-        ("some_samples", r"give MediaItem.sample for every item or for none"),
-        ("features", r"item 0 is image with \d+ features; grid row image\[0\] \(1, \d+, \d+\)"),
+        ("count", r"set_items gave 1 items \{'image': 1\} for this call's \{'image': 2"),
+        ("modality", r"set_items gave 3 items .* for this call's \{'image': 2, 'video': 1\}"),
+        ("some_samples", r"sample for every item or for none"),
+        ("features", r"item 0 is image with \d+ features; image grid row 0 \(1, \d+, \d+\)"),
     ],
 )
 def test_items_that_contradict_the_grids_are_input_errors(setup, what, match):

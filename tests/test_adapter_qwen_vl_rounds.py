@@ -80,7 +80,7 @@ def test_an_early_error_joins_the_round_once_as_fatal(model, name, edit, items):
 
 
 def test_a_failed_resize_falls_back_in_one_round(model, monkeypatch):
-    import megatron_media_guard.adapters.qwen_vl.plan as plan_mod
+    import megatron_media_guard.families.resize as plan_mod
 
     def boom(*a, **k):
         raise RuntimeError("out of memory (simulated)")

@@ -1,7 +1,7 @@
 """A Qwen3-VL video whose temporal groups land in two samples: every run has the length its
 grid row says and the batch totals agree, but the groups of one video (one grid row) feed the
 runs of two samples, so one sample would train on frames of the other's video. The pre-hook
-finds it on the device (a row's runs must lie in one sample) and never keeps or repairs it.
+finds it on the device (an item's runs must lie in one sample) and never keeps or repairs it.
 """
 
 from __future__ import annotations
@@ -12,21 +12,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_adapter_qwen_vl_checks import _check, _report
 
 from megatron_media_guard import Grammar, GuardConfig, MediaAlignmentError, MediaGuard
-from megatron_media_guard.adapters.qwen_vl.checks import QwenVLSpec, check_grids
-from megatron_media_guard.adapters.qwen_vl.plan import (
-    host_rows,
-    report_for,
-    split_rows,
-    token_items,
-)
-from megatron_media_guard.core.runs import TokenLayout, parse_layout
+from megatron_media_guard.core.runs import TokenLayout
 from megatron_media_guard.geometry import PatchMergeGeometry
 
 G = Grammar.qwen2_vl()
 VID, START, END, TEXT = G.placeholders["video"], G.start_id, G.end_id, 7
-SPEC = QwenVLSpec(video_runs="per_group")
 
 
 def _ids(groups_per_sample: list[int], packed: bool, cells: int = 4):
@@ -54,13 +47,10 @@ def test_a_video_row_across_two_samples_is_not_aligned(tokens, grid_t, split, pa
     ids, cu = _ids(tokens, packed)
     grids = {"image": None, "video": torch.tensor([[t, 4, 4] for t in grid_t])}
     lay = TokenLayout(ids, G, cu)
-    check = check_grids(lay, ids, grids, {"image": None, "video": None}, SPEC)
-    parsed = parse_layout(lay)
-    items, item_row = token_items(host_rows(grids, SPEC), parsed, SPEC, {}, None)
-    report = report_for(parsed, items)
+    verdict, _ = _check(lay, ids, grids, per_group=True)
+    report, found = _report(lay, ids, grids, per_group=True)
     assert report.ok  # each run is fed the length it holds: only the rows give it away
-    found = split_rows(report, item_row, host_rows(grids, SPEC))
-    assert check.aligned == (not split)
+    assert (verdict.bad_runs == 0) == (not split)
     assert bool(found) == split
 
 
@@ -127,12 +117,16 @@ def test_raise_names_the_split_row(tmp_path):
         pytest.raises(MediaAlignmentError) as err,
     ):
         _model()(**mixed)
-    thw = tuple(mixed["video_grid_thw"][0].tolist())
-    assert f"video grid row 0 {thw}: its 3 runs fall in samples [0, 1]" in str(err.value)
+    thw = mixed["video_grid_thw"][0].tolist()
+    msg = str(err.value)  # both samples, with the video's grid
+    assert "sample 0" in msg and "sample 1" in msg and f"grid {'x'.join(map(str, thw))}" in msg
     recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
     raised = [r for r in recs if r["event"] == "raise"]
     assert [r["sample"] for r in raised] == [0, 1]
-    assert all("samples [0, 1]" in r["reason"] for r in raised)
+    split = [r for r in recs if r["event"] == "check" and r["action"] == "split"]
+    assert [r["reason"] for r in split] == [
+        f"video 0 grid {tuple(thw)}: its runs fall in samples [0, 1]"
+    ]
 
 
 @settings(max_examples=60, deadline=None)
@@ -153,9 +147,7 @@ def test_any_group_moved_between_samples_is_found(ts, pick, packed):
     ids, cu = _ids(ts, packed)
     grids = {"image": None, "video": torch.tensor([[t, 4, 4] for t in grid_t])}
     lay = TokenLayout(ids, G, cu)
-    check = check_grids(lay, ids, grids, {"image": None, "video": None}, SPEC)
-    rows = host_rows(grids, SPEC)
-    parsed = parse_layout(lay)
-    items, item_row = token_items(rows, parsed, SPEC, {}, None)
-    assert check.aligned == (not moved)
-    assert bool(split_rows(report_for(parsed, items), item_row, rows)) == moved
+    verdict, _ = _check(lay, ids, grids, per_group=True)
+    _, found = _report(lay, ids, grids, per_group=True)
+    assert (verdict.bad_runs == 0) == (not moved)
+    assert bool(found) == moved

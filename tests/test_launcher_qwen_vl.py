@@ -20,7 +20,7 @@ from megatron_media_guard.adapters.launcher import (
     find_vlm,
     install_from_args,
 )
-from megatron_media_guard.adapters.qwen_vl.checks import spec_from_model
+from megatron_media_guard.families import qwen
 from megatron_media_guard.testing.qwen_vl import (
     Sample,
     seed_failure,
@@ -105,10 +105,10 @@ def test_install_from_args_guards_the_model_and_remove_restores_it(case):
         plain = model(**engine)[key]
     chunk = Wrapper(model)
     group = install_from_args([chunk], parse(["--media-guard-policy", "drop"]), environ={})
-    assert [h.kind for h in group] == ["qwen_vl", "step_end"]
+    assert [h.kind for h in group] == ["vlm", "step_end"]
     h = group[0]
     assert h.module is model and h.loss_mask_inplace
-    assert h.guard.grammar == spec_from_model(model).grammar()
+    assert h.guard.grammar == qwen.SPEC.grammar(model)
     assert type(h.guard.consensus).__name__ == "StageConsensus"
     assert h.guard.config.policy == "drop"
     with torch.no_grad():
@@ -144,7 +144,9 @@ def test_the_seed_failure_is_handled_as_the_arguments_say(case, argv, env, want)
     try:
         with torch.no_grad():
             if want == "raise":
-                with pytest.raises(MediaAlignmentError, match=r"image grid row 0 thw"):
+                with pytest.raises(
+                    MediaAlignmentError, match=r"image item 0 \(\d+x\d+ \(HxW\), grid 1x"
+                ):
                     model(**mixed)
             elif want == "unguarded":
                 assert len(group) == 0 and _state(model) == before

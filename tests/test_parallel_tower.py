@@ -104,8 +104,8 @@ def train_worker(rank: int, world: int, layout: str) -> dict:
 
     from megatron_media_guard import Grammar, GuardConfig, MediaGuard
     from megatron_media_guard.adapters import install_qwen_vl
-    from megatron_media_guard.adapters.qwen_vl.checks import spec_from_model
     from megatron_media_guard.diagnostics import RankInfo
+    from megatron_media_guard.families import qwen
     from megatron_media_guard.ranks.consensus import StageConsensus
     from megatron_media_guard.testing.qwen_vl import tiny_model
 
@@ -115,7 +115,8 @@ def train_worker(rank: int, world: int, layout: str) -> dict:
         for table in (model.model.language_model.embed_tokens, model.lm_head):
             table.requires_grad_(False)  # 19.4M of the 19.6M parameters: kept out for speed
         ref = copy.deepcopy(model)
-        spec = spec_from_model(model)
+        text_id = qwen.SPEC.text.resolve(model)  # a dropped sample's placeholders become it
+        merge = qwen.sizes(model)["merge"]
         guard = MediaGuard(
             GuardConfig(policy="drop"),
             grammar=Grammar.qwen2_vl(),
@@ -156,9 +157,9 @@ def train_worker(rank: int, world: int, layout: str) -> dict:
             want = {n: torch.zeros_like(p) for n, p in ref_params.items()}
             local = {}
             for r, (b, drop) in enumerate(per_rank):
-                hb, labels = _by_hand(b, drop, spec.text_id)
+                hb, labels = _by_hand(b, drop, text_id)
                 ref.zero_grad(set_to_none=True)
-                rl = _reference_loss(ref, hb, labels, spec.merge)
+                rl = _reference_loss(ref, hb, labels, merge)
                 rl.backward()
                 local[r] = float(rl)
                 for n, p in ref_params.items():

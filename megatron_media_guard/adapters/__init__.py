@@ -1,7 +1,8 @@
 """Adapters that guard the merge inside real model classes, per instance and reversibly.
 
 ``install_llava(model, guard)`` (megatron-core ``LLaVAModel``, 0.16 and 0.19),
-``install_qwen_vl(model, guard)`` (transformers and Megatron-Bridge Qwen2.5-VL / Qwen3-VL),
+``install_qwen_vl(model, guard)`` (transformers and Megatron-Bridge Qwen2.5-VL / Qwen3-VL: the
+``apply="inputs"`` engine under the family's name),
 ``install_mimo(model, guard)`` (megatron-core ``MimoModel``),
 ``install_vlm(model, config_or_guard, tokenizer)`` (every family of ``families/``) and
 ``install_generic(model, "merge_embeddings", guard)``; ``handle.remove()`` restores the
@@ -11,7 +12,7 @@ docs/MEGATRON.md and docs/QWEN_VL.md.
 
 The integration side: may import everything else in the package, torch.distributed and
 megatron-core (lazily, where a release may be absent). A model family with more than one
-module gets its own subpackage (``llava/``, ``qwen_vl/``); a one-module adapter stays a module.
+module gets its own subpackage (``llava/``); a one-module adapter stays a module.
 """
 
 # what the core calls but may not import (core/providers.py): the default consensus and rank,
@@ -22,7 +23,6 @@ from .generic import ArgMap, guard_merge_fn, infer_items, install_generic
 from .hooks import GuardHandle, HandleGroup, guarded_by
 from .llava.install import LlavaHandle, LlavaResult, install_llava
 from .mimo import install_mimo
-from .qwen_vl.install import QwenVLHandle
 from .vlm import VLMHandle
 from .vlm_inputs import InputsHandle
 from .vlm_install import install_qwen_vl, install_vlm
@@ -34,7 +34,6 @@ __all__ = [
     "InputsHandle",
     "LlavaHandle",
     "LlavaResult",
-    "QwenVLHandle",
     "VLMHandle",
     "guard_merge_fn",
     "guarded_by",

@@ -306,7 +306,7 @@ def install_from_args(
             auto_step_end=False if distributed else None,
         )
         # Bridge's forward steps build the loss from the caller's loss_mask: zero it in place
-        extra = {"loss_mask_inplace": True} if spec.apply in ("qwen_vl", "inputs") else {}
+        extra = {"loss_mask_inplace": True} if spec.apply == "inputs" else {}
         group.append(INSTALLERS[spec.apply](m, guards[kind], spec, tokenizer, **common, **extra))
     hook: Any = None
     if step_end in ("auto", "zero_grad_buffer"):

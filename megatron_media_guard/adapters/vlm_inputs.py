@@ -1,36 +1,69 @@
-"""The family engine for ``apply="inputs"`` specs: forwards that take no ``inputs_embeds``
-(Megatron-Bridge's ``Qwen3OmniThinkerModel``), so the guard cannot merge for them.
+"""The family engine for ``apply="inputs"`` specs: forwards whose model encodes and merges its
+media itself (the Qwen-VL family, transformers' and Megatron-Bridge's; Bridge's
+``Qwen3OmniThinkerModel``), so the guard checks and rewrites the inputs before the forward.
 
 The pre-hook reads the call's keyword arguments and
 
-1. sizes each item from its modality's ``counts`` (grids, masks, lengths: no tower runs, the
-   model encodes its media itself), lays the call's ``set_items`` on them and puts them in
-   token order (``core.interleave.token_order``, or the family's per-token types);
-2. plans through the guard (:meth:`MediaGuard.last_stage`, every planned repair attempted:
-   with nothing to re-encode into, a repair falls back with its reason), the fault path of
-   :func:`~megatron_media_guard.families.collate.check_batch`;
+1. sizes each item from its modality's ``counts`` (grids, masks, lengths: no tower runs) as
+   count tables that stay on the device, and checks every run against them there
+   (:func:`~..families.inputs.verify_tables`): the verdict is the aligned call's one
+   transfer, and the call is passed on untouched (packed THD rows are attributed from
+   ``packed_seq_params`` / ``cu_seq_lens_q``);
+2. otherwise (the fault path) reads the tables, lays the call's ``set_items`` on the items,
+   puts them in token order and plans through the guard (:meth:`MediaGuard.last_stage`):
+   a planned repair of a family with ``patches`` and a geometry resizes the item's patch rows
+   to the solved grid (:class:`~..families.resize.Resizer`; the geometry from the model's
+   config), an item whose runs lie in two samples is never kept or repaired;
 3. applies the plan by rewriting the inputs (:func:`~..families.inputs.drop_inputs`): a
    dropped sample's placeholders become the family's text token, its items' rows leave the
-   spec's ``rows`` / ``patches`` inputs, its labels are ignored and its ``loss_mask`` zeroed
-   (out of place, or in the caller's tensor with ``loss_mask_inplace``), so that the model's
-   own merge sees a consistent batch. An aligned call is passed on untouched; a text-only
-   call is planned the same way (no items: it joins the stage's round as every call does).
+   spec's ``rows`` / ``patches`` inputs, a repaired item's rows and grid row are replaced,
+   explicit samples' rows are fed in sample order, its labels are ignored and its
+   ``loss_mask`` zeroed (out of place, or in the caller's tensor with ``loss_mask_inplace``);
+   per-token inputs (``follow_ids``) that disagree with the ids are rebuilt from them and
+   ``position_ids`` recomputed by the model.
 
-Rows are samples: the Bridge forwards this serves refuse packed sequences.
+A text-only call is planned the same way (it joins the stage's round as every call does). When
+a call feeds the tower nothing (all dropped; text-only under ``keep_tower="always"``) the
+spec's ``dummy`` runs the tower on a minimal input (``adapters/tower.py``).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ..core.guard import MediaGuard
-from ..core.outcome import MergeResult
+from ..core.interleave import token_order
+from ..core.runs import TokenLayout
+from ..diagnostics import GuardRecord
+from ..errors import MediaInputError
 from ..families import FamilySpec
-from ..families.inputs import counted, drop_inputs, generated_as_text, gone_items, plan_items
+from ..families.inputs import (
+    count_tables,
+    counted,
+    drop_inputs,
+    generated_as_text,
+    gone_items,
+    on_device,
+    plan_items,
+    verify_tables,
+)
+from ..families.inputs_items import (
+    check_declared,
+    grids_of,
+    in_order,
+    meta_tables,
+    orphans,
+    sample_of,
+    sample_order,
+    split_items,
+)
+from ..families.resize import Resizer
 from ..families.spec import present
 from .forward_hook import CallArgs, ForwardHookHandle
+from .tower import tower_due
 from .vlm import MARK, call_view
 from .vlm_items import call_items, parents, typed_order
 
@@ -38,7 +71,10 @@ from .vlm_items import call_items, parents, typed_order
 class InputsHandle(ForwardHookHandle):
     """The installed pre-hook of one ``apply="inputs"`` model instance; the handle API of
     :class:`~.vlm.VLMHandle` (``last_result``: a :class:`MergeResult` without embeddings;
-    ``mask_loss``, ``set_items``, ``set_step``, ``remove()``, a context manager)."""
+    ``mask_loss``, ``set_items``, ``set_step``, ``remove()``, a context manager).
+    ``set_items``: one :class:`MediaItem` per model-level item (an image, a video: a grid
+    row), per modality in the model's order, adding ``sample``, ``sample_id``, ``source_hw``
+    and the ``num_features`` it expects."""
 
     MARK = MARK
 
@@ -56,59 +92,248 @@ class InputsHandle(ForwardHookHandle):
         self.spec = spec
         self.text_id = text_id  # what a dropped sample's placeholders become in input_ids
         self.loss_mask_inplace = loss_mask_inplace
+        # the repair geometry: the guard's, else the one the model's config gives
+        geo = guard.geometry
+        if geo is None and spec.geometry is not None and any(m.patches for m in spec.modalities):
+            geo = spec.geometry(model)
+        self.geometry = geo
 
     def _pre_hook(self, module: Any, args: tuple, kwargs: dict):
+        self.keeper.clear()  # a forward that raised leaves nothing behind
         try:
             call = CallArgs(self.sig, args, kwargs)
         except TypeError:
             return None  # the model reports its own signature error
+        if call.get("mm_encoder_outputs") is not None:
+            return None  # encoded before the forward (transformers' generate)
         ids = call.get("input_ids")
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
-            return None
-        view = call_view(call, ids)
-        mods = present(self.spec, view)  # none (text only): planned all the same (the round)
-        label = f"{self.spec.name} media guard"
-        return self.call(label, lambda step, mb: self._run(call, ids, view, mods, step, mb))
+        had = self._feeds(call)
+        new = None
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2:  # inputs_embeds only: no ids
+            view = call_view(call, ids)
+            mods = present(self.spec, view)  # none (text only): planned all the same
+            label = f"{self.spec.name} media guard"
+            new = self.call(label, lambda step, mb: self._run(call, ids, view, mods, step, mb))
+        self._keep_tower(module, call, had, ids)
+        return new
+
+    def _feeds(self, call: CallArgs) -> bool:
+        return any(call.get(m.inputs[0]) is not None for m in self.spec.modalities)
+
+    def _keep_tower(self, module: Any, call: CallArgs, had: bool, ids: Any) -> None:
+        """The spec's ``dummy`` tower call now, before the model's body, when this call feeds
+        the tower nothing (adapters/tower.py). A call with a KV cache (a decoding step) is not
+        a text-only micro-batch."""
+        dummy = self.spec.dummy
+        if dummy is None or (not had and call.get("past_key_values") is not None):
+            return
+        mode = self.guard.config.keep_tower
+        if tower_due(mode, had_media=had, feeds_media=self._feeds(call)):
+            self.keeper.run(lambda: dummy(module))
 
     def _post_hook(self, module: Any, args: tuple, kwargs: dict, out: Any) -> Any:
-        return None
+        return self.keeper.attach(out)
+
+    # ---- one call -----------------------------------------------------------------------
 
     def _run(self, call: CallArgs, ids: torch.Tensor, view: dict, mods, step, mb):
         guard, spec = self.guard, self.spec
-        encoded = counted(spec, mods, getattr(self.module, "config", None), view)
-        items, _, listed = call_items(mods, encoded, self.take_items())
-        parent = parents(mods, encoded)
-        if listed is None and spec.token_types:
-            listed = typed_order(ids, guard.grammar, mods, items, view.get(spec.token_types))
+        config = getattr(self.module, "config", None)
+        cu = packed_offsets(call, ids)
+        lay = TokenLayout(ids, guard.grammar, cu)
+        meta = self.take_items()
         labels, lmask = (view.get(n) for n in ("labels", "loss_mask"))
         labels = labels if isinstance(labels, torch.Tensor) else None
         lmask = lmask if isinstance(lmask, torch.Tensor) else None
-        kw = dict(labels=labels, loss_mask=lmask, step=step, microbatch=mb)
-        res, owner = plan_items(guard, ids, items, parent, listed, **kw)
-        self.record(res, ids, None)
-        new_ids = self._generated_as_text(res, ids)
-        dropped = set(res.report.dropped)
-        if not dropped and new_ids is ids:
-            return None  # the call as given: the model's own forward, bit for bit
-        out = {**view, "input_ids": new_ids}
-        if dropped:
-            gone = gone_items(res.report, owner)
-            out = drop_inputs(spec, out, mods, guard, dropped, gone, self.text_id)
-            if labels is not None:
-                out["labels"] = res.labels
-            if lmask is not None and self.loss_mask_inplace:
+        for m in mods:
+            for name, grid in m.patches.items():
+                if view.get(name) is not None and view.get(grid) is None:
+                    raise MediaInputError(f"{name} given without {grid}")
+        tables = count_tables(spec, mods, config, view)
+        rows = patch_rows_bad(view, mods)
+        types = self._types(view, ids)
+        ok, samples, declared = meta_tables(meta, mods, tables, lay.num_samples)
+        if on_device(spec) and ok:
+            # the runs against the tables on the device: the verdict (with the inputs' own
+            # checks) is the aligned call's one transfer
+            extra = [x for x in (rows, types) if x is not None]
+            verdict, got = verify_tables(lay, ids, mods, tables, samples, declared, extra)
+            rows_bad = got.pop(0) if rows is not None else 0
+            types_bad = got.pop(0) if types is not None else 0
+            if rows_bad:
+                raise MediaInputError(
+                    "pixel rows disagree with the grids (the patch rows must hold "
+                    f"sum(t*h*w) per modality: {', '.join(n for m in mods for n in m.patches)})"
+                )
+            if types_bad:  # the ids are the truth: the token types / masks follow them
+                self._note(
+                    step,
+                    mb,
+                    "rebuilt",
+                    f"{types_bad} positions of {_names(spec, view)} "
+                    "disagree with input_ids: rebuilt from the ids",
+                )
+            if verdict.bad_runs == 0 and verdict.findings == 0:
+                kw = dict(labels=labels, loss_mask=lmask, step=step, microbatch=mb)
+                self.record(guard.keep_all(lay, verdict, **kw), ids, cu)
+                if not types_bad:
+                    return None  # the call as given: the model's own forward, bit for bit
+                self._follow(call, ids)
+                return call.rebuild()
+        return self._diagnose(call, ids, view, mods, tables, meta, lay, cu, labels, lmask, step, mb)
+
+    def _diagnose(self, call, ids, view, mods, tables, meta, lay, cu, labels, lmask, step, mb):
+        guard, spec = self.guard, self.spec
+        config = getattr(self.module, "config", None)
+        encoded = counted(spec, mods, config, view, tables=tables)
+        items, _, listed = call_items(mods, encoded, meta)  # checks the items' modalities
+        check_declared(meta, mods, encoded)
+        parent = parents(mods, encoded)
+        grids = [g for m in mods for g in grids_of(encoded[m.name])]
+        items = [it if g is None else replace(it, grid_thw=g) for it, g in zip(items, grids)]
+        explicit = meta is not None and all(it.sample is not None for it in meta)
+        if explicit:
+            listed = None  # tied to their samples: token_order takes them per sample
+            if not in_order(meta):
+                self._note(
+                    step,
+                    mb,
+                    "reordered",
+                    "items out of token order (set_items samples "
+                    "decrease): their rows are fed in sample order",
+                )
+        if listed is None and spec.token_types:
+            listed = typed_order(ids, guard.grammar, mods, items, view.get(spec.token_types))
+        order = listed if listed is not None else token_order(ids, guard.grammar, items, parent)
+        items, parent = [items[i] for i in order], [parent[i] for i in order]
+        items, split = split_items(lay, items, parent)
+        for (mod, k), why in split.items():  # never kept or repaired: its samples mismatch
+            grid = next(
+                (it.grid_thw for it, p in zip(items, parent) if (it.modality, p) == (mod, k)), None
+            )
+            self._note(step, mb, "split", f"{mod} {k} grid {grid}: {why}")
+        rep = None
+        if self.geometry is not None and any(m.patches for m in mods):
+            rep = Resizer(mods, items, parent, view, self.geometry, split)
+        kw = dict(labels=labels, loss_mask=lmask, step=step, microbatch=mb, cu_seqlens=cu)
+        res, owner = plan_items(
+            guard, ids, items, parent, list(range(len(items))), encoder=rep, **kw
+        )
+        self.record(res, ids, cu)
+        report = res.report
+        new_ids = generated_as_text(report, ids, self.text_id, guard.config.generated)[0]
+        dropped = set(report.dropped)
+        gone = gone_items(report, owner) | orphans(report, owner)
+        kept = {s for s, a in enumerate(report.actions) if a in ("keep", "repair")}
+        owners = sample_of(report, owner)
+        fixed = rep.repaired(kept, owners) if rep is not None else {}
+        smp_order = sample_order(meta, mods) if explicit and not in_order(meta) else None
+        strays = lay.packed and bool(report.alignment and report.alignment.stray_findings)
+        if not (dropped or gone or fixed or smp_order or strays) and new_ids is ids:
+            self._follow(call, ids)  # the ids are the truth: given token types follow them
+            return call.rebuild() if call.changed else None  # else the model's own forward
+        out = drop_inputs(
+            spec,
+            {**view, "input_ids": new_ids},
+            mods,
+            guard,
+            dropped,
+            gone,
+            self.text_id,
+            cu=cu,
+            repaired=fixed,
+            order=smp_order,
+        )
+        if labels is not None and res.labels is not None:
+            out["labels"] = res.labels
+        if lmask is not None and dropped:
+            if self.loss_mask_inplace:
                 lmask.copy_(res.loss_mask)
-            elif lmask is not None:
+            else:
                 out["loss_mask"] = res.loss_mask.to(lmask.dtype)
         for name, value in out.items():
             if value is not view.get(name):
                 call.set(name, value)
+        self._follow(call, out["input_ids"])
+        if res.report.actions and all(a == "drop" for a in res.report.actions):
+            self.keeper.every_sample_dropped()
         return call.rebuild()
 
-    def _generated_as_text(self, res: MergeResult, ids: torch.Tensor) -> torch.Tensor:
-        """Placeholders the policy generated in kept samples (``GuardConfig.generated="text"``)
-        as the family's text token, so the model's merge does not count them."""
-        return generated_as_text(res.report, ids, self.text_id, self.guard.config.generated)[0]
+    # ---- the inputs' own checks and rebuilds ------------------------------------------
+
+    def _types(self, view: dict, ids: torch.Tensor) -> torch.Tensor | None:
+        """Device scalar: positions where the given per-token inputs (``follow_ids``)
+        disagree with what the ids say (the spec's ``derive``)."""
+        derive, bad = self.spec.derive, None
+        if derive is None:
+            return None
+        for name in self.spec.follow_ids:
+            given = view.get(name)
+            if isinstance(given, torch.Tensor):
+                want = derive(name, ids.to(given.device), self.guard.grammar)
+                b = torch.count_nonzero(given != want.to(given.dtype))
+                bad = b if bad is None else bad + b
+        return bad
+
+    def _follow(self, call: CallArgs, ids: torch.Tensor) -> None:
+        """The given per-token inputs rebuilt from ``ids`` (on their own device, in their own
+        dtype; the ids are the truth), and ``position_ids`` left to the model once the media
+        inputs changed (its positions follow the grids: transformers recomputes them from
+        ``mm_token_type_ids``, derived here when the forward takes it and none was given)."""
+        derive = self.spec.derive
+        if derive is None:
+            return
+        g, media_changed = self.guard.grammar, call.changed
+        for name in self.spec.follow_ids:
+            given = call.get(name)
+            if isinstance(given, torch.Tensor):
+                call.set(name, derive(name, ids.to(given.device), g).to(given.dtype))
+        if media_changed and call.get("position_ids") is not None:
+            call.set("position_ids", None)
+            for name in self.spec.follow_ids:
+                if name in call.names and call.get(name) is None:
+                    call.set(name, derive(name, ids, g))
+                    break
+
+    def _note(self, step, mb, action: str, reason: str) -> None:
+        """A ``check`` record: the inputs were put right without touching any sample."""
+        rec = GuardRecord(event="check", step=step, microbatch=mb, action=action, reason=reason)
+        self.guard.log.emit(rec)
 
 
-__all__ = ["InputsHandle"]
+def packed_offsets(call: CallArgs, ids: torch.Tensor) -> torch.Tensor | None:
+    """Sample offsets of a packed THD row: Megatron's ``packed_seq_params``
+    (``cu_seqlens_q_padded`` where set: where each sample starts in the row; else
+    ``cu_seqlens_q``) or transformers' ``cu_seq_lens_q``. None for ``[b, s]`` rows (each row
+    one sample)."""
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        return None
+    psp = call.get("packed_seq_params")
+    cu = None
+    if psp is not None and getattr(psp, "qkv_format", "thd") in (None, "thd"):
+        cu = getattr(psp, "cu_seqlens_q_padded", None)
+        if cu is None:
+            cu = getattr(psp, "cu_seqlens_q", None)
+    if cu is None:
+        cu = call.get("cu_seq_lens_q")
+    return None if cu is None else cu.to(ids.device)
+
+
+def patch_rows_bad(view, mods) -> torch.Tensor | None:
+    """Device scalar: patch inputs (``ModalitySpec.patches``) whose rows are not the sum of
+    their grid rows' ``t*h*w`` (read with the verdict; None when the call has none)."""
+    bad = None
+    for m in mods:
+        for name, grid in m.patches.items():
+            x, g = view.get(name), view.get(grid)
+            if isinstance(x, torch.Tensor) and isinstance(g, torch.Tensor):
+                b = (g.long().prod(-1).sum() != x.shape[0]).long()
+                bad = b if bad is None else bad + b
+    return bad
+
+
+def _names(spec: FamilySpec, view: dict) -> list[str]:
+    return sorted(n for n in spec.follow_ids if isinstance(view.get(n), torch.Tensor))
+
+
+__all__ = ["InputsHandle", "packed_offsets", "patch_rows_bad"]

@@ -1,7 +1,7 @@
 """``install_vlm``: find a model's family in the registry (``families.FAMILIES``) and install
 that family's guard: the family engine (``adapters/vlm.py``) for ``apply="embed"`` specs,
-its input rewrite (``adapters/vlm_inputs.py``) for ``apply="inputs"`` specs, Qwen-VL's input
-rewrite, or megatron-core's LLaVA / MIMO merge wrappers. One table, no
+its input rewrite (``adapters/vlm_inputs.py``) for ``apply="inputs"`` specs (the Qwen-VL
+family, Bridge's Qwen3-Omni thinker), or megatron-core's LLaVA / MIMO merge wrappers. One table, no
 if-chains; ``install_from_args`` uses the same one."""
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from ..errors import MediaInputError
 from ..families import FamilySpec, find_family, no_family
 from ..families.spec import check_tokenizer
 from .hooks import GuardHandle, ItemsProvider, StepProvider
-from .qwen_vl.install import install_handle as qwen_handle
 from .vlm import VLMHandle
 from .vlm_inputs import InputsHandle
 
@@ -45,7 +44,6 @@ def _mimo_grammar(spec: FamilySpec, model: Any, tokenizer: Any) -> Grammar:
 _GRAMMARS = {
     "embed": _embed_grammar,
     "inputs": _embed_grammar,
-    "qwen_vl": _embed_grammar,
     "llava": _llava_grammar,
     "mimo": _mimo_grammar,
 }
@@ -68,7 +66,7 @@ def guard_for(
 
 def _check_guard(spec: FamilySpec, model: Any, guard: MediaGuard, tokenizer: Any) -> None:
     if spec.apply not in ("embed", "inputs"):
-        return  # the megatron-core and Qwen-VL installers check their grammar themselves
+        return  # the megatron-core installers check their grammar themselves
     have = dict(guard.grammar.placeholders)
     want = {
         m.name: m.placeholder.resolve(model, tokenizer) for m in spec.modalities if not m.shares
@@ -80,12 +78,20 @@ def _check_guard(spec: FamilySpec, model: Any, guard: MediaGuard, tokenizer: Any
         )
 
 
-def _text_id(model, guard, spec, tokenizer) -> int:
-    text = spec.text.resolve(model, tokenizer)
-    if text is None or text in guard.grammar.placeholders.values():
+def _text_id(model, guard, spec, tokenizer, given: int | None = None) -> int:
+    """The text id a dropped sample's placeholders become: ``given`` (``drop_token_id=``),
+    else the spec's (the model config's pad token, ...); never a media token."""
+    text = spec.text.resolve(model, tokenizer) if given is None else int(given)
+    g = guard.grammar
+    if text is not None and text in (*g.placeholders.values(), *g.start_ids, *g.end_ids):
         raise MediaInputError(
-            f"{spec.name}: no text token id for a dropped sample's placeholders (got {text}); "
-            "set the model config's pad_token_id or pass a tokenizer"
+            f"{spec.name}: drop token id {text} is a media token of the model; pass a text id "
+            "(drop_token_id=)"
+        )
+    if text is None:
+        raise MediaInputError(
+            f"{spec.name}: no text token id for a dropped sample's placeholders; set the model "
+            "config's pad_token_id, pass a tokenizer or drop_token_id="
         )
     return text
 
@@ -95,13 +101,49 @@ def _install_embed(model, guard, spec, tokenizer=None, **kw) -> GuardHandle:
     return VLMHandle(model, guard, spec, text, **kw).install_hooks()
 
 
-def _install_inputs(model, guard, spec, tokenizer=None, **kw) -> GuardHandle:
-    text = _text_id(model, guard, spec, tokenizer)
+def _install_inputs(model, guard, spec, tokenizer=None, drop_token_id=None, **kw) -> GuardHandle:
+    _check_markers(spec, model, guard.grammar, tokenizer)
+    text = _text_id(model, guard, spec, tokenizer, drop_token_id)
+    _check_geometry(spec, model, guard.geometry)
     return InputsHandle(model, guard, spec, text, **kw).install_hooks()
 
 
-def _install_qwen(model, guard, spec, tokenizer=None, **kw) -> GuardHandle:
-    return qwen_handle(model, guard, **kw)
+def _check_markers(spec: FamilySpec, model: Any, grammar: Grammar, tokenizer: Any) -> None:
+    """The guard's placeholders and markers against the model's own (an input rewrite on the
+    wrong ids would feed the model's merge a batch it cannot take)."""
+    try:
+        want = spec.grammar(model, tokenizer)
+    except MediaInputError:
+        return  # the config lacks a marker: the guard's grammar is all there is to go by
+    got = (dict(grammar.placeholders), grammar.start_id, grammar.end_id)
+    exp = (dict(want.placeholders), want.start_id, want.end_id)
+    if got != exp:
+        raise MediaInputError(
+            f"the guard's grammar (placeholders, start, end) {got} differs from the model's "
+            f"config {exp}: build the guard with the family's grammar (FamilySpec.grammar)"
+        )
+
+
+def _check_geometry(spec: FamilySpec, model: Any, geo: Any) -> None:
+    """A guard's repair geometry against the model's config (patch, merge, temporal patch of
+    the spec's own geometry): a resize to the wrong patch grid would feed the tower garbage."""
+    if geo is None or spec.geometry is None:
+        return
+    own = spec.geometry(model)
+    names = [m.name for m in spec.modalities]
+    geos = geo.items() if isinstance(geo, dict) else [("*", geo)]
+    for name, g in geos:
+        if name not in ("*", *names):
+            raise MediaInputError(f"geometry keys are {names}, got {name!r}")
+        want = own.get(name if name != "*" else names[0]) if isinstance(own, dict) else own
+        if g is None or want is None:
+            continue
+        for attr in ("patch", "merge", "temporal_patch"):
+            have, need = getattr(g, attr, None), getattr(want, attr, None)
+            if have is not None and need is not None and have != need:
+                raise MediaInputError(
+                    f"the guard's {name} geometry has {attr}={have}, the model's config {need}"
+                )
 
 
 def _install_llava(model, guard, spec, tokenizer=None, **kw) -> GuardHandle:
@@ -122,7 +164,6 @@ def _install_mimo(model, guard, spec, tokenizer=None, **kw) -> GuardHandle:
 INSTALLERS = {
     "embed": _install_embed,
     "inputs": _install_inputs,
-    "qwen_vl": _install_qwen,
     "llava": _install_llava,
     "mimo": _install_mimo,
 }
@@ -146,8 +187,9 @@ def install_vlm(
     ``.module``, Megatron-Bridge's ``.llava_model``) and submodules are looked through. An
     unknown model raises, listing the families known. tokenizer: anything with
     ``convert_tokens_to_ids``, or a ``{token text: id}`` mapping, for markers the config lacks.
-    install_kw: passed to the family's installer (``loss_mask_inplace=`` for Qwen-VL and
-    ``apply="inputs"`` families).
+    install_kw: passed to the family's installer (``loss_mask_inplace=`` and
+    ``drop_token_id=`` for ``apply="inputs"`` families: the Qwen-VL family, Qwen3-Omni on
+    Bridge).
     """
     check_tokenizer(tokenizer, "install_vlm")
     target, spec = find_family(model)

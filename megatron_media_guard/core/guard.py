@@ -28,7 +28,7 @@ from .plan import Plan, build_plan
 from .providers import default_consensus, process_rank
 from .runs import TokenLayout, parse_layout
 from .validate import check_inputs, check_labels_dtype, check_masks
-from .verify import verify
+from .verify import Verdict, verify
 
 
 class MediaGuard:
@@ -219,6 +219,36 @@ class MediaGuard:
             )
 
         return self._guarded(prepare, step, microbatch, caller)
+
+    def keep_all(
+        self,
+        lay: TokenLayout,
+        verdict: Verdict,
+        *,
+        loss_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        step: int | None = None,
+        microbatch: int | None = None,
+    ) -> MergeResult:
+        """The aligned call of a check that verified the runs itself (the ``inputs`` mode's
+        :func:`~.verify_counts.verify_counts`: nothing bad in ``verdict``): every sample kept,
+        counted, and the stage's round joined as :meth:`last_stage` joins it. Nothing is read
+        from the device here."""
+        self.counters["merges"] += 1
+        self.counters["samples"] += lay.num_samples
+        plan = build_plan(lay.num_samples, (), verdict, None, self.config)
+        stage = self.settle(LocalOutcome.of_plan(plan, step, microbatch))
+        rep = GuardReport.of(
+            plan,
+            None,
+            verdict,
+            stage,
+            step=step,
+            microbatch=microbatch,
+            rank=self.rank.rank,
+            num_items=verdict.runs,
+        )
+        return MergeResult(None, loss_mask, labels, rep)
 
     def _guarded(self, prepare, step, microbatch, caller: str = "MediaGuard.merge") -> MergeResult:
         """Runs one guarded call; a library error gets the rank/step context, and any error

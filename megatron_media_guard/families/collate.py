@@ -34,9 +34,18 @@ from ..config import GuardConfig
 from ..core.guard import MediaGuard
 from ..core.items import MediaItem
 from ..core.outcome import GuardReport
+from ..core.runs import TokenLayout
 from ..errors import MediaInputError
 from . import FAMILIES
-from .inputs import counted, drop_inputs, gone_items, plan_items
+from .inputs import (
+    count_tables,
+    counted,
+    drop_inputs,
+    gone_items,
+    on_device,
+    plan_items,
+    verify_tables,
+)
 from .reprocess import Reprocessed, Reprocessor, replace_rows
 from .spec import FamilySpec, present
 
@@ -105,7 +114,15 @@ def check_batch(
         guard = MediaGuard(cfg, grammar, consensus=False, geometry=geo)
     text = spec.text.resolve(holder, tokenizer)
     mods = present(spec, batch)
-    encoded = counted(spec, mods, config, batch, items, CALLER)
+    tables = count_tables(spec, mods, config, batch, CALLER)
+    if on_device(spec):  # the runs against the tables on the device: one transfer
+        lay = TokenLayout(ids, guard.grammar)
+        verdict, _ = verify_tables(lay, ids, mods, tables)
+        if verdict.bad_runs == 0 and verdict.findings == 0:
+            labels = batch.get("labels")
+            res = guard.keep_all(lay, verdict, labels=labels, step=step)
+            return BatchCheck(dict(batch), res.report)
+    encoded = counted(spec, mods, config, batch, items, CALLER, tables)
     given = _given(mods, encoded, items)
     listed = [
         MediaItem(

@@ -19,25 +19,16 @@ from ..core.interleave import token_order
 from ..core.items import MediaItem
 from ..core.outcome import GuardReport, MergeResult
 from ..core.runs import TokenLayout
+from ..core.verify_counts import Expected, verify_counts
 from ..errors import MediaInputError
 from .spec import COUNT_COLUMNS, Encoded, FamilySpec, ModalitySpec
 
 
-def counted(
-    spec: FamilySpec,
-    mods: Sequence[ModalitySpec],
-    config: Any,
-    inputs,
-    items: Sequence[MediaItem] | None = None,
-    caller: str = "counts",
-) -> dict[str, Encoded]:
-    """Per modality, what its tower would produce, sized from ``inputs`` alone: an
-    :class:`Encoded` of zero-width ``[n, 0]`` features, one per run, ``parent`` the
-    model-level item (a video of several runs shares one), with its frames, frame size and
-    grid where the inputs say them. Every modality's :func:`~.spec.count_table` comes to the
-    host in one transfer. ``items``: one per model-level item, per modality in the model's
-    order; a ``split="items"`` modality's items are cut by their ``num_features`` (``caller``
-    names the function that was called, in the errors)."""
+def count_tables(
+    spec: FamilySpec, mods: Sequence[ModalitySpec], config: Any, inputs, caller: str = "counts"
+) -> list[torch.Tensor]:
+    """Per modality of ``mods``, its :func:`~.spec.count_table` from ``inputs`` alone, full
+    width, on the inputs' device (nothing is read on the host here)."""
     tables = []
     for m in mods:
         if m.counts is None:
@@ -53,10 +44,32 @@ def counted(
                 f"processor returns it beside {m.inputs[0]!r}: pass it in the batch)"
             ) from None
         tables.append(_table(got, spec, m, caller))
+    return tables
+
+
+def counted(
+    spec: FamilySpec,
+    mods: Sequence[ModalitySpec],
+    config: Any,
+    inputs,
+    items: Sequence[MediaItem] | None = None,
+    caller: str = "counts",
+    tables: Sequence[torch.Tensor] | None = None,
+) -> dict[str, Encoded]:
+    """Per modality, what its tower would produce, sized from ``inputs`` alone: an
+    :class:`Encoded` of zero-width ``[n, 0]`` features, one per run, ``parent`` the
+    model-level item (a video of several runs shares one), with its frames, frame size and
+    grid where the inputs say them. Every modality's :func:`~.spec.count_table` (``tables``
+    where :func:`count_tables` already made them) comes to the host in one transfer.
+    ``items``: one per model-level item, per modality in the model's order; a
+    ``split="items"`` modality's items are cut by their ``num_features`` (``caller`` names
+    the function that was called, in the errors)."""
+    if tables is None:
+        tables = count_tables(spec, mods, config, inputs, caller)
     if not tables:
         return {}
-    # the call's one transfer for its counts: every modality's table at once
-    host = to_host(torch.cat(tables), why="per-item counts from the inputs").tolist()
+    # the fault path's (or an unverifiable spec's) read of every modality's counts at once
+    host = to_host(torch.cat(list(tables)), why="per-item counts from the inputs").tolist()
     out: dict[str, Encoded] = {}
     for m, t in zip(mods, tables):
         rows, host = host[: t.shape[0]], host[t.shape[0] :]
@@ -64,6 +77,42 @@ def counted(
             rows = _cut(spec, m, rows, [it for it in items or () if it.modality == m.name], caller)
         out[m.name] = _encoded(rows)
     return out
+
+
+def on_device(spec: FamilySpec) -> bool:
+    """Whether the spec's calls are verified against their count tables on the device (one
+    transfer, :func:`verify_tables`): every modality has its own placeholder token and its
+    tables say its items (no ``shares``, no ``token_types``, no ``split``)."""
+    return not spec.token_types and all(
+        m.shares is None and m.split is None and m.counts is not None for m in spec.modalities
+    )
+
+
+def verify_tables(
+    lay: TokenLayout,
+    ids: torch.Tensor,
+    mods: Sequence[ModalitySpec],
+    tables: Sequence[torch.Tensor],
+    samples: Mapping[str, torch.Tensor] | None = None,
+    declared: Mapping[str, torch.Tensor] | None = None,
+    extra: Sequence[torch.Tensor] = (),
+):
+    """The call's runs against the modalities' count ``tables`` on the device
+    (:func:`~..core.verify_counts.verify_counts`): ``(verdict, extra values)`` in one
+    transfer. samples / declared: per modality, per model-level item its sample (explicit
+    items) and the features its caller's item declares."""
+    g = lay.grammar
+    expected = [
+        Expected(
+            g.modality_code(m.name),
+            t[:, 0],
+            t[:, 1],
+            (samples or {}).get(m.name),
+            (declared or {}).get(m.name),
+        )
+        for m, t in zip(mods, tables)
+    ]
+    return verify_counts(lay, ids, expected, extra)
 
 
 def _table(t: Any, spec: FamilySpec, m: ModalitySpec, caller: str) -> torch.Tensor:
@@ -157,21 +206,30 @@ def drop_inputs(
     gone: set[tuple[str, int]],
     text: int,
     spans: Mapping[str, Sequence[int]] | None = None,
+    cu: torch.Tensor | None = None,
+    repaired: Mapping[tuple[str, int], tuple[Sequence[int], torch.Tensor | None]] | None = None,
+    order: Mapping[str, Sequence[int]] | None = None,
 ) -> dict[str, Any]:
     """``inputs`` with the dropped samples' placeholders as ``text`` (and 0 in the spec's
     ``follow_ids``), their items' rows out of the modalities' ``rows`` and ``patches``
     inputs (an input left with no row becomes None). ``spans``: per modality, the rows of
     its ``rows`` inputs each model-level item holds (default one; :attr:`Encoded.spans`).
-    Labels are the caller's to mask."""
+    cu: the packed row's sample offsets. repaired: ``{(modality, k): (grid row, patch
+    rows)}`` of the kept items a repair resized (:class:`~.resize.Resizer`). order: per
+    modality, the sample of each model-level item (explicit samples): the kept ones are fed
+    in sample order, the order the model gives them to the runs. Labels are the caller's to
+    mask."""
     ids = inputs["input_ids"]
-    lay = TokenLayout(ids, guard.grammar)
+    lay = TokenLayout(ids, guard.grammar, cu)
     keep = torch.ones(lay.num_samples, dtype=torch.bool)
     keep[sorted(dropped)] = False
     marks = (*guard.grammar.start_ids, *guard.grammar.end_ids) if spec.drop_markers else ()
     out = {**inputs, **placeholders_as_text(spec, inputs, lay, keep.to(ids.device), text, marks)}
     n = {m.name: n_items(m, inputs, (spans or {}).get(m.name)) for m in mods}
     kept = {m.name: [k for k in range(n[m.name]) if (m.name, k) not in gone] for m in mods}
-    out.update(take_items(inputs, mods, kept, spans=spans))
+    for name, smp in (order or {}).items():
+        kept[name] = sorted(kept.get(name, ()), key=lambda k: smp[k])  # stable
+    out.update(take_items(inputs, mods, kept, spans=spans, repaired=repaired))
     for m in mods:
         for name in m.groups:
             t = inputs.get(name)
@@ -301,12 +359,15 @@ def take_items(
 
 
 __all__ = [
+    "count_tables",
     "counted",
     "drop_inputs",
     "generated_as_text",
     "gone_items",
     "n_items",
+    "on_device",
     "placeholders_as_text",
     "plan_items",
     "take_items",
+    "verify_tables",
 ]

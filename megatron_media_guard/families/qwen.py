@@ -9,9 +9,11 @@
   (the video is the groups' model-level item); ``pixel_values_videos`` with ``video_grid_thw``.
 
 Every item's count is a pure function of its grid row, which also drives MRoPE and (Qwen3-VL)
-the deepstack injections, so the forward's inputs are checked and rewritten before the vision
-tower (the Qwen-VL pre-hook, ``adapters/qwen_vl/``, docs/QWEN_VL.md) and the data-side check
-(:func:`~.collate.check_batch`) sizes the items from the grids alone. Token ids and sizes from
+the deepstack injections, so the spec is ``apply="inputs"``: the forward's inputs are checked
+and rewritten before the vision tower (``adapters/vlm_inputs.py``, docs/QWEN_VL.md), and the
+data-side check (:func:`~.collate.check_batch`) sizes the items from the grids alone.
+``mm_token_type_ids`` (transformers) and ``image_input_mask`` / ``video_input_mask``
+(Bridge) follow the ids (:func:`derive`); :func:`dummy` runs the vision tower on one cell. Token ids and sizes from
 ``model.config`` (Bridge's provider holds the same names), else the Qwen2 tokenizer's ids.
 Repair geometry (:func:`geometry`) from the vision config: patch, merge and temporal patch of
 the model, the pixel budgets of the processor's defaults.
@@ -21,6 +23,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from ..core.grammar import Grammar
 from ..geometry import PatchMergeGeometry
 from .mrope import grid_counts
 from .spec import FamilySpec, ModalitySpec, Token, attr_path, model_encodes
@@ -87,10 +92,53 @@ def _counts(kind: str):
 
     def counts(config: Any, kw) -> list[list[int]]:
         per_run = kind == "video" and is_qwen3(config)
-        m = sizes(config)["merge"]
-        return grid_counts(f"{kind}_grid_thw", per_run, m * m)(config, kw)
+        s = sizes(config)
+        return grid_counts(f"{kind}_grid_thw", per_run, s["merge"] ** 2, s["patch"])(config, kw)
 
     return counts
+
+
+def derive(name: str, ids: torch.Tensor, grammar: Grammar) -> torch.Tensor:
+    """What the ids say ``name`` must be: ``mm_token_type_ids`` 0 text / 1 image / 2 video
+    (int32), or Bridge's boolean ``image_input_mask`` / ``video_input_mask``."""
+    image = grammar.placeholders.get("image", -1)
+    video = grammar.placeholders.get("video", -1)
+    if name == "image_input_mask":
+        return ids == image
+    if name == "video_input_mask":
+        return ids == video
+    tt = torch.zeros_like(ids, dtype=torch.int32)
+    tt.masked_fill_(ids == image, 1)
+    return tt.masked_fill_(ids == video, 2)
+
+
+def vision_tower(model: Any) -> Any:
+    """The vision tower of a transformers or Megatron-Bridge Qwen-VL model (None if not here:
+    a pipeline stage without it)."""
+    return attr_path(model, "visual", "model.visual", "vision_model")
+
+
+def dummy(model: Any) -> Any:
+    """The model's own vision tower on one ``merge x merge`` cell of zeros (grid
+    ``[[1, merge, merge]]``: the smallest input it takes), in the tower's parameter dtype
+    (``keep_tower``); None when the model has no tower here."""
+    tower = vision_tower(model)
+    if tower is None:
+        return None
+    p = next((p for p in tower.parameters() if p.is_floating_point()), None)
+    dtype = p.dtype if p is not None else torch.float32
+    device = p.device if p is not None else torch.device("cpu")
+    s = sizes(model)
+    cfg = getattr(model, "config", None)
+    channels = attr_path(cfg, "vision_config.in_channels", "vision_config.in_chans")
+    dim = (3 if channels is None else int(channels)) * s["temporal_patch"] * s["patch"] ** 2
+    m = s["merge"]
+    cell = torch.zeros(m * m, dim, dtype=dtype, device=device)
+    grid = torch.tensor([[1, m, m]], dtype=torch.long).to(device, non_blocking=True)
+    try:
+        return tower(cell, grid_thw=grid)
+    except TypeError:  # Bridge's Qwen3-VL vision model takes keywords only
+        return tower(hidden_states=cell, grid_thw=grid)
 
 
 _VISION = dict(
@@ -132,5 +180,7 @@ SPEC = FamilySpec(
     text=Token(("pad_token_id", "text_config.pad_token_id"), "<|endoftext|>", 151643),
     geometry=geometry,
     follow_ids=_TYPES,
-    apply="qwen_vl",
+    apply="inputs",
+    dummy=dummy,
+    derive=derive,
 )

@@ -21,7 +21,7 @@ from ..core.grammar import Grammar
 from ..errors import MediaInputError
 
 ModalityName = Literal["image", "video", "audio"]
-Apply = Literal["embed", "inputs", "qwen_vl", "llava", "mimo"]
+Apply = Literal["embed", "inputs", "llava", "mimo"]
 
 
 def attr_path(obj: Any, *names: str) -> Any:
@@ -237,8 +237,7 @@ class FamilySpec:
     ``apply``: ``"embed"`` (the guard merges and passes ``inputs_embeds``), ``"inputs"``
     (for forwards that take no ``inputs_embeds``: the items sized by each modality's
     ``counts``, the plan applied by rewriting the inputs, the model's own merge run on them;
-    ``encode`` is never called), ``"qwen_vl"`` (the Qwen-VL input rewrite, for models whose
-    positions follow their grids), ``"llava"`` / ``"mimo"`` (megatron-core's merge methods,
+    ``encode`` is never called), ``"llava"`` / ``"mimo"`` (megatron-core's merge methods,
     wrapped). ``detect``: a test of the model
     beside ``classes`` (megatron-core's classes, matched by isinstance or their methods).
 
@@ -263,6 +262,9 @@ class FamilySpec:
     sample's start / end markers become ``text`` too when the inputs are rewritten
     (:func:`~.collate.check_batch`), for forwards that count regions by their markers
     (Qwen3-Omni's rope pairs each audio start with the next clip's length).
+    ``derive(name, ids, grammar)``: what the per-token input ``name`` (one of ``follow_ids``)
+    must be for ``ids`` (``apply="inputs"``: a given one that disagrees is rebuilt from the
+    ids, and one the forward needs to recompute its positions is made).
     """
 
     name: str
@@ -281,6 +283,7 @@ class FamilySpec:
     token_types: str | None = None
     dummy: Callable[[Any], Any] | None = None
     drop_markers: bool = False
+    derive: Callable[[str, torch.Tensor, Grammar], torch.Tensor] | None = None
 
     def matches(self, model: Any) -> bool:
         if self.detect is not None and self.detect(model):

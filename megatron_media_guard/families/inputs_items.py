@@ -1,0 +1,161 @@
+"""The ``inputs`` mode's items beside their count tables: the call's ``set_items`` checked
+against the tables (on the device path: host shapes only; on the fault path: the declared
+counts named with their grids), an item whose runs lie in two samples tied to one (never
+kept or repaired), the items no run takes, and the samples the rewrite feeds rows in."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+
+from ..core.items import MediaItem
+from ..core.runs import TokenLayout, parse_layout
+from ..errors import MediaInputError
+
+
+def in_order(meta: Sequence[MediaItem]) -> bool:
+    """Whether each modality's items come in sample order."""
+    last: dict[str, int] = {}
+    for it in meta:
+        if it.sample is not None:
+            if it.sample < last.get(it.modality, -1):
+                return False
+            last[it.modality] = it.sample
+    return True
+
+
+def meta_tables(meta, mods, tables, num_samples: int):
+    """``(ok, samples, declared)``: whether the call's ``set_items`` (if any) can be checked
+    on the device, and then per modality the sample (None: not given) and the declared
+    features of each model-level item. Not where they do not match the tables' rows (host
+    shapes) or a modality's samples decrease: the fault path says what is wrong, or feeds
+    the rows in sample order."""
+    if meta is None:
+        return True, None, None
+    mine = {m.name: [it for it in meta if it.modality == m.name] for m in mods}
+    if sum(map(len, mine.values())) != len(meta):
+        return False, None, None
+    if any(len(mine[m.name]) != t.shape[0] for m, t in zip(mods, tables)):
+        return False, None, None
+    given = [it.sample is not None for it in meta]
+    if any(given) and (not all(given) or not in_order(meta)):
+        return False, None, None
+    if any(given) and any(not 0 <= it.sample < num_samples for it in meta):
+        return False, None, None
+
+    def dev(values, t):
+        return torch.tensor(values, dtype=torch.long).to(t.device, non_blocking=True)
+
+    declared = {
+        m.name: dev([it.num_features for it in mine[m.name]], t) for m, t in zip(mods, tables)
+    }
+    if not any(given):
+        return True, None, declared
+    samples = {m.name: dev([it.sample for it in mine[m.name]], t) for m, t in zip(mods, tables)}
+    return True, samples, declared
+
+
+def check_declared(meta, mods, encoded) -> None:
+    """An item of ``set_items`` whose ``num_features`` is not its inputs' count (the runs of
+    its model-level item in all), named with its grid."""
+    if meta is None:
+        return
+    rank: dict[str, int] = {}
+    for g, it in enumerate(meta):
+        enc = encoded.get(it.modality)
+        if enc is None:
+            continue
+        k = rank.get(it.modality, 0)
+        rank[it.modality] = k + 1
+        mine = [i for i, p in enumerate(enc.parent) if p == k]
+        if not mine:
+            continue
+        total = sum(int(enc.features[i].shape[0]) for i in mine)
+        if it.num_features != total:
+            grid = enc.grid[mine[0]] if enc.grid else None
+            raise MediaInputError(
+                f"item {g} is {it.modality} with {it.num_features} features; {it.modality} "
+                f"grid row {k} {grid} gives {total}",
+                context={"item": g, "grid_thw": list(grid) if grid else None},
+            )
+
+
+def split_items(lay: TokenLayout, items: list[MediaItem], parent: list[int]):
+    """Items (token order) of a model-level item whose runs lie in more than one sample (a
+    Qwen3-VL video's temporal groups split between samples), tied to the sample of its first
+    run, so that no sample keeps them; and per such item why (the repair refuses it). Reads
+    the runs only when a model-level item has several (a transfer, fault path)."""
+    keys = [(it.modality, p) for it, p in zip(items, parent)]
+    if len(set(keys)) == len(keys):
+        return items, {}
+    runs = parse_layout(lay).runs
+    seen: dict[str, int] = {}
+    run_sample: list[int | None] = []
+    by_mod: dict[str, list] = {}
+    for r in runs:
+        by_mod.setdefault(r.modality, []).append(r.sample)
+    for it in items:
+        tok = lay.grammar.token_modality(it.modality)
+        k = seen.get(tok, 0)
+        seen[tok] = k + 1
+        got = by_mod.get(tok, [])
+        run_sample.append(got[k] if k < len(got) else None)
+    where: dict[tuple, set] = {}
+    for key, s in zip(keys, run_sample):
+        if s is not None:
+            where.setdefault(key, set()).add(s)
+    split = {key: smp for key, smp in where.items() if len(smp) > 1}
+    if not split or any(it.sample is not None for it in items) or None in run_sample:
+        why = {k: f"its runs fall in samples {sorted(v)}" for k, v in split.items()}
+        return items, why
+    first = {}
+    for key, s in zip(keys, run_sample):
+        first.setdefault(key, s)
+    tied = [
+        replace(it, sample=first[key] if key in split else s)
+        for it, key, s in zip(items, keys, run_sample)
+    ]
+    why = {k: f"its runs fall in samples {sorted(v)}" for k, v in split.items()}
+    return tied, why
+
+
+def grids_of(enc) -> list:
+    """Per item of ``enc`` its grid (named in the records), None where the inputs give none."""
+    return list(enc.grid) if enc.grid else [None] * len(enc.features)
+
+
+def orphans(report, owner) -> set[tuple[str, int]]:
+    """Model-level items of which no run is tied to a sample (they leave the inputs)."""
+    rep = report.alignment
+    if rep is None:
+        return set()
+    tied = {i for r in rep.samples for i in r.items}
+    used = {owner[i] for i in tied}
+    return {o for i, o in enumerate(owner) if i not in tied and o not in used}
+
+
+def sample_of(report, owner) -> dict[tuple[str, int], int]:
+    """Per model-level item tied to a run, its sample."""
+    rep = report.alignment
+    if rep is None:
+        return {}
+    return {owner[i]: r.sample for r in rep.samples for i in r.items}
+
+
+def sample_order(meta, mods) -> dict[str, list[int]]:
+    """Per modality, the sample ``set_items`` gives each model-level item."""
+    return {m.name: [it.sample for it in meta if it.modality == m.name] for m in mods}
+
+
+__all__ = [
+    "check_declared",
+    "grids_of",
+    "in_order",
+    "meta_tables",
+    "orphans",
+    "sample_of",
+    "sample_order",
+    "split_items",
+]
