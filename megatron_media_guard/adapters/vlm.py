@@ -7,8 +7,11 @@ model instance that
 
 1. encodes each modality the call carries through the model's *own* feature method (the
    tower runs where the model would run it: before the decoder, once, on every rank);
-2. puts the items in token order (one stream per placeholder token; streams that share a
-   token, Nemotron's images and video tubelets, are interleaved by length on the host);
+2. hands the items to the merge in that order; where the call mixes modalities, or a
+   modality's counts live on the device (audio clips cut by their masks), the merge reads
+   the runs and the counts with its verdict, in its one transfer, and puts the items in token
+   order from them (one stream per placeholder token; streams that share a token, Nemotron's
+   images and video tubelets, are interleaved by length, or by the family's token types);
 3. merges them with :meth:`MediaGuard.merge` (per-run check, plan, repair / drop / raise,
    records, bundle, consensus: the one fault path) into the model's own token embeddings;
 4. lets the model's forward run on ``inputs_embeds`` with the media inputs taken out, and the
@@ -29,7 +32,7 @@ from typing import Any
 import torch
 
 from ..core.guard import MediaGuard
-from ..core.interleave import token_order
+from ..core.interleave import RunOrder, order_runs
 from ..core.outcome import MergeResult
 from ..core.repairs import media_hw
 from ..core.runs import TokenLayout, parse_layout
@@ -38,7 +41,14 @@ from ..families.inputs import generated_as_text, placeholders_as_text, take_item
 from ..families.spec import Merged, ModalitySpec, present
 from .forward_hook import CallArgs, ForwardHookHandle
 from .tower import tower_due
-from .vlm_items import call_items, cut_blocks, parents, typed_order
+from .vlm_items import (
+    call_items,
+    counted,
+    cut_blocks,
+    parents,
+    typed_keys,
+    typed_runs_order,
+)
 
 MARK = "_media_guard_vlm"
 PIXELS_FLAG = "_media_guard_pixels"  # tells a spec's encode to cut per-item pixels (repair)
@@ -98,11 +108,29 @@ class VLMHandle(ForwardHookHandle):
         encoded = cut_blocks(mods, encoded, meta, ids, guard, step, mb)
         items, feats, listed = call_items(mods, encoded, meta)
         parent = parents(mods, encoded)
-        if listed is None and spec.token_types:
-            listed = typed_order(ids, guard.grammar, mods, items, call.get(spec.token_types))
-        order = listed if listed is not None else token_order(ids, guard.grammar, items, parent)
-        items = [items[i] for i in order]
-        feats = [feats[i] for i in order]
+        # several modalities, or counts on the device: the token order and the counts come
+        # with the verdict, in its one transfer (core/interleave.RunOrder)
+        late, decided, cut, sized = None, [], [], counted(mods, encoded, items)
+        checks = tuple(encoded[m.name].check for m in mods if encoded[m.name].check is not None)
+        mixed = listed is None and len({it.modality for it in items}) > 1
+        if sized is not None or mixed or checks:
+            types = call.get(spec.token_types) if spec.token_types else None
+            types = typed_keys(guard.grammar, mods, types)
+
+            def order_of(runs, got) -> list[int]:
+                typed = None if types is None else typed_runs_order(runs, guard.grammar, mods, got)
+                decided.append(listed or typed or order_runs(runs, guard.grammar, got, parent))
+                return decided[-1]
+
+            def resize(sizes: list[int]):
+                cut.append(sized[1](sizes))
+                return cut[-1]
+
+            counts, probe = (sized[0], sized[2]) if sized else (None, None)
+            late = RunOrder(order_of, types, counts, resize if sized else None, probe, checks)
+        order = listed or list(range(len(items)))
+        if late is None:  # token order known: the set_items order, or one modality's
+            items, feats = [items[i] for i in order], [feats[i] for i in order]
         emb = self._embed(ids)
         labels = call.get("labels")
         res = guard.merge(
@@ -114,7 +142,12 @@ class VLMHandle(ForwardHookHandle):
             step=step,
             microbatch=mb,
             encoder=_repair_encoder(model, mods),
+            order=late,
         )
+        if late is not None:  # the items as the merge cut them, in the order it found
+            items, feats = cut[-1] if cut else (items, feats)
+            order = decided[-1]
+            items, feats = [items[i] for i in order], [feats[i] for i in order]
         self.record(MergeResult(None, res.loss_mask, res.labels, res.report), ids, None)
         emb, ids = self._generated_as_text(res, ids)
         call.set("inputs_embeds", emb)

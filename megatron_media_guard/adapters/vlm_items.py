@@ -10,12 +10,12 @@ from dataclasses import replace
 import torch
 
 from ..core.guard import MediaGuard
-from ..core.host import to_host
+from ..core.interleave import Run, read_runs
 from ..core.items import MediaItem
 from ..core.runs import TokenLayout, parse_layout
 from ..diagnostics import GuardRecord
 from ..errors import MediaInputError
-from ..families.spec import Encoded, ModalitySpec
+from ..families.spec import Encoded, ModalitySpec, cut_counted
 
 
 def cut_blocks(
@@ -85,9 +85,10 @@ def call_items(
     first: dict[str, list[int]] = {}  # modality -> per model-level item, its first item index
     for m in mods:
         enc = encoded[m.name]
-        parents = enc.parent or tuple(range(len(enc.features)))
+        pieces = _pieces(enc)
+        parents = enc.parent or tuple(range(len(pieces)))
         starts = first.setdefault(m.name, [])
-        for k, f in enumerate(enc.features):
+        for k, f in enumerate(pieces):
             if parents[k] == len(starts):
                 starts.append(len(items))
             items.append(
@@ -139,8 +140,56 @@ def parents(mods: Sequence[ModalitySpec], encoded: dict[str, Encoded]) -> list[i
     out: list[int] = []
     for m in mods:
         enc = encoded[m.name]
-        out += list(enc.parent or range(len(enc.features)))
+        out += list(enc.parent or range(len(_pieces(enc))))
     return out
+
+
+def _pieces(enc: Encoded) -> tuple[torch.Tensor, ...]:
+    """The items' features; an ``Encoded.counts`` block's items as empty placeholders (their
+    counts come with the merge's verdict: :func:`counted`)."""
+    if enc.counts is None:
+        return enc.features
+    (block,) = enc.features
+    return (block.new_zeros((0, block.shape[-1])),) * int(enc.counts.shape[0])
+
+
+def counted(mods: Sequence[ModalitySpec], encoded: dict[str, Encoded], items: list[MediaItem]):
+    """Where a modality's counts are on the device (``Encoded.counts``): ``(counts, resize,
+    probe)`` for :class:`~megatron_media_guard.core.interleave.RunOrder` (every item's count
+    in consumption order; host counts -> the items and their features cut by them; the blocks
+    for the NaN/Inf check, each padded block's rows past its items' counts zeroed), else
+    None."""
+    late = [encoded[m.name] for m in mods if encoded[m.name].counts is not None]
+    if not late:
+        return None
+    dev = late[0].counts.device
+    parts, probe = [], []
+    for m in mods:
+        enc = encoded[m.name]
+        if enc.counts is None:
+            known = torch.tensor([int(f.shape[0]) for f in enc.features])
+            parts.append(known.to(dev, non_blocking=True))  # host to device: no sync
+            continue
+        parts.append(enc.counts.to(dev).long())
+        (block,) = enc.features
+        if block.dim() == 3:  # the padding's rows hold no item: out of the check
+            valid = torch.arange(block.shape[1], device=block.device) < enc.counts[:, None]
+            block = torch.where(valid[..., None], block, 0)
+        probe.append(block.reshape(-1))
+
+    def resize(sizes: list[int]):
+        feats: list[torch.Tensor] = []
+        for m in mods:
+            enc = encoded[m.name]
+            if enc.counts is None:
+                feats += enc.features
+            else:
+                n = int(enc.counts.shape[0])
+                feats += cut_counted(enc.features[0], sizes[len(feats) : len(feats) + n])
+        got = [replace(it, num_features=int(f.shape[0])) for it, f in zip(items, feats)]
+        return got, feats
+
+    return torch.cat(parts), resize, torch.cat(probe)
 
 
 def _end_of(items: list[MediaItem], lo: int, modality: str) -> int:
@@ -152,25 +201,37 @@ def _end_of(items: list[MediaItem], lo: int, modality: str) -> int:
 
 def typed_order(ids, grammar, mods, items: list[MediaItem], types) -> list[int] | None:
     """The items' permutation into token order where modalities share a placeholder token and
-    the family has a per-token type (``FamilySpec.token_types``, e.g. ``mm_token_type_ids``):
-    each run takes the next item of the modality whose ``type_id`` its first token carries
-    (a transfer sized by the runs; mixed batches only). None where that cannot decide (no
-    types, no shared token, a run typed as none of them): the length interleaving decides."""
-    code = {m.type_id: m.name for m in mods if m.type_id is not None}
+    the family has a per-token type (``FamilySpec.token_types``, e.g. ``mm_token_type_ids``),
+    the runs read from ``ids`` (one transfer sized by the runs; mixed batches only): see
+    :func:`typed_runs_order`."""
+    if typed_keys(grammar, mods, types) is None:
+        return None
+    runs = read_runs(TokenLayout(ids, grammar), types)
+    return typed_runs_order(runs, grammar, mods, items) if runs else None
+
+
+def typed_keys(grammar, mods, types) -> torch.Tensor | None:
+    """``types`` where they decide the token order (several modalities, one of them on a
+    shared token, a ``type_id`` per modality), else None."""
+    code = {m.type_id for m in mods if m.type_id is not None}
     shared = {grammar.token_modality(m.name) for m in mods if m.shares is not None}
     if not isinstance(types, torch.Tensor) or len(mods) < 2 or not shared or not code:
         return None
-    parsed = parse_layout(TokenLayout(ids, grammar))
-    if not parsed.runs:
-        return None
-    at = torch.tensor([[r.row, r.start] for r in parsed.runs], device=types.device)
-    got = to_host(types[at[:, 0], at[:, 1]], why="token types of runs on a shared token")
+    return types
+
+
+def typed_runs_order(runs: Sequence[Run], grammar, mods, items: list[MediaItem]):
+    """Each run (its ``key``: the type its first token carries) takes the next item of the
+    modality whose ``type_id`` that is. None where that cannot decide (a run typed as none of
+    them): the length interleaving decides."""
+    code = {m.type_id: m.name for m in mods if m.type_id is not None}
+    shared = {grammar.token_modality(m.name) for m in mods if m.shares is not None}
     left: dict[str, list[int]] = {}
     for i, it in enumerate(items):
         left.setdefault(it.modality, []).append(i)
     order: list[int] = []
-    for r, c in zip(parsed.runs, got.tolist(), strict=True):
-        mod = code.get(int(c)) if r.modality in shared else r.modality
+    for r in runs:
+        mod = code.get(r.key) if r.modality in shared else r.modality
         if mod is None:
             return None
         if left.get(mod):

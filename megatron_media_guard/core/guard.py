@@ -22,6 +22,7 @@ from .apply import mask_dropped, nonfinite_items, rows_index, scatter
 from .call import Call
 from .fault_path import diagnose
 from .grammar import Grammar
+from .interleave import RunOrder, in_token_order, verify_in_token_order
 from .items import MediaItem, check_sample_id, metadata_batch, normalize
 from .outcome import Consensus, GuardReport, LocalOutcome, MergeResult, StageOutcome
 from .plan import Plan, build_plan
@@ -132,12 +133,16 @@ class MediaGuard:
         microbatch: int | None = None,
         cu_seqlens: torch.Tensor | None = None,
         encoder: object | None = None,
+        order: RunOrder | None = None,
     ) -> MergeResult:
         """Scatter ``features`` into ``embeddings`` at the placeholder positions of ``input_ids``.
 
         embeddings: ``[b, s, h]`` (``[s, b, h]`` with ``seq_first``); input_ids: ``[b, s]``
         (``[1, T]`` with ``cu_seqlens`` ``[n+1]`` for packed samples); features: ``[sum(n_i), h]``
         or a list of ``[n_i, h]``, in the order of ``items``; loss_mask / labels: ``[b, s]``.
+        order: the items are not in token order (a call mixing modalities, given in the
+        model's consumption order): their order is decided from the runs read with the
+        verdict, in its one transfer (:class:`~.interleave.RunOrder`).
         """
 
         def prepare() -> Call:
@@ -161,7 +166,7 @@ class MediaGuard:
                 encoder or self.encoder,
             )
 
-        return self._guarded(prepare, step, microbatch)
+        return self._guarded(prepare, step, microbatch, late=order)
 
     def last_stage(
         self,
@@ -250,7 +255,9 @@ class MediaGuard:
         )
         return MergeResult(None, loss_mask, labels, rep)
 
-    def _guarded(self, prepare, step, microbatch, caller: str = "MediaGuard.merge") -> MergeResult:
+    def _guarded(
+        self, prepare, step, microbatch, caller: str = "MediaGuard.merge", late=None
+    ) -> MergeResult:
         """Runs one guarded call; a library error gets the rank/step context, and any error
         raised before this rank's collective still takes part in it (see :meth:`fail`)."""
         self.begin()
@@ -260,7 +267,7 @@ class MediaGuard:
                     f"grammar {self.grammar.name!r} is collapsed (one token per item, expanded by "
                     "the model): use the LLaVA adapter, not the generic merge"
                 )
-            return self._merge(prepare())
+            return self._merge(prepare(), late)
         except MediaGuardError as err:
             if not err.context.get("where"):
                 where = self.where(step, microbatch)
@@ -329,22 +336,33 @@ class MediaGuard:
         in the words of its record lines (:func:`~megatron_media_guard.diagnostics.where_text`)."""
         return where_text(self.rank.rank, step, microbatch)
 
-    def _merge(self, c: Call) -> MergeResult:
+    def _merge(self, c: Call, late: RunOrder | None = None) -> MergeResult:
         batch, lay = c.batch, c.lay
         order = batch.order
         known = self._codes  # modality -> code; an unknown one raises in modality_code
         codes = [known.get(it.modality) for it in batch.items]
         if None in codes:
             codes = [self.grammar.modality_code(it.modality) for it in batch.items]
-        owning = [i for i in order if batch.items[i].num_features]  # featureless: no run
-        verdict = verify(
-            lay,
-            c.input_ids.reshape(-1),
-            [batch.items[i].num_features for i in owning],
-            [codes[i] for i in owning],
-            [batch.items[i].sample for i in owning] if batch.explicit else None,
-            batch.features if self.config.nonfinite != "off" and c.emb is not None else None,
-        )
+        probe = batch.features if self.config.nonfinite != "off" and c.emb is not None else None
+        if late is None:
+            owning = [i for i in order if batch.items[i].num_features]  # featureless: no run
+            verdict = verify(
+                lay,
+                c.input_ids.reshape(-1),
+                [batch.items[i].num_features for i in owning],
+                [codes[i] for i in owning],
+                [batch.items[i].sample for i in owning] if batch.explicit else None,
+                probe,
+            )
+        else:  # items in consumption order: their token order comes with the verdict
+            verdict, order, batch = verify_in_token_order(
+                lay, c.input_ids.reshape(-1), batch, codes, late, probe
+            )
+            c = replace(c, batch=batch)  # cut by the counts read with the verdict, if any
+            owning = [i for i in order if batch.items[i].num_features]
+            if not verdict.aligned(len(owning)):  # the fault path reads them in token order
+                c = replace(c, batch=in_token_order(batch, order, lay.num_samples))
+                batch, order = c.batch, c.batch.order
         self.counters["merges"] += 1
         self.counters["samples"] += lay.num_samples
         found = None

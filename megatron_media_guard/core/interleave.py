@@ -1,35 +1,140 @@
 """Items in token order when a call holds several modalities: each placeholder token's runs
 take its modality's items in the order the model consumes them, and where two modalities
 share one token (Nemotron Omni's images and video tubelets both use ``<image>``) the lengths
-decide which stream feeds each run. Host-side, off the single-modality aligned path."""
+(or a per-token type, :class:`RunOrder`'s ``keys``) decide which stream feeds each run.
+
+On the aligned path the runs come with the verdict (:func:`verify_in_token_order`, the one
+transfer): the merge takes the items in consumption order with a :class:`RunOrder`, reads the
+first runs with the verdict, orders the items from them and checks each run against its item
+on the host (a few integers per item). :func:`token_order` reads them alone (one transfer)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import NamedTuple
+
+import torch
 
 from ..errors import MediaInputError
 from .grammar import Grammar
 from .host import to_host
-from .items import MediaItem
+from .items import Batch, MediaItem, normalize
 from .run_table import run_table
 from .runs import TokenLayout
+from .verify import Verdict, verify_with
 
 
-class _Run(NamedTuple):
+class Run(NamedTuple):
+    """One placeholder run as the ordering reads it: its sample, its token's modality
+    (``"break"``: breaks only), its placeholder count, and ``key``: the value of
+    :attr:`RunOrder.keys` at its first token (-1 without keys)."""
+
     sample: int
     modality: str
     length: int
+    key: int = -1
 
 
-def _runs(ids, grammar: Grammar) -> list[_Run]:
-    """Each run's sample, modality and length in token order, in one transfer sized by the
-    runs (no structure check: the merge that follows checks the runs, this only orders)."""
-    lay = TokenLayout(ids, grammar)
-    t = run_table(lay, *lay.run_bounds())[:, [5, 4, 3]]
-    rows = to_host(t, why="run order of a call mixing modalities").tolist()
+@dataclass(frozen=True)
+class RunOrder:
+    """Items given to :meth:`MediaGuard.merge` in the model's consumption order, their token
+    order decided from the call's runs, and the counts the host does not know (an audio clip's
+    feature count, from its mask on the device) read with the verdict.
+
+    order: ``(runs in token order, items)`` -> the items' permutation into token order (items
+        beyond the runs last); called once per merge, with the runs read with the verdict, or
+        on the fault path with every run of the call.
+    keys: ``[b, s]`` per-token values read at each run's first token (``Run.key``), e.g. the
+        family's ``mm_token_type_ids`` where modalities share a placeholder token.
+    counts: ``[n_items]`` int64 on the device, each item's feature count (the given items'
+        ``num_features`` are placeholders); with ``resize``: host counts -> ``(items,
+        features)`` as :meth:`MediaGuard.merge` takes them, cut by those counts (views: no
+        transfer). ``probe``: what the NaN/Inf check reads of the items not yet cut.
+    checks: the caller's own refusals of the call, read with the verdict: per check a 0-d
+        int on the device and what raises when it is nonzero (called before the ordering)."""
+
+    order: Callable[[Sequence[Run], Sequence[MediaItem]], list[int]]
+    keys: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+    resize: Callable[[list[int]], tuple[Sequence[MediaItem], Sequence[torch.Tensor]]] | None = None
+    probe: torch.Tensor | None = None
+    checks: tuple[tuple[torch.Tensor, Callable[[], None]], ...] = ()
+
+
+def _table(lay: TokenLayout, keys, size: int | None) -> torch.Tensor:
+    """``[runs, 4]`` int64 on the device: sample, modality code, length, key per run."""
+    t = run_table(lay, *lay.run_bounds(), size)
+    key = t.new_full((t.shape[0],), -1)
+    if isinstance(keys, torch.Tensor):
+        key = keys.to(t.device)[t[:, 0], t[:, 1]].long()
+    return torch.cat([t[:, [5, 4, 3]], key[:, None]], 1)
+
+
+def _as_runs(rows: Sequence[Sequence[int]], grammar: Grammar) -> list[Run]:
     names = grammar.modalities
-    return [_Run(s, names[c] if c >= 0 else "break", n) for s, c, n in rows]
+    return [Run(s, names[c] if c >= 0 else "break", n, k) for s, c, n, k in rows]
+
+
+def read_runs(lay: TokenLayout, keys=None) -> list[Run]:
+    """Each run's sample, modality, length and key in token order, in one transfer sized by
+    the runs (no structure check: the merge that follows checks the runs, this only orders)."""
+    rows = to_host(_table(lay, keys, None), why="run order of a call mixing modalities")
+    return _as_runs(rows.tolist(), lay.grammar)
+
+
+def verify_in_token_order(
+    lay: TokenLayout,
+    ids_flat: torch.Tensor,
+    batch: Batch,
+    codes: Sequence[int],
+    late: RunOrder,
+    features: torch.Tensor | None,
+) -> tuple[Verdict, tuple[int, ...], Batch]:
+    """The verdict of items given in consumption order, their token order and the batch (cut
+    by ``late.counts`` where given): the first runs (as many as items may own) and the counts
+    ride in the verdict's one transfer, ``late.order`` orders the items from them, and each run
+    is checked against its item on the host (length, modality, sample when the items name
+    theirs). More runs than that, or a malformed structure: the verdict fails and the order
+    comes from every run (a second read: the fault path)."""
+    items = batch.items
+    sized = late.counts is not None
+    size = len(items) if sized else sum(1 for it in items if it.num_features)
+    extra = [_table(lay, late.keys, size).reshape(-1)]
+    if sized:
+        extra.append(late.counts.to(torch.int64))
+    if late.checks:
+        extra.append(torch.stack([t.reshape(()).to(torch.int64) for t, _ in late.checks]))
+    if features is not None and late.probe is not None:
+        features = torch.cat([features.reshape(-1), late.probe.reshape(-1).to(features.dtype)])
+    verdict, vals = verify_with(lay, ids_flat, torch.cat(extra), features)
+    for (_, refuse), flag in zip(late.checks, vals[len(vals) - len(late.checks) :]):
+        if flag:
+            refuse()
+    if sized:  # the items and their features cut by the counts now on the host
+        got, feats = late.resize([int(n) for n in vals[4 * size : len(vals) - len(late.checks)]])
+        batch = normalize(feats, got, lay.num_samples)
+        items = batch.items
+    rows = [vals[k : k + 4] for k in range(0, 4 * min(size, verdict.runs), 4)]
+    if verdict.runs > size or verdict.findings:  # the table lacks runs (or pairs them wrongly)
+        runs = read_runs(lay, late.keys)
+    else:
+        runs = _as_runs(rows, lay.grammar)
+    order = tuple(late.order(runs, items))
+    owning = [i for i in order if items[i].num_features]
+    bad = abs(len(runs) - len(owning))
+    for r, i in zip(runs, owning):
+        ok = r.modality != "break" and r.length == items[i].num_features
+        ok = ok and lay.grammar.modality_code(r.modality) == codes[i]
+        bad += not (ok and (not batch.explicit or r.sample == items[i].sample))
+    return replace(verdict, bad_runs=bad), order, batch
+
+
+def in_token_order(batch: Batch, order: Sequence[int], num_samples: int) -> Batch:
+    """``batch`` with its items (and their feature rows) in ``order`` (the fault path)."""
+    f = batch.features
+    parts = [f[slice(*batch.rows(i))] for i in order]
+    return normalize(parts, [batch.items[i] for i in order], num_samples)
 
 
 def interleave(
@@ -94,14 +199,23 @@ def interleave(
 
 def token_order(ids, grammar: Grammar, items: list[MediaItem], parent: list[int]) -> list[int]:
     """The items' permutation into token order. One modality: as consumed. Several: the runs'
-    order read from the ids (a transfer sized by the runs; mixed batches only); a run whose
-    token several modalities share takes the item the length interleaving gives it (when
-    only one interleaving fits; else :class:`MediaInputError` asks for ``set_items``). Items
-    that all carry their sample (no shared token) are taken per sample."""
+    order read from the ids (a transfer sized by the runs; mixed batches only), then
+    :func:`order_runs`."""
+    if len({it.modality for it in items}) <= 1:
+        return list(range(len(items)))
+    return order_runs(read_runs(TokenLayout(ids, grammar)), grammar, items, parent)
+
+
+def order_runs(
+    runs: Sequence[Run], grammar: Grammar, items: list[MediaItem], parent: list[int]
+) -> list[int]:
+    """The items' permutation into token order, given the call's runs (token order): a run
+    whose token several modalities share takes the item the length interleaving gives it
+    (when only one interleaving fits; else :class:`MediaInputError` asks for ``set_items``).
+    Items that all carry their sample (no shared token) are taken per sample."""
     if len({it.modality for it in items}) <= 1:
         return list(range(len(items)))
     g = grammar
-    runs = _runs(ids, g)
     streams: dict[str, dict[str, list[int]]] = {}  # token modality -> modality -> item indices
     for i, it in enumerate(items):
         tok = g.token_modality(it.modality)

@@ -15,7 +15,7 @@ from itertools import accumulate
 import torch
 
 from . import verify_lut
-from .host import scalars_to_host
+from .host import scalars_to_host, to_host
 from .runs import TokenLayout
 
 # multiplier for the token-id fingerprint (odd 63-bit constant; wraps mod 2**64)
@@ -88,9 +88,7 @@ def verify(
     probe = _finite_probe(features) if features is not None and features.numel() else None
     if probe is not None:
         parts.append(probe[0])
-    w, w_sum = fingerprint_weights(ids_flat.numel(), dev)
-    # + w_sum on the host: sum((ids + 1) * w), wrapping (CPU has an int64 dot; CUDA not)
-    parts.append(torch.dot(ids64, w) if dev.type == "cpu" else (ids64 * w).sum())
+    w_sum = _fingerprint(ids64, parts)
     # the one host sync of the aligned path: a handful of integers decide keep-all or diagnose
     vals = scalars_to_host(parts, dev, why="aligned-path verdict")
     if runs is not None:  # the scan's min and max decide the structure
@@ -99,6 +97,43 @@ def verify(
     else:
         runs, findings, *rest = vals
     bad_runs = rest.pop(0) if n_items else 0
+    return _verdict(runs, bad_runs, findings, rest, probe, w_sum)
+
+
+def verify_with(
+    lay: TokenLayout, ids_flat: torch.Tensor, extra: torch.Tensor, features: torch.Tensor | None
+) -> tuple[Verdict, list[int]]:
+    """The verdict of a call whose items the caller checks against the runs on the host (their
+    token order is decided from the runs: ``interleave.verify_in_token_order``): the run count,
+    the structure, the NaN/Inf flag and the fingerprint, with ``extra`` (``[n]`` int64 on the
+    device: the first runs) read in the same one transfer. ``bad_runs`` is 0: the caller's."""
+    ids64 = ids_flat if ids_flat.dtype == torch.int64 else ids_flat.to(torch.int64)
+    start, end = lay.run_bounds()
+    parts = [torch.count_nonzero(start), lay.structure_violations(start, end)]
+    probe = _finite_probe(features) if features is not None and features.numel() else None
+    if probe is not None:
+        parts.append(probe[0])
+    w_sum = _fingerprint(ids64, parts)
+    flat = torch.cat([torch.stack([p.to(torch.int64) for p in parts]), extra.to(torch.int64)])
+    # the one host sync of the aligned path: the verdict and the runs that order the items
+    vals = to_host(flat, why="aligned-path verdict").tolist()
+    head, tail = vals[: len(parts)], vals[len(parts) :]
+    runs, findings, *rest = head
+    return _verdict(runs, 0, findings, rest, probe, w_sum), tail
+
+
+def _fingerprint(ids64: torch.Tensor, parts: list[torch.Tensor]) -> int:
+    """Appends the fingerprint's device part to ``parts``; returns its host part."""
+    dev = ids64.device
+    w, w_sum = fingerprint_weights(ids64.numel(), dev)
+    # + w_sum on the host: sum((ids + 1) * w), wrapping (CPU has an int64 dot; CUDA not)
+    parts.append(torch.dot(ids64, w) if dev.type == "cpu" else (ids64 * w).sum())
+    return w_sum
+
+
+def _verdict(runs, bad_runs, findings, rest: list, probe, w_sum: int) -> Verdict:
+    """The verdict from the values read back after runs / findings / bad runs: the NaN/Inf
+    probe's (when checked), then the fingerprint's."""
     nonfinite = int(probe[1](rest.pop(0))) if probe is not None else 0
     fingerprint = (rest[0] + w_sum + 2**63) % 2**64 - 2**63  # int64 wraparound
     exact = probe is None or probe[2]

@@ -100,12 +100,11 @@ def chunks(model: Any, kw: Mapping[str, Any], count: Callable) -> Chunks:
     region without its audio under ``use_audio_in_video=True``, or one with it without, is
     refused (the model's positions miscount both, silently)."""
     cfg, ids, flag = model.config, kw["input_ids"], bool(kw.get("use_audio_in_video"))
-    mask, grid, spg, img = (kw.get(n) for n in _INPUTS)
-    frames = mask.sum(-1) if mask is not None else kw.get("audio_feature_lengths")
-    frames = frames if frames is not None else ids.new_zeros(0)
+    _, grid, spg, img = (kw.get(n) for n in _INPUTS)
+    frames = _frames(kw)
     if flag and not frames.numel():
         raise MediaInputError("qwen3_omni: use_audio_in_video=True and no audio clips")
-    parts, n = [count(frames, cfg.audio_config.n_window)], 0
+    parts, n = [clip_tokens(model, kw, count)], 0
     grid = grid if grid is not None else ids.new_zeros(0, 3)
     if flag or (grid.numel() and frames.numel()):  # which videos and clips are paired
         vs, a_s = cfg.vision_start_token_id, cfg.audio_start_token_id
@@ -152,6 +151,37 @@ def chunks(model: Any, kw: Mapping[str, Any], count: Callable) -> Chunks:
     fits = flag and all(len(rows_of[m]) == want[m] for m in want)
     sample = {m: tuple(r) for m, r in rows_of.items()} if fits else {}
     return Chunks(tuple(tokens), video, audio, sample)
+
+
+def _frames(kw: Mapping[str, Any]) -> torch.Tensor:
+    """Per clip its mel frames (``feature_attention_mask``, else ``audio_feature_lengths``)."""
+    mask = kw.get("feature_attention_mask")
+    frames = mask.sum(-1) if mask is not None else kw.get("audio_feature_lengths")
+    return frames if frames is not None else kw["input_ids"].new_zeros(0)
+
+
+def clip_tokens(model: Any, kw: Mapping[str, Any], count: Callable) -> torch.Tensor:
+    """Per clip its audio token count on the device (``count``: the model's
+    ``_get_feat_extract_output_lengths``), no transfer."""
+    return count(_frames(kw), model.config.audio_config.n_window)
+
+
+def separate(model: Any, kw: Mapping[str, Any], count: Callable):
+    """Without ``use_audio_in_video`` no region interleaves a video and a clip: the clips are
+    cut by their counts alone, which the merge reads with its verdict (``Encoded.counts``),
+    and a video region holding audio is refused from a device count read with it
+    (``Encoded.check``; the refusal is :func:`chunks`'s, naming the sample). Returns
+    ``(counts, check)``, or None under ``use_audio_in_video`` (:func:`chunks` reads the
+    regions)."""
+    if kw.get("use_audio_in_video"):
+        return None
+    check = None
+    if kw.get("video_grid_thw") is not None:
+        ids, cfg = kw["input_ids"], model.config
+        nxt = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -1)], 1)
+        held = (ids == cfg.vision_start_token_id) & (nxt == cfg.audio_start_token_id)
+        check = (torch.count_nonzero(held), lambda: chunks(model, kw, count))
+    return clip_tokens(model, kw, count), check
 
 
 def chunks_once(model: Any, kw: MutableMapping[str, Any], count: Callable) -> Chunks:

@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-from ..core.host import to_host
 from ..errors import MediaInputError
 from .spec import Encoded, FamilySpec, ModalitySpec, Token
 
@@ -141,19 +140,20 @@ def _encode(model: Any, kw: Mapping[str, Any], m: str, inputs, how: dict) -> Enc
         parts = [(k, r) for k, f in enumerate(feats) for r in (f if f.dim() == 3 else [f])]
         return Encoded(tuple(r for _, r in parts), parent=tuple(k for k, _ in parts), output=out)
     if feats.dim() == 3 and how["strip"] and getattr(out, "attention_mask", None) is not None:
-        n = to_host(out.attention_mask.sum(-1), why="valid feature rows per item (derived)")
-        return Encoded(tuple(f[: int(k)] for f, k in zip(feats, n.tolist())), output=out)
+        # each item's valid rows (on the device) cut it once the merge's verdict brings them
+        return Encoded((feats,), output=out, counts=out.attention_mask.sum(-1))
     if feats.dim() == 3:
         return Encoded(tuple(feats), output=out)
     sizes = _lengths(owner, call)
     if sizes is None:  # one flat block: cut by the runs in the ids (only the total checked)
         return Encoded((feats,), split="items", output=out)
-    return Encoded(tuple(feats.split(sizes)), output=out)
+    return Encoded((feats,), output=out, counts=sizes)  # cut by the counts, after the verdict
 
 
-def _lengths(owner: Any, call: dict) -> list[int] | None:
-    """Per item, its rows of a flat output, from the tower's own output-length function on the
-    first mask / length argument (Whisper-style audio towers); None where there is none."""
+def _lengths(owner: Any, call: dict) -> torch.Tensor | None:
+    """Per item, its rows of a flat output (on the device), from the tower's own output-length
+    function on the first mask / length argument (Whisper-style audio towers); None where
+    there is none."""
     name = "_get_feat_extract_output_lengths"
     fn = next((getattr(s, name) for s in owner.modules() if hasattr(s, name)), None)
     given = [v for v in list(call.values())[1:] if isinstance(v, torch.Tensor) and v.dim() < 3]
@@ -162,7 +162,7 @@ def _lengths(owner: Any, call: dict) -> list[int] | None:
     lens = given[0].sum(-1) if given[0].dim() == 2 else given[0]
     out = fn(lens)
     out = out[-1] if isinstance(out, tuple) else out
-    return to_host(out, why="feature rows per item from the tower's lengths (derived)").tolist()
+    return out
 
 
 def _dummy(mods: tuple[ModalitySpec, ...]):

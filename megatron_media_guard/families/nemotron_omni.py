@@ -69,10 +69,13 @@ def _encode_audio(model: Any, kw) -> Encoded:
     flat = model.get_audio_features(feats, mask).pooler_output
     if mask is None:
         sizes = [flat.shape[0] // feats.shape[0]] * feats.shape[0]
+    elif not isinstance(flat, torch.Tensor):
+        return Encoded(tuple(flat))  # one tensor per clip already
     else:
+        # the flat features hold every clip back to back: their lengths (on the device) cut
+        # them per item once the merge's one transfer brings them (Encoded.counts)
         lengths = model.audio_tower._get_subsampling_output_length(mask.sum(-1) + 1)
-        # the flat features hold every clip back to back: their lengths cut them per item
-        sizes = to_host(lengths, why="audio clip lengths to cut the flat features").tolist()
+        return Encoded((flat,), counts=lengths)
     return Encoded(split_rows(flat, sizes))
 
 

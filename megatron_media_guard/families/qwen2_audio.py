@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-from ..core.host import to_host
 from .spec import Encoded, FamilySpec, ModalitySpec, Token, bridge_embed, count_table, tower_zeros
 
 
@@ -60,9 +59,9 @@ def _encode_audio(model: Any, kw) -> Encoded:
     valid = torch.arange(s, device=device)[None, :] < conv_len[:, None]
     dtype = proj.linear.weight.dtype
     feats = proj(tower(x, attention_mask=_key_mask(tower, valid, dtype)).last_hidden_state)
-    # the projector's rows are padded to the longest clip: each clip's count cuts its own
-    sizes = to_host(out_len, why="audio clip lengths to cut each clip's feature rows").tolist()
-    return Encoded(tuple(f[: int(n)] for f, n in zip(feats, sizes)))
+    # the projector's rows are padded to the longest clip: each clip's count (on the device)
+    # cuts its own once the merge's one transfer brings it (Encoded.counts)
+    return Encoded((feats,), counts=out_len)
 
 
 def _counts(config: Any, kw) -> torch.Tensor:

@@ -41,7 +41,7 @@ def _visual(kind: str):
         pv, grid = kw[f"pixel_values{'_videos' if kind == 'video' else ''}"], kw[f"{kind}_grid_thw"]
         out = getattr(model, f"get_{kind}_features")(pv, grid, return_dict=True)
         feats = tuple(out.pooler_output)
-        if not kw.get("use_audio_in_video") and (kind == "image" or kw["input_features"] is None):
+        if not kw.get("use_audio_in_video"):  # no region interleaves it with a clip
             return Encoded(feats, output=out)
         got = aiv.chunks_once(model, kw, _count(model))
         pieces, parent, sample = aiv.cut(feats, getattr(got, kind, {}), got.sample.get(kind))
@@ -53,6 +53,9 @@ def _visual(kind: str):
 def _encode_audio(model: Any, kw) -> Encoded:
     x, mask, lengths = (kw.get(n) for n in _AUDIO)
     flat = model.get_audio_features(x, mask, lengths, return_dict=True).last_hidden_state
+    alone = aiv.separate(model, kw, _count(model))
+    if alone is not None:  # the clips back to back, cut by their counts after the verdict
+        return Encoded((flat,), counts=alone[0], check=alone[1])
     got = aiv.chunks_once(model, kw, _count(model))  # the clips back to back: cut per clip and run
     clips = flat.split(list(got.clip_tokens))
     pieces, parent, sample = aiv.cut(clips, got.audio, got.sample.get("audio"))

@@ -105,6 +105,15 @@ class Encoded:
     output: Any = None  # the model's own feature output, for FamilySpec.reuse
     grid: tuple[tuple[int, int, int] | None, ...] = ()  # per item: its (t, h, w) feature grid
     spans: tuple[int, ...] = ()  # per model-level item: its dim-0 rows in ``rows`` (default 1)
+    # per item its feature count on the device, where the host does not know it (an audio
+    # clip's, from its mask): ``features`` is then one block, ``[sum(n_i), h]`` back to back or
+    # ``[items, max, h]`` padded, which the engine cuts by these counts once the merge's one
+    # transfer brought them (:func:`cut_counted`)
+    counts: torch.Tensor | None = None
+    # the family's own refusal of the call, on the device: a 0-d int (nonzero: refused) read
+    # with the merge's verdict, and what raises then (it may read the host: off the aligned
+    # path); e.g. Qwen3-Omni's video region holding audio without use_audio_in_video
+    check: tuple[torch.Tensor, Callable[[], None]] | None = None
 
 
 #: encode(model, call_kwargs) -> Encoded; call_kwargs holds the forward's keyword arguments
@@ -400,6 +409,18 @@ def split_rows(flat: torch.Tensor | Sequence[torch.Tensor], sizes: Sequence[int]
     if isinstance(flat, torch.Tensor):
         return tuple(flat.split(list(sizes)))
     return tuple(flat)
+
+
+def cut_counted(block: torch.Tensor, sizes: Sequence[int]) -> tuple[torch.Tensor, ...]:
+    """Per-item views of an ``Encoded.counts`` block: a flat ``[sum(n_i), h]`` block split by
+    ``sizes``, a padded ``[items, max, h]`` one cut to each item's count."""
+    if block.dim() == 2:
+        if sum(sizes) != block.shape[0]:
+            raise MediaInputError(
+                f"the model produced {block.shape[0]} feature rows for items of {list(sizes)}"
+            )
+        return tuple(block.split(list(sizes)))
+    return tuple(f[:n] for f, n in zip(block, sizes))
 
 
 def bridge_embed(model: Any, ids: torch.Tensor) -> torch.Tensor:
