@@ -1,0 +1,125 @@
+"""The one hook type of the adapters: :class:`Hook`, a pre / post (or a body in place of the
+method) around one named method of one object *instance* (accelerate-hooks style).
+
+The wrapper is an instance attribute that shadows the class method, so other instances and the
+class are untouched, and :meth:`Hook.remove` restores the instance exactly (deleting the
+shadowing attribute, or putting back an instance attribute that was there). Every adapter hooks
+this way: LLaVA's ``_preprocess_data`` (and its ``forward``, for ``packed_seq_params``), MIMO's
+``align_embeddings_by_token_positions``, a generic merge function, a model's ``forward`` (the
+family engine), the tower keeper's input embeddings and the step end's ``zero_grad_buffer``.
+
+A model's ``forward`` is hooked the same way, not through torch forward hooks:
+``nn.Module.__call__`` calls ``self.forward`` after every torch forward pre-hook and before every
+forward hook, so under FSDP2 (``fully_shard``: its pre-hook all-gathers, its post-hook reshards
+and hooks the output for backward) and DDP (which calls the module) the guard runs between them,
+on the gathered parameters, and its output is what FSDP hooks for backward; transformers'
+``generate`` calls the module and reads the original signature through ``__wrapped__``; a
+direct ``model.forward(...)`` is guarded too.
+
+One double-install check: installing a hook on a method that already carries one (the wrapper's
+:data:`HANDLE_ATTR`, which ``functools.update_wrapper`` also copies onto a later wrapper of it)
+raises :class:`~megatron_media_guard.errors.MediaInputError`: a silent no-op would hide a
+configuration difference between the two installs. Remove the first handle, then install again.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import MediaInputError
+
+Pre = Callable[[tuple, dict], "tuple[tuple, dict] | None"]
+Post = Callable[[tuple, dict, Any], Any]
+Around = Callable[[Callable[..., Any], tuple, dict], Any]
+
+#: attribute (on the wrapper function) pointing back to the hook's owner (its handle)
+HANDLE_ATTR = "__media_guard_handle__"
+_MISSING = object()
+
+
+class Hook:
+    """Pre / post around the method ``name`` of one instance ``target`` (see module doc).
+
+    pre(args, kwargs): None, or ``(args, kwargs)`` the method is called with; around(original,
+    args, kwargs): runs in place of ``original(*args, **kwargs)``; post(args, kwargs, out):
+    None, or the output in place of ``out``. ``owner``: what :func:`guarded_by` returns for
+    the hooked method (a handle), named in the double-install error.
+    """
+
+    def __init__(
+        self,
+        target: object,
+        name: str,
+        owner: object,
+        *,
+        pre: Pre | None = None,
+        post: Post | None = None,
+        around: Around | None = None,
+    ) -> None:
+        self.target, self.name, self.owner = target, name, owner
+        self.pre, self.post, self.around = pre, post, around
+        self.original: Callable[..., Any] | None = None
+        self._wrapper: Callable[..., Any] | None = None
+        self._previous: object = _MISSING
+
+    @property
+    def installed(self) -> bool:
+        return self._wrapper is not None
+
+    def install(self) -> Hook:
+        target, name = self.target, self.name
+        current = getattr(target, name, None)
+        if current is None or not callable(current):
+            raise MediaInputError(f"{type(target).__name__} has no method {name!r} to guard")
+        other = getattr(current, HANDLE_ATTR, None)
+        if other is not None:
+            raise MediaInputError(
+                f"{type(target).__name__}.{name} of this instance is already guarded (by a "
+                f"{getattr(other, 'kind', type(other).__name__)} handle); call handle.remove() "
+                "before installing again"
+            )
+        self._previous = target.__dict__.get(name, _MISSING)
+        self.original = current
+        pre, post, around = self.pre, self.post, self.around
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if pre is not None:
+                new = pre(args, kwargs)
+                if new is not None:
+                    args, kwargs = new
+            out = current(*args, **kwargs) if around is None else around(current, args, kwargs)
+            if post is not None:
+                new = post(args, kwargs, out)
+                if new is not None:
+                    out = new
+            return out
+
+        functools.update_wrapper(wrapper, current)
+        wrapper.__wrapped__ = current  # type: ignore[attr-defined]
+        setattr(wrapper, HANDLE_ATTR, self.owner)
+        object.__setattr__(target, name, wrapper)
+        self._wrapper = wrapper
+        return self
+
+    def remove(self) -> None:
+        """Restore the instance exactly as before :meth:`install` (idempotent)."""
+        if self._wrapper is None:
+            return
+        target, name = self.target, self.name
+        if target.__dict__.get(name) is not self._wrapper:
+            raise MediaInputError(
+                f"{type(target).__name__}.{name} was replaced after the media guard was "
+                "installed; remove the later wrapper first (handles come off in reverse order)"
+            )
+        if self._previous is _MISSING:
+            object.__delattr__(target, name)
+        else:
+            object.__setattr__(target, name, self._previous)
+        self._wrapper, self._previous = None, _MISSING
+
+
+def guarded_by(method: object) -> Any:
+    """The handle whose hook ``method`` is (None for an unguarded method)."""
+    return getattr(method, HANDLE_ATTR, None)
