@@ -10,7 +10,7 @@ again. Steps end through one mechanism (:mod:`.step_end`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -330,10 +330,6 @@ class HandleGroup(list):
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
-
-
-def iter_handles(handles: GuardHandle | Iterable[GuardHandle]) -> list[GuardHandle]:
-    return [handles] if isinstance(handles, GuardHandle) else list(handles)
 
 
 def mask_rows(
