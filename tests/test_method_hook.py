@@ -65,11 +65,6 @@ def test_one_double_install_check_and_removal_in_reverse_order(wrap_later):
         Hook(net, "nothing", None).install()
 
 
-class Holder:
-    def __init__(self, guard):
-        self.guard = guard
-
-
 def test_step_end_ends_each_step_once_per_guard_whoever_triggers_it():
     ended = []
     guards = [MediaGuard(GuardConfig(), Grammar({"image": 9}), consensus=False) for _ in "ab"]
@@ -82,7 +77,7 @@ def test_step_end_ends_each_step_once_per_guard_whoever_triggers_it():
             return "zeroed"
 
     ddp = DDP()
-    ends = StepEnd([Holder(guards[0]), Holder(guards[0]), Holder(guards[1])], lambda: step["now"])
+    ends = StepEnd([guards[0], guards[0], guards[1]], lambda: step["now"])
     assert ends.on_method(ddp, "nothing") is None
     assert ends.on_method(ddp, "zero_grad_buffer") is ends and ddp.zero_grad_buffer() == "zeroed"
     step["now"] = 2

@@ -1,12 +1,6 @@
 """The handle every adapter builds on: :class:`GuardHandle` (one guard on one method of one
-model instance, through the one hook type, :class:`~.method_hook.Hook`) and
-:class:`HandleGroup` (the handles of one model).
-
-Installing a second guard on the same method of the same instance is an error
-(:class:`~megatron_media_guard.errors.MediaInputError`): a silent no-op would hide a
-configuration difference between the two installs. Remove the first handle, then install
-again. Steps end through one mechanism (:mod:`.step_end`).
-"""
+model instance, through the one hook type, :class:`~.method_hook.Hook`; steps end through
+:mod:`.step_end`) and :class:`HandleGroup` (the handles of one model)."""
 
 from __future__ import annotations
 

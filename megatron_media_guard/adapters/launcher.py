@@ -309,7 +309,7 @@ def install_from_args(
         # Bridge's forward steps build the loss from the caller's loss_mask: zero it in place
         extra = {"loss_mask_inplace": True} if spec.apply in ("qwen_vl", "inputs") else {}
         group.append(INSTALLERS[spec.apply](m, guards[kind], spec, tokenizer, **common, **extra))
-    ends = StepEnd(list(group), step_provider)
+    ends = StepEnd([h.guard for h in group], step_provider)
     hook: StepEnd | None = None
     if step_end in ("auto", "zero_grad_buffer"):
         hook = ends.on_method(chunks[0], "zero_grad_buffer")

@@ -1,25 +1,18 @@
-"""The one hook type of the adapters: :class:`Hook`, a pre / post (or a body in place of the
-method) around one named method of one object *instance* (accelerate-hooks style).
+"""The one hook type of the adapters: :class:`Hook`, a pre and a post (or a body in place of
+the method) around one named method of one object *instance* (accelerate-hooks style).
 
-The wrapper is an instance attribute that shadows the class method, so other instances and the
-class are untouched, and :meth:`Hook.remove` restores the instance exactly (deleting the
-shadowing attribute, or putting back an instance attribute that was there). Every adapter hooks
-this way: LLaVA's ``_preprocess_data`` (and its ``forward``, for ``packed_seq_params``), MIMO's
-``align_embeddings_by_token_positions``, a generic merge function, a model's ``forward`` (the
-family engine), the tower keeper's input embeddings and the step end's ``zero_grad_buffer``.
+The wrapper is an instance attribute shadowing the class method: other instances and the class
+are untouched, and :meth:`Hook.remove` restores the instance exactly. Every adapter hooks this
+way, a model's ``forward`` too (not with torch forward hooks): ``nn.Module.__call__`` calls
+``self.forward`` after torch's forward pre-hooks and before its forward hooks, so FSDP2's
+(all-gather before, reshard and the output's backward hooks after) and DDP's stay around the
+guard; transformers' ``generate`` reads the original signature through ``__wrapped__``; a direct
+``model.forward(...)`` is guarded too.
 
-A model's ``forward`` is hooked the same way, not through torch forward hooks:
-``nn.Module.__call__`` calls ``self.forward`` after every torch forward pre-hook and before every
-forward hook, so under FSDP2 (``fully_shard``: its pre-hook all-gathers, its post-hook reshards
-and hooks the output for backward) and DDP (which calls the module) the guard runs between them,
-on the gathered parameters, and its output is what FSDP hooks for backward; transformers'
-``generate`` calls the module and reads the original signature through ``__wrapped__``; a
-direct ``model.forward(...)`` is guarded too.
-
-One double-install check: installing a hook on a method that already carries one (the wrapper's
-:data:`HANDLE_ATTR`, which ``functools.update_wrapper`` also copies onto a later wrapper of it)
-raises :class:`~megatron_media_guard.errors.MediaInputError`: a silent no-op would hide a
-configuration difference between the two installs. Remove the first handle, then install again.
+One double-install check: a method that already carries a hook (the wrapper's
+:data:`HANDLE_ATTR`, which ``functools.update_wrapper`` copies onto a later wrapper of it)
+refuses another (:class:`~megatron_media_guard.errors.MediaInputError`): a silent no-op would
+hide a configuration difference between the two installs. Remove the first handle first.
 """
 
 from __future__ import annotations

@@ -1,107 +1,94 @@
-"""The step end: one mechanism that ends a step (``MediaGuard.on_step_end``: counters, the drop
-budget) once per guard, whoever triggers it.
+"""The step end: the one mechanism that ends a step (``MediaGuard.on_step_end``: counters, the
+drop budget) once per guard, whoever triggers it (:func:`end_step`).
 
 A step end may combine counters over the pipeline group, which must never happen inside a
-forward (stages run it at different times): distributed runs end steps outside the forward,
-through a :class:`StepEnd` (what ``install_from_args`` installs) or the training loop's own
-``handle.step_end(step)``; a guarded call ends the previous step itself only in a single process
-(``GuardHandle.auto_step_end``). All of them go through :func:`end_step`.
+forward (stages run it at different times): distributed runs end steps outside it, through a
+:class:`StepEnd` (what ``install_from_args`` installs) or the loop's ``handle.step_end(step)``;
+a guarded call ends the previous step itself only in a single process (``auto_step_end``).
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from ..core.guard import MediaGuard
 from .method_hook import Hook
 
 StepProvider = Callable[[], int | None]
 
-
-class Guarded(Protocol):
-    guard: MediaGuard
-
-
 # last step whose end ran, per guard (every trigger reads and writes it)
-_closed_steps: weakref.WeakKeyDictionary[MediaGuard, int] = weakref.WeakKeyDictionary()
+_ended: weakref.WeakKeyDictionary[MediaGuard, int] = weakref.WeakKeyDictionary()
 
 
 def end_step(guard: MediaGuard, step: int, *, again: bool = False) -> dict[str, int] | None:
-    """``guard.on_step_end(step)`` unless that step (or a later one) already ended, whoever
-    ended it (``again``: run it anyway, the training loop's explicit call)."""
-    done = _closed_steps.get(guard)
+    """``guard.on_step_end(step)`` unless that step (or a later one) already ended
+    (``again``: run it anyway, the training loop's explicit call)."""
+    done = _ended.get(guard)
     if not again and done is not None and done >= step:
         return None
-    _closed_steps[guard] = step
+    _ended[guard] = step
     return guard.on_step_end(step)
 
 
 class StepEnd:
-    """The step end: ends a step once per distinct guard of ``handles``, outside the forward.
+    """Ends steps of ``guards`` from outside the forward, on every rank.
 
-    Triggers: :meth:`on_method` hooks (the one :class:`~.method_hook.Hook`) a method every rank calls once per step outside the forward
-    (Megatron's DDP ``zero_grad_buffer`` at the start of train_step: when ``step_provider()``
-    changed since the last call, the previous step ends); :meth:`on_optimizer_step` after every
-    torch optimizer step (no model instance has that method: torch's global, removable
-    post-step hook; the current step ends, repeated steps in one iteration, chained
-    optimizers, end it once; a skipped step, inf/nan gradients, folds into the next).
+    :meth:`on_method`: a :class:`~.method_hook.Hook` on a method every rank calls once per step
+    outside the forward (Megatron's DDP ``zero_grad_buffer`` at the start of train_step): when
+    ``step_provider()`` changed since the last call, the previous step ends.
+    :meth:`on_optimizer_step`: after every torch optimizer step the current one ends (torch's
+    global post-step hook: no model instance has that method; chained optimizers end it once, a
+    skipped step, inf/nan gradients, folds into the next).
     """
 
     kind = "step_end"
 
-    def __init__(self, handles: Sequence[Guarded], step_provider: StepProvider) -> None:
-        self.guards = list({id(h.guard): h.guard for h in handles}.values())
-        self.guard = self.guards[0] if self.guards else None
+    def __init__(self, guards: Sequence[MediaGuard], step_provider: StepProvider) -> None:
+        self.guards = list({id(g): g for g in guards}.values())
         self.step_provider = step_provider
-        self.last_result = None
         self._seen: int | None = None
-        self._hook: Hook | None = None
-        self._optimizer_hook: Any = None
+        self._trigger: Any = None  # the Hook, or torch's optimizer hook handle
+        self._how = "removed"
 
     def end(self, step: int) -> None:
         for g in self.guards:
             end_step(g, step)
 
-    def _advance(self, args: tuple, kwargs: dict) -> None:
+    def _new_step(self, *_: Any) -> None:
         step, prev = self.step_provider(), self._seen
         if prev is not None and step is not None and step != prev:
             self.end(prev)
+        self._seen = step if step is not None else prev
+
+    def _optimizer_stepped(self, *_: Any) -> None:
+        step = self.step_provider()
         if step is not None:
-            self._seen = step
+            self.end(step)
 
     def on_method(self, target: object, name: str) -> StepEnd | None:
-        """Ends the previous step when ``target.<name>()`` runs in a new step; None when
-        ``target`` has no such method."""
+        """None when ``target`` has no method ``name``."""
         if not self.guards or not callable(getattr(target, name, None)):
             return None
-        self._hook = Hook(target, name, self, pre=self._advance).install()
+        self._trigger, self._how = Hook(target, name, self, pre=self._new_step).install(), "method"
         return self
 
     def on_optimizer_step(self) -> StepEnd:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        def ended(optimizer: object, args: object, kwargs: object) -> None:
-            step = self.step_provider()
-            if step is not None:
-                self.end(step)
-
-        self._optimizer_hook = register_optimizer_step_post_hook(ended)
+        self._trigger = register_optimizer_step_post_hook(self._optimizer_stepped)
+        self._how = "optimizer"
         return self
 
     @property
     def installed(self) -> bool:
-        return self._hook is not None or self._optimizer_hook is not None
+        return self._trigger is not None
 
     def remove(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-        if self._optimizer_hook is not None:
-            self._optimizer_hook.remove()
-            self._optimizer_hook = None
+        if self._trigger is not None:
+            self._trigger.remove()
+        self._trigger, self._how = None, "removed"
 
     def __repr__(self) -> str:
-        how = "method" if self._hook else "optimizer" if self._optimizer_hook else "removed"
-        return f"StepEnd({how})"
+        return f"StepEnd({self._how})"
