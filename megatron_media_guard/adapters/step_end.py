@@ -49,8 +49,7 @@ class StepEnd:
         self.guards = list({id(g): g for g in guards}.values())
         self.step_provider = step_provider
         self._seen: int | None = None
-        self._trigger: Any = None  # the Hook, or torch's optimizer hook handle
-        self._how = "removed"
+        self._triggers: list[tuple[str, Any]] = []  # ("method", Hook), ("optimizer", torch's)
 
     def end(self, step: int) -> None:
         for g in self.guards:
@@ -71,24 +70,24 @@ class StepEnd:
         """None when ``target`` has no method ``name``."""
         if not self.guards or not callable(getattr(target, name, None)):
             return None
-        self._trigger, self._how = Hook(target, name, self, pre=self._new_step).install(), "method"
+        self._triggers.append(("method", Hook(target, name, self, pre=self._new_step).install()))
         return self
 
     def on_optimizer_step(self) -> StepEnd:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        self._trigger = register_optimizer_step_post_hook(self._optimizer_stepped)
-        self._how = "optimizer"
+        self._triggers.append(
+            ("optimizer", register_optimizer_step_post_hook(self._optimizer_stepped))
+        )
         return self
 
     @property
     def installed(self) -> bool:
-        return self._trigger is not None
+        return bool(self._triggers)
 
     def remove(self) -> None:
-        if self._trigger is not None:
-            self._trigger.remove()
-        self._trigger, self._how = None, "removed"
+        while self._triggers:
+            self._triggers.pop()[1].remove()
 
     def __repr__(self) -> str:
-        return f"StepEnd({self._how})"
+        return f"StepEnd({', '.join(how for how, _ in self._triggers) or 'removed'})"
