@@ -1,10 +1,9 @@
 """Guard for megatron-core ``LLaVAModel._preprocess_data`` (collapsed image tokens, sound).
 
 ``install_llava(model, guard)`` hooks the method of one model instance and, on an
-``nn.Module``, its ``forward`` with a pre that captures ``packed_seq_params`` (both the one
-hook type of :mod:`..method_hook`) (Megatron-Bridge's
-Nemotron Omni collate packs a micro-batch into one THD row whose ``cu_seqlens`` reach the
-model's ``forward``, never ``_preprocess_data``). Before the original runs, the wrapper
+``nn.Module``, its ``forward`` with a pre that captures ``packed_seq_params`` (the one hook
+type, :mod:`..method_hook`; Megatron-Bridge's Nemotron Omni collate packs a micro-batch into
+one THD row whose ``cu_seqlens`` reach the model's ``forward``, never ``_preprocess_data``). Before the original runs, the wrapper
 checks per sample (a row, or a packed sub-sample), with one device-to-host transfer:
 
 - image count: the sample's image tokens vs its ``num_image_tiles`` entries (one per
