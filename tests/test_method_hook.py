@@ -5,6 +5,7 @@ tests/test_text_only_rank.py, tests/test_dist_layouts.py and tests/test_parallel
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 
@@ -39,6 +40,8 @@ def test_forward_pre_and_post_run_between_torch_hooks_and_remove_restores():
     assert net(torch.ones(1)).item() == 4.0 and net.forward(torch.ones(1)).item() == 4.0
     assert order[:4] == ["torch pre", "pre", "post", "torch post"]  # FSDP2 / DDP stay outside
     assert guarded_by(net.forward) == "owner"
+    with pytest.raises(MediaInputError, match="copy the model before installing"):
+        copy.deepcopy(net)  # the copy would run this instance's forward
     hook.remove()
     hook.remove()  # idempotent
     assert "forward" not in vars(net) and net(torch.ones(1)).item() == 1.0

@@ -75,25 +75,8 @@ class Hook:
             )
         self._previous = target.__dict__.get(name, _MISSING)
         self.original = current
-        pre, post, around = self.pre, self.post, self.around
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if pre is not None:
-                new = pre(args, kwargs)
-                if new is not None:
-                    args, kwargs = new
-            out = current(*args, **kwargs) if around is None else around(current, args, kwargs)
-            if post is not None:
-                new = post(args, kwargs, out)
-                if new is not None:
-                    out = new
-            return out
-
-        functools.update_wrapper(wrapper, current)
-        wrapper.__wrapped__ = current  # type: ignore[attr-defined]
-        setattr(wrapper, HANDLE_ATTR, self.owner)
-        object.__setattr__(target, name, wrapper)
-        self._wrapper = wrapper
+        self._wrapper = _Hooked(self, current)
+        object.__setattr__(target, name, self._wrapper)
         return self
 
     def remove(self) -> None:
@@ -116,3 +99,34 @@ class Hook:
 def guarded_by(method: object) -> Any:
     """The handle whose hook ``method`` is (None for an unguarded method)."""
     return getattr(method, HANDLE_ATTR, None)
+
+
+class _Hooked:
+    """What the hooked instance holds in place of the method: the pre, the method (or the
+    body), the post. A copy of the model (``copy.deepcopy``) would still call this instance's
+    method, so copying is refused: copy the model before installing, or remove, copy, install."""
+
+    def __init__(self, hook: Hook, method: Callable[..., Any]) -> None:
+        functools.update_wrapper(self, method)
+        self.__wrapped__ = method
+        setattr(self, HANDLE_ATTR, hook.owner)
+        self._pre, self._post, self._around, self._method = hook.pre, hook.post, hook.around, method
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pre is not None:
+            new = self._pre(args, kwargs)
+            if new is not None:
+                args, kwargs = new
+        m = self._method
+        out = m(*args, **kwargs) if self._around is None else self._around(m, args, kwargs)
+        if self._post is not None:
+            new = self._post(args, kwargs, out)
+            if new is not None:
+                out = new
+        return out
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise MediaInputError(
+            f"{self.__qualname__} is guarded: a copy of the model would call the original's; "
+            "copy the model before installing the guard (or remove it, copy, install on each)"
+        )
