@@ -16,25 +16,14 @@ from ..core.outcome import MergeResult
 from ..core.runs import TokenLayout
 from ..errors import MediaGuardError, MediaInputError
 from ..ranks.consensus import dist_ready
-from .method_hook import HANDLE_ATTR, Around, Hook, Post, Pre, guarded_by
-from .step_end import StepEnd, StepProvider, end_step
+from .method_hook import Hook
+from .step_end import end_step
 
 AdapterKind = Literal["llava", "mimo", "generic", "qwen_vl", "vlm", "step_end"]
 ItemsProvider = Callable[[], Sequence[MediaItem] | None]
+StepProvider = Callable[[], int | None]
 T = TypeVar("T")
 _UNSEEN = object()
-
-__all__ = [
-    "HANDLE_ATTR",
-    "GuardHandle",
-    "HandleGroup",
-    "Hook",
-    "ItemsProvider",
-    "StepEnd",
-    "StepProvider",
-    "guarded_by",
-    "mask_rows",
-]
 
 
 class GuardHandle:
@@ -253,29 +242,17 @@ class GuardHandle:
     def installed(self) -> bool:
         return bool(self.hooks)
 
-    def install(
-        self, around: Around | None = None, *, pre: Pre | None = None, post: Post | None = None
-    ) -> GuardHandle:
-        """Hooks the guarded method (``self.module.<method_name>``); ``original`` is the method
-        it wraps."""
-        h = self.hook(self.module, self.method_name, pre=pre, post=post, around=around)
-        self.original = h.original
+    def install(self, around: Any = None, **parts: Any) -> GuardHandle:
+        """Hooks the guarded method (``self.module.<method_name>``; ``around``, ``pre``, ``post``
+        as :class:`Hook` takes them); ``original`` is the method it wraps."""
+        self.original = self.hook(self.module, self.method_name, around=around, **parts).original
         return self
 
-    def hook(
-        self,
-        target: object,
-        name: str,
-        *,
-        pre: Pre | None = None,
-        post: Post | None = None,
-        around: Around | None = None,
-    ) -> Hook:
+    def hook(self, target: object, name: str, **parts: Any) -> Hook:
         """Installs one more :class:`Hook` owned by this handle (removed with it, in reverse
         order)."""
-        h = Hook(target, name, self, pre=pre, post=post, around=around).install()
-        self.hooks.append(h)
-        return h
+        self.hooks.append(Hook(target, name, self, **parts).install())
+        return self.hooks[-1]
 
     def remove(self) -> None:
         """Restore the instance exactly as before :meth:`install` (idempotent)."""

@@ -39,7 +39,8 @@ from ..families import find_family, no_family
 from ..families.qwen import SPEC as QWEN_SPEC
 from ..families.spec import check_tokenizer
 from ..ranks.consensus import StageConsensus, dist_ready
-from .hooks import HandleGroup, ItemsProvider, StepEnd
+from .hooks import HandleGroup, ItemsProvider
+from .step_end import StepEnd
 from .vlm_install import INSTALLERS, guard_for
 
 _CONFIG_ARGS = (

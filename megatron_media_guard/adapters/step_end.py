@@ -16,8 +16,6 @@ from typing import Any
 from ..core.guard import MediaGuard
 from .method_hook import Hook
 
-StepProvider = Callable[[], int | None]
-
 # last step whose end ran, per guard (every trigger reads and writes it)
 _ended: weakref.WeakKeyDictionary[MediaGuard, int] = weakref.WeakKeyDictionary()
 
@@ -45,7 +43,9 @@ class StepEnd:
 
     kind = "step_end"
 
-    def __init__(self, guards: Sequence[MediaGuard], step_provider: StepProvider) -> None:
+    def __init__(
+        self, guards: Sequence[MediaGuard], step_provider: Callable[[], int | None]
+    ) -> None:
         self.guards = list({id(g): g for g in guards}.values())
         self.step_provider = step_provider
         self._seen: int | None = None
