@@ -18,7 +18,7 @@ from llava_standins import HAS_MCORE019, NEEDS_MCORE019, Mcore019LLaVAStandIn  #
 from omni_batches import IMAGE, SOUND, Example, build  # noqa: E402
 
 from megatron_media_guard import Grammar, GuardConfig, MediaAlignmentError, MediaGuard  # noqa: E402
-from megatron_media_guard.adapters import install_llava  # noqa: E402
+from megatron_media_guard.adapters import guarded_by, install_llava  # noqa: E402
 from megatron_media_guard.core.host import count_transfers  # noqa: E402
 from megatron_media_guard.diagnostics import RankInfo  # noqa: E402
 
@@ -155,11 +155,11 @@ def test_pre_hook_goes_with_remove():
     batch = build(IMAGES_SOUND, pack=True)
     model = OmniForwardStandIn(batch)
     handle = install_llava(model, guard())
-    assert len(model._forward_pre_hooks) == 1
+    assert guarded_by(model.forward) is handle  # its pre captures packed_seq_params
     run_forward(model, batch)
     assert handle.last_result.packed
     handle.remove()
-    assert len(model._forward_pre_hooks) == 0 and "_preprocess_data" not in vars(model)
+    assert "forward" not in vars(model) and "_preprocess_data" not in vars(model)
 
 
 def outside(out, ref, spans, drop):

@@ -252,7 +252,7 @@ def test_without_ddp_the_optimizer_step_closes_the_step():
     llava = TinyLLaVA()
     args = parse(["--media-guard-policy", "drop", "--media-guard-drop-budget-step", "0.4"])
     group = install_from_args([llava], args, environ={})
-    assert type(group[-1]).__name__ == "OptimizerStepEnd"
+    assert repr(group[-1]) == "StepEnd(optimizer)"
     p = torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.SGD([p], lr=0.1)
     p.grad = torch.ones(2)

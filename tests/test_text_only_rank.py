@@ -29,7 +29,6 @@ the peer's gradient bucket) and, with no wrapper, broke the next collective of t
 from __future__ import annotations
 
 import importlib
-import inspect
 import pkgutil
 from dataclasses import dataclass
 
@@ -325,22 +324,22 @@ class _Seen(Exception):
 
 
 def _model_inputs(model, handle, kw: dict) -> dict:
-    """The keyword arguments the guarded module's body receives (after the guard's pre-hook)
-    when ``model`` is called (Bridge's wrapper calls the thinker the guard is on)."""
+    """The keyword arguments the guarded module's body receives (what the guard's pre gives
+    it) when ``model`` is called (Bridge's wrapper calls the thinker the guard is on)."""
     got = {}
-    target = handle.module
-    sig = inspect.signature(target.forward)
+    pre = handle._pre_hook
 
-    def grab(_module, args, kwargs):
-        got.update(sig.bind(*args, **kwargs).arguments)
+    def grab(module, args, kwargs):
+        args, kwargs = pre(module, args, kwargs) or (args, kwargs)
+        got.update(handle.sig.bind(*args, **kwargs).arguments)
         raise _Seen
 
-    h = target.register_forward_pre_hook(grab, with_kwargs=True)
+    handle._pre_hook = grab
     try:
         with torch.no_grad(), pytest.raises(_Seen):
             model(**kw)
     finally:
-        h.remove()
+        del handle._pre_hook
     return got
 
 

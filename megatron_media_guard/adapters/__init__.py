@@ -20,8 +20,9 @@ module gets its own subpackage (``llava/``); a one-module adapter stays a module
 from ..ranks import defaults as _process_defaults  # noqa: F401
 from ..replay import bundle_save as _bundle_writer  # noqa: F401
 from .generic import ArgMap, guard_merge_fn, infer_items, install_generic
-from .hooks import GuardHandle, HandleGroup, guarded_by
+from .hooks import GuardHandle, HandleGroup
 from .llava.install import LlavaHandle, LlavaResult, install_llava
+from .method_hook import guarded_by
 from .mimo import install_mimo
 from .vlm import VLMHandle
 from .vlm_inputs import InputsHandle

@@ -1,7 +1,6 @@
-"""A guard installed as a forward pre-hook and post-forward hook on one model instance (the
-Qwen-VL adapter and the family engine): install / remove, the mark that refuses a second
-install, the tower keeper between the two hooks, and :class:`CallArgs`, the keyword view of
-the call the pre-hook sees."""
+"""A guard as a pre and a post around one model instance's ``forward`` (the family engine):
+the one hook type (:class:`~.method_hook.Hook`, its double-install check and ``remove()``), the
+tower keeper between the two, and :class:`CallArgs`, the keyword view of the call the pre sees."""
 
 from __future__ import annotations
 
@@ -54,46 +53,38 @@ class CallArgs:
 
 
 class ForwardHookHandle(GuardHandle):
-    """A guard installed as a forward pre-hook (keyword arguments) and a post-forward hook on
-    one model instance, with a :class:`~.tower.TowerKeeper` between them (the Qwen-VL adapter
-    and the family engine). Subclasses set ``MARK`` (the instance attribute that refuses a
-    second install) and define ``_pre_hook`` / ``_post_hook``."""
+    """A guard installed as a pre (keyword arguments) and a post around one model instance's
+    ``forward`` (:meth:`GuardHandle.install`: the one hook type, on ``forward`` as on any
+    method), with a :class:`~.tower.TowerKeeper` between them whose embedding hook is this
+    handle's too. Subclasses define ``_pre_hook`` (torch's forward pre-hook contract: None, or
+    ``(args, kwargs)``) and ``_post_hook`` (None, or the output). ``MARK``: a subclass's name
+    for its install (the double-install check is the hook's own, one for every method)."""
 
     MARK = "_media_guard_hook"
 
     def __init__(self, model: Any, guard: MediaGuard, kind: AdapterKind, **kw: Any) -> None:
         super().__init__(model, "forward", guard, kind, **kw)
         self.sig = inspect.signature(model.forward)
-        self._hooks: list[Any] = []
         self.keeper = TowerKeeper()
-
-    @property
-    def installed(self) -> bool:
-        return bool(self._hooks)
 
     def install_hooks(self) -> ForwardHookHandle:
         m = self.module
-        if m.__dict__.get(self.MARK) is not None:
-            raise MediaInputError(
-                f"this {type(m).__name__} is already guarded (by a {self.kind} handle); call "
-                "handle.remove() before installing again"
-            )
-        self._hooks = [
-            m.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
-            m.register_forward_hook(self._post_hook, with_kwargs=True),
-        ]
-        self.keeper = TowerKeeper(input_embeddings(m))
-        object.__setattr__(m, self.MARK, self)
+        self.install(
+            pre=lambda args, kwargs: self._pre_hook(m, args, kwargs),
+            post=lambda args, kwargs, out: self._post_hook(m, args, kwargs, out),
+        )
+        try:
+            self.keeper = TowerKeeper(input_embeddings(m), self)
+        except MediaInputError:
+            self.remove()
+            raise
         return self
 
     def remove(self) -> None:
-        """Takes both hooks off: the model is the plain model again (idempotent)."""
-        for h in self._hooks:
-            h.remove()
-        self.keeper.remove()
-        if self._hooks:
-            self.module.__dict__.pop(self.MARK, None)
-        self._hooks = []
+        """Takes the hooks off (``forward``, the keeper's embeddings): the model is the plain
+        model again (idempotent)."""
+        super().remove()
+        self.keeper.clear()
 
     def _pre_hook(self, module: Any, args: tuple, kwargs: dict) -> Any:
         raise NotImplementedError

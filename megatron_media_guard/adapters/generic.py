@@ -304,12 +304,15 @@ def install_generic(
         auto_step_end=auto_step_end,
     )
 
-    def make(h: GuardHandle):
-        inner = guard_merge_fn(h.original, guard, arg_map=arg_map, output=output, handle=h)
+    def merge(original, args: tuple, kwargs: dict) -> Any:
+        return guarded(*args, **kwargs)
 
-        def merge(*args: Any, **kwargs: Any) -> Any:
-            return inner(*args, **kwargs)
-
-        return merge
-
-    return handle.install(make)
+    handle.install(merge)  # the guard's merge runs in place of the method
+    try:
+        guarded = guard_merge_fn(
+            handle.original, guard, arg_map=arg_map, output=output, handle=handle
+        )
+    except MediaInputError:  # the method lacks a parameter the ArgMap names
+        handle.remove()
+        raise
+    return handle

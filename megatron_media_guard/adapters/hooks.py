@@ -1,21 +1,10 @@
-"""Install / remove machinery shared by the adapters (accelerate-hooks style).
-
-An adapter wraps one method of one model *instance*: the wrapper is stored as an
-instance attribute that shadows the class method, so other instances and the class
-are untouched. ``handle.remove()`` restores the instance exactly as it was (deleting
-the shadowing attribute, or putting back an instance attribute that was there).
-
-Installing a second guard on the same method of the same instance is an error
-(:class:`~megatron_media_guard.errors.MediaInputError`): a silent no-op would hide a
-configuration difference between the two installs. Remove the first handle, then
-install again.
-"""
+"""The handle every adapter builds on: :class:`GuardHandle` (one guard on one method of one
+model instance, through the one hook type, :class:`~.method_hook.Hook`; steps end through
+:mod:`.step_end`) and :class:`HandleGroup` (the handles of one model)."""
 
 from __future__ import annotations
 
-import functools
-import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -27,22 +16,20 @@ from ..core.outcome import MergeResult
 from ..core.runs import TokenLayout
 from ..errors import MediaGuardError, MediaInputError
 from ..ranks.consensus import dist_ready
+from .method_hook import Hook
+from .step_end import end_step
 
 AdapterKind = Literal["llava", "mimo", "generic", "qwen_vl", "vlm", "step_end"]
 ItemsProvider = Callable[[], Sequence[MediaItem] | None]
 StepProvider = Callable[[], int | None]
 T = TypeVar("T")
-
-#: attribute (on the wrapper function) pointing back to its handle
-HANDLE_ATTR = "__media_guard_handle__"
-_MISSING = object()
-
-# last step for which ``guard.on_step_end`` was called, per guard (shared by handles)
-_closed_steps: weakref.WeakKeyDictionary[MediaGuard, int] = weakref.WeakKeyDictionary()
+_UNSEEN = object()
 
 
 class GuardHandle:
-    """One installed guard on one method of one model instance.
+    """One installed guard on one method of one model instance: its :class:`Hook` (and any
+    more it installs, :meth:`hook`: the tower keeper's, LLaVA's ``forward`` capture), the
+    guard, the call's items and step.
 
     items: the training step calls :meth:`set_items` before the forward (consumed by
         the next guarded call), or passes ``items_provider`` (called on every guarded call).
@@ -57,8 +44,8 @@ class GuardHandle:
         only while torch.distributed is not initialized, because a distributed step end
         may combine counters over the pipeline group, which must never happen inside a
         forward (stages run it at different times). Distributed runs close steps from
-        outside the forward: :meth:`step_end`, or :func:`install_step_end` (what
-        ``install_from_args`` does).
+        outside the forward: :meth:`step_end`, or a :class:`StepEnd` (what
+        ``install_from_args`` installs).
     last_result: what the last guarded call produced (a MergeResult for MIMO/generic, an
         ``LlavaResult`` for LLaVA); ``mask_loss`` applies its drops to a loss mask.
 
@@ -88,14 +75,13 @@ class GuardHandle:
         self.last_result: Any = None
         self._last_tokens: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.original: Callable[..., Any] | None = None
-        self._wrapper: Callable[..., Any] | None = None
-        self._previous: object = _MISSING
+        self.hooks: list[Hook] = []
         self._pending_items: Sequence[MediaItem] | None = None
         self._step: int | None = None
         self._explicit_step = False
         self._microbatch: int | None = None
         self._calls_in_step = 0
-        self._seen_step: object = _MISSING
+        self._seen_step: object = _UNSEEN
         self._seen_ends = guard.steps_ended
 
     # ---- per-call inputs ------------------------------------------------------
@@ -134,7 +120,7 @@ class GuardHandle:
             if auto is None:
                 auto = not dist_ready()
             if auto and isinstance(prev, int) and step is not None:
-                self._close_step(prev)
+                end_step(self.guard, prev)
             self._seen_ends = self.guard.steps_ended
         elif self.guard.steps_ended != self._seen_ends:  # the step ended since the last call
             self._seen_ends, self._calls_in_step = self.guard.steps_ended, 0
@@ -144,17 +130,9 @@ class GuardHandle:
         self._calls_in_step += 1
         return step, mb
 
-    def _close_step(self, step: int) -> None:
-        done = _closed_steps.get(self.guard)
-        if done is not None and done >= step:
-            return
-        _closed_steps[self.guard] = step
-        self.guard.on_step_end(step)
-
     def step_end(self, step: int) -> dict[str, int]:
         """Call from the training loop at the end of ``step`` (once per guard)."""
-        _closed_steps[self.guard] = step
-        return self.guard.on_step_end(step)
+        return end_step(self.guard, step, again=True)
 
     # ---- one guarded call ---------------------------------------------------------
 
@@ -262,45 +240,25 @@ class GuardHandle:
 
     @property
     def installed(self) -> bool:
-        return self._wrapper is not None
+        return bool(self.hooks)
 
-    def install(self, make_wrapper: Callable[[GuardHandle], Callable[..., Any]]) -> GuardHandle:
-        module, name = self.module, self.method_name
-        current = getattr(module, name, None)
-        if current is None or not callable(current):
-            raise MediaInputError(f"{type(module).__name__} has no method {name!r} to guard")
-        other = getattr(current, HANDLE_ATTR, None)
-        if other is not None:
-            raise MediaInputError(
-                f"{type(module).__name__}.{name} of this instance is already guarded "
-                f"(by a {other.kind} handle); call handle.remove() before installing again"
-            )
-        self._previous = module.__dict__.get(name, _MISSING)
-        self.original = current
-        wrapper = make_wrapper(self)
-        functools.update_wrapper(wrapper, current)
-        wrapper.__wrapped__ = current  # type: ignore[attr-defined]
-        setattr(wrapper, HANDLE_ATTR, self)
-        object.__setattr__(module, name, wrapper)
-        self._wrapper = wrapper
+    def install(self, around: Any = None, **parts: Any) -> GuardHandle:
+        """Hooks the guarded method (``self.module.<method_name>``; ``around``, ``pre``, ``post``
+        as :class:`Hook` takes them); ``original`` is the method it wraps."""
+        self.original = self.hook(self.module, self.method_name, around=around, **parts).original
         return self
+
+    def hook(self, target: object, name: str, **parts: Any) -> Hook:
+        """Installs one more :class:`Hook` owned by this handle (removed with it, in reverse
+        order)."""
+        self.hooks.append(Hook(target, name, self, **parts).install())
+        return self.hooks[-1]
 
     def remove(self) -> None:
         """Restore the instance exactly as before :meth:`install` (idempotent)."""
-        if self._wrapper is None:
-            return
-        module, name = self.module, self.method_name
-        if module.__dict__.get(name) is not self._wrapper:
-            raise MediaInputError(
-                f"{type(module).__name__}.{name} was replaced after the media guard was "
-                "installed; remove the later wrapper first (handles come off in reverse order)"
-            )
-        if self._previous is _MISSING:
-            object.__delattr__(module, name)
-        else:
-            object.__setattr__(module, name, self._previous)
-        self._wrapper = None
-        self._previous = _MISSING
+        while self.hooks:
+            self.hooks[-1].remove()
+            self.hooks.pop()
 
     def __enter__(self) -> GuardHandle:
         return self
@@ -336,23 +294,13 @@ class HandleGroup(list):
     def step_end(self, step: int) -> None:
         """End ``step`` once per distinct guard (call it outside the forward)."""
         for h in self.merges:
-            if _closed_steps.get(h.guard, -1) < step:
-                h.step_end(step)
+            end_step(h.guard, step)
 
     def __enter__(self) -> HandleGroup:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
-
-
-def guarded_by(method: object) -> GuardHandle | None:
-    """The handle whose wrapper ``method`` is (None for an unguarded method)."""
-    return getattr(method, HANDLE_ATTR, None)
-
-
-def iter_handles(handles: GuardHandle | Iterable[GuardHandle]) -> list[GuardHandle]:
-    return [handles] if isinstance(handles, GuardHandle) else list(handles)
 
 
 def mask_rows(
@@ -385,66 +333,3 @@ def mask_rows(
     if labels is not None:
         labels = labels.masked_fill(sel.view(-1, *([1] * (labels.dim() - 1))), ignore_index)
     return loss_mask, labels
-
-
-def install_step_end(
-    module: object,
-    method_name: str,
-    handles: Sequence[GuardHandle],
-    step_provider: StepProvider,
-) -> GuardHandle | None:
-    """Close steps from a method every rank calls once per step outside the forward
-    (Megatron's ``DistributedDataParallel.zero_grad_buffer`` at the start of train_step):
-    when ``step_provider()`` changed since the last call, ``step_end(previous)`` runs
-    for every distinct guard of ``handles``. Returns None when there is no such method."""
-    if not handles or not callable(getattr(module, method_name, None)):
-        return None
-    state: dict[str, int | None] = {"seen": None}
-    group = HandleGroup(handles)
-
-    def make(h: GuardHandle) -> Callable[..., Any]:
-        def hook(*args: Any, **kwargs: Any) -> Any:
-            step = step_provider()
-            prev = state["seen"]
-            if prev is not None and step is not None and step != prev:
-                group.step_end(prev)
-            if step is not None:
-                state["seen"] = step
-            return h.original(*args, **kwargs)
-
-        return hook
-
-    h = GuardHandle(module, method_name, handles[0].guard, "step_end", step_provider=step_provider)
-    return h.install(make)
-
-
-class OptimizerStepEnd:
-    """Closes the current step after every torch optimizer step (a global, removable
-    ``torch.optim`` post-step hook): every rank runs the optimizer step once per train
-    step, outside the forward. Repeated steps in one iteration (chained optimizers) close
-    it once; a skipped step (inf/nan gradients) folds its counters into the next."""
-
-    kind: AdapterKind = "step_end"
-
-    def __init__(self, handles: Sequence[GuardHandle], step_provider: StepProvider) -> None:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        group = HandleGroup(handles)
-        self.guard = handles[0].guard if handles else None
-        self.last_result = None
-
-        def hook(optimizer: object, args: object, kwargs: object) -> None:
-            step = step_provider()
-            if step is not None:
-                group.step_end(step)
-
-        self._hook = register_optimizer_step_post_hook(hook)
-        self.installed = True
-
-    def remove(self) -> None:
-        if self.installed:
-            self._hook.remove()
-            self.installed = False
-
-    def __repr__(self) -> str:
-        return f"OptimizerStepEnd({'installed' if self.installed else 'removed'})"

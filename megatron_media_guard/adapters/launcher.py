@@ -39,7 +39,8 @@ from ..families import find_family, no_family
 from ..families.qwen import SPEC as QWEN_SPEC
 from ..families.spec import check_tokenizer
 from ..ranks.consensus import StageConsensus, dist_ready
-from .hooks import HandleGroup, ItemsProvider, OptimizerStepEnd, install_step_end
+from .hooks import HandleGroup, ItemsProvider
+from .step_end import StepEnd
 from .vlm_install import INSTALLERS, guard_for
 
 _CONFIG_ARGS = (
@@ -51,7 +52,7 @@ _CONFIG_ARGS = (
     ("generated", "media_guard_generated"),
     ("keep_tower", "media_guard_keep_tower"),
 )
-StepEnd = Literal["auto", "zero_grad_buffer", "optimizer", "manual"]
+StepEndChoice = Literal["auto", "zero_grad_buffer", "optimizer", "manual"]
 
 #: the Qwen-VL classes install_qwen_vl guards, by the package that defines them (a subclass of
 #: one counts): the Qwen family spec's (``families/qwen.py``)
@@ -236,7 +237,7 @@ def install_from_args(
     grammar: Grammar | None = None,
     *,
     items_provider: ItemsProvider | None = None,
-    step_end: StepEnd = "auto",
+    step_end: StepEndChoice = "auto",
     environ: Mapping[str, str] | None = None,
     tokenizer: Any = None,
 ) -> HandleGroup:
@@ -257,17 +258,18 @@ def install_from_args(
     ``StageConsensus`` from megatron-core ``parallel_state`` when torch.distributed is
     initialized (no collectives otherwise) and the drop budget of the arguments. The
     step comes from ``args.curr_iteration``. Steps are closed (budget checked) outside
-    the forward, on every rank, per ``step_end``: ``"zero_grad_buffer"`` wraps the first
-    chunk's DDP ``zero_grad_buffer`` (Megatron-LM calls it at the start of each train
-    step), ``"optimizer"`` registers a torch optimizer post-step hook, ``"auto"`` takes
+    the forward, on every rank, through one :class:`~.step_end.StepEnd` per ``step_end``:
+    ``"zero_grad_buffer"`` hooks the first chunk's DDP ``zero_grad_buffer`` (Megatron-LM calls
+    it at the start of each train step), ``"optimizer"`` registers a torch optimizer post-step
+    hook, ``"auto"`` takes
     the first when the chunk has the method (the model is already DDP-wrapped), else the
     second; ``"manual"``: call ``group.step_end(iteration)`` yourself. Returns a
     :class:`HandleGroup` (empty when disabled); ``group.remove()`` undoes everything.
     """
     log = get_logger()
-    if step_end not in typing.get_args(StepEnd):
+    if step_end not in typing.get_args(StepEndChoice):
         raise MediaInputError(
-            f"install_from_args: step_end must be one of {list(typing.get_args(StepEnd))}, "
+            f"install_from_args: step_end must be one of {list(typing.get_args(StepEndChoice))}, "
             f"got {step_end!r}"
         )
     check_tokenizer(tokenizer, "install_from_args")
@@ -308,9 +310,10 @@ def install_from_args(
         # Bridge's forward steps build the loss from the caller's loss_mask: zero it in place
         extra = {"loss_mask_inplace": True} if spec.apply == "inputs" else {}
         group.append(INSTALLERS[spec.apply](m, guards[kind], spec, tokenizer, **common, **extra))
-    hook: Any = None
+    ends = StepEnd([h.guard for h in group], step_provider)
+    hook: StepEnd | None = None
     if step_end in ("auto", "zero_grad_buffer"):
-        hook = install_step_end(chunks[0], "zero_grad_buffer", list(group), step_provider)
+        hook = ends.on_method(chunks[0], "zero_grad_buffer")
         if hook is None and step_end == "zero_grad_buffer":
             raise MediaInputError(
                 f"install_from_args: step_end='zero_grad_buffer', but {type(chunks[0]).__name__} "
@@ -318,7 +321,7 @@ def install_from_args(
                 "step_end='optimizer' / 'manual')"
             )
     if hook is None and step_end in ("auto", "optimizer"):
-        hook = OptimizerStepEnd(list(group), step_provider)
+        hook = ends.on_optimizer_step()
     if hook is not None:
         group.append(hook)
     log.info(

@@ -104,18 +104,12 @@ def install_mimo(
         step_provider=step_provider,
         auto_step_end=auto_step_end,
     )
-    return handle.install(_make_wrapper)
 
-
-def _make_wrapper(handle: GuardHandle):
-    sig = inspect.signature(handle.original)
-
-    def align_embeddings_by_token_positions(*args: Any, **kwargs: Any) -> torch.Tensor:
+    def align_embeddings_by_token_positions(original, args: tuple, kwargs: dict) -> torch.Tensor:
         try:
-            ba = sig.bind(*args, **kwargs)
+            a = sig.bind(*args, **kwargs).arguments
         except TypeError:
-            return handle.original(*args, **kwargs)
-        a = ba.arguments
+            return original(*args, **kwargs)  # megatron-core reports its own signature error
 
         def body(step: int | None, mb: int | None) -> MergeResult:
             res = _merge(handle.guard, a, handle.take_items(), step, mb)
@@ -124,7 +118,9 @@ def _make_wrapper(handle: GuardHandle):
 
         return handle.call("MIMO media guard", body).embeddings
 
-    return align_embeddings_by_token_positions
+    handle.install(align_embeddings_by_token_positions)
+    sig = inspect.signature(handle.original)  # read by the hook (installed: the method exists)
+    return handle
 
 
 def _merge(guard: MediaGuard, a: dict, items, step, mb) -> MergeResult:

@@ -8,7 +8,8 @@ parameters a gradient. A micro-batch whose media were all dropped, or that holds
 only), would skip it. The guard then runs the tower itself, in its forward **pre**-hook, on a
 minimal dummy input, and keeps the output in the graph with a zero weight: ``-0.0`` (the exact
 additive identity: no bit changes) added where real features would have gone, the input
-embeddings (a forward hook on the model's embedding module), else, when the embedding module is
+embeddings (a post on the model's embedding module's ``forward``, the one hook type of
+:mod:`.method_hook`), else, when the embedding module is
 not known or not called (``inputs_embeds`` given), to the model's output in the post-hook.
 
 Why there: the autograd engine runs younger nodes first, so the decoder's backward runs before
@@ -21,9 +22,10 @@ peers' tower reduce-scatter). See docs/PARALLEL.md.
 
 Contract (an adapter or a family engine with a forward pre-hook and post-hook on one model):
 
-- one ``TowerKeeper(embeddings)`` per installed handle (``embeddings``: the model's input
-  embedding module, e.g. ``model.get_input_embeddings()``; None: anchor at the output);
-  ``keeper.remove()`` when the handle is removed;
+- one ``TowerKeeper(embeddings, handle)`` per installed handle (``embeddings``: the model's
+  input embedding module, e.g. ``model.get_input_embeddings()``; None: anchor at the output;
+  ``handle``: whose hooks the embedding hook joins, removed with it; without one,
+  ``keeper.remove()`` takes it off);
 - pre-hook, first: ``keeper.clear()`` (a forward that raised leaves nothing behind);
 - pre-hook, once the call's inputs are final: ``if tower_due(config.keep_tower, had_media=...,
   feeds_media=...)``, ``keeper.run(fn)`` where ``fn()`` calls the model's own tower module (the
@@ -48,6 +50,7 @@ import torch
 from ..config import KeepTower
 from ..core.apply import zero_anchor
 from ..errors import MediaInputError
+from .method_hook import Hook
 
 
 def tower_due(mode: KeepTower, *, had_media: bool, feeds_media: bool) -> bool:
@@ -76,13 +79,15 @@ def float_leaves(out: Any) -> list[torch.Tensor]:
 class TowerKeeper:
     """One forward's kept tower output, between the pre-hook and the post-hook (see module doc)."""
 
-    def __init__(self, embeddings: torch.nn.Module | None = None) -> None:
+    def __init__(self, embeddings: torch.nn.Module | None = None, handle: Any = None) -> None:
         self._anchor: torch.Tensor | None = None
         self._placed = False
         self._all_dropped = False
-        self._hook = (
-            None if embeddings is None else embeddings.register_forward_hook(self._into_embeddings)
-        )
+        self._hook: Hook | None = None
+        if embeddings is not None and handle is not None:
+            self._hook = handle.hook(embeddings, "forward", post=self._into_embeddings)
+        elif embeddings is not None:
+            self._hook = Hook(embeddings, "forward", self, post=self._into_embeddings).install()
 
     @property
     def pending(self) -> bool:
@@ -109,7 +114,7 @@ class TowerKeeper:
     def every_sample_dropped(self) -> None:
         self._all_dropped = True
 
-    def _into_embeddings(self, module: Any, args: tuple, out: Any) -> Any:
+    def _into_embeddings(self, args: tuple, kwargs: dict, out: Any) -> Any:
         if self._anchor is None or self._placed:
             return None
         if not isinstance(out, torch.Tensor) or not out.is_floating_point():

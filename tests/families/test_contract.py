@@ -360,7 +360,8 @@ def test_remove_leaves_the_model_as_it_was(name):
 
     case, F, model = build(name)
     b = fault_batch(F, model, case, "+k/-k across two samples")
-    before, plain = _state(model), _outcome(model, b.kwargs)
+    plain = _outcome(model, b.kwargs)  # first: transformers adds its output-capturing hooks
+    before = _state(model)
     h = install_vlm(model, GuardConfig(), tokenizer=case.one_item[1])
     assert _state(model) != before
     h.remove()

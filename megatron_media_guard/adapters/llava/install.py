@@ -1,9 +1,9 @@
 """Guard for megatron-core ``LLaVAModel._preprocess_data`` (collapsed image tokens, sound).
 
-``install_llava(model, guard)`` wraps the method of one model instance and, on an
-``nn.Module``, adds a forward pre-hook that captures ``packed_seq_params`` (Megatron-Bridge's
-Nemotron Omni collate packs a micro-batch into one THD row whose ``cu_seqlens`` reach the
-model's ``forward``, never ``_preprocess_data``). Before the original runs, the wrapper
+``install_llava(model, guard)`` hooks the method of one model instance and, on an
+``nn.Module``, its ``forward`` with a pre that captures ``packed_seq_params`` (the one hook
+type, :mod:`..method_hook`; Megatron-Bridge's Nemotron Omni collate packs a micro-batch into
+one THD row whose ``cu_seqlens`` reach the model's ``forward``, never ``_preprocess_data``). Before the original runs, the wrapper
 checks per sample (a row, or a packed sub-sample), with one device-to-host transfer:
 
 - image count: the sample's image tokens vs its ``num_image_tiles`` entries (one per
@@ -92,11 +92,10 @@ class LlavaResult:
 
 class LlavaHandle(GuardHandle):
     """A :class:`GuardHandle` that also captures the model forward's ``packed_seq_params``
-    (a forward pre-hook, removed with the handle). Callers that run ``_preprocess_data``
+    (a pre on ``forward``, removed with the handle). Callers that run ``_preprocess_data``
     themselves give it with :meth:`set_packed_seq_params` before the call."""
 
     _packed: tuple[Any, Any] = (None, None)
-    _pre_hook: Any = None
 
     def set_packed_seq_params(self, packed_seq_params: Any, position_ids: Any = None) -> None:
         """``PackedSeqParams`` (and the forward's ``position_ids``, which restart at each
@@ -107,8 +106,11 @@ class LlavaHandle(GuardHandle):
         out, self._packed = self._packed, (None, None)
         return out
 
-    def install(self, make_wrapper) -> LlavaHandle:
-        super().install(make_wrapper)
+    def install_llava(self) -> LlavaHandle:
+        """Hooks ``_preprocess_data`` and, on an ``nn.Module``, ``forward`` (its pre captures
+        ``packed_seq_params``)."""
+        self.install(self._around)
+        self._sig = inspect.signature(self.original)
         module = self.module
         if isinstance(module, torch.nn.Module):
             names = list(inspect.signature(module.forward).parameters)
@@ -119,20 +121,24 @@ class LlavaHandle(GuardHandle):
                 i = names.index(name) if name in names else len(args)
                 return args[i] if i < len(args) else None
 
-            def capture(mod, args, kwargs):
+            def capture(args: tuple, kwargs: dict) -> None:
                 psp = arg(args, kwargs, "packed_seq_params")
                 pos = arg(args, kwargs, "position_ids") if psp is not None else None
                 self._packed = (psp, pos)
 
-            self._pre_hook = module.register_forward_pre_hook(capture, with_kwargs=True)
+            try:
+                self.hook(module, "forward", pre=capture)
+            except MediaInputError:
+                self.remove()
+                raise
         return self
 
     def remove(self) -> None:
         super().remove()
-        if self._pre_hook is not None:
-            self._pre_hook.remove()
-            self._pre_hook = None
         self._packed = (None, None)
+
+    def _around(self, original: Any, args: tuple, kwargs: dict) -> Any:
+        return _guarded_call(self, self._sig, args, kwargs)
 
     def _masked(self, loss_mask, labels=None):
         res = self.last_result
@@ -176,7 +182,7 @@ def install_llava(
         step_provider=step_provider,
         auto_step_end=auto_step_end,
     )
-    return handle.install(_make_wrapper)
+    return handle.install_llava()
 
 
 def llava_of(model: Any) -> Any:
@@ -187,15 +193,6 @@ def llava_of(model: Any) -> Any:
     if not callable(getattr(model, "_preprocess_data", None)) and inner is not None:
         return inner
     return model
-
-
-def _make_wrapper(handle: LlavaHandle):
-    sig = inspect.signature(handle.original)
-
-    def _preprocess_data(*args: Any, **kwargs: Any) -> Any:
-        return _guarded_call(handle, sig, args, kwargs)
-
-    return _preprocess_data
 
 
 def _guarded_call(handle: LlavaHandle, sig: inspect.Signature, args: tuple, kwargs: dict) -> Any:

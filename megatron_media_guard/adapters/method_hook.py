@@ -1,0 +1,132 @@
+"""The one hook type of the adapters: :class:`Hook`, a pre and a post (or a body in place of
+the method) around one named method of one object *instance* (accelerate-hooks style).
+
+The wrapper is an instance attribute shadowing the class method: other instances and the class
+are untouched, and :meth:`Hook.remove` restores the instance exactly. Every adapter hooks this
+way, a model's ``forward`` too (not with torch forward hooks): ``nn.Module.__call__`` calls
+``self.forward`` after torch's forward pre-hooks and before its forward hooks, so FSDP2's
+(all-gather before, reshard and the output's backward hooks after) and DDP's stay around the
+guard; transformers' ``generate`` reads the original signature through ``__wrapped__``; a direct
+``model.forward(...)`` is guarded too.
+
+One double-install check: a method that already carries a hook (the wrapper's
+:data:`HANDLE_ATTR`, which ``functools.update_wrapper`` copies onto a later wrapper of it)
+refuses another (:class:`~megatron_media_guard.errors.MediaInputError`): a silent no-op would
+hide a configuration difference between the two installs. Remove the first handle first.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import MediaInputError
+
+Pre = Callable[[tuple, dict], "tuple[tuple, dict] | None"]
+Post = Callable[[tuple, dict, Any], Any]
+Around = Callable[[Callable[..., Any], tuple, dict], Any]
+
+#: attribute (on the wrapper function) pointing back to the hook's owner (its handle)
+HANDLE_ATTR = "__media_guard_handle__"
+_MISSING = object()
+
+
+class Hook:
+    """Pre / post around the method ``name`` of one instance ``target`` (see module doc).
+
+    pre(args, kwargs): None, or ``(args, kwargs)`` the method is called with; around(original,
+    args, kwargs): runs in place of ``original(*args, **kwargs)``; post(args, kwargs, out):
+    None, or the output in place of ``out``. ``owner``: what :func:`guarded_by` returns for
+    the hooked method (a handle), named in the double-install error.
+    """
+
+    def __init__(
+        self,
+        target: object,
+        name: str,
+        owner: object,
+        *,
+        pre: Pre | None = None,
+        post: Post | None = None,
+        around: Around | None = None,
+    ) -> None:
+        self.target, self.name, self.owner = target, name, owner
+        self.pre, self.post, self.around = pre, post, around
+        self.original: Callable[..., Any] | None = None
+        self._wrapper: Callable[..., Any] | None = None
+        self._previous: object = _MISSING
+
+    @property
+    def installed(self) -> bool:
+        return self._wrapper is not None
+
+    def install(self) -> Hook:
+        target, name = self.target, self.name
+        current = getattr(target, name, None)
+        if current is None or not callable(current):
+            raise MediaInputError(f"{type(target).__name__} has no method {name!r} to guard")
+        other = getattr(current, HANDLE_ATTR, None)
+        if other is not None:
+            raise MediaInputError(
+                f"{type(target).__name__}.{name} of this instance is already guarded (by a "
+                f"{getattr(other, 'kind', type(other).__name__)} handle); call handle.remove() "
+                "before installing again"
+            )
+        self._previous = target.__dict__.get(name, _MISSING)
+        self.original = current
+        self._wrapper = _Hooked(self, current)
+        object.__setattr__(target, name, self._wrapper)
+        return self
+
+    def remove(self) -> None:
+        """Restore the instance exactly as before :meth:`install` (idempotent)."""
+        if self._wrapper is None:
+            return
+        target, name = self.target, self.name
+        if target.__dict__.get(name) is not self._wrapper:
+            raise MediaInputError(
+                f"{type(target).__name__}.{name} was replaced after the media guard was "
+                "installed; remove the later wrapper first (handles come off in reverse order)"
+            )
+        if self._previous is _MISSING:
+            object.__delattr__(target, name)
+        else:
+            object.__setattr__(target, name, self._previous)
+        self._wrapper, self._previous = None, _MISSING
+
+
+def guarded_by(method: object) -> Any:
+    """The handle whose hook ``method`` is (None for an unguarded method)."""
+    return getattr(method, HANDLE_ATTR, None)
+
+
+class _Hooked:
+    """What the hooked instance holds in place of the method: the pre, the method (or the
+    body), the post. A copy of the model (``copy.deepcopy``) would still call this instance's
+    method, so copying is refused: copy the model before installing, or remove, copy, install."""
+
+    def __init__(self, hook: Hook, method: Callable[..., Any]) -> None:
+        functools.update_wrapper(self, method)
+        self.__wrapped__ = method
+        setattr(self, HANDLE_ATTR, hook.owner)
+        self._pre, self._post, self._around, self._method = hook.pre, hook.post, hook.around, method
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pre is not None:
+            new = self._pre(args, kwargs)
+            if new is not None:
+                args, kwargs = new
+        m = self._method
+        out = m(*args, **kwargs) if self._around is None else self._around(m, args, kwargs)
+        if self._post is not None:
+            new = self._post(args, kwargs, out)
+            if new is not None:
+                out = new
+        return out
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise MediaInputError(
+            f"{self.__qualname__} is guarded: a copy of the model would call the original's; "
+            "copy the model before installing the guard (or remove it, copy, install on each)"
+        )
