@@ -314,7 +314,7 @@ def test_internvl_without_per_image_tiles_says_what_is_missing():
 @given(st.integers(1, 4000), st.integers(1, 4000), st.booleans(), st.sampled_from([9, 4, 1]))
 def test_llava_onevision_counts_on_the_device_are_the_models(h, w, multi, k):
     """anyres_tokens (torch, float64) equals the fixture's host restatement of
-    pack_image_features (itself checked against transformers' in test_fixture_llava_onevision)
+    pack_image_features (itself checked against transformers' in test_family_llava_onevision)
     at the shipped geometry (384-px tiles, patch 14, 36 pinpoints) for any size."""
     from transformers import LlavaOnevisionConfig
 

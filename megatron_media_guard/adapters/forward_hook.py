@@ -57,10 +57,8 @@ class ForwardHookHandle(GuardHandle):
     ``forward`` (:meth:`GuardHandle.install`: the one hook type, on ``forward`` as on any
     method), with a :class:`~.tower.TowerKeeper` between them whose embedding hook is this
     handle's too. Subclasses define ``_pre_hook`` (torch's forward pre-hook contract: None, or
-    ``(args, kwargs)``) and ``_post_hook`` (None, or the output). ``MARK``: a subclass's name
-    for its install (the double-install check is the hook's own, one for every method)."""
-
-    MARK = "_media_guard_hook"
+    ``(args, kwargs)``) and ``_post_hook`` (None, or the output). The double-install check
+    is the hook's own, one for every method."""
 
     def __init__(self, model: Any, guard: MediaGuard, kind: AdapterKind, **kw: Any) -> None:
         super().__init__(model, "forward", guard, kind, **kw)

@@ -19,7 +19,7 @@ from ..ranks.consensus import dist_ready
 from .method_hook import Hook
 from .step_end import end_step
 
-AdapterKind = Literal["llava", "mimo", "generic", "qwen_vl", "vlm", "step_end"]
+AdapterKind = Literal["llava", "mimo", "generic", "vlm", "step_end"]
 ItemsProvider = Callable[[], Sequence[MediaItem] | None]
 StepProvider = Callable[[], int | None]
 T = TypeVar("T")

@@ -50,7 +50,6 @@ from .vlm_items import (
     typed_runs_order,
 )
 
-MARK = "_media_guard_vlm"
 PIXELS_FLAG = "_media_guard_pixels"  # tells a spec's encode to cut per-item pixels (repair)
 
 
@@ -64,8 +63,6 @@ class VLMHandle(ForwardHookHandle):
     ``source_hw``; a video's tubelets inherit its item's fields; the list's order is taken as
     the token order (it decides where modalities share a placeholder).
     """
-
-    MARK = MARK
 
     def __init__(
         self, model: Any, guard: MediaGuard, spec: FamilySpec, text_id: int, **kw: Any

@@ -64,7 +64,7 @@ from ..families.resize import Resizer
 from ..families.spec import present
 from .forward_hook import CallArgs, ForwardHookHandle
 from .tower import tower_due
-from .vlm import MARK, call_view
+from .vlm import call_view
 from .vlm_items import call_items, parents, typed_order
 
 
@@ -75,8 +75,6 @@ class InputsHandle(ForwardHookHandle):
     ``set_items``: one :class:`MediaItem` per model-level item (an image, a video: a grid
     row), per modality in the model's order, adding ``sample``, ``sample_id``, ``source_hw``
     and the ``num_features`` it expects."""
-
-    MARK = MARK
 
     def __init__(
         self,

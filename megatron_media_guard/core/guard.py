@@ -27,6 +27,7 @@ from .items import MediaItem, check_sample_id, metadata_batch, normalize
 from .outcome import Consensus, GuardReport, LocalOutcome, MergeResult, StageOutcome
 from .plan import Plan, build_plan
 from .providers import default_consensus, process_rank
+from .repairs import warn_unrepairable
 from .runs import TokenLayout, parse_layout
 from .validate import check_inputs, check_labels_dtype, check_masks
 from .verify import Verdict, verify
@@ -83,7 +84,7 @@ class MediaGuard:
         self._bind(self._consensus)
         _ = self.consensus  # the default resolves now when torch.distributed is initialized
         if self.config.policy == "repair" and (geometry is None or encoder is None):
-            _warn_repair_without(geometry, encoder, self.config.fallback)
+            warn_unrepairable(geometry, encoder, self.config.fallback)
 
     @property
     def rank(self) -> RankInfo:
@@ -405,7 +406,7 @@ class MediaGuard:
         # that skips it skips on every rank); its failed call stops this rank as it stopped it
         peer = MediaAlignmentError if stage.culprit_fault == "data" else ConsensusError
         raise peer(
-            _peer_message(stage, where),
+            stage.peer_message(where),
             context={"where": where, "culprit_rank": stage.culprit_rank},
         )
 
@@ -430,32 +431,3 @@ class MediaGuard:
             num_items=len(c.batch.items),
         )
         return MergeResult(out, loss_mask, labels, rep)
-
-
-def _peer_message(stage: StageOutcome, where: str) -> str:
-    """What a rank raises when another rank of its stage failed: the culprit's rank, step and
-    sample when it is a sample's fault, else what failed there (the error's type and text)."""
-    msg = stage.message or ""
-    at = f"rank {stage.culprit_rank} (step {stage.culprit_step}"
-    if stage.culprit_sample is not None:
-        head = f"Media alignment failed on {at}, sample {stage.culprit_sample})"
-        return f"{head}; this rank ({where}) stops with it.\n{msg}"
-    first, _, rest = msg.partition("\n")
-    head = f"The guarded merge failed on {at}): {first or 'no message'}"
-    return f"{head}\nThis rank ({where}) stops with it." + (f"\n{rest}" if rest else "")
-
-
-def _warn_repair_without(geometry: object | None, encoder: object | None, fallback: str) -> None:
-    """policy="repair" without what a repair needs: said once, at construction."""
-    import warnings
-
-    missing = [n for n, v in (("geometry", geometry), ("encoder", encoder)) if v is None]
-    if geometry is not None:
-        return  # an encoder can still come with each merge, or from the model (Qwen-VL)
-    warnings.warn(
-        f"MediaGuard(policy='repair') without {' and '.join(missing)}: no mismatch can be "
-        f"repaired, each one takes the fallback ({fallback!r}). Pass geometry= (and encoder=, "
-        "here or to each merge; the Qwen-VL adapter uses the model's vision tower)",
-        UserWarning,
-        stacklevel=3,
-    )

@@ -99,6 +99,19 @@ class StageOutcome:
             repaired=out.repaired,
         )
 
+    def peer_message(self, where: str) -> str:
+        """What a rank (``where``) raises when another rank of its stage failed: the culprit's
+        rank, step and sample when it is a sample's fault, else what failed there (the
+        error's type and text)."""
+        msg = self.message or ""
+        at = f"rank {self.culprit_rank} (step {self.culprit_step}"
+        if self.culprit_sample is not None:
+            head = f"Media alignment failed on {at}, sample {self.culprit_sample})"
+            return f"{head}; this rank ({where}) stops with it.\n{msg}"
+        first, _, rest = msg.partition("\n")
+        head = f"The guarded merge failed on {at}): {first or 'no message'}"
+        return f"{head}\nThis rank ({where}) stops with it." + (f"\n{rest}" if rest else "")
+
 
 class Consensus(Protocol):
     def agree(self, local: LocalOutcome) -> StageOutcome: ...

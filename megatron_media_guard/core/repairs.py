@@ -8,6 +8,7 @@ Every attempt is written to the per-rank log with target, size, fidelity and dur
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,3 +227,18 @@ def run_repairs(
     kept = [r for r in plan.repairs if r.sample not in failed]
     replaced = {r.item: done[r.item] for r in kept}
     return RepairOutcome(plan.with_actions(actions, kept), replaced, failed, tuple(records))
+
+
+def warn_unrepairable(geometry: object | None, encoder: object | None, fallback: str) -> None:
+    """``policy="repair"`` without what a repair needs: said once, when the guard is built."""
+    if geometry is not None:
+        return  # an encoder can still come with each merge, or from the model (the engine)
+    missing = [n for n, v in (("geometry", geometry), ("encoder", encoder)) if v is None]
+    warnings.warn(
+        f"MediaGuard(policy='repair') without {' and '.join(missing)}: no mismatch can be "
+        f"repaired, each one takes the fallback ({fallback!r}). Pass geometry= (and encoder=, "
+        "here or to each merge), or install the guard with install_vlm, which builds both "
+        "from the model where its family has them",
+        UserWarning,
+        stacklevel=3,
+    )

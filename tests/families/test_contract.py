@@ -528,7 +528,7 @@ FAMILY_FAULTS = {
         Fault("multi-image one short", [[img(56, 56), img(100, 40, n=16)], [img(80, 80)]], 0, None),
         Fault("beside a multi-image", [[img(56, 56, n=35)], [img(56, 56), img(100, 40)]], 0, None),
     ),
-    # unguarded, all but the short run are silent (tests/test_fixture_kimi_k25.py)
+    # unguarded, all but the short run are silent (tests/test_fixture_plain.py)
     "kimi_k25": (
         Fault("short run", [[img(4, 4, n=3)], [img(2, 4)]], frozenset({0}), None),
         Fault(
