@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from megatron_media_guard import Grammar, GuardConfig, MediaGuard, MediaInputError, MediaItem
 from megatron_media_guard.core.interleave import interleave
-from megatron_media_guard.families import nemotron_omni, qwen
+from megatron_media_guard.families import nemotron_omni
 
 IMG_S, IMG_E, IMG, SO_S, SO_E, SO = 3, 4, 5, 6, 7, 8
 TEXT = list(range(20, 40))
@@ -30,7 +30,6 @@ def test_the_nemotron_spec_grammar_has_two_marker_pairs_and_a_shared_placeholder
     assert (g.start_ids, g.end_ids) == ((IMG_S, SO_S), (IMG_E, SO_E))
     assert dict(g.aliases) == {"video": "image"}
     assert g.modality_code("video") == g.modality_code("image") != g.modality_code("audio")
-    assert qwen.SPEC.apply == "qwen_vl"
 
 
 @pytest.mark.parametrize(
