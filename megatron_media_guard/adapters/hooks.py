@@ -204,11 +204,11 @@ class GuardHandle:
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """:meth:`mask_loss`'s tensors.
 
-        MIMO / generic (a :class:`MergeResult`): ``[b, s]`` like the call's ``input_ids``; a
-        sample is that call's sample (a row, or a packed sample of ``cu_seqlens``), masked
-        token by token with :func:`megatron_media_guard.core.apply.mask_dropped`, as the merge
-        masks its own ``loss_mask``. LLaVA: ``[b, S]`` in the expanded output layout, where
-        rows are samples (:func:`mask_rows`).
+        Masked token by token with :func:`megatron_media_guard.core.apply.mask_dropped` (the
+        one way a loss is masked, as the merge masks its own ``loss_mask``) on the layout of
+        the call's samples: a :class:`MergeResult`'s ``[b, s]`` like the call's ``input_ids``
+        (a row, or a packed sample of ``cu_seqlens``); another result (LLaVA's, in the
+        expanded output ``[b, S]``) gives its own through ``layout(tensor)``.
         """
         dropped = self.dropped_samples()
         if not dropped or (loss_mask is None and labels is None):
@@ -216,7 +216,10 @@ class GuardHandle:
         ignore = self.guard.config.ignore_index
         res = self.last_result
         if not isinstance(res, MergeResult):
-            return mask_rows(dropped, getattr(res, "num_samples", None), loss_mask, labels, ignore)
+            lay = res.layout(loss_mask if loss_mask is not None else labels)
+            keep = torch.tensor([a in ("keep", "repair") for a in res.actions])
+            new_mask, labels = mask_dropped(lay, keep.to(lay.device), loss_mask, labels, ignore)
+            return (new_mask if loss_mask is not None else None), labels
         if self._last_tokens is None:
             raise MediaInputError(
                 "mask_loss: the last guarded call did not record its token ids (call "
@@ -301,35 +304,3 @@ class HandleGroup(list):
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
-
-
-def mask_rows(
-    rows: Sequence[int],
-    num_rows: int | None,
-    loss_mask: torch.Tensor | None,
-    labels: torch.Tensor | None,
-    ignore_index: int,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``loss_mask`` zeroed and ``labels`` set to ``ignore_index`` in the given rows of
-    ``[b, S]`` tensors whose rows are the samples (LLaVA's expanded output). Out of place.
-
-    num_rows: the call's sample count; the tensors must have that many rows (None: any).
-    """
-    ref = loss_mask if loss_mask is not None else labels
-    if ref is None or not rows:
-        return loss_mask, labels
-    for name, t in (("loss_mask", loss_mask), ("labels", labels)):
-        if t is not None and (t.dim() < 1 or (num_rows is not None and t.shape[0] != num_rows)):
-            raise MediaInputError(
-                f"{name} must have one row per sample ({num_rows}), got {tuple(t.shape)}"
-            )
-    if max(rows) >= ref.shape[0]:
-        raise MediaInputError(f"dropped rows {sorted(rows)} outside {tuple(ref.shape)}")
-    sel = torch.zeros(ref.shape[0], dtype=torch.bool)
-    sel[list(rows)] = True
-    sel = sel.to(ref.device, non_blocking=True)
-    if loss_mask is not None:
-        loss_mask = loss_mask.masked_fill(sel.view(-1, *([1] * (loss_mask.dim() - 1))), 0)
-    if labels is not None:
-        labels = labels.masked_fill(sel.view(-1, *([1] * (labels.dim() - 1))), ignore_index)
-    return loss_mask, labels

@@ -43,6 +43,7 @@ from ...core.generated import as_text, text_records
 from ...core.guard import MediaGuard
 from ...core.outcome import StageOutcome
 from ...core.plan import worst
+from ...core.runs import TokenLayout
 from ...errors import MediaInputError
 from ..hooks import GuardHandle, ItemsProvider, StepProvider
 from .checks import (
@@ -56,7 +57,7 @@ from .checks import (
 from .drop import PAD_TOKEN, finish_outputs, plan_drop, rewrite_inputs
 from .layout import layout_problems, packed_cu_seqlens, sound_padded
 from .measure import LlavaFacts, measure, refine_finite
-from .packed import Span
+from .packed import Span, merged_layout
 from .report import settle
 from .sound import sound_faults
 
@@ -88,6 +89,17 @@ class LlavaResult:
     @property
     def report(self) -> LlavaResult:
         return self
+
+    def layout(self, t: torch.Tensor) -> TokenLayout:
+        """The call's samples in a ``[b, S]`` tensor of the expanded output (``t``: a loss
+        mask or labels): its rows, or the packed sub-samples' merged spans."""
+        rows = 1 if self.packed else self.num_samples
+        if t.dim() != 2 or t.shape[0] != rows:
+            raise MediaInputError(
+                f"mask_loss takes [b, S] tensors of the expanded output, one row per sample "
+                f"({rows}), got {tuple(t.shape)}"
+            )
+        return merged_layout(self.spans, self.packed, tuple(t.shape), t.device)
 
 
 class LlavaHandle(GuardHandle):
@@ -139,20 +151,6 @@ class LlavaHandle(GuardHandle):
 
     def _around(self, original: Any, args: tuple, kwargs: dict) -> Any:
         return _guarded_call(self, self._sig, args, kwargs)
-
-    def _masked(self, loss_mask, labels=None):
-        res = self.last_result
-        if not isinstance(res, LlavaResult) or not res.packed or not res.dropped:
-            return super()._masked(loss_mask, labels)
-        ignore = self.guard.config.ignore_index
-        out = []
-        for t, fill in ((loss_mask, 0), (labels, ignore)):
-            if t is not None:
-                t = t.clone()
-                for i in res.dropped:
-                    t[0, res.spans[i].merged_start : res.spans[i].merged_end] = fill
-            out.append(t)
-        return out[0], out[1]
 
 
 def install_llava(
