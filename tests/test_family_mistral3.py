@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import json
 import types
 from pathlib import Path
 
@@ -167,12 +166,7 @@ def test_repair_reencodes_at_the_engines_longest_edge(model, tmp_path):
     source = [MediaItem(0, sample=0, source_hw=(112, 168)), MediaItem(0, sample=1)]
     b, out, res = guarded(model, samples, cfg, items=source)
     assert res.report.actions == ("repair", "keep")
-    rec = next(
-        json.loads(x)
-        for f in tmp_path.glob("*.jsonl")
-        for x in f.read_text().splitlines()
-        if '"repair"' in x
-    )
+    rec = next(r for r in records(tmp_path) if r["event"] == "repair")
     assert (rec["fidelity"], rec["grid"], rec["extra"]["size_hw"]) == (
         "engine-replay",
         [4, 6],

@@ -8,10 +8,9 @@ Every guarded sample is compared with the same sample's plain forward in a batch
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
+from family_checks import records
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaGuard, MediaItem
 from megatron_media_guard.errors import MediaInputError
@@ -135,12 +134,7 @@ def test_repair_reencodes_the_shrunk_image_at_the_engines_grid(model, tmp_path):
     source = [MediaItem(0, sample=0, source_hw=(8 * 16, 12 * 16)), MediaItem(0, sample=1)]
     b, out, res = guarded(model, samples, guard=guard, items=source)
     assert res.report.actions == ("repair", "keep")
-    rec = next(
-        json.loads(x)
-        for f in tmp_path.glob("*.jsonl")
-        for x in f.read_text().splitlines()
-        if '"repair"' in x
-    )
+    rec = next(r for r in records(tmp_path) if r["event"] == "repair")
     assert (rec["fidelity"], rec["grid"]) == ("engine-replay", [6, 8])
     # the same image resized to 6x8 patches by hand and fed to the plain model
     rows = b.kwargs["pixel_values"][: 8 * 12]

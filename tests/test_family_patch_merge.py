@@ -17,12 +17,12 @@ family's own batches: ``FAMILY_FAULTS`` there and ``tests/test_family_glm4v.py``
 from __future__ import annotations
 
 import importlib
-import json
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
+from family_checks import records
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem
 from megatron_media_guard.repair.pixels import from_frames, to_frames
@@ -169,12 +169,7 @@ def test_repair_reencodes_the_image_at_the_processors_grid(name, tmp_path):
     ]
     b, out, res = guarded(case, model, samples, cfg, items=source)
     assert res.report.actions == ("repair", "keep")
-    rec = next(
-        json.loads(x)
-        for f in tmp_path.glob("*.jsonl")
-        for x in f.read_text().splitlines()
-        if '"repair"' in x
-    )
+    rec = next(r for r in records(tmp_path) if r["event"] == "repair")
     assert (rec["fidelity"], rec["grid"]) == ("engine-replay", [6, 8])
     kw, tp = b.kwargs, getattr(case.F, "TEMPORAL_PATCH", 1)
     qwen = {"patch": P, "temporal_patch": tp, "merge": 2}
