@@ -93,7 +93,7 @@ def verify_counts(
     fp = fp + (torch.dot(ids64, w) if dev.type == "cpu" else (ids64 * w).sum())
     parts = [n_runs, findings, bad, fp, *(x.to(torch.int64) for x in extra)]
     # the one host sync of the inputs mode's aligned path: the verdict and the caller's checks
-    runs, found, bad_runs, fp_host, *rest = scalars_to_host(parts, dev, why="inputs verdict")
+    runs, found, bad_runs, fp_host, *rest = scalars_to_host(parts, dev, why="aligned-path verdict")
     fingerprint = (fp_host + w_sum + 2**63) % 2**64 - 2**63  # int64 wraparound
     return Verdict(runs, bad_runs, found, 0, fingerprint), rest
 

@@ -770,6 +770,12 @@ TRANSFER_MIXES = {
         ("video + audio", [[vid(2, 4, 4), aud(80)], [aud(50)]]),
         ("image + video + audio", [[img(4, 4), aud(80)], [vid(2, 4, 4)], [aud(50), img(2, 2)]]),
     ),
+    # the inputs mode: the runs checked against the grids' count tables on the device
+    "qwen_vl": (
+        ("image", [[img(64, 64)], [img(64, 96), img(96, 64)]]),
+        ("video", [[vid(4, 64, 64)], [vid(2, 64, 96)]]),
+        ("image + video", [[img(64, 64), vid(4, 64, 64)], [img(96, 64)], [vid(2, 64, 96)]]),
+    ),
 }
 #: (family, mix) -> transfers where not 1: GLM-4V cuts each video into its frame runs by the
 #: video grids (the model's own get_video_features reads them on the host too)
