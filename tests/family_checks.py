@@ -8,8 +8,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
-from megatron_media_guard import MediaAlignmentError
+from megatron_media_guard import GuardConfig, MediaAlignmentError, install_vlm
 
 
 def records(log_dir) -> list[dict]:
@@ -95,3 +96,15 @@ def saved_bundle(d, **config):
                        config=GuardConfig(**config), rank=RankInfo(rank=1), step=3)  # fmt: skip
     assert path is not None
     return path
+
+
+def guarded_forward(F, model, samples, config=None, items=None, **kw):
+    """``(batch, output, last_result)`` of ``samples`` (fixture module ``F``'s batch) through
+    ``install_vlm(model, config)``, ``items`` given with ``set_items``; the guard removed."""
+    b = F.make_batch(model, samples, **kw)
+    with install_vlm(model, config or GuardConfig()) as h:
+        if items is not None:
+            h.set_items(items)
+        with torch.no_grad():
+            out = model(**b.kwargs)
+        return b, out, h.last_result

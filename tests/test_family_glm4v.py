@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from family_checks import guarded_forward
 
 from megatron_media_guard import GuardConfig
 
@@ -78,13 +79,7 @@ def own(model, sample):
 
 
 def guarded(model, samples, config=None, items=None, **kw):
-    b = F.make_batch(model, samples, **kw)
-    with install_vlm(model, config or GuardConfig()) as h:
-        if items is not None:
-            h.set_items(items)
-        with torch.no_grad():
-            out = model(**b.kwargs)
-        return b, out, h.last_result
+    return guarded_forward(F, model, samples, config, items, **kw)
 
 
 ALIGNED = [

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from family_checks import records
+from family_checks import guarded_forward, records
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem
 from megatron_media_guard.repair.pixels import from_frames, to_frames
@@ -33,7 +33,6 @@ pytest.importorskip("transformers.models.glm4v")
 pytest.importorskip("transformers.models.ernie4_5_vl_moe")
 pytest.importorskip("PIL")
 
-from megatron_media_guard.adapters import install_vlm
 from megatron_media_guard.families import family_of
 
 pytestmark = pytest.mark.timeout(120)
@@ -114,13 +113,7 @@ def own(case: GridCase, model, sample) -> torch.Tensor:
 
 
 def guarded(case: GridCase, model, samples, config=None, items=None):
-    b = case.F.make_batch(model, samples)
-    with install_vlm(model, config or GuardConfig()) as h:
-        if items is not None:
-            h.set_items(items)
-        with torch.no_grad():
-            out = model(**b.kwargs)
-        return b, out, h.last_result
+    return guarded_forward(case.F, model, samples, config, items)
 
 
 @pytest.mark.parametrize("name", NAMES)
