@@ -9,6 +9,7 @@ base_mod = pytest.importorskip("megatron.core.models.mimo.model.base")
 MimoModel = base_mod.MimoModel
 
 from devices import DEVICES  # noqa: E402
+from family_checks import records  # noqa: E402
 
 from megatron_media_guard import (  # noqa: E402
     Grammar,
@@ -256,10 +257,12 @@ def compensating():
     return ids, embs, items
 
 
-def test_text_rows_offset_by_the_media_drop_every_sample():
+def test_text_rows_offset_by_the_media_drop_every_sample(tmp_path):
+    """Found on the fault path before the stage agrees: one plan drops every sample, one
+    record each names the text rows, and the guard counts the drops."""
     ids, embs, items = compensating()
     model = TinyMimo()
-    handle = install_mimo(model, config=GuardConfig(policy="drop"))
+    handle = install_mimo(model, config=GuardConfig(policy="drop", log_dir=str(tmp_path)))
     handle.set_items(items)
     with count_transfers() as seen:
         out = run(model, ids, embs)
@@ -269,6 +272,10 @@ def test_text_rows_offset_by_the_media_drop_every_sample():
     assert out.shape == (ids.shape[1], 3, H)
     lm, _ = handle.mask_loss(torch.ones(ids.shape))
     assert (lm == 0).all() and (res.loss_mask == 0).all()
+    drops = [r for r in records(tmp_path) if r["event"] == "drop"]
+    assert [r["sample"] for r in drops] == [0, 1, 2]
+    assert all("17 text tokens in input_ids, 16 text embeddings" in r["reason"] for r in drops)
+    assert handle.guard.counters["dropped"] == 3
 
 
 def test_text_rows_offset_by_the_media_raise_under_raise():

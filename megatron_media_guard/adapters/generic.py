@@ -191,6 +191,7 @@ def merge_through_guard(
     microbatch: int | None = None,
     cu_seqlens: torch.Tensor | None = None,
     parsed: ParsedRuns | None = None,
+    fault_checks: Callable[[], Sequence[str]] | None = None,
 ) -> MergeResult:
     """``guard.merge`` with item metadata completed where it is missing.
 
@@ -255,6 +256,7 @@ def merge_through_guard(
             step=step,
             microbatch=microbatch,
             cu_seqlens=cu_seqlens,
+            fault_checks=fault_checks,
         )
     except MediaGuardError as err:
         if note is None:

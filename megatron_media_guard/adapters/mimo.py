@@ -24,9 +24,9 @@ sync. With item metadata the count is proven on the host when ``text rows + medi
 b*s`` and the merge's verdict is aligned (text tokens are ``b*s`` minus the placeholders,
 and an aligned verdict means placeholders == media rows): no transfer. When that sum
 differs, one count transfer before the merge names the text mismatch. When it holds but
-the verdict is not (the slow path), one count transfer after the merge: text rows that
-do not fit the ids there (impossible from ``MimoModel.forward``, which embeds exactly the
-non-special tokens) drop every sample, since the stage has already agreed on the call.
+the verdict is not (the fault path), one count transfer there: text rows that do not fit
+the ids (impossible from ``MimoModel.forward``, which embeds exactly the non-special tokens)
+give every sample the policy (the merge's ``fault_checks``), before the stage agrees.
 Without metadata the count comes from the parsed runs the items are inferred from.
 
 MIMO's forward takes ``loss_mask`` elsewhere and returns it untouched: the training
@@ -37,20 +37,17 @@ step applies drops with ``loss_mask, labels = handle.mask_loss(loss_mask, labels
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from ..config import GuardConfig
-from ..core.apply import mask_dropped
 from ..core.grammar import Grammar
 from ..core.guard import MediaGuard
 from ..core.host import to_host
 from ..core.outcome import MergeResult
-from ..core.runs import TokenLayout, parse_runs
-from ..diagnostics import GuardRecord
+from ..core.runs import parse_runs
 from ..errors import MediaInputError
 from .generic import merge_through_guard
 from .hooks import GuardHandle, ItemsProvider, StepProvider
@@ -139,7 +136,7 @@ def _merge(guard: MediaGuard, a: dict, items, step, mb) -> MergeResult:
     b, s = ids.shape
     media = {m: t for m, t in embs.items() if m != "text"}
     parsed = None
-    verified = True
+    checks: Callable[[], list[str]] | None = None
     text = embs.get("text")
     if text is None:
         base = torch.zeros((b, s, ref.size(-1)), dtype=ref.dtype, device=ref.device)
@@ -155,10 +152,19 @@ def _merge(guard: MediaGuard, a: dict, items, step, mb) -> MergeResult:
             _check_text(_count(mask, "MIMO text token count (totals disagree)"), rows)
         else:
             # text tokens = b*s - placeholders, and an aligned verdict means placeholders ==
-            # media rows: the count holds whenever the merge's verdict is aligned
-            verified = False
+            # media rows: the count holds whenever the verdict is aligned, so only the fault
+            # path (which syncs anyway) counts them, before the stage agrees on the plan
+
+            def text_fits() -> list[str]:
+                n_text = _count(mask, "MIMO text token count (slow path)")
+                if n_text == rows:
+                    return []
+                return [f"text: {n_text} text tokens in input_ids, {rows} text embeddings"]
+
+            checks = text_fits
+
         base = _place_text(mask, text)
-    res = merge_through_guard(
+    return merge_through_guard(
         guard,
         base.transpose(0, 1),
         ids,
@@ -168,14 +174,8 @@ def _merge(guard: MediaGuard, a: dict, items, step, mb) -> MergeResult:
         step=step,
         microbatch=mb,
         parsed=parsed,
+        fault_checks=checks,
     )
-    if not verified and res.report.alignment is not None:  # the slow path: syncs anyway
-        n_text = _count(mask, "MIMO text token count (slow path)")
-        if n_text != rows:
-            res = _drop_all(
-                guard, res, ids, f"{n_text} text tokens in input_ids, {rows} text embeddings"
-            )
-    return res
 
 
 def _count(mask: torch.Tensor, why: str) -> int:
@@ -204,29 +204,3 @@ def _place_text(mask: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
     idx = torch.where(flat & (pos < n), pos, n)
     src = torch.cat([text, text.new_zeros(1, text.size(-1))])
     return src.index_select(0, idx).view(b, s, text.size(-1))
-
-
-def _drop_all(guard: MediaGuard, res: MergeResult, ids: torch.Tensor, fact: str) -> MergeResult:
-    """The text rows do not belong to these ids (found after the stage agreed on the call,
-    so raising now would leave the other ranks waiting): every sample is dropped."""
-    rep = res.report
-    n = rep.num_samples
-    guard.log.emit(
-        GuardRecord(
-            event="drop",
-            step=rep.step,
-            microbatch=rep.microbatch,
-            action="drop",
-            reason=f"text: {fact}; the text rows cannot be placed, every sample is dropped",
-            extra={"adapter": "mimo", "check": "text"},
-        ),
-        caller="megatron_media_guard.adapters.mimo",
-    )
-    guard.counters["dropped"] += n - len(rep.dropped)
-    lay = TokenLayout(ids, guard.grammar)
-    keep = torch.zeros(n, dtype=torch.bool, device=ids.device)
-    loss_mask, labels = mask_dropped(
-        lay, keep, res.loss_mask, res.labels, guard.config.ignore_index
-    )
-    rep = replace(rep, ok=False, actions=("drop",) * n, dropped=tuple(range(n)), repaired=())
-    return replace(res, loss_mask=loss_mask, labels=labels, report=rep)

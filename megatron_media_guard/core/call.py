@@ -3,6 +3,7 @@ its fault path (:func:`~.fault_path.diagnose`) reads."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -29,3 +30,5 @@ class Call:
     encoder: object | None
     repairs: Literal["assume", "attempt"] = "assume"  # without features (emb None): last_stage
     sample_ids: tuple | None = None  # per sample, the caller's id (items without one take it)
+    #: the caller's checks of the whole call, run by the fault path only (see MediaGuard.merge)
+    fault_checks: Callable[[], Sequence[str]] | None = None

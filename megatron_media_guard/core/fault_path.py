@@ -4,6 +4,7 @@ replay bundle, consensus, merge of the kept samples)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Protocol
 
@@ -15,11 +16,17 @@ from .alignment import AlignmentReport, align
 from .apply import nonfinite_items, scatter_kept
 from .call import Call
 from .conclude import Concluding, conclude
-from .explain import batch_summary, check_records, nonfinite_record, plan_records
+from .explain import (
+    batch_summary,
+    check_records,
+    nonfinite_record,
+    plan_records,
+    sample_record,
+)
 from .generated import Generated, as_text, find_generated, generated_record, text_records
 from .grammar import Grammar
 from .outcome import MergeResult, StageOutcome
-from .plan import Plan, build_plan
+from .plan import Action, Plan, build_plan, digest, worst
 from .providers import bundle_writer
 from .repairs import RepairContext, run_repairs
 from .runs import parse_layout
@@ -91,6 +98,8 @@ def diagnose(
     plan = build_plan(
         c.lay.num_samples, batch.items, verdict, report, guard.config, frozenset(nonfinite), gen
     )
+    if c.fault_checks is not None:
+        plan = fail_call(plan, tuple(c.fault_checks()), guard.config)
     replaced: dict[int, torch.Tensor] = {}
     failures: dict[int, str] = {}
     if plan.repairs and c.emb is None and c.repairs == "assume":
@@ -125,6 +134,25 @@ def diagnose(
     return guard.result(c, out, plan, report, verdict, stage, keep)
 
 
+def fail_call(plan: Plan, found: Sequence[str], config: GuardConfig) -> Plan:
+    """``plan`` with every sample given the policy (``fallback`` under ``repair``) for
+    ``found``, the caller's findings about the whole call (none: ``plan`` as is)."""
+    if not found:
+        return plan
+    act: Action = config.fallback if config.policy == "repair" else config.policy
+    why = "; ".join(found)
+    reasons = dict(plan.reasons)
+    for smp in range(len(plan.actions)):
+        reasons[smp] = "; ".join(filter(None, (why, reasons.get(smp))))
+    return replace(
+        plan,
+        actions=tuple(worst(act, a) for a in plan.actions),
+        repairs=(),
+        digest=digest(plan.digest, found),
+        reasons=tuple(reasons.items()),
+    )
+
+
 def call_records(
     guard: Diagnosing,
     c: Call,
@@ -145,17 +173,20 @@ def call_records(
 
     def aligned(smp: int, act: str) -> GuardRecord:  # aligned tokens: generated, NaN/Inf
         bad = nonfinite.get(smp, [])
+        rep = report.samples[smp]
+        why = reasons.get(smp)
         if gen is not None and gen.of(smp) is not None and not bad:
             rec = generated_record(gen, smp, act, step, mb)
-        else:
-            rec = nonfinite_record(report.samples[smp], items, bad, act, step=step, microbatch=mb)
-        rep = report.samples[smp]  # the sample's id and row, as its other records name them
-        rec = replace(
+        elif bad or not why:
+            rec = nonfinite_record(rep, items, bad, act, step=step, microbatch=mb)
+        else:  # aligned, given the policy for the whole call's sake (fail_call)
+            rec = sample_record(rep, items, act, act, step=step, microbatch=mb)
+            return replace(rec, first_mismatch=None, reason=why, extra={"status": "call"})
+        rec = replace(  # the sample's id and row, as its other records name them
             rec,
             sample_id=rec.sample_id if rec.sample_id is not None else rep.sample_id,
             row=rec.row if rec.row is not None else rep.row,
         )
-        why = reasons.get(smp)
         if why and why not in (rec.reason or ""):
             rec = replace(rec, reason=f"{why}; {rec.reason}" if rec.reason else why)
         return rec

@@ -8,7 +8,7 @@ verdict says something is off.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Literal
 
@@ -135,6 +135,7 @@ class MediaGuard:
         cu_seqlens: torch.Tensor | None = None,
         encoder: object | None = None,
         order: RunOrder | None = None,
+        fault_checks: Callable[[], Sequence[str]] | None = None,
     ) -> MergeResult:
         """Scatter ``features`` into ``embeddings`` at the placeholder positions of ``input_ids``.
 
@@ -144,6 +145,10 @@ class MediaGuard:
         order: the items are not in token order (a call mixing modalities, given in the
         model's consumption order): their order is decided from the runs read with the
         verdict, in its one transfer (:class:`~.interleave.RunOrder`).
+        fault_checks: the caller's checks of the whole call that can fail only when the
+        verdict does not align (MIMO's text rows against the ids): run by the fault path
+        before the plan is agreed, each finding a ``"<check>: ..."`` text that gives every
+        sample the policy (``fallback`` under ``repair``).
         """
 
         def prepare() -> Call:
@@ -165,6 +170,7 @@ class MediaGuard:
                 step,
                 microbatch,
                 encoder or self.encoder,
+                fault_checks=fault_checks,
             )
 
         return self._guarded(prepare, step, microbatch, late=order)
