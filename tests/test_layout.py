@@ -302,6 +302,56 @@ def test_modules_stay_small(path):
     assert n <= MAX_LINES, f"{_rel(path)} has {n} lines (limit {MAX_LINES}): split it"
 
 
+#: the only modules that write a guard's counters: the guard, and the end of every fault path
+COUNTER_WRITERS = ("core/guard.py", "core/conclude.py")
+
+
+def _counter_writes(source: str) -> list[int]:
+    """Lines that write a ``counters`` attribute: assigned, item-assigned (``+=`` too) or
+    changed by a dict method."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            changes = node.func.attr in ("update", "clear", "pop", "setdefault", "__setitem__")
+            targets = [node.func.value] if changes else []
+        else:
+            continue
+        for t in targets:
+            t = t.value if isinstance(t, ast.Subscript) else t
+            if isinstance(t, ast.Attribute) and t.attr == "counters":
+                out.append(node.lineno)
+    return out
+
+
+def test_only_the_guard_and_its_conclusion_write_the_counters():
+    """Adapters return findings and a plan; ``MediaGuard`` counts (docs/ARCHITECTURE.md)."""
+    bad = [
+        f"{_rel(p)}:{line}"
+        for p in SOURCES
+        if p.relative_to(PKG).as_posix() not in COUNTER_WRITERS
+        for line in _counter_writes(p.read_text())
+    ]
+    assert not bad, f"guard counters written outside {COUNTER_WRITERS}: {bad}"
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        'guard.counters["dropped"] += 1',
+        'self.guard.counters["merges"] = 0',
+        "guard.counters.update(dropped=2)",
+        "handle.guard.counters = {}",
+    ],
+)
+def test_counter_write_check_can_fail(source):
+    assert _counter_writes(source) == [1]
+    assert _counter_writes("n = guard.counters['dropped']") == []
+
+
 TORCH_FREE = """
 import sys
 import {name}, {name}.cli, {name}.errors, {name}.config

@@ -1,8 +1,8 @@
 """The one end of every fault path, whoever planned it (``MediaGuard.merge``'s parse, an
-adapter's own checks: LLaVA's collapsed tokens, the Qwen-VL pre-hook's grid rows): the
-records written (before the replay bundle: a full disk must not cost them), the bundle, the
-raise message built from those records (:func:`~.explain.alignment_message`), the stage's
-consensus round and the counters."""
+adapter's own checks: LLaVA's collapsed tokens): the records written (before the replay
+bundle: a full disk must not cost them), the bundle, the raise message built from those
+records (:func:`~.explain.alignment_message`), the stage's consensus round and the
+counters."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ def conclude(
     caller: str | None = None,
     bundle: Callable[[], object | None] | None = None,
     digest: int | None = None,
+    samples: int | None = None,
 ) -> StageOutcome:
     """Writes ``records`` (one per dropped / raised sample, the call's checks), saves the
     replay bundle (``bundle()`` returns its path, or None), agrees the planned call with the
@@ -51,7 +52,9 @@ def conclude(
     The call is fatal when the plan raises a sample, a record raises (a batch-level problem)
     or ``fatal`` (e.g. items no run claims under ``policy="raise"``). ``summary`` / ``what`` /
     ``unit``: the message's batch totals, what was guarded, and what its samples are;
-    ``digest``: the caller's plan digest (default: the plan's own)."""
+    ``digest``: the caller's plan digest (default: the plan's own). ``samples``: the call's
+    samples, counted here as one merge where no merge counted the call (an adapter's own
+    checks)."""
     written = [guard.log.emit(rec, caller=caller) for rec in records]
     first = next((w for w in written if w.get("event") == "raise"), None)
     path = bundle() if bundle is not None else None
@@ -73,35 +76,13 @@ def conclude(
             log_path=guard.log.describe_path(),
             bundle=path,
         )
-    return settle_plan(
-        guard,
-        plan,
-        step,
-        microbatch,
-        mismatched=mismatched,
-        message=message,
-        record=first,
-        digest=digest,
-    )
-
-
-def settle_plan(
-    guard: Concluding,
-    plan: Plan,
-    step: int | None,
-    microbatch: int | None,
-    *,
-    mismatched: int,
-    message: str | None = None,
-    record: dict | None = None,
-    digest: int | None = None,
-) -> StageOutcome:
-    """This rank's outcome of a planned call (fatal when there is a ``message``) agreed with
-    the stage, and the guard's counters: the last step of :func:`conclude`."""
     local = LocalOutcome.of_plan(
-        plan, step, microbatch, mismatched=mismatched, message=message, record=record, digest=digest
+        plan, step, microbatch, mismatched=mismatched, message=message, record=first, digest=digest
     )
     stage = guard.settle(local)
+    if samples is not None:
+        guard.counters["merges"] += 1
+        guard.counters["samples"] += samples
     guard.counters["mismatched"] += mismatched
     guard.counters["dropped"] += len(plan.dropped)
     guard.counters["repaired"] += len(plan.repairs)

@@ -326,8 +326,6 @@ def _run(handle: LlavaHandle, ba: inspect.BoundArguments, step, mb) -> Any:
         step=step,
         mb=mb,
     )
-    guard.counters["merges"] += 1
-    guard.counters["samples"] += facts.batch
     mode = "as-is" if plan is None else ("restructure" if plan.restructures else "zero")
     result = LlavaResult(
         step,

@@ -66,8 +66,8 @@ def settle(
     step,
     mb,
 ):
-    """Records, raise message and plan of this call, agreed with the stage and counted, on
-    core's item-fault path."""
+    """Records, raise message and plan of this call, agreed with the stage and counted by
+    core's conclusion (:func:`~megatron_media_guard.core.conclude.conclude`)."""
     sids = {it.sample: it.sample_id for it in reversed(items or ()) if it.sample_id is not None}
     ctx = FaultContext("llava", lambda smp: facts.spans[smp].row, sids.get, why_raise)
     plan_digest = digest(
@@ -97,4 +97,5 @@ def settle(
         unit="packed sub-samples" if facts.packed else "samples",
         caller=CALLER,
         bundle=_bundle(guard, facts, faults, owners, items, ids, step, mb),
+        samples=facts.batch,
     )
