@@ -210,33 +210,27 @@ class GuardHandle:
         (a row, or a packed sample of ``cu_seqlens``); another result (LLaVA's, in the
         expanded output ``[b, S]``) gives its own through ``layout(tensor)``.
         """
-        dropped = self.dropped_samples()
-        if not dropped or (loss_mask is None and labels is None):
+        if not self.dropped_samples() or (loss_mask is None and labels is None):
             return loss_mask, labels
-        ignore = self.guard.config.ignore_index
         res = self.last_result
         if not isinstance(res, MergeResult):
             lay = res.layout(loss_mask if loss_mask is not None else labels)
-            keep = torch.tensor([a in ("keep", "repair") for a in res.actions])
-            new_mask, labels = mask_dropped(lay, keep.to(lay.device), loss_mask, labels, ignore)
-            return (new_mask if loss_mask is not None else None), labels
-        if self._last_tokens is None:
+        elif self._last_tokens is None:
             raise MediaInputError(
                 "mask_loss: the last guarded call did not record its token ids (call "
                 "handle.record(result, input_ids, cu_seqlens) when driving the guard yourself)"
             )
-        ids, cu = self._last_tokens
-        lay = TokenLayout(ids, self.guard.grammar, cu)
-        for name, t in (("loss_mask", loss_mask), ("labels", labels)):
-            if t is not None and tuple(t.shape) != (lay.batch, lay.row_length):
-                raise MediaInputError(
-                    f"mask_loss: {name} must be [b, s] = {(lay.batch, lay.row_length)} like the "
-                    f"guarded call's input_ids, got {tuple(t.shape)}"
-                )
-        keep = torch.tensor(
-            [a in ("keep", "repair") for a in res.report.actions], device=lay.device
-        )
-        new_mask, labels = mask_dropped(lay, keep, loss_mask, labels, ignore)
+        else:
+            lay = TokenLayout(self._last_tokens[0], self.guard.grammar, self._last_tokens[1])
+            for name, t in (("loss_mask", loss_mask), ("labels", labels)):
+                if t is not None and tuple(t.shape) != (lay.batch, lay.row_length):
+                    raise MediaInputError(
+                        f"mask_loss: {name} must be [b, s] = {(lay.batch, lay.row_length)} like "
+                        f"the guarded call's input_ids, got {tuple(t.shape)}"
+                    )
+        keep = torch.tensor([a in ("keep", "repair") for a in res.report.actions])
+        ignore = self.guard.config.ignore_index
+        new_mask, labels = mask_dropped(lay, keep.to(lay.device), loss_mask, labels, ignore)
         return (new_mask if loss_mask is not None else None), labels
 
     # ---- install / remove -----------------------------------------------------------
