@@ -37,8 +37,10 @@ class StepEnd:
     outside the forward (Megatron's DDP ``zero_grad_buffer`` at the start of train_step): when
     ``step_provider()`` changed since the last call, the previous step ends.
     :meth:`on_optimizer_step`: after every torch optimizer step the current one ends (torch's
-    global post-step hook: no model instance has that method; chained optimizers end it once, a
-    skipped step, inf/nan gradients, folds into the next).
+    global post-step hook, not a :class:`Hook` on one optimizer's ``step``: ``install_from_args``
+    runs inside Megatron-LM's ``model_provider`` too, before any optimizer exists, and Megatron's
+    optimizers step the torch ones they hold; chained optimizers end it once, a skipped step,
+    inf/nan gradients, folds into the next).
     """
 
     kind = "step_end"

@@ -16,13 +16,7 @@ from .alignment import AlignmentReport, align
 from .apply import nonfinite_items, scatter_kept
 from .call import Call
 from .conclude import Concluding, conclude
-from .explain import (
-    batch_summary,
-    check_records,
-    nonfinite_record,
-    plan_records,
-    sample_record,
-)
+from .explain import batch_summary, check_records, nonfinite_record, plan_records
 from .generated import Generated, as_text, find_generated, generated_record, text_records
 from .grammar import Grammar
 from .outcome import MergeResult, StageOutcome
@@ -179,9 +173,18 @@ def call_records(
             rec = generated_record(gen, smp, act, step, mb)
         elif bad or not why:
             rec = nonfinite_record(rep, items, bad, act, step=step, microbatch=mb)
-        else:  # aligned, given the policy for the whole call's sake (fail_call)
-            rec = sample_record(rep, items, act, act, step=step, microbatch=mb)
-            return replace(rec, first_mismatch=None, reason=why, extra={"status": "call"})
+        else:  # aligned, given the policy for the whole call's sake (fail_call): no item
+            return GuardRecord(
+                event=act,  # type: ignore[arg-type]
+                step=step,
+                microbatch=mb,
+                sample=smp,
+                sample_id=rep.sample_id,
+                row=rep.row,
+                action=act,  # type: ignore[arg-type]
+                reason=why,
+                extra={"status": "call"},
+            )
         rec = replace(  # the sample's id and row, as its other records name them
             rec,
             sample_id=rec.sample_id if rec.sample_id is not None else rep.sample_id,
