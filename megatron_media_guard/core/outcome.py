@@ -8,15 +8,13 @@ outcome is the stage outcome: everything works single-process.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import Literal, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from .alignment import AlignmentReport
-    from .plan import Plan
-    from .verify import Verdict
-
+from .alignment import AlignmentReport
+from .plan import Plan
+from .verify import Verdict
 
 #: what made a rank fatal: a fault in its data (its peers raise ``MediaAlignmentError`` too) or
 #: a failed call (a wrong call, out of memory: its peers raise ``ConsensusError``)
