@@ -230,7 +230,7 @@ def _facts(handle: LlavaHandle, a: dict[str, Any], check_finite: bool, cu, pos) 
 
 def _checks(handle: LlavaHandle, a: dict[str, Any], cu, pos, img_items, snd_items):
     """The facts of one call and what they show: ``(facts, batch_fatal, faults, img_own,
-    clip_own, snd_ok)``."""
+    clip_own)``."""
     m, cfg = handle.module, handle.guard.config
     facts = _facts(handle, a, cfg.nonfinite != "off", cu, pos)
     batch_fatal, img_ok, snd_ok = layout_problems(a, m, facts)
@@ -245,7 +245,7 @@ def _checks(handle: LlavaHandle, a: dict[str, Any], cu, pos, img_items, snd_item
         facts = facts.without_entry_flags()
     faults, img_own = image_faults(facts, img_items, a["input_ids"])
     more, clip_own = sound_faults(facts, snd_items, snd_ok)
-    return facts, batch_fatal, faults + more, img_own, clip_own, snd_ok
+    return facts, batch_fatal, faults + more, img_own, clip_own
 
 
 def _run(handle: LlavaHandle, ba: inspect.BoundArguments, step, mb) -> Any:
@@ -264,7 +264,7 @@ def _run(handle: LlavaHandle, ba: inspect.BoundArguments, step, mb) -> Any:
         grammar = llava_grammar(int(a["image_token_index"]))
         a["input_ids"] = as_text(a["input_ids"], gen, PAD_TOKEN, None, grammar)[0]
         checked = _checks(handle, a, cu, pos, img_items, snd_items)
-    facts, batch_fatal, faults, img_own, clip_own, _ = checked
+    facts, batch_fatal, faults, img_own, clip_own = checked
     if gen is not None:
         gen = per_sample(gen, facts.spans)
         faults += generated_faults(gen, cfg.generated)
