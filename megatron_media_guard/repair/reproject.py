@@ -218,29 +218,22 @@ def reencode(
     layout = check_layout(layout)
     tokens = int(solution.tokens)
     size_hw = _target_size(solution, layout, patch)
-    qwen = {"patch": patch, "temporal_patch": temporal_patch, "merge": merge}
-    frames = to_frames(pixels, layout, grid_thw=grid_thw, **qwen)
-    if layout == "qwen_patches":
-        resized = _resize_temporal_groups(frames, size_hw, temporal_patch)
-    else:
-        resized = resize_frames(frames, size_hw)
-
     new_grid_thw: tuple[int, int, int] | None = None
     fp8_pad = 0
     if layout == "image":
+        resized = resize_frames(to_frames(pixels, layout), size_hw)
         new_pixels, encoder_kwargs = from_frames(resized, layout, video=pixels.ndim == 4)
+        num_frames = resized.shape[0]
         grid = getattr(solution, "grid", None)
         grid = None if grid is None else _size_pair(grid)
     else:
-        new_pixels, encoder_kwargs = from_frames(resized, layout, **qwen)
-        # Read from shapes, not from the grid_thw tensor: no device-to-host transfer.
-        new_grid_thw = (
-            -(-resized.shape[0] // temporal_patch),
-            size_hw[0] // patch,
-            size_hw[1] // patch,
-        )
-        grid = (new_grid_thw[1], new_grid_thw[2])
+        qwen = {"patch": patch, "temporal_patch": temporal_patch, "merge": merge}
+        new_pixels, new_grid_thw = resize_patches(pixels, grid_thw, size_hw, **qwen)
+        encoder_kwargs = {
+            "grid_thw": torch.tensor([new_grid_thw], dtype=torch.long, device=new_pixels.device)
+        }
         t, h, w = new_grid_thw
+        num_frames, grid = t * temporal_patch, (h, w)
         grid_tokens = t * (h // merge) * (w // merge)
         if grid_tokens != tokens:
             raise MediaAlignmentError(
@@ -283,7 +276,7 @@ def reencode(
         size_hw=size_hw,
         grid=grid,
         grid_thw=new_grid_thw,
-        num_frames=int(resized.shape[0]),
+        num_frames=int(num_frames),
         fp8_pad=fp8_pad,
         duration_ms=(time.perf_counter() - start) * 1e3,
     )
