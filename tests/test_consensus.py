@@ -3,7 +3,6 @@ the budget's limits and records, and explicit gloo groups on 4 ranks."""
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 import types
@@ -11,6 +10,7 @@ import types
 import pytest
 import torch
 from dist_harness import run_ranks
+from family_checks import records
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -138,9 +138,7 @@ def test_guard_with_consensus_and_budget_single_process(tmp_path):
         guard.on_step_end(3)
     assert "1 of 4 samples" in str(info.value) and "25.00%" in str(info.value)
     assert info.value.context["fraction"] == 0.25 and info.value.context["limit"] == 0.2
-    recs = [
-        json.loads(x) for x in (tmp_path / "media_guard.rank00000.jsonl").read_text().splitlines()
-    ]
+    recs = records(tmp_path)
     assert [r["event"] for r in recs] == ["drop", "budget"]  # written before the raise
     assert recs[1]["step"] == 3 and recs[1]["extra"]["tripped"] == "step"
 
