@@ -39,9 +39,7 @@ class Processed:
 
 
 def _budget_knobs(processor: Any) -> tuple[int, int]:
-    size = processor.size
-    get = size.get if isinstance(size, dict) else lambda k: getattr(size, k, None)
-    lo, hi = get("shortest_edge"), get("longest_edge")
+    lo, hi = (_setting(processor.size, k, None) for k in ("shortest_edge", "longest_edge"))
     if lo is None or hi is None:
         raise MediaInputError(
             f"{type(processor).__name__}.size has no shortest_edge / longest_edge (the pixel "
@@ -121,6 +119,10 @@ class PatchMergePin:
         return Processed(rows, grid, tokens, how, tuple(sorted(knobs.items())))
 
 
+def _tensor(x: Any) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+
+
 def as_channels_first(original: Any) -> torch.Tensor:
     """An original image as the torchvision-backed processors read it: ``[C, H, W]`` (RGB for
     a PIL image, its own channels for an array / tensor, ``HWC`` or ``CHW``), its dtype kept."""
@@ -132,11 +134,7 @@ def as_channels_first(original: Any) -> torch.Tensor:
         return torch.from_numpy(np.asarray(convert_to_rgb(original, return_numpy=True))).permute(
             2, 0, 1
         )
-    t = (
-        torch.as_tensor(np.asarray(original))
-        if not isinstance(original, torch.Tensor)
-        else original
-    )
+    t = _tensor(original)
     if t.ndim == 2:
         return t[None]
     if t.ndim != 3:
@@ -211,11 +209,7 @@ def as_frames(original: Any) -> torch.Tensor:
     if isinstance(original, (list, tuple)):
         frames = [as_channels_first(f) for f in original]
     else:
-        t = (
-            original
-            if isinstance(original, torch.Tensor)
-            else torch.as_tensor(np.asarray(original))
-        )
+        t = _tensor(original)
         if t.ndim != 4:
             raise MediaInputError(
                 "a video's original must be its frames: a list of PIL images / arrays, or an "
