@@ -71,8 +71,7 @@ class PatchMergeGeometry:
     @classmethod
     def qwen2_vl(cls, **overrides: object) -> PatchMergeGeometry:
         """Qwen2-VL checkpoints' preprocessor_config: 4..16384 tokens per image."""
-        cfg: dict = dict(patch=14, merge=2, temporal_patch=2, min_pixels=3136, max_pixels=12845056)
-        return cls(**{**cfg, **overrides})
+        return cls(**{"min_pixels": 3136, "max_pixels": 12845056, **overrides})
 
     @classmethod
     def qwen2_5_vl(cls, **overrides: object) -> PatchMergeGeometry:
@@ -82,21 +81,14 @@ class PatchMergeGeometry:
     @classmethod
     def qwen3_vl(cls, **overrides: object) -> PatchMergeGeometry:
         """Qwen3-VL checkpoints' image preprocessor: patch 16, 64..16384 tokens per image."""
-        cfg: dict = dict(patch=16, merge=2, temporal_patch=2, min_pixels=65536, max_pixels=16777216)
-        return cls(**{**cfg, **overrides})
+        return cls(**{"patch": 16, "min_pixels": 65536, "max_pixels": 16777216, **overrides})
 
     @classmethod
     def qwen3_vl_video(cls, **overrides: object) -> PatchMergeGeometry:
         """Qwen3-VL checkpoints' video preprocessor: the frames share the pixel budget."""
-        cfg: dict = dict(
-            patch=16,
-            merge=2,
-            temporal_patch=2,
-            min_pixels=4096,
-            max_pixels=25165824,
-            temporal_budget=True,
+        return cls.qwen3_vl(
+            **{"min_pixels": 4096, "max_pixels": 25165824, "temporal_budget": True, **overrides}
         )
-        return cls(**{**cfg, **overrides})
 
     @property
     def factor(self) -> int:
