@@ -6,7 +6,7 @@ import functools
 import os
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Literal
+from typing import Literal, get_args
 
 from .errors import MediaInputError
 
@@ -17,12 +17,14 @@ Generated = Literal["text", "drop", "raise"]
 FidelityName = Literal["engine-replay", "unique", "closest-aspect", "unreachable"]
 KeepTower = Literal["always", "on_drop", "never"]
 
-_POLICIES = ("raise", "drop", "repair")
-_FALLBACKS = ("drop", "raise")
-_NONFINITE = ("raise", "drop", "off")
-_GENERATED = ("text", "drop", "raise")
+_CHOICES = {
+    "policy": Policy,
+    "fallback": Fallback,
+    "nonfinite": NonFinite,
+    "generated": Generated,
+    "keep_tower": KeepTower,
+}
 _FIDELITIES = ("engine-replay", "unique", "closest-aspect")
-_KEEP_TOWER = ("always", "on_drop", "never")
 
 
 @dataclass(frozen=True)
@@ -82,11 +84,8 @@ class GuardConfig:
     keep_tower: KeepTower = "always"
 
     def __post_init__(self) -> None:
-        _one_of("policy", self.policy, _POLICIES)
-        _one_of("fallback", self.fallback, _FALLBACKS)
-        _one_of("nonfinite", self.nonfinite, _NONFINITE)
-        _one_of("generated", self.generated, _GENERATED)
-        _one_of("keep_tower", self.keep_tower, _KEEP_TOWER)
+        for name, kind in _CHOICES.items():
+            _one_of(name, getattr(self, name), get_args(kind))
         if isinstance(self.allowed_fidelity, str):
             raise MediaInputError(
                 f"GuardConfig.allowed_fidelity must be a tuple of names, got the string "
@@ -164,15 +163,11 @@ def _init_with_env(
     default). ``environ``: the variables to read (default ``os.environ``; ``{}``: none)."""
     env = os.environ if environ is None else environ
     given = {f.name for f in fields(GuardConfig)[: len(args)]} | set(kwargs)
-    changes = _parse_or_name(env, given)
-    _checked(env, lambda ch: _dataclass_init(self, *args, **kwargs, **ch), changes)
-
-
-def _parse_or_name(env: Mapping[str, str], given: Collection[str]) -> dict[str, object]:
     try:
-        return _env_changes(env, given)
+        changes = _env_changes(env, given)
     except MediaInputError as err:
         raise err.with_context("GuardConfig from the environment: ") from None
+    _checked(env, lambda ch: _dataclass_init(self, *args, **kwargs, **ch), changes)
 
 
 GuardConfig.__init__ = _init_with_env  # type: ignore[method-assign]

@@ -3,7 +3,6 @@ the budget's limits and records, and explicit gloo groups on 4 ranks."""
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 import types
@@ -11,6 +10,7 @@ import types
 import pytest
 import torch
 from dist_harness import run_ranks
+from family_checks import records
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -85,38 +85,25 @@ def test_check_lanes_cancel_exactly_when_groups_and_steps_agree(groups, size, da
 
 
 @pytest.mark.parametrize(
-    "rows, culprits, needle",
+    "rows, culprits, needle",  # rows: (rank, group, digest, microbatch)
     [
         # group of two: the reference is the lowest rank's digest
-        ([(0, 0, 5), (1, 0, 6), (2, 2, 9), (3, 2, 9)], [1], "ranks [0, 1] hold the same"),
+        ([(0, 0, 5, 0), (1, 0, 6, 0), (2, 2, 9, 0), (3, 2, 9, 0)], [1], "ranks [0, 1] hold"),
         # group of three: the majority wins, even against the lowest rank
-        ([(0, 0, 6), (1, 0, 5), (2, 0, 5)], [0], "differ from the majority"),
-        ([(0, 0, 5), (1, 0, 5), (2, 2, 9), (3, 2, 8)], [3], "rank 3 digest 0x0000000000000008"),
+        ([(0, 0, 6, 0), (1, 0, 5, 0), (2, 0, 5, 0)], [0], "differ from the majority"),
+        ([(0, 0, 5, 0), (1, 0, 5, 0), (2, 2, 9, 0), (3, 2, 8, 0)], [3], "rank 3 digest 0x000000"),
+        # a rank at another merge (schedule desync): named with where it is
+        ([(0, 0, 1, 0), (1, 1, 1, 0), (2, 2, 1, 1)], [2], "rank 2 at step 4 microbatch 1"),
     ],
 )
 def test_disagreement_names_the_ranks_that_differ(rows, culprits, needle):
     table = [
-        dict(rank=r, group=g, digest=d, fatal=0, sample=-1, step=4, microbatch=0, samples=4)
-        for r, g, d in rows
+        dict(rank=r, group=g, digest=d, fatal=0, sample=-1, step=4, microbatch=m, samples=4)
+        for r, g, d, m in rows
     ]
     msg, named = _disagreement_message(_disagreements(table), local(step=4))
     assert named == culprits
     assert needle in msg and "step 4" in msg
-
-
-def test_schedule_desync_names_the_odd_rank():
-    table = [
-        dict(
-            rank=r, group=r, digest=1, fatal=0, sample=-1, step=4, microbatch=int(r == 2), samples=4
-        )
-        for r in range(3)
-    ]
-    msg, named = _disagreement_message(_disagreements(table), local(step=4))
-    assert (
-        named == [2]
-        and "different guarded merges" in msg
-        and "rank 2 at step 4 microbatch 1" in msg
-    )
 
 
 # ---- single process ---------------------------------------------------------------------
@@ -151,9 +138,7 @@ def test_guard_with_consensus_and_budget_single_process(tmp_path):
         guard.on_step_end(3)
     assert "1 of 4 samples" in str(info.value) and "25.00%" in str(info.value)
     assert info.value.context["fraction"] == 0.25 and info.value.context["limit"] == 0.2
-    recs = [
-        json.loads(x) for x in (tmp_path / "media_guard.rank00000.jsonl").read_text().splitlines()
-    ]
+    recs = records(tmp_path)
     assert [r["event"] for r in recs] == ["drop", "budget"]  # written before the raise
     assert recs[1]["step"] == 3 and recs[1]["extra"]["tripped"] == "step"
 
@@ -217,24 +202,12 @@ def test_budget_slides_the_window():
     assert (s.window_dropped, s.window_samples, s.tripped) == (2, 20, None)
 
 
-class TB:
-    def __init__(self):
-        self.seen = []
-
-    def add_scalar(self, tag, value, step):
-        self.seen.append((tag, value, step))
-
-
-class WB:
-    def __init__(self):
-        self.seen = []
-
-    def log(self, scalars, step):
-        self.seen.append((dict(scalars), step))
-
-
 def test_budget_logs_counters_to_megatron_writers(monkeypatch):
-    tb, wb = TB(), WB()
+    monkeypatch.delitem(sys.modules, "megatron.training.global_vars", raising=False)
+    assert megatron_writers() == ()  # no Megatron-LM: no writers
+    tb, wb = types.SimpleNamespace(seen=[]), types.SimpleNamespace(seen=[])
+    tb.add_scalar = lambda tag, value, step: tb.seen.append((tag, value, step))  # TensorBoard
+    wb.log = lambda scalars, step: wb.seen.append((dict(scalars), step))  # W&B
     gv = types.ModuleType("megatron.training.global_vars")
     gv.get_tensorboard_writer = lambda: tb
     gv.get_wandb_writer = lambda: wb
@@ -258,11 +231,6 @@ def test_budget_logs_counters_to_megatron_writers(monkeypatch):
             9,
         )
     ]
-
-
-def test_no_megatron_no_writers(monkeypatch):
-    monkeypatch.delitem(sys.modules, "megatron.training.global_vars", raising=False)
-    assert megatron_writers() == ()
 
 
 # ---- explicit gloo groups, 4 ranks ----------------------------------------------------------

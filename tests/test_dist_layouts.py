@@ -45,42 +45,27 @@ class StubEncoder:
         return pixels.mean(dim=(0, 2)).unsqueeze(1).expand(-1, H).contiguous()
 
 
-# scenario: (policy, steps, fault(rank, dp, stage_ranks, step) -> fault name or None, extra)
-def _none(*_):
-    return None
+# scenario: (policy, steps, fault(rank, dp, step) -> fault name or None, extra)
+def _shrink(where):
+    """The budget_shrink fault on the ranks where ``where(rank, dp)`` holds."""
+    return lambda rank, dp, step: "budget_shrink" if where(rank, dp) else None
 
 
-def _dp0(rank, dp, ranks, step):
-    return "budget_shrink" if dp == 0 else None
-
-
-def _dp1(rank, dp, ranks, step):
-    return "budget_shrink" if dp == 1 else None
-
-
-def _rank3(rank, dp, ranks, step):
-    return "budget_shrink" if rank == 3 else None
-
-
-def _all(*_):
-    return "budget_shrink"
-
-
-def _budget(rank, dp, ranks, step):
+def _budget(rank, dp, step):
     if step == 0:
         return "budget_shrink" if dp == 0 else None
     return "offsetting"  # two samples per replica: 4 of 8 samples dropped
 
 
 SCENARIOS = {
-    "aligned": ("raise", 1, _none, {}),
-    "drop_one_replica": ("drop", 1, _dp0, {}),
-    "raise_one_replica": ("raise", 1, _dp1, {}),
-    "raise_one_rank": ("raise", 1, _rank3, {}),
-    "raise_all": ("raise", 1, _all, {}),
-    "encoder_fault": ("repair", 1, _all, {"fail_rank": 1}),
-    "metadata_disagreement": ("drop", 1, _none, {"meta_rank": 3}),
-    "schedule_desync": ("drop", 1, _none, {"desync": "last_of_stage"}),
+    "aligned": ("raise", 1, _shrink(lambda r, dp: False), {}),
+    "drop_one_replica": ("drop", 1, _shrink(lambda r, dp: dp == 0), {}),
+    "raise_one_replica": ("raise", 1, _shrink(lambda r, dp: dp == 1), {}),
+    "raise_one_rank": ("raise", 1, _shrink(lambda r, dp: r == 3), {}),
+    "raise_all": ("raise", 1, _shrink(lambda r, dp: True), {}),
+    "encoder_fault": ("repair", 1, _shrink(lambda r, dp: True), {"fail_rank": 1}),
+    "metadata_disagreement": ("drop", 1, _shrink(lambda r, dp: False), {"meta_rank": 3}),
+    "schedule_desync": ("drop", 1, _shrink(lambda r, dp: False), {"desync": "last_of_stage"}),
     "budget": ("drop", 2, _budget, {"budget": 0.3}),
 }
 
@@ -125,7 +110,7 @@ def _run_scenario(name, ps, info, log_dir, step0):
     try:
         for k in range(steps):
             step = step0 + k
-            b, emb, feats = _batch(dp, fault_of(rank, dp, stage, k), k)
+            b, emb, feats = _batch(dp, fault_of(rank, dp, k), k)
             items = list(b.items)
             if rank == extra.get("meta_rank") and len(peers) > 1:
                 items[0] = replace(items[0], frame_hw=(57, 84))
@@ -137,18 +122,14 @@ def _run_scenario(name, ps, info, log_dir, step0):
                 res = guard.merge(
                     emb, b.input_ids, feats, items, loss_mask=lm, step=step, microbatch=mb
                 )
-                rep = res.report
-                out["dropped"].append(list(rep.dropped))
-                out["digests"].append(rep.digest)
-                out["collectives"].append(rep.stage.collectives if rep.stage else 0)
-                out["loss_masks"].append(res.loss_mask.tolist())
-            else:
-                lp = guard.last_stage(b.input_ids, items, loss_mask=lm, step=step, microbatch=mb)
-                out["dropped"].append(list(lp.report.dropped))
-                out["digests"].append(lp.report.digest)
-                out["collectives"].append(lp.report.stage.collectives if lp.report.stage else 0)
-                out["loss_masks"].append(lp.loss_mask.tolist())
-            out["stage_dropped"] = (res.report.stage if first else lp.report.stage).dropped
+            else:  # the last stage plans from ids and metadata alone
+                res = guard.last_stage(b.input_ids, items, loss_mask=lm, step=step, microbatch=mb)
+            rep = res.report
+            out["dropped"].append(list(rep.dropped))
+            out["digests"].append(rep.digest)
+            out["collectives"].append(rep.stage.collectives if rep.stage else 0)
+            out["loss_masks"].append(res.loss_mask.tolist())
+            out["stage_dropped"] = rep.stage.dropped
             guard.on_step_end(step)
     except MediaGuardError as err:
         out.update(error=type(err).__name__, message=str(err), context=dict(err.context), step=step)

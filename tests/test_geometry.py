@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from megatron_media_guard.errors import MediaAlignmentError, MediaInputError
 from megatron_media_guard.geometry import (
+    FIDELITIES,
     FixedGeometry,
     GeometryError,
     PatchMergeGeometry,
@@ -30,12 +31,10 @@ def pm_replay_budget(geo: PatchMergeGeometry, sol: Solution) -> dict:
 
 
 def round_trip(geo, sol: Solution, hw=None) -> int:
-    """The count the solution gives through the family's own sizing: RADIO at its budget;
-    patch-merge: an engine-replay is the processor's sizing of the source ``hw`` at the
-    budget it names (size_hw included), any other answer a frame it keeps unchanged at
-    min_pixels = max_pixels = budget."""
-    if isinstance(geo, RadioTilerGeometry):
-        return geo.tokens(sol.size_hw, sol.num_frames, budget=sol.budget)
+    """The count the solution gives through the family's own sizing; patch-merge: an
+    engine-replay is the processor's sizing of the source ``hw`` at the budget it names
+    (size_hw included), any other answer a frame it keeps unchanged at min_pixels =
+    max_pixels = budget."""
     if isinstance(geo, PatchMergeGeometry):
         if sol.fidelity != "engine-replay":
             px = {"min_pixels": sol.budget, "max_pixels": sol.budget}
@@ -48,25 +47,24 @@ def round_trip(geo, sol: Solution, hw=None) -> int:
     return geo.tokens(sol.size_hw, sol.num_frames)
 
 
-def _radio_grid(geo: RadioTilerGeometry, hw, budget: int):
-    try:
-        return geo.grid_for(hw, budget)
-    except GeometryError:  # the tiler's divide by zero on a very thin frame
-        return None
-
-
-def assert_radio_exact(geo: RadioTilerGeometry, hw, sol: Solution) -> None:
-    """A reachable RADIO solution is the tiler's at ``sol.budget``: an engine-replay is the
-    engine's own sizing of ``hw`` at that budget; any other answer is a frame the tiler keeps
-    unchanged at that budget (an engine budget: in [min_num_patches, max_num_patches])."""
-    assert sol.reachable and sol.size_hw == (16 * sol.grid[0], 16 * sol.grid[1])
-    assert sol.budget is not None and geo.min_num_patches <= sol.budget <= geo.cap
-    if sol.fidelity == "engine-replay":
-        assert geo.tokens(hw, sol.num_frames, budget=sol.budget) == sol.tokens
-        assert geo.grid_for(hw, sol.budget) == sol.grid
-    else:
-        assert geo.grid_for(sol.size_hw, sol.budget) == sol.grid
-        assert round_trip(geo, sol) == sol.tokens
+def assert_exact(geo, hw, sol: Solution, target: int | None = None) -> None:
+    """A solution is exact or named. Unreachable: a reason, no size, no tokens. Reachable:
+    ``target`` tokens through the family's own sizing (``round_trip``); RADIO: the tiler's
+    at ``sol.budget``, an engine budget (in [min_num_patches, max_num_patches]), of the
+    source ``hw`` for an engine-replay, else of a frame it keeps unchanged."""
+    assert sol.fidelity in FIDELITIES and sol.reason
+    if not sol.reachable:
+        assert sol.tokens == 0 and sol.size_hw is None
+        return
+    assert target is None or sol.tokens == target
+    if not isinstance(geo, RadioTilerGeometry):
+        assert round_trip(geo, sol, hw) == sol.tokens
+        return
+    assert sol.size_hw == (geo.patch * sol.grid[0], geo.patch * sol.grid[1])
+    assert geo.min_num_patches <= sol.budget <= (geo.cap or sol.budget)
+    src = hw if sol.fidelity == "engine-replay" else sol.size_hw
+    assert geo.grid_for(src, sol.budget) == sol.grid
+    assert geo.tokens(src, sol.num_frames, budget=sol.budget) == sol.tokens
 
 
 # ---- the seed case (README, docs/GEOMETRY.md) ----------------------------------------------------
@@ -88,18 +86,6 @@ def test_seed_engine_budget_shrinks_16_frames_to_2010_each():
     assert 16 * radio.tokens(SEED_HW) == 40800  # what the static trainer projected
     # each item's reported budget replays its count
     assert all(radio.tokens(SEED_HW, budget=it.budget) == 2010 for it in items)
-
-
-def test_seed_solve_replays_the_engine_grid():
-    radio = RadioTilerGeometry()
-    sol = radio.solve(2010, SEED_HW)
-    assert sol.reachable
-    assert sol.fidelity == "engine-replay"
-    assert sol.grid == (60, 134)
-    assert sol.size_hw == (960, 2144)
-    assert sol.tokens == 2010
-    assert sol.budget is not None and radio.tokens(SEED_HW, budget=sol.budget) == 2010
-    assert round_trip(radio, sol) == 2010
 
 
 # ---- the RADIO engine ------------------------------------------------------------------------
@@ -155,13 +141,11 @@ def test_radio_sweep_7_sizes_x_7_budgets():
         for budget in SWEEP_BUDGETS:
             target = radio.tokens(hw, budget=budget)
             sol = radio.solve(target, hw)
+            assert_exact(radio, hw, sol, target)
             if 4 * target > 13312:
                 assert not sol.reachable and "above max_num_patches" in sol.reason
-                assert sol.size_hw is None and sol.tokens == 0
                 unreachable.add((hw, budget))
                 continue
-            assert sol.tokens == target
-            assert_radio_exact(radio, hw, sol)
             if 1024 <= budget <= 13312:
                 assert sol.fidelity == "engine-replay" and sol.grid == radio.grid_for(hw, budget)
     assert unreachable == {((3000, 4000), 20000)}
@@ -182,12 +166,8 @@ def test_radio_sweep_7_sizes_x_7_budgets():
 def test_radio_solve_table(target, hw, fidelity, grid, reason_has):
     radio = RadioTilerGeometry()
     sol = radio.solve(target, hw)
-    assert sol.fidelity == fidelity
-    assert sol.grid == grid
-    assert reason_has in sol.reason
-    if sol.reachable:
-        assert sol.size_hw == (16 * grid[0], 16 * grid[1])
-        assert round_trip(radio, sol) == target
+    assert (sol.fidelity, sol.grid) == (fidelity, grid) and reason_has in sol.reason
+    assert_exact(radio, hw, sol, target)
 
 
 @pytest.mark.parametrize(
@@ -209,7 +189,7 @@ def test_radio_upscale_past_the_budget_is_still_a_replay(hw, budget):
     sol = radio.solve(radio.tokens(hw, budget=1025), hw)
     assert sol.fidelity == "engine-replay" and sol.grid == grid, sol
     assert sol.budget == budget
-    assert_radio_exact(radio, hw, sol)
+    assert_exact(radio, hw, sol)
 
 
 def test_radio_temporal_groups():
@@ -305,13 +285,7 @@ def test_patch_merge_solve_table(target, hw, frames, fidelity, reason_has):
 def test_patch_merge_video_counts_temporal_groups():
     geo = PatchMergeGeometry()
     per = geo.tokens(SEED_HW)
-    assert [geo.tokens(SEED_HW, t) for t in (1, 2, 3, 4, 5)] == [
-        per,
-        per,
-        2 * per,
-        2 * per,
-        3 * per,
-    ]
+    assert [geo.tokens(SEED_HW, t) // per for t in (1, 2, 3, 4, 5)] == [1, 1, 2, 2, 3]
 
 
 def test_qwen3_video_frames_share_the_budget():
@@ -347,35 +321,22 @@ def test_tiled_counts(hw, tiles, tokens):
     assert geo.size_for(hw) == (tiles[1] * 448, tiles[0] * 448)
 
 
+TILES, NO_THUMB, MIN_2 = TiledGeometry(), TiledGeometry(thumbnail=False), TiledGeometry(min_tiles=2)
+
+
 @pytest.mark.parametrize(
     ("geo", "target", "hw", "fidelity", "tiles", "thumb", "reason_has"),
     [
-        (TiledGeometry(), 300, (1000, 1000), "unreachable", None, False, "multiple of 256"),
-        (TiledGeometry(), 512, (1000, 1000), "unreachable", None, False, "thumbnail"),
-        (TiledGeometry(), 256, (1000, 1000), "engine-replay", (1, 1), False, "max_tiles=1"),
-        (TiledGeometry(), 5 * 256, (1000, 1000), "engine-replay", (2, 2), True, "max_tiles=4"),
-        (TiledGeometry(), 7 * 256, (1000, 1000), "closest-aspect", (2, 3), True, "4 grids"),
-        (TiledGeometry(), 13 * 256, (1000, 1000), "closest-aspect", None, True, "grids"),
-        (TiledGeometry(), 14 * 256, (1000, 1000), "unreachable", None, False, "outside [1, 12]"),
-        (
-            TiledGeometry(thumbnail=False),
-            512,
-            (448, 896),
-            "engine-replay",
-            (2, 1),
-            False,
-            "2 tiles",
-        ),
-        (TiledGeometry(thumbnail=False), 256, (448, 896), "engine-replay", (1, 1), False, ""),
-        (
-            TiledGeometry(min_tiles=2),
-            256,
-            (448, 896),
-            "unreachable",
-            None,
-            False,
-            "outside [2, 12]",
-        ),
+        (TILES, 300, (1000, 1000), "unreachable", None, False, "multiple of 256"),
+        (TILES, 512, (1000, 1000), "unreachable", None, False, "thumbnail"),
+        (TILES, 256, (1000, 1000), "engine-replay", (1, 1), False, "max_tiles=1"),
+        (TILES, 5 * 256, (1000, 1000), "engine-replay", (2, 2), True, "max_tiles=4"),
+        (TILES, 7 * 256, (1000, 1000), "closest-aspect", (2, 3), True, "4 grids"),
+        (TILES, 13 * 256, (1000, 1000), "closest-aspect", None, True, "grids"),
+        (TILES, 14 * 256, (1000, 1000), "unreachable", None, False, "outside [1, 12]"),
+        (NO_THUMB, 512, (448, 896), "engine-replay", (2, 1), False, "2 tiles"),
+        (NO_THUMB, 256, (448, 896), "engine-replay", (1, 1), False, ""),
+        (MIN_2, 256, (448, 896), "unreachable", None, False, "outside [2, 12]"),
         (TiledGeometry(tile=512), 4 * 256, (512, 1536), "engine-replay", (3, 1), True, ""),
     ],
 )
@@ -533,8 +494,8 @@ def test_property_radio_solves_any_engine_count(h, w, cfg, budget):
         budget = min(budget, cfg.cap)
     n = cfg.tokens((h, w), budget=budget)
     sol = cfg.solve(n, (h, w))
-    assert sol.tokens == n and sol.fidelity in ("engine-replay", "closest-aspect"), sol
-    assert_radio_exact(cfg, (h, w), sol)
+    assert sol.fidelity in ("engine-replay", "closest-aspect"), sol
+    assert_exact(cfg, (h, w), sol, n)
     assert cfg.grid_for((h, w), sol.budget) == sol.grid  # the tiler's grid for the source
     if sol.fidelity == "engine-replay":
         assert sol.grid == cfg.grid_for((h, w), budget)
@@ -546,12 +507,7 @@ def test_property_radio_solves_any_engine_count(h, w, cfg, budget):
 @given(h=st.integers(1, 8000), w=st.integers(1, 8000), target=st.integers(0, 5000))
 def test_property_radio_any_target_is_exact_or_named(h, w, target):
     radio = RadioTilerGeometry()
-    sol = radio.solve(target, (h, w))
-    if sol.reachable:
-        assert sol.tokens == target
-        assert_radio_exact(radio, (h, w), sol)
-    else:
-        assert sol.reason and sol.tokens == 0 and sol.size_hw is None
+    assert_exact(radio, (h, w), radio.solve(target, (h, w)), target)
 
 
 @SETTINGS
@@ -559,23 +515,21 @@ def test_property_radio_any_target_is_exact_or_named(h, w, target):
     h=st.integers(1, 6000),
     w=st.integers(1, 6000),
     cfg=st.sampled_from(
-        [TiledGeometry(), TiledGeometry(thumbnail=False), TiledGeometry(tile=512, max_tiles=6)]
+        [
+            TiledGeometry(),
+            TiledGeometry(thumbnail=False),
+            TiledGeometry(tile=512, max_tiles=6),
+            FixedGeometry(),
+        ]
     ),
-    frames=st.integers(1, 4),
+    frames=st.integers(1, 8),
 )
-def test_property_tiled_solves_its_own_count(h, w, cfg, frames):
+def test_property_tiled_and_fixed_solve_their_own_count(h, w, cfg, frames):
     n = cfg.tokens((h, w), frames)
     sol = cfg.solve(n, (h, w), frames)
-    assert sol.fidelity == "engine-replay", sol
-    assert sol.tiles == cfg.tiles_for((h, w)) and round_trip(cfg, sol) == n
-
-
-@SETTINGS
-@given(h=st.integers(1, 5000), w=st.integers(1, 5000), frames=st.integers(1, 8))
-def test_property_fixed_solves_its_own_count(h, w, frames):
-    geo = FixedGeometry()
-    sol = geo.solve(geo.tokens((h, w), frames), (h, w), frames)
-    assert sol.reachable and round_trip(geo, sol) == geo.tokens((h, w), frames)
+    assert sol.fidelity == "engine-replay" and round_trip(cfg, sol) == n, sol
+    if isinstance(cfg, TiledGeometry):
+        assert sol.tiles == cfg.tiles_for((h, w))
 
 
 @SETTINGS

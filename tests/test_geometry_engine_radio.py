@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_geometry import assert_exact
 
 from megatron_media_guard import Grammar, parse_runs
 from megatron_media_guard.geometry import GeometryError, RadioTilerGeometry
@@ -84,10 +85,8 @@ def test_trainer_frame_alone_reaches_every_run(hw, grid):
     tokens = (grid[0] // 2) * (grid[1] // 2)
     frame = GEO.size_for(hw)  # what the static trainer made of the source
     sol = GEO.solve(tokens, frame, hw_kind="frame")
-    assert sol.reachable and sol.tokens == tokens, sol.reason
     assert sol.fidelity in ("unique", "closest-aspect")  # never claimed as the engine's
-    assert LO <= sol.budget <= HI
-    assert GEO.grid_for(sol.size_hw, sol.budget) == sol.grid  # kept unchanged there
+    assert_exact(GEO, frame, sol, tokens)  # a grid kept unchanged at an engine budget
 
 
 @pytest.mark.parametrize(
@@ -146,8 +145,8 @@ def test_property_any_count_the_tiler_keeps_is_reached_from_any_frame(a, b, fram
     if not kept:
         return
     sol = GEO.solve(a * b, frame, hw_kind="frame")
-    assert sol.reachable and sol.tokens == a * b
-    assert GEO.grid_for(sol.size_hw, sol.budget) == sol.grid
+    assert sol.reachable
+    assert_exact(GEO, frame, sol, a * b)
 
 
 @settings(max_examples=40, deadline=None)
@@ -167,8 +166,8 @@ def test_property_every_run_of_a_request_is_reached_both_ways(sizes, max_len, ro
         assert GEO.grid_for(hw, src.budget) == src.grid
         assert src.grid == it.grid or src.fidelity == "closest-aspect"
         frame = GEO.solve(it.tokens, GEO.size_for(hw), hw_kind="frame")
-        assert frame.reachable and frame.tokens == it.tokens
-        assert GEO.grid_for(frame.size_hw, frame.budget) == frame.grid
+        assert frame.reachable
+        assert_exact(GEO, GEO.size_for(hw), frame, it.tokens)
 
 
 # ---- issue 25 item 4: a fact from the seed's own tests ------------------------------------------

@@ -9,17 +9,16 @@
 
 from __future__ import annotations
 
-import ast
 import importlib.util
 import math
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
 from test_geometry import pm_replay_budget
 
 from megatron_media_guard.geometry import GeometryError, PatchMergeGeometry, RadioTilerGeometry
+from megatron_media_guard.testing.families import nemotron_omni
 
 transformers = pytest.importorskip("transformers")
 
@@ -182,32 +181,11 @@ def test_qwen3_video_matches_its_smart_resize():
         assert geo.tokens(hw, t) == math.ceil(t / 2) * (want[0] // 32) * (want[1] // 32)
 
 
-def _hf_radio_grid():
-    """HF's get_patch_grid_size, compiled from the installed source (no torchvision needed)."""
-    spec = importlib.util.find_spec("transformers.models.nemotron_h_omni")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("this transformers has no nemotron_h_omni")
-    path = Path(next(iter(spec.submodule_search_locations))) / "image_processing_nemotron_h_omni.py"
-    if not path.exists():
-        pytest.skip("no nemotron_h_omni image processor source")
-    tree = ast.parse(path.read_text())
-    fn = next(
-        (
-            n
-            for n in tree.body
-            if isinstance(n, ast.FunctionDef) and n.name == "get_patch_grid_size"
-        ),
-        None,
-    )
-    if fn is None:
-        pytest.skip("get_patch_grid_size not found")
-    namespace: dict = {"math": math}
-    exec(compile(ast.Module(body=[fn], type_ignores=[]), str(path), "exec"), namespace)
-    return namespace["get_patch_grid_size"]
-
-
 def test_radio_tiler_matches_hf_get_patch_grid_size():
-    hf = _hf_radio_grid()
+    """HF's get_patch_grid_size, compiled from the installed source (no torchvision needed)."""
+    if importlib.util.find_spec("transformers.models.nemotron_h_omni") is None:
+        pytest.skip("this transformers has no nemotron_h_omni")
+    hf = nemotron_omni.processor_functions()["get_patch_grid_size"]
     rng = random.Random(9)
     configs = [RadioTilerGeometry(), RadioTilerGeometry(min_num_patches=256, max_num_patches=4096)]
     for geo in configs:

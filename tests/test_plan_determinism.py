@@ -162,20 +162,15 @@ def test_property_stages_agree(seed, fault, policy, grammar):
     except ValueError:  # the fault does not fit this layout
         assume(False)
     first, last = stages(g, policy)
+    emb, ids = torch.zeros(*batch.input_ids.shape, H), batch.input_ids
     outs = []
-    for stage in ("first", "last"):
+    for plan in (
+        lambda: first.merge(emb, ids, batch.features(H), batch.items),
+        lambda: last.last_stage(ids, batch.items),
+    ):
         try:
-            if stage == "first":
-                res = first.merge(
-                    torch.zeros(*batch.input_ids.shape, H),
-                    batch.input_ids,
-                    batch.features(H),
-                    batch.items,
-                )
-                outs.append((res.report.actions, res.report.digest, res.loss_mask))
-            else:
-                lp = last.last_stage(batch.input_ids, batch.items)
-                outs.append((lp.report.actions, lp.report.digest, lp.loss_mask))
+            res = plan()
+            outs.append((res.report.actions, res.report.digest, res.loss_mask))
         except MediaAlignmentError as err:
             outs.append(("raise", err.context.get("sample")))
     a, b = outs

@@ -4,10 +4,9 @@ video to the engine's count; the aligned image is untouched and gradients flow."
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
+from family_checks import records
 from torch import nn
 
 from megatron_media_guard import GuardConfig, MediaGuard, MediaItem
@@ -133,9 +132,7 @@ def test_repair_reencodes_only_the_mismatched_item(projector, tmp_path):
     assert tower.embed.weight.grad is not None and tower.embed.weight.grad.abs().sum() > 0
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in projector.parameters())
     # the repair is in the per-rank log with target, grid, fidelity and duration
-    rec = [
-        json.loads(x) for x in (tmp_path / "media_guard.rank00000.jsonl").read_text().splitlines()
-    ]
+    rec = records(tmp_path)
     rep = [r for r in rec if r["event"] == "repair"]
     assert len(rep) == 1
     r = rep[0]
@@ -170,9 +167,7 @@ def test_repair_falls_back_and_says_why(projector, tmp_path, config, encoder_fai
     )
     res = guard.merge(torch.randn(b, s, H), batch.input_ids, feats, items)
     assert res.report.actions == ("keep", "drop")
-    rec = [
-        json.loads(x) for x in (tmp_path / "media_guard.rank00000.jsonl").read_text().splitlines()
-    ]
+    rec = records(tmp_path)
     rep = next(r for r in rec if r["event"] == "repair")
     assert rep["action"] == "fallback:drop" and reason in rep["reason"]
 
@@ -203,9 +198,7 @@ def test_repair_without_encoder_falls_back_with_reason(tmp_path):
             torch.randn(5, H),
             [MediaItem(5, 0)],
         )
-    rec = [
-        json.loads(x) for x in (tmp_path / "media_guard.rank00000.jsonl").read_text().splitlines()
-    ]
+    rec = records(tmp_path)
     assert "no encoder, pixels" in next(r for r in rec if r["event"] == "repair")["reason"]
 
 

@@ -19,7 +19,7 @@ uint8 resize).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -207,18 +207,37 @@ def test_an_aligned_batch_is_returned_as_given(family):
     assert all(out.batch[k] is v for k, v in kw.items())
 
 
-@pytest.mark.parametrize("family", sorted(CASES))
-def test_no_original_falls_back_saying_so(family, tmp_path):
+FALLBACKS = {  # why: (no original given, no processor given, GuardConfig, the reason says)
+    "no original": (True, False, {}, "no original"),
+    "fidelity": (False, False, {"allowed_fidelity": ("unique",)}, "fidelity engine-replay not"),
+    "no processor": (False, True, {}, "no processor given"),
+}
+
+
+@pytest.mark.parametrize(
+    "family, why",
+    [
+        (f, w)
+        for f in sorted(CASES)
+        for w in FALLBACKS
+        if f != "nemotron_omni" or w != "no processor"
+    ],
+)
+def test_a_repair_that_cannot_be_made_falls_back_saying_why(family, why, tmp_path):
+    """No original, a fidelity the config does not allow, or a processor family without its
+    processor: the sample takes the fallback (drop, or raise), the record says why."""
+    no_original, no_processor, cfg, says = FALLBACKS[why]
     case = CASES[family]()
     imgs = [picture(300, 500, 1)]
-    _, _, n = case.engine(imgs[0])
-    model, kw, _ = batch_for(case, imgs, [n])
-    out = run(case, kw, [None], model, log_dir=str(tmp_path))
+    model, kw, _ = batch_for(case, imgs, [case.engine(imgs[0])[2]])
+    media = [None] if no_original else imgs
+    case = Case(case.family, case.fixture, None, case.grid) if no_processor else case
+    out = run(case, kw, media, model, log_dir=str(tmp_path), **cfg)
     assert out.report.actions == ("drop",) and out.reprocessed == ()
     (rec,) = [r for r in records(tmp_path) if r["event"] == "repair"]
-    assert rec["action"] == "fallback:drop" and "no original" in rec["reason"]
-    with pytest.raises(MediaAlignmentError, match="no original"):
-        run(case, kw, [None], model, fallback="raise")
+    assert rec["action"] == "fallback:drop" and says in rec["reason"], rec["reason"]
+    with pytest.raises(MediaAlignmentError, match=says):
+        run(case, kw, media, model, fallback="raise", **cfg)
 
 
 @pytest.mark.parametrize("family", sorted(CASES))
@@ -236,16 +255,6 @@ def test_a_sample_is_repaired_only_when_all_its_items_are(family):
     kw[case.grid] = torch.tensor([list(g0), list(g1)])
     out = run(case, kw, [imgs[0], None], model)
     assert out.report.actions == ("drop",) and out.reprocessed == () and out.matched == set()
-
-
-@pytest.mark.parametrize("family", sorted(CASES))
-def test_a_fidelity_the_config_does_not_allow_falls_back(family):
-    case = CASES[family]()
-    imgs = [picture(300, 500, 1)]
-    _, _, n = case.engine(imgs[0])
-    model, kw, _ = batch_for(case, imgs, [n])
-    out = run(case, kw, imgs, model, allowed_fidelity=("unique",))
-    assert out.report.actions == ("drop",) and out.reprocessed == ()
 
 
 def test_a_size_no_budget_reaches_is_resized_by_the_processors_own_resize():
@@ -535,15 +544,32 @@ def test_a_video_whose_runs_differ_is_refused_never_guessed(case, tmp_path):
     assert "pixel_values_videos" not in out.batch
 
 
-def test_a_video_count_that_does_not_land_is_refused_never_guessed():
-    """Qwen2.5-VL: one run of t*h*w/4 over 2 temporal groups; an odd count lands on no size."""
-    vc = VIDEO_CASES["qwen2_5_vl"]
+UNDETERMINED = "does not uniquely determine"
+
+
+@pytest.mark.parametrize(
+    "case, extra, frames, drawn, needles",
+    [
+        # Qwen2.5-VL: one run of t*h*w/4 over 2 temporal groups; an odd count lands on no size
+        ("qwen2_5_vl", 1, 4, False, [UNDETERMINED, "not divisible by the 2 temporal groups"]),
+        # Qwen3-VL: the rollout wrote the 2 runs of a 4-frame video; 6 frames make 3 groups
+        ("qwen3_vl", 0, 6, False, [UNDETERMINED, "frames make 3 temporal", "wrote 2 runs"]),
+        # Ernie's video processor draws timestamps on the frames by default (a font file): a
+        # video processed so is refused, naming it, never re-processed without the drawing
+        ("ernie4_5_vl", 0, 4, True, ["draw_on_frames"]),
+    ],
+)
+def test_a_video_no_frame_size_explains_is_refused_saying_why(case, extra, frames, drawn, needles):
+    vc = VIDEO_CASES[case]
     videos = [clip(4, 224, 336, 1)]
     _, (t, h, w) = video_processors.process(vc.processor, frames_array(videos[0]), vc.engine_size)
-    kw, _ = vc.batch(videos, [(t, h, w)], [t * h * w // 4 + 1])
-    with pytest.raises(MediaAlignmentError, match="does not uniquely determine") as err:
-        vc.check(kw, videos, fallback="raise")
-    assert "not divisible by the 2 temporal groups" in str(err.value)
+    kw, _ = vc.batch(videos, [(t, h, w)], [t * h * w // 4 + extra if extra else None])
+    if drawn:
+        vc = replace(vc, overrides=())
+        assert vc.settings()["draw_on_frames"] is True
+    with pytest.raises(MediaAlignmentError) as err:
+        vc.check(kw, [clip(frames, 224, 336, 1)], fallback="raise")
+    assert all(n in str(err.value) for n in needles), str(err.value)
 
 
 def test_a_video_without_its_video_processor_falls_back_saying_so(tmp_path):
@@ -570,41 +596,3 @@ def test_media_of_the_wrong_length_is_refused_naming_check_batch():
     model, kw, _ = batch_for(case, imgs, [None])
     with pytest.raises(MediaInputError, match=r"check_batch\(media=...\) has 2 originals for 1"):
         run(case, kw, imgs * 2, model)
-
-
-@pytest.mark.parametrize("family", ["qwen_vl", "glm4v", "ernie4_5_vl"])
-def test_a_processor_family_without_its_processor_falls_back_saying_so(family, tmp_path):
-    case = CASES[family]()
-    imgs = [picture(300, 500, 1)]
-    _, _, n = case.engine(imgs[0])
-    model, kw, _ = batch_for(case, imgs, [n])
-    bare = Case(case.family, case.fixture, None, case.grid)
-    out = run(bare, kw, imgs, model, log_dir=str(tmp_path))
-    assert out.report.actions == ("drop",) and out.reprocessed == ()
-    (rec,) = [r for r in records(tmp_path) if r["event"] == "repair"]
-    assert "no processor given" in rec["reason"]
-
-
-def test_frames_that_make_another_number_of_groups_are_refused():
-    """Qwen3-VL: the rollout wrote the 2 runs of a 4-frame video; 6 frames make 3 groups."""
-    vc = VIDEO_CASES["qwen3_vl"]
-    videos = [clip(4, 224, 336, 1)]
-    _, grid = video_processors.process(vc.processor, frames_array(videos[0]), vc.engine_size)
-    kw, _ = vc.batch(videos, [grid])
-    with pytest.raises(MediaAlignmentError, match="does not uniquely determine") as err:
-        vc.check(kw, [clip(6, 224, 336, 1)], fallback="raise")
-    assert "its frames make 3 temporal groups" in str(err.value)
-    assert "the rollout wrote 2 runs" in str(err.value)
-
-
-def test_an_ernie_video_drawn_on_is_refused_saying_why(tmp_path):
-    """Ernie's video processor draws timestamps on the frames by default (a font file): a
-    video processed so is refused, naming it, never re-processed without the drawing."""
-    vc = VIDEO_CASES["ernie4_5_vl"]
-    videos = [clip(4, 224, 336, 1)]
-    _, grid = video_processors.process(vc.processor, frames_array(videos[0]), vc.engine_size)
-    kw, _ = vc.batch(videos, [grid])
-    drawn = VideoCase(vc.family, vc.fixture, vc.processor, vc.engine_size)
-    assert drawn.settings()["draw_on_frames"] is True
-    with pytest.raises(MediaAlignmentError, match="draw_on_frames"):
-        drawn.check(kw, videos, fallback="raise")

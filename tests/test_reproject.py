@@ -239,14 +239,11 @@ def test_fp8_padding_through_the_config_flag() -> None:
 @pytest.mark.parametrize(
     ("n", "multiple", "n_pad"), [(24, 16, 8), (32, 16, 0), (1, 32, 31), (130, 128, 126)]
 )
-def test_pad_for_fp8_and_trim(n: int, multiple: int, n_pad: int) -> None:
+def test_pad_for_fp8(n: int, multiple: int, n_pad: int) -> None:
     x = torch.randn(n, 8, requires_grad=True)
     padded, got_pad = fp8.pad_for_fp8(x, multiple)
     assert got_pad == n_pad and padded.shape == (n + n_pad, 8)
     assert torch.equal(padded[:n], x) and not padded[n:].any()
-    assert torch.equal(fp8.trim(padded, n), x)
-    with pytest.raises(MediaAlignmentError, match=f"{n + n_pad} features, fewer than the"):
-        fp8.trim(padded, n + n_pad + 1)
 
 
 def test_padding_multiple_keeps_whole_merge_groups() -> None:

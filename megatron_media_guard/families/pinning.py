@@ -1,33 +1,8 @@
-"""How one original image is processed at a solved size, the way each family's processor does
-it: the data side's repair (:mod:`.reprocess`) re-processes an item from its original so that
-its pixels and grid are what the processor makes of it at the engine's size.
-
-- :class:`PatchMergePin` (Qwen-VL, GLM-4V, Ernie 4.5 VL; transformers' ``...ImageProcessor`` /
-  ``...ImageProcessorPil``): the processor's own budget knobs pin the size where they can
-  (``size={"shortest_edge": min_pixels, "longest_edge": max_pixels}``, per call: the
-  processor's settings are never changed); else the original is resized to the solved size by
-  the processor's own backend ``resize`` with its own resampling, then processed with
-  ``do_resize=False``.
-- :class:`RadioPin` (Nemotron Omni): its processor imports torchvision (no CPU build here), so
-  the library's own implementation of its arithmetic: the image as the processor reads it
-  (RGB, channels first), float32, resized to ``16*grid`` by :func:`~..repair.reproject.
-  resize_frames` (bicubic, antialias: the processor's float resize), rescaled and normalized
-  with the mean and std scaled by ``1/rescale_factor`` (its fused rescale-and-normalize), cut
-  into row-major patches (:func:`.layouts.image_to_patches`). A processor passed in lends its
-  ``image_mean`` / ``image_std`` / ``rescale_factor`` / ``patch_size``.
-- :class:`PatchMergeVideoPin` (Qwen2-VL / 2.5-VL, Qwen3-VL / 3.5, GLM-4V, Ernie 4.5 VL videos):
-  their video processors import torchvision, so the library's own implementation of what they
-  do after sizing: the frames as given (the processor's input after its frame sampling; RGB,
-  channels first) padded to whole temporal groups by repeating the last frame, resized to the
-  solved size by :func:`tensor_resize` (torchvision's tensor resize: bicubic with antialias,
-  natively on uint8 on CPU), the fused rescale-and-normalize, and cut into merge-block patch
-  rows (:func:`~..repair.pixels.from_frames`, the processors' ``patchify``; Ernie one frame a
-  row, and only with ``draw_on_frames=False``: its default draws timestamps with a font). The
-  video processor (or its ``video_preprocessor_config`` as a dict) lends ``image_mean`` /
-  ``image_std`` / ``rescale_factor`` / ``do_rescale`` / ``do_normalize``; its ``patch_size`` /
-  ``merge_size`` / ``temporal_patch_size`` must be the model's (``run(..., sizes)``).
-
-Each ``run(processor, original, solution)`` returns a :class:`Processed` or raises
+"""How one original is processed at a solved size, the way each family's processor does it
+(the data side's repair, :mod:`.reprocess`): :class:`PatchMergePin` drives the family's own
+image processor; :class:`RadioPin` and :class:`PatchMergeVideoPin` reproduce processors that
+import torchvision (no CPU build here) with the library's own arithmetic. Each
+``run(processor, original, solution)`` returns a :class:`Processed` or raises
 :class:`~megatron_media_guard.errors.MediaAlignmentError` saying why not (the caller falls back).
 """
 
@@ -64,9 +39,7 @@ class Processed:
 
 
 def _budget_knobs(processor: Any) -> tuple[int, int]:
-    size = processor.size
-    get = size.get if isinstance(size, dict) else lambda k: getattr(size, k, None)
-    lo, hi = get("shortest_edge"), get("longest_edge")
+    lo, hi = (_setting(processor.size, k, None) for k in ("shortest_edge", "longest_edge"))
     if lo is None or hi is None:
         raise MediaInputError(
             f"{type(processor).__name__}.size has no shortest_edge / longest_edge (the pixel "
@@ -96,8 +69,11 @@ def _backend_resize(processor: Any, original: Any, hw: tuple[int, int]) -> Any:
 
 @dataclass(frozen=True)
 class PatchMergePin:
-    """A patch-merge image processor (``image_grid_thw`` rows ``(1, h, w)``, tokens
-    ``t*h*w/merge**2``) pinned to a solved size."""
+    """A patch-merge image processor (Qwen-VL, GLM-4V, Ernie 4.5 VL; ``image_grid_thw`` rows
+    ``(1, h, w)``, tokens ``t*h*w/merge**2``) pinned to a solved size: its own budget knobs
+    (``size={"shortest_edge": min_pixels, "longest_edge": max_pixels}``, per call) where they
+    land there, else the original resized by the processor's own backend ``resize`` and then
+    processed with ``do_resize=False``."""
 
     grid_input: str = "image_grid_thw"
 
@@ -143,6 +119,10 @@ class PatchMergePin:
         return Processed(rows, grid, tokens, how, tuple(sorted(knobs.items())))
 
 
+def _tensor(x: Any) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+
+
 def as_channels_first(original: Any) -> torch.Tensor:
     """An original image as the torchvision-backed processors read it: ``[C, H, W]`` (RGB for
     a PIL image, its own channels for an array / tensor, ``HWC`` or ``CHW``), its dtype kept."""
@@ -154,11 +134,7 @@ def as_channels_first(original: Any) -> torch.Tensor:
         return torch.from_numpy(np.asarray(convert_to_rgb(original, return_numpy=True))).permute(
             2, 0, 1
         )
-    t = (
-        torch.as_tensor(np.asarray(original))
-        if not isinstance(original, torch.Tensor)
-        else original
-    )
+    t = _tensor(original)
     if t.ndim == 2:
         return t[None]
     if t.ndim != 3:
@@ -171,24 +147,22 @@ def as_channels_first(original: Any) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class RadioPin:
-    """Nemotron Omni's image processor at a solved RADIO patch grid (own arithmetic; see the
-    module docstring): ``image_grid_hw`` rows ``(gh, gw)``, ``gh*gw/4`` tokens."""
+    """Nemotron Omni's image processor at a solved RADIO patch grid (``image_grid_hw`` rows
+    ``(gh, gw)``, ``gh*gw/4`` tokens): the image read as RGB channels first, float32, resized
+    by :func:`~..repair.reproject.resize_frames` (the processor's float resize), its fused
+    rescale-and-normalize, row-major patches; a processor passed in lends its ``image_mean`` /
+    ``image_std`` / ``rescale_factor`` / ``patch_size``."""
 
     patch: int = 16
     merge: int = 2
 
     def run(self, processor: Any, original: Any, solution: Any) -> Processed:
         gh, gw = solution.grid
-        patch = int(getattr(processor, "patch_size", self.patch))
-        mean = getattr(processor, "image_mean", CLIP_MEAN)
-        std = getattr(processor, "image_std", CLIP_STD)
-        rescale = float(getattr(processor, "rescale_factor", 1 / 255))
+        patch = int(_setting(processor, "patch_size", self.patch))
         img = as_channels_first(original)
-        if img.shape[0] == 1:
-            img = img.expand(3, -1, -1)
-        frames = img[None, :3].to(torch.float32)
-        frames = resize_frames(frames, (gh * patch, gw * patch))
-        x = rescale_normalize(frames, mean, std, rescale)
+        frames = img.expand(3, -1, -1) if img.shape[0] == 1 else img
+        frames = resize_frames(frames[None, :3].to(torch.float32), (gh * patch, gw * patch))
+        x = _normalized(processor, frames)
         rows = image_to_patches(x[0], patch)
         return Processed(rows, (gh, gw), gh * gw // (self.merge * self.merge), "own-arithmetic")
 
@@ -235,11 +209,7 @@ def as_frames(original: Any) -> torch.Tensor:
     if isinstance(original, (list, tuple)):
         frames = [as_channels_first(f) for f in original]
     else:
-        t = (
-            original
-            if isinstance(original, torch.Tensor)
-            else torch.as_tensor(np.asarray(original))
-        )
+        t = _tensor(original)
         if t.ndim != 4:
             raise MediaInputError(
                 "a video's original must be its frames: a list of PIL images / arrays, or an "
@@ -258,6 +228,19 @@ def as_frames(original: Any) -> torch.Tensor:
 def _setting(processor: Any, name: str, default: Any) -> Any:
     v = processor.get(name) if isinstance(processor, Mapping) else getattr(processor, name, None)
     return default if v is None else v
+
+
+def _normalized(processor: Any, frames: torch.Tensor) -> torch.Tensor:
+    """``rescale_normalize`` with the processor's settings (or a config dict's; CLIP's
+    defaults where it has none)."""
+    return rescale_normalize(
+        frames,
+        _setting(processor, "image_mean", CLIP_MEAN),
+        _setting(processor, "image_std", CLIP_STD),
+        float(_setting(processor, "rescale_factor", 1 / 255)),
+        bool(_setting(processor, "do_rescale", True)),
+        bool(_setting(processor, "do_normalize", True)),
+    )
 
 
 @dataclass(frozen=True)
@@ -313,15 +296,7 @@ class PatchMergeVideoPin:
         frames = as_frames(original)
         if pad := -frames.shape[0] % tp:  # whole temporal groups: the last frame repeated
             frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)])
-        frames = tensor_resize(frames, solution.size_hw)
-        x = rescale_normalize(
-            frames,
-            _setting(processor, "image_mean", CLIP_MEAN),
-            _setting(processor, "image_std", CLIP_STD),
-            float(_setting(processor, "rescale_factor", 1 / 255)),
-            bool(_setting(processor, "do_rescale", True)),
-            bool(_setting(processor, "do_normalize", True)),
-        )
+        x = _normalized(processor, tensor_resize(frames, solution.size_hw))
         rf = self.row_frames or tp
         rows, _ = from_frames(x, "qwen_patches", patch=p, temporal_patch=rf, merge=m)
         grid = (x.shape[0] // rf, x.shape[-2] // p, x.shape[-1] // p)

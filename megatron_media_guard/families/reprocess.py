@@ -276,20 +276,14 @@ class Reprocessor:
         mod, k = key
         static, rollout = self._video_runs(r, plan, batch, key)
         first = next((i for i, (a, b) in enumerate(zip(static, rollout)) if a != b), 0)
-        frames = self._frames(key)
+        original = self.media[key]
+        frames = len(original) if hasattr(original, "__len__") else "?"
         return (
             f"{mod} {k} ({frames} frames): the static processing gives {sum(static)} "
             f"placeholders in {len(static)} run(s), the rollout {sum(rollout)}; first "
             f"mismatching run: {first} ({static[first]} vs {rollout[first]}); refused, no grid "
             f"inferred: {why}"
         )
-
-    def _frames(self, key: Key) -> int | str:
-        frames = self.media.get(key)
-        try:
-            return len(frames)
-        except TypeError:
-            return "?"
 
     def kept(self, report: GuardReport) -> tuple[Reprocessed, ...]:
         """The re-processed items whose samples the plan kept repaired."""

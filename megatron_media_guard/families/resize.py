@@ -15,7 +15,9 @@ forward encodes the resized rows, once.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -48,9 +50,7 @@ class Resizer:
     ) -> None:
         self.mods = {m.name: m for m in mods}
         self.key = {id(it): (it.modality, k) for it, k in zip(items, parent)}
-        self.runs: dict[Key, int] = {}
-        for key in self.key.values():
-            self.runs[key] = self.runs.get(key, 0) + 1
+        self.runs = Counter(self.key.values())
         self.inputs = inputs
         self.geometry = geometry
         self.split = dict(split or {})
@@ -143,10 +143,7 @@ class Resizer:
         if name not in self._offsets:
             grid = self.inputs[self.mods[mod].patches[name]]
             rows = to_host(grid.long().prod(-1), why="patch rows per item to repair").tolist()
-            acc = [0]
-            for n in rows:
-                acc.append(acc[-1] + n)
-            self._offsets[name] = acc
+            self._offsets[name] = list(accumulate(rows, initial=0))
         return self._offsets[name]
 
     def repaired(self, kept: set[int], sample_of: Mapping[Key, int]) -> dict:

@@ -28,9 +28,8 @@ from megatron_media_guard.geometry.solution import (
     HwKind,
     Solution,
     check_hw,
-    check_hw_kind,
     check_positive,
-    check_target,
+    check_solve,
     pick,
     unreachable,
 )
@@ -144,9 +143,7 @@ class AnyresGeometry:
     ) -> Solution:
         """An image size whose anyres count is exactly ``target_tokens`` (see the module;
         ``hw_kind="frame"``: a size the processor already padded, never a replay)."""
-        n = check_target(target_tokens)
-        h, w = check_hw(hw)
-        kind = check_hw_kind(hw_kind)
+        n, h, w, _, kind = check_solve(target_tokens, hw, 1, hw_kind)
 
         def solution(size: tuple[int, int], fidelity, reason: str) -> Solution:
             bh, bw = best_resolution(*size, self.pinpoints)

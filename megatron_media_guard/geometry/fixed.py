@@ -13,9 +13,8 @@ from megatron_media_guard.geometry.solution import (
     Solution,
     check_frames,
     check_hw,
-    check_hw_kind,
     check_positive,
-    check_target,
+    check_solve,
     unreachable,
 )
 
@@ -50,10 +49,7 @@ class FixedGeometry:
     ) -> Solution:
         """Reachable only for num_frames * tokens_per_image: the processor's one size (a
         replay from the source or a frame alike: there is no other)."""
-        n = check_target(target_tokens)
-        check_hw(hw)
-        check_hw_kind(hw_kind)
-        t = check_frames(num_frames)
+        n, _, _, t, _ = check_solve(target_tokens, hw, num_frames, hw_kind)
         want = t * self.tokens_per_image
         if n != want:
             extra = (

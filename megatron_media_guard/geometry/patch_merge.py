@@ -24,13 +24,14 @@ from megatron_media_guard.geometry.solution import (
     Solution,
     check_frames,
     check_hw,
-    check_hw_kind,
     check_positive,
-    check_target,
+    check_solve,
     choice_text,
     divisor_pairs,
     groups,
+    per_group,
     pick,
+    smallest,
     unreachable,
 )
 
@@ -70,8 +71,7 @@ class PatchMergeGeometry:
     @classmethod
     def qwen2_vl(cls, **overrides: object) -> PatchMergeGeometry:
         """Qwen2-VL checkpoints' preprocessor_config: 4..16384 tokens per image."""
-        cfg: dict = dict(patch=14, merge=2, temporal_patch=2, min_pixels=3136, max_pixels=12845056)
-        return cls(**{**cfg, **overrides})
+        return cls(**{"min_pixels": 3136, "max_pixels": 12845056, **overrides})
 
     @classmethod
     def qwen2_5_vl(cls, **overrides: object) -> PatchMergeGeometry:
@@ -81,27 +81,27 @@ class PatchMergeGeometry:
     @classmethod
     def qwen3_vl(cls, **overrides: object) -> PatchMergeGeometry:
         """Qwen3-VL checkpoints' image preprocessor: patch 16, 64..16384 tokens per image."""
-        cfg: dict = dict(patch=16, merge=2, temporal_patch=2, min_pixels=65536, max_pixels=16777216)
-        return cls(**{**cfg, **overrides})
+        return cls(**{"patch": 16, "min_pixels": 65536, "max_pixels": 16777216, **overrides})
 
     @classmethod
     def qwen3_vl_video(cls, **overrides: object) -> PatchMergeGeometry:
         """Qwen3-VL checkpoints' video preprocessor: the frames share the pixel budget."""
-        cfg: dict = dict(
-            patch=16,
-            merge=2,
-            temporal_patch=2,
-            min_pixels=4096,
-            max_pixels=25165824,
-            temporal_budget=True,
+        return cls.qwen3_vl(
+            **{"min_pixels": 4096, "max_pixels": 25165824, "temporal_budget": True, **overrides}
         )
-        return cls(**{**cfg, **overrides})
 
     @property
     def factor(self) -> int:
         return self.patch * self.merge
 
     # ---- the processor's own sizing -----------------------------------------------------
+    def _frames(self, t: int) -> tuple[int, int]:
+        """(frames, frames rounded to temporal groups) weighing the budget: (1, 1) but for
+        Qwen3-VL's video rule."""
+        if not self.temporal_budget:
+            return 1, 1
+        return t, round(t / self.temporal_patch) * self.temporal_patch
+
     def _resize(self, h: int, w: int, t: int, min_px: int, max_px: int) -> tuple[int, int]:
         """The processor's resize (H', W'); GeometryError where the processor raises."""
         f = self.factor
@@ -115,10 +115,7 @@ class PatchMergeGeometry:
             if h < f or w < f:
                 scale = max(f / h, f / w)
                 h, w = int(h * scale), int(w * scale)
-            frames = t
-            t_bar = round(t / self.temporal_patch) * self.temporal_patch
-        else:
-            frames = t_bar = 1
+        frames, t_bar = self._frames(t)
         if max(h, w) / min(h, w) > self.max_aspect:
             raise GeometryError(
                 f"aspect ratio {max(h, w) / min(h, w):.4g} of (H, W) = ({h}, {w}) exceeds "
@@ -176,24 +173,20 @@ class PatchMergeGeometry:
 
     def _smallest(self, lo: int, hi: int, n: int, cells) -> tuple[int, tuple[int, int]] | None:
         """Smallest budget in [lo, hi] whose (monotone) cell product reaches n, if it is n."""
-        top = cells(hi)
-        if top is None or top[0] * top[1] < n:
+
+        def reaches(m: int) -> bool:
+            c = cells(m)
+            return c is not None and c[0] * c[1] >= n
+
+        if not reaches(hi):
             return None
-        while lo < hi:
-            mid = (lo + hi) // 2
-            c = cells(mid)
-            if c is not None and c[0] * c[1] >= n:
-                hi = mid
-            else:
-                lo = mid + 1
+        lo = smallest(lo, hi, reaches)
         c = cells(lo)
         return (lo, c) if c is not None and c[0] * c[1] == n else None
 
     def _replay(self, h: int, w: int, t: int, n: int) -> tuple[str, int, tuple[int, int]] | None:
         """A budget with which the processor's own resize gives n cells per group."""
-        f = self.factor
-        frames = t if self.temporal_budget else 1
-        t_bar = round(t / self.temporal_patch) * self.temporal_patch if self.temporal_budget else 1
+        f, (frames, t_bar) = self.factor, self._frames(t)
         nat = self._cells(h, w, t, 1, _NO_CAP)
         if nat is None:
             return None
@@ -216,8 +209,7 @@ class PatchMergeGeometry:
         """A pixel budget (min_pixels = max_pixels = it) at which the processor keeps an
         (a*f, b*f) frame as it is: its own (frame-weighted) area, where the processor takes
         the frame at all (aspect, clip length); None otherwise."""
-        f = self.factor
-        t_bar = round(t / self.temporal_patch) * self.temporal_patch if self.temporal_budget else 1
+        f, (_, t_bar) = self.factor, self._frames(t)
         px = max(t_bar, 1) * a * b * f * f
         return px if self._cells(a * f, b * f, t, px, px) == (a, b) else None
 
@@ -234,25 +226,17 @@ class PatchMergeGeometry:
         max_pixels gives it (``hw_kind="source"``); else (or for ``hw_kind="frame"``, a size
         the processor already resized) the grid of that many cells closest in aspect that the
         processor keeps unchanged at some budget (``budget``: min_pixels = max_pixels = it)."""
-        n_total = check_target(target_tokens)
-        h, w = check_hw(hw)
-        t = check_frames(num_frames)
-        kind = check_hw_kind(hw_kind)
-        f = self.factor
+        n_total, h, w, t, kind = check_solve(target_tokens, hw, num_frames, hw_kind)
+        f, g = self.factor, groups(t, self.temporal_patch)
         if n_total == 0:
             return unreachable("a patch-merge item yields at least one token; target is 0", t)
         try:
             self._resize(h, w, t, self.min_pixels, self.max_pixels)
         except GeometryError as exc:
             return unreachable(str(exc), t)
-        g = groups(t, self.temporal_patch)
-        if n_total % g:
-            return unreachable(
-                f"{n_total} is not divisible by the {g} temporal groups of {t} frames "
-                f"(temporal_patch {self.temporal_patch})",
-                t,
-            )
-        n = n_total // g
+        n = per_group(n_total, t, self.temporal_patch)
+        if isinstance(n, Solution):
+            return n
 
         def solution(a: int, b: int, fidelity, reason: str, budget: int | None) -> Solution:
             return Solution(
@@ -283,7 +267,11 @@ class PatchMergeGeometry:
             if px is not None:
                 valid[(a, b)] = px
         if not valid:
-            return unreachable(self._why_not(n, n_total, g, t), t)
+            return unreachable(
+                f"{n_total} tokens: every grid a*b = {n} merged cells has aspect ratio above "
+                f"{self.max_aspect:g} (or the processor resizes it again at every budget)",
+                t,
+            )
         (a, b), fidelity, count = pick(list(valid), (h, w), (f, f))
         lead = (
             "with only a processed frame's size"
@@ -297,10 +285,4 @@ class PatchMergeGeometry:
             f"{lead}; {choice_text(count, a, b, f'of {n} cells')} (kept unchanged at "
             f"min_pixels = max_pixels = {valid[(a, b)]}; aspect)",
             valid[(a, b)],
-        )
-
-    def _why_not(self, n: int, n_total: int, g: int, t: int) -> str:
-        return (
-            f"{n_total} tokens: every grid a*b = {n} merged cells has aspect ratio above "
-            f"{self.max_aspect:g} (or the processor resizes it again at every budget)"
         )

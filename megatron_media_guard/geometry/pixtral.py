@@ -20,12 +20,12 @@ from megatron_media_guard.geometry.solution import (
     HwKind,
     Solution,
     check_hw,
-    check_hw_kind,
     check_positive,
-    check_target,
+    check_solve,
     choice_text,
     divisor_pairs,
     pick,
+    smallest,
     unreachable,
 )
 
@@ -76,15 +76,14 @@ class PixtralGeometry:
 
     def _replay(self, h: int, w: int, n: int) -> tuple[int, tuple[int, int]] | None:
         """The smallest longest edge whose resize gives n cells, if one does."""
-        lo, hi = 1, max(h, w)  # from max(H, W) on the image is only rounded up: the plateau
-        if math.prod(self._cells(h, w, hi)) < n:
+
+        def reaches(edge: int) -> bool:
+            return math.prod(self._cells(h, w, edge)) >= n
+
+        top = max(h, w)  # from max(H, W) on the image is only rounded up: the plateau
+        if not reaches(top):
             return None
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if math.prod(self._cells(h, w, mid)) >= n:
-                hi = mid
-            else:
-                lo = mid + 1
+        lo = smallest(1, top, reaches)
         cells = self._cells(h, w, lo)
         return (lo, cells) if math.prod(cells) == n else None
 
@@ -100,9 +99,7 @@ class PixtralGeometry:
         engine-replay (the processor's resize with another longest edge gives it), else the
         grid of that many cells closest in aspect that the tower takes (also for
         ``hw_kind="frame"``: a size the processor already resized, so no replay is claimed)."""
-        n = check_target(target_tokens)
-        h, w = check_hw(hw)
-        kind = check_hw_kind(hw_kind)
+        n, h, w, _, kind = check_solve(target_tokens, hw, 1, hw_kind)
         f, top = self.factor, self.max_cells
         if n == 0:
             return unreachable("a Pixtral image yields at least one feature; target is 0")

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from math import ceil, floor, sqrt
 
 from megatron_media_guard.geometry.radio_search import (
     _INF,
     keep_budget,
     landing_budgets,
     pin_budget,
+    tile,
 )
 from megatron_media_guard.geometry.solution import (
     GeometryError,
@@ -35,37 +35,17 @@ from megatron_media_guard.geometry.solution import (
     Solution,
     check_frames,
     check_hw,
-    check_hw_kind,
     check_positive,
-    check_target,
+    check_solve,
     choice_text,
     divisors,
     groups,
+    per_group,
     pick,
     unreachable,
 )
 
 _ENGINE_ROUNDS = 10  # the engine gives up after this many scale-down rounds
-
-
-def _tile(
-    ph0: int, pw0: int, budget: int, mn: int, d: int, factor_max: float
-) -> tuple[int, int] | None:
-    """The tiler's (ph, pw) for ph0 x pw0 native patches at ``budget`` (the module
-    docstring's steps, in the engine's float arithmetic); None where it divides by zero.
-    A function of its own: the inverse calls it once per candidate grid."""
-    s = min(sqrt(budget / (ph0 * pw0)), factor_max)
-    ph, pw = floor(s * ph0), floor(s * pw0)
-    if budget > mn and ph * pw < mn:
-        if ph * pw == 0:
-            return None
-        u = sqrt(mn / (ph * pw))
-        ph, pw = ceil(u * ph), ceil(u * pw)
-    if r := ph % d:
-        ph = ph + d - r if (ph + d - r) * pw <= budget else max(d, ph - r)
-    if r := pw % d:
-        pw = pw + d - r if ph * (pw + d - r) <= budget else max(d, pw - r)
-    return ph, pw
 
 
 @dataclass(frozen=True)
@@ -131,7 +111,7 @@ class RadioTilerGeometry:
 
     def _grid(self, ph0: int, pw0: int, budget: int) -> tuple[int, int]:
         """The tiler's (ph, pw) at ``budget`` patches (the engine's float rounding)."""
-        grid = _tile(ph0, pw0, budget, self.min_num_patches, self.pixel_shuffle, self.factor_max)
+        grid = tile(ph0, pw0, budget, self.min_num_patches, self.pixel_shuffle, self.factor_max)
         if grid is None:
             raise GeometryError(
                 f"the tiler divides by zero: {ph0}x{pw0} patches scale to an empty grid "
@@ -214,7 +194,7 @@ class RadioTilerGeometry:
         b = self.static_budget if budget is None else budget
         # native() of the (16*ph, 16*pw) frame: h / patch == ph exactly, so round(ph + 0.5)
         native = round(ph + 0.5), round(pw + 0.5)
-        return _tile(*native, b, self.min_num_patches, self.pixel_shuffle, self.factor_max) == grid
+        return tile(*native, b, self.min_num_patches, self.pixel_shuffle, self.factor_max) == grid
 
     def _kept_grids(self, n: int) -> list[tuple[tuple[int, int], int]]:
         """Every (d*a, d*b) grid with a*b == n that the tiler keeps as it is at some engine
@@ -248,19 +228,13 @@ class RadioTilerGeometry:
         that count: the grids of that count the tiler keeps unchanged at some engine budget,
         closest in aspect (unique / closest-aspect; ``budget``: the smallest that keeps it).
         """
-        n_total = check_target(target_tokens)
-        h, w = check_hw(hw)
-        t = check_frames(num_frames)
-        kind = check_hw_kind(hw_kind)
+        n_total, h, w, t, kind = check_solve(target_tokens, hw, num_frames, hw_kind)
         d, px = self.pixel_shuffle, self.patch
         if n_total == 0:
             return unreachable("a RADIO item yields at least one token; target is 0", t)
-        g = groups(t, self.temporal_patch)
-        if n_total % g:
-            return unreachable(
-                f"{n_total} is not divisible by the {g} temporal groups of {t} frames", t
-            )
-        n = n_total // g
+        n = per_group(n_total, t, self.temporal_patch)
+        if isinstance(n, Solution):
+            return n
         q = n * d * d
         ph0, pw0 = self.native((h, w))
 

@@ -68,17 +68,34 @@ def windows(geo: TilerView, ph0: int, pw0: int, q: int) -> list[tuple[int, int]]
     return out
 
 
-def _prepare(geo: TilerView, ph0: int, pw0: int, budget: int):
-    """(fh, fw, h, w): floors and the pre-evenness grid; None where the tiler would fail."""
-    s = min(math.sqrt(budget / (ph0 * pw0)), geo.factor_max)
+def _prepare(ph0: int, pw0: int, budget: int, mn: int, factor_max: float):
+    """(fh, fw, h, w): the tiler's floors and its grid before the evenness step, in the
+    engine's float arithmetic; None where it divides by zero."""
+    s = min(math.sqrt(budget / (ph0 * pw0)), factor_max)
     fh, fw = math.floor(s * ph0), math.floor(s * pw0)
     h, w = fh, fw
-    if budget > geo.min_num_patches and fh * fw < geo.min_num_patches:
+    if budget > mn and fh * fw < mn:
         if fh * fw == 0:
             return None
-        u = math.sqrt(geo.min_num_patches / (fh * fw))
+        u = math.sqrt(mn / (fh * fw))
         h, w = math.ceil(u * fh), math.ceil(u * fw)
     return fh, fw, h, w
+
+
+def tile(
+    ph0: int, pw0: int, budget: int, mn: int, d: int, factor_max: float
+) -> tuple[int, int] | None:
+    """The tiler's (ph, pw) for ph0 x pw0 native patches at ``budget`` (radio.py's module
+    docstring); None where it divides by zero."""
+    prep = _prepare(ph0, pw0, budget, mn, factor_max)
+    if prep is None:
+        return None
+    ph, pw = prep[2], prep[3]
+    if r := ph % d:
+        ph = ph + d - r if (ph + d - r) * pw <= budget else max(d, ph - r)
+    if r := pw % d:
+        pw = pw + d - r if ph * (pw + d - r) <= budget else max(d, pw - r)
+    return ph, pw
 
 
 def _even_options(v: int, d: int) -> tuple[int, ...]:
@@ -115,7 +132,7 @@ def landing_budgets(
             sides[d * a] = (0 if b == d else b - d + 1, b + d - 1)
     for x, hi in spans:
         while x <= hi:
-            prep = _prepare(geo, ph0, pw0, x)
+            prep = _prepare(ph0, pw0, x, mn, geo.factor_max)
             fh, fw = (prep[0], prep[1]) if prep else (0, 0)
             ends = [hi + 1]  # the next budget where a floor or the upscale switch can change
             if fh * fh < fmax2 * ph0 * ph0 or fw * fw < fmax2 * pw0 * pw0:

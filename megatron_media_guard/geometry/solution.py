@@ -132,6 +132,37 @@ def check_positive(value: object, what: str, *, allow_zero: bool = False) -> int
     return v
 
 
+def check_solve(
+    target: object, hw: object, num_frames: object, hw_kind: object
+) -> tuple[int, int, int, int, HwKind]:
+    """``solve``'s arguments checked: (target, H, W, frames, hw_kind)."""
+    n, (h, w) = check_target(target), check_hw(hw)
+    return n, h, w, check_frames(num_frames), check_hw_kind(hw_kind)
+
+
+def per_group(n_total: int, t: int, temporal_patch: int) -> int | Solution:
+    """The count per temporal group of a ``t``-frame item, or why none (unreachable)."""
+    g = groups(t, temporal_patch)
+    if n_total % g:
+        return unreachable(
+            f"{n_total} is not divisible by the {g} temporal groups of {t} frames "
+            f"(temporal_patch {temporal_patch})",
+            t,
+        )
+    return n_total // g
+
+
+def smallest(lo: int, hi: int, reaches) -> int:
+    """The smallest x in [lo, hi] with ``reaches(x)`` (monotone in x; ``reaches(hi)``)."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if reaches(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 def divisors(n: int) -> list[int]:
     """Every divisor of ``n`` >= 1, ascending: trial division by the primes (O(sqrt of
     n's second-largest prime factor), at most O(sqrt n) for a prime), then the products;

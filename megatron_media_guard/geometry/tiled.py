@@ -19,9 +19,8 @@ from megatron_media_guard.geometry.solution import (
     Solution,
     check_frames,
     check_hw,
-    check_hw_kind,
     check_positive,
-    check_target,
+    check_solve,
     choice_text,
     divisor_pairs,
     unreachable,
@@ -116,10 +115,7 @@ class TiledGeometry:
         the source, kept canvas or not); else, and for ``hw_kind="frame"`` (a canvas the
         processor already made), the grid of that many tiles closest in aspect that the
         processor keeps as it is."""
-        n_total = check_target(target_tokens)
-        h, w = check_hw(hw)
-        kind = check_hw_kind(hw_kind)
-        t = check_frames(num_frames)
+        n_total, h, w, t, kind = check_solve(target_tokens, hw, num_frames, hw_kind)
         tpt, s = self.tokens_per_tile, self.tile
         if n_total == 0:
             return unreachable("a tiled item yields at least one tile; target is 0", t)

@@ -146,9 +146,8 @@ class DropBudget:
     def _log_scalars(self, step: int, totals: Mapping[str, int], s: BudgetStatus) -> None:
         if self.writers is None:
             return
-        scalars = {f"media_guard/{k}": float(totals.get(k, 0)) for k in ("samples", "dropped")}
-        for k in ("mismatched", "repaired"):
-            scalars[f"media_guard/{k}"] = float(totals.get(k, 0))
+        counts = ("samples", "dropped", "mismatched", "repaired")
+        scalars = {f"media_guard/{k}": float(totals.get(k, 0)) for k in counts}
         if s.fraction is not None:
             scalars["media_guard/drop_fraction"] = s.fraction
         if s.window_fraction is not None:

@@ -27,7 +27,7 @@ from types import ModuleType
 
 import torch
 
-from megatron_media_guard.errors import MediaAlignmentError, MediaInputError
+from megatron_media_guard.errors import MediaInputError
 
 DEFAULT_FP8_MULTIPLE = 16
 
@@ -124,21 +124,3 @@ def pad_for_fp8(
     if n_pad == 0:
         return patches, 0
     return torch.cat([patches, patches.new_zeros(n_pad, patches.shape[1])], dim=0), n_pad
-
-
-def trim(features: torch.Tensor, expected_n: int) -> torch.Tensor:
-    """The first ``expected_n`` rows of ``features [m, h]`` (the padding's features dropped).
-
-    MediaAlignmentError when fewer than ``expected_n`` rows came back.
-    """
-    if not isinstance(features, torch.Tensor) or features.ndim < 1:
-        raise MediaAlignmentError(
-            f"encoder output must be a tensor [n, h], got {type(features).__name__}"
-        )
-    got = features.shape[0]
-    if got < expected_n:
-        raise MediaAlignmentError(
-            f"encoder returned {got} features, fewer than the {expected_n} expected",
-            context={"expected": expected_n, "got": got},
-        )
-    return features if got == expected_n else features[:expected_n]

@@ -15,14 +15,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
 
 from megatron_media_guard.errors import MediaAlignmentError, MediaInputError
-from megatron_media_guard.repair.fp8 import pad_for_fp8, padded_multiple, trim
+from megatron_media_guard.geometry import Solution
+from megatron_media_guard.repair.fp8 import pad_for_fp8, padded_multiple
 from megatron_media_guard.repair.pixels import (
     QWEN_MERGE,
     QWEN_PATCH,
@@ -35,20 +35,6 @@ from megatron_media_guard.repair.pixels import (
 
 Encoder = Callable[..., torch.Tensor]
 """``encoder(pixels, **encoder_kwargs) -> features [n, h]`` (``grid_thw=`` for qwen_patches)."""
-
-
-class SizedSolution(Protocol):
-    """What ``reencode`` reads from a geometry solution (``geometry.Solution`` fits).
-
-    ``grid`` (patch rows, cols before merge), ``reachable`` and ``reason`` are read
-    when present.
-    """
-
-    @property
-    def tokens(self) -> int: ...
-
-    @property
-    def size_hw(self) -> tuple[int, int] | None: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -166,7 +152,7 @@ def resize_patches(
     return patches, (t, height // patch, width // patch)
 
 
-def _target_size(solution: SizedSolution, layout: Layout, patch: int) -> tuple[int, int]:
+def _target_size(solution: Solution, layout: Layout, patch: int) -> tuple[int, int]:
     """Pixel (H, W) to resize to: ``solution.size_hw``, else ``solution.grid * patch`` (qwen)."""
     if getattr(solution, "reachable", True) is False:
         raise MediaAlignmentError(
@@ -190,7 +176,7 @@ def _target_size(solution: SizedSolution, layout: Layout, patch: int) -> tuple[i
 def reencode(
     pixels: torch.Tensor,
     layout: Layout,
-    solution: SizedSolution,
+    solution: Solution,
     encoder: Encoder,
     *,
     grid_thw: object = None,
@@ -218,29 +204,22 @@ def reencode(
     layout = check_layout(layout)
     tokens = int(solution.tokens)
     size_hw = _target_size(solution, layout, patch)
-    qwen = {"patch": patch, "temporal_patch": temporal_patch, "merge": merge}
-    frames = to_frames(pixels, layout, grid_thw=grid_thw, **qwen)
-    if layout == "qwen_patches":
-        resized = _resize_temporal_groups(frames, size_hw, temporal_patch)
-    else:
-        resized = resize_frames(frames, size_hw)
-
     new_grid_thw: tuple[int, int, int] | None = None
     fp8_pad = 0
     if layout == "image":
+        resized = resize_frames(to_frames(pixels, layout), size_hw)
         new_pixels, encoder_kwargs = from_frames(resized, layout, video=pixels.ndim == 4)
+        num_frames = resized.shape[0]
         grid = getattr(solution, "grid", None)
         grid = None if grid is None else _size_pair(grid)
     else:
-        new_pixels, encoder_kwargs = from_frames(resized, layout, **qwen)
-        # Read from shapes, not from the grid_thw tensor: no device-to-host transfer.
-        new_grid_thw = (
-            -(-resized.shape[0] // temporal_patch),
-            size_hw[0] // patch,
-            size_hw[1] // patch,
-        )
-        grid = (new_grid_thw[1], new_grid_thw[2])
+        qwen = {"patch": patch, "temporal_patch": temporal_patch, "merge": merge}
+        new_pixels, new_grid_thw = resize_patches(pixels, grid_thw, size_hw, **qwen)
+        encoder_kwargs = {
+            "grid_thw": torch.tensor([new_grid_thw], dtype=torch.long, device=new_pixels.device)
+        }
         t, h, w = new_grid_thw
+        num_frames, grid = t * temporal_patch, (h, w)
         grid_tokens = t * (h // merge) * (w // merge)
         if grid_tokens != tokens:
             raise MediaAlignmentError(
@@ -261,20 +240,15 @@ def reencode(
             context={"expected": tokens},
         )
     got = features.shape[0]
-    if fp8_pad:
-        # The padding rows yield at most one feature each, and never replace real ones.
-        if not tokens <= got <= tokens + fp8_pad:
-            raise MediaAlignmentError(
-                f"re-encoded item gave {got} features for {tokens} placeholder tokens "
-                f"(with {fp8_pad} FP8 padding rows, expected {tokens} to {tokens + fp8_pad})",
-                context={"expected": tokens, "got": got, "fp8_pad": fp8_pad},
-            )
-        features = trim(features, tokens)
-    elif got != tokens:
+    # FP8 padding rows yield at most one feature each, after the real ones: trimmed off
+    if not tokens <= got <= tokens + fp8_pad:
+        pad = f" (with {fp8_pad} FP8 padding rows, expected {tokens} to {tokens + fp8_pad})"
         raise MediaAlignmentError(
-            f"re-encoded item gave {got} features for {tokens} placeholder tokens",
-            context={"expected": tokens, "got": got},
+            f"re-encoded item gave {got} features for {tokens} placeholder tokens"
+            + (pad if fp8_pad else ""),
+            context={"expected": tokens, "got": got, "fp8_pad": fp8_pad},
         )
+    features = features[:tokens] if got > tokens else features
     if synchronize and features.device.type == "cuda":
         torch.cuda.synchronize(features.device)
     return ReencodeResult(
@@ -283,7 +257,7 @@ def reencode(
         size_hw=size_hw,
         grid=grid,
         grid_thw=new_grid_thw,
-        num_frames=int(resized.shape[0]),
+        num_frames=int(num_frames),
         fp8_pad=fp8_pad,
         duration_ms=(time.perf_counter() - start) * 1e3,
     )
