@@ -28,7 +28,7 @@ import socket
 import stat
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 
 from .records import (
@@ -141,9 +141,7 @@ class DiagnosticsLog:
             }
             line = (json_dumps(rec) + "\n").encode("utf-8")
         if self.path is not None:
-            if rec["pid"] != self._lock_pid:  # a forked child: the parent's lock may be held
-                self._lock, self._lock_pid = threading.Lock(), rec["pid"]
-            with self._lock:
+            with self._locked():
                 self._write(line)
         level = logging.WARNING if record.event in _WARN_EVENTS else logging.INFO
         if self._logger.isEnabledFor(level):
@@ -159,11 +157,15 @@ class DiagnosticsLog:
             return
         self.rank = rank
         if self._dir is not None and self.path != self._dir / file_name(rank.rank):
-            if os.getpid() != self._lock_pid:  # a forked child: the parent's lock may be held
-                self._lock, self._lock_pid = threading.Lock(), os.getpid()
-            with self._lock:
+            with self._locked():
                 self._close_fd()
                 self.path, self._end = self._dir / file_name(rank.rank), None
+
+    def _locked(self) -> threading.Lock:
+        """This writer's lock; a new one in a forked child (the parent's may be held)."""
+        if os.getpid() != self._lock_pid:
+            self._lock, self._lock_pid = threading.Lock(), os.getpid()
+        return self._lock
 
     def describe_path(self) -> str | None:
         """The log path for a message: None without a log directory; the path when the last
@@ -244,7 +246,3 @@ class DiagnosticsLog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def summary_line(self, rec: Mapping[str, object]) -> str:
-        """One human line for a written record (see :func:`summary_line`)."""
-        return summary_line(rec)

@@ -28,7 +28,9 @@ import stat
 from pathlib import Path
 
 _INT = r"(?:0|[1-9][0-9]*|null)"
-_CUT = re.compile(
+# a writer-shaped line: group 1 the text between time and step, group 2 the step token,
+# ``m.end()`` the start of the tail; its template is ``(group 1, line[m.end():])``
+template_match = re.compile(
     r'\{"schema":1,"time":"[\x20\x21\x23-\x5b\x5d-\x7e]*"(.*?),"step":('
     + _INT
     + '),"microbatch":'
@@ -105,35 +107,12 @@ def parse_line(line: str, loads=json.loads) -> tuple[str, dict | None]:
             rec = None
     if type(rec) is not dict:
         return (LINE_BAD if line.strip() else LINE_BLANK), None
-    if not valid_text(line):
-        return LINE_BAD, None
+    if not line.isascii():
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError:  # invalid UTF-8, decoded to lone surrogates
+            return LINE_BAD, None
     return LINE_OK, rec
-
-
-def valid_text(line: str) -> bool:
-    """False when the line held invalid UTF-8 (decoded to lone surrogates)."""
-    if line.isascii():
-        return True
-    try:
-        line.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-# the regex match of a writer-shaped line: group 1 the text between time and step, group 2
-# the step token, ``m.end()`` the start of the tail (the reader's hot loop inlines :func:`cut`)
-template_match = _CUT
-
-
-def cut(line: str) -> tuple[tuple[str, str], str] | None:
-    """``(template, step token)`` of a writer-shaped line (time a printable ASCII string
-    without quote or backslash; step and microbatch JSON integers or null), else None.
-    The reader's hot loop does the same inline (``template_match``)."""
-    m = _CUT(line)
-    if m is None or len(line) > MAX_TEMPLATE_LINE:
-        return None
-    return (m.group(1), line[m.end() :]), m.group(2)
 
 
 def probe_ok(template: tuple[str, str], rec: dict) -> bool:
