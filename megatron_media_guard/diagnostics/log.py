@@ -1,22 +1,11 @@
 """The per-rank JSONL writer and the library's logger.
 
-Guarantees (the merge relies on them, it raises right after ``emit``): the line is written
-with one ``os.write`` on an ``O_APPEND`` descriptor and ``os.fsync``-ed before
-:meth:`DiagnosticsLog.emit` returns; a write failure is counted and logged once, never
-raised over the error the guard is about to raise (:meth:`DiagnosticsLog.describe_path`
-says so in the guard's message). ``emit`` never raises: a record that cannot be built or
-serialized is written as a minimal record naming the failure.
-
-Robustness of the file:
-
-- only a regular file is written: the path is opened with ``O_NONBLOCK`` and checked with
-  ``fstat`` (a FIFO or device at the path is refused at once, never blocks the merge);
-- a torn tail never costs the next record: whenever the file is not where this writer left
-  it (its first write, after a failed or short write, after another writer appended), the
-  last byte is read back and a newline is prepended to the record when it is missing, so
-  only the torn line is lost.
-
-Never imports torch.
+:meth:`DiagnosticsLog.emit` returns once the line is on disk (one ``os.write`` on an
+``O_APPEND`` descriptor, then ``os.fsync``) and never raises: a write failure is counted and
+logged once (:meth:`DiagnosticsLog.describe_path` says so in the guard's message), a record
+that cannot be serialized is written as a minimal one naming the failure. Only a regular file
+is written (opened with ``O_NONBLOCK``, checked with ``fstat``), and a torn tail costs only
+the torn line. docs/DIAGNOSTICS.md states these guarantees in full. Never imports torch.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
-"""Reading rank files for the post-mortem: safely (never block, never trust the file type)
-and fast (a line that repeats an earlier one up to its time, step and microbatch is not
-parsed again).
+"""Reading rank files for the post-mortem: safely (:func:`open_rank_file` opens only regular
+files, non-blocking, and says why it skipped anything else) and fast (:class:`LineTemplates`).
 
-:func:`open_rank_file` opens only regular files, with ``O_NONBLOCK`` so a FIFO or a device
-named like a rank file cannot block the report, and says why it skipped anything else.
-
-:class:`LineTemplates` is the fast path. The writer emits compact JSON whose ``time``,
-``step`` and ``microbatch`` change from line to line while the rest often repeats. A line
-is cut into its *template* (the line with those three values removed) and the three value
-tokens. A template is stored only after a full parse of its line AND a probe: the template
-re-filled with sentinel values parses to the same object with exactly those three fields
-changed, which proves the cut positions are the structural fields and not text inside some
-string. A later line with the same template and value tokens that are themselves valid
-(a quote-free, backslash-free printable ASCII time; integer or null step and microbatch)
-is then valid JSON with the same fields as the template's line except those three: the
-reader takes the stored facts instead of parsing it. Anything else takes the full parse.
+The fast path (docs/DIAGNOSTICS.md, "Memory and speed"): a writer-shaped line is cut into its
+*template* (the line less its ``time``, ``step`` and ``microbatch`` values) and those values.
+A template's facts are stored only after a full parse of its line and a probe: the template
+re-filled with sentinels parses to the same object with exactly those three fields changed,
+so its cut positions are the structural fields, not text inside a string. A later line with
+the same template and valid value tokens then has the stored facts, unparsed.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from ..core.plan import build_plan
 from ..core.runs import TokenLayout, parse_layout
 from ..core.verify import Verdict
 from ..diagnostics import where_text
+from ..diagnostics.records import cut_words
 from ..diagnostics.report_format import neutralise
 from ..errors import MediaGuardError
 from .args import add_replay_arguments
@@ -132,9 +133,8 @@ def _bad_bundle(args: argparse.Namespace, why: str) -> int:
     return EXIT_BAD_BUNDLE
 
 
-def _one_line(text: str, limit: int = 400) -> str:
-    line = " ".join(text.split())
-    return line if len(line) <= limit else line[: limit - 3] + "..."
+def _one_line(text: str) -> str:
+    return cut_words(" ".join(text.split()), 400)
 
 
 def replay_main(argv: Sequence[str] | None = None) -> int:
