@@ -64,15 +64,11 @@ class ReplayResult:
         }
 
 
-def _replay_where(bundle: Bundle) -> str:
-    r = bundle.rank.rank if bundle.rank is not None else None
-    return "replay of " + where_text(r, bundle.step, bundle.microbatch)
-
-
 def replay(bundle: Bundle) -> ReplayResult:
     """Re-run the guard's check on a bundle (CPU, single process); the message is the one
     the live merge raises, for every mismatched sample, with ``where`` naming the replay."""
-    where = _replay_where(bundle)
+    rank = bundle.rank.rank if bundle.rank is not None else None
+    where = "replay of " + where_text(rank, bundle.step, bundle.microbatch)
     try:
         lay = TokenLayout(bundle.input_ids, bundle.grammar, bundle.cu_seqlens)
         norm = metadata_batch(bundle.items, lay.num_samples)
