@@ -82,30 +82,7 @@ def test_report_skips_an_unreadable_file(tmp_path, monkeypatch):
     assert s.records == 3 and "Permission denied" in s.skipped_files[str(bad)]
 
 
-# ---- report: hostile content ---------------------------------------------------------------
-
-HOSTILE_LINES = {
-    "deep_array": "[" * 3000 + "]" * 3000 + "\n",
-    "deep_object": '{"a":' * 3000 + "1" + "}" * 3000 + "\n",
-    "deep_inside_record": '{"schema":1,"event":"drop","extra":' + "[" * 5000 + "]" * 5000 + "}\n",
-    "bad_utf8_in_string": None,  # bytes, below
-    "glued_torn_record": '{"schema":1,"event":"dro' + GOOD[0],
-    "huge_int": '{"schema":1,"event":"drop","sample_id":' + "9" * 5000 + "}\n",
-}
-
-
-@pytest.mark.parametrize("case", sorted(HOSTILE_LINES))
-def test_hostile_lines_are_malformed_and_the_rest_is_kept(tmp_path, case):
-    p = tmp_path / file_name(0)
-    bad = (
-        b'{"schema":1,"event":"drop","reason":"\xff\xfe"}\n'
-        if HOSTILE_LINES[case] is None
-        else HOSTILE_LINES[case].encode()
-    )
-    p.write_bytes(GOOD[0].encode() + bad + GOOD[1].encode())
-    s = summarize(tmp_path, jobs=1)
-    assert (s.records, s.malformed, s.count("drop")) == (2, 1, 2)
-    assert not s.torn_files
+# ---- report: hostile content (hostile lines: tests/test_report.py, test_torn_and_malformed_lines)
 
 
 def test_control_characters_never_reach_the_terminal(tmp_path):

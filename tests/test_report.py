@@ -110,6 +110,12 @@ def test_counts_by_rank_event_action_reason(tmp_path):
         ([line(), "garbage", "", "  "], "", 1, 1, False),
         ([line()], "", 1, 0, False),
         ([], "", 0, 0, False),
+        # hostile lines between two records: malformed, the rest kept
+        ([line(), "[" * 3000 + "]" * 3000, line()], "", 2, 1, False),  # too deep to parse
+        ([line(), '{"a":' * 3000 + "1" + "}" * 3000, line()], "", 2, 1, False),
+        ([line(), '{"schema":1,"extra":' + "[" * 5000 + "]" * 5000 + "}", line()], "", 2, 1, False),
+        ([line(), '{"schema":1,"event":"dro' + line(), line()], "", 2, 1, False),  # glued
+        ([line(), '{"schema":1,"sample_id":' + "9" * 5000 + "}", line()], "", 2, 1, False),
     ],
 )
 def test_torn_and_malformed_lines(tmp_path, body, tail, records, malformed, torn):
@@ -122,9 +128,10 @@ def test_torn_and_malformed_lines(tmp_path, body, tail, records, malformed, torn
     assert (f"{malformed} malformed" in text) is bool(malformed)
 
 
-def test_invalid_utf8_is_malformed_not_fatal(tmp_path):
+@pytest.mark.parametrize("bad", [b"\xff\xfe\x80 bad", b'{"schema":1,"reason":"\xff\xfe"}'])
+def test_invalid_utf8_is_malformed_not_fatal(tmp_path, bad):
     path = tmp_path / file_name(0)
-    path.write_bytes(line().encode() + b"\n\xff\xfe\x80 bad\n" + line("drop").encode() + b"\n")
+    path.write_bytes(line().encode() + b"\n" + bad + b"\n" + line("drop").encode() + b"\n")
     s = summarize(path)
     assert (s.records, s.malformed, dict(s.by_event)) == (2, 1, {"check": 1, "drop": 1})
 
