@@ -76,12 +76,6 @@ def _st_huge_shape(d, meta, tensors):
     return _st_file(d, {"__metadata__": {FORMAT: json.dumps(meta)}, "input_ids": spec}, b"\0" * 8)
 
 
-def _st_header_length(d, meta, tensors):
-    p = d / "hostile.bundle"
-    p.write_bytes(struct.pack("<Q", 1 << 60) + b"{}")
-    return p
-
-
 def _st_deep_header(d, meta, tensors):
     return _st_file(d, {"__metadata__": {FORMAT: "[" * 5000 + "]" * 5000}}, b"")
 
@@ -120,7 +114,7 @@ HOSTILE_BUNDLES = {
     "stride0_view": (_stride0, "limit"),
     "zip_bomb": (_zip_bomb, "uncompressed"),
     "st_shape_past_the_file": (_st_huge_shape, "data offsets"),
-    "st_header_length": (_st_header_length, "header declares"),
+    "st_header_length": (_bytes(lambda b: struct.pack("<Q", 1 << 60) + b"{}"), "header declares"),
     "st_deep_metadata": (_st_deep_header, "invalid"),
     "items_not_a_list": (_meta(lambda m: m.__setitem__("items", 5)), "items"),
     "num_features_str": (_item("num_features", "five"), "num_features"),
