@@ -17,10 +17,21 @@ from family_checks import saved_bundle
 from megatron_media_guard.replay.rerun import replay_main
 from megatron_media_guard.smoke import EXIT_USAGE
 from megatron_media_guard.smoke import main as smoke_main
-from megatron_media_guard.testing import TEST_GRAMMARS
 
 ROOT = Path(__file__).resolve().parents[1]
-Q = TEST_GRAMMARS["qwen"]
+
+
+def run_ok(argv: list[str], timeout: int = 180, **env: str) -> subprocess.CompletedProcess:
+    """``python argv`` in a fresh process with the worktree importable; it must exit 0."""
+    out = subprocess.run(
+        [sys.executable, *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), **env),
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    return out
 
 
 def _bundle(d: Path, log_dir: str | None = None) -> Path:
@@ -98,14 +109,7 @@ print("TORCH:" + ",".join(sorted(m for m in sys.modules if m == "torch")))
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("cmd", ["replay", "smoke", "report"])
 def test_subcommand_help_imports_no_torch(cmd):
-    out = subprocess.run(
-        [sys.executable, "-c", HELP_IMPORTS.format(cmd=cmd)],
-        capture_output=True,
-        text=True,
-        timeout=100,
-        check=True,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-    ).stdout
+    out = run_ok(["-c", HELP_IMPORTS.format(cmd=cmd)], timeout=100).stdout
     assert "usage: media-guard " + cmd in out
     assert out.strip().splitlines()[-1] == "TORCH:", out[-300:]
 
@@ -157,14 +161,7 @@ def _leftovers(tmp: Path) -> list[str]:
 def test_smoke_run_without_log_dir_leaves_no_temp_dir(tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    out = subprocess.run(
-        [sys.executable, "-m", "megatron_media_guard", "smoke", *SMOKE_ONE],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(ROOT)),
-    )
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    out = run_ok(["-m", "megatron_media_guard", "smoke", *SMOKE_ONE], TMPDIR=str(tmp))
     assert "PASSED" in out.stdout and "--log-dir DIR" in out.stdout
     assert _leftovers(tmp) == []
     # no line points at a page that went with the temporary logs
@@ -181,14 +178,7 @@ def test_smoke_dump_dir_writes_bundles_that_replay_reproduces(tmp_path):
     ``media-guard replay`` reproduces them."""
     dirs = ["--log-dir", str(tmp_path / "logs"), "--dump-dir", str(tmp_path / "dumps")]
     run = ["--nproc", "1", "--steps", "1", "--scenario", "budget_shrink", "--policy", "raise,drop"]
-    out = subprocess.run(
-        [sys.executable, "-m", "megatron_media_guard", "smoke", *run, *dirs],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-    )
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    run_ok(["-m", "megatron_media_guard", "smoke", *run, *dirs])
     for run in ("budget_shrink.raise", "budget_shrink.drop"):
         (bundle,) = sorted((tmp_path / "dumps" / run).glob("*.bundle"))
         assert replay_main([str(bundle)]) == 1  # the mismatch reproduces offline
@@ -200,13 +190,6 @@ def test_demo_leaves_no_temp_dir(tmp_path, keep):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     argv = ["--log-dir", str(tmp_path / "kept")] if keep else []
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "demo.py"), *argv],
-        capture_output=True,
-        text=True,
-        timeout=100,
-        env=dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(ROOT)),
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
+    run_ok([str(ROOT / "scripts" / "demo.py"), *argv], timeout=100, TMPDIR=str(tmp))
     assert _leftovers(tmp) == []
     assert (tmp_path / "kept" / "media_guard.rank00000.jsonl").is_file() == keep

@@ -18,7 +18,8 @@ from family_checks import saved_bundle
 from megatron_media_guard import MediaItem
 from megatron_media_guard.errors import MediaInputError
 from megatron_media_guard.replay import bundle_load
-from megatron_media_guard.replay.bundle import FORMAT
+from megatron_media_guard.replay.bundle import FORMAT, BundleError
+from megatron_media_guard.replay.bundle_load import load_bundle
 from megatron_media_guard.replay.bundle_save import save_bundle
 from megatron_media_guard.replay.rerun import replay_main
 from megatron_media_guard.testing import TEST_GRAMMARS
@@ -75,23 +76,31 @@ def _st_huge_shape(d, meta, tensors):
     return _st_file(d, {"__metadata__": {FORMAT: json.dumps(meta)}, "input_ids": spec}, b"\0" * 8)
 
 
-def _st_header_length(d, meta, tensors):
-    p = d / "hostile.bundle"
-    p.write_bytes(struct.pack("<Q", 1 << 60) + b"{}")
-    return p
-
-
 def _st_deep_header(d, meta, tensors):
     return _st_file(d, {"__metadata__": {FORMAT: "[" * 5000 + "]" * 5000}}, b"")
 
 
-def _meta(mutate):
+def _meta(mutate, drop: str | None = None):
+    """The saved bundle with its metadata mutated (and the tensor ``drop`` left out)."""
+
     def make(d, meta, tensors):
         from safetensors.torch import save_file
 
         mutate(meta)
         p = d / "hostile.bundle"
-        save_file(tensors, str(p), metadata={FORMAT: json.dumps(meta)})
+        kept = {k: t for k, t in tensors.items() if k != drop}
+        save_file(kept, str(p), metadata={FORMAT: json.dumps(meta)})
+        return p
+
+    return make
+
+
+def _bytes(edit):
+    """The saved bundle's bytes edited (cut, emptied, replaced)."""
+
+    def make(d, meta, tensors):
+        p = _meta(lambda m: None)(d, meta, tensors)
+        p.write_bytes(edit(p.read_bytes()))
         return p
 
     return make
@@ -105,7 +114,7 @@ HOSTILE_BUNDLES = {
     "stride0_view": (_stride0, "limit"),
     "zip_bomb": (_zip_bomb, "uncompressed"),
     "st_shape_past_the_file": (_st_huge_shape, "data offsets"),
-    "st_header_length": (_st_header_length, "header declares"),
+    "st_header_length": (_bytes(lambda b: struct.pack("<Q", 1 << 60) + b"{}"), "header declares"),
     "st_deep_metadata": (_st_deep_header, "invalid"),
     "items_not_a_list": (_meta(lambda m: m.__setitem__("items", 5)), "items"),
     "num_features_str": (_item("num_features", "five"), "num_features"),
@@ -124,6 +133,22 @@ HOSTILE_BUNDLES = {
     ),
     "step_str": (_meta(lambda m: m.__setitem__("step", "x")), "step"),
     "tensors_a_list": (_meta(lambda m: m.__setitem__("tensors", [1])), "tensors"),
+    # corrupt, partial or foreign bundles
+    "truncated": (_bytes(lambda b: b[: len(b) // 2]), "not a readable bundle"),
+    "empty": (_bytes(lambda b: b""), "not a media-guard bundle"),
+    "garbage": (_bytes(lambda b: b"\x07garbage" * 8), "not a media-guard bundle"),
+    "bad_json": (lambda d, m, t: _st_file(d, {"__metadata__": {FORMAT: "{no"}}, b""), "invalid"),
+    "newer_schema": (_meta(lambda m: m.update(schema=2)), "schema 2"),
+    "not_a_bundle": (_meta(lambda m: m.update(format="other")), "not a media_guard.bundle"),
+    "missing_tensor": (_meta(lambda m: None, drop="input_ids"), "partial bundle"),
+    "dtype_lies": (
+        _meta(lambda m: m["tensors"]["input_ids"].update(dtype="float32")),
+        "metadata says",
+    ),
+    "num_features_negative": (_item("num_features", -1), "num_features"),
+    "no_placeholders": (_meta(lambda m: m["grammar"].update(placeholders={})), "placeholders"),
+    "no_items_key": (_meta(lambda m: m.pop("items")), "items"),
+    "sample_not_in_batch": (_item("sample", 9), "inconsistent"),  # loads, fails the replay
 }
 
 
@@ -135,8 +160,11 @@ def test_hostile_bundle_exits_2_with_one_line(tmp_path, case, capsys):
     assert replay_main([str(path), "--max-bytes", str(1 << 20)]) == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1, err
-    assert err.startswith("media-guard replay: ") and why in err, err
+    assert err.startswith("media-guard replay: ") and why in err and path.name in err, err
     assert "Traceback" not in err
+    if case != "sample_not_in_batch":  # a file that is no bundle: a wrong call, named
+        with pytest.raises(BundleError, match=path.name):
+            load_bundle(path, max_bytes=1 << 20)
 
 
 def test_good_bundle_still_reproduces_with_exit_1(tmp_path, capsys):

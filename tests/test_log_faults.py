@@ -35,6 +35,14 @@ def _quiet_logger():
     get_logger().setLevel(logging.INFO)
 
 
+def merge_a_fault(cfg: GuardConfig, **kw):
+    """One merge of a batch with a surplus feature on rank 0."""
+    guard = MediaGuard(cfg, Q, rank=RankInfo(rank=0))
+    batch = inject(Q, LAYOUT, "surplus_feature")
+    emb = torch.zeros(*batch.input_ids.shape, 8)
+    return guard.merge(emb, batch.input_ids, batch.features(8), batch.items, **kw)
+
+
 def reasons(path) -> list[str]:
     """The ``reason`` of every line that parses, in order; None for a line that does not."""
     out = []
@@ -124,25 +132,17 @@ def test_a_fifo_at_the_log_path_never_blocks(tmp_path):
     assert "write FAILED" in w.describe_path()
 
 
-def test_a_fifo_at_the_log_path_in_a_merge(tmp_path):
-    os.mkfifo(tmp_path / "media_guard.rank00000.jsonl")
-    guard = MediaGuard(GuardConfig(log_dir=str(tmp_path)), Q, rank=RankInfo(rank=0))
-    batch = inject(Q, LAYOUT, "surplus_feature")
-    emb = torch.zeros(*batch.input_ids.shape, 8)
+@pytest.mark.parametrize("fault", ["fifo", "enospc"])
+def test_raise_says_when_the_log_could_not_be_written(tmp_path, monkeypatch, fault):
+    if fault == "fifo":
+        os.mkfifo(tmp_path / "media_guard.rank00000.jsonl")
+    else:
+        monkeypatch.setattr(log.os, "write", FlakyWrite({1: "fail", 2: "fail", 3: "fail"}))
     with pytest.raises(MediaAlignmentError) as info:
-        guard.merge(emb, batch.input_ids, batch.features(8), batch.items, step=1)
-    assert "write FAILED" in str(info.value) and "not a regular file" in str(info.value)
-
-
-def test_raise_says_when_the_log_could_not_be_written(tmp_path, monkeypatch):
-    monkeypatch.setattr(log.os, "write", FlakyWrite({1: "fail", 2: "fail", 3: "fail"}))
-    guard = MediaGuard(GuardConfig(log_dir=str(tmp_path)), Q, rank=RankInfo(rank=0))
-    batch = inject(Q, LAYOUT, "surplus_feature")
-    emb = torch.zeros(*batch.input_ids.shape, 8)
-    with pytest.raises(MediaAlignmentError) as info:
-        guard.merge(emb, batch.input_ids, batch.features(8), batch.items, step=1)
+        merge_a_fault(GuardConfig(log_dir=str(tmp_path)), step=1)
     msg = str(info.value)
-    assert "per-rank log:" in msg and "write FAILED" in msg and "No space left" in msg
+    assert "per-rank log:" in msg and "write FAILED" in msg
+    assert ("not a regular file" if fault == "fifo" else "No space left") in msg
 
 
 def test_emit_survives_a_field_that_cannot_be_serialized(tmp_path):
@@ -175,16 +175,13 @@ def test_full_dump_dir_with_the_torch_backend_is_contained(tmp_path, monkeypatch
     monkeypatch.setattr(bundle_save.torch, "save", _disk_full)
     logs, dumps = tmp_path / "logs", tmp_path / "dumps"
     cfg = GuardConfig(policy=policy, log_dir=str(logs), dump_dir=str(dumps))
-    guard = MediaGuard(cfg, Q, rank=RankInfo(rank=0))
-    batch = inject(Q, LAYOUT, "surplus_feature")
-    emb = torch.zeros(*batch.input_ids.shape, 8)
-    labels = torch.ones_like(batch.input_ids)
+    labels = torch.ones_like(inject(Q, LAYOUT, "surplus_feature").input_ids)
     if policy == "raise":
         with pytest.raises(MediaAlignmentError) as info:
-            guard.merge(emb, batch.input_ids, batch.features(8), batch.items, labels=labels)
+            merge_a_fault(cfg, labels=labels)
         assert type(info.value) is MediaAlignmentError and "replay bundle" not in str(info.value)
     else:
-        res = guard.merge(emb, batch.input_ids, batch.features(8), batch.items, labels=labels)
+        res = merge_a_fault(cfg, labels=labels)
         assert res.report.dropped and (res.labels == cfg.ignore_index).any()
     s = summarize(logs, jobs=1)
     assert s.count(policy) == 1  # the record was written although the bundle was not
@@ -202,9 +199,6 @@ def test_record_is_written_before_the_bundle(tmp_path, monkeypatch):
 
     monkeypatch.setitem(providers._PROVIDED, "bundle", spy)  # the writer the fault path calls
     cfg = GuardConfig(log_dir=str(tmp_path / "logs"), dump_dir=str(tmp_path / "dumps"))
-    guard = MediaGuard(cfg, Q, rank=RankInfo(rank=0))
-    batch = inject(Q, LAYOUT, "surplus_feature")
-    emb = torch.zeros(*batch.input_ids.shape, 8)
     with pytest.raises(MediaAlignmentError) as info:
-        guard.merge(emb, batch.input_ids, batch.features(8), batch.items)
+        merge_a_fault(cfg)
     assert seen == [1] and "replay bundle:" in str(info.value)

@@ -1,22 +1,11 @@
 """The per-rank JSONL writer and the library's logger.
 
-Guarantees (the merge relies on them, it raises right after ``emit``): the line is written
-with one ``os.write`` on an ``O_APPEND`` descriptor and ``os.fsync``-ed before
-:meth:`DiagnosticsLog.emit` returns; a write failure is counted and logged once, never
-raised over the error the guard is about to raise (:meth:`DiagnosticsLog.describe_path`
-says so in the guard's message). ``emit`` never raises: a record that cannot be built or
-serialized is written as a minimal record naming the failure.
-
-Robustness of the file:
-
-- only a regular file is written: the path is opened with ``O_NONBLOCK`` and checked with
-  ``fstat`` (a FIFO or device at the path is refused at once, never blocks the merge);
-- a torn tail never costs the next record: whenever the file is not where this writer left
-  it (its first write, after a failed or short write, after another writer appended), the
-  last byte is read back and a newline is prepended to the record when it is missing, so
-  only the torn line is lost.
-
-Never imports torch.
+:meth:`DiagnosticsLog.emit` returns once the line is on disk (one ``os.write`` on an
+``O_APPEND`` descriptor, then ``os.fsync``) and never raises: a write failure is counted and
+logged once (:meth:`DiagnosticsLog.describe_path` says so in the guard's message), a record
+that cannot be serialized is written as a minimal one naming the failure. Only a regular file
+is written (opened with ``O_NONBLOCK``, checked with ``fstat``), and a torn tail costs only
+the torn line. docs/DIAGNOSTICS.md states these guarantees in full. Never imports torch.
 """
 
 from __future__ import annotations
@@ -28,7 +17,7 @@ import socket
 import stat
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 
 from .records import (
@@ -141,9 +130,7 @@ class DiagnosticsLog:
             }
             line = (json_dumps(rec) + "\n").encode("utf-8")
         if self.path is not None:
-            if rec["pid"] != self._lock_pid:  # a forked child: the parent's lock may be held
-                self._lock, self._lock_pid = threading.Lock(), rec["pid"]
-            with self._lock:
+            with self._locked():
                 self._write(line)
         level = logging.WARNING if record.event in _WARN_EVENTS else logging.INFO
         if self._logger.isEnabledFor(level):
@@ -159,11 +146,15 @@ class DiagnosticsLog:
             return
         self.rank = rank
         if self._dir is not None and self.path != self._dir / file_name(rank.rank):
-            if os.getpid() != self._lock_pid:  # a forked child: the parent's lock may be held
-                self._lock, self._lock_pid = threading.Lock(), os.getpid()
-            with self._lock:
+            with self._locked():
                 self._close_fd()
                 self.path, self._end = self._dir / file_name(rank.rank), None
+
+    def _locked(self) -> threading.Lock:
+        """This writer's lock; a new one in a forked child (the parent's may be held)."""
+        if os.getpid() != self._lock_pid:
+            self._lock, self._lock_pid = threading.Lock(), os.getpid()
+        return self._lock
 
     def describe_path(self) -> str | None:
         """The log path for a message: None without a log directory; the path when the last
@@ -244,7 +235,3 @@ class DiagnosticsLog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def summary_line(self, rec: Mapping[str, object]) -> str:
-        """One human line for a written record (see :func:`summary_line`)."""
-        return summary_line(rec)

@@ -1,21 +1,10 @@
-"""Per-rank diagnostics: one JSONL file per rank, schema v1 (docs/DIAGNOSTICS.md).
+"""Schema v1 of the per-rank diagnostics (docs/DIAGNOSTICS.md): :class:`GuardRecord`, where it
+comes from (:class:`RankInfo`), the JSON object it is written as (:func:`build_record`) and its
+one human line (:func:`summary_line`); :mod:`.log` writes them.
 
-Every guard decision worth a post-mortem is one :class:`GuardRecord`; a
-:class:`DiagnosticsLog` turns it into one JSON object per line in
-``<log_dir>/media_guard.rank{global_rank:05d}.jsonl`` and logs a one-line human
-summary through the ``megatron_media_guard`` logger.
-
-Guarantees (the merge relies on them, it raises right after ``emit``):
-
-- the line is written with one ``os.write`` on an ``O_APPEND`` descriptor and
-  ``os.fsync``-ed before :meth:`DiagnosticsLog.emit` returns;
-- a line is strict JSON (no NaN/Infinity: non-finite floats become null);
-- nothing in a record is raw pixel or text content: the writer takes only the
-  fields of :class:`GuardRecord` (counts, shapes, indices, ids, short names), and
-  ``extra`` is reduced to JSON scalars, lists and flat mappings; any other object
-  is written as ``"<TypeName>"``, never its contents.
-
-This module never imports torch or torch.distributed.
+A line is strict JSON (non-finite floats become null) and holds nothing of the raw pixel or
+text content: only the fields of :class:`GuardRecord` (counts, shapes, indices, ids, short
+names), with ``extra`` reduced by :func:`json_safe`. Never imports torch.
 """
 
 from __future__ import annotations
@@ -114,19 +103,9 @@ class GuardRecord:
 _RECORD_FIELDS: tuple[str, ...] = tuple(
     f.name for f in fields(GuardRecord) if f.name not in ("event", "step", "microbatch", "extra")
 )
+_RANK_FIELDS = ("rank", "tp", "pp", "dp", "cp")
 SCHEMA_KEYS: tuple[str, ...] = (
-    "schema",
-    "time",
-    "host",
-    "pid",
-    "rank",
-    "tp",
-    "pp",
-    "dp",
-    "cp",
-    "step",
-    "microbatch",
-    "event",
+    *("schema", "time", "host", "pid", *_RANK_FIELDS, "step", "microbatch", "event"),
     *_RECORD_FIELDS,
     "caller",
 )
@@ -169,20 +148,11 @@ def build_record(
     caller: str | None,
 ) -> dict[str, object]:
     """The schema-v1 object for ``record`` (a pure function: no I/O)."""
-    out: dict[str, object] = {
-        "schema": SCHEMA_VERSION,
-        "time": time,
-        "host": host,
-        "pid": pid,
-        "rank": json_safe(rank.rank),
-        "tp": json_safe(rank.tp),
-        "pp": json_safe(rank.pp),
-        "dp": json_safe(rank.dp),
-        "cp": json_safe(rank.cp),
-        "step": json_safe(record.step),
-        "microbatch": json_safe(record.microbatch),
-        "event": record.event,
-    }
+    out: dict[str, object] = {"schema": SCHEMA_VERSION, "time": time, "host": host, "pid": pid}
+    for name in _RANK_FIELDS:
+        out[name] = json_safe(getattr(rank, name))
+    out["step"], out["microbatch"] = json_safe(record.step), json_safe(record.microbatch)
+    out["event"] = record.event
     for name in _RECORD_FIELDS:
         out[name] = json_safe(getattr(record, name))
     out["caller"] = caller
@@ -301,17 +271,13 @@ def _counts(exp: list[int] | None, got: list[int] | None, first: object, status:
     delta = sum(got) - sum(exp)
     why = [f"surplus {delta}" if delta > 0 else f"deficit {-delta}" if delta else "equal totals"]
     if status in ("count_mismatch", "length_mismatch"):
-        why.insert(0, f"{status}:")
+        why[0] = f"{status}: {why[0]}"
     if len(exp) != len(got):
         runs = f"{len(exp)} run" + ("s" if len(exp) != 1 else "")
         why.append(f"{runs} for {len(got)} item" + ("s" if len(got) != 1 else ""))
     elif first is not None and (len(exp) > 1 or not delta):
         why.append(f"first mismatch at run {_clean(first, 20)}")
-    return (
-        f"{out} ({why[0]} {', '.join(why[1:])})"
-        if why[0].endswith(":")
-        else (f"{out} ({', '.join(why)})")
-    )
+    return f"{out} ({', '.join(why)})"
 
 
 #: a reason's share of the line: room for a repair's refusal with its facts (the record keeps it

@@ -1,24 +1,16 @@
-"""Post-mortem reader for the per-rank diagnostics files (``media-guard report DIR``).
+"""Post-mortem reader for the per-rank diagnostics files (``media-guard report DIR``): finds
+the files and reads them (in worker processes for large runs) into a :class:`ReportSummary`;
+:mod:`.report_format` renders it as text, :mod:`.report_html` as a page.
 
-This module reads and aggregates into a :class:`ReportSummary` (``to_dict`` is its JSON
-form); :mod:`.report_format` renders it as text.
-
-Streams every ``media_guard.rank*.jsonl`` line by line and keeps only counters,
-so memory stays flat in file size:
-
-- one counter keyed by (rank, event, action, reason class), capped at
-  :data:`COMBO_CAP` keys (further keys fold into ``(other)`` per rank);
-- reasons are grouped into classes with digits replaced by ``#`` (reasons carry
-  counts: ``"40800 features for 32160 placeholders (+8640)"`` is one class with
-  ``"# features for # placeholders (+#)"``), at most :data:`LABEL_CAP` classes;
-- offending sample ids (events repair/drop/raise) in a heavy-hitters counter of
-  at most 2 x :data:`TOP_CAPACITY` ids: exact while fewer distinct ids were seen,
-  else a Misra-Gries estimate (counts are lower bounds, ``sample_ids_exact`` False);
-- the first fatal record (event ``raise``): earliest time, then lowest rank, step.
-
-A torn last line (no trailing newline, or a last non-blank line that is not
-valid JSON) is skipped and reported; malformed lines elsewhere (garbage, JSON that is not an
-object) are counted. Unknown and missing fields are tolerated.
+Memory stays flat in file size: :mod:`.report_aggregate` streams every line and keeps bounded
+counters only: (rank, event, action, reason class) keys, at most ``COMBO_CAP`` (further keys
+fold into ``(other)`` per rank); reason classes with digits as ``#``
+(``"# features for # placeholders (+#)"``), at most ``LABEL_CAP``; offending sample ids
+(repair/drop/raise) in a Misra-Gries counter, exact below 2 x ``TOP_CAPACITY`` distinct ids,
+else lower bounds (``sample_ids_exact`` False); the first fatal record (event ``raise``:
+earliest time, then lowest rank, step). A torn last line (no trailing newline, or a last
+non-blank line that is not valid JSON) is skipped and reported; malformed lines elsewhere are
+counted; unknown and missing fields are tolerated.
 """
 
 from __future__ import annotations
@@ -35,18 +27,8 @@ from pathlib import Path
 
 from ..errors import MediaInputError
 from .records import FILE_PREFIX, FILE_SUFFIX
-from .report_aggregate import (  # noqa: F401  (re-exported: report_format and users read them here)
-    COMBO_CAP,
-    FATAL_EVENT,
-    LABEL_CAP,
-    OFFENDING_EVENTS,
-    PARALLEL_MIN_BYTES,
-    TOP_CAPACITY,
-    ReportSummary,
-    _Aggregator,
-    _event_order,
-    _file_rank,
-)
+from .report_aggregate import PARALLEL_MIN_BYTES, _Aggregator
+from .report_summary import ReportSummary
 
 
 def find_files(paths_or_dir: str | PathLike[str] | Iterable[str | PathLike[str]]) -> list[Path]:

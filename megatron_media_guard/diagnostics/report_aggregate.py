@@ -133,7 +133,7 @@ class _Aggregator:
         per_step, examples = self.series, self.reason_examples
         series, s_shift, s_cap = per_step.counts, per_step.shift, per_step.cap
         known, add_template, facts_of = self.templates.facts, self.templates.add, self._facts
-        match, max_len = template_match, MAX_TEMPLATE_LINE  # report_lines.cut, inlined
+        match, max_len = template_match, MAX_TEMPLATE_LINE
         lines = records = matched = bad = other_schema = 0
         fast = True
         lo, hi = _STEP_MAX, _STEP_MIN
@@ -229,15 +229,11 @@ class _Aggregator:
 
     def _facts(self, rec: dict) -> tuple:
         """What the counters need from a record, every string bounded: (rank or None, event,
-        action, reason class, sample id or None, schema is 1, (modality, family), the action
-        as charted, the item (modality, item, frames, size, fidelity, family))."""
+        action, reason class, sample id or None, schema is 1, (modality, family), the item
+        (modality, item, frames, size, fidelity, family))."""
         get = rec.get
-        rank, event, action, reason, sid = (
-            get("rank"),
-            get("event"),
-            get("action"),
-            get("reason"),
-            get("sample_id"),
+        rank, event, action, reason, sid = map(
+            get, ("rank", "event", "action", "reason", "sample_id")
         )
         if type(rank) is not int:
             rank = None
@@ -266,16 +262,7 @@ class _Aggregator:
             None if get("fidelity") is None else _label(get("fidelity"), 40),
             None if family == NONE_LABEL else family,
         )
-        return (
-            rank,
-            event,
-            action,
-            reason,
-            sid,
-            get("schema") == 1,
-            (modality, family),
-            item,
-        )
+        return (rank, event, action, reason, sid, get("schema") == 1, (modality, family), item)
 
     def _example(self, rec: dict, reason: str, rank, step, file_index: int, line: int) -> None:
         text = cut_words(summary_line(rec), _EXAMPLE_LEN)
@@ -295,11 +282,8 @@ class _Aggregator:
         self.top.merge(other.top)
         self.heat.merge(other.heat)
         self.series.merge(other.series)
-        self.lines += other.lines
-        self.records += other.records
-        self.matched += other.matched
-        self.malformed += other.malformed
-        self.other_schema += other.other_schema
+        for name in ("lines", "records", "matched", "malformed", "other_schema"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
         self.malformed_by_file.update(other.malformed_by_file)
         self.torn.extend(other.torn)
         self.skipped.update(other.skipped)

@@ -18,7 +18,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .records import cut_words, summary_line
-from .report import OFFENDING_EVENTS, ReportSummary, _event_order
+from .report_aggregate import OFFENDING_EVENTS, _event_order
+from .report_summary import ReportSummary
 
 _CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 _ID_LEN = 80
@@ -47,6 +48,12 @@ def _namer(files: Sequence[str]):
             return Path(f).name
 
     return name
+
+
+def fatal_text(ff: Mapping[str, object], name) -> tuple[str, str]:
+    """The first fatal record's line (no ``[media-guard]`` head) and its ``file:line``."""
+    where = f"{name(str(ff.get('_file')))}:{ff.get('_line')}"
+    return summary_line(ff).removeprefix("[media-guard] "), where
 
 
 def _short_id(value: object) -> str:
@@ -121,11 +128,9 @@ def format_summary(summary: ReportSummary) -> str:
         lines.append(f"note: {s.other_schema:,} record(s) with a schema other than 1")
     if s.first_fatal is not None:
         ff = s.first_fatal
-        where = f"  [{name(str(ff.get('_file')))}:{ff.get('_line')}]"
-        if ff.get("time") is not None:
-            where += f" at {cut_words(str(ff.get('time')), 40)}"
-        lines.append("first fatal: " + summary_line(ff).removeprefix("[media-guard] "))
-        lines.append(where)
+        text, where = fatal_text(ff, name)
+        at = "" if ff.get("time") is None else f" at {cut_words(str(ff.get('time')), 40)}"
+        lines += [f"first fatal: {text}", f"  [{where}]{at}"]
     else:
         lines.append("first fatal: none (no 'raise' record)")
     lines += _rank_table(s.by_rank)

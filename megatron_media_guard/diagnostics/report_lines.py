@@ -1,20 +1,12 @@
-"""Reading rank files for the post-mortem: safely (never block, never trust the file type)
-and fast (a line that repeats an earlier one up to its time, step and microbatch is not
-parsed again).
+"""Reading rank files for the post-mortem: safely (:func:`open_rank_file` opens only regular
+files, non-blocking, and says why it skipped anything else) and fast (:class:`LineTemplates`).
 
-:func:`open_rank_file` opens only regular files, with ``O_NONBLOCK`` so a FIFO or a device
-named like a rank file cannot block the report, and says why it skipped anything else.
-
-:class:`LineTemplates` is the fast path. The writer emits compact JSON whose ``time``,
-``step`` and ``microbatch`` change from line to line while the rest often repeats. A line
-is cut into its *template* (the line with those three values removed) and the three value
-tokens. A template is stored only after a full parse of its line AND a probe: the template
-re-filled with sentinel values parses to the same object with exactly those three fields
-changed, which proves the cut positions are the structural fields and not text inside some
-string. A later line with the same template and value tokens that are themselves valid
-(a quote-free, backslash-free printable ASCII time; integer or null step and microbatch)
-is then valid JSON with the same fields as the template's line except those three: the
-reader takes the stored facts instead of parsing it. Anything else takes the full parse.
+The fast path (docs/DIAGNOSTICS.md, "Memory and speed"): a writer-shaped line is cut into its
+*template* (the line less its ``time``, ``step`` and ``microbatch`` values) and those values.
+A template's facts are stored only after a full parse of its line and a probe: the template
+re-filled with sentinels parses to the same object with exactly those three fields changed,
+so its cut positions are the structural fields, not text inside a string. A later line with
+the same template and valid value tokens then has the stored facts, unparsed.
 """
 
 from __future__ import annotations
@@ -28,7 +20,9 @@ import stat
 from pathlib import Path
 
 _INT = r"(?:0|[1-9][0-9]*|null)"
-_CUT = re.compile(
+# a writer-shaped line: group 1 the text between time and step, group 2 the step token,
+# ``m.end()`` the start of the tail; its template is ``(group 1, line[m.end():])``
+template_match = re.compile(
     r'\{"schema":1,"time":"[\x20\x21\x23-\x5b\x5d-\x7e]*"(.*?),"step":('
     + _INT
     + '),"microbatch":'
@@ -105,35 +99,12 @@ def parse_line(line: str, loads=json.loads) -> tuple[str, dict | None]:
             rec = None
     if type(rec) is not dict:
         return (LINE_BAD if line.strip() else LINE_BLANK), None
-    if not valid_text(line):
-        return LINE_BAD, None
+    if not line.isascii():
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError:  # invalid UTF-8, decoded to lone surrogates
+            return LINE_BAD, None
     return LINE_OK, rec
-
-
-def valid_text(line: str) -> bool:
-    """False when the line held invalid UTF-8 (decoded to lone surrogates)."""
-    if line.isascii():
-        return True
-    try:
-        line.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-# the regex match of a writer-shaped line: group 1 the text between time and step, group 2
-# the step token, ``m.end()`` the start of the tail (the reader's hot loop inlines :func:`cut`)
-template_match = _CUT
-
-
-def cut(line: str) -> tuple[tuple[str, str], str] | None:
-    """``(template, step token)`` of a writer-shaped line (time a printable ASCII string
-    without quote or backslash; step and microbatch JSON integers or null), else None.
-    The reader's hot loop does the same inline (``template_match``)."""
-    m = _CUT(line)
-    if m is None or len(line) > MAX_TEMPLATE_LINE:
-        return None
-    return (m.group(1), line[m.end() :]), m.group(2)
 
 
 def probe_ok(template: tuple[str, str], rec: dict) -> bool:

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import argparse
 
+from .bundle_limits import LimitError, parse_max_bytes
+
 
 def positive_bytes(text: str) -> int:
     """argparse type: a byte count >= 1."""
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of bytes, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 byte, got {value}")
-    return value
+        return parse_max_bytes(text, "--max-bytes")
+    except LimitError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def add_replay_arguments(parser: argparse.ArgumentParser) -> None:

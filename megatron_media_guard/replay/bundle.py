@@ -94,18 +94,19 @@ def _item_from_meta(meta: Mapping, pixels: torch.Tensor | None) -> MediaItem:
     return MediaItem(**known, pixels=pixels)
 
 
+# the grammar as saved (``text_id`` is not: a replay feeds no text)
+_GRAMMAR_FIELDS = ("placeholders", "start_id", "end_id", "break_ids", "collapsed", "name")
+_GRAMMAR_FIELDS += ("regions", "inner", "aliases")
+
+
 def _grammar_meta(g: Grammar) -> dict:
-    return {
-        "placeholders": dict(g.placeholders),
-        "start_id": g.start_id,
-        "end_id": g.end_id,
-        "break_ids": list(g.break_ids),
-        "collapsed": g.collapsed,
-        "name": g.name,
-        "regions": [list(pair) for pair in g.regions],
-        "inner": [list(pair) for pair in g.inner],
-        "aliases": dict(g.aliases),
-    }
+    values = {k: getattr(g, k) for k in _GRAMMAR_FIELDS}
+    return {k: dict(v) if isinstance(v, Mapping) else _plain(v) for k, v in values.items()}
+
+
+def _grammar_from_meta(meta: Mapping) -> Grammar:
+    """``regions``, ``inner`` and ``aliases`` are absent in bundles written before them."""
+    return Grammar(**{k: _tuples(meta[k]) for k in _GRAMMAR_FIELDS if k in meta})
 
 
 def _config_meta(config: GuardConfig) -> dict:

@@ -1,21 +1,10 @@
-"""What an untrusted bundle may declare, checked before anything is allocated.
-
-A bundle is read by ``media-guard replay`` on a laptop or a login node, often from a run
-the reader does not control. Its header declares tensor shapes and byte sizes; this
-module bounds them *before* the payload is loaded:
-
-- safetensors: the 8-byte header length, then every tensor's dtype, shape and data
-  offsets from the JSON header (shape x itemsize must equal its byte span, spans must lie
-  in the file), summed against the limit;
-- torch zip (the fallback format): every entry's declared uncompressed size from the zip
-  directory, summed against the limit (a deflated "zip bomb" is refused by its directory);
-- after loading, each tensor's logical size (numel x itemsize: a stride-0 view of one
-  element declares its full size), so a view cannot expand later.
-
-The limit is ``DEFAULT_MAX_BYTES`` (1 GiB) unless given (``media-guard replay --max-bytes``,
-or ``MEDIA_GUARD_REPLAY_MAX_BYTES``). The token ids get a tighter bound from the same limit,
-``max_bytes // BYTES_PER_TOKEN`` tokens, because the replay's parse works at about 40
-bytes per token: a bundle the limit admits replays within about the limit.
+"""What an untrusted bundle may declare, bounded before anything is allocated (docs/
+DIAGNOSTICS.md, "media-guard replay BUNDLE on bundles you did not write"): a safetensors
+header's tensors (dtype, shape and data offsets consistent, inside the file) and a torch zip's
+declared uncompressed sizes, each summed against the limit, then the loaded tensors' logical
+sizes (a stride-0 view counts in full). The limit is ``DEFAULT_MAX_BYTES`` (1 GiB) unless given
+(``--max-bytes``, ``MEDIA_GUARD_REPLAY_MAX_BYTES``); token ids get ``max_bytes //
+BYTES_PER_TOKEN`` at most, the replay's parse working at about 40 bytes per token.
 """
 
 from __future__ import annotations
@@ -58,20 +47,20 @@ class LimitError(ValueError):
     """The bundle declares more than the limit, or declares it inconsistently."""
 
 
-def max_bytes_from_env(environ: Mapping[str, str] | None = None) -> int:
-    env = os.environ if environ is None else environ
-    raw = env.get(ENV_MAX_BYTES, "").strip()
-    if not raw:
-        return DEFAULT_MAX_BYTES
+def parse_max_bytes(raw: str, source: str) -> int:
+    """The byte count ``raw`` (>= 1); a :class:`LimitError` naming ``source`` otherwise."""
     try:
         value = int(raw)
     except ValueError:
-        raise LimitError(
-            f"{ENV_MAX_BYTES} must be an integer number of bytes, got {raw!r}"
-        ) from None
+        raise LimitError(f"{source} must be an integer number of bytes, got {raw!r}") from None
     if value < 1:
-        raise LimitError(f"{ENV_MAX_BYTES} must be >= 1, got {value}")
+        raise LimitError(f"{source} must be >= 1, got {value}")
     return value
+
+
+def max_bytes_from_env(environ: Mapping[str, str] | None = None) -> int:
+    raw = (os.environ if environ is None else environ).get(ENV_MAX_BYTES, "").strip()
+    return parse_max_bytes(raw, ENV_MAX_BYTES) if raw else DEFAULT_MAX_BYTES
 
 
 def _mib(n: int) -> str:

@@ -22,6 +22,7 @@ from .bundle import (
     SCHEMA_VERSION,
     BundleError,
     _config_from_meta,
+    _grammar_from_meta,
     _item_from_meta,
     _safetensors,
     _tensor_meta,
@@ -35,6 +36,8 @@ from .bundle_limits import (
     max_bytes_from_env,
 )
 from .bundle_meta import check_meta
+
+_META_ERRORS = (KeyError, TypeError, ValueError, AttributeError, RecursionError, MediaGuardError)
 
 
 @dataclass(frozen=True, eq=False)
@@ -153,14 +156,7 @@ def load_bundle(path: str | os.PathLike[str], *, max_bytes: int | None = None) -
         raise
     except LimitError as err:
         raise BundleError(f"{path}: bundle metadata is invalid: {err}") from None
-    except (
-        KeyError,
-        TypeError,
-        ValueError,
-        AttributeError,
-        RecursionError,
-        MediaGuardError,
-    ) as err:
+    except _META_ERRORS as err:  # what building objects from hostile metadata can raise
         raise BundleError(
             f"{path}: bundle metadata is invalid ({type(err).__name__}: {err})",
             context={"path": str(path)},
@@ -186,25 +182,13 @@ def _from_meta(path: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> Bund
         _item_from_meta(m, tensors.get(f"pixels.{i}")) for i, m in enumerate(meta["items"])
     )
     features = {int(k.split(".", 1)[1]): t for k, t in tensors.items() if k.startswith("features.")}
-    g = meta["grammar"]
-    grammar = Grammar(
-        dict(g["placeholders"]),
-        start_id=g["start_id"],
-        end_id=g["end_id"],
-        break_ids=tuple(g["break_ids"]),
-        collapsed=g["collapsed"],
-        name=g["name"],
-        regions=tuple(tuple(pair) for pair in g.get("regions", ())),
-        inner=tuple(tuple(pair) for pair in g.get("inner", ())),
-        aliases=dict(g.get("aliases", {})),
-    )
     rank = RankInfo(**meta["rank"]) if meta.get("rank") is not None else None
     config = _config_from_meta(meta["config"]) if meta.get("config") is not None else None
     return Bundle(
         path=path,
         input_ids=tensors["input_ids"],
         items=items,
-        grammar=grammar,
+        grammar=_grammar_from_meta(meta["grammar"]),
         cu_seqlens=tensors.get("cu_seqlens"),
         step=meta.get("step"),
         microbatch=meta.get("microbatch"),

@@ -13,20 +13,34 @@ MAX_FEATURES = 1 << 40  # feature rows one item may declare
 MAX_INDEX = 1 << 31  # samples, frames, grid sides, parallel coordinates
 MAX_NAME = 64  # modality, layout, grammar name
 MAX_TEXT = 4096  # log path, creation time
-_ITEM_KEYS = {
-    "num_features": ("int", 0, MAX_FEATURES),
-    "sample": ("int?", 0, MAX_INDEX),
-    "num_frames": ("int?", 0, MAX_INDEX),
-    "modality": ("str", MAX_NAME),
-    "layout": ("str", MAX_NAME),
-    "frame_hw": ("ints?", 2),
-    "source_hw": ("ints?", 2),
-    "grid_thw": ("ints?", 3),
-}
 
 
 def _int(v: object, lo: int, hi: int) -> bool:
     return type(v) is int and lo <= v < hi
+
+
+def _text(n: int):
+    return lambda v: isinstance(v, str) and len(v) <= n
+
+
+def _ints_or_none(n: int):
+    return lambda v: (
+        v is None or (isinstance(v, list) and len(v) == n and all(_int(x, 0, 1 << 31) for x in v))
+    )
+
+
+_INDEX = f"an int in [0, {MAX_INDEX}) or null"
+_NAME = f"a string of at most {MAX_NAME} characters"
+_ITEM_KEYS = {  # key -> (valid, what it must be)
+    "num_features": (lambda v: _int(v, 0, MAX_FEATURES), f"an int in [0, {MAX_FEATURES})"),
+    "sample": (lambda v: v is None or _int(v, 0, MAX_INDEX), _INDEX),
+    "num_frames": (lambda v: v is None or _int(v, 0, MAX_INDEX), _INDEX),
+    "modality": (_text(MAX_NAME), _NAME),
+    "layout": (_text(MAX_NAME), _NAME),
+    "frame_hw": (_ints_or_none(2), "a list of 2 ints >= 0 or null"),
+    "source_hw": (_ints_or_none(2), "a list of 2 ints >= 0 or null"),
+    "grid_thw": (_ints_or_none(3), "a list of 3 ints >= 0 or null"),
+}
 
 
 def _fail(where: str, value: object, want: str) -> LimitError:
@@ -46,7 +60,7 @@ def check_meta(meta: object) -> None:
             raise _fail(key, v, "an int >= 0 or null")
     for key in ("log_path", "created"):
         v = meta.get(key)
-        if v is not None and not (isinstance(v, str) and len(v) <= MAX_TEXT):
+        if v is not None and not _text(MAX_TEXT)(v):
             raise _fail(key, v, f"a string of at most {MAX_TEXT} characters or null")
     _check_tensors(meta.get("tensors"))
     _check_items(meta.get("items"))
@@ -77,27 +91,9 @@ def _check_items(items: object) -> None:
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise _fail(f"items[{i}]", item, "an object")
-        for key, (kind, *args) in _ITEM_KEYS.items():
-            if key not in item:
-                continue
-            v = item[key]
-            where = f"items[{i}].{key}"
-            if kind == "int" and not _int(v, *args):
-                raise _fail(where, v, f"an int in [{args[0]}, {args[1]})")
-            if kind == "int?" and v is not None and not _int(v, *args):
-                raise _fail(where, v, f"an int in [{args[0]}, {args[1]}) or null")
-            if kind == "str" and not (isinstance(v, str) and len(v) <= args[0]):
-                raise _fail(where, v, f"a string of at most {args[0]} characters")
-            if (
-                kind == "ints?"
-                and v is not None
-                and not (
-                    isinstance(v, list)
-                    and len(v) == args[0]
-                    and all(_int(x, 0, 1 << 31) for x in v)
-                )
-            ):
-                raise _fail(where, v, f"a list of {args[0]} ints >= 0 or null")
+        for key, (valid, want) in _ITEM_KEYS.items():
+            if key in item and not valid(item[key]):
+                raise _fail(f"items[{i}].{key}", item[key], want)
         pixels = item.get("pixels")
         if pixels is not None and not isinstance(pixels, dict):
             raise _fail(f"items[{i}].pixels", pixels, "an object or null")
@@ -117,9 +113,8 @@ def _check_grammar(g: object) -> None:
         raise _fail("grammar.break_ids", breaks, "a list of token ids")
     if not isinstance(g.get("collapsed"), bool):
         raise _fail("grammar.collapsed", g.get("collapsed"), "true or false")
-    name = g.get("name")
-    if not (isinstance(name, str) and len(name) <= MAX_NAME):
-        raise _fail("grammar.name", name, f"a string of at most {MAX_NAME} characters")
+    if not _text(MAX_NAME)(g.get("name")):
+        raise _fail("grammar.name", g.get("name"), _NAME)
     for key in ("regions", "inner"):  # absent in bundles written before they existed
         pairs = g.get(key, [])
         if (

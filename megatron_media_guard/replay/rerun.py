@@ -23,6 +23,7 @@ from ..core.plan import build_plan
 from ..core.runs import TokenLayout, parse_layout
 from ..core.verify import Verdict
 from ..diagnostics import where_text
+from ..diagnostics.records import cut_words
 from ..diagnostics.report_format import neutralise
 from ..errors import MediaGuardError
 from .args import add_replay_arguments
@@ -63,15 +64,11 @@ class ReplayResult:
         }
 
 
-def _replay_where(bundle: Bundle) -> str:
-    r = bundle.rank.rank if bundle.rank is not None else None
-    return "replay of " + where_text(r, bundle.step, bundle.microbatch)
-
-
 def replay(bundle: Bundle) -> ReplayResult:
     """Re-run the guard's check on a bundle (CPU, single process); the message is the one
     the live merge raises, for every mismatched sample, with ``where`` naming the replay."""
-    where = _replay_where(bundle)
+    rank = bundle.rank.rank if bundle.rank is not None else None
+    where = "replay of " + where_text(rank, bundle.step, bundle.microbatch)
     try:
         lay = TokenLayout(bundle.input_ids, bundle.grammar, bundle.cu_seqlens)
         norm = metadata_batch(bundle.items, lay.num_samples)
@@ -132,9 +129,8 @@ def _bad_bundle(args: argparse.Namespace, why: str) -> int:
     return EXIT_BAD_BUNDLE
 
 
-def _one_line(text: str, limit: int = 400) -> str:
-    line = " ".join(text.split())
-    return line if len(line) <= limit else line[: limit - 3] + "..."
+def _one_line(text: str) -> str:
+    return cut_words(" ".join(text.split()), 400)
 
 
 def replay_main(argv: Sequence[str] | None = None) -> int:
