@@ -202,14 +202,10 @@ class GuardHandle:
     def _masked(
         self, loss_mask: torch.Tensor | None, labels: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """:meth:`mask_loss`'s tensors.
-
-        Masked token by token with :func:`megatron_media_guard.core.apply.mask_dropped` (the
-        one way a loss is masked, as the merge masks its own ``loss_mask``) on the layout of
-        the call's samples: a :class:`MergeResult`'s ``[b, s]`` like the call's ``input_ids``
-        (a row, or a packed sample of ``cu_seqlens``); another result (LLaVA's, in the
-        expanded output ``[b, S]``) gives its own through ``layout(tensor)``.
-        """
+        """Masked with :func:`~megatron_media_guard.core.apply.mask_dropped` (as the merge
+        masks its own ``loss_mask``) on the layout of the call's samples: a
+        :class:`MergeResult`'s from the call's ``input_ids``, another's (LLaVA's expanded
+        ``[b, S]``) from its ``layout(tensor)``."""
         if not self.dropped_samples() or (loss_mask is None and labels is None):
             return loss_mask, labels
         res = self.last_result

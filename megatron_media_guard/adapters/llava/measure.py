@@ -1,13 +1,8 @@
-"""Device-side facts of one LLaVA ``_preprocess_data`` call, moved to the host once.
-
-:func:`measure` reads the token ids, ``num_image_tiles``, the sound lengths and (on the
-first stage) the image and sound embeddings, and reduces them per sample on their own
-device: image / sound / text tokens, the first image whose expansion crosses
-``language_max_sequence_length``, the sound tokens placed past it, per-entry and
-per-clip NaN/Inf counts and, for a packed THD row, each sub-sample's compact columns and
-expansion (:mod:`.packed`). One :func:`~...core.host.to_host` call brings the lot to
-the host; nothing here loops over tokens. Samples are the rows of ``input_ids`` or the
-sub-samples of one packed row.
+"""Device-side facts of one LLaVA ``_preprocess_data`` call, moved to the host once
+(:func:`measure`): per sample (a row, or a sub-sample of one packed row, :mod:`.packed`) its
+image / sound / text tokens, the image whose expansion crosses
+``language_max_sequence_length``, the sound tokens past it; per entry and clip the NaN/Inf
+counts. Nothing here loops over tokens.
 """
 
 from __future__ import annotations
@@ -38,7 +33,6 @@ class LlavaFacts:
     """
 
     batch: int
-    rows: int
     row_length: int
     packed: bool
     image_token_index: int
@@ -69,23 +63,9 @@ class LlavaFacts:
     def num_clips(self) -> int:
         return len(self.clip_rows)
 
-    def without_entry_flags(self) -> LlavaFacts:
-        """The facts with no NaN/Inf flags for the images (their layout is not known)."""
-        return replace(self, entry_bad=())
-
     def token_owners(self) -> list[int]:
         """Sample of each image in token order (one per image token)."""
         return [smp for smp, k in enumerate(self.tokens) for _ in range(k)]
-
-
-def _per_sample(values: torch.Tensor, sample_of: torch.Tensor, nbins: int) -> torch.Tensor:
-    out = torch.zeros(nbins, dtype=torch.int64, device=values.device)
-    return out.scatter_add_(0, sample_of.reshape(-1), values.reshape(-1).to(torch.int64))
-
-
-def _per_sample_min(values, sample_of, nbins, init) -> torch.Tensor:
-    out = torch.full((nbins,), init, dtype=torch.int64, device=values.device)
-    return out.scatter_reduce_(0, sample_of.reshape(-1), values.reshape(-1), "amin")
 
 
 def _bad_per_group(bad_units: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
@@ -172,10 +152,12 @@ def measure(
         nb = k + 1  # the last bin collects tokens after the last sub-sample
 
         def count(x: torch.Tensor) -> torch.Tensor:
-            return _per_sample(x, sample_of, nb)[:k]
+            out = torch.zeros(nb, dtype=i64, device=dev)
+            return out.scatter_add_(0, sample_of.reshape(-1), x.reshape(-1).to(i64))[:k]
 
         def first(x: torch.Tensor, init: int) -> torch.Tensor:
-            return _per_sample_min(x, sample_of, nb, init)[:k]
+            out = torch.full((nb,), init, dtype=i64, device=dev)
+            return out.scatter_reduce_(0, sample_of.reshape(-1), x.reshape(-1), "amin")[:k]
 
     else:  # the rows are the samples: plain row reductions
         k = b
@@ -230,7 +212,6 @@ def measure(
         spans = tuple(Span(r, 0, s, 0, t) for r, t in enumerate(h["totals"]))
     return LlavaFacts(
         batch=k,
-        rows=b,
         row_length=s,
         packed=packed,
         image_token_index=int(image_token_index),
