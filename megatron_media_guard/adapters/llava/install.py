@@ -167,7 +167,9 @@ def install_llava(
     ``NemotronOmniModel`` wrappers are guarded through the ``LLaVAModel`` at their
     ``.llava_model``). Returns the handle; ``handle.remove()`` restores the instance. The
     image token id comes from each call."""
-    model = llava_of(model)
+    inner = getattr(model, "llava_model", None)
+    if not callable(getattr(model, "_preprocess_data", None)) and inner is not None:
+        model = inner  # a wrapper's forward calls it: the forward pre-hook sees its arguments
     if guard is None:
         tok = getattr(model, "image_token_index", None)
         guard = MediaGuard(config or GuardConfig(), llava_grammar(-200 if tok is None else tok))
@@ -181,16 +183,6 @@ def install_llava(
         auto_step_end=auto_step_end,
     )
     return handle.install_llava()
-
-
-def llava_of(model: Any) -> Any:
-    """``model``, or the ``LLaVAModel`` a wrapper without ``_preprocess_data`` holds at
-    ``.llava_model`` (Megatron-Bridge's Nemotron VL / Omni classes, whose ``forward`` calls
-    it: the forward pre-hook on it sees the wrapper's arguments)."""
-    inner = getattr(model, "llava_model", None)
-    if not callable(getattr(model, "_preprocess_data", None)) and inner is not None:
-        return inner
-    return model
 
 
 def _checks(handle: LlavaHandle, a: dict[str, Any], cu, pos, img_items, snd_items):
