@@ -17,7 +17,7 @@ from ...core.generated import Generated, GeneratedSample, find_generated
 from ...core.items import MediaItem
 from ...core.runs import TokenLayout, parse_layout
 from ...errors import MediaInputError
-from .measure import LlavaFacts
+from .measure import LlavaFacts, sound_padded
 from .packed import llava_grammar
 
 SOUND_MODALITIES = frozenset({"sound", "audio"})
@@ -305,13 +305,6 @@ def generated_faults(gen: Generated, action: str) -> list[ItemFault]:
         ItemFault(g.sample, "generated", "image", why[g.sample], expected=g.positions)
         for g in gen.samples
     ]
-
-
-def sound_padded(model: Any) -> bool:
-    """megatron-core 0.19 takes every row of every clip when the sound model's config sets
-    ``sound_pad_to_clip_duration`` (else ``sound_embeddings_len[c]`` rows of clip c)."""
-    cfg = getattr(getattr(model, "sound_model", None), "config", None)
-    return bool(getattr(cfg, "sound_pad_to_clip_duration", False))
 
 
 def _image_problem(a: dict[str, Any], facts: LlavaFacts) -> str | None:

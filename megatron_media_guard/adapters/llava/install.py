@@ -48,11 +48,10 @@ from .checks import (
     layout_problems,
     llava_grammar,
     per_sample,
-    sound_padded,
     split_items,
 )
 from .drop import PAD_TOKEN, finish_outputs, plan_drop, rewrite_inputs
-from .measure import LlavaFacts, measure, refine_finite
+from .measure import LlavaFacts, measure, refine_finite, sound_padded
 from .packed import Span, merged_layout
 from .sound import sound_faults
 
@@ -189,31 +188,13 @@ def _checks(handle: LlavaHandle, a: dict[str, Any], cu, pos, img_items, snd_item
     """The facts of one call and what they show: ``(facts, batch_fatal, faults, img_own,
     clip_own)``."""
     m, cfg = handle.module, handle.guard.config
-    first = bool(m.pre_process)
-    packed_rows = bool(a.get("is_packed_dynamic_res"))
-    snd = a.get("sound_embeddings") if first else None
-    facts = measure(
-        a["input_ids"],
-        image_token_index=int(a["image_token_index"]),
-        sound_token_index=getattr(m, "sound_token_index", None),
-        counts=a.get("num_image_tiles"),
-        img_seq_len=1 if packed_rows else int(m.img_seq_len),
-        max_len=int(m._language_max_sequence_length),
-        image_embeddings=a.get("image_embeddings") if first else None,
-        packed_rows=packed_rows,
-        sound_embeddings=snd if isinstance(snd, torch.Tensor) and snd.dim() == 3 else None,
-        sound_lengths=a.get("sound_embeddings_len"),
-        sound_padded=sound_padded(m),
-        cu_seqlens=cu,
-        check_finite=cfg.nonfinite != "off",
-        position_ids=pos,
-    )
+    facts = measure(a, m, cu_seqlens=cu, position_ids=pos, check_finite=cfg.nonfinite != "off")
     batch_fatal, img_ok, snd_ok = layout_problems(a, m, facts)
     if (any(facts.entry_bad) and img_ok) or (any(facts.clip_bad) and snd_ok):
         facts = refine_finite(
             facts,
             a.get("image_embeddings") if img_ok else None,
-            packed_rows,
+            bool(a.get("is_packed_dynamic_res")),
             a.get("sound_embeddings") if snd_ok else None,
         )
     if not img_ok:
