@@ -35,14 +35,10 @@ class ImageOwners:
         return [] if self.owners is None else [j for j, o in enumerate(self.owners) if o == sample]
 
 
-def split_items(
-    items: Sequence[MediaItem] | None,
-) -> tuple[Sequence[MediaItem] | None, Sequence[MediaItem] | None]:
+def split_items(items: Sequence[MediaItem] | None) -> tuple[list | None, list | None]:
     """(image items, sound items); each None when the metadata holds none of that kind."""
-    if items is None:
-        return None, None
-    snd = [it for it in items if it.modality in SOUND_MODALITIES]
-    img = [it for it in items if it.modality not in SOUND_MODALITIES]
+    snd = [it for it in items or () if it.modality in SOUND_MODALITIES]
+    img = [it for it in items or () if it.modality not in SOUND_MODALITIES]
     return (img or None), (snd or None)
 
 
@@ -122,22 +118,18 @@ def _segment_faults(facts: LlavaFacts) -> list[ItemFault]:
 def _count_faults(
     facts: LlavaFacts, own: ImageOwners, items: Sequence[MediaItem] | None
 ) -> list[ItemFault]:
-    out: list[ItemFault] = []
-    K, n = facts.total_tokens, facts.num_entries
     if own.owners is None:  # totals disagree and nothing says which sample is short
-        for smp, k in enumerate(facts.tokens):
-            if k:
-                out.append(
-                    ItemFault(
-                        smp,
-                        "count",
-                        "image",
-                        f"the batch holds {K} image tokens for {n} num_image_tiles entries; "
-                        "without item metadata the entries cannot be assigned to samples",
-                        expected=(k,),
-                    )
-                )
-        return out
+        why = (
+            f"the batch holds {facts.total_tokens} image tokens for {facts.num_entries} "
+            "num_image_tiles entries; without item metadata the entries cannot be assigned "
+            "to samples"
+        )
+        return [
+            ItemFault(s, "count", "image", why, expected=(k,))
+            for s, k in enumerate(facts.tokens)
+            if k
+        ]
+    out: list[ItemFault] = []
     for smp in range(facts.batch):
         k, js = facts.tokens[smp], own.of(smp)
         if k != len(js):

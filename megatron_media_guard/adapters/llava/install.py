@@ -285,15 +285,7 @@ def _run(handle: LlavaHandle, ba: inspect.BoundArguments, step, mb) -> Any:
     )
     mode = "as-is" if plan is None else ("restructure" if plan.restructures else "zero")
     result = LlavaResult(
-        step,
-        mb,
-        facts.batch,
-        tuple(actions),
-        tuple(faults),
-        mode,
-        stage,
-        facts.spans,
-        facts.packed,
+        step, mb, facts.batch, tuple(actions), tuple(faults), mode, stage, facts.spans, facts.packed
     )
     handle.record(result)
     if plan is None:
