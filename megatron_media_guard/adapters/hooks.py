@@ -28,30 +28,23 @@ _UNSEEN = object()
 
 class GuardHandle:
     """One installed guard on one method of one model instance: its :class:`Hook` (and any
-    more it installs, :meth:`hook`: the tower keeper's, LLaVA's ``forward`` capture), the
-    guard, the call's items and step.
+    more it installs, :meth:`hook`), the guard, the call's items and step.
 
-    items: the training step calls :meth:`set_items` before the forward (consumed by
-        the next guarded call), or passes ``items_provider`` (called on every guarded call).
+    items: :meth:`set_items` before the forward (consumed by the next guarded call), or
+        ``items_provider`` (called on every guarded call).
     step / microbatch: :meth:`set_step`, or ``step_provider`` (e.g. Megatron-LM's
-        ``args.curr_iteration``). The microbatch (unless :meth:`set_step` gives it) is the
-        index of the guarded call in its step, from 0: a step begins when the step changes
-        or the guard's previous step ended (``on_step_end``, whoever called it). Knowing
-        neither (no step, no step ended yet), the handle names no microbatch.
-        With ``auto_step_end`` the handle calls
-        ``guard.on_step_end(previous_step)`` on the first call of a new step (the drop
-        budget is checked there) unless the training loop already did. Default (None):
-        only while torch.distributed is not initialized, because a distributed step end
-        may combine counters over the pipeline group, which must never happen inside a
-        forward (stages run it at different times). Distributed runs close steps from
-        outside the forward: :meth:`step_end`, or a :class:`StepEnd` (what
-        ``install_from_args`` installs).
-    last_result: what the last guarded call produced (a MergeResult for MIMO/generic, an
-        ``LlavaResult`` for LLaVA); ``mask_loss`` applies its drops to a loss mask.
+        ``args.curr_iteration``). The microbatch, unless given, counts the guarded calls of
+        the step from 0: a step begins when the step changes or the guard's previous step
+        ended (``on_step_end``, whoever called it); knowing neither, none is named.
+        With ``auto_step_end`` the first call of a new step ends the previous one unless the
+        loop already did. Default (None): only while torch.distributed is not initialized (a
+        distributed step end may combine counters over the pipeline group, never inside a
+        forward): distributed runs end steps with :meth:`step_end` or a :class:`StepEnd`.
+    last_result: what the last guarded call produced (a MergeResult, or an ``LlavaResult``);
+        ``mask_loss`` applies its drops to a loss mask.
 
-    Every guarded call runs through :meth:`call`: an error on this rank before the stage's
-    collective (an adapter's own check, bad input, out of memory) still joins it as this
-    rank's fatal outcome, so the other ranks raise naming this one instead of hanging.
+    Every guarded call runs through :meth:`call`: an error before the stage's collective still
+    joins it as this rank's fatal outcome, so the peers raise naming this rank, not hang.
     """
 
     def __init__(
@@ -202,14 +195,10 @@ class GuardHandle:
     def _masked(
         self, loss_mask: torch.Tensor | None, labels: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """:meth:`mask_loss`'s tensors.
-
-        Masked token by token with :func:`megatron_media_guard.core.apply.mask_dropped` (the
-        one way a loss is masked, as the merge masks its own ``loss_mask``) on the layout of
-        the call's samples: a :class:`MergeResult`'s ``[b, s]`` like the call's ``input_ids``
-        (a row, or a packed sample of ``cu_seqlens``); another result (LLaVA's, in the
-        expanded output ``[b, S]``) gives its own through ``layout(tensor)``.
-        """
+        """Masked with :func:`~megatron_media_guard.core.apply.mask_dropped` (as the merge
+        masks its own ``loss_mask``) on the layout of the call's samples: a
+        :class:`MergeResult`'s from the call's ``input_ids``, another's (LLaVA's expanded
+        ``[b, S]``) from its ``layout(tensor)``."""
         if not self.dropped_samples() or (loss_mask is None and labels is None):
             return loss_mask, labels
         res = self.last_result

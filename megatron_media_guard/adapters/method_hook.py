@@ -57,10 +57,6 @@ class Hook:
         self._wrapper: Callable[..., Any] | None = None
         self._previous: object = _MISSING
 
-    @property
-    def installed(self) -> bool:
-        return self._wrapper is not None
-
     def install(self) -> Hook:
         target, name = self.target, self.name
         current = getattr(target, name, None)

@@ -1,37 +1,23 @@
 """Guard for megatron-core ``MimoModel.align_embeddings_by_token_positions``.
 
-The original gets ``modality_embeddings``: ``{"text": [num_text_tokens, h], "<modality>":
-[n_m, h], ...}`` (text rows in token order; MIMO's forward embeds only the non-special
-tokens), ``input_ids`` ``[b, s]`` with each item's placeholders already expanded, and
-``special_token_ids`` (modality -> token id). It returns ``[s, b, h]`` and checks only
-batch totals per modality, so errors that cancel across samples pass.
+The original gets ``modality_embeddings`` (``{"text": [num_text_tokens, h], "<modality>":
+[n_m, h], ...}``, text rows in token order), ``input_ids`` ``[b, s]`` with each item's
+placeholders expanded, and ``special_token_ids``; it returns ``[s, b, h]`` and checks only
+batch totals per modality, so errors that cancel across samples pass. The guarded version
+places the text rows as the original does (same bits, no count sync), then merges every
+modality through :meth:`MediaGuard.merge` per sample:
 
-The guarded version places the text rows exactly as the original does, then merges
-every modality through :meth:`MediaGuard.merge` (``seq_first`` output), per sample:
+- with item metadata (``handle.set_items`` / ``items_provider``: one :class:`MediaItem` per
+  item in token order, ``modality`` the MIMO name, ``sample`` the row): full per-item checks;
+- without: a modality whose feature total equals its placeholder total gets one inferred item
+  per placeholder run; one whose totals differ sends each sample holding it to the policy.
 
-- item metadata (``handle.set_items(items)`` before the forward, consumed by it, or
-  ``items_provider``): one :class:`MediaItem` per item, in token order, ``modality`` =
-  the MIMO modality name, ``sample`` = the batch row, ``num_features`` = its rows in
-  that modality's embeddings. Full per-sample, per-item checks.
-- without metadata: a modality whose feature total equals its placeholder total gets
-  one inferred item per placeholder run (catches malformed structure and NaN/Inf, not
-  errors that cancel between samples); a modality whose totals differ cannot be
-  assigned: each sample holding its placeholders goes to the policy, and the error
-  names the totals.
+Text rows with item metadata: when ``text rows + media rows == b*s`` an aligned verdict proves
+the text count (no transfer); else one count transfer names the mismatch. Without metadata the
+count comes from the parsed runs the items are inferred from.
 
-Text rows: the guard places them as the original does (same bits) without its count
-sync. With item metadata the count is proven on the host when ``text rows + media rows ==
-b*s`` and the merge's verdict is aligned (text tokens are ``b*s`` minus the placeholders,
-and an aligned verdict means placeholders == media rows): no transfer. When that sum
-differs, one count transfer before the merge names the text mismatch. When it holds but
-the verdict is not (the fault path), one count transfer there: text rows that do not fit
-the ids (impossible from ``MimoModel.forward``, which embeds exactly the non-special tokens)
-give every sample the policy (the merge's ``fault_checks``), before the stage agrees.
-Without metadata the count comes from the parsed runs the items are inferred from.
-
-MIMO's forward takes ``loss_mask`` elsewhere and returns it untouched: the training
-step applies drops with ``loss_mask, labels = handle.mask_loss(loss_mask, labels)``
-(or reads ``handle.last_result``, the guard's :class:`MergeResult`).
+MIMO's forward returns ``loss_mask`` untouched: the training step applies drops with
+``loss_mask, labels = handle.mask_loss(loss_mask, labels)``.
 """
 
 from __future__ import annotations

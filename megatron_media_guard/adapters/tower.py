@@ -2,42 +2,26 @@
 
 FSDP2 (``fully_shard`` on the tower) all-gathers the tower's parameters when its forward starts
 and reduce-scatters their gradients in backward; DDP with ``find_unused_parameters=False`` and
-FSDP1 reduce every parameter's gradient. So on every rank the tower must run at the same point of
-the forward (before the decoder, where the model's own forward runs it) and give every one of its
-parameters a gradient. A micro-batch whose media were all dropped, or that holds none (text
-only), would skip it. The guard then runs the tower itself, in its forward **pre**-hook, on a
-minimal dummy input, and keeps the output in the graph with a zero weight: ``-0.0`` (the exact
-additive identity: no bit changes) added where real features would have gone, the input
-embeddings (a post on the model's embedding module's ``forward``, the one hook type of
-:mod:`.method_hook`), else, when the embedding module is
-not known or not called (``inputs_embeds`` given), to the model's output in the post-hook.
+FSDP1 reduce every parameter's gradient. So every rank must run the tower at the same point of
+the forward (before the decoder) and give each of its parameters a gradient, also when its
+media were all dropped or it holds none (text only). The guard then runs the tower itself in
+its forward **pre**-hook on a minimal dummy input, and keeps the output in the graph with a
+``-0.0`` (the exact additive identity) added to the input embeddings (a post on the embedding
+module's ``forward``), else, when that module is not known or not called (``inputs_embeds``
+given), to the model's output in the post-hook.
 
 Why there: the autograd engine runs younger nodes first, so the decoder's backward runs before
-the tower's, as on a rank that fed real media (a tower run after the decoder would be
-all-gathered first in backward, too). And FSDP2 reduce-scatters a unit's gradients right after
-its backward only when its inputs require grad: with frozen embeddings the first decoder layer's
-input requires grad only through the merged features, so the anchor must enter the embeddings
-(anchored at the output, that layer's reduce-scatter moves to the end of backward and meets the
-peers' tower reduce-scatter). See docs/PARALLEL.md.
+the tower's, as on a rank that fed real media. And FSDP2 reduce-scatters a unit's gradients
+right after its backward only when its inputs require grad: with frozen embeddings the first
+decoder layer's input requires grad only through the merged features, so the anchor must enter
+the embeddings. See docs/PARALLEL.md.
 
-Contract (an adapter or a family engine with a forward pre-hook and post-hook on one model):
-
-- one ``TowerKeeper(embeddings, handle)`` per installed handle (``embeddings``: the model's
-  input embedding module, e.g. ``model.get_input_embeddings()``; None: anchor at the output;
-  ``handle``: whose hooks the embedding hook joins, removed with it; without one,
-  ``keeper.remove()`` takes it off);
-- pre-hook, first: ``keeper.clear()`` (a forward that raised leaves nothing behind);
-- pre-hook, once the call's inputs are final: ``if tower_due(config.keep_tower, had_media=...,
-  feeds_media=...)``, ``keeper.run(fn)`` where ``fn()`` calls the model's own tower module (the
-  one the wrappers shard, e.g. ``model.model.visual``) on a minimal dummy input (Qwen-VL: one
-  ``merge x merge`` cell of zeros, grid ``[[1, merge, merge]]``) and returns its output (any
-  nesting of tensors, tuples, dicts, dataclasses: every floating tensor in it is kept);
-- when every sample of the call is dropped: ``keeper.every_sample_dropped()`` (the loss, a mean
-  over no label, becomes a finite zero that still depends on the logits);
-- post-hook: ``return keeper.attach(out)`` (None when there is nothing to add: the output stays).
-
-The dummy's gradient is exactly zero. Under ``torch.no_grad`` the tower still runs (FSDP2
-all-gathers in evaluation forwards too).
+Contract, per installed handle: ``TowerKeeper(embeddings, handle)``; in the pre-hook, first
+``keeper.clear()``, then, once the inputs are final and ``tower_due(...)``, ``keeper.run(fn)``
+(``fn()`` calls the model's own tower module, the one the wrappers shard, on a minimal dummy
+input); ``keeper.every_sample_dropped()`` when every sample is dropped; in the post-hook
+``return keeper.attach(out)``. The dummy's gradient is exactly zero. Under ``torch.no_grad``
+the tower still runs (FSDP2 all-gathers in evaluation forwards too).
 """
 
 from __future__ import annotations

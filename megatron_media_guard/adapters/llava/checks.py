@@ -1,14 +1,14 @@
-"""Per-sample findings of one LLaVA ``_preprocess_data`` call, from its host facts.
-
-:func:`image_faults` turns :class:`~.measure.LlavaFacts` (and optional item
-metadata) into per-sample faults for the images and for packed sub-samples; the sound
-checks live in :mod:`.sound`. Loops run over samples and images, never tokens.
+"""Findings of one LLaVA ``_preprocess_data`` call, from its host facts: the images' and the
+packed sub-samples' faults per sample (:func:`image_faults`; the sound's are in :mod:`.sound`),
+and what the arguments say about their own shapes (:func:`layout_problems`, batch level).
+Loops run over samples and images, never tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -17,7 +17,7 @@ from ...core.generated import Generated, GeneratedSample, find_generated
 from ...core.items import MediaItem
 from ...core.runs import TokenLayout, parse_layout
 from ...errors import MediaInputError
-from .measure import LlavaFacts
+from .measure import LlavaFacts, sound_padded
 from .packed import llava_grammar
 
 SOUND_MODALITIES = frozenset({"sound", "audio"})
@@ -35,14 +35,10 @@ class ImageOwners:
         return [] if self.owners is None else [j for j, o in enumerate(self.owners) if o == sample]
 
 
-def split_items(
-    items: Sequence[MediaItem] | None,
-) -> tuple[Sequence[MediaItem] | None, Sequence[MediaItem] | None]:
+def split_items(items: Sequence[MediaItem] | None) -> tuple[list | None, list | None]:
     """(image items, sound items); each None when the metadata holds none of that kind."""
-    if items is None:
-        return None, None
-    snd = [it for it in items if it.modality in SOUND_MODALITIES]
-    img = [it for it in items if it.modality not in SOUND_MODALITIES]
+    snd = [it for it in items or () if it.modality in SOUND_MODALITIES]
+    img = [it for it in items or () if it.modality not in SOUND_MODALITIES]
     return (img or None), (snd or None)
 
 
@@ -122,22 +118,18 @@ def _segment_faults(facts: LlavaFacts) -> list[ItemFault]:
 def _count_faults(
     facts: LlavaFacts, own: ImageOwners, items: Sequence[MediaItem] | None
 ) -> list[ItemFault]:
-    out: list[ItemFault] = []
-    K, n = facts.total_tokens, facts.num_entries
     if own.owners is None:  # totals disagree and nothing says which sample is short
-        for smp, k in enumerate(facts.tokens):
-            if k:
-                out.append(
-                    ItemFault(
-                        smp,
-                        "count",
-                        "image",
-                        f"the batch holds {K} image tokens for {n} num_image_tiles entries; "
-                        "without item metadata the entries cannot be assigned to samples",
-                        expected=(k,),
-                    )
-                )
-        return out
+        why = (
+            f"the batch holds {facts.total_tokens} image tokens for {facts.num_entries} "
+            "num_image_tiles entries; without item metadata the entries cannot be assigned "
+            "to samples"
+        )
+        return [
+            ItemFault(s, "count", "image", why, expected=(k,))
+            for s, k in enumerate(facts.tokens)
+            if k
+        ]
+    out: list[ItemFault] = []
     for smp in range(facts.batch):
         k, js = facts.tokens[smp], own.of(smp)
         if k != len(js):
@@ -174,9 +166,12 @@ def _count_faults(
     return out
 
 
-def _cross_fault(smp, j, i, t, end, facts: LlavaFacts, seq_len) -> ItemFault:
-    L, m = facts.img_seq_len, facts.max_len
+def _cross_fault(smp, j, i, facts: LlavaFacts, end, seq_len=None) -> ItemFault:
+    """Image ``j`` (the ``i``-th of sample ``smp``) expands to end at ``end``, past the max
+    length; ``seq_len``: the sample's expanded length (its span's end when None)."""
+    L, m, t = facts.img_seq_len, facts.max_len, facts.entries[j]
     start = end - t * L
+    seq_len = facts.spans[smp].merged_end if seq_len is None else seq_len
     return ItemFault(
         smp,
         "max_length",
@@ -194,27 +189,12 @@ def _cross_fault(smp, j, i, t, end, facts: LlavaFacts, seq_len) -> ItemFault:
 def _length_faults(facts: LlavaFacts, own: ImageOwners, ids, skip: set[int]) -> list[ItemFault]:
     if own.owners is None:
         return []
-    out: list[ItemFault] = []
-    first = {}
-    for j, smp in enumerate(own.owners):
-        first.setdefault(smp, j)
     if own.consistent:
-        for smp in range(facts.batch):
-            j = facts.cross_image[smp]
-            if j < facts.num_entries and smp not in skip:
-                sp = facts.spans[smp]
-                out.append(
-                    _cross_fault(
-                        smp,
-                        j,
-                        j - first[smp],
-                        facts.entries[j],
-                        facts.cross_end[smp],
-                        facts,
-                        sp.merged_end,
-                    )
-                )
-        return out
+        return [
+            _cross_fault(smp, j, own.of(smp).index(j), facts, facts.cross_end[smp])
+            for smp, j in enumerate(facts.cross_image)
+            if j < facts.num_entries and smp not in skip
+        ]
     if facts.packed:  # positions after an unmatched sub-sample are not known
         return []
     # items disagree with token order: recompute per consistent sample from run positions
@@ -224,6 +204,7 @@ def _length_faults(facts: LlavaFacts, own: ImageOwners, ids, skip: set[int]) -> 
     for r in runs:
         pos.setdefault(r.sample, []).append(r.start)
     L, m = facts.img_seq_len, facts.max_len
+    out: list[ItemFault] = []
     for smp in range(facts.batch):
         js, ps = own.of(smp), pos.get(smp, [])
         if smp in skip or len(ps) != len(js):
@@ -234,37 +215,35 @@ def _length_faults(facts: LlavaFacts, own: ImageOwners, ids, skip: set[int]) -> 
             t = facts.entries[j]
             end = p + shift + t * L
             if end > m:
-                out.append(_cross_fault(smp, j, i, t, end, facts, total))
+                out.append(_cross_fault(smp, j, i, facts, end, total))
                 break
             shift += t * L - 1
     return out
 
 
 def _nonfinite_faults(facts: LlavaFacts, own: ImageOwners) -> list[ItemFault]:
+    """One fault per sample, at its first image holding NaN/Inf."""
     if not facts.entry_bad or own.owners is None:
         return []
     out: list[ItemFault] = []
-    seen: set[int] = set()
-    index_in_sample: dict[int, int] = {}
-    for j, smp in enumerate(own.owners):
-        i = index_in_sample.get(smp, 0)
-        index_in_sample[smp] = i + 1
-        if smp in seen or not facts.entry_bad[j]:
-            continue
-        seen.add(smp)
-        out.append(
-            ItemFault(
-                smp,
-                "nonfinite",
-                "image",
-                "NaN/Inf in the image's embeddings (got: tiles / rows affected)",
-                item=j,
-                item_in_sample=i,
-                expected=(facts.entries[j],),
-                got=(facts.entry_bad[j],),
-                tiles=facts.entries[j],
+    for smp in sorted(set(own.owners)):
+        js = own.of(smp)
+        bad = [j for j in js if facts.entry_bad[j]]
+        if bad:
+            j = bad[0]
+            out.append(
+                ItemFault(
+                    smp,
+                    "nonfinite",
+                    "image",
+                    "NaN/Inf in the image's embeddings (got: tiles / rows affected)",
+                    item=j,
+                    item_in_sample=js.index(j),
+                    expected=(facts.entries[j],),
+                    got=(facts.entry_bad[j],),
+                    tiles=facts.entries[j],
+                )
             )
-        )
     return out
 
 
@@ -318,3 +297,69 @@ def generated_faults(gen: Generated, action: str) -> list[ItemFault]:
         ItemFault(g.sample, "generated", "image", why[g.sample], expected=g.positions)
         for g in gen.samples
     ]
+
+
+def _image_problem(a: dict[str, Any], facts: LlavaFacts) -> str | None:
+    emb = a.get("image_embeddings")
+    lang = a.get("language_embeddings")
+    L, T = facts.img_seq_len, sum(facts.entries)
+    packed = bool(a.get("is_packed_dynamic_res"))
+    want = f"[{T} (sum of num_image_tiles), 1, h]" if packed else f"[{L}, {T}, h]"
+    if not isinstance(emb, torch.Tensor) or emb.dim() != 3:
+        shape = tuple(emb.shape) if isinstance(emb, torch.Tensor) else type(emb).__name__
+        return f"image_embeddings must be {want}, got {shape}"
+    if (emb.shape[0], emb.shape[1]) != ((T, 1) if packed else (L, T)):
+        layout = "is_packed_dynamic_res" if packed else "img_seq_len x tiles"
+        return f"image_embeddings is {tuple(emb.shape)}, expected {want} ({layout})"
+    if isinstance(lang, torch.Tensor) and emb.shape[2] != lang.shape[-1]:
+        return f"image_embeddings hidden size {emb.shape[2]} != language hidden {lang.shape[-1]}"
+    return None
+
+
+def _sound_problem(a: dict[str, Any], facts: LlavaFacts, padded: bool) -> str | None:
+    snd, lang = a.get("sound_embeddings"), a.get("language_embeddings")
+    if snd.dim() != 3:
+        return f"sound_embeddings must be [rows, clips, h], got {tuple(snd.shape)}"
+    T, C = snd.shape[0], snd.shape[1]
+    if C and a.get("sound_embeddings_len") is None and not padded:
+        return f"sound_embeddings has {C} clips and no sound_embeddings_len"
+    if len(facts.clip_rows) != C:
+        return f"sound_embeddings has {C} clips, sound_embeddings_len {len(facts.clip_rows)}"
+    if facts.clip_rows and max(facts.clip_rows) > T:
+        return f"sound_embeddings_len {list(facts.clip_rows)} exceeds the {T} rows per clip"
+    if C and isinstance(lang, torch.Tensor) and snd.shape[2] != lang.shape[-1]:
+        return f"sound_embeddings hidden size {snd.shape[2]} != language hidden {lang.shape[-1]}"
+    return None
+
+
+def layout_problems(
+    a: dict[str, Any], model: Any, facts: LlavaFacts
+) -> tuple[list[str], bool, bool]:
+    """``(batch-level problems, image embeddings usable, sound embeddings usable)``.
+
+    The image embeddings are checked on the first stage when the call has entries; the
+    sound embeddings when the call passes a sound tensor to a model with a sound token and
+    either sound tokens or ``sound_embeddings_len``.
+    A wrong layout names no sample (rows are concatenated): always fatal."""
+    problems: list[str] = []
+    img_ok = snd_ok = False
+    if model.pre_process and facts.num_entries:
+        problem = _image_problem(a, facts)
+        if problem:
+            problems.append(f"layout: {problem}")
+        img_ok = problem is None
+    snd = a.get("sound_embeddings")
+    # a stage without the encoders passes its encoder_hidden_state and no lengths: megatron-core
+    # only reads it at sound tokens
+    used = any(facts.sound) or a.get("sound_embeddings_len") is not None
+    if (
+        model.pre_process
+        and used
+        and isinstance(snd, torch.Tensor)
+        and facts.sound_token_index is not None
+    ):
+        problem = _sound_problem(a, facts, sound_padded(model))
+        if problem:
+            problems.append(f"layout: {problem}")
+        snd_ok = problem is None
+    return problems, img_ok, snd_ok

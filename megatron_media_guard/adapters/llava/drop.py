@@ -1,25 +1,18 @@
 """Dropping samples of a LLaVA ``_preprocess_data`` call without copying the features.
 
-Nothing is taken out of ``image_embeddings`` or ``sound_embeddings``: megatron-core
-still places every row, and the dropped samples' positions are zeroed in its output
-afterwards (in place; backward gives those rows a zero gradient, so the vision and sound
-towers stay in the graph). What must change for megatron-core's own placement to be
-right is rewritten in the small integer inputs only:
+megatron-core still places every feature row; the dropped samples' positions are zeroed in its
+output afterwards (in place: the towers stay in the graph with a zero gradient). Only the small
+integer inputs are rewritten so that megatron-core's own placement stays right:
 
-- an image count fault (the sample's image tokens disagree with its entries): the
-  dropped sample's image tokens are made to match its entries (its extra image tokens
-  become token 0, the embedding megatron-core's forward computed there; missing ones are
-  taken from its last text tokens), so every entry lands in its owner's row. Its width
-  may change; the other samples are placed as before. In a packed THD row this would
-  move the later sub-samples off their ``cu_seqlens``: such a drop escalates to raise.
-- a sound count fault: the sample's sound tokens become token 0 and its clips'
-  ``sound_embeddings_len`` 0 (with ``sound_pad_to_clip_duration`` every row of a clip is
-  taken: such a drop escalates to raise).
-- ``num_image_tiles`` entries with no image token in the batch: the call gets
-  ``image_embeddings[:0]`` and ``num_image_tiles[:0]`` (views).
+- image count fault: the dropped sample's image tokens are made to match its entries (extra
+  ones become token 0, what the forward embedded there; missing ones replace its last text
+  tokens). In a packed THD row this would move the later sub-samples: such a drop raises.
+- sound count fault: its sound tokens become token 0, its clips' ``sound_embeddings_len`` 0
+  (with ``sound_pad_to_clip_duration`` every row is placed: such a drop raises).
+- entries with no image token in the batch: ``image_embeddings[:0]``, ``num_image_tiles[:0]``.
 
-Features that megatron-core then does not place (cleared clips, unclaimed entries) stay
-in the graph through :func:`~..core.apply.zero_anchor`, added to one output element.
+Features megatron-core then does not place stay in the graph through
+:func:`~..core.apply.zero_anchor`, added to one output element.
 """
 
 from __future__ import annotations

@@ -1,64 +1,58 @@
 """Guard for megatron-core ``LLaVAModel._preprocess_data`` (collapsed image tokens, sound).
 
 ``install_llava(model, guard)`` hooks the method of one model instance and, on an
-``nn.Module``, its ``forward`` with a pre that captures ``packed_seq_params`` (the one hook
-type, :mod:`..method_hook`; Megatron-Bridge's Nemotron Omni collate packs a micro-batch into
-one THD row whose ``cu_seqlens`` reach the model's ``forward``, never ``_preprocess_data``). Before the original runs, the wrapper
-checks per sample (a row, or a packed sub-sample), with one device-to-host transfer:
+``nn.Module``, its ``forward`` with a pre that captures ``packed_seq_params`` (Megatron-Bridge's
+Nemotron Omni collate packs a micro-batch into one THD row whose ``cu_seqlens`` reach
+``forward``, never ``_preprocess_data``). Before the original runs, the wrapper checks each
+sample (a row, or a packed sub-sample) with one device-to-host transfer (:mod:`.measure`):
+image tokens vs ``num_image_tiles`` entries, tiles vs item metadata, an image cut at
+``language_max_sequence_length``, NaN/Inf, sound tokens vs clip rows, packed spans the
+expansion does not fill, and (always fatal) embeddings not in the shape the entries need.
 
-- image count: the sample's image tokens vs its ``num_image_tiles`` entries (one per
-  image, or per video tubelet); tiles (with item metadata): ``tiles * img_seq_len`` vs the
-  item's features; max_length: an image whose expansion ends past
-  ``language_max_sequence_length`` (megatron-core cuts there without a word); nonfinite
-  (``GuardConfig.nonfinite``): NaN/Inf in an image's embeddings. With
-  ``is_packed_dynamic_res`` (0.19) ``img_seq_len`` is 1, entries are per-image token
-  counts and the embeddings ``[sum, 1, h]``.
-- sound (0.19): the sample's sound tokens (``self.sound_token_index``) vs the rows of its
-  clips (``sound_embeddings_len``), sound rows placed past the max length, NaN/Inf.
-- segment (packed rows): a sub-sample whose expansion does not fill its ``cu_seqlens``
-  span (megatron-core would place every later sub-sample off its boundaries).
-- layout (batch level, always fatal): embeddings not in the shape the entries need.
-
-Policies: ``raise`` (every rank of the stage raises, naming rank, step, sample, image or
-clip and both counts); ``drop`` (see :mod:`.drop`: no feature is copied, the dropped
-sample's positions are zeroed in the output, its labels ignored and loss mask zeroed,
-every other sample bit-identical to the unguarded call); ``repair`` acts as its
-``fallback`` (a fixed-size tile cannot be re-projected to another count). Every stage
-computes the same plan from the token ids and the entries, so the last pipeline stage
-masks what the first dropped; faults only the first stage can see (NaN/Inf, sound) on a
-first stage that does not also compute the loss escalate to raise.
+Policies: ``raise``; ``drop`` (:mod:`.drop`: no feature is copied, every other sample
+bit-identical to the unguarded call); ``repair`` acts as its ``fallback`` (a fixed-size tile
+cannot be re-projected). Every stage computes the same plan from the token ids and the
+entries, so the last pipeline stage masks what the first dropped; faults only the first stage
+sees (NaN/Inf, sound) escalate to raise on a first stage that does not compute the loss.
+See docs/MEGATRON.md.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from ...config import GuardConfig
-from ...core.faults import ItemFault
+from ...core.conclude import conclude
+from ...core.fault_path import save_replay
+from ...core.faults import FaultContext, ItemFault, batch_records, fault_records
 from ...core.generated import as_text, text_records
 from ...core.guard import MediaGuard
+from ...core.items import MediaItem
 from ...core.outcome import StageOutcome
-from ...core.plan import worst
+from ...core.plan import Plan, digest, worst
 from ...core.runs import TokenLayout
+from ...diagnostics import GuardRecord
 from ...errors import MediaInputError
+from ..forward_hook import CallArgs
 from ..hooks import GuardHandle, ItemsProvider, StepProvider
+from ..vlm_inputs import packed_offsets
 from .checks import (
     generated_faults,
     generated_tokens,
     image_faults,
+    layout_problems,
     llava_grammar,
     per_sample,
     split_items,
 )
 from .drop import PAD_TOKEN, finish_outputs, plan_drop, rewrite_inputs
-from .layout import layout_problems, packed_cu_seqlens, sound_padded
-from .measure import LlavaFacts, measure, refine_finite
+from .measure import LlavaFacts, measure, refine_finite, sound_padded
 from .packed import Span, merged_layout
-from .report import settle
 from .sound import sound_faults
 
 
@@ -125,18 +119,15 @@ class LlavaHandle(GuardHandle):
         self._sig = inspect.signature(self.original)
         module = self.module
         if isinstance(module, torch.nn.Module):
-            names = list(inspect.signature(module.forward).parameters)
-
-            def arg(args, kwargs, name):
-                if name in kwargs:
-                    return kwargs[name]
-                i = names.index(name) if name in names else len(args)
-                return args[i] if i < len(args) else None
+            fsig = inspect.signature(module.forward)
 
             def capture(args: tuple, kwargs: dict) -> None:
-                psp = arg(args, kwargs, "packed_seq_params")
-                pos = arg(args, kwargs, "position_ids") if psp is not None else None
-                self._packed = (psp, pos)
+                try:
+                    call = CallArgs(fsig, args, kwargs)
+                except TypeError:  # the forward reports its own signature error
+                    return
+                psp = call.get("packed_seq_params")
+                self._packed = (psp, call.get("position_ids") if psp is not None else None)
 
             try:
                 self.hook(module, "forward", pre=capture)
@@ -150,7 +141,15 @@ class LlavaHandle(GuardHandle):
         self._packed = (None, None)
 
     def _around(self, original: Any, args: tuple, kwargs: dict) -> Any:
-        return _guarded_call(self, self._sig, args, kwargs)
+        try:
+            ba = self._sig.bind(*args, **kwargs)
+        except TypeError:
+            return original(*args, **kwargs)  # let megatron-core report its own signature error
+        m = self.module
+        if not (m.pre_process or m.post_process) or ba.arguments.get("use_inference_kv_cache"):
+            self.take_packed()
+            return original(*args, **kwargs)
+        return self.call("LLaVA media guard", lambda step, mb: _run(self, ba, step, mb))
 
 
 def install_llava(
@@ -167,7 +166,9 @@ def install_llava(
     ``NemotronOmniModel`` wrappers are guarded through the ``LLaVAModel`` at their
     ``.llava_model``). Returns the handle; ``handle.remove()`` restores the instance. The
     image token id comes from each call."""
-    model = llava_of(model)
+    inner = getattr(model, "llava_model", None)
+    if not callable(getattr(model, "_preprocess_data", None)) and inner is not None:
+        model = inner  # a wrapper's forward calls it: the forward pre-hook sees its arguments
     if guard is None:
         tok = getattr(model, "image_token_index", None)
         guard = MediaGuard(config or GuardConfig(), llava_grammar(-200 if tok is None else tok))
@@ -183,56 +184,11 @@ def install_llava(
     return handle.install_llava()
 
 
-def llava_of(model: Any) -> Any:
-    """``model``, or the ``LLaVAModel`` a wrapper without ``_preprocess_data`` holds at
-    ``.llava_model`` (Megatron-Bridge's Nemotron VL / Omni classes, whose ``forward`` calls
-    it: the forward pre-hook on it sees the wrapper's arguments)."""
-    inner = getattr(model, "llava_model", None)
-    if not callable(getattr(model, "_preprocess_data", None)) and inner is not None:
-        return inner
-    return model
-
-
-def _guarded_call(handle: LlavaHandle, sig: inspect.Signature, args: tuple, kwargs: dict) -> Any:
-    original, m = handle.original, handle.module
-    try:
-        ba = sig.bind(*args, **kwargs)
-    except TypeError:
-        return original(*args, **kwargs)  # let megatron-core report its own signature error
-    a = ba.arguments
-    if not (m.pre_process or m.post_process) or a.get("use_inference_kv_cache"):
-        handle.take_packed()
-        return original(*args, **kwargs)
-    return handle.call("LLaVA media guard", lambda step, mb: _run(handle, ba, step, mb))
-
-
-def _facts(handle: LlavaHandle, a: dict[str, Any], check_finite: bool, cu, pos) -> LlavaFacts:
-    m = handle.module
-    first = bool(m.pre_process)
-    snd = a.get("sound_embeddings") if first else None
-    return measure(
-        a["input_ids"],
-        image_token_index=int(a["image_token_index"]),
-        sound_token_index=getattr(m, "sound_token_index", None),
-        counts=a.get("num_image_tiles"),
-        img_seq_len=1 if a.get("is_packed_dynamic_res") else int(m.img_seq_len),
-        max_len=int(m._language_max_sequence_length),
-        image_embeddings=a.get("image_embeddings") if first else None,
-        packed_rows=bool(a.get("is_packed_dynamic_res")),
-        sound_embeddings=snd if isinstance(snd, torch.Tensor) and snd.dim() == 3 else None,
-        sound_lengths=a.get("sound_embeddings_len"),
-        sound_padded=sound_padded(m),
-        cu_seqlens=cu,
-        check_finite=check_finite,
-        position_ids=pos if cu is not None and isinstance(pos, torch.Tensor) else None,
-    )
-
-
 def _checks(handle: LlavaHandle, a: dict[str, Any], cu, pos, img_items, snd_items):
     """The facts of one call and what they show: ``(facts, batch_fatal, faults, img_own,
     clip_own)``."""
     m, cfg = handle.module, handle.guard.config
-    facts = _facts(handle, a, cfg.nonfinite != "off", cu, pos)
+    facts = measure(a, m, cu_seqlens=cu, position_ids=pos, check_finite=cfg.nonfinite != "off")
     batch_fatal, img_ok, snd_ok = layout_problems(a, m, facts)
     if (any(facts.entry_bad) and img_ok) or (any(facts.clip_bad) and snd_ok):
         facts = refine_finite(
@@ -242,7 +198,7 @@ def _checks(handle: LlavaHandle, a: dict[str, Any], cu, pos, img_items, snd_item
             a.get("sound_embeddings") if snd_ok else None,
         )
     if not img_ok:
-        facts = facts.without_entry_flags()
+        facts = replace(facts, entry_bad=())  # the images' layout is not known
     faults, img_own = image_faults(facts, img_items, a["input_ids"])
     more, clip_own = sound_faults(facts, snd_items, snd_ok)
     return facts, batch_fatal, faults + more, img_own, clip_own
@@ -253,7 +209,8 @@ def _run(handle: LlavaHandle, ba: inspect.BoundArguments, step, mb) -> Any:
     cfg = guard.config
     img_items, snd_items = split_items(handle.take_items())
     psp, pos = handle.take_packed()
-    cu = packed_cu_seqlens(psp, a["input_ids"])
+    cu = packed_offsets({"packed_seq_params": psp}, a["input_ids"])
+    cu = cu if cu is not None and cu.numel() >= 2 else None
     pos = pos if cu is not None and isinstance(pos, torch.Tensor) else None
     checked = _checks(handle, a, cu, pos, img_items, snd_items)
     gen = None
@@ -328,15 +285,7 @@ def _run(handle: LlavaHandle, ba: inspect.BoundArguments, step, mb) -> Any:
     )
     mode = "as-is" if plan is None else ("restructure" if plan.restructures else "zero")
     result = LlavaResult(
-        step,
-        mb,
-        facts.batch,
-        tuple(actions),
-        tuple(faults),
-        mode,
-        stage,
-        facts.spans,
-        facts.packed,
+        step, mb, facts.batch, tuple(actions), tuple(faults), mode, stage, facts.spans, facts.packed
     )
     handle.record(result)
     if plan is None:
@@ -351,3 +300,89 @@ def _run(handle: LlavaHandle, ba: inspect.BoundArguments, step, mb) -> Any:
         )
     seq_first = getattr(m, "context_parallel_lm", 1) == 1
     return finish_outputs(out, plan, facts, cfg.ignore_index, seq_first, anchor)
+
+
+_CALLER = "megatron_media_guard.adapters.llava"
+
+
+def _summary(facts: LlavaFacts) -> str:
+    out = (
+        f"{facts.total_tokens} image tokens / {facts.num_entries} num_image_tiles "
+        f"entries ({sum(facts.entries)} tiles), img_seq_len {facts.img_seq_len}, "
+        f"language_max_sequence_length {facts.max_len}"
+    )
+    if facts.clip_rows or any(facts.sound):
+        out += (
+            f"; {sum(facts.sound)} sound tokens / {sum(facts.clip_rows)} rows in "
+            f"{facts.num_clips} clips"
+        )
+    return out
+
+
+def _bundle(guard, facts: LlavaFacts, faults, owners, items, ids, step, mb):
+    """The replay bundle's saver, for the faults a replay can re-run: an image token too many
+    or too few in a sample (a collapsed grammar's replay checks the runs per sample). The
+    other checks (tiles, sequence length, NaN/Inf, sound, packed spans) read facts the bundle
+    does not hold: no bundle."""
+    if facts.packed or not any(f.check == "count" and f.modality == "image" for f in faults):
+        return None
+    if items is None:
+        L = facts.img_seq_len
+        items = [
+            MediaItem(t * L, modality="image", sample=None if owners is None else owners[j])
+            for j, t in enumerate(facts.entries)
+        ]
+    return lambda: save_replay(
+        guard, input_ids=ids, items=items, cu_seqlens=None, step=step, microbatch=mb, report=None
+    )
+
+
+def settle(
+    guard,
+    facts: LlavaFacts,
+    owners,
+    faults: Sequence[ItemFault],
+    actions: Sequence[str],
+    *,
+    batch_fatal: Sequence[str],
+    notes: Sequence[str],
+    why_raise: dict[int, str],
+    items: Sequence[MediaItem] | None,
+    records: Sequence[GuardRecord],
+    ids,
+    step,
+    mb,
+):
+    """Records, raise message and plan of this call, agreed with the stage and counted by
+    core's conclusion (:func:`~megatron_media_guard.core.conclude.conclude`)."""
+    sids = {it.sample: it.sample_id for it in reversed(items or ()) if it.sample_id is not None}
+    ctx = FaultContext("llava", lambda smp: facts.spans[smp].row, sids.get, why_raise)
+    plan_digest = digest(
+        facts.tokens,
+        facts.entries,
+        owners,
+        actions,
+        facts.img_seq_len,
+        facts.max_len,
+        [(f.check, f.modality, f.sample, f.item) for f in faults],
+        batch_fatal,
+    )
+    recs = [
+        *fault_records(faults, actions, ctx, step=step, microbatch=mb),
+        *batch_records(batch_fatal, notes, ctx.adapter, step, mb),
+        *records,
+    ]
+    return conclude(
+        guard,
+        Plan(tuple(actions), (), plan_digest),
+        recs,
+        step=step,
+        microbatch=mb,
+        mismatched=len({f.sample for f in faults}),
+        summary=_summary(facts),
+        what="LLaVA _preprocess_data",
+        unit="packed sub-samples" if facts.packed else "samples",
+        caller=_CALLER,
+        bundle=_bundle(guard, facts, faults, owners, items, ids, step, mb),
+        samples=facts.batch,
+    )

@@ -1,19 +1,15 @@
-"""Device-side facts of one LLaVA ``_preprocess_data`` call, moved to the host once.
-
-:func:`measure` reads the token ids, ``num_image_tiles``, the sound lengths and (on the
-first stage) the image and sound embeddings, and reduces them per sample on their own
-device: image / sound / text tokens, the first image whose expansion crosses
-``language_max_sequence_length``, the sound tokens placed past it, per-entry and
-per-clip NaN/Inf counts and, for a packed THD row, each sub-sample's compact columns and
-expansion (:mod:`.packed`). One :func:`~...core.host.to_host` call brings the lot to
-the host; nothing here loops over tokens. Samples are the rows of ``input_ids`` or the
-sub-samples of one packed row.
+"""Device-side facts of one LLaVA ``_preprocess_data`` call, moved to the host once
+(:func:`measure`): per sample (a row, or a sub-sample of one packed row, :mod:`.packed`) its
+image / sound / text tokens, the image whose expansion crosses
+``language_max_sequence_length``, the sound tokens past it; per entry and clip the NaN/Inf
+counts. Nothing here loops over tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from itertools import accumulate
+from typing import Any
 
 import torch
 
@@ -38,7 +34,6 @@ class LlavaFacts:
     """
 
     batch: int
-    rows: int
     row_length: int
     packed: bool
     image_token_index: int
@@ -69,23 +64,9 @@ class LlavaFacts:
     def num_clips(self) -> int:
         return len(self.clip_rows)
 
-    def without_entry_flags(self) -> LlavaFacts:
-        """The facts with no NaN/Inf flags for the images (their layout is not known)."""
-        return replace(self, entry_bad=())
-
     def token_owners(self) -> list[int]:
         """Sample of each image in token order (one per image token)."""
         return [smp for smp, k in enumerate(self.tokens) for _ in range(k)]
-
-
-def _per_sample(values: torch.Tensor, sample_of: torch.Tensor, nbins: int) -> torch.Tensor:
-    out = torch.zeros(nbins, dtype=torch.int64, device=values.device)
-    return out.scatter_add_(0, sample_of.reshape(-1), values.reshape(-1).to(torch.int64))
-
-
-def _per_sample_min(values, sample_of, nbins, init) -> torch.Tensor:
-    out = torch.full((nbins,), init, dtype=torch.int64, device=values.device)
-    return out.scatter_reduce_(0, sample_of.reshape(-1), values.reshape(-1), "amin")
 
 
 def _bad_per_group(bad_units: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
@@ -97,34 +78,41 @@ def _bad_per_group(bad_units: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor
     return cum[ends] - cum[(ends - sizes).clamp(0, cum.numel() - 1)]
 
 
+def sound_padded(model: Any) -> bool:
+    """megatron-core 0.19 takes every row of every clip when the sound model's config sets
+    ``sound_pad_to_clip_duration`` (else ``sound_embeddings_len[c]`` rows of clip c)."""
+    cfg = getattr(getattr(model, "sound_model", None), "config", None)
+    return bool(getattr(cfg, "sound_pad_to_clip_duration", False))
+
+
 def measure(
-    input_ids: torch.Tensor,
+    a: dict[str, Any],
+    model: Any,
     *,
-    image_token_index: int,
-    sound_token_index: int | None,
-    counts: torch.Tensor | None,
-    img_seq_len: int,
-    max_len: int,
-    image_embeddings: torch.Tensor | None,
-    packed_rows: bool,
-    sound_embeddings: torch.Tensor | None,
-    sound_lengths: torch.Tensor | None,
-    sound_padded: bool,
     cu_seqlens: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
     check_finite: bool,
-    position_ids: torch.Tensor | None = None,
     boundaries: Boundaries | None = None,
 ) -> LlavaFacts:
-    """Everything the checks need, in one device-to-host transfer.
+    """Everything the checks need from the bound arguments ``a`` of one ``_preprocess_data``
+    call on ``model``, in one device-to-host transfer.
 
-    image_embeddings: ``[img_seq_len, tiles, h]``, or ``[sum(counts), 1, h]`` with
-    ``packed_rows`` (megatron-core's ``is_packed_dynamic_res``), or None (not read: another
-    stage, or the layout is wrong). sound_embeddings: ``[T, clips, h]`` as
-    ``_preprocess_data`` receives it; sound_lengths: rows per clip (None: every row, as
-    with ``sound_pad_to_clip_duration``). cu_seqlens: sub-sample boundaries of a single
+    The embeddings are read on the first stage only: ``image_embeddings`` ``[img_seq_len,
+    tiles, h]``, or ``[sum(num_image_tiles), 1, h]`` with ``is_packed_dynamic_res``;
+    ``sound_embeddings`` ``[T, clips, h]`` with ``sound_embeddings_len`` rows per clip (every
+    row with ``sound_pad_to_clip_duration``). cu_seqlens: sub-sample boundaries of a single
     packed row, in merged positions (None: the rows are the samples).
     """
-    call = dict(locals())
+    first, packed_rows = bool(model.pre_process), bool(a.get("is_packed_dynamic_res"))
+    input_ids, counts = a["input_ids"], a.get("num_image_tiles")
+    image_token_index = int(a["image_token_index"])
+    sound_token_index = getattr(model, "sound_token_index", None)
+    max_len = int(model._language_max_sequence_length)
+    image_embeddings = a.get("image_embeddings") if first else None
+    sound_embeddings = a.get("sound_embeddings") if first else None
+    if not isinstance(sound_embeddings, torch.Tensor) or sound_embeddings.dim() != 3:
+        sound_embeddings = None
+    sound_lengths = a.get("sound_embeddings_len")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else input_ids
         raise MediaInputError(f"LLaVA input_ids must be [b, s], got {shape}")
@@ -139,7 +127,7 @@ def measure(
         else torch.zeros(0, dtype=i64, device=dev)
     )
     n = cnt.numel()
-    L = int(img_seq_len)
+    L = 1 if packed_rows else int(model.img_seq_len)
     img_idx = (torch.cumsum(ph.reshape(-1), 0) - 1).view(b, s)  # image index, token order
     valid = ph & (img_idx < n)
 
@@ -172,10 +160,12 @@ def measure(
         nb = k + 1  # the last bin collects tokens after the last sub-sample
 
         def count(x: torch.Tensor) -> torch.Tensor:
-            return _per_sample(x, sample_of, nb)[:k]
+            out = torch.zeros(nb, dtype=i64, device=dev)
+            return out.scatter_add_(0, sample_of.reshape(-1), x.reshape(-1).to(i64))[:k]
 
         def first(x: torch.Tensor, init: int) -> torch.Tensor:
-            return _per_sample_min(x, sample_of, nb, init)[:k]
+            out = torch.full((nb,), init, dtype=i64, device=dev)
+            return out.scatter_reduce_(0, sample_of.reshape(-1), x.reshape(-1), "amin")[:k]
 
     else:  # the rows are the samples: plain row reductions
         k = b
@@ -204,9 +194,9 @@ def measure(
         # alarm, settled exactly by :func:`refine_finite` off the aligned path
         unit_ok = torch.isfinite(image_embeddings.sum(dim=dims, dtype=torch.float32))
         parts["entry_bad"] = _bad_per_group(~unit_ok.to(dev), cnt)
-    if sound_embeddings is not None and sound_embeddings.dim() == 3:
+    if sound_embeddings is not None:
         T, c = sound_embeddings.shape[0], sound_embeddings.shape[1]
-        if sound_lengths is not None and not sound_padded:
+        if sound_lengths is not None and not sound_padded(model):
             rows = torch.as_tensor(sound_lengths).to(dev, i64).reshape(-1)
         else:
             rows = torch.full((c,), T, dtype=i64, device=dev)
@@ -225,18 +215,24 @@ def measure(
     if packed:
         spans = host_spans(h, s)
         if isinstance(spans, Boundaries):  # a sub-sample does not fill its span: count again
-            return measure(**{**call, "boundaries": spans})
+            return measure(
+                a,
+                model,
+                cu_seqlens=cu_seqlens,
+                position_ids=position_ids,
+                check_finite=check_finite,
+                boundaries=spans,
+            )
     else:
         spans = tuple(Span(r, 0, s, 0, t) for r, t in enumerate(h["totals"]))
     return LlavaFacts(
         batch=k,
-        rows=b,
         row_length=s,
         packed=packed,
         image_token_index=int(image_token_index),
         sound_token_index=None if sound_token_index is None else int(sound_token_index),
         img_seq_len=L,
-        max_len=int(max_len),
+        max_len=max_len,
         tokens=h["tokens"],
         sound=h["sound"],
         text=h["text"],

@@ -2,20 +2,16 @@
 call's samples as core's :class:`~...core.runs.TokenLayout` (rows, or packed sub-samples by
 their compact or merged boundaries), on which the drop rewrites and masks.
 
-The collate concatenates a micro-batch's compact rows into one ``[1, total]`` row; the
-model's ``forward`` gets ``packed_seq_params`` whose ``cu_seqlens_q(_padded)`` are the
-sub-samples' boundaries *after* megatron-core's image expansion, and ``position_ids`` that
-restart at 0 at each sub-sample's first compact token (the padding gap continues them).
-``_preprocess_data`` sees neither: the adapter's forward pre-hook captures both.
+The collate concatenates compact rows into one ``[1, total]`` row; ``forward`` gets
+``packed_seq_params`` whose ``cu_seqlens_q(_padded)`` are the boundaries *after* the image
+expansion, and ``position_ids`` that restart at 0 at each sub-sample (captured by the
+adapter's forward pre-hook: ``_preprocess_data`` sees neither).
 
-Compact boundaries come from the position resets when there is one per sub-sample (exact:
-a sub-sample whose expansion does not fill its ``cu_seqlens`` span is named), else from
-the expansion itself: the token that starts exactly at ``cu_seqlens[i]``, looked for from
-the row's start (entries in token order) and from its end (entries from the last image
-backwards). A boundary both walks find at the same token is confirmed; sub-samples between
-confirmed boundaries with unconfirmed ones inside are unmatched together (text tokens
-expand to one position each, so a misplaced boundary usually lands somewhere: only the two
-walks agreeing shows it is right).
+Compact boundaries come from the position resets when there is one per sub-sample, else from
+the expansion: the token that starts exactly at ``cu_seqlens[i]``, looked for from the row's
+start (entries in token order) and from its end (entries from the last image back). Only a
+boundary both walks find at the same token is confirmed; sub-samples between confirmed ones
+with unconfirmed ones inside are unmatched together.
 """
 
 from __future__ import annotations
