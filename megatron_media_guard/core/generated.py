@@ -64,50 +64,6 @@ class Generated:
         }
 
 
-def under_loss(
-    labels: torch.Tensor | None, loss_mask: torch.Tensor | None, ignore_index: int
-) -> torch.Tensor | None:
-    """``[b, s]`` bool: the positions the loss trains on, by every signal given (labels not
-    ``ignore_index`` and loss mask nonzero); None when neither is given. Both must agree
-    where both are given: Megatron's labels are never ``ignore_index`` (its loss mask masks),
-    and a loss mask of ones next to Hugging Face labels leaves the labels in charge."""
-    out = None
-    if labels is not None:
-        out = labels != ignore_index
-    if loss_mask is not None:
-        lm = loss_mask != 0
-        out = lm if out is None else out & lm.to(out.device)
-    return out
-
-
-def generated_mask(
-    lay: TokenLayout,
-    labels: torch.Tensor | None,
-    loss_mask: torch.Tensor | None,
-    ignore_index: int,
-) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """``([b, s] bool, untrained)``: placeholders (not breaks) under the loss and, for a
-    grammar with start and end markers, outside every region; ``untrained`` (grammars without
-    both markers, else None) a device scalar: the placeholders the loss does not train on
-    (0: the loss tells nothing apart). None without labels or a loss mask. Off the aligned
-    path only (the region test is the full parse's, whose ``nonzero`` syncs)."""
-    check_masks(loss_mask, labels, lay.batch, lay.row_length, None)
-    loss = under_loss(labels, loss_mask, ignore_index)
-    if loss is None:
-        return None
-    loss = loss.to(lay.device)
-    ph = lay.ph
-    if lay.packed:
-        ph = ph & (lay.sample < lay.num_samples)  # padding placeholders are never merged
-    gen = ph & loss
-    g = lay.grammar
-    if g.start_id is not None and g.end_id is not None:
-        start, end = lay.run_bounds()
-        gen = gen & (lay.finding_codes(start, end) == int(FindingKind.OUTSIDE_REGION))
-        return gen, None
-    return gen, (ph & ~loss).sum()
-
-
 def find_generated(
     lay: TokenLayout,
     labels: torch.Tensor | None,
@@ -115,11 +71,31 @@ def find_generated(
     ignore_index: int,
 ) -> Generated | None:
     """The generated placeholders of ``lay`` (None: none, or no labels / loss mask). One
-    transfer, sized by the number found."""
-    found = generated_mask(lay, labels, loss_mask, ignore_index)
-    if found is None:
+    transfer, sized by the number found. Off the aligned path only (the region test is the
+    full parse's, whose ``nonzero`` syncs).
+
+    The loss trains on a position by every signal given: labels not ``ignore_index`` and loss
+    mask nonzero (Megatron's labels are never ``ignore_index``, its loss mask masks; a loss
+    mask of ones next to Hugging Face labels leaves the labels in charge)."""
+    check_masks(loss_mask, labels, lay.batch, lay.row_length, None)
+    if labels is None and loss_mask is None:
         return None
-    mask, untrained = found
+    loss = labels != ignore_index if labels is not None else None
+    if loss_mask is not None:
+        lm = loss_mask != 0
+        loss = lm if loss is None else loss & lm.to(loss.device)
+    loss = loss.to(lay.device)
+    ph = lay.ph
+    if lay.packed:
+        ph = ph & (lay.sample < lay.num_samples)  # padding placeholders are never merged
+    mask = ph & loss
+    g = lay.grammar
+    if g.start_id is not None and g.end_id is not None:  # outside every region
+        start, end = lay.run_bounds()
+        mask = mask & (lay.finding_codes(start, end) == int(FindingKind.OUTSIDE_REGION))
+        untrained = None
+    else:  # no regions: the placeholders the loss does not train on (0: it tells none apart)
+        untrained = (ph & ~loss).sum()
     pos = torch.nonzero(mask)
     smp = lay.sample[pos[:, 0], pos[:, 1]]
     table = torch.cat([pos, smp[:, None]], 1)

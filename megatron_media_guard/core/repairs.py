@@ -45,47 +45,6 @@ class RepairOutcome:
     records: tuple[GuardRecord, ...]
 
 
-def repair_record(
-    *,
-    step: int | None,
-    microbatch: int | None,
-    sample: int,
-    item_index: int,
-    item: MediaItem,
-    target: int,
-    got: int,
-    facts: dict,
-    ok: bool,
-    fallback: str,
-    duration_ms: float,
-    first_mismatch: int | None = None,
-    grid: tuple[int, ...] | None = None,
-    extra: dict | None = None,
-) -> GuardRecord:
-    """The ``repair`` record of one attempt (the core's per item, Qwen-VL's per grid row)."""
-    size = facts.get("size_hw")
-    return GuardRecord(
-        event="repair",
-        step=step,
-        microbatch=microbatch,
-        sample=sample,
-        sample_id=item.sample_id,
-        item=item_index,
-        modality=item.modality,
-        expected=(target,),
-        got=(got,),
-        first_mismatch=first_mismatch,
-        num_frames=item.num_frames,
-        frame_hw=item.frame_hw,
-        grid=grid,
-        action="repair" if ok else f"fallback:{fallback}",
-        fidelity=facts.get("fidelity"),
-        reason=facts.get("reason"),
-        duration_ms=duration_ms,
-        extra={"size_hw": list(size) if size else None, **(extra or {})},
-    )
-
-
 def media_hw(item: MediaItem) -> tuple[tuple[int, int] | None, HwKind]:
     """The size a repair solves from, and what it is: the original media's (``source_hw``,
     "source": the engine sized that), else a frame the training processor already resized
@@ -206,21 +165,27 @@ def run_repairs(
             done[r.item] = feats
         else:
             failed.setdefault(r.sample, f"item {r.item}: {facts.get('reason')}")
+        size, grid = facts.get("size_hw"), facts.get("grid")
         records.append(
-            repair_record(
+            GuardRecord(
+                event="repair",
                 step=step,
                 microbatch=microbatch,
                 sample=r.sample,
-                item_index=r.item,
-                item=item,
-                target=r.target,
-                got=item.num_features,
-                facts=facts,
-                ok=ok,
-                fallback=ctx.config.fallback,
-                duration_ms=(time.perf_counter() - t0) * 1e3,
+                sample_id=item.sample_id,
+                item=r.item,
+                modality=item.modality,
+                expected=(r.target,),
+                got=(item.num_features,),
                 first_mismatch=r.run,
-                grid=tuple(facts["grid"]) if facts.get("grid") else None,
+                num_frames=item.num_frames,
+                frame_hw=item.frame_hw,
+                grid=tuple(grid) if grid else None,
+                action="repair" if ok else f"fallback:{ctx.config.fallback}",
+                fidelity=facts.get("fidelity"),
+                reason=facts.get("reason"),
+                duration_ms=(time.perf_counter() - t0) * 1e3,
+                extra={"size_hw": list(size) if size else None},
             )
         )
     actions = [ctx.config.fallback if s in failed else a for s, a in enumerate(plan.actions)]
