@@ -303,7 +303,7 @@ def test_modules_stay_small(path):
 
 
 #: the only modules that write a guard's counters: the guard, and the end of every fault path
-COUNTER_WRITERS = ("core/guard.py", "core/conclude.py")
+COUNTER_WRITERS = ("core/guard.py", "core/fault_path.py")
 
 
 def _counter_writes(source: str) -> list[int]:

@@ -4,7 +4,7 @@ side's media items) → ``validate`` (input contracts) → ``verify`` (the align
 on the device) → ``alignment`` (the per-sample report when something is off) → ``plan``
 (keep / repair / drop / raise per sample) → ``apply`` (scatter, drop masks, zero-weight
 anchor) → ``explain`` (messages and records; ``faults``: those of an adapter's own checks,
-LLaVA's collapsed tokens) → ``conclude`` (the end of every fault path) → ``guard``
+LLaVA's collapsed tokens) → ``fault_path`` (``conclude``: the end of every one) → ``guard``
 (``MediaGuard``, which runs it all).
 ``host.to_host`` is the one device-to-host transfer.
 

@@ -1,25 +1,32 @@
 """The fault path of :class:`~.guard.MediaGuard`: what runs only when the aligned-path
 verdict says something is off (full parse, per-sample report, plan, repairs, records,
-replay bundle, consensus, merge of the kept samples)."""
+replay bundle, consensus, merge of the kept samples), and :func:`conclude`, the one end of
+every fault path, whoever planned it (the guard's parse, an adapter's own checks: LLaVA's
+collapsed tokens)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
 import torch
 
 from ..config import GuardConfig
-from ..diagnostics import GuardRecord, RankInfo, get_logger
+from ..diagnostics import DiagnosticsLog, GuardRecord, RankInfo, get_logger
 from .alignment import AlignmentReport, align
 from .apply import nonfinite_items, scatter_kept
 from .call import Call
-from .conclude import Concluding, conclude
-from .explain import batch_summary, check_records, nonfinite_record, plan_records
+from .explain import (
+    alignment_message,
+    batch_summary,
+    check_records,
+    nonfinite_record,
+    plan_records,
+)
 from .generated import Generated, as_text, find_generated, generated_record, text_records
 from .grammar import Grammar
-from .outcome import MergeResult, StageOutcome
+from .outcome import LocalOutcome, MergeResult, StageOutcome
 from .plan import Action, Plan, build_plan, digest, worst
 from .providers import bundle_writer
 from .repairs import RepairContext, run_repairs
@@ -27,17 +34,21 @@ from .runs import parse_layout
 from .verify import Verdict
 
 
-class Diagnosing(Concluding, Protocol):
+class Diagnosing(Protocol):
     """What the fault path reads and calls of the guard that passes itself in
     (:class:`~.guard.MediaGuard`, which imports this module: the guard is described here, not
-    imported)."""
+    imported). ``counters`` are the guard's, counted by :func:`conclude`."""
 
+    log: DiagnosticsLog
+    counters: dict[str, int]
     config: GuardConfig
     grammar: Grammar
     geometry: object | None
 
     @property
     def rank(self) -> RankInfo: ...
+    def where(self, step: int | None, microbatch: int | None) -> str: ...
+    def settle(self, local: LocalOutcome) -> StageOutcome: ...
     def result(
         self,
         c: Call,
@@ -116,8 +127,21 @@ def diagnose(
         summary=batch_summary(report),
         fatal=bool(report.orphans) and guard.config.policy == "raise",
         caller=CALLER,
-        bundle=lambda: dump_bundle(guard, c, report),  # after the records: a full disk
-    )  # must not cost them
+        bundle=lambda: (
+            None
+            if report.ok
+            else save_replay(  # after the records: a full disk
+                guard,  # must not cost them
+                input_ids=c.input_ids,
+                items=batch.items,
+                cu_seqlens=c.cu_seqlens,
+                step=c.step,
+                microbatch=c.microbatch,
+                report=report,
+                features=batch.features if guard.config.dump_features else None,
+            )
+        ),
+    )
     keep = torch.tensor([a in ("keep", "repair") for a in plan.actions], device=c.input_ids.device)
     if c.emb is None:
         return guard.result(c, None, plan, report, verdict, stage, keep)
@@ -126,6 +150,68 @@ def diagnose(
     ]
     out = scatter_kept(c.emb, c.lay, batch, kept_items, replaced, keep)
     return guard.result(c, out, plan, report, verdict, stage, keep)
+
+
+def conclude(
+    guard: Diagnosing,
+    plan: Plan,
+    records: Sequence[GuardRecord],
+    *,
+    step: int | None,
+    microbatch: int | None,
+    mismatched: int,
+    summary: str,
+    what: str | None = None,
+    unit: str = "samples",
+    fatal: bool = False,
+    caller: str | None = None,
+    bundle: Callable[[], object | None] | None = None,
+    digest: int | None = None,
+    samples: int | None = None,
+) -> StageOutcome:
+    """Writes ``records`` (one per dropped / raised sample, the call's checks), saves the
+    replay bundle (``bundle()`` returns its path, or None), agrees the planned call with the
+    stage and counts it; raises on every rank of the stage when any rank must, naming the
+    culprit rank, step and sample (the first ``raise`` record is the one the peers fetch).
+
+    The call is fatal when the plan raises a sample, a record raises (a batch-level problem)
+    or ``fatal`` (e.g. items no run claims under ``policy="raise"``). ``summary`` / ``what`` /
+    ``unit``: the message's batch totals, what was guarded, and what its samples are;
+    ``digest``: the caller's plan digest (default: the plan's own). ``samples``: the call's
+    samples, counted here as one merge where no merge counted the call (an adapter's own
+    checks)."""
+    written = [guard.log.emit(rec, caller=caller) for rec in records]
+    first = next((w for w in written if w.get("event") == "raise"), None)
+    path = bundle() if bundle is not None else None
+    message = None
+    if plan.fatal or first is not None or fatal:
+        # a call fatal for no sample's sake (items no run claims): its check records say why
+        shown = (
+            written
+            if first is not None
+            else [{**w, "event": "raise"} if w.get("event") == "check" else w for w in written]
+        )
+        message = alignment_message(
+            guard.where(step, microbatch),
+            shown,
+            total=len(plan.actions),
+            summary=summary,
+            what=what,
+            unit=unit,
+            log_path=guard.log.describe_path(),
+            bundle=path,
+        )
+    local = LocalOutcome.of_plan(
+        plan, step, microbatch, mismatched=mismatched, message=message, record=first, digest=digest
+    )
+    stage = guard.settle(local)
+    if samples is not None:
+        guard.counters["merges"] += 1
+        guard.counters["samples"] += samples
+    guard.counters["mismatched"] += mismatched
+    guard.counters["dropped"] += len(plan.dropped)
+    guard.counters["repaired"] += len(plan.repairs)
+    return stage
 
 
 def fail_call(plan: Plan, found: Sequence[str], config: GuardConfig) -> Plan:
@@ -205,23 +291,6 @@ def call_records(
         kept = {s for s, a in enumerate(plan.actions) if a in ("keep", "repair")}
         out += text_records(gen, step, mb, guard.grammar.neutral_text_id(), kept)
     return out
-
-
-def dump_bundle(guard: Diagnosing, c: Call, report: AlignmentReport):
-    """Saves a replay bundle of a mismatched micro-batch when ``config.dump_dir`` is set."""
-    if report.ok:
-        return None
-    cfg = guard.config
-    return save_replay(
-        guard,
-        input_ids=c.input_ids,
-        items=c.batch.items,
-        cu_seqlens=c.cu_seqlens,
-        step=c.step,
-        microbatch=c.microbatch,
-        report=report,
-        features=c.batch.features if cfg.dump_features else None,
-    )
 
 
 def save_replay(

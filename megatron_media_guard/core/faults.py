@@ -5,7 +5,7 @@ built from them, as every fault path's is).
 
 The adapter says what it found (:class:`ItemFault`, frozen data); the wording of the records
 and of the message, the consensus round and the counters are core's
-(:func:`~.conclude.conclude`), as for every other fault path.
+(:func:`~.fault_path.conclude`), as for every other fault path.
 """
 
 from __future__ import annotations

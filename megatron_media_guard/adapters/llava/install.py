@@ -27,8 +27,7 @@ from typing import Any
 import torch
 
 from ...config import GuardConfig
-from ...core.conclude import conclude
-from ...core.fault_path import save_replay
+from ...core.fault_path import conclude, save_replay
 from ...core.faults import FaultContext, ItemFault, batch_records, fault_records
 from ...core.generated import as_text, text_records
 from ...core.guard import MediaGuard
@@ -354,7 +353,7 @@ def settle(
     mb,
 ):
     """Records, raise message and plan of this call, agreed with the stage and counted by
-    core's conclusion (:func:`~megatron_media_guard.core.conclude.conclude`)."""
+    core's conclusion (:func:`~megatron_media_guard.core.fault_path.conclude`)."""
     sids = {it.sample: it.sample_id for it in reversed(items or ()) if it.sample_id is not None}
     ctx = FaultContext("llava", lambda smp: facts.spans[smp].row, sids.get, why_raise)
     plan_digest = digest(
