@@ -91,10 +91,6 @@ class AlignmentReport:
         return tuple(s for s in self.samples if not s.ok)
 
 
-def _key(length: int, modality: str) -> tuple[int, str]:
-    return length, modality
-
-
 def _forced(small: Sequence[tuple], big: Sequence[tuple]) -> list[int] | None:
     """For each element of ``small``, the index in ``big`` it takes in *every* order-keeping
     matching of equal keys, or -1 where more than one index fits; None when no matching
@@ -131,8 +127,8 @@ def _assign_implicit(
     mismatch), never fed a guessed item. Items without features own no run.
     """
     real = [i for i, it in enumerate(items) if it.num_features > 0]
-    rk = [_key(0 if collapsed else r.length, r.modality) for r in runs]
-    ik = [_key(0 if collapsed else items[i].num_features, items[i].modality) for i in real]
+    rk = [(0 if collapsed else r.length, r.modality) for r in runs]
+    ik = [(0 if collapsed else items[i].num_features, items[i].modality) for i in real]
     owner: list[int | None] = [None] * len(items)
     if len(rk) == len(ik):
         for k, i in enumerate(real):

@@ -68,8 +68,11 @@ def nonfinite_record(
     """The record of a sample whose tokens align but whose features hold NaN/Inf:
     ``reason`` starts with ``nonfinite``, ``item`` is the first such item."""
     rec = sample_record(rep, items, event, event, step=step, microbatch=microbatch)
+    which = ", ".join(map(str, bad_items[:8])) + (" ..." if len(bad_items) > 8 else "")
+    noun = "item" if len(bad_items) == 1 else "items"
+    reason = f"nonfinite: NaN/Inf in the features of {noun} {which}"
     if not bad_items:
-        return replace(rec, reason=nonfinite_reason(bad_items), extra={"status": "nonfinite"})
+        return replace(rec, reason=reason, extra={"status": "nonfinite"})
     item = items[bad_items[0]]
     return replace(
         rec,
@@ -78,15 +81,9 @@ def nonfinite_record(
         num_frames=item.num_frames,
         frame_hw=item.frame_hw,
         first_mismatch=None,
-        reason=nonfinite_reason(bad_items),
+        reason=reason,
         extra={"status": "nonfinite", "items": list(bad_items[:16])},
     )
-
-
-def nonfinite_reason(bad_items: Sequence[int]) -> str:
-    which = ", ".join(map(str, bad_items[:8])) + (" ..." if len(bad_items) > 8 else "")
-    noun = "item" if len(bad_items) == 1 else "items"
-    return f"nonfinite: NaN/Inf in the features of {noun} {which}"
 
 
 def alignment_message(

@@ -149,35 +149,30 @@ def build_plan(
     """
     actions: list[Action] = ["keep"] * num_samples
     repairs: list[ItemRepair] = []
+    reasons: dict[int, str] = {}
     if report is not None:
         for rep in report.mismatched:
             repairable = rep.status in REPAIRABLE and rep.run_modalities == rep.item_modalities
-            actions[rep.sample] = _action_for(repairable, config)
-            if actions[rep.sample] == "repair":
-                repairs.extend(
-                    ItemRepair(item=rep.items[k], sample=rep.sample, target=exp, run=k)
-                    for k, (exp, got) in enumerate(zip(rep.expected, rep.got))
-                    if exp != got
-                )
-    reasons: dict[int, str] = {}
-    if report is not None and config.policy == "repair":
-        # items exchanged between samples are never resized to each other's runs
-        reasons = suspected_swaps(report, REPAIRABLE)
-        for smp in reasons:
-            actions[smp] = config.fallback
-        repairs = [r for r in repairs if r.sample not in reasons]
+            act = config.fallback if config.policy == "repair" else config.policy
+            actions[rep.sample] = "repair" if config.policy == "repair" and repairable else act
+            repairs += [
+                ItemRepair(item=rep.items[k], sample=rep.sample, target=exp, run=k)
+                for k, (exp, got) in enumerate(zip(rep.expected, rep.got))
+                if exp != got
+            ]
+        if config.policy == "repair":
+            # items exchanged between samples are never resized to each other's runs
+            reasons = suspected_swaps(report, REPAIRABLE)
+            for smp in reasons:
+                actions[smp] = config.fallback
     if generated is not None and config.generated != "text":
         gen_act: Action = config.generated  # type: ignore[assignment]
         for smp, why in generated.reasons(gen_act).items():
-            if actions[smp] != "raise":
-                actions[smp] = gen_act
+            actions[smp] = worst(actions[smp], gen_act)
             reasons[smp] = "; ".join(filter(None, (why, reasons.get(smp))))
-        repairs = [r for r in repairs if actions[r.sample] == "repair"]
-    for smp in sorted(nonfinite_samples):
-        act: Action = "raise" if config.nonfinite == "raise" else "drop"
-        if actions[smp] != "raise":
-            actions[smp] = act
-            repairs = [r for r in repairs if r.sample != smp]
+    for smp in nonfinite_samples:
+        actions[smp] = worst(actions[smp], "raise" if config.nonfinite == "raise" else "drop")
+    repairs = [r for r in repairs if actions[r.sample] == "repair"]
     knobs = [config.policy, config.fallback, config.nonfinite, list(config.allowed_fidelity)]
     plan_digest = plan_digest_of(
         verdict.fingerprint,
@@ -191,9 +186,3 @@ def build_plan(
     if gen:
         plan_digest = digest(plan_digest, config.generated, gen)
     return Plan(tuple(actions), tuple(repairs), plan_digest, tuple(reasons.items()), gen)
-
-
-def _action_for(repairable: bool, config: GuardConfig) -> Action:
-    if config.policy == "repair":
-        return "repair" if repairable else config.fallback
-    return config.policy

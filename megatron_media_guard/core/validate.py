@@ -37,9 +37,7 @@ def check_inputs(
             f"embeddings must be [b, s, h] (or [s, b, h] with seq_first=True), got {_shape(embeddings)}"
         )
     emb = embeddings.transpose(0, 1) if seq_first else embeddings
-    b, s = lay.batch, lay.row_length
-    if b == 0 or s == 0:
-        raise MediaInputError(f"empty batch: input_ids has shape {_shape(input_ids)}")
+    b, s = lay.batch, lay.row_length  # not empty: the layout refused an empty batch
     if emb.shape[:2] != (b, s):
         layout = "[s, b, h]" if seq_first else "[b, s, h]"
         raise MediaInputError(
