@@ -163,20 +163,10 @@ def align(
         orphans: list[int] = []
     else:
         owner, orphans = _assign_implicit(parsed.runs, items, parsed.collapsed)
-    runs_of: dict[int, list[Run]] = {}
-    for r in parsed.runs:
-        runs_of.setdefault(r.sample, []).append(r)
-    items_of: dict[int, list[int]] = {}
-    for i, smp in enumerate(owner):
-        if smp is not None:
-            items_of.setdefault(smp, []).append(i)
-    finds_of: dict[int, list[Finding]] = {}
-    stray: list[Finding] = []
-    for f in parsed.findings:
-        if f.sample is None:
-            stray.append(f)
-        else:
-            finds_of.setdefault(f.sample, []).append(f)
+    runs_of = _by_sample((r.sample, r) for r in parsed.runs)
+    items_of = _by_sample((smp, i) for i, smp in enumerate(owner))  # None: unclaimed
+    finds_of = _by_sample((f.sample, f) for f in parsed.findings)
+    stray = finds_of.pop(None, [])  # findings outside any sample (packed padding)
     reports = tuple(
         _sample_report(
             smp,
@@ -197,6 +187,14 @@ def align(
         total_placeholders=sum(r.length for r in parsed.runs),
         total_features=sum(it.num_features for it in items),
     )
+
+
+def _by_sample(pairs) -> dict:
+    """``sample -> [values]`` from ``(sample, value)`` pairs, in their order."""
+    out: dict = {}
+    for smp, v in pairs:
+        out.setdefault(smp, []).append(v)
+    return out
 
 
 def _sample_report(

@@ -127,9 +127,7 @@ def normalize(
             )
         if items is None:
             raise MediaInputError("items are required when features come as one packed tensor")
-        items = tuple(items)
-        offsets = (0, *accumulate([it.num_features for it in items]))
-        total = offsets[-1]
+        total = sum(it.num_features for it in items)
         if total != features.shape[0]:
             raise MediaInputError(
                 f"items declare {total} feature rows in all, features tensor has "
@@ -141,7 +139,6 @@ def normalize(
         parts = list(features)
         if items is None:
             items = tuple(MediaItem(int(p.shape[0]) if p.dim() == 2 else 0) for p in parts)
-        items = tuple(items)
         if len(parts) != len(items):
             raise MediaInputError(f"{len(parts)} feature tensors for {len(items)} items")
         for i, (p, it) in enumerate(zip(parts, items)):
@@ -161,7 +158,7 @@ def normalize(
             packed = torch.cat(parts) if len(parts) > 1 else parts[0]
         else:
             packed = torch.empty(0, 0)
-        offsets = (0, *accumulate([it.num_features for it in items]))
+    offsets = (0, *accumulate([it.num_features for it in items]))
     samples = [it.sample for it in items]
     given = len(samples) - samples.count(None)
     explicit = given > 0

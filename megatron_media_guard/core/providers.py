@@ -1,22 +1,13 @@
-"""What the core calls but does not own, handed in from above. The core never imports the
-owners (not even inside a function: tests/test_layout.py); each registers here when its
-module is imported:
+"""What the core calls but does not own, handed in from above (the core never imports the
+owners, not even inside a function: tests/test_layout.py); each registers when imported:
+``ranks/defaults.py`` the rank coordinates and default consensus (:func:`provide_process`),
+``replay/bundle_save.py`` the replay-bundle writer (:func:`provide_bundle_writer`).
 
-- :func:`process_rank` / :func:`default_consensus`: this process's rank coordinates and the
-  consensus a guard built without ``consensus=`` gets. They read torch.distributed and
-  megatron-core's ``parallel_state``, which only ``ranks/`` and ``adapters/`` import;
-  ``ranks/defaults.py`` registers them (:func:`provide_process`).
-- :func:`bundle_writer`: the replay-bundle writer; ``replay/bundle_save.py`` registers
-  ``save_bundle`` (:func:`provide_bundle_writer`).
-
-Who imports those two modules, so that every guard finds them: the package ``__init__``
-when it resolves a torch-side public name (``megatron_media_guard.MediaGuard``,
-``install_vlm``, ``check_batch``, ...), ``adapters/__init__.py`` (every adapter), the smoke
-worker, and any import of ``ranks/`` (its ``__init__`` imports ``defaults``). A guard whose
-module was imported alone (``megatron_media_guard.core.guard``, nothing above it) is
-single-process: its rank from ``RANK``, no consensus (a warning when ``WORLD_SIZE`` says the
-job has more than one process), no bundle (one error line when ``dump_dir`` asks for one).
-Both are looked up when used, not when a guard is built: importing them later still counts.
+The package ``__init__`` (a torch-side public name), ``adapters/__init__.py``, the smoke worker
+and any import of ``ranks/`` import both. A guard whose module was imported alone is
+single-process: its rank from ``RANK``, no consensus (a warning when ``WORLD_SIZE`` > 1), no
+bundle (one error line when ``dump_dir`` asks for one). Both are looked up when used, so
+importing them later still counts.
 """
 
 from __future__ import annotations
