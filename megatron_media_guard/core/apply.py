@@ -115,8 +115,7 @@ def scatter_kept(
         out = emb.clone()
     unused = (set(range(len(batch.items))) - set(kept_items)) | set(replaced)
     if unused:
-        # keep the vision tower in the autograd graph (DDP/FSDP hooks fire as usual):
-        # add -0.0, the exact additive identity for every float including -0.0 itself.
+        # the vision tower stays in the autograd graph, no bit changes (see zero_anchor)
         out[0, 0, 0] = out[0, 0, 0] + zero_anchor(f).to(out.dtype)
     return out
 

@@ -96,7 +96,6 @@ def alignment_message(
     unit: str = "samples",
     log_path: str | None = None,
     bundle: object | None = None,
-    checks: bool = False,
 ) -> str:
     """The raise message of a call, from the records it wrote: where (rank, step, microbatch),
     what was guarded and how many of its ``total`` ``unit`` raise, then one line per ``raise``
@@ -105,13 +104,10 @@ def alignment_message(
     first line says it), the batch's ``summary``, the per-rank log and the replay bundle.
 
     Never raises: should building the text fail on some field, a shorter message that still
-    names the where and the failure takes its place (the alignment error must come out).
-    ``checks``: the ``check`` records are listed too (a call fatal for no sample's sake:
-    items no placeholder run claims, under ``policy="raise"``)."""
+    names the where and the failure takes its place (the alignment error must come out)."""
     try:
         recs = [r if isinstance(r, Mapping) else _as_dict(r) for r in records]
-        fatal = ("raise", "check") if checks else ("raise",)
-        raised = [r for r in recs if r.get("event") in fatal]
+        raised = [r for r in recs if r.get("event") == "raise"]
         samples = len({r.get("sample") for r in raised if r.get("sample") is not None})
         batch = sum(1 for r in raised if r.get("sample") is None)
         head = f"Media alignment failed ({where}): " + (f"{what}, " if what else "")
@@ -179,19 +175,12 @@ def check_records(
 ) -> list[GuardRecord]:
     """``check`` records of what no sample's decision covers: items tied to no placeholder run
     (``orphans``, formatted with their indices) and placeholders in a packed row's padding."""
-    out = []
-    if report.orphans:
-        why = orphans.format(list(report.orphans)[:16])
-        out.append(
-            GuardRecord(
-                event="check", step=step, microbatch=microbatch, action="unused", reason=why
-            )
-        )
-    if report.stray_findings:
-        why = "; ".join(f.describe() for f in report.stray_findings[:4])
-        out.append(
-            GuardRecord(
-                event="check", step=step, microbatch=microbatch, action="ignored", reason=why
-            )
-        )
-    return out
+    found = [
+        ("unused", orphans.format(list(report.orphans)[:16]) if report.orphans else ""),
+        ("ignored", "; ".join(f.describe() for f in report.stray_findings[:4])),
+    ]
+    return [
+        GuardRecord(event="check", step=step, microbatch=microbatch, action=act, reason=why)
+        for act, why in found
+        if why
+    ]

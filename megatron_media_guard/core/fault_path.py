@@ -238,25 +238,23 @@ def call_records(
     c: Call,
     report: AlignmentReport,
     plan: Plan,
-    nonfinite: dict[int, list[int]] | None = None,
-    gen: Generated | None = None,
-    failed: dict[int, str] | None = None,
+    nonfinite: dict[int, list[int]],
+    gen: Generated | None,
+    failed: dict[int, str],
 ) -> list[GuardRecord]:
     """The records of a planned call: one per dropped or fatal sample (``failed``: why its
     repair failed, first in its reason), one for unused items, and one per sample whose
     generated placeholders were fed as text. ``nonfinite``: sample -> its items whose
     features hold NaN/Inf. ``gen``: the generated placeholders found."""
-    nonfinite, failed = nonfinite or {}, failed or {}
     items, step, mb = c.batch.items, c.step, c.microbatch
-
     reasons = dict(plan.reasons)
 
     def aligned(smp: int, act: str) -> GuardRecord:  # aligned tokens: generated, NaN/Inf
         bad = nonfinite.get(smp, [])
         rep = report.samples[smp]
         why = reasons.get(smp)
-        if gen is not None and gen.of(smp) is not None and not bad:
-            rec = generated_record(gen, smp, act, step, mb)
+        if gen is not None and gen.of(smp) is not None and not bad:  # named as its other records
+            rec = replace(generated_record(gen, smp, act, step, mb), sample_id=rep.sample_id)
         elif bad or not why:
             rec = nonfinite_record(rep, items, bad, act, step=step, microbatch=mb)
         else:  # aligned, given the policy for the whole call's sake (fail_call): no item
@@ -271,11 +269,6 @@ def call_records(
                 reason=why,
                 extra={"status": "call"},
             )
-        rec = replace(  # the sample's id and row, as its other records name them
-            rec,
-            sample_id=rec.sample_id if rec.sample_id is not None else rep.sample_id,
-            row=rec.row if rec.row is not None else rep.row,
-        )
         if why and why not in (rec.reason or ""):
             rec = replace(rec, reason=f"{why}; {rec.reason}" if rec.reason else why)
         return rec

@@ -1,12 +1,8 @@
 """Item faults: what an adapter's own checks find where the run alignment cannot read the
-tokens (megatron-core LLaVA's collapsed ``<image>`` tokens, one per image and expanded by the
-model; its sound tokens, one per embedding row), and their records (the raise message is
-built from them, as every fault path's is).
-
-The adapter says what it found (:class:`ItemFault`, frozen data); the wording of the records
-and of the message, the consensus round and the counters are core's
-(:func:`~.fault_path.conclude`), as for every other fault path.
-"""
+tokens (megatron-core LLaVA's collapsed ``<image>`` tokens, expanded by the model; its sound
+tokens), and their records. The adapter says what it found (:class:`ItemFault`); the message,
+the consensus round and the counters are :func:`~.fault_path.conclude`'s, as for every fault
+path."""
 
 from __future__ import annotations
 
@@ -106,7 +102,8 @@ def batch_records(
             reason=text,
             extra={"adapter": adapter, "check": text.split(":")[0]},
         )
-        for text, bad in [(t, True) for t in fatal] + [(t, False) for t in notes]
+        for texts, bad in ((fatal, True), (notes, False))
+        for text in texts
     ]
 
 

@@ -6,8 +6,9 @@ on (labels != ``ignore_index`` and loss mask nonzero, where given) and outside e
 start/end region was generated, not expanded from media. Grammars without both markers
 (collapsed LLaVA, bare runs, end-only Pixtral) have no regions: being under the loss alone
 marks it, provided the loss does not train on every placeholder of the batch (a loss mask
-of ones tells media from generated tokens apart nowhere: then nothing is found). Such a token is always a finding of the aligned-path check (outside a region, or a
-run no item owns), so nothing here runs on the aligned path.
+of ones tells nothing apart: then nothing is found). Such a token is always a finding of the
+aligned-path check (outside a region, or a run no item owns), so nothing here runs on the
+aligned path.
 
 ``GuardConfig.generated`` decides: ``"text"`` feeds those positions as text (the ids the
 parse sees get a text id; the merge scatters nothing there; labels untouched), ``"drop"``
@@ -72,11 +73,9 @@ def find_generated(
 ) -> Generated | None:
     """The generated placeholders of ``lay`` (None: none, or no labels / loss mask). One
     transfer, sized by the number found. Off the aligned path only (the region test is the
-    full parse's, whose ``nonzero`` syncs).
-
-    The loss trains on a position by every signal given: labels not ``ignore_index`` and loss
-    mask nonzero (Megatron's labels are never ``ignore_index``, its loss mask masks; a loss
-    mask of ones next to Hugging Face labels leaves the labels in charge)."""
+    full parse's, whose ``nonzero`` syncs). Where both labels and a loss mask are given, both
+    must train on a position (Megatron's labels are never ``ignore_index``, its loss mask
+    masks; a loss mask of ones next to Hugging Face labels leaves the labels in charge)."""
     check_masks(loss_mask, labels, lay.batch, lay.row_length, None)
     if labels is None and loss_mask is None:
         return None

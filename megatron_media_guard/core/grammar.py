@@ -130,13 +130,11 @@ class Grammar:
     @property
     def outer_start_ids(self) -> tuple[int, ...]:
         """The starts of the pairs that are not :attr:`inner` (an inner start nests after one)."""
-        inner = {a for a, _ in self.inner}
-        return tuple(t for t in self.start_ids if t not in inner)
+        return tuple(t for t in self.start_ids if t not in {a for a, _ in self.inner})
 
     @property
     def outer_end_ids(self) -> tuple[int, ...]:
-        inner = {b for _, b in self.inner}
-        return tuple(t for t in self.end_ids if t not in inner)
+        return tuple(t for t in self.end_ids if t not in {b for _, b in self.inner})
 
     def token_modality(self, modality: str) -> str:
         """The modality whose placeholder token ``modality`` uses (itself unless aliased)."""

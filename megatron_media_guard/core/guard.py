@@ -96,7 +96,7 @@ class MediaGuard:
         """The consensus in use; the default one is resolved once torch.distributed is
         initialized (None until then: single process)."""
         if self._consensus_pending:
-            cons = default_consensus()  # ranks/'s, through core/providers.py  # None while torch.distributed is not initialized
+            cons = default_consensus()  # ranks/'s (core/providers.py); None before init
             if cons is not None:
                 self._consensus, self._consensus_pending = cons, False
                 self._bind(cons)

@@ -83,19 +83,11 @@ def _attempt(
     item = batch.items[r.item]
     facts: dict = {"target": r.target}
     hw, hw_kind = media_hw(item)
-    missing = [
-        name
-        for name, v in (
-            ("encoder", encoder),
-            ("geometry", ctx.geometry),
-            ("pixels", item.pixels),
-            ("media size", hw),
-        )
-        if v is None
-    ]
     if ctx.geometry is None:  # the family has no sizing to repair with
         facts["reason"] = f"cannot repair: no geometry for {ctx.family}"
         return None, facts
+    what = (("encoder", encoder), ("pixels", item.pixels), ("media size", hw))
+    missing = [name for name, v in what if v is None]
     if missing:
         facts["reason"] = f"cannot repair: no {', '.join(missing)} given"
         return None, facts

@@ -9,6 +9,7 @@ the findings to the host, so its transfer is sized by the number of runs.
 
 from __future__ import annotations
 
+import functools
 from functools import cached_property
 from itertools import pairwise
 
@@ -101,17 +102,12 @@ class TokenLayout:
 
     @cached_property
     def ph(self) -> torch.Tensor:  # [b, s] bool: any placeholder
-        ph = self._masks[0]
-        for m in self._masks[1:]:
-            ph = ph | m
-        return ph
+        return functools.reduce(torch.logical_or, self._masks)
 
     @cached_property
     def content(self) -> torch.Tensor:  # placeholders and breaks
-        content = self.ph
-        for tok in self.grammar.break_ids:
-            content = content | (self._ids == tok)
-        return content
+        breaks = self._any_of(self.grammar.break_ids)
+        return self.ph if breaks is None else self.ph | breaks
 
     @cached_property
     def is_start(self) -> torch.Tensor | None:  # a nested start (Grammar.inner) opens none
