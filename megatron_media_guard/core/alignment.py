@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 from .items import MediaItem
 from .parsed import TRUNCATION_KINDS, Finding, ParsedRuns, Run
+from .runs import parse_runs
 
 
 class Status(str, enum.Enum):
@@ -272,6 +273,4 @@ def check_alignment(
     input_ids, items: Sequence[MediaItem], grammar, cu_seqlens=None
 ) -> AlignmentReport:
     """Parse ``input_ids`` ``[b, s]`` with ``grammar`` and classify every sample against ``items``."""
-    from .runs import parse_runs
-
     return align(parse_runs(input_ids, grammar, cu_seqlens), items)

@@ -157,7 +157,7 @@ class GuardReport:
         """The report of one guarded call from its final plan (``alignment`` None: the
         aligned path)."""
         return cls(
-            ok=plan.keeps_all and alignment is None,
+            ok=alignment is None and plan.actions.count("keep") == len(plan.actions),
             step=step,
             microbatch=microbatch,
             rank=rank,

@@ -68,10 +68,6 @@ class Plan:
             return ()
         return tuple(i for i, a in enumerate(self.actions) if a == "raise")
 
-    @property
-    def keeps_all(self) -> bool:
-        return self.actions.count("keep") == len(self.actions)
-
     def with_actions(self, actions: Sequence[Action], repairs: Sequence[ItemRepair]) -> Plan:
         """The plan after repairs were attempted (failed ones fell back)."""
         new = digest(self.digest, actions, repairs)

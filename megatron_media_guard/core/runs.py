@@ -164,13 +164,9 @@ class TokenLayout:
     def next(self, x: torch.Tensor, fill: bool | int = False) -> torch.Tensor:
         """``x`` shifted one token left within its sample (``fill`` at a sample's last token)."""
         out = torch.constant_pad_nd(x[:, 1:], (0, 1), fill)
-        if self.boundary is not None:
-            out = out.masked_fill(self.next_is_boundary, fill)
+        if self.boundary is not None:  # the next token starts a sample
+            out = out.masked_fill(torch.constant_pad_nd(self.boundary[:, 1:], (0, 1), False), fill)
         return out
-
-    @property
-    def next_is_boundary(self) -> torch.Tensor:
-        return torch.constant_pad_nd(self.boundary[:, 1:], (0, 1), False)
 
     def last_before(self, mask: torch.Tensor, *, inclusive: bool) -> torch.Tensor:
         """Column of the last True at or before (``inclusive``) / strictly before each token,
