@@ -410,24 +410,13 @@ def parse_layout(lay: TokenLayout) -> ParsedRuns:
     rt = host[: nr * 6].view(nr, 6).tolist()
     ft = host[nr * 6 :].view(-1, 4).tolist()
     g = lay.grammar
+    # Run(sample, row, start, end, length, modality); Finding(kind, sample, row, position)
     runs = tuple(
-        Run(
-            sample=smp,
-            row=row,
-            start=a,
-            end=e + 1,
-            length=ln,
-            modality=g.modalities[mc] if mc >= 0 else "break",
-        )
+        Run(smp, row, a, e + 1, ln, g.modalities[mc] if mc >= 0 else "break")
         for row, a, e, ln, mc, smp in rt
     )
     findings = tuple(
-        Finding(
-            kind=FindingKind(kind),
-            sample=None if smp >= lay.num_samples else smp,
-            row=row,
-            position=col,
-        )
+        Finding(FindingKind(kind), None if smp >= lay.num_samples else smp, row, col)
         for row, col, kind, smp in ft
     )
     return ParsedRuns(
