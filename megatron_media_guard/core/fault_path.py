@@ -27,7 +27,7 @@ from .explain import (
 from .generated import Generated, as_text, find_generated, generated_record, text_records
 from .grammar import Grammar
 from .outcome import LocalOutcome, MergeResult, StageOutcome
-from .plan import Action, Plan, build_plan, digest, worst
+from .plan import Plan, build_plan
 from .providers import bundle_writer
 from .repairs import RepairContext, run_repairs
 from .runs import parse_layout
@@ -100,11 +100,17 @@ def diagnose(
         for i in found if found is not None else nonfinite_items(batch):
             if i in owner:
                 nonfinite.setdefault(owner[i], []).append(i)
+    found_in_call = tuple(c.fault_checks()) if c.fault_checks is not None else ()
     plan = build_plan(
-        c.lay.num_samples, batch.items, verdict, report, guard.config, frozenset(nonfinite), gen
+        c.lay.num_samples,
+        batch.items,
+        verdict,
+        report,
+        guard.config,
+        frozenset(nonfinite),
+        gen,
+        found_in_call,
     )
-    if c.fault_checks is not None:
-        plan = fail_call(plan, tuple(c.fault_checks()), guard.config)
     replaced: dict[int, torch.Tensor] = {}
     failures: dict[int, str] = {}
     if plan.repairs and c.emb is None and c.repairs == "assume":
@@ -214,25 +220,6 @@ def conclude(
     return stage
 
 
-def fail_call(plan: Plan, found: Sequence[str], config: GuardConfig) -> Plan:
-    """``plan`` with every sample given the policy (``fallback`` under ``repair``) for
-    ``found``, the caller's findings about the whole call (none: ``plan`` as is)."""
-    if not found:
-        return plan
-    act: Action = config.fallback if config.policy == "repair" else config.policy
-    why = "; ".join(found)
-    reasons = dict(plan.reasons)
-    for smp in range(len(plan.actions)):
-        reasons[smp] = "; ".join(filter(None, (why, reasons.get(smp))))
-    return replace(
-        plan,
-        actions=tuple(worst(act, a) for a in plan.actions),
-        repairs=(),
-        digest=digest(plan.digest, found),
-        reasons=tuple(reasons.items()),
-    )
-
-
 def call_records(
     guard: Diagnosing,
     c: Call,
@@ -257,7 +244,7 @@ def call_records(
             rec = replace(generated_record(gen, smp, act, step, mb), sample_id=rep.sample_id)
         elif bad or not why:
             rec = nonfinite_record(rep, items, bad, act, step=step, microbatch=mb)
-        else:  # aligned, given the policy for the whole call's sake (fail_call): no item
+        else:  # aligned, given the policy for the whole call's sake (call_faults): no item
             return GuardRecord(
                 event=act,  # type: ignore[arg-type]
                 step=step,

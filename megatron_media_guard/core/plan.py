@@ -132,6 +132,7 @@ def build_plan(
     config: GuardConfig,
     nonfinite_samples: frozenset[int] = frozenset(),
     generated: Generated | None = None,
+    call_faults: Sequence[str] = (),
 ) -> Plan:
     """Decide keep / repair / drop / raise for every sample.
 
@@ -142,6 +143,8 @@ def build_plan(
     generated: placeholders the policy generated (``report`` is then the parse with them
     fed as text); their samples are dropped or raised under ``config.generated`` "drop" /
     "raise", kept (as their media decide) under "text".
+    call_faults: the caller's findings about the whole call (``MediaGuard.merge``'s
+    ``fault_checks``): every sample takes the policy (``fallback`` under ``repair``).
     """
     actions: list[Action] = ["keep"] * num_samples
     repairs: list[ItemRepair] = []
@@ -181,4 +184,11 @@ def build_plan(
     gen = () if generated is None else tuple((g.sample, g.positions) for g in generated.samples)
     if gen:
         plan_digest = digest(plan_digest, config.generated, gen)
+    if call_faults:
+        act: Action = config.fallback if config.policy == "repair" else config.policy
+        actions = [worst(act, a) for a in actions]
+        for smp in range(num_samples):
+            reasons[smp] = "; ".join(filter(None, ("; ".join(call_faults), reasons.get(smp))))
+        repairs = []
+        plan_digest = digest(plan_digest, call_faults)
     return Plan(tuple(actions), tuple(repairs), plan_digest, tuple(reasons.items()), gen)
