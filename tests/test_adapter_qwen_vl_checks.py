@@ -210,5 +210,5 @@ def test_text_only_fingerprint_equals_the_core_verify_fingerprint(shape):
     ids = torch.randint(0, 2**31, shape, generator=torch.Generator().manual_seed(shape[1]))
     lay = TokenLayout(ids, G)
     verdict, _ = _check(lay, ids, {"image": None, "video": None}, False)
-    core = verify(lay, ids.reshape(-1), [], [], None, None)
+    core, _ = verify(lay, ids, [])
     assert verdict.fingerprint == core.fingerprint == _reference_fingerprint(ids, {})

@@ -1,4 +1,4 @@
-"""The marker-grammar check (core/verify_lut.py) against the general aligned-path check:
+"""The marker-grammar check (core/verify_lut.py) against the tables check it stands in for:
 same run count, same structure verdict, same keep-all decision, same placeholder mask."""
 
 from __future__ import annotations
@@ -73,13 +73,13 @@ def test_marker_check_matches_the_general_check(case):
     flat = ids.reshape(-1)
     assert verify_lut.tables(g, False, ids.shape[1], ids.device) is not None
     lay = TokenLayout(ids, g)
-    fast = V.verify(lay, flat, lens, mods, samples, None)
+    tables = V.item_tables(lens, mods, samples, flat.device)
+    fast, _ = V.verify(lay, flat, tables)
     ref = TokenLayout(ids, g)
-    vals = torch.stack(V._general(ref, lens, mods, samples, flat.device)).tolist()
-    aligned = vals[0] == len(lens) and vals[1] == 0 and (len(vals) < 3 or vals[2] == 0)
-    assert fast.runs == vals[0]
-    assert (fast.findings == 0) == (vals[1] == 0)
-    assert fast.aligned(len(lens)) == aligned
+    runs, findings, bad = (int(v) for v in V._table_parts(ref, tables, flat.device))
+    assert fast.runs == runs
+    assert (fast.findings == 0) == (findings == 0)
+    assert fast.aligned(len(lens)) == (runs == len(lens) and findings == 0 and bad == 0)
     assert torch.equal(lay.ph, ref.ph)
 
 
@@ -99,7 +99,8 @@ def test_an_item_longer_than_its_row_never_reads_as_a_later_run(samples, extra):
     img = Q.placeholders["image"]
     ids = torch.tensor([[*TEXT, *TEXT], [Q.start_id, img, Q.end_id, TEXT[0]]])
     n = 4 + extra
-    fast = V.verify(TokenLayout(ids, Q), ids.reshape(-1), [n], [0], samples, None)
+    tables = V.item_tables([n], [0], samples, ids.device)
+    fast, _ = V.verify(TokenLayout(ids, Q), ids, tables)
     assert not fast.aligned(1)
     # and end to end: the guard diagnoses it (a drop of the sample that holds the run), it
     # does not reach the scatter with one position for n rows

@@ -8,10 +8,11 @@ model instance that
 1. encodes each modality the call carries through the model's *own* feature method (the
    tower runs where the model would run it: before the decoder, once, on every rank);
 2. hands the items to the merge in that order; where the call mixes modalities, or a
-   modality's counts live on the device (audio clips cut by their masks), the merge reads
-   the runs and the counts with its verdict, in its one transfer, and puts the items in token
-   order from them (one stream per placeholder token; streams that share a token, Nemotron's
-   images and video tubelets, are interleaved by length, or by the family's token types);
+   modality's counts live on the device (audio clips cut by their masks), the merge checks
+   each modality's runs against its items in that order (modalities told apart by their
+   token, or by the family's token types), the counts read with its verdict, in its one
+   transfer; only streams that share a token with no type to tell them (Nemotron's images and
+   video tubelets) are interleaved by length, from runs read in that transfer;
 3. merges them with :meth:`MediaGuard.merge` (per-run check, plan, repair / drop / raise,
    records, bundle, consensus: the one fault path) into the model's own token embeddings;
 4. lets the model's forward run on ``inputs_embeds`` with the media inputs taken out, and the
@@ -107,7 +108,7 @@ class VLMHandle(ForwardHookHandle):
         parent = parents(mods, encoded)
         # several modalities, or counts on the device: the token order and the counts come
         # with the verdict, in its one transfer (core/interleave.RunOrder)
-        late, decided, cut, sized = None, [], [], counted(mods, encoded, items)
+        late, decided, cut, sized = None, [], [], counted(mods, encoded, items, parent)
         checks = tuple(encoded[m.name].check for m in mods if encoded[m.name].check is not None)
         mixed = listed is None and len({it.modality for it in items}) > 1
         if sized is not None or mixed or checks:
@@ -119,12 +120,23 @@ class VLMHandle(ForwardHookHandle):
                 decided.append(listed or typed or order_runs(runs, guard.grammar, got, parent))
                 return decided[-1]
 
-            def resize(sizes: list[int]):
-                cut.append(sized[1](sizes))
+            def resize(sizes: list[int], runs: list[int] | None):
+                nonlocal parent  # a video cut into its runs: each run's parent is the video
+                got, fs, parent = sized[2](sizes, runs)
+                cut.append((got, fs))
                 return cut[-1]
 
-            counts, probe = (sized[0], sized[2]) if sized else (None, None)
-            late = RunOrder(order_of, types, counts, resize if sized else None, probe, checks)
+            counts, runs, _, probe = sized or (None, None, None, None)
+            late = RunOrder(
+                order_of,
+                keys=types,
+                counts=counts,
+                runs=runs,
+                resize=resize if sized else None,
+                probe=probe,
+                checks=checks,
+                types={m.name: m.type_id for m in mods if types is not None and m.type_id},
+            )
         order = listed or list(range(len(items)))
         if late is None:  # token order known: the set_items order, or one modality's
             items, feats = [items[i] for i in order], [feats[i] for i in order]
@@ -143,7 +155,7 @@ class VLMHandle(ForwardHookHandle):
         )
         if late is not None:  # the items as the merge cut them, in the order it found
             items, feats = cut[-1] if cut else (items, feats)
-            order = decided[-1]
+            order = decided[-1] if decided else list(range(len(items)))  # aligned: per modality
             items, feats = [items[i] for i in order], [feats[i] for i in order]
         self.record(MergeResult(None, res.loss_mask, res.labels, res.report), ids, None)
         emb, ids = self._generated_as_text(res, ids)
@@ -216,13 +228,21 @@ class VLMHandle(ForwardHookHandle):
 
         def runs() -> tuple:
             # the runs' positions, read only when the step asks (a transfer sized by the runs)
-            parsed = parse_layout(TokenLayout(ids, self.guard.grammar))
+            g = self.guard.grammar
+            parsed = parse_layout(TokenLayout(ids, g))
             if len(parsed.runs) != len(items):
                 return ()  # runs the merge could not pair with items: nothing to act on
+            # each run takes the next item of its token (items are in each modality's order)
+            left: dict[str, list[int]] = {}
+            for k, it in enumerate(items):
+                left.setdefault(g.token_modality(it.modality), []).append(k)
+            took = [left[r.modality].pop(0) if left.get(r.modality) else -1 for r in parsed.runs]
+            if -1 in took:
+                return ()
             acts = res.report.actions
             return tuple(
-                (it, (r.row, r.start, r.end), acts[r.sample] != "drop", own)
-                for it, r, own in zip(items, parsed.runs, owners)
+                (items[k], (r.row, r.start, r.end), acts[r.sample] != "drop", owners[k])
+                for r, k in zip(parsed.runs, took)
             )
 
         merged = Merged(call_view(call, ids), items, feats, runs)

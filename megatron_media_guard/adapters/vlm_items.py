@@ -153,16 +153,29 @@ def _pieces(enc: Encoded) -> tuple[torch.Tensor, ...]:
     return (block.new_zeros((0, block.shape[-1])),) * int(enc.counts.shape[0])
 
 
-def counted(mods: Sequence[ModalitySpec], encoded: dict[str, Encoded], items: list[MediaItem]):
-    """Where a modality's counts are on the device (``Encoded.counts``): ``(counts, resize,
-    probe)`` for :class:`~megatron_media_guard.core.interleave.RunOrder` (every item's count
-    in consumption order; host counts -> the items and their features cut by them; the blocks
-    for the NaN/Inf check, each padded block's rows past its items' counts zeroed), else
-    None."""
-    late = [encoded[m.name] for m in mods if encoded[m.name].counts is not None]
-    if not late:
+def counted(
+    mods: Sequence[ModalitySpec],
+    encoded: dict[str, Encoded],
+    items: list[MediaItem],
+    parent: list[int],
+):
+    """Where a modality's counts or runs are on the device (``Encoded.counts``,
+    ``Encoded.runs``): ``(counts, runs, resize, probe)`` for
+    :class:`~megatron_media_guard.core.interleave.RunOrder` (every item's count in
+    consumption order; its runs, or None; host counts and runs -> the items, their features
+    and their parents, cut by them; the blocks for the NaN/Inf check, each padded block's
+    rows past its items' counts zeroed, or None), else None."""
+    encs = [encoded[m.name] for m in mods]
+    on_dev = [t for e in encs for t in (e.counts, e.runs) if t is not None]
+    if not on_dev:
         return None
-    dev = late[0].counts.device
+    dev = on_dev[0].device
+    runs = None
+    if any(e.runs is not None for e in encs):  # one run each where not given
+        ones = [torch.ones(len(_pieces(e)), dtype=torch.long, device=dev) for e in encs]
+        runs = torch.cat(
+            [o if e.runs is None else e.runs.to(dev).long() for e, o in zip(encs, ones)]
+        )
     parts, probe = [], []
     for m in mods:
         enc = encoded[m.name]
@@ -177,7 +190,7 @@ def counted(mods: Sequence[ModalitySpec], encoded: dict[str, Encoded], items: li
             block = torch.where(valid[..., None], block, 0)
         probe.append(block.reshape(-1))
 
-    def resize(sizes: list[int]):
+    def resize(sizes: list[int], per_item: list[int] | None):
         feats: list[torch.Tensor] = []
         for m in mods:
             enc = encoded[m.name]
@@ -187,9 +200,17 @@ def counted(mods: Sequence[ModalitySpec], encoded: dict[str, Encoded], items: li
                 n = int(enc.counts.shape[0])
                 feats += cut_counted(enc.features[0], sizes[len(feats) : len(feats) + n])
         got = [replace(it, num_features=int(f.shape[0])) for it, f in zip(items, feats)]
-        return got, feats
+        if not any(r > 1 for r in per_item or ()):
+            return got, feats, parent
+        out_items, out_feats, out_parent = [], [], []
+        for it, f, p, r in zip(got, feats, parent, per_item):
+            pieces = f.split(f.shape[0] // r) if r > 1 and f.shape[0] % r == 0 else (f,)
+            out_items += [replace(it, num_features=int(x.shape[0])) for x in pieces]
+            out_feats += pieces
+            out_parent += [p] * len(pieces)
+        return out_items, out_feats, out_parent
 
-    return torch.cat(parts), resize, torch.cat(probe)
+    return torch.cat(parts), runs, resize, torch.cat(probe) if probe else None
 
 
 def _end_of(items: list[MediaItem], lo: int, modality: str) -> int:

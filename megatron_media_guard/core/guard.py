@@ -30,7 +30,7 @@ from .providers import default_consensus, process_rank
 from .repairs import warn_unrepairable
 from .runs import TokenLayout, parse_layout
 from .validate import check_inputs, check_labels_dtype, check_masks
-from .verify import Verdict, verify
+from .verify import Verdict, item_tables, verify
 
 
 class MediaGuard:
@@ -243,7 +243,7 @@ class MediaGuard:
         microbatch: int | None = None,
     ) -> MergeResult:
         """The aligned call of a check that verified the runs itself (the ``inputs`` mode's
-        :func:`~.verify_counts.verify_counts`: nothing bad in ``verdict``): every sample kept,
+        :func:`~.verify.verify`: nothing bad in ``verdict``): every sample kept,
         counted, and the stage's round joined as :meth:`last_stage` joins it. Nothing is read
         from the device here."""
         self.counters["merges"] += 1
@@ -353,16 +353,20 @@ class MediaGuard:
         probe = batch.features if self.config.nonfinite != "off" and c.emb is not None else None
         if late is None:
             owning = [i for i in order if batch.items[i].num_features]  # featureless: no run
-            verdict = verify(
-                lay,
-                c.input_ids.reshape(-1),
+            tables = item_tables(
                 [batch.items[i].num_features for i in owning],
                 [codes[i] for i in owning],
                 [batch.items[i].sample for i in owning] if batch.explicit else None,
-                probe,
+                c.input_ids.device,
             )
-        else:  # items in consumption order: their token order comes with the verdict
-            verdict, order, batch = verify_in_token_order(
+            verdict, _ = verify(lay, c.input_ids, tables, probe)
+            groups = [(None, owning)]  # one scatter, or one per modality in its own order
+            if len(tables) > 1:
+                groups = [
+                    (lay.code == t.code, [i for i in owning if codes[i] == t.code]) for t in tables
+                ]
+        else:  # items in consumption order, checked per modality (or ordered by the runs)
+            verdict, order, batch, groups = verify_in_token_order(
                 lay, c.input_ids.reshape(-1), batch, codes, late, probe
             )
             c = replace(c, batch=batch)  # cut by the counts read with the verdict, if any
@@ -385,10 +389,12 @@ class MediaGuard:
             return self.result(c, None, plan, None, verdict, stage, None)
         if not owning:  # no features: nothing to scatter (verified: no placeholder either)
             return self.result(c, c.emb, plan, None, verdict, stage, None)
-        src = batch.features
-        if order != tuple(range(len(order))):  # explicit samples given out of token order
-            src = src.index_select(0, rows_index(batch, order, src.device))
-        out = scatter(c.emb, lay.ph, src)
+        out = c.emb
+        for mask, mine in groups:
+            src = batch.features
+            if mine != list(range(len(batch.items))):  # a subset, or out of token order
+                src = src.index_select(0, rows_index(batch, mine, src.device))
+            out = scatter(out, lay.ph if mask is None else mask, src)
         return self.result(c, out, plan, None, verdict, stage, None)
 
     def settle(self, local: LocalOutcome) -> StageOutcome:

@@ -32,14 +32,16 @@ def to_host(tensor: torch.Tensor, why: str) -> torch.Tensor:
 def scalars_to_host(
     parts: list[torch.Tensor], device: torch.device, why: str
 ) -> list[int | float | bool]:
-    """The values of 0-d tensors (all on ``device``) as Python numbers, in one transfer
-    (counted once): one stacked copy from an accelerator; on CPU each value is read in place
-    (no copy, and no ``stack`` of the scalars, which costs more than the reads there)."""
+    """The values of 0-d and 1-d tensors (all on ``device``) as Python numbers, flattened in
+    order, in one transfer (counted once): one concatenated copy from an accelerator; on CPU
+    each value is read in place (no copy, and no ``cat`` of the scalars, which costs more
+    than the reads there)."""
     with _lock:
         _reasons[why] += 1
     if device.type == "cpu":
-        return [p.item() for p in parts]
-    return torch.stack(parts).detach().to("cpu").tolist()
+        return [v for p in parts for v in (p.tolist() if p.dim() else (p.item(),))]
+    flat = torch.cat([p.reshape(-1).to(torch.int64) for p in parts])
+    return flat.detach().to("cpu").tolist()
 
 
 @contextmanager

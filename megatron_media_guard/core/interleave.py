@@ -3,15 +3,16 @@ take its modality's items in the order the model consumes them, and where two mo
 share one token (Nemotron Omni's images and video tubelets both use ``<image>``) the lengths
 (or a per-token type, :class:`RunOrder`'s ``keys``) decide which stream feeds each run.
 
-On the aligned path the runs come with the verdict (:func:`verify_in_token_order`, the one
-transfer): the merge takes the items in consumption order with a :class:`RunOrder`, reads the
-first runs with the verdict, orders the items from them and checks each run against its item
-on the host (a few integers per item). :func:`token_order` reads them alone (one transfer)."""
+On the aligned path no run is read: the merge takes the items in consumption order with a
+:class:`RunOrder` and checks each modality's items against that modality's runs on the
+device (:func:`verify_in_token_order`, the verdict's one transfer); only a shared token with
+no type to tell its modalities apart has its first runs read with the verdict and its items
+ordered from them. :func:`token_order` reads the runs alone (one transfer): the fault path."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -22,7 +23,7 @@ from .host import to_host
 from .items import Batch, MediaItem, normalize
 from .run_table import run_table
 from .runs import TokenLayout
-from .verify import Verdict, verify_with
+from .verify import Expected, Verdict, verify
 
 
 class Run(NamedTuple):
@@ -48,18 +49,27 @@ class RunOrder:
     keys: ``[b, s]`` per-token values read at each run's first token (``Run.key``), e.g. the
         family's ``mm_token_type_ids`` where modalities share a placeholder token.
     counts: ``[n_items]`` int64 on the device, each item's feature count (the given items'
-        ``num_features`` are placeholders); with ``resize``: host counts -> ``(items,
-        features)`` as :meth:`MediaGuard.merge` takes them, cut by those counts (views: no
-        transfer). ``probe``: what the NaN/Inf check reads of the items not yet cut.
+        ``num_features`` are placeholders); runs: ``[n_items]`` int64 on the device, the runs
+        each item owns (an equal share of its features each), or None (one each); with
+        ``resize``: host counts and runs -> ``(items, features)`` as :meth:`MediaGuard.merge`
+        takes them, cut by those counts and into those runs (views: no transfer). ``probe``:
+        what the NaN/Inf check reads of the items not yet cut.
     checks: the caller's own refusals of the call, read with the verdict: per check a 0-d
-        int on the device and what raises when it is nonzero (called before the ordering)."""
+        int on the device and what raises when it is nonzero (called before the ordering).
+    types: per modality its value of ``keys`` where it shares a placeholder token: its runs
+        are then told from the other's on the device."""
 
     order: Callable[[Sequence[Run], Sequence[MediaItem]], list[int]]
     keys: torch.Tensor | None = None
     counts: torch.Tensor | None = None
-    resize: Callable[[list[int]], tuple[Sequence[MediaItem], Sequence[torch.Tensor]]] | None = None
+    runs: torch.Tensor | None = None
+    resize: (
+        Callable[[list[int], list[int] | None], tuple[Sequence[MediaItem], Sequence[torch.Tensor]]]
+        | None
+    ) = None
     probe: torch.Tensor | None = None
     checks: tuple[tuple[torch.Tensor, Callable[[], None]], ...] = ()
+    types: Mapping[str, int] = field(default_factory=dict)
 
 
 def _table(lay: TokenLayout, keys, size: int | None) -> torch.Tensor:
@@ -90,44 +100,101 @@ def verify_in_token_order(
     codes: Sequence[int],
     late: RunOrder,
     features: torch.Tensor | None,
-) -> tuple[Verdict, tuple[int, ...], Batch]:
-    """The verdict of items given in consumption order, their token order and the batch (cut
-    by ``late.counts`` where given): the first runs (as many as items may own) and the counts
-    ride in the verdict's one transfer, ``late.order`` orders the items from them, and each run
-    is checked against its item on the host (length, modality, sample when the items name
-    theirs). More runs than that, or a malformed structure: the verdict fails and the order
-    comes from every run (a second read: the fault path)."""
+) -> tuple[Verdict, tuple[int, ...], Batch, list[tuple[torch.Tensor | None, list[int]]]]:
+    """The verdict of items given in consumption order, their order, the batch (cut by
+    ``late.counts`` and ``late.runs``) and the scatter's ``(mask, items)`` groups (mask None:
+    every placeholder). Each modality's items are its table, so no run is read on the aligned
+    path; only a token two modalities share with no type to tell them apart has its first
+    runs read with the verdict, ordered by ``late.order`` and checked here. Not aligned: the
+    order comes from every run (a second read: the fault path)."""
     items = batch.items
     sized = late.counts is not None
-    size = len(items) if sized else sum(1 for it in items if it.num_features)
-    extra = [_table(lay, late.keys, size).reshape(-1)]
+    groups = _groups(items, codes, late)
+    shared = {
+        c for c, t in groups if t is None and len({items[i].modality for i in groups[c, t]}) > 1
+    }
+    extra, tables, size = [], [], 0
+    if shared:  # the lengths decide: the first runs come with the verdict
+        size = len(items) if sized else sum(1 for it in items if it.num_features)
+        extra.append(_table(lay, late.keys, size).reshape(-1))
+    else:
+        tables = [
+            _expected(lay, items, mine, c, t, late, batch.explicit)
+            for (c, t), mine in groups.items()
+        ]
+    n = len(items)
     if sized:
         extra.append(late.counts.to(torch.int64))
+        if late.runs is not None:
+            extra.append(late.runs.to(torch.int64))
     if late.checks:
         extra.append(torch.stack([t.reshape(()).to(torch.int64) for t, _ in late.checks]))
     if features is not None and late.probe is not None:
         features = torch.cat([features.reshape(-1), late.probe.reshape(-1).to(features.dtype)])
-    verdict, vals = verify_with(lay, ids_flat, torch.cat(extra), features)
+    verdict, vals = verify(lay, ids_flat, tables, features, extra)
     for (_, refuse), flag in zip(late.checks, vals[len(vals) - len(late.checks) :]):
         if flag:
             refuse()
-    if sized:  # the items and their features cut by the counts now on the host
-        got, feats = late.resize([int(n) for n in vals[4 * size : len(vals) - len(late.checks)]])
+    if sized:  # the items and their features cut by the counts (and runs) now on the host
+        got = [int(v) for v in vals[4 * size : len(vals) - len(late.checks)]]
+        got, feats = late.resize(got[:n], got[n:] if late.runs is not None else None)
         batch = normalize(feats, got, lay.num_samples)
         items = batch.items
+        codes = [lay.grammar.modality_code(it.modality) for it in items]
+        groups = _groups(items, codes, late)
+    owning = [i for i in range(len(items)) if items[i].num_features]
+    if not shared and verdict.aligned(len(owning)):  # consumption order, per modality
+        scatter = [(_mask(lay, c, t, late), mine) for (c, t), mine in groups.items()]
+        return verdict, tuple(range(len(items))), batch, scatter
     rows = [vals[k : k + 4] for k in range(0, 4 * min(size, verdict.runs), 4)]
-    if verdict.runs > size or verdict.findings:  # the table lacks runs (or pairs them wrongly)
+    if not shared or verdict.runs > size or verdict.findings:  # not every run in the table
         runs = read_runs(lay, late.keys)
     else:
         runs = _as_runs(rows, lay.grammar)
     order = tuple(late.order(runs, items))
+    if not shared:
+        return verdict, order, batch, [(None, [i for i in order if items[i].num_features])]
     owning = [i for i in order if items[i].num_features]
     bad = abs(len(runs) - len(owning))
     for r, i in zip(runs, owning):
         ok = r.modality != "break" and r.length == items[i].num_features
         ok = ok and lay.grammar.modality_code(r.modality) == codes[i]
         bad += not (ok and (not batch.explicit or r.sample == items[i].sample))
-    return replace(verdict, bad_runs=bad), order, batch
+    return replace(verdict, bad_runs=bad), order, batch, [(None, owning)]
+
+
+def _groups(items, codes, late: RunOrder) -> dict[tuple[int, int | None], list[int]]:
+    """``(code, type) -> items`` (consumption order): the items of each modality's runs."""
+    groups: dict[tuple[int, int | None], list[int]] = {}
+    for i, it in enumerate(items):
+        groups.setdefault((codes[i], late.types.get(it.modality)), []).append(i)
+    return groups
+
+
+def _expected(lay, items, mine: list[int], code: int, typ, late: RunOrder, explicit: bool):
+    """One modality's items (consumption order) as its table: their counts (and runs) from
+    the device where ``late`` has them, else the host's; ``typ``: its tokens' type."""
+    dev = lay.device
+    at = torch.tensor(mine, dtype=torch.int64).to(dev, non_blocking=True)
+    counts = (
+        late.counts if late.counts is not None else torch.tensor([it.num_features for it in items])
+    )
+    counts = counts.to(dev, torch.int64).index_select(0, at)
+    runs = torch.ones_like(counts) if late.runs is None else late.runs.to(dev).index_select(0, at)
+    smp = (
+        torch.tensor([items[i].sample for i in mine]).to(dev, non_blocking=True)
+        if explicit
+        else None
+    )
+    where = None if typ is None else late.keys.to(dev) == typ
+    # an equal share of the item's features per run: runs x share must make its count
+    return Expected(code, runs, counts // runs.clamp(min=1), smp, counts, where=where)
+
+
+def _mask(lay: TokenLayout, code: int, typ, late: RunOrder) -> torch.Tensor:
+    """The placeholders of one modality: its code's, of its type where the code is shared."""
+    mask = lay.code == code
+    return mask if typ is None else mask & (late.keys.to(mask.device) == typ)
 
 
 def in_token_order(batch: Batch, order: Sequence[int], num_samples: int) -> Batch:

@@ -21,6 +21,7 @@ import torch
 
 from ..core.host import to_host
 from ..errors import MediaInputError
+from .spec import Encoded
 
 Run = tuple[Literal["video", "audio"], int]
 
@@ -197,6 +198,16 @@ _KEY = "_media_guard_audio_in_video"
 
 def _tp(cfg: Any) -> int:
     return int(getattr(cfg.vision_config, "temporal_patch_size", 2))
+
+
+def encoded(model: Any, kw, count: Callable, kind: str, feats, output: Any = None) -> Encoded:
+    """``kind``'s items under ``use_audio_in_video``: ``feats`` (per item; audio: the clips
+    back to back, one block) cut into the runs their regions interleave (:func:`chunks`)."""
+    got = chunks_once(model, kw, count)
+    if kind == "audio":
+        feats = feats[0].split(list(got.clip_tokens))
+    pieces, parent, sample = cut(feats, getattr(got, kind, {}), got.sample.get(kind))
+    return Encoded(pieces, parent=parent, sample=sample, output=output)
 
 
 def cut(features: Sequence[torch.Tensor], sizes: Mapping[int, tuple[int, ...]], samples=()):

@@ -11,7 +11,9 @@ processor's outputs and the rollout's token ids, with no model and no tower (CPU
 
 Each item's feature count comes from the spec's ``counts`` (the model's own arithmetic on the
 inputs: grids, image sizes, fixed tokens per image, stacked tubelets, audio masks), computed on
-the inputs' device and read in one transfer. A sample whose runs disagree is dropped
+the inputs' device and checked against the runs there: an aligned batch costs one transfer
+(the verdict), except where two modalities share a token with no per-token type to tell them
+apart (Nemotron Omni's images and video: the counts are read, then the runs). A sample whose runs disagree is dropped
 (``GuardConfig(policy="drop")``, the default here) or raises naming it: its media leave the
 inputs (the spec's ``rows`` / ``patches`` / ``groups`` say where they sit), its placeholders
 become the family's text token, its labels are ignored. The batch keeps its shape. A planned
@@ -35,12 +37,14 @@ from ..core.guard import MediaGuard
 from ..core.items import MediaItem
 from ..core.outcome import GuardReport
 from ..core.runs import TokenLayout
+from ..core.validate import check_labels_dtype, check_masks
 from ..errors import MediaInputError
 from . import FAMILIES
 from .inputs import (
     count_tables,
     counted,
     drop_inputs,
+    given_tables,
     gone_items,
     on_device,
     plan_items,
@@ -115,15 +119,24 @@ def check_batch(
     text = spec.text.resolve(holder, tokenizer)
     mods = present(spec, batch)
     tables = count_tables(spec, mods, config, batch, CALLER)
-    if on_device(spec):  # the runs against the tables on the device: one transfer
+    given = None if on_device(spec) else given_tables(spec, mods, tables, items)
+    if on_device(spec) or given is not None:  # the runs against the tables: one transfer
+        _check_labels(guard, ids, batch.get("labels"), step)
+        n = {m.name: sum(getattr(it, "modality", 0) == m.name for it in items or ()) for m in mods}
+        _given(
+            {m.name: n[m.name] if m.split else int(t.shape[0]) for m, t in zip(mods, tables)}, items
+        )
         lay = TokenLayout(ids, guard.grammar)
-        verdict, _ = verify_tables(lay, ids, mods, tables)
-        if verdict.bad_runs == 0 and verdict.findings == 0:
+        types = batch.get(spec.token_types) if spec.token_types else None
+        types = types if isinstance(types, torch.Tensor) else None
+        tabs, extra = (tables, []) if given is None else (given[0], [given[1]])
+        verdict, flags = verify_tables(lay, ids, mods, tabs, extra=extra, types=types)
+        if verdict.bad_runs == 0 and verdict.findings == 0 and not any(flags):
             labels = batch.get("labels")
             res = guard.keep_all(lay, verdict, labels=labels, step=step)
             return BatchCheck(dict(batch), res.report)
     encoded = counted(spec, mods, config, batch, items, CALLER, tables)
-    given = _given(mods, encoded, items)
+    given = _given({m.name: len(set(encoded[m.name].parent)) for m in mods}, items)
     listed = [
         MediaItem(
             f.shape[0],
@@ -154,6 +167,16 @@ def check_batch(
     if res.labels is not None:
         out["labels"] = res.labels
     return BatchCheck({k: v for k, v in out.items() if v is not None}, report, done)
+
+
+def _check_labels(guard: MediaGuard, ids: torch.Tensor, labels: Any, step: int | None) -> None:
+    """The labels as :meth:`MediaGuard.last_stage` refuses them, before the device check."""
+    try:
+        check_masks(None, labels, *ids.shape, None)
+        check_labels_dtype(labels, guard.config.ignore_index)
+    except MediaInputError as err:
+        where = guard.where(step, None)
+        raise err.with_context(f"{CALLER} ({where}): ", where=where) from None
 
 
 def _spec(family: str | FamilySpec) -> FamilySpec:
@@ -210,8 +233,9 @@ def _sample_ids(sample_ids, rows: int) -> tuple | None:
     return tuple(sample_ids)
 
 
-def _given(mods, encoded, items: Sequence[MediaItem] | None) -> dict:
-    """``(modality, model-level index) -> fields`` the caller's ``items`` lay on the items."""
+def _given(want: Mapping[str, int], items: Sequence[MediaItem] | None) -> dict:
+    """``(modality, model-level index) -> fields`` the caller's ``items`` lay on the items
+    (``want``: per modality its model-level items)."""
     if items is None:
         return {}
     items = list(items)
@@ -220,7 +244,6 @@ def _given(mods, encoded, items: Sequence[MediaItem] | None) -> dict:
             raise MediaInputError(
                 f"{CALLER}: items[{g}] is a {type(it).__name__}; pass MediaItem objects"
             )
-    want = {m.name: len(set(encoded[m.name].parent)) for m in mods}
     got: dict[str, int] = {}
     for it in items:
         got[it.modality] = got.get(it.modality, 0) + 1

@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..core.host import to_host
 from ..geometry import PatchMergeGeometry
 from .mrope import grid_counts, image_encoder, patch_dummy, rope_positions
 from .spec import Encoded, FamilySpec, ModalitySpec, Token, bridge_embed
@@ -36,13 +35,10 @@ _encode_image, _reencode_image = image_encoder(PATCH, TEMPORAL, MERGE)
 def _encode_video(model: Any, kw) -> Encoded:
     pv, grid = kw["pixel_values_videos"], kw["video_grid_thw"]
     out = model.get_video_features(pv, grid, return_dict=True).pooler_output
-    # one item per frame run: each video's features cut by its t (the model reads them too)
-    thw = to_host(grid, why="video grids to cut each video into its frame runs").tolist()
-    frames = [f.split(h * w // MERGE**2) for f, (_, h, w) in zip(out, thw, strict=True)]
-    feats = tuple(x for groups in frames for x in groups)
-    parent = tuple(v for v, groups in enumerate(frames) for _ in groups)
-    hw = tuple((PATCH * h, PATCH * w) for (_, h, w), g in zip(thw, frames) for _ in g)
-    return Encoded(feats, num_frames=(TEMPORAL,) * len(feats), frame_hw=hw, parent=parent)
+    # one item per video, its t frame runs counted on the device: the engine cuts it into
+    # them once the merge's one transfer brought t (no read of the grids here)
+    feats = tuple(out)
+    return Encoded(feats, num_frames=(TEMPORAL,) * len(feats), runs=grid[:, 0])
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from ..core.interleave import token_order
 from ..core.items import MediaItem
 from ..core.outcome import GuardReport, MergeResult
 from ..core.runs import TokenLayout
-from ..core.verify_counts import Expected, verify_counts
+from ..core.verify import Expected, verify
 from ..errors import MediaInputError
 from .spec import COUNT_COLUMNS, Encoded, FamilySpec, ModalitySpec
 
@@ -81,11 +81,44 @@ def counted(
 
 def on_device(spec: FamilySpec) -> bool:
     """Whether the spec's calls are verified against their count tables on the device (one
-    transfer, :func:`verify_tables`): every modality has its own placeholder token and its
-    tables say its items (no ``shares``, no ``token_types``, no ``split``)."""
-    return not spec.token_types and all(
-        m.shares is None and m.split is None and m.counts is not None for m in spec.modalities
+    transfer, :func:`verify_tables`): its tables say its items (no ``split``) and each
+    modality's runs are its own: its own placeholder token, or a shared one told apart by
+    the spec's per-token types (GLM-4V's ``mm_token_type_ids``)."""
+    typed = bool(spec.token_types) and all(m.type_id is not None for m in spec.modalities)
+    return all(
+        m.split is None and m.counts is not None and (m.shares is None or typed)
+        for m in spec.modalities
     )
+
+
+def given_tables(
+    spec: FamilySpec,
+    mods: Sequence[ModalitySpec],
+    tables: Sequence[torch.Tensor],
+    items: Sequence[MediaItem] | None,
+) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+    """For a spec whose only host step is a ``split`` block (InternVL's tiles): the tables,
+    each such block as the given items' rows (one run each, uploaded), and a device flag,
+    nonzero where they do not cut the block into whole rows (read with the verdict; the host
+    path then says how). None where that cannot be checked on the device."""
+    if any(m.shares is not None or m.counts is None for m in spec.modalities):
+        return None
+    out, bad = [], []
+    for m, t in zip(mods, tables):
+        if m.split is None:
+            out.append(t)
+            continue
+        sizes = [it.num_features for it in items or () if getattr(it, "modality", 0) == m.name]
+        if not sizes or t.shape[0] != 1:
+            return None
+        n = torch.tensor(sizes, dtype=torch.int64).to(t.device, non_blocking=True)
+        units, per = t[0, 0], t[0, 1]
+        bad += [units * per != n.sum(), torch.any(n % per.clamp(min=1) != 0)]
+        out.append(
+            torch.nn.functional.pad(torch.stack([torch.ones_like(n), n], 1), (0, t.shape[1] - 2))
+        )
+    flag = torch.stack(bad).any() if bad else torch.zeros((), dtype=torch.bool)
+    return out, flag.to(torch.int64)
 
 
 def verify_tables(
@@ -96,12 +129,15 @@ def verify_tables(
     samples: Mapping[str, torch.Tensor] | None = None,
     declared: Mapping[str, torch.Tensor] | None = None,
     extra: Sequence[torch.Tensor] = (),
+    types: torch.Tensor | None = None,
 ):
     """The call's runs against the modalities' count ``tables`` on the device
-    (:func:`~..core.verify_counts.verify_counts`): ``(verdict, extra values)`` in one
-    transfer. samples / declared: per modality, per model-level item its sample (explicit
-    items) and the features its caller's item declares."""
+    (:func:`~..core.verify.verify`): ``(verdict, extra values)`` in one transfer. samples /
+    declared: per modality, per model-level item its sample (explicit items) and the
+    features its caller's item declares. types: the spec's per-token types, which tell the
+    runs of modalities that share a token apart (``ModalitySpec.type_id``)."""
     g = lay.grammar
+    shared = {g.modality_code(m.name) for m in mods if m.shares is not None}
     expected = [
         Expected(
             g.modality_code(m.name),
@@ -109,10 +145,18 @@ def verify_tables(
             t[:, 1],
             (samples or {}).get(m.name),
             (declared or {}).get(m.name),
+            where=_typed(types, m, g.modality_code(m.name) in shared),
         )
         for m, t in zip(mods, tables)
     ]
-    return verify_counts(lay, ids, expected, extra)
+    return verify(lay, ids, expected, extra=extra)
+
+
+def _typed(types: torch.Tensor | None, m: ModalitySpec, shared: bool) -> torch.Tensor | None:
+    """``m``'s tokens by their type where its token is shared and the types are given."""
+    if not shared or types is None or m.type_id is None:
+        return None
+    return types.to(torch.int64) == m.type_id
 
 
 def _table(t: Any, spec: FamilySpec, m: ModalitySpec, caller: str) -> torch.Tensor:
@@ -363,6 +407,7 @@ __all__ = [
     "counted",
     "drop_inputs",
     "generated_as_text",
+    "given_tables",
     "gone_items",
     "n_items",
     "on_device",

@@ -2,15 +2,12 @@
 
 Image: ``<|vision_start|>`` ``<|image_pad|>``x(t*h*w/4) ``<|vision_end|>``; video: one such run on
 ``<|video_pad|>``; audio: ``<|audio_start|>`` ``<|audio_pad|>``xn ``<|audio_end|>``, n from the
-module's ``_get_feat_extract_output_lengths`` (the model checks only image / video totals). Audio
-in video (``use_audio_in_video=True``): ``<|vision_start|><|audio_start|>`` ... ``<|audio_end|>
-<|vision_end|>`` interleaves the video's grids and its clip's tokens; the k-th audio region takes
-clip k as the model pairs them, and both are cut into the runs' items (``audio_in_video.py``).
-The guard merges per run and passes ``inputs_embeds``; the kept items' own encoder outputs go
-back in as ``mm_encoder_outputs`` (deepstack). Text-only: both towers kept. Grids, seconds per
-grid and ``feature_attention_mask`` stay (dropped rows out) for the model's ``get_rope_index``;
-set ``config.vision_start_token_id`` (151652; the config lacks it). No repair geometry. Bridge:
-``qwen3_omni_bridge.py``.
+module's ``_get_feat_extract_output_lengths``. Audio in video (``use_audio_in_video=True``): one
+vision region interleaves the video's grids and its clip's tokens, both cut into the runs' items
+(``audio_in_video.py``). The kept items' own encoder outputs go back in as ``mm_encoder_outputs``
+(deepstack); grids, seconds per grid and ``feature_attention_mask`` stay (dropped rows out) for
+the model's ``get_rope_index``; set ``config.vision_start_token_id`` (151652; the config lacks
+it). Text-only: both towers kept. No repair geometry. Bridge: ``qwen3_omni_bridge.py``.
 """
 
 from __future__ import annotations
@@ -41,11 +38,9 @@ def _visual(kind: str):
         pv, grid = kw[f"pixel_values{'_videos' if kind == 'video' else ''}"], kw[f"{kind}_grid_thw"]
         out = getattr(model, f"get_{kind}_features")(pv, grid, return_dict=True)
         feats = tuple(out.pooler_output)
-        if not kw.get("use_audio_in_video"):  # no region interleaves it with a clip
-            return Encoded(feats, output=out)
-        got = aiv.chunks_once(model, kw, _count(model))
-        pieces, parent, sample = aiv.cut(feats, getattr(got, kind, {}), got.sample.get(kind))
-        return Encoded(pieces, parent=parent, sample=sample, output=out)
+        if kw.get("use_audio_in_video"):  # a region may interleave it with a clip
+            return aiv.encoded(model, kw, _count(model), kind, feats, out)
+        return Encoded(feats, output=out)
 
     return encode
 
@@ -56,24 +51,19 @@ def _encode_audio(model: Any, kw) -> Encoded:
     alone = aiv.separate(model, kw, _count(model))
     if alone is not None:  # the clips back to back, cut by their counts after the verdict
         return Encoded((flat,), counts=alone[0], check=alone[1])
-    got = aiv.chunks_once(model, kw, _count(model))  # the clips back to back: cut per clip and run
-    clips = flat.split(list(got.clip_tokens))
-    pieces, parent, sample = aiv.cut(clips, got.audio, got.sample.get("audio"))
-    return Encoded(pieces, parent=parent, sample=sample)
+    return aiv.encoded(model, kw, _count(model), "audio", (flat,))  # cut per clip and run
 
 
 def _reuse(model: Any, encoded, kept) -> dict:
     """The kept images' / videos' own encoder outputs (deepstack) as ``mm_encoder_outputs``."""
     mm = {}
     for kind in ("image", "video"):
-        enc, keep = encoded.get(kind), kept.get(kind)
-        if enc is None or not keep:
-            continue
-        o = enc.output
-        mm[kind] = type(o)(
-            pooler_output=tuple(o.pooler_output[k] for k in keep),
-            deepstack_features=[tuple(layer[k] for k in keep) for layer in o.deepstack_features],
-        )
+        keep, o = kept.get(kind), getattr(encoded.get(kind), "output", None)
+        if keep and o is not None:
+            mm[kind] = type(o)(
+                pooler_output=tuple(o.pooler_output[k] for k in keep),
+                deepstack_features=[tuple(x[k] for k in keep) for x in o.deepstack_features],
+            )
     return {"mm_encoder_outputs": mm} if mm else {}
 
 

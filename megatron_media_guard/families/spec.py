@@ -110,6 +110,11 @@ class Encoded:
     # ``[items, max, h]`` padded, which the engine cuts by these counts once the merge's one
     # transfer brought them (:func:`cut_counted`)
     counts: torch.Tensor | None = None
+    # per item the runs it owns on the device, each of an equal share of its features, where
+    # the host does not know them (GLM-4V's video: its temporal groups' frame runs): the
+    # merge checks them there and the engine cuts each item into its runs once the merge's
+    # one transfer brought them
+    runs: torch.Tensor | None = None
     # the family's own refusal of the call, on the device: a 0-d int (nonzero: refused) read
     # with the merge's verdict, and what raises then (it may read the host: off the aligned
     # path); e.g. Qwen3-Omni's video region holding audio without use_audio_in_video

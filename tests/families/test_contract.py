@@ -769,6 +769,7 @@ TRANSFER_MIXES = {
         ("image + audio", [[img(4, 4), aud(80)], [aud(50), img(2, 2)]]),
         ("video + audio", [[vid(2, 4, 4), aud(80)], [aud(50)]]),
         ("image + video + audio", [[img(4, 4), aud(80)], [vid(2, 4, 4)], [aud(50), img(2, 2)]]),
+        ("video with its audio", [[vid(2, 4, 4, 80)], [vid(2, 4, 4, 50), img(2, 2)]]),
     ),
     # the inputs mode: the runs checked against the grids' count tables on the device
     "qwen_vl": (
@@ -777,9 +778,10 @@ TRANSFER_MIXES = {
         ("image + video", [[img(64, 64), vid(4, 64, 64)], [img(96, 64)], [vid(2, 64, 96)]]),
     ),
 }
-#: (family, mix) -> transfers where not 1: GLM-4V cuts each video into its frame runs by the
-#: video grids (the model's own get_video_features reads them on the host too)
-TRANSFERS = {("glm4v", "video"): 2, ("glm4v", "image + video"): 2}
+#: (family, mix) -> transfers where not 1: Qwen3-Omni's audio in video (use_audio_in_video)
+#: cuts each video and its clip into the runs their region interleaves on the host (from the
+#: grids, the seconds per grid and the clip's length) before the merge
+TRANSFERS = {("qwen3_omni", "video with its audio"): 2}
 TRANSFER_ROWS = [(f, mix, s) for f, xs in TRANSFER_MIXES.items() for mix, s in xs]
 
 
