@@ -418,6 +418,85 @@ def test_repair_where_the_family_has_a_geometry(name, tmp_path):
             assert f"cannot repair: no geometry for {name}" in why, why
 
 
+#: family -> what ``install_vlm`` without a tokenizer says, where the markers are tokenizer-only
+MARKERS = {
+    "nemotron_omni": "'<img>'",
+    "internvl": "'<img>'",
+    "mistral3": r"\[IMG_END\].*\[IMG_BREAK\]",
+    "qwen3_omni": "audio start/end markers",
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_registry_finds_the_model_and_its_inner_model(name):
+    """``find_family`` guards the outermost class the family knows (and its inner model alone,
+    where the registry holds that class too); markers the config lacks are named at install."""
+    from megatron_media_guard.adapters import install_vlm
+    from megatron_media_guard.errors import MediaInputError
+    from megatron_media_guard.families import find_family
+
+    _case, _F, model = build(name)
+    target, spec = find_family(model)
+    assert target is model and spec.name == name
+    inner = getattr(model, "model", None)
+    if type(inner).__name__ in spec.classes.get("transformers.", ()):
+        assert find_family(inner) == (inner, spec)
+    if name in MARKERS:
+        with pytest.raises(MediaInputError, match=MARKERS[name]):
+            install_vlm(model, GuardConfig())
+    with pytest.raises(MediaInputError, match=name):  # an unknown model lists the families
+        install_vlm(torch.nn.Linear(2, 2), GuardConfig())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_set_items_names_the_sample_id_and_checks_the_count(name, tmp_path):
+    """Items given with ``set_items`` name the faulty sample by its id; a list one item short
+    is refused before any check."""
+    from megatron_media_guard import MediaAlignmentError
+    from megatron_media_guard.adapters import install_vlm
+    from megatron_media_guard.errors import MediaInputError
+
+    case, F, model = build(name)
+    ok = F.make_batch(model, case.samples[:2])
+    b = F.make_batch(model, faulty(ok, case.samples[:2], FAULTS["one run short"]))
+    items = [MediaItem(n, sample=s, modality=mod, sample_id="ab"[s]) for s, mod, n in b.items]
+    for given, err, match in [
+        (items, MediaAlignmentError, "sample_id 'b'"),
+        (items[:-1], MediaInputError, "set_items (gave|declares)"),
+    ]:
+        cfg = GuardConfig(log_dir=str(tmp_path))
+        with (
+            install_vlm(model, cfg, tokenizer=case.one_item[1]) as h,
+            pytest.raises(err, match=match),
+        ):
+            h.set_items(given)
+            logits(model, b.kwargs)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_generated_placeholder_is_fed_as_text(name):
+    """A placeholder the policy wrote in its response (under the labels, outside every region)
+    is kept and fed as the family's text token: the plain forward of exactly that."""
+    from megatron_media_guard.families import find_family
+
+    case, F, model = build(name)
+    b = F.make_batch(model, case.samples[:2])
+    spec = find_family(model)[1]
+    placeholder = spec.modalities[0].placeholder.resolve(model, case.one_item[1])
+    pos = b.lengths[1] - 2  # a text token of sample 1's response
+    fixed = dict(b.kwargs, input_ids=b.input_ids.clone())
+    fixed["input_ids"][1, pos] = spec.text.resolve(model, case.one_item[1])
+    b.kwargs["input_ids"][1, pos] = placeholder
+    labels = torch.full_like(b.input_ids, -100)  # the responses: each sample's last 2 tokens
+    for k, n in enumerate(b.lengths):
+        labels[k, n - 2 : n] = b.input_ids[k, n - 2 : n]
+    b.kwargs["labels"] = labels
+    out, res = guarded(name, model, b, GuardConfig(policy="drop"))
+    assert res.report.actions == ("keep", "keep")
+    assert res.report.generated == ((1, (pos,)),)
+    torch.testing.assert_close(out, logits(model, fixed), atol=1e-6, rtol=1e-6)
+
+
 # ---- each family's own aligned batches (ragged, text-only samples, mixed modalities) ----
 
 FAMILY_ALIGNED = {
