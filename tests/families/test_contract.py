@@ -25,9 +25,8 @@ On the real transformers class of each family (tiny random config, CPU, batches 
 
 The samples and the tokenizer stand-ins come from the tables of ``tests/test_check_batch.py``
 and ``tests/test_text_only_rank.py`` (imported, not copied). Bridge 0.6.2's classes are rows of
-the table too; their behaviour runs in ``tests/test_family_*_bridge.py`` and
-``tests/test_family_mrope_bridge.py`` under ``bash scripts/test_mcore019.sh`` (skipped without
-Bridge); here the registry must route each to its spec. A family registered without a case
+the table too; their behaviour runs in ``tests/test_family_*bridge.py`` under
+``bash scripts/test_mcore019.sh`` (skipped without Bridge); here the registry must route each to its spec. A family registered without a case
 fails :func:`test_every_registered_family_has_a_case`; docs/FAMILIES.md's capability table is
 checked against this table and the registry.
 """
