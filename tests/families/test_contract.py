@@ -16,6 +16,10 @@ On the real transformers class of each family (tiny random config, CPU, batches 
 - ``policy="repair"``: a family with a geometry (built from the model's config, no
   ``geometry=`` from the user) repairs or falls back on a short run with every other sample
   equal to its own forward; one without says why in the record;
+- the registry guards the outermost class (and the inner model alone where it is registered);
+  markers the config lacks are named at install; ``set_items`` names the faulty sample's id
+  and refuses a list of the wrong length; a placeholder the policy generated (under the loss,
+  outside every region) is fed as the family's text token;
 - ``check_batch``: the family's case in ``tests/test_check_batch.py`` (the data side, its own
   table: keep / raise naming the sample / drop, the plain model taking the returned batch).
 - each family's own batches, as rows of the same checks: ``FAMILY_ALIGNED`` (ragged, text-only
@@ -25,10 +29,11 @@ On the real transformers class of each family (tiny random config, CPU, batches 
 
 The samples and the tokenizer stand-ins come from the tables of ``tests/test_check_batch.py``
 and ``tests/test_text_only_rank.py`` (imported, not copied). Bridge 0.6.2's classes are rows of
-the table too; their behaviour runs in ``tests/test_family_*bridge.py`` under
-``bash scripts/test_mcore019.sh`` (skipped without Bridge); here the registry must route each to its spec. A family registered without a case
-fails :func:`test_every_registered_family_has_a_case`; docs/FAMILIES.md's capability table is
-checked against this table and the registry.
+the table too (the registry must hold each under the family); their routing and behaviour run
+in ``tests/test_family_*bridge.py`` under ``bash scripts/test_mcore019.sh`` (skipped without
+Bridge). A family registered without a case fails
+:func:`test_every_registered_family_has_a_case`; docs/FAMILIES.md's capability table is checked
+against this table and the registry.
 """
 
 from __future__ import annotations
@@ -711,52 +716,6 @@ def test_a_family_fault_dropped_feeds_no_feature_and_keeps_the_others(name, faul
             want = own(F, model, fault.samples[k])
             torch.testing.assert_close(out.logits[k, : b.lengths[k]], want, atol=1e-5, rtol=0)
     assert torch.isfinite(out.loss)
-
-
-# ---- Bridge 0.6.2's classes (bash scripts/test_mcore019.sh; skipped without Bridge) ----
-
-#: family -> (the module constant to import first, the builder over the transformers model)
-BRIDGE_BUILDERS = {
-    "gemma3": ("bridge_models_hf:GEMMA3_VL", "bridge_models_hf:gemma3_vl"),
-    "qwen2_audio": ("bridge_models_hf:QWEN2_AUDIO", "bridge_models_hf:qwen2_audio"),
-    "glm4v": ("bridge_models:GLM45V", "bridge_models:glm45v"),
-    "ernie4_5_vl": ("bridge_models:ERNIE45VL", "bridge_models:ernie45_vl"),
-    "qwen3_omni": ("bridge_models_omni:THINKER", "bridge_models_omni:qwen3_omni"),
-}
-
-
-def _testing(ref: str):
-    mod, name = ref.split(":")
-    return getattr(importlib.import_module(f"megatron_media_guard.testing.{mod}"), name)
-
-
-@pytest.mark.parametrize("name", sorted(BRIDGE_BUILDERS))
-def test_the_registry_routes_bridges_class_to_the_family(name):
-    """Bridge's real class, built from the wheel around the row's transformers model, is
-    found as the family (the other Bridge rows: Kimi K2.5 and Ministral 3 need their own
-    builders, Qwen-VL's in tests/test_adapter_qwen_vl_bridge.py; each *_bridge file runs the
-    behaviour)."""
-    from megatron_media_guard.families import find_family
-    from megatron_media_guard.testing import bridge as loader
-
-    reason = loader.missing()
-    if reason is not None:
-        pytest.skip(reason)
-    case, _F, full = build(name)
-    const, builder = BRIDGE_BUILDERS[name]
-    with loader.bridge_modules(loader.find_root()):
-        importlib.import_module(_testing(const))
-        model = _testing(builder)(full)
-        target, spec = find_family(model)
-    assert type(target).__module__.startswith("megatron.bridge.")
-    assert type(target).__name__ in case.bridge_cls.split(", ")
-    # the family's Bridge spec itself (its own forward keywords), not the transformers one
-    (want,) = [
-        s
-        for s in FAMILIES
-        if s.name == name and type(target).__name__ in s.classes.get("megatron.bridge.", ())
-    ]
-    assert spec is want
 
 
 # ---- docs/FAMILIES.md's capability table is this table and the registry ----
