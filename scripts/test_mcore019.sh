@@ -119,7 +119,7 @@ if [ "$#" -eq 0 ]; then
         tests/test_adapter_llava_omni.py tests/test_adapter_mimo.py tests/test_launcher.py \
         tests/test_adapter_dist.py tests/test_dist_layouts.py \
         tests/test_adapter_qwen_vl_bridge.py tests/test_adapter_llava_bridge.py \
-        tests/test_family_bridge.py tests/test_family_mrope_bridge.py \
+        tests/test_family_bridge.py \
         tests/test_family_qwen3_omni_bridge.py
 fi
 exec "$PY" -m pytest -q -p no:cacheprovider "$@"

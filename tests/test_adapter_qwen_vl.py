@@ -16,6 +16,7 @@ import torch
 
 from megatron_media_guard import Grammar, GuardConfig, MediaAlignmentError, MediaGuard, MediaItem
 from megatron_media_guard.core.host import count_transfers
+from megatron_media_guard.core.outcome import StageOutcome
 from megatron_media_guard.errors import MediaInputError
 from megatron_media_guard.geometry import PatchMergeGeometry
 
@@ -70,13 +71,25 @@ def geometry(family: str) -> PatchMergeGeometry:
     )
 
 
-def guard_for(family: str, policy: str, **cfg) -> MediaGuard:
+def guard_for(family: str, policy: str, consensus=None, **cfg) -> MediaGuard:
     geo = geometry(family)  # one per modality, as for the processors' own budgets
     return MediaGuard(
         GuardConfig(policy=policy, fallback="drop", **cfg),
         grammar=Grammar.qwen2_vl(),
         geometry={"image": geo, "video": geo},
+        consensus=consensus,
     )
+
+
+class Recorder:
+    """A consensus that records each round's local outcome."""
+
+    def __init__(self):
+        self.seen = []
+
+    def agree(self, local):
+        self.seen.append(local)
+        return StageOutcome.local(local, 0)
 
 
 def spy(module) -> tuple[dict, list]:
@@ -359,6 +372,48 @@ def test_items_metadata_names_the_sample_ids(family, tmp_path):
     assert [r["sample_id"] for r in recs if r["event"] == "drop"] == ["r0", "r1"]
 
 
+def _contradicting(items: list, what: str) -> list:
+    items = list(items)
+    if what == "modality":
+        items[0] = MediaItem(items[0].num_features, sample=0, modality="video")
+    elif what == "some_samples":
+        items[1] = MediaItem(items[1].num_features, modality="image")
+    elif what == "features":
+        items[0] = MediaItem(items[0].num_features + 1, sample=0, modality="image")
+    return items
+
+
+@pytest.mark.parametrize(
+    "what, match",
+    [
+        ("modality", r"set_items gave 3 items .* for this call's \{'image': 2, 'video': 1\}"),
+        ("some_samples", r"sample for every item or for none"),
+        ("features", r"item 0 is image with \d+ features; image grid row 0 \(1, \d+, \d+\)"),
+    ],
+)
+def test_items_that_contradict_the_grids_are_input_errors(what, match):
+    """One item per grid row, checked against the grids: wrong modalities or samples for some
+    items only never take the device path; a declared count that disagrees with its grid row
+    is checked on the device and named on the fault path (too few items: above)."""
+    family = "qwen2_5_vl"
+    model = model_for(family)
+    batch = build_batch(SAMPLES, family, patch_of(family), TRAINER * (patch_of(family) * 2) ** 2)
+    rows = [("image", r) for r in batch["image_grid_thw"].tolist()]
+    rows += [("video", r) for r in batch["video_grid_thw"].tolist()]
+    items = [
+        MediaItem(t * h * w // 4, sample=s, modality=m)
+        for (m, (t, h, w)), s in zip(rows, (0, 2, 1))
+    ]
+    guard = MediaGuard(GuardConfig(policy="drop"), grammar=Grammar.qwen2_vl())
+    with torch.no_grad(), install_qwen_vl(model, guard) as h:
+        h.set_items(items)
+        model(**batch)  # the items as the grids say: aligned
+        assert h.last_result.report.ok
+        h.set_items(_contradicting(items, what))
+        with pytest.raises(MediaInputError, match=match):
+            model(**batch)
+
+
 def test_replay_bundle_of_a_mismatched_batch(family, tmp_path):
     from megatron_media_guard.replay.bundle_load import load_bundle
 
@@ -391,16 +446,6 @@ def test_a_failed_bundle_save_does_not_stop_the_drop(family, tmp_path, monkeypat
 
 
 def test_consensus_round_per_forward(family):
-    from megatron_media_guard.core.outcome import StageOutcome
-
-    class Recorder:
-        def __init__(self):
-            self.seen = []
-
-        def agree(self, local):
-            self.seen.append(local)
-            return StageOutcome.local(local, 0)
-
     engine, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
     model = model_for(family)
     rec = Recorder()
@@ -412,6 +457,54 @@ def test_consensus_round_per_forward(family):
     assert len(rec.seen) == 3
     assert [o.dropped for o in rec.seen] == [0, 2, 2]
     assert rec.seen[1].digest == rec.seen[2].digest != rec.seen[0].digest
+
+
+def _bad_pixels(b):
+    return dict(b, pixel_values=b["pixel_values"][:-1])
+
+
+def _no_grid(b):
+    return dict(b, image_grid_thw=None)
+
+
+ROUND = [SAMPLES[0], Sample(())]  # an image and a text-only sample
+
+
+@pytest.mark.parametrize(
+    ("name", "edit", "items"),
+    [
+        ("pixel rows", _bad_pixels, None),
+        ("no grid", _no_grid, None),
+        ("items", dict, [MediaItem(1, modality="image"), MediaItem(1, modality="image")]),
+    ],
+)
+def test_an_early_error_joins_the_round_once_as_fatal(name, edit, items):
+    """Bad input raised before the round still joins it, once, as fatal: no peer waits for a
+    rank that left early."""
+    engine, _ = seed_failure("qwen2_5_vl", ROUND, ENGINE, TRAINER)
+    model, rec = model_for("qwen2_5_vl"), Recorder()
+    with torch.no_grad(), install_qwen_vl(model, guard_for("qwen2_5_vl", "raise", rec)) as h:
+        h.set_items(items)
+        with pytest.raises(MediaInputError):
+            model(**edit(engine))
+        assert [o.fatal for o in rec.seen] == [True], name
+        model(**engine)  # the next call: one more round, not fatal
+    assert [o.fatal for o in rec.seen] == [True, False]
+
+
+def test_a_failed_resize_falls_back_in_one_round(monkeypatch):
+    import megatron_media_guard.families.resize as plan_mod
+
+    def boom(*a, **k):
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(plan_mod, "resize_patches", boom)
+    _, mixed = seed_failure("qwen2_5_vl", ROUND, ENGINE, TRAINER)
+    model, rec = model_for("qwen2_5_vl"), Recorder()
+    with torch.no_grad(), install_qwen_vl(model, guard_for("qwen2_5_vl", "repair", rec)) as h:
+        model(**mixed)
+    assert h.last_result.report.actions == ("drop", "keep")
+    assert [(o.fatal, o.dropped, o.repaired) for o in rec.seen] == [(False, 1, 0)]
 
 
 def test_remove_restores_the_plain_model(family):

@@ -2,24 +2,26 @@
 wheel, CPU) of the engine families Bridge trains with one merge each: ``Gemma3VLModel`` (its own
 SigLIP tower and projector, :class:`Gemma3LanguageModel` decoding under the attention biases
 Bridge computes from ``input_ids``), ``Ministral3Model`` (transformers' Pixtral tower and projector
-built by Bridge itself) and ``Qwen2AudioModel`` (transformers' audio encoder and projector built by
-Bridge; Bridge merges audio whenever ``input_features`` is given: the guard passes it as None)
-and ``KimiK25VLModel`` (its provider, ``_extract_image_features`` and
+built by Bridge itself), ``Qwen2AudioModel`` (transformers' audio encoder and projector built by
+Bridge; Bridge merges audio whenever ``input_features`` is given: the guard passes it as None),
+``KimiK25VLModel`` (its provider, ``_extract_image_features`` and
 ``_merge_input_ids_with_image_features``; ``hf_model_path`` a local directory,
 ``testing/bridge_models_kimi.py``: a ``config.json`` and a stand-in remote
 ``modeling_kimi_k25.py`` over transformers' native tower and projector, loaded through
-``get_class_from_dynamic_module``). The language model is a tiny stand-in (megatron-core's
-GPTModel attention needs CUDA; Kimi's: transformers' tiny DeepSeek-V3 text model), the provider
-config a stand-in with the attributes each class reads.
+``get_class_from_dynamic_module``), and the M-RoPE classes ``GLM45VModel`` and ``Ernie45VLModel``
+(their providers; Bridge computes its M-RoPE itself from ``input_ids``, ``mm_token_type_ids`` and
+the grids). The language model is a tiny stand-in (megatron-core's GPTModel attention needs
+CUDA; Kimi's: transformers' tiny DeepSeek-V3 text model), the provider config a stand-in with
+the attributes each class reads.
 
-Bridge checks only the batch total before its ``masked_scatter``: +k/-k runs silently unguarded,
-a net short run raises naming no sample. Kimi's pre-expanded merge (pinned below): +k/-k and
+Bridge checks only the batch total before its ``masked_scatter``: +k/-k runs silently unguarded
+(on the M-RoPE classes it then fails in their rope with a shape error naming no sample), a net
+short run raises naming no sample. Kimi's pre-expanded merge (pinned below): +k/-k and
 swaps run silently; a short run takes its "truncated pre-expanded" branch, which re-cuts the
 features per sample: silent too (a short first image of two hands its last feature to the
 second image's run); more placeholders than features fall through to its dynamic expansion and
-crash with a bare shape error. One :class:`BridgeCase` per class, then each class's own checks;
-the M-RoPE classes: ``tests/test_family_mrope_bridge.py``. Runs under
-``scripts/test_mcore019.sh``."""
+crash with a bare shape error. One :class:`BridgeCase` per class, then each class's own checks.
+Runs under ``scripts/test_mcore019.sh``."""
 
 from __future__ import annotations
 
@@ -57,6 +59,10 @@ def aud(*size, n=None):
     return Media("audio", size, n)
 
 
+def vid(*size, n=None):
+    return Media("video", size, n)
+
+
 def _gemma3(full):
     from megatron_media_guard.testing.bridge_models_hf import gemma3_vl
 
@@ -92,6 +98,20 @@ def _qwen2_audio(full):
     return qwen2_audio(full)
 
 
+def _mrope(const: str, build: str, hf: str):
+    """GLM-4.5V's / Ernie 4.5 VL's builder: Bridge computes its M-RoPE itself from the ids,
+    ``mm_token_type_ids`` and the grids."""
+
+    def make(full):
+        from megatron_media_guard.testing import bridge_models
+
+        importlib.import_module(getattr(bridge_models, const))
+        return getattr(bridge_models, build)(full)
+
+    pytest.importorskip(f"transformers.models.{hf}")
+    return make
+
+
 @dataclass(frozen=True)
 class BridgeCase:
     """fixture: the transformers model's ``testing/families`` module; build: Bridge's class
@@ -100,7 +120,10 @@ class BridgeCase:
     towers: the tower modules for keep_tower;
     aligned / plus_minus: batches (``plus_minus``: samples 0 and 1 +k/-k, sample 2 aligned,
     the batch total right); short: a net short (or surplus) run in sample 1, Bridge's error and
-    its message; tmp: ``build`` takes a temporary directory (Kimi's checkpoint)."""
+    its message; tmp: ``build`` takes a temporary directory (Kimi's checkpoint); also: more
+    aligned batches; rope_error: Bridge's own M-RoPE error on ``plus_minus`` (silent where
+    None); mixed_plain_ok: Bridge's forward takes images and videos in one batch (M-RoPE
+    classes; None: not checked)."""
 
     cls: str
     fixture: str
@@ -113,6 +136,9 @@ class BridgeCase:
     first: bool = True
     short: tuple[list, type, str] | None = None
     tmp: bool = False
+    also: tuple = ()
+    rope_error: str | None = None
+    mixed_plain_ok: bool | None = None
 
     @property
     def F(self):
@@ -172,8 +198,36 @@ CASES = {
             short=([[img(2, 2)], [img(4, 4, n=5)]], RuntimeError, "shape mismatch"),
             tmp=True,
         ),
+        BridgeCase(
+            "GLM45VModel", "glm4v", _mrope("GLM45V", "glm45v", "glm4v"),
+            aligned=[[img(4, 6)], [img(6, 4)], [img(4, 4)]],
+            also=([[vid(2, 4, 4)], [vid(1, 4, 6)]],),
+            plus_minus=[[img(4, 6, n=7)], [img(4, 6, n=5)], [img(4, 4)]],
+            towers=("visual",),
+            drop="attention_mask",
+            first=False,
+            short=([[img(4, 4)], [img(4, 6, n=5)]], Exception, ""),  # Bridge's total check
+            rope_error="shape mismatch",
+            mixed_plain_ok=False,
+        ),
+        BridgeCase(
+            "Ernie45VLModel", "ernie4_5_vl", _mrope("ERNIE45VL", "ernie45_vl", "ernie4_5_vl_moe"),
+            aligned=[[img(4, 6)], [img(6, 4)], [img(4, 4)]],
+            also=(
+                [[vid(2, 4, 4)], [vid(2, 4, 6)]],
+                [[img(4, 4), vid(2, 4, 4)], [vid(2, 4, 4)], [img(4, 6)]],
+            ),
+            plus_minus=[[img(4, 6, n=7)], [img(4, 6, n=5)], [img(4, 4)]],
+            towers=("vision_tower", "resampler_model"),
+            drop="attention_mask",
+            first=False,
+            short=([[img(4, 4)], [img(4, 6, n=5)]], Exception, ""),
+            rope_error="must match the existing size",
+            mixed_plain_ok=True,
+        ),
     ]
 }  # fmt: skip
+MROPE = [c for c in CASES if CASES[c].rope_error]
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -198,11 +252,22 @@ def test_the_registry_finds_bridges_class(bridge):
 
 def test_aligned_batch_is_bit_identical(bridge):
     case, model, full = bridge
-    b = case.F.make_batch(full, case.aligned)
-    ref = case.forward(model, b)
-    with case.install(model, GuardConfig()) as h:
-        assert torch.equal(case.forward(model, b), ref)
-    assert h.last_result.report.actions == ("keep",) * len(case.aligned)
+    for samples in (case.aligned, *case.also):
+        b = case.F.make_batch(full, samples)
+        ref = case.forward(model, b)
+        with case.install(model, GuardConfig()) as h:
+            assert torch.equal(case.forward(model, b), ref), samples
+        assert h.last_result.report.actions == ("keep",) * len(samples)
+
+
+def unguarded(case, model, b) -> None:
+    """Bridge's own forward on the +k/-k batch: its batch-total check passes; an M-RoPE class
+    then gives the longer run its grid's positions (a shape error naming no sample)."""
+    if case.rope_error is None:
+        case.forward(model, b)
+        return
+    with pytest.raises(RuntimeError, match=case.rope_error):
+        case.forward(model, b)
 
 
 @pytest.mark.parametrize("bridge", [c for c in CASES if CASES[c].short], indirect=True)
@@ -221,7 +286,7 @@ def test_short_run_raises_in_bridge_and_names_the_sample_guarded(bridge, tmp_pat
 def test_plus_minus_k_is_silent_unguarded_and_raises_guarded(bridge):
     case, model, full = bridge
     b = case.F.make_batch(full, case.plus_minus)
-    case.forward(model, b)  # Bridge's batch-total check passes
+    unguarded(case, model, b)
     h = case.install(model, GuardConfig())
     with h, pytest.raises(MediaAlignmentError, match=r"sample 0\b"):
         case.forward(model, b)
@@ -240,13 +305,13 @@ def test_drop_keeps_the_aligned_sample_feeds_no_feature_and_remove_restores(brid
     alone = case.F.make_batch(full, [case.plus_minus[2]])
     n = alone.lengths[0]
     torch.testing.assert_close(out[2, :n], case.forward(model, alone)[0], atol=1e-5, rtol=1e-5)
-    if case.fixture != "gemma3":
+    if case.fixture != "gemma3" and case.rope_error is None:
         for s in (0, 1):
             ids = b.input_ids[s : s + 1, : b.lengths[s]]
             text = case.forward(model, input_ids=ids, inputs_embeds=bridge_embed(model, ids))[0]
             torch.testing.assert_close(out[s, : b.lengths[s]], text, atol=1e-5, rtol=1e-5)
     h.remove()
-    case.forward(model, b)  # Bridge's own forward again: silent
+    unguarded(case, model, b)  # Bridge's own forward again
 
 
 @pytest.mark.parametrize("bridge", ["Gemma3VLModel"], indirect=True)
@@ -405,3 +470,21 @@ def test_a_kimi_drop_keeps_each_aligned_sample_and_its_loss(bridge, samples, swa
             ref = case.forward(model, input_ids=ids, inputs_embeds=bridge_embed(model, ids))[0]
             assert (h.last_result.labels[s, :n] == -100).all()  # its loss is ignored
         torch.testing.assert_close(logits[s, :n], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bridge", MROPE, indirect=True)
+def test_images_and_videos_in_one_batch_run_guarded_as_each_alone(bridge):
+    """On GLM-4.5V the plain forward cannot take them (the images' features meet every image
+    token); guarded, each sample is its own forward."""
+    case, model, full = bridge
+    samples = [[img(4, 4)], [vid(2, 4, 4)]]
+    b = case.F.make_batch(full, samples)
+    if not case.mixed_plain_ok:
+        with pytest.raises(Exception):  # noqa: B017 - Bridge's own total check, no sample named
+            case.forward(model, b)
+    with case.install(model, GuardConfig()):
+        out = case.forward(model, b)
+    for k, sample in enumerate(samples):
+        alone = case.F.make_batch(full, [sample])
+        want = case.forward(model, alone)[0, : alone.lengths[0]]
+        torch.testing.assert_close(out[k, : b.lengths[k]], want, atol=1e-5, rtol=1e-5)

@@ -21,14 +21,11 @@ from family_checks import hidden_forward as forward
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem
 from megatron_media_guard.core.host import count_transfers
-from megatron_media_guard.errors import MediaInputError
 
 pytest.importorskip("transformers.models.internvl")
 pytest.importorskip("PIL")
 
 from megatron_media_guard.adapters import install_vlm
-from megatron_media_guard.families import family_of
-from megatron_media_guard.families import internvl as spec_mod
 from megatron_media_guard.testing.families import internvl as F
 from megatron_media_guard.testing.families.base import Media as M
 
@@ -70,16 +67,15 @@ def own(model, sample):
     return F.plain_hidden(model, b)[0, : b.lengths[0]]
 
 
-def items_of(b, sample_ids=None) -> list[MediaItem]:
+def items_of(b) -> list[MediaItem]:
     """What a collate that kept the processor's ``num_patches`` would give ``set_items``: per
     tile block in ``pixel_values`` order, its sample and one item per image (SEQ x its tiles)
     or per video frame (SEQ), all of the model's one modality. After a swap a block keeps its
     place (its sample) and brings its tiles (``FamilyBatch.items``)."""
     out = []
     for s, mod, n in b.items:
-        sid = None if sample_ids is None else sample_ids[s]
         sizes = [n] if mod == "image" else [F.SEQ] * (n // F.SEQ)
-        out += [MediaItem(x, sample=s, modality="image", sample_id=sid) for x in sizes]
+        out += [MediaItem(x, sample=s, modality="image") for x in sizes]
     return out
 
 
@@ -88,17 +84,9 @@ def guarded(model, samples, config=None, items=True, labels=False, **kw):
     call = dict(b.kwargs, labels=b.input_ids.clone()) if labels else b.kwargs
     with install_vlm(model, config or GuardConfig(), tokenizer=TOKENS) as h:
         if items:
-            h.set_items(items_of(b) if items is True else items)
+            h.set_items(items_of(b))
         hidden, out = forward(model, call)
         return b, hidden, out, h.last_result
-
-
-def test_the_registry_and_the_grammar(model):
-    assert family_of(model) is spec_mod.SPEC and family_of(model.model) is spec_mod.SPEC
-    g = spec_mod.SPEC.grammar(model, TOKENS)
-    assert (g.placeholders, g.start_id, g.end_id) == ({"image": F.IMAGE}, F.IMG_START, F.IMG_END)
-    with pytest.raises(MediaInputError, match="'<img>'"):
-        install_vlm(model, GuardConfig())  # the markers are tokenizer-only
 
 
 ALIGNED = {
@@ -126,10 +114,8 @@ def test_aligned_batches_equal_the_plain_model(model, name, given, tmp_path):
 
 # (name, samples, swap, bad samples, a kept sample); unguarded, all but the short run are
 # silent with features in the wrong sample (tests/test_fixture_plain.py)
+# (a short run and +k/-k across images: tests/families/)
 FAULTS = [
-    ("short run", [[M("image", (56, 112), tokens=10)], [ONE]], None, {0}, 1),
-    ("+k/-k images", [[M("image", (56, 56), tokens=6)], [M("image", (56, 112), tokens=10)],
-                      [TALL]], None, {0, 1}, 2),
     ("+k/-k image and video frame", [[M("image", (56, 56), tokens=5)],
                                      [M("video", (2,), tokens=7)], [ONE]], None, {0, 1}, 2),
     ("swap of tile counts", [[WIDE], [ONE], [TALL]], (0, 1), {0, 1}, 2),
@@ -165,17 +151,8 @@ def test_without_set_items_only_the_total_is_checked(model, tmp_path):
     takes what is left); a +k/-k keeps every sample, and the record says why it could not see."""
     cfg = GuardConfig(log_dir=str(tmp_path))
     with pytest.raises(MediaAlignmentError):
-        guarded(model, FAULTS[0][1], cfg, items=False)
-    res = guarded(model, FAULTS[1][1], cfg, items=False)[3]
+        guarded(model, [[M("image", (56, 112), tokens=10)], [ONE]], cfg, items=False)
+    plus_minus = [[M("image", (56, 56), tokens=6)], [M("image", (56, 112), tokens=10)], [TALL]]
+    res = guarded(model, plus_minus, cfg, items=False)[3]
     assert res.report.actions == ("keep",) * 3
     assert any(CHECK in r["reason"] for r in records(tmp_path) if r["event"] == "check")
-
-
-def test_set_items_names_the_sample_id_and_checks_the_total(model, tmp_path):
-    samples = [[WIDE], [M("image", (56, 56), tokens=3)]]
-    b = F.make_batch(model, samples)
-    with pytest.raises(MediaAlignmentError, match="sample_id 'b'"):
-        guarded(model, samples, GuardConfig(log_dir=str(tmp_path)), items=items_of(b, "ab"))
-    wrong = [MediaItem(F.SEQ, modality="image")] * 2  # WIDE has 3 tiles, not 1
-    with pytest.raises(MediaInputError, match="set_items declares 8 image features"):
-        guarded(model, samples, items=wrong)

@@ -21,8 +21,6 @@ from megatron_media_guard.errors import MediaInputError
 pytest.importorskip("transformers.models.kimi_k25")
 
 from megatron_media_guard.adapters import install_vlm
-from megatron_media_guard.families import family_of
-from megatron_media_guard.families import kimi_k25 as spec_mod
 from megatron_media_guard.testing.families import kimi_k25 as F
 from megatron_media_guard.testing.families.base import Media as M
 
@@ -66,14 +64,6 @@ def guarded(model, samples, config=None, items=None):
             h.set_items(items)
         hidden, out = forward(model, b.kwargs)
         return b, hidden, out, h.last_result
-
-
-def test_the_registry_and_the_grammar(model):
-    assert family_of(model) is spec_mod.SPEC and family_of(model.model) is spec_mod.SPEC
-    g = spec_mod.SPEC.grammar(model)
-    cfg = model.config
-    assert g.placeholders == {"image": cfg.image_token_id, "video": cfg.video_token_id}
-    assert (g.start_id, g.end_id) == (cfg.vision_start_token_id, cfg.vision_end_token_id)
 
 
 def test_set_items_takes_one_item_per_chunk(model, tmp_path):

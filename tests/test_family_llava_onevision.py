@@ -23,10 +23,10 @@ import types
 import numpy as np
 import pytest
 import torch
-from family_checks import decoder_inputs, named_items, records
+from family_checks import decoder_inputs, records
 
-from megatron_media_guard import GuardConfig, MediaAlignmentError
-from megatron_media_guard.families import anyres_pixels, find_family
+from megatron_media_guard import GuardConfig
+from megatron_media_guard.families import anyres_pixels
 from megatron_media_guard.families import llava_onevision as spec_mod
 from megatron_media_guard.geometry.anyres import fitted_size
 from megatron_media_guard.repair.reproject import resize_frames
@@ -194,23 +194,11 @@ def own(model, sample) -> torch.Tensor:
     return logits(model, b.kwargs)[0, : b.lengths[0]]
 
 
-def guarded(model, samples, config=None, items=None, **kw):
+def guarded(model, samples, config=None, **kw):
     b = F.make_batch(model, samples, **kw)
     with install_vlm(model, config or GuardConfig()) as h:
-        if items is not None:
-            h.set_items(items)
         out = logits(model, b.kwargs)
         return b, out, h.last_result
-
-
-def test_the_registry_finds_the_family_and_its_grammar(model):
-    target, spec = find_family(model)
-    assert spec is spec_mod.SPEC and target is model
-    g = spec.grammar(model)
-    assert dict(g.placeholders) == {"image": 151646, "video": 151647}
-    assert (g.start_id, g.end_id, g.break_ids) == (None, None, ())
-    assert find_family(model.model)[1] is spec_mod.SPEC
-    assert F.llava_onevision_num_features(56, 56, model.config) == N56
 
 
 ALL = [img(80, 80)]  # an aligned sample beside every fault: it must stay its own forward
@@ -268,6 +256,7 @@ def test_repair_of_a_multi_image_sample_falls_back_saying_why(model, tmp_path):
 
 
 def test_repair_falls_back_where_no_size_gives_the_count(model, tmp_path):
+    assert F.llava_onevision_num_features(56, 56, model.config) == N56
     cfg = GuardConfig(policy="repair", fallback="drop", log_dir=str(tmp_path))
     _, _, res = guarded(
         model, [[img(56, 56, tokens=N56 - 1)], ALL], cfg
@@ -306,9 +295,3 @@ def test_tiles_are_the_processors_and_stitch_back_exactly(model):
         assert tiles.shape == pv.shape
         torch.testing.assert_close(tiles[1:], pv[1:], atol=1e-5, rtol=0)
         assert (tiles[0] - pv[0]).abs().mean() < 0.1  # torch vs PIL bicubic on the base tile
-
-
-def test_set_items_names_the_sample_id(model, tmp_path):
-    cfg = GuardConfig(log_dir=str(tmp_path))
-    with pytest.raises(MediaAlignmentError, match="sample_id 'b'"):
-        guarded(model, [ALL, [img(56, 56, tokens=N56 - 1)]], cfg, named_items("image"))

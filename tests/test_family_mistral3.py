@@ -22,11 +22,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from family_checks import named_items, records
+from family_checks import records
 
-from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaGuard, MediaItem
-from megatron_media_guard.errors import MediaInputError
-from megatron_media_guard.families import find_family
+from megatron_media_guard import GuardConfig, MediaGuard, MediaItem
 from megatron_media_guard.families import mistral3 as spec_mod
 from megatron_media_guard.repair.reproject import resize_frames
 
@@ -141,19 +139,6 @@ def guarded(model, samples, config=None, items=None, guard=None, **kw):
         return b, out, h.last_result
 
 
-def test_the_registry_finds_the_family_and_its_grammar(model):
-    target, spec = find_family(model)
-    assert spec is spec_mod.SPEC and target is model
-    g = spec.grammar(model, TOKENS)
-    assert (dict(g.placeholders), g.start_id, g.end_id, g.break_ids) == (
-        {"image": 10},
-        None,
-        F.END_ID,
-        (F.BREAK_ID,),
-    )
-    assert find_family(model.model)[1] is spec_mod.SPEC  # Mistral3Model alone too
-
-
 ALL = [img(28, 56)]  # an aligned sample beside every fault: it must stay its own forward
 
 
@@ -190,18 +175,7 @@ def test_repair_falls_back_where_no_grid_fits(model, tmp_path):
     assert any("unreachable" in (r.get("reason") or "") for r in recs if r["event"] == "repair")
 
 
-def test_set_items_names_the_sample_id(model, tmp_path):
-    cfg = GuardConfig(log_dir=str(tmp_path))
-    with pytest.raises(MediaAlignmentError, match="sample_id 'b'"):
-        guarded(model, [ALL, [img(56, 84, tokens=5)]], cfg, named_items("image"))
-
-
 def test_a_guard_built_by_hand_with_the_family_grammar(model):
     guard = MediaGuard(GuardConfig(), grammar=spec_mod.SPEC.grammar(model, TOKENS))
     _, _, res = guarded(model, [[img(56, 84)], [img(84, 56)]], guard=guard)
     assert res.report.actions == ("keep", "keep")
-
-
-def test_missing_break_and_end_tokens_are_named(model):
-    with pytest.raises(MediaInputError, match=r"\[IMG_END\].*\[IMG_BREAK\]"):
-        install_vlm(model, GuardConfig())

@@ -7,11 +7,15 @@ one :class:`GridCase` each.
 - ``policy="repair"`` re-encodes a short image run at the grid the processor's own resize
   gives for the run (its grid row replaced for M-RoPE), equal to the plain model fed that
   image by hand; a short video run falls back;
-- ``set_items`` names the sample id; ``check_batch`` on the processor's outputs (no model)
-  drops the short sample and the plain model takes the checked batch.
+- ``check_batch`` on the processor's outputs (no model) drops the short sample (videos; a
+  mixed batch) and the plain model takes the checked batch.
 
-The shared contract (aligned, raise, drop, remove, keep_tower): ``tests/families/``; each
-family's own batches: ``FAMILY_FAULTS`` there and ``tests/test_family_glm4v.py``.
+GLM-4V's own: a sample holding both images and videos (which its plain model cannot take)
+equals its features placed by hand, run by run, with the model's own ``get_rope_index``
+positions; a batch without ``mm_token_type_ids`` is a clear error (both families).
+
+The shared contract (aligned, raise, drop, remove, keep_tower, set_items):
+``tests/families/``; each family's own batches: ``FAMILY_FAULTS`` there.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import pytest
 import torch
 from family_checks import guarded_forward, records
 
-from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem
+from megatron_media_guard import GuardConfig, MediaItem
 from megatron_media_guard.repair.pixels import from_frames, to_frames
 from megatron_media_guard.repair.reproject import resize_frames
 from megatron_media_guard.testing.families.base import Media
@@ -33,6 +37,7 @@ pytest.importorskip("transformers.models.glm4v")
 pytest.importorskip("transformers.models.ernie4_5_vl_moe")
 pytest.importorskip("PIL")
 
+from megatron_media_guard.adapters import install_vlm
 from megatron_media_guard.families import family_of
 
 pytestmark = pytest.mark.timeout(120)
@@ -106,10 +111,39 @@ def model_of(case: GridCase):
 
 
 def own(case: GridCase, model, sample) -> torch.Tensor:
-    """``sample``'s logits in a batch of its own, plain model."""
+    """``sample``'s logits in a batch of its own, plain model: ``[len, vocab]``. Images and
+    videos together GLM-4V cannot take: their features are then placed by hand, run by run in
+    token order, with the model's own M-RoPE positions."""
     b = case.F.make_batch(model, [sample])
+    kw = b.kwargs
     with torch.no_grad():
-        return model(**b.kwargs).logits[0, : b.lengths[0]]
+        if case.family != "glm4v" or {m.modality for m in sample} != {"image", "video"}:
+            return model(**kw).logits[0, : b.lengths[0]]
+        im = model.get_image_features(kw["pixel_values"], kw["image_grid_thw"]).pooler_output
+        vd = model.get_video_features(kw["pixel_values_videos"], kw["video_grid_thw"])
+        frames = [
+            g
+            for (_, h, w), v in zip(kw["video_grid_thw"].tolist(), vd.pooler_output)
+            for g in v.split(h * w // 4)
+        ]
+        queue = {"image": list(im), "video": frames}
+        emb = model.get_input_embeddings()(b.input_ids)
+        pos = (b.input_ids[0] == model.config.image_token_id).nonzero().flatten().tolist()
+        at = 0
+        for mod, n in b.runs[0]:
+            f = queue[mod].pop(0)
+            assert f.shape[0] == n
+            emb[0, pos[at : at + n]] = f
+            at += n
+        rope = model.model.get_rope_index(
+            b.input_ids,
+            kw["mm_token_type_ids"],
+            kw["image_grid_thw"],
+            kw["video_grid_thw"],
+            attention_mask=kw["attention_mask"],
+        )[0]
+        out = model(inputs_embeds=emb, position_ids=rope, attention_mask=kw["attention_mask"])
+    return out.logits[0, : b.lengths[0]]
 
 
 def guarded(case: GridCase, model, samples, config=None, items=None):
@@ -180,15 +214,11 @@ def test_repair_reencodes_the_image_at_the_processors_grid(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_a_short_video_run_falls_back_and_set_items_names_its_sample_id(name, tmp_path):
+def test_a_short_video_run_falls_back(name, tmp_path):
     case = CASES[name]
-    model = model_of(case)
     samples = [[vid(2, 4, 4)], [vid(2, 4, 4, n=case.short_video)]]
     cfg = GuardConfig(policy="repair", fallback="drop", log_dir=str(tmp_path))
-    assert guarded(case, model, samples, cfg)[2].report.actions == ("keep", "drop")
-    items = [MediaItem(0, sample=s, modality="video", sample_id=i) for s, i in enumerate("ab")]
-    with pytest.raises(MediaAlignmentError, match="sample_id 'b'"):
-        guarded(case, model, samples, GuardConfig(log_dir=str(tmp_path)), items=items)
+    assert guarded(case, model_of(case), samples, cfg)[2].report.actions == ("keep", "drop")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -209,3 +239,31 @@ def test_check_batch_before_the_trainer_drops_the_bad_sample_without_a_model(nam
     for k in (0, 2):
         want = own(case, model, case.check[k])
         torch.testing.assert_close(got[k, : b.lengths[k]], want, atol=1e-5, rtol=0)
+
+
+#: GLM-4V's batches beyond the contract's (its plain model takes no images beside videos)
+GLM4V_ALIGNED = [
+    ("image and video across samples", [[vid(2, 2, 4)], [img(4, 4), img(2, 2)]]),
+    ("image then video, equal runs", [[img(4, 4), vid(2, 4, 4)], [vid(2, 4, 4), img(4, 4)]]),
+]
+
+
+@pytest.mark.parametrize("_name,samples", GLM4V_ALIGNED, ids=[n for n, _ in GLM4V_ALIGNED])
+def test_glm4v_aligned_batches_equal_each_samples_own_forward(_name, samples):
+    case = CASES["glm4v"]
+    model = model_of(case)
+    b, out, res = guarded(case, model, samples)
+    assert res.report.actions == ("keep",) * len(samples)
+    for k, sample in enumerate(samples):
+        want = own(case, model, sample)
+        torch.testing.assert_close(out.logits[k, : b.lengths[k]], want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_missing_token_types_is_a_clear_error(name):
+    case = CASES[name]
+    model = model_of(case)
+    b = case.F.make_batch(model, [[img(4, 6)]])
+    b.kwargs.pop("mm_token_type_ids")
+    with install_vlm(model, GuardConfig()), pytest.raises(Exception, match="mm_token_type_ids"):
+        model(**b.kwargs)

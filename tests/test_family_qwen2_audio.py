@@ -21,12 +21,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from family_checks import named_items
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem
 from megatron_media_guard.adapters import install_vlm
-from megatron_media_guard.core.host import count_transfers
-from megatron_media_guard.families import find_family
 from megatron_media_guard.testing.families import qwen2_audio as F
 from megatron_media_guard.testing.families.base import Media
 
@@ -128,19 +125,6 @@ def guarded(model, samples, config=None, items=None, **kw):
         return b, out, h.last_result
 
 
-def test_aligned_call_on_the_full_class_is_bit_identical_with_one_transfer(model):
-    b = F.make_batch(model, [[aud(100)], [aud(40), aud(77)]])
-    with torch.no_grad():
-        ref = model(**b.kwargs).logits
-    h = install_vlm(model, GuardConfig())
-    assert h.module is model  # the outermost class the family knows
-    with h, count_transfers() as n, torch.no_grad():
-        out = model(**b.kwargs).logits
-    assert torch.equal(out, ref)
-    # the clips' feature counts (to cut the projector's padded rows) ride in the verdict
-    assert dict(n) == {"aligned-path verdict": 1}, n
-
-
 def test_a_clip_whose_run_has_no_placeholder_is_an_orphan_set_items_attributes(model, tmp_path):
     """bos/eos with nothing between is no run: raise names the item; drop leaves the clip
     unused (the report says so); ``set_items`` ties it to its sample, which is dropped."""
@@ -159,31 +143,3 @@ def test_a_clip_whose_run_has_no_placeholder_is_an_orphan_set_items_attributes(m
         torch.testing.assert_close(
             out[k, : b.lengths[k]], own(model, samples[k]), atol=1e-5, rtol=0
         )
-
-
-def test_repair_falls_back_naming_the_family(model, tmp_path):
-    cfg = GuardConfig(policy="repair", fallback="raise", log_dir=str(tmp_path))
-    with pytest.raises(MediaAlignmentError, match="no geometry for qwen2_audio"):
-        guarded(model, [[aud(100, tokens=24)], [aud(40)]], cfg)
-    cfg = GuardConfig(policy="repair", log_dir=str(tmp_path))  # fallback drop
-    _, _, res = guarded(model, [[aud(100, tokens=24)], [aud(40)]], cfg)
-    assert res.report.actions == ("drop", "keep")
-
-
-def test_set_items_names_the_sample_id(model, tmp_path):
-    with pytest.raises(MediaAlignmentError, match="sample_id 'b'"):
-        guarded(model, [[aud(100)], [aud(40, tokens=9)]], GuardConfig(log_dir=str(tmp_path)),
-                items=named_items("audio"))  # fmt: skip
-
-
-def test_remove_restores_the_plain_model_and_its_legacy_path(model):
-    b = F.make_batch(model, [[aud(100, tokens=1)]])
-    h = install_vlm(model.model, GuardConfig())
-    h.remove()
-    out = hidden(model, b.kwargs)  # plain again: the single placeholder is expanded
-    assert out.shape[1] == b.input_ids.shape[1] + 24
-
-
-def test_the_registry_knows_both_transformers_classes(model):
-    assert find_family(model)[1].name == "qwen2_audio"
-    assert find_family(model.model) == (model.model, find_family(model)[1])

@@ -85,6 +85,16 @@ def alone(model, full, sample) -> torch.Tensor:
     return forward(model, batch(full, [sample]).kwargs)[0]
 
 
+def test_the_registry_finds_the_thinker_as_the_bridge_spec(bridge):
+    """Bridge's own forward keywords (``apply="inputs"``), not the transformers spec."""
+    from megatron_media_guard.families import find_family
+
+    model, _ = bridge
+    target, spec = find_family(model)
+    assert type(target).__name__ == "Qwen3OmniThinkerModel" and target is model.thinker
+    assert spec is spec_mod.SPEC
+
+
 @pytest.mark.parametrize("case", list(ALIGNED))
 def test_aligned_batches_are_bit_identical(bridge, case):
     model, full = bridge

@@ -16,6 +16,10 @@ On the real transformers class of each family (tiny random config, CPU, batches 
 - ``policy="repair"``: a family with a geometry (built from the model's config, no
   ``geometry=`` from the user) repairs or falls back on a short run with every other sample
   equal to its own forward; one without says why in the record;
+- the registry guards the outermost class (and the inner model alone where it is registered);
+  markers the config lacks are named at install; ``set_items`` names the faulty sample's id
+  and refuses a list of the wrong length; a placeholder the policy generated (under the loss,
+  outside every region) is fed as the family's text token;
 - ``check_batch``: the family's case in ``tests/test_check_batch.py`` (the data side, its own
   table: keep / raise naming the sample / drop, the plain model taking the returned batch).
 - each family's own batches, as rows of the same checks: ``FAMILY_ALIGNED`` (ragged, text-only
@@ -25,11 +29,11 @@ On the real transformers class of each family (tiny random config, CPU, batches 
 
 The samples and the tokenizer stand-ins come from the tables of ``tests/test_check_batch.py``
 and ``tests/test_text_only_rank.py`` (imported, not copied). Bridge 0.6.2's classes are rows of
-the table too; their behaviour runs in ``tests/test_family_*_bridge.py`` and
-``tests/test_family_mrope_bridge.py`` under ``bash scripts/test_mcore019.sh`` (skipped without
-Bridge); here the registry must route each to its spec. A family registered without a case
-fails :func:`test_every_registered_family_has_a_case`; docs/FAMILIES.md's capability table is
-checked against this table and the registry.
+the table too (the registry must hold each under the family); their routing and behaviour run
+in ``tests/test_family_*bridge.py`` under ``bash scripts/test_mcore019.sh`` (skipped without
+Bridge). A family registered without a case fails
+:func:`test_every_registered_family_has_a_case`; docs/FAMILIES.md's capability table is checked
+against this table and the registry.
 """
 
 from __future__ import annotations
@@ -418,6 +422,85 @@ def test_repair_where_the_family_has_a_geometry(name, tmp_path):
             assert f"cannot repair: no geometry for {name}" in why, why
 
 
+#: family -> what ``install_vlm`` without a tokenizer says, where the markers are tokenizer-only
+MARKERS = {
+    "nemotron_omni": "'<img>'",
+    "internvl": "'<img>'",
+    "mistral3": r"\[IMG_END\].*\[IMG_BREAK\]",
+    "qwen3_omni": "audio start/end markers",
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_registry_finds_the_model_and_its_inner_model(name):
+    """``find_family`` guards the outermost class the family knows (and its inner model alone,
+    where the registry holds that class too); markers the config lacks are named at install."""
+    from megatron_media_guard.adapters import install_vlm
+    from megatron_media_guard.errors import MediaInputError
+    from megatron_media_guard.families import find_family
+
+    _case, _F, model = build(name)
+    target, spec = find_family(model)
+    assert target is model and spec.name == name
+    inner = getattr(model, "model", None)
+    if type(inner).__name__ in spec.classes.get("transformers.", ()):
+        assert find_family(inner) == (inner, spec)
+    if name in MARKERS:
+        with pytest.raises(MediaInputError, match=MARKERS[name]):
+            install_vlm(model, GuardConfig())
+    with pytest.raises(MediaInputError, match=name):  # an unknown model lists the families
+        install_vlm(torch.nn.Linear(2, 2), GuardConfig())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_set_items_names_the_sample_id_and_checks_the_count(name, tmp_path):
+    """Items given with ``set_items`` name the faulty sample by its id; a list one item short
+    is refused before any check."""
+    from megatron_media_guard import MediaAlignmentError
+    from megatron_media_guard.adapters import install_vlm
+    from megatron_media_guard.errors import MediaInputError
+
+    case, F, model = build(name)
+    ok = F.make_batch(model, case.samples[:2])
+    b = F.make_batch(model, faulty(ok, case.samples[:2], FAULTS["one run short"]))
+    items = [MediaItem(n, sample=s, modality=mod, sample_id="ab"[s]) for s, mod, n in b.items]
+    for given, err, match in [
+        (items, MediaAlignmentError, "sample_id 'b'"),
+        (items[:-1], MediaInputError, "set_items (gave|declares)"),
+    ]:
+        cfg = GuardConfig(log_dir=str(tmp_path))
+        with (
+            install_vlm(model, cfg, tokenizer=case.one_item[1]) as h,
+            pytest.raises(err, match=match),
+        ):
+            h.set_items(given)
+            logits(model, b.kwargs)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_generated_placeholder_is_fed_as_text(name):
+    """A placeholder the policy wrote in its response (under the labels, outside every region)
+    is kept and fed as the family's text token: the plain forward of exactly that."""
+    from megatron_media_guard.families import find_family
+
+    case, F, model = build(name)
+    b = F.make_batch(model, case.samples[:2])
+    spec = find_family(model)[1]
+    placeholder = spec.modalities[0].placeholder.resolve(model, case.one_item[1])
+    pos = b.lengths[1] - 2  # a text token of sample 1's response
+    fixed = dict(b.kwargs, input_ids=b.input_ids.clone())
+    fixed["input_ids"][1, pos] = spec.text.resolve(model, case.one_item[1])
+    b.kwargs["input_ids"][1, pos] = placeholder
+    labels = torch.full_like(b.input_ids, -100)  # the responses: each sample's last 2 tokens
+    for k, n in enumerate(b.lengths):
+        labels[k, n - 2 : n] = b.input_ids[k, n - 2 : n]
+    b.kwargs["labels"] = labels
+    out, res = guarded(name, model, b, GuardConfig(policy="drop"))
+    assert res.report.actions == ("keep", "keep")
+    assert res.report.generated == ((1, (pos,)),)
+    torch.testing.assert_close(out, logits(model, fixed), atol=1e-6, rtol=1e-6)
+
+
 # ---- each family's own aligned batches (ragged, text-only samples, mixed modalities) ----
 
 FAMILY_ALIGNED = {
@@ -633,52 +716,6 @@ def test_a_family_fault_dropped_feeds_no_feature_and_keeps_the_others(name, faul
             want = own(F, model, fault.samples[k])
             torch.testing.assert_close(out.logits[k, : b.lengths[k]], want, atol=1e-5, rtol=0)
     assert torch.isfinite(out.loss)
-
-
-# ---- Bridge 0.6.2's classes (bash scripts/test_mcore019.sh; skipped without Bridge) ----
-
-#: family -> (the module constant to import first, the builder over the transformers model)
-BRIDGE_BUILDERS = {
-    "gemma3": ("bridge_models_hf:GEMMA3_VL", "bridge_models_hf:gemma3_vl"),
-    "qwen2_audio": ("bridge_models_hf:QWEN2_AUDIO", "bridge_models_hf:qwen2_audio"),
-    "glm4v": ("bridge_models:GLM45V", "bridge_models:glm45v"),
-    "ernie4_5_vl": ("bridge_models:ERNIE45VL", "bridge_models:ernie45_vl"),
-    "qwen3_omni": ("bridge_models_omni:THINKER", "bridge_models_omni:qwen3_omni"),
-}
-
-
-def _testing(ref: str):
-    mod, name = ref.split(":")
-    return getattr(importlib.import_module(f"megatron_media_guard.testing.{mod}"), name)
-
-
-@pytest.mark.parametrize("name", sorted(BRIDGE_BUILDERS))
-def test_the_registry_routes_bridges_class_to_the_family(name):
-    """Bridge's real class, built from the wheel around the row's transformers model, is
-    found as the family (the other Bridge rows: Kimi K2.5 and Ministral 3 need their own
-    builders, Qwen-VL's in tests/test_adapter_qwen_vl_bridge.py; each *_bridge file runs the
-    behaviour)."""
-    from megatron_media_guard.families import find_family
-    from megatron_media_guard.testing import bridge as loader
-
-    reason = loader.missing()
-    if reason is not None:
-        pytest.skip(reason)
-    case, _F, full = build(name)
-    const, builder = BRIDGE_BUILDERS[name]
-    with loader.bridge_modules(loader.find_root()):
-        importlib.import_module(_testing(const))
-        model = _testing(builder)(full)
-        target, spec = find_family(model)
-    assert type(target).__module__.startswith("megatron.bridge.")
-    assert type(target).__name__ in case.bridge_cls.split(", ")
-    # the family's Bridge spec itself (its own forward keywords), not the transformers one
-    (want,) = [
-        s
-        for s in FAMILIES
-        if s.name == name and type(target).__name__ in s.classes.get("megatron.bridge.", ())
-    ]
-    assert spec is want
 
 
 # ---- docs/FAMILIES.md's capability table is this table and the registry ----
