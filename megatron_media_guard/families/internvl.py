@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .common import PAD, hf_classes
 from .spec import Encoded, FamilySpec, ModalitySpec, Token, count_table, tower_zeros
 
 
@@ -52,7 +53,7 @@ def _dummy(model: Any):  # one tile of zeros through the tower and the projector
 
 SPEC = FamilySpec(
     name="internvl",
-    classes={"transformers.": frozenset({"InternVLForConditionalGeneration", "InternVLModel"})},
+    classes=hf_classes("InternVL"),
     modalities=(
         ModalitySpec(
             "image",
@@ -66,7 +67,7 @@ SPEC = FamilySpec(
             split="items",
         ),
     ),
-    text=Token(("text_config.pad_token_id", "pad_token_id"), "<|endoftext|>", 0),
+    text=Token(PAD, "<|endoftext|>", 0),
     ids_with_embeds=False,
     dummy=_dummy,
 )
