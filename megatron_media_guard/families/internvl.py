@@ -11,7 +11,6 @@ reaches the model.
   image, ``image_seq_length`` * its tiles, and one per video frame), else by the runs in the ids,
   in token order, with a ``check`` record saying the per-image tile counts were not given and
   only the total was checked (a +k/-k or a swap of tile counts cannot be seen then).
-- ``<IMG_CONTEXT>`` is ``config.image_token_id``; ``<img>`` / ``</img>`` come from the tokenizer.
 
 Repair: none (a tile count follows the image's aspect ratio, but the model gets tiles, not the
 image to re-tile): a repair falls back ("no geometry for internvl").

@@ -8,9 +8,7 @@ Megatron-Bridge ``Ministral3Model``, which binds transformers' ``get_image_featu
 - ``pixel_values`` ``[n, 3, maxH, maxW]`` (each image top-left, zero-padded), ``image_sizes``
   ``[n, 2]`` (H, W), both in token order; the tower attends within each image only.
 
-The config holds only ``image_token_id``; ``[IMG_BREAK]`` / ``[IMG_END]`` come from the
-tokenizer. Both forwards take ``input_ids`` or ``inputs_embeds``, so the guard passes only the
-embeddings. Repair: the item's own pixels (cut at its ``image_sizes``) resized to the grid
+Repair: the item's own pixels (cut at its ``image_sizes``) resized to the grid
 :class:`PixtralGeometry` solves (the processor's longest-edge resize replayed) and re-encoded
 through ``get_image_features``.
 """

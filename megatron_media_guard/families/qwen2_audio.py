@@ -7,8 +7,7 @@ Whisper-style audio tower and a linear projector.
 
 The model has no ``get_audio_features``: the encode below runs the model's own modules the way
 its forward does (the tower on the padded mel with its key mask, the projector, each clip's
-first N rows). The config knows only ``audio_token_id``; the markers come from the tokenizer
-(the Qwen2 tokenizer's ids as defaults). Both classes skip their own audio merge once
+first N rows). Both classes skip their own audio merge once
 ``inputs_embeds`` carries the guard's, so their unchecked *legacy* path (taken when no two
 ``<|AUDIO|>`` are adjacent anywhere in the batch: each placeholder silently expanded into its
 clip's features, the sequence growing) never runs under the guard: a run of one placeholder
