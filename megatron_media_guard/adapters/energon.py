@@ -1,30 +1,11 @@
-"""megatron-energon (Megatron's multimodal data loader): the media check inside a ``TaskEncoder``.
-
-Call :func:`guard_batch` where a task encoder has the model inputs of a batch (``encode_batch``)
-or of one sample (``postencode_sample``, which energon runs on each sample it packs):
-
-::
-
-    from megatron.energon import DefaultTaskEncoder
-    from megatron_media_guard import GuardConfig
-    from megatron_media_guard.adapters.energon import guard_batch
-
-    class Encoder(DefaultTaskEncoder):
-        def encode_batch(self, batch):
-            inputs, originals = batch["inputs"], batch["media"]
-            return guard_batch(
-                inputs, "glm4v", config=model_config, guard=GuardConfig(policy="repair"),
-                media=originals, processor=image_processor,
-            ).batch
-
-A sample the check drops becomes energon's own ``SkipSample`` (``on_drop="skip"``, the
-default: energon skips the batch, or the one sample in ``postencode_sample``); ``"mask"`` keeps
-the batch with the dropped samples text-only and their labels ignored (``check_batch``'s drop).
-A sample the guard must raise for (``policy="raise"``, ``fallback="raise"``) becomes
-``FatalSampleError``, which energon's error handling never swallows. Mismatched items whose
-originals are given are re-processed at the rollout's runs (``policy="repair"``,
-:mod:`~megatron_media_guard.families.reprocess`). megatron-energon is imported only when
-needed. Recipe: docs/DATA_SIDE.md.
+"""megatron-energon (Megatron's multimodal data loader): the media check inside a ``TaskEncoder``
+(recipe: docs/DATA_SIDE.md). :func:`guard_batch` runs where a task encoder has the model inputs
+of a batch (``encode_batch``) or of one sample (``postencode_sample``). A sample the check drops
+becomes energon's own ``SkipSample`` (``on_drop="skip"``, the default) or stays in the batch
+text-only with its labels ignored (``"mask"``, ``check_batch``'s drop); one the guard must raise
+for becomes ``FatalSampleError``, which energon's error handling never swallows. Mismatched
+items whose originals are given are re-processed (``policy="repair"``,
+:mod:`~megatron_media_guard.families.reprocess`). megatron-energon is imported only when needed.
 """
 
 from __future__ import annotations

@@ -145,12 +145,25 @@ def guard_merge_fn(
     def guarded(*args: Any, **kwargs: Any) -> Any:
         a = sig.bind(*args, **kwargs).arguments
 
+        def opt(name: str | None) -> Any:  # an optional parameter's argument
+            return a.get(name) if name else None
+
         def body(step: int | None, mb: int | None) -> MergeResult:
-            items = a.get(amap.items) if amap.items else None
-            pending = handle.take_items()
-            res = _merge(guard, a, amap, pending if items is None else items, step, mb)
-            cu = a.get(amap.cu_seqlens) if amap.cu_seqlens else None
-            handle.record(res, a[amap.input_ids], cu)
+            items = opt(amap.items)
+            res = merge_through_guard(
+                guard,
+                a[amap.embeddings],
+                a[amap.input_ids],
+                a[amap.features],
+                handle.take_items() if items is None else items,
+                loss_mask=opt(amap.loss_mask),
+                labels=opt(amap.labels),
+                seq_first=amap.seq_first,
+                step=step,
+                microbatch=mb,
+                cu_seqlens=opt(amap.cu_seqlens),
+            )
+            handle.record(res, a[amap.input_ids], opt(amap.cu_seqlens))
             return res
 
         res = handle.call("media guard", body)
@@ -159,22 +172,6 @@ def guard_merge_fn(
     guarded.__wrapped__ = merge_fn  # type: ignore[attr-defined]
     guarded.handle = handle  # type: ignore[attr-defined]
     return guarded
-
-
-def _merge(guard: MediaGuard, a: dict, amap: ArgMap, items, step, mb) -> MergeResult:
-    return merge_through_guard(
-        guard,
-        a[amap.embeddings],
-        a[amap.input_ids],
-        a[amap.features],
-        items,
-        loss_mask=a.get(amap.loss_mask) if amap.loss_mask else None,
-        labels=a.get(amap.labels) if amap.labels else None,
-        seq_first=amap.seq_first,
-        step=step,
-        microbatch=mb,
-        cu_seqlens=a.get(amap.cu_seqlens) if amap.cu_seqlens else None,
-    )
 
 
 def merge_through_guard(
@@ -208,13 +205,13 @@ def merge_through_guard(
     """
     unused: list[torch.Tensor] = []
     note = None
+    # items inferred from the runs: a mapping's, or one tensor's in token order
+    if items is None and parsed is None and isinstance(features, (Mapping, torch.Tensor)):
+        parsed = parse_runs(input_ids, guard.grammar, cu_seqlens)
     if isinstance(features, Mapping):
         by_mod = dict(features)
         if items is None:
             totals = {m: int(t.shape[0]) for m, t in by_mod.items()}
-            parsed = (
-                parsed if parsed is not None else parse_runs(input_ids, guard.grammar, cu_seqlens)
-            )
             items, bad = infer_items(parsed, totals)
             if bad:
                 note = _totals_note(bad, totals, parsed)
@@ -230,9 +227,6 @@ def merge_through_guard(
         feats = features
         if items is None and isinstance(features, torch.Tensor):
             n = int(features.shape[0])
-            parsed = (
-                parsed if parsed is not None else parse_runs(input_ids, guard.grammar, cu_seqlens)
-            )
             items, bad = infer_items(parsed, n)
             if bad:
                 note = _totals_note(("*",), {"*": n}, parsed)

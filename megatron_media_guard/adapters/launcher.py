@@ -1,24 +1,12 @@
-"""Megatron-LM launcher integration.
-
-::
-
-    from megatron_media_guard.adapters.launcher import add_media_guard_args, install_from_args
-
-    def model_provider(pre_process=True, post_process=True, ...):
-        ...
-
-    # in the training script
-    pretrain(..., extra_args_provider=add_media_guard_args)
-    # after the model is built (e.g. in a wrapped model_provider, or a custom loop):
-    handles = install_from_args(model, get_args())
+"""Megatron-LM launcher integration (docs/MEGATRON.md): ``pretrain(...,
+extra_args_provider=add_media_guard_args)``, then ``install_from_args(model, get_args())``
+once the model is built.
 
 Precedence: a ``MEDIA_GUARD_*`` environment variable overrides the matching
 ``--media-guard-*`` argument, which overrides the default. GuardConfig fields use
-:meth:`GuardConfig.with_env` (MEDIA_GUARD_POLICY, MEDIA_GUARD_FALLBACK,
-MEDIA_GUARD_LOG_DIR, MEDIA_GUARD_NONFINITE, MEDIA_GUARD_ALLOWED_FIDELITY,
-MEDIA_GUARD_DUMP_DIR, MEDIA_GUARD_GENERATED, ...); the launcher adds
-MEDIA_GUARD_DROP_BUDGET_STEP, MEDIA_GUARD_DROP_BUDGET_WINDOW, MEDIA_GUARD_WINDOW_STEPS and
-MEDIA_GUARD_DISABLE, parsed with the same rules (:func:`~megatron_media_guard.config.parse_bool` /
+:meth:`GuardConfig.with_env`; the launcher adds MEDIA_GUARD_DROP_BUDGET_STEP,
+MEDIA_GUARD_DROP_BUDGET_WINDOW, MEDIA_GUARD_WINDOW_STEPS and MEDIA_GUARD_DISABLE, parsed with
+the same rules (:func:`~megatron_media_guard.config.parse_bool` /
 :func:`~megatron_media_guard.config.parse_int`).
 """
 
@@ -36,120 +24,70 @@ from ..core.guard import MediaGuard
 from ..diagnostics import get_logger
 from ..errors import MediaInputError
 from ..families import find_family, no_family
-from ..families.qwen import SPEC as QWEN_SPEC
 from ..families.spec import check_tokenizer
 from ..ranks.consensus import StageConsensus, dist_ready
 from .hooks import HandleGroup, ItemsProvider
 from .step_end import StepEnd
 from .vlm_install import INSTALLERS, guard_for
 
-_CONFIG_ARGS = (
-    ("policy", "media_guard_policy"),
-    ("fallback", "media_guard_fallback"),
-    ("log_dir", "media_guard_log_dir"),
-    ("nonfinite", "media_guard_nonfinite"),
-    ("dump_dir", "media_guard_dump_dir"),
-    ("generated", "media_guard_generated"),
-    ("keep_tower", "media_guard_keep_tower"),
-)
+#: the GuardConfig fields the arguments set as they are (``args.media_guard_<field>``)
+_CONFIG_ARGS = ("policy", "fallback", "log_dir", "nonfinite", "dump_dir", "generated", "keep_tower")
 StepEndChoice = Literal["auto", "zero_grad_buffer", "optimizer", "manual"]
 
-#: the Qwen-VL classes install_qwen_vl guards, by the package that defines them (a subclass of
-#: one counts): the Qwen family spec's (``families/qwen.py``)
-QWEN_VL_CLASSES = QWEN_SPEC.classes
-
-
-__all__ = [
-    "add_media_guard_args",
-    "budget_from_args",
-    "config_from_args",
-    "disabled",
-    "dump_dir_from_args",
-    "find_vlm",
-    "install_from_args",
-]
+#: the "media guard" argument group: ``--media-guard-<name>`` and its argparse options
+_ARGS: dict[str, dict[str, Any]] = {
+    "policy": dict(
+        choices=("raise", "drop", "repair"),
+        help="On a placeholder/feature mismatch: raise (default), drop the sample, or repair "
+        "(re-project; falls back per --media-guard-fallback).",
+    ),
+    "fallback": dict(
+        choices=("drop", "raise"),
+        help="What repair does for a sample it cannot repair (default drop).",
+    ),
+    "log-dir": dict(help="Directory for the per-rank media_guard.rankNNNNN.jsonl diagnostics."),
+    "nonfinite": dict(
+        choices=("raise", "drop", "off"),
+        help="NaN/Inf in an item's features: raise (default), drop its sample, or off.",
+    ),
+    "generated": dict(
+        choices=("text", "drop", "raise"),
+        help="A placeholder under the loss outside any media region (the policy generated "
+        "it): feed it as text and keep the sample (default), drop the sample, or raise.",
+    ),
+    "keep-tower": dict(
+        choices=("always", "on_drop", "never"),
+        help="When a micro-batch feeds the vision tower nothing, run it on a dummy input "
+        "(Qwen-VL): always (default: text-only too; FSDP2 / DDP need it), on_drop, never.",
+    ),
+    "allowed-fidelity": dict(
+        nargs="+",
+        metavar="FIDELITY",
+        help="Repair fidelity classes applied (engine-replay unique closest-aspect); "
+        "space or comma separated. Default: engine-replay unique.",
+    ),
+    "drop-budget-step": dict(
+        type=float, help="Fail when more than this fraction of a step's samples is dropped."
+    ),
+    "drop-budget-window": dict(
+        type=float,
+        help="Fail when more than this fraction is dropped over --media-guard-window-steps.",
+    ),
+    "window-steps": dict(type=int, help="Steps in the drop-budget window (default 100)."),
+    "dump-dir": dict(
+        help="GuardConfig.dump_dir: save a replay bundle of each mismatched micro-batch here "
+        "(media-guard replay BUNDLE; holds token ids and pixels: sensitive). Every merge; "
+        "LLaVA only for an image token too many or too few (docs/MEGATRON.md).",
+    ),
+    "disable": dict(action="store_true", default=False, help="Do not install the guard."),
+}
 
 
 def add_media_guard_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds the "media guard" argument group; returns the parser (``extra_args_provider``)."""
     g = parser.add_argument_group(title="media guard")
-    g.add_argument(
-        "--media-guard-policy",
-        choices=("raise", "drop", "repair"),
-        default=None,
-        help="On a placeholder/feature mismatch: raise (default), drop the sample, or repair "
-        "(re-project; falls back per --media-guard-fallback).",
-    )
-    g.add_argument(
-        "--media-guard-fallback",
-        choices=("drop", "raise"),
-        default=None,
-        help="What repair does for a sample it cannot repair (default drop).",
-    )
-    g.add_argument(
-        "--media-guard-log-dir",
-        default=None,
-        help="Directory for the per-rank media_guard.rankNNNNN.jsonl diagnostics.",
-    )
-    g.add_argument(
-        "--media-guard-nonfinite",
-        choices=("raise", "drop", "off"),
-        default=None,
-        help="NaN/Inf in an item's features: raise (default), drop its sample, or off.",
-    )
-    g.add_argument(
-        "--media-guard-generated",
-        choices=("text", "drop", "raise"),
-        default=None,
-        help="A placeholder under the loss outside any media region (the policy generated "
-        "it): feed it as text and keep the sample (default), drop the sample, or raise.",
-    )
-    g.add_argument(
-        "--media-guard-keep-tower",
-        choices=("always", "on_drop", "never"),
-        default=None,
-        help="When a micro-batch feeds the vision tower nothing, run it on a dummy input "
-        "(Qwen-VL): always (default: text-only too; FSDP2 / DDP need it), on_drop, never.",
-    )
-    g.add_argument(
-        "--media-guard-allowed-fidelity",
-        nargs="+",
-        default=None,
-        metavar="FIDELITY",
-        help="Repair fidelity classes applied (engine-replay unique closest-aspect); "
-        "space or comma separated. Default: engine-replay unique.",
-    )
-    g.add_argument(
-        "--media-guard-drop-budget-step",
-        type=float,
-        default=None,
-        help="Fail when more than this fraction of a step's samples is dropped.",
-    )
-    g.add_argument(
-        "--media-guard-drop-budget-window",
-        type=float,
-        default=None,
-        help="Fail when more than this fraction is dropped over --media-guard-window-steps.",
-    )
-    g.add_argument(
-        "--media-guard-window-steps",
-        type=int,
-        default=None,
-        help="Steps in the drop-budget window (default 100).",
-    )
-    g.add_argument(
-        "--media-guard-dump-dir",
-        default=None,
-        help="GuardConfig.dump_dir: save a replay bundle of each mismatched micro-batch here "
-        "(media-guard replay BUNDLE; holds token ids and pixels: sensitive). Every merge; "
-        "LLaVA only for an image token too many or too few (docs/MEGATRON.md).",
-    )
-    g.add_argument(
-        "--media-guard-disable",
-        action="store_true",
-        default=False,
-        help="Do not install the guard.",
-    )
+    for name, options in _ARGS.items():
+        g.add_argument(f"--media-guard-{name}", **{"default": None, **options})
     return parser
 
 
@@ -161,8 +99,8 @@ def config_from_args(args: Any, environ: Mapping[str, str] | None = None) -> Gua
     """The :class:`GuardConfig` of the ``--media-guard-*`` arguments, then the
     ``MEDIA_GUARD_*`` environment overrides (environment wins)."""
     kw: dict[str, Any] = {}
-    for field, attr in _CONFIG_ARGS:
-        v = getattr(args, attr, None)
+    for field in _CONFIG_ARGS:
+        v = getattr(args, f"media_guard_{field}", None)
         if v is not None:
             kw[field] = v
     fid = getattr(args, "media_guard_allowed_fidelity", None)
@@ -221,12 +159,8 @@ def budget_from_args(args: Any, environ: Mapping[str, str] | None = None) -> Any
 
 
 def find_vlm(chunk: Any) -> tuple[str, Any] | None:
-    """``(family name, module)`` inside one model chunk, from the family registry
-    (:data:`~megatron_media_guard.families.FAMILIES`: ``"llava"``, ``"mimo"``, ``"qwen_vl"``,
-    ``"nemotron_omni"``, ...): through ``.module`` wrappers (DDP, Float16Module, FSDP) and
-    Megatron-Bridge's ``.llava_model``, then among its submodules (the outermost first: a
-    ``Qwen2_5_VLForConditionalGeneration``, not the ``Qwen2_5_VLModel`` it holds); None when
-    there is none. Nothing is imported to match a class."""
+    """``(family name, module)`` inside one model chunk (:func:`~..families.find_family`:
+    through wrappers, then the submodules, the outermost first), or None."""
     m, spec = find_family(chunk)
     return None if spec is None else (spec.name, m)
 
@@ -241,30 +175,23 @@ def install_from_args(
     environ: Mapping[str, str] | None = None,
     tokenizer: Any = None,
 ) -> HandleGroup:
-    """Install the guard on every module of ``model`` that a family of the registry knows (one
-    module or the list of virtual-pipeline chunks, possibly DDP/Float16Module-wrapped).
+    """Install the guard on every module of ``model`` (one module or the list of
+    virtual-pipeline chunks, possibly DDP/Float16Module-wrapped) that a family of the registry
+    knows (:func:`find_vlm`, as :func:`~.vlm_install.install_vlm` finds it), through the
+    family's installer; ``apply="inputs"`` families (Qwen-VL) with ``loss_mask_inplace=True``:
+    a dropped sample's ``loss_mask`` zeroed in the caller's tensor, which Bridge's forward steps
+    build the loss from. Grammar and repair geometry come from the family (``tokenizer``: for
+    marker tokens a model's config lacks); families without a geometry fall back on a repair.
 
-    Found (:func:`find_vlm`, the same registry as :func:`~.vlm.install_vlm`): megatron-core's
-    ``LLaVAModel`` (:func:`install_llava`; Bridge's Nemotron VL / Omni through ``.llava_model``)
-    and ``MimoModel`` (:func:`install_mimo`); the Qwen-VL classes (:func:`install_qwen_vl`: a
-    forward pre-hook, with ``loss_mask_inplace=True`` so a dropped sample's ``loss_mask`` is
-    zeroed in the caller's tensor, which Bridge's forward steps build the loss from); every
-    other family's model (docs/FAMILIES.md) through the family engine. Grammar and repair
-    geometry come from the family (``tokenizer``: for marker tokens a model's config lacks;
-    Qwen-VL's geometry: its vision config's sizes with the processor's default pixel
-    budgets). Families without a geometry take the fallback on a repair.
-
-    One :class:`MediaGuard` per model family, shared by the chunks, with a
-    ``StageConsensus`` from megatron-core ``parallel_state`` when torch.distributed is
-    initialized (no collectives otherwise) and the drop budget of the arguments. The
-    step comes from ``args.curr_iteration``. Steps are closed (budget checked) outside
-    the forward, on every rank, through one :class:`~.step_end.StepEnd` per ``step_end``:
-    ``"zero_grad_buffer"`` hooks the first chunk's DDP ``zero_grad_buffer`` (Megatron-LM calls
-    it at the start of each train step), ``"optimizer"`` registers a torch optimizer post-step
-    hook, ``"auto"`` takes
-    the first when the chunk has the method (the model is already DDP-wrapped), else the
-    second; ``"manual"``: call ``group.step_end(iteration)`` yourself. Returns a
-    :class:`HandleGroup` (empty when disabled); ``group.remove()`` undoes everything.
+    One :class:`MediaGuard` per family, shared by the chunks, with a ``StageConsensus`` from
+    megatron-core ``parallel_state`` when torch.distributed is initialized (no collectives
+    otherwise) and the drop budget of the arguments; the step is ``args.curr_iteration``.
+    Steps are closed (budget checked) outside the forward, on every rank, through one
+    :class:`~.step_end.StepEnd` per ``step_end``: ``"zero_grad_buffer"`` hooks the first chunk's
+    DDP ``zero_grad_buffer`` (Megatron-LM calls it at the start of each train step),
+    ``"optimizer"`` a torch optimizer post-step hook, ``"auto"`` the first where the chunk has
+    the method, else the second; ``"manual"``: call ``group.step_end(iteration)`` yourself.
+    Returns a :class:`HandleGroup` (empty when disabled); ``group.remove()`` undoes everything.
     """
     log = get_logger()
     if step_end not in typing.get_args(StepEndChoice):
@@ -291,6 +218,11 @@ def install_from_args(
     rank = consensus.rank_info()
     distributed = dist_ready()
     step_provider = _curr_iteration(args)
+    common = dict(
+        items_provider=items_provider,
+        step_provider=step_provider,
+        auto_step_end=False if distributed else None,
+    )
     guards: dict[str, MediaGuard] = {}
     group = HandleGroup()
     for _, kind, m, spec in targets:
@@ -302,14 +234,10 @@ def install_from_args(
             except MediaInputError as err:  # a token the config and the tokenizer lack
                 raise err.with_context("install_from_args: ") from None
             consensus.bind(guards[kind])
-        common: dict[str, Any] = dict(
-            items_provider=items_provider,
-            step_provider=step_provider,
-            auto_step_end=False if distributed else None,
-        )
         # Bridge's forward steps build the loss from the caller's loss_mask: zero it in place
         extra = {"loss_mask_inplace": True} if spec.apply == "inputs" else {}
-        group.append(INSTALLERS[spec.apply](m, guards[kind], spec, tokenizer, **common, **extra))
+        install = INSTALLERS[spec.apply]
+        group.append(install(m, guards[kind], spec, tokenizer, **common, **extra))
     ends = StepEnd([h.guard for h in group], step_provider)
     hook: StepEnd | None = None
     if step_end in ("auto", "zero_grad_buffer"):

@@ -1,8 +1,8 @@
 """``install_vlm``: find a model's family in the registry (``families.FAMILIES``) and install
-that family's guard: the family engine (``adapters/vlm.py``) for ``apply="embed"`` specs,
+that family's guard through one installer table (``FamilySpec.apply`` -> installer, also
+``install_from_args``'s): the family engine (``adapters/vlm.py``) for ``apply="embed"`` specs,
 its input rewrite (``adapters/vlm_inputs.py``) for ``apply="inputs"`` specs (the Qwen-VL
-family, Bridge's Qwen3-Omni thinker), or megatron-core's LLaVA / MIMO merge wrappers. One table, no
-if-chains; ``install_from_args`` uses the same one."""
+family, Bridge's Qwen3-Omni thinker), megatron-core's LLaVA / MIMO merge wrappers."""
 
 from __future__ import annotations
 
@@ -15,38 +15,22 @@ from ..errors import MediaInputError
 from ..families import FamilySpec, find_family, no_family
 from ..families.spec import check_tokenizer
 from .hooks import GuardHandle, ItemsProvider, StepProvider
+from .llava.install import install_llava
+from .llava.packed import llava_grammar
+from .mimo import install_mimo, mimo_grammar
 from .vlm import VLMHandle
 from .vlm_inputs import InputsHandle
 
 
 def family_grammar(spec: FamilySpec, model: Any, tokenizer: Any = None) -> Grammar:
-    """The grammar of ``spec`` with ``model``'s own token ids."""
-    return _GRAMMARS[spec.apply](spec, model, tokenizer)
-
-
-def _embed_grammar(spec: FamilySpec, model: Any, tokenizer: Any) -> Grammar:
+    """The grammar of ``spec`` with ``model``'s own token ids (megatron-core's LLaVA: its
+    ``image_token_index``, -200 by default; MIMO: its ``special_token_ids``)."""
+    if spec.apply == "llava":
+        tok = getattr(model, "image_token_index", None)
+        return llava_grammar(-200 if tok is None else tok)
+    if spec.apply == "mimo":
+        return mimo_grammar(getattr(model, "special_token_ids", None) or {})
     return spec.grammar(model, tokenizer)
-
-
-def _llava_grammar(spec: FamilySpec, model: Any, tokenizer: Any) -> Grammar:
-    from .llava.checks import llava_grammar
-
-    tok = getattr(model, "image_token_index", None)
-    return llava_grammar(-200 if tok is None else tok)
-
-
-def _mimo_grammar(spec: FamilySpec, model: Any, tokenizer: Any) -> Grammar:
-    from .mimo import mimo_grammar
-
-    return mimo_grammar(getattr(model, "special_token_ids", None) or {})
-
-
-_GRAMMARS = {
-    "embed": _embed_grammar,
-    "inputs": _embed_grammar,
-    "llava": _llava_grammar,
-    "mimo": _mimo_grammar,
-}
 
 
 def guard_for(
@@ -146,26 +130,22 @@ def _check_geometry(spec: FamilySpec, model: Any, geo: Any) -> None:
                 )
 
 
-def _install_llava(model, guard, spec, tokenizer=None, **kw) -> GuardHandle:
-    from .llava.install import install_llava
+def _megatron(install):
+    """megatron-core's LLaVA / MIMO installer, which takes no tokenizer and returns its loss
+    masks from the merge (no ``loss_mask_inplace``)."""
 
-    kw.pop("loss_mask_inplace", None)  # LLaVA returns its masks from the merge
-    return install_llava(model, guard, **kw)
+    def run(model, guard, spec, tokenizer=None, loss_mask_inplace=None, **kw) -> GuardHandle:
+        return install(model, guard, **kw)
 
-
-def _install_mimo(model, guard, spec, tokenizer=None, **kw) -> GuardHandle:
-    from .mimo import install_mimo
-
-    kw.pop("loss_mask_inplace", None)
-    return install_mimo(model, guard, **kw)
+    return run
 
 
 #: how each kind of family is installed (FamilySpec.apply -> installer)
 INSTALLERS = {
     "embed": _install_embed,
     "inputs": _install_inputs,
-    "llava": _install_llava,
-    "mimo": _install_mimo,
+    "llava": _megatron(install_llava),
+    "mimo": _megatron(install_mimo),
 }
 
 
@@ -213,17 +193,12 @@ def install_qwen_vl(
     model: Any, config_or_guard: GuardConfig | MediaGuard | None = None, **options: Any
 ) -> GuardHandle:
     """Qwen2-VL / 2.5-VL / 3-VL / 3.5, transformers or Megatron-Bridge: :func:`install_vlm` under
-    the family's name (docs/QWEN_VL.md): the inputs checked and rewritten before the tower.
-
-    config_or_guard: as for :func:`install_vlm`; a guard's grammar must carry the model's token
-    ids (``Grammar.qwen2_vl()`` for the default ones), its ``geometry`` (one, or ``{"image":
-    ..., "video": ...}``) repairs, else the one of the model's vision config
-    (:func:`~..families.qwen.geometry`: the processors' default pixel budgets).
-    options: ``items_provider``, ``step_provider``, ``auto_step_end``; ``drop_token_id``: the
-    text id a dropped sample's placeholders become (default: the config's pad token, else
-    ``<|endoftext|>`` 151643); ``loss_mask_inplace``: also zero the dropped samples in the
-    caller's ``loss_mask`` tensor (a loss built from it before the forward: Megatron-Bridge's
-    ``vlm_step`` / ``qwen3_vl_step``).
+    the family's name (docs/QWEN_VL.md). A guard's grammar must carry the model's token ids
+    (``Grammar.qwen2_vl()`` for the default ones), its ``geometry`` (one, or ``{"image": ...,
+    "video": ...}``) repairs, else the vision config's (:func:`~..families.qwen.geometry`).
+    options: those of :func:`install_vlm`; ``drop_token_id`` defaults to the config's pad
+    token, else ``<|endoftext|>`` 151643; ``loss_mask_inplace``: also zero the dropped samples
+    in the caller's ``loss_mask`` (Megatron-Bridge's ``vlm_step`` / ``qwen3_vl_step``).
     """
     return install_vlm(model, config_or_guard, **options)
 

@@ -21,16 +21,15 @@ from dataclasses import replace
 from typing import Any
 
 from ..geometry import PatchMergeGeometry
+from .common import PAD, feature_call, hf_classes
 from .mrope import grid_counts, image_encoder, patch_dummy, rope_positions
-from .spec import Encoded, FamilySpec, ModalitySpec, Token, bridge_embed, split_rows
+from .spec import Encoded, FamilySpec, ModalitySpec, Token
 
 PATCH, MERGE = 14, 2
 _encode_image, _reencode_image = image_encoder(PATCH, 1, MERGE)
 
 
-def _encode_video(model: Any, kw) -> Encoded:
-    out = model.get_video_features(kw["pixel_values_videos"], kw["video_grid_thw"])
-    return Encoded(split_rows(out.pooler_output, []))
+_encode_video = feature_call("get_video_features", "pixel_values_videos", "video_grid_thw")
 
 
 def geometry(model: Any = None) -> PatchMergeGeometry:
@@ -42,12 +41,8 @@ def geometry(model: Any = None) -> PatchMergeGeometry:
 
 SPEC = FamilySpec(
     name="ernie4_5_vl",
-    classes={
-        # (the deprecated Ernie4_5_VL_MoeForConditionalGeneration subclasses the first)
-        "transformers.": frozenset(
-            {"Ernie4_5_VLMoeForConditionalGeneration", "Ernie4_5_VLMoeModel"}
-        )
-    },
+    # (the deprecated Ernie4_5_VL_MoeForConditionalGeneration subclasses the first)
+    classes=hf_classes("Ernie4_5_VLMoe"),
     modalities=(
         ModalitySpec(
             "image",
@@ -75,7 +70,7 @@ SPEC = FamilySpec(
             counts=grid_counts("video_grid_thw", False, 8),
         ),
     ),
-    text=Token(("text_config.pad_token_id", "pad_token_id"), "<unk>", 0),
+    text=Token(PAD, "<unk>", 0),
     geometry=geometry,
     follow_ids=("mm_token_type_ids", "moe_mm_token_type_ids"),
     positions=rope_positions,
@@ -100,14 +95,11 @@ def _normalized(encode, key: str):
 #: always computes its M-RoPE itself from ``input_ids`` and the grids (``position_ids``
 #: ignored). Repair resizes the normalized pixels (the normalization is per channel).
 _IMG, _VID = SPEC.modalities
-BRIDGE = replace(
-    SPEC,
-    classes={"megatron.bridge.": frozenset({"Ernie45VLModel"})},
+BRIDGE = SPEC.bridge(
+    "Ernie45VLModel",
     modalities=(
         replace(_IMG, encode=_normalized(_encode_image, "pixel_values")),
         replace(_VID, encode=_normalized(_encode_video, "pixel_values_videos")),
     ),
     positions=None,
-    ids_with_embeds=True,
-    embed=bridge_embed,
 )

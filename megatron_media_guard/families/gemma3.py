@@ -20,22 +20,22 @@ model: two specs of one family, the Bridge one a copy with its classes and those
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ..geometry import FixedGeometry
-from .spec import Encoded, FamilySpec, ModalitySpec, Token, bridge_embed, count_table, tower_zeros
+from .common import PAD, PIXELS, hf_classes
+from .spec import Encoded, FamilySpec, ModalitySpec, Token, count_table, tower_zeros
 
 
 def _encode_image(model: Any, kw) -> Encoded:
     pv = kw["pixel_values"]
     feats = tuple(model.get_image_features(pv, return_dict=True).pooler_output)  # [rows, mm, h]
-    if not kw.get("_media_guard_pixels"):
+    if not kw.get(PIXELS):
         return Encoded(feats)
-    n, hw = pv.shape[0], (int(pv.shape[-2]), int(pv.shape[-1]))
-    return Encoded(feats, num_frames=(None,) * n, frame_hw=(hw,) * n, pixels=tuple(pv))
+    hw = (int(pv.shape[-2]), int(pv.shape[-1]))
+    return Encoded(feats, frame_hw=(hw,) * pv.shape[0], pixels=tuple(pv))
 
 
 def _reencode_image(model: Any, img: torch.Tensor) -> torch.Tensor:
@@ -63,7 +63,7 @@ def _dummy(model: Any):  # one S x S image of zeros through the tower and the pr
 
 SPEC = FamilySpec(
     name="gemma3",
-    classes={"transformers.": frozenset({"Gemma3ForConditionalGeneration", "Gemma3Model"})},
+    classes=hf_classes("Gemma3"),
     modalities=(
         ModalitySpec(
             "image",
@@ -77,7 +77,7 @@ SPEC = FamilySpec(
             counts=_counts,
         ),
     ),
-    text=Token(("text_config.pad_token_id", "pad_token_id"), "<pad>", 0),
+    text=Token(PAD, "<pad>", 0),
     geometry=_geometry,
     follow_ids=("token_type_ids",),
     ids_with_embeds=False,
@@ -87,9 +87,4 @@ SPEC = FamilySpec(
 #: Megatron-Bridge 0.6.2 ``Gemma3VLModel.forward(input_ids, attention_mask, position_ids,
 #: inputs_embeds, pixel_values, labels, ...)``; its provider names the markers
 #: ``vision_start_token_id`` / ``vision_end_token_id``
-BRIDGE = replace(
-    SPEC,
-    classes={"megatron.bridge.": frozenset({"Gemma3VLModel"})},
-    ids_with_embeds=True,
-    embed=bridge_embed,
-)
+BRIDGE = SPEC.bridge("Gemma3VLModel")

@@ -11,7 +11,6 @@ reaches the model.
   image, ``image_seq_length`` * its tiles, and one per video frame), else by the runs in the ids,
   in token order, with a ``check`` record saying the per-image tile counts were not given and
   only the total was checked (a +k/-k or a swap of tile counts cannot be seen then).
-- ``<IMG_CONTEXT>`` is ``config.image_token_id``; ``<img>`` / ``</img>`` come from the tokenizer.
 
 Repair: none (a tile count follows the image's aspect ratio, but the model gets tiles, not the
 image to re-tile): a repair falls back ("no geometry for internvl").
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .common import PAD, hf_classes
 from .spec import Encoded, FamilySpec, ModalitySpec, Token, count_table, tower_zeros
 
 
@@ -52,7 +52,7 @@ def _dummy(model: Any):  # one tile of zeros through the tower and the projector
 
 SPEC = FamilySpec(
     name="internvl",
-    classes={"transformers.": frozenset({"InternVLForConditionalGeneration", "InternVLModel"})},
+    classes=hf_classes("InternVL"),
     modalities=(
         ModalitySpec(
             "image",
@@ -66,7 +66,7 @@ SPEC = FamilySpec(
             split="items",
         ),
     ),
-    text=Token(("text_config.pad_token_id", "pad_token_id"), "<|endoftext|>", 0),
+    text=Token(PAD, "<|endoftext|>", 0),
     ids_with_embeds=False,
     dummy=_dummy,
 )

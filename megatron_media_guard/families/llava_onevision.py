@@ -34,26 +34,23 @@ from ..core.host import to_host
 from ..errors import MediaInputError
 from ..geometry import AnyresGeometry
 from .anyres_pixels import image_counts, stitch, tiles_for, video_counts
+from .common import PAD, PIXELS, feature_call, hf_classes
 from .spec import Encoded, FamilySpec, ModalitySpec, Token, tower_zeros
 
+#: the forward keywords both feature methods take, beside the media
+_SELECT = {k: k for k in ("vision_feature_layer", "vision_feature_select_strategy")}
 
-def _features(model: Any, pv, sizes, bni, kw=None):
-    kw = kw or {}
-    out = model.get_image_features(
-        pv,
-        sizes,
-        vision_feature_layer=kw.get("vision_feature_layer"),
-        vision_feature_select_strategy=kw.get("vision_feature_select_strategy"),
-        batch_num_images=bni,
-        return_dict=True,
-    )
-    return tuple(out.pooler_output)  # one [N_q, h] per image, newlines included
+
+def _features(model: Any, pv, sizes, bni, kw=None):  # one [N_q, h] per image, newlines too
+    select = {p: (kw or {}).get(k) for p, k in _SELECT.items()}
+    out = model.get_image_features(pv, sizes, **select, batch_num_images=bni, return_dict=True)
+    return tuple(out.pooler_output)
 
 
 def _encode_image(model: Any, kw) -> Encoded:
     pv, sizes, bni = kw["pixel_values"], kw["image_sizes"], kw.get("batch_num_images")
     feats = _features(model, pv, sizes, bni, kw)
-    if not kw.get("_media_guard_pixels"):
+    if not kw.get(PIXELS):
         return Encoded(feats)
     # repair only: sizes and images per sample on the host (one small transfer)
     n = sizes.shape[0]
@@ -65,7 +62,7 @@ def _encode_image(model: Any, kw) -> Encoded:
     pixels = tuple(
         pv[q, :1] if multi[q] else stitch(geo, pv[q], h, w) for q, (h, w) in enumerate(hw)
     )  # a multi-image item: its one tile as [1, C, T, T], which _reencode_image refuses
-    return Encoded(feats, num_frames=(None,) * n, frame_hw=tuple(map(tuple, hw)), pixels=pixels)
+    return Encoded(feats, frame_hw=tuple(map(tuple, hw)), pixels=pixels)
 
 
 def _reencode_image(model: Any, img: torch.Tensor) -> torch.Tensor:
@@ -90,16 +87,6 @@ def _geometry(model: Any) -> AnyresGeometry:
     )
 
 
-def _encode_video(model: Any, kw) -> Encoded:
-    out = model.get_video_features(
-        kw["pixel_values_videos"],
-        vision_feature_layer=kw.get("vision_feature_layer"),
-        vision_feature_select_strategy=kw.get("vision_feature_select_strategy"),
-        return_dict=True,
-    )
-    return Encoded(tuple(out.pooler_output))  # [v, N, h]: one row per video
-
-
 def _dummy(model: Any):
     """One video frame of zeros (a single tile: no anyres pinpoint to match) through the tower,
     the projector and the pooling, as the spec's video encode runs them."""
@@ -110,22 +97,12 @@ def _dummy(model: Any):
 
 SPEC = FamilySpec(
     name="llava_onevision",
-    classes={
-        "transformers.": frozenset(
-            {"LlavaOnevisionForConditionalGeneration", "LlavaOnevisionModel"}
-        ),
-    },
+    classes=hf_classes("LlavaOnevision"),
     modalities=(
         ModalitySpec(
             "image",
             Token(("image_token_id", "image_token_index"), "<image>"),
-            (
-                "pixel_values",
-                "image_sizes",
-                "batch_num_images",
-                "vision_feature_layer",
-                "vision_feature_select_strategy",
-            ),
+            ("pixel_values", "image_sizes", "batch_num_images", *_SELECT),
             _encode_image,
             reencode=_reencode_image,
             rows=("pixel_values", "image_sizes"),
@@ -136,12 +113,12 @@ SPEC = FamilySpec(
             "video",
             Token(("video_token_id", "video_token_index"), "<video>"),
             ("pixel_values_videos", "image_sizes_videos"),
-            _encode_video,
+            feature_call("get_video_features", "pixel_values_videos", **_SELECT),
             rows=("pixel_values_videos", "image_sizes_videos"),
             counts=video_counts,
         ),
     ),
-    text=Token(("text_config.pad_token_id", "pad_token_id"), "<|endoftext|>", 0),
+    text=Token(PAD, "<|endoftext|>", 0),
     geometry=_geometry,
     ids_with_embeds=False,
     dummy=_dummy,

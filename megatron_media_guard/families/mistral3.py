@@ -8,23 +8,21 @@ Megatron-Bridge ``Ministral3Model``, which binds transformers' ``get_image_featu
 - ``pixel_values`` ``[n, 3, maxH, maxW]`` (each image top-left, zero-padded), ``image_sizes``
   ``[n, 2]`` (H, W), both in token order; the tower attends within each image only.
 
-The config holds only ``image_token_id``; ``[IMG_BREAK]`` / ``[IMG_END]`` come from the
-tokenizer. Both forwards take ``input_ids`` or ``inputs_embeds``, so the guard passes only the
-embeddings. Repair: the item's own pixels (cut at its ``image_sizes``) resized to the grid
+Repair: the item's own pixels (cut at its ``image_sizes``) resized to the grid
 :class:`PixtralGeometry` solves (the processor's longest-edge resize replayed) and re-encoded
 through ``get_image_features``.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ..core.host import to_host
 from ..geometry import PixtralGeometry
-from .spec import Encoded, FamilySpec, ModalitySpec, Token, bridge_embed, count_table, tower_zeros
+from .common import PAD, PIXELS, hf_classes
+from .spec import Encoded, FamilySpec, ModalitySpec, Token, count_table, tower_zeros
 
 
 def _features(model: Any, pixels: torch.Tensor, sizes: torch.Tensor, layer=None):
@@ -37,13 +35,12 @@ def _features(model: Any, pixels: torch.Tensor, sizes: torch.Tensor, layer=None)
 def _encode_image(model: Any, kw) -> Encoded:
     pv, sizes = kw["pixel_values"], kw["image_sizes"]
     feats = _features(model, pv, sizes, kw.get("vision_feature_layer"))
-    if not kw.get("_media_guard_pixels"):
+    if not kw.get(PIXELS):
         return Encoded(feats)
     # repair only: the sizes on the host to cut each image out of its padding (one small transfer)
     hw = to_host(sizes, why="image sizes to cut each item's pixels for repair").tolist()
     return Encoded(
         feats,
-        num_frames=(None,) * len(hw),
         frame_hw=tuple((h, w) for h, w in hw),
         pixels=tuple(pv[n, :, :h, :w] for n, (h, w) in enumerate(hw)),
     )
@@ -86,7 +83,7 @@ def _dummy(model: Any):
 
 SPEC = FamilySpec(
     name="mistral3",
-    classes={"transformers.": frozenset({"Mistral3ForConditionalGeneration", "Mistral3Model"})},
+    classes=hf_classes("Mistral3"),
     modalities=(
         ModalitySpec(
             "image",
@@ -100,7 +97,7 @@ SPEC = FamilySpec(
             counts=_counts,
         ),
     ),
-    text=Token(("text_config.pad_token_id", "pad_token_id"), "<pad>", 0),
+    text=Token(PAD, "<pad>", 0),
     geometry=_geometry,
     ids_with_embeds=False,
     dummy=_dummy,
@@ -109,9 +106,4 @@ SPEC = FamilySpec(
 #: Megatron-Bridge 0.6.2 ``Ministral3Model.forward(input_ids, attention_mask, position_ids,
 #: inputs_embeds, pixel_values, labels, runtime_gather_output, image_sizes, ...)``: it embeds
 #: through its language model and merges only while ``pixel_values`` is given
-BRIDGE = replace(
-    SPEC,
-    classes={"megatron.bridge.": frozenset({"Ministral3Model"})},
-    ids_with_embeds=True,
-    embed=bridge_embed,
-)
+BRIDGE = SPEC.bridge("Ministral3Model")

@@ -15,31 +15,19 @@ from typing import Any
 
 import torch
 
-from ..core.host import to_host
 from ..geometry import RadioTilerGeometry
+from .common import PAD, mel_frames, patch_images
 from .evs import prune_video_tokens
 from .layouts import image_to_patches, patches_to_image
-from .spec import Encoded, FamilySpec, ModalitySpec, Token, count_table, split_rows
+from .spec import Encoded, FamilySpec, ModalitySpec, Token, count_table
 
 PATCH = 16
 
 
 def _encode_image(model: Any, kw) -> Encoded:
-    pv, grid = kw["pixel_values"], kw["image_grid_hw"]
-    feats = tuple(model.get_image_features(pv, grid, return_dict=True).pooler_output)
-    if not kw.get("_media_guard_pixels"):
-        return Encoded(feats)
-    # repair only: the grids on the host to cut each image's patch rows (one small transfer)
-    hw = to_host(grid, why="image grids to cut each item's patch rows for repair").tolist()
-    pix, off = [], 0
-    for gh, gw in hw:
-        pix.append(patches_to_image(pv[off : off + gh * gw], gh, gw))
-        off += gh * gw
-    return Encoded(
-        feats,
-        num_frames=(None,) * len(hw),
-        frame_hw=tuple((PATCH * gh, PATCH * gw) for gh, gw in hw),
-        pixels=tuple(pix),
+    out = model.get_image_features(kw["pixel_values"], kw["image_grid_hw"], return_dict=True)
+    return patch_images(
+        out.pooler_output, kw, "pixel_values", "image_grid_hw", PATCH, patches_to_image
     )
 
 
@@ -67,16 +55,14 @@ def _encode_video(model: Any, kw) -> Encoded:
 def _encode_audio(model: Any, kw) -> Encoded:
     feats, mask = kw["input_features"], kw.get("input_features_mask")
     flat = model.get_audio_features(feats, mask).pooler_output
-    if mask is None:
-        sizes = [flat.shape[0] // feats.shape[0]] * feats.shape[0]
-    elif not isinstance(flat, torch.Tensor):
+    if not isinstance(flat, torch.Tensor):
         return Encoded(tuple(flat))  # one tensor per clip already
-    else:
-        # the flat features hold every clip back to back: their lengths (on the device) cut
-        # them per item once the merge's one transfer brings them (Encoded.counts)
-        lengths = model.audio_tower._get_subsampling_output_length(mask.sum(-1) + 1)
-        return Encoded((flat,), counts=lengths)
-    return Encoded(split_rows(flat, sizes))
+    if mask is None:  # every clip the whole window
+        return Encoded(tuple(flat.split(flat.shape[0] // feats.shape[0])))
+    # the flat features hold every clip back to back: their lengths (on the device) cut them
+    # per item once the merge's one transfer brings them (Encoded.counts)
+    lengths = model.audio_tower._get_subsampling_output_length(mask.sum(-1) + 1)
+    return Encoded((flat,), counts=lengths)
 
 
 def _image_counts(config: Any, kw) -> torch.Tensor:
@@ -98,13 +84,8 @@ def _audio_counts(config: Any, kw) -> torch.Tensor:
     a = config.audio_config
     k, stride = a.subsampling_conv_kernel_size, a.subsampling_conv_stride
     pad = (k - 1) // 2 * 2 - k
-    x, mask = kw["input_features"], kw.get("input_features_mask")
-    n = (
-        mask.sum(-1) + 1
-        if mask is not None
-        else torch.full(x.shape[:1], x.shape[1], device=x.device)
-    )
-    n = n.long()
+    mask = kw.get("input_features_mask")
+    n = mel_frames(kw["input_features"], mask, 1) + (mask is not None)  # the model's length
     for _ in range(int(math.log2(a.subsampling_factor))):
         n = torch.div(n + pad, stride, rounding_mode="floor") + 1
     return count_table(n)
@@ -151,7 +132,7 @@ SPEC = FamilySpec(
             counts=_audio_counts,
         ),
     ),
-    text=Token(("text_config.pad_token_id", "pad_token_id"), "<unk>", 0),
+    text=Token(PAD, "<unk>", 0),
     geometry=lambda model: RadioTilerGeometry(patch=PATCH, pixel_shuffle=2),
     after_merge=prune_video_tokens,
     dummy=_dummy,

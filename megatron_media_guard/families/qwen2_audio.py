@@ -7,8 +7,7 @@ Whisper-style audio tower and a linear projector.
 
 The model has no ``get_audio_features``: the encode below runs the model's own modules the way
 its forward does (the tower on the padded mel with its key mask, the projector, each clip's
-first N rows). The config knows only ``audio_token_id``; the markers come from the tokenizer
-(the Qwen2 tokenizer's ids as defaults). Both classes skip their own audio merge once
+first N rows). Both classes skip their own audio merge once
 ``inputs_embeds`` carries the guard's, so their unchecked *legacy* path (taken when no two
 ``<|AUDIO|>`` are adjacent anywhere in the batch: each placeholder silently expanded into its
 clip's features, the sequence growing) never runs under the guard: a run of one placeholder
@@ -24,12 +23,12 @@ audio inputs as None once it has merged (neither is in ``keep``).
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 from typing import Any
 
 import torch
 
-from .spec import Encoded, FamilySpec, ModalitySpec, Token, bridge_embed, count_table, tower_zeros
+from .common import PAD, hf_classes, mel_frames
+from .spec import Encoded, FamilySpec, ModalitySpec, Token, count_table, tower_zeros
 
 
 def _parts(model: Any):
@@ -67,11 +66,8 @@ def _encode_audio(model: Any, kw) -> Encoded:
 def _counts(config: Any, kw) -> torch.Tensor:
     """Per clip ``((L - 1) // 2 + 1 - 2) // 2 + 1`` of its L mel frames (the tower's
     ``_get_feat_extract_output_lengths``; the whole window without a mask)."""
-    x, mask = kw["input_features"], kw.get("feature_attention_mask")
-    frames = (
-        mask.sum(-1) if mask is not None else torch.full(x.shape[:1], x.shape[-1], device=x.device)
-    )
-    n = ((frames.long() - 1) // 2 + 1 - 2) // 2 + 1
+    frames = mel_frames(kw["input_features"], kw.get("feature_attention_mask"))
+    n = ((frames - 1) // 2 + 1 - 2) // 2 + 1
     return count_table(n.clamp(min=0))
 
 
@@ -88,9 +84,7 @@ def _dummy(model: Any):
 
 SPEC = FamilySpec(
     name="qwen2_audio",
-    classes={
-        "transformers.": frozenset({"Qwen2AudioForConditionalGeneration", "Qwen2AudioModel"}),
-    },
+    classes=hf_classes("Qwen2Audio"),
     modalities=(
         ModalitySpec(
             "audio",
@@ -103,13 +97,11 @@ SPEC = FamilySpec(
             counts=_counts,
         ),
     ),
-    text=Token(("text_config.pad_token_id", "pad_token_id"), "<|endoftext|>", 151643),
+    text=Token(PAD, "<|endoftext|>", 151643),
     dummy=_dummy,
 )
 
 #: Megatron-Bridge 0.6.2 ``Qwen2AudioModel.forward(input_ids, attention_mask, position_ids,
 #: inputs_embeds, input_features, feature_attention_mask, labels, ...)``; its provider holds
 #: ``audio_token_id`` / ``pad_token_id`` (the markers: the tokenizer's, or the defaults)
-BRIDGE = replace(
-    SPEC, classes={"megatron.bridge.": frozenset({"Qwen2AudioModel"})}, embed=bridge_embed
-)
+BRIDGE = SPEC.bridge("Qwen2AudioModel")

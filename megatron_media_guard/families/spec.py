@@ -12,7 +12,7 @@ drop, repair) is the shared core.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -308,6 +308,13 @@ class FamilySpec:
                     return True
         return False
 
+    def bridge(self, *classes: str, **changes: Any) -> FamilySpec:
+        """This spec's Megatron-Bridge copy: its ``classes``, ``input_ids`` passed beside
+        ``inputs_embeds``, the token embeddings of its language model (:func:`bridge_embed`),
+        then ``changes``."""
+        changes = {"ids_with_embeds": True, "embed": bridge_embed, **changes}
+        return replace(self, classes={"megatron.bridge.": frozenset(classes)}, **changes)
+
     def modality(self, name: str) -> ModalitySpec:
         for m in self.modalities:
             if m.name == name:
@@ -318,41 +325,33 @@ class FamilySpec:
         """The guard's grammar from the model's config (markers the config lacks from the
         tokenizer); a clear error naming every token it could not find (and ``caller``, the
         function to pass the tokenizer to)."""
-        placeholders: dict[str, int] = {}
-        pairs: list[tuple[int, int]] = []
-        inner: list[tuple[int, int]] = []
-        end_only: list[int] = []
-        breaks: list[int] = []
         missing: list[str] = []
+
+        def resolve(tok: Token, what: str) -> int | None:
+            tid = tok.resolve(model, tokenizer)
+            if tid is None:
+                missing.append(f"{what} {_where(tok)}")
+            return tid
+
+        placeholders: dict[str, int] = {}
+        pairs, inner, end_only, breaks = {}, {}, {}, {}  # ordered sets
         for m in self.modalities:
-            if m.shares is not None:
-                continue
-            tok = m.placeholder.resolve(model, tokenizer)
-            if tok is None:
-                missing.append(f"{m.name} placeholder {_where(m.placeholder)}")
-            else:
-                placeholders[m.name] = tok
+            tid = None if m.shares else resolve(m.placeholder, f"{m.name} placeholder")
+            if tid is not None:
+                placeholders[m.name] = tid
             if m.start is not None and m.end is not None:
                 a, b = m.start.resolve(model, tokenizer), m.end.resolve(model, tokenizer)
                 if a is None or b is None:
                     missing.append(f"{m.name} start/end markers {_where(m.start)}")
                 else:
-                    if (a, b) not in pairs:
-                        pairs.append((a, b))
-                    if m.nests and (a, b) not in inner:
-                        inner.append((a, b))
-            elif m.end is not None:
-                b = m.end.resolve(model, tokenizer)
-                if b is None:
-                    missing.append(f"{m.name} end marker {_where(m.end)}")
-                elif b not in end_only:
-                    end_only.append(b)
+                    pairs[(a, b)] = None
+                    if m.nests:
+                        inner[(a, b)] = None
+            elif m.end is not None and (b := resolve(m.end, f"{m.name} end marker")) is not None:
+                end_only[b] = None
             for t in m.breaks:
-                k = t.resolve(model, tokenizer)
-                if k is None:
-                    missing.append(f"{m.name} break token {_where(t)}")
-                elif k not in breaks:
-                    breaks.append(k)
+                if (k := resolve(t, f"{m.name} break token")) is not None:
+                    breaks[k] = None
         if missing:
             if tokenizer is None:
                 fix = "set them on model.config, or pass tokenizer= (the model's tokenizer"
@@ -369,21 +368,21 @@ class FamilySpec:
                 f"{caller}: {self.name}: no token id for " + "; ".join(missing) + f" ({fix})",
                 context={"family": self.name, "missing": missing},
             )
-        aliases = {m.name: m.shares for m in self.modalities if m.shares is not None}
         if (pairs and end_only) or len(end_only) > 1:
             raise MediaInputError(
                 f"{self.name}: one end-only marker, and no marker pairs beside it"
             )
-        start, end = pairs[0] if pairs else (None, end_only[0] if end_only else None)
+        pairs, ends = list(pairs), list(end_only)
+        start, end = pairs[0] if pairs else (None, ends[0] if ends else None)
         text = self.text.resolve(model, tokenizer)
-        specials = {*placeholders.values(), *(t for p in pairs for t in p), *end_only, *breaks}
+        specials = {*placeholders.values(), *(t for p in pairs for t in p), *ends, *breaks}
         return Grammar(
             placeholders,
             start_id=start,
             end_id=end,
             break_ids=tuple(breaks),
             regions=tuple(pairs[1:]),
-            aliases=aliases,
+            aliases={m.name: m.shares for m in self.modalities if m.shares is not None},
             name=self.name,
             text_id=None if text in specials else text,
             inner=tuple(inner),
@@ -408,14 +407,6 @@ def present(spec: FamilySpec, kwargs: Mapping[str, Any]) -> list[ModalitySpec]:
     return [m for m in spec.modalities if kwargs.get(m.inputs[0]) is not None]
 
 
-def split_rows(flat: torch.Tensor | Sequence[torch.Tensor], sizes: Sequence[int]):
-    """Per-item views of a model's feature output: a tuple of tensors is kept; a flat
-    ``[sum(n_i), h]`` tensor is split by ``sizes``."""
-    if isinstance(flat, torch.Tensor):
-        return tuple(flat.split(list(sizes)))
-    return tuple(flat)
-
-
 def cut_counted(block: torch.Tensor, sizes: Sequence[int]) -> tuple[torch.Tensor, ...]:
     """Per-item views of an ``Encoded.counts`` block: a flat ``[sum(n_i), h]`` block split by
     ``sizes``, a padded ``[items, max, h]`` one cut to each item's count."""
@@ -434,12 +425,16 @@ def bridge_embed(model: Any, ids: torch.Tensor) -> torch.Tensor:
     return model.language_model.embedding(input_ids=ids, position_ids=None).transpose(0, 1)
 
 
-def tower_zeros(model: Any, tower: str, *shape: int) -> torch.Tensor:
+def tower_zeros(model: Any, tower: Any, *shape: int) -> torch.Tensor:
     """Zeros of ``shape`` for a spec's ``dummy``: on the device and in the dtype of the model's
-    tower (attribute ``tower`` of the model or of its ``.model``; its first floating
-    parameter), so the dummy call takes the tower's own path as a real input would."""
-    mod = getattr(model, tower, None)
-    if mod is None:
-        mod = getattr(model.model, tower)
-    p = next(p for p in mod.parameters() if p.is_floating_point())
+    tower (the module ``tower``, or attribute ``tower`` of the model or of its ``.model``; its
+    first floating parameter, else float32 on the CPU), so the dummy call takes the tower's own
+    path as a real input would."""
+    mod = tower
+    if isinstance(tower, str):
+        mod = getattr(model, tower, None)
+        mod = getattr(model.model, tower) if mod is None else mod
+    p = next((p for p in mod.parameters() if p.is_floating_point()), None)
+    if p is None:
+        return torch.zeros(shape)
     return torch.zeros(shape, dtype=p.dtype, device=p.device)
