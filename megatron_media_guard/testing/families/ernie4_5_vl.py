@@ -5,7 +5,7 @@ Grammar (``Ernie4_5_VLMoeProcessor`` + chat template): an image is ``<|IMAGE_STA
 ``<|VIDEO_PLACEHOLDER|>``×(t·h·w/8) ``<|VIDEO_END|>`` (ONE run per video; frames merged in pairs by
 the resampler, ``temporal_merge_size`` 2). Every id comes from the config. ``mm_token_type_ids``
 marks placeholders (1 image, 2 video), ``moe_mm_token_type_ids`` also the start/end markers (the
-text/vision expert routing). No tokenizer is loaded: text is random ids below 100000. Pixels are
+text/vision expert routing). No tokenizer is loaded: text is random ids below the special ids (:data:`TEXT_IDS`). Pixels are
 random ``[Σ patches, 3·14·14]`` float32 rows (temporal patch 1: one row per patch per frame).
 """
 
@@ -25,15 +25,28 @@ MERGE = 2
 TEMPORAL_MERGE = 2
 PATCH_DIM = 3 * PATCH * PATCH
 PAD_ID = 0
+VOCAB = 4096
+TEXT_IDS = (1000, 4000)  # random text ids are drawn below the special ids
+SPECIAL_IDS = dict(
+    image_start_token_id=4001,
+    image_end_token_id=4002,
+    video_start_token_id=4003,
+    video_end_token_id=4004,
+    image_token_id=4005,
+    video_token_id=4006,
+)
 ORDER = ("image", "video")
 
 
 def tiny_model(seed: int = 0, **overrides):
     """Tiny random ``Ernie4_5_VLMoeForConditionalGeneration`` (vision depth 1, hidden 32; text: one
-    dense and one sparse layer with 4 text + 4 vision experts; default ids, vocab 103424)."""
+    dense and one sparse layer with 4 text + 4 vision experts; vocab :data:`VOCAB` with the special
+    ids at its top: a full 103424-row vocab made the logits the cost of every test)."""
     from transformers import Ernie4_5_VLMoeConfig, Ernie4_5_VLMoeForConditionalGeneration
 
     text = dict(
+        vocab_size=VOCAB,
+        pad_token_id=PAD_ID,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -47,7 +60,9 @@ def tiny_model(seed: int = 0, **overrides):
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [3, 3, 2]},
     )
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2)
-    cfg = Ernie4_5_VLMoeConfig(text_config=text, vision_config=vision, **overrides)
+    cfg = Ernie4_5_VLMoeConfig(
+        text_config=text, vision_config=vision, **{**SPECIAL_IDS, **overrides}
+    )
     torch.manual_seed(seed)
     return Ernie4_5_VLMoeForConditionalGeneration(cfg).eval().float()
 
@@ -118,7 +133,7 @@ def make_batch(model, samples, *, text_len: int = 6, swap=None, seed: int = 0) -
     data = {m: [] for m in ORDER}
     for si, sample in enumerate(samples):
         ids = torch.randint(
-            1000, 100000, (text_len,), generator=_rng(seed, sample, -1, "text")
+            *TEXT_IDS, (text_len,), generator=_rng(seed, sample, -1, "text")
         ).tolist()
         tt, mt, sruns = [0] * text_len, [0] * text_len, []
         for k, media in enumerate(sample):
@@ -128,9 +143,7 @@ def make_batch(model, samples, *, text_len: int = 6, swap=None, seed: int = 0) -
             ids += [start] + [pad] * n + [end]
             tt += [0] + [code] * n + [0]
             mt += [code] * (n + 2)
-            ids += torch.randint(
-                1000, 100000, (2,), generator=_rng(seed, sample, k, "gap")
-            ).tolist()
+            ids += torch.randint(*TEXT_IDS, (2,), generator=_rng(seed, sample, k, "gap")).tolist()
             tt += [0, 0]
             mt += [0, 0]
             sruns.append((media.modality, n))

@@ -3,13 +3,13 @@
 Grammar (``Glm4vProcessor``): an image is ``<|begin_of_image|>`` ``<|image|>``×N ``<|end_of_image|>``;
 a video is ``<|begin_of_video|>`` then, per temporal patch (2 frames), ``<|begin_of_image|>``
 ``<|image|>``×(h·w/4) ``<|end_of_image|>`` followed by the frame's timestamp as text, then
-``<|end_of_video|>``. Video frames reuse the **image** token (the config's ``video_token_id``
-151344 is ``<|video|>``, the prompt-side marker the processor expands, never in the model's ids);
+``<|end_of_video|>``. Video frames reuse the **image** token (the config's ``video_token_id``,
+``<|video|>``, is the prompt-side marker the processor expands, never in the model's ids);
 ``mm_token_type_ids`` (0 text, 1 image, 2 video) is what tells them apart.
 
 The ids are built from the config's token ids and the processor's own arithmetic (no tokenizer
-is needed offline): text is random ids below 100000; the timestamp text after a frame is one
-stand-in id (``TIMESTAMP_ID + second``) where the real tokenizer writes the digits of
+is needed offline): text is random ids below the special ids (:data:`TEXT_IDS`); the timestamp
+text after a frame is one stand-in id (``TIMESTAMP_ID + second``) where the real tokenizer writes the digits of
 ``int(timestamp)``. Pixel rows are random, ``[Σ patches, 3·2·14·14]`` float32, the layout
 ``Glm4vImageProcessor.patchify`` writes (rows in 2×2 merge-block order).
 """
@@ -31,14 +31,27 @@ MERGE = 2
 PATCH_DIM = 3 * TEMPORAL_PATCH * PATCH * PATCH
 TIMESTAMP_ID = 100  # stand-in id for the timestamp text after each video frame
 PAD_ID = 0
+VOCAB = 4096
+TEXT_IDS = (1000, 4000)  # random text ids are drawn below the special ids
+SPECIAL_IDS = dict(
+    image_start_token_id=4001,
+    image_end_token_id=4002,
+    video_start_token_id=4003,
+    video_end_token_id=4004,
+    image_token_id=4005,
+    video_token_id=4006,
+)
 
 
 def tiny_model(seed: int = 0, **overrides):
     """Tiny random ``Glm4vForConditionalGeneration`` (vision depth 1, hidden 32, 1 text layer;
-    default special token ids and vocab 151552). ``overrides`` update the top-level config."""
+    vocab :data:`VOCAB` with the special ids at its top: a full 151552-row vocab made the
+    logits, not the model, the cost of every test). ``overrides`` update the top-level config."""
     from transformers import Glm4vConfig, Glm4vForConditionalGeneration
 
     text = dict(
+        vocab_size=VOCAB,
+        pad_token_id=PAD_ID,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=1,
@@ -59,7 +72,7 @@ def tiny_model(seed: int = 0, **overrides):
         out_hidden_size=32,
         image_size=56,
     )
-    cfg = Glm4vConfig(text_config=text, vision_config=vision, **overrides)
+    cfg = Glm4vConfig(text_config=text, vision_config=vision, **{**SPECIAL_IDS, **overrides})
     torch.manual_seed(seed)
     return Glm4vForConditionalGeneration(cfg).eval().float()
 
@@ -127,7 +140,7 @@ def make_batch(model, samples, *, text_len: int = 6, swap=None, seed: int = 0) -
     owners = {"image": [], "video": []}
     for si, sample in enumerate(samples):
         g = _rng(seed, sample, -1, "text")
-        ids = torch.randint(1000, 100000, (text_len,), generator=g).tolist()
+        ids = torch.randint(*TEXT_IDS, (text_len,), generator=g).tolist()
         tt = [0] * text_len
         sruns = []
         for k, media in enumerate(sample):
@@ -152,9 +165,7 @@ def make_batch(model, samples, *, text_len: int = 6, swap=None, seed: int = 0) -
                 ids.append(cfg.video_end_token_id)
                 tt.append(0)
             sruns += [(media.modality, n) for n in lens]
-            ids += torch.randint(
-                1000, 100000, (2,), generator=_rng(seed, sample, k, "gap")
-            ).tolist()
+            ids += torch.randint(*TEXT_IDS, (2,), generator=_rng(seed, sample, k, "gap")).tolist()
             tt += [0, 0]
             thw = (1, *media.size) if media.modality == "image" else tuple(media.size)
             n_patch = thw[0] * thw[1] * thw[2]
