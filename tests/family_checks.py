@@ -108,3 +108,19 @@ def guarded_forward(F, model, samples, config=None, items=None, **kw):
         with torch.no_grad():
             out = model(**b.kwargs)
         return b, out, h.last_result
+
+
+def placed_by_hand(model, b, token: int, queue: dict[str, list[torch.Tensor]]) -> torch.Tensor:
+    """Sample 0's input embeddings of batch ``b`` with its features placed by hand: run by run
+    in token order (``b.runs[0]``: (modality, placeholders)), each run taking the next feature
+    block of its modality from ``queue``, at the positions of the shared placeholder ``token``.
+    The reference where the plain model cannot take a sample's images and videos together."""
+    emb = model.get_input_embeddings()(b.input_ids)
+    pos = (b.input_ids[0] == token).nonzero().flatten().tolist()
+    at = 0
+    for mod, n in b.runs[0]:
+        f = queue[mod].pop(0)
+        assert f.shape[0] == n
+        emb[0, pos[at : at + n]] = f
+        at += n
+    return emb

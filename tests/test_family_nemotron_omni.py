@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from family_checks import records
+from family_checks import placed_by_hand, records
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaGuard, MediaItem
 from megatron_media_guard.errors import MediaInputError
@@ -48,14 +48,7 @@ def own(model, sample):
         vid = model.get_video_features(kw["pixel_values_videos"]).pooler_output
         per = vid[0].shape[0] // kw["pixel_values_videos"].shape[1]
         queue = {"image": list(img), "video": [g for v in vid for g in v.split(per)]}
-        emb = model.get_input_embeddings()(b.input_ids)
-        pos = (b.input_ids[0] == F.IMAGE).nonzero().flatten().tolist()
-        at = 0
-        for mod, n in b.runs[0]:
-            f = queue[mod].pop(0)
-            assert f.shape[0] == n
-            emb[0, pos[at : at + n]] = f
-            at += n
+        emb = placed_by_hand(model, b, F.IMAGE, queue)
         out = model.language_model(inputs_embeds=emb, attention_mask=kw["attention_mask"])
     return out.logits[0, : b.lengths[0]]
 

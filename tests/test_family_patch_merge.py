@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from family_checks import guarded_forward, records
+from family_checks import guarded_forward, placed_by_hand, records
 
 from megatron_media_guard import GuardConfig, MediaItem
 from megatron_media_guard.repair.pixels import from_frames, to_frames
@@ -127,14 +127,7 @@ def own(case: GridCase, model, sample) -> torch.Tensor:
             for g in v.split(h * w // 4)
         ]
         queue = {"image": list(im), "video": frames}
-        emb = model.get_input_embeddings()(b.input_ids)
-        pos = (b.input_ids[0] == model.config.image_token_id).nonzero().flatten().tolist()
-        at = 0
-        for mod, n in b.runs[0]:
-            f = queue[mod].pop(0)
-            assert f.shape[0] == n
-            emb[0, pos[at : at + n]] = f
-            at += n
+        emb = placed_by_hand(model, b, model.config.image_token_id, queue)
         rope = model.model.get_rope_index(
             b.input_ids,
             kw["mm_token_type_ids"],

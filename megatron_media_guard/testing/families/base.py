@@ -21,6 +21,21 @@ from typing import Any, Literal
 
 import torch
 
+#: A small vocabulary for the tiny models whose configs name start / end / placeholder ids per
+#: modality (GLM-4V, Ernie 4.5 VL): their real 100k-150k-row vocabularies made the logits, not
+#: the model, the cost of every test. Random text ids come from ``SMALL_TEXT_IDS``, below the
+#: special ids at the vocabulary's top.
+SMALL_VOCAB = 4096
+SMALL_TEXT_IDS = (1000, 4000)
+SMALL_SPECIAL_IDS = dict(
+    image_start_token_id=4001,
+    image_end_token_id=4002,
+    video_start_token_id=4003,
+    video_end_token_id=4004,
+    image_token_id=4005,
+    video_token_id=4006,
+)
+
 Modality = Literal["image", "video", "audio"]
 
 

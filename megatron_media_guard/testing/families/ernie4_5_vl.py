@@ -5,7 +5,8 @@ Grammar (``Ernie4_5_VLMoeProcessor`` + chat template): an image is ``<|IMAGE_STA
 ``<|VIDEO_PLACEHOLDER|>``×(t·h·w/8) ``<|VIDEO_END|>`` (ONE run per video; frames merged in pairs by
 the resampler, ``temporal_merge_size`` 2). Every id comes from the config. ``mm_token_type_ids``
 marks placeholders (1 image, 2 video), ``moe_mm_token_type_ids`` also the start/end markers (the
-text/vision expert routing). No tokenizer is loaded: text is random ids below the special ids (:data:`TEXT_IDS`). Pixels are
+text/vision expert routing). No tokenizer is loaded: text is random ids below the special ids
+(``SMALL_TEXT_IDS``). Pixels are
 random ``[Σ patches, 3·14·14]`` float32 rows (temporal patch 1: one row per patch per frame).
 """
 
@@ -16,6 +17,9 @@ from collections.abc import Sequence
 
 import torch
 
+from .base import SMALL_SPECIAL_IDS as SPECIAL_IDS
+from .base import SMALL_TEXT_IDS as TEXT_IDS
+from .base import SMALL_VOCAB as VOCAB
 from .base import FamilyBatch, Media, right_pad, rng
 
 FAMILY = "ernie4_5_vl"
@@ -25,23 +29,13 @@ MERGE = 2
 TEMPORAL_MERGE = 2
 PATCH_DIM = 3 * PATCH * PATCH
 PAD_ID = 0
-VOCAB = 4096
-TEXT_IDS = (1000, 4000)  # random text ids are drawn below the special ids
-SPECIAL_IDS = dict(
-    image_start_token_id=4001,
-    image_end_token_id=4002,
-    video_start_token_id=4003,
-    video_end_token_id=4004,
-    image_token_id=4005,
-    video_token_id=4006,
-)
 ORDER = ("image", "video")
 
 
 def tiny_model(seed: int = 0, **overrides):
     """Tiny random ``Ernie4_5_VLMoeForConditionalGeneration`` (vision depth 1, hidden 32; text: one
-    dense and one sparse layer with 4 text + 4 vision experts; vocab :data:`VOCAB` with the special
-    ids at its top: a full 103424-row vocab made the logits the cost of every test)."""
+    dense and one sparse layer with 4 text + 4 vision experts; vocab
+    ``SMALL_VOCAB`` of ``testing/families/base``, not the real 103424 rows)."""
     from transformers import Ernie4_5_VLMoeConfig, Ernie4_5_VLMoeForConditionalGeneration
 
     text = dict(

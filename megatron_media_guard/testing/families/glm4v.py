@@ -8,10 +8,11 @@ a video is ``<|begin_of_video|>`` then, per temporal patch (2 frames), ``<|begin
 ``mm_token_type_ids`` (0 text, 1 image, 2 video) is what tells them apart.
 
 The ids are built from the config's token ids and the processor's own arithmetic (no tokenizer
-is needed offline): text is random ids below the special ids (:data:`TEXT_IDS`); the timestamp
-text after a frame is one stand-in id (``TIMESTAMP_ID + second``) where the real tokenizer writes the digits of
-``int(timestamp)``. Pixel rows are random, ``[Σ patches, 3·2·14·14]`` float32, the layout
-``Glm4vImageProcessor.patchify`` writes (rows in 2×2 merge-block order).
+is needed offline): text is random ids below the special ids (``SMALL_TEXT_IDS``); the
+timestamp text after a frame is one stand-in id (``TIMESTAMP_ID + second``) where the real
+tokenizer writes the digits of ``int(timestamp)``. Pixel rows are random, ``[Σ patches,
+3·2·14·14]`` float32, the layout ``Glm4vImageProcessor.patchify`` writes (rows in 2×2
+merge-block order).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from collections.abc import Sequence
 
 import torch
 
+from .base import SMALL_SPECIAL_IDS as SPECIAL_IDS
+from .base import SMALL_TEXT_IDS as TEXT_IDS
+from .base import SMALL_VOCAB as VOCAB
 from .base import FamilyBatch, Media, right_pad, rng
 
 FAMILY = "glm4v"
@@ -31,22 +35,12 @@ MERGE = 2
 PATCH_DIM = 3 * TEMPORAL_PATCH * PATCH * PATCH
 TIMESTAMP_ID = 100  # stand-in id for the timestamp text after each video frame
 PAD_ID = 0
-VOCAB = 4096
-TEXT_IDS = (1000, 4000)  # random text ids are drawn below the special ids
-SPECIAL_IDS = dict(
-    image_start_token_id=4001,
-    image_end_token_id=4002,
-    video_start_token_id=4003,
-    video_end_token_id=4004,
-    image_token_id=4005,
-    video_token_id=4006,
-)
 
 
 def tiny_model(seed: int = 0, **overrides):
     """Tiny random ``Glm4vForConditionalGeneration`` (vision depth 1, hidden 32, 1 text layer;
-    vocab :data:`VOCAB` with the special ids at its top: a full 151552-row vocab made the
-    logits, not the model, the cost of every test). ``overrides`` update the top-level config."""
+    vocab ``SMALL_VOCAB`` of ``testing/families/base``, not the real 151552 rows). ``overrides``
+    update the top-level config."""
     from transformers import Glm4vConfig, Glm4vForConditionalGeneration
 
     text = dict(
