@@ -70,7 +70,9 @@ class Expected:
     per item its runs and the placeholders of each; samples: per item its sample (explicit
     items: each sample then holds as many runs of the modality as its items own), else None;
     declared: per item the features the caller's items declare (must equal ``runs * tokens``),
-    else None. known: ``(lengths, samples, hash)`` where the host has them (one run per
+    else None. where: per position of the flattened ids, where this table's runs may stand
+    (a token two modalities share, told apart by a per-token type), else None: every
+    position of ``code``. known: ``(lengths, samples, hash)`` where the host has them (one run per
     item), so the check may take the marker grammars' fast path; ``hash``: the table's part
     of the fingerprint (:func:`_table_hash`), summed on the host.
     """
@@ -94,12 +96,7 @@ def item_tables(
     per-code tables, uploaded to ``dev`` (kept for the last few: a training run repeats its
     items)."""
     key = (tuple(lengths), tuple(codes), None if samples is None else tuple(samples), dev)
-    got = _ITEM_TABLES.get(key)
-    if got is None:
-        if len(_ITEM_TABLES) >= 16:
-            _ITEM_TABLES.pop(next(iter(_ITEM_TABLES)))
-        got = _ITEM_TABLES[key] = _item_tables(*key)
-    return got
+    return _kept(_ITEM_TABLES, 16, key, lambda: _item_tables(*key))
 
 
 _ITEM_TABLES: dict[tuple, list[Expected]] = {}
@@ -308,13 +305,12 @@ _CONSTANTS: dict[tuple, torch.Tensor] = {}
 
 def _constant(values: tuple[int, ...], dev: torch.device) -> torch.Tensor:
     """``torch.tensor(values)`` on ``dev``, kept for the last few (a run repeats its items)."""
-    key = (values, dev)
-    got = _CONSTANTS.get(key)
-    if got is None:
-        if len(_CONSTANTS) >= 32:
-            _CONSTANTS.pop(next(iter(_CONSTANTS)))
-        got = _CONSTANTS[key] = torch.tensor(values, dtype=torch.int64).to(dev, non_blocking=True)
-    return got
+    return _kept(
+        _CONSTANTS,
+        32,
+        (values, dev),
+        lambda: torch.tensor(values, dtype=torch.int64).to(dev, non_blocking=True),
+    )
 
 
 _WEIGHTS: dict[tuple[int, torch.device], tuple[torch.Tensor, int]] = {}
@@ -324,13 +320,22 @@ def fingerprint_weights(n: int, dev: torch.device) -> tuple[torch.Tensor, int]:
     """``arange(n) * _MIX + 1`` (int64, wrapping), the fingerprint's per-position weights, and
     their sum as a host int; kept for the last few (size, device) pairs (a training run
     repeats its shapes)."""
-    key = (n, dev)
-    got = _WEIGHTS.get(key)
+    # sum(w) on the host, exact mod 2**64
+    return _kept(
+        _WEIGHTS,
+        8,
+        (n, dev),
+        lambda: (torch.arange(n, device=dev) * _MIX + 1, _MIX * (n * (n - 1) // 2) + n),
+    )
+
+
+def _kept(store: dict, limit: int, key, make):
+    """``store[key]``, made by ``make()`` on a miss; the oldest entry goes past ``limit``."""
+    got = store.get(key)
     if got is None:
-        if len(_WEIGHTS) >= 8:
-            _WEIGHTS.pop(next(iter(_WEIGHTS)))
-        w = torch.arange(n, device=dev) * _MIX + 1
-        got = _WEIGHTS[key] = (w, _MIX * (n * (n - 1) // 2) + n)  # sum(w), exact mod 2**64
+        if len(store) >= limit:
+            store.pop(next(iter(store)))
+        got = store[key] = make()
     return got
 
 
