@@ -1,10 +1,6 @@
-"""The guarded merge: the drop-in for ``emb.masked_scatter(mask, feats)``.
-
-Aligned path: build the token masks, verify every run against its item on the
-device, pull one five-integer verdict to the host, scatter. Everything else
-(full parse, per-sample report, plan, repair, diagnostics) happens only when the
-verdict says something is off.
-"""
+"""The guarded merge, the drop-in for ``emb.masked_scatter(mask, feats)``: every run verified
+against its item on the device, one small verdict read, the scatter; the full parse, report,
+plan and repair only when the verdict says something is off (``fault_path.py``)."""
 
 from __future__ import annotations
 
@@ -37,20 +33,15 @@ class MediaGuard:
     """Guards the merge of media features into text embeddings, per sample and per rank.
 
     config: policies and log directory. grammar: the model family's placeholder tokens.
-    rank: this rank's coordinates for diagnostics (default: read when a record is written and
-        a message is made: torch.distributed's rank and parallel_state's coordinates when
-        initialized, else the RANK variable; a guard built before ``init_process_group``
-        names its own rank and writes its own file).
-    consensus: agrees decisions across ranks (see ``ranks/consensus.py``). Default (None):
-        resolved at the first guarded call that finds torch.distributed initialized (so a guard
-        built before ``init_process_group`` still agrees with its peers): a StageConsensus over
-        megatron-core parallel_state's groups if that is initialized, else over the world group
-        (logged once); without torch.distributed, single process. ``False``: no consensus
-        (each rank decides alone). The default and the default ``rank`` come from ``ranks/``
-        through ``core/providers.py`` (the core never imports torch.distributed): a guard
-        built as ``megatron_media_guard.MediaGuard`` or by an adapter has them.
-    geometry / encoder: used by ``policy="repair"`` to re-project mismatched items (a repair
-        guard built without them warns: every mismatch then takes ``fallback``).
+    rank: this rank's coordinates for diagnostics (default: read at each record, so a guard
+        built before ``init_process_group`` still names its own rank; ``ranks/defaults.py``).
+    consensus: agrees decisions across ranks (``ranks/consensus.py``). None: the default,
+        resolved at the first guarded call that finds torch.distributed initialized (a
+        StageConsensus over parallel_state's groups, else the world group); ``False``: each
+        rank decides alone. The defaults come through ``core/providers.py``: a guard built as
+        ``megatron_media_guard.MediaGuard`` or by an adapter has them.
+    geometry / encoder: what ``policy="repair"`` re-projects with (without them it warns:
+        every mismatch takes ``fallback``).
     """
 
     def __init__(
@@ -88,13 +79,11 @@ class MediaGuard:
 
     @property
     def rank(self) -> RankInfo:
-        """This rank's coordinates now (see ``rank`` in the class docstring)."""
         return self._rank if self._rank_source is None else self._rank_source()
 
     @property
     def consensus(self) -> Consensus | None:
-        """The consensus in use; the default one is resolved once torch.distributed is
-        initialized (None until then: single process)."""
+        """The consensus in use (the default: None until torch.distributed is initialized)."""
         if self._consensus_pending:
             cons = default_consensus()  # ranks/'s (core/providers.py); None before init
             if cons is not None:
@@ -142,13 +131,10 @@ class MediaGuard:
         embeddings: ``[b, s, h]`` (``[s, b, h]`` with ``seq_first``); input_ids: ``[b, s]``
         (``[1, T]`` with ``cu_seqlens`` ``[n+1]`` for packed samples); features: ``[sum(n_i), h]``
         or a list of ``[n_i, h]``, in the order of ``items``; loss_mask / labels: ``[b, s]``.
-        order: the items are not in token order (a call mixing modalities, given in the
-        model's consumption order): their order is decided from the runs read with the
-        verdict, in its one transfer (:class:`~.interleave.RunOrder`).
-        fault_checks: the caller's checks of the whole call that can fail only when the
-        verdict does not align (MIMO's text rows against the ids): run by the fault path
-        before the plan is agreed, each finding a ``"<check>: ..."`` text that gives every
-        sample the policy (``fallback`` under ``repair``).
+        order: items in the model's consumption order, not token order
+        (:class:`~.interleave.RunOrder`). fault_checks: the caller's checks of the whole call,
+        run by the fault path only; each ``"<check>: ..."`` finding gives every sample the
+        policy (``fallback`` under ``repair``).
         """
 
         def prepare() -> Call:
@@ -193,20 +179,14 @@ class MediaGuard:
         """The merge's decisions without features, for the last pipeline stage (which needs the
         loss mask) or any rank without the vision side. ``embeddings`` of the result is None.
 
-        Same verdict and plan as :meth:`merge` on the same ids and item metadata, and the same
-        consensus round. It cannot see two things the first stage sees: NaN/Inf features
-        (``nonfinite="drop"``) and a repair that fails and falls back (``repairs="assume"``:
-        it assumes success); use ``fallback="raise"`` with pipeline parallelism.
-        ``repairs="attempt"``: no other stage merges (the collate check, an input rewrite
-        whose model encodes and merges itself): each planned repair is attempted as the
-        merge's would be, with no features and no encoder, so it takes ``fallback`` with the
-        reason (no geometry for the family, else no encoder / pixels). ``encoder``: with
-        ``"attempt"``, what repairs an item instead: an object whose ``reprocess(repair, plan,
-        batch, context)`` re-processes it from its original media (the collate check's
-        :class:`~megatron_media_guard.families.reprocess.Reprocessor`).
-        ``sample_ids``: per sample, the data pipeline's id, named in the records and the
-        message of a sample whose items carry none. ``caller``: the function named in the
-        errors of bad input.
+        Same verdict, plan and consensus round as :meth:`merge` on the same ids and items, but
+        blind to NaN/Inf features and to a repair that falls back (``repairs="assume"``
+        assumes success): use ``fallback="raise"`` with pipeline parallelism.
+        ``repairs="attempt"`` (no other stage merges: the collate check, an input rewrite):
+        each planned repair is attempted here, by ``encoder.reprocess(repair, plan, batch,
+        context)`` where given (the collate check's ``Reprocessor``), else it falls back with
+        the reason. ``sample_ids``: per sample, the data pipeline's id for records of samples
+        whose items carry none. ``caller``: the function named in errors of bad input.
         """
 
         def prepare() -> Call:
@@ -242,10 +222,8 @@ class MediaGuard:
         step: int | None = None,
         microbatch: int | None = None,
     ) -> MergeResult:
-        """The aligned call of a check that verified the runs itself (the ``inputs`` mode's
-        :func:`~.verify.verify`: nothing bad in ``verdict``): every sample kept,
-        counted, and the stage's round joined as :meth:`last_stage` joins it. Nothing is read
-        from the device here."""
+        """The aligned call of a check that verified the runs itself (the ``inputs`` mode): every
+        sample kept and counted, the stage's round joined; nothing read from the device."""
         self.counters["merges"] += 1
         self.counters["samples"] += lay.num_samples
         plan = build_plan(lay.num_samples, (), verdict, None, self.config)
@@ -265,8 +243,8 @@ class MediaGuard:
     def _guarded(
         self, prepare, step, microbatch, caller: str = "MediaGuard.merge", late=None
     ) -> MergeResult:
-        """Runs one guarded call; a library error gets the rank/step context, and any error
-        raised before this rank's collective still takes part in it (see :meth:`fail`)."""
+        """One guarded call: a library error gets the rank/step context, and any error raised
+        before this rank's collective still joins it (:meth:`fail`)."""
         self.begin()
         try:
             if self.grammar.collapsed:
@@ -286,15 +264,14 @@ class MediaGuard:
             raise
 
     def begin(self) -> None:
-        """Marks the start of one guarded call (adapters that plan outside :meth:`merge` call
-        it before their own checks, then :meth:`settle` or :meth:`fail`)."""
+        """Starts a guarded call (adapters that plan themselves; then :meth:`settle` or
+        :meth:`fail`)."""
         self._agreed = False
 
     def fail(self, err: BaseException, step: int | None, microbatch: int | None) -> None:
-        """Call when a guarded call fails on this rank before its collective (bad input, an
-        adapter's own check, OOM): joins the stage's round as this rank's fatal outcome, so
-        the peers raise naming this rank instead of waiting for the process-group timeout.
-        A no-op once the call has agreed, or without a consensus."""
+        """A guarded call failed on this rank before its collective (bad input, OOM): joins the
+        stage's round as fatal, so the peers raise naming this rank instead of hanging until
+        the process-group timeout. A no-op once agreed, or without a consensus."""
         if self._agreed or self.consensus is None:
             return
         self._agreed = True
@@ -324,8 +301,8 @@ class MediaGuard:
         self.close()
 
     def on_step_end(self, step: int) -> dict[str, int]:
-        """Counters since the last call (merges, samples, mismatched, dropped, repaired),
-        written as a ``step`` record; reset afterwards. The drop budget hooks in here."""
+        """Counters since the last call, written as a ``step`` record, then reset (the drop
+        budget checks them here)."""
         counts = dict(self.counters)
         hook = getattr(self.consensus, "on_step_end", None)
         if hook is not None:
@@ -339,8 +316,7 @@ class MediaGuard:
     # ---- internals --------------------------------------------------------------
 
     def where(self, step: int | None, microbatch: int | None) -> str:
-        """``"rank 3, step 12, microbatch 0"``: the context every message of this guard names,
-        in the words of its record lines (:func:`~megatron_media_guard.diagnostics.where_text`)."""
+        """``"rank 3, step 12, microbatch 0"``, as the record lines say it."""
         return where_text(self.rank.rank, step, microbatch)
 
     def _merge(self, c: Call, late: RunOrder | None = None) -> MergeResult:
@@ -398,9 +374,8 @@ class MediaGuard:
         return self.result(c, out, plan, None, verdict, stage, None)
 
     def settle(self, local: LocalOutcome) -> StageOutcome:
-        """Agrees this rank's outcome with its stage (single process: takes it as is) and, when
-        any rank of the stage must raise, raises on this rank too, naming the culprit rank,
-        step and sample. Adapters that make their own plan call this once per guarded call."""
+        """Agrees this rank's outcome with its stage and raises here when any rank of the stage
+        must, naming the culprit rank, step and sample (once per guarded call)."""
         self._agreed = True
         if self.consensus is not None:
             stage = self.consensus.agree(local)
@@ -423,8 +398,7 @@ class MediaGuard:
         )
 
     def result(self, c: Call, out, plan: Plan, report, verdict, stage, keep) -> MergeResult:
-        """The :class:`MergeResult` of a settled call (the aligned path's and the fault
-        path's last step): drops masked in the loss mask and labels, the report assembled."""
+        """The result of a settled call: drops masked in the loss mask and labels."""
         loss_mask, labels = c.loss_mask, c.labels
         if plan.dropped:
             loss_mask, labels = mask_dropped(

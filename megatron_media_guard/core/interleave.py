@@ -21,8 +21,7 @@ from ..errors import MediaInputError
 from .grammar import Grammar
 from .host import to_host
 from .items import Batch, MediaItem, normalize
-from .run_table import run_table
-from .runs import TokenLayout
+from .runs import TokenLayout, run_table
 from .verify import Expected, Verdict, verify
 
 

@@ -1,11 +1,7 @@
-"""Placeholder runs and structural findings, parsed on the tensor's own device.
-
-Everything here is elementwise work, cumulative scans and gathers over the
-flattened token ids: no Python loop over tokens. ``TokenLayout`` holds the
-per-token tensors that both the aligned-path verification (``verify.py``) and
-the full parse below start from; the full parse moves only the run table and
-the findings to the host, so its transfer is sized by the number of runs.
-"""
+"""Placeholder runs and structural findings, parsed on the tensor's own device: elementwise
+work, scans and gathers over the ids, no Python loop over tokens. ``TokenLayout`` holds the
+per-token masks that the aligned check (``verify.py``) and the full parse start from; the
+full parse moves only the run table and the findings to the host (sized by the runs)."""
 
 from __future__ import annotations
 
@@ -20,7 +16,6 @@ from . import nesting
 from .grammar import Grammar
 from .host import to_host
 from .parsed import Finding, FindingKind, ParsedRuns, Run
-from .run_table import run_table
 
 _FITS: dict[tuple[int, torch.dtype], Grammar] = {}  # grammars whose ids fit a dtype
 
@@ -378,6 +373,29 @@ def _check_cu_seqlens(cu: torch.Tensor, n: int, dev: torch.device) -> torch.Tens
     if cu.device != dev:
         raise MediaInputError(f"cu_seqlens is on {cu.device}, input_ids on {dev}")
     return cu.to(torch.int64)
+
+
+def run_table(
+    lay: TokenLayout, start: torch.Tensor, end: torch.Tensor, size: int | None = None
+) -> torch.Tensor:
+    """``[runs, 6]`` int64 in token order: each run's row, first and last column, placeholder
+    count (breaks excluded), modality code of its first token (-1: breaks only) and sample.
+    ``start`` / ``end``: :meth:`TokenLayout.run_bounds`. ``size``: the rows fixed in advance
+    (no sync: the first ``size`` runs, rows past the last run meaningless), for a caller that
+    reads the table with other values."""
+    ph_cum = torch.cumsum(lay.ph, 1)
+    # nonzero sizes its output by the number of runs (a sync on CUDA; nonzero_static with a
+    # size known on the host does not); row-major order, so starts and ends pair up
+    if size is None:
+        st, en = torch.nonzero(start), torch.nonzero(end)
+    else:
+        st = torch.nonzero_static(start, size=size, fill_value=0)
+        en = torch.nonzero_static(end, size=size, fill_value=0)
+    sr, sc, ec = st[:, 0], st[:, 1], en[:, 1]
+    lengths = ph_cum[sr, ec] - ph_cum[sr, sc] + lay.ph[sr, sc].to(ph_cum.dtype)
+    first_code = lay.run_codes(start)[sr, sc]
+    first_code = torch.where(lengths == 0, -1, first_code)  # breaks only: no modality
+    return torch.stack([sr, sc, ec, lengths, first_code.long(), lay.sample[sr, sc]], dim=1)
 
 
 def parse_runs(

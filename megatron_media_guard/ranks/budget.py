@@ -1,12 +1,7 @@
 """The drop budget (docs/CONSENSUS.md): a silent flood of dropped samples becomes a named failure.
 
-Checked at step end on counters that are already summed over the stage's data-parallel
-replicas (each micro-batch counted once): :class:`~megatron_media_guard.ranks.consensus.StageConsensus`
-accumulates them from its per-merge all-reduce, so the budget itself adds no collective
-(only a MAX over the pipeline group when there is one; see ``StageConsensus.on_step_end``).
-Every rank sees the same numbers, so every rank trips at the same step.
-
-Pure logic: no torch.distributed, no megatron (the writers come from the caller).
+Checked at step end on counters :class:`~.consensus.StageConsensus` already summed over the
+stage (each micro-batch once), so it adds no collective and every rank trips at the same step.
 """
 
 from __future__ import annotations
@@ -54,11 +49,9 @@ class DropBudget:
     """Fails the run when too many samples are dropped.
 
     max_fraction_per_step: dropped / samples of one step above this trips (None: no limit).
-    max_fraction_window: dropped / samples summed over the last ``window_steps`` steps
-        above this trips, once that many steps were seen (None: no limit).
-    writers: returns TensorBoard-like (``add_scalar``) / W&B-like (``log``) writers to
-        log the counters to each step; StageConsensus fills in Megatron-LM's.
-    A fraction equal to the limit passes; limit 0.0 allows no drop at all.
+    max_fraction_window: the same over the last ``window_steps`` steps, once that many were
+        seen. A fraction equal to the limit passes. writers: returns TensorBoard-like
+        (``add_scalar``) / W&B-like (``log``) writers (StageConsensus fills in Megatron-LM's).
     """
 
     def __init__(
@@ -83,8 +76,7 @@ class DropBudget:
         self._window.clear()
 
     def on_step_end(self, step: int, totals: Mapping[str, int], guard: Any = None) -> BudgetStatus:
-        """Check one step's stage-wide ``totals`` (``samples``, ``dropped``; ``mismatched``,
-        ``repaired`` are logged). Raises DropBudgetExceeded after writing a ``budget`` record."""
+        """Checks one step's stage-wide ``totals``; DropBudgetExceeded after a ``budget`` record."""
         samples, dropped = int(totals.get("samples", 0)), int(totals.get("dropped", 0))
         self._window.append((step, samples, dropped))
         w_samples = sum(s for _, s, _ in self._window)

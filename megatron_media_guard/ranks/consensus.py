@@ -1,33 +1,14 @@
 """Per-rank consensus for the guarded merge (docs/CONSENSUS.md): one small all-reduce per merge.
 
-Groups. The *stage group* is every rank of one pipeline stage (tensor x data x context
-parallel); the *micro-batch group* is the ranks of that stage holding the same
-micro-batch (tensor x context parallel), a subset of it. No collective ever spans
-pipeline stages inside the forward.
-
-Aligned path: ONE ``all_reduce(SUM)`` of 7 int64 over the stage group::
-
-    [check0, check1, samples, mismatched, dropped, repaired, fatal]
-
-``check0/1`` are two 30-bit hash lanes that sum to zero exactly when every
-micro-batch group agrees on its plan digest and the whole stage is at the same
-(step, microbatch): a rank adds ``c_b * h(digest, group) + c_s * h(step, microbatch)``
-with ``c_b = n - 1`` on the micro-batch group's first rank and ``-1`` on its other
-``n - 1`` ranks (likewise ``c_s`` over the stage), so agreeing groups cancel; a
-disagreement leaves a non-zero lane unless 60 hash bits collide. Counters are summed
-over the stage and divided by ``n`` (peers count the same samples).
-
-Slow path (a non-zero lane or a fatal rank; all ranks see the same sums, so all take
-it): ``all_gather`` of 8 int64 per rank (rank, group, digest, fatal, sample, step,
-microbatch, samples) names the disagreeing ranks; when a rank is fatal the culprit
-(lowest fatal global rank) broadcasts its message and record
-(``broadcast_object_list``), every rank writes a ``consensus`` record, and the merge
-raises on every rank naming the culprit. A plan disagreement without a fatal rank
-raises :class:`ConsensusError` on every rank of the stage.
-
-Without torch.distributed initialized (or a stage of one rank) nothing is communicated.
-This is the one module of the package (with the adapters) that touches
-torch.distributed and megatron.
+The *stage group* is every rank of one pipeline stage (tensor x data x context parallel);
+the *micro-batch group*, the ranks of it holding the same micro-batch (tensor x context).
+Aligned path: one ``all_reduce(SUM)`` of 7 int64 over the stage,
+``[check0, check1, samples, mismatched, dropped, repaired, fatal]``; the two 30-bit check
+lanes cancel exactly when every micro-batch group agrees on its plan digest and the stage is
+at one (step, microbatch) (:func:`check_values`). A non-zero lane or a fatal rank (every rank
+sees the same sums) takes the slow path: an ``all_gather`` of one row per rank names the
+disagreeing ranks, the culprit (lowest fatal rank) broadcasts its message and record, and
+every rank raises. Without torch.distributed (or a stage of one) nothing is communicated.
 """
 
 from __future__ import annotations
@@ -100,18 +81,16 @@ def megatron_writers() -> tuple[object, ...]:
 
 
 def coefficients(rank: int, ranks: Sequence[int]) -> int:
-    """``len(ranks) - 1`` on the group's lowest rank, ``-1`` on the others: they sum to 0."""
+    """``len(ranks) - 1`` on the group's lowest rank, ``-1`` on the others (sum 0)."""
     return len(ranks) - 1 if rank == min(ranks) else -1
 
 
 def check_values(
     digest: int, group: int, step: int | None, microbatch: int | None, coef: tuple[int, int]
 ) -> list[int]:
-    """This rank's two check lanes: ``c_b * h(group, digest) + c_s * h(step, microbatch)``.
-
-    Summed over a stage they are zero when every micro-batch group agrees on its digest and
-    every rank is at the same (step, microbatch); |value| < 2**31 * (|c_b| + |c_s|).
-    """
+    """This rank's two check lanes, ``c_b * h(group, digest) + c_s * h(step, microbatch)``:
+    summed over a stage, zero when every micro-batch group agrees on its digest and every
+    rank is at the same (step, microbatch)."""
 
     def h(*parts: object) -> tuple[int, int]:
         v = int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little")
@@ -128,14 +107,10 @@ def _none(v: int) -> int | None:
 class StageConsensus:
     """Agrees each guarded merge across the ranks of one pipeline stage.
 
-    stage_group: the stage's ranks (tensor x data x context parallel); None: the world.
-    batch_group: ranks holding the same micro-batch (tensor x context parallel); None:
-        each rank alone (no digest check).
-    rank_info: this rank's coordinates for records (default: :meth:`rank_info`).
-    budget: a :class:`~megatron_media_guard.ranks.budget.DropBudget` checked at step end.
-    step_group: ranks that must stop together at step end (the pipeline group): the
-        step-end counters are combined over it with MAX (one all-reduce, outside the
-        forward), so stages without a merge raise with the stage that trips the budget.
+    stage_group: the stage's ranks; None: the world. batch_group: the ranks holding the same
+    micro-batch; None: each rank alone (no digest check). rank_info: this rank's coordinates
+    for records. budget: a :class:`~.budget.DropBudget` checked at step end. step_group: the
+    ranks that stop together at step end (the pipeline group; counters MAX-combined over it).
     """
 
     def __init__(
@@ -188,8 +163,7 @@ class StageConsensus:
 
     @classmethod
     def from_parallel_state(cls, *, budget: Any = None) -> StageConsensus:
-        """Groups from megatron-core ``parallel_state`` (0.14 .. 0.16+); single-process
-        defaults when torch.distributed is not initialized."""
+        """Groups from megatron-core ``parallel_state`` (single process without torch.distributed)."""
         if not dist_ready():
             return cls(budget=budget)
         ps = parallel_state()
@@ -219,7 +193,6 @@ class StageConsensus:
         )
 
     def rank_info(self) -> RankInfo:
-        """This rank's global rank and tp/pp/dp/cp coordinates (parallel_state when set)."""
         return self._info if self._info is not None else process_rank_info()
 
     def bind(self, guard: Any) -> StageConsensus:
@@ -230,8 +203,8 @@ class StageConsensus:
     # ---- the per-merge agreement ------------------------------------------------
 
     def agree(self, local: LocalOutcome) -> StageOutcome:
-        """One all-reduce over the stage (aligned path); raises ConsensusError on a plan
-        disagreement; a fatal rank makes the returned outcome fatal on every rank."""
+        """One all-reduce over the stage; ConsensusError on a plan disagreement; a fatal rank
+        makes the outcome fatal on every rank."""
         self.totals["merges"] += 1
         if not self.active or self.stage_size == 1:
             for k in COUNTERS:
@@ -289,8 +262,8 @@ class StageConsensus:
         )
 
     def on_step_end(self, step: int, counts: Mapping[str, int], guard: Any = None) -> dict:
-        """Stage-wide counters since the last step end (no collective for the data-parallel
-        sum: ``agree`` already made it), combined over ``step_group``; checks the budget."""
+        """Stage-wide counters since the last step end (``agree`` summed them), MAX-combined
+        over ``step_group``; checks the budget."""
         if guard is not None and self.log is None:
             self.bind(guard)
         totals, self.totals = dict(self.totals), dict.fromkeys(self.totals, 0)

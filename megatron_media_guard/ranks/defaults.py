@@ -1,20 +1,13 @@
-"""What a :class:`~megatron_media_guard.core.guard.MediaGuard` built without ``consensus=``
-or ``rank=`` gets. The core never imports this module (nor torch.distributed): importing it
-registers both with ``core/providers.py`` (the package ``__init__`` and ``adapters/`` import
-it; see there). Both are resolved when they are used, not when the
-guard is built: a guard built before ``init_process_group`` (build the model and its guard,
-then launch) still agrees with its peers and writes its own rank's file.
+"""What a :class:`~megatron_media_guard.core.guard.MediaGuard` built without ``consensus=`` or
+``rank=`` gets, registered with ``core/providers.py`` when imported (the core never imports
+this module). Both resolve when used, so a guard built before ``init_process_group`` still
+agrees with its peers and writes its own rank's file:
 
-- consensus (resolved at the first guarded call that finds torch.distributed initialized;
-  until then, single process): a :class:`~.consensus.StageConsensus`
-  over megatron-core ``parallel_state``'s groups when that is initialized, else over the
-  world group (every rank one stage, no micro-batch peers). A guard that decided alone
-  would raise on the faulty rank while its peers wait in the next collective until the
-  process-group timeout. Which one was chosen is logged once per process. Without
-  torch.distributed: None (single process). ``consensus=False`` turns it off explicitly.
-- rank: :class:`ProcessRank`, :func:`~.consensus.process_rank_info` at record time
-  (torch.distributed's rank when it is initialized, the tp/pp/dp/cp coordinates from
-  ``parallel_state`` when that is, else ``RANK``).
+- consensus: a :class:`~.consensus.StageConsensus` over megatron-core ``parallel_state``'s
+  groups when that is initialized, else over the world group (logged once per process);
+  None without torch.distributed. A guard deciding alone would leave its peers waiting in
+  the next collective until the process-group timeout.
+- rank: :func:`~.consensus.process_rank_info` at record time.
 """
 
 from __future__ import annotations
@@ -30,7 +23,6 @@ _LOCK = threading.Lock()
 
 
 def default_consensus() -> StageConsensus | None:
-    """The consensus a guard gets when none is given (see the module docstring)."""
     if not dist_ready():
         return None
     if parallel_state() is not None:
@@ -47,8 +39,8 @@ def default_consensus() -> StageConsensus | None:
 
 
 class ProcessRank:
-    """``process_rank_info()`` when asked, recomputed only when torch.distributed or
-    parallel_state became initialized since the last call (a few attribute reads otherwise)."""
+    """``process_rank_info()``, recomputed only when torch.distributed or parallel_state
+    became initialized since the last call."""
 
     def __init__(self) -> None:
         self._key: tuple[bool, bool] | None = None
