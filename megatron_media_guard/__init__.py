@@ -13,19 +13,9 @@ The public surface::
     res = guard.merge(embeddings, input_ids, features, items, loss_mask=lm, labels=labels)
     res.embeddings, res.loss_mask, res.labels, res.report       # MergeResult, GuardReport
 
-- install: ``install_vlm``, ``install_from_args``, ``check_batch``;
-- the guard: ``MediaGuard``, ``GuardConfig``, ``Grammar``, ``MediaItem``, ``parse_runs``,
-  and what a merge returns: ``MergeResult``, ``GuardReport``;
-- repair geometries: ``PatchMergeGeometry``, ``RadioTilerGeometry``, ``TiledGeometry``,
-  ``FixedGeometry``, ``PixtralGeometry``, ``AnyresGeometry``;
-- errors: ``MediaGuardError`` (the root) with ``MediaAlignmentError`` (a fault in the data;
-  ``DropBudgetExceeded``), ``MediaInputError`` (a wrong call) and ``ConsensusError`` (ranks
-  that did not agree, or a peer that failed on something other than its data).
-
-Everything else lives in its package (``core``, ``diagnostics``, ``adapters``, ``families``,
-``geometry``, ...). The names load on first use (PEP 562), so ``import megatron_media_guard``
-and the torch-free parts (``diagnostics``, ``media-guard report``, ``--help``) do not import
-torch. The pipeline and the import rules: docs/ARCHITECTURE.md.
+The names below (``__all__``) are the public surface; everything else lives in its package.
+They load on first use (PEP 562): ``import megatron_media_guard`` and its torch-free parts
+(``diagnostics``, ``media-guard report``, ``--help``) import no torch. docs/ARCHITECTURE.md.
 """
 
 import importlib as _importlib
@@ -85,9 +75,8 @@ __all__ = [
 ]
 
 
-# torch-side names: before one resolves, the modules that hand the core what it calls but may
-# not import register it (core/providers.py: the default consensus and rank from ranks/, the
-# replay-bundle writer from replay/); the torch-free names (config, errors) load neither
+# before a torch-side name resolves, what the core calls but may not import registers with
+# core/providers.py (ranks/: the default consensus and rank; replay/: the bundle writer)
 _TORCH_SIDE = (".core.", ".families.", ".adapters.")
 _PROVIDERS = (".ranks.defaults", ".replay.bundle_save")
 

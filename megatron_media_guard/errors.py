@@ -10,14 +10,10 @@
                                              failed on something other than its data
 
 A trainer that skips a batch on ``except MediaAlignmentError`` never swallows its own wrong
-call (a ``MediaInputError``), and every rank of the stage takes the same branch: a data fault
-on one rank is a ``MediaAlignmentError`` on all of them, while a peer's wrong call (or
-out-of-memory) is a ``ConsensusError`` here, so no rank skips while another stops.
-``except MediaGuardError`` catches all three.
-
-Inner code raises with the fact it found; the public call that catches it
-re-raises with the context the user needs (rank, step, sample, item), in the
-spirit of einops' layered errors. ``context`` carries the same facts as data.
+call, and every rank of the stage takes the same branch: a data fault on one rank is a
+``MediaAlignmentError`` on all of them, a peer's wrong call (or OOM) a ``ConsensusError``.
+Inner code raises with the fact it found; the public call re-raises with the context the
+user needs (rank, step, sample, item); ``context`` carries the same facts as data.
 """
 
 from __future__ import annotations
@@ -26,11 +22,7 @@ from collections.abc import Mapping
 
 
 class MediaGuardError(Exception):
-    """The root of the library's errors.
-
-    ``context`` is a plain mapping of the facts behind the message (JSON-safe),
-    so launchers and tests can read them without parsing text.
-    """
+    """The root of the library's errors; ``context``: the facts behind the message (JSON-safe)."""
 
     def __init__(self, message: str, *, context: Mapping[str, object] | None = None) -> None:
         super().__init__(message)
@@ -44,19 +36,17 @@ class MediaGuardError(Exception):
 
 
 class MediaAlignmentError(MediaGuardError, RuntimeError):
-    """A fault in the data: placeholders and media features disagree (or a repair of them
-    failed), or the ranks that must agree on it did not."""
+    """A fault in the data: placeholders and media features disagree (here or on a peer)."""
 
 
 class MediaInputError(MediaGuardError, ValueError):
-    """A wrong call: the guard was given input it cannot interpret (dtype, shape, device,
-    ids, an option or a tokenizer); the message names the function called and what to pass."""
+    """A wrong call (dtype, shape, device, ids, an option, a tokenizer): the message names the
+    function called and what to pass."""
 
 
 class ConsensusError(MediaGuardError, RuntimeError):
-    """Ranks that must agree (same micro-batch, same stage) did not, or a peer failed on
-    something other than a fault in its data (a wrong call, out of memory): not a
-    ``MediaAlignmentError``, so a trainer that skips data faults stops here, as that peer did."""
+    """Ranks that must agree did not, or a peer failed on something other than its data (a
+    wrong call, out of memory): a trainer that skips data faults stops here, as that peer did."""
 
 
 class DropBudgetExceeded(MediaAlignmentError):

@@ -1,9 +1,5 @@
-"""How media items appear in token ids, per model family (the presets below; docs/ARCHITECTURE.md).
-
-A grammar only names token ids; the ids themselves come from the user's
-tokenizer. Presets carry the published defaults where a family has fixed ids
-(Qwen2-VL) and take the ids as arguments where they vary by checkpoint.
-"""
+"""How media items appear in token ids, per model family. A grammar only names ids (the
+user's tokenizer has them); presets carry published defaults where a family fixes them."""
 
 from __future__ import annotations
 
@@ -19,30 +15,19 @@ class Grammar:
     """Placeholder grammar of one model family.
 
     placeholders: modality name -> placeholder token id (``{"image": 151655}``).
-    start_id / end_id: region delimiters (``<|vision_start|>`` / ``<|vision_end|>``,
-        ``<img>`` / ``</img>``, Pixtral's ``[IMG_END]`` as end only). When set, a
-        placeholder outside a region and a region never closed are findings.
-    break_ids: tokens that sit inside a run, occupy positions and are fed no
-        feature (Pixtral's ``[IMG_BREAK]``).
-    collapsed: one placeholder token stands for a whole item that the model
-        expands itself (megatron-core LLaVA); each such token is its own run.
-    regions: further ``(start, end)`` marker pairs beside ``start_id`` / ``end_id``, for
-        families whose modalities have their own markers (Nemotron Omni's ``<img>``/``</img>``
-        and ``<so_start>``/``<so_end>``). Every start opens a region, every end closes one.
-    aliases: modalities that share another modality's placeholder token, ``{"video": "image"}``
-        (Nemotron Omni's video tubelets, GLM-4V's video frames): their items match runs of that
-        token, and keep their own name in reports and records.
-    inner: of the marker pairs (``start_id``/``end_id`` and ``regions``), those whose region may
-        also sit right inside a region of another pair, its start right after that region's
-        start and its end right before that region's end (Qwen3-Omni's audio in video:
-        ``<|vision_start|><|audio_start|>`` ... ``<|audio_end|><|vision_end|>``). Such nested
-        markers are read as part of the outer region's markers: the outer region holds the
-        runs of both modalities, and a nested start without its nested end (or the reverse)
-        is a finding. Elsewhere the pair opens and closes regions as any other.
-    text_id: a text token id of the tokenizer (e.g. its pad token), fed at the positions
-        of placeholders the policy generated (``GuardConfig.generated="text"``). Only the
-        parse reads it in :meth:`MediaGuard.merge` (whose embeddings are given: such a
-        position keeps its given embedding); None: merge takes :meth:`neutral_text_id`.
+    start_id / end_id: region delimiters (``<|vision_start|>`` / ``<|vision_end|>``; Pixtral's
+        ``[IMG_END]`` as end only): a placeholder outside a region, a region never closed
+        are findings. regions: further ``(start, end)`` pairs (Nemotron Omni's ``<img>`` and
+        ``<so_start>`` pairs).
+    break_ids: tokens inside a run that take no feature (Pixtral's ``[IMG_BREAK]``).
+    collapsed: one token stands for a whole item the model expands (megatron-core LLaVA).
+    aliases: modalities that use another's placeholder token, ``{"video": "image"}``: their
+        items match that token's runs and keep their own name in reports.
+    inner: marker pairs whose region may also sit right inside another pair's, start after
+        start and end before end (Qwen3-Omni's audio in video): read as the outer region's
+        markers, and a nested start without its nested end is a finding (``nesting.py``).
+    text_id: a text token id (the pad token) fed where the policy generated a placeholder
+        (``GuardConfig.generated="text"``); None: :meth:`neutral_text_id`.
     """
 
     placeholders: Mapping[str, int]
@@ -133,7 +118,7 @@ class Grammar:
         return tuple(t for t in self.start_ids if t not in {a for a, _ in self.inner})
 
     @property
-    def outer_end_ids(self) -> tuple[int, ...]:
+    def outer_end_ids(self) -> tuple[int, ...]:  # the ends of the pairs not inner
         return tuple(t for t in self.end_ids if t not in {b for _, b in self.inner})
 
     def token_modality(self, modality: str) -> str:
@@ -141,8 +126,8 @@ class Grammar:
         return self.aliases.get(modality, modality)
 
     def neutral_text_id(self) -> int:
-        """:attr:`text_id`, else the smallest non-negative id that is none of the grammar's
-        tokens (enough for the parse, which only needs the position to read as text)."""
+        """:attr:`text_id`, else the smallest non-negative id none of the grammar's tokens is
+        (the parse only needs the position to read as text)."""
         if self.text_id is not None:
             return self.text_id
         own = {*self.placeholders.values(), *self.break_ids, *self.start_ids, *self.end_ids}
@@ -168,12 +153,8 @@ class Grammar:
         vision_end: int = 151653,
         text_id: int | None = 151643,
     ) -> Grammar:
-        """Qwen2-VL / 2.5-VL / 3-VL: ``<|vision_start|><|image_pad|>*N<|vision_end|>``.
-
-        Qwen2/2.5 video is one run of t*a*b ``<|video_pad|>``; Qwen3-VL video is one
-        run per temporal group (each its own item). Defaults are Qwen2-VL's ids
-        (``text_id``: ``<|endoftext|>``, the tokenizer's pad token).
-        """
+        """Qwen2-VL / 2.5-VL / 3-VL: ``<|vision_start|><|image_pad|>*N<|vision_end|>`` (Qwen3-VL
+        video: one run per temporal group). Defaults: Qwen2-VL's ids, ``<|endoftext|>`` text."""
         return cls(
             {"image": image_pad, "video": video_pad},
             start_id=vision_start,
@@ -186,8 +167,7 @@ class Grammar:
     def internvl(
         cls, image_context: int, img_start: int, img_end: int, text_id: int | None = None
     ) -> Grammar:
-        """Nemotron / InternVL / NVLM expanded: ``<img><image>*N</img>`` per image,
-        tile group or video tubelet (video uses the same tokens)."""
+        """Nemotron / InternVL / NVLM expanded: ``<img><image>*N</img>`` per image or tubelet."""
         return cls(
             {"image": image_context},
             start_id=img_start,
@@ -198,8 +178,7 @@ class Grammar:
 
     @classmethod
     def pixtral(cls, img: int, img_break: int, img_end: int, text_id: int | None = None) -> Grammar:
-        """Pixtral / Mistral: rows of ``[IMG]*cols [IMG_BREAK]``, the last break
-        replaced by ``[IMG_END]``. Breaks get no feature."""
+        """Pixtral / Mistral: rows of ``[IMG]*cols [IMG_BREAK]``, the last break ``[IMG_END]``."""
         return cls(
             {"image": img},
             end_id=img_end,
@@ -210,6 +189,5 @@ class Grammar:
 
     @classmethod
     def llava(cls, image_token: int = -200) -> Grammar:
-        """megatron-core LLaVA collapsed: one image token per image (default id -200),
-        expanded by the model to num_tiles * img_seq_len."""
+        """megatron-core LLaVA: one image token per image, expanded by the model."""
         return cls({"image": image_token}, collapsed=True, name="llava")

@@ -1,13 +1,9 @@
-"""Items in token order when a call holds several modalities: each placeholder token's runs
-take its modality's items in the order the model consumes them, and where two modalities
-share one token (Nemotron Omni's images and video tubelets both use ``<image>``) the lengths
-(or a per-token type, :class:`RunOrder`'s ``keys``) decide which stream feeds each run.
-
-On the aligned path no run is read: the merge takes the items in consumption order with a
-:class:`RunOrder` and checks each modality's items against that modality's runs on the
-device (:func:`verify_in_token_order`, the verdict's one transfer); only a shared token with
-no type to tell its modalities apart has its first runs read with the verdict and its items
-ordered from them. :func:`token_order` reads the runs alone (one transfer): the fault path."""
+"""Items in token order when a call holds several modalities, given in the model's
+consumption order. On the aligned path no run is read: each modality's items are checked
+against its runs on the device (:func:`verify_in_token_order`); only a token two modalities
+share with no per-token type to tell them apart (Nemotron Omni's ``<image>``) has its first
+runs read with the verdict, the lengths deciding which stream feeds each run. The fault path
+reads every run (:func:`token_order`, one transfer)."""
 
 from __future__ import annotations
 
@@ -26,9 +22,8 @@ from .verify import Expected, Verdict, verify
 
 
 class Run(NamedTuple):
-    """One placeholder run as the ordering reads it: its sample, its token's modality
-    (``"break"``: breaks only), its placeholder count, and ``key``: the value of
-    :attr:`RunOrder.keys` at its first token (-1 without keys)."""
+    """A run as the ordering reads it (modality ``"break"``: breaks only; ``key``:
+    :attr:`RunOrder.keys` at its first token, -1 without keys)."""
 
     sample: int
     modality: str
@@ -38,25 +33,18 @@ class Run(NamedTuple):
 
 @dataclass(frozen=True)
 class RunOrder:
-    """Items given to :meth:`MediaGuard.merge` in the model's consumption order, their token
-    order decided from the call's runs, and the counts the host does not know (an audio clip's
-    feature count, from its mask on the device) read with the verdict.
+    """Items given to :meth:`MediaGuard.merge` in the model's consumption order.
 
     order: ``(runs in token order, items)`` -> the items' permutation into token order (items
-        beyond the runs last); called once per merge, with the runs read with the verdict, or
-        on the fault path with every run of the call.
+        beyond the runs last).
     keys: ``[b, s]`` per-token values read at each run's first token (``Run.key``), e.g. the
-        family's ``mm_token_type_ids`` where modalities share a placeholder token.
-    counts: ``[n_items]`` int64 on the device, each item's feature count (the given items'
-        ``num_features`` are placeholders); runs: ``[n_items]`` int64 on the device, the runs
-        each item owns (an equal share of its features each), or None (one each); with
-        ``resize``: host counts and runs -> ``(items, features)`` as :meth:`MediaGuard.merge`
-        takes them, cut by those counts and into those runs (views: no transfer). ``probe``:
-        what the NaN/Inf check reads of the items not yet cut.
-    checks: the caller's own refusals of the call, read with the verdict: per check a 0-d
-        int on the device and what raises when it is nonzero (called before the ordering).
-    types: per modality its value of ``keys`` where it shares a placeholder token: its runs
-        are then told from the other's on the device."""
+        family's ``mm_token_type_ids``; types: per modality sharing a token, its value there.
+    counts / runs: ``[n_items]`` int64 on the device, each item's feature count (the items'
+        ``num_features`` are placeholders) and the runs it owns (None: one each), read with
+        the verdict; resize: those host values -> ``(items, features)`` cut accordingly
+        (views). probe: what the NaN/Inf check reads of the items not yet cut.
+    checks: the caller's refusals, read with the verdict: a 0-d device int and what raises
+        when it is nonzero."""
 
     order: Callable[[Sequence[Run], Sequence[MediaItem]], list[int]]
     keys: torch.Tensor | None = None
@@ -86,8 +74,7 @@ def _as_runs(rows: Sequence[Sequence[int]], grammar: Grammar) -> list[Run]:
 
 
 def read_runs(lay: TokenLayout, keys=None) -> list[Run]:
-    """Each run's sample, modality, length and key in token order, in one transfer sized by
-    the runs (no structure check: the merge that follows checks the runs, this only orders)."""
+    """Each run in token order, in one transfer sized by the runs (no structure check)."""
     rows = to_host(_table(lay, keys, None), why="run order of a call mixing modalities")
     return _as_runs(rows.tolist(), lay.grammar)
 
@@ -100,12 +87,9 @@ def verify_in_token_order(
     late: RunOrder,
     features: torch.Tensor | None,
 ) -> tuple[Verdict, tuple[int, ...], Batch, list[tuple[torch.Tensor | None, list[int]]]]:
-    """The verdict of items given in consumption order, their order, the batch (cut by
-    ``late.counts`` and ``late.runs``) and the scatter's ``(mask, items)`` groups (mask None:
-    every placeholder). Each modality's items are its table, so no run is read on the aligned
-    path; only a token two modalities share with no type to tell them apart has its first
-    runs read with the verdict, ordered by ``late.order`` and checked here. Not aligned: the
-    order comes from every run (a second read: the fault path)."""
+    """The verdict of items in consumption order, their token order, the batch (cut by
+    ``late.counts`` / ``late.runs``) and the scatter's ``(mask, items)`` groups (mask None:
+    every placeholder). Not aligned: the order comes from every run (the fault path)."""
     items = batch.items
     sized = late.counts is not None
     groups = _groups(items, codes, late)
@@ -163,7 +147,7 @@ def verify_in_token_order(
 
 
 def _groups(items, codes, late: RunOrder) -> dict[tuple[int, int | None], list[int]]:
-    """``(code, type) -> items`` (consumption order): the items of each modality's runs."""
+    """``(code, type) -> items`` in consumption order."""
     groups: dict[tuple[int, int | None], list[int]] = {}
     for i, it in enumerate(items):
         groups.setdefault((codes[i], late.types.get(it.modality)), []).append(i)
@@ -171,8 +155,7 @@ def _groups(items, codes, late: RunOrder) -> dict[tuple[int, int | None], list[i
 
 
 def _expected(lay, items, mine: list[int], code: int, typ, late: RunOrder, explicit: bool):
-    """One modality's items (consumption order) as its table: their counts (and runs) from
-    the device where ``late`` has them, else the host's; ``typ``: its tokens' type."""
+    """One modality's items as its table (counts from ``late`` where it has them)."""
     dev = lay.device
     at = torch.tensor(mine, dtype=torch.int64).to(dev, non_blocking=True)
     counts = (
@@ -211,15 +194,11 @@ def interleave(
     groups: Sequence[int] | None = None,
     run_samples: Sequence[int] | None = None,
 ):
-    """Stream (0: ``first``, 1: ``second``) of each run, keeping each stream's order, so that
-    every run's length equals its item's.
-
-    groups: per item of ``second``, the model-level item it belongs to (a video's tubelets):
-        one group's items take consecutive runs of one sample (``run_samples``).
-    Returns ``(streams, unique)``: ``streams`` None when no interleaving fits (the guard then
-    reports the mismatch); ``unique`` False when several fit (equal lengths at an open choice;
-    the same one is returned every time). O(runs x min(len)) states.
-    """
+    """``(streams, unique)``: the stream (0: ``first``, 1: ``second``) of each run, each
+    stream's order kept, every run as long as its item (None: no interleaving fits); ``unique``
+    False when several fit (the same one is returned every time). groups: per item of
+    ``second`` its model-level item (a video's tubelets take consecutive runs of one sample,
+    ``run_samples``). O(runs x min(len)) states."""
     n, p, q = len(runs), len(first), len(second)
     if n != p + q:
         return None, False
@@ -264,9 +243,7 @@ def interleave(
 
 
 def token_order(ids, grammar: Grammar, items: list[MediaItem], parent: list[int]) -> list[int]:
-    """The items' permutation into token order. One modality: as consumed. Several: the runs'
-    order read from the ids (a transfer sized by the runs; mixed batches only), then
-    :func:`order_runs`."""
+    """The items' permutation into token order (several modalities: from the runs read)."""
     if len({it.modality for it in items}) <= 1:
         return list(range(len(items)))
     return order_runs(read_runs(TokenLayout(ids, grammar)), grammar, items, parent)
@@ -275,10 +252,9 @@ def token_order(ids, grammar: Grammar, items: list[MediaItem], parent: list[int]
 def order_runs(
     runs: Sequence[Run], grammar: Grammar, items: list[MediaItem], parent: list[int]
 ) -> list[int]:
-    """The items' permutation into token order, given the call's runs (token order): a run
-    whose token several modalities share takes the item the length interleaving gives it
-    (when only one interleaving fits; else :class:`MediaInputError` asks for ``set_items``).
-    Items that all carry their sample (no shared token) are taken per sample."""
+    """The items' permutation into token order given the runs: a run of a shared token takes
+    the item the unique length interleaving gives it (several: :class:`MediaInputError`);
+    items that all carry their sample (no shared token) are taken per sample."""
     if len({it.modality for it in items}) <= 1:
         return list(range(len(items)))
     g = grammar

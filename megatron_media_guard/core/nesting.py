@@ -1,12 +1,8 @@
 """Marker pairs nested right inside another pair's region (``Grammar.inner``), on the device.
 
-Qwen3-Omni's audio in video opens with ``<|vision_start|><|audio_start|>`` and closes with
-``<|audio_end|><|vision_end|>``: the inner start right after an outer start and the inner end
-right before an outer end are read as part of the outer region's markers (neither opens nor
-closes a region, neither is text). What is left to check is that they pair up: a region that
-opened with a nested start closes with a nested end, and a nested end closes only such a
-region. Elementwise work and scans over the ids, as in ``runs.py``; no sync in
-:func:`violations` (the aligned path's structure count).
+Qwen3-Omni's ``<|vision_start|><|audio_start|>`` ... ``<|audio_end|><|vision_end|>``: the
+nested markers are read as part of the outer region's (neither opens, closes nor is text);
+what is checked is that they pair up. No sync in :func:`violations` (the aligned path's).
 """
 
 from __future__ import annotations
@@ -28,8 +24,7 @@ class Nested(NamedTuple):
 
 
 class NestingLayout(Protocol):
-    """What this module reads of a layout (``runs.TokenLayout`` is one; runs.py imports this
-    module, so the layout is described here rather than imported)."""
+    """What this module reads of ``runs.TokenLayout`` (runs.py imports this module)."""
 
     grammar: Grammar
     row_length: int
@@ -45,8 +40,7 @@ class NestingLayout(Protocol):
 
 
 def markers(lay: NestingLayout) -> Nested:
-    """The inner pairs' starts right after an outer start and ends right before an outer end
-    (within a packed sample: ``lay.prev`` / ``lay.next`` stop at its boundaries)."""
+    """Inner starts right after an outer start, inner ends right before an outer end."""
     g = lay.grammar
     start = lay._any_of(tuple(a for a, _ in g.inner)) & lay.prev(lay._any_of(g.outer_start_ids))
     end = lay._any_of(tuple(b for _, b in g.inner)) & lay.next(lay._any_of(g.outer_end_ids))
@@ -59,9 +53,8 @@ def with_markers(lay: NestingLayout, x: torch.Tensor) -> torch.Tensor:
 
 
 def violations(lay: NestingLayout) -> torch.Tensor | int:
-    """Device scalar, no sync: 0 exactly when nested starts and ends pair up, given regions that
-    are otherwise well formed. Their depth ``x`` (nested starts minus nested ends so far, per
-    packed sample) stays in {0, 1} and is 0 at every region's end."""
+    """Device scalar, no sync: 0 exactly when nested starts and ends pair up (their depth per
+    sample stays in {0, 1} and is 0 at every region's end)."""
     if lay.nested is None:
         return 0
     i32 = torch.int32
@@ -75,10 +68,9 @@ def violations(lay: NestingLayout) -> torch.Tensor | int:
 def marks(
     lay: NestingLayout, inside: torch.Tensor, last_marker: torch.Tensor
 ) -> list[tuple[torch.Tensor, FindingKind]]:
-    """The exact findings (``TokenLayout.finding_codes``): a region's end where its nested start
-    was never closed (unterminated), a nested end whose region opened without one (end without
-    start). ``inside`` / ``last_marker``: per token, whether a region is open and the column of
-    the last (outer) marker before it."""
+    """The exact findings: a nested start never closed (unterminated), a nested end in a
+    region opened without one. ``inside`` / ``last_marker``: per token, whether a region is
+    open and the column of the last marker before it."""
     after = (last_marker + 1).clamp(max=lay.row_length - 1)
     opened = inside & lay.nested.start.gather(1, after)  # the open region began nested
     closes = lay.prev(lay.nested.end)

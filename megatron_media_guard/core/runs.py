@@ -21,8 +21,7 @@ _FITS: dict[tuple[int, torch.dtype], Grammar] = {}  # grammars whose ids fit a d
 
 
 def _check_fits(grammar: Grammar, dtype: torch.dtype) -> None:
-    """Every special id of ``grammar`` fits ``dtype`` (else comparisons would wrap around);
-    remembered per grammar and dtype (a training run repeats both)."""
+    """Every special id of ``grammar`` fits ``dtype`` (else comparisons wrap), remembered."""
     info = torch.iinfo(dtype)
     special = [*grammar.placeholders.values(), *grammar.break_ids]
     special += [*grammar.start_ids, *grammar.end_ids]
@@ -38,14 +37,10 @@ def _check_fits(grammar: Grammar, dtype: torch.dtype) -> None:
 
 
 class TokenLayout:
-    """Per-token masks of one batch of ids, as ``[b, s]`` tensors on ``ids.device``.
-
-    ids: ``[b, s]`` integer token ids (``[s]`` is taken as one row).
-    cu_seqlens: optional ``[n+1]`` offsets of packed samples into the row (THD packing,
-        ``b == 1``); tokens from ``cu_seqlens[-1]`` on are padding.
-    Scans run along each row (dim 1), so rows never leak into each other; packed
-    boundaries are applied where a scan result is read.
-    """
+    """Per-token masks of ``[b, s]`` ids (``[s]``: one row) on their device, built when read.
+    cu_seqlens: ``[n+1]`` offsets of packed samples into the one row (tokens from
+    ``cu_seqlens[-1]`` on are padding). Scans run along each row; packed boundaries apply
+    where a scan result is read."""
 
     def __init__(
         self, ids: torch.Tensor, grammar: Grammar, cu_seqlens: torch.Tensor | None = None
@@ -130,7 +125,7 @@ class TokenLayout:
 
     @cached_property
     def code(self) -> torch.Tensor:
-        """``[b, s]`` int8 modality code per token: -1 text, k for ``grammar.modalities[k]``."""
+        """``[b, s]`` int8: -1 text, k for ``grammar.modalities[k]``."""
         code = torch.full((self.batch, self.row_length), -1, dtype=torch.int8, device=self.device)
         for k, m in enumerate(self._masks):
             code.masked_fill_(m, k)
@@ -164,8 +159,8 @@ class TokenLayout:
         return out
 
     def last_before(self, mask: torch.Tensor, *, inclusive: bool) -> torch.Tensor:
-        """Column of the last True at or before (``inclusive``) / strictly before each token,
-        within its sample; -1 when none. Off the aligned path only: ``nonzero`` syncs."""
+        """Column of the last True at or before (``inclusive``) / before each token, within its
+        sample; -1 when none. Off the aligned path: ``nonzero`` syncs."""
         k = torch.cumsum(mask, 1)  # marks so far in the row
         if not inclusive:
             k = k - mask.to(k.dtype)
@@ -181,15 +176,10 @@ class TokenLayout:
         return last
 
     def structure_violations(self, run_start: torch.Tensor, run_end: torch.Tensor) -> torch.Tensor:
-        """Device scalar: 0 exactly when :meth:`finding_codes` finds nothing. No host sync.
-
-        With start/end markers the depth ``d = cumsum(start - end)`` decides it: markers
-        alternate iff ``d`` stays in {0, 1}; placeholders (and breaks) sit inside iff
-        ``d == 1`` there; no region is cut iff ``d == 0`` at each sample's end; and a run
-        followed by text inside a region is unterminated. Break tokens add runs of breaks
-        alone (:meth:`empty_runs`). Without both markers the finding codes are counted (their
-        kinds for such grammars need no ``last_before``, whose ``nonzero`` syncs).
-        """
+        """Device scalar, no sync: 0 exactly when :meth:`finding_codes` finds nothing. With
+        both markers the depth ``d = cumsum(start - end)`` decides: it stays in {0, 1}, is 1 on
+        content and 0 at each sample's end, and no run inside a region is followed by text;
+        without, the finding codes are counted (no ``last_before`` needed)."""
         g = self.grammar
         # break tokens add one kind (a run of breaks alone), counted without a sync either way
         empty = self.empty_runs(run_start) if g.break_ids else None
@@ -224,7 +214,7 @@ class TokenLayout:
         return count if self.seg_start is None else count + self.cu_violations()
 
     def last_in_sample(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` (a per-token scan result) read at the last token of each token's sample."""
+        """``x`` read at the last token of each token's sample."""
         if self.seg_start is None:
             return x[:, -1:].expand_as(x)
         return x.gather(1, (self.seg_end - 1).clamp(min=0))
@@ -260,10 +250,8 @@ class TokenLayout:
         return ph_cum - (ph_cum - self.ph.to(ph_cum.dtype)).gather(1, start_col)
 
     def run_codes(self, run_start: torch.Tensor) -> torch.Tensor:
-        """``[b, s]`` int64 modality code of each run, read at its start (-1: no placeholder).
-
-        A run may open with a break (Pixtral): then it is the code of its first placeholder.
-        """
+        """``[b, s]`` int64 modality code of each run at its start: its first placeholder's (a
+        run may open with a break), -1 without one."""
         if not self.grammar.break_ids:
             return self.code.long()
         flip = torch.flip(torch.where(self.ph, self.col, self.row_length), [1])
@@ -294,11 +282,8 @@ class TokenLayout:
             )
 
     def empty_runs(self, run_start: torch.Tensor) -> torch.Tensor:
-        """Device scalar, no sync: runs holding no placeholder (only breaks).
-
-        A run holds a placeholder iff some placeholder token's run index differs from the
-        previous placeholder's in the row; counting those gives the runs with placeholders.
-        """
+        """Device scalar, no sync: runs of breaks alone (a run holds a placeholder iff one of
+        its placeholders' run index differs from the previous placeholder's)."""
         run_idx = torch.cumsum(run_start, 1)  # 1-based run index within the row
         ph_run = torch.where(self.ph, run_idx, 0)
         prev = torch.constant_pad_nd(torch.cummax(ph_run, 1).values[:, :-1], (1, 0), 0)
@@ -308,10 +293,8 @@ class TokenLayout:
     def finding_codes(
         self, run_start: torch.Tensor, run_end: torch.Tensor, *, empty_runs: bool = True
     ) -> torch.Tensor:
-        """``[b, s]`` int8: a :class:`FindingKind` code at each malformed position, 0 elsewhere.
-
-        Where several apply, the earliest listed below wins (masks are applied last-first).
-        """
+        """``[b, s]`` int8: a :class:`FindingKind` at each malformed position, else 0 (where
+        several apply, the earliest listed below wins)."""
         g = self.grammar
         marks: list[tuple[torch.Tensor, FindingKind]] = []
         if self.packed:
@@ -401,11 +384,8 @@ def run_table(
 def parse_runs(
     input_ids: torch.Tensor, grammar: Grammar, cu_seqlens: torch.Tensor | None = None
 ) -> ParsedRuns:
-    """Find every placeholder run and every structural finding.
-
-    input_ids: ``[b, s]`` (or ``[1, T]`` with ``cu_seqlens`` ``[n+1]``), any integer dtype, any device.
-    Returns host-side runs in token order; findings name the (packed) sample, row and position.
-    """
+    """Every placeholder run (token order) and structural finding, on the host.
+    input_ids: ``[b, s]`` (``[1, T]`` with ``cu_seqlens`` ``[n+1]``), integer, any device."""
     lay = TokenLayout(input_ids, grammar, cu_seqlens)
     return parse_layout(lay)
 

@@ -1,13 +1,11 @@
 """The aligned-path check: every run against per-modality count tables on the device, one
 fixed-size verdict, one device-to-host transfer.
 
-Each modality's items are a table on the device (:class:`Expected`): per item, in that
-modality's token order, its runs and the placeholders of each, uploaded from the host (an
-embed call's items, :func:`item_tables`) or computed there (grids, audio masks). Item ``r``
-owns ``runs[r]`` consecutive runs of its modality (token order over the flattened batch),
-the ``j``-th ending where the modality's placeholder count reaches the item's cumulative
-size; the run counts must agree, a run no table covers is bad, and no item feeds two
-samples. The order across modalities is never checked: the scatter is per modality too.
+Item ``r`` of a modality's table (:class:`Expected`, token order) owns ``runs[r]``
+consecutive runs of that modality, the ``j``-th ending where the modality's placeholder
+count reaches the item's cumulative size; the run counts must agree, a run no table covers
+is bad, and no item feeds two samples. The order across modalities is never checked: the
+scatter is per modality too. Marker grammars on CPU take ``verify_lut``'s fused check.
 """
 
 from __future__ import annotations
@@ -28,14 +26,9 @@ _MIX_TABLE = 0x2545F4914F6CDD1D
 
 @dataclass(frozen=True)
 class Verdict:
-    """What the device found, as host integers.
-
-    runs: placeholder runs found. bad_runs: runs that disagree with their expected item
-    (length, modality, sample) or have none. findings: malformed positions.
-    nonfinite: 1 when any feature is NaN/Inf (0 when not checked).
-    fingerprint: a hash of the token ids and the tables, so ranks holding the same
-    micro-batch can prove it.
-    """
+    """What the device found, as host integers: runs found, runs that disagree with their
+    item (or have none), malformed positions, 1 when any feature is NaN/Inf, and a hash of
+    the ids and the tables (ranks holding the same micro-batch prove it)."""
 
     runs: int
     bad_runs: int
@@ -64,18 +57,11 @@ class Verdict:
 
 @dataclass(frozen=True)
 class Expected:
-    """One modality's items as the device holds them (``[n]`` int64 each, on the ids' device).
-
-    code: the modality's code in the grammar (a shared placeholder token's); runs / tokens:
-    per item its runs and the placeholders of each; samples: per item its sample (explicit
-    items: each sample then holds as many runs of the modality as its items own), else None;
-    declared: per item the features the caller's items declare (must equal ``runs * tokens``),
-    else None. where: per position of the flattened ids, where this table's runs may stand
-    (a token two modalities share, told apart by a per-token type), else None: every
-    position of ``code``. known: ``(lengths, samples, hash)`` where the host has them (one run per
-    item), so the check may take the marker grammars' fast path; ``hash``: the table's part
-    of the fingerprint (:func:`_table_hash`), summed on the host.
-    """
+    """One modality's items on the ids' device (``[n]`` int64 each): its grammar code; per
+    item its runs, the placeholders of each, its sample (None: not checked) and its declared
+    features (must equal ``runs * tokens``; None: not checked). where: the positions its runs
+    may stand at (a shared token told apart by type; None: all of ``code``). known:
+    ``(lengths, samples, fingerprint part)`` where the host has them (one run per item)."""
 
     code: int
     runs: torch.Tensor
@@ -92,9 +78,7 @@ def item_tables(
     samples: Sequence[int] | None,
     dev: torch.device,
 ) -> list[Expected]:
-    """Items the host knows (one run each, in token order; ``samples`` None: not checked) as
-    per-code tables, uploaded to ``dev`` (kept for the last few: a training run repeats its
-    items)."""
+    """Host-known items (one run each, token order) as per-code tables on ``dev``, cached."""
     key = (tuple(lengths), tuple(codes), None if samples is None else tuple(samples), dev)
     return _kept(_ITEM_TABLES, 16, key, lambda: _item_tables(*key))
 
@@ -129,11 +113,8 @@ def verify(
     features: torch.Tensor | None = None,
     extra: Sequence[torch.Tensor] = (),
 ) -> tuple[Verdict, list[int]]:
-    """The verdict of every run against ``expected``, in one transfer, with the device
-    integers ``extra`` (0-d or 1-d: the caller's own checks, the counts it must cut its
-    items by) read in the same transfer, flattened. ``features``:
-    ``[sum(n), h]`` to check for NaN/Inf, or None to skip that read. The verdict's
-    ``bad_runs`` counts every disagreement (its ``runs`` is what the ids hold)."""
+    """The verdict of every run against ``expected`` and the device integers ``extra`` (0-d or
+    1-d, flattened), in one transfer. ``features``: ``[sum(n), h]`` to check for NaN/Inf."""
     dev = ids.device
     ids64 = ids.reshape(-1).to(torch.int64)
     luts = None
@@ -183,7 +164,7 @@ def verify(
 
 
 def _owned_runs(e: Expected, dev) -> torch.Tensor:
-    """Per item the runs it owns: none where it has no placeholder (a featureless item)."""
+    """Per item the runs it owns (none for a featureless item)."""
     return torch.where(e.tokens.to(dev, torch.int64) > 0, e.runs.to(dev, torch.int64), 0)
 
 
@@ -200,8 +181,7 @@ def _host_hash(lengths: tuple[int, ...], code: int) -> int:
 
 
 def _table_parts(lay: TokenLayout, expected: Sequence[Expected], dev) -> list[torch.Tensor]:
-    """Device scalars ``[runs, structure violations, bad runs]``: every run against its
-    modality's table (see the module's docstring)."""
+    """Device scalars ``[runs, structure violations, bad runs]`` (the module's docstring)."""
     start, end = lay.run_bounds()
     n_runs = torch.count_nonzero(start)
     findings = lay.structure_violations(start, end).to(torch.int64)
@@ -258,10 +238,9 @@ def _run_codes(lay: TokenLayout, start: torch.Tensor) -> tuple[torch.Tensor, tor
 def _items_across_samples(
     lay: TokenLayout, run_start: torch.Tensor, per_row: torch.Tensor, cum_runs: torch.Tensor
 ) -> torch.Tensor:
-    """Device scalar: sample boundaries that fall inside an item's runs (a video's temporal
-    groups fed to two samples): each run may count right, but one item never feeds two
-    samples. In run-index space: sample ``k`` starts after ``before[k]`` runs of the
-    modality; item ``r`` holds runs ``[cum_runs[r] - per_row[r], cum_runs[r])``."""
+    """Device scalar: sample boundaries inside an item's runs (one video fed to two samples).
+    Sample ``k`` starts after ``before[k]`` runs; item ``r`` holds runs
+    ``[cum_runs[r] - per_row[r], cum_runs[r])``."""
     counts = lay.runs_per_sample(run_start)
     before = torch.cumsum(counts, 0) - counts
     row = torch.searchsorted(cum_runs, before, right=True)
@@ -304,7 +283,7 @@ _CONSTANTS: dict[tuple, torch.Tensor] = {}
 
 
 def _constant(values: tuple[int, ...], dev: torch.device) -> torch.Tensor:
-    """``torch.tensor(values)`` on ``dev``, kept for the last few (a run repeats its items)."""
+    """``torch.tensor(values)`` on ``dev``, cached."""
     return _kept(
         _CONSTANTS,
         32,
@@ -317,10 +296,8 @@ _WEIGHTS: dict[tuple[int, torch.device], tuple[torch.Tensor, int]] = {}
 
 
 def fingerprint_weights(n: int, dev: torch.device) -> tuple[torch.Tensor, int]:
-    """``arange(n) * _MIX + 1`` (int64, wrapping), the fingerprint's per-position weights, and
-    their sum as a host int; kept for the last few (size, device) pairs (a training run
-    repeats its shapes)."""
-    # sum(w) on the host, exact mod 2**64
+    """The fingerprint's weights ``arange(n) * _MIX + 1`` (int64, wrapping) and their sum on
+    the host (exact mod 2**64), cached."""
     return _kept(
         _WEIGHTS,
         8,
@@ -330,7 +307,8 @@ def fingerprint_weights(n: int, dev: torch.device) -> tuple[torch.Tensor, int]:
 
 
 def _kept(store: dict, limit: int, key, make):
-    """``store[key]``, made by ``make()`` on a miss; the oldest entry goes past ``limit``."""
+    """``store[key]``, made on a miss; the oldest entry goes past ``limit`` (a training run
+    repeats its items and shapes)."""
     got = store.get(key)
     if got is None:
         if len(store) >= limit:

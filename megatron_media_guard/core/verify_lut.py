@@ -1,24 +1,13 @@
-"""The aligned-path check for marker grammars (Qwen-VL, InternVL) in a few fused ops.
+"""The aligned-path check for marker grammars (Qwen-VL, InternVL) on CPU in a few fused ops.
 
-Same verdict as the general check in ``verify.py`` for a grammar with start and end
-markers, no break tokens, at most four placeholder modalities and unpacked rows, in about
-a third of the torch ops (at short micro-batches the cost is op dispatch, not work):
-
-- each token gets a class (text, start, end, placeholder of modality m) from one small
-  lookup table indexed by ``ids - lowest special id`` (clamped);
-- each pair of neighbours ``(class[t - 1], class[t])`` (rows padded with an edge class)
-  becomes one index into per-pair tables: run start, run end, and the step of a scan;
-- the scan ``y = cumsum(step)`` is twice the region depth minus the placeholder flag,
-  shifted so that a well-formed row keeps ``y`` in {-1, 0, 1}: outside a region 2d - 1,
-  on a placeholder 2d - 2, and after the edge pair that closes the row 2d; a placeholder
-  followed by text (an unterminated run) adds a constant larger than any depth, which
-  pushes the rest of the row out of range. So the structure is sound iff ``aminmax(y)``
-  lies in [-1, 1] (rows are padded with the edge class on both sides, so that the closing
-  pair carries the "row ends outside a region" check and the end of a run at the row's
-  last token);
-- run ``r`` is checked against item ``r`` through its start and end positions (found
-  with ``nonzero``, whose size is on the host at no cost on CPU: where runs and items
-  disagree in number the verdict fails on the run count and the keys are not compared).
+Same verdict as ``verify.py``'s for start/end markers, no breaks, at most four modalities,
+unpacked rows, in about a third of its torch ops (at short micro-batches op dispatch is
+the cost): each token gets a class (text, start, end, placeholder m) from one lookup table;
+each neighbour pair ``(class[t - 1], class[t])`` (rows padded with an edge class) indexes
+per-pair tables of run start, run end and scan step. The scan ``y = cumsum(step)`` (twice
+the depth, less the placeholder flag, shifted) stays in [-1, 1] exactly when the structure
+is sound; an unterminated run adds a constant larger than any depth. Run ``r`` is checked
+against item ``r`` by its positions (``nonzero``, host-sized at no cost on CPU).
 """
 
 from __future__ import annotations
@@ -37,11 +26,8 @@ _TABLES: dict[tuple, tuple] = {}
 
 
 def tables(grammar: Grammar, packed: bool, s: int, dev: torch.device) -> tuple | None:
-    """The lookup tables for :func:`check` (per grammar and device, cached), or None where
-    the general check decides: packed rows, breaks, no markers, nested marker pairs
-    (``Grammar.inner``), more than four modalities,
-    special ids spread too far for a table, rows of 2**30 tokens or more, or off CPU (the
-    check sizes its run positions by a host-side count, which on CPU costs no sync)."""
+    """The lookup tables for :func:`check` (cached), or None where the general check decides
+    (see the module docstring; also nested pairs, ids spread too far, rows of 2**30 tokens)."""
     if s >= _MAX_ROW:
         return None
     key = (id(grammar), packed, dev)
@@ -72,7 +58,6 @@ def _ids(grammar: Grammar) -> list[int]:
 
 
 def _build(grammar: Grammar, dev: torch.device) -> tuple:
-    """The class table and the three pair tables."""
     ids = {t: _START for t in grammar.start_ids}
     ids.update({t: _END for t in grammar.end_ids})
     ids.update({tok: _PH + m for m, tok in enumerate(grammar.placeholders.values())})
@@ -93,7 +78,7 @@ def _build(grammar: Grammar, dev: torch.device) -> tuple:
             dep = 2 if b == _START else -2 if b == _END else 0
             step[q] = dep - off_b + off_a + (_BIG if a_ph and b == _TEXT else 0)
     # the left edge's offset (-1) starts every row at y = 2 * depth - 1
-    got = (
+    return (
         torch.tensor(cls, dtype=torch.int64, device=dev),
         torch.tensor(start, dtype=torch.int8, device=dev),
         torch.tensor(end, dtype=torch.int8, device=dev),
@@ -101,11 +86,10 @@ def _build(grammar: Grammar, dev: torch.device) -> tuple:
         lo - 1,
         hi - lo + 2,
     )
-    return got
 
 
 def findings(lo: int, hi: int) -> int:
-    """Structure violations (as a 0/1 count per kind) from the scan's host min and max."""
+    """Structure violations (0/1 per kind) from the scan's min and max."""
     return int(lo < -1) + int(hi > 1)
 
 
@@ -113,10 +97,8 @@ def check(
     ids: torch.Tensor, luts: tuple, want: torch.Tensor | None, n_items: int, explicit: bool
 ) -> tuple[int, list[torch.Tensor], torch.Tensor]:
     """``(runs, [scan min, scan max, (bad runs)], placeholder mask)`` for ``ids`` ``[b, s]``
-    int64 on CPU: the run count as a host int, the rest as scalars for the caller's one
-    host read (sound structure: min >= -1 and max <= 1, see :func:`findings`), the mask
-    ``[b, s]``. ``want``: ``[n_items]`` int64 keys of the expected items in token order,
-    ``(modality + 1) + 8 * length (+ 8 * (s + 2) * sample when explicit)``."""
+    int64: the run count as a host int, the rest scalars for the caller's one read. ``want``:
+    the items' keys in token order, ``modality + 1 + 8 * length (+ 8 * (s + 2) * sample)``."""
     b, s = ids.shape
     cls_t, start_t, end_t, step_t, lo, top = luts
     # table lookups by index_select over flat indices (on CPU about 3x faster than take)
