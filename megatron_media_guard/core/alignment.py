@@ -1,11 +1,7 @@
-"""Per-sample alignment of placeholder runs with media items (host side).
-
-Runs come from :func:`runs.parse_runs`; items in feature-concatenation order. The
-check is per sample and per run, so errors that cancel in batch totals (+k in one
-sample, -k in another; two items of different lengths swapped) are caught. Under a
-collapsed grammar (one token per item, expanded by the model: megatron-core LLaVA) a run
-stands for its whole item, so only the number of runs per sample is checked.
-"""
+"""Per-sample alignment of placeholder runs with media items (host side): per sample and
+per run, so errors that cancel in batch totals (+k here, -k there; two items swapped) are
+caught. Under a collapsed grammar (megatron-core LLaVA) a run stands for its whole item:
+only the runs per sample are counted."""
 
 from __future__ import annotations
 
@@ -36,13 +32,8 @@ class Status(str, enum.Enum):
 
 @dataclass(frozen=True)
 class SampleReport:
-    """How one sample's runs compare with its items.
-
-    expected: the placeholder run lengths found in its tokens, in order.
-    got: its items' feature lengths, in order.
-    items: the items' indices in the caller's order.
-    first_mismatch: index (within the sample) of the first run that disagrees.
-    """
+    """One sample's runs against its items: run lengths (``expected``), item lengths
+    (``got``), the items' indices, the first run (within the sample) that disagrees."""
 
     sample: int
     sample_id: str | int | None
@@ -93,9 +84,9 @@ class AlignmentReport:
 
 
 def _forced(small: Sequence[tuple], big: Sequence[tuple]) -> list[int] | None:
-    """For each element of ``small``, the index in ``big`` it takes in *every* order-keeping
-    matching of equal keys, or -1 where more than one index fits; None when no matching
-    exists. Every matching lies between the leftmost and the rightmost greedy one."""
+    """Per element of ``small``, the index in ``big`` every order-keeping matching of equal
+    keys gives it (-1: several fit; None: no matching). Every matching lies between the
+    leftmost and the rightmost greedy one."""
     left: list[int] = []
     j = 0
     for k in small:
@@ -118,15 +109,10 @@ def _forced(small: Sequence[tuple], big: Sequence[tuple]) -> list[int] | None:
 def _assign_implicit(
     runs: Sequence[Run], items: Sequence[MediaItem], collapsed: bool = False
 ) -> tuple[list[int | None], list[int]]:
-    """Pairs runs with items that carry no sample label; returns each item's sample (None:
-    unclaimed) and the unclaimed items that hold features (orphans).
-
-    With as many runs as items, item i goes with run i (a length mismatch is then reported,
-    not hidden). Otherwise an item is paired only with the run every order-keeping matching
-    of (length, modality) gives it; where several runs (or items) would fit, none is
-    chosen: the items stay unclaimed and the runs' samples come out short of items (count
-    mismatch), never fed a guessed item. Items without features own no run.
-    """
+    """Each item's sample (None: unclaimed) and the unclaimed items with features (orphans),
+    for items without a sample. As many runs as items: item i takes run i. Otherwise an
+    item takes only the run every order-keeping (length, modality) matching gives it: no
+    sample is ever fed a guessed item (it comes out short: a count mismatch)."""
     real = [i for i, it in enumerate(items) if it.num_features > 0]
     rk = [(0 if collapsed else r.length, r.modality) for r in runs]
     ik = [(0 if collapsed else items[i].num_features, items[i].modality) for i in real]
@@ -272,5 +258,5 @@ def _sample_report(
 def check_alignment(
     input_ids, items: Sequence[MediaItem], grammar, cu_seqlens=None
 ) -> AlignmentReport:
-    """Parse ``input_ids`` ``[b, s]`` with ``grammar`` and classify every sample against ``items``."""
+    """:func:`align` of :func:`~.runs.parse_runs`."""
     return align(parse_runs(input_ids, grammar, cu_seqlens), items)

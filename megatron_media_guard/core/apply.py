@@ -1,7 +1,4 @@
-"""Carrying out a plan on tensors: scatter kept items, mask dropped samples.
-
-No decisions here: ``plan.py`` decides, this module only moves data.
-"""
+"""Carrying out a plan on tensors (``plan.py`` decides): scatter kept items, mask dropped samples."""
 
 from __future__ import annotations
 
@@ -24,13 +21,8 @@ def rows_index(batch: Batch, item_order: Sequence[int], device: torch.device) ->
 
 def scatter(emb: torch.Tensor, mask: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """``emb.masked_scatter(mask[..., None], src)`` for ``emb`` ``[b, s, h]``, ``mask`` ``[b, s]``
-    holding exactly ``src.shape[0]`` Trues (the caller verified the count).
-
-    On CPU an ``index_put`` at the mask's positions writes the same bits about a third
-    faster than ``masked_scatter`` (``nonzero`` finds them: on CPU it needs no device
-    sync, and it is twice as fast as ``nonzero_static`` there). Other devices keep
-    ``masked_scatter``, which needs no host-sized positions.
-    """
+    with exactly ``src.shape[0]`` Trues. On CPU an ``index_put`` at ``nonzero`` positions (no
+    sync there) writes the same bits a third faster; elsewhere ``masked_scatter``."""
     if emb.device.type != "cpu":
         return emb.masked_scatter(mask.unsqueeze(-1), src)
     pos = torch.nonzero(mask.reshape(-1)).view(-1)
@@ -54,11 +46,8 @@ def nonfinite_items(batch: Batch) -> list[int]:
 
 
 def nonfinite_flags(views: Sequence[torch.Tensor], *, why: str) -> list[bool]:
-    """Whether each of ``views`` (any shapes, dtypes, one device) holds NaN/Inf: one transfer
-    of one flag per view (``why``: what the caller asks, for the transfer's comment).
-
-    min and max propagate NaN and show +-Inf: two scalars per view, no temporary of the
-    views' size."""
+    """Whether each of ``views`` (one device) holds NaN/Inf, in one transfer: min and max
+    propagate NaN and show +-Inf (no temporary of the views' size)."""
     if not views:
         return []
     lohi = [torch.stack(torch.aminmax(v)) if v.numel() else v.new_zeros(2) for v in views]
@@ -82,13 +71,9 @@ def scatter_kept(
     replaced: dict[int, torch.Tensor],
     keep: torch.Tensor,
 ) -> torch.Tensor:
-    """Scatter the kept items (in token order; repaired ones with their new features) into
-    the kept samples' placeholders; anchor every other feature with a zero-weight term.
-
-    emb: ``[b, s, h]``; keep: ``[num_samples]`` bool on the device. Costs the output and
-    O(items) indices: each run of kept items that is contiguous in ``batch.features`` is
-    written from a view of it (no gathered copy), and the anchor is O(1).
-    """
+    """The kept items (token order; repaired ones' new features) scattered into the kept
+    samples' placeholders, every other feature anchored at zero weight. emb: ``[b, s, h]``;
+    keep: ``[num_samples]`` bool. Items contiguous in the features are written from a view."""
     f = batch.features
     spans: list[tuple[torch.Tensor, int, int]] = []  # (source, first row, end row)
     for i in kept_items:
@@ -121,13 +106,9 @@ def scatter_kept(
 
 
 def zero_anchor(*tensors: torch.Tensor) -> torch.Tensor:
-    """A scalar ``-0.0`` in the autograd graph of every one of ``tensors`` (gradient zero).
-
-    Added to one output element it keeps unused features, and so the vision tower, in the
-    autograd graph (DDP/FSDP hooks fire as for any batch) without changing any bit: -0.0 is
-    the additive identity of every float, -0.0 itself included. It sums an empty slice of
-    each tensor: O(1) work and memory, and NaN/Inf in the tensors cannot reach the value.
-    """
+    """A scalar ``-0.0`` in the autograd graph of every one of ``tensors`` (gradient zero):
+    added to one output element it keeps the vision tower in the graph without changing a
+    bit (-0.0 is every float's additive identity). An empty slice's sum: O(1), NaN-proof."""
     if not tensors:
         raise ValueError("zero_anchor needs at least one tensor")
     total = None
@@ -138,8 +119,7 @@ def zero_anchor(*tensors: torch.Tensor) -> torch.Tensor:
 
 
 def dropped_tokens(lay: TokenLayout, keep: torch.Tensor) -> torch.Tensor:
-    """``[b, s]`` bool: the token belongs to a sample ``keep`` drops (padding of a packed row:
-    False)."""
+    """``[b, s]`` bool: the token belongs to a sample ``keep`` drops (padding: False)."""
     return ~token_keep(lay, keep) & (lay.sample < lay.num_samples)
 
 
@@ -150,8 +130,8 @@ def mask_dropped(
     labels: torch.Tensor | None,
     ignore_index: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The caller's loss mask with dropped samples zeroed (created as float32 ones when None)
-    and labels set to ``ignore_index`` there. Out of place: the caller's tensors are kept."""
+    """Out of place: the loss mask (float32 ones when None) zeroed and labels set to
+    ``ignore_index`` on dropped samples."""
     drop_tok = dropped_tokens(lay, keep)
     if loss_mask is None:
         loss_mask = torch.ones(lay.batch, lay.row_length, dtype=torch.float32, device=keep.device)
@@ -164,10 +144,9 @@ def mask_dropped(
 def kept_tokens(
     loss_mask: torch.Tensor | None, labels: torch.Tensor | None = None, ignore_index: int = -100
 ) -> torch.Tensor:
-    """The tokens a loss trains on after the drops, as a 0-dim tensor on their device (no host
-    transfer): ``loss_mask.sum()`` when a loss mask is given (its token count for a 0/1 mask),
-    else ``(labels != ignore_index).sum()``. The denominator of a per-token loss: sum it over
-    the data-parallel ranks with the loss sums (Megatron's ``--calculate-per-token-loss``)."""
+    """The tokens a loss trains on after the drops, a 0-dim device tensor: ``loss_mask.sum()``,
+    else ``(labels != ignore_index).sum()``; the per-token loss's denominator (Megatron's
+    ``--calculate-per-token-loss``)."""
     if loss_mask is not None:
         return loss_mask.sum()
     if labels is not None:

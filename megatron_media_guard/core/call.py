@@ -1,5 +1,4 @@
-"""One guarded merge call's inputs, validated: what :class:`~.guard.MediaGuard` prepares and
-its fault path (:func:`~.fault_path.diagnose`) reads."""
+"""One guarded merge call's inputs, validated (what the guard and its fault path read)."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from .runs import TokenLayout
 
 @dataclass(frozen=True)
 class Call:
-    """One merge call's inputs, validated. ``emb`` is the ``[b, s, h]`` view."""
+    """``emb``: the ``[b, s, h]`` view."""
 
     emb: torch.Tensor | None  # None: the last pipeline stage (no features, no merge)
     input_ids: torch.Tensor

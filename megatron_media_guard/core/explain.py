@@ -65,8 +65,7 @@ def nonfinite_record(
     step: int | None,
     microbatch: int | None,
 ) -> GuardRecord:
-    """The record of a sample whose tokens align but whose features hold NaN/Inf:
-    ``reason`` starts with ``nonfinite``, ``item`` is the first such item."""
+    """The record of a sample whose features hold NaN/Inf (``item``: the first such item)."""
     rec = sample_record(rep, items, event, event, step=step, microbatch=microbatch)
     which = ", ".join(map(str, bad_items[:8])) + (" ..." if len(bad_items) > 8 else "")
     noun = "item" if len(bad_items) == 1 else "items"
@@ -97,14 +96,10 @@ def alignment_message(
     log_path: str | None = None,
     bundle: object | None = None,
 ) -> str:
-    """The raise message of a call, from the records it wrote: where (rank, step, microbatch),
-    what was guarded and how many of its ``total`` ``unit`` raise, then one line per ``raise``
-    record (the first eight) built by the one record line
-    (:func:`~megatron_media_guard.diagnostics.records.summary_line`, without its where: the
-    first line says it), the batch's ``summary``, the per-rank log and the replay bundle.
-
-    Never raises: should building the text fail on some field, a shorter message that still
-    names the where and the failure takes its place (the alignment error must come out)."""
+    """The raise message of a call from the records it wrote: where, what was guarded and how
+    many of its ``total`` ``unit`` raise, one ``summary_line`` per ``raise`` record (eight at
+    most), the batch's ``summary``, the log and the bundle. Never raises (a shorter message
+    takes its place: the alignment error must come out)."""
     try:
         recs = [r if isinstance(r, Mapping) else _as_dict(r) for r in records]
         raised = [r for r in recs if r.get("event") == "raise"]
@@ -151,9 +146,8 @@ def plan_records(
     microbatch: int | None,
     aligned: Callable[[int, str], GuardRecord],
 ) -> list[tuple[int, str, GuardRecord]]:
-    """``(sample, action, record)`` for every dropped or raised sample, in sample order: a mismatched
-    sample described by its runs (the plan's override reason, e.g. a suspected swap, first),
-    any other by ``aligned(sample, action)`` (NaN/Inf features, a shared grid row)."""
+    """``(sample, action, record)`` per dropped or raised sample: a mismatched one by its runs
+    (the plan's reason first), any other by ``aligned(sample, action)``."""
     bad = {rep.sample: rep for rep in report.mismatched}
     reasons = dict(plan.reasons)
     out = []
@@ -173,8 +167,8 @@ def plan_records(
 def check_records(
     report: AlignmentReport, step: int | None, microbatch: int | None, orphans: str
 ) -> list[GuardRecord]:
-    """``check`` records of what no sample's decision covers: items tied to no placeholder run
-    (``orphans``, formatted with their indices) and placeholders in a packed row's padding."""
+    """``check`` records of items tied to no run (``orphans``, formatted with their indices)
+    and placeholders in a packed row's padding."""
     found = [
         ("unused", orphans.format(list(report.orphans)[:16]) if report.orphans else ""),
         ("ignored", "; ".join(f.describe() for f in report.stray_findings[:4])),

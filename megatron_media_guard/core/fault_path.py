@@ -1,8 +1,6 @@
-"""The fault path of :class:`~.guard.MediaGuard`: what runs only when the aligned-path
-verdict says something is off (full parse, per-sample report, plan, repairs, records,
-replay bundle, consensus, merge of the kept samples), and :func:`conclude`, the one end of
-every fault path, whoever planned it (the guard's parse, an adapter's own checks: LLaVA's
-collapsed tokens)."""
+"""The fault path of :class:`~.guard.MediaGuard` (what runs only when the verdict says
+something is off), and :func:`conclude`, the one end of every fault path, whoever planned it
+(the guard's parse, an adapter's own checks: LLaVA's collapsed tokens)."""
 
 from __future__ import annotations
 
@@ -35,9 +33,7 @@ from .verify import Verdict
 
 
 class Diagnosing(Protocol):
-    """What the fault path reads and calls of the guard that passes itself in
-    (:class:`~.guard.MediaGuard`, which imports this module: the guard is described here, not
-    imported). ``counters`` are the guard's, counted by :func:`conclude`."""
+    """What the fault path reads of :class:`~.guard.MediaGuard` (which imports this module)."""
 
     log: DiagnosticsLog
     counters: dict[str, int]
@@ -67,14 +63,9 @@ CALLER = "megatron_media_guard.core.fault_path"
 def diagnose(
     guard: Diagnosing, c: Call, verdict: Verdict, found: list[int] | None = None
 ) -> MergeResult:
-    """The fault path: full parse, per-sample report, plan, repairs, records, bundle, the
-    consensus round, then the merge of what is kept. ``found``: the items holding NaN/Inf
-    when the caller already asked (:func:`nonfinite_items`).
-
-    Placeholders the policy generated (under the loss, outside every region: see
-    :mod:`.generated`) are read as text from here on: the parse, the plan and the scatter
-    work from ids where they are text (the given embedding stays at those positions), and
-    ``config.generated`` drops or raises their samples instead where it says so."""
+    """Full parse, per-sample report, plan, repairs, records, bundle, the consensus round, then
+    the merge of what is kept. ``found``: the items holding NaN/Inf, where already asked.
+    Placeholders the policy generated (:mod:`.generated`) are text from here on."""
     gen = None
     if c.labels is not None or c.loss_mask is not None:
         gen = find_generated(c.lay, c.labels, c.loss_mask, guard.config.ignore_index)
@@ -175,17 +166,12 @@ def conclude(
     digest: int | None = None,
     samples: int | None = None,
 ) -> StageOutcome:
-    """Writes ``records`` (one per dropped / raised sample, the call's checks), saves the
-    replay bundle (``bundle()`` returns its path, or None), agrees the planned call with the
-    stage and counts it; raises on every rank of the stage when any rank must, naming the
-    culprit rank, step and sample (the first ``raise`` record is the one the peers fetch).
-
-    The call is fatal when the plan raises a sample, a record raises (a batch-level problem)
-    or ``fatal`` (e.g. items no run claims under ``policy="raise"``). ``summary`` / ``what`` /
-    ``unit``: the message's batch totals, what was guarded, and what its samples are;
-    ``digest``: the caller's plan digest (default: the plan's own). ``samples``: the call's
-    samples, counted here as one merge where no merge counted the call (an adapter's own
-    checks)."""
+    """Writes ``records``, saves the replay bundle (``bundle()``: its path or None), agrees the
+    planned call with the stage and counts it; raises on every rank when any rank must (the
+    first ``raise`` record is what the peers fetch). Fatal when the plan or a record raises,
+    or ``fatal`` (items no run claims under ``policy="raise"``). ``summary`` / ``what`` /
+    ``unit``: the message's totals, what was guarded, what its samples are. ``digest``: the
+    caller's (default: the plan's). ``samples``: counted here as one merge (an adapter's)."""
     written = [guard.log.emit(rec, caller=caller) for rec in records]
     first = next((w for w in written if w.get("event") == "raise"), None)
     path = bundle() if bundle is not None else None
@@ -230,9 +216,8 @@ def call_records(
     failed: dict[int, str],
 ) -> list[GuardRecord]:
     """The records of a planned call: one per dropped or fatal sample (``failed``: why its
-    repair failed, first in its reason), one for unused items, and one per sample whose
-    generated placeholders were fed as text. ``nonfinite``: sample -> its items whose
-    features hold NaN/Inf. ``gen``: the generated placeholders found."""
+    repair failed), one for unused items, one per sample whose generated placeholders were
+    fed as text. ``nonfinite``: sample -> its items holding NaN/Inf."""
     items, step, mb = c.batch.items, c.step, c.microbatch
     reasons = dict(plan.reasons)
 
@@ -276,9 +261,7 @@ def call_records(
 def save_replay(
     guard: Diagnosing, *, input_ids, items, cu_seqlens, step, microbatch, report, features=None
 ):
-    """Saves a replay bundle when ``config.dump_dir`` is set (the guard's and the adapters'
-    one way to). Any failure is contained: one error line, no bundle, the caller goes on with
-    its plan."""
+    """Saves a replay bundle when ``config.dump_dir`` is set; a failure is one error line."""
     cfg = guard.config
     if cfg.dump_dir is None:
         return None

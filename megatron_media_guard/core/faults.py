@@ -1,8 +1,6 @@
 """Item faults: what an adapter's own checks find where the run alignment cannot read the
-tokens (megatron-core LLaVA's collapsed ``<image>`` tokens, expanded by the model; its sound
-tokens), and their records. The adapter says what it found (:class:`ItemFault`); the message,
-the consensus round and the counters are :func:`~.fault_path.conclude`'s, as for every fault
-path."""
+tokens (megatron-core LLaVA's collapsed ``<image>`` tokens, its sound tokens), and their
+records; the rest is :func:`~.fault_path.conclude`'s, as for every fault path."""
 
 from __future__ import annotations
 
@@ -18,15 +16,10 @@ FaultModality = Literal["image", "sound", "sample"]
 
 @dataclass(frozen=True)
 class ItemFault:
-    """One finding in one sample.
-
-    modality: ``image`` (item = its index among the call's images), ``sound`` (item = clip)
-    or ``sample`` (a packed sub-sample whose expansion does not fill its span). item None: no
-    item can be named. item_in_sample: its index among the sample's items. expected / got:
-    what the token side and the media side say (counts for ``count``, feature rows for
-    ``tiles``, positions for ``max_length`` and ``segment``, affected units for
-    ``nonfinite``). tiles: the image's tile count, where it has one.
-    """
+    """One finding in one sample. modality: ``image`` / ``sound`` (item: its index among the
+    call's images / clips; None: none can be named) or ``sample`` (a packed sub-sample whose
+    expansion does not fill its span). expected / got: the token side's and the media side's
+    counts, rows or positions. tiles: the image's tile count, where it has one."""
 
     sample: int
     check: Check
@@ -41,9 +34,8 @@ class ItemFault:
 
 @dataclass(frozen=True)
 class FaultContext:
-    """What the records and the message of one call name beside the faults: the adapter,
-    each sample's row and ``sample_id`` (``sample_id(smp)``; None: none known) and, per
-    sample, why it must raise where the policy said drop (``why_raise``)."""
+    """What a call's records name beside the faults: the adapter, each sample's row and id,
+    and per sample why it must raise where the policy said drop."""
 
     adapter: str
     row: Callable[[int], int]
@@ -91,8 +83,8 @@ def fault_records(
 def batch_records(
     fatal: Sequence[str], notes: Sequence[str], adapter: str, step, microbatch
 ) -> list[GuardRecord]:
-    """Problems of the whole call (``fatal``: it raises) and ``notes`` (``check`` records:
-    entries no token uses); each text starts with its check name, ``"<check>: ..."``."""
+    """Records of the whole call's problems (``fatal``: raise) and ``notes`` (``check``), each
+    ``"<check>: ..."``."""
     return [
         GuardRecord(
             event="raise" if bad else "check",

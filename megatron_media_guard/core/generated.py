@@ -1,18 +1,11 @@
 """Placeholders the policy generated (RL rollouts), found on the fault path.
 
-The policy can emit a placeholder token in its response; the generation engine fed it back
-as text, and only the trainer's merge would count it as media. A placeholder the loss trains
-on (labels != ``ignore_index`` and loss mask nonzero, where given) and outside every
-start/end region was generated, not expanded from media. Grammars without both markers
-(collapsed LLaVA, bare runs, end-only Pixtral) have no regions: being under the loss alone
-marks it, provided the loss does not train on every placeholder of the batch (a loss mask
-of ones tells nothing apart: then nothing is found). Such a token is always a finding of the
-aligned-path check (outside a region, or a run no item owns), so nothing here runs on the
-aligned path.
-
-``GuardConfig.generated`` decides: ``"text"`` feeds those positions as text (the ids the
-parse sees get a text id; the merge scatters nothing there; labels untouched), ``"drop"``
-drops the sample, ``"raise"`` raises it.
+A placeholder the loss trains on (labels != ``ignore_index`` and loss mask nonzero, where
+given) and outside every start/end region was generated, not expanded from media (the
+engine fed it back as text). Grammars without both markers have no regions: being under the
+loss marks it, unless the loss trains on every placeholder (then nothing is found). Such a
+token always fails the aligned check, so nothing here runs on the aligned path.
+``GuardConfig.generated`` feeds them as text, or drops or raises their samples.
 """
 
 from __future__ import annotations
@@ -46,8 +39,7 @@ class GeneratedSample:
 
 @dataclass(frozen=True)
 class Generated:
-    """The generated placeholders of one call: ``mask`` ``[b, s]`` on the ids' device, and per
-    sample (in sample order) where they are."""
+    """``mask`` ``[b, s]`` on the ids' device, and per sample where they are."""
 
     mask: torch.Tensor
     samples: tuple[GeneratedSample, ...]
@@ -71,11 +63,9 @@ def find_generated(
     loss_mask: torch.Tensor | None,
     ignore_index: int,
 ) -> Generated | None:
-    """The generated placeholders of ``lay`` (None: none, or no labels / loss mask). One
-    transfer, sized by the number found. Off the aligned path only (the region test is the
-    full parse's, whose ``nonzero`` syncs). Where both labels and a loss mask are given, both
-    must train on a position (Megatron's labels are never ``ignore_index``, its loss mask
-    masks; a loss mask of ones next to Hugging Face labels leaves the labels in charge)."""
+    """The generated placeholders of ``lay`` (None: none), in one transfer sized by them.
+    With both labels and a loss mask, both must train on a position (Megatron's loss mask
+    masks; a mask of ones next to Hugging Face labels leaves the labels in charge)."""
     check_masks(loss_mask, labels, lay.batch, lay.row_length, None)
     if labels is None and loss_mask is None:
         return None
@@ -113,8 +103,7 @@ def find_generated(
 def as_text(
     input_ids: torch.Tensor, gen: Generated, text_id: int, cu_seqlens: torch.Tensor | None, grammar
 ) -> tuple[torch.Tensor, TokenLayout]:
-    """``input_ids`` with the generated placeholders replaced by ``text_id`` (out of place), and
-    its layout: what the parse, the plan and the scatter then work from."""
+    """``input_ids`` with the generated placeholders as ``text_id`` (out of place), its layout."""
     ids = input_ids.masked_fill(gen.mask.reshape(input_ids.shape), text_id)
     return ids, TokenLayout(ids, grammar, cu_seqlens)
 
@@ -127,7 +116,7 @@ def text_records(
     kept: set[int] | None = None,
 ) -> list[GuardRecord]:
     """A ``check`` record (action ``text``) per sample whose generated placeholders were fed as
-    text; ``kept``: only these samples (a sample dropped for another reason has its own)."""
+    text (``kept``: only these samples)."""
     return [
         GuardRecord(
             event="check",
@@ -147,8 +136,7 @@ def text_records(
 def generated_record(
     gen: Generated, sample: int, action: str, step: int | None, microbatch: int | None
 ) -> GuardRecord:
-    """The drop / raise record of a sample whose tokens align once its generated placeholders
-    are text: the generated positions are the whole reason."""
+    """The drop / raise record of a sample aligned once its generated placeholders are text."""
     g = gen.of(sample)
     assert g is not None
     return GuardRecord(

@@ -1,11 +1,7 @@
-"""The one place where the guard moves data from the device to the host.
-
-Every device-to-host transfer goes through :func:`to_host`, which counts it, so
-tests can assert the aligned merge path syncs exactly once. Each call site passes
-``why``: the reason the host needs the values (the equivalent of a comment on a
-host sync in torchtitan). ``torch.nonzero`` on CUDA also syncs to size its
-output; the guard only uses it off the aligned path.
-"""
+"""The one place where the guard moves data from the device to the host: every transfer goes
+through :func:`to_host` / :func:`scalars_to_host`, which count it by ``why`` (the reason the
+host needs the values), so tests assert the aligned path syncs once. ``torch.nonzero`` on
+CUDA syncs too; the guard uses it only off the aligned path."""
 
 from __future__ import annotations
 
@@ -32,10 +28,8 @@ def to_host(tensor: torch.Tensor, why: str) -> torch.Tensor:
 def scalars_to_host(
     parts: list[torch.Tensor], device: torch.device, why: str
 ) -> list[int | float | bool]:
-    """The values of 0-d and 1-d tensors (all on ``device``) as Python numbers, flattened in
-    order, in one transfer (counted once): one concatenated copy from an accelerator; on CPU
-    each value is read in place (no copy, and no ``cat`` of the scalars, which costs more
-    than the reads there)."""
+    """The values of 0-d and 1-d tensors on ``device``, flattened, in one counted transfer (on
+    CPU each read in place: a ``cat`` costs more than the reads there)."""
     with _lock:
         _reasons[why] += 1
     if device.type == "cpu":
@@ -46,12 +40,7 @@ def scalars_to_host(
 
 @contextmanager
 def count_transfers() -> Iterator[Counter[str]]:
-    """Counts the transfers made inside the block, by reason.
-
-    >>> with count_transfers() as c:
-    ...     ...
-    >>> sum(c.values())
-    """
+    """Counts the transfers made inside the block, by reason."""
     seen: Counter[str] = Counter()
     with _lock:
         before = Counter(_reasons)

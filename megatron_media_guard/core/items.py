@@ -17,10 +17,8 @@ SAMPLE_ID_INT_BOUND = 1 << 63  # |int sample_id| below this (fits int64 / JSON r
 
 
 def check_sample_id(sid: object) -> str | int | None:
-    """``sample_id`` as a plain ``str`` (at most :data:`SAMPLE_ID_MAX_LEN` characters) or
-    ``int`` (``|sid| < 2**63``; numpy/torch integers are converted), or None. Anything else is
-    refused here, at construction, so that no diagnostic written later (a record, a message)
-    can fail on it and hide the real error."""
+    """``sample_id`` as a plain ``str`` or ``int`` (numpy/torch integers converted), or None;
+    refused here otherwise, so that no record or message written later fails on it."""
     if sid is None:
         return None
     if isinstance(sid, str):
@@ -50,20 +48,14 @@ def check_sample_id(sid: object) -> str | int | None:
 
 @dataclass(frozen=True)
 class MediaItem:
-    """One media item (an image, its tiles, or one video tubelet group), in the order its
-    features are concatenated.
+    """One media item (an image, its tiles, a video tubelet group), in feature order.
 
-    num_features: feature rows the vision side produced for it.
-    sample: index of the sample (batch row, or packed sample) it belongs to. When given for
-        every item the assignment is explicit; when omitted for all items the guard matches
-        runs to items in order.
-    sample_id: the data pipeline's id for the sample, carried into diagnostics.
-    num_frames / frame_hw: video frames and the frame (or image) size (H, W) the features
-        were computed at, carried into diagnostics and used by repair.
-    pixels: the item's pixel tensor for repair (``layout`` says how it is laid out:
-        ``"image"`` = ``[C, H, W]`` or ``[T, C, H, W]``; ``"qwen_patches"`` = the Qwen2-VL
-        processor's flattened patches with ``grid_thw``). Never written to logs.
-    source_hw: the original media size (H, W) before any processor resize, for the solver.
+    num_features: its feature rows. sample: its sample (batch row or packed sample), for
+        every item or none (then runs are matched to items in order). sample_id: the data
+        pipeline's id, carried into diagnostics. num_frames / frame_hw: frames and the (H, W)
+        its features were computed at. pixels: for repair, never logged (``layout``:
+        ``"image"`` ``[C, H, W]`` / ``[T, C, H, W]``, or ``"qwen_patches"`` with ``grid_thw``).
+        source_hw: the media's (H, W) before any processor resize, for the solver.
     """
 
     num_features: int
@@ -89,12 +81,8 @@ class MediaItem:
 
 @dataclass(frozen=True)
 class Batch:
-    """Items and features normalized for the merge.
-
-    ``order`` is the permutation that sorts items by sample (stable), i.e. into token
-    order; identity when items carry no sample or already come in token order.
-    ``features`` is ``[sum(num_features), h]`` in the caller's item order.
-    """
+    """Items and their ``[sum(num_features), h]`` features (the caller's order); ``order``
+    sorts the items by sample (stable): token order."""
 
     items: tuple[MediaItem, ...]
     features: torch.Tensor
@@ -111,10 +99,8 @@ def normalize(
     items: Sequence[MediaItem] | None,
     num_samples: int,
 ) -> Batch:
-    """Checks items against features and returns them as one packed tensor.
-
-    features: ``[sum(n_i), h]`` or a list of ``[n_i, h]``; items may be omitted for a list.
-    """
+    """Items checked against ``features`` (``[sum(n_i), h]``, or a list of ``[n_i, h]`` whose
+    items may be omitted), the features as one tensor."""
     if items is not None:
         items = tuple(items)
         for it in items:
@@ -179,8 +165,7 @@ def normalize(
 
 
 def metadata_batch(items: Sequence[MediaItem], num_samples: int) -> Batch:
-    """Items without features (``[n_i, 0]`` placeholders): for checks and plans made from
-    metadata alone (``check``, ``last_stage``, replay)."""
+    """Items with ``[n_i, 0]`` features: checks and plans from metadata alone."""
     return normalize(
         [torch.empty(getattr(it, "num_features", 0), 0) for it in items], items, num_samples
     )

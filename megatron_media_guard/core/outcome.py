@@ -1,9 +1,5 @@
-"""What a guarded merge returns, what one rank decided, and what its stage decided together.
-
-The merge hands a :class:`LocalOutcome` to a consensus object (any object with
-``agree(local) -> StageOutcome``; see ``ranks/consensus.py``). Without one, the local
-outcome is the stage outcome: everything works single-process.
-"""
+"""What a guarded merge returns, what one rank decided (:class:`LocalOutcome`), and what
+its stage decided together (a :class:`Consensus`'s; without one, the local outcome)."""
 
 from __future__ import annotations
 
@@ -50,9 +46,7 @@ class LocalOutcome:
         record: dict | None = None,
         digest: int | None = None,
     ) -> LocalOutcome:
-        """This rank's outcome of a guarded call from its final plan: fatal when there is a
-        ``message`` (the full diagnostic), the first fatal sample from the plan. digest: the
-        one the consensus compares (default: the plan's)."""
+        """From the final plan; fatal when there is a ``message`` (the full diagnostic)."""
         return cls(
             step=step,
             microbatch=microbatch,
@@ -98,9 +92,8 @@ class StageOutcome:
         )
 
     def peer_message(self, where: str) -> str:
-        """What a rank (``where``) raises when another rank of its stage failed: the culprit's
-        rank, step and sample when it is a sample's fault, else what failed there (the
-        error's type and text)."""
+        """What a rank (``where``) raises when a peer failed: the culprit's rank, step and
+        sample, or what failed there."""
         msg = self.message or ""
         at = f"rank {self.culprit_rank} (step {self.culprit_step}"
         if self.culprit_sample is not None:
@@ -117,12 +110,8 @@ class Consensus(Protocol):
 
 @dataclass(frozen=True)
 class GuardReport:
-    """What one guarded merge found and did.
-
-    ok: every sample was aligned (nothing dropped, repaired or raised).
-    actions: per sample, ``keep`` / ``drop`` / ``repair``.
-    alignment: the per-sample report; None on the aligned path (nothing to diagnose).
-    """
+    """What one guarded merge found and did. ok: every sample aligned. actions: per sample.
+    alignment: the per-sample report (None on the aligned path)."""
 
     ok: bool
     step: int | None
@@ -154,8 +143,7 @@ class GuardReport:
         rank: int | None,
         num_items: int,
     ) -> GuardReport:
-        """The report of one guarded call from its final plan (``alignment`` None: the
-        aligned path)."""
+        """From the final plan (``alignment`` None: the aligned path)."""
         return cls(
             ok=alignment is None and plan.actions.count("keep") == len(plan.actions),
             step=step,

@@ -1,7 +1,6 @@
-"""The plan: per sample and per item, what the guard does. A pure function of the token
-ids (through the alignment report and the verdict), the item metadata and the config, so
-every rank holding the same micro-batch reaches the same plan without communication.
-"""
+"""The plan: per sample and per item, what the guard does; a pure function of the ids
+(through the report and the verdict), the items and the config, so ranks holding the same
+micro-batch reach the same plan without communication."""
 
 from __future__ import annotations
 
@@ -90,9 +89,8 @@ _ENCODED: dict[tuple, str] = {}
 
 
 def plan_digest_of(fingerprint: int, runs: int, items, knobs, actions, repairs) -> int:
-    """``digest(fingerprint, runs, item_signature(items), knobs, actions, repairs)``, the same
-    bytes hashed, with the JSON of the item signature and knobs kept per signature (a
-    training run repeats its items; encoding them is most of the digest's cost)."""
+    """``digest(fingerprint, runs, item_signature(items), knobs, actions, repairs)`` with the
+    items' and knobs' JSON cached (a training run repeats them; most of the cost)."""
     sig = item_signature(items)
     try:
         key = (tuple(sig), tuple(knobs[:3]), tuple(knobs[3]))
@@ -134,18 +132,11 @@ def build_plan(
     generated: Generated | None = None,
     call_faults: Sequence[str] = (),
 ) -> Plan:
-    """Decide keep / repair / drop / raise for every sample.
-
-    report is None on the aligned path (everything kept). nonfinite_samples: samples
-    owning an item whose features hold NaN/Inf (handled by ``config.nonfinite``).
-    Under ``repair``, samples whose mismatches look like a swap between samples
-    (:func:`~.swap.suspected_swaps`) take ``config.fallback``; ``Plan.reasons`` says why.
-    generated: placeholders the policy generated (``report`` is then the parse with them
-    fed as text); their samples are dropped or raised under ``config.generated`` "drop" /
-    "raise", kept (as their media decide) under "text".
-    call_faults: the caller's findings about the whole call (``MediaGuard.merge``'s
-    ``fault_checks``): every sample takes the policy (``fallback`` under ``repair``).
-    """
+    """Keep / repair / drop / raise for every sample (``report`` None: the aligned path).
+    nonfinite_samples: samples with NaN/Inf features (``config.nonfinite``). Suspected swaps
+    take ``config.fallback`` under ``repair`` (``Plan.reasons`` says why). generated: the
+    policy's placeholders (``config.generated``). call_faults: findings about the whole call
+    (``fault_checks``): every sample takes the policy."""
     actions: list[Action] = ["keep"] * num_samples
     repairs: list[ItemRepair] = []
     reasons: dict[int, str] = {}

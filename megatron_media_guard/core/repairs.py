@@ -1,9 +1,5 @@
-"""Policy ``repair``: re-project the mismatched items of a plan, falling back per sample.
-
-Only the items the plan names are re-encoded. A sample is repaired when every one of
-its items is; otherwise the whole sample takes ``config.fallback`` (drop or raise).
-Every attempt is written to the per-rank log with target, size, fidelity and duration.
-"""
+"""Policy ``repair``: re-project the items a plan names; a sample is repaired when all of its
+items are, else it takes ``config.fallback``. Every attempt is a ``repair`` record."""
 
 from __future__ import annotations
 
@@ -25,8 +21,7 @@ from .plan import ItemRepair, Plan
 
 @dataclass(frozen=True)
 class RepairContext:
-    """What a repair may use: the geometry that solves a target count and the config (its
-    allowed fidelity classes, fallback, fp8 padding). Nothing else of the guard."""
+    """What a repair may use: the geometry and the config; nothing else of the guard."""
 
     geometry: Any
     config: GuardConfig
@@ -35,9 +30,8 @@ class RepairContext:
 
 @dataclass(frozen=True)
 class RepairOutcome:
-    """What :func:`run_repairs` gives back: the plan after fallbacks, the new features by item
-    (samples whose every repair succeeded), per sample that fell back why, and one ``repair``
-    record per attempt for the caller to write."""
+    """The plan after fallbacks, new features by item, why each failed sample fell back, and
+    one ``repair`` record per attempt for the caller to write."""
 
     plan: Plan
     replaced: dict[int, torch.Tensor]
@@ -46,9 +40,8 @@ class RepairOutcome:
 
 
 def media_hw(item: MediaItem) -> tuple[tuple[int, int] | None, HwKind]:
-    """The size a repair solves from, and what it is: the original media's (``source_hw``,
-    "source": the engine sized that), else a frame the training processor already resized
-    ("frame": a solution from it is never an engine replay)."""
+    """The size a repair solves from: ``source_hw`` ("source"), else a frame the processor
+    already resized ("frame": never an engine replay)."""
     if item.source_hw is not None:
         return item.source_hw, "source"
     if item.frame_hw is not None:
@@ -61,8 +54,8 @@ def media_hw(item: MediaItem) -> tuple[tuple[int, int] | None, HwKind]:
 def solve_allowed(
     geo, target: int, hw: tuple[int, int], num_frames: int, config, hw_kind: HwKind = "source"
 ):
-    """``(solution, None)`` when ``geo`` reaches ``target`` at a fidelity ``config`` allows, else
-    ``(solution, why not)``. hw_kind: what ``hw`` is (see :func:`media_hw`)."""
+    """``(solution, None)`` when ``geo`` reaches ``target`` at an allowed fidelity, else
+    ``(solution, why not)``."""
     sol = geo.solve(target, hw, num_frames=num_frames, hw_kind=hw_kind)
     if not sol.reachable:
         return sol, f"unreachable: {sol.reason}"
@@ -75,8 +68,7 @@ def solve_allowed(
 def _attempt(
     r: ItemRepair, plan: Plan, batch: Batch, ctx: RepairContext, encoder
 ) -> tuple[torch.Tensor | None, dict]:
-    """Re-encode one item; returns (features or None, facts for the record). An encoder with
-    ``reprocess`` (the collate check's) repairs the item from its original media itself."""
+    """``(features or None, facts for the record)`` (``encoder.reprocess`` where it has one)."""
     redo = getattr(encoder, "reprocess", None)
     if redo is not None:
         return redo(r, plan, batch, ctx)
@@ -143,8 +135,7 @@ def run_repairs(
     step: int | None,
     microbatch: int | None,
 ) -> RepairOutcome:
-    """Attempts every repair of ``plan`` (only the items it names are re-encoded); a sample
-    is repaired only when all of its items are, else it takes ``config.fallback``."""
+    """Attempts every repair of ``plan`` (the module docstring)."""
     done: dict[int, torch.Tensor] = {}
     failed: dict[int, str] = {}
     records: list[GuardRecord] = []

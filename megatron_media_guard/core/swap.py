@@ -1,10 +1,6 @@
-"""Swap suspicion: mismatches that look like items exchanged between samples.
-
-A cross-sample swap (sample A's item fed to sample B and B's to A) passes any batch-total
-check: the totals agree. Per sample it shows as a surplus in one and a deficit in the other,
-which a re-projection would "fix" by resizing each item to the other sample's run, training
-each sample on the other's media. Such samples are never repaired: they take the fallback.
-"""
+"""Swap suspicion: sample A's item fed to B and B's to A passes every total, and a
+re-projection would "fix" each by resizing it to the other's run. Such samples take the
+fallback, never a repair."""
 
 from __future__ import annotations
 
@@ -17,12 +13,9 @@ SWAP_REASON = "suspected swap"
 
 
 def suspected_swaps(report: AlignmentReport, statuses: Collection[Status]) -> dict[int, str]:
-    """Samples (with ``statuses``) whose mismatches are explained by exchanged items, and why.
-
-    Over the runs that disagree with their item: an item whose feature count equals a
-    mismatched run of another sample (same modality), or mismatched run lengths and item
-    counts that agree as multisets over two or more samples while the pairing does not.
-    """
+    """Samples (with ``statuses``) whose mismatches exchanged items explain, and why: an
+    item as long as another sample's mismatched run (same modality), or mismatched runs and
+    items that agree as multisets over two or more samples."""
     pairs = [
         (rep.sample, exp, got, mod)
         for rep in report.mismatched
