@@ -1,21 +1,12 @@
 """Run a function on N gloo ranks on CPU, with a hard bound: a hang is a failure.
 
-``run_ranks(fn, 4, args=...)`` starts 4 processes with ``torch.multiprocessing``
-(start method ``forkserver``: the server imports torch, megatron-core and the guard
-once, then every rank forks from it in milliseconds instead of re-importing for
-seconds), initializes a gloo process group over a file store in a fresh temporary
-directory, and calls ``fn(rank, world_size, *args)`` in each. What ``fn`` returns
-(picklable) comes back as a list indexed by rank.
-
-Failures: an exception in any rank fails the call (AssertionError) with every failed
-rank's traceback, the first failure first (the others are terminated); a rank still running after ``timeout`` seconds is a hang:
-every process is killed and AssertionError names the ranks that did not finish.
-Collectives inside the ranks also time out after ``pg_timeout`` seconds (gloo).
-
-``run_ranks(fn, 2, late_init=True)``: the rank's process starts with no process group and
-no ``RANK``/``WORLD_SIZE`` in its environment (a plain ``torch.multiprocessing`` launch);
-``fn(rank, world_size, init, *args)`` calls ``init()`` to create the group when it wants
-(e.g. after building the model and its guard).
+``run_ranks(fn, 4, args=...)`` forks 4 processes from a ``forkserver`` that imported torch,
+megatron-core and the guard once, initializes a gloo group over a file store, and returns
+``[fn(rank, world_size, *args) for each rank]``. An exception in any rank fails the call
+with every failed rank's traceback (first failure first); a rank still running after
+``timeout`` seconds is a hang: every process is killed and the unfinished ranks are named.
+Collectives time out after ``pg_timeout`` seconds. ``late_init=True``: no process group or
+``RANK``/``WORLD_SIZE`` at start; ``fn(rank, world_size, init, *args)`` calls ``init()``.
 """
 
 from __future__ import annotations

@@ -61,18 +61,40 @@ def test_replace_and_with_env_keep_their_meaning(monkeypatch):
     assert cfg.with_env({}).policy == "raise"
 
 
+def test_empty_directory_variables_turn_logging_and_dumps_off():
+    env = {"MEDIA_GUARD_LOG_DIR": "", "MEDIA_GUARD_DUMP_DIR": ""}
+    cfg = GuardConfig(log_dir="x", dump_dir="y").with_env(env)
+    assert cfg.log_dir is None and cfg.dump_dir is None
+
+
 @pytest.mark.parametrize(
     "env, needle",
     [
         ({"MEDIA_GUARD_DUMP_MAX": "many"}, "MEDIA_GUARD_DUMP_MAX must be an integer"),
         ({"MEDIA_GUARD_POLICY": "ignore"}, "MEDIA_GUARD_POLICY='ignore'"),
         ({"MEDIA_GUARD_FP8": "maybe"}, "MEDIA_GUARD_FP8 must be true/false"),
+        ({"MEDIA_GUARD_DUMP_PIXELS": "maybe"}, "MEDIA_GUARD_DUMP_PIXELS must be true/false"),
     ],
 )
 def test_a_bad_variable_is_named(env, needle):
     with pytest.raises(MediaInputError, match=needle.replace("(", r"\(")):
         GuardConfig(environ=env)
-    GuardConfig(policy="raise", dump_max=1, fp8=None, environ=env)  # all given: not read
+    with pytest.raises(MediaInputError, match=needle.replace("(", r"\(")):
+        GuardConfig(environ={}).with_env(env)  # the environment over every field
+    GuardConfig(policy="raise", dump_max=1, fp8=None, dump_pixels=True, environ=env)  # given
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"policy": "ignore"}, "policy must be one of"),
+        ({"ignore_index": "x"}, "ignore_index must be an int"),
+        ({"allowed_fidelity": "unique"}, r"write \('unique',\)"),
+    ],
+)
+def test_config_rejects_values_that_would_fail_later(kwargs, match):
+    with pytest.raises(MediaInputError, match=match):
+        GuardConfig(environ={}, **kwargs)
 
 
 def test_the_readme_way_writes_where_the_variable_says(monkeypatch, tmp_path):

@@ -379,16 +379,3 @@ def test_diagnostics_side_and_help_import_no_torch():
     ).stdout
     line = next(x for x in out.splitlines() if x.startswith("TORCH:"))
     assert line == "TORCH:", f"torch imported by the torch-free side: {line}"
-
-
-@pytest.mark.timeout(120)
-def test_public_names_still_resolve():
-    """The lazy top-level surface gives the same objects as their modules."""
-    import megatron_media_guard as mmg
-    from megatron_media_guard.core.guard import MediaGuard
-
-    assert mmg.MediaGuard is MediaGuard
-    for name in mmg.__all__:
-        assert getattr(mmg, name) is not None
-    with pytest.raises(AttributeError):
-        _ = mmg.no_such_name

@@ -1,29 +1,14 @@
-"""A rank whose micro-batch is text-only joins the guard's round as its peers do.
+"""A rank whose micro-batch is text-only joins the guard's round as its peers do (before, the
+family engine's text-only branch returned without a plan: its peer waited in the consensus
+all-reduce, which hung FSDP2, crashed DDP and broke the next collective of a bare loop).
 
-Every guarded call joins the same collectives on every rank, whatever its micro-batch holds:
-media (the merge's one all-reduce), text only (planned with no items: it verifies that no
-placeholder stands in the ids and joins the same all-reduce), or a sample dropped for a literal
-placeholder in its text. Before, the family engine's text-only branch (``adapters/vlm.py`` and
-``adapters/vlm_inputs.py``) returned without a plan: its peer waited in the consensus
-all-reduce while the text-only rank went on, which hung under FSDP2 (FSDP's all-gather of
-decoder layer 0 against the peer's consensus), crashed under DDP (the consensus all-reduce met
-the peer's gradient bucket) and, with no wrapper, broke the next collective of the loop.
-
-- ``test_every_family_joins_the_round_whatever_the_rank_holds`` (2 gloo ranks, no wrapper):
-  every family with a fixture in ``testing/families`` (table-driven over the fixtures), and an
-  ``apply="inputs"`` family: calls (media | text), (media | a text sample with a literal
-  placeholder, dropped), (text | text), (dropped | media), each followed by
-  ``all_reduce(torch.ones(4))``; the same consensus collectives on both ranks after each call.
-- ``test_a_text_only_rank_trains_in_step`` (2 gloo ranks, FSDP2 per-module as NeMo-RL shards,
-  and DDP): transformers Gemma 3 and Nemotron Omni through ``install_vlm(...,
-  GuardConfig(policy="drop"))`` with the default consensus; one rank an image sample, the other
-  a text-only one, then the roles swapped; forward, backward and an all-reduce; the gradients
-  equal the plain model's on the same batches, averaged over the ranks.
-- ``test_a_text_only_call_applies_its_plan`` (one process): on every case, a text-only call is
-  passed to the model untouched when aligned, and a literal placeholder in it takes the policy
-  (drop: the ids as text and the labels ignored; ``generated="text"``: the placeholder fed as
-  text, the sample kept, where the grammar has regions; raise: the sample named), one
-  device-to-host transfer for an aligned call.
+- every family with a fixture (and an ``apply="inputs"`` one), 2 gloo ranks: calls (media |
+  text), (media | a text sample with a literal placeholder, dropped), (text | text),
+  (dropped | media), each followed by an all-reduce: the same collectives on both ranks;
+- Gemma 3 and Nemotron Omni under FSDP2 and DDP: a text-only rank trains in step, gradients
+  equal to the plain model's averaged over the ranks;
+- one process: a text-only call reaches the model untouched (one transfer), and a literal
+  placeholder in it takes the policy (drop, ``generated="text"``, raise).
 """
 
 from __future__ import annotations
