@@ -50,6 +50,13 @@ F = FindingKind
         (P, [T, 11, 12], [(1, 2, 0, "break")], [(F.EMPTY_RUN, 1)]),
         # Pixtral: end without a run
         (P, [T, 12, T], [], [(F.END_WITHOUT_START, 1)]),
+        # collapsed (LLaVA): each token its own run
+        (
+            Grammar.llava(),
+            [T, -200, -200, T, -200],
+            [(1, 2, 1, "image"), (2, 3, 1, "image"), (4, 5, 1, "image")],
+            [],
+        ),
     ],
 )
 def test_parse_table(grammar, row, runs, findings):
@@ -58,26 +65,27 @@ def test_parse_table(grammar, row, runs, findings):
     assert [(f.kind, f.position) for f in parsed.findings] == findings
 
 
-def test_packed_findings_name_the_packed_sample():
-    # three packed samples; the second one's region is cut by the boundary
-    ids = torch.tensor([[T, 3, 5, 5, 4, T, 3, 5, 5, 3, 5, 4]])
-    cu = torch.tensor([0, 5, 9, 12])
-    parsed = parse_runs(ids, Q, cu)
-    assert [r.sample for r in parsed.runs] == [0, 1, 2]
-    assert [(f.kind, f.sample, f.position) for f in parsed.findings] == [(F.CUT_BY_BOUNDARY, 1, 6)]
-
-
-def test_packed_run_never_spans_a_boundary():
-    plain = TEST_GRAMMARS["plain"]
-    ids = torch.tensor([[13, 13, 13, 13, 13, 13]])
-    parsed = parse_runs(ids, plain, torch.tensor([0, 2, 6]))
-    assert [(r.sample, r.length) for r in parsed.runs] == [(0, 2), (1, 4)]
-
-
-def test_placeholder_in_packed_padding_is_a_finding():
-    ids = torch.tensor([[3, 5, 4, T, 5, 0]])
-    parsed = parse_runs(ids, Q, torch.tensor([0, 4]))
-    assert [(f.kind, f.sample) for f in parsed.findings] == [(F.IN_PADDING, None)]
+@pytest.mark.parametrize(
+    ("grammar", "row", "cu", "runs", "findings"),  # runs: (sample, length)
+    [
+        # the second packed sample's region is cut by the boundary
+        (
+            Q,
+            [T, 3, 5, 5, 4, T, 3, 5, 5, 3, 5, 4],
+            [0, 5, 9, 12],
+            [(0, 2), (1, 2), (2, 1)],
+            [(F.CUT_BY_BOUNDARY, 1, 6)],
+        ),
+        # a run never spans a boundary
+        (TEST_GRAMMARS["plain"], [13] * 6, [0, 2, 6], [(0, 2), (1, 4)], []),
+        # a placeholder in the padding after the last sample
+        (Q, [3, 5, 4, T, 5, 0], [0, 4], [(0, 1), (1, 1)], [(F.IN_PADDING, None, 4)]),
+    ],
+)
+def test_packed_findings_name_the_packed_sample(grammar, row, cu, runs, findings):
+    parsed = parse_runs(torch.tensor([row]), grammar, torch.tensor(cu))
+    assert [(r.sample, r.length) for r in parsed.runs] == runs
+    assert [(f.kind, f.sample, f.position) for f in parsed.findings] == findings
 
 
 @pytest.mark.parametrize(
@@ -116,11 +124,6 @@ def test_presets():
     assert Grammar.pixtral(1, 2, 3).break_ids == (2,)
     with pytest.raises(MediaInputError, match="not in grammar"):
         q.modality_code("audio")
-
-
-def test_collapsed_grammar_one_run_per_token():
-    parsed = parse_runs(torch.tensor([[T, -200, -200, T, -200]]), Grammar.llava())
-    assert [(r.start, r.length) for r in parsed.runs] == [(1, 1), (2, 1), (4, 1)]
 
 
 def _random_ids(rng: random.Random, grammar: Grammar, b: int, s: int) -> torch.Tensor:
@@ -203,33 +206,24 @@ def test_fast_structure_check_agrees_with_findings(name, seed, s, packed):
     assert (fast > 0) == full
 
 
-def test_packed_rows_opening_with_a_region_are_not_flagged():
-    """A packed sample that starts with its region's start token is well formed."""
-    from megatron_media_guard.core.runs import TokenLayout
-
-    lay = TokenLayout(torch.tensor([[3, 5, 5, 4, T, 3, 5, 4]]), Q, torch.tensor([0, 4, 8]))
-    start, end = lay.run_bounds()
-    assert int(lay.structure_violations(start, end)) == 0
-
-
 @pytest.mark.parametrize(
-    ("row", "malformed"),
+    ("name", "row", "cu", "malformed"),
     [
-        ([T, 16, 15, 15, 18, 15, 17, T], False),  # start, placeholders with a break, end
-        ([T, 16, 18, 17, T], True),  # a run of breaks alone
-        ([T, 16, 15, 17, 16, 18, 18, 17], True),  # the second region holds breaks alone
-        ([T, 15, 18, 15, 17, T, T, T], True),  # no start
-        ([T, 16, 15, 18, 15, T, 17, T], True),  # text before the end: unterminated
-        ([T, 16, 15, 18, 15, 15, 15, 15], True),  # cut by the row end
+        ("qwen", [3, 5, 5, 4, T, 3, 5, 4], [0, 4, 8], False),  # packed samples open with a start
+        ("marked_breaks", [T, 16, 15, 15, 18, 15, 17, T], None, False),  # breaks inside a region
+        ("marked_breaks", [T, 16, 18, 17, T], None, True),  # a run of breaks alone
+        ("marked_breaks", [T, 16, 15, 17, 16, 18, 18, 17], None, True),  # its second region
+        ("marked_breaks", [T, 15, 18, 15, 17, T, T, T], None, True),  # no start
+        ("marked_breaks", [T, 16, 15, 18, 15, T, 17, T], None, True),  # unterminated
+        ("marked_breaks", [T, 16, 15, 18, 15, 15, 15, 15], None, True),  # cut by the row end
     ],
 )
-def test_marked_grammar_with_breaks_structure(monkeypatch, row, malformed):
-    """Start and end markers with break tokens: the sync-free count (no ``nonzero``) agrees
-    with the finding codes, a run of breaks alone included."""
+def test_sync_free_structure_count(monkeypatch, name, row, cu, malformed):
+    """The sync-free count (no ``nonzero``) agrees with the finding codes."""
     from megatron_media_guard.core.runs import TokenLayout
 
-    g = GRAMMARS["marked_breaks"]
-    lay = TokenLayout(torch.tensor([row]), g)
+    g = GRAMMARS[name]
+    lay = TokenLayout(torch.tensor([row]), g, None if cu is None else torch.tensor(cu))
     start, end = lay.run_bounds()
     full = bool((lay.finding_codes(start, end) != 0).any())
     real = torch.nonzero
