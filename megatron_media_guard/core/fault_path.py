@@ -45,16 +45,7 @@ class Diagnosing(Protocol):
     def rank(self) -> RankInfo: ...
     def where(self, step: int | None, microbatch: int | None) -> str: ...
     def settle(self, local: LocalOutcome) -> StageOutcome: ...
-    def result(
-        self,
-        c: Call,
-        out: torch.Tensor | None,
-        plan: Plan,
-        report: AlignmentReport | None,
-        verdict: Verdict,
-        stage: StageOutcome,
-        keep: list[int] | None,
-    ) -> MergeResult: ...
+    def result(self, c: Call, out, plan: Plan, report, verdict, stage, keep) -> MergeResult: ...
 
 
 CALLER = "megatron_media_guard.core.fault_path"

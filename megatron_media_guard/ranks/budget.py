@@ -118,15 +118,14 @@ class DropBudget:
 
     def _trip(self, s: BudgetStatus, guard: Any) -> None:
         msg = self.message(s)
-        limit = self.max_fraction_per_step if s.tripped == "step" else self.max_fraction_window
-        fraction = s.fraction if s.tripped == "step" else s.window_fraction
+        one = s.tripped == "step"
         context = {
             "step": s.step,
             "tripped": s.tripped,
-            "fraction": fraction,
-            "limit": limit,
-            "dropped": s.dropped if s.tripped == "step" else s.window_dropped,
-            "samples": s.samples if s.tripped == "step" else s.window_samples,
+            "fraction": s.fraction if one else s.window_fraction,
+            "limit": self.max_fraction_per_step if one else self.max_fraction_window,
+            "dropped": s.dropped if one else s.window_dropped,
+            "samples": s.samples if one else s.window_samples,
             "window_steps": s.window_steps,
         }
         log = getattr(guard, "log", None) or DiagnosticsLog(None, RankInfo.from_env())
