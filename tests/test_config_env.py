@@ -33,6 +33,8 @@ ENV = {
         ({}, "dump_max", None),
         ({}, "fp8", True),
         ({}, "fallback", "drop"),  # not in the environment: the default
+        ({}, "generated", "text"),
+        ({"environ": {"MEDIA_GUARD_GENERATED": "drop"}}, "generated", "drop"),
         ({"policy": "raise"}, "policy", "raise"),  # argument over environment
         ({"log_dir": None}, "log_dir", None),  # an explicit None is an argument too
         ({"dump_max": 3}, "dump_max", 3),
@@ -74,6 +76,7 @@ def test_empty_directory_variables_turn_logging_and_dumps_off():
         ({"MEDIA_GUARD_POLICY": "ignore"}, "MEDIA_GUARD_POLICY='ignore'"),
         ({"MEDIA_GUARD_FP8": "maybe"}, "MEDIA_GUARD_FP8 must be true/false"),
         ({"MEDIA_GUARD_DUMP_PIXELS": "maybe"}, "MEDIA_GUARD_DUMP_PIXELS must be true/false"),
+        ({"MEDIA_GUARD_GENERATED": "no"}, "MEDIA_GUARD_GENERATED='no'"),
     ],
 )
 def test_a_bad_variable_is_named(env, needle):
@@ -81,13 +84,15 @@ def test_a_bad_variable_is_named(env, needle):
         GuardConfig(environ=env)
     with pytest.raises(MediaInputError, match=needle.replace("(", r"\(")):
         GuardConfig(environ={}).with_env(env)  # the environment over every field
-    GuardConfig(policy="raise", dump_max=1, fp8=None, dump_pixels=True, environ=env)  # given
+    given = dict(policy="raise", dump_max=1, fp8=None, dump_pixels=True, generated="text")
+    GuardConfig(**given, environ=env)  # every field given: no variable read
 
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
         ({"policy": "ignore"}, "policy must be one of"),
+        ({"generated": "keep"}, "GuardConfig.generated must be one of"),
         ({"ignore_index": "x"}, "ignore_index must be an int"),
         ({"allowed_fidelity": "unique"}, r"write \('unique',\)"),
     ],

@@ -78,13 +78,18 @@ def test_drop_allocates_the_output_and_token_sized_indices_only(bad):
 
 @pytest.mark.parametrize(
     "policy, bad, dropped",
-    [("drop", (), ()), ("drop", (1,), (0, 1, 2, 3)), ("repair", (1,), (0, 1, 2, 3))],
+    [
+        ("drop", (), ()),
+        ("drop", (1,), (0, 1, 2, 3)),
+        ("repair", (1,), (0, 1, 2, 3)),
+        ("raise", (1,), None),  # raises naming the first sample
+    ],
 )
 def test_fault_checks_run_on_the_fault_path_only_and_give_every_sample_the_policy(
     policy, bad, dropped
 ):
-    """``merge(fault_checks=)``: not run on an aligned call; a finding there drops every
-    sample (``fallback`` under repair), its reason in the plan, counted by the guard."""
+    """``merge(fault_checks=)``: not run on an aligned call; a finding there gives every
+    sample the policy (``fallback`` under repair), its reason in the plan, counted."""
     ids, items = _offsetting([[("image", 4)] * 2 for _ in range(4)], set(bad))
     calls = []
 
@@ -95,25 +100,16 @@ def test_fault_checks_run_on_the_fault_path_only_and_give_every_sample_the_polic
     g = MediaGuard(GuardConfig(policy=policy, fallback="drop"), grammar=Q)
     emb = torch.randn(*ids.shape, 8)
     feats = torch.randn(sum(it.num_features for it in items), 8)
-    res = g.merge(emb, ids, feats, items, loss_mask=torch.ones(ids.shape), fault_checks=checks)
+    kw = dict(loss_mask=torch.ones(ids.shape), fault_checks=checks)
+    if dropped is None:
+        with pytest.raises(MediaAlignmentError, match=r"sample 0(.|\n)*text: 3 text tokens"):
+            g.merge(emb, ids, feats, items, **kw)
+        return
+    res = g.merge(emb, ids, feats, items, **kw)
     assert res.report.dropped == dropped and len(calls) == bool(bad)
     assert g.counters["dropped"] == len(dropped) and g.counters["repaired"] == 0
     if dropped:
         assert (res.loss_mask == 0).all() and torch.equal(res.embeddings, emb)
-
-
-def test_a_fault_check_under_raise_raises_naming_the_first_sample():
-    ids, items = _offsetting([[("image", 4)] * 2 for _ in range(2)], {1})
-    g = MediaGuard(GuardConfig(policy="raise"), grammar=Q)
-    feats = torch.randn(sum(it.num_features for it in items), 8)
-    with pytest.raises(MediaAlignmentError, match=r"sample 0(.|\n)*text: 3 text tokens"):
-        g.merge(
-            torch.randn(*ids.shape, 8),
-            ids,
-            feats,
-            items,
-            fault_checks=lambda: ["text: 3 text tokens"],
-        )
 
 
 def test_zero_anchor_is_minus_zero_with_no_temporaries_even_on_nan():

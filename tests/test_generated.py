@@ -216,15 +216,6 @@ def test_property_generated_placeholders_never_change_another_sample(seed, name,
 # ---- the knob -----------------------------------------------------------------------------
 
 
-def test_config_validates_generated_and_reads_the_environment():
-    assert GuardConfig().generated == "text"
-    with pytest.raises(MediaInputError, match=r"GuardConfig.generated must be one of"):
-        GuardConfig(generated="keep")
-    assert GuardConfig().with_env({"MEDIA_GUARD_GENERATED": "drop"}).generated == "drop"
-    with pytest.raises(MediaInputError, match="MEDIA_GUARD_GENERATED='no'"):
-        GuardConfig().with_env({"MEDIA_GUARD_GENERATED": "no"})
-
-
 def test_launcher_flag_and_its_environment_override():
     parser = add_media_guard_args(argparse.ArgumentParser())
     args = parser.parse_args(["--media-guard-generated", "raise"])
