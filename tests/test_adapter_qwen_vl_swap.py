@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 
 from megatron_media_guard import Grammar, GuardConfig, MediaAlignmentError, MediaGuard, MediaItem
 from megatron_media_guard.core.alignment import check_alignment
-from megatron_media_guard.core.plan import REPAIRABLE
-from megatron_media_guard.core.swap import SWAP_REASON, suspected_swaps
+from megatron_media_guard.core.plan import REPAIRABLE, SWAP_REASON, suspected_swaps
 from megatron_media_guard.geometry import PatchMergeGeometry
 
 G = Grammar.qwen2_vl()

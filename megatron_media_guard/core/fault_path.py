@@ -5,8 +5,8 @@ something is off), and :func:`conclude`, the one end of every fault path, whoeve
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
-from typing import Protocol
+from dataclasses import dataclass, replace
+from typing import Literal, Protocol
 
 import torch
 
@@ -14,7 +14,6 @@ from ..config import GuardConfig
 from ..diagnostics import DiagnosticsLog, GuardRecord, RankInfo, get_logger
 from .alignment import AlignmentReport, align
 from .apply import nonfinite_items, scatter_kept
-from .call import Call
 from .explain import (
     alignment_message,
     batch_summary,
@@ -24,12 +23,34 @@ from .explain import (
 )
 from .generated import Generated, as_text, find_generated, generated_record, text_records
 from .grammar import Grammar
+from .items import Batch
 from .outcome import LocalOutcome, MergeResult, StageOutcome
 from .plan import Plan, build_plan
 from .providers import bundle_writer
 from .repairs import RepairContext, run_repairs
-from .runs import parse_layout
+from .runs import TokenLayout, parse_layout
 from .verify import Verdict
+
+
+@dataclass(frozen=True)
+class Call:
+    """One guarded call's validated inputs (``emb``: the ``[b, s, h]`` view)."""
+
+    emb: torch.Tensor | None  # None: the last pipeline stage (no features, no merge)
+    input_ids: torch.Tensor
+    cu_seqlens: torch.Tensor | None
+    lay: TokenLayout
+    batch: Batch
+    loss_mask: torch.Tensor | None
+    labels: torch.Tensor | None
+    seq_first: bool
+    step: int | None
+    microbatch: int | None
+    encoder: object | None
+    repairs: Literal["assume", "attempt"] = "assume"  # without features (emb None): last_stage
+    sample_ids: tuple | None = None  # per sample, the caller's id (items without one take it)
+    #: the caller's checks of the whole call, run by the fault path only (see MediaGuard.merge)
+    fault_checks: Callable[[], Sequence[str]] | None = None
 
 
 class Diagnosing(Protocol):

@@ -15,8 +15,7 @@ from ..diagnostics import DiagnosticsLog, GuardRecord, RankInfo, where_text
 from ..errors import ConsensusError, MediaAlignmentError, MediaGuardError, MediaInputError
 from .alignment import AlignmentReport, align
 from .apply import mask_dropped, nonfinite_items, rows_index, scatter
-from .call import Call
-from .fault_path import diagnose
+from .fault_path import Call, diagnose
 from .grammar import Grammar
 from .interleave import RunOrder, in_token_order, verify_in_token_order
 from .items import MediaItem, check_sample_id, metadata_batch, normalize

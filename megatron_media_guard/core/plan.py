@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -14,8 +15,7 @@ from ..config import GuardConfig
 from .alignment import AlignmentReport, Status
 from .generated import Generated
 from .items import MediaItem
-from .swap import suspected_swaps
-from .verify import Verdict
+from .verify import Verdict, kept
 
 Action = Literal["keep", "drop", "repair", "raise"]
 #: how far each action goes: where several findings of one sample ask for different actions,
@@ -94,13 +94,9 @@ def plan_digest_of(fingerprint: int, runs: int, items, knobs, actions, repairs) 
     sig = item_signature(items)
     try:
         key = (tuple(sig), tuple(knobs[:3]), tuple(knobs[3]))
-        mid = _ENCODED.get(key)
+        mid = kept(_ENCODED, 64, key, lambda: _dumps(sig) + ", " + _dumps(knobs))
     except TypeError:  # an unhashable field: encode every time
         return digest(fingerprint, runs, sig, knobs, actions, repairs)
-    if mid is None:
-        if len(_ENCODED) >= 64:
-            _ENCODED.pop(next(iter(_ENCODED)))
-        mid = _ENCODED[key] = _dumps(sig) + ", " + _dumps(knobs)
     if not (type(fingerprint) is int and type(runs) is int):
         return digest(fingerprint, runs, sig, knobs, actions, repairs)
     acts = _ACTIONS.get(tuple(actions))  # most calls: every sample kept
@@ -120,6 +116,44 @@ def _dumps(part: object) -> str:
 
 def _hash(blob: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little") >> 1
+
+
+#: a cross-sample swap (A's item fed to B and B's to A) passes every total, and a re-projection
+#: would resize each to the other's run: such samples take the fallback, never a repair
+SWAP_REASON = "suspected swap"
+
+
+def suspected_swaps(report: AlignmentReport, statuses: Collection[Status]) -> dict[int, str]:
+    """Samples (with ``statuses``) whose mismatches exchanged items explain, and why: an
+    item as long as another sample's mismatched run (same modality), or mismatched runs and
+    items that agree as multisets over two or more samples."""
+    pairs = [
+        (rep.sample, exp, got, mod)
+        for rep in report.mismatched
+        if rep.status in statuses
+        for exp, got, mod in zip(rep.expected, rep.got, rep.item_modalities)
+        if exp != got
+    ]
+    out: dict[int, str] = {}
+    for smp, _, got, mod in pairs:
+        other = next((o for o, exp, _, m in pairs if o != smp and m == mod and exp == got), None)
+        if other is not None:
+            out[smp] = (
+                f"{SWAP_REASON}: an item of sample {smp} has {got} features, the length of a "
+                f"mismatched run of sample {other}"
+            )
+    samples = sorted({smp for smp, *_ in pairs})
+    if len(samples) > 1:
+        runs = Counter((exp, mod) for _, exp, _, mod in pairs)
+        feats = Counter((got, mod) for _, _, got, mod in pairs)
+        if runs == feats:
+            for smp in samples:
+                out.setdefault(
+                    smp,
+                    f"{SWAP_REASON}: the mismatched runs of samples {samples} and their items' "
+                    "feature counts agree as multisets, paired differently",
+                )
+    return dict(sorted(out.items()))
 
 
 def build_plan(

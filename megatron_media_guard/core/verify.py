@@ -80,7 +80,7 @@ def item_tables(
 ) -> list[Expected]:
     """Host-known items (one run each, token order) as per-code tables on ``dev``, cached."""
     key = (tuple(lengths), tuple(codes), None if samples is None else tuple(samples), dev)
-    return _kept(_ITEM_TABLES, 16, key, lambda: _item_tables(*key))
+    return kept(_ITEM_TABLES, 16, key, lambda: _item_tables(*key))
 
 
 _ITEM_TABLES: dict[tuple, list[Expected]] = {}
@@ -284,7 +284,7 @@ _CONSTANTS: dict[tuple, torch.Tensor] = {}
 
 def _constant(values: tuple[int, ...], dev: torch.device) -> torch.Tensor:
     """``torch.tensor(values)`` on ``dev``, cached."""
-    return _kept(
+    return kept(
         _CONSTANTS,
         32,
         (values, dev),
@@ -298,7 +298,7 @@ _WEIGHTS: dict[tuple[int, torch.device], tuple[torch.Tensor, int]] = {}
 def fingerprint_weights(n: int, dev: torch.device) -> tuple[torch.Tensor, int]:
     """The fingerprint's weights ``arange(n) * _MIX + 1`` (int64, wrapping) and their sum on
     the host (exact mod 2**64), cached."""
-    return _kept(
+    return kept(
         _WEIGHTS,
         8,
         (n, dev),
@@ -306,7 +306,7 @@ def fingerprint_weights(n: int, dev: torch.device) -> tuple[torch.Tensor, int]:
     )
 
 
-def _kept(store: dict, limit: int, key, make):
+def kept(store: dict, limit: int, key, make):
     """``store[key]``, made on a miss; the oldest entry goes past ``limit`` (a training run
     repeats its items and shapes)."""
     got = store.get(key)
