@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from itertools import accumulate
 
 import pytest
 import torch
@@ -29,10 +30,21 @@ H = 8
 LAYOUT = [[("image", 4), ("image", 6)], [("image", 3)], [("video", 8)], []]
 
 
+def placeholders(ids, grammar=Q):
+    return torch.isin(ids, torch.tensor(list(grammar.placeholders.values())))
+
+
 def unguarded(emb, ids, feats, grammar=Q):
     """Today's merge: placeholder mask + masked_scatter."""
-    mask = torch.isin(ids, torch.tensor(list(grammar.placeholders.values())))
-    return emb.masked_scatter(mask.unsqueeze(-1), feats)
+    return emb.masked_scatter(placeholders(ids, grammar).unsqueeze(-1), feats)
+
+
+def item_rows(batch, feats, own):
+    """The feature rows of the items ``own``, concatenated."""
+    ends = list(accumulate(it.num_features for it in batch.items))
+    return torch.cat(
+        [feats[ends[i] - batch.items[i].num_features : ends[i]] for i in own] or [feats[:0]]
+    )
 
 
 def guard(policy="raise", **kw):
@@ -151,13 +163,10 @@ def test_drop_keeps_others_identical_and_masks_the_culprit(fault):
     lm, lab = torch.ones(b, s), torch.randint(0, 50, (b, s))
     # placeholders are not trained on (under the loss outside a region: generated, kept as
     # text: test_generated.py)
-    lm[torch.isin(batch.input_ids, torch.tensor(list(Q.placeholders.values())))] = 0
+    lm[placeholders(batch.input_ids)] = 0
     res = guard("drop").merge(emb, batch.input_ids, feats, batch.items, loss_mask=lm, labels=lab)
     dropped = set(res.report.dropped)
     assert dropped == set(batch.faulty_samples)
-    offsets = [0]
-    for it in batch.items:
-        offsets.append(offsets[-1] + it.num_features)
     for smp in range(b):
         if smp in dropped:
             assert res.loss_mask[smp].eq(0).all() and res.labels[smp].eq(-100).all()
@@ -166,9 +175,7 @@ def test_drop_keeps_others_identical_and_masks_the_culprit(fault):
         else:
             # what an unguarded merge of this sample alone gives, bit for bit
             own = [i for i, it in enumerate(batch.items) if it.sample == smp]
-            rows = (
-                torch.cat([feats[offsets[i] : offsets[i + 1]] for i in own]) if own else feats[:0]
-            )
+            rows = item_rows(batch, feats, own)
             want = unguarded(emb[smp : smp + 1], batch.input_ids[smp : smp + 1], rows)[0]
             assert torch.equal(res.embeddings[smp], want)
             assert torch.equal(res.loss_mask[smp], lm[smp]) and torch.equal(
@@ -213,8 +220,7 @@ def test_huge_finite_features_are_no_nonfinite_alarm(dtype):
         emb, batch.input_ids, feats, batch.items
     )
     assert res.report.ok and res.report.dropped == ()
-    mask = torch.isin(batch.input_ids, torch.tensor(list(Q.placeholders.values())))
-    assert torch.equal(res.embeddings, emb.masked_scatter(mask.unsqueeze(-1), feats))
+    assert torch.equal(res.embeddings, unguarded(emb, batch.input_ids, feats))
 
 
 def test_nonfinite_check_off_skips_it():
@@ -302,10 +308,10 @@ def test_property_only_library_errors_and_kept_features_are_own(
     feats = batch.features(H)
     total = feats.shape[0]
     feats[:, 1] = torch.arange(total, dtype=feats.dtype)  # global row, to check order
-    untrained = torch.isin(batch.input_ids, torch.tensor(list(g.placeholders.values())))
+    phs = placeholders(batch.input_ids, g)
     try:  # placeholders not under the loss (generated ones: test_generated.py)
         res = MediaGuard(GuardConfig(policy=policy), grammar=g).merge(
-            emb, batch.input_ids, feats, batch.items, loss_mask=(~untrained).float()
+            emb, batch.input_ids, feats, batch.items, loss_mask=(~phs).float()
         )
     except MediaAlignmentError:
         assert policy == "raise" and fault != "none"
@@ -318,10 +324,6 @@ def test_property_only_library_errors_and_kept_features_are_own(
     # every kept placeholder holds exactly its own item's feature, in order; the owner comes
     # from the layout the batch was built from, not from the guard (a kept sample whose
     # last run was cut away entirely holds its remaining whole items)
-    phs = torch.isin(batch.input_ids, torch.tensor(list(g.placeholders.values())))
-    offsets = [0]
-    for it in batch.items:
-        offsets.append(offsets[-1] + it.num_features)
     first = 0
     for smp, media in enumerate(layout):
         own = range(first, first + len(media))
@@ -330,11 +332,9 @@ def test_property_only_library_errors_and_kept_features_are_own(
             assert torch.equal(res.embeddings[smp], emb[smp])
             continue
         n = int(phs[smp].sum())
-        whole = [0]
-        for i in own:
-            whole.append(whole[-1] + offsets[i + 1] - offsets[i])
+        whole = [0, *accumulate(batch.items[i].num_features for i in own)]
         assert n in whole, (smp, n, whole)
-        rows = torch.cat([feats[offsets[i] : offsets[i + 1]] for i in own]) if own else feats[:0]
+        rows = item_rows(batch, feats, own)
         assert torch.equal(res.embeddings[smp][phs[smp]], rows[:n])
         assert torch.equal(res.embeddings[smp][~phs[smp]], emb[smp][~phs[smp]])
 
