@@ -50,17 +50,3 @@ def test_kept_tokens_counts_a_mask_or_labels():
     assert kept_tokens(None, labels, ignore_index=1).item() == 5
     with pytest.raises(MediaInputError, match="loss_mask or labels"):
         kept_tokens(None, None)
-
-
-def test_per_token_normalization_weighs_every_kept_token_the_same():
-    """Two 'ranks' (one dropped a sample): the per-token loss over both equals the mean over
-    every kept token, the per-rank mean of means does not."""
-    loss = [torch.tensor([[1.0, 1.0], [3.0, 3.0]]), torch.tensor([[2.0, 2.0], [2.0, 2.0]])]
-    masks = [torch.tensor([[1.0, 1.0], [0.0, 0.0]]), torch.ones(2, 2)]  # rank 0 dropped one
-    sums = [(x * m).sum() for x, m in zip(loss, masks)]
-    kept = [kept_tokens(m) for m in masks]
-    per_token = (sums[0] + sums[1]) / (kept[0] + kept[1])  # what the all-reduce computes
-    tokens = torch.cat([x[m.bool()] for x, m in zip(loss, masks)])
-    assert per_token.item() == pytest.approx(tokens.mean().item())
-    mean_of_means = (sums[0] / kept[0] + sums[1] / kept[1]) / 2
-    assert mean_of_means.item() != pytest.approx(per_token.item())
