@@ -101,19 +101,19 @@ class DropBudget:
 
     def message(self, s: BudgetStatus) -> str:
         if s.tripped == "step":
-            return (
-                f"Drop budget exceeded at step {s.step}: {s.dropped} of {s.samples} samples dropped "
-                f"in this step ({_pct(s.fraction)}) > max_fraction_per_step "
-                f"{_pct(self.max_fraction_per_step)} (summed over the stage's data-parallel "
-                "replicas). See the per-rank media_guard logs for the drop records."
+            what = (
+                f"{s.dropped} of {s.samples} samples dropped in this step ({_pct(s.fraction)}) "
+                f"> max_fraction_per_step {_pct(self.max_fraction_per_step)}"
             )
-        first = self._window[0][0]
+        else:
+            what = (
+                f"{s.window_dropped} of {s.window_samples} samples dropped over the last "
+                f"{s.window_steps} steps (steps {self._window[0][0]}..{s.step}, "
+                f"{_pct(s.window_fraction)}) > max_fraction_window {_pct(self.max_fraction_window)}"
+            )
         return (
-            f"Drop budget exceeded at step {s.step}: {s.window_dropped} of {s.window_samples} "
-            f"samples dropped over the last {s.window_steps} steps (steps {first}..{s.step}, "
-            f"{_pct(s.window_fraction)}) > max_fraction_window {_pct(self.max_fraction_window)} "
-            "(summed over the stage's data-parallel replicas). See the per-rank media_guard "
-            "logs for the drop records."
+            f"Drop budget exceeded at step {s.step}: {what} (summed over the stage's "
+            "data-parallel replicas). See the per-rank media_guard logs for the drop records."
         )
 
     def _trip(self, s: BudgetStatus, guard: Any) -> None:
