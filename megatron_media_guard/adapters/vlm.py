@@ -126,12 +126,13 @@ class VLMHandle(ForwardHookHandle):
                 cut.append((got, fs))
                 return cut[-1]
 
-            counts, runs, _, probe = sized or (None, None, None, None)
+            counts, runs, _, probe, samples = sized or (None,) * 5
             late = RunOrder(
                 order_of,
                 keys=types,
                 counts=counts,
                 runs=runs,
+                samples=samples,
                 resize=resize if sized else None,
                 probe=probe,
                 checks=checks,
