@@ -186,14 +186,11 @@ def counted(
         probe.append(block.reshape(-1))
     lengths = [e.runs.shape[1] for e in encs if e.runs is not None and e.runs.dim() == 2]
     runs, width = None, max(lengths, default=0)  # width: the runs are each run's length
-    if any(e.runs is not None for e in encs):  # one run each where not given
-        rows = []
-        for e, n in zip(encs, parts):
-            if e.runs is not None:
-                rows.append(e.runs.to(dev).long())
-            else:
-                rows.append(F.pad(n[:, None], (0, width - 1)) if width else torch.ones_like(n))
-        runs = torch.cat(rows)
+    if any(e.runs is not None for e in encs):  # one run each where not given (of its count)
+        one = [F.pad(n[:, None], (0, width - 1)) if width else torch.ones_like(n) for n in parts]
+        runs = torch.cat(
+            [o if e.runs is None else e.runs.to(dev).long() for e, o in zip(encs, one)]
+        )
     samples = None
     if any(e.sample is not None for e in encs):  # -1 where not given
         none = [torch.full((len(_pieces(e)),), -1, device=dev) for e in encs]

@@ -79,11 +79,9 @@ def interleaved_runs(
 @dataclass(frozen=True)
 class Layout:
     """One call's items on the device: per clip its tokens; under ``use_audio_in_video`` per
-    modality each item's runs' lengths (``Encoded.runs``: ``video``, ``audio``; an item no
-    audio-in-video region pairs: one run) and each item's sample, the row of its region
-    (``Encoded.sample``: ``image``, ``video``, ``audio``; -1 where the regions and the items
-    differ in number); ``check``: ``Encoded.check``, a video region that disagrees with the
-    flag (with its audio without it, or without its audio with it)."""
+    modality each item's runs (``Encoded.runs``; one where no region pairs it) and sample, its
+    region's row (``Encoded.sample``; -1 where regions and items differ in number); ``check``:
+    ``Encoded.check``, a video region that disagrees with the flag."""
 
     tokens: torch.Tensor
     runs: Mapping[str, torch.Tensor] = field(default_factory=dict)
