@@ -51,11 +51,9 @@ def own(model, sample):
     return logits(model, b.kwargs)[0]
 
 
-def guarded(model, samples, config=None, items=None, **kw):
+def guarded(model, samples, config=None, **kw):
     b = F.make_batch(model, samples, **kw)
     with install_vlm(model, config or GuardConfig(), tokenizer=TOKENS) as h:
-        if items is not None:
-            h.set_items(items)
         return b, logits(model, b.kwargs), h.last_result
 
 

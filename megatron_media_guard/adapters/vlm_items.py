@@ -163,7 +163,7 @@ def counted(
     ``Encoded.runs``): ``(counts, runs, resize, probe, samples)`` for
     :class:`~megatron_media_guard.core.interleave.RunOrder` (every item's count in
     consumption order; its runs, or None; host counts, then runs and samples -> the items,
-    their features and their parents, cut by them; the blocks for the NaN/Inf check, each
+    their features, their parents and the item each came from, cut by them; the blocks for the NaN/Inf check, each
     padded block's rows past its items' counts zeroed, or None; the items' ``Encoded.sample``,
     or None), else None."""
     encs = [encoded[m.name] for m in mods]
@@ -219,14 +219,15 @@ def counted(
         elif any(r > 1 for r in per_item):  # r runs of an equal share each
             cuts = [[f.shape[0] // max(r, 1)] * r for f, r in zip(feats, per_item)]
         else:
-            return got, feats, parent
-        out_items, out_feats, out_parent = [], [], []
-        for it, f, p, cut in zip(got, feats, parent, cuts):
+            return got, feats, parent, range(len(got))
+        out_items, out_feats, out_parent, source = [], [], [], []
+        for i, (it, f, p, cut) in enumerate(zip(got, feats, parent, cuts)):
             pieces = f.split(cut) if len(cut) > 1 and sum(cut) == f.shape[0] else (f,)
             out_items += [replace(it, num_features=int(x.shape[0])) for x in pieces]
             out_feats += pieces
             out_parent += [p] * len(pieces)
-        return out_items, out_feats, out_parent
+            source += [i] * len(pieces)
+        return out_items, out_feats, out_parent, source
 
     return torch.cat(parts), runs, resize, torch.cat(probe) if probe else None, samples
 

@@ -159,10 +159,9 @@ def _nth(mask: torch.Tensor, values: torch.Tensor, n: int) -> torch.Tensor:
     """``[n]``: ``values`` at the first ``n`` positions of ``mask`` (token order), -1 past them."""
     idx = torch.cumsum(mask, 0) - 1
     keep = mask & (idx < n)
-    out = values.new_full((n + 1,), -1)
-    return out.scatter_reduce_(0, torch.where(keep, idx, n), torch.where(keep, values, -1), "amax")[
-        :n
-    ]
+    out = values.new_full((n + 1,), -1)  # the last slot takes every other position
+    out.scatter_reduce_(0, torch.where(keep, idx, n), torch.where(keep, values, -1), "amax")
+    return out[:n]
 
 
 def _kinds(ids: torch.Tensor, cfg: Any) -> torch.Tensor:
