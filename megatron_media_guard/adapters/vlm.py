@@ -121,17 +121,23 @@ class VLMHandle(ForwardHookHandle):
                 return decided[-1]
 
             def resize(sizes: list[int], runs: list[int] | None):
-                nonlocal parent  # a video cut into its runs: each run's parent is the video
-                got, fs, parent = sized[2](sizes, runs)
+                nonlocal parent, listed  # a video cut into its runs: each run's parent is the video
+                got, fs, parent, source = sized[2](sizes, runs)
+                if listed is not None:  # set_items' order: each item's runs in its place
+                    pieces: dict[int, list[int]] = {}
+                    for k, i in enumerate(source):
+                        pieces.setdefault(i, []).append(k)
+                    listed = [k for i in listed for k in pieces[i]]
                 cut.append((got, fs))
                 return cut[-1]
 
-            counts, runs, _, probe = sized or (None, None, None, None)
+            counts, runs, _, probe, samples = sized or (None,) * 5
             late = RunOrder(
                 order_of,
                 keys=types,
                 counts=counts,
                 runs=runs,
+                samples=samples,
                 resize=resize if sized else None,
                 probe=probe,
                 checks=checks,

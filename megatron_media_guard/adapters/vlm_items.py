@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 
 from ..core.guard import MediaGuard
 from ..core.interleave import Run, read_runs
@@ -98,7 +99,6 @@ def call_items(
                     num_frames=enc.num_frames[k] if enc.num_frames else None,
                     frame_hw=enc.frame_hw[k] if enc.frame_hw else None,
                     pixels=enc.pixels[k] if enc.pixels else None,
-                    sample=enc.sample[k] if enc.sample and meta is None else None,
                 )
             )
             feats.append(f)
@@ -160,22 +160,17 @@ def counted(
     parent: list[int],
 ):
     """Where a modality's counts or runs are on the device (``Encoded.counts``,
-    ``Encoded.runs``): ``(counts, runs, resize, probe)`` for
+    ``Encoded.runs``): ``(counts, runs, resize, probe, samples)`` for
     :class:`~megatron_media_guard.core.interleave.RunOrder` (every item's count in
-    consumption order; its runs, or None; host counts and runs -> the items, their features
-    and their parents, cut by them; the blocks for the NaN/Inf check, each padded block's
-    rows past its items' counts zeroed, or None), else None."""
+    consumption order; its runs, or None; host counts, then runs and samples -> the items,
+    their features, their parents and the item each came from, cut by them; the blocks for the NaN/Inf check, each
+    padded block's rows past its items' counts zeroed, or None; the items' ``Encoded.sample``,
+    or None), else None."""
     encs = [encoded[m.name] for m in mods]
     on_dev = [t for e in encs for t in (e.counts, e.runs) if t is not None]
     if not on_dev:
         return None
     dev = on_dev[0].device
-    runs = None
-    if any(e.runs is not None for e in encs):  # one run each where not given
-        ones = [torch.ones(len(_pieces(e)), dtype=torch.long, device=dev) for e in encs]
-        runs = torch.cat(
-            [o if e.runs is None else e.runs.to(dev).long() for e, o in zip(encs, ones)]
-        )
     parts, probe = [], []
     for m in mods:
         enc = encoded[m.name]
@@ -189,8 +184,23 @@ def counted(
             valid = torch.arange(block.shape[1], device=block.device) < enc.counts[:, None]
             block = torch.where(valid[..., None], block, 0)
         probe.append(block.reshape(-1))
+    lengths = [e.runs.shape[1] for e in encs if e.runs is not None and e.runs.dim() == 2]
+    runs, width = None, max(lengths, default=0)  # width: the runs are each run's length
+    if any(e.runs is not None for e in encs):  # one run each where not given (of its count)
+        one = [F.pad(n[:, None], (0, width - 1)) if width else torch.ones_like(n) for n in parts]
+        runs = torch.cat(
+            [o if e.runs is None else e.runs.to(dev).long() for e, o in zip(encs, one)]
+        )
+    samples = None
+    if any(e.sample is not None for e in encs):  # -1 where not given
+        none = [torch.full((len(_pieces(e)),), -1, device=dev) for e in encs]
+        samples = torch.cat(
+            [s if e.sample is None else e.sample.to(dev) for e, s in zip(encs, none)]
+        )
 
-    def resize(sizes: list[int], per_item: list[int] | None):
+    def resize(sizes: list[int], tail: list[int] | None):
+        k = len(tail or ()) - (len(items) if samples is not None else 0)
+        per_item, tied = (tail or [])[:k], (tail or [])[k:]
         feats: list[torch.Tensor] = []
         for m in mods:
             enc = encoded[m.name]
@@ -200,17 +210,26 @@ def counted(
                 n = int(enc.counts.shape[0])
                 feats += cut_counted(enc.features[0], sizes[len(feats) : len(feats) + n])
         got = [replace(it, num_features=int(f.shape[0])) for it, f in zip(items, feats)]
-        if not any(r > 1 for r in per_item or ()):
-            return got, feats, parent
-        out_items, out_feats, out_parent = [], [], []
-        for it, f, p, r in zip(got, feats, parent, per_item):
-            pieces = f.split(f.shape[0] // r) if r > 1 and f.shape[0] % r == 0 else (f,)
+        if tied and min(tied) >= 0 and items[0].sample is None:  # all tied; set_items first
+            got = [replace(it, sample=s) for it, s in zip(got, tied)]
+        if width:  # each run's length, zero past the item's runs
+            cuts = [
+                [x for x in per_item[i * width : (i + 1) * width] if x] for i in range(len(got))
+            ]
+        elif any(r > 1 for r in per_item):  # r runs of an equal share each
+            cuts = [[f.shape[0] // max(r, 1)] * r for f, r in zip(feats, per_item)]
+        else:
+            return got, feats, parent, range(len(got))
+        out_items, out_feats, out_parent, source = [], [], [], []
+        for i, (it, f, p, cut) in enumerate(zip(got, feats, parent, cuts)):
+            pieces = f.split(cut) if len(cut) > 1 and sum(cut) == f.shape[0] else (f,)
             out_items += [replace(it, num_features=int(x.shape[0])) for x in pieces]
             out_feats += pieces
             out_parent += [p] * len(pieces)
-        return out_items, out_feats, out_parent
+            source += [i] * len(pieces)
+        return out_items, out_feats, out_parent, source
 
-    return torch.cat(parts), runs, resize, torch.cat(probe) if probe else None
+    return torch.cat(parts), runs, resize, torch.cat(probe) if probe else None, samples
 
 
 def _end_of(items: list[MediaItem], lo: int, modality: str) -> int:

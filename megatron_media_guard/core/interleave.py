@@ -39,10 +39,13 @@ class RunOrder:
         beyond the runs last).
     keys: ``[b, s]`` per-token values read at each run's first token (``Run.key``), e.g. the
         family's ``mm_token_type_ids``; types: per modality sharing a token, its value there.
-    counts / runs: ``[n_items]`` int64 on the device, each item's feature count (the items'
-        ``num_features`` are placeholders) and the runs it owns (None: one each), read with
-        the verdict; resize: those host values -> ``(items, features)`` cut accordingly
-        (views). probe: what the NaN/Inf check reads of the items not yet cut.
+    counts: ``[n_items]`` int64 on the device, each item's feature count (the items'
+        ``num_features`` are placeholders); runs: ``[n_items]`` the runs each item owns (an
+        equal share each), or ``[n_items, w]`` each run's length, zero past the item's runs
+        (Qwen3-Omni's audio in video), or None (one each); samples: ``[n_items]`` each item's
+        sample (-1: none) or None; all read with the verdict. resize: those host values ->
+        ``(items, features)`` cut accordingly (views). probe: what the NaN/Inf check reads of
+        the items not yet cut.
     checks: the caller's refusals, read with the verdict: a 0-d device int and what raises
         when it is nonzero."""
 
@@ -50,6 +53,7 @@ class RunOrder:
     keys: torch.Tensor | None = None
     counts: torch.Tensor | None = None
     runs: torch.Tensor | None = None
+    samples: torch.Tensor | None = None
     resize: (
         Callable[[list[int], list[int] | None], tuple[Sequence[MediaItem], Sequence[torch.Tensor]]]
         | None
@@ -108,8 +112,7 @@ def verify_in_token_order(
     n = len(items)
     if sized:
         extra.append(late.counts.to(torch.int64))
-        if late.runs is not None:
-            extra.append(late.runs.to(torch.int64))
+        extra += [t.to(torch.int64).reshape(-1) for t in (late.runs, late.samples) if t is not None]
     if late.checks:
         extra.append(torch.stack([t.reshape(()).to(torch.int64) for t, _ in late.checks]))
     if features is not None and late.probe is not None:
@@ -120,7 +123,7 @@ def verify_in_token_order(
             refuse()
     if sized:  # the items and their features cut by the counts (and runs) now on the host
         got = [int(v) for v in vals[4 * size : len(vals) - len(late.checks)]]
-        got, feats = late.resize(got[:n], got[n:] if late.runs is not None else None)
+        got, feats = late.resize(got[:n], got[n:] or None)
         batch = normalize(feats, got, lay.num_samples)
         items = batch.items
         codes = [lay.grammar.modality_code(it.modality) for it in items]
@@ -169,6 +172,9 @@ def _expected(lay, items, mine: list[int], code: int, typ, late: RunOrder, expli
         else None
     )
     where = None if typ is None else late.keys.to(dev) == typ
+    if runs.dim() == 2:  # each run's length: one row per run (none past the item's runs)
+        smp = None if smp is None else smp.repeat_interleave(runs.shape[1])
+        return Expected(code, torch.ones_like(runs).reshape(-1), runs.reshape(-1), smp, where=where)
     # an equal share of the item's features per run: runs x share must make its count
     return Expected(code, runs, counts // runs.clamp(min=1), smp, counts, where=where)
 

@@ -38,20 +38,21 @@ def _visual(kind: str):
         pv, grid = kw[f"pixel_values{'_videos' if kind == 'video' else ''}"], kw[f"{kind}_grid_thw"]
         out = getattr(model, f"get_{kind}_features")(pv, grid, return_dict=True)
         feats = tuple(out.pooler_output)
-        if kw.get("use_audio_in_video"):  # a region may interleave it with a clip
-            return aiv.encoded(model, kw, _count(model), kind, feats, out)
-        return Encoded(feats, output=out)
+        if not kw.get("use_audio_in_video"):
+            return Encoded(feats, output=out)
+        got = aiv.layout(model, kw, _count(model))  # a video: cut into its region's runs
+        return Encoded(feats, output=out, runs=got.runs.get(kind), sample=got.sample[kind])
 
     return encode
 
 
 def _encode_audio(model: Any, kw) -> Encoded:
+    """The clips back to back, cut by their counts (and runs) after the verdict."""
     x, mask, lengths = (kw.get(n) for n in _AUDIO)
     flat = model.get_audio_features(x, mask, lengths, return_dict=True).last_hidden_state
-    alone = aiv.separate(model, kw, _count(model))
-    if alone is not None:  # the clips back to back, cut by their counts after the verdict
-        return Encoded((flat,), counts=alone[0], check=alone[1])
-    return aiv.encoded(model, kw, _count(model), "audio", (flat,))  # cut per clip and run
+    got = aiv.layout(model, kw, _count(model))
+    runs, sample = got.runs.get("audio"), got.sample.get("audio")
+    return Encoded((flat,), counts=got.tokens, runs=runs, sample=sample, check=got.check)
 
 
 def _reuse(model: Any, encoded, kept) -> dict:

@@ -99,9 +99,10 @@ class Encoded:
     frame_hw: tuple[tuple[int, int] | None, ...] = ()
     pixels: tuple[torch.Tensor | None, ...] = ()  # layout "image": [C, H, W] for repair
     parent: tuple[int, ...] = ()  # per item: index of the model-level item (video -> tubelets)
-    # per item: its sample where the ids tie it there as the model does (Qwen3-Omni's audio in
-    # video), given for every item of the call or for none; a set_items call takes precedence
-    sample: tuple[int, ...] = ()
+    # per item its sample on the device where the ids tie it there as the model does
+    # (Qwen3-Omni's audio in video; -1 for every item or none), read with the merge's verdict
+    # into the items; a set_items call takes precedence
+    sample: torch.Tensor | None = None
     output: Any = None  # the model's own feature output, for FamilySpec.reuse
     grid: tuple[tuple[int, int, int] | None, ...] = ()  # per item: its (t, h, w) feature grid
     spans: tuple[int, ...] = ()  # per model-level item: its dim-0 rows in ``rows`` (default 1)
@@ -113,7 +114,8 @@ class Encoded:
     # per item the runs it owns on the device, each of an equal share of its features, where
     # the host does not know them (GLM-4V's video: its temporal groups' frame runs): the
     # merge checks them there and the engine cuts each item into its runs once the merge's
-    # one transfer brought them
+    # one transfer brought them; or ``[items, w]``: each run's length, zero past the item's
+    # runs (Qwen3-Omni's audio in video: a video's grids and its clip's tokens interleaved)
     runs: torch.Tensor | None = None
     # the family's own refusal of the call, on the device: a 0-d int (nonzero: refused) read
     # with the merge's verdict, and what raises then (it may read the host: off the aligned

@@ -815,10 +815,6 @@ TRANSFER_MIXES = {
         ("image + video", [[img(64, 64), vid(4, 64, 64)], [img(96, 64)], [vid(2, 64, 96)]]),
     ),
 }
-#: (family, mix) -> transfers where not 1: Qwen3-Omni's audio in video (use_audio_in_video)
-#: cuts each video and its clip into the runs their region interleaves on the host (from the
-#: grids, the seconds per grid and the clip's length) before the merge
-TRANSFERS = {("qwen3_omni", "video with its audio"): 2}
 TRANSFER_ROWS = [(f, mix, s) for f, xs in TRANSFER_MIXES.items() for mix, s in xs]
 
 
@@ -843,7 +839,7 @@ def test_an_aligned_call_of_any_modality_mix_makes_one_transfer(name, mix, sampl
     """Mixed image + video + audio calls included: the verdict is the one transfer; the run
     order, the audio clips' counts and the family's own refusals ride in it."""
     n, reasons = aligned_transfers(name, samples)
-    assert n == TRANSFERS.get((name, mix), 1), reasons
+    assert n == 1, reasons
     assert reasons["aligned-path verdict"] == 1, reasons
 
 
