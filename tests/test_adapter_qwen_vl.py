@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from megatron_media_guard import Grammar, GuardConfig, MediaGuard, MediaItem
+from megatron_media_guard import Grammar, GuardConfig, MediaAlignmentError, MediaGuard, MediaItem
 from megatron_media_guard.core.host import count_transfers
 from megatron_media_guard.core.outcome import StageOutcome
 from megatron_media_guard.errors import MediaInputError
@@ -462,3 +462,41 @@ def test_token_types_that_disagree_with_the_ids_are_rebuilt(tmp_path):
     assert sum(seen.values()) == 1  # the verdict said it; the rebuild needs no transfer
     recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
     assert [r["action"] for r in recs] == ["rebuilt"]
+
+
+def _split_video() -> dict:
+    """Two clips the engine sampled 4 frames of each (2 groups each), the trainer 6 of the first
+    and 2 of the second: the same 4 groups of the same size, grouped 3 + 1 (the runs of video
+    0's third group lie in sample 1: tests/test_adapter_qwen_vl_split.py)."""
+
+    def clips(frames):
+        videos = [smooth_clip(n, 96, 96, seed) for n, seed in zip(frames, (1, 5))]
+        return build_batch([Sample((("video", v),)) for v in videos], "qwen3_vl", 16, 12 * 32**2)
+
+    mixed, trainer = clips((4, 4)), clips((6, 2))
+    mixed.update(pixel_values_videos=trainer["pixel_values_videos"])
+    mixed.update(video_grid_thw=trainer["video_grid_thw"])
+    assert mixed["video_grid_thw"][:, 0].tolist() == [3, 1]
+    return mixed
+
+
+def test_real_qwen3_vl_trains_silently_on_the_split_video_and_the_guard_drops_it(tmp_path):
+    mixed, model = _split_video(), model_for("qwen3_vl")
+    with torch.no_grad():
+        model(**mixed)  # the plain model: no error at all
+    for policy in ("repair", "drop"):
+        with torch.no_grad(), install_qwen_vl(model, guard_for("qwen3_vl", policy)) as h:
+            model(**mixed)
+        assert h.last_result.report.actions == ("drop", "drop"), policy
+    guard = guard_for("qwen3_vl", "raise", log_dir=str(tmp_path))
+    with install_qwen_vl(model, guard), pytest.raises(MediaAlignmentError) as err:
+        model(**mixed)
+    thw = mixed["video_grid_thw"][0].tolist()
+    msg = str(err.value)  # both samples, with the video's grid
+    assert "sample 0" in msg and "sample 1" in msg and f"grid {'x'.join(map(str, thw))}" in msg
+    recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
+    assert [r["sample"] for r in recs if r["event"] == "raise"] == [0, 1]
+    split = [r for r in recs if r["event"] == "check" and r["action"] == "split"]
+    assert [r["reason"] for r in split] == [
+        f"video 0 grid {tuple(thw)}: its runs fall in samples [0, 1]"
+    ]
