@@ -2,4 +2,3 @@
 ``megatron_media_guard.adapters.launcher`` (see CHANGELOG.md)."""
 
 from .adapters.launcher import *  # noqa: F403
-from .adapters.launcher import __all__  # noqa: F401

@@ -1,10 +1,9 @@
 """install_qwen_vl on transformers' real Qwen2.5-VL and Qwen3-VL classes (tiny random configs,
-CPU), fed by the real Qwen2-VL image processor (PIL backend) and, for video, a restatement of
-the video processor's resize-and-patchify (torchvision has no CPU wheel here; see
-``megatron_media_guard.testing.qwen_vl``).
-
-The seed failure on a mixed batch: the token ids carry the engine's shorter runs, the pixels and
-grids the trainer's larger size.
+CPU; batches from ``megatron_media_guard.testing.qwen_vl``): what is Qwen's own (MRoPE, deepstack,
+grid rows, repair, explicit samples, token types). What every family keeps (aligned bit for bit
+in one transfer, raise naming the sample, drop, remove, set_items, keep_tower) is
+tests/families/test_contract.py's. The seed failure: the token ids carry the engine's shorter
+runs, the pixels and grids the trainer's larger size.
 """
 
 from __future__ import annotations
@@ -54,10 +53,10 @@ def family(request):
 _MODELS: dict = {}
 
 
-def model_for(family: str, head: bool = True) -> torch.nn.Module:
-    if (family, head) not in _MODELS:
-        _MODELS[family, head] = tiny_model(family, head)
-    return _MODELS[family, head]
+def model_for(family: str) -> torch.nn.Module:
+    if family not in _MODELS:
+        _MODELS[family] = tiny_model(family)
+    return _MODELS[family]
 
 
 def inner(model):
@@ -116,100 +115,16 @@ def test_config_gives_the_sizes_and_ids(family):
     assert qwen.is_qwen3(model) == (family == "qwen3_vl")  # videos: one run per group
 
 
-@pytest.mark.parametrize("head", [True, False])
-def test_aligned_batch_runs_untouched_with_one_transfer(family, head):
-    model = model_for(family, head)
-    batch = build_batch(SAMPLES, family, patch_of(family), TRAINER * (patch_of(family) * 2) ** 2)
-    with torch.no_grad():
-        plain = model(**batch)
-        with install_qwen_vl(model, guard_for(family, "raise")) as h, count_transfers() as seen:
-            guarded = model(**batch)
-    assert sum(seen.values()) == 1, seen
-    key = "logits" if head else "last_hidden_state"
-    assert torch.equal(plain[key], guarded[key])
-    assert h.last_result.report.ok and h.last_result.report.actions == ("keep",) * 3
-
-
-def test_plain_model_raises_a_batch_total_error(family):
+def test_drop_masks_the_dropped_samples_loss(family):
     _, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
-    with pytest.raises(ValueError, match=r"features and .* tokens do not match"):
-        model_for(family)(**mixed)
-
-
-def test_raise_names_rank_step_sample_item_and_grid(family, tmp_path):
-    _, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
-    model = model_for(family)
-    guard = guard_for(family, "raise", log_dir=str(tmp_path))
-    with install_qwen_vl(model, guard) as h:
-        h.set_step(7)
-        with pytest.raises(MediaAlignmentError) as err:
-            model(**mixed)
-    msg = str(err.value)
-    assert "single process (RANK unset), step 7" in msg and "2 of 3 samples" in msg
-    assert "sample 0 row 0, image item 0" in msg and "(surplus " in msg
-    t, h, w = mixed["image_grid_thw"][0].tolist()
-    size = f"{h * patch_of(family)}x{w * patch_of(family)} (HxW)"
-    assert f"image item 0 ({size}, grid {t}x{h}x{w})" in msg
-    vgrid = "x".join(map(str, mixed["video_grid_thw"][0].tolist()))
-    assert "sample 1" in msg and "video item 1 (" in msg and f"grid {vgrid}" in msg
-    recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
-    raised = [r for r in recs if r["event"] == "raise"]
-    assert [(r["sample"], r["modality"]) for r in raised] == [(0, "image"), (1, "video")]
-    assert raised[0]["expected"] == [12] and raised[0]["step"] == 7
-
-
-def _without_media(batch: dict, family: str, drop: set[int]) -> dict:
-    """The batch with the media of samples ``drop`` taken out by hand: placeholders to the
-    pad id, no rows for them (sample 2's image made alone by the processor)."""
-    ids = batch["input_ids"].clone()
-    rows = torch.tensor([i in drop for i in range(ids.shape[0])])[:, None]
-    ph = (ids == IMAGE) | (ids == VIDEO)
-    ids[ph & rows] = 151643
-    out = dict(
-        batch, input_ids=ids, mm_token_type_ids=batch["mm_token_type_ids"].masked_fill(ph & rows, 0)
-    )
-    alone = build_batch(
-        [SAMPLES[2]], family, patch_of(family), TRAINER * (patch_of(family) * 2) ** 2
-    )
-    out.update(pixel_values=alone["pixel_values"], image_grid_thw=alone["image_grid_thw"])
-    out.update(pixel_values_videos=None, video_grid_thw=None)
-    return out
-
-
-def test_drop_masks_the_samples_and_leaves_the_others_bit_identical(family):
-    _, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
-    model = model_for(family)
     labels = mixed["input_ids"].clone()
-    with torch.no_grad(), install_qwen_vl(model, guard_for(family, "drop")) as h:
-        out = model(**mixed, labels=labels)
+    with torch.no_grad(), install_qwen_vl(model_for(family), guard_for(family, "drop")) as h:
+        model_for(family)(**mixed, labels=labels)
     assert h.last_result.report.actions == ("drop", "drop", "keep")
-    ref = model(**_without_media(mixed, family, {0, 1}), labels=labels)
-    assert torch.equal(out.logits[2], ref.logits[2])
     mask, lab = h.mask_loss(torch.ones(labels.shape), labels)
     assert mask[:2].eq(0).all() and mask[2].eq(1).all()
     assert lab[:2].eq(-100).all() and torch.equal(lab[2], labels[2])
     assert torch.equal(h.last_result.labels, lab)
-
-
-def test_check_batch_drops_as_the_guard_does_without_a_model(family):
-    """check_batch on the processor's batch (no model): the seed failure's samples lose their
-    media exactly as the hand-made oracle takes them out, and the plain model runs on it."""
-    from megatron_media_guard.families.collate import check_batch
-
-    _, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
-    model = model_for(family)
-    checked = check_batch("qwen_vl", mixed, config=model.config)
-    assert checked.report.actions == ("drop", "drop", "keep")
-    want = _without_media(mixed, family, {0, 1})
-    for key, value in want.items():
-        got = checked.batch.get(key)
-        assert got is None if value is None else torch.equal(got, value), key
-    with torch.no_grad():
-        out = model(**checked.batch)
-        ref = model(**want)
-    assert torch.equal(out.logits[2], ref.logits[2])
-    aligned = build_batch(SAMPLES, family, patch_of(family), TRAINER * (patch_of(family) * 2) ** 2)
-    assert check_batch("qwen_vl", aligned, config=model.config).report.actions == ("keep",) * 3
 
 
 @pytest.mark.parametrize("as_tensor", [False, True])
@@ -351,27 +266,6 @@ def test_every_item_dropped_keeps_the_tower_in_the_graph(family):
     model.zero_grad()
 
 
-def test_items_metadata_names_the_sample_ids(family, tmp_path):
-    _, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
-    model = model_for(family)
-    ig, vg = mixed["image_grid_thw"].tolist(), mixed["video_grid_thw"].tolist()
-    m2 = 4
-    items = [
-        MediaItem(t * h * w // m2, sample=s, modality="image", sample_id=f"r{s}")
-        for (t, h, w), s in zip(ig, (0, 2))
-    ] + [MediaItem(t * h * w // m2, sample=1, modality="video", sample_id="r1") for t, h, w in vg]
-    guard = guard_for(family, "drop", log_dir=str(tmp_path))
-    with torch.no_grad(), install_qwen_vl(model, guard) as h:
-        h.set_items(items)
-        model(**mixed)
-        assert h.last_result.report.actions == ("drop", "drop", "keep")
-        h.set_items(items[:1])
-        with pytest.raises(MediaInputError, match=r"set_items gave 1 items .*'video': 1"):
-            model(**mixed)
-    recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
-    assert [r["sample_id"] for r in recs if r["event"] == "drop"] == ["r0", "r1"]
-
-
 def _contradicting(items: list, what: str) -> list:
     items = list(items)
     if what == "modality":
@@ -428,37 +322,6 @@ def test_replay_bundle_of_a_mismatched_batch(family, tmp_path):
     assert bundle.items[0].grid_thw == tuple(mixed["image_grid_thw"][0].tolist())
 
 
-def test_a_failed_bundle_save_does_not_stop_the_drop(family, tmp_path, monkeypatch):
-    """A full disk under the replay bundle costs the bundle only: the drop goes on."""
-    from megatron_media_guard.core import providers
-
-    def full(*a, **k):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setitem(providers._PROVIDED, "bundle", full)  # the writer the fault path calls
-    _, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
-    model = model_for(family)
-    guard = guard_for(family, "drop", dump_dir=str(tmp_path))
-    with torch.no_grad(), install_qwen_vl(model, guard) as h:
-        model(**mixed)
-    assert "drop" in h.last_result.report.actions
-    assert not list(tmp_path.glob("*.bundle"))
-
-
-def test_consensus_round_per_forward(family):
-    engine, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
-    model = model_for(family)
-    rec = Recorder()
-    guard = MediaGuard(GuardConfig(policy="drop"), grammar=Grammar.qwen2_vl(), consensus=rec)
-    with torch.no_grad(), install_qwen_vl(model, guard):
-        model(**engine)
-        model(**mixed)
-        model(**mixed)
-    assert len(rec.seen) == 3
-    assert [o.dropped for o in rec.seen] == [0, 2, 2]
-    assert rec.seen[1].digest == rec.seen[2].digest != rec.seen[0].digest
-
-
 def _bad_pixels(b):
     return dict(b, pixel_values=b["pixel_values"][:-1])
 
@@ -507,29 +370,10 @@ def test_a_failed_resize_falls_back_in_one_round(monkeypatch):
     assert [(o.fatal, o.dropped, o.repaired) for o in rec.seen] == [(False, 1, 0)]
 
 
-def test_remove_restores_the_plain_model(family):
-    _, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
-    model = model_for(family)
-    before = (dict(model._forward_pre_hooks), dict(model._forward_hooks), set(vars(model)))
-    h = install_qwen_vl(model, guard_for(family, "drop"))
-    with pytest.raises(MediaInputError, match="already guarded"):
-        install_qwen_vl(model, guard_for(family, "drop"))
-    with torch.no_grad():
-        model(**mixed)  # guarded: goes through
-    h.remove()
-    h.remove()  # idempotent
-    assert not h.installed
-    assert (dict(model._forward_pre_hooks), dict(model._forward_hooks), set(vars(model))) == before
-    with pytest.raises(ValueError, match="do not match"):
-        model(**mixed)
-
-
 def test_install_checks_the_guard_against_the_config(family):
     model = model_for(family)
     wrong = MediaGuard(GuardConfig(), grammar=Grammar.qwen2_vl(image_pad=5))
-    with pytest.raises(
-        MediaInputError, match=r"grammar placeholders .* differ from the qwen_vl model's"
-    ):
+    with pytest.raises(MediaInputError, match=r"start, end\) .* differs from the qwen_vl model's"):
         install_qwen_vl(model, wrong)
     other = 16 if family == "qwen2_5_vl" else 14
     geo = {"image": PatchMergeGeometry(patch=other), "video": None}
@@ -618,3 +462,41 @@ def test_token_types_that_disagree_with_the_ids_are_rebuilt(tmp_path):
     assert sum(seen.values()) == 1  # the verdict said it; the rebuild needs no transfer
     recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
     assert [r["action"] for r in recs] == ["rebuilt"]
+
+
+def _split_video() -> dict:
+    """Two clips the engine sampled 4 frames of each (2 groups each), the trainer 6 of the first
+    and 2 of the second: the same 4 groups of the same size, grouped 3 + 1 (the runs of video
+    0's third group lie in sample 1: tests/test_adapter_qwen_vl_split.py)."""
+
+    def clips(frames):
+        videos = [smooth_clip(n, 96, 96, seed) for n, seed in zip(frames, (1, 5))]
+        return build_batch([Sample((("video", v),)) for v in videos], "qwen3_vl", 16, 12 * 32**2)
+
+    mixed, trainer = clips((4, 4)), clips((6, 2))
+    mixed.update(pixel_values_videos=trainer["pixel_values_videos"])
+    mixed.update(video_grid_thw=trainer["video_grid_thw"])
+    assert mixed["video_grid_thw"][:, 0].tolist() == [3, 1]
+    return mixed
+
+
+def test_real_qwen3_vl_trains_silently_on_the_split_video_and_the_guard_drops_it(tmp_path):
+    mixed, model = _split_video(), model_for("qwen3_vl")
+    with torch.no_grad():
+        model(**mixed)  # the plain model: no error at all
+    for policy in ("repair", "drop"):
+        with torch.no_grad(), install_qwen_vl(model, guard_for("qwen3_vl", policy)) as h:
+            model(**mixed)
+        assert h.last_result.report.actions == ("drop", "drop"), policy
+    guard = guard_for("qwen3_vl", "raise", log_dir=str(tmp_path))
+    with install_qwen_vl(model, guard), pytest.raises(MediaAlignmentError) as err:
+        model(**mixed)
+    thw = mixed["video_grid_thw"][0].tolist()
+    msg = str(err.value)  # both samples, with the video's grid
+    assert "sample 0" in msg and "sample 1" in msg and f"grid {'x'.join(map(str, thw))}" in msg
+    recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
+    assert [r["sample"] for r in recs if r["event"] == "raise"] == [0, 1]
+    split = [r for r in recs if r["event"] == "check" and r["action"] == "split"]
+    assert [r["reason"] for r in split] == [
+        f"video 0 grid {tuple(thw)}: its runs fall in samples [0, 1]"
+    ]

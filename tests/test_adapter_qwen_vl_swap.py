@@ -69,7 +69,8 @@ def test_a_shrink_of_every_item_is_not_a_swap(data):
     assert swaps([[r] for r in runs], feats) == set()
 
 
-def _swap_merge(fallback: str, tmp_path):
+@pytest.mark.parametrize("fallback", ["drop", "raise"])
+def test_merge_repair_falls_back_on_a_swap(fallback, tmp_path):
     ids = ids_for([[6], [8]])
     items = [MediaItem(8, sample=0), MediaItem(6, sample=1)]  # exchanged media
     feats = torch.randn(14, 4)
@@ -84,21 +85,22 @@ def _swap_merge(fallback: str, tmp_path):
         encoder=encoder,
     )
     emb = torch.zeros(*ids.shape, 4)
-    return guard, guard.merge(emb, ids, feats, items)
-
-
-def test_merge_repair_falls_back_on_a_swap(tmp_path):
-    _, res = _swap_merge("drop", tmp_path)
+    if fallback == "raise":
+        with pytest.raises(MediaAlignmentError, match=SWAP_REASON):
+            guard.merge(emb, ids, feats, items)
+        return
+    res = guard.merge(emb, ids, feats, items)
     assert res.report.actions == ("drop", "drop") and res.report.repaired == ()
-    recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
+    swap_dropped(tmp_path)
+
+
+def swap_dropped(log_dir) -> None:
+    """The records: samples 0 and 1 dropped as a suspected swap, nothing repaired."""
+    recs = [json.loads(x) for x in next(log_dir.glob("*.jsonl")).read_text().splitlines()]
+    assert not [r for r in recs if r["event"] == "repair"]
     drops = [r for r in recs if r["event"] == "drop"]
     assert [r["sample"] for r in drops] == [0, 1]
     assert all(r["reason"].startswith(SWAP_REASON) for r in drops)
-
-
-def test_merge_repair_raise_fallback_names_the_swap(tmp_path):
-    with pytest.raises(MediaAlignmentError, match=SWAP_REASON):
-        _swap_merge("raise", tmp_path)
 
 
 def test_qwen_vl_swap_under_repair(tmp_path):
@@ -124,8 +126,4 @@ def test_qwen_vl_swap_under_repair(tmp_path):
         with install_qwen_vl(model, guard) as h:
             model(**swapped)
     assert h.last_result.report.actions == ("drop", "drop")
-    recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
-    assert not [r for r in recs if r["event"] == "repair"]
-    drops = [r for r in recs if r["event"] == "drop"]
-    assert [r["sample"] for r in drops] == [0, 1]
-    assert all(r["reason"].startswith(SWAP_REASON) for r in drops)
+    swap_dropped(tmp_path)

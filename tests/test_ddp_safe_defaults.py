@@ -1,14 +1,9 @@
 """The guard's defaults in a real DDP training loop: 2 gloo ranks, the tiny transformers
-Qwen2.5-VL under ``install_qwen_vl``, ``DistributedDataParallel``, AdamW.
-
-The order many scripts use: build the model and its guard (no ``consensus=``, no ``rank=``),
-then ``init_process_group``, then wrap in DDP; the launch is a plain
-``torch.multiprocessing`` one (``RANK`` unset). A rank whose batch must raise (a mismatch
-at step 1 on rank 1, a bad input at step 3 on rank 0) makes every rank raise at that step,
-naming the culprit and what failed there, instead of leaving its peer in DDP's gradient
-all-reduce until the process-group timeout; each rank writes its own
-``media_guard.rank0000{0,1}.jsonl``. Between the faults the loop trains on (the replicas'
-parameters stay equal).
+Qwen2.5-VL under ``install_qwen_vl``, AdamW; the guard built before ``init_process_group`` (no
+``consensus=``, no ``rank=``, ``RANK`` unset). A rank whose batch must raise (a mismatch at step
+1 on rank 1, a bad input at step 3 on rank 0) makes every rank raise at that step, naming the
+culprit and what failed, before any vision tower runs, instead of hanging in DDP's all-reduce;
+each rank writes its own log; between the faults the loop trains on, the replicas equal.
 """
 
 from __future__ import annotations
@@ -41,6 +36,8 @@ def ddp_worker(rank: int, world: int, init, log_dir: str) -> dict:
     engine, mixed = seed_failure("qwen2_5_vl", samples, 12, 30)
     bad = dict(engine, pixel_values=engine["pixel_values"][:-1])  # one patch row short
     model = tiny_model("qwen2_5_vl", seed=0)
+    towers = []  # the vision tower's calls: a raise comes before the tower runs
+    model.model.visual.register_forward_hook(lambda m, a, o: towers.append(1))
     step = [0]
     guard = MediaGuard(GuardConfig(policy="raise", log_dir=log_dir), grammar=Grammar.qwen2_vl())
     install_qwen_vl(model, guard, step_provider=lambda: step[0])
@@ -56,12 +53,14 @@ def ddp_worker(rank: int, world: int, init, log_dir: str) -> dict:
             batch = mixed if what == "mismatch" else bad
         labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
         opt.zero_grad()
+        ran = len(towers)
         try:
             loss = ddp(**batch, labels=labels).loss
         except MediaGuardError as err:  # rank 0's bad input is a MediaInputError there
             out["raised"][s] = {
                 "culprit": err.context.get("culprit_rank", guard.rank.rank),
                 "msg": str(err),
+                "tower_ran": len(towers) > ran,
             }
             continue
         loss.backward()
@@ -87,6 +86,7 @@ def test_guard_built_before_init_process_group_stops_every_rank_together(tmp_pat
         assert r["trained"] == [s for s in range(STEPS) if s not in FAULTS]
         for s, (culprit, _) in FAULTS.items():
             assert r["raised"][s]["culprit"] == culprit, r["raised"][s]
+            assert not r["raised"][s]["tower_ran"], (r["rank"], s)
     peer_mismatch = res[0]["raised"][1]["msg"]
     assert "failed on rank 1 (step 1, sample 0)" in peer_mismatch, peer_mismatch
     peer_bad = res[1]["raised"][3]["msg"]

@@ -14,7 +14,6 @@ from megatron_media_guard.adapters.launcher import (
     budget_from_args,
     config_from_args,
     disabled,
-    dump_dir_from_args,
     find_vlm,
     install_from_args,
 )
@@ -55,7 +54,6 @@ def test_argparse_round_trip():
     )
     b = budget_from_args(args, environ={})
     assert (b.max_fraction_per_step, b.max_fraction_window, b.window_steps) == (0.25, 0.1, 20)
-    assert args.media_guard_dump_dir == dump_dir_from_args(args, environ={}) == "/tmp/bundles"
     assert not disabled(args, environ={})
 
 
@@ -64,11 +62,8 @@ def test_defaults_are_the_config_defaults():
     assert config_from_args(args, environ={}) == GuardConfig()
     assert budget_from_args(args, environ={}) is None
     assert parse(["--media-guard-disable"]).media_guard_disable
-
-
-def test_group_title_for_megatron_help():
     parser = add_media_guard_args(argparse.ArgumentParser())
-    assert "media guard" in [g.title for g in parser._action_groups]
+    assert "media guard" in [g.title for g in parser._action_groups]  # Megatron's --help
 
 
 @pytest.mark.parametrize(
@@ -93,7 +88,6 @@ def test_environment_overrides_budget_dump_and_disable():
     args = parse(FULL)
     b = budget_from_args(args, environ=env)
     assert (b.max_fraction_per_step, b.max_fraction_window, b.window_steps) == (0.5, 0.1, 3)
-    assert dump_dir_from_args(args, environ=env) == "/d"
     assert config_from_args(args, environ=env).dump_dir == "/d"  # where the merge reads it
     assert disabled(args, environ=env)
     assert not disabled(parse(["--media-guard-disable"]), environ={"MEDIA_GUARD_DISABLE": "0"})
@@ -116,29 +110,21 @@ def test_disable_parses_like_the_config(raw, flag, want):
 
 
 @pytest.mark.parametrize(
-    "env, match",
+    "fn, env, match",
     [
-        ({"MEDIA_GUARD_WINDOW_STEPS": "2.5"}, "MEDIA_GUARD_WINDOW_STEPS must be an integer"),
-        ({"MEDIA_GUARD_DROP_BUDGET_STEP": "lots"}, "MEDIA_GUARD_DROP_BUDGET_STEP must be a number"),
-        ({"MEDIA_GUARD_DISABLE": "maybe"}, "MEDIA_GUARD_DISABLE must be true/false"),
+        (config_from_args, {"MEDIA_GUARD_POLICY": "ignore"}, "policy"),
+        (budget_from_args, {"MEDIA_GUARD_WINDOW_STEPS": "2.5"}, "WINDOW_STEPS must be an integer"),
+        (
+            budget_from_args,
+            {"MEDIA_GUARD_DROP_BUDGET_STEP": "lots"},
+            "BUDGET_STEP must be a number",
+        ),
+        (budget_from_args, {"MEDIA_GUARD_DROP_BUDGET_STEP": "1.5"}, "fraction"),
+        (disabled, {"MEDIA_GUARD_DISABLE": "maybe"}, "MEDIA_GUARD_DISABLE must be true/false"),
     ],
 )
-def test_bad_launcher_variables_name_themselves(env, match):
+def test_bad_environment_values_name_themselves(fn, env, match):
     with pytest.raises(MediaInputError, match=match):
-        (disabled if "DISABLE" in next(iter(env)) else budget_from_args)(parse([]), environ=env)
-
-
-@pytest.mark.parametrize(
-    "fn, env",
-    [
-        (config_from_args, {"MEDIA_GUARD_POLICY": "ignore"}),
-        (budget_from_args, {"MEDIA_GUARD_DROP_BUDGET_STEP": "lots"}),
-        (budget_from_args, {"MEDIA_GUARD_DROP_BUDGET_STEP": "1.5"}),
-        (disabled, {"MEDIA_GUARD_DISABLE": "maybe"}),
-    ],
-)
-def test_bad_environment_values_are_clear_errors(fn, env):
-    with pytest.raises(MediaInputError, match=r"MEDIA_GUARD|fraction|policy"):
         fn(parse([]), environ=env)
 
 
@@ -282,19 +268,13 @@ class TinyMimo(torch.nn.Module):
         self.special_token_ids = {"images": 50}
 
 
-@pytest.mark.parametrize("via", ["argument", "environment"])
-def test_dump_dir_reaches_the_guard_and_a_mismatch_writes_a_bundle(tmp_path, via):
+def test_dump_dir_reaches_the_guard_and_a_mismatch_writes_a_bundle(tmp_path):
     from megatron_media_guard import MediaItem
     from megatron_media_guard.replay.bundle_load import load_bundle
 
     mimo = TinyMimo()
-    argv = ["--media-guard-policy", "drop"]
-    env = {}
-    if via == "argument":
-        argv += ["--media-guard-dump-dir", str(tmp_path)]
-    else:
-        env["MEDIA_GUARD_DUMP_DIR"] = str(tmp_path)
-    group = install_from_args([mimo], parse(argv), step_end="manual", environ=env)
+    argv = ["--media-guard-policy", "drop", "--media-guard-dump-dir", str(tmp_path)]
+    group = install_from_args([mimo], parse(argv), step_end="manual", environ={})
     handle = group[0]
     assert handle.guard.config.dump_dir == str(tmp_path)
     assert not hasattr(handle, "dump_dir")

@@ -10,7 +10,7 @@ import argparse
 import pytest
 import torch
 
-from megatron_media_guard import DropBudgetExceeded, MediaAlignmentError, MediaInputError
+from megatron_media_guard import MediaAlignmentError, MediaInputError
 
 pytest.importorskip("transformers.models.qwen3_vl")
 pytest.importorskip("PIL")
@@ -70,18 +70,6 @@ def _state(model):
     return (dict(model._forward_pre_hooks), dict(model._forward_hooks), set(vars(model)))
 
 
-def test_find_vlm_takes_the_outermost_qwen_vl_module(case):
-    model = case[0]
-
-    class Holder(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = model
-
-    assert find_vlm(Wrapper(Wrapper(model))) == ("qwen_vl", model)
-    assert find_vlm(Holder()) == ("qwen_vl", model)  # not model.model (or its vision tower)
-
-
 @pytest.mark.parametrize(
     "module, name, want",
     [
@@ -107,10 +95,9 @@ def test_install_from_args_guards_the_model_and_remove_restores_it(case):
     group = install_from_args([chunk], parse(["--media-guard-policy", "drop"]), environ={})
     assert [h.kind for h in group] == ["vlm", "step_end"]
     h = group[0]
-    assert h.module is model and h.loss_mask_inplace
+    assert h.module is model and h.loss_mask_inplace and h.guard.config.policy == "drop"
     assert h.guard.grammar == qwen.SPEC.grammar(model)
     assert type(h.guard.consensus).__name__ == "StageConsensus"
-    assert h.guard.config.policy == "drop"
     with torch.no_grad():
         assert torch.equal(model(**engine)[key], plain)  # aligned: untouched
         assert h.last_result.report.ok
@@ -130,10 +117,8 @@ def test_install_from_args_guards_the_model_and_remove_restores_it(case):
     [
         ([], {}, "raise"),  # the default policy
         (["--media-guard-policy", "raise"], {"MEDIA_GUARD_POLICY": "drop"}, "drop"),
-        (["--media-guard-policy", "drop"], {"MEDIA_GUARD_POLICY": "raise"}, "raise"),
         # the geometry of the model's config, the originals' sizes: both items repaired
         (["--media-guard-policy", "repair"], {}, "repair"),
-        (["--media-guard-policy", "drop", "--media-guard-disable"], {}, "unguarded"),
         (["--media-guard-policy", "drop"], {"MEDIA_GUARD_DISABLE": "1"}, "unguarded"),
     ],
 )
@@ -167,30 +152,12 @@ def test_the_seed_failure_is_handled_as_the_arguments_say(case, argv, env, want)
     assert _state(model) == before
 
 
-def test_drop_budget_trips_at_the_next_train_step(case):
-    model, _, mixed, _ = case
-    args = parse(["--media-guard-policy", "drop", "--media-guard-drop-budget-step", "0.5"])
-    chunk = Wrapper(model)
-    group = install_from_args([chunk], args, environ={})
-    try:
-        args.curr_iteration = 1
-        chunk.zero_grad_buffer()
-        with torch.no_grad():
-            model(**mixed)
-        assert group[0].last_result.report.step == 1
-        args.curr_iteration = 2
-        with pytest.raises(DropBudgetExceeded, match="step 1: 2 of 3 samples"):
-            chunk.zero_grad_buffer()
-    finally:
-        group.remove()
-
-
 def test_a_grammar_that_is_not_the_models_is_refused(case):
     from megatron_media_guard import Grammar
 
     model = case[0]
     before = _state(model)
     wrong = Grammar.qwen2_vl(5, 6, 7, 8)
-    with pytest.raises(MediaInputError, match=r"differs from the model's config"):
+    with pytest.raises(MediaInputError, match=r"differs from the qwen_vl model.s"):
         install_from_args([model], parse([]), grammar=wrong, environ={})
     assert _state(model) == before

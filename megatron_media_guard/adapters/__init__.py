@@ -1,18 +1,7 @@
-"""Adapters that guard the merge inside real model classes, per instance and reversibly.
-
-``install_llava(model, guard)`` (megatron-core ``LLaVAModel``, 0.16 and 0.19),
-``install_qwen_vl(model, guard)`` (transformers and Megatron-Bridge Qwen2.5-VL / Qwen3-VL: the
-``apply="inputs"`` engine under the family's name),
-``install_mimo(model, guard)`` (megatron-core ``MimoModel``),
-``install_vlm(model, config_or_guard, tokenizer)`` (every family of ``families/``) and
-``install_generic(model, "merge_embeddings", guard)``; ``handle.remove()`` restores the
-instance exactly. ``hooks`` holds the handle every adapter builds on; ``launcher`` wires them
-into a Megatron-LM launcher (``add_media_guard_args``, ``install_from_args``). See
-docs/MEGATRON.md and docs/QWEN_VL.md.
-
-The integration side: may import everything else in the package, torch.distributed and
-megatron-core (lazily, where a release may be absent). A model family with more than one
-module gets its own subpackage (``llava/``); a one-module adapter stays a module.
+"""Adapters that guard the merge inside real model classes, per instance and reversibly:
+``install_vlm`` (every family of ``families/``; ``install_qwen_vl`` its name for Qwen-VL),
+``install_llava``, ``install_mimo``, ``install_generic``; ``handle.remove()`` restores the
+instance exactly. ``launcher`` wires them into Megatron-LM (docs/MEGATRON.md, docs/QWEN_VL.md).
 """
 
 # what the core calls but may not import (core/providers.py): the default consensus and rank,

@@ -1,15 +1,20 @@
-"""A guard as a pre and a post around one model instance's ``forward`` (the family engine):
-the one hook type (:class:`~.method_hook.Hook`, its double-install check and ``remove()``), the
-tower keeper between the two, and :class:`CallArgs`, the keyword view of the call the pre sees."""
+"""What the family engine's two modes share (``vlm``: ``apply="embed"``, ``vlm_inputs``:
+``apply="inputs"``): the guard as a pre and a post around one model instance's ``forward`` (the
+one hook type, :class:`~.method_hook.Hook`), the tower keeper between the two, and
+:class:`CallArgs`, the keyword view of the call the pre sees."""
 
 from __future__ import annotations
 
 import inspect
 from typing import Any
 
+import torch
+
 from ..core.guard import MediaGuard
+from ..diagnostics import GuardRecord
 from ..errors import MediaInputError
-from .hooks import AdapterKind, GuardHandle
+from ..families import FamilySpec
+from .hooks import GuardHandle
 from .tower import TowerKeeper, input_embeddings
 
 
@@ -51,17 +56,33 @@ class CallArgs:
     def rebuild(self) -> tuple[tuple, dict]:
         return tuple(self.bound.args), dict(self.bound.kwargs)
 
+    def view(self, ids: torch.Tensor) -> dict:
+        """The keyword arguments as the model would see them, ``input_ids`` = ``ids``."""
+        out = dict(self.bound.arguments)
+        out.update(out.pop(self.varkw, None) or {})
+        out["input_ids"] = ids
+        return out
+
 
 class ForwardHookHandle(GuardHandle):
-    """A guard installed as a pre (keyword arguments) and a post around one model instance's
-    ``forward`` (:meth:`GuardHandle.install`: the one hook type, on ``forward`` as on any
-    method), with a :class:`~.tower.TowerKeeper` between them whose embedding hook is this
-    handle's too. Subclasses define ``_pre_hook`` (torch's forward pre-hook contract: None, or
-    ``(args, kwargs)``) and ``_post_hook`` (None, or the output). The double-install check
-    is the hook's own, one for every method."""
+    """The guard of one family model instance: a pre and a post around its ``forward``, a
+    :class:`~.tower.TowerKeeper` between them. Subclasses define ``_guarded(module, call)``:
+    None (the call as given) or ``(args, kwargs)`` for the model. ``text_id``: what a dropped
+    sample's placeholders become.
 
-    def __init__(self, model: Any, guard: MediaGuard, kind: AdapterKind, **kw: Any) -> None:
-        super().__init__(model, "forward", guard, kind, **kw)
+    ``last_result``: a :class:`MergeResult` (no embeddings) of the last guarded call.
+    ``set_items``: one :class:`MediaItem` per model-level item (an image, a video, an audio
+    clip; the k-th of a modality describes the model's k-th), adding ``sample``,
+    ``sample_id``, ``source_hw`` (and the ``num_features`` it expects).
+    """
+
+    def __init__(
+        self, model: Any, guard: MediaGuard, spec: FamilySpec, text_id: int, **kw: Any
+    ) -> None:
+        super().__init__(model, "forward", guard, "vlm", **kw)
+        self.spec = spec
+        self.text_id = text_id
+        self.label = f"{spec.name} media guard"
         self.sig = inspect.signature(model.forward)
         self.keeper = TowerKeeper()
 
@@ -69,7 +90,7 @@ class ForwardHookHandle(GuardHandle):
         m = self.module
         self.install(
             pre=lambda args, kwargs: self._pre_hook(m, args, kwargs),
-            post=lambda args, kwargs, out: self._post_hook(m, args, kwargs, out),
+            post=lambda args, kwargs, out: self.keeper.attach(out),
         )
         try:
             self.keeper = TowerKeeper(input_embeddings(m), self)
@@ -79,13 +100,26 @@ class ForwardHookHandle(GuardHandle):
         return self
 
     def remove(self) -> None:
-        """Takes the hooks off (``forward``, the keeper's embeddings): the model is the plain
-        model again (idempotent)."""
+        """Takes the hooks off (``forward``, the keeper's embeddings; idempotent)."""
         super().remove()
-        self.keeper.clear()
+        self.keeper.remove()
 
     def _pre_hook(self, module: Any, args: tuple, kwargs: dict) -> Any:
+        self.keeper.clear()  # a forward that raised leaves nothing behind
+        try:
+            call = CallArgs(self.sig, args, kwargs)
+        except TypeError:
+            return None  # the model reports its own signature error
+        if call.get("mm_encoder_outputs") is not None:
+            return None  # encoded before the forward (transformers' generate)
+        return self._guarded(module, call)
+
+    def _guarded(self, module: Any, call: CallArgs) -> Any:
         raise NotImplementedError
 
-    def _post_hook(self, module: Any, args: tuple, kwargs: dict, out: Any) -> Any:
-        raise NotImplementedError
+    def note(self, step, mb, action: str, reason: str, modality: str | None = None) -> None:
+        """A ``check`` record: the inputs were put right without touching any sample."""
+        rec = GuardRecord(
+            event="check", step=step, microbatch=mb, modality=modality, action=action, reason=reason
+        )
+        self.guard.log.emit(rec)

@@ -1,6 +1,5 @@
 """The handle every adapter builds on: :class:`GuardHandle` (one guard on one method of one
-model instance, through the one hook type, :class:`~.method_hook.Hook`; steps end through
-:mod:`.step_end`) and :class:`HandleGroup` (the handles of one model)."""
+model instance, through :class:`~.method_hook.Hook`) and :class:`HandleGroup` (one model's)."""
 
 from __future__ import annotations
 
@@ -32,16 +31,13 @@ class GuardHandle:
 
     items: :meth:`set_items` before the forward (consumed by the next guarded call), or
         ``items_provider`` (called on every guarded call).
-    step / microbatch: :meth:`set_step`, or ``step_provider`` (e.g. Megatron-LM's
-        ``args.curr_iteration``). The microbatch, unless given, counts the guarded calls of
-        the step from 0: a step begins when the step changes or the guard's previous step
-        ended (``on_step_end``, whoever called it); knowing neither, none is named.
-        With ``auto_step_end`` the first call of a new step ends the previous one unless the
-        loop already did. Default (None): only while torch.distributed is not initialized (a
-        distributed step end may combine counters over the pipeline group, never inside a
-        forward): distributed runs end steps with :meth:`step_end` or a :class:`StepEnd`.
-    last_result: what the last guarded call produced (a MergeResult, or an ``LlavaResult``);
-        ``mask_loss`` applies its drops to a loss mask.
+    step / microbatch: :meth:`set_step`, or ``step_provider`` (e.g. ``args.curr_iteration``).
+        The microbatch, unless given, counts the step's guarded calls from 0 (a step begins
+        when the step changes or the guard's step ended). ``auto_step_end``: the first call of
+        a new step ends the previous one unless the loop did; default (None) only while
+        torch.distributed is not initialized (a distributed step end is never inside a
+        forward: :meth:`step_end` or a :class:`StepEnd`).
+    last_result: what the last guarded call produced (a MergeResult, or an ``LlavaResult``).
 
     Every guarded call runs through :meth:`call`: an error before the stage's collective still
     joins it as this rank's fatal outcome, so the peers raise naming this rank, not hang.
@@ -130,14 +126,11 @@ class GuardHandle:
     # ---- one guarded call ---------------------------------------------------------
 
     def call(self, label: str, body: Callable[[int | None, int | None], T]) -> T:
-        """Runs ``body(step, microbatch)`` as one guarded call.
-
-        The guard's round starts (:meth:`MediaGuard.begin`) before the adapter's own checks;
-        ``body`` must end in ``guard.merge`` / ``guard.settle``, which join the stage's
-        collective. An exception before that joins it as this rank's fatal outcome
-        (:meth:`MediaGuard.fail`) and is re-raised here; a :class:`MediaGuardError`
-        without a where-context gets ``"<label> (rank r, step s, microbatch m): "`` once.
-        """
+        """Runs ``body(step, microbatch)`` as one guarded call: the guard's round begins,
+        ``body`` ends in ``guard.merge`` / ``guard.settle`` (the stage's collective); an
+        exception before that joins it as this rank's fatal outcome (:meth:`MediaGuard.fail`)
+        and is re-raised, a :class:`MediaGuardError` without a where-context prefixed once
+        with ``"<label> (rank r, step s, microbatch m): "``."""
         step, mb = self.next_call()
         guard = self.guard
         guard.begin()
@@ -159,8 +152,7 @@ class GuardHandle:
         input_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
     ) -> None:
-        """Stores the call's result (``last_result``) and, for a :class:`MergeResult`, the token
-        ids it was computed on, so :meth:`mask_loss` can find the dropped samples' tokens."""
+        """Stores ``last_result`` and the token ids it was computed on (for :meth:`mask_loss`)."""
         self.last_result = result
         self._last_tokens = None if input_ids is None else (input_ids, cu_seqlens)
 
@@ -181,27 +173,15 @@ class GuardHandle:
         return_count: bool = False,
     ) -> tuple:
         """Zero the loss mask and ignore the labels of the samples the last guarded call
-        dropped; returns new tensors (the inputs are not modified; None stays None).
-
-        return_count: return ``(loss_mask, labels, kept)``, ``kept`` the tokens the loss still
-        trains on (:func:`~megatron_media_guard.core.apply.kept_tokens`, no host transfer), for
-        a per-token loss across data-parallel ranks (docs/CONSENSUS.md, loss normalization).
-        """
-        out = self._masked(loss_mask, labels)
-        if not return_count:
-            return out
-        return (*out, kept_tokens(out[0], out[1], self.guard.config.ignore_index))
-
-    def _masked(
-        self, loss_mask: torch.Tensor | None, labels: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Masked with :func:`~megatron_media_guard.core.apply.mask_dropped` (as the merge
-        masks its own ``loss_mask``) on the layout of the call's samples: a
-        :class:`MergeResult`'s from the call's ``input_ids``, another's (LLaVA's expanded
-        ``[b, S]``) from its ``layout(tensor)``."""
-        if not self.dropped_samples() or (loss_mask is None and labels is None):
-            return loss_mask, labels
+        dropped (:func:`~..core.apply.mask_dropped`, as the merge masks its own, on the call's
+        token layout; LLaVA's expanded ``[b, S]`` from its result's ``layout``); returns new
+        tensors (None stays None). return_count: also ``kept``, the tokens the loss still
+        trains on (:func:`~..core.apply.kept_tokens`, no host transfer; docs/CONSENSUS.md)."""
+        ignore = self.guard.config.ignore_index
         res = self.last_result
+        if not self.dropped_samples() or (loss_mask is None and labels is None):
+            out = loss_mask, labels
+            return (*out, kept_tokens(*out, ignore)) if return_count else out
         if not isinstance(res, MergeResult):
             lay = res.layout(loss_mask if loss_mask is not None else labels)
         elif self._last_tokens is None:
@@ -218,9 +198,9 @@ class GuardHandle:
                         f"the guarded call's input_ids, got {tuple(t.shape)}"
                     )
         keep = torch.tensor([a in ("keep", "repair") for a in res.report.actions])
-        ignore = self.guard.config.ignore_index
         new_mask, labels = mask_dropped(lay, keep.to(lay.device), loss_mask, labels, ignore)
-        return (new_mask if loss_mask is not None else None), labels
+        out = (new_mask if loss_mask is not None else None), labels
+        return (*out, kept_tokens(*out, ignore)) if return_count else out
 
     # ---- install / remove -----------------------------------------------------------
 

@@ -1,13 +1,9 @@
 """Megatron-LM launcher integration (docs/MEGATRON.md): ``pretrain(...,
-extra_args_provider=add_media_guard_args)``, then ``install_from_args(model, get_args())``
-once the model is built.
+extra_args_provider=add_media_guard_args)``, then ``install_from_args(model, get_args())``.
 
-Precedence: a ``MEDIA_GUARD_*`` environment variable overrides the matching
-``--media-guard-*`` argument, which overrides the default. GuardConfig fields use
-:meth:`GuardConfig.with_env`; the launcher adds MEDIA_GUARD_DROP_BUDGET_STEP,
-MEDIA_GUARD_DROP_BUDGET_WINDOW, MEDIA_GUARD_WINDOW_STEPS and MEDIA_GUARD_DISABLE, parsed with
-the same rules (:func:`~megatron_media_guard.config.parse_bool` /
-:func:`~megatron_media_guard.config.parse_int`).
+A ``MEDIA_GUARD_*`` environment variable overrides the matching ``--media-guard-*`` argument,
+which overrides the default (:meth:`GuardConfig.with_env`; the budget's and MEDIA_GUARD_DISABLE
+parsed with the same rules).
 """
 
 from __future__ import annotations
@@ -138,11 +134,6 @@ def disabled(args: Any, environ: Mapping[str, str] | None = None) -> bool:
     return bool(getattr(args, "media_guard_disable", False))
 
 
-def dump_dir_from_args(args: Any, environ: Mapping[str, str] | None = None) -> str | None:
-    """The replay bundle directory: ``config_from_args(args, environ).dump_dir``."""
-    return config_from_args(args, environ).dump_dir
-
-
 def budget_from_args(args: Any, environ: Mapping[str, str] | None = None) -> Any:
     """A :class:`~megatron_media_guard.ranks.budget.DropBudget`, or None when no limit is set."""
     step = _setting(args, "media_guard_drop_budget_step", environ, _float)
@@ -153,9 +144,6 @@ def budget_from_args(args: Any, environ: Mapping[str, str] | None = None) -> Any
     from ..ranks.budget import DropBudget
 
     return DropBudget(step, window, 100 if steps is None else steps)
-
-
-# ---- finding the model ------------------------------------------------------------
 
 
 def find_vlm(chunk: Any) -> tuple[str, Any] | None:
@@ -175,23 +163,20 @@ def install_from_args(
     environ: Mapping[str, str] | None = None,
     tokenizer: Any = None,
 ) -> HandleGroup:
-    """Install the guard on every module of ``model`` (one module or the list of
-    virtual-pipeline chunks, possibly DDP/Float16Module-wrapped) that a family of the registry
-    knows (:func:`find_vlm`, as :func:`~.vlm_install.install_vlm` finds it), through the
-    family's installer; ``apply="inputs"`` families (Qwen-VL) with ``loss_mask_inplace=True``:
-    a dropped sample's ``loss_mask`` zeroed in the caller's tensor, which Bridge's forward steps
-    build the loss from. Grammar and repair geometry come from the family (``tokenizer``: for
-    marker tokens a model's config lacks); families without a geometry fall back on a repair.
+    """Install the guard on every module of ``model`` (one module or the virtual-pipeline
+    chunks, possibly DDP/Float16Module-wrapped) that a family of the registry knows
+    (:func:`find_vlm`), through the family's installer; ``apply="inputs"`` families with
+    ``loss_mask_inplace=True`` (Bridge's forward steps build the loss from the caller's
+    ``loss_mask``). Grammar and repair geometry come from the family (``tokenizer``: for
+    markers the config lacks).
 
     One :class:`MediaGuard` per family, shared by the chunks, with a ``StageConsensus`` from
-    megatron-core ``parallel_state`` when torch.distributed is initialized (no collectives
-    otherwise) and the drop budget of the arguments; the step is ``args.curr_iteration``.
-    Steps are closed (budget checked) outside the forward, on every rank, through one
-    :class:`~.step_end.StepEnd` per ``step_end``: ``"zero_grad_buffer"`` hooks the first chunk's
-    DDP ``zero_grad_buffer`` (Megatron-LM calls it at the start of each train step),
-    ``"optimizer"`` a torch optimizer post-step hook, ``"auto"`` the first where the chunk has
-    the method, else the second; ``"manual"``: call ``group.step_end(iteration)`` yourself.
-    Returns a :class:`HandleGroup` (empty when disabled); ``group.remove()`` undoes everything.
+    megatron-core ``parallel_state`` (no collectives outside torch.distributed) and the
+    arguments' drop budget; the step is ``args.curr_iteration``. Steps end outside the forward,
+    on every rank, through a :class:`~.step_end.StepEnd`: ``"zero_grad_buffer"`` hooks the
+    first chunk's DDP ``zero_grad_buffer``, ``"optimizer"`` a torch optimizer post-step hook,
+    ``"auto"`` the first where the chunk has it, else the second; ``"manual"``: call
+    ``group.step_end(iteration)``. Returns a :class:`HandleGroup` (empty when disabled).
     """
     log = get_logger()
     if step_end not in typing.get_args(StepEndChoice):
@@ -217,7 +202,11 @@ def install_from_args(
     consensus = StageConsensus.from_parallel_state(budget=budget)
     rank = consensus.rank_info()
     distributed = dist_ready()
-    step_provider = _curr_iteration(args)
+
+    def step_provider() -> int | None:
+        step = getattr(args, "curr_iteration", None)
+        return step if isinstance(step, int) else None
+
     common = dict(
         items_provider=items_provider,
         step_provider=step_provider,
@@ -234,7 +223,6 @@ def install_from_args(
             except MediaInputError as err:  # a token the config and the tokenizer lack
                 raise err.with_context("install_from_args: ") from None
             consensus.bind(guards[kind])
-        # Bridge's forward steps build the loss from the caller's loss_mask: zero it in place
         extra = {"loss_mask_inplace": True} if spec.apply == "inputs" else {}
         install = INSTALLERS[spec.apply]
         group.append(install(m, guards[kind], spec, tokenizer, **common, **extra))
@@ -261,11 +249,3 @@ def install_from_args(
         "off" if budget is None else "on",
     )
     return group
-
-
-def _curr_iteration(args: Any):
-    def step() -> int | None:
-        v = getattr(args, "curr_iteration", None)
-        return v if isinstance(v, int) else None
-
-    return step

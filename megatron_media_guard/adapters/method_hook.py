@@ -1,18 +1,13 @@
 """The one hook type of the adapters: :class:`Hook`, a pre and a post (or a body in place of
-the method) around one named method of one object *instance* (accelerate-hooks style).
-
-The wrapper is an instance attribute shadowing the class method: other instances and the class
-are untouched, and :meth:`Hook.remove` restores the instance exactly. Every adapter hooks this
-way, a model's ``forward`` too (not with torch forward hooks): ``nn.Module.__call__`` calls
-``self.forward`` after torch's forward pre-hooks and before its forward hooks, so FSDP2's
-(all-gather before, reshard and the output's backward hooks after) and DDP's stay around the
-guard; transformers' ``generate`` reads the original signature through ``__wrapped__``; a direct
-``model.forward(...)`` is guarded too.
+the method) around one named method of one object *instance*: an instance attribute shadowing
+the class method (other instances and the class untouched; :meth:`Hook.remove` restores the
+instance exactly). A model's ``forward`` too, not with torch forward hooks: ``nn.Module.__call__``
+calls ``self.forward`` between torch's pre-hooks and hooks, so FSDP2's and DDP's stay around the
+guard; ``generate`` reads the signature through ``__wrapped__``.
 
 One double-install check: a method that already carries a hook (the wrapper's
 :data:`HANDLE_ATTR`, which ``functools.update_wrapper`` copies onto a later wrapper of it)
-refuses another (:class:`~megatron_media_guard.errors.MediaInputError`): a silent no-op would
-hide a configuration difference between the two installs. Remove the first handle first.
+refuses another: a silent no-op would hide a difference between the two installs.
 """
 
 from __future__ import annotations
@@ -33,12 +28,11 @@ _MISSING = object()
 
 
 class Hook:
-    """Pre / post around the method ``name`` of one instance ``target`` (see module doc).
+    """Pre / post around the method ``name`` of one instance ``target``.
 
-    pre(args, kwargs): None, or ``(args, kwargs)`` the method is called with; around(original,
-    args, kwargs): runs in place of ``original(*args, **kwargs)``; post(args, kwargs, out):
-    None, or the output in place of ``out``. ``owner``: what :func:`guarded_by` returns for
-    the hooked method (a handle), named in the double-install error.
+    pre(args, kwargs): None, or the ``(args, kwargs)`` to call with; around(original, args,
+    kwargs): runs in place of the method; post(args, kwargs, out): None, or the output in
+    place of ``out``. ``owner``: what :func:`guarded_by` returns (a handle).
     """
 
     def __init__(
@@ -98,9 +92,8 @@ def guarded_by(method: object) -> Any:
 
 
 class _Hooked:
-    """What the hooked instance holds in place of the method: the pre, the method (or the
-    body), the post. A copy of the model (``copy.deepcopy``) would still call this instance's
-    method, so copying is refused: copy the model before installing, or remove, copy, install."""
+    """What the hooked instance holds in place of the method. A copy of the model would still
+    call this instance's method, so ``copy.deepcopy`` is refused."""
 
     def __init__(self, hook: Hook, method: Callable[..., Any]) -> None:
         functools.update_wrapper(self, method)

@@ -1,10 +1,7 @@
-"""The step end: the one mechanism that ends a step (``MediaGuard.on_step_end``: counters, the
-drop budget) once per guard, whoever triggers it (:func:`end_step`).
-
-A step end may combine counters over the pipeline group, which must never happen inside a
-forward (stages run it at different times): distributed runs end steps outside it, through a
-:class:`StepEnd` (what ``install_from_args`` installs) or the loop's ``handle.step_end(step)``;
-a guarded call ends the previous step itself only in a single process (``auto_step_end``).
+"""The one step end (``MediaGuard.on_step_end``: counters, the drop budget), once per guard
+whoever triggers it (:func:`end_step`). It may combine counters over the pipeline group, never
+inside a forward: distributed runs end steps through a :class:`StepEnd` or the loop's
+``handle.step_end(step)``; a guarded call ends the previous step only in a single process.
 """
 
 from __future__ import annotations
@@ -34,13 +31,10 @@ class StepEnd:
     """Ends steps of ``guards`` from outside the forward, on every rank.
 
     :meth:`on_method`: a :class:`~.method_hook.Hook` on a method every rank calls once per step
-    outside the forward (Megatron's DDP ``zero_grad_buffer`` at the start of train_step): when
-    ``step_provider()`` changed since the last call, the previous step ends.
-    :meth:`on_optimizer_step`: after every torch optimizer step the current one ends (torch's
-    global post-step hook, not a :class:`Hook` on one optimizer's ``step``: ``install_from_args``
-    runs inside Megatron-LM's ``model_provider`` too, before any optimizer exists, and Megatron's
-    optimizers step the torch ones they hold; chained optimizers end it once, a skipped step,
-    inf/nan gradients, folds into the next).
+    (Megatron's DDP ``zero_grad_buffer``): when ``step_provider()`` changed, the previous step
+    ends. :meth:`on_optimizer_step`: after every torch optimizer step the current one ends
+    (torch's global post-step hook: ``install_from_args`` may run before any optimizer exists;
+    chained optimizers end it once, a skipped step folds into the next).
     """
 
     kind = "step_end"

@@ -1,27 +1,18 @@
-"""Keeping a media tower in step across data-parallel ranks when a micro-batch feeds it nothing.
+"""Keeping a media tower in step across data-parallel ranks when a micro-batch feeds it nothing
+(docs/PARALLEL.md).
 
-FSDP2 (``fully_shard`` on the tower) all-gathers the tower's parameters when its forward starts
-and reduce-scatters their gradients in backward; DDP with ``find_unused_parameters=False`` and
-FSDP1 reduce every parameter's gradient. So every rank must run the tower at the same point of
-the forward (before the decoder) and give each of its parameters a gradient, also when its
-media were all dropped or it holds none (text only). The guard then runs the tower itself in
-its forward **pre**-hook on a minimal dummy input, and keeps the output in the graph with a
-``-0.0`` (the exact additive identity) added to the input embeddings (a post on the embedding
-module's ``forward``), else, when that module is not known or not called (``inputs_embeds``
-given), to the model's output in the post-hook.
+FSDP2 all-gathers the tower's parameters when its forward starts and reduce-scatters their
+gradients in backward; DDP (``find_unused_parameters=False``) and FSDP1 reduce every gradient.
+So every rank runs the tower before the decoder and gives each parameter a gradient, also when
+its media were all dropped or it holds none: the guard runs the model's own tower in its
+forward **pre**-hook on a minimal dummy input (under ``torch.no_grad`` too) and keeps the output
+in the graph with a ``-0.0`` added to the input embeddings (the autograd engine then runs the
+decoder's backward first, as on a rank with media; with frozen embeddings FSDP2 reduce-scatters
+the first layer only when its input requires grad), else to the model's output.
 
-Why there: the autograd engine runs younger nodes first, so the decoder's backward runs before
-the tower's, as on a rank that fed real media. And FSDP2 reduce-scatters a unit's gradients
-right after its backward only when its inputs require grad: with frozen embeddings the first
-decoder layer's input requires grad only through the merged features, so the anchor must enter
-the embeddings. See docs/PARALLEL.md.
-
-Contract, per installed handle: ``TowerKeeper(embeddings, handle)``; in the pre-hook, first
-``keeper.clear()``, then, once the inputs are final and ``tower_due(...)``, ``keeper.run(fn)``
-(``fn()`` calls the model's own tower module, the one the wrappers shard, on a minimal dummy
-input); ``keeper.every_sample_dropped()`` when every sample is dropped; in the post-hook
-``return keeper.attach(out)``. The dummy's gradient is exactly zero. Under ``torch.no_grad``
-the tower still runs (FSDP2 all-gathers in evaluation forwards too).
+Per handle: ``TowerKeeper(embeddings, handle)``; in the pre-hook ``keeper.clear()``, then when
+``tower_due(...)`` ``keeper.run(fn)``; ``keeper.every_sample_dropped()``; in the post-hook
+``return keeper.attach(out)``. The dummy's gradient is exactly zero.
 """
 
 from __future__ import annotations
@@ -38,17 +29,15 @@ from .method_hook import Hook
 
 
 def tower_due(mode: KeepTower, *, had_media: bool, feeds_media: bool) -> bool:
-    """Whether the guard runs the dummy tower call: the forward will not run the tower
-    (``feeds_media`` False) and ``mode`` asks for it (``"always"``; ``"on_drop"``: the call had
-    media, all dropped; ``"never"``)."""
+    """Whether the guard runs the dummy tower call: the forward will not run the tower and
+    ``mode`` asks for it (``"always"``; ``"on_drop"``: the call had media, all dropped)."""
     if feeds_media or mode == "never":
         return False
     return mode == "always" or had_media
 
 
 def float_leaves(out: Any) -> list[torch.Tensor]:
-    """Every floating tensor in ``out`` (tensors, mappings, lists / tuples, dataclasses such as
-    transformers' ``ModelOutput``), depth first."""
+    """Every floating tensor in ``out`` (tensors, mappings, sequences, dataclasses), depth first."""
     if isinstance(out, torch.Tensor):
         return [out] if out.is_floating_point() else []
     if isinstance(out, Mapping):
@@ -61,21 +50,17 @@ def float_leaves(out: Any) -> list[torch.Tensor]:
 
 
 class TowerKeeper:
-    """One forward's kept tower output, between the pre-hook and the post-hook (see module doc)."""
+    """One forward's kept tower output, between the pre-hook and the post-hook; a post on the
+    ``embeddings`` module's forward (owned by ``handle``) takes it there."""
 
     def __init__(self, embeddings: torch.nn.Module | None = None, handle: Any = None) -> None:
         self._anchor: torch.Tensor | None = None
         self._placed = False
         self._all_dropped = False
         self._hook: Hook | None = None
-        if embeddings is not None and handle is not None:
-            self._hook = handle.hook(embeddings, "forward", post=self._into_embeddings)
-        elif embeddings is not None:
-            self._hook = Hook(embeddings, "forward", self, post=self._into_embeddings).install()
-
-    @property
-    def pending(self) -> bool:
-        return self._anchor is not None or self._all_dropped
+        if embeddings is not None:
+            owner = self if handle is None else handle
+            self._hook = Hook(embeddings, "forward", owner, post=self._into_embeddings).install()
 
     def clear(self) -> None:
         self._anchor, self._placed, self._all_dropped = None, False, False
@@ -88,8 +73,7 @@ class TowerKeeper:
         self.clear()
 
     def run(self, tower_call: Callable[[], Any]) -> None:
-        """Runs the tower now (call it in the pre-hook) and keeps a ``-0.0`` that depends on
-        every floating tensor it returned."""
+        """Runs the tower now and keeps a ``-0.0`` that depends on every float it returned."""
         floats = float_leaves(tower_call())
         if not floats:
             raise MediaInputError("the dummy tower call returned no floating-point tensor")
@@ -107,9 +91,8 @@ class TowerKeeper:
         return out + self._anchor.to(out.dtype)
 
     def attach(self, out: Any) -> Any:
-        """The model's output with the kept anchor added, unless the embeddings took it (call
-        it in the post-hook); None when there is nothing to add (a forward hook returning None
-        leaves the output as it is)."""
+        """The model's output with the kept anchor added, unless the embeddings took it; None
+        when there is nothing to add (the output as it is)."""
         anchor = None if self._placed else self._anchor
         all_dropped = self._all_dropped
         self.clear()
@@ -120,9 +103,8 @@ class TowerKeeper:
 
 def anchored(out: Any, anchor: torch.Tensor | None, all_dropped: bool) -> Any:
     """``out`` with ``anchor`` (-0.0: no bit changes) added to its ``logits`` /
-    ``last_hidden_state`` / ``loss`` (a mapping such as ``ModelOutput``, in place), to a tensor,
-    or to a tuple's first tensor; with ``all_dropped``, a ``loss`` next to ``logits`` becomes a
-    finite zero that depends on the logits."""
+    ``last_hidden_state`` / ``loss`` (a mapping, in place), to a tensor, or to a tuple's first;
+    with ``all_dropped``, a ``loss`` next to ``logits`` becomes a zero that depends on them."""
     if isinstance(out, torch.Tensor):
         return out + anchor.to(out.dtype) if anchor is not None and out.is_floating_point() else out
     if isinstance(out, Mapping):
@@ -141,9 +123,8 @@ def anchored(out: Any, anchor: torch.Tensor | None, all_dropped: bool) -> Any:
 
 
 def input_embeddings(module: Any) -> torch.nn.Module | None:
-    """The token embedding module whose output the features are merged into: transformers'
-    ``get_input_embeddings()``, Megatron-Bridge's ``language_model.embedding`` (None if not
-    here: a later pipeline stage, an unknown layout)."""
+    """The token embedding module: transformers' ``get_input_embeddings()``, Megatron-Bridge's
+    ``language_model.embedding``; None if not here (a later pipeline stage, another layout)."""
     get = getattr(module, "get_input_embeddings", None)
     if callable(get):
         try:

@@ -1,45 +1,32 @@
-"""The family engine: one forward pre-hook for every model family the registry knows
-(``families/``).
+"""The family engine's ``apply="embed"`` mode: one forward pre-hook for every such family of
+the registry (``families/``; :class:`~megatron_media_guard.families.spec.FamilySpec`). It
 
-A family is a :class:`~megatron_media_guard.families.spec.FamilySpec`; this module is the
-only code that runs it. For ``apply="embed"`` families the guard is a forward pre-hook on the
-model instance that
-
-1. encodes each modality the call carries through the model's *own* feature method (the
-   tower runs where the model would run it: before the decoder, once, on every rank);
-2. hands the items to the merge in that order; where the call mixes modalities, or a
-   modality's counts live on the device (audio clips cut by their masks), the merge checks
-   each modality's runs against its items in that order (modalities told apart by their
-   token, or by the family's token types), the counts read with its verdict, in its one
-   transfer; only streams that share a token with no type to tell them (Nemotron's images and
-   video tubelets) are interleaved by length, from runs read in that transfer;
-3. merges them with :meth:`MediaGuard.merge` (per-run check, plan, repair / drop / raise,
-   records, bundle, consensus: the one fault path) into the model's own token embeddings;
-4. lets the model's forward run on ``inputs_embeds`` with the media inputs taken out, and the
+1. encodes each modality the call carries through the model's *own* feature method (the tower
+   runs where the model would run it: before the decoder, once, on every rank);
+2. hands the items to :meth:`MediaGuard.merge` (check, plan, repair / drop / raise, records,
+   bundle, consensus: the one fault path) in the model's order; where the call mixes
+   modalities or a modality's counts live on the device, each modality's runs are checked
+   against its items there and the token order read with the verdict, in its one transfer
+   (:class:`~megatron_media_guard.core.interleave.RunOrder`);
+3. lets the forward run on the merged ``inputs_embeds``, the media inputs taken out and the
    labels of dropped samples ignored.
 
-A text-only call is guarded too: planned with no items (it joins the stage's round with the
-same collectives, docs/CONSENSUS.md) and passed on untouched unless a placeholder stands in it.
-
-``install_vlm`` (``adapters/vlm_install.py``) finds the family and hands other kinds of
-family to their installers (Qwen-VL's input rewrite, megatron-core's LLaVA and MIMO).
+A text-only call is guarded too: planned with no items (it joins the stage's round,
+docs/CONSENSUS.md) and passed on untouched unless a placeholder stands in it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from ..core.guard import MediaGuard
 from ..core.interleave import RunOrder, order_runs
 from ..core.outcome import MergeResult
 from ..core.repairs import media_hw
 from ..core.runs import TokenLayout, parse_layout
-from ..families import FamilySpec
 from ..families.inputs import generated_as_text, placeholders_as_text, take_items
-from ..families.spec import Merged, ModalitySpec, present
+from ..families.spec import Merged, present
 from .forward_hook import CallArgs, ForwardHookHandle
 from .tower import tower_due
 from .vlm_items import (
@@ -55,45 +42,19 @@ PIXELS_FLAG = "_media_guard_pixels"  # tells a spec's encode to cut per-item pix
 
 
 class VLMHandle(ForwardHookHandle):
-    """The installed pre-hook (and post-forward hook) of one family model instance.
+    """The installed pre-hook of one ``apply="embed"`` model instance. A video's tubelets
+    inherit its ``set_items`` item's fields; the list's order is taken as the token order (it
+    decides where modalities share a placeholder)."""
 
-    ``last_result``: a :class:`MergeResult` (``embeddings`` None) of the last guarded call;
-    ``mask_loss(loss_mask, labels)`` applies its drops. ``set_items``: one :class:`MediaItem`
-    per model-level item (an image, a video, an audio clip; the k-th item of a modality in the
-    list describes the model's k-th item of that modality) adding ``sample``, ``sample_id`` and
-    ``source_hw``; a video's tubelets inherit its item's fields; the list's order is taken as
-    the token order (it decides where modalities share a placeholder).
-    """
-
-    def __init__(
-        self, model: Any, guard: MediaGuard, spec: FamilySpec, text_id: int, **kw: Any
-    ) -> None:
-        super().__init__(model, guard, "vlm", **kw)
-        self.spec = spec
-        self.text_id = text_id  # what a dropped sample's placeholders become in input_ids
-
-    # ---- hooks ------------------------------------------------------------------------
-
-    def _pre_hook(self, module: Any, args: tuple, kwargs: dict):
-        self.keeper.clear()  # a forward that raised leaves nothing behind
-        try:
-            call = CallArgs(self.sig, args, kwargs)
-        except TypeError:
-            return None  # the model reports its own signature error
+    def _guarded(self, module: Any, call: CallArgs):
         ids = call.get("input_ids")
         if not isinstance(ids, torch.Tensor) or call.get("inputs_embeds") is not None:
             return None  # no token ids to check (or the caller merged already)
-        if call.get("mm_encoder_outputs") is not None:
-            return None  # encoded before the forward (transformers' generate)
         kw = {"input_ids": ids, **{n: call.get(n) for m in self.spec.modalities for n in m.inputs}}
         mods = present(self.spec, kw)
-        label = f"{self.spec.name} media guard"
         if not mods:  # text only: a guarded call all the same (it joins the stage's round)
-            return self.call(label, lambda step, mb: self._text_only(call, ids, step, mb))
-        return self.call(label, lambda step, mb: self._run(call, ids, kw, mods, step, mb))
-
-    def _post_hook(self, module: Any, args: tuple, kwargs: dict, out: Any) -> Any:
-        return self.keeper.attach(out)  # the dummy's anchor; a loss over no label: a zero
+            return self.call(self.label, lambda step, mb: self._text_only(call, ids, step, mb))
+        return self.call(self.label, lambda step, mb: self._run(call, ids, kw, mods, step, mb))
 
     # ---- one call -----------------------------------------------------------------------
 
@@ -103,7 +64,9 @@ class VLMHandle(ForwardHookHandle):
             kw = {**kw, PIXELS_FLAG: True}
         encoded = {m.name: m.encode(model, kw) for m in mods}
         meta = self.take_items()
-        encoded = cut_blocks(mods, encoded, meta, ids, guard, step, mb)
+        encoded = cut_blocks(
+            mods, encoded, meta, ids, guard.grammar, lambda *a: self.note(step, mb, *a)
+        )
         items, feats, listed = call_items(mods, encoded, meta)
         parent = parents(mods, encoded)
         # several modalities, or counts on the device: the token order and the counts come
@@ -148,6 +111,7 @@ class VLMHandle(ForwardHookHandle):
             items, feats = [items[i] for i in order], [feats[i] for i in order]
         emb = self._embed(ids)
         labels = call.get("labels")
+        remod = next((m for m in mods if m.reencode is not None), None)  # the repair's encoder
         res = guard.merge(
             emb,
             ids,
@@ -156,7 +120,7 @@ class VLMHandle(ForwardHookHandle):
             labels=labels if isinstance(labels, torch.Tensor) else None,
             step=step,
             microbatch=mb,
-            encoder=_repair_encoder(model, mods),
+            encoder=None if remod is None else lambda pixels, **_: remod.reencode(model, pixels),
             order=late,
         )
         if late is not None:  # the items as the merge cut them, in the order it found
@@ -190,7 +154,7 @@ class VLMHandle(ForwardHookHandle):
             for name, value in spec.reuse(model, encoded, kept).items():
                 call.set(name, value)
         if spec.positions is not None and call.get("position_ids") is None:
-            call.set("position_ids", spec.positions(model, call_view(call, ids)))
+            call.set("position_ids", spec.positions(model, call.view(ids)))
         call.set("input_ids", ids if spec.ids_with_embeds else None)
         if res.report.dropped and len(res.report.dropped) == len(res.report.actions):
             self.keeper.every_sample_dropped()  # the tower ran (encode): its features anchored
@@ -199,13 +163,10 @@ class VLMHandle(ForwardHookHandle):
         return call.rebuild()
 
     def _text_only(self, call: CallArgs, ids: torch.Tensor, step, mb):
-        """A call that carries no media. The tower kept in step first (docs/PARALLEL.md), where
-        a media call encodes; then planned with no items (:meth:`MediaGuard.last_stage`: no
-        placeholder may stand in the ids), which joins the stage's round with the collectives
-        of a media call's merge, so every rank meets its peers whatever its micro-batch holds.
-        Aligned: the call goes on untouched (the model's own forward). A literal placeholder
-        takes the plan as in a media call: fed as text (``generated="text"``), dropped (its
-        placeholders as text, its labels ignored) or raised."""
+        """A call with no media: the tower kept in step where a media call encodes
+        (docs/PARALLEL.md), then planned with no items (:meth:`MediaGuard.last_stage`, the
+        stage's round as in a media call's merge). Aligned: the call as given; a literal
+        placeholder is fed as text, dropped or raised, as the plan says."""
         dummy = self.spec.dummy
         if dummy is not None and tower_due(
             self.guard.config.keep_tower, had_media=False, feeds_media=False
@@ -230,7 +191,7 @@ class VLMHandle(ForwardHookHandle):
         return call.rebuild()
 
     def _after_merge(self, call: CallArgs, ids, items, feats, res, owners) -> None:
-        """The family's step after the merge (Nemotron's EVS), on the runs of this call."""
+        """The family's step after the merge (Nemotron's EVS) on this call's runs."""
 
         def runs() -> tuple:
             # the runs' positions, read only when the step asks (a transfer sized by the runs)
@@ -251,15 +212,14 @@ class VLMHandle(ForwardHookHandle):
                 for r, k in zip(parsed.runs, took)
             )
 
-        merged = Merged(call_view(call, ids), items, feats, runs)
+        merged = Merged(call.view(ids), items, feats, runs)
         for name, value in self.spec.after_merge(self.module, merged).items():
             call.set(name, value)
 
     def _regrid(self, call: CallArgs, kw, mods, items, parent, res) -> dict:
-        """Each repaired item's row of its modality's kept patch grids (``patches`` values
-        in ``keep``) takes the solved patch grid (its last two entries), so positions follow
-        the re-encoded features; returns ``kw`` with the new grids. The solution is the
-        repair's: a geometry is pure."""
+        """Each repaired item's row of its modality's kept patch grids (``patches`` values in
+        ``keep``) takes the grid the repair solved (a geometry is pure), so positions follow
+        the re-encoded features; returns ``kw`` with the new grids."""
         grids = {m.name: [g for g in m.patches.values() if g in m.keep] for m in mods}
         out = dict(kw)
         report = res.report.alignment
@@ -281,9 +241,8 @@ class VLMHandle(ForwardHookHandle):
         return out
 
     def _generated_as_text(self, res, ids: torch.Tensor):
-        """Placeholders the policy generated (``GuardConfig.generated="text"``, kept samples):
-        fed the family's text token, in the embeddings (when the call merged) and in the ids;
-        labels untouched."""
+        """Placeholders the policy generated (``generated="text"``, kept samples) as the text
+        token, in the ids and (when the call merged) the embeddings; labels untouched."""
         cfg = self.guard.config
         ids, at = generated_as_text(res.report, ids, self.text_id, cfg.generated)
         if at is None:
@@ -294,15 +253,13 @@ class VLMHandle(ForwardHookHandle):
         return res.embeddings.index_put(at, text.to(res.embeddings.dtype)), ids
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """``[b, s, h]`` token embeddings of ``ids``, as the family embeds them."""
         if self.spec.embed is not None:
             return self.spec.embed(self.module, ids)
         return self.module.get_input_embeddings()(ids)
 
     def _drop_rewrite(self, call: CallArgs, ids, kw, mods, dropped, gone) -> torch.Tensor:
         """The dropped samples' placeholders as text in the ids (and the tensors that follow
-        them), their items' rows out of the kept grids (the inputs rewrite,
-        ``families/inputs.py``); returns the new ids."""
+        them), their items' rows out of the kept grids; returns the new ids."""
         lay = TokenLayout(ids, self.guard.grammar)
         keep = torch.ones(lay.num_samples, dtype=torch.bool)
         keep[sorted(dropped)] = False
@@ -322,21 +279,6 @@ class VLMHandle(ForwardHookHandle):
             if name != "input_ids":
                 call.set(name, value)
         return out["input_ids"]
-
-
-def call_view(call: CallArgs, ids: torch.Tensor) -> dict:
-    """The call's keyword arguments as the model would see them, ``input_ids`` = ``ids``."""
-    out = dict(call.bound.arguments)
-    out.update(out.pop(call.varkw, None) or {})
-    out["input_ids"] = ids
-    return out
-
-
-def _repair_encoder(model: Any, mods: Sequence[ModalitySpec]):
-    m = next((m for m in mods if m.reencode is not None), None)
-    if m is None:
-        return None
-    return lambda pixels, **_: m.reencode(model, pixels)
 
 
 __all__ = ["VLMHandle"]

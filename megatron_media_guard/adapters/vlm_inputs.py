@@ -1,30 +1,23 @@
-"""The family engine for ``apply="inputs"`` specs: forwards whose model encodes and merges its
+"""The family engine's ``apply="inputs"`` mode: forwards whose model encodes and merges its
 media itself (the Qwen-VL family, transformers' and Megatron-Bridge's; Bridge's
-``Qwen3OmniThinkerModel``), so the guard checks and rewrites the inputs before the forward.
+``Qwen3OmniThinkerModel``), so the guard checks and rewrites the inputs before the forward:
 
-The pre-hook reads the call's keyword arguments and
-
-1. sizes each item from its modality's ``counts`` (grids, masks, lengths: no tower runs) as
-   count tables that stay on the device, and checks every run against them there
+1. each item sized from its modality's ``counts`` (grids, masks, lengths: no tower runs) as
+   count tables on the device, every run checked against them there
    (:func:`~..families.inputs.verify_tables`): the verdict is the aligned call's one
-   transfer, and the call is passed on untouched (packed THD rows are attributed from
+   transfer, and the call goes on untouched (packed THD rows attributed from
    ``packed_seq_params`` / ``cu_seq_lens_q``);
-2. otherwise (the fault path) reads the tables, lays the call's ``set_items`` on the items,
-   puts them in token order and plans through the guard (:meth:`MediaGuard.last_stage`):
-   a planned repair of a family with ``patches`` and a geometry resizes the item's patch rows
-   to the solved grid (:class:`~..families.resize.Resizer`; the geometry from the model's
-   config), an item whose runs lie in two samples is never kept or repaired;
-3. applies the plan by rewriting the inputs (:func:`~..families.inputs.drop_inputs`): a
-   dropped sample's placeholders become the family's text token, its items' rows leave the
-   spec's ``rows`` / ``patches`` inputs, a repaired item's rows and grid row are replaced,
-   explicit samples' rows are fed in sample order, its labels are ignored and its
-   ``loss_mask`` zeroed (out of place, or in the caller's tensor with ``loss_mask_inplace``);
-   per-token inputs (``follow_ids``) that disagree with the ids are rebuilt from them and
-   ``position_ids`` recomputed by the model.
+2. else (the fault path) the tables read, ``set_items`` laid on the items, put in token order
+   and planned (:meth:`MediaGuard.last_stage`): a planned repair of a spec with ``patches``
+   and a geometry resizes the item's patch rows to the solved grid
+   (:class:`~..families.resize.Resizer`); an item whose runs lie in two samples is never kept;
+3. the plan applied by rewriting the inputs (:func:`~..families.inputs.drop_inputs`); labels of
+   dropped samples ignored, their ``loss_mask`` zeroed (out of place, or in the caller's tensor
+   with ``loss_mask_inplace``); per-token inputs (``follow_ids``) rebuilt from the ids and
+   ``position_ids`` left to the model.
 
-A text-only call is planned the same way (it joins the stage's round as every call does). When
-a call feeds the tower nothing (all dropped; text-only under ``keep_tower="always"``) the
-spec's ``dummy`` runs the tower on a minimal input (``adapters/tower.py``).
+A text-only call is planned the same way. When a call feeds the tower nothing (all dropped;
+text-only under ``keep_tower="always"``) the spec's ``dummy`` runs it (``adapters/tower.py``).
 """
 
 from __future__ import annotations
@@ -37,7 +30,6 @@ import torch
 from ..core.guard import MediaGuard
 from ..core.interleave import token_order
 from ..core.runs import TokenLayout
-from ..diagnostics import GuardRecord
 from ..errors import MediaInputError
 from ..families import FamilySpec
 from ..families.inputs import (
@@ -64,17 +56,12 @@ from ..families.resize import Resizer
 from ..families.spec import present
 from .forward_hook import CallArgs, ForwardHookHandle
 from .tower import tower_due
-from .vlm import call_view
 from .vlm_items import call_items, parents, typed_order
 
 
 class InputsHandle(ForwardHookHandle):
-    """The installed pre-hook of one ``apply="inputs"`` model instance; the handle API of
-    :class:`~.vlm.VLMHandle` (``last_result``: a :class:`MergeResult` without embeddings;
-    ``mask_loss``, ``set_items``, ``set_step``, ``remove()``, a context manager).
-    ``set_items``: one :class:`MediaItem` per model-level item (an image, a video: a grid
-    row), per modality in the model's order, adding ``sample``, ``sample_id``, ``source_hw``
-    and the ``num_features`` it expects."""
+    """The installed pre-hook of one ``apply="inputs"`` model instance (a ``set_items`` item:
+    a grid row)."""
 
     def __init__(
         self,
@@ -86,9 +73,7 @@ class InputsHandle(ForwardHookHandle):
         loss_mask_inplace: bool = False,
         **kw: Any,
     ) -> None:
-        super().__init__(model, guard, "vlm", **kw)
-        self.spec = spec
-        self.text_id = text_id  # what a dropped sample's placeholders become in input_ids
+        super().__init__(model, guard, spec, text_id, **kw)
         self.loss_mask_inplace = loss_mask_inplace
         # the repair geometry: the guard's, else the one the model's config gives
         geo = guard.geometry
@@ -96,41 +81,29 @@ class InputsHandle(ForwardHookHandle):
             geo = spec.geometry(model)
         self.geometry = geo
 
-    def _pre_hook(self, module: Any, args: tuple, kwargs: dict):
-        self.keeper.clear()  # a forward that raised leaves nothing behind
-        try:
-            call = CallArgs(self.sig, args, kwargs)
-        except TypeError:
-            return None  # the model reports its own signature error
-        if call.get("mm_encoder_outputs") is not None:
-            return None  # encoded before the forward (transformers' generate)
+    def _guarded(self, module: Any, call: CallArgs):
         ids = call.get("input_ids")
         had = self._feeds(call)
         new = None
         if isinstance(ids, torch.Tensor) and ids.dim() == 2:  # inputs_embeds only: no ids
-            view = call_view(call, ids)
+            view = call.view(ids)
             mods = present(self.spec, view)  # none (text only): planned all the same
-            label = f"{self.spec.name} media guard"
-            new = self.call(label, lambda step, mb: self._run(call, ids, view, mods, step, mb))
-        self._keep_tower(module, call, had, ids)
+            new = self.call(self.label, lambda step, mb: self._run(call, ids, view, mods, step, mb))
+        self._keep_tower(module, call, had)
         return new
 
     def _feeds(self, call: CallArgs) -> bool:
         return any(call.get(m.inputs[0]) is not None for m in self.spec.modalities)
 
-    def _keep_tower(self, module: Any, call: CallArgs, had: bool, ids: Any) -> None:
+    def _keep_tower(self, module: Any, call: CallArgs, had: bool) -> None:
         """The spec's ``dummy`` tower call now, before the model's body, when this call feeds
-        the tower nothing (adapters/tower.py). A call with a KV cache (a decoding step) is not
-        a text-only micro-batch."""
+        the tower nothing (adapters/tower.py); not in a decoding step (a KV cache given)."""
         dummy = self.spec.dummy
         if dummy is None or (not had and call.get("past_key_values") is not None):
             return
         mode = self.guard.config.keep_tower
         if tower_due(mode, had_media=had, feeds_media=self._feeds(call)):
             self.keeper.run(lambda: dummy(module))
-
-    def _post_hook(self, module: Any, args: tuple, kwargs: dict, out: Any) -> Any:
-        return self.keeper.attach(out)
 
     # ---- one call -----------------------------------------------------------------------
 
@@ -164,13 +137,9 @@ class InputsHandle(ForwardHookHandle):
                     f"sum(t*h*w) per modality: {', '.join(n for m in mods for n in m.patches)})"
                 )
             if types_bad:  # the ids are the truth: the token types / masks follow them
-                self._note(
-                    step,
-                    mb,
-                    "rebuilt",
-                    f"{types_bad} positions of {_names(spec, view)} "
-                    "disagree with input_ids: rebuilt from the ids",
-                )
+                given = sorted(n for n in spec.follow_ids if isinstance(view.get(n), torch.Tensor))
+                why = f"{types_bad} positions of {given} disagree with input_ids: rebuilt from the ids"
+                self.note(step, mb, "rebuilt", why)
             if verdict.bad_runs == 0 and verdict.findings == 0:
                 kw = dict(labels=labels, loss_mask=lmask, step=step, microbatch=mb)
                 self.record(guard.keep_all(lay, verdict, **kw), ids, cu)
@@ -193,13 +162,8 @@ class InputsHandle(ForwardHookHandle):
         if explicit:
             listed = None  # tied to their samples: token_order takes them per sample
             if not in_order(meta):
-                self._note(
-                    step,
-                    mb,
-                    "reordered",
-                    "items out of token order (set_items samples "
-                    "decrease): their rows are fed in sample order",
-                )
+                why = "items out of token order (set_items samples decrease): their rows are "
+                self.note(step, mb, "reordered", why + "fed in sample order")
         if listed is None and spec.token_types:
             listed = typed_order(ids, guard.grammar, mods, items, view.get(spec.token_types))
         order = listed if listed is not None else token_order(ids, guard.grammar, items, parent)
@@ -209,7 +173,7 @@ class InputsHandle(ForwardHookHandle):
             grid = next(
                 (it.grid_thw for it, p in zip(items, parent) if (it.modality, p) == (mod, k)), None
             )
-            self._note(step, mb, "split", f"{mod} {k} grid {grid}: {why}")
+            self.note(step, mb, "split", f"{mod} {k} grid {grid}: {why}")
         rep = None
         if self.geometry is not None and any(m.patches for m in mods):
             rep = Resizer(mods, items, parent, view, self.geometry, split)
@@ -274,10 +238,9 @@ class InputsHandle(ForwardHookHandle):
         return bad
 
     def _follow(self, call: CallArgs, ids: torch.Tensor) -> None:
-        """The given per-token inputs rebuilt from ``ids`` (on their own device, in their own
-        dtype; the ids are the truth), and ``position_ids`` left to the model once the media
-        inputs changed (its positions follow the grids: transformers recomputes them from
-        ``mm_token_type_ids``, derived here when the forward takes it and none was given)."""
+        """The given per-token inputs rebuilt from ``ids`` (their device and dtype), and
+        ``position_ids`` left to the model once the media inputs changed (they follow the
+        grids; ``mm_token_type_ids`` derived where the forward takes it and none was given)."""
         derive = self.spec.derive
         if derive is None:
             return
@@ -293,17 +256,11 @@ class InputsHandle(ForwardHookHandle):
                     call.set(name, derive(name, ids, g))
                     break
 
-    def _note(self, step, mb, action: str, reason: str) -> None:
-        """A ``check`` record: the inputs were put right without touching any sample."""
-        rec = GuardRecord(event="check", step=step, microbatch=mb, action=action, reason=reason)
-        self.guard.log.emit(rec)
-
 
 def packed_offsets(call: CallArgs, ids: torch.Tensor) -> torch.Tensor | None:
     """Sample offsets of a packed THD row: Megatron's ``packed_seq_params``
-    (``cu_seqlens_q_padded`` where set: where each sample starts in the row; else
-    ``cu_seqlens_q``) or transformers' ``cu_seq_lens_q``. None for ``[b, s]`` rows (each row
-    one sample)."""
+    (``cu_seqlens_q_padded`` where set, else ``cu_seqlens_q``) or transformers'
+    ``cu_seq_lens_q``. None for ``[b, s]`` rows (each row one sample)."""
     if ids.dim() != 2 or ids.shape[0] != 1:
         return None
     psp = call.get("packed_seq_params")
@@ -328,10 +285,6 @@ def patch_rows_bad(view, mods) -> torch.Tensor | None:
                 b = (g.long().prod(-1).sum() != x.shape[0]).long()
                 bad = b if bad is None else bad + b
     return bad
-
-
-def _names(spec: FamilySpec, view: dict) -> list[str]:
-    return sorted(n for n in spec.follow_ids if isinstance(view.get(n), torch.Tensor))
 
 
 __all__ = ["InputsHandle", "packed_offsets", "patch_rows_bad"]

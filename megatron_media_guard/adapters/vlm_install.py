@@ -1,8 +1,7 @@
-"""``install_vlm``: find a model's family in the registry (``families.FAMILIES``) and install
-that family's guard through one installer table (``FamilySpec.apply`` -> installer, also
-``install_from_args``'s): the family engine (``adapters/vlm.py``) for ``apply="embed"`` specs,
-its input rewrite (``adapters/vlm_inputs.py``) for ``apply="inputs"`` specs (the Qwen-VL
-family, Bridge's Qwen3-Omni thinker), megatron-core's LLaVA / MIMO merge wrappers."""
+"""``install_vlm``: a model's family from the registry (``families.FAMILIES``), its guard
+installed through one installer table (``FamilySpec.apply`` -> installer; also
+``install_from_args``'s): ``vlm`` (``"embed"``), ``vlm_inputs`` (``"inputs"``), megatron-core's
+LLaVA and MIMO."""
 
 from __future__ import annotations
 
@@ -48,20 +47,6 @@ def guard_for(
     return MediaGuard(config, grammar, **guard_kw)
 
 
-def _check_guard(spec: FamilySpec, model: Any, guard: MediaGuard, tokenizer: Any) -> None:
-    if spec.apply not in ("embed", "inputs"):
-        return  # the megatron-core installers check their grammar themselves
-    have = dict(guard.grammar.placeholders)
-    want = {
-        m.name: m.placeholder.resolve(model, tokenizer) for m in spec.modalities if not m.shares
-    }
-    if any(have.get(k) != v for k, v in want.items() if v is not None) or set(have) - set(want):
-        raise MediaInputError(
-            f"the guard's grammar placeholders {have} differ from the {spec.name} model's "
-            f"{want}: build the guard with the family's grammar (FamilySpec.grammar)"
-        )
-
-
 def _text_id(model, guard, spec, tokenizer, given: int | None = None) -> int:
     """The text id a dropped sample's placeholders become: ``given`` (``drop_token_id=``),
     else the spec's (the model config's pad token, ...); never a media token."""
@@ -80,32 +65,41 @@ def _text_id(model, guard, spec, tokenizer, given: int | None = None) -> int:
     return text
 
 
+def _check_grammar(spec: FamilySpec, model: Any, grammar: Grammar, tokenizer: Any) -> None:
+    """The guard's grammar against the model's own ids (a merge or an input rewrite on the wrong
+    ids feeds the model a batch it cannot take): the placeholders, and for ``apply="inputs"``
+    the markers, where the config or the tokenizer names them."""
+    have = dict(grammar.placeholders)
+    want = {
+        m.name: m.placeholder.resolve(model, tokenizer) for m in spec.modalities if not m.shares
+    }
+    bad = any(have.get(k) != v for k, v in want.items() if v is not None) or set(have) - set(want)
+    got, exp = (have, grammar.start_id, grammar.end_id), (want, None, None)
+    if spec.apply == "inputs":
+        try:
+            own = spec.grammar(model, tokenizer)
+            exp = (want, own.start_id, own.end_id)
+            bad = bad or got[1:] != exp[1:]
+        except MediaInputError:
+            pass  # the config lacks a marker: the placeholders are all there is to go by
+    if bad:
+        raise MediaInputError(
+            f"the guard's grammar (placeholders, start, end) {got} differs from the {spec.name} "
+            f"model's {exp}: build the guard with the family's grammar (FamilySpec.grammar)"
+        )
+
+
 def _install_embed(model, guard, spec, tokenizer=None, **kw) -> GuardHandle:
+    _check_grammar(spec, model, guard.grammar, tokenizer)
     text = _text_id(model, guard, spec, tokenizer)
     return VLMHandle(model, guard, spec, text, **kw).install_hooks()
 
 
 def _install_inputs(model, guard, spec, tokenizer=None, drop_token_id=None, **kw) -> GuardHandle:
-    _check_markers(spec, model, guard.grammar, tokenizer)
+    _check_grammar(spec, model, guard.grammar, tokenizer)
     text = _text_id(model, guard, spec, tokenizer, drop_token_id)
     _check_geometry(spec, model, guard.geometry)
     return InputsHandle(model, guard, spec, text, **kw).install_hooks()
-
-
-def _check_markers(spec: FamilySpec, model: Any, grammar: Grammar, tokenizer: Any) -> None:
-    """The guard's placeholders and markers against the model's own (an input rewrite on the
-    wrong ids would feed the model's merge a batch it cannot take)."""
-    try:
-        want = spec.grammar(model, tokenizer)
-    except MediaInputError:
-        return  # the config lacks a marker: the guard's grammar is all there is to go by
-    got = (dict(grammar.placeholders), grammar.start_id, grammar.end_id)
-    exp = (dict(want.placeholders), want.start_id, want.end_id)
-    if got != exp:
-        raise MediaInputError(
-            f"the guard's grammar (placeholders, start, end) {got} differs from the model's "
-            f"config {exp}: build the guard with the family's grammar (FamilySpec.grammar)"
-        )
 
 
 def _check_geometry(spec: FamilySpec, model: Any, geo: Any) -> None:
@@ -131,8 +125,7 @@ def _check_geometry(spec: FamilySpec, model: Any, geo: Any) -> None:
 
 
 def _megatron(install):
-    """megatron-core's LLaVA / MIMO installer, which takes no tokenizer and returns its loss
-    masks from the merge (no ``loss_mask_inplace``)."""
+    """megatron-core's LLaVA / MIMO installer (no tokenizer; loss masks from the merge)."""
 
     def run(model, guard, spec, tokenizer=None, loss_mask_inplace=None, **kw) -> GuardHandle:
         return install(model, guard, **kw)
@@ -164,20 +157,18 @@ def install_vlm(
     config_or_guard: a :class:`GuardConfig` (or None: the defaults) builds the guard from the
     family (grammar from the model's config and ``tokenizer``, repair geometry from the spec);
     a :class:`MediaGuard` is used as given (its grammar must be the family's). Wrappers (DDP's
-    ``.module``, Megatron-Bridge's ``.llava_model``) and submodules are looked through. An
-    unknown model raises, listing the families known. tokenizer: anything with
+    ``.module``, Megatron-Bridge's ``.llava_model``) and submodules are looked through; an
+    unknown model raises, listing the families. tokenizer: anything with
     ``convert_tokens_to_ids``, or a ``{token text: id}`` mapping, for markers the config lacks.
-    install_kw: passed to the family's installer (``loss_mask_inplace=`` and
-    ``drop_token_id=`` for ``apply="inputs"`` families: the Qwen-VL family, Qwen3-Omni on
-    Bridge).
+    install_kw: to the family's installer (``loss_mask_inplace=``, ``drop_token_id=`` for
+    ``apply="inputs"`` families).
     """
     check_tokenizer(tokenizer, "install_vlm")
     target, spec = find_family(model)
     if spec is None:
         raise no_family("install_vlm", f"{type(model).__name__} (nor a wrapper or submodule of it)")
     if isinstance(config_or_guard, MediaGuard):
-        guard = config_or_guard
-        _check_guard(spec, target, guard, tokenizer)
+        guard = config_or_guard  # its grammar checked by the installer
     else:
         try:
             guard = guard_for(spec, target, config_or_guard, tokenizer)
@@ -193,12 +184,10 @@ def install_qwen_vl(
     model: Any, config_or_guard: GuardConfig | MediaGuard | None = None, **options: Any
 ) -> GuardHandle:
     """Qwen2-VL / 2.5-VL / 3-VL / 3.5, transformers or Megatron-Bridge: :func:`install_vlm` under
-    the family's name (docs/QWEN_VL.md). A guard's grammar must carry the model's token ids
-    (``Grammar.qwen2_vl()`` for the default ones), its ``geometry`` (one, or ``{"image": ...,
-    "video": ...}``) repairs, else the vision config's (:func:`~..families.qwen.geometry`).
-    options: those of :func:`install_vlm`; ``drop_token_id`` defaults to the config's pad
-    token, else ``<|endoftext|>`` 151643; ``loss_mask_inplace``: also zero the dropped samples
-    in the caller's ``loss_mask`` (Megatron-Bridge's ``vlm_step`` / ``qwen3_vl_step``).
+    the family's name (docs/QWEN_VL.md). A guard's ``geometry`` (one, or per modality) repairs,
+    else the vision config's. options: :func:`install_vlm`'s; ``drop_token_id`` defaults to the
+    config's pad token, else 151643; ``loss_mask_inplace``: also zero the dropped samples in the
+    caller's ``loss_mask`` (Megatron-Bridge's ``vlm_step`` / ``qwen3_vl_step``).
     """
     return install_vlm(model, config_or_guard, **options)
 

@@ -1,20 +1,18 @@
-"""Which feature goes to which run, for one call of the family engine (``adapters/vlm.py``):
-the items of the call in the model's consumption order, the caller's ``set_items`` metadata
-laid on them, and their permutation into token order."""
+"""Which feature goes to which run in one call of the family engine: the call's items in the
+model's consumption order, the caller's ``set_items`` laid on them, their token order."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
-from ..core.guard import MediaGuard
+from ..core.grammar import Grammar
 from ..core.interleave import Run, read_runs
 from ..core.items import MediaItem
 from ..core.runs import TokenLayout, parse_layout
-from ..diagnostics import GuardRecord
 from ..errors import MediaInputError
 from ..families.spec import Encoded, ModalitySpec, cut_counted
 
@@ -24,14 +22,14 @@ def cut_blocks(
     encoded: dict[str, Encoded],
     meta: Sequence[MediaItem] | None,
     ids: torch.Tensor,
-    guard: MediaGuard,
-    step: int | None,
-    microbatch: int | None,
+    grammar: Grammar,
+    note: Callable[[str, str, str], None],
 ) -> dict[str, Encoded]:
     """``encoded`` with every ``split="items"`` block cut into items: by the ``num_features``
     of the call's ``set_items`` for that modality, else by the lengths of that modality's runs
-    in token order (a transfer sized by the runs), the last cut taking what is left so that a
-    wrong total still shows as that item's mismatch."""
+    in token order (a transfer sized by the runs; ``note(action, reason, modality)`` records
+    it), the last cut taking what is left so that a wrong total still shows as that item's
+    mismatch."""
     out = dict(encoded)
     for m in mods:
         enc = encoded[m.name]
@@ -48,25 +46,16 @@ def cut_blocks(
                     f"model produced {rows}"
                 )
         else:
-            tok = guard.grammar.token_modality(m.name)
-            parsed = parse_layout(TokenLayout(ids, guard.grammar))
+            tok = grammar.token_modality(m.name)
+            parsed = parse_layout(TokenLayout(ids, grammar))
             sizes = [r.length for r in parsed.runs if r.modality == tok]
             if sizes:
                 sizes[-1] = max(0, rows - sum(sizes[:-1]))
             cut = sum(sizes)
             if cut < rows:  # more features than runs can take: one surplus item
                 sizes.append(rows - cut)
-            guard.log.emit(
-                GuardRecord(
-                    event="check",
-                    step=step,
-                    microbatch=microbatch,
-                    modality=m.name,
-                    action="runs",
-                    reason=f"{m.name} items' feature counts not given (set_items): cut by the "
-                    "runs in the ids; only the total was checked",
-                )
-            )
+            why = f"{m.name} items' feature counts not given (set_items): cut by the runs in "
+            note("runs", why + "the ids; only the total was checked", m.name)
         pieces = tuple(block.split(sizes)) if sizes else ()
         out[m.name] = replace(enc, features=pieces, split=None)
     return out
@@ -76,14 +65,13 @@ def call_items(
     mods: Sequence[ModalitySpec], encoded: dict[str, Encoded], meta: Sequence[MediaItem] | None
 ) -> tuple[list[MediaItem], list[torch.Tensor], list[int] | None]:
     """MediaItems and features in the model's consumption order (modality by modality), and,
-    when ``set_items`` gave metadata, the items' order as listed there (taken as token order).
-
-    ``meta``: one item per model-level item (a video, not its tubelets); the k-th item of a
-    modality in the list describes the model's k-th item of that modality.
-    """
+    when ``set_items`` gave ``meta`` (one item per model-level item: a video, not its
+    tubelets; the k-th of a modality describes the model's k-th), the items' order as listed
+    there (taken as token order)."""
     items: list[MediaItem] = []
     feats: list[torch.Tensor] = []
     first: dict[str, list[int]] = {}  # modality -> per model-level item, its first item index
+    end: dict[str, int] = {}  # modality -> past its last item
     for m in mods:
         enc = encoded[m.name]
         pieces = _pieces(enc)
@@ -102,6 +90,7 @@ def call_items(
                 )
             )
             feats.append(f)
+        end[m.name] = len(items)
     if meta is None:
         return items, feats, None
     want = {m: len(v) for m, v in first.items()}
@@ -110,7 +99,7 @@ def call_items(
         if src.modality not in want:
             raise MediaInputError(
                 f"set_items: item {g} has modality {src.modality!r}; this call holds "
-                f"{ {m: n for m, n in want.items()} } model-level items"
+                f"{want} model-level items"
             )
         got[src.modality] = got.get(src.modality, 0) + 1
     if got != want:
@@ -123,9 +112,8 @@ def call_items(
     for src in meta:
         k = rank.get(src.modality, 0)
         rank[src.modality] = k + 1
-        lo = first[src.modality][k]
-        nxt = first[src.modality][k + 1] if k + 1 < len(first[src.modality]) else None
-        hi = nxt if nxt is not None else _end_of(items, lo, src.modality)
+        starts = first[src.modality]
+        lo, hi = starts[k], starts[k + 1] if k + 1 < len(starts) else end[src.modality]
         for i in range(lo, hi):
             items[i] = replace(
                 items[i], sample=src.sample, sample_id=src.sample_id, source_hw=src.source_hw
@@ -135,8 +123,7 @@ def call_items(
 
 
 def parents(mods: Sequence[ModalitySpec], encoded: dict[str, Encoded]) -> list[int]:
-    """Per item (consumption order), the model-level item it belongs to (a video's tubelets
-    share one), numbered per modality."""
+    """Per item (consumption order), its model-level item (numbered per modality)."""
     out: list[int] = []
     for m in mods:
         enc = encoded[m.name]
@@ -145,8 +132,7 @@ def parents(mods: Sequence[ModalitySpec], encoded: dict[str, Encoded]) -> list[i
 
 
 def _pieces(enc: Encoded) -> tuple[torch.Tensor, ...]:
-    """The items' features; an ``Encoded.counts`` block's items as empty placeholders (their
-    counts come with the merge's verdict: :func:`counted`)."""
+    """The items' features; a ``counts`` block's as empty rows (counted with the verdict)."""
     if enc.counts is None:
         return enc.features
     (block,) = enc.features
@@ -159,13 +145,11 @@ def counted(
     items: list[MediaItem],
     parent: list[int],
 ):
-    """Where a modality's counts or runs are on the device (``Encoded.counts``,
-    ``Encoded.runs``): ``(counts, runs, resize, probe, samples)`` for
-    :class:`~megatron_media_guard.core.interleave.RunOrder` (every item's count in
-    consumption order; its runs, or None; host counts, then runs and samples -> the items,
-    their features, their parents and the item each came from, cut by them; the blocks for the NaN/Inf check, each
-    padded block's rows past its items' counts zeroed, or None; the items' ``Encoded.sample``,
-    or None), else None."""
+    """Where a modality's counts or runs are on the device (``Encoded.counts`` / ``runs``):
+    ``(counts, runs, resize, probe, samples)`` for :class:`~..core.interleave.RunOrder`
+    (``resize`` also returns the items' parents and the item each piece came from; ``probe``:
+    the padded blocks' rows past their items' counts zeroed, or None; ``samples``: the items'
+    ``Encoded.sample``, or None), else None."""
     encs = [encoded[m.name] for m in mods]
     on_dev = [t for e in encs for t in (e.counts, e.runs) if t is not None]
     if not on_dev:
@@ -232,18 +216,9 @@ def counted(
     return torch.cat(parts), runs, resize, torch.cat(probe) if probe else None, samples
 
 
-def _end_of(items: list[MediaItem], lo: int, modality: str) -> int:
-    hi = lo
-    while hi < len(items) and items[hi].modality == modality:
-        hi += 1
-    return hi
-
-
 def typed_order(ids, grammar, mods, items: list[MediaItem], types) -> list[int] | None:
-    """The items' permutation into token order where modalities share a placeholder token and
-    the family has a per-token type (``FamilySpec.token_types``, e.g. ``mm_token_type_ids``),
-    the runs read from ``ids`` (one transfer sized by the runs; mixed batches only): see
-    :func:`typed_runs_order`."""
+    """:func:`typed_runs_order` on the runs read from ``ids`` (one transfer sized by the runs),
+    where ``types`` (``FamilySpec.token_types``) decide the order, else None."""
     if typed_keys(grammar, mods, types) is None:
         return None
     runs = read_runs(TokenLayout(ids, grammar), types)
@@ -251,8 +226,8 @@ def typed_order(ids, grammar, mods, items: list[MediaItem], types) -> list[int] 
 
 
 def typed_keys(grammar, mods, types) -> torch.Tensor | None:
-    """``types`` where they decide the token order (several modalities, one of them on a
-    shared token, a ``type_id`` per modality), else None."""
+    """``types`` where they decide the token order (several modalities, one on a shared
+    token, ``type_id``s given), else None."""
     code = {m.type_id for m in mods if m.type_id is not None}
     shared = {grammar.token_modality(m.name) for m in mods if m.shares is not None}
     if not isinstance(types, torch.Tensor) or len(mods) < 2 or not shared or not code:
@@ -261,9 +236,8 @@ def typed_keys(grammar, mods, types) -> torch.Tensor | None:
 
 
 def typed_runs_order(runs: Sequence[Run], grammar, mods, items: list[MediaItem]):
-    """Each run (its ``key``: the type its first token carries) takes the next item of the
-    modality whose ``type_id`` that is. None where that cannot decide (a run typed as none of
-    them): the length interleaving decides."""
+    """Each run takes the next item of the modality whose ``type_id`` its ``key`` is; None
+    where a run is typed as none of them (the length interleaving decides)."""
     code = {m.type_id: m.name for m in mods if m.type_id is not None}
     shared = {grammar.token_modality(m.name) for m in mods if m.shares is not None}
     left: dict[str, list[int]] = {}
