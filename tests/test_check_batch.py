@@ -252,7 +252,7 @@ def test_no_config_and_missing_markers_say_to_pass_them_to_check_batch():
     with pytest.raises(MediaInputError, match=r"^check_batch: .*pass tokenizer=") as err:
         check_batch("mistral3", b.kwargs, config=model.config)
     assert "install_vlm" not in str(err.value)
-    with pytest.raises(MediaInputError, match=r"check_batch: tokenizer= is a str; pass the tok"):
+    with pytest.raises(MediaInputError, match=r"check_batch: tokenizer='my-tokenizer' cannot look up"):
         check_batch("mistral3", b.kwargs, config=model.config, tokenizer="my-tokenizer")
 
 

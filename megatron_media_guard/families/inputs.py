@@ -372,7 +372,7 @@ def take_items(
             pieces, parts = x.split(n), []
             for k in ks:
                 new = mine[k][1] if k in mine else None
-                parts.append(pieces[k] if new is None else new)
+                parts.append(pieces[k] if new is None else new.to(x.device))
             out[name] = torch.cat(parts).to(x.dtype) if parts else None
         grids = set(m.patches.values())
         span = (spans or {}).get(m.name)

@@ -1,30 +1,11 @@
-"""The data side's repair: each mismatched item re-processed from its original media, pinned to
-the rollout's run, before the trainer sees it (the seed's fix, NeMo-RL's
-``reprocess_images_at_rollout_budgets``, in :func:`~.collate.check_batch`).
-
-The guard plans as always (:meth:`MediaGuard.last_stage`, every planned repair attempted): a
-:class:`Reprocessor` is its ``encoder``, and for each planned repair it
-
-1. solves the run's length on the original's size with the family's geometry
-   (:func:`~..core.repairs.solve_allowed`: the fidelity classes ``GuardConfig.
-   allowed_fidelity`` allows);
-2. processes the original at the solved size the way the family's processor does
-   (:mod:`.pinning`: the processor's own budget knobs, else its own resize then no resize,
-   else the library's implementation of its arithmetic);
-3. checks that the result has exactly the run's length, else refuses: the run's length does
-   not uniquely determine an input the processor maps there; nothing is inferred.
-
-A video (a patch-merge family with a video pin: Qwen-VL, GLM-4V, Ernie) is solved and processed
-whole, once, from its frames: its runs as the rollout wrote them (one run of ``t*h*w/m**2``,
-or ``t`` runs of ``h*w/m**2``, as the family counts it), ``t`` fixed by the frame count and
-the temporal patch; ``t`` runs that differ, or a run count other than ``t``, do not determine
-one frame size and are refused. A family without a video pin (Nemotron Omni) refuses its
-videos naming both totals, the frame count, the first mismatching run and why.
-
-A refusal (no original, no pin for the family or modality, a count that does not land) makes
-the guard take ``GuardConfig.fallback`` for the sample (drop, or raise naming why). The items
-the plan keeps repaired are :class:`Reprocessed`; :func:`replace_rows` puts their rows and grid
-rows in the batch (the aligned items' tensors are untouched).
+"""The data side's repair in :func:`~.collate.check_batch`: each mismatched item re-processed
+from its original media, pinned to the rollout's run (NeMo-RL's
+``reprocess_images_at_rollout_budgets``). A :class:`Reprocessor` is the guard's ``encoder``:
+per planned repair it solves the run's length on the original's size with the family's
+geometry (the fidelity classes the config allows), processes the original at that size as the
+family's processor does (:mod:`.pinning`), and refuses unless the result has exactly the run's
+length: nothing is inferred. A video is solved and processed whole from its frames (a run per
+temporal group must be one run length). A refusal takes ``GuardConfig.fallback``.
 """
 
 from __future__ import annotations
@@ -36,14 +17,13 @@ from typing import Any
 
 import torch
 
-from ..core.host import to_host
 from ..core.items import MediaItem
 from ..core.outcome import GuardReport
 from ..core.plan import ItemRepair, Plan
 from ..core.repairs import solve_allowed
 from ..errors import MediaAlignmentError, MediaInputError
 from .pinning import NO_VIDEO_PIN, PINS, VIDEO_PINS, Processed, as_channels_first, as_frames
-from .spec import FamilySpec, ModalitySpec
+from .spec import FamilySpec
 
 #: a refusal's verdict, first in its reason (the one-line record keeps 200 characters)
 UNDETERMINED = (
@@ -56,15 +36,10 @@ Key = tuple[str, int]  # (modality, model-level index)
 
 @dataclass(frozen=True)
 class Reprocessed:
-    """One item re-processed from its original at the rollout's run: matched to the rollout.
-
-    modality / index: the item (its row in that modality's grid input of the batch as given);
-    sample: its sample; tokens: its runs' total length (a video: all of its runs); fidelity:
-    the solution's class (geometry ``Solution``); size_hw: the pixel size it was processed at
-    (a video: each frame's); grid: the processor's grid row;
-    how: ``pinned`` (the processor's own budget knobs, ``knobs``), ``resized`` (its own resize,
-    then no resize) or ``own-arithmetic``; duration_ms: solve + process, host wall time.
-    """
+    """One item re-processed from its original at the rollout's run. index: its row in the
+    modality's grid input; tokens: its runs' total; size_hw: the (frame) size processed at;
+    how: ``pinned`` (budget ``knobs``), ``resized`` or ``own-arithmetic``; duration_ms: solve
+    and process, host wall time."""
 
     modality: str
     index: int
@@ -100,9 +75,8 @@ def originals(media: Any, keys: Sequence[Key]) -> dict[Key, Any]:
 
 
 class Reprocessor:
-    """The guard's ``encoder`` in :func:`~.collate.check_batch`: repairs an item by
-    re-processing its original (module docstring). ``items``/``parent``: the items as
-    check_batch made them and each one's model-level index; ``media``: see :func:`originals`."""
+    """The guard's ``encoder`` in ``check_batch`` (module docstring); ``parent``: each item's
+    model-level index; ``media``: see :func:`originals`."""
 
     def __init__(
         self,
@@ -291,33 +265,4 @@ class Reprocessor:
         return tuple(d for d in self.done.values() if d.sample in keep)
 
 
-def replace_rows(
-    spec: FamilySpec,
-    inputs: Mapping[str, Any],
-    mods: Sequence[ModalitySpec],
-    done: Sequence[Reprocessed],
-) -> dict[str, Any]:
-    """``inputs`` with each re-processed item's rows in its modality's ``patches`` input and its
-    grid row replaced (the other items' rows are the same tensors' values; new tensors only
-    where something was replaced). The one row replacement of the data side."""
-    out = dict(inputs)
-    for m in mods:
-        mine = {d.index: d for d in done if d.modality == m.name}
-        if not mine:
-            continue
-        for name, grid_name in m.patches.items():
-            pix, grid = inputs.get(name), inputs.get(grid_name)
-            if not isinstance(pix, torch.Tensor) or not isinstance(grid, torch.Tensor):
-                continue
-            # patch rows per item to cut the flat input (a small transfer, repairs only)
-            sizes = to_host(grid.prod(-1), why="patch rows per item to replace").tolist()
-            pieces = list(pix.split(sizes))
-            g = grid.clone()
-            for k, d in mine.items():
-                pieces[k] = d.rows.to(pix.device, pix.dtype)
-                g[k] = torch.tensor(d.grid, dtype=g.dtype, device=g.device)
-            out[name], out[grid_name] = torch.cat(pieces), g
-    return out
-
-
-__all__ = ["Reprocessed", "Reprocessor", "originals", "replace_rows"]
+__all__ = ["Reprocessed", "Reprocessor", "originals"]
