@@ -246,6 +246,3 @@ def derive(model: Any) -> FamilySpec | None:
         stacklevel=3,
     )
     return spec
-
-
-__all__ = ["derive"]

@@ -313,15 +313,13 @@ def take_items(
     mods: Sequence[ModalitySpec],
     keep: Mapping[str, Sequence[int]],
     *,
-    sizes: Mapping[str, Sequence[int]] | None = None,
     repaired: Mapping[tuple[str, int], tuple[Sequence[int], torch.Tensor | None]] | None = None,
     spans: Mapping[str, Sequence[int]] | None = None,
 ) -> dict[str, Any]:
     """The modalities' ``rows`` and ``patches`` inputs holding the items ``keep`` names (per
     modality, in the order the model is to take them; a ``rows`` input's name: its own rows),
     a ``repaired`` item ``(modality, k)`` with its new grid row and patch rows; an input left
-    with no item is None, one unchanged is not returned. sizes: per modality each item's
-    patch rows (else read from the grid: one transfer). spans: per modality, the rows of its
+    with no item is None, one unchanged is not returned. spans: per modality, the rows of its
     ``rows`` inputs each item holds (InternVL's tiles)."""
     out: dict[str, Any] = {}
     fixed = repaired or {}
@@ -334,10 +332,8 @@ def take_items(
                 continue
             if ks == list(range(g.shape[0])) and not mine:
                 continue  # every item kept, in order: the input as it was
-            if sizes is not None and m.name in sizes:
-                n = list(sizes[m.name])
-            else:  # patch rows per item: prod of its grid row (a small transfer, drops only)
-                n = to_host(g.prod(-1), why="patch rows per item to drop").tolist()
+            # patch rows per item: prod of its grid row (a small transfer, drops only)
+            n = to_host(g.prod(-1), why="patch rows per item to drop").tolist()
             pieces, parts = x.split(n), []
             for k in ks:
                 new = mine[k][1] if k in mine else None
@@ -369,19 +365,3 @@ def take_items(
             else:
                 out[name] = type(t)(t[k] for k in ks)
     return out
-
-
-__all__ = [
-    "count_tables",
-    "counted",
-    "drop_inputs",
-    "generated_as_text",
-    "given_tables",
-    "gone_items",
-    "n_items",
-    "on_device",
-    "placeholders_as_text",
-    "plan_items",
-    "take_items",
-    "verify_tables",
-]

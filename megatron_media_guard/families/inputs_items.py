@@ -141,15 +141,3 @@ def sample_of(report, owner) -> dict[tuple[str, int], int]:
 def sample_order(meta, mods) -> dict[str, list[int]]:
     """Per modality, the sample ``set_items`` gives each model-level item."""
     return {m.name: [it.sample for it in meta if it.modality == m.name] for m in mods}
-
-
-__all__ = [
-    "check_declared",
-    "grids_of",
-    "in_order",
-    "meta_tables",
-    "orphans",
-    "sample_of",
-    "sample_order",
-    "split_items",
-]

@@ -291,16 +291,3 @@ VIDEO_PINS: dict[str, PatchMergeVideoPin] = {
 NO_VIDEO_PIN: dict[str, str] = {
     "nemotron_omni": ("frames sized by the fixed video_target_num_patches, not a pixel budget"),
 }
-
-__all__ = [
-    "NO_VIDEO_PIN",
-    "PINS",
-    "VIDEO_PINS",
-    "PatchMergePin",
-    "PatchMergeVideoPin",
-    "Processed",
-    "RadioPin",
-    "as_channels_first",
-    "as_frames",
-    "tensor_resize",
-]

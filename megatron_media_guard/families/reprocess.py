@@ -263,6 +263,3 @@ class Reprocessor:
         """The re-processed items whose samples the plan kept repaired."""
         keep = {s for s, a in enumerate(report.actions) if a == "repair"}
         return tuple(d for d in self.done.values() if d.sample in keep)
-
-
-__all__ = ["Reprocessed", "Reprocessor", "originals"]

@@ -141,6 +141,3 @@ class Resizer:
         """``{(modality, k): (grid row, patch rows)}`` of the repaired items whose samples
         were kept (``drop_inputs``' ``repaired``)."""
         return {key: v for key, v in self.done.items() if sample_of.get(key) in kept}
-
-
-__all__ = ["Resizer"]
