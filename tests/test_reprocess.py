@@ -1,20 +1,11 @@
-"""check_batch repairs from the original media (families/reprocess.py, families/pinning.py).
-
-Every family with a pin: a batch processed statically (the processor at its own budget), ids
-written by an engine that sized one image smaller; ``check_batch(policy="repair", media=...,
-processor=...)`` must return the pixel rows and grid row the processor makes of the original at
-the engine's size (max abs difference 0), the aligned item untouched, and the tiny model must
-take the result. Qwen-VL (a real-shaped tiny Qwen2.5-VL config), GLM-4V and Ernie run their
-real (PIL-backend) image processors; Nemotron Omni's needs torchvision (no CPU build here): its
-oracle is the processor's own ``get_patch_grid_size`` and ``convert_image_to_patches``
-(compiled from the installed source) around the float resize and fused normalization its
-torchvision backend does.
-
-Videos, every family with a video pin (Qwen2.5-VL and Ernie 4.5 VL one run, Qwen3-VL and GLM-4V
-a run per temporal group): the video processors need torchvision, so the oracle is
-:mod:`megatron_media_guard.testing.video_processors` (their own ``smart_resize``, ``patchify``,
-Ernie's ``_preprocess`` and defaults compiled from the installed source, around torchvision's
-uint8 resize).
+"""check_batch repairs from the original media (families/reprocess.py, families/pinning.py):
+ids written by an engine that sized one item smaller than the static batch; the repair must
+return the rows and grid row the processor makes of the original at the engine's size (max abs
+difference 0), the aligned item untouched, and the tiny model must take the result. Oracles:
+the real PIL image processors (Qwen-VL, GLM-4V, Ernie); Nemotron Omni's own grid and patch
+functions around its torchvision float path; for videos,
+:mod:`megatron_media_guard.testing.video_processors` (the processors' own source around
+torchvision's uint8 resize).
 """
 
 from __future__ import annotations
@@ -263,7 +254,9 @@ def test_a_size_no_budget_reaches_is_resized_by_the_processors_own_resize():
     bicubic resize of the original fed to the processor with ``do_resize=False``."""
     case = _glm()
     img = picture(300, 500, 1)
-    geo = glm4v_geometry()
+    from megatron_media_guard.families.glm4v import geometry
+
+    geo = geometry()
     n = next(k for k in range(40, 400) if geo.solve(k, (300, 500)).fidelity == "closest-aspect")
     model, kw, _ = batch_for(case, [img], [n])
     out = run(case, kw, [img], model, allowed_fidelity=("engine-replay", "closest-aspect"))
@@ -275,12 +268,6 @@ def test_a_size_no_budget_reaches_is_resized_by_the_processors_own_resize():
     )
     assert torch.equal(out.batch["pixel_values"], ref["pixel_values"])
     assert out.batch["image_grid_thw"].tolist() == ref["image_grid_thw"].tolist()
-
-
-def glm4v_geometry():
-    from megatron_media_guard.families.glm4v import geometry
-
-    return geometry()
 
 
 def one_more():
@@ -526,30 +513,18 @@ def test_a_short_video_is_repaired_from_its_frames_to_what_the_processor_makes(c
         vc.model()(**b)
 
 
-@pytest.mark.parametrize("case", ["qwen3_vl", "glm4v"])
-def test_a_video_whose_runs_differ_is_refused_never_guessed(case, tmp_path):
-    """A run per temporal group: one frame size gives every group the same run, so runs
-    that differ (the last one 4 short) determine no size."""
-    vc = VIDEO_CASES[case]
-    videos = [clip(4, 224, 336, 1)]
-    _, (t, h, w) = video_processors.process(vc.processor, frames_array(videos[0]), vc.engine_size)
-    kw, _ = vc.batch(videos, [(t, h, w)], [t * h * w // 4 - 4])
-    with pytest.raises(MediaAlignmentError, match="does not uniquely determine") as err:
-        vc.check(kw, videos, fallback="raise", log_dir=str(tmp_path))
-    per = h * w // 4
-    assert "gives every temporal group the same run" in str(err.value)
-    assert f"runs [{per}, {per - 4}]" in str(err.value)
-    out = vc.check(kw, videos)
-    assert out.report.actions == ("drop",) and out.reprocessed == ()
-    assert "pixel_values_videos" not in out.batch
-
-
 UNDETERMINED = "does not uniquely determine"
 
 
 @pytest.mark.parametrize(
     "case, extra, frames, drawn, needles",
     [
+        # a run per temporal group: one frame size gives every group the same run, so runs
+        # that differ (the last one 4 short) determine no size
+        *[
+            (c, -4, 4, False, [UNDETERMINED, "gives every temporal group the same run", "{runs}"])
+            for c in ("qwen3_vl", "glm4v")
+        ],
         # Qwen2.5-VL: one run of t*h*w/4 over 2 temporal groups; an odd count lands on no size
         ("qwen2_5_vl", 1, 4, False, [UNDETERMINED, "not divisible by the 2 temporal groups"]),
         # Qwen3-VL: the rollout wrote the 2 runs of a 4-frame video; 6 frames make 3 groups
@@ -567,9 +542,14 @@ def test_a_video_no_frame_size_explains_is_refused_saying_why(case, extra, frame
     if drawn:
         vc = replace(vc, overrides=())
         assert vc.settings()["draw_on_frames"] is True
+    originals = [clip(frames, 224, 336, 1)]
     with pytest.raises(MediaAlignmentError) as err:
-        vc.check(kw, [clip(frames, 224, 336, 1)], fallback="raise")
-    assert all(n in str(err.value) for n in needles), str(err.value)
+        vc.check(kw, originals, fallback="raise")
+    runs = f"runs [{h * w // 4}, {h * w // 4 - 4}]"
+    assert all(n.format(runs=runs) in str(err.value) for n in needles), str(err.value)
+    out = vc.check(kw, originals)  # never guessed: the sample dropped
+    assert out.report.actions == ("drop",) and out.reprocessed == ()
+    assert "pixel_values_videos" not in out.batch
 
 
 def test_a_video_without_its_video_processor_falls_back_saying_so(tmp_path):
