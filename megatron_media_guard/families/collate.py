@@ -86,18 +86,14 @@ def check_batch(
     media: Any = None,
     processor: Any = None,
 ) -> BatchCheck:
-    """Checks one collated batch of ``family`` (a name from the registry or a spec) against its
-    token ids. config: the model's config (``AutoConfig``: token ids and sizes; no weights).
-    tokenizer: the tokenizer object or a ``{token: id}`` mapping, for markers the config lacks.
-    guard: a guard to use, or the config of one (default: drop, no consensus).
-    sample_ids: per sample (row of ``input_ids``) the data pipeline's id (a rollout id), carried
-    into the records and the message. items: one :class:`MediaItem` per model-level item (an
-    image, a video, a clip), per modality in the model's order: its ``sample_id``,
-    ``source_hw`` and, for a family whose inputs do not size its items (InternVL: tiles per
-    image), its ``num_features`` (not ``sample``: the model places items in order).
-    media: one original per item (``policy="repair"``: mismatched items re-processed from them
-    with ``processor``, :mod:`.reprocess`; ``BatchCheck.reprocessed`` / ``matched`` name
-    them)."""
+    """Checks one collated batch of ``family`` (a registry name or a spec) against its token
+    ids. config: the model's config (token ids and sizes; no weights). tokenizer: for markers
+    the config lacks. guard: a guard, or its config (default: drop, no consensus).
+    sample_ids: per sample the pipeline's id, in the records and messages. items: one
+    :class:`MediaItem` per model-level item, per modality in the model's order: its
+    ``sample_id``, ``source_hw`` and, where the inputs do not size it (InternVL), its
+    ``num_features``. media: one original per item, re-processed with ``processor`` where
+    mismatched (``policy="repair"``, :mod:`.reprocess`)."""
     spec = _spec(family)
     ids = _ids(batch)
     if config is None:

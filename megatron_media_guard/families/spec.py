@@ -254,11 +254,11 @@ class FamilySpec:
     def matches(self, model: Any) -> bool:
         if self.detect is not None and self.detect(model):
             return True
-        for cls in type(model).__mro__:
-            for prefix, names in self.classes.items():
-                if cls.__name__ in names and cls.__module__.startswith(prefix):
-                    return True
-        return False
+        return any(
+            cls.__name__ in names and cls.__module__.startswith(prefix)
+            for cls in type(model).__mro__
+            for prefix, names in self.classes.items()
+        )
 
     def bridge(self, *classes: str, **changes: Any) -> FamilySpec:
         """This spec's Megatron-Bridge copy: its ``classes``, ``input_ids`` beside the embeddings
