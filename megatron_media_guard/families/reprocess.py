@@ -122,8 +122,10 @@ class Reprocessor:
         except Exception as err:
             if isinstance(err, MediaAlignmentError):
                 facts["reason"] = str(err)
-            else:  # a geometry's or converter's own error: recorded, fallback
-                facts["reason"] = f"re-processing failed: {type(err).__name__}: {err}"[:500]
+            else:  # a geometry's, converter's or processor's own error: recorded, fallback
+                what = f"{key[0]} {key[1]} " if key else ""
+                why = f"re-processing {what}failed: {type(err).__name__}: {err}"
+                facts["reason"] = why[:500]
             if key is not None and key[0] != "image":
                 self.failed[key] = facts["reason"]
             return None, facts
@@ -169,7 +171,7 @@ class Reprocessor:
         facts.update(fidelity=sol.fidelity, size_hw=sol.size_hw)
         if why_not is not None:
             raise MediaAlignmentError(f"{mod} {k} ({hw[0]}x{hw[1]}): {why_not}")
-        proc: Processed = self._run(pin.run, key, self._processor(mod), original, sol)
+        proc: Processed = pin.run(self._processor(mod), original, sol)
         if proc.tokens != r.target:
             # the verdict first: the one-line record keeps a reason's first 200 characters
             raise MediaAlignmentError(
@@ -185,25 +187,24 @@ class Reprocessor:
         geo = self.geometry
         return geo.get(mod) if isinstance(geo, Mapping) else geo  # a geometry per modality
 
-    @staticmethod
-    def _run(run, key: Key, *args) -> Processed:
-        try:
-            return run(*args)
-        except MediaAlignmentError:
-            raise
-        except Exception as exc:  # the processor's own errors: recorded, then the fallback
-            raise MediaAlignmentError(
-                f"re-processing {key[0]} {key[1]} failed: {type(exc).__name__}: {exc}"[:500]
-            ) from None
-
     def _video(self, r: ItemRepair, plan: Plan, batch, key: Key, ctx, facts):
         """A video solved and processed whole from its frames, pinned to all of its runs."""
         mod, k = key
+        want = {id(batch.items[x.item]): x.target for x in plan.repairs if x.sample == r.sample}
+        static = [it.num_features for it in self.runs[key]]  # as the static processing gave
+        rollout = [want.get(id(it), it.num_features) for it in self.runs[key]]
         pin, geo = VIDEO_PINS.get(self.spec.name), self._geometry(mod)
-        if pin is None or geo is None:
+        if pin is None or geo is None:  # both totals, the first mismatching run, and why
             why = NO_VIDEO_PIN.get(self.spec.name, f"{self.spec.name} has no video pin")
-            raise MediaAlignmentError(self._video_refusal(r, plan, batch, key, why))
-        static, rollout = self._video_runs(r, plan, batch, key)
+            first = next((i for i, (a, b) in enumerate(zip(static, rollout)) if a != b), 0)
+            original = self.media[key]
+            frames = len(original) if hasattr(original, "__len__") else "?"
+            raise MediaAlignmentError(
+                f"{mod} {k} ({frames} frames): the static processing gives {sum(static)} "
+                f"placeholders in {len(static)} run(s), the rollout {sum(rollout)}; first "
+                f"mismatching run: {first} ({static[first]} vs {rollout[first]}); refused, no "
+                f"grid inferred: {why}"
+            )
         base = getattr(geo, "geo", geo)  # GLM-4V's clip geometry wraps a patch-merge one
         sizes = {n: int(getattr(base, n)) for n in ("patch", "merge", "temporal_patch")}
         frames = as_frames(self.media[key])
@@ -227,7 +228,7 @@ class Reprocessor:
         facts.update(fidelity=sol.fidelity, size_hw=sol.size_hw)
         if why_not is not None:
             raise refused(why_not)
-        proc = self._run(pin.run, key, self._processor(mod), frames, sol, sizes)
+        proc = pin.run(self._processor(mod), frames, sol, sizes)
         _, gh, gw = proc.grid
         cell = gh * gw // (sizes["merge"] ** 2)
         got = [cell] * (proc.tokens // cell) if per_group else [proc.tokens]
@@ -237,27 +238,6 @@ class Reprocessor:
                 f"{sol.size_hw})"
             )
         return sol, proc, total
-
-    def _video_runs(self, r: ItemRepair, plan: Plan, batch, key: Key):
-        """A video's runs: as the static processing gives them, as the rollout wrote them."""
-        want = {id(batch.items[x.item]): x.target for x in plan.repairs if x.sample == r.sample}
-        static = [it.num_features for it in self.runs[key]]
-        rollout = [want.get(id(it), it.num_features) for it in self.runs[key]]
-        return static, rollout
-
-    def _video_refusal(self, r: ItemRepair, plan: Plan, batch, key: Key, why: str) -> str:
-        """Both totals, the frame count, the first mismatching run of a video, and why."""
-        mod, k = key
-        static, rollout = self._video_runs(r, plan, batch, key)
-        first = next((i for i, (a, b) in enumerate(zip(static, rollout)) if a != b), 0)
-        original = self.media[key]
-        frames = len(original) if hasattr(original, "__len__") else "?"
-        return (
-            f"{mod} {k} ({frames} frames): the static processing gives {sum(static)} "
-            f"placeholders in {len(static)} run(s), the rollout {sum(rollout)}; first "
-            f"mismatching run: {first} ({static[first]} vs {rollout[first]}); refused, no grid "
-            f"inferred: {why}"
-        )
 
     def kept(self, report: GuardReport) -> tuple[Reprocessed, ...]:
         """The re-processed items whose samples the plan kept repaired."""
