@@ -55,8 +55,8 @@ CALLER = "check_batch"
 
 @dataclass(frozen=True)
 class BatchCheck:
-    """``batch``: the inputs with every dropped sample's media out and its placeholders text
-    (the same dict when nothing was dropped); ``report``: per sample what was found and done."""
+    """``batch``: the inputs with every dropped sample's media out and its placeholders text;
+    ``report``: per sample what was found and done."""
 
     batch: dict[str, Any]
     report: GuardReport
@@ -220,8 +220,8 @@ def _sample_ids(sample_ids, rows: int) -> tuple | None:
 
 
 def _given(want: Mapping[str, int], items: Sequence[MediaItem] | None) -> dict:
-    """``(modality, model-level index) -> fields`` the caller's ``items`` lay on the items
-    (``want``: per modality its model-level items)."""
+    """``(modality, model-level index) -> fields`` the caller's ``items`` give (``want``: per
+    modality its model-level items)."""
     if items is None:
         return {}
     items = list(items)

@@ -50,9 +50,8 @@ def check_tokenizer(tokenizer: Any, caller: str) -> None:
 
 @dataclass(frozen=True)
 class Token:
-    """Where one token id comes from: the first of ``config`` attribute paths that is set on
-    ``model.config`` (dotted, e.g. ``"text_config.pad_token_id"``), else the tokenizer's id of
-    ``text``, else ``default``."""
+    """Where one token id comes from: the first dotted ``config`` path set on ``model.config``,
+    else the tokenizer's id of ``text``, else ``default``."""
 
     config: tuple[str, ...] = ()
     text: str | None = None
@@ -273,9 +272,8 @@ class FamilySpec:
         raise MediaInputError(f"family {self.name!r} has no modality {name!r}")
 
     def grammar(self, model: Any, tokenizer: Any = None, caller: str = "install_vlm") -> Grammar:
-        """The guard's grammar from the model's config (markers the config lacks from the
-        tokenizer); a clear error naming every token it could not find (and ``caller``, the
-        function to pass the tokenizer to)."""
+        """The guard's grammar from the model's config (else the tokenizer); an error naming
+        every token not found and ``caller``, the function to pass the tokenizer to."""
         missing: list[str] = []
 
         def resolve(tok: Token, what: str) -> int | None:
@@ -358,8 +356,8 @@ def present(spec: FamilySpec, kwargs: Mapping[str, Any]) -> list[ModalitySpec]:
 
 
 def cut_counted(block: torch.Tensor, sizes: Sequence[int]) -> tuple[torch.Tensor, ...]:
-    """Per-item views of an ``Encoded.counts`` block: a flat ``[sum(n_i), h]`` block split by
-    ``sizes``, a padded ``[items, max, h]`` one cut to each item's count."""
+    """Per-item views of an ``Encoded.counts`` block (flat ``[sum(n_i), h]`` or padded
+    ``[items, max, h]``) cut by ``sizes``."""
     if block.dim() == 2:
         if sum(sizes) != block.shape[0]:
             raise MediaInputError(
@@ -370,8 +368,8 @@ def cut_counted(block: torch.Tensor, sizes: Sequence[int]) -> tuple[torch.Tensor
 
 
 def bridge_embed(model: Any, ids: torch.Tensor) -> torch.Tensor:
-    """A Megatron-Bridge VL model's token embeddings, ``[b, s, h]``: its language model's own
-    ``embedding`` (``[s, b, h]``, as Bridge's forwards call it), transposed."""
+    """A Megatron-Bridge VL model's ``[b, s, h]`` token embeddings: its language model's own
+    ``embedding`` (``[s, b, h]``), transposed."""
     return model.language_model.embedding(input_ids=ids, position_ids=None).transpose(0, 1)
 
 
