@@ -1,9 +1,7 @@
-"""``families.collate.check_batch`` on every registered family with a fixture
-(``megatron_media_guard/testing/families/``): the processor-laid batch and the tiny random
-transformers model of each family. Per family: an aligned batch is kept as it is; one run short,
-or +k in one sample and -k in another, raises naming the sample (its id, its item's size in the
-message and the record) or drops it, and the plain model's forward on the returned batch gives
-every kept sample its own forward's output. A family registered without a case fails here.
+"""``families.collate.check_batch`` on every registered family with a fixture: an aligned batch
+is kept as it is; one run short, or +k/-k across two samples, raises naming the sample (its id
+and size) or drops it, and the plain model's forward on the returned batch gives every kept
+sample its own forward's output. Its wrong calls name check_batch and what to pass.
 """
 
 from __future__ import annotations
@@ -88,11 +86,6 @@ CASES = {
 }
 #: registered families with no fixture here: megatron-core's merges (no processor batch)
 NO_FIXTURE = {"llava": "megatron-core LLaVA (collapsed tokens)", "mimo": "megatron-core MIMO"}
-
-
-def test_every_registered_family_has_a_case():
-    names = {s.name for s in FAMILIES}
-    assert names == set(CASES) | set(NO_FIXTURE), names ^ (set(CASES) | set(NO_FIXTURE))
 
 
 _MODELS: dict = {}
@@ -218,42 +211,34 @@ def test_a_drop_leaves_a_batch_the_plain_model_takes(name, fault):
 # ---- wrong calls: a MediaInputError that names check_batch and what to pass (issue 27) ----
 
 
-@pytest.fixture(scope="module")
-def glm():
-    _case, F, model = fixture("glm4v")
-    return F, model, batch(F, model, [[img(56, 56)], [img(56, 84)]])
+MAKE = {  # the batch made wrong
+    None: lambda kw: kw,
+    "no grid": lambda kw: {k: kw[k] for k in ("input_ids", "pixel_values")},
+    "float ids": lambda kw: dict(kw, input_ids=kw["input_ids"].float()),
+    "float labels": lambda kw: dict(kw, labels=kw["input_ids"].float()),
+}
+TIED = [MediaItem(1, sample=1), MediaItem(1, sample=0)]  # the model places items in order
 
 
-def test_a_missing_batch_key_names_the_key_and_the_family(glm):
-    _F, model, b = glm
-    kw = {k: b.kwargs[k] for k in ("input_ids", "pixel_values")}
-    with pytest.raises(
-        MediaInputError, match=r"check_batch: glm4v's image inputs lack 'image_grid_thw'"
-    ):
-        check_batch("glm4v", kw, config=model.config)
-
-
-def test_float_ids_are_refused_by_check_batch(glm):
-    _F, model, b = glm
-    kw = dict(b.kwargs, input_ids=b.input_ids.float())
-    with pytest.raises(MediaInputError, match=r"^check_batch: input_ids must hold integer") as err:
-        check_batch("glm4v", kw, config=model.config)
-    assert "MediaGuard" not in str(err.value)
-    kw = dict(b.kwargs, labels=b.input_ids.float())
-    with pytest.raises(MediaInputError, match=r"^check_batch \(.*\): labels must be integer"):
-        check_batch("glm4v", kw, config=model.config)
-
-
-def test_no_config_and_missing_markers_say_to_pass_them_to_check_batch():
-    _case, F, model = fixture("mistral3")
-    b = batch(F, model, [[img(28, 56)]])
-    with pytest.raises(MediaInputError, match=r"check_batch\('mistral3', \.\.\.\) needs config="):
-        check_batch("mistral3", b.kwargs, config=None)
-    with pytest.raises(MediaInputError, match=r"^check_batch: .*pass tokenizer=") as err:
-        check_batch("mistral3", b.kwargs, config=model.config)
-    assert "install_vlm" not in str(err.value)
-    with pytest.raises(MediaInputError, match=r"check_batch: tokenizer= is a str; pass the tok"):
-        check_batch("mistral3", b.kwargs, config=model.config, tokenizer="my-tokenizer")
+@pytest.mark.parametrize(
+    "family, make, kw, match",
+    [
+        ("glm4v", "no grid", {}, r"check_batch: glm4v's image inputs lack 'image_grid_thw'"),
+        ("glm4v", "float ids", {}, r"^check_batch: input_ids must hold integer"),
+        ("glm4v", "float labels", {}, r"^check_batch \(.*\): labels must be integer"),
+        ("mistral3", None, {"config": None}, r"check_batch\('mistral3', \.\.\.\) needs config="),
+        ("mistral3", None, {}, r"^check_batch: .*pass tokenizer="),
+        ("mistral3", None, {"tokenizer": "my-tok"}, r"check_batch: tokenizer='my-tok' cannot"),
+        ("glm4v", None, {"sample_ids": ["a"]}, "1 sample_ids for 2 samples"),
+        ("glm4v", None, {"items": TIED}, r"check_batch: items= set MediaItem\.sample"),
+    ],
+)
+def test_a_wrong_call_names_check_batch_and_what_to_pass(family, make, kw, match):
+    _case, F, model = fixture(family)
+    b = batch(F, model, [[img(56, 56)], [img(56, 84)]])
+    with pytest.raises(MediaInputError, match=match) as err:
+        check_batch(family, MAKE[make](dict(b.kwargs)), **{"config": model.config, **kw})
+    assert "MediaGuard" not in str(err.value) and "install_vlm" not in str(err.value)
 
 
 def test_an_unknown_family_lists_each_name_once():
@@ -263,10 +248,10 @@ def test_an_unknown_family_lists_each_name_once():
     assert len(known) == len(set(known)) and "gemma3" in known
 
 
-def test_sample_ids_must_be_one_per_sample(glm):
-    _F, model, b = glm
-    with pytest.raises(MediaInputError, match="1 sample_ids for 2 samples"):
-        check_batch("glm4v", b.kwargs, config=model.config, sample_ids=["a"])
+@pytest.fixture(scope="module")
+def glm():
+    _case, F, model = fixture("glm4v")
+    return F, model, batch(F, model, [[img(56, 56)], [img(56, 84)]])
 
 
 def test_records_carry_the_ids_the_grid_and_the_size_as_in_training(glm, tmp_path):
@@ -285,15 +270,6 @@ def test_records_carry_the_ids_the_grid_and_the_size_as_in_training(glm, tmp_pat
     check_batch("glm4v", b.kwargs, config=model.config, guard=cfg, items=items)
     (rec,) = [r for r in records(tmp_path / "b") if r["event"] == "drop"]
     assert rec["sample_id"] == "img-b"
-
-
-def test_items_tied_to_samples_are_refused_as_the_model_places_items_in_order(glm):
-    """A swap the caller's sample assignment would explain is still a swap for the plain
-    model, which places the items in order: check_batch takes no MediaItem.sample."""
-    _F, model, b = glm
-    items = [MediaItem(1, sample=1), MediaItem(1, sample=0)]
-    with pytest.raises(MediaInputError, match=r"check_batch: items= set MediaItem\.sample"):
-        check_batch("glm4v", b.kwargs, config=model.config, items=items)
 
 
 def test_internvl_without_per_image_tiles_says_what_is_missing():

@@ -1,9 +1,6 @@
-"""install_vlm on transformers classes no written spec names: the spec derived from the class
-(``families/derived.py``), one case table (``testing/derived_models.py``) and the same checks
-on every case: aligned bit-identical with the transfers the derivation costs, a short run /
-+k-k / a swap of two items of different sizes raised naming the sample and dropped with every
-other sample equal to its own forward, generated placeholders as text, keep_tower, remove().
-Comparisons are on the decoder's last hidden states (no logits over the vocabulary)."""
+"""install_vlm on transformers classes no written spec names (``families/derived.py``), one
+case table (``testing/derived_models.py``), the same checks on every case; comparisons on the
+decoder's last hidden states."""
 
 from __future__ import annotations
 
@@ -84,7 +81,19 @@ def test_the_spec_is_derived_and_said_once(name):
     assert "repair geometry" in str(w[0].message)
 
 
-def aligned(name, samples, transfers):
+#: per modality of each case, and a call mixing them (the runs' order and the clips' counts
+#: ride in the verdict)
+MODS = [(n, mod) for n in NAMES for mod in CASE[n].sizes]
+MODS += [(n, "mixed") for n in NAMES if len(CASE[n].sizes) > 1]
+
+
+@pytest.mark.parametrize("name,mod", MODS, ids=[f"{n}-{m}" for n, m in MODS])
+def test_aligned_is_bit_identical_with_one_transfer(name, mod):
+    if mod == "mixed":
+        samples = [[small] for _, small, _ in sizes(name)] + [[b for _, _, b in sizes(name)]]
+    else:
+        _, small, big = next(s for s in sizes(name) if s[0] == mod)
+        samples = [[small], [big]]
     m = model(name)
     b = make_batch(CASE[name], m, samples)
     ref = hidden(m, b.kwargs)
@@ -92,26 +101,7 @@ def aligned(name, samples, transfers):
         out = hidden(m, b.kwargs)
     assert torch.equal(out, ref)
     assert h.last_result.report.actions == ("keep",) * len(samples)
-    assert sum(n.values()) == transfers, n
-
-
-MODS = [(name, mod) for name in NAMES for mod in CASE[name].sizes]
-
-
-@pytest.mark.parametrize("name,mod", MODS, ids=[f"{n}-{m}" for n, m in MODS])
-def test_aligned_is_bit_identical_with_one_transfer(name, mod):
-    _, small, big = next(s for s in sizes(name) if s[0] == mod)
-    aligned(name, [[small], [big]], 1)
-
-
-MIXED = [name for name in NAMES if len(CASE[name].sizes) > 1]
-
-
-@pytest.mark.parametrize("name", MIXED)
-def test_a_call_mixing_modalities_is_bit_identical(name):
-    """The runs' order of a mixed call (and the clips' counts) ride in the verdict."""
-    samples = [[small] for _, small, _ in sizes(name)] + [[big for _, _, big in sizes(name)]]
-    aligned(name, samples, 1)
+    assert sum(n.values()) == 1, n
 
 
 def faults(name):
@@ -163,14 +153,12 @@ def test_the_plain_model_sees_batch_totals_only(name, fault, samples, bad, kept)
 
 
 @pytest.mark.parametrize("name,fault,samples,bad,kept", FAULTS, ids=IDS)
-def test_raise_names_the_sample(name, fault, samples, bad, kept, tmp_path):
+def test_raise_names_the_sample_and_drop_keeps_the_others(
+    name, fault, samples, bad, kept, tmp_path
+):
     cfg = GuardConfig(log_dir=str(tmp_path))
     run = lambda: guarded(name, samples, cfg, **_swap(fault, name))  # noqa: E731
     assert raised_samples(run, bad, tmp_path) >= bad
-
-
-@pytest.mark.parametrize("name,fault,samples,bad,kept", FAULTS, ids=IDS)
-def test_drop_keeps_every_other_sample_equal_to_its_own_forward(name, fault, samples, bad, kept):
     b, out, res = guarded(name, samples, GuardConfig(policy="drop"), True, **_swap(fault, name))
     assert {s for s, a in enumerate(res.report.actions) if a == "drop"} == bad
     torch.testing.assert_close(out[kept, : b.lengths[kept]], own(name, samples[kept]))

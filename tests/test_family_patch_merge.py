@@ -1,21 +1,8 @@
-"""GLM-4V and Ernie 4.5 VL on transformers' real classes (tiny random config, CPU): the two
-patch-merge families with grids in the inputs and M-RoPE positions from ``mm_token_type_ids``,
-one :class:`GridCase` each.
-
-- the fixture's grids and the spec's geometry are the PIL image processor's (and solving for
-  its count gives its grid back);
-- ``policy="repair"`` re-encodes a short image run at the grid the processor's own resize
-  gives for the run (its grid row replaced for M-RoPE), equal to the plain model fed that
-  image by hand; a short video run falls back;
-- ``check_batch`` on the processor's outputs (no model) drops the short sample (videos; a
-  mixed batch) and the plain model takes the checked batch.
-
-GLM-4V's own: a sample holding both images and videos (which its plain model cannot take)
-equals its features placed by hand, run by run, with the model's own ``get_rope_index``
-positions; a batch without ``mm_token_type_ids`` is a clear error (both families).
-
-The shared contract (aligned, raise, drop, remove, keep_tower, set_items):
-``tests/families/``; each family's own batches: ``FAMILY_FAULTS`` there.
+"""GLM-4V and Ernie 4.5 VL on transformers' real classes (tiny random config, CPU), one
+:class:`GridCase` each: grids and geometry are the PIL image processor's; a short image run is
+repaired at the processor's grid (equal to the plain model fed that image by hand), a short
+video run falls back; ``check_batch`` drops the short sample; GLM-4V's mixed image and video
+samples equal their features placed by hand. The shared contract: ``tests/families/``.
 """
 
 from __future__ import annotations
@@ -139,10 +126,6 @@ def own(case: GridCase, model, sample) -> torch.Tensor:
     return out.logits[0, : b.lengths[0]]
 
 
-def guarded(case: GridCase, model, samples, config=None, items=None):
-    return guarded_forward(case.F, model, samples, config, items)
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_the_registry_knows_the_classes(name):
     case = CASES[name]
@@ -187,7 +170,7 @@ def test_repair_reencodes_the_image_at_the_processors_grid(name, tmp_path):
         MediaItem(0, sample=0, source_hw=(8 * P, 12 * P)),
         MediaItem(0, sample=1, source_hw=(2 * P, 4 * P)),
     ]
-    b, out, res = guarded(case, model, samples, cfg, items=source)
+    b, out, res = guarded_forward(case.F, model, samples, cfg, source)
     assert res.report.actions == ("repair", "keep")
     rec = next(r for r in records(tmp_path) if r["event"] == "repair")
     assert (rec["fidelity"], rec["grid"]) == ("engine-replay", [6, 8])
@@ -211,7 +194,10 @@ def test_a_short_video_run_falls_back(name, tmp_path):
     case = CASES[name]
     samples = [[vid(2, 4, 4)], [vid(2, 4, 4, n=case.short_video)]]
     cfg = GuardConfig(policy="repair", fallback="drop", log_dir=str(tmp_path))
-    assert guarded(case, model_of(case), samples, cfg)[2].report.actions == ("keep", "drop")
+    assert guarded_forward(case.F, model_of(case), samples, cfg)[2].report.actions == (
+        "keep",
+        "drop",
+    )
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -245,7 +231,7 @@ GLM4V_ALIGNED = [
 def test_glm4v_aligned_batches_equal_each_samples_own_forward(_name, samples):
     case = CASES["glm4v"]
     model = model_of(case)
-    b, out, res = guarded(case, model, samples)
+    b, out, res = guarded_forward(case.F, model, samples)
     assert res.report.actions == ("keep",) * len(samples)
     for k, sample in enumerate(samples):
         want = own(case, model, sample)

@@ -1,24 +1,16 @@
-"""check_batch repairs from the original media (families/reprocess.py, families/pinning.py).
-
-Every family with a pin: a batch processed statically (the processor at its own budget), ids
-written by an engine that sized one image smaller; ``check_batch(policy="repair", media=...,
-processor=...)`` must return the pixel rows and grid row the processor makes of the original at
-the engine's size (max abs difference 0), the aligned item untouched, and the tiny model must
-take the result. Qwen-VL (a real-shaped tiny Qwen2.5-VL config), GLM-4V and Ernie run their
-real (PIL-backend) image processors; Nemotron Omni's needs torchvision (no CPU build here): its
-oracle is the processor's own ``get_patch_grid_size`` and ``convert_image_to_patches``
-(compiled from the installed source) around the float resize and fused normalization its
-torchvision backend does.
-
-Videos, every family with a video pin (Qwen2.5-VL and Ernie 4.5 VL one run, Qwen3-VL and GLM-4V
-a run per temporal group): the video processors need torchvision, so the oracle is
-:mod:`megatron_media_guard.testing.video_processors` (their own ``smart_resize``, ``patchify``,
-Ernie's ``_preprocess`` and defaults compiled from the installed source, around torchvision's
-uint8 resize).
+"""check_batch repairs from the original media (families/reprocess.py, families/pinning.py):
+ids written by an engine that sized one item smaller than the static batch; the repair must
+return the rows and grid row the processor makes of the original at the engine's size (max abs
+difference 0), the aligned item untouched, and the tiny model must take the result. Oracles:
+the real PIL image processors (Qwen-VL, GLM-4V, Ernie); Nemotron Omni's own grid and patch
+functions around its torchvision float path; for videos,
+:mod:`megatron_media_guard.testing.video_processors` (the processors' own source around
+torchvision's uint8 resize).
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
@@ -109,38 +101,40 @@ class Case:
         return tuple(grid[-2:])
 
 
-def _glm():
-    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
-
-    return Case("glm4v", glm4v, Glm4vImageProcessorPil(), "image_grid_thw")
-
-
-def _ernie():
-    from transformers.models.ernie4_5_vl_moe.image_processing_pil_ernie4_5_vl_moe import (
-        Ernie4_5_VLMoeImageProcessorPil,
-    )
-
-    return Case("ernie4_5_vl", ernie4_5_vl, Ernie4_5_VLMoeImageProcessorPil(), "image_grid_thw")
-
-
-def _nemotron():
-    return Case("nemotron_omni", nemotron_omni, None, "image_grid_hw", NEMOTRON_TOKENS)
-
-
-def _qwen():
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
-    return Case("qwen_vl", QwenFixture("qwen2_5_vl"), Qwen2VLImageProcessorPil(), "image_grid_thw")
-
-
-CASES = {
-    "qwen_vl": _qwen,
-    "glm4v": _glm,
-    "ernie4_5_vl": _ernie,
-    "nemotron_omni": _nemotron,
+#: family: its fixture, its PIL image processor (transformers.models.<module>.<class>; None:
+#: own arithmetic), its grid input, its tokenizer stand-in
+FAMILY_CASES = {
+    "qwen_vl": (
+        QwenFixture("qwen2_5_vl"),
+        "qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil",
+        "image_grid_thw",
+        None,
+    ),
+    "glm4v": (
+        glm4v,
+        "glm4v.image_processing_pil_glm4v.Glm4vImageProcessorPil",
+        "image_grid_thw",
+        None,
+    ),
+    "ernie4_5_vl": (
+        ernie4_5_vl,
+        "ernie4_5_vl_moe.image_processing_pil_ernie4_5_vl_moe.Ernie4_5_VLMoeImageProcessorPil",
+        "image_grid_thw",
+        None,
+    ),
+    "nemotron_omni": (nemotron_omni, None, "image_grid_hw", NEMOTRON_TOKENS),
 }
+CASES = sorted(FAMILY_CASES)
+
+
+def case_of(family: str) -> Case:
+    fixture, proc, grid, tokens = FAMILY_CASES[family]
+    if proc is not None:
+        module, cls = proc.rsplit(".", 1)
+        proc = getattr(importlib.import_module(f"transformers.models.{module}"), cls)()
+    return Case(family, fixture, proc, grid, tokens)
+
+
 _MODELS: dict[str, Any] = {}
 
 
@@ -174,9 +168,9 @@ def run(case: Case, kw, imgs, model, **cfg):
     )
 
 
-@pytest.mark.parametrize("family", sorted(CASES))
+@pytest.mark.parametrize("family", CASES)
 def test_a_short_run_is_repaired_to_what_the_processor_makes_at_the_engines_size(family):
-    case = CASES[family]()
+    case = case_of(family)
     imgs = [picture(300, 500, 1), picture(120, 150, 2)]
     rows, grid, n = case.engine(imgs[0])
     model, kw, static = batch_for(case, imgs, [n, None])
@@ -197,9 +191,9 @@ def test_a_short_run_is_repaired_to_what_the_processor_makes_at_the_engines_size
         model(**b)
 
 
-@pytest.mark.parametrize("family", sorted(CASES))
+@pytest.mark.parametrize("family", CASES)
 def test_an_aligned_batch_is_returned_as_given(family):
-    case = CASES[family]()
+    case = case_of(family)
     imgs = [picture(200, 260, 3)]
     model, kw, _ = batch_for(case, imgs, [None])
     out = run(case, kw, imgs, model)
@@ -216,18 +210,13 @@ FALLBACKS = {  # why: (no original given, no processor given, GuardConfig, the r
 
 @pytest.mark.parametrize(
     "family, why",
-    [
-        (f, w)
-        for f in sorted(CASES)
-        for w in FALLBACKS
-        if f != "nemotron_omni" or w != "no processor"
-    ],
+    [(f, w) for f in CASES for w in FALLBACKS if f != "nemotron_omni" or w != "no processor"],
 )
 def test_a_repair_that_cannot_be_made_falls_back_saying_why(family, why, tmp_path):
     """No original, a fidelity the config does not allow, or a processor family without its
     processor: the sample takes the fallback (drop, or raise), the record says why."""
     no_original, no_processor, cfg, says = FALLBACKS[why]
-    case = CASES[family]()
+    case = case_of(family)
     imgs = [picture(300, 500, 1)]
     model, kw, _ = batch_for(case, imgs, [case.engine(imgs[0])[2]])
     media = [None] if no_original else imgs
@@ -240,11 +229,11 @@ def test_a_repair_that_cannot_be_made_falls_back_saying_why(family, why, tmp_pat
         run(case, kw, media, model, fallback="raise", **cfg)
 
 
-@pytest.mark.parametrize("family", sorted(CASES))
+@pytest.mark.parametrize("family", CASES)
 def test_a_sample_is_repaired_only_when_all_its_items_are(family):
     """Two short images in one sample, the second without its original: the sample falls
     back whole (dropped), nothing of it is re-processed into the batch."""
-    case = CASES[family]()
+    case = case_of(family)
     imgs = [picture(300, 500, 1), picture(260, 300, 5)]
     (_, g0), (_, g1) = (case.static(im) for im in imgs)
     n0, n1 = (case.engine(im)[2] for im in imgs)
@@ -261,9 +250,11 @@ def test_a_size_no_budget_reaches_is_resized_by_the_processors_own_resize():
     """A closest-aspect solution (no budget lands there): the original resized to the solved
     size with the processor's resampling, then processed without resizing; equal to PIL's
     bicubic resize of the original fed to the processor with ``do_resize=False``."""
-    case = _glm()
+    case = case_of("glm4v")
     img = picture(300, 500, 1)
-    geo = glm4v_geometry()
+    from megatron_media_guard.families.glm4v import geometry
+
+    geo = geometry()
     n = next(k for k in range(40, 400) if geo.solve(k, (300, 500)).fidelity == "closest-aspect")
     model, kw, _ = batch_for(case, [img], [n])
     out = run(case, kw, [img], model, allowed_fidelity=("engine-replay", "closest-aspect"))
@@ -275,12 +266,6 @@ def test_a_size_no_budget_reaches_is_resized_by_the_processors_own_resize():
     )
     assert torch.equal(out.batch["pixel_values"], ref["pixel_values"])
     assert out.batch["image_grid_thw"].tolist() == ref["image_grid_thw"].tolist()
-
-
-def glm4v_geometry():
-    from megatron_media_guard.families.glm4v import geometry
-
-    return geometry()
 
 
 def one_more():
@@ -303,7 +288,7 @@ def one_more():
 
 
 def test_a_processor_that_cannot_be_pinned_is_refused_and_left_as_it_was(tmp_path):
-    case = _glm()
+    case = case_of("glm4v")
     img = picture(300, 500, 1)
     _, _, n = case.engine(img)
     model, kw, _ = batch_for(case, [img], [n])
@@ -324,7 +309,7 @@ def test_a_processor_that_cannot_be_pinned_is_refused_and_left_as_it_was(tmp_pat
 def test_a_static_video_against_a_longer_rollout_is_refused_naming_both_totals():
     """Nemotron Omni (no video pin: fixed patches per frame): a 6-frame 32x32 video is 3
     tubelets of one token (3 placeholders); the rollout wrote 4 (its last run 2)."""
-    model = model_of(_nemotron())
+    model = model_of(case_of("nemotron_omni"))
     b = nemotron_omni.make_batch(model, [[Media("video", (6, 2, 2), tokens=4)]])
     frames = [picture(32, 32, k) for k in range(6)]
     with pytest.raises(MediaAlignmentError) as err:
@@ -526,30 +511,18 @@ def test_a_short_video_is_repaired_from_its_frames_to_what_the_processor_makes(c
         vc.model()(**b)
 
 
-@pytest.mark.parametrize("case", ["qwen3_vl", "glm4v"])
-def test_a_video_whose_runs_differ_is_refused_never_guessed(case, tmp_path):
-    """A run per temporal group: one frame size gives every group the same run, so runs
-    that differ (the last one 4 short) determine no size."""
-    vc = VIDEO_CASES[case]
-    videos = [clip(4, 224, 336, 1)]
-    _, (t, h, w) = video_processors.process(vc.processor, frames_array(videos[0]), vc.engine_size)
-    kw, _ = vc.batch(videos, [(t, h, w)], [t * h * w // 4 - 4])
-    with pytest.raises(MediaAlignmentError, match="does not uniquely determine") as err:
-        vc.check(kw, videos, fallback="raise", log_dir=str(tmp_path))
-    per = h * w // 4
-    assert "gives every temporal group the same run" in str(err.value)
-    assert f"runs [{per}, {per - 4}]" in str(err.value)
-    out = vc.check(kw, videos)
-    assert out.report.actions == ("drop",) and out.reprocessed == ()
-    assert "pixel_values_videos" not in out.batch
-
-
 UNDETERMINED = "does not uniquely determine"
 
 
 @pytest.mark.parametrize(
     "case, extra, frames, drawn, needles",
     [
+        # a run per temporal group: one frame size gives every group the same run, so runs
+        # that differ (the last one 4 short) determine no size
+        *[
+            (c, -4, 4, False, [UNDETERMINED, "gives every temporal group the same run", "{runs}"])
+            for c in ("qwen3_vl", "glm4v")
+        ],
         # Qwen2.5-VL: one run of t*h*w/4 over 2 temporal groups; an odd count lands on no size
         ("qwen2_5_vl", 1, 4, False, [UNDETERMINED, "not divisible by the 2 temporal groups"]),
         # Qwen3-VL: the rollout wrote the 2 runs of a 4-frame video; 6 frames make 3 groups
@@ -567,9 +540,14 @@ def test_a_video_no_frame_size_explains_is_refused_saying_why(case, extra, frame
     if drawn:
         vc = replace(vc, overrides=())
         assert vc.settings()["draw_on_frames"] is True
+    originals = [clip(frames, 224, 336, 1)]
     with pytest.raises(MediaAlignmentError) as err:
-        vc.check(kw, [clip(frames, 224, 336, 1)], fallback="raise")
-    assert all(n in str(err.value) for n in needles), str(err.value)
+        vc.check(kw, originals, fallback="raise")
+    runs = f"runs [{h * w // 4}, {h * w // 4 - 4}]"
+    assert all(n.format(runs=runs) in str(err.value) for n in needles), str(err.value)
+    out = vc.check(kw, originals)  # never guessed: the sample dropped
+    assert out.report.actions == ("drop",) and out.reprocessed == ()
+    assert "pixel_values_videos" not in out.batch
 
 
 def test_a_video_without_its_video_processor_falls_back_saying_so(tmp_path):
@@ -591,7 +569,7 @@ def test_a_video_without_its_video_processor_falls_back_saying_so(tmp_path):
 
 
 def test_media_of_the_wrong_length_is_refused_naming_check_batch():
-    case = _nemotron()
+    case = case_of("nemotron_omni")
     imgs = [picture(300, 500, 1)]
     model, kw, _ = batch_for(case, imgs, [None])
     with pytest.raises(MediaInputError, match=r"check_batch\(media=...\) has 2 originals for 1"):

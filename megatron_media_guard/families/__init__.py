@@ -1,9 +1,6 @@
 """Model families as data: one :class:`~.spec.FamilySpec` per family on one engine
-(``adapters/vlm.py``); ``FAMILIES`` is the registry ``install_vlm`` and ``install_from_args``
-search. A new family is a module here with a ``SPEC`` and one line below (docs/FAMILIES.md).
-
-May import ``core``, ``geometry``, ``repair`` (pixel layouts), ``errors`` and torch; never
-``adapters`` or torch.distributed.
+(``adapters/vlm.py``); ``FAMILIES`` is the registry ``install_vlm`` searches. A new family is a
+module here with a ``SPEC`` and one line below (docs/FAMILIES.md).
 """
 
 from __future__ import annotations
@@ -75,11 +72,9 @@ def family_of(model: Any) -> FamilySpec | None:
 
 
 def find_family(model: Any) -> tuple[Any, FamilySpec | None]:
-    """The (possibly wrapped) model a family knows, and that family; ``(model, None)`` if none.
-    Wrappers first (DDP's ``.module``, Bridge's ``.llava_model``), then the submodules, the
-    outermost first (a ``...ForConditionalGeneration``, not the model it holds); else a spec
-    derived from a transformers class (:func:`~.derived.derive`, which refuses a class off the
-    convention with what is missing)."""
+    """The (possibly wrapped) model a family knows, and that family (``(model, None)``: none):
+    wrappers first, then the submodules, the outermost first; else a spec derived from a
+    transformers class (:func:`~.derived.derive`)."""
     for m in unwrap(model):
         spec = family_of(m)
         if spec is not None:
@@ -98,14 +93,12 @@ def find_family(model: Any) -> tuple[Any, FamilySpec | None]:
 
 
 def family_names() -> tuple[str, ...]:
-    """Each registered family's name once, in registry order (a family's transformers and
-    Bridge specs share a name)."""
+    """Each registered family's name once, in registry order."""
     return tuple(dict.fromkeys(f.name for f in FAMILIES))
 
 
 def no_family(caller: str, what: str) -> MediaInputError:
-    """The refusal of ``what`` (a model, a family name) that no family knows, from ``caller``:
-    a few short lines, each family named once (their classes are in docs/FAMILIES.md)."""
+    """The refusal of ``what`` (a model, a family name) no family knows, from ``caller``."""
     names = textwrap.fill(
         ", ".join(family_names()), width=88, initial_indent="    ", subsequent_indent="    "
     )

@@ -1,13 +1,10 @@
-"""LLaVA-OneVision's anyres pixels as torch ops (on the pixels' device): the image back from
-its tiles, and an image cut into tiles the way ``LlavaOnevisionImageProcessor`` cuts them; and
-its spec's ``counts``, the features ``pack_image_features`` makes per ``image_sizes`` row.
+"""LLaVA-OneVision's anyres pixels as torch ops: the image back from its tiles, an image cut
+into tiles as ``LlavaOnevisionImageProcessor`` does, and its spec's ``counts``.
 
-The processor resizes an image into its best pinpoint (aspect kept, ``get_patch_output_size``),
-pads it centred to the pinpoint with zero pixels, splits that canvas row-major into tiles of
-the tower's size and puts the whole image resized to one tile first. So the tiles of an image
-stitched back, with the padding cut, are exactly the resized image the processor made (up to
-nothing: the split is a reshape). The padding is the processor's zero pixel normalized with
-its default mean/std (OPENAI_CLIP; a processor configured with others pads to another value).
+The processor resizes an image into its best pinpoint, pads it centred with its zero pixel
+(normalized with its default OPENAI_CLIP mean/std), splits it row-major into tiles and puts
+the whole image resized to one tile first: the tiles stitched back, padding cut, are exactly
+the resized image (the split is a reshape).
 """
 
 from __future__ import annotations
@@ -50,11 +47,9 @@ def tiles_for(geo: AnyresGeometry, img: torch.Tensor) -> torch.Tensor:
 
 
 def anyres_tokens(sizes: torch.Tensor, multi: torch.Tensor, config: Any) -> torch.Tensor:
-    """Per ``image_sizes`` row ``(H, W)``, the features ``pack_image_features`` makes, as torch
-    ops on its device (float64, Python's arithmetic): ``base + 1`` where ``multi`` (its sample
-    has several images), else the best pinpoint (most kept area, then least waste, the first
-    on a tie), the unpadded feature map, the ``anyres_max_k`` downscale and one newline
-    feature per row after the base tile (:class:`AnyresGeometry` on the host)."""
+    """Per ``image_sizes`` row ``(H, W)``, the features ``pack_image_features`` makes (torch,
+    float64: Python's arithmetic): ``base + 1`` where ``multi``, else the best pinpoint's
+    unpadded map, the ``anyres_max_k`` downscale and a newline per row after the base tile."""
     v = config.vision_config
     tile, side = int(v.image_size), int(v.image_size) // int(v.patch_size)
     k = int(config.vision_aspect_ratio.removeprefix("anyres_max_"))

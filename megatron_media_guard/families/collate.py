@@ -9,18 +9,13 @@ processor's outputs and the rollout's token ids, with no model and no tower (CPU
     batch = checked.batch            # every kept sample consistent; dropped ones text-only
     checked.report.actions           # per sample: keep / drop
 
-Each item's feature count comes from the spec's ``counts`` (the model's own arithmetic on the
-inputs: grids, image sizes, fixed tokens per image, stacked tubelets, audio masks), computed on
-the inputs' device and checked against the runs there: an aligned batch costs one transfer
-(the verdict), except where two modalities share a token with no per-token type to tell them
-apart (Nemotron Omni's images and video: the counts are read, then the runs). A sample whose runs disagree is dropped
-(``GuardConfig(policy="drop")``, the default here) or raises naming it: its media leave the
-inputs (the spec's ``rows`` / ``patches`` / ``groups`` say where they sit), its placeholders
-become the family's text token, its labels are ignored. The batch keeps its shape. A planned
-repair falls back (``GuardConfig.fallback``): nothing here re-encodes. The steps are
-:mod:`.inputs`'s, shared with the ``apply="inputs"`` pre-hook. Records go to the guard's log
-as in training (``GuardConfig(log_dir=...)``), with the samples' ids (``sample_ids=``) and each
-item's frames, size and grid as the batch gives them.
+Each item's count comes from the spec's ``counts`` (the model's own arithmetic on the inputs),
+checked against the runs on the device: an aligned batch costs one transfer (Nemotron Omni's
+images and video, which share a token, read their counts first). A sample whose runs disagree
+is dropped (the default here) or raises naming it: its media leave the inputs, its placeholders
+become text, its labels are ignored; the batch keeps its shape. A repair re-processes the
+original media (``media=``, :mod:`.reprocess`), else falls back. The steps are :mod:`.inputs`'s,
+shared with the ``apply="inputs"`` pre-hook; records go to the guard's log as in training.
 """
 
 from __future__ import annotations
@@ -46,20 +41,22 @@ from .inputs import (
     drop_inputs,
     given_tables,
     gone_items,
+    n_items,
     on_device,
     plan_items,
+    take_items,
     verify_tables,
 )
-from .reprocess import Reprocessed, Reprocessor, replace_rows
-from .spec import FamilySpec, present
+from .reprocess import Reprocessed, Reprocessor
+from .spec import FamilySpec, check_tokenizer, present
 
 CALLER = "check_batch"
 
 
 @dataclass(frozen=True)
 class BatchCheck:
-    """``batch``: the inputs with every dropped sample's media out and its placeholders text
-    (the same dict when nothing was dropped); ``report``: per sample what was found and done."""
+    """``batch``: the inputs with every dropped sample's media out and its placeholders text;
+    ``report``: per sample what was found and done."""
 
     batch: dict[str, Any]
     report: GuardReport
@@ -89,18 +86,14 @@ def check_batch(
     media: Any = None,
     processor: Any = None,
 ) -> BatchCheck:
-    """Checks one collated batch of ``family`` (a name from the registry or a spec) against its
-    token ids. config: the model's config (``AutoConfig``: token ids and sizes; no weights).
-    tokenizer: the tokenizer object or a ``{token: id}`` mapping, for markers the config lacks.
-    guard: a guard to use, or the config of one (default: drop, no consensus).
-    sample_ids: per sample (row of ``input_ids``) the data pipeline's id (a rollout id), carried
-    into the records and the message. items: one :class:`MediaItem` per model-level item (an
-    image, a video, a clip), per modality in the model's order: its ``sample_id``,
-    ``source_hw`` and, for a family whose inputs do not size its items (InternVL: tiles per
-    image), its ``num_features`` (not ``sample``: the model places items in order).
-    media: one original per item (``policy="repair"``: mismatched items re-processed from them
-    with ``processor``, :mod:`.reprocess`; ``BatchCheck.reprocessed`` / ``matched`` name
-    them)."""
+    """Checks one collated batch of ``family`` (a registry name or a spec) against its token
+    ids. config: the model's config (token ids and sizes; no weights). tokenizer: for markers
+    the config lacks. guard: a guard, or its config (default: drop, no consensus).
+    sample_ids: per sample the pipeline's id, in the records and messages. items: one
+    :class:`MediaItem` per model-level item, per modality in the model's order: its
+    ``sample_id``, ``source_hw`` and, where the inputs do not size it (InternVL), its
+    ``num_features``. media: one original per item, re-processed with ``processor`` where
+    mismatched (``policy="repair"``, :mod:`.reprocess`)."""
     spec = _spec(family)
     ids = _ids(batch)
     if config is None:
@@ -108,7 +101,7 @@ def check_batch(
             f"{CALLER}({spec.name!r}, ...) needs config= (the model's config, e.g. "
             "AutoConfig.from_pretrained(path): its token ids and sizes; no weights)"
         )
-    _check_tokenizer(tokenizer)
+    check_tokenizer(tokenizer, CALLER)
     sids = _sample_ids(sample_ids, ids.shape[0])
     holder = SimpleNamespace(config=config)
     geo = spec.geometry(holder) if media is not None and spec.geometry else None
@@ -157,7 +150,10 @@ def check_batch(
     res, owner = plan_items(guard, ids, listed, parent, **kw)
     report = res.report
     done = () if rep is None else rep.kept(report)
-    batch = replace_rows(spec, batch, mods, done) if done else batch
+    if done:  # the re-processed items' rows and grid rows in place of the batch's
+        fixed = {(d.modality, d.index): (d.grid, d.rows) for d in done}
+        keep = {m.name: range(n_items(m, batch)) for m in mods}
+        batch = {**batch, **take_items(batch, mods, keep, repaired=fixed)}
     dropped = set(report.dropped)
     if not dropped:
         return BatchCheck(dict(batch), report, done)
@@ -208,16 +204,6 @@ def _ids(batch: Mapping[str, Any]) -> torch.Tensor:
     return ids
 
 
-def _check_tokenizer(tokenizer: Any) -> None:
-    if tokenizer is None or isinstance(tokenizer, Mapping):
-        return
-    if not callable(getattr(tokenizer, "convert_tokens_to_ids", None)):
-        raise MediaInputError(
-            f"{CALLER}: tokenizer= is a {type(tokenizer).__name__}; pass the tokenizer object "
-            "(AutoTokenizer.from_pretrained(...)) or a {token: id} mapping"
-        )
-
-
 def _sample_ids(sample_ids, rows: int) -> tuple | None:
     if sample_ids is None:
         return None
@@ -234,8 +220,8 @@ def _sample_ids(sample_ids, rows: int) -> tuple | None:
 
 
 def _given(want: Mapping[str, int], items: Sequence[MediaItem] | None) -> dict:
-    """``(modality, model-level index) -> fields`` the caller's ``items`` lay on the items
-    (``want``: per modality its model-level items)."""
+    """``(modality, model-level index) -> fields`` the caller's ``items`` give (``want``: per
+    modality its model-level items)."""
     if items is None:
         return {}
     items = list(items)

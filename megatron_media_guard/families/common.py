@@ -1,6 +1,4 @@
-"""What several family specs share beside the data model (:mod:`.spec`): their classes, the
-text token, a call of the model's own feature method, images from flat patch rows, count tables
-from grids and clip lengths."""
+"""What several family specs share beside the data model (:mod:`.spec`)."""
 
 from __future__ import annotations
 
@@ -29,9 +27,8 @@ def hf_classes(*prefixes: str) -> dict[str, frozenset[str]]:
 
 
 def feature_call(method: str, *args: str, **keywords: str) -> Encode:
-    """An ``encode`` calling the model's own ``method`` on the call's inputs ``args``
-    (positional) and ``keywords`` (``{parameter: input}``, None where absent): one item per
-    entry of its ``pooler_output``."""
+    """An ``encode`` calling the model's own ``method`` on the inputs ``args`` (positional) and
+    ``keywords`` (``{parameter: input}``): one item per entry of its ``pooler_output``."""
 
     def encode(model: Any, kw: Mapping[str, Any]) -> Encoded:
         named = {p: kw.get(k) for p, k in keywords.items()}
@@ -44,10 +41,9 @@ def feature_call(method: str, *args: str, **keywords: str) -> Encode:
 def patch_images(
     feats: Sequence[torch.Tensor], kw: Mapping[str, Any], rows: str, grid: str, patch: int, image
 ) -> Encoded:
-    """The ``Encoded`` of images given as flat patch rows (``kw[rows]``: ``prod(grid row)`` rows
-    per image; the grid row's last two entries its patches high and wide): ``feats`` alone, or,
-    when the engine asks for pixels (:data:`PIXELS`), each image's ``[C, H, W]`` made by
-    ``image(its rows, h, w)``, the grids read on the host (one small transfer, repair only)."""
+    """The ``Encoded`` of images given as flat patch rows (``prod(grid row)`` rows each, the
+    row's last two entries its patches high and wide), with each image's ``[C, H, W]``
+    (``image(its rows, h, w)``) when the engine asks for pixels (:data:`PIXELS`)."""
     if not kw.get(PIXELS):
         return Encoded(tuple(feats))
     g = to_host(kw[grid], why="image grids to cut each item's patch rows for repair").tolist()
@@ -60,10 +56,9 @@ def patch_images(
 
 
 def grid_table(thw: torch.Tensor, div: int, patch: int, t: str = "tokens") -> torch.Tensor:
-    """The count table of ``[n, 3]`` (t, h, w) grid rows at ``patch * (h, w)`` pixels: one run
-    of ``t*h*w / div`` per row (``t="tokens"``), ``t`` runs of ``h*w / div`` (``"runs"``: a
-    video's frame groups), or one run of ``h*w / div`` over ``t`` frames (``"frames"``: frames
-    pooled)."""
+    """The count table of ``[n, 3]`` (t, h, w) grid rows: one run of ``t*h*w / div`` per row
+    (``t="tokens"``), ``t`` runs of ``h*w / div`` (``"runs"``), or one run of ``h*w / div``
+    over ``t`` frames (``"frames"``: frames pooled)."""
     thw = thw.long()
     hw = thw[:, 1:]
     if t == "tokens":

@@ -1,19 +1,9 @@
-"""A family spec read from a transformers class itself, for the VLMs no written spec names.
-
-:func:`derive` reads an ``apply="embed"`` :class:`~.spec.FamilySpec` from the convention most
-transformers VLMs follow: the forward (of the class or its ``.model``) calls
-``self.get_<m>_features(...)`` (image / video / audio) and merges with ``masked_scatter`` (in
-the forward or a method it calls); the arguments it passes, read from its source (``ast``), are
-the modality's keywords, the first its media; ``config.<m>_token_id`` / ``_index`` is the
-placeholder (runs are bare: no markers). The attribute the forward reads (``pooler_output`` /
-``last_hidden_state``) gives the features: a tuple is one tensor per item (a ``[k, L, h]``
-one: ``k`` tiles, Idefics3's per-sample list), a ``[n, L, h]`` tensor one item per row, cut to
-its valid rows where the output carries an ``attention_mask`` (Gemma 4's audio); a flat block
-is cut by the tower's ``_get_feat_extract_output_lengths``, else by the runs in the ids (only
-the total checked). What the forward does after the call is done too: ``multi_modal_projector`` (Llama 4), adding
-the features onto the placeholder embeddings (Molmo2). A merge by ``index_put``
-(Phi-4-multimodal) is refused. Not derivable (written specs): repair geometry, markers, counts
-the inputs never carry (tiles per image), audio in video, Bridge, EVS; said once, at install.
+"""A family spec read from a transformers class itself, for the VLMs no written spec names
+(docs/FAMILIES.md, "Derived families"): the forward (of the class or its ``.model``) calls
+``self.get_<m>_features(...)`` and merges with ``masked_scatter``; the arguments it passes,
+read from its source (``ast``), are the modality's keywords, ``config.<m>_token_id`` its
+placeholder (bare runs). A merge by ``index_put`` is refused; what cannot be derived (repair
+geometry, markers, counts the inputs never carry) is said once, at install.
 """
 
 from __future__ import annotations
@@ -256,6 +246,3 @@ def derive(model: Any) -> FamilySpec | None:
         stacklevel=3,
     )
     return spec
-
-
-__all__ = ["derive"]

@@ -1,18 +1,12 @@
-"""Ernie 4.5 VL (transformers ``Ernie4_5_VLMoeForConditionalGeneration``): images and videos on
-their own placeholder tokens, M-RoPE positions from the ids, ``mm_token_type_ids`` and the grids.
+"""Ernie 4.5 VL (``Ernie4_5_VLMoe*``; Bridge ``Ernie45VLModel``).
 
-- image: ``<|IMAGE_START|>`` ``<|IMAGE_PLACEHOLDER|>``x(h*w/4) ``<|IMAGE_END|>``; ``pixel_values``
-  ``[sum(h*w), 3*14*14]`` patch rows (temporal patch 1, Qwen-VL's row order) with
-  ``image_grid_thw`` (1, h, w).
-- video: ``<|VIDEO_START|>`` ``<|VIDEO_PLACEHOLDER|>``x(t*h*w/8) ``<|VIDEO_END|>``, one run per
-  video (the resampler merges frames in pairs); ``pixel_values_videos`` with ``video_grid_thw``.
+- image: ``<|IMAGE_START|>`` ``<|IMAGE_PLACEHOLDER|>``x(h*w/4) ``<|IMAGE_END|>``; patch rows
+  (temporal patch 1, Qwen-VL's row order) with ``image_grid_thw`` (1, h, w).
+- video: ``<|VIDEO_START|>`` ``<|VIDEO_PLACEHOLDER|>``x(t*h*w/8) ``<|VIDEO_END|>`` per video.
 
-``mm_token_type_ids`` (1 image, 2 video on the placeholders) feeds the rope;
-``moe_mm_token_type_ids`` (the markers too) routes tokens to the vision experts: a dropped
-sample's placeholders are text in both. The forward computes no M-RoPE from embeddings: the
-guard passes ``position_ids`` from the model's own ``get_rope_index`` on the rewritten ids and
-kept grids. Image repair: the image processor's ``smart_resize`` (``PatchMergeGeometry``),
-re-encoded through ``get_image_features`` (tower and resampler); videos are never repaired.
+A dropped sample's placeholders are text in ``mm_token_type_ids`` (the rope's) and
+``moe_mm_token_type_ids`` (the experts'); ``position_ids`` from the model's own
+``get_rope_index``. Image repair: ``smart_resize``, re-encoded through ``get_image_features``.
 """
 
 from __future__ import annotations
@@ -80,8 +74,8 @@ SPEC = FamilySpec(
 
 
 def _normalized(encode, key: str):
-    """``encode`` on the pixels after the Bridge model's own ``_normalize_pixel_values`` (its
-    forward rescales and CLIP-normalizes the processor's raw patches before the tower)."""
+    """``encode`` on the pixels after the Bridge model's own ``_normalize_pixel_values`` (as its
+    forward does before the tower)."""
 
     def run(model: Any, kw) -> Encoded:
         return encode(model, {**kw, key: model._normalize_pixel_values(kw[key])})
@@ -89,11 +83,8 @@ def _normalized(encode, key: str):
     return run
 
 
-#: Megatron-Bridge 0.6.2 ``Ernie45VLModel.forward(input_ids, attention_mask, position_ids,
-#: inputs_embeds, pixel_values, pixel_values_videos, image_grid_thw, video_grid_thw,
-#: mm_token_type_ids, moe_mm_token_type_ids, ...)``: it merges only while pixels are given and
-#: always computes its M-RoPE itself from ``input_ids`` and the grids (``position_ids``
-#: ignored). Repair resizes the normalized pixels (the normalization is per channel).
+#: Megatron-Bridge 0.6.2 ``Ernie45VLModel``: it merges only while pixels are given and computes
+#: its M-RoPE itself from the ids. Repair resizes the normalized pixels (per channel).
 _IMG, _VID = SPEC.modalities
 BRIDGE = SPEC.bridge(
     "Ernie45VLModel",

@@ -1,6 +1,4 @@
-"""Efficient video sampling (Nemotron Omni's ``video_pruning_rate > 0``): video tokens pruned
-after the merge by the model's own retention function, as its plain forward does, for the
-family engine's ``after_merge`` step."""
+"""Efficient video sampling (Nemotron Omni's ``video_pruning_rate > 0``), an ``after_merge``."""
 
 from __future__ import annotations
 

@@ -1,21 +1,12 @@
-"""Gemma 3 (transformers ``Gemma3ForConditionalGeneration``; Megatron-Bridge ``Gemma3VLModel``):
-a fixed count per image.
+"""Gemma 3 (``Gemma3ForConditionalGeneration``; Bridge ``Gemma3VLModel``): a fixed count per
+image.
 
 - image: ``<start_of_image>`` ``<image_soft_token>``x``mm_tokens_per_image`` ``<end_of_image>``
-  per pixel row; ``pixel_values`` ``[rows, 3, S, S]``. Pan-and-scan crops are extra rows right
-  after their original (``num_crops`` never reaches the model): every row is one item.
-- ``token_type_ids`` (1 on the soft tokens) make each image block attend bidirectionally
-  (transformers); Bridge computes the same blocks from ``input_ids``. A dropped sample's soft
-  tokens become text in the ids and 0 in ``token_type_ids`` (``follow_ids``), so its blocks go
-  with them in both; their embeddings stay their own token's (no feature is placed).
-- a swap of two rows changes no count: nothing can see it (every row has the same count).
+  per ``pixel_values`` row ``[3, S, S]``; pan-and-scan crops are extra rows, each one item.
+- a dropped sample's soft tokens become text in the ids and 0 in ``token_type_ids`` (its
+  bidirectional blocks go with them); a swap of two rows changes no count.
 
-Repair: ``FixedGeometry`` (every row is resized to S x S and yields ``mm`` features): no resize
-reaches another count, so a faulty sample takes the fallback with that reason.
-
-transformers' forward takes ``input_ids`` or ``inputs_embeds``, not both; Bridge's needs
-``input_ids`` beside ``inputs_embeds`` (its attention biases) and embeds through its language
-model: two specs of one family, the Bridge one a copy with its classes and those two fields.
+Repair: ``FixedGeometry``: no resize reaches another count, every repair falls back.
 """
 
 from __future__ import annotations
@@ -84,7 +75,6 @@ SPEC = FamilySpec(
     dummy=_dummy,
 )
 
-#: Megatron-Bridge 0.6.2 ``Gemma3VLModel.forward(input_ids, attention_mask, position_ids,
-#: inputs_embeds, pixel_values, labels, ...)``; its provider names the markers
+#: Megatron-Bridge 0.6.2 ``Gemma3VLModel``: its provider names the markers
 #: ``vision_start_token_id`` / ``vision_end_token_id``
 BRIDGE = SPEC.bridge("Gemma3VLModel")

@@ -1,32 +1,25 @@
-"""GLM-4V / GLM-4.1V / GLM-4.5V (transformers ``Glm4vForConditionalGeneration``,
-``Glm4vMoeForConditionalGeneration``): images and video frames on ONE placeholder token, M-RoPE
-positions from the ids, ``mm_token_type_ids`` and the grids.
+"""GLM-4V / GLM-4.1V / GLM-4.5V (``Glm4v*``, ``Glm4vMoe*``; Bridge ``GLM45VModel``).
 
-- image: ``<|begin_of_image|>`` ``<|image|>``x(h*w/4) ``<|end_of_image|>``; ``pixel_values``
-  ``[sum(h*w), 3*2*14*14]`` patch rows (Qwen-VL's patch layout) with ``image_grid_thw`` (1, h, w).
-- video: ``<|begin_of_video|>`` then per temporal patch (2 frames) an image-token run of h*w/4
-  between ``<|begin_of_image|>`` / ``<|end_of_image|>`` and its timestamp text, then
-  ``<|end_of_video|>``; ``pixel_values_videos`` with ``video_grid_thw`` (t, h, w): t runs, each
-  one item of the guard (its video is their model-level item). The video markers stay text to the
-  guard (they would nest the frames' image regions); ``mm_token_type_ids`` (1 image, 2 video)
-  is what tells a frame run from an image run.
+- image: ``<|begin_of_image|>`` ``<|image|>``x(h*w/4) ``<|end_of_image|>``; Qwen-VL's patch
+  rows with ``image_grid_thw`` (1, h, w).
+- video: per temporal patch (2 frames) an image-token run of h*w/4 between the image markers,
+  t runs per ``video_grid_thw`` row (its video their model-level item); the video markers stay
+  text; ``mm_token_type_ids`` (1 image, 2 video) tells a frame run from an image run.
 
-The plain model scatters images and videos into every image-token position in turn, so it
-cannot take a batch with both; the guard merges per run in token order. The forward takes one
-of ``input_ids`` / ``inputs_embeds`` and computes no M-RoPE from embeddings: the guard passes
-``position_ids`` from the model's own ``get_rope_index`` on the rewritten ids and kept grids.
-Image repair: the image processor's ``smart_resize`` (an image is a clip of 2 frames:
-``PatchMergeGeometry`` with ``temporal_budget``), re-encoded through ``get_image_features``.
+The guard merges per run (the plain model cannot take images and videos together) and passes
+``position_ids`` from the model's own ``get_rope_index``. Image repair: ``smart_resize`` of a
+2-frame clip, re-encoded through ``get_image_features``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from ..geometry import PatchMergeGeometry
+from .common import hf_classes
 from .mrope import grid_counts, image_encoder, patch_dummy, rope_positions
-from .spec import Encoded, FamilySpec, ModalitySpec, Token, bridge_embed
+from .spec import Encoded, FamilySpec, ModalitySpec, Token
 
 PATCH, TEMPORAL, MERGE = 14, 2, 2
 _encode_image, _reencode_image = image_encoder(PATCH, TEMPORAL, MERGE)
@@ -43,8 +36,7 @@ def _encode_video(model: Any, kw) -> Encoded:
 
 @dataclass(frozen=True)
 class ClipGeometry:
-    """A patch-merge geometry that sizes an image as a clip of ``frames`` frames (GLM-4V's
-    ``smart_resize(num_frames=temporal_patch_size, ...)``)."""
+    """A patch-merge geometry sizing an image as a clip of ``frames`` frames."""
 
     geo: PatchMergeGeometry
     frames: int = TEMPORAL
@@ -105,11 +97,7 @@ MODALITIES = (
 
 SPEC = FamilySpec(
     name="glm4v",
-    classes={
-        "transformers.": frozenset(
-            f"{p}{s}" for p in ("Glm4v", "Glm4vMoe") for s in ("ForConditionalGeneration", "Model")
-        )
-    },
+    classes=hf_classes("Glm4v", "Glm4vMoe"),
     modalities=MODALITIES,
     text=Token(("text_config.pad_token_id", "pad_token_id"), "<|endoftext|>", 151329),
     geometry=geometry,
@@ -120,15 +108,6 @@ SPEC = FamilySpec(
     dummy=patch_dummy("visual"),
 )
 
-#: Megatron-Bridge 0.6.2 ``GLM45VModel.forward(input_ids, attention_mask, position_ids,
-#: inputs_embeds, pixel_values, pixel_values_videos, image_grid_thw, video_grid_thw,
-#: mm_token_type_ids, ...)``: it merges only while pixels are given and always computes its
-#: M-RoPE itself (``get_rope_index`` on ``input_ids``, ``mm_token_type_ids`` and the grids,
-#: ``position_ids`` ignored): the guard passes the ids with the embeddings and no positions
-BRIDGE = replace(
-    SPEC,
-    classes={"megatron.bridge.": frozenset({"GLM45VModel"})},
-    positions=None,
-    ids_with_embeds=True,
-    embed=bridge_embed,
-)
+#: Megatron-Bridge 0.6.2 ``GLM45VModel``: it merges only while pixels are given and computes
+#: its M-RoPE itself from the ids: the guard passes the ids with the embeddings, no positions
+BRIDGE = SPEC.bridge("GLM45VModel", positions=None)

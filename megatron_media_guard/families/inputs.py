@@ -1,8 +1,6 @@
-"""A family's check on its inputs alone, with no tower: the items sized by the spec's
-``counts`` (the processor's own arithmetic on grids, masks, lengths), planned through the
-guard's one fault path, and the plan applied by rewriting the inputs. Shared by the collate
-check (:func:`~.collate.check_batch`) and the ``apply="inputs"`` pre-hook
-(``adapters/vlm_inputs.py``), whose model encodes and merges its media itself.
+"""A family's check on its inputs alone, with no tower: items sized by the spec's ``counts``,
+planned through the guard's fault path, the plan applied by rewriting the inputs. Shared by
+:func:`~.collate.check_batch` and the ``apply="inputs"`` pre-hook (``adapters/vlm_inputs.py``).
 """
 
 from __future__ import annotations
@@ -11,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ..core.apply import token_keep
 from ..core.guard import MediaGuard
@@ -27,8 +26,8 @@ from .spec import COUNT_COLUMNS, Encoded, FamilySpec, ModalitySpec
 def count_tables(
     spec: FamilySpec, mods: Sequence[ModalitySpec], config: Any, inputs, caller: str = "counts"
 ) -> list[torch.Tensor]:
-    """Per modality of ``mods``, its :func:`~.spec.count_table` from ``inputs`` alone, full
-    width, on the inputs' device (nothing is read on the host here)."""
+    """Per modality of ``mods``, its full-width :func:`~.spec.count_table` from ``inputs``, on
+    their device (no host read)."""
     tables = []
     for m in mods:
         if m.counts is None:
@@ -43,7 +42,10 @@ def count_tables(
                 f"{caller}: {spec.name}'s {m.name} inputs lack {err.args[0]!r} (the family's "
                 f"processor returns it beside {m.inputs[0]!r}: pass it in the batch)"
             ) from None
-        tables.append(_table(got, spec, m, caller))
+        if got.dim() != 2 or not 2 <= got.shape[1] <= len(COUNT_COLUMNS):
+            shape = tuple(got.shape)
+            raise MediaInputError(f"{caller}: {spec.name}'s {m.name} counts gave {shape}")
+        tables.append(F.pad(got.long(), (0, len(COUNT_COLUMNS) - got.shape[1])))
     return tables
 
 
@@ -57,13 +59,10 @@ def counted(
     tables: Sequence[torch.Tensor] | None = None,
 ) -> dict[str, Encoded]:
     """Per modality, what its tower would produce, sized from ``inputs`` alone: an
-    :class:`Encoded` of zero-width ``[n, 0]`` features, one per run, ``parent`` the
-    model-level item (a video of several runs shares one), with its frames, frame size and
-    grid where the inputs say them. Every modality's :func:`~.spec.count_table` (``tables``
-    where :func:`count_tables` already made them) comes to the host in one transfer.
-    ``items``: one per model-level item, per modality in the model's order; a
-    ``split="items"`` modality's items are cut by their ``num_features`` (``caller`` names
-    the function that was called, in the errors)."""
+    :class:`Encoded` of zero-width ``[n, 0]`` features, one per run, with ``parent``, frames,
+    frame size and grid where the inputs say them; the ``tables`` come to the host in one
+    transfer. ``items``: one per model-level item (a ``split`` modality's are cut by their
+    ``num_features``)."""
     if tables is None:
         tables = count_tables(spec, mods, config, inputs, caller)
     if not tables:
@@ -80,10 +79,9 @@ def counted(
 
 
 def on_device(spec: FamilySpec) -> bool:
-    """Whether the spec's calls are verified against their count tables on the device (one
-    transfer, :func:`verify_tables`): its tables say its items (no ``split``) and each
-    modality's runs are its own: its own placeholder token, or a shared one told apart by
-    the spec's per-token types (GLM-4V's ``mm_token_type_ids``)."""
+    """Whether the spec's calls are verified against their count tables on the device
+    (:func:`verify_tables`): no ``split``, and each modality's runs told apart by its own
+    placeholder or the spec's per-token types."""
     typed = bool(spec.token_types) and all(m.type_id is not None for m in spec.modalities)
     return all(
         m.split is None and m.counts is not None and (m.shares is None or typed)
@@ -97,10 +95,9 @@ def given_tables(
     tables: Sequence[torch.Tensor],
     items: Sequence[MediaItem] | None,
 ) -> tuple[list[torch.Tensor], torch.Tensor] | None:
-    """For a spec whose only host step is a ``split`` block (InternVL's tiles): the tables,
-    each such block as the given items' rows (one run each, uploaded), and a device flag,
-    nonzero where they do not cut the block into whole rows (read with the verdict; the host
-    path then says how). None where that cannot be checked on the device."""
+    """For a spec whose only host step is a ``split`` block (InternVL's tiles): the tables with
+    each block as the given items' rows, and a device flag, nonzero where they do not cut it
+    into whole units (read with the verdict). None where the device cannot check it."""
     if any(m.shares is not None or m.counts is None for m in spec.modalities):
         return None
     out, bad = [], []
@@ -114,9 +111,7 @@ def given_tables(
         n = torch.tensor(sizes, dtype=torch.int64).to(t.device, non_blocking=True)
         units, per = t[0, 0], t[0, 1]
         bad += [units * per != n.sum(), torch.any(n % per.clamp(min=1) != 0)]
-        out.append(
-            torch.nn.functional.pad(torch.stack([torch.ones_like(n), n], 1), (0, t.shape[1] - 2))
-        )
+        out.append(F.pad(torch.stack([torch.ones_like(n), n], 1), (0, t.shape[1] - 2)))
     flag = torch.stack(bad).any() if bad else torch.zeros((), dtype=torch.bool)
     return out, flag.to(torch.int64)
 
@@ -131,11 +126,9 @@ def verify_tables(
     extra: Sequence[torch.Tensor] = (),
     types: torch.Tensor | None = None,
 ):
-    """The call's runs against the modalities' count ``tables`` on the device
-    (:func:`~..core.verify.verify`): ``(verdict, extra values)`` in one transfer. samples /
-    declared: per modality, per model-level item its sample (explicit items) and the
-    features its caller's item declares. types: the spec's per-token types, which tell the
-    runs of modalities that share a token apart (``ModalitySpec.type_id``)."""
+    """The call's runs against the count ``tables`` on the device: ``(verdict, extra values)``
+    in one transfer. samples / declared: per modality, per model-level item its sample and
+    the features its caller declares. types: the spec's per-token types (``type_id``)."""
     g = lay.grammar
     shared = {g.modality_code(m.name) for m in mods if m.shares is not None}
     expected = [
@@ -159,22 +152,8 @@ def _typed(types: torch.Tensor | None, m: ModalitySpec, shared: bool) -> torch.T
     return types.to(torch.int64) == m.type_id
 
 
-def _table(t: Any, spec: FamilySpec, m: ModalitySpec, caller: str) -> torch.Tensor:
-    """``t`` as a full-width count table. Counts written as host lists of run lengths per
-    item (an older spec's, already read) are taken as their table."""
-    if not isinstance(t, torch.Tensor):
-        if any(len(set(r)) > 1 for r in t):
-            raise MediaInputError(f"{spec.name}: {m.name} counts give runs of unequal lengths")
-        t = torch.tensor([[len(r), r[0] if r else 0] for r in t], dtype=torch.long)
-    if t.dim() != 2 or not 2 <= t.shape[1] <= len(COUNT_COLUMNS):
-        raise MediaInputError(f"{caller}: {spec.name}'s {m.name} counts gave {tuple(t.shape)}")
-    pad = len(COUNT_COLUMNS) - t.shape[1]
-    return torch.nn.functional.pad(t.long(), (0, pad)) if pad else t.long()
-
-
 def _cut(spec, m: ModalitySpec, rows: list, given: Sequence[MediaItem], caller: str) -> list:
-    """A split modality's one block ``(units, tokens per unit)`` as the given items' rows
-    (one run each, ``spans`` its units)."""
+    """A split modality's block ``(units, tokens per unit)`` as the given items' rows."""
     units, per, _, h, w = rows[0][:5] if rows else (0, 0, 0, 0, 0)
     total = units * per
     what = f"{units} rows of {m.rows[0] if m.rows else m.inputs[0]!r}"
@@ -222,10 +201,9 @@ def plan_items(
     order: Sequence[int] | None = None,
     **kw: Any,
 ) -> tuple[MergeResult, list[tuple[str, int]]]:
-    """The guard's plan for ``items`` (consumption order; ``order``: their token order, else
-    :func:`token_order`) on ``ids``: :meth:`MediaGuard.last_stage` with every planned repair
-    attempted (nothing else merges). ``kw``: ``labels``, ``loss_mask``, ``step``,
-    ``microbatch``. Returns the result and, per item in token order, ``(modality, parent)``."""
+    """The guard's plan for ``items`` in token order (``order``, else :func:`token_order`):
+    :meth:`MediaGuard.last_stage`, every planned repair attempted. Returns the result and, per
+    item in token order, ``(modality, parent)``."""
     if order is None:
         order = token_order(ids, guard.grammar, items, parent)
     items = [items[i] for i in order]
@@ -254,15 +232,9 @@ def drop_inputs(
     repaired: Mapping[tuple[str, int], tuple[Sequence[int], torch.Tensor | None]] | None = None,
     order: Mapping[str, Sequence[int]] | None = None,
 ) -> dict[str, Any]:
-    """``inputs`` with the dropped samples' placeholders as ``text`` (and 0 in the spec's
-    ``follow_ids``), their items' rows out of the modalities' ``rows`` and ``patches``
-    inputs (an input left with no row becomes None). ``spans``: per modality, the rows of
-    its ``rows`` inputs each model-level item holds (default one; :attr:`Encoded.spans`).
-    cu: the packed row's sample offsets. repaired: ``{(modality, k): (grid row, patch
-    rows)}`` of the kept items a repair resized (:class:`~.resize.Resizer`). order: per
-    modality, the sample of each model-level item (explicit samples): the kept ones are fed
-    in sample order, the order the model gives them to the runs. Labels are the caller's to
-    mask."""
+    """``inputs`` with the dropped samples' placeholders as ``text`` and the ``gone`` items'
+    rows out (:func:`take_items`). cu: the packed row's sample offsets. order: per modality
+    each item's sample: the kept ones are fed in sample order. Labels are the caller's."""
     ids = inputs["input_ids"]
     lay = TokenLayout(ids, guard.grammar, cu)
     keep = torch.ones(lay.num_samples, dtype=torch.bool)
@@ -309,10 +281,9 @@ def placeholders_as_text(
     text: int,
     markers: Sequence[int] = (),
 ) -> dict[str, Any]:
-    """``input_ids`` with the placeholders of every sample ``keep`` (``[num_samples]`` bool on
-    the device) does not keep as ``text`` (and those in a packed row's padding, which no item
-    feeds), and the spec's ``follow_ids`` 0 there. ``markers``: region markers that leave
-    with such a sample too (``FamilySpec.drop_markers``: a position code counts them)."""
+    """``input_ids`` with the placeholders of every sample ``keep`` (``[num_samples]`` bool)
+    does not keep, and of a packed row's padding, as ``text``, the spec's ``follow_ids`` 0
+    there. ``markers``: region markers that leave with such a sample too."""
     ids = inputs["input_ids"]
     gone = ~token_keep(lay, keep)
     hit = lay.ph & gone
@@ -327,7 +298,7 @@ def placeholders_as_text(
 
 def n_items(m: ModalitySpec, inputs: Mapping[str, Any], span: Sequence[int] | None = None) -> int:
     """The model-level items of ``m`` in ``inputs``: the rows of its first row input given
-    (``span``: the rows each item holds, when an item holds several)."""
+    (``span``: the rows each item holds)."""
     if span:
         return len(span)
     for name in (*m.rows, *m.patches.values()):
@@ -342,18 +313,14 @@ def take_items(
     mods: Sequence[ModalitySpec],
     keep: Mapping[str, Sequence[int]],
     *,
-    sizes: Mapping[str, Sequence[int]] | None = None,
     repaired: Mapping[tuple[str, int], tuple[Sequence[int], torch.Tensor | None]] | None = None,
     spans: Mapping[str, Sequence[int]] | None = None,
 ) -> dict[str, Any]:
     """The modalities' ``rows`` and ``patches`` inputs holding the items ``keep`` names (per
-    modality, its model-level items in the order the model is to take them), a repaired item
-    ``(modality, k)`` with its new grid row ``(t, h, w)`` and patch rows; an input left with
-    no item is None, one left as it was is not returned. ``keep`` may also name a ``rows``
-    input: its own rows to keep (an input whose rows are not one per item, such as a derived
-    spec's by-the-way inputs, is cut by its own length). sizes: per modality, the patch rows
-    of each item where the caller has them (else read from the grid: one transfer). spans:
-    per modality, the rows of its ``rows`` inputs each item holds (InternVL's tiles)."""
+    modality, in the order the model is to take them; a ``rows`` input's name: its own rows),
+    a ``repaired`` item ``(modality, k)`` with its new grid row and patch rows; an input left
+    with no item is None, one unchanged is not returned. spans: per modality, the rows of its
+    ``rows`` inputs each item holds (InternVL's tiles)."""
     out: dict[str, Any] = {}
     fixed = repaired or {}
     for m in mods:
@@ -365,14 +332,12 @@ def take_items(
                 continue
             if ks == list(range(g.shape[0])) and not mine:
                 continue  # every item kept, in order: the input as it was
-            if sizes is not None and m.name in sizes:
-                n = list(sizes[m.name])
-            else:  # patch rows per item: prod of its grid row (a small transfer, drops only)
-                n = to_host(g.prod(-1), why="patch rows per item to drop").tolist()
+            # patch rows per item: prod of its grid row (a small transfer, drops only)
+            n = to_host(g.prod(-1), why="patch rows per item to drop").tolist()
             pieces, parts = x.split(n), []
             for k in ks:
                 new = mine[k][1] if k in mine else None
-                parts.append(pieces[k] if new is None else new)
+                parts.append(pieces[k] if new is None else new.to(x.device))
             out[name] = torch.cat(parts).to(x.dtype) if parts else None
         grids = set(m.patches.values())
         span = (spans or {}).get(m.name)
@@ -400,19 +365,3 @@ def take_items(
             else:
                 out[name] = type(t)(t[k] for k in ks)
     return out
-
-
-__all__ = [
-    "count_tables",
-    "counted",
-    "drop_inputs",
-    "generated_as_text",
-    "given_tables",
-    "gone_items",
-    "n_items",
-    "on_device",
-    "placeholders_as_text",
-    "plan_items",
-    "take_items",
-    "verify_tables",
-]

@@ -1,7 +1,5 @@
-"""The ``inputs`` mode's items beside their count tables: the call's ``set_items`` checked
-against the tables (on the device path: host shapes only; on the fault path: the declared
-counts named with their grids), an item whose runs lie in two samples tied to one (never
-kept or repaired), the items no run takes, and the samples the rewrite feeds rows in."""
+"""The ``inputs`` mode's items beside their count tables: ``set_items`` checked against them,
+an item whose runs lie in two samples (never kept or repaired), the items no run takes."""
 
 from __future__ import annotations
 
@@ -27,11 +25,9 @@ def in_order(meta: Sequence[MediaItem]) -> bool:
 
 
 def meta_tables(meta, mods, tables, num_samples: int):
-    """``(ok, samples, declared)``: whether the call's ``set_items`` (if any) can be checked
-    on the device, and then per modality the sample (None: not given) and the declared
-    features of each model-level item. Not where they do not match the tables' rows (host
-    shapes) or a modality's samples decrease: the fault path says what is wrong, or feeds
-    the rows in sample order."""
+    """``(ok, samples, declared)``: whether the call's ``set_items`` can be checked on the
+    device (their host shapes match the tables', samples in order), and then per modality
+    each model-level item's sample (None: not given) and declared features."""
     if meta is None:
         return True, None, None
     mine = {m.name: [it for it in meta if it.modality == m.name] for m in mods}
@@ -58,8 +54,8 @@ def meta_tables(meta, mods, tables, num_samples: int):
 
 
 def check_declared(meta, mods, encoded) -> None:
-    """An item of ``set_items`` whose ``num_features`` is not its inputs' count (the runs of
-    its model-level item in all), named with its grid."""
+    """Refuses an item of ``set_items`` whose ``num_features`` is not its inputs' count,
+    naming its grid."""
     if meta is None:
         return
     rank: dict[str, int] = {}
@@ -83,10 +79,9 @@ def check_declared(meta, mods, encoded) -> None:
 
 
 def split_items(lay: TokenLayout, items: list[MediaItem], parent: list[int]):
-    """Items (token order) of a model-level item whose runs lie in more than one sample (a
-    Qwen3-VL video's temporal groups split between samples), tied to the sample of its first
-    run, so that no sample keeps them; and per such item why (the repair refuses it). Reads
-    the runs only when a model-level item has several (a transfer, fault path)."""
+    """Items (token order) of a model-level item whose runs lie in several samples (a
+    Qwen3-VL video's temporal groups) tied to its first run's sample, and per such item why
+    (never kept or repaired). Reads the runs only where an item has several (fault path)."""
     keys = [(it.modality, p) for it, p in zip(items, parent)]
     if len(set(keys)) == len(keys):
         return items, {}
@@ -107,8 +102,8 @@ def split_items(lay: TokenLayout, items: list[MediaItem], parent: list[int]):
         if s is not None:
             where.setdefault(key, set()).add(s)
     split = {key: smp for key, smp in where.items() if len(smp) > 1}
+    why = {k: f"its runs fall in samples {sorted(v)}" for k, v in split.items()}
     if not split or any(it.sample is not None for it in items) or None in run_sample:
-        why = {k: f"its runs fall in samples {sorted(v)}" for k, v in split.items()}
         return items, why
     first = {}
     for key, s in zip(keys, run_sample):
@@ -117,7 +112,6 @@ def split_items(lay: TokenLayout, items: list[MediaItem], parent: list[int]):
         replace(it, sample=first[key] if key in split else s)
         for it, key, s in zip(items, keys, run_sample)
     ]
-    why = {k: f"its runs fall in samples {sorted(v)}" for k, v in split.items()}
     return tied, why
 
 
@@ -147,15 +141,3 @@ def sample_of(report, owner) -> dict[tuple[str, int], int]:
 def sample_order(meta, mods) -> dict[str, list[int]]:
     """Per modality, the sample ``set_items`` gives each model-level item."""
     return {m.name: [it.sample for it in meta if it.modality == m.name] for m in mods}
-
-
-__all__ = [
-    "check_declared",
-    "grids_of",
-    "in_order",
-    "meta_tables",
-    "orphans",
-    "sample_of",
-    "sample_order",
-    "split_items",
-]

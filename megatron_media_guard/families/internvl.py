@@ -1,19 +1,12 @@
-"""InternVL (transformers ``InternVLForConditionalGeneration``; Megatron-Bridge 0.6.2 has no
-InternVL class): tiles of ``image_seq_length`` features each, whose count per image never
-reaches the model.
+"""InternVL (``InternVLForConditionalGeneration``): tiles of ``image_seq_length`` features,
+whose count per image never reaches the model.
 
-- image: ``<img>`` ``<IMG_CONTEXT>``x(``image_seq_length`` * tiles) ``</img>``; video: per frame
-  "Frame{i}: " ``<img>`` ``<IMG_CONTEXT>``x``image_seq_length`` ``</img>`` (a frame is one
-  tile, on the same token). ``pixel_values`` ``[sum(tiles), 3, S, S]`` holds every image's and
-  video's tiles in prompt order; the processor pops ``num_patches``.
-- so the model has one modality ("image") and its output one flat block of tile features: the
-  engine cuts it (``Encoded.split="items"``) by ``set_items``' ``num_features`` (one item per
-  image, ``image_seq_length`` * its tiles, and one per video frame), else by the runs in the ids,
-  in token order, with a ``check`` record saying the per-image tile counts were not given and
-  only the total was checked (a +k/-k or a swap of tile counts cannot be seen then).
+- image: ``<img>`` ``<IMG_CONTEXT>``x(``image_seq_length`` * tiles) ``</img>``; a video frame is
+  one tile on the same token. ``pixel_values`` ``[sum(tiles), 3, S, S]`` in prompt order.
+- one flat block of tile features (``split="items"``), cut by ``set_items``' ``num_features``,
+  else by the runs in the ids (only the total checked, a ``check`` record says so).
 
-Repair: none (a tile count follows the image's aspect ratio, but the model gets tiles, not the
-image to re-tile): a repair falls back ("no geometry for internvl").
+Repair: none (the model gets tiles, not the image to re-tile).
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
-"""Kimi K2.5 (transformers ``Kimi_K25ForConditionalGeneration``; Megatron-Bridge
-``KimiK25VLModel``): MoonViT images and video chunks, time-pooled.
+"""Kimi K2.5 (``Kimi_K25ForConditionalGeneration``; Bridge ``KimiK25VLModel``, images only).
 
 - image: ``<|media_begin|>`` "image" ``<|media_content|>`` ``<|media_pad|>``x(h*w/4)
-  ``<|media_end|>``; ``pixel_values`` ``[sum(h*w), 3, 14, 14]``, ``image_grid_thw`` ``(1, h, w)``.
-- video: per chunk of <= 4 frames, its timestamp text, ``<|media_begin|>`` "video"
-  ``<|media_content|>`` ``<|kimi_k25_video_placeholder|>``x(h*w/4) ``<|media_end|>``: one
-  ``video_grid_thw`` row ``(t, h, w)`` per chunk, its frames mean-pooled to h*w/4 features. The
-  processor pops ``num_chunks_per_video``: a chunk is the item (``set_items``: one per chunk).
-- markers and placeholders from the config; images and videos have placeholders of their own.
-- the model embeds its placeholder ids as id 0 (the video placeholder id can lie past the text
-  vocabulary): the guard embeds the same way.
+  ``<|media_end|>``; patch rows with ``image_grid_thw`` ``(1, h, w)``.
+- video: per chunk of <= 4 frames, the same with ``<|kimi_k25_video_placeholder|>``: one
+  ``video_grid_thw`` row per chunk (the item), its frames mean-pooled to h*w/4 features.
+- placeholder ids are embedded as id 0, as the model does.
 
-Repair: none. The processors' ``navit_resize`` (a patch budget, a per-side cap, no upscaling,
-then *padding* to a multiple of 28) needs torchvision: no oracle test can pin it here.
-
-Bridge 0.6.2's ``KimiK25VLModel`` (:data:`BRIDGE`): images only, on its provider's
-``media_placeholder_token_id`` (the markers from the tokenizer), through its own
-``_extract_image_features``, embedded by its language model; given ``inputs_embeds`` and no
-pixels it skips its merge and what goes with it, which the guard redoes
-(:func:`_bridge_after_merge`).
+Repair: none (``navit_resize`` needs torchvision: no oracle can pin it here).
 """
 
 from __future__ import annotations
@@ -103,9 +91,9 @@ def _encode_bridge(model: Any, kw) -> Encoded:
 
 
 def _bridge_after_merge(model: Any, merged: Merged) -> dict:
-    """Bridge's pre-expanded merge beside the scatter: ``position_ids`` from the attention mask
-    (else the ids against ``pad_token_id``), labels ignored on the placeholders (a dropped
-    sample's are text already), no attention mask (its language model attends causally)."""
+    """What Bridge's forward skips with its merge (given embeddings and no pixels):
+    ``position_ids`` from the attention mask (else the ids against ``pad_token_id``), labels
+    ignored on the placeholders, no attention mask (its language model attends causally)."""
     kw, cfg = merged.kwargs, model.config
     ids, mask = kw["input_ids"], kw.get("attention_mask")
     if mask is None:
@@ -121,7 +109,8 @@ def _bridge_dummy(model: Any):  # through Bridge's tower
     return model._extract_image_features(*_zeros(model, model.vision_tower_config))
 
 
-#: Megatron-Bridge 0.6.2 ``KimiK25VLModel``: images only, its own feature path and embedding
+#: Megatron-Bridge 0.6.2 ``KimiK25VLModel``: images only, on ``media_placeholder_token_id``,
+#: its own ``_extract_image_features`` and embedding
 BRIDGE = SPEC.bridge(
     "KimiK25VLModel",
     modalities=(

@@ -1,27 +1,15 @@
-"""LLaVA-OneVision (transformers ``LlavaOnevisionForConditionalGeneration`` /
-``LlavaOnevisionModel``; Megatron-Bridge 0.6.2 has no class for it).
+"""LLaVA-OneVision (``LlavaOnevisionForConditionalGeneration`` / ``LlavaOnevisionModel``).
 
-- image: a bare run of ``<image>`` (``config.image_token_id``) per image, no markers. Its count
-  is the model's own: anyres (the best pinpoint for ``image_sizes[n]``, unpadded, capped by
-  ``anyres_max_k``, one newline feature per row, the base tile first), or base + 1 for an image
-  of a sample with several (``batch_num_images[s] > 1``). ``pixel_values``
-  ``[n, max_tiles, 3, S, S]``, ``image_sizes`` ``[n, 2]`` original (H, W), ``batch_num_images``
-  ``[samples with images]``.
-- video: a bare run of ``<video>`` per video, frames * ceil(side/2)^2 + 1;
-  ``pixel_values_videos`` ``[v, frames, 3, S, S]`` stacked. Images are consumed before videos.
+- image: a bare run of ``<image>`` per image: anyres (:mod:`.anyres_pixels`) for
+  ``image_sizes[n]``, or base + 1 in a sample with several (``batch_num_images``);
+  ``pixel_values`` ``[n, max_tiles, 3, S, S]``.
+- video: a bare run of ``<video>``, frames * ceil(side/2)^2 + 1; ``pixel_values_videos``
+  ``[v, frames, 3, S, S]``. Images are consumed before videos.
 
-The tower runs once on the whole call, with the caller's ``batch_num_images``: a dropped
-sample's items are left unplaced and nothing is encoded again, so a kept multi-image sample
-keeps its base + 1 counts (re-encoding after removing one image of a two-image sample would
-turn its sibling anyres: another count and tiles ``pixel_values`` does not hold).
-
-Repair (anyres images, :class:`AnyresGeometry`): the item's tiles are a split of the image
-resized into its best pinpoint and zero-padded (centred), so stitching them and cutting the
-padding gives back that resized image exactly; it is resized to the solved size, cut into that
-size's pinpoint tiles + base tile as the processor does (torch ops; the padding is the
-processor's zero pixel, normalized with its default OPENAI_CLIP mean/std) and re-encoded by
-``get_image_features`` as one single-image sample. An image of a multi-image sample is one
-tile, base + 1 whatever its size: its repair falls back, saying so.
+The tower runs once on the whole call with the caller's ``batch_num_images``: a kept
+multi-image sample keeps its base + 1 counts. Repair (:class:`AnyresGeometry`): the item's
+tiles stitched back into the image the processor resized, resized to the solved size, re-tiled
+and re-encoded as one single-image sample; a multi-image sample's image falls back.
 """
 
 from __future__ import annotations

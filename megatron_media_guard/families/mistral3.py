@@ -1,16 +1,11 @@
-"""Mistral 3 / Pixtral (transformers ``Mistral3ForConditionalGeneration`` / ``Mistral3Model``;
-Megatron-Bridge ``Ministral3Model``, which binds transformers' ``get_image_features``).
+"""Mistral 3 / Pixtral (``Mistral3ForConditionalGeneration`` / ``Mistral3Model``; Bridge
+``Ministral3Model``).
 
-- image: ``rows`` rows of ``[IMG]``x``cols`` each followed by ``[IMG_BREAK]``, the last break
-  replaced by ``[IMG_END]``; ``rows, cols = image_sizes[n] // (patch * spatial_merge_size)``.
-  Breaks and the end marker take no feature: the item has rows*cols features and is one run
-  (the grammar's break tokens keep its rows together; ``[IMG_END]`` closes it).
-- ``pixel_values`` ``[n, 3, maxH, maxW]`` (each image top-left, zero-padded), ``image_sizes``
-  ``[n, 2]`` (H, W), both in token order; the tower attends within each image only.
+- image: ``rows`` rows of ``[IMG]``x``cols`` each followed by ``[IMG_BREAK]``, the last
+  ``[IMG_END]`` (no feature: one run of rows*cols); ``rows, cols = image_sizes[n] //
+  (patch * spatial_merge_size)``; ``pixel_values`` ``[n, 3, maxH, maxW]`` zero-padded.
 
-Repair: the item's own pixels (cut at its ``image_sizes``) resized to the grid
-:class:`PixtralGeometry` solves (the processor's longest-edge resize replayed) and re-encoded
-through ``get_image_features``.
+Repair: the item's own pixels resized to the grid :class:`PixtralGeometry` solves, re-encoded.
 """
 
 from __future__ import annotations
@@ -103,7 +98,5 @@ SPEC = FamilySpec(
     dummy=_dummy,
 )
 
-#: Megatron-Bridge 0.6.2 ``Ministral3Model.forward(input_ids, attention_mask, position_ids,
-#: inputs_embeds, pixel_values, labels, runtime_gather_output, image_sizes, ...)``: it embeds
-#: through its language model and merges only while ``pixel_values`` is given
+#: Megatron-Bridge 0.6.2 ``Ministral3Model``: it merges only while ``pixel_values`` is given
 BRIDGE = SPEC.bridge("Ministral3Model")

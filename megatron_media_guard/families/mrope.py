@@ -1,8 +1,6 @@
-"""What the M-RoPE families with Qwen-VL style patch rows share (GLM-4V, Ernie 4.5 VL): images
-as ``[sum(t*h*w), C*tp*p*p]`` patch rows with ``image_grid_thw`` (rows ``(t, h/m, w/m, m, m)``,
-each patch ``(C, tp, p, p)``: the ``qwen_patches`` layout of ``repair.pixels``), per-item
-features from the model's own ``get_image_features``, and
-``position_ids`` from the model's own ``get_rope_index`` on the rewritten ids and kept grids.
+"""What the M-RoPE families with Qwen-VL patch rows share (GLM-4V, Ernie 4.5 VL): images in
+the ``qwen_patches`` layout with ``image_grid_thw``, ``position_ids`` from the model's own
+``get_rope_index``.
 """
 
 from __future__ import annotations
@@ -58,16 +56,13 @@ def rope_positions(model: Any, kw) -> torch.Tensor:
 
 
 def grid_counts(grid: str, per_run: bool, div: int = 4, patch: int = 14) -> Counts:
-    """``counts`` from a ``[n, 3]`` (t, h, w) grid input: one run of t*h*w/``div`` per item, or
-    (``per_run``: GLM-4V's video frames) t runs of h*w/``div`` (:func:`~.spec.grid_table`)."""
+    """``counts`` from a grid input (:func:`~.common.grid_table`; ``per_run``: t runs)."""
     return lambda config, kw: grid_table(kw[grid], div, patch, "runs" if per_run else "tokens")
 
 
 def patch_dummy(tower: str):
     """A spec's ``dummy`` for patch-row towers: one ``merge x merge`` patch image of zeros
-    (``[m*m, C*tp*p*p]``, grid ``[[1, m, m]]``) through the model's own
-    ``get_image_features`` (tower and merger; its whole output kept, deepstack features too),
-    ``tp`` the config's temporal patch (1 if none)."""
+    through the model's own ``get_image_features`` (its whole output, deepstack too)."""
 
     def dummy(model: Any):
         v = model.config.vision_config

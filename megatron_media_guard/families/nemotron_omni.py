@@ -1,10 +1,9 @@
 """Nemotron 3 Nano Omni (``NemotronH_Omni_Reasoning_V3``); markers from the tokenizer.
 
-- image: ``<img>`` ``<image>``xN ``</img>``; ``pixel_values`` RADIO patch rows with
-  ``image_grid_hw``, N = gh*gw/4. Repair: RADIO tiler (the engine's budget replayed).
+- image: ``<img>`` ``<image>``x(gh*gw/4) ``</img>``; RADIO patch rows with ``image_grid_hw``.
+  Repair: RADIO tiler (the engine's budget replayed).
 - video: one ``<img>...</img>`` run per tubelet on the *image* token; ``pixel_values_videos``
-  ``[V, T, 2*3, H, W]`` stacked, (H/16)(W/16)/4 per tubelet. The plain model cannot take images
-  and videos in one batch; the guard merges per run in token order. EVS after the merge.
+  ``[V, T, 2*3, H, W]``, (H/16)(W/16)/4 per tubelet; merged per run; EVS after the merge.
 - audio: ``<so_start>`` ``<so_embedding>``xN ``<so_end>``, N from Parakeet's subsampling.
 """
 

@@ -1,14 +1,12 @@
-"""How one original is processed at a solved size, the way each family's processor does it
-(the data side's repair, :mod:`.reprocess`): :class:`PatchMergePin` drives the family's own
-image processor; :class:`RadioPin` and :class:`PatchMergeVideoPin` reproduce processors that
-import torchvision (no CPU build here) with the library's own arithmetic. Each
-``run(processor, original, solution)`` returns a :class:`Processed` or raises
-:class:`~megatron_media_guard.errors.MediaAlignmentError` saying why not (the caller falls back).
+"""One original processed at a solved size as the family's processor does (:mod:`.reprocess`):
+:class:`PatchMergePin` drives the family's own image processor; :class:`RadioPin` and
+:class:`PatchMergeVideoPin` reproduce torchvision-backed processors with the library's own
+arithmetic. ``run`` returns a :class:`Processed` or raises ``MediaAlignmentError`` (fallback).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -28,8 +26,8 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 @dataclass(frozen=True)
 class Processed:
-    """One item re-processed: its pixel rows (the processor's layout), its grid row, its
-    feature count, how it was pinned and with which knobs."""
+    """One item re-processed: its pixel rows (the processor's layout), grid row, feature count,
+    how it was pinned and with which knobs."""
 
     rows: torch.Tensor
     grid: tuple[int, ...]
@@ -50,7 +48,7 @@ def _budget_knobs(processor: Any) -> tuple[int, int]:
 
 def _backend_resize(processor: Any, original: Any, hw: tuple[int, int]) -> Any:
     """``original`` as the processor reads it, resized to ``hw`` by its backend's own
-    ``resize`` (the one its subclass calls after sizing) with its own resampling."""
+    ``resize`` and resampling."""
     from transformers.image_utils import SizeDict
 
     base = next(
@@ -69,18 +67,16 @@ def _backend_resize(processor: Any, original: Any, hw: tuple[int, int]) -> Any:
 
 @dataclass(frozen=True)
 class PatchMergePin:
-    """A patch-merge image processor (Qwen-VL, GLM-4V, Ernie 4.5 VL; ``image_grid_thw`` rows
-    ``(1, h, w)``, tokens ``t*h*w/merge**2``) pinned to a solved size: its own budget knobs
-    (``size={"shortest_edge": min_pixels, "longest_edge": max_pixels}``, per call) where they
-    land there, else the original resized by the processor's own backend ``resize`` and then
-    processed with ``do_resize=False``."""
+    """A patch-merge image processor (Qwen-VL, GLM-4V, Ernie 4.5 VL) pinned to a solved size: its
+    own budget knobs (``size={"shortest_edge", "longest_edge"}`` per call) where they land
+    there, else the original resized by its backend and processed with ``do_resize=False``."""
 
     grid_input: str = "image_grid_thw"
 
     def candidates(self, processor: Any, budget: int | None) -> list[dict[str, int]]:
-        """Budget knobs that can make the processor's own sizing land on the solved size: the
-        solution's budget as ``max_pixels`` (the engine shrank the image), then as
-        ``min_pixels`` (it grew it); none without a budget (not an engine replay)."""
+        """Knobs that can make the processor's sizing land on the solved size: the solution's
+        budget as the upper edge (the engine shrank the image), then as the lower (it grew it);
+        none without a budget (not an engine replay)."""
         if budget is None:
             return []
         lo, hi = _budget_knobs(processor)
@@ -124,8 +120,8 @@ def _tensor(x: Any) -> torch.Tensor:
 
 
 def as_channels_first(original: Any) -> torch.Tensor:
-    """An original image as the torchvision-backed processors read it: ``[C, H, W]`` (RGB for
-    a PIL image, its own channels for an array / tensor, ``HWC`` or ``CHW``), its dtype kept."""
+    """An original image as torchvision-backed processors read it: ``[C, H, W]`` (RGB from PIL;
+    an array's own channels, ``HWC`` or ``CHW``), its dtype kept."""
     from PIL import Image
 
     if isinstance(original, Image.Image):
@@ -147,11 +143,9 @@ def as_channels_first(original: Any) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class RadioPin:
-    """Nemotron Omni's image processor at a solved RADIO patch grid (``image_grid_hw`` rows
-    ``(gh, gw)``, ``gh*gw/4`` tokens): the image read as RGB channels first, float32, resized
-    by :func:`~..repair.reproject.resize_frames` (the processor's float resize), its fused
-    rescale-and-normalize, row-major patches; a processor passed in lends its ``image_mean`` /
-    ``image_std`` / ``rescale_factor`` / ``patch_size``."""
+    """Nemotron Omni's image processor at a solved RADIO patch grid (``gh*gw/4`` tokens): RGB
+    float32, its float resize, its fused rescale-and-normalize, row-major patches; a processor
+    given lends its ``image_mean`` / ``image_std`` / ``rescale_factor`` / ``patch_size``."""
 
     patch: int = 16
     merge: int = 2
@@ -167,32 +161,10 @@ class RadioPin:
         return Processed(rows, (gh, gw), gh * gw // (self.merge * self.merge), "own-arithmetic")
 
 
-def rescale_normalize(
-    frames: torch.Tensor,
-    mean: Sequence[float],
-    std: Sequence[float],
-    rescale: float,
-    do_rescale: bool = True,
-    do_normalize: bool = True,
-) -> torch.Tensor:
-    """Frames ``[T, C, H, W]`` as transformers' torchvision backend rescales and normalizes
-    them (``rescale_and_normalize``): float32, fused as ``(x - mean/r) / (std/r)`` with
-    ``r = rescale`` when both are on; else ``x * r``, or ``(x - mean) / std``."""
-    x = frames.to(torch.float32)
-    if do_normalize:
-        r = 1.0 / rescale if do_rescale else 1.0
-        m = torch.tensor(mean) * r if do_rescale else torch.tensor(mean)
-        s = torch.tensor(std) * r if do_rescale else torch.tensor(std)
-        return x.sub(m.view(-1, 1, 1)).div_(s.view(-1, 1, 1))
-    return x * rescale if do_rescale else x
-
-
 def tensor_resize(frames: torch.Tensor, size_hw: tuple[int, int]) -> torch.Tensor:
-    """Frames ``[T, C, H, W]`` resized as torchvision's tensor ``resize`` does with bicubic
-    and antialias (what the transformers video processors call): the frames themselves at
-    their own size; uint8 on CPU natively (torch's uint8 antialiased bicubic kernel, which
-    rounds differently from the float path); else :func:`~..repair.reproject.resize_frames`
-    (float, then rounded and clamped for an integer dtype: torchvision's path elsewhere)."""
+    """Frames ``[T, C, H, W]`` resized as torchvision's bicubic antialiased tensor ``resize``
+    (the video processors'): uint8 on CPU by torch's uint8 kernel (it rounds differently from
+    the float path), else :func:`~..repair.reproject.resize_frames`."""
     if tuple(frames.shape[-2:]) == tuple(size_hw):
         return frames
     if frames.dtype == torch.uint8 and frames.device.type == "cpu":
@@ -203,9 +175,8 @@ def tensor_resize(frames: torch.Tensor, size_hw: tuple[int, int]) -> torch.Tenso
 
 
 def as_frames(original: Any) -> torch.Tensor:
-    """A video's original as the video processors read it: ``[T, C, H, W]`` (RGB, its dtype
-    kept) from a list of frames (PIL images, arrays ``HWC`` / ``CHW``) or an array / tensor
-    ``[T, H, W, C]`` / ``[T, C, H, W]``."""
+    """A video's original as the video processors read it: ``[T, C, H, W]`` (RGB, dtype kept)
+    from a list of frames or an array ``[T, H, W, C]`` / ``[T, C, H, W]``."""
     if isinstance(original, (list, tuple)):
         frames = [as_channels_first(f) for f in original]
     else:
@@ -231,31 +202,27 @@ def _setting(processor: Any, name: str, default: Any) -> Any:
 
 
 def _normalized(processor: Any, frames: torch.Tensor) -> torch.Tensor:
-    """``rescale_normalize`` with the processor's settings (or a config dict's; CLIP's
-    defaults where it has none)."""
-    return rescale_normalize(
-        frames,
-        _setting(processor, "image_mean", CLIP_MEAN),
-        _setting(processor, "image_std", CLIP_STD),
-        float(_setting(processor, "rescale_factor", 1 / 255)),
-        bool(_setting(processor, "do_rescale", True)),
-        bool(_setting(processor, "do_normalize", True)),
-    )
+    """Frames ``[T, C, H, W]`` as transformers' torchvision backend rescales and normalizes
+    them with the processor's settings (a config dict's; CLIP's defaults): float32, fused as
+    ``(x - mean/r) / (std/r)`` with ``r`` the rescale factor when both are on."""
+    x = frames.to(torch.float32)
+    rescale = float(_setting(processor, "rescale_factor", 1 / 255))
+    do_rescale = bool(_setting(processor, "do_rescale", True))
+    if not _setting(processor, "do_normalize", True):
+        return x * rescale if do_rescale else x
+    r = 1.0 / rescale if do_rescale else 1.0
+    m = torch.tensor(_setting(processor, "image_mean", CLIP_MEAN)) * r
+    s = torch.tensor(_setting(processor, "image_std", CLIP_STD)) * r
+    return x.sub(m.view(-1, 1, 1)).div_(s.view(-1, 1, 1))
 
 
 @dataclass(frozen=True)
 class PatchMergeVideoPin:
-    """A patch-merge video processor (``video_grid_thw`` rows ``(t, h, w)``) at a solved frame
-    size: the library's own implementation (module docstring). Tokens: ``h*w/merge**2`` per
-    temporal group of ``temporal_patch`` frames (the clip padded to whole groups by repeating
-    its last frame).
-
-    row_frames: frames in one patch row, the processor's ``patchify``: None, the temporal patch
-    (Qwen-VL, GLM-4V: ``t`` counts groups); 1 (Ernie 4.5 VL: one frame a row, ``t`` counts
-    frames, its resampler merges the pairs). draws: the family's video processor can draw each
-    frame's timestamp on it (``draw_on_frames``, Ernie's default): refused when on, the font
-    rendering is not reproduced.
-    """
+    """A patch-merge video processor at a solved frame size, in the library's arithmetic:
+    ``h*w/merge**2`` tokens per temporal group (the last frame repeated to whole groups).
+    row_frames: frames in one patch row (None: the temporal patch; 1: Ernie, whose ``t``
+    counts frames). draws: its processor can draw timestamps on the frames
+    (``draw_on_frames``): refused when on, the font rendering is not reproduced."""
 
     grid_input: str = "video_grid_thw"
     row_frames: int | None = None
@@ -324,17 +291,3 @@ VIDEO_PINS: dict[str, PatchMergeVideoPin] = {
 NO_VIDEO_PIN: dict[str, str] = {
     "nemotron_omni": ("frames sized by the fixed video_target_num_patches, not a pixel budget"),
 }
-
-__all__ = [
-    "NO_VIDEO_PIN",
-    "PINS",
-    "VIDEO_PINS",
-    "PatchMergePin",
-    "PatchMergeVideoPin",
-    "Processed",
-    "RadioPin",
-    "as_channels_first",
-    "as_frames",
-    "rescale_normalize",
-    "tensor_resize",
-]

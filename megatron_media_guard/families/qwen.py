@@ -1,18 +1,12 @@
-"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense and MoE) and Qwen3.5 (dense and MoE): transformers'
-``...ForConditionalGeneration`` / ``...Model`` and Megatron-Bridge's ``Qwen25VLModel`` /
-``Qwen3VLModel``.
+"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 (dense and MoE; transformers' and Bridge's
+``Qwen25VLModel`` / ``Qwen3VLModel``), ``apply="inputs"`` (docs/QWEN_VL.md).
 
 - image: ``<|vision_start|>`` ``<|image_pad|>``x(t*h*w/merge**2) ``<|vision_end|>``;
-  ``pixel_values`` ``[sum(t*h*w), C*tp*p*p]`` patch rows with ``image_grid_thw`` (t, h, w).
-- video: Qwen2-VL / 2.5-VL one such run of ``<|video_pad|>`` per video (t*h*w/merge**2);
-  Qwen3-VL / 3.5 one run of h*w/merge**2 per temporal group, each after its timestamp text
-  (the video is the groups' model-level item); ``pixel_values_videos`` with ``video_grid_thw``.
+  ``pixel_values`` patch rows with ``image_grid_thw`` (t, h, w).
+- video: one such run of ``<|video_pad|>`` per video; Qwen3-VL / 3.5 one run of
+  h*w/merge**2 per temporal group; ``pixel_values_videos`` with ``video_grid_thw``.
 
-Every count is a pure function of its grid row, which also drives MRoPE and (Qwen3-VL) the
-deepstack: ``apply="inputs"`` (docs/QWEN_VL.md). ``mm_token_type_ids`` (transformers) and
-``image_input_mask`` / ``video_input_mask`` (Bridge) follow the ids (:func:`derive`). Token ids
-and sizes from ``model.config`` (Bridge's provider holds the same names), else the Qwen2
-tokenizer's ids.
+``mm_token_type_ids`` and Bridge's ``image_input_mask`` / ``video_input_mask`` follow the ids.
 """
 
 from __future__ import annotations
@@ -28,8 +22,8 @@ from .spec import FamilySpec, ModalitySpec, Token, attr_path, model_encodes, tow
 
 
 def is_qwen3(obj: Any) -> bool:
-    """A Qwen3-VL / 3.5 model or config (videos one run per temporal group; patch 16), by its
-    ``model_type`` (``qwen3_vl``, ``qwen3_5``, ...) or class (Bridge's ``Qwen3VLModel...``)."""
+    """A Qwen3-VL / 3.5 model or config (a run per temporal group; patch 16), by its
+    ``model_type`` or class name."""
     return any(
         str(getattr(o, "model_type", "") or "").startswith("qwen3")
         or type(o).__name__.startswith("Qwen3")
@@ -38,9 +32,8 @@ def is_qwen3(obj: Any) -> bool:
 
 
 def sizes(model_or_config: Any) -> dict[str, int]:
-    """``patch``, ``merge``, ``temporal_patch`` of the model's vision tower: its config's
-    ``vision_config`` (transformers; Bridge's provider holds the same, and its own top-level
-    names), else the family defaults (patch 14, or 16 for Qwen3-VL; merge 2; 2 frames)."""
+    """``patch``, ``merge``, ``temporal_patch`` of the vision tower (``vision_config``, or
+    Bridge's top-level names), else the family defaults."""
     cfg = getattr(model_or_config, "config", model_or_config)
     default = {"patch": 16 if is_qwen3(model_or_config) else 14, "merge": 2, "temporal_patch": 2}
     names = ("patch_size", "spatial_merge_size", "temporal_patch_size")
@@ -50,8 +43,7 @@ def sizes(model_or_config: Any) -> dict[str, int]:
 
 def geometry(model: Any) -> PatchMergeGeometry | dict[str, PatchMergeGeometry]:
     """The repair geometry: the processors' default pixel budgets (Qwen3-VL's image and video
-    ones, the video one with its temporal budget) with the vision config's patch, merge and
-    temporal patch."""
+    ones) at the vision config's sizes."""
     s = sizes(model)
     if is_qwen3(model):
         video = PatchMergeGeometry.qwen3_vl_video(**s)
@@ -82,9 +74,8 @@ def derive(name: str, ids: torch.Tensor, grammar: Grammar) -> torch.Tensor:
 
 
 def dummy(model: Any) -> Any:
-    """The model's own vision tower (transformers' or Bridge's) on one ``merge x merge`` cell of
-    zeros (grid ``[[1, merge, merge]]``: the smallest input it takes), in the tower's parameter
-    dtype (``keep_tower``); None when the model has no tower here (a pipeline stage)."""
+    """The vision tower on one ``merge x merge`` cell of zeros (the smallest input it takes);
+    None without a tower here (a pipeline stage)."""
     tower = attr_path(model, "visual", "model.visual", "vision_model")
     if tower is None:
         return None

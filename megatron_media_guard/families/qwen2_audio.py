@@ -1,23 +1,12 @@
-"""Qwen2-Audio (transformers ``Qwen2AudioForConditionalGeneration`` / ``Qwen2AudioModel``): a
-Whisper-style audio tower and a linear projector.
+"""Qwen2-Audio (``Qwen2AudioForConditionalGeneration`` / ``Qwen2AudioModel``; Bridge
+``Qwen2AudioModel``): a Whisper-style audio tower and a linear projector.
 
 - audio: ``<|audio_bos|>`` ``<|AUDIO|>``xN ``<|audio_eos|>`` per clip; ``input_features``
-  ``[n, mel, 3000]`` with ``feature_attention_mask`` ``[n, 3000]``; a clip of L mel frames gives
-  N = ((L-1)//2+1-2)//2+1 (the tower's own ``_get_feat_extract_output_lengths``; L <= 2: N = 0).
+  ``[n, mel, 3000]``, ``feature_attention_mask``; L mel frames give N = ((L-1)//2+1-2)//2+1.
 
-The model has no ``get_audio_features``: the encode below runs the model's own modules the way
-its forward does (the tower on the padded mel with its key mask, the projector, each clip's
-first N rows). Both classes skip their own audio merge once
-``inputs_embeds`` carries the guard's, so their unchecked *legacy* path (taken when no two
-``<|AUDIO|>`` are adjacent anywhere in the batch: each placeholder silently expanded into its
-clip's features, the sequence growing) never runs under the guard: a run of one placeholder
-for a longer clip is a short run, handled by the policy. No repair geometry (mel features are
-not resized): a repair falls back.
-
-Megatron-Bridge 0.6.2's ``Qwen2AudioModel`` runs the same merge (and the same legacy switch)
-and has no ``get_input_embeddings``: its spec embeds through its language model. It merges
-audio whenever ``input_features`` is given, ``inputs_embeds`` or not: the engine passes its
-audio inputs as None once it has merged (neither is in ``keep``).
+The model has no ``get_audio_features``: the encode runs its modules as its forward does. Its
+unchecked legacy path (a placeholder expanded into its clip) never runs under the guard: a run
+of one placeholder is a short run. No repair geometry.
 """
 
 from __future__ import annotations
@@ -101,7 +90,6 @@ SPEC = FamilySpec(
     dummy=_dummy,
 )
 
-#: Megatron-Bridge 0.6.2 ``Qwen2AudioModel.forward(input_ids, attention_mask, position_ids,
-#: inputs_embeds, input_features, feature_attention_mask, labels, ...)``; its provider holds
-#: ``audio_token_id`` / ``pad_token_id`` (the markers: the tokenizer's, or the defaults)
+#: Megatron-Bridge 0.6.2 ``Qwen2AudioModel``: it merges audio whenever ``input_features`` is
+#: given: the engine passes the audio inputs as None once merged (neither is in ``keep``)
 BRIDGE = SPEC.bridge("Qwen2AudioModel")

@@ -1,30 +1,11 @@
-"""The data side's repair: each mismatched item re-processed from its original media, pinned to
-the rollout's run, before the trainer sees it (the seed's fix, NeMo-RL's
-``reprocess_images_at_rollout_budgets``, in :func:`~.collate.check_batch`).
-
-The guard plans as always (:meth:`MediaGuard.last_stage`, every planned repair attempted): a
-:class:`Reprocessor` is its ``encoder``, and for each planned repair it
-
-1. solves the run's length on the original's size with the family's geometry
-   (:func:`~..core.repairs.solve_allowed`: the fidelity classes ``GuardConfig.
-   allowed_fidelity`` allows);
-2. processes the original at the solved size the way the family's processor does
-   (:mod:`.pinning`: the processor's own budget knobs, else its own resize then no resize,
-   else the library's implementation of its arithmetic);
-3. checks that the result has exactly the run's length, else refuses: the run's length does
-   not uniquely determine an input the processor maps there; nothing is inferred.
-
-A video (a patch-merge family with a video pin: Qwen-VL, GLM-4V, Ernie) is solved and processed
-whole, once, from its frames: its runs as the rollout wrote them (one run of ``t*h*w/m**2``,
-or ``t`` runs of ``h*w/m**2``, as the family counts it), ``t`` fixed by the frame count and
-the temporal patch; ``t`` runs that differ, or a run count other than ``t``, do not determine
-one frame size and are refused. A family without a video pin (Nemotron Omni) refuses its
-videos naming both totals, the frame count, the first mismatching run and why.
-
-A refusal (no original, no pin for the family or modality, a count that does not land) makes
-the guard take ``GuardConfig.fallback`` for the sample (drop, or raise naming why). The items
-the plan keeps repaired are :class:`Reprocessed`; :func:`replace_rows` puts their rows and grid
-rows in the batch (the aligned items' tensors are untouched).
+"""The data side's repair in :func:`~.collate.check_batch`: each mismatched item re-processed
+from its original media, pinned to the rollout's run (NeMo-RL's
+``reprocess_images_at_rollout_budgets``). A :class:`Reprocessor` is the guard's ``encoder``:
+per planned repair it solves the run's length on the original's size with the family's
+geometry (the fidelity classes the config allows), processes the original at that size as the
+family's processor does (:mod:`.pinning`), and refuses unless the result has exactly the run's
+length: nothing is inferred. A video is solved and processed whole from its frames (a run per
+temporal group must be one run length). A refusal takes ``GuardConfig.fallback``.
 """
 
 from __future__ import annotations
@@ -36,14 +17,13 @@ from typing import Any
 
 import torch
 
-from ..core.host import to_host
 from ..core.items import MediaItem
 from ..core.outcome import GuardReport
 from ..core.plan import ItemRepair, Plan
 from ..core.repairs import solve_allowed
 from ..errors import MediaAlignmentError, MediaInputError
 from .pinning import NO_VIDEO_PIN, PINS, VIDEO_PINS, Processed, as_channels_first, as_frames
-from .spec import FamilySpec, ModalitySpec
+from .spec import FamilySpec
 
 #: a refusal's verdict, first in its reason (the one-line record keeps 200 characters)
 UNDETERMINED = (
@@ -56,15 +36,10 @@ Key = tuple[str, int]  # (modality, model-level index)
 
 @dataclass(frozen=True)
 class Reprocessed:
-    """One item re-processed from its original at the rollout's run: matched to the rollout.
-
-    modality / index: the item (its row in that modality's grid input of the batch as given);
-    sample: its sample; tokens: its runs' total length (a video: all of its runs); fidelity:
-    the solution's class (geometry ``Solution``); size_hw: the pixel size it was processed at
-    (a video: each frame's); grid: the processor's grid row;
-    how: ``pinned`` (the processor's own budget knobs, ``knobs``), ``resized`` (its own resize,
-    then no resize) or ``own-arithmetic``; duration_ms: solve + process, host wall time.
-    """
+    """One item re-processed from its original at the rollout's run. index: its row in the
+    modality's grid input; tokens: its runs' total; size_hw: the (frame) size processed at;
+    how: ``pinned`` (budget ``knobs``), ``resized`` or ``own-arithmetic``; duration_ms: solve
+    and process, host wall time."""
 
     modality: str
     index: int
@@ -100,9 +75,8 @@ def originals(media: Any, keys: Sequence[Key]) -> dict[Key, Any]:
 
 
 class Reprocessor:
-    """The guard's ``encoder`` in :func:`~.collate.check_batch`: repairs an item by
-    re-processing its original (module docstring). ``items``/``parent``: the items as
-    check_batch made them and each one's model-level index; ``media``: see :func:`originals`."""
+    """The guard's ``encoder`` in ``check_batch`` (module docstring); ``parent``: each item's
+    model-level index; ``media``: see :func:`originals`."""
 
     def __init__(
         self,
@@ -148,8 +122,10 @@ class Reprocessor:
         except Exception as err:
             if isinstance(err, MediaAlignmentError):
                 facts["reason"] = str(err)
-            else:  # a geometry's or converter's own error: recorded, fallback
-                facts["reason"] = f"re-processing failed: {type(err).__name__}: {err}"[:500]
+            else:  # a geometry's, converter's or processor's own error: recorded, fallback
+                what = f"{key[0]} {key[1]} " if key else ""
+                why = f"re-processing {what}failed: {type(err).__name__}: {err}"
+                facts["reason"] = why[:500]
             if key is not None and key[0] != "image":
                 self.failed[key] = facts["reason"]
             return None, facts
@@ -195,7 +171,7 @@ class Reprocessor:
         facts.update(fidelity=sol.fidelity, size_hw=sol.size_hw)
         if why_not is not None:
             raise MediaAlignmentError(f"{mod} {k} ({hw[0]}x{hw[1]}): {why_not}")
-        proc: Processed = self._run(pin.run, key, self._processor(mod), original, sol)
+        proc: Processed = pin.run(self._processor(mod), original, sol)
         if proc.tokens != r.target:
             # the verdict first: the one-line record keeps a reason's first 200 characters
             raise MediaAlignmentError(
@@ -211,25 +187,24 @@ class Reprocessor:
         geo = self.geometry
         return geo.get(mod) if isinstance(geo, Mapping) else geo  # a geometry per modality
 
-    @staticmethod
-    def _run(run, key: Key, *args) -> Processed:
-        try:
-            return run(*args)
-        except MediaAlignmentError:
-            raise
-        except Exception as exc:  # the processor's own errors: recorded, then the fallback
-            raise MediaAlignmentError(
-                f"re-processing {key[0]} {key[1]} failed: {type(exc).__name__}: {exc}"[:500]
-            ) from None
-
     def _video(self, r: ItemRepair, plan: Plan, batch, key: Key, ctx, facts):
         """A video solved and processed whole from its frames, pinned to all of its runs."""
         mod, k = key
+        want = {id(batch.items[x.item]): x.target for x in plan.repairs if x.sample == r.sample}
+        static = [it.num_features for it in self.runs[key]]  # as the static processing gave
+        rollout = [want.get(id(it), it.num_features) for it in self.runs[key]]
         pin, geo = VIDEO_PINS.get(self.spec.name), self._geometry(mod)
-        if pin is None or geo is None:
+        if pin is None or geo is None:  # both totals, the first mismatching run, and why
             why = NO_VIDEO_PIN.get(self.spec.name, f"{self.spec.name} has no video pin")
-            raise MediaAlignmentError(self._video_refusal(r, plan, batch, key, why))
-        static, rollout = self._video_runs(r, plan, batch, key)
+            first = next((i for i, (a, b) in enumerate(zip(static, rollout)) if a != b), 0)
+            original = self.media[key]
+            frames = len(original) if hasattr(original, "__len__") else "?"
+            raise MediaAlignmentError(
+                f"{mod} {k} ({frames} frames): the static processing gives {sum(static)} "
+                f"placeholders in {len(static)} run(s), the rollout {sum(rollout)}; first "
+                f"mismatching run: {first} ({static[first]} vs {rollout[first]}); refused, no "
+                f"grid inferred: {why}"
+            )
         base = getattr(geo, "geo", geo)  # GLM-4V's clip geometry wraps a patch-merge one
         sizes = {n: int(getattr(base, n)) for n in ("patch", "merge", "temporal_patch")}
         frames = as_frames(self.media[key])
@@ -253,7 +228,7 @@ class Reprocessor:
         facts.update(fidelity=sol.fidelity, size_hw=sol.size_hw)
         if why_not is not None:
             raise refused(why_not)
-        proc = self._run(pin.run, key, self._processor(mod), frames, sol, sizes)
+        proc = pin.run(self._processor(mod), frames, sol, sizes)
         _, gh, gw = proc.grid
         cell = gh * gw // (sizes["merge"] ** 2)
         got = [cell] * (proc.tokens // cell) if per_group else [proc.tokens]
@@ -264,60 +239,7 @@ class Reprocessor:
             )
         return sol, proc, total
 
-    def _video_runs(self, r: ItemRepair, plan: Plan, batch, key: Key):
-        """A video's runs: as the static processing gives them, as the rollout wrote them."""
-        want = {id(batch.items[x.item]): x.target for x in plan.repairs if x.sample == r.sample}
-        static = [it.num_features for it in self.runs[key]]
-        rollout = [want.get(id(it), it.num_features) for it in self.runs[key]]
-        return static, rollout
-
-    def _video_refusal(self, r: ItemRepair, plan: Plan, batch, key: Key, why: str) -> str:
-        """Both totals, the frame count, the first mismatching run of a video, and why."""
-        mod, k = key
-        static, rollout = self._video_runs(r, plan, batch, key)
-        first = next((i for i, (a, b) in enumerate(zip(static, rollout)) if a != b), 0)
-        original = self.media[key]
-        frames = len(original) if hasattr(original, "__len__") else "?"
-        return (
-            f"{mod} {k} ({frames} frames): the static processing gives {sum(static)} "
-            f"placeholders in {len(static)} run(s), the rollout {sum(rollout)}; first "
-            f"mismatching run: {first} ({static[first]} vs {rollout[first]}); refused, no grid "
-            f"inferred: {why}"
-        )
-
     def kept(self, report: GuardReport) -> tuple[Reprocessed, ...]:
         """The re-processed items whose samples the plan kept repaired."""
         keep = {s for s, a in enumerate(report.actions) if a == "repair"}
         return tuple(d for d in self.done.values() if d.sample in keep)
-
-
-def replace_rows(
-    spec: FamilySpec,
-    inputs: Mapping[str, Any],
-    mods: Sequence[ModalitySpec],
-    done: Sequence[Reprocessed],
-) -> dict[str, Any]:
-    """``inputs`` with each re-processed item's rows in its modality's ``patches`` input and its
-    grid row replaced (the other items' rows are the same tensors' values; new tensors only
-    where something was replaced). The one row replacement of the data side."""
-    out = dict(inputs)
-    for m in mods:
-        mine = {d.index: d for d in done if d.modality == m.name}
-        if not mine:
-            continue
-        for name, grid_name in m.patches.items():
-            pix, grid = inputs.get(name), inputs.get(grid_name)
-            if not isinstance(pix, torch.Tensor) or not isinstance(grid, torch.Tensor):
-                continue
-            # patch rows per item to cut the flat input (a small transfer, repairs only)
-            sizes = to_host(grid.prod(-1), why="patch rows per item to replace").tolist()
-            pieces = list(pix.split(sizes))
-            g = grid.clone()
-            for k, d in mine.items():
-                pieces[k] = d.rows.to(pix.device, pix.dtype)
-                g[k] = torch.tensor(d.grid, dtype=g.dtype, device=g.device)
-            out[name], out[grid_name] = torch.cat(pieces), g
-    return out
-
-
-__all__ = ["Reprocessed", "Reprocessor", "originals", "replace_rows"]

@@ -1,15 +1,9 @@
 """Repair in the ``inputs`` mode, before the model's one tower call: a mismatched item's patch
-rows resized to the grid the geometry solves for its runs, its grid row replaced.
-
-A family whose model encodes its own media from flat patch rows (``ModalitySpec.patches``:
-``{pixels input: grid input}``, ``prod(grid row)`` rows per model-level item) and that has a
-repair geometry (``FamilySpec.geometry``, built from the model's config) is repaired here:
-:class:`Resizer` is the ``encoder`` the guard's fault path asks for each planned repair
-(``reprocess``, as the collate check's :class:`~.reprocess.Reprocessor`). It re-sizes nothing
-the plan does not name, refuses an item whose runs lie in two samples (one video never feeds
-two), and keeps each solved ``(grid, patches)`` for the input rewrite
-(:func:`~.inputs.drop_inputs`' ``repaired``). The tower is not called here: the model's own
-forward encodes the resized rows, once.
+rows (``ModalitySpec.patches``) resized to the grid the geometry solves for its runs.
+:class:`Resizer` is the guard's ``encoder`` (as the collate check's
+:class:`~.reprocess.Reprocessor`): it refuses an item whose runs lie in two samples and keeps
+each solved ``(grid, patches)`` for the input rewrite (:func:`~.inputs.drop_inputs`'
+``repaired``); the model's own forward encodes the resized rows, once.
 """
 
 from __future__ import annotations
@@ -33,11 +27,9 @@ Key = tuple[str, int]  # (modality, model-level item)
 
 
 class Resizer:
-    """The planned repairs of one call, solved and resized (see the module docstring).
-
-    items / parent: the call's items (one per run) and per item its model-level item;
-    inputs: the call's keyword arguments; geometry: one, or ``{modality: geometry}``;
-    split: per model-level item whose runs lie in several samples, why it is refused."""
+    """The planned repairs of one call. parent: per item (one per run) its model-level item;
+    geometry: one, or ``{modality: geometry}``; split: why an item whose runs lie in several
+    samples is refused."""
 
     def __init__(
         self,
@@ -56,7 +48,6 @@ class Resizer:
         self.split = dict(split or {})
         self.done: dict[Key, tuple[tuple[int, int, int], torch.Tensor | None]] = {}
         self.failed: dict[Key, str] = {}
-        self.targets: dict[Key, set[int]] = {}
         self._offsets: dict[str, list[int]] = {}
 
     def reprocess(self, r: ItemRepair, plan: Plan, batch, ctx) -> tuple[Any, dict]:
@@ -150,6 +141,3 @@ class Resizer:
         """``{(modality, k): (grid row, patch rows)}`` of the repaired items whose samples
         were kept (``drop_inputs``' ``repaired``)."""
         return {key: v for key, v in self.done.items() if sample_of.get(key) in kept}
-
-
-__all__ = ["Resizer"]

@@ -1,12 +1,7 @@
-"""A model family as data: its placeholder tokens, where each modality's media sit in the
-forward's keyword arguments, how the model encodes them, and how the guard repairs them.
-
-The engine (``adapters/vlm.py``) reads a :class:`FamilySpec`; nothing else is family code. A
-spec names token ids by where they live (``model.config`` attribute paths, else a tokenizer
-token), the forward keywords that carry each modality, and one small ``encode`` function that
-calls the model's *own* feature method and returns one feature tensor per item, in the order
-the model consumes them. Everything else (runs, alignment, plan, consensus, records, bundles,
-drop, repair) is the shared core.
+"""A model family as data (:class:`FamilySpec`, read by the engine ``adapters/vlm.py``): its
+tokens (``model.config`` attribute paths, else a tokenizer token), the forward keywords that
+carry each modality, and an ``encode`` that calls the model's *own* feature method (one feature
+tensor per item, in the model's order). Everything else is the shared core.
 """
 
 from __future__ import annotations
@@ -38,8 +33,8 @@ def attr_path(obj: Any, *names: str) -> Any:
 
 
 def check_tokenizer(tokenizer: Any, caller: str) -> None:
-    """Refuses a ``tokenizer=`` that is neither None, a ``{token text: id}`` mapping, nor an
-    object with ``convert_tokens_to_ids`` (a model name given as a string, most often)."""
+    """Refuses a ``tokenizer=`` that is neither None, a ``{token text: id}`` mapping, nor has
+    ``convert_tokens_to_ids`` (most often a model name given as a string)."""
     if tokenizer is None or isinstance(tokenizer, Mapping):
         return
     if callable(getattr(tokenizer, "convert_tokens_to_ids", None)):
@@ -55,9 +50,8 @@ def check_tokenizer(tokenizer: Any, caller: str) -> None:
 
 @dataclass(frozen=True)
 class Token:
-    """Where one token id comes from: the first of ``config`` attribute paths that is set on
-    ``model.config`` (dotted, e.g. ``"text_config.pad_token_id"``), else the tokenizer's id of
-    ``text``, else ``default``."""
+    """Where one token id comes from: the first dotted ``config`` path set on ``model.config``,
+    else the tokenizer's id of ``text``, else ``default``."""
 
     config: tuple[str, ...] = ()
     text: str | None = None
@@ -85,49 +79,39 @@ class Token:
 @dataclass(frozen=True)
 class Encoded:
     """What a modality's ``encode`` returns for one call: one ``[n_i, h]`` feature tensor per
-    item in the model's consumption order, and per item what diagnostics and repair need.
-
-    ``split="items"``: the model's output cannot be cut per item (InternVL: tiles per image
-    never reach the model); ``features`` is one ``[sum, h]`` block that the engine cuts by the
-    ``num_features`` of the call's ``set_items``, else by the runs in the ids (only the total is
-    then checked, and a ``check`` record says so).
-    """
+    item in the model's order, and per item what diagnostics and repair need. The fields on
+    the device are read with the merge's one transfer."""
 
     features: tuple[torch.Tensor, ...]
-    split: Literal["items"] | None = None  # "items": one flat block, cut by the engine
+    # "items": one [sum, h] block the engine cuts by set_items' num_features, else by the runs
+    # in the ids (only the total checked; InternVL: tiles per image never reach the model)
+    split: Literal["items"] | None = None
     num_frames: tuple[int | None, ...] = ()
     frame_hw: tuple[tuple[int, int] | None, ...] = ()
     pixels: tuple[torch.Tensor | None, ...] = ()  # layout "image": [C, H, W] for repair
     parent: tuple[int, ...] = ()  # per item: index of the model-level item (video -> tubelets)
-    # per item its sample on the device where the ids tie it there as the model does
-    # (Qwen3-Omni's audio in video; -1 for every item or none), read with the merge's verdict
-    # into the items; a set_items call takes precedence
+    # per item its sample on the device where the ids tie it there (Qwen3-Omni's audio in
+    # video; -1 for every item or none), read with the verdict; set_items takes precedence
     sample: torch.Tensor | None = None
     output: Any = None  # the model's own feature output, for FamilySpec.reuse
     grid: tuple[tuple[int, int, int] | None, ...] = ()  # per item: its (t, h, w) feature grid
     spans: tuple[int, ...] = ()  # per model-level item: its dim-0 rows in ``rows`` (default 1)
-    # per item its feature count on the device, where the host does not know it (an audio
-    # clip's, from its mask): ``features`` is then one block, ``[sum(n_i), h]`` back to back or
-    # ``[items, max, h]`` padded, which the engine cuts by these counts once the merge's one
-    # transfer brought them (:func:`cut_counted`)
+    # per item its feature count on the device (an audio clip's, from its mask): ``features``
+    # is one [sum(n_i), h] or padded [items, max, h] block, cut by them (:func:`cut_counted`)
     counts: torch.Tensor | None = None
-    # per item the runs it owns on the device, each of an equal share of its features, where
-    # the host does not know them (GLM-4V's video: its temporal groups' frame runs): the
-    # merge checks them there and the engine cuts each item into its runs once the merge's
-    # one transfer brought them; or ``[items, w]``: each run's length, zero past the item's
-    # runs (Qwen3-Omni's audio in video: a video's grids and its clip's tokens interleaved)
+    # per item its runs on the device, each an equal share of its features (GLM-4V's video:
+    # its temporal groups' frame runs), or ``[items, w]``: each run's length, zero past the
+    # item's runs (Qwen3-Omni's audio in video): checked in the merge, each item cut into them
     runs: torch.Tensor | None = None
-    # the family's own refusal of the call, on the device: a 0-d int (nonzero: refused) read
-    # with the merge's verdict, and what raises then (it may read the host: off the aligned
-    # path); e.g. Qwen3-Omni's video region holding audio without use_audio_in_video
+    # the family's own refusal on the device: a 0-d int (nonzero: refused) and what raises
+    # then (Qwen3-Omni's video region holding audio without use_audio_in_video)
     check: tuple[torch.Tensor, Callable[[], None]] | None = None
 
 
 #: encode(model, call_kwargs) -> Encoded; call_kwargs holds the forward's keyword arguments
 Encode = Callable[[Any, Mapping[str, Any]], Encoded]
-#: counts(model config, inputs) -> per model-level item its runs and their size, a
-#: :func:`count_table` on the inputs' device, made by torch ops alone (no host read: the
-#: caller brings every modality's table to the host in one transfer)
+#: counts(model config, inputs) -> a :func:`count_table` on the inputs' device, torch ops
+#: alone (no host read)
 Counts = Callable[[Any, Mapping[str, Any]], torch.Tensor]
 
 #: the columns of a count table: runs, placeholders per run, frames, frame height and width
@@ -143,11 +127,10 @@ def count_table(
     hw: torch.Tensor | tuple[int, int] | None = None,
     grid: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A ``counts`` result: per model-level item (``tokens``: ``[n]``, placeholders per run)
-    its ``runs`` (all of one length: a video's frame runs), ``frames``, frame size ``hw``
-    (``[n, 2]`` or one ``(H, W)`` for all) and feature ``grid`` (``[n, 3]``), int64
-    ``[n, 8]`` (:data:`COUNT_COLUMNS`) on ``tokens``' device; the sizes only name the item in
-    records and messages (0: unknown)."""
+    """A ``counts`` result, int64 ``[n, 8]`` (:data:`COUNT_COLUMNS`) on ``tokens``' device: per
+    model-level item (``tokens``: ``[n]``, placeholders per run) its ``runs`` of that length,
+    ``frames``, frame size ``hw`` (``[n, 2]`` or one ``(H, W)``) and ``grid`` (``[n, 3]``);
+    the sizes only name the item in records."""
     n, dev = tokens.shape[0], tokens.device
 
     def cols(v, k: int) -> torch.Tensor:
@@ -165,11 +148,10 @@ Reencode = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
 class Merged:
-    """What a family's ``after_merge`` sees: ``kwargs``, the forward's keyword arguments after
-    the merge (``inputs_embeds`` merged, ``input_ids`` rewritten), ``items`` and ``features``
-    in token order, and :meth:`runs`: per run its item, its placeholder positions ``(row, start,
-    end)``, whether its sample was kept and the model-level item it belongs to (a video's
-    tubelets share one). The runs are read from the ids only when asked for (a transfer)."""
+    """What a family's ``after_merge`` sees: the forward's ``kwargs`` after the merge, ``items``
+    and ``features`` in token order, and :meth:`runs` (read from the ids when asked: a
+    transfer): per run its item, ``(row, start, end)``, whether its sample was kept, and its
+    model-level item."""
 
     def __init__(self, kwargs: Mapping[str, Any], items, features, runs: Callable[[], tuple]):
         self.kwargs = kwargs
@@ -192,38 +174,23 @@ AfterMerge = Callable[[Any, Merged], Mapping[str, Any]]
 class ModalitySpec:
     """One modality of a family.
 
-    placeholder / start / end: its tokens (``start``/``end`` None: no markers of its own;
-        ``end`` alone: an end marker right after each run, Pixtral's ``[IMG_END]``).
-    breaks: tokens inside its runs that occupy positions and take no feature (Pixtral's
-        ``[IMG_BREAK]``; the grammar then has this one placeholder modality).
-    shares: the modality whose placeholder token this one reuses (Nemotron video -> image).
-    inputs: the forward keywords that carry its media; the first one present means the call
-        holds this modality. All of them are set to None once the guard has merged.
-    encode: the model's own feature path for this modality (see :data:`Encode`).
-    reencode: how one repaired item is encoded (None: this modality is never repaired).
-    keep: of ``inputs``, those left in the call after the merge (the grids a model computes its
-        positions from); the others are set to None.
-    rows: inputs whose dim-0 rows are this modality's model-level items (grids, stacked
-        videos, audio clips): a dropped sample's rows leave them (the engine: those it keeps;
-        :func:`~.collate.check_batch` and ``apply="inputs"``: all).
-    patches: ``{input: grid input}`` for flat patch rows, ``prod(grid row)`` rows per item; a
-        kept grid's row of a repaired item takes the solved patch grid in its last two
-        entries (h, w) before positions are computed.
-    counts: ``counts(config, inputs)``: per model-level item its runs and their length (a
-        :func:`count_table`, torch ops on the inputs' device), from the inputs alone (no
-        model): what :func:`~.collate.check_batch` checks before the trainer, and what an
-        ``apply="inputs"`` family's items are sized by.
-    split: ``"items"``: the inputs do not say how the model's output falls into items
-        (InternVL: tiles per image never reach the model); ``counts`` gives the call's block
-        as one row (runs = units, e.g. tiles, each of ``tokens``), cut by the caller's item
-        metadata (``check_batch(items=...)``), each item whole units.
-    groups: inputs with one entry per sample that holds items of this modality, its item
-        count (LLaVA-OneVision's ``batch_num_images``): a dropped sample's entry leaves them
-        with its items (:func:`~.collate.check_batch`, ``apply="inputs"``).
-    type_id: this modality's value in the family's per-token type tensor
-        (:attr:`FamilySpec.token_types`), for modalities that share a placeholder token.
-    nests: its start/end markers may also sit right inside another modality's region, read
-        as part of that region's markers (Qwen3-Omni's audio in video; ``Grammar.inner``).
+    placeholder / start / end: its tokens (``end`` alone: an end marker after each run,
+        Pixtral's ``[IMG_END]``). breaks: tokens inside its runs that take no feature
+        (Pixtral's ``[IMG_BREAK]``). shares: the modality whose placeholder it reuses.
+    inputs: the forward keywords of its media (the first present: the call holds it); set to
+        None after the merge except ``keep`` (the grids positions are computed from).
+    reencode: how one repaired item is encoded (None: never repaired).
+    rows: inputs whose dim-0 rows are its model-level items: a dropped sample's rows leave.
+    patches: ``{input: grid input}`` for flat patch rows, ``prod(grid row)`` per item; a
+        repaired item's grid row takes the solved (h, w).
+    counts: per model-level item its runs (a :func:`count_table`) from the inputs alone (no
+        model): what ``check_batch`` checks and ``apply="inputs"`` sizes the items by.
+    split: ``"items"``: the inputs do not say which units (InternVL's tiles) make an item;
+        ``counts`` gives one row (runs = units), cut by the caller's items, whole units each.
+    groups: inputs with one entry per sample holding its item count (LLaVA-OneVision's
+        ``batch_num_images``): a dropped sample's entry leaves with its items.
+    type_id: its value in :attr:`FamilySpec.token_types`, for a shared placeholder.
+    nests: its markers may sit right inside another modality's region (``Grammar.inner``).
     """
 
     name: ModalityName
@@ -247,40 +214,23 @@ class ModalitySpec:
 
 @dataclass(frozen=True)
 class FamilySpec:
-    """A model family: ``classes`` by defining package prefix (a subclass counts),
-    ``modalities`` in the model's consumption order, ``text`` the id a generated or dropped
-    placeholder becomes, ``geometry`` a factory for the repair geometry (None: no repair).
-    ``apply``: ``"embed"`` (the guard merges and passes ``inputs_embeds``), ``"inputs"``
-    (for forwards that take no ``inputs_embeds``: the items sized by each modality's
-    ``counts``, the plan applied by rewriting the inputs, the model's own merge run on them;
-    ``encode`` is never called), ``"llava"`` / ``"mimo"`` (megatron-core's merge methods,
-    wrapped). ``detect``: a test of the model
-    beside ``classes`` (megatron-core's classes, matched by isinstance or their methods).
+    """A model family: ``classes`` by defining package prefix (a subclass counts; ``detect``: a
+    test beside them), ``modalities`` in the model's order, ``text`` the id a generated or
+    dropped placeholder becomes, ``geometry(model)`` the repair geometry (None: no repair).
+    ``apply``: ``"embed"`` (the guard merges, passes ``inputs_embeds``), ``"inputs"`` (items
+    sized by ``counts``, the plan applied by rewriting the inputs; ``encode`` never called),
+    ``"llava"`` / ``"mimo"`` (megatron-core's merge methods, wrapped).
 
-    After the merge (``apply="embed"``) the forward gets ``inputs_embeds``; a dropped sample's
-    placeholders become ``text`` in ``input_ids`` and ``follow_ids`` (per-token type tensors
-    such as ``mm_token_type_ids``: 0 there); ``positions(model, kwargs)`` (the model's own
-    rope-index function on the rewritten ids and kept grids) gives ``position_ids`` where the
-    caller gave none; ``ids_with_embeds`` False: the forward takes ``input_ids`` or
-    ``inputs_embeds``, not both (``input_ids`` is then None). ``embed(model, ids)``: the
-    ``[b, s, h]`` token embeddings the merge starts from (None: ``model.get_input_embeddings()``;
-    Megatron-Bridge classes embed through their language model's own ``embedding``).
-    ``reuse(model, encoded, kept)``:
-    keyword arguments added to the call after the merge, built from the encoded outputs of
-    the model-level items the merge placed (``kept``: per modality, their indices), for
-    forwards that inject more than the merged embeddings (Qwen3-Omni's deepstack features).
-    ``dummy(model)``: the model's own tower on a minimal input, run before the decoder on a
-    text-only micro-batch (``GuardConfig.keep_tower``, docs/PARALLEL.md; None: not kept).
-    ``token_types``: a forward
-    keyword holding a per-token type (GLM-4V's ``mm_token_type_ids``): where modalities share
-    a placeholder token, its value at a run's first token (a :attr:`ModalitySpec.type_id`)
-    says whose run it is, instead of the length interleaving. ``drop_markers``: a dropped
-    sample's start / end markers become ``text`` too when the inputs are rewritten
-    (:func:`~.collate.check_batch`), for forwards that count regions by their markers
-    (Qwen3-Omni's rope pairs each audio start with the next clip's length).
-    ``derive(name, ids, grammar)``: what the per-token input ``name`` (one of ``follow_ids``)
-    must be for ``ids`` (``apply="inputs"``: a given one that disagrees is rebuilt from the
-    ids, and one the forward needs to recompute its positions is made).
+    follow_ids: per-token inputs set 0 where a dropped placeholder becomes ``text``.
+    positions(model, kwargs): ``position_ids`` from the model's rope on the rewritten inputs.
+    ids_with_embeds False: the forward takes ``input_ids`` or ``inputs_embeds``, not both.
+    embed(model, ids): the ``[b, s, h]`` token embeddings (None: ``get_input_embeddings()``).
+    reuse(model, encoded, kept): keywords added after the merge from the placed items'
+    outputs (Qwen3-Omni's deepstack). dummy(model): the tower on a minimal input
+    (``GuardConfig.keep_tower``). token_types: a per-token type input telling the runs of a
+    shared placeholder apart (``ModalitySpec.type_id``). drop_markers: a dropped sample's
+    markers become ``text`` too (Qwen3-Omni's rope counts audio starts). derive(name, ids,
+    grammar): what a ``follow_ids`` input must be for ``ids`` (rebuilt where it disagrees).
     """
 
     name: str
@@ -304,16 +254,15 @@ class FamilySpec:
     def matches(self, model: Any) -> bool:
         if self.detect is not None and self.detect(model):
             return True
-        for cls in type(model).__mro__:
-            for prefix, names in self.classes.items():
-                if cls.__name__ in names and cls.__module__.startswith(prefix):
-                    return True
-        return False
+        return any(
+            cls.__name__ in names and cls.__module__.startswith(prefix)
+            for cls in type(model).__mro__
+            for prefix, names in self.classes.items()
+        )
 
     def bridge(self, *classes: str, **changes: Any) -> FamilySpec:
-        """This spec's Megatron-Bridge copy: its ``classes``, ``input_ids`` passed beside
-        ``inputs_embeds``, the token embeddings of its language model (:func:`bridge_embed`),
-        then ``changes``."""
+        """This spec's Megatron-Bridge copy: its ``classes``, ``input_ids`` beside the embeddings
+        of its language model (:func:`bridge_embed`), then ``changes``."""
         changes = {"ids_with_embeds": True, "embed": bridge_embed, **changes}
         return replace(self, classes={"megatron.bridge.": frozenset(classes)}, **changes)
 
@@ -324,9 +273,8 @@ class FamilySpec:
         raise MediaInputError(f"family {self.name!r} has no modality {name!r}")
 
     def grammar(self, model: Any, tokenizer: Any = None, caller: str = "install_vlm") -> Grammar:
-        """The guard's grammar from the model's config (markers the config lacks from the
-        tokenizer); a clear error naming every token it could not find (and ``caller``, the
-        function to pass the tokenizer to)."""
+        """The guard's grammar from the model's config (else the tokenizer); an error naming
+        every token not found and ``caller``, the function to pass the tokenizer to."""
         missing: list[str] = []
 
         def resolve(tok: Token, what: str) -> int | None:
@@ -399,8 +347,7 @@ def _where(tok: Token) -> str:
 
 
 def model_encodes(model: Any, kwargs: Mapping[str, Any]) -> Encoded:
-    """The ``encode`` of an ``apply="inputs"`` modality: the model encodes its media itself;
-    the engine sizes the items from ``counts`` and never calls this."""
+    """The ``encode`` of an ``apply="inputs"`` modality, never called."""
     raise MediaInputError("apply='inputs': the model encodes its own media; nothing calls this")
 
 
@@ -410,8 +357,8 @@ def present(spec: FamilySpec, kwargs: Mapping[str, Any]) -> list[ModalitySpec]:
 
 
 def cut_counted(block: torch.Tensor, sizes: Sequence[int]) -> tuple[torch.Tensor, ...]:
-    """Per-item views of an ``Encoded.counts`` block: a flat ``[sum(n_i), h]`` block split by
-    ``sizes``, a padded ``[items, max, h]`` one cut to each item's count."""
+    """Per-item views of an ``Encoded.counts`` block (flat ``[sum(n_i), h]`` or padded
+    ``[items, max, h]``) cut by ``sizes``."""
     if block.dim() == 2:
         if sum(sizes) != block.shape[0]:
             raise MediaInputError(
@@ -422,16 +369,15 @@ def cut_counted(block: torch.Tensor, sizes: Sequence[int]) -> tuple[torch.Tensor
 
 
 def bridge_embed(model: Any, ids: torch.Tensor) -> torch.Tensor:
-    """A Megatron-Bridge VL model's token embeddings, ``[b, s, h]``: its language model's own
-    ``embedding`` (``[s, b, h]``, as Bridge's forwards call it), transposed."""
+    """A Megatron-Bridge VL model's ``[b, s, h]`` token embeddings: its language model's own
+    ``embedding`` (``[s, b, h]``), transposed."""
     return model.language_model.embedding(input_ids=ids, position_ids=None).transpose(0, 1)
 
 
 def tower_zeros(model: Any, tower: Any, *shape: int) -> torch.Tensor:
-    """Zeros of ``shape`` for a spec's ``dummy``: on the device and in the dtype of the model's
-    tower (the module ``tower``, or attribute ``tower`` of the model or of its ``.model``; its
-    first floating parameter, else float32 on the CPU), so the dummy call takes the tower's own
-    path as a real input would."""
+    """Zeros of ``shape`` for a spec's ``dummy``, in the device and dtype of the tower's first
+    floating parameter (``tower``: the module, or its attribute name on the model or its
+    ``.model``; float32 on the CPU without one)."""
     mod = tower
     if isinstance(tower, str):
         mod = getattr(model, tower, None)
