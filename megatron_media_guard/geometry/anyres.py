@@ -24,12 +24,12 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from megatron_media_guard.geometry.solution import (
+    Geometry,
     GeometryError,
     HwKind,
     Solution,
     check_hw,
     check_positive,
-    check_solve,
     pick,
     unreachable,
 )
@@ -57,7 +57,7 @@ def fitted_size(h: int, w: int, target: tuple[int, int]) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class AnyresGeometry:
+class AnyresGeometry(Geometry):
     """Anyres sizing. pinpoints: ``config.image_grid_pinpoints`` ((H, W) pixels, multiples of
     ``tile``); tile / patch: ``vision_config.image_size`` / ``.patch_size``; max_tiles: the k
     of ``config.vision_aspect_ratio = "anyres_max_k"``."""
@@ -133,17 +133,9 @@ class AnyresGeometry:
         found = [hw for hw in sorted(own) if min(hw) >= 1 and self.tokens(hw) == n]
         return found + [hw for hw in self._lattice.get(n, ()) if hw not in own]
 
-    def solve(
-        self,
-        target_tokens: int,
-        hw: tuple[int, int],
-        num_frames: int = 1,
-        *,
-        hw_kind: HwKind = "source",
-    ) -> Solution:
-        """An image size whose anyres count is exactly ``target_tokens`` (see the module;
-        ``hw_kind="frame"``: a size the processor already padded, never a replay)."""
-        n, h, w, _, kind = check_solve(target_tokens, hw, 1, hw_kind)
+    def _solve(self, n: int, h: int, w: int, t: int, kind: HwKind) -> Solution:
+        """The image's own size where it gives the target, else the closest in aspect of the
+        candidate sizes that do (see the module)."""
 
         def solution(size: tuple[int, int], fidelity, reason: str) -> Solution:
             bh, bw = best_resolution(*size, self.pinpoints)

@@ -19,19 +19,19 @@ import math
 from dataclasses import dataclass
 
 from megatron_media_guard.geometry.solution import (
+    Geometry,
     GeometryError,
     HwKind,
     Solution,
     check_frames,
     check_hw,
     check_positive,
-    check_solve,
     choice_text,
     divisor_pairs,
+    first_landing,
     groups,
     per_group,
     pick,
-    smallest,
     unreachable,
 )
 
@@ -39,7 +39,7 @@ _NO_CAP = 1 << 62
 
 
 @dataclass(frozen=True)
-class PatchMergeGeometry:
+class PatchMergeGeometry(Geometry):
     """Qwen-style patch-merge sizing (defaults: the HF Qwen2-VL image processor's).
 
     patch: ViT patch side in pixels; merge: spatial merge per side (f = patch * merge).
@@ -171,19 +171,6 @@ class PatchMergeGeometry:
             return None
         return hb // self.factor, wb // self.factor
 
-    def _smallest(self, lo: int, hi: int, n: int, cells) -> tuple[int, tuple[int, int]] | None:
-        """Smallest budget in [lo, hi] whose (monotone) cell product reaches n, if it is n."""
-
-        def reaches(m: int) -> bool:
-            c = cells(m)
-            return c is not None and c[0] * c[1] >= n
-
-        if not reaches(hi):
-            return None
-        lo = smallest(lo, hi, reaches)
-        c = cells(lo)
-        return (lo, c) if c is not None and c[0] * c[1] == n else None
-
     def _replay(self, h: int, w: int, t: int, n: int) -> tuple[str, int, tuple[int, int]] | None:
         """A budget with which the processor's own resize gives n cells per group."""
         f, (frames, t_bar) = self.factor, self._frames(t)
@@ -198,11 +185,11 @@ class PatchMergeGeometry:
         # budget (T odd) either branch can land on either side of the natural count.
         found = None
         if natural > 1:
-            found = self._smallest(1, natural - 1, n, lambda m: self._cells(h, w, t, 1, m))
+            found = first_landing(1, natural - 1, n, lambda m: self._cells(h, w, t, 1, m))
         if found:
             return "max_pixels", *found
         top = max(natural + 1, frames * n * f * f)
-        found = self._smallest(natural + 1, top, n, lambda m: self._cells(h, w, t, m, _NO_CAP))
+        found = first_landing(natural + 1, top, n, lambda m: self._cells(h, w, t, m, _NO_CAP))
         return ("min_pixels", *found) if found else None
 
     def _keep_pixels(self, a: int, b: int, t: int) -> int | None:
@@ -213,20 +200,11 @@ class PatchMergeGeometry:
         px = max(t_bar, 1) * a * b * f * f
         return px if self._cells(a * f, b * f, t, px, px) == (a, b) else None
 
-    def solve(
-        self,
-        target_tokens: int,
-        hw: tuple[int, int],
-        num_frames: int = 1,
-        *,
-        hw_kind: HwKind = "source",
-    ) -> Solution:
-        """The pixel size that gives exactly ``target_tokens`` (see module doc), classed:
-        engine-replay where the processor's resize of the source under some min_pixels or
-        max_pixels gives it (``hw_kind="source"``); else (or for ``hw_kind="frame"``, a size
-        the processor already resized) the grid of that many cells closest in aspect that the
-        processor keeps unchanged at some budget (``budget``: min_pixels = max_pixels = it)."""
-        n_total, h, w, t, kind = check_solve(target_tokens, hw, num_frames, hw_kind)
+    def _solve(self, n_total: int, h: int, w: int, t: int, kind: HwKind) -> Solution:
+        """Engine-replay where the processor's resize of the source under some min_pixels or
+        max_pixels gives the target (``hw_kind="source"``); else the grid of that many cells
+        closest in aspect that the processor keeps unchanged at some budget (``budget``:
+        min_pixels = max_pixels = it)."""
         f, g = self.factor, groups(t, self.temporal_patch)
         if n_total == 0:
             return unreachable("a patch-merge item yields at least one token; target is 0", t)
@@ -238,16 +216,10 @@ class PatchMergeGeometry:
         if isinstance(n, Solution):
             return n
 
-        def solution(a: int, b: int, fidelity, reason: str, budget: int | None) -> Solution:
-            return Solution(
-                tokens=n_total,
-                size_hw=(a * f, b * f),
-                fidelity=fidelity,
-                reason=reason,
-                grid=(a * self.merge, b * self.merge),
-                num_frames=t,
-                budget=budget,
-            )
+        def solution(a: int, b: int, fidelity, reason: str, budget: int) -> Solution:
+            grid = (a * self.merge, b * self.merge)
+            size = (a * f, b * f)
+            return Solution(n_total, size, fidelity, reason, grid, num_frames=t, budget=budget)
 
         replay = self._replay(h, w, t, n) if kind == "source" else None
         if replay is not None:  # the engine resizes the source: its grid whether or not
@@ -261,11 +233,7 @@ class PatchMergeGeometry:
                 f"merged cells x {g} group(s) = {n_total}",
                 budget,
             )
-        valid = {}
-        for a, b in divisor_pairs(n):
-            px = self._keep_pixels(a, b, t)
-            if px is not None:
-                valid[(a, b)] = px
+        valid = {(a, b): px for a, b in divisor_pairs(n) if (px := self._keep_pixels(a, b, t))}
         if not valid:
             return unreachable(
                 f"{n_total} tokens: every grid a*b = {n} merged cells has aspect ratio above "

@@ -22,21 +22,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megatron_media_guard.geometry.radio_search import (
-    _INF,
-    keep_budget,
-    landing_budgets,
-    pin_budget,
-    tile,
-)
+from megatron_media_guard.geometry.radio_search import _INF, landing_budgets, tile
 from megatron_media_guard.geometry.solution import (
+    Geometry,
     GeometryError,
     HwKind,
     Solution,
     check_frames,
     check_hw,
     check_positive,
-    check_solve,
     choice_text,
     divisors,
     groups,
@@ -63,7 +57,7 @@ class RadioEngineItem:
 
 
 @dataclass(frozen=True)
-class RadioTilerGeometry:
+class RadioTilerGeometry(Geometry):
     """RADIO tiler sizing.
 
     patch: pixels per patch side; pixel_shuffle: patches merged per side into a token.
@@ -188,47 +182,52 @@ class RadioTilerGeometry:
         at min_num_patches)."""
         return max(self.min_num_patches, 1), self.cap if self.cap is not None else _INF
 
-    def _round_trips(self, grid: tuple[int, int], budget: int | None) -> bool:
+    def _round_trips(self, grid: tuple[int, int], budget: int) -> bool:
         """The tiler keeps a (16*ph, 16*pw) frame as it is at ``budget``."""
-        ph, pw = grid
-        b = self.static_budget if budget is None else budget
-        # native() of the (16*ph, 16*pw) frame: h / patch == ph exactly, so round(ph + 0.5)
-        native = round(ph + 0.5), round(pw + 0.5)
-        return tile(*native, b, self.min_num_patches, self.pixel_shuffle, self.factor_max) == grid
+        # native() of that frame: h / patch == ph exactly, so round(ph + 0.5)
+        own = round(grid[0] + 0.5), round(grid[1] + 0.5)
+        mn, d = self.min_num_patches, self.pixel_shuffle
+        return tile(*own, budget, mn, d, self.factor_max) == grid
 
     def _kept_grids(self, n: int) -> list[tuple[tuple[int, int], int]]:
         """Every (d*a, d*b) grid with a*b == n that the tiler keeps as it is at some engine
-        budget, a ascending, each with the smallest such budget (``keep_budget``)."""
-        d = self.pixel_shuffle
+        budget, a ascending, each with such a budget: its own patch count clamped to the
+        engine's budgets (an even grid is its own native grid, round(ph + 0.5) being ph, so
+        there s is exactly 1; below min_num_patches, min_num_patches itself skips the
+        upscale, which needs budget > min), else (odd pixel shuffle, another factor cap, a
+        grid past the cap that the upscale reaches) the frame's own landings."""
+        d, (lo, hi) = self.pixel_shuffle, self._budgets()
         out = []
         for a in divisors(n):
             grid = (d * a, d * (n // a))
-            b = keep_budget(self, grid)
+            b = min(max(d * d * n, lo), hi)
+            if not self._round_trips(grid, b):
+                own = round(grid[0] + 0.5), round(grid[1] + 0.5)
+                b = next((x for x, g in landing_budgets(self, *own, d * d * n) if g == grid), None)
             if b is not None:
                 out.append((grid, b))
         return out
 
-    def solve(
-        self,
-        target_tokens: int,
-        hw: tuple[int, int],
-        num_frames: int = 1,
-        *,
-        hw_kind: HwKind = "source",
-    ) -> Solution:
-        """The patch grid giving exactly ``target_tokens``.
+    def _pin_budget(self, ph0: int, pw0: int, grid: tuple[int, int], starts: list[int]) -> int:
+        """A budget at which ph0 x pw0 native patches land on ``grid``, for a repair to pin:
+        of the landing runs (``starts``, ascending) the first that holds min_num_patches or a
+        multiple of pixel_shuffle**2 (a one-image request's budget: 4 * (max_model_len -
+        prompt - 4), clamped), else the first landing."""
+        m, mn = self.pixel_shuffle**2, self.min_num_patches
+        for b in starts:
+            c = b if b == mn else -(-b // m) * m
+            if tile(ph0, pw0, c, mn, self.pixel_shuffle, self.factor_max) == grid:
+                return c
+        return starts[0]
 
-        hw_kind "source" (``hw`` is the original media): every grid the tiler gives that
-        media at some engine budget in [min_num_patches, max_num_patches] with that count;
-        one such grid is the engine's (engine-replay, ``budget`` a budget that lands there,
-        a multiple of pixel_shuffle**2 where one does: a one-image request's budget); several
-        of one count are told apart by aspect (closest-aspect, never a guess called a
-        replay). hw_kind "frame" (``hw`` is a frame the training processor already resized:
-        the original's aspect is lost to the rounding), or a source the tiler never sizes to
-        that count: the grids of that count the tiler keeps unchanged at some engine budget,
-        closest in aspect (unique / closest-aspect; ``budget``: the smallest that keeps it).
-        """
-        n_total, h, w, t, kind = check_solve(target_tokens, hw, num_frames, hw_kind)
+    def _solve(self, n_total: int, h: int, w: int, t: int, kind: HwKind) -> Solution:
+        """hw_kind "source": every grid the tiler gives that media at some engine budget in
+        [min_num_patches, max_num_patches] with that count; one such grid is the engine's
+        (engine-replay, ``budget`` one that lands there, a multiple of pixel_shuffle**2
+        where one does); several are told apart by aspect (closest-aspect, never a guess
+        called a replay). hw_kind "frame", or a source the tiler never sizes to that count:
+        the grids of that count the tiler keeps unchanged at some engine budget, closest in
+        aspect (unique / closest-aspect; ``budget``: one that keeps it)."""
         d, px = self.pixel_shuffle, self.patch
         if n_total == 0:
             return unreachable("a RADIO item yields at least one token; target is 0", t)
@@ -239,15 +238,8 @@ class RadioTilerGeometry:
         ph0, pw0 = self.native((h, w))
 
         def solution(grid, fidelity, reason, budget) -> Solution:
-            return Solution(
-                tokens=n_total,
-                size_hw=(grid[0] * px, grid[1] * px),
-                fidelity=fidelity,
-                reason=reason,
-                grid=grid,
-                num_frames=t,
-                budget=budget,
-            )
+            size = (grid[0] * px, grid[1] * px)
+            return Solution(n_total, size, fidelity, reason, grid, num_frames=t, budget=budget)
 
         lands = ""
         if kind == "source":
@@ -255,7 +247,7 @@ class RadioTilerGeometry:
             if landings:
                 grids = list(dict.fromkeys(gr for _, gr in landings))
                 best, fidelity, count = pick(grids, (h, w), (px, px))
-                b = pin_budget(self, ph0, pw0, best, [b for b, gr in landings if gr == best])
+                b = self._pin_budget(ph0, pw0, best, [b for b, gr in landings if gr == best])
                 fidelity = "engine-replay" if count == 1 else fidelity
                 more = (
                     ""
@@ -271,14 +263,17 @@ class RadioTilerGeometry:
                     f"to {best[0]}x{best[1]} = {n} tokens per group{more}",
                     b,
                 )
-            lo, _ = self._budgets()
             lands = (
-                f"no budget in [{lo}, {self.cap}] makes the tiler give {n} tokens for "
-                f"{ph0}x{pw0} native patches; "
+                f"no budget in [{self._budgets()[0]}, {self.cap}] makes the tiler give {n} "
+                f"tokens for {ph0}x{pw0} native patches; "
             )
         valid = self._kept_grids(n) if q <= self._kept_bound() else []
         if not valid:
-            return unreachable(f"{lands}{self._why_not(n, q)}", t)
+            if self.cap is not None and q > self.cap:
+                why = f"{n} tokens need {q} patches, above max_num_patches {self.cap}"
+            else:
+                why = f"no grid of {q} patches is kept as it is by the tiler at any engine budget"
+            return unreachable(lands + why, t)
         best, fidelity, count = pick([gr for gr, _ in valid], (h, w), (px, px))
         keep = dict(valid)[best]
         frame = "with only a processed frame's size, " if kind == "frame" else ""
@@ -299,8 +294,3 @@ class RadioTilerGeometry:
         Skips the divisor scan for huge targets (which would cost O(divisors))."""
         d, (_, hi) = self.pixel_shuffle, self._budgets()
         return d * max(hi, 2 * self.min_num_patches + 2) + d * d
-
-    def _why_not(self, n: int, q: int) -> str:
-        if self.cap is not None and q > self.cap:
-            return f"{n} tokens need {q} patches, above max_num_patches {self.cap}"
-        return f"no grid of {q} patches is kept as it is by the tiler at any engine budget"

@@ -19,27 +19,21 @@ from __future__ import annotations
 import math
 from typing import Protocol
 
-from megatron_media_guard.geometry.solution import GeometryError, divisors
+from megatron_media_guard.geometry.solution import divisors
 
 _INF = 1 << 62
 
 
 class TilerView(Protocol):
-    """What the search reads of the tiler (``radio.RadioTilerGeometry`` is one; radio.py
-    imports this module, so the tiler is described here rather than imported)."""
+    """What the search reads of the tiler (``radio.RadioTilerGeometry``, which imports this
+    module: so it is described here, not imported)."""
 
-    patch: int
     pixel_shuffle: int
     min_num_patches: int
     factor_max: float
 
     @property
     def cap(self) -> int | None: ...
-    def native(self, hw: tuple[int, int]) -> tuple[int, int]: ...
-    def _grid(self, ph0: int, pw0: int, budget: int) -> tuple[int, int]: ...
-    def _budgets(self) -> tuple[int, int]: ...
-    def _round_trips(self, grid: tuple[int, int], budget: int | None) -> bool: ...
-    def _kept_bound(self) -> int: ...
 
 
 def _budget_at(geo: TilerView, s: float, p: int) -> int:
@@ -147,11 +141,8 @@ def landing_budgets(
                     points = {x - 1, x, x + 1} | {a * c for a in hs for c in (*ws, prep[3])}
                     for b in points:
                         if max(x - 1, lo_all) <= b < end and b <= hi:
-                            try:
-                                g = geo._grid(ph0, pw0, b)
-                            except GeometryError:
-                                continue
-                            if g[0] * g[1] == q:
+                            g = tile(ph0, pw0, b, mn, d, geo.factor_max)
+                            if g is not None and g[0] * g[1] == q:
                                 hits.add((b, g))
             if not sides:
                 break
@@ -222,43 +213,3 @@ def _bound_along(
     if nxt == _INF:
         return limit
     return x if nxt <= fb else min(limit, _floor_start(nxt, nb, p))
-
-
-def keep_budget(geo: TilerView, grid: tuple[int, int]) -> int | None:
-    """An engine budget (``geo._budgets()``) at which the tiler keeps a (16*ph, 16*pw)
-    frame as it is, None where none does.
-
-    The tiler's code paths: a frame of even sides is its own native grid (round(ph + 0.5)
-    is ph, half to even), so at a budget of its own patch count s is exactly 1 and the
-    floors are the sides; below min_num_patches the budget min_num_patches itself skips the
-    upscale (it needs budget > min). So the count clamped into [lo, hi] keeps it whenever
-    any budget does for factor_max 1 and even sides; other configurations (odd pixel
-    shuffle, another factor cap, a grid past the cap that the upscale reaches) fall back to
-    the frame's own landings, the exact search."""
-    lo, hi = geo._budgets()
-    q = grid[0] * grid[1]
-    if q > geo._kept_bound():
-        return None
-    b0 = min(max(q, lo), hi)
-    if geo._round_trips(grid, b0):
-        return b0
-    own = geo.native((grid[0] * geo.patch, grid[1] * geo.patch))
-    return next((b for b, g in landing_budgets(geo, *own, q) if g == grid), None)
-
-
-def pin_budget(geo: TilerView, ph0: int, pw0: int, grid: tuple[int, int], starts: list[int]) -> int:
-    """A budget at which ph0 x pw0 native patches land on ``grid``, for a repair to pin:
-    of the landing runs (``starts``, ascending, from ``landing_budgets``) the first that
-    holds a multiple of pixel_shuffle**2 or min_num_patches itself (a one-image request's
-    budget: 4 * (max_model_len - prompt - 4), clamped), else the first landing."""
-    m = geo.pixel_shuffle**2
-    for b in starts:
-        if b == geo.min_num_patches:
-            return b
-        c = -(-b // m) * m
-        try:
-            if geo._grid(ph0, pw0, c) == grid:
-                return c
-        except GeometryError:
-            continue
-    return starts[0]

@@ -1,4 +1,4 @@
-"""The answer every geometry family gives, and the input checks they share.
+"""The answer every geometry family gives, the base they share, and their input checks.
 
 A ``Solution`` says how to size one media item so that its encoder yields an exact
 number of tokens, and how sure the family is that this is the sizing the engine used
@@ -8,7 +8,7 @@ number of tokens, and how sure the family is that this is the sizing the engine 
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
@@ -34,12 +34,9 @@ class Solution:
 
     tokens: the count the solution yields (== target when reachable; 0 when unreachable).
     size_hw: pixel (H, W) to resize the media to; None when unreachable.
-    fidelity: engine-replay | unique | closest-aspect | unreachable.
     reason: why (always set; for unreachable: why not).
     grid: patch grid (rows, cols) before merge / pixel shuffle, where the family has one.
-    tiles: tile grid (cols, rows) for tile families.
-    thumbnail: whether a thumbnail tile is added (tile families).
-    num_frames: frames of the item (1 for an image).
+    tiles: tile grid (cols, rows) for tile families; thumbnail: a thumbnail tile is added.
     budget: the per-item budget engine-replay found (RADIO: patches; patch-merge:
         pixels; tiles: max tiles); None otherwise.
     """
@@ -59,15 +56,30 @@ class Solution:
         return self.fidelity != "unreachable"
 
 
+class Geometry:
+    """The base of every family: ``solve`` checks its arguments, the family's ``_solve`` answers
+    (its docstring says how)."""
+
+    def solve(
+        self,
+        target_tokens: int,
+        hw: tuple[int, int],
+        num_frames: int = 1,
+        *,
+        hw_kind: HwKind = "source",
+    ) -> Solution:
+        """A size of ``hw``'s media (``num_frames`` frames) that gives exactly
+        ``target_tokens``, with its fidelity; ``hw_kind="frame"``: ``hw`` is a size the
+        processor already resized, so no answer is called the engine's sizing."""
+        n, (h, w) = check_target(target_tokens), check_hw(hw)
+        return self._solve(n, h, w, check_frames(num_frames), check_hw_kind(hw_kind))
+
+    def _solve(self, n: int, h: int, w: int, t: int, kind: HwKind) -> Solution:
+        raise NotImplementedError
+
+
 def unreachable(reason: str, num_frames: int = 1) -> Solution:
-    return Solution(
-        tokens=0,
-        size_hw=None,
-        fidelity="unreachable",
-        reason=reason,
-        grid=None,
-        num_frames=num_frames,
-    )
+    return Solution(0, None, "unreachable", reason, None, num_frames=num_frames)
 
 
 def _int(value: object, what: str) -> int:
@@ -132,14 +144,6 @@ def check_positive(value: object, what: str, *, allow_zero: bool = False) -> int
     return v
 
 
-def check_solve(
-    target: object, hw: object, num_frames: object, hw_kind: object
-) -> tuple[int, int, int, int, HwKind]:
-    """``solve``'s arguments checked: (target, H, W, frames, hw_kind)."""
-    n, (h, w) = check_target(target), check_hw(hw)
-    return n, h, w, check_frames(num_frames), check_hw_kind(hw_kind)
-
-
 def per_group(n_total: int, t: int, temporal_patch: int) -> int | Solution:
     """The count per temporal group of a ``t``-frame item, or why none (unreachable)."""
     g = groups(t, temporal_patch)
@@ -152,21 +156,32 @@ def per_group(n_total: int, t: int, temporal_patch: int) -> int | Solution:
     return n_total // g
 
 
-def smallest(lo: int, hi: int, reaches) -> int:
-    """The smallest x in [lo, hi] with ``reaches(x)`` (monotone in x; ``reaches(hi)``)."""
+def first_landing(
+    lo: int, hi: int, n: int, cells: Callable[[int], tuple[int, int] | None]
+) -> tuple[int, tuple[int, int]] | None:
+    """The smallest budget in [lo, hi] whose cells (their product monotone in the budget;
+    None: the processor rejects it) number at least n, with its cells, if they are exactly
+    n; else None."""
+
+    def reaches(m: int) -> bool:
+        c = cells(m)
+        return c is not None and c[0] * c[1] >= n
+
+    if not reaches(hi):
+        return None
     while lo < hi:
         mid = (lo + hi) // 2
         if reaches(mid):
             hi = mid
         else:
             lo = mid + 1
-    return lo
+    c = cells(lo)
+    return (lo, c) if c is not None and c[0] * c[1] == n else None
 
 
 def divisors(n: int) -> list[int]:
-    """Every divisor of ``n`` >= 1, ascending: trial division by the primes (O(sqrt of
-    n's second-largest prime factor), at most O(sqrt n) for a prime), then the products;
-    none for n < 1."""
+    """Every divisor of ``n`` >= 1, ascending (none for n < 1): trial division by the primes
+    (O(sqrt of n's second-largest prime factor)), then the products."""
     if n < 1:
         return []
     out, m, p = [1], n, 2
