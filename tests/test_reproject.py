@@ -322,7 +322,7 @@ def test_reencode_on_cuda() -> None:
         "qwen_patches",
         Target(12, (84, 112)),
         encoder,
-        grid_thw=grid_thw.cuda(),
+        grid_thw=grid_thw,  # on the host: reading a device tensor is the caller's transfer
         fp8_multiple=16,
         synchronize=True,
     )

@@ -7,14 +7,11 @@
     anyres_max_k: if sqrt(cur_h * cur_w / (k * side^2)) > 1.1, both sides divided by it
     tokens = side^2 (the base tile) + cur_h * (cur_w + 1)     (one newline feature per row)
 
-The count is many-to-one in (H, W): it depends on the chosen pinpoint and on the aspect, not
-on the pixels. ``solve`` keeps the image's own size when that already gives the target
-(engine-replay), else picks, of every size on a lattice of ``patch``-pixel steps up to the
-largest pinpoint side, the sizes filling one side of each pinpoint at every unpad step (so
-that every count some image gives is on it), and every size of the image's own aspect on
-the patch steps, that gives the target, the one closest in aspect, then in area
-(closest-aspect); unreachable when none does. An image
-of a multi-image sample is one tile, base + 1 whatever its size: no geometry changes it.
+The count depends on the chosen pinpoint and the aspect, not on the pixels. ``solve`` keeps
+the image's own size where it gives the target (engine-replay), else picks the size closest
+in aspect, then area, that does (closest-aspect) of the image's own aspect on ``patch``-pixel
+steps and a lattice holding every count some image gives. An image of a multi-image sample
+is one tile, base + 1 whatever its size: no geometry changes it.
 """
 
 from __future__ import annotations
@@ -106,11 +103,8 @@ class AnyresGeometry(Geometry):
     @cached_property
     def _lattice(self) -> dict[int, list[tuple[int, int]]]:
         """Count -> sizes giving it: every size on ``patch``-pixel steps up to the largest
-        pinpoint side, and the sizes filling one side of a pinpoint with the other side at
-        each unpad step. The count is the chosen pinpoint's map less the rows (columns) that
-        unpadding drops, a function of int(round(h * cw / w)) (the side the image fills); a
-        patch-step lattice can step over some of those values (a 14x337 image's count was
-        reached by no lattice size), the filled-side sizes take each (±1 px for rounding)."""
+        pinpoint side, and the sizes filling one side of a pinpoint with the other at each
+        unpad step (±1 px), which the steps can miss (a 14x337 image's count was)."""
         top = max(max(p) for p in self.pinpoints) // self.patch
         sizes = {
             (i * self.patch, j * self.patch) for i in range(1, top + 1) for j in range(1, top + 1)

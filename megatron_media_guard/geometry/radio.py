@@ -8,12 +8,9 @@ Per image, under a budget of B patches (patch 16, pixel shuffle 2):
     odd ph: ph + 1 if (ph + 1) * pw <= B else max(2, ph - 1); then pw the same with the new ph
     tokens = (ph/2) * (pw/2); the media is resized to (16*ph, 16*pw).
 
-The upscale is not bounded by B, so a grid can exceed its budget (8x151 native at 1025:
-8x143 after the upscale, 8x142 = 1136 patches after the evenness step).
-
-The engine's budget per request is (max_model_len - prompt_text_len - 4) * 4 patches,
-shared by all media of the request and scaled down in proportion until the sum fits
-(``RadioTilerGeometry.engine_tokens``). The training processor only knows its static
+The upscale is not bounded by B (8x151 native at 1025: 8x142 = 1136 patches). The engine
+shares (max_model_len - prompt_text_len - 4) * 4 patches among a request's media, scaled
+down until the sum fits (``engine_tokens``); the training processor knows only its static
 budget (``max_num_patches``).
 """
 
@@ -44,11 +41,8 @@ _ENGINE_ROUNDS = 10  # the engine gives up after this many scale-down rounds
 
 @dataclass(frozen=True)
 class RadioEngineItem:
-    """One media item of a request as the engine sized it.
-
-    budget: the per-item patch budget of the last round; grid: (ph, pw) patches;
-    size_hw: (16*ph, 16*pw) pixels; tokens: (ph/2) * (pw/2) per frame.
-    """
+    """One media item of a request as the engine sized it: the last round's patch budget,
+    (ph, pw) patches, (16*ph, 16*pw) pixels, (ph/2) * (pw/2) tokens per frame."""
 
     budget: int
     grid: tuple[int, int]
@@ -91,13 +85,6 @@ class RadioTilerGeometry(Geometry):
         """The per-item patch cap (None: none)."""
         return self.max_num_patches or None
 
-    @property
-    def static_budget(self) -> int:
-        if self.budget is not None:
-            return self.budget
-        return self.cap if self.cap is not None else 1 << 62
-
-    # ---- the tiler -----------------------------------------------------------------------
     def native(self, hw: tuple[int, int]) -> tuple[int, int]:
         """(ph0, pw0): the patch grid the tiler starts from."""
         h, w = check_hw(hw)
@@ -116,7 +103,8 @@ class RadioTilerGeometry(Geometry):
 
     def grid_for(self, hw: tuple[int, int], budget: int | None = None) -> tuple[int, int]:
         """(ph, pw) patches for one frame at ``budget`` (None: the static budget)."""
-        b = self.static_budget if budget is None else check_positive(budget, "budget")
+        static = self.budget or self.cap or _INF
+        b = static if budget is None else check_positive(budget, "budget")
         return self._grid(*self.native(hw), b)
 
     def size_for(
@@ -134,7 +122,6 @@ class RadioTilerGeometry(Geometry):
         d = self.pixel_shuffle
         return groups(t, self.temporal_patch) * (ph // d) * (pw // d)
 
-    # ---- the engine's per-request budget -------------------------------------------------
     def engine_tokens(
         self,
         sizes: Sequence[tuple[int, int]],
@@ -156,13 +143,9 @@ class RadioTilerGeometry(Geometry):
             grids = [self._grid(ph0, pw0, b) for (ph0, pw0), b in zip(natives, budgets)]
             used = sum(ph * pw for ph, pw in grids)
             if used <= total:
+                px, d = self.patch, self.pixel_shuffle
                 return tuple(
-                    RadioEngineItem(
-                        budget=b,
-                        grid=g,
-                        size_hw=(g[0] * self.patch, g[1] * self.patch),
-                        tokens=(g[0] // self.pixel_shuffle) * (g[1] // self.pixel_shuffle),
-                    )
+                    RadioEngineItem(b, g, (g[0] * px, g[1] * px), (g[0] // d) * (g[1] // d))
                     for b, g in zip(budgets, grids)
                 )
             scale = total / used
@@ -175,7 +158,6 @@ class RadioTilerGeometry(Geometry):
             context={"sizes": [list(hw) for hw in hws], "max_model_len": max_len},
         )
 
-    # ---- the inverse ---------------------------------------------------------------------
     def _budgets(self) -> tuple[int, int]:
         """[lo, hi]: every per-item budget the engine can give (``engine_tokens``: the
         request's patches clamped to [min_num_patches, max_num_patches], then shares floored

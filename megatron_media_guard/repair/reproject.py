@@ -1,13 +1,9 @@
-"""On-device re-projection of one mismatched media item to a target feature count.
-
-The merge calls ``reencode`` for each item its plan marks ``repair(target)``, and
-only for those: the pixels it was given are recovered as frames, resized to the
-geometry solution's pixel size on their own device, put back into the layout the
-vision encoder takes, and encoded by the user's encoder (vision tower + projector).
-
-Errors: the checks made here raise ``MediaAlignmentError`` (``MediaInputError``
-for bad input). Anything the encoder raises (out of memory, shape errors) is not
-caught: the merge catches it, records its type and message, and falls back.
+"""On-device re-projection of one mismatched item to a target feature count (``reencode``,
+for each item a plan marks ``repair(target)``): its pixels recovered as frames, resized to
+the geometry solution's size on their own device, put back into the encoder's layout and
+encoded by the user's encoder. The checks here raise ``MediaAlignmentError``
+(``MediaInputError`` for bad input); what the encoder raises propagates (the merge records
+it and falls back).
 """
 
 from __future__ import annotations
@@ -33,24 +29,16 @@ from megatron_media_guard.repair.pixels import (
     to_frames,
 )
 
-Encoder = Callable[..., torch.Tensor]
-"""``encoder(pixels, **encoder_kwargs) -> features [n, h]`` (``grid_thw=`` for qwen_patches)."""
+Encoder = Callable[..., torch.Tensor]  # encoder(pixels, **kwargs) -> features [n, h]
 
 
 @dataclass(frozen=True, eq=False)
 class ReencodeResult:
-    """One re-projected item.
-
-    features: ``[tokens, h]``, in the autograd graph of the encoder's parameters.
-    size_hw: pixel (H, W) the frames were resized to.
-    grid: patch (rows, cols) before merge; for qwen_patches read from the new
-        ``grid_thw``, otherwise the solution's ``grid`` (None when it has none).
-    grid_thw: qwen_patches' new (t, h, w); None for other layouts.
-    num_frames: frames encoded (for qwen_patches including temporal repeats).
-    fp8_pad: zero patch rows appended for FP8 and trimmed off again (0 when none).
-    duration_ms: host wall time of recover + resize + patchify + encode; on an
-        accelerator it covers kernel launches only unless ``synchronize=True``.
-    """
+    """One re-projected item: ``features [tokens, h]`` (in the encoder's autograd graph),
+    the pixel ``size_hw`` resized to, the patch ``grid`` before merge (qwen_patches: the new
+    ``grid_thw``'s; else the solution's), qwen_patches' new ``grid_thw``, the frames encoded
+    (temporal repeats included), the FP8 padding rows trimmed off, and the host wall time
+    (kernel launches only on an accelerator, unless ``synchronize=True``)."""
 
     features: torch.Tensor
     tokens: int
@@ -76,18 +64,11 @@ def _size_pair(size_hw: object) -> tuple[int, int]:
 
 
 def resize_frames(frames: torch.Tensor, size_hw: tuple[int, int]) -> torch.Tensor:
-    """Frames ``[T, C, H, W]`` resized to ``[T, C, *size_hw]`` on their own device.
-
-    Bicubic with antialias (align_corners=False), computed in float32, returned in
-    the input dtype (integer dtypes rounded and clamped to their range). Returns
-    ``frames`` itself when the size already matches.
-
-    Resizing normalized pixels is the same as resizing raw ones and normalizing
-    after: resampling is a linear map whose kernel weights sum to 1 (antialias
-    renormalizes them), so it commutes with the per-channel affine
-    ``(x - mean) / std``. The one difference from resizing 8-bit images first is
-    that bicubic overshoot at hard edges is not clipped to [0, 255].
-    """
+    """Frames ``[T, C, H, W]`` resized to ``[T, C, *size_hw]`` on their own device (``frames``
+    itself at that size): bicubic, antialias, in float32, back in the input dtype (integers
+    rounded and clamped). Resizing normalized pixels equals normalizing resized ones:
+    resampling is linear with weights summing to 1, so it commutes with ``(x - mean) / std``
+    (only bicubic overshoot at hard edges is not clipped to [0, 255])."""
     if not isinstance(frames, torch.Tensor) or frames.ndim != 4:
         shape = tuple(frames.shape) if isinstance(frames, torch.Tensor) else type(frames).__name__
         raise MediaInputError(f"resize_frames takes frames [T, C, H, W], got {shape}")
@@ -107,25 +88,6 @@ def resize_frames(frames: torch.Tensor, size_hw: tuple[int, int]) -> torch.Tenso
     return out.round_().clamp_(info.min, info.max).to(frames.dtype)
 
 
-def _resize_temporal_groups(
-    frames: torch.Tensor, size_hw: tuple[int, int], temporal_patch: int
-) -> torch.Tensor:
-    """``resize_frames``, resizing once a frame the processor repeated over a temporal group.
-
-    The Qwen processors feed an image as ``temporal_patch`` copies of itself; when every
-    group holds one repeated frame (one comparison, a host sync on an accelerator), only
-    the first of each group is resized: the same values for half the work.
-    """
-    if temporal_patch == 1 or frames.shape[-2:] == tuple(size_hw):
-        return resize_frames(frames, size_hw)
-    groups = rearrange(frames, "(t tp) c h w -> t tp c h w", tp=temporal_patch)
-    firsts = groups[:, :1]
-    if not torch.equal(groups[:, 1:], firsts.expand_as(groups[:, 1:])):
-        return resize_frames(frames, size_hw)
-    resized = resize_frames(firsts[:, 0], size_hw)
-    return repeat(resized, "t c h w -> (t tp) c h w", tp=temporal_patch)
-
-
 def resize_patches(
     pixels: torch.Tensor,
     grid_thw: object,
@@ -135,25 +97,31 @@ def resize_patches(
     temporal_patch: int = QWEN_TEMPORAL_PATCH,
     merge: int = QWEN_MERGE,
 ) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """One item's ``qwen_patches`` resized on their own device to ``size_hw`` pixels a frame.
-
-    The patches are unfolded to frames, resized (bicubic, antialias; a frame the processor
-    repeated over a temporal group is resized once) and put back in the same patch layout.
-    Returns the new patches ``[t*h*w, C*tp*p*p]`` and their ``(t, h, w)`` (read from shapes:
-    no transfer). This is a repair without the encode: the Qwen-VL adapter feeds the result
-    to the model's own vision tower.
-    """
+    """One item's ``qwen_patches`` resized on their own device to ``size_hw`` pixels a frame:
+    the new patches ``[t*h*w, C*tp*p*p]`` and their ``(t, h, w)`` (from shapes: no transfer).
+    A repair without the encode: the Qwen-VL adapter feeds them to the model's own tower."""
     qwen = {"patch": patch, "temporal_patch": temporal_patch, "merge": merge}
     height, width = _size_pair(size_hw)
     frames = to_frames(pixels, "qwen_patches", grid_thw=grid_thw, **qwen)
-    resized = _resize_temporal_groups(frames, (height, width), temporal_patch)
+    # an image is tp copies of itself: when every group holds one repeated frame (one
+    # comparison, a host sync on an accelerator), only the first of each is resized
+    groups = rearrange(frames, "(t tp) c h w -> t tp c h w", tp=temporal_patch)
+    rest, first = groups[:, 1:], groups[:, :1]
+    if (
+        temporal_patch > 1
+        and frames.shape[-2:] != (height, width)
+        and rest.equal(first.expand_as(rest))
+    ):
+        firsts = resize_frames(groups[:, 0], (height, width))
+        resized = repeat(firsts, "t c h w -> (t tp) c h w", tp=temporal_patch)
+    else:
+        resized = resize_frames(frames, (height, width))
     patches, _ = from_frames(resized, "qwen_patches", **qwen)
     t = -(-resized.shape[0] // temporal_patch)
     return patches, (t, height // patch, width // patch)
 
 
 def _target_size(solution: Solution, layout: Layout, patch: int) -> tuple[int, int]:
-    """Pixel (H, W) to resize to: ``solution.size_hw``, else ``solution.grid * patch`` (qwen)."""
     if getattr(solution, "reachable", True) is False:
         raise MediaAlignmentError(
             f"repair target of {solution.tokens} tokens is unreachable: "
@@ -186,19 +154,16 @@ def reencode(
     fp8_multiple: int | None = None,
     synchronize: bool = False,
 ) -> ReencodeResult:
-    """Re-encode one item's ``pixels`` at ``solution``'s size; features ``[solution.tokens, h]``.
+    """Re-encode one item's ``pixels`` (in ``layout``, as the encoder was fed them) at
+    ``solution``'s ``size_hw`` (qwen_patches: else its ``grid``): features ``[tokens, h]``.
 
-    pixels: the item as the encoder was fed it (``"image"``: ``[C, H, W]`` /
-        ``[T, C, H, W]``; ``"qwen_patches"``: ``[t*h*w, C*tp*p*p]`` with ``grid_thw``).
-    solution: target from geometry; ``size_hw`` (or ``grid`` for qwen_patches) and ``tokens``.
-    encoder: ``encoder(new_pixels, **encoder_kwargs) -> [n, h]``; for qwen_patches
-        ``encoder_kwargs = {"grid_thw": LongTensor [1, 3]}`` on the pixels' device.
-    fp8_multiple: for qwen_patches, pad the patch rows to this multiple (kept to
-        whole merge groups) before encoding and trim the output (see ``fp8``).
-        Ignored for ``"image"``, whose encoder embeds patches itself.
+    encoder: ``encoder(new_pixels, **kwargs) -> [n, h]`` (qwen_patches: ``grid_thw=`` a
+        ``[1, 3]`` long tensor on the pixels' device).
+    fp8_multiple: qwen_patches' patch rows padded to this multiple (whole merge groups)
+        before encoding, the output trimmed (``fp8``); an ``"image"`` encoder embeds itself.
 
-    Raises MediaAlignmentError when the new grid cannot give ``solution.tokens`` or
-    the encoder returns another count (both named); encoder exceptions propagate.
+    MediaAlignmentError when the new grid cannot give ``solution.tokens`` or the encoder
+    returns another count (both named).
     """
     start = time.perf_counter()
     layout = check_layout(layout)
@@ -210,8 +175,7 @@ def reencode(
         resized = resize_frames(to_frames(pixels, layout), size_hw)
         new_pixels, encoder_kwargs = from_frames(resized, layout, video=pixels.ndim == 4)
         num_frames = resized.shape[0]
-        grid = getattr(solution, "grid", None)
-        grid = None if grid is None else _size_pair(grid)
+        grid = None if getattr(solution, "grid", None) is None else _size_pair(solution.grid)
     else:
         qwen = {"patch": patch, "temporal_patch": temporal_patch, "merge": merge}
         new_pixels, new_grid_thw = resize_patches(pixels, grid_thw, size_hw, **qwen)
