@@ -11,9 +11,11 @@ from hypothesis import strategies as st
 from megatron_media_guard.errors import MediaAlignmentError, MediaInputError
 from megatron_media_guard.geometry import (
     FIDELITIES,
+    AnyresGeometry,
     FixedGeometry,
     GeometryError,
     PatchMergeGeometry,
+    PixtralGeometry,
     RadioTilerGeometry,
     Solution,
     TiledGeometry,
@@ -76,30 +78,23 @@ def test_seed_unconstrained_frame_is_2550_tokens():
     assert radio.size_for(SEED_HW) == (1088, 2400)
 
 
-def test_seed_engine_budget_shrinks_16_frames_to_2010_each():
+@pytest.mark.parametrize(
+    ("count", "max_len", "text", "budget", "tokens"),
+    [
+        (16, 32768, 100, 8165, 2010),  # the seed: 16 frames shrunk to 2010 each
+        (1, 32768, 100, 13312, 2550),  # a fitting request: unconstrained
+        (4, 4096, 4000, 1024, 240),  # no room left for media: min_num_patches each
+    ],
+)
+def test_engine_budget_per_request(count, max_len, text, budget, tokens):
     radio = RadioTilerGeometry()
-    items = radio.engine_tokens([SEED_HW] * 16, max_model_len=32768, prompt_text_len=100)
-    assert [it.tokens for it in items] == [2010] * 16
-    assert {it.grid for it in items} == {(60, 134)}
-    assert {it.size_hw for it in items} == {(960, 2144)}
-    assert sum(it.tokens for it in items) == 32160  # the rollout's placeholders
-    assert 16 * radio.tokens(SEED_HW) == 40800  # what the static trainer projected
+    items = radio.engine_tokens([SEED_HW] * count, max_model_len=max_len, prompt_text_len=text)
+    assert [(it.budget, it.tokens) for it in items] == [(budget, tokens)] * count
     # each item's reported budget replays its count
-    assert all(radio.tokens(SEED_HW, budget=it.budget) == 2010 for it in items)
-
-
-# ---- the RADIO engine ------------------------------------------------------------------------
-def test_engine_leaves_a_fitting_request_unconstrained():
-    radio = RadioTilerGeometry()
-    (item,) = radio.engine_tokens([SEED_HW], max_model_len=32768, prompt_text_len=100)
-    assert item.tokens == 2550 and item.budget == 13312
-
-
-def test_engine_falls_back_to_min_patches_when_the_prompt_leaves_no_room():
-    radio = RadioTilerGeometry()
-    items = radio.engine_tokens([SEED_HW] * 4, max_model_len=4096, prompt_text_len=4000)
-    assert {it.budget for it in items} == {1024}
-    assert {it.tokens for it in items} == {radio.tokens(SEED_HW, budget=1024)}
+    assert all(radio.tokens(SEED_HW, budget=it.budget) == tokens for it in items)
+    if count == 16:
+        assert {(it.grid, it.size_hw) for it in items} == {((60, 134), (960, 2144))}
+        assert 16 * radio.tokens(SEED_HW) == 40800  # what the static trainer projected
 
 
 def test_engine_mixed_sizes_fit_the_shared_budget():
@@ -202,14 +197,6 @@ def test_radio_temporal_groups():
 
 
 # ---- patch-merge (Qwen) ------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("hw", "tokens"),  # the HF Qwen2VLImageProcessor's image_grid_thw / 4, default config
-    [((1080, 2400), 1272), ((300, 400), 154), ((50, 60), 4), ((2000, 3000), 1247)],
-)
-def test_patch_merge_counts_match_the_processor(hw, tokens):
-    assert PatchMergeGeometry().tokens(hw) == tokens
-
-
 def test_patch_merge_published_configs():
     q2, q3 = PatchMergeGeometry.qwen2_vl(), PatchMergeGeometry.qwen3_vl()
     assert (q2.factor, q2.min_pixels, q2.max_pixels) == (28, 3136, 16384 * 28 * 28)
@@ -219,25 +206,19 @@ def test_patch_merge_published_configs():
     assert PatchMergeGeometry.qwen2_vl(max_pixels=1000 * 784).max_pixels == 1000 * 784
 
 
-@pytest.mark.parametrize("max_pixels", [100_000, 333_333, 1_000_000, 5_000_000])
-def test_patch_merge_shrink_replays_the_engine_max_pixels(max_pixels):
+@pytest.mark.parametrize(
+    ("hw", "knob", "pixels"),  # an engine with its own max_pixels (shrink) or min_pixels (grow)
+    [(SEED_HW, "max_pixels", px) for px in (100_000, 333_333, 1_000_000, 5_000_000)]
+    + [((100, 200), "min_pixels", px) for px in (100_000, 400_000, 2_000_000)],
+)
+def test_patch_merge_replays_the_engine_budget(hw, knob, pixels):
     geo = PatchMergeGeometry.qwen2_vl()
-    target = geo.tokens(SEED_HW, max_pixels=max_pixels)  # an engine with its own max_pixels
-    sol = geo.solve(target, SEED_HW)
-    assert sol.fidelity == "engine-replay" and "max_pixels=" in sol.reason
-    assert sol.size_hw == geo.size_for(SEED_HW, max_pixels=max_pixels)
-    assert geo.tokens(SEED_HW, max_pixels=sol.budget) == target
-    assert geo.tokens(SEED_HW, max_pixels=sol.budget - 1) < target  # the smallest such budget
-    assert round_trip(geo, sol) == target
-
-
-@pytest.mark.parametrize("min_pixels", [100_000, 400_000, 2_000_000])
-def test_patch_merge_grow_replays_the_engine_min_pixels(min_pixels):
-    geo = PatchMergeGeometry.qwen2_vl()
-    target = geo.tokens((100, 200), min_pixels=min_pixels)
-    sol = geo.solve(target, (100, 200))
-    assert sol.fidelity == "engine-replay" and "min_pixels=" in sol.reason
-    assert geo.tokens((100, 200), min_pixels=sol.budget) == target
+    target = geo.tokens(hw, **{knob: pixels})
+    sol = geo.solve(target, hw)
+    assert sol.fidelity == "engine-replay" and f"{knob}=" in sol.reason
+    assert sol.size_hw == geo.size_for(hw, **{knob: pixels})
+    assert geo.tokens(hw, **{knob: sol.budget}) == target
+    assert geo.tokens(hw, **{knob: sol.budget - 1}) < target  # the smallest such budget
     assert round_trip(geo, sol) == target
 
 
@@ -403,30 +384,32 @@ def test_bad_input_raises_media_input_error(geo, call, match):
     assert not isinstance(info.value, MediaAlignmentError)  # a wrong call, not a data fault
 
 
+ANYRES = AnyresGeometry(pinpoints=((56, 56),), tile=56)
+
+
 @pytest.mark.parametrize(
-    "make",
+    ("call", "match"),
     [
-        lambda: PatchMergeGeometry(min_pixels=10, max_pixels=5),
-        lambda: PatchMergeGeometry(patch=0),
-        lambda: RadioTilerGeometry(pixel_shuffle=0),
-        lambda: RadioTilerGeometry(budget=-3),
-        lambda: TiledGeometry(min_tiles=5, max_tiles=4),
-        lambda: FixedGeometry(size=(0, 336)),
+        (lambda: PatchMergeGeometry(min_pixels=10, max_pixels=5), "min_pixels 10 > max_pixels 5"),
+        (lambda: PatchMergeGeometry(patch=0), "patch must be >= 1"),
+        (lambda: RadioTilerGeometry(pixel_shuffle=0), "pixel_shuffle must be >= 1"),
+        (lambda: RadioTilerGeometry(budget=-3), "budget must be >= 1"),
+        (lambda: TiledGeometry(min_tiles=5, max_tiles=4), "min_tiles 5 > max_tiles 4"),
+        (lambda: FixedGeometry(size=(0, 336)), "positive"),
+        (lambda: PixtralGeometry(longest_edge=0), "longest_edge"),
+        (lambda: PixtralGeometry().solve(4, (0, 10)), "positive"),
+        (lambda: AnyresGeometry(pinpoints=((56, 60),), tile=56), "multiples of 56"),
+        (lambda: AnyresGeometry(pinpoints=((56, 56),), tile=56, max_tiles=0), "max_tiles"),
+        (lambda: ANYRES.solve(40, (0, 3)), "positive"),
+        (lambda: RadioTilerGeometry().engine_tokens([SEED_HW], 0, 0), "max_model_len"),
+        (lambda: RadioTilerGeometry().engine_tokens([SEED_HW], 100, -1), "prompt_text_len"),
+        (lambda: RadioTilerGeometry().engine_tokens([(0, 3)], 100, 0), "positive"),
+        (lambda: RadioTilerGeometry().solve(9, SEED_HW, hw_kind="original"), "hw_kind must be"),
     ],
 )
-def test_bad_config_raises(make):
-    with pytest.raises(GeometryError):
-        make()
-
-
-def test_engine_tokens_bad_input():
-    radio = RadioTilerGeometry()
-    with pytest.raises(GeometryError, match="max_model_len"):
-        radio.engine_tokens([SEED_HW], 0, 0)
-    with pytest.raises(GeometryError, match="prompt_text_len"):
-        radio.engine_tokens([SEED_HW], 100, -1)
-    with pytest.raises(GeometryError, match="positive"):
-        radio.engine_tokens([(0, 3)], 100, 0)
+def test_bad_config_or_call_is_named(call, match):
+    with pytest.raises(GeometryError, match=match):
+        call()
 
 
 def test_solution_is_frozen_and_reachable_follows_fidelity():
@@ -560,39 +543,7 @@ def test_property_patch_merge_any_target_is_exact_or_named(h, w, target, frames,
             )
 
 
-# ---- the budget searches against exhaustive scans ------------------------------------------------
-def exhaustive_grids(geo: RadioTilerGeometry, hw) -> dict[int, set]:
-    """Patch count -> the grids the tiler gives ``hw`` at some budget in [min, cap]."""
-    grids: dict[int, set] = {}
-    for b in range(max(geo.min_num_patches, 1), geo.cap + 1):
-        try:
-            g = geo.grid_for(hw, b)
-        except GeometryError:
-            continue
-        grids.setdefault(g[0] * g[1], set()).add(g)
-    return grids
-
-
-def test_radio_landing_budgets_match_an_exhaustive_scan():
-    import random
-
-    from megatron_media_guard.geometry.radio_search import landing_budgets
-
-    rng = random.Random(4)
-    for geo in (
-        RadioTilerGeometry(min_num_patches=256, max_num_patches=2048),
-        RadioTilerGeometry(min_num_patches=64, max_num_patches=1536),
-    ):
-        for _ in range(12):
-            hw = (rng.randint(1, 2500), rng.choice([rng.randint(1, 2500), rng.randint(1, 50)]))
-            ph0, pw0 = geo.native(hw)
-            grids = exhaustive_grids(geo, hw)
-            for q in sorted(k for k in grids if k)[:: max(1, len(grids) // 8)]:
-                assert {g for _, g in landing_budgets(geo, ph0, pw0, q)} == grids[q], (hw, q)
-                for b, g in landing_budgets(geo, ph0, pw0, q):
-                    assert geo.grid_for(hw, b) == g
-
-
+# ---- the budget search against an exhaustive scan ------------------------------------------
 def test_patch_merge_replay_matches_an_exhaustive_scan():
     import random
 

@@ -119,15 +119,6 @@ def test_every_count_of_some_image_is_solved_and_the_model_agrees(model, hw, src
         assert all(abs(np.log(a * w / (b * h))) >= d - 1e-12 for a, b in GEO._candidates(n, h, w))
 
 
-def test_bad_config_is_named():
-    with pytest.raises(GeometryError, match="multiples of 56"):
-        AnyresGeometry(pinpoints=((56, 60),), tile=56)
-    with pytest.raises(GeometryError, match="max_tiles"):
-        AnyresGeometry(pinpoints=F.PINPOINTS, tile=56, max_tiles=0)
-    with pytest.raises(GeometryError, match="positive"):
-        GEO.solve(40, (0, 3))
-
-
 def test_every_count_of_a_sliver_is_reached():
     """Slivers unpad to few rows (down to none): every count such images give is reached,
     from any image size (the lattice once stepped over some: a 14x337 image's count 16)."""

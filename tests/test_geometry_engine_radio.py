@@ -112,11 +112,6 @@ def test_solve_table(target, hw, kind, fidelity, grid, budget):
     assert (sol.fidelity, sol.grid, sol.budget) == (fidelity, grid, budget), sol.reason
 
 
-def test_hw_kind_is_checked():
-    with pytest.raises(GeometryError, match="hw_kind must be one of"):
-        GEO.solve(9, (512, 512), hw_kind="original")
-
-
 @settings(max_examples=200, deadline=None)
 @given(a=st.integers(1, 3328), b=st.integers(1, 3328))
 def test_property_an_even_grid_at_most_1024_patches_is_kept_at_1024(a, b):

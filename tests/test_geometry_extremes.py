@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_geometry import assert_exact, exhaustive_grids
+from test_geometry import assert_exact
 
 from megatron_media_guard.geometry import (
     FixedGeometry,
@@ -38,6 +38,18 @@ def extreme_sizes():
         for short in SHORT_SIDES:
             yield (short, short * a)
             yield (short * a, short)
+
+
+def exhaustive_grids(geo: RadioTilerGeometry, hw) -> dict[int, set]:
+    """Patch count -> the grids the tiler gives ``hw`` at some budget in [min, cap]."""
+    grids: dict[int, set] = {}
+    for b in range(max(geo.min_num_patches, 1), geo.cap + 1):
+        try:
+            g = geo.grid_for(hw, b)
+        except GeometryError:
+            continue
+        grids.setdefault(g[0] * g[1], set()).add(g)
+    return grids
 
 
 def _frames(name: str) -> int:
@@ -76,9 +88,13 @@ def test_extreme_aspects_solve_exactly(name):
     ],
     ids=["min64", "min256", "shuffle3"],
 )
-@pytest.mark.parametrize("hw", [(16, 3200), (3200, 16), (40, 40000), (1, 1000), (300, 60_000)])
-def test_radio_landings_at_extreme_aspects_match_an_exhaustive_scan(geo, hw):
-    """The walk skips budget segments that cannot land: none that can is lost."""
+@pytest.mark.parametrize(
+    "hw",
+    [(16, 3200), (3200, 16), (40, 40000), (1, 1000), (300, 60_000), (1021, 767), (2389, 37)],
+)
+def test_radio_landings_match_an_exhaustive_scan(geo, hw):
+    """The walk skips budget segments that cannot land: none that can is lost (extreme
+    aspects and ordinary sizes alike)."""
     ph0, pw0 = geo.native(hw)
     grids = exhaustive_grids(geo, hw)
     for q in sorted(k for k in grids if k):
