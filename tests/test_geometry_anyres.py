@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_media_guard.geometry import AnyresGeometry, GeometryError
+from megatron_media_guard.geometry import AnyresGeometry
 from megatron_media_guard.testing.families import llava_onevision as F
 
 pytest.importorskip("transformers.models.llava_onevision")

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from test_geometry import assert_exact
 
 from megatron_media_guard import Grammar, parse_runs
-from megatron_media_guard.geometry import GeometryError, RadioTilerGeometry
+from megatron_media_guard.geometry import RadioTilerGeometry
 
 GEO = RadioTilerGeometry(min_num_patches=1024, max_num_patches=13312)
 LO, HI = 1024, 13312  # every per-item budget the engine gives
