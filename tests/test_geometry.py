@@ -263,12 +263,6 @@ def test_patch_merge_solve_table(target, hw, frames, fidelity, reason_has):
         assert sol.grid == (sol.size_hw[0] // 14, sol.size_hw[1] // 14)
 
 
-def test_patch_merge_video_counts_temporal_groups():
-    geo = PatchMergeGeometry()
-    per = geo.tokens(SEED_HW)
-    assert [geo.tokens(SEED_HW, t) // per for t in (1, 2, 3, 4, 5)] == [1, 1, 2, 2, 3]
-
-
 def test_qwen3_video_frames_share_the_budget():
     geo = PatchMergeGeometry.qwen3_vl_video()
     hb, wb = geo.size_for((2160, 3840), num_frames=8)

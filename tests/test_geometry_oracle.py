@@ -106,7 +106,7 @@ def test_sizes_match_smart_resize(name):
 def test_tokens_match_the_full_processor(name):
     geo = CONFIGS[name]
     sizes = [(1, 1), (27, 29), (50, 60), (300, 400), (224, 224), (97, 1203), (1000, 700)]
-    sizes += random_sizes(seed=7, count=8, top=900, thin=False)
+    sizes += [(1080, 2400), (2000, 3000), *random_sizes(seed=7, count=8, top=900, thin=False)]
     for hw in sizes:
         assert oracle_hw(geo, hw) is not None
         assert geo.tokens(hw) == processor_tokens(geo, hw), hw

@@ -77,7 +77,8 @@ def qwen_item(height: int = 56, width: int = 84, frames: int = 1, seed: int = 0)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
-    ("src", "dst"), [((56, 84), (84, 112)), ((90, 60), (28, 56)), ((7, 9), (8, 9))]
+    ("src", "dst"),
+    [((56, 84), (84, 112)), ((90, 60), (28, 56)), ((7, 9), (8, 9)), ((28, 28), (28, 28))],
 )
 def test_resize_gives_exact_size_and_keeps_dtype(dtype, src, dst) -> None:
     frames = torch.randn(2, 3, *src).to(dtype)
@@ -85,6 +86,7 @@ def test_resize_gives_exact_size_and_keeps_dtype(dtype, src, dst) -> None:
     assert out.shape == (2, 3, *dst)
     assert out.dtype == dtype and out.device == frames.device
     assert torch.isfinite(out.float()).all()
+    assert (out is frames) == (src == dst)  # the same size: the input itself
 
 
 def test_resize_preserves_constants_and_commutes_with_normalization() -> None:
@@ -109,23 +111,29 @@ def test_resize_uint8_rounds_and_clamps() -> None:
     assert out.min() == 0 and out.max() == 255
 
 
-def test_resize_same_size_returns_input() -> None:
-    frames = torch.randn(1, 3, 28, 28)
-    assert resize_frames(frames, (28, 28)) is frames
-
-
 @pytest.mark.parametrize(
-    ("size_hw", "frames", "tokens"),
-    [((84, 112), 1, 12), ((28, 56), 1, 2), ((56, 56), 4, 8), ((112, 84), 3, 24)],
+    ("size_hw", "frames", "tokens", "dtype"),
+    [
+        ((84, 112), 1, 12, torch.float32),
+        ((28, 56), 1, 2, torch.float32),
+        ((56, 56), 4, 8, torch.float32),
+        ((112, 84), 3, 24, torch.float32),
+        ((84, 112), 1, 12, torch.bfloat16),  # the input's dtype is kept
+        ((84, 112), 1, 12, None),  # no size: the solution's grid (6x8) times the patch
+    ],
 )
-def test_reencode_qwen_patches_gives_target_count(size_hw, frames, tokens) -> None:
+def test_reencode_qwen_patches_gives_target_count(size_hw, frames, tokens, dtype) -> None:
     patches, grid_thw = qwen_item(frames=frames)
     original = patches.clone()
-    encoder = QwenLikeEncoder()
-    result = reencode(patches, "qwen_patches", Target(tokens, size_hw), encoder, grid_thw=grid_thw)
+    encoder = QwenLikeEncoder().to(dtype or torch.float32)
+    target = Target(tokens, size_hw) if dtype else Target(tokens, None, grid=(6, 8))
+    result = reencode(
+        patches.to(encoder.embed.weight.dtype), "qwen_patches", target, encoder, grid_thw=grid_thw
+    )
 
     assert isinstance(result, ReencodeResult)
     assert result.features.shape == (tokens, 24)
+    assert result.features.dtype == encoder.embed.weight.dtype
     assert result.size_hw == size_hw
     t = -(-frames // TP)
     assert result.grid_thw == (t, size_hw[0] // PATCH, size_hw[1] // PATCH)
@@ -152,14 +160,6 @@ def test_reencode_feeds_the_resized_frames_in_processor_layout(frames: int) -> N
     recovered = to_frames(patches, "qwen_patches", grid_thw=grid_thw)
     expected, _ = from_frames(resize_frames(recovered, (84, 112)), "qwen_patches")
     assert torch.equal(seen[0], expected)
-
-
-def test_reencode_uses_the_solution_grid_when_size_is_missing() -> None:
-    patches, grid_thw = qwen_item()
-    result = reencode(
-        patches, "qwen_patches", Target(12, None, grid=(6, 8)), QwenLikeEncoder(), grid_thw=grid_thw
-    )
-    assert result.size_hw == (84, 112) and result.features.shape[0] == 12
 
 
 @pytest.mark.parametrize("video", [False, True])
@@ -301,15 +301,6 @@ def test_gradients_flow_to_encoder_parameters() -> None:
     result.features.square().sum().backward()
     for name, param in encoder.named_parameters():
         assert param.grad is not None and param.grad.abs().sum() > 0, name
-
-
-def test_reencode_keeps_input_dtype() -> None:
-    patches, grid_thw = qwen_item()
-    encoder = QwenLikeEncoder().to(torch.bfloat16)
-    result = reencode(
-        patches.bfloat16(), "qwen_patches", Target(12, (84, 112)), encoder, grid_thw=grid_thw
-    )
-    assert result.features.dtype == torch.bfloat16 and result.features.shape == (12, 24)
 
 
 @pytest.mark.cuda

@@ -40,13 +40,9 @@ _NO_CAP = 1 << 62
 
 @dataclass(frozen=True)
 class PatchMergeGeometry(Geometry):
-    """Qwen-style patch-merge sizing (defaults: the HF Qwen2-VL image processor's).
-
-    patch: ViT patch side in pixels; merge: spatial merge per side (f = patch * merge).
-    temporal_patch: frames per temporal group; min_pixels / max_pixels: the budget.
-    max_aspect: the processor rejects max(H, W) / min(H, W) above this.
-    temporal_budget: Qwen3-VL video rule (frames share the pixel budget).
-    """
+    """Qwen-style patch-merge sizing (defaults: the HF Qwen2-VL image processor's): patch side
+    and spatial merge (f = patch * merge), frames per temporal group, the pixel budget, the
+    largest aspect the processor takes, and Qwen3-VL's video rule (frames share the budget)."""
 
     patch: int = 14
     merge: int = 2
@@ -67,7 +63,6 @@ class PatchMergeGeometry(Geometry):
         if not self.max_aspect >= 1:
             raise GeometryError(f"max_aspect must be >= 1, got {self.max_aspect}")
 
-    # ---- published configurations -------------------------------------------------------
     @classmethod
     def qwen2_vl(cls, **overrides: object) -> PatchMergeGeometry:
         """Qwen2-VL checkpoints' preprocessor_config: 4..16384 tokens per image."""
@@ -94,10 +89,8 @@ class PatchMergeGeometry(Geometry):
     def factor(self) -> int:
         return self.patch * self.merge
 
-    # ---- the processor's own sizing -----------------------------------------------------
     def _frames(self, t: int) -> tuple[int, int]:
-        """(frames, frames rounded to temporal groups) weighing the budget: (1, 1) but for
-        Qwen3-VL's video rule."""
+        """(frames, frames rounded to temporal groups) weighing the budget: Qwen3-VL video's."""
         if not self.temporal_budget:
             return 1, 1
         return t, round(t / self.temporal_patch) * self.temporal_patch
@@ -163,7 +156,6 @@ class PatchMergeGeometry(Geometry):
         f = self.factor
         return groups(num_frames, self.temporal_patch) * (hb // f) * (wb // f)
 
-    # ---- the inverse ---------------------------------------------------------------------
     def _cells(self, h: int, w: int, t: int, min_px: int, max_px: int) -> tuple[int, int] | None:
         try:
             hb, wb = self._resize(h, w, t, min_px, max_px)
@@ -193,9 +185,8 @@ class PatchMergeGeometry(Geometry):
         return ("min_pixels", *found) if found else None
 
     def _keep_pixels(self, a: int, b: int, t: int) -> int | None:
-        """A pixel budget (min_pixels = max_pixels = it) at which the processor keeps an
-        (a*f, b*f) frame as it is: its own (frame-weighted) area, where the processor takes
-        the frame at all (aspect, clip length); None otherwise."""
+        """The budget (min_pixels = max_pixels) at which the processor keeps an (a*f, b*f)
+        frame as it is, its (frame-weighted) area, where it takes the frame at all; else None."""
         f, (_, t_bar) = self.factor, self._frames(t)
         px = max(t_bar, 1) * a * b * f * f
         return px if self._cells(a * f, b * f, t, px, px) == (a, b) else None

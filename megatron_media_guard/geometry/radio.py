@@ -52,14 +52,9 @@ class RadioEngineItem:
 
 @dataclass(frozen=True)
 class RadioTilerGeometry(Geometry):
-    """RADIO tiler sizing.
-
-    patch: pixels per patch side; pixel_shuffle: patches merged per side into a token.
-    min_num_patches / max_num_patches: the per-item clamp (max None or 0: no cap).
-    budget: the static per-item budget of the training processor (None: max_num_patches).
-    temporal_patch: frames per token group for clips (1: every frame is its own item).
-    factor_max: the engine's cap on the scale factor (1: never upscale past native).
-    """
+    """RADIO tiler sizing: patch side in pixels, patches merged per side into a token, the
+    per-item clamp (max None or 0: no cap), the training processor's static budget (None:
+    max_num_patches), frames per token group, the engine's cap on the scale factor."""
 
     patch: int = 16
     pixel_shuffle: int = 2
@@ -82,7 +77,6 @@ class RadioTilerGeometry(Geometry):
 
     @property
     def cap(self) -> int | None:
-        """The per-item patch cap (None: none)."""
         return self.max_num_patches or None
 
     def native(self, hw: tuple[int, int]) -> tuple[int, int]:
@@ -159,9 +153,7 @@ class RadioTilerGeometry(Geometry):
         )
 
     def _budgets(self) -> tuple[int, int]:
-        """[lo, hi]: every per-item budget the engine can give (``engine_tokens``: the
-        request's patches clamped to [min_num_patches, max_num_patches], then shares floored
-        at min_num_patches)."""
+        """[lo, hi]: every per-item budget the engine can give (``engine_tokens``)."""
         return max(self.min_num_patches, 1), self.cap if self.cap is not None else _INF
 
     def _round_trips(self, grid: tuple[int, int], budget: int) -> bool:
@@ -172,12 +164,9 @@ class RadioTilerGeometry(Geometry):
         return tile(*own, budget, mn, d, self.factor_max) == grid
 
     def _kept_grids(self, n: int) -> list[tuple[tuple[int, int], int]]:
-        """Every (d*a, d*b) grid with a*b == n that the tiler keeps as it is at some engine
-        budget, a ascending, each with such a budget: its own patch count clamped to the
-        engine's budgets (an even grid is its own native grid, round(ph + 0.5) being ph, so
-        there s is exactly 1; below min_num_patches, min_num_patches itself skips the
-        upscale, which needs budget > min), else (odd pixel shuffle, another factor cap, a
-        grid past the cap that the upscale reaches) the frame's own landings."""
+        """Every (d*a, d*b) grid, a*b == n, that the tiler keeps at some engine budget, with
+        one: its patch count clamped to the engine's budgets (an even grid is its own native
+        grid, s exactly 1; min_num_patches itself skips the upscale), else its landings."""
         d, (lo, hi) = self.pixel_shuffle, self._budgets()
         out = []
         for a in divisors(n):
@@ -191,10 +180,8 @@ class RadioTilerGeometry(Geometry):
         return out
 
     def _pin_budget(self, ph0: int, pw0: int, grid: tuple[int, int], starts: list[int]) -> int:
-        """A budget at which ph0 x pw0 native patches land on ``grid``, for a repair to pin:
-        of the landing runs (``starts``, ascending) the first that holds min_num_patches or a
-        multiple of pixel_shuffle**2 (a one-image request's budget: 4 * (max_model_len -
-        prompt - 4), clamped), else the first landing."""
+        """A landing budget for a repair to pin: of the runs (``starts``, ascending) the first
+        holding min_num_patches or a multiple of pixel_shuffle**2 (a one-image request's)."""
         m, mn = self.pixel_shuffle**2, self.min_num_patches
         for b in starts:
             c = b if b == mn else -(-b // m) * m
@@ -203,13 +190,10 @@ class RadioTilerGeometry(Geometry):
         return starts[0]
 
     def _solve(self, n_total: int, h: int, w: int, t: int, kind: HwKind) -> Solution:
-        """hw_kind "source": every grid the tiler gives that media at some engine budget in
-        [min_num_patches, max_num_patches] with that count; one such grid is the engine's
-        (engine-replay, ``budget`` one that lands there, a multiple of pixel_shuffle**2
-        where one does); several are told apart by aspect (closest-aspect, never a guess
-        called a replay). hw_kind "frame", or a source the tiler never sizes to that count:
-        the grids of that count the tiler keeps unchanged at some engine budget, closest in
-        aspect (unique / closest-aspect; ``budget``: one that keeps it)."""
+        """From a source: the grids the tiler gives it with that count at some engine budget,
+        one of them an engine-replay (``budget`` a landing, a multiple of pixel_shuffle**2
+        where one is), several closest-aspect; from a frame (or a source never sized so):
+        the grids of that count kept unchanged at some engine budget, closest in aspect."""
         d, px = self.pixel_shuffle, self.patch
         if n_total == 0:
             return unreachable("a RADIO item yields at least one token; target is 0", t)
@@ -269,10 +253,8 @@ class RadioTilerGeometry(Geometry):
         )
 
     def _kept_bound(self) -> int:
-        """No grid of more patches than this is kept as it is at any engine budget B <= hi:
-        the floors hold at most B patches, the upscale at most 2 * min + 2 (ceil(u*fh) *
-        ceil(u*fw) with u*u*fh*fw = min and fw/fh within [1/min, min]), and the evenness step
-        raises a side past the budget only from below d (at most d times the patches).
-        Skips the divisor scan for huge targets (which would cost O(divisors))."""
+        """No grid of more patches is kept at any engine budget B <= hi (floors hold at most B
+        patches, the upscale at most 2 * min + 2, the evenness step at most d times that):
+        huge targets skip the divisor scan."""
         d, (_, hi) = self.pixel_shuffle, self._budgets()
         return d * max(hi, 2 * self.min_num_patches + 2) + d * d

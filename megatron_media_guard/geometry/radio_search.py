@@ -115,14 +115,13 @@ def landing_budgets(
     spans = [(lo, hi) for lo, hi in spans if lo <= hi]
     if not spans:
         return []
-    # the final grids that count: a x (q / a), both sides multiples of d; per side a, the
-    # pre-evenness values of the other side that the evenness step takes to q / a
-    # (both sides multiples of d: a = d * a' with a' dividing q / d^2)
+    # the final grids a x (q / a), both sides multiples of d: per side a, the range of the
+    # other side's pre-evenness values that the evenness step takes to q / a
     n, k = divmod(q, d * d)
     sides = {}
     if k == 0:
         for a in divisors(n):
-            b = d * (n // a)  # the other side; the pre-evenness values the evenness step takes to b
+            b = d * (n // a)
             sides[d * a] = (0 if b == d else b - d + 1, b + d - 1)
     for x, hi in spans:
         while x <= hi:
@@ -182,13 +181,8 @@ def _bound_along(
     up: bool,
 ) -> int:
     """A budget before which nothing from ``x`` on lands: floor ``fa`` (of ``na`` native
-    patches) held until it next changes, ``fb`` only grows with the budget meanwhile.
-
-    Landings need fb in a few narrow ranges (the evenness step moves a side by less than d;
-    the upscale maps fb monotonically), so the walk jumps to the next one. Used for both
-    sides at once (the maximum of two bounds is one): it keeps the walk's length
-    independent of the aspect ratio (a 10000:1 strip had thousands of 1-budget segments).
-    """
+    patches) held until it next changes, ``fb`` only grows meanwhile, and landings need fb in
+    a few narrow ranges. Keeps the walk's length independent of the aspect ratio."""
     d, mn, p = geo.pixel_shuffle, geo.min_num_patches, na * nb
     grows = fa * fa < geo.factor_max * geo.factor_max * na * na
     ea = -(-((fa + 1) ** 2) * p // na**2) if grows else _INF  # where fa changes

@@ -120,13 +120,6 @@ def check_hw_kind(hw_kind: object) -> HwKind:
     return hw_kind  # type: ignore[return-value]
 
 
-def check_frames(num_frames: object) -> int:
-    t = _int(num_frames, "num_frames")
-    if t < 1:
-        raise GeometryError(f"num_frames must be >= 1, got {t}", context={"num_frames": t})
-    return t
-
-
 def check_target(target: object) -> int:
     n = _int(target, "target_tokens")
     if n < 0:
@@ -142,6 +135,10 @@ def check_positive(value: object, what: str, *, allow_zero: bool = False) -> int
         bound = ">= 0" if allow_zero else ">= 1"
         raise GeometryError(f"{what} must be {bound}, got {v}", context={what: v})
     return v
+
+
+def check_frames(num_frames: object) -> int:
+    return check_positive(num_frames, "num_frames")
 
 
 def per_group(n_total: int, t: int, temporal_patch: int) -> int | Solution:
@@ -221,13 +218,12 @@ def pick(
     hw: tuple[int, int],
     scale: tuple[int, int],
 ) -> tuple[tuple[int, int], Fidelity, int]:
-    """The candidate (rows, cols) closest in aspect to ``hw``, then in area (rows*scale_h *
-    cols*scale_w vs H*W), then fewest rows; with its fidelity and the number of candidates."""
+    """The candidate (rows, cols) closest in aspect to ``hw`` (|log((r / c) / (H / W))|,
+    compared exactly: a ratio and its reciprocal tie), then in area (rows*scale_h *
+    cols*scale_w vs H*W), then fewest rows, then first listed; with its fidelity and the
+    number of candidates."""
     h, w = hw
     area, cell = h * w, scale[0] * scale[1]
-    # aspect distance |log((r / c) / (H / W))|, compared exactly as the ratio of the larger
-    # to the smaller of r*W and c*H (a ratio and its reciprocal tie), then area, then
-    # fewest rows, then the first listed
     best = min(
         (Fraction(max(r * w, c * h), min(r * w, c * h)), abs(r * c * cell - area), r, i)
         for i, (r, c) in enumerate(candidates)

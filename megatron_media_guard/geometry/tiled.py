@@ -42,11 +42,8 @@ def _ratios(min_tiles: int, max_tiles: int) -> tuple[tuple[int, int], ...]:
 
 @dataclass(frozen=True)
 class TiledGeometry(Geometry):
-    """InternVL-style tiling.
-
-    tile: tile side S in pixels; tokens_per_tile: tokens of one tile after pixel shuffle.
-    min_tiles / max_tiles: bounds on c*r; thumbnail: add an S x S thumbnail when c*r != 1.
-    """
+    """InternVL-style tiling: tile side S in pixels, tokens of a tile after pixel shuffle,
+    bounds on c*r, and an S x S thumbnail added when c*r != 1."""
 
     tile: int = 448
     tokens_per_tile: int = 256

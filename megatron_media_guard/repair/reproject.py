@@ -18,6 +18,7 @@ from einops import rearrange, repeat
 
 from megatron_media_guard.errors import MediaAlignmentError, MediaInputError
 from megatron_media_guard.geometry import Solution
+from megatron_media_guard.geometry.solution import check_hw
 from megatron_media_guard.repair.fp8 import pad_for_fp8, padded_multiple
 from megatron_media_guard.repair.pixels import (
     QWEN_MERGE,
@@ -50,19 +51,6 @@ class ReencodeResult:
     duration_ms: float
 
 
-def _size_pair(size_hw: object) -> tuple[int, int]:
-    try:
-        height, width = (int(v) for v in size_hw)  # type: ignore[union-attr]
-    except (TypeError, ValueError) as exc:
-        raise MediaInputError(f"size_hw must be (H, W), got {size_hw!r}") from exc
-    if height < 1 or width < 1:
-        raise MediaInputError(
-            f"size_hw must be positive, got {(height, width)}",
-            context={"size_hw": [height, width]},
-        )
-    return height, width
-
-
 def resize_frames(frames: torch.Tensor, size_hw: tuple[int, int]) -> torch.Tensor:
     """Frames ``[T, C, H, W]`` resized to ``[T, C, *size_hw]`` on their own device (``frames``
     itself at that size): bicubic, antialias, in float32, back in the input dtype (integers
@@ -72,15 +60,11 @@ def resize_frames(frames: torch.Tensor, size_hw: tuple[int, int]) -> torch.Tenso
     if not isinstance(frames, torch.Tensor) or frames.ndim != 4:
         shape = tuple(frames.shape) if isinstance(frames, torch.Tensor) else type(frames).__name__
         raise MediaInputError(f"resize_frames takes frames [T, C, H, W], got {shape}")
-    height, width = _size_pair(size_hw)
+    height, width = check_hw(size_hw)
     if frames.shape[-2:] == (height, width):
         return frames
     out = F.interpolate(
-        frames.float(),
-        size=(height, width),
-        mode="bicubic",
-        antialias=True,
-        align_corners=False,
+        frames.float(), (height, width), mode="bicubic", antialias=True, align_corners=False
     )
     if frames.dtype.is_floating_point:
         return out.to(frames.dtype)
@@ -101,7 +85,7 @@ def resize_patches(
     the new patches ``[t*h*w, C*tp*p*p]`` and their ``(t, h, w)`` (from shapes: no transfer).
     A repair without the encode: the Qwen-VL adapter feeds them to the model's own tower."""
     qwen = {"patch": patch, "temporal_patch": temporal_patch, "merge": merge}
-    height, width = _size_pair(size_hw)
+    height, width = check_hw(size_hw)
     frames = to_frames(pixels, "qwen_patches", grid_thw=grid_thw, **qwen)
     # an image is tp copies of itself: when every group holds one repeated frame (one
     # comparison, a host sync on an accelerator), only the first of each is resized
@@ -130,10 +114,10 @@ def _target_size(solution: Solution, layout: Layout, patch: int) -> tuple[int, i
         )
     size_hw = getattr(solution, "size_hw", None)
     if size_hw is not None:
-        return _size_pair(size_hw)
+        return check_hw(size_hw)
     grid = getattr(solution, "grid", None)
     if layout == "qwen_patches" and grid is not None:
-        rows, cols = _size_pair(grid)
+        rows, cols = check_hw(grid)
         return rows * patch, cols * patch
     raise MediaAlignmentError(
         f"repair target of {solution.tokens} tokens has no pixel size (size_hw is None)",
@@ -174,8 +158,8 @@ def reencode(
     if layout == "image":
         resized = resize_frames(to_frames(pixels, layout), size_hw)
         new_pixels, encoder_kwargs = from_frames(resized, layout, video=pixels.ndim == 4)
-        num_frames = resized.shape[0]
-        grid = None if getattr(solution, "grid", None) is None else _size_pair(solution.grid)
+        num_frames = int(resized.shape[0])
+        grid = None if getattr(solution, "grid", None) is None else check_hw(solution.grid)
     else:
         qwen = {"patch": patch, "temporal_patch": temporal_patch, "merge": merge}
         new_pixels, new_grid_thw = resize_patches(pixels, grid_thw, size_hw, **qwen)
@@ -215,13 +199,5 @@ def reencode(
     features = features[:tokens] if got > tokens else features
     if synchronize and features.device.type == "cuda":
         torch.cuda.synchronize(features.device)
-    return ReencodeResult(
-        features=features,
-        tokens=tokens,
-        size_hw=size_hw,
-        grid=grid,
-        grid_thw=new_grid_thw,
-        num_frames=int(num_frames),
-        fp8_pad=fp8_pad,
-        duration_ms=(time.perf_counter() - start) * 1e3,
-    )
+    ms = (time.perf_counter() - start) * 1e3
+    return ReencodeResult(features, tokens, size_hw, grid, new_grid_thw, num_frames, fp8_pad, ms)
