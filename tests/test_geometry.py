@@ -146,23 +146,28 @@ def test_radio_sweep_7_sizes_x_7_budgets():
     assert unreachable == {((3000, 4000), 20000)}
 
 
+RADIO, RADIO_T2 = RadioTilerGeometry(), RadioTilerGeometry(temporal_patch=2)
+
+
 @pytest.mark.parametrize(
-    ("target", "hw", "fidelity", "grid", "reason_has"),
+    ("geo", "target", "frames", "fidelity", "grid", "reason_has"),
     [
-        (2010, SEED_HW, "engine-replay", (60, 134), "budget"),
-        (2550, SEED_HW, "engine-replay", (68, 150), "budget"),
-        (2011, SEED_HW, "closest-aspect", (2, 4022), "2 grids"),  # prime: 1x2011 or 2011x1
-        (3329, SEED_HW, "unreachable", None, "above max_num_patches 13312"),
+        (RADIO, 2010, 1, "engine-replay", (60, 134), "budget"),
+        (RADIO, 2550, 1, "engine-replay", (68, 150), "budget"),
+        (RADIO, 2011, 1, "closest-aspect", (2, 4022), "2 grids"),  # prime: 1x2011 or 2011x1
+        (RADIO, 3329, 1, "unreachable", None, "above max_num_patches 13312"),
         # 400 patches: no engine budget sizes the seed there; a 10x40 frame is kept at 1024
-        (100, SEED_HW, "closest-aspect", (10, 40), "at 1024 patches"),
-        (0, SEED_HW, "unreachable", None, "target is 0"),
+        (RADIO, 100, 1, "closest-aspect", (10, 40), "at 1024 patches"),
+        (RADIO, 0, 1, "unreachable", None, "target is 0"),
+        (RADIO_T2, 3 * 2010, 5, "engine-replay", (60, 134), "2010 tokens per group"),
+        (RADIO_T2, 3 * 2010 + 1, 5, "unreachable", None, "3 temporal groups"),
     ],
 )
-def test_radio_solve_table(target, hw, fidelity, grid, reason_has):
-    radio = RadioTilerGeometry()
-    sol = radio.solve(target, hw)
-    assert (sol.fidelity, sol.grid) == (fidelity, grid) and reason_has in sol.reason
-    assert_exact(radio, hw, sol, target)
+def test_radio_solve_table(geo, target, frames, fidelity, grid, reason_has):
+    sol = geo.solve(target, SEED_HW, frames)
+    assert (sol.fidelity, sol.grid, sol.num_frames) == (fidelity, grid, frames)
+    assert reason_has in sol.reason
+    assert_exact(geo, SEED_HW, sol, target)
 
 
 @pytest.mark.parametrize(
@@ -185,15 +190,6 @@ def test_radio_upscale_past_the_budget_is_still_a_replay(hw, budget):
     assert sol.fidelity == "engine-replay" and sol.grid == grid, sol
     assert sol.budget == budget
     assert_exact(radio, hw, sol)
-
-
-def test_radio_temporal_groups():
-    radio = RadioTilerGeometry(temporal_patch=2)
-    assert radio.tokens(SEED_HW, num_frames=5) == 3 * 2550
-    sol = radio.solve(3 * 2010, SEED_HW, num_frames=5)
-    assert sol.fidelity == "engine-replay" and sol.grid == (60, 134) and sol.num_frames == 5
-    bad = radio.solve(2010 * 3 + 1, SEED_HW, num_frames=5)
-    assert not bad.reachable and "3 temporal groups" in bad.reason
 
 
 # ---- patch-merge (Qwen) ------------------------------------------------------------------------
@@ -300,23 +296,25 @@ TILES, NO_THUMB, MIN_2 = TiledGeometry(), TiledGeometry(thumbnail=False), TiledG
 
 
 @pytest.mark.parametrize(
-    ("geo", "target", "hw", "fidelity", "tiles", "thumb", "reason_has"),
+    ("geo", "target", "hw", "fidelity", "tiles", "thumb", "reason_has", "frames"),
     [
-        (TILES, 300, (1000, 1000), "unreachable", None, False, "multiple of 256"),
-        (TILES, 512, (1000, 1000), "unreachable", None, False, "thumbnail"),
-        (TILES, 256, (1000, 1000), "engine-replay", (1, 1), False, "max_tiles=1"),
-        (TILES, 5 * 256, (1000, 1000), "engine-replay", (2, 2), True, "max_tiles=4"),
-        (TILES, 7 * 256, (1000, 1000), "closest-aspect", (2, 3), True, "4 grids"),
-        (TILES, 13 * 256, (1000, 1000), "closest-aspect", None, True, "grids"),
-        (TILES, 14 * 256, (1000, 1000), "unreachable", None, False, "outside [1, 12]"),
-        (NO_THUMB, 512, (448, 896), "engine-replay", (2, 1), False, "2 tiles"),
-        (NO_THUMB, 256, (448, 896), "engine-replay", (1, 1), False, ""),
-        (MIN_2, 256, (448, 896), "unreachable", None, False, "outside [2, 12]"),
-        (TiledGeometry(tile=512), 4 * 256, (512, 1536), "engine-replay", (3, 1), True, ""),
+        (TILES, 300, (1000, 1000), "unreachable", None, False, "multiple of 256", 1),
+        (TILES, 512, (1000, 1000), "unreachable", None, False, "thumbnail", 1),
+        (TILES, 256, (1000, 1000), "engine-replay", (1, 1), False, "max_tiles=1", 1),
+        (TILES, 5 * 256, (1000, 1000), "engine-replay", (2, 2), True, "max_tiles=4", 1),
+        (TILES, 7 * 256, (1000, 1000), "closest-aspect", (2, 3), True, "4 grids", 1),
+        (TILES, 13 * 256, (1000, 1000), "closest-aspect", None, True, "grids", 1),
+        (TILES, 14 * 256, (1000, 1000), "unreachable", None, False, "outside [1, 12]", 1),
+        (NO_THUMB, 512, (448, 896), "engine-replay", (2, 1), False, "2 tiles", 1),
+        (NO_THUMB, 256, (448, 896), "engine-replay", (1, 1), False, "", 1),
+        (MIN_2, 256, (448, 896), "unreachable", None, False, "outside [2, 12]", 1),
+        (TiledGeometry(tile=512), 4 * 256, (512, 1536), "engine-replay", (3, 1), True, "", 1),
+        (TILES, 4 * 768, (448, 896), "engine-replay", (2, 1), True, "max_tiles=2", 4),
+        (TILES, 1000, (448, 896), "unreachable", None, False, "not divisible by 3 frames", 3),
     ],
 )
-def test_tiled_solve_table(geo, target, hw, fidelity, tiles, thumb, reason_has):
-    sol = geo.solve(target, hw)
+def test_tiled_solve_table(geo, target, hw, fidelity, tiles, thumb, reason_has, frames):
+    sol = geo.solve(target, hw, frames)
     assert sol.fidelity == fidelity, sol
     assert reason_has in sol.reason
     if tiles is not None:
@@ -326,13 +324,6 @@ def test_tiled_solve_table(geo, target, hw, fidelity, tiles, thumb, reason_has):
         assert round_trip(geo, sol) == target
         c, r = sol.tiles
         assert sol.size_hw == (r * geo.tile, c * geo.tile)
-
-
-def test_tiled_frames():
-    geo = TiledGeometry()
-    assert geo.tokens((448, 896), num_frames=4) == 4 * 768
-    assert geo.solve(4 * 768, (448, 896), 4).fidelity == "engine-replay"
-    assert "not divisible by 3 frames" in geo.solve(1000, (448, 896), 3).reason
 
 
 # ---- fixed --------------------------------------------------------------------------------------

@@ -70,11 +70,13 @@ def grid_thw_tuple(grid_thw: object) -> tuple[int, int, int]:
     return values[0], values[1], values[2]
 
 
-def _check_qwen_sizes(patch: int, temporal_patch: int, merge: int) -> None:
+def _qwen_dims(patch: int, temporal_patch: int, merge: int) -> dict[str, int]:
+    """The qwen_patches layout's einops sizes, checked."""
     sizes = {"patch": patch, "temporal_patch": temporal_patch, "merge": merge}
     bad = {k: v for k, v in sizes.items() if not isinstance(v, int) or v < 1}
     if bad:
         raise MediaInputError(f"qwen_patches sizes must be positive ints, got {bad}", context=bad)
+    return {"tp": temporal_patch, "mh": merge, "mw": merge, "ph": patch, "pw": patch}
 
 
 def to_frames(
@@ -102,7 +104,7 @@ def to_frames(
             context={"shape": list(pixels.shape)},
         )
 
-    _check_qwen_sizes(patch, temporal_patch, merge)
+    dims = _qwen_dims(patch, temporal_patch, merge)
     if grid_thw is None:
         raise MediaInputError("layout 'qwen_patches' needs grid_thw=(t, h, w)")
     t, h, w = grid_thw_tuple(grid_thw)
@@ -118,18 +120,7 @@ def to_frames(
             f"{temporal_patch} expects [{t * h * w}, C*{row_len}], got shape {tuple(pixels.shape)}",
             context={"shape": list(pixels.shape), "grid_thw": [t, h, w]},
         )
-    return rearrange(
-        pixels,
-        f"{_QWEN_ROWS} -> {_QWEN_FRAMES}",
-        t=t,
-        hb=h // merge,
-        wb=w // merge,
-        mh=merge,
-        mw=merge,
-        tp=temporal_patch,
-        ph=patch,
-        pw=patch,
-    )
+    return rearrange(pixels, f"{_QWEN_ROWS} -> {_QWEN_FRAMES}", t=t, hb=h // merge, **dims)
 
 
 def from_frames(
@@ -160,7 +151,7 @@ def from_frames(
         squeeze = (video is False) or (video is None and num_frames == 1)
         return (frames[0] if squeeze else frames), {}
 
-    _check_qwen_sizes(patch, temporal_patch, merge)
+    dims = _qwen_dims(patch, temporal_patch, merge)
     factor = patch * merge
     if height % factor or width % factor:
         raise MediaInputError(
@@ -170,14 +161,5 @@ def from_frames(
     if pad := -num_frames % temporal_patch:
         frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)], dim=0)
     grid = (frames.shape[0] // temporal_patch, height // patch, width // patch)
-    patches = rearrange(
-        frames,
-        f"{_QWEN_FRAMES} -> {_QWEN_ROWS}",
-        tp=temporal_patch,
-        mh=merge,
-        mw=merge,
-        ph=patch,
-        pw=patch,
-    )
-    grid_thw = torch.tensor([grid], dtype=torch.long, device=frames.device)
-    return patches, {"grid_thw": grid_thw}
+    patches = rearrange(frames, f"{_QWEN_FRAMES} -> {_QWEN_ROWS}", **dims)
+    return patches, {"grid_thw": torch.tensor([grid], dtype=torch.long, device=frames.device)}
