@@ -51,18 +51,23 @@ def round_trip(geo, sol: Solution, hw=None) -> int:
 
 def assert_exact(geo, hw, sol: Solution, target: int | None = None) -> None:
     """A solution is exact or named. Unreachable: a reason, no size, no tokens. Reachable:
-    ``target`` tokens through the family's own sizing (``round_trip``); RADIO: the tiler's
-    at ``sol.budget``, an engine budget (in [min_num_patches, max_num_patches]), of the
-    source ``hw`` for an engine-replay, else of a frame it keeps unchanged."""
+    ``target`` tokens through the family's own sizing (``round_trip``), the size its grid
+    (or tiles) times the patch (tile); RADIO: the tiler's at ``sol.budget``, an engine budget
+    (in [min_num_patches, max_num_patches]), of the source ``hw`` for an engine-replay, else
+    of a frame it keeps unchanged."""
     assert sol.fidelity in FIDELITIES and sol.reason
     if not sol.reachable:
         assert sol.tokens == 0 and sol.size_hw is None
         return
     assert target is None or sol.tokens == target
+    if isinstance(geo, (PatchMergeGeometry, PixtralGeometry, RadioTilerGeometry)):
+        assert sol.size_hw == (geo.patch * sol.grid[0], geo.patch * sol.grid[1])
+    if isinstance(geo, TiledGeometry):  # a thumbnail with every grid but one tile
+        assert sol.size_hw == (sol.tiles[1] * geo.tile, sol.tiles[0] * geo.tile)
+        assert sol.thumbnail == (geo.thumbnail and sol.tiles != (1, 1))
     if not isinstance(geo, RadioTilerGeometry):
         assert round_trip(geo, sol, hw) == sol.tokens
         return
-    assert sol.size_hw == (geo.patch * sol.grid[0], geo.patch * sol.grid[1])
     assert geo.min_num_patches <= sol.budget <= (geo.cap or sol.budget)
     src = hw if sol.fidelity == "engine-replay" else sol.size_hw
     assert geo.grid_for(src, sol.budget) == sol.grid
@@ -146,50 +151,142 @@ def test_radio_sweep_7_sizes_x_7_budgets():
     assert unreachable == {((3000, 4000), 20000)}
 
 
+# ---- solve, every family ------------------------------------------------------------------------
 RADIO, RADIO_T2 = RadioTilerGeometry(), RadioTilerGeometry(temporal_patch=2)
+PM, QWEN2 = PatchMergeGeometry(), PatchMergeGeometry.qwen2_vl()
+TILES, NO_THUMB, MIN_2 = TiledGeometry(), TiledGeometry(thumbnail=False), TiledGeometry(min_tiles=2)
+FIXED, PIX = FixedGeometry(), PixtralGeometry(longest_edge=224)
+SRC, FRAME = "source", "frame"
 
 
 @pytest.mark.parametrize(
-    ("geo", "target", "frames", "fidelity", "grid", "reason_has"),
+    ("geo", "target", "hw", "frames", "kind", "fidelity", "fields", "reason_has"),
     [
-        (RADIO, 2010, 1, "engine-replay", (60, 134), "budget"),
-        (RADIO, 2550, 1, "engine-replay", (68, 150), "budget"),
-        (RADIO, 2011, 1, "closest-aspect", (2, 4022), "2 grids"),  # prime: 1x2011 or 2011x1
-        (RADIO, 3329, 1, "unreachable", None, "above max_num_patches 13312"),
-        # 400 patches: no engine budget sizes the seed there; a 10x40 frame is kept at 1024
-        (RADIO, 100, 1, "closest-aspect", (10, 40), "at 1024 patches"),
-        (RADIO, 0, 1, "unreachable", None, "target is 0"),
-        (RADIO_T2, 3 * 2010, 5, "engine-replay", (60, 134), "2010 tokens per group"),
-        (RADIO_T2, 3 * 2010 + 1, 5, "unreachable", None, "3 temporal groups"),
+        # RADIO: a source's replay, a prime count (1x2011 or 2011x1), past the cap, a count no
+        # engine budget sizes the seed to (a 10x40 frame is kept at 1024), clips
+        (RADIO, 2010, SEED_HW, 1, SRC, "engine-replay", {"grid": (60, 134)}, "budget"),
+        (RADIO, 2550, SEED_HW, 1, SRC, "engine-replay", {"grid": (68, 150)}, "budget"),
+        (RADIO, 2011, SEED_HW, 1, SRC, "closest-aspect", {"grid": (2, 4022)}, "2 grids"),
+        (RADIO, 3329, SEED_HW, 1, SRC, "unreachable", {}, "above max_num_patches 13312"),
+        (RADIO, 100, SEED_HW, 1, SRC, "closest-aspect", {"grid": (10, 40)}, "at 1024 patches"),
+        (RADIO, 0, SEED_HW, 1, SRC, "unreachable", {}, "target is 0"),
+        (RADIO_T2, 3 * 2010, SEED_HW, 5, SRC, "engine-replay", {"grid": (60, 134)}, "per group"),
+        (RADIO_T2, 3 * 2010 + 1, SEED_HW, 5, SRC, "unreachable", {}, "3 temporal groups"),
+        # 8x149 native at 1025: the upscale overshoots to 8x143, the evenness step gives 8x142 =
+        # 1136 > 1025 patches: still the engine's grid (pinned at 1028, a multiple of 4 a
+        # one-image request can have); 8x151 lands there only at 1025..1038 and a 128x2272
+        # frame is kept only from 1043: the engine's grid all the same
+        (RADIO, 284, (112, 2369), 1, SRC, "engine-replay", {"grid": (8, 142), "budget": 1028}, ""),
+        (RADIO, 284, (112, 2401), 1, SRC, "engine-replay", {"grid": (8, 142), "budget": 1028}, ""),
+        # the issue's examples; the frame of the 33x2000 strip (208x6 patches at the static
+        # budget): 208 tokens are 832 patches, below the minimum, kept only at exactly 1024; a
+        # frame above the minimum is kept at its own patch count; past the cap nothing is kept
+        (RADIO, 208, (2000, 33), 1, SRC, "engine-replay", {"grid": (208, 4), "budget": 1028}, ""),
+        (RADIO, 9, (512, 512), 1, FRAME, "closest-aspect", {"grid": (6, 6), "budget": 1024}, ""),
+        (
+            RADIO,
+            208,
+            (3328, 96),
+            1,
+            FRAME,
+            "closest-aspect",
+            {"grid": (208, 4), "budget": 1024},
+            "",
+        ),
+        (RADIO, 11, (64, 352), 1, FRAME, "closest-aspect", {"grid": (2, 22), "budget": 1024}, ""),
+        (RADIO, 1, (512, 512), 1, FRAME, "unique", {"grid": (2, 2), "budget": 1024}, ""),
+        (
+            RADIO,
+            2010,
+            (1088, 2400),
+            1,
+            FRAME,
+            "closest-aspect",
+            {"grid": (60, 134), "budget": 8040},
+            "",
+        ),
+        (RADIO, 3329, (1088, 2400), 1, FRAME, "unreachable", {}, ""),
+        # patch-merge: past the static budget the engine's max_pixels may be larger (its shrink
+        # path steps over 1281 and 1000: a kept frame) or smaller (1x3 cells)
+        (PM, 1281, SEED_HW, 1, SRC, "closest-aspect", {}, "min_pixels = max_pixels = 1004304"),
+        (PM, 3354, SEED_HW, 1, SRC, "engine-replay", {}, "max_pixels=2629536"),
+        (PM, 3, SEED_HW, 1, SRC, "engine-replay", {}, "max_pixels=3176"),
+        (
+            QWEN2,
+            1000,
+            SEED_HW,
+            1,
+            SRC,
+            "closest-aspect",
+            {"size_hw": (560, 1400), "budget": 784000},
+            "",
+        ),
+        (PM, 211, (1000, 1000), 1, SRC, "unreachable", {}, "aspect ratio above 200"),  # prime
+        (PM, 289, (100, 2000), 1, SRC, "unique", {}, "only the grid 17x17"),  # not 1x289
+        (PM, 10, (10, 2500), 1, SRC, "unreachable", {}, "exceeds 200"),  # the media is rejected
+        # 29x5615 (aspect 194) resizes to 28x5628 = 1x201 cells (aspect 201): the processor
+        # rejects that frame when fed back, but the engine resized the source: a replay
+        (PM, 201, (29, 5615), 1, SRC, "engine-replay", {}, "1x201 merged cells"),
+        (PM, 0, (100, 100), 1, SRC, "unreachable", {}, "target is 0"),
+        # 112 = 7x16 cells: 1080x2400 under max_pixels 100000
+        (PM, 3 * 112, SEED_HW, 5, SRC, "engine-replay", {}, "7x16 merged cells x 3 group(s)"),
+        (PM, 3 * 112 + 1, SEED_HW, 5, SRC, "unreachable", {}, "not divisible by the 3 temporal"),
+        (PM, 2 * 112, SEED_HW, 4, SRC, "engine-replay", {}, "x 2 group(s)"),
+        (PM, 2 * 100, SEED_HW, 4, SRC, "closest-aspect", {}, "grids of 100 cells"),
+        # tiles
+        (TILES, 300, (1000, 1000), 1, SRC, "unreachable", {}, "multiple of 256"),
+        (TILES, 512, (1000, 1000), 1, SRC, "unreachable", {}, "thumbnail"),
+        (TILES, 256, (1000, 1000), 1, SRC, "engine-replay", {"tiles": (1, 1)}, "max_tiles=1"),
+        (TILES, 5 * 256, (1000, 1000), 1, SRC, "engine-replay", {"tiles": (2, 2)}, "max_tiles=4"),
+        (TILES, 7 * 256, (1000, 1000), 1, SRC, "closest-aspect", {"tiles": (2, 3)}, "4 grids"),
+        (TILES, 13 * 256, (1000, 1000), 1, SRC, "closest-aspect", {}, "grids"),
+        (TILES, 14 * 256, (1000, 1000), 1, SRC, "unreachable", {}, "outside [1, 12]"),
+        (TILES, 4 * 768, (448, 896), 4, SRC, "engine-replay", {"tiles": (2, 1)}, "max_tiles=2"),
+        (TILES, 1000, (448, 896), 3, SRC, "unreachable", {}, "not divisible by 3 frames"),
+        (NO_THUMB, 512, (448, 896), 1, SRC, "engine-replay", {"tiles": (2, 1)}, "2 tiles"),
+        (NO_THUMB, 256, (448, 896), 1, SRC, "engine-replay", {"tiles": (1, 1)}, ""),
+        (MIN_2, 256, (448, 896), 1, SRC, "unreachable", {}, "outside [2, 12]"),
+        (
+            TiledGeometry(tile=512),
+            1024,
+            (512, 1536),
+            1,
+            SRC,
+            "engine-replay",
+            {"tiles": (3, 1)},
+            "",
+        ),
+        # fixed: one size, one count per frame
+        (FIXED, 576, SEED_HW, 1, SRC, "engine-replay", {"size_hw": (336, 336)}, ""),
+        (FIXED, 2 * 576, (5, 5), 2, SRC, "engine-replay", {}, ""),
+        (FIXED, 2 * 576, (5, 5), 1, SRC, "unreachable", {}, "2 images/crops"),
+        (FIXED, 577, (5, 5), 1, SRC, "unreachable", {}, ""),
+        (
+            FixedGeometry(256, (896, 896)),
+            256,
+            (10, 10),
+            1,
+            SRC,
+            "engine-replay",
+            {"size_hw": (896, 896)},
+            "",
+        ),
+        # Pixtral at longest edge 224 (8 cells a side): 7x7 alone fits; 1x7 and 7x1 fit (1x7
+        # is closer in aspect); 4x6 is larger than the image: no edge gives it
+        (PIX, 6, (56, 84), 1, SRC, "engine-replay", {"size_hw": (56, 84)}, ""),
+        (PIX, 49, (56, 84), 1, SRC, "unique", {"size_hw": (196, 196)}, ""),
+        (PIX, 7, (56, 84), 1, SRC, "closest-aspect", {"size_hw": (28, 196)}, ""),
+        (PIX, 24, (56, 84), 1, SRC, "closest-aspect", {"size_hw": (112, 168)}, ""),
+        (PIX, 0, (56, 84), 1, SRC, "unreachable", {}, ""),
+        (PIX, 61 * 67, (56, 84), 1, SRC, "unreachable", {}, ""),
     ],
 )
-def test_radio_solve_table(geo, target, frames, fidelity, grid, reason_has):
-    sol = geo.solve(target, SEED_HW, frames)
-    assert (sol.fidelity, sol.grid, sol.num_frames) == (fidelity, grid, frames)
-    assert reason_has in sol.reason
-    assert_exact(geo, SEED_HW, sol, target)
-
-
-@pytest.mark.parametrize(
-    ("hw", "budget"),
-    [
-        # 8x149 native: the upscale at 1025 overshoots to 8x143, the evenness step gives
-        # 8x142 = 1136 > 1025 patches: still the engine's grid (pinned at 1028, a multiple
-        # of 4 a one-image request can have)
-        ((112, 2369), 1028),
-        # 8x151 native: lands on 8x142 only for budgets 1025..1038, and a 128x2272 frame is
-        # kept only from 1043: the engine's grid all the same (the engine resizes the source)
-        ((112, 2401), 1028),
-    ],
-)
-def test_radio_upscale_past_the_budget_is_still_a_replay(hw, budget):
-    radio = RadioTilerGeometry()
-    grid = radio.grid_for(hw, 1025)
-    assert grid == (8, 142) and grid[0] * grid[1] > 1025  # the engine's own grid
-    sol = radio.solve(radio.tokens(hw, budget=1025), hw)
-    assert sol.fidelity == "engine-replay" and sol.grid == grid, sol
-    assert sol.budget == budget
-    assert_exact(radio, hw, sol)
+def test_solve_table(geo, target, hw, frames, kind, fidelity, fields, reason_has):
+    sol = geo.solve(target, hw, frames, hw_kind=kind)
+    assert sol.fidelity == fidelity and reason_has in sol.reason, sol
+    assert {k: getattr(sol, k) for k in fields} == fields
+    assert sol.num_frames == frames
+    assert_exact(geo, hw, sol, target)
 
 
 # ---- patch-merge (Qwen) ------------------------------------------------------------------------
@@ -216,47 +313,6 @@ def test_patch_merge_replays_the_engine_budget(hw, knob, pixels):
     assert geo.tokens(hw, **{knob: sol.budget}) == target
     assert geo.tokens(hw, **{knob: sol.budget - 1}) < target  # the smallest such budget
     assert round_trip(geo, sol) == target
-
-
-def test_patch_merge_target_off_the_engine_path_is_closest_aspect():
-    geo = PatchMergeGeometry.qwen2_vl()
-    sol = geo.solve(1000, SEED_HW)  # the shrink path of 1080x2400 steps over 1000
-    assert sol.fidelity == "closest-aspect" and sol.budget == 1000 * 28 * 28
-    assert round_trip(geo, sol) == 1000
-    a, b = sol.size_hw[0] // 28, sol.size_hw[1] // 28
-    assert a * b == 1000 and b > a  # wide, like the media
-
-
-@pytest.mark.parametrize(
-    ("target", "hw", "frames", "fidelity", "reason_has"),
-    [
-        # past the static budget: the engine's max_pixels may be larger (its shrink path steps
-        # over 1281, so a kept frame), or smaller (1x3 cells, below the static min_pixels)
-        (1281, (1080, 2400), 1, "closest-aspect", "min_pixels = max_pixels = 1004304"),
-        (3354, (1080, 2400), 1, "engine-replay", "max_pixels=2629536"),
-        (3, (1080, 2400), 1, "engine-replay", "max_pixels=3176"),
-        (211, (1000, 1000), 1, "unreachable", "aspect ratio above 200"),  # prime > 200
-        (289, (100, 2000), 1, "unique", "only the grid 17x17"),  # 1x289 exceeds the aspect cap
-        (10, (10, 2500), 1, "unreachable", "exceeds 200"),  # the processor rejects the media
-        # 29x5615 (aspect 194) resizes to 28x5628 = 1x201 cells (aspect 201): the processor
-        # rejects that frame when fed back, but the engine resized the source: a replay
-        (201, (29, 5615), 1, "engine-replay", "1x201 merged cells"),
-        (0, (100, 100), 1, "unreachable", "target is 0"),
-        # 112 = 7x16 cells: 1080x2400 under max_pixels 100000
-        (3 * 112, (1080, 2400), 5, "engine-replay", "7x16 merged cells x 3 group(s)"),
-        (3 * 112 + 1, (1080, 2400), 5, "unreachable", "not divisible by the 3 temporal groups"),
-        (2 * 112, (1080, 2400), 4, "engine-replay", "x 2 group(s)"),
-        (2 * 100, (1080, 2400), 4, "closest-aspect", "grids of 100 cells"),
-    ],
-)
-def test_patch_merge_solve_table(target, hw, frames, fidelity, reason_has):
-    geo = PatchMergeGeometry()
-    sol = geo.solve(target, hw, frames)
-    assert sol.fidelity == fidelity, sol
-    assert reason_has in sol.reason
-    if sol.reachable:
-        assert round_trip(geo, sol, hw) == target and sol.num_frames == frames
-        assert sol.grid == (sol.size_hw[0] // 14, sol.size_hw[1] // 14)
 
 
 def test_qwen3_video_frames_share_the_budget():
@@ -292,53 +348,11 @@ def test_tiled_counts(hw, tiles, tokens):
     assert geo.size_for(hw) == (tiles[1] * 448, tiles[0] * 448)
 
 
-TILES, NO_THUMB, MIN_2 = TiledGeometry(), TiledGeometry(thumbnail=False), TiledGeometry(min_tiles=2)
-
-
-@pytest.mark.parametrize(
-    ("geo", "target", "hw", "fidelity", "tiles", "thumb", "reason_has", "frames"),
-    [
-        (TILES, 300, (1000, 1000), "unreachable", None, False, "multiple of 256", 1),
-        (TILES, 512, (1000, 1000), "unreachable", None, False, "thumbnail", 1),
-        (TILES, 256, (1000, 1000), "engine-replay", (1, 1), False, "max_tiles=1", 1),
-        (TILES, 5 * 256, (1000, 1000), "engine-replay", (2, 2), True, "max_tiles=4", 1),
-        (TILES, 7 * 256, (1000, 1000), "closest-aspect", (2, 3), True, "4 grids", 1),
-        (TILES, 13 * 256, (1000, 1000), "closest-aspect", None, True, "grids", 1),
-        (TILES, 14 * 256, (1000, 1000), "unreachable", None, False, "outside [1, 12]", 1),
-        (NO_THUMB, 512, (448, 896), "engine-replay", (2, 1), False, "2 tiles", 1),
-        (NO_THUMB, 256, (448, 896), "engine-replay", (1, 1), False, "", 1),
-        (MIN_2, 256, (448, 896), "unreachable", None, False, "outside [2, 12]", 1),
-        (TiledGeometry(tile=512), 4 * 256, (512, 1536), "engine-replay", (3, 1), True, "", 1),
-        (TILES, 4 * 768, (448, 896), "engine-replay", (2, 1), True, "max_tiles=2", 4),
-        (TILES, 1000, (448, 896), "unreachable", None, False, "not divisible by 3 frames", 3),
-    ],
-)
-def test_tiled_solve_table(geo, target, hw, fidelity, tiles, thumb, reason_has, frames):
-    sol = geo.solve(target, hw, frames)
-    assert sol.fidelity == fidelity, sol
-    assert reason_has in sol.reason
-    if tiles is not None:
-        assert sol.tiles == tiles
-    if sol.reachable:
-        assert sol.thumbnail == thumb
-        assert round_trip(geo, sol) == target
-        c, r = sol.tiles
-        assert sol.size_hw == (r * geo.tile, c * geo.tile)
-
-
 # ---- fixed --------------------------------------------------------------------------------------
 def test_fixed_geometry():
     geo = FixedGeometry()
     assert geo.tokens((1080, 2400)) == 576 and geo.tokens((1, 1), 3) == 3 * 576
     assert geo.size_for((1080, 2400)) == (336, 336)
-    sol = geo.solve(576, (1080, 2400))
-    assert sol.fidelity == "engine-replay" and sol.size_hw == (336, 336)
-    assert geo.solve(2 * 576, (5, 5), 2).reachable
-    two = geo.solve(2 * 576, (5, 5))
-    assert not two.reachable and "2 images/crops" in two.reason
-    assert not geo.solve(577, (5, 5)).reachable
-    gemma = FixedGeometry(tokens_per_image=256, size=(896, 896))
-    assert gemma.solve(256, (10, 10)).size_hw == (896, 896)
 
 
 # ---- bad input ----------------------------------------------------------------------------------

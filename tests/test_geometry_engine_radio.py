@@ -89,29 +89,6 @@ def test_trainer_frame_alone_reaches_every_run(hw, grid):
     assert_exact(GEO, frame, sol, tokens)  # a grid kept unchanged at an engine budget
 
 
-@pytest.mark.parametrize(
-    ("target", "hw", "kind", "fidelity", "grid", "budget"),
-    [
-        # the examples
-        (208, (2000, 33), "source", "engine-replay", (208, 4), 1028),
-        (9, (512, 512), "frame", "closest-aspect", (6, 6), 1024),
-        # the frame of the 33x2000 strip (208x6 patches at the static budget): 208 tokens
-        # are 832 patches, below the minimum: kept only at a budget of exactly 1024
-        (208, (3328, 96), "frame", "closest-aspect", (208, 4), 1024),
-        # a prime count: 1 x 11 or 11 x 1 merged cells, the frame's aspect picks
-        (11, (64, 352), "frame", "closest-aspect", (2, 22), 1024),
-        (1, (512, 512), "frame", "unique", (2, 2), 1024),
-        # above the minimum a frame is kept at its own patch count
-        (2010, (1088, 2400), "frame", "closest-aspect", (60, 134), 8040),
-        # past the cap nothing is kept
-        (3329, (1088, 2400), "frame", "unreachable", None, None),
-    ],
-)
-def test_solve_table(target, hw, kind, fidelity, grid, budget):
-    sol = GEO.solve(target, hw, hw_kind=kind)
-    assert (sol.fidelity, sol.grid, sol.budget) == (fidelity, grid, budget), sol.reason
-
-
 @settings(max_examples=200, deadline=None)
 @given(a=st.integers(1, 3328), b=st.integers(1, 3328))
 def test_property_an_even_grid_at_most_1024_patches_is_kept_at_1024(a, b):
