@@ -147,10 +147,9 @@ class AnyresGeometry(Geometry):
             )
         size, _, count = pick(found, (h, w), (1, 1))
         ch, cw = self.feature_grid(size)
-        return solution(
-            size,
-            "closest-aspect",
+        why = (
             f"{count} image sizes give {n} anyres features for {h}x{w}; {size[0]}x{size[1]} "
             f"({ch}x{cw} features, pinpoint {best_resolution(*size, self.pinpoints)}) is "
-            "closest in aspect",
+            "closest in aspect"
         )
+        return solution(size, "closest-aspect", why)

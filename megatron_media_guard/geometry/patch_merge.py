@@ -216,14 +216,11 @@ class PatchMergeGeometry(Geometry):
         if replay is not None:  # the engine resizes the source: its grid whether or not
             knob, budget, (a, b) = replay  # the processor would keep that frame when fed back
             other = "min_pixels 1" if knob == "max_pixels" else "no max_pixels"
-            return solution(
-                a,
-                b,
-                "engine-replay",
+            why = (
                 f"the processor's resize with {knob}={budget} ({other}) gives {a}x{b} "
-                f"merged cells x {g} group(s) = {n_total}",
-                budget,
+                f"merged cells x {g} group(s) = {n_total}"
             )
+            return solution(a, b, "engine-replay", why, budget)
         valid = {(a, b): px for a, b in divisor_pairs(n) if (px := self._keep_pixels(a, b, t))}
         if not valid:
             return unreachable(
@@ -237,11 +234,8 @@ class PatchMergeGeometry(Geometry):
             if kind == "frame"
             else f"no pixel budget makes the processor give {n} merged cells per group for {h}x{w}"
         )
-        return solution(
-            a,
-            b,
-            fidelity,
+        why = (
             f"{lead}; {choice_text(count, a, b, f'of {n} cells')} (kept unchanged at "
-            f"min_pixels = max_pixels = {valid[(a, b)]}; aspect)",
-            valid[(a, b)],
+            f"min_pixels = max_pixels = {valid[(a, b)]}; aspect)"
         )
+        return solution(a, b, fidelity, why, valid[(a, b)])

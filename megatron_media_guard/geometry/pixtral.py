@@ -88,13 +88,8 @@ class PixtralGeometry(Geometry):
             replay = first_landing(1, max(h, w), n, lambda edge: self._cells(h, w, edge))
         if replay is not None and max(replay[1]) <= top:
             edge, (a, b) = replay
-            return solution(
-                a,
-                b,
-                "engine-replay",
-                f"the Pixtral resize of {h}x{w} with longest_edge={edge} gives {a}x{b} cells",
-                edge,
-            )
+            why = f"the Pixtral resize of {h}x{w} with longest_edge={edge} gives {a}x{b} cells"
+            return solution(a, b, "engine-replay", why, edge)
         fits = n <= top * top  # (else no divisor scan: the tower takes no such grid)
         valid = [(a, b) for a, b in divisor_pairs(n) if a <= top and b <= top] if fits else []
         if not valid:
@@ -103,11 +98,8 @@ class PixtralGeometry(Geometry):
                 f"{self.longest_edge} px, {f} px per cell)"
             )
         (a, b), fidelity, count = pick(valid, (h, w), (f, f))
-        return solution(
-            a,
-            b,
-            fidelity,
+        why = (
             f"no longest edge makes the Pixtral resize give {n} cells for {h}x{w}; "
-            f"{choice_text(count, a, b, f'of {n} cells')} (aspect)",
-            None,
+            f"{choice_text(count, a, b, f'of {n} cells')} (aspect)"
         )
+        return solution(a, b, fidelity, why, None)

@@ -222,13 +222,11 @@ class RadioTilerGeometry(Geometry):
                     f"({', '.join(f'{a}x{c}' for a, c in grids)}): the count does not "
                     f"tell which the engine used, {best[0]}x{best[1]} is closest in aspect"
                 )
-                return solution(
-                    best,
-                    fidelity,
+                why = (
                     f"the tiler at a budget of {b} patches sizes {ph0}x{pw0} native patches "
-                    f"to {best[0]}x{best[1]} = {n} tokens per group{more}",
-                    b,
+                    f"to {best[0]}x{best[1]} = {n} tokens per group{more}"
                 )
+                return solution(best, fidelity, why, b)
             lands = (
                 f"no budget in [{self._budgets()[0]}, {self.cap}] makes the tiler give {n} "
                 f"tokens for {ph0}x{pw0} native patches; "
@@ -243,14 +241,12 @@ class RadioTilerGeometry(Geometry):
         best, fidelity, count = pick([gr for gr, _ in valid], (h, w), (px, px))
         keep = dict(valid)[best]
         frame = "with only a processed frame's size, " if kind == "frame" else ""
-        return solution(
-            best,
-            fidelity,
+        why = (
             f"{lands}{frame}{choice_text(count, best[0], best[1], f'of {q} patches')} "
             f"(grids the tiler keeps unchanged at some engine budget; this one at "
-            f"{keep} patches)",
-            keep,
+            f"{keep} patches)"
         )
+        return solution(best, fidelity, why, keep)
 
     def _kept_bound(self) -> int:
         """No grid of more patches is kept at any engine budget B <= hi (floors hold at most B

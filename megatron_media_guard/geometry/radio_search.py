@@ -1,12 +1,10 @@
 """Budget search for the RADIO tiler: every per-item budget that lands on a patch count.
 
-The tiler's grid at budget B depends on B only through (i) the floors of s*ph0 and s*pw0
-with s = sqrt(B / (ph0*pw0)), which change where B crosses k^2 * ph0*pw0 / ph0^2, (ii) the
-upscale switch B > min_num_patches, and (iii) the evenness tests (ph+1)*pw <= B. So the
-budget axis splits into segments of constant floors, each with at most a few evenness
-thresholds inside; the walk visits the segments of the windows that can hold the target
-(bounds below) and evaluates the tiler itself only at segment starts and thresholds. The
-count is not monotone in B (an evenness step can trade rows for columns), so no bisection.
+The grid depends on the budget B only through the floors of s*ph0 and s*pw0 (s = sqrt(B /
+(ph0*pw0))), the upscale switch B > min_num_patches and the evenness tests (ph+1)*pw <= B:
+the walk visits the segments of constant floors in the windows that can hold the target and
+runs the tiler at segment starts and thresholds only. The count is not monotone in B (an
+evenness step can trade rows for columns), so no bisection (docs/GEOMETRY.md).
 
 Windows, for a target of q patches (h, w the final grid; fh, fw the floors):
 - plain regime: fh - (d-1) <= h <= fh + (d-1) and h >= d (d: the pixel shuffle), so

@@ -30,16 +30,11 @@ class GeometryError(MediaInputError):
 
 @dataclass(frozen=True)
 class Solution:
-    """How to size one media item so that it yields ``tokens`` features.
-
-    tokens: the count the solution yields (== target when reachable; 0 when unreachable).
-    size_hw: pixel (H, W) to resize the media to; None when unreachable.
-    reason: why (always set; for unreachable: why not).
-    grid: patch grid (rows, cols) before merge / pixel shuffle, where the family has one.
-    tiles: tile grid (cols, rows) for tile families; thumbnail: a thumbnail tile is added.
-    budget: the per-item budget engine-replay found (RADIO: patches; patch-merge:
-        pixels; tiles: max tiles); None otherwise.
-    """
+    """How to size one media item so that it yields ``tokens`` features (0 when unreachable):
+    pixel ``size_hw`` (None when unreachable), why (always), the patch ``grid`` (rows, cols)
+    before merge / pixel shuffle where the family has one, the ``tiles`` (cols, rows) and
+    ``thumbnail`` of tile families, and the per-item ``budget`` found (RADIO: patches;
+    patch-merge: pixels; tiles: max tiles)."""
 
     tokens: int
     size_hw: tuple[int, int] | None

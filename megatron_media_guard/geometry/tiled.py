@@ -127,13 +127,11 @@ class TiledGeometry(Geometry):
         for m in replays:
             cr = self._pick(h, w, m)
             if cr[0] * cr[1] == k:
-                return solution(
-                    cr,
-                    "engine-replay",
+                why = (
                     f"the processor with max_tiles={m} picks {cr[0]}x{cr[1]} tiles for "
-                    f"{w}x{h} (W x H) -> {n_tiles} tiles",
-                    m,
+                    f"{w}x{h} (W x H) -> {n_tiles} tiles"
                 )
+                return solution(cr, "engine-replay", why, m)
         # the grids the processor picks again for their own (r*S, c*S) canvas
         valid = [
             cr for cr in divisor_pairs(k) if self._pick(cr[1] * s, cr[0] * s, self.max_tiles) == cr
@@ -146,10 +144,8 @@ class TiledGeometry(Geometry):
         aspect = w / h
         best = min(valid, key=lambda cr: (abs(aspect - cr[0] / cr[1]), cr[1]))
         fidelity = "unique" if len(valid) == 1 else "closest-aspect"
-        return solution(
-            best,
-            fidelity,
+        why = (
             f"no max_tiles in [{k}, {self.max_tiles}] picks a {k}-tile grid for {w}x{h} "
-            f"(W x H); {choice_text(len(valid), best[0], best[1], f'of {k} tiles (c x r)')}",
-            None,
+            f"(W x H); {choice_text(len(valid), best[0], best[1], f'of {k} tiles (c x r)')}"
         )
+        return solution(best, fidelity, why, None)

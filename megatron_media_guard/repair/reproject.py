@@ -140,15 +140,9 @@ def reencode(
 ) -> ReencodeResult:
     """Re-encode one item's ``pixels`` (in ``layout``, as the encoder was fed them) at
     ``solution``'s ``size_hw`` (qwen_patches: else its ``grid``): features ``[tokens, h]``.
-
-    encoder: ``encoder(new_pixels, **kwargs) -> [n, h]`` (qwen_patches: ``grid_thw=`` a
-        ``[1, 3]`` long tensor on the pixels' device).
-    fp8_multiple: qwen_patches' patch rows padded to this multiple (whole merge groups)
-        before encoding, the output trimmed (``fp8``); an ``"image"`` encoder embeds itself.
-
-    MediaAlignmentError when the new grid cannot give ``solution.tokens`` or the encoder
-    returns another count (both named).
-    """
+    The encoder takes qwen_patches with ``grid_thw=`` (``[1, 3]`` long, the pixels' device),
+    their rows padded to ``fp8_multiple`` (whole merge groups; the output trimmed).
+    MediaAlignmentError when the new grid or the encoder gives another count (both named)."""
     start = time.perf_counter()
     layout = check_layout(layout)
     tokens = int(solution.tokens)
@@ -163,9 +157,8 @@ def reencode(
     else:
         qwen = {"patch": patch, "temporal_patch": temporal_patch, "merge": merge}
         new_pixels, new_grid_thw = resize_patches(pixels, grid_thw, size_hw, **qwen)
-        encoder_kwargs = {
-            "grid_thw": torch.tensor([new_grid_thw], dtype=torch.long, device=new_pixels.device)
-        }
+        thw = torch.tensor([new_grid_thw], dtype=torch.long, device=new_pixels.device)
+        encoder_kwargs = {"grid_thw": thw}
         t, h, w = new_grid_thw
         num_frames, grid = t * temporal_patch, (h, w)
         grid_tokens = t * (h // merge) * (w // merge)
@@ -176,9 +169,8 @@ def reencode(
                 context={"expected": tokens, "got": grid_tokens, "grid_thw": list(new_grid_thw)},
             )
         if fp8_multiple is not None:
-            new_pixels, fp8_pad = pad_for_fp8(
-                new_pixels, padded_multiple(fp8_multiple, merge * merge)
-            )
+            multiple = padded_multiple(fp8_multiple, merge * merge)
+            new_pixels, fp8_pad = pad_for_fp8(new_pixels, multiple)
 
     features = encoder(new_pixels, **encoder_kwargs)
     if not isinstance(features, torch.Tensor) or features.ndim != 2:
