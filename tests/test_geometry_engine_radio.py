@@ -66,8 +66,12 @@ def test_replay_is_the_engines_grid(max_len, text, sizes, grids):
 
 
 @pytest.mark.parametrize(("hw", "grid"), sorted(set(_runs())))
-def test_source_size_reaches_the_engines_grid(hw, grid):
+def test_every_run_is_reached_from_the_source_and_from_the_frame(hw, grid):
     tokens = (grid[0] // 2) * (grid[1] // 2)
+    frame = GEO.size_for(hw)  # what the static trainer made of the source
+    sol = GEO.solve(tokens, frame, hw_kind="frame")
+    assert sol.fidelity in ("unique", "closest-aspect")  # never claimed as the engine's
+    assert_exact(GEO, frame, sol, tokens)  # a grid kept unchanged at an engine budget
     sol = GEO.solve(tokens, hw)
     assert sol.reachable and sol.tokens == tokens, sol.reason
     assert LO <= sol.budget <= HI and GEO.grid_for(hw, sol.budget) == sol.grid  # the tiler's
@@ -78,15 +82,6 @@ def test_source_size_reaches_the_engines_grid(hw, grid):
     else:
         assert (sol.fidelity, sol.grid) == ("engine-replay", grid), sol.reason
         assert sol.size_hw == (16 * grid[0], 16 * grid[1])
-
-
-@pytest.mark.parametrize(("hw", "grid"), sorted(set(_runs())))
-def test_trainer_frame_alone_reaches_every_run(hw, grid):
-    tokens = (grid[0] // 2) * (grid[1] // 2)
-    frame = GEO.size_for(hw)  # what the static trainer made of the source
-    sol = GEO.solve(tokens, frame, hw_kind="frame")
-    assert sol.fidelity in ("unique", "closest-aspect")  # never claimed as the engine's
-    assert_exact(GEO, frame, sol, tokens)  # a grid kept unchanged at an engine budget
 
 
 @settings(max_examples=200, deadline=None)
@@ -109,12 +104,8 @@ def test_property_any_count_the_tiler_keeps_is_reached_from_any_frame(a, b, fram
     """For a grid the tiler keeps unchanged at some engine budget, solve() reaches its count
     from any frame size, with a grid kept at the answer's budget."""
     ph, pw = 2 * a, 2 * b
-    kept = [
-        x
-        for x in (max(LO, ph * pw),)
-        if x <= HI and GEO.grid_for((16 * ph, 16 * pw), x) == (ph, pw)
-    ]
-    if not kept:
+    x = max(LO, ph * pw)
+    if x > HI or GEO.grid_for((16 * ph, 16 * pw), x) != (ph, pw):
         return
     sol = GEO.solve(a * b, frame, hw_kind="frame")
     assert sol.reachable

@@ -66,8 +66,19 @@ class Geometry:
         """A size of ``hw``'s media (``num_frames`` frames) that gives exactly
         ``target_tokens``, with its fidelity; ``hw_kind="frame"``: ``hw`` is a size the
         processor already resized, so no answer is called the engine's sizing."""
-        n, (h, w) = check_target(target_tokens), check_hw(hw)
-        return self._solve(n, h, w, check_frames(num_frames), check_hw_kind(hw_kind))
+        n = _int(target_tokens, "target_tokens")
+        if n < 0:
+            raise GeometryError(
+                f"target token count must be >= 0, got {n}", context={"target_tokens": n}
+            )
+        (h, w), t = check_hw(hw), check_frames(num_frames)
+        if hw_kind not in HW_KINDS:
+            raise GeometryError(
+                f"hw_kind must be one of {list(HW_KINDS)} (the original media's size, or a "
+                f"frame the training processor already resized), got {hw_kind!r}",
+                context={"hw_kind": str(hw_kind)},
+            )
+        return self._solve(n, h, w, t, hw_kind)
 
     def _solve(self, n: int, h: int, w: int, t: int, kind: HwKind) -> Solution:
         raise NotImplementedError
@@ -103,25 +114,6 @@ def check_hw(hw: object) -> tuple[int, int]:
             f"media size must be positive, got (H, W) = ({h}, {w})", context={"hw": [h, w]}
         )
     return h, w
-
-
-def check_hw_kind(hw_kind: object) -> HwKind:
-    if hw_kind not in HW_KINDS:
-        raise GeometryError(
-            f"hw_kind must be one of {list(HW_KINDS)} (the original media's size, or a frame "
-            f"the training processor already resized), got {hw_kind!r}",
-            context={"hw_kind": str(hw_kind)},
-        )
-    return hw_kind  # type: ignore[return-value]
-
-
-def check_target(target: object) -> int:
-    n = _int(target, "target_tokens")
-    if n < 0:
-        raise GeometryError(
-            f"target token count must be >= 0, got {n}", context={"target_tokens": n}
-        )
-    return n
 
 
 def check_positive(value: object, what: str, *, allow_zero: bool = False) -> int:
