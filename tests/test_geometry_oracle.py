@@ -43,16 +43,9 @@ CONFIGS = {
 
 def oracle_hw(geo: PatchMergeGeometry, hw: tuple[int, int]) -> tuple[int, int] | None:
     """The installed smart_resize's (H', W'); None where it rejects the size."""
+    px = {"min_pixels": geo.min_pixels, "max_pixels": geo.max_pixels}
     try:
-        return tuple(
-            smart_resize(
-                hw[0],
-                hw[1],
-                factor=geo.factor,
-                min_pixels=geo.min_pixels,
-                max_pixels=geo.max_pixels,
-            )
-        )
+        return tuple(smart_resize(*hw, factor=geo.factor, **px))
     except ValueError:
         return None
 
@@ -141,22 +134,13 @@ def test_solved_sizes_round_trip_through_smart_resize(name):
 def test_qwen3_video_matches_its_smart_resize():
     mod = pytest.importorskip("transformers.models.qwen3_vl.video_processing_qwen3_vl")
     geo = PatchMergeGeometry.qwen3_vl_video()
+    px = {"min_pixels": geo.min_pixels, "max_pixels": geo.max_pixels}
     rng = random.Random(2)
     for _ in range(300):
         t = rng.randint(2, 64)
         hw = (rng.randint(1, 4000), rng.randint(1, 4000))
         try:
-            want = tuple(
-                mod.smart_resize(
-                    t,
-                    hw[0],
-                    hw[1],
-                    temporal_factor=geo.temporal_patch,
-                    factor=geo.factor,
-                    min_pixels=geo.min_pixels,
-                    max_pixels=geo.max_pixels,
-                )
-            )
+            want = tuple(mod.smart_resize(t, *hw, temporal_factor=2, factor=geo.factor, **px))
         except ValueError:
             with pytest.raises(GeometryError):
                 geo.size_for(hw, t)
