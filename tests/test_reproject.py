@@ -32,10 +32,8 @@ class Target:
 
 
 class QwenLikeEncoder(nn.Module):
-    """Patch-embedding Linear + 2x2 merger, like Qwen2-VL's tower without attention.
-
-    ``[n, C*tp*p*p]`` -> ``[n / 4, out]``; records the row counts and grid it was called with.
-    """
+    """Patch-embedding Linear + 2x2 merger, like Qwen2-VL's tower without attention:
+    ``[n, C*tp*p*p]`` -> ``[n / 4, out]``; records its inputs and (row count, grid) calls."""
 
     def __init__(self, hidden: int = 32, out: int = 24) -> None:
         super().__init__()
@@ -43,9 +41,11 @@ class QwenLikeEncoder(nn.Module):
         self.embed = nn.Linear(PATCH_DIM, hidden)
         self.merger = nn.Linear(hidden * MERGE * MERGE, out)
         self.calls: list[tuple[int, list[list[int]]]] = []
+        self.inputs: list[torch.Tensor] = []
 
     def forward(self, patches: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         self.calls.append((patches.shape[0], grid_thw.tolist()))
+        self.inputs.append(patches)
         x = self.embed(patches)
         return self.merger(rearrange(x, "(n m) h -> n (m h)", m=MERGE * MERGE))
 
@@ -148,18 +148,12 @@ def test_reencode_qwen_patches_gives_target_count(size_hw, frames, tokens, dtype
 def test_reencode_feeds_the_resized_frames_in_processor_layout(frames: int) -> None:
     """Encoder input == patchify(resize(recover(pixels))) bit for bit, images and videos alike."""
     patches, grid_thw = qwen_item(frames=frames, seed=frames)
-    seen: list[torch.Tensor] = []
-    inner = QwenLikeEncoder()
-
-    def encoder(p: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        seen.append(p)
-        return inner(p, grid_thw)
-
+    encoder = QwenLikeEncoder()
     t = -(-frames // TP)
     reencode(patches, "qwen_patches", Target(12 * t, (84, 112)), encoder, grid_thw=grid_thw)
     recovered = to_frames(patches, "qwen_patches", grid_thw=grid_thw)
     expected, _ = from_frames(resize_frames(recovered, (84, 112)), "qwen_patches")
-    assert torch.equal(seen[0], expected)
+    assert torch.equal(encoder.inputs[0], expected)
 
 
 @pytest.mark.parametrize("video", [False, True])
@@ -213,24 +207,14 @@ def test_fp8_padding_through_the_config_flag() -> None:
     patches, grid_thw = qwen_item()
     multiple = fp8.fp8_multiple(config_flag=True)
     assert multiple == 16 and fp8.fp8_multiple(config_flag=False) is None
-    inner = QwenLikeEncoder()
-    seen: list[int] = []
-
-    def encoder(p: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        assert p.shape[0] % 16 == 0, p.shape
-        seen.append(p.shape[0])
-        return inner(p, grid_thw)
-
+    encoder = QwenLikeEncoder()
     target = Target(12, (84, 112))  # 48 patch rows: already a multiple of 16
     target_odd = Target(6, (56, 84))  # 24 patch rows -> padded to 32
-    plain = reencode(patches, "qwen_patches", target_odd, inner, grid_thw=grid_thw)
-    padded = reencode(
-        patches, "qwen_patches", target_odd, encoder, grid_thw=grid_thw, fp8_multiple=multiple
-    )
-    aligned = reencode(
-        patches, "qwen_patches", target, encoder, grid_thw=grid_thw, fp8_multiple=multiple
-    )
-    assert seen == [32, 48]
+    plain = reencode(patches, "qwen_patches", target_odd, encoder, grid_thw=grid_thw)
+    fp8_on = {"grid_thw": grid_thw, "fp8_multiple": multiple}
+    padded = reencode(patches, "qwen_patches", target_odd, encoder, **fp8_on)
+    aligned = reencode(patches, "qwen_patches", target, encoder, **fp8_on)
+    assert [rows for rows, _ in encoder.calls] == [24, 32, 48]
     assert padded.fp8_pad == 8 and aligned.fp8_pad == 0
     assert padded.features.shape == (6, 24)
     torch.testing.assert_close(padded.features, plain.features)
