@@ -197,8 +197,6 @@ class PatchMergeGeometry(Geometry):
         closest in aspect that the processor keeps unchanged at some budget (``budget``:
         min_pixels = max_pixels = it)."""
         f, g = self.factor, groups(t, self.temporal_patch)
-        if n_total == 0:
-            return unreachable("a patch-merge item yields at least one token; target is 0", t)
         try:
             self._resize(h, w, t, self.min_pixels, self.max_pixels)
         except GeometryError as exc:

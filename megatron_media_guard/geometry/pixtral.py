@@ -75,8 +75,6 @@ class PixtralGeometry(Geometry):
         that many cells closest in aspect that the tower takes."""
         f = self.factor
         top = self.longest_edge // f  # merged cells per side the tower takes
-        if n == 0:
-            return unreachable("a Pixtral image yields at least one feature; target is 0")
 
         def solution(a: int, b: int, fidelity, reason: str, budget: int | None) -> Solution:
             grid = (a * self.merge, b * self.merge)

@@ -195,8 +195,6 @@ class RadioTilerGeometry(Geometry):
         where one is), several closest-aspect; from a frame (or a source never sized so):
         the grids of that count kept unchanged at some engine budget, closest in aspect."""
         d, px = self.pixel_shuffle, self.patch
-        if n_total == 0:
-            return unreachable("a RADIO item yields at least one token; target is 0", t)
         n = per_group(n_total, t, self.temporal_patch)
         if isinstance(n, Solution):
             return n

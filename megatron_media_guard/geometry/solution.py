@@ -78,6 +78,10 @@ class Geometry:
                 f"frame the training processor already resized), got {hw_kind!r}",
                 context={"hw_kind": str(hw_kind)},
             )
+        if n == 0:
+            return unreachable(
+                f"a {type(self).__name__} item yields at least one token; target is 0", t
+            )
         return self._solve(n, h, w, t, hw_kind)
 
     def _solve(self, n: int, h: int, w: int, t: int, kind: HwKind) -> Solution:

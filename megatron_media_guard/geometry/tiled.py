@@ -97,8 +97,6 @@ class TiledGeometry(Geometry):
         tiles for the source (``budget``: the smallest); else the grid of that many tiles
         closest in aspect (|W/H - c/r|) that the processor keeps as it is."""
         tpt, s = self.tokens_per_tile, self.tile
-        if n_total == 0:
-            return unreachable("a tiled item yields at least one tile; target is 0", t)
         if n_total % t:
             return unreachable(f"{n_total} is not divisible by {t} frames", t)
         per = n_total // t

@@ -46,9 +46,7 @@ def fp8_active(config_flag: bool | None = None) -> bool:
     if config_flag is not None:
         return bool(config_flag)
     module = _te_state_module()
-    if module is None:
-        return False
-    return bool(module.FP8GlobalStateManager.is_fp8_enabled())
+    return module is not None and bool(module.FP8GlobalStateManager.is_fp8_enabled())
 
 
 def fp8_align_size(default: int = DEFAULT_FP8_MULTIPLE) -> int:

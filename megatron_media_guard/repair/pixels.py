@@ -52,12 +52,7 @@ def grid_thw_tuple(grid_thw: object) -> tuple[int, int, int]:
                 "back once where the call knows why, then pass the ints)",
                 context={"device": str(grid_thw.device)},
             )
-        if grid_thw.numel() != 3:
-            raise MediaInputError(
-                f"grid_thw must hold 3 values (t, h, w), got a tensor of shape {tuple(grid_thw.shape)}",
-                context={"grid_thw_shape": list(grid_thw.shape)},
-            )
-        grid_thw = grid_thw.reshape(3).tolist()  # host memory: no transfer
+        grid_thw = grid_thw.reshape(-1).tolist()  # host memory: no transfer
     try:
         values = [int(v) for v in grid_thw]  # type: ignore[union-attr]
     except TypeError as exc:
