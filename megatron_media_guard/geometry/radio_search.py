@@ -40,7 +40,8 @@ def _budget_at(geo: TilerView, s: float, p: int) -> int:
 
 
 def windows(geo: TilerView, ph0: int, pw0: int, q: int) -> list[tuple[int, int]]:
-    """Budget ranges that can give q patches: the plain regime, then the upscale regime."""
+    """Budget ranges that can give q patches, ascending: the plain regime and the upscale
+    regime, one range where they overlap (each budget walked once)."""
     p, ssum, mn, d = ph0 * pw0, ph0 + pw0, geo.min_num_patches, geo.pixel_shuffle
     k = d - 1  # the evenness step moves a side by at most d - 1
     s_lo = (
@@ -56,7 +57,9 @@ def windows(geo: TilerView, ph0: int, pw0: int, q: int) -> list[tuple[int, int]]
     out = [(int(s_lo * s_lo * p) - 2, _budget_at(geo, s_hi, p))]
     if mn > 0:
         s_up = (ssum + math.sqrt(ssum * ssum + 4 * p * (mn - 1))) / (2 * p)
-        out.append((mn + 1, _budget_at(geo, s_up, p)))
+        out = sorted([*out, (mn + 1, _budget_at(geo, s_up, p))])
+        if out[1][0] <= out[0][1] + 1:
+            out = [(out[0][0], max(out[0][1], out[1][1]))]
     return out
 
 
@@ -109,7 +112,7 @@ def landing_budgets(
     p = ph0 * pw0
     fmax2 = geo.factor_max * geo.factor_max
     hits: set[tuple[int, tuple[int, int]]] = set()
-    spans = [(max(lo, lo_all), min(hi, hi_all)) for lo, hi in _union(windows(geo, ph0, pw0, q))]
+    spans = [(max(lo, lo_all), min(hi, hi_all)) for lo, hi in windows(geo, ph0, pw0, q)]
     spans = [(lo, hi) for lo, hi in spans if lo <= hi]
     if not spans:
         return []
@@ -150,17 +153,6 @@ def landing_budgets(
             )
             x = max(end, skip)
     return sorted(hits)
-
-
-def _union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Overlapping budget windows merged (each budget walked once)."""
-    out: list[tuple[int, int]] = []
-    for lo, hi in sorted(spans):
-        if out and lo <= out[-1][1] + 1:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        else:
-            out.append((lo, hi))
-    return out
 
 
 def _floor_start(v: int, n0: int, p: int) -> int:
