@@ -11,13 +11,16 @@ from hypothesis import strategies as st
 from megatron_media_guard.errors import MediaAlignmentError, MediaInputError
 from megatron_media_guard.geometry import (
     FIDELITIES,
+    AnyresGeometry,
     FixedGeometry,
     GeometryError,
     PatchMergeGeometry,
+    PixtralGeometry,
     RadioTilerGeometry,
     Solution,
     TiledGeometry,
 )
+from megatron_media_guard.geometry.solution import divisor_pairs
 
 SEED_HW = (1080, 2400)  # a 2400x1080 (W x H) frame
 
@@ -49,18 +52,23 @@ def round_trip(geo, sol: Solution, hw=None) -> int:
 
 def assert_exact(geo, hw, sol: Solution, target: int | None = None) -> None:
     """A solution is exact or named. Unreachable: a reason, no size, no tokens. Reachable:
-    ``target`` tokens through the family's own sizing (``round_trip``); RADIO: the tiler's
-    at ``sol.budget``, an engine budget (in [min_num_patches, max_num_patches]), of the
-    source ``hw`` for an engine-replay, else of a frame it keeps unchanged."""
+    ``target`` tokens through the family's own sizing (``round_trip``), the size its grid
+    (or tiles) times the patch (tile); RADIO: the tiler's at ``sol.budget``, an engine budget
+    (in [min_num_patches, max_num_patches]), of the source ``hw`` for an engine-replay, else
+    of a frame it keeps unchanged."""
     assert sol.fidelity in FIDELITIES and sol.reason
     if not sol.reachable:
         assert sol.tokens == 0 and sol.size_hw is None
         return
     assert target is None or sol.tokens == target
+    if isinstance(geo, (PatchMergeGeometry, PixtralGeometry, RadioTilerGeometry)):
+        assert sol.size_hw == (geo.patch * sol.grid[0], geo.patch * sol.grid[1])
+    if isinstance(geo, TiledGeometry):  # a thumbnail with every grid but one tile
+        assert sol.size_hw == (sol.tiles[1] * geo.tile, sol.tiles[0] * geo.tile)
+        assert sol.thumbnail == (geo.thumbnail and sol.tiles != (1, 1))
     if not isinstance(geo, RadioTilerGeometry):
         assert round_trip(geo, sol, hw) == sol.tokens
         return
-    assert sol.size_hw == (geo.patch * sol.grid[0], geo.patch * sol.grid[1])
     assert geo.min_num_patches <= sol.budget <= (geo.cap or sol.budget)
     src = hw if sol.fidelity == "engine-replay" else sol.size_hw
     assert geo.grid_for(src, sol.budget) == sol.grid
@@ -76,41 +84,24 @@ def test_seed_unconstrained_frame_is_2550_tokens():
     assert radio.size_for(SEED_HW) == (1088, 2400)
 
 
-def test_seed_engine_budget_shrinks_16_frames_to_2010_each():
+@pytest.mark.parametrize(
+    ("count", "max_len", "text", "budget", "tokens"),
+    [
+        (16, 32768, 100, 8165, 2010),  # the seed: 16 frames shrunk to 2010 each
+        (1, 32768, 100, 13312, 2550),  # a fitting request: unconstrained
+        (4, 4096, 4000, 1024, 240),  # no room left for media: min_num_patches each
+        (0, 100, 0, None, None),  # no media
+    ],
+)
+def test_engine_budget_per_request(count, max_len, text, budget, tokens):
     radio = RadioTilerGeometry()
-    items = radio.engine_tokens([SEED_HW] * 16, max_model_len=32768, prompt_text_len=100)
-    assert [it.tokens for it in items] == [2010] * 16
-    assert {it.grid for it in items} == {(60, 134)}
-    assert {it.size_hw for it in items} == {(960, 2144)}
-    assert sum(it.tokens for it in items) == 32160  # the rollout's placeholders
-    assert 16 * radio.tokens(SEED_HW) == 40800  # what the static trainer projected
+    items = radio.engine_tokens([SEED_HW] * count, max_model_len=max_len, prompt_text_len=text)
+    assert [(it.budget, it.tokens) for it in items] == [(budget, tokens)] * count
     # each item's reported budget replays its count
-    assert all(radio.tokens(SEED_HW, budget=it.budget) == 2010 for it in items)
-
-
-# ---- the RADIO engine ------------------------------------------------------------------------
-def test_engine_leaves_a_fitting_request_unconstrained():
-    radio = RadioTilerGeometry()
-    (item,) = radio.engine_tokens([SEED_HW], max_model_len=32768, prompt_text_len=100)
-    assert item.tokens == 2550 and item.budget == 13312
-
-
-def test_engine_falls_back_to_min_patches_when_the_prompt_leaves_no_room():
-    radio = RadioTilerGeometry()
-    items = radio.engine_tokens([SEED_HW] * 4, max_model_len=4096, prompt_text_len=4000)
-    assert {it.budget for it in items} == {1024}
-    assert {it.tokens for it in items} == {radio.tokens(SEED_HW, budget=1024)}
-
-
-def test_engine_mixed_sizes_fit_the_shared_budget():
-    radio = RadioTilerGeometry()
-    sizes = [(1080, 2400), (512, 512), (3000, 4000), (200, 3200)]
-    items = radio.engine_tokens(sizes, max_model_len=8192, prompt_text_len=500)
-    assert sum(it.grid[0] * it.grid[1] for it in items) <= (8192 - 500 - 4) * 4
-    for hw, it in zip(sizes, items):
-        assert radio.tokens(hw, budget=it.budget) == it.tokens
-        assert radio.solve(it.tokens, hw).fidelity == "engine-replay"
-    assert radio.engine_tokens([], 100, 0) == ()
+    assert all(radio.tokens(SEED_HW, budget=it.budget) == tokens for it in items)
+    if count == 16:
+        assert {(it.grid, it.size_hw) for it in items} == {((60, 134), (960, 2144))}
+        assert 16 * radio.tokens(SEED_HW) == 40800  # what the static trainer projected
 
 
 SWEEP_SIZES = [
@@ -126,15 +117,9 @@ SWEEP_BUDGETS = [512, 1024, 2048, 4096, 8165, 13312, 20000]
 
 
 def test_radio_sweep_7_sizes_x_7_budgets():
-    """Targets the tiler gives at 49 budgets, solved back on the default training geometry.
-
-    At an engine budget (1024..13312) the count is the engine's: an engine-replay of the
-    grid itself. Budget 512 is below every engine budget (the engine floors a share at
-    min_num_patches): its counts are no replay of that source, but at a budget of 1024 (no
-    upscale there) the tiler keeps every even grid of up to 1024 patches, so they are
-    reached by a kept frame. 20000 exceeds the cap: unreachable only where its count needs
-    more than 13312 patches (the 3000x4000 image, 4941 tokens).
-    """
+    """Counts the tiler gives at 49 budgets, solved back: at an engine budget (1024..13312)
+    the grid itself, an engine-replay; below (512) a frame kept at 1024 (no upscale there);
+    past the cap (20000) unreachable where the count needs more than 13312 patches."""
     radio = RadioTilerGeometry()
     unreachable = set()
     for hw in SWEEP_SIZES:
@@ -151,65 +136,145 @@ def test_radio_sweep_7_sizes_x_7_budgets():
     assert unreachable == {((3000, 4000), 20000)}
 
 
-@pytest.mark.parametrize(
-    ("target", "hw", "fidelity", "grid", "reason_has"),
-    [
-        (2010, SEED_HW, "engine-replay", (60, 134), "budget"),
-        (2550, SEED_HW, "engine-replay", (68, 150), "budget"),
-        (2011, SEED_HW, "closest-aspect", (2, 4022), "2 grids"),  # prime: 1x2011 or 2011x1
-        (3329, SEED_HW, "unreachable", None, "above max_num_patches 13312"),
-        # 400 patches: no engine budget sizes the seed there; a 10x40 frame is kept at 1024
-        (100, SEED_HW, "closest-aspect", (10, 40), "at 1024 patches"),
-        (0, SEED_HW, "unreachable", None, "target is 0"),
-    ],
-)
-def test_radio_solve_table(target, hw, fidelity, grid, reason_has):
-    radio = RadioTilerGeometry()
-    sol = radio.solve(target, hw)
-    assert (sol.fidelity, sol.grid) == (fidelity, grid) and reason_has in sol.reason
-    assert_exact(radio, hw, sol, target)
+# ---- solve, every family ------------------------------------------------------------------------
+RADIO, RADIO_T2 = RadioTilerGeometry(), RadioTilerGeometry(temporal_patch=2)
+PM, QWEN2 = PatchMergeGeometry(), PatchMergeGeometry.qwen2_vl()
+TILES, NO_THUMB, MIN_2 = TiledGeometry(), TiledGeometry(thumbnail=False), TiledGeometry(min_tiles=2)
+FIXED, PIX = FixedGeometry(), PixtralGeometry(longest_edge=224)
+SRC, FRAME = "source", "frame"
 
 
 @pytest.mark.parametrize(
-    ("hw", "budget"),
+    ("geo", "target", "hw", "frames", "kind", "fidelity", "fields", "reason_has"),
     [
-        # 8x149 native: the upscale at 1025 overshoots to 8x143, the evenness step gives
-        # 8x142 = 1136 > 1025 patches: still the engine's grid (pinned at 1028, a multiple
-        # of 4 a one-image request can have)
-        ((112, 2369), 1028),
-        # 8x151 native: lands on 8x142 only for budgets 1025..1038, and a 128x2272 frame is
-        # kept only from 1043: the engine's grid all the same (the engine resizes the source)
-        ((112, 2401), 1028),
+        # RADIO: a source's replay, a prime count (1x2011 or 2011x1), past the cap, a count no
+        # engine budget sizes the seed to (a 10x40 frame is kept at 1024), clips
+        (RADIO, 2010, SEED_HW, 1, SRC, "engine-replay", {"grid": (60, 134)}, "budget"),
+        (RADIO, 2550, SEED_HW, 1, SRC, "engine-replay", {"grid": (68, 150)}, "budget"),
+        (RADIO, 2011, SEED_HW, 1, SRC, "closest-aspect", {"grid": (2, 4022)}, "2 grids"),
+        (RADIO, 3329, SEED_HW, 1, SRC, "unreachable", {}, "above max_num_patches 13312"),
+        (RADIO, 100, SEED_HW, 1, SRC, "closest-aspect", {"grid": (10, 40)}, "at 1024 patches"),
+        (RADIO, 0, SEED_HW, 1, SRC, "unreachable", {}, "target is 0"),
+        (RADIO_T2, 3 * 2010, SEED_HW, 5, SRC, "engine-replay", {"grid": (60, 134)}, "per group"),
+        (RADIO_T2, 3 * 2010 + 1, SEED_HW, 5, SRC, "unreachable", {}, "3 temporal groups"),
+        # 8x149 native at 1025: the upscale overshoots to 8x143, the evenness step gives 8x142 =
+        # 1136 > 1025 patches: still the engine's grid (pinned at 1028, a multiple of 4 a
+        # one-image request can have); 8x151 lands there only at 1025..1038 and a 128x2272
+        # frame is kept only from 1043: the engine's grid all the same
+        (RADIO, 284, (112, 2369), 1, SRC, "engine-replay", {"grid": (8, 142), "budget": 1028}, ""),
+        (RADIO, 284, (112, 2401), 1, SRC, "engine-replay", {"grid": (8, 142), "budget": 1028}, ""),
+        # the issue's examples; the frame of the 33x2000 strip (208x6 patches at the static
+        # budget): 208 tokens are 832 patches, below the minimum, kept only at exactly 1024; a
+        # frame above the minimum is kept at its own patch count; past the cap nothing is kept
+        (RADIO, 208, (2000, 33), 1, SRC, "engine-replay", {"grid": (208, 4), "budget": 1028}, ""),
+        (RADIO, 9, (512, 512), 1, FRAME, "closest-aspect", {"grid": (6, 6), "budget": 1024}, ""),
+        (
+            RADIO,
+            208,
+            (3328, 96),
+            1,
+            FRAME,
+            "closest-aspect",
+            {"grid": (208, 4), "budget": 1024},
+            "",
+        ),
+        (RADIO, 11, (64, 352), 1, FRAME, "closest-aspect", {"grid": (2, 22), "budget": 1024}, ""),
+        (RADIO, 1, (512, 512), 1, FRAME, "unique", {"grid": (2, 2), "budget": 1024}, ""),
+        (
+            RADIO,
+            2010,
+            (1088, 2400),
+            1,
+            FRAME,
+            "closest-aspect",
+            {"grid": (60, 134), "budget": 8040},
+            "",
+        ),
+        (RADIO, 3329, (1088, 2400), 1, FRAME, "unreachable", {}, ""),
+        # patch-merge: past the static budget the engine's max_pixels may be larger (its shrink
+        # path steps over 1281 and 1000: a kept frame) or smaller (1x3 cells)
+        (PM, 1281, SEED_HW, 1, SRC, "closest-aspect", {}, "min_pixels = max_pixels = 1004304"),
+        (PM, 3354, SEED_HW, 1, SRC, "engine-replay", {}, "max_pixels=2629536"),
+        (PM, 3, SEED_HW, 1, SRC, "engine-replay", {}, "max_pixels=3176"),
+        (
+            QWEN2,
+            1000,
+            SEED_HW,
+            1,
+            SRC,
+            "closest-aspect",
+            {"size_hw": (560, 1400), "budget": 784000},
+            "",
+        ),
+        (PM, 211, (1000, 1000), 1, SRC, "unreachable", {}, "aspect ratio above 200"),  # prime
+        (PM, 289, (100, 2000), 1, SRC, "unique", {}, "only the grid 17x17"),  # not 1x289
+        (PM, 10, (10, 2500), 1, SRC, "unreachable", {}, "exceeds 200"),  # the media is rejected
+        # 29x5615 (aspect 194) resizes to 28x5628 = 1x201 cells (aspect 201): the processor
+        # rejects that frame when fed back, but the engine resized the source: a replay
+        (PM, 201, (29, 5615), 1, SRC, "engine-replay", {}, "1x201 merged cells"),
+        (PM, 0, (100, 100), 1, SRC, "unreachable", {}, "target is 0"),
+        # 112 = 7x16 cells: 1080x2400 under max_pixels 100000
+        (PM, 3 * 112, SEED_HW, 5, SRC, "engine-replay", {}, "7x16 merged cells x 3 group(s)"),
+        (PM, 3 * 112 + 1, SEED_HW, 5, SRC, "unreachable", {}, "not divisible by the 3 temporal"),
+        (PM, 2 * 112, SEED_HW, 4, SRC, "engine-replay", {}, "x 2 group(s)"),
+        (PM, 2 * 100, SEED_HW, 4, SRC, "closest-aspect", {}, "grids of 100 cells"),
+        # tiles
+        (TILES, 300, (1000, 1000), 1, SRC, "unreachable", {}, "multiple of 256"),
+        (TILES, 512, (1000, 1000), 1, SRC, "unreachable", {}, "thumbnail"),
+        (TILES, 256, (1000, 1000), 1, SRC, "engine-replay", {"tiles": (1, 1)}, "max_tiles=1"),
+        (TILES, 5 * 256, (1000, 1000), 1, SRC, "engine-replay", {"tiles": (2, 2)}, "max_tiles=4"),
+        (TILES, 7 * 256, (1000, 1000), 1, SRC, "closest-aspect", {"tiles": (2, 3)}, "4 grids"),
+        (TILES, 13 * 256, (1000, 1000), 1, SRC, "closest-aspect", {}, "grids"),
+        (TILES, 14 * 256, (1000, 1000), 1, SRC, "unreachable", {}, "outside [1, 12]"),
+        (TILES, 4 * 768, (448, 896), 4, SRC, "engine-replay", {"tiles": (2, 1)}, "max_tiles=2"),
+        (TILES, 1000, (448, 896), 3, SRC, "unreachable", {}, "not divisible by 3 frames"),
+        (NO_THUMB, 512, (448, 896), 1, SRC, "engine-replay", {"tiles": (2, 1)}, "2 tiles"),
+        (NO_THUMB, 256, (448, 896), 1, SRC, "engine-replay", {"tiles": (1, 1)}, ""),
+        (MIN_2, 256, (448, 896), 1, SRC, "unreachable", {}, "outside [2, 12]"),
+        (
+            TiledGeometry(tile=512),
+            1024,
+            (512, 1536),
+            1,
+            SRC,
+            "engine-replay",
+            {"tiles": (3, 1)},
+            "",
+        ),
+        # fixed: one size, one count per frame
+        (FIXED, 576, SEED_HW, 1, SRC, "engine-replay", {"size_hw": (336, 336)}, ""),
+        (FIXED, 2 * 576, (5, 5), 2, SRC, "engine-replay", {}, ""),
+        (FIXED, 2 * 576, (5, 5), 1, SRC, "unreachable", {}, "2 images/crops"),
+        (FIXED, 577, (5, 5), 1, SRC, "unreachable", {}, ""),
+        (
+            FixedGeometry(256, (896, 896)),
+            256,
+            (10, 10),
+            1,
+            SRC,
+            "engine-replay",
+            {"size_hw": (896, 896)},
+            "",
+        ),
+        # Pixtral at longest edge 224 (8 cells a side): 7x7 alone fits; 1x7 and 7x1 fit (1x7
+        # is closer in aspect); 4x6 is larger than the image: no edge gives it
+        (PIX, 6, (56, 84), 1, SRC, "engine-replay", {"size_hw": (56, 84)}, ""),
+        (PIX, 49, (56, 84), 1, SRC, "unique", {"size_hw": (196, 196)}, ""),
+        (PIX, 7, (56, 84), 1, SRC, "closest-aspect", {"size_hw": (28, 196)}, ""),
+        (PIX, 24, (56, 84), 1, SRC, "closest-aspect", {"size_hw": (112, 168)}, ""),
+        (PIX, 0, (56, 84), 1, SRC, "unreachable", {}, ""),
+        (PIX, 61 * 67, (56, 84), 1, SRC, "unreachable", {}, ""),
     ],
 )
-def test_radio_upscale_past_the_budget_is_still_a_replay(hw, budget):
-    radio = RadioTilerGeometry()
-    grid = radio.grid_for(hw, 1025)
-    assert grid == (8, 142) and grid[0] * grid[1] > 1025  # the engine's own grid
-    sol = radio.solve(radio.tokens(hw, budget=1025), hw)
-    assert sol.fidelity == "engine-replay" and sol.grid == grid, sol
-    assert sol.budget == budget
-    assert_exact(radio, hw, sol)
-
-
-def test_radio_temporal_groups():
-    radio = RadioTilerGeometry(temporal_patch=2)
-    assert radio.tokens(SEED_HW, num_frames=5) == 3 * 2550
-    sol = radio.solve(3 * 2010, SEED_HW, num_frames=5)
-    assert sol.fidelity == "engine-replay" and sol.grid == (60, 134) and sol.num_frames == 5
-    bad = radio.solve(2010 * 3 + 1, SEED_HW, num_frames=5)
-    assert not bad.reachable and "3 temporal groups" in bad.reason
+def test_solve_table(geo, target, hw, frames, kind, fidelity, fields, reason_has):
+    sol = geo.solve(target, hw, frames, hw_kind=kind)
+    assert sol.fidelity == fidelity and reason_has in sol.reason, sol
+    assert {k: getattr(sol, k) for k in fields} == fields
+    assert sol.num_frames == frames
+    assert_exact(geo, hw, sol, target)
 
 
 # ---- patch-merge (Qwen) ------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("hw", "tokens"),  # the HF Qwen2VLImageProcessor's image_grid_thw / 4, default config
-    [((1080, 2400), 1272), ((300, 400), 154), ((50, 60), 4), ((2000, 3000), 1247)],
-)
-def test_patch_merge_counts_match_the_processor(hw, tokens):
-    assert PatchMergeGeometry().tokens(hw) == tokens
-
-
 def test_patch_merge_published_configs():
     q2, q3 = PatchMergeGeometry.qwen2_vl(), PatchMergeGeometry.qwen3_vl()
     assert (q2.factor, q2.min_pixels, q2.max_pixels) == (28, 3136, 16384 * 28 * 28)
@@ -217,75 +282,23 @@ def test_patch_merge_published_configs():
     assert (q3.factor, q3.min_pixels, q3.max_pixels) == (32, 64 * 32 * 32, 16384 * 32 * 32)
     assert q2.tokens((1080, 2400)) == round(1080 / 28) * round(2400 / 28)  # no resize needed
     assert PatchMergeGeometry.qwen2_vl(max_pixels=1000 * 784).max_pixels == 1000 * 784
-
-
-@pytest.mark.parametrize("max_pixels", [100_000, 333_333, 1_000_000, 5_000_000])
-def test_patch_merge_shrink_replays_the_engine_max_pixels(max_pixels):
-    geo = PatchMergeGeometry.qwen2_vl()
-    target = geo.tokens(SEED_HW, max_pixels=max_pixels)  # an engine with its own max_pixels
-    sol = geo.solve(target, SEED_HW)
-    assert sol.fidelity == "engine-replay" and "max_pixels=" in sol.reason
-    assert sol.size_hw == geo.size_for(SEED_HW, max_pixels=max_pixels)
-    assert geo.tokens(SEED_HW, max_pixels=sol.budget) == target
-    assert geo.tokens(SEED_HW, max_pixels=sol.budget - 1) < target  # the smallest such budget
-    assert round_trip(geo, sol) == target
-
-
-@pytest.mark.parametrize("min_pixels", [100_000, 400_000, 2_000_000])
-def test_patch_merge_grow_replays_the_engine_min_pixels(min_pixels):
-    geo = PatchMergeGeometry.qwen2_vl()
-    target = geo.tokens((100, 200), min_pixels=min_pixels)
-    sol = geo.solve(target, (100, 200))
-    assert sol.fidelity == "engine-replay" and "min_pixels=" in sol.reason
-    assert geo.tokens((100, 200), min_pixels=sol.budget) == target
-    assert round_trip(geo, sol) == target
-
-
-def test_patch_merge_target_off_the_engine_path_is_closest_aspect():
-    geo = PatchMergeGeometry.qwen2_vl()
-    sol = geo.solve(1000, SEED_HW)  # the shrink path of 1080x2400 steps over 1000
-    assert sol.fidelity == "closest-aspect" and sol.budget == 1000 * 28 * 28
-    assert round_trip(geo, sol) == 1000
-    a, b = sol.size_hw[0] // 28, sol.size_hw[1] // 28
-    assert a * b == 1000 and b > a  # wide, like the media
+    assert PatchMergeGeometry(max_aspect=300).tokens((10, 2500)) > 0  # 250:1, past the default
 
 
 @pytest.mark.parametrize(
-    ("target", "hw", "frames", "fidelity", "reason_has"),
-    [
-        # past the static budget: the engine's max_pixels may be larger (its shrink path steps
-        # over 1281, so a kept frame), or smaller (1x3 cells, below the static min_pixels)
-        (1281, (1080, 2400), 1, "closest-aspect", "min_pixels = max_pixels = 1004304"),
-        (3354, (1080, 2400), 1, "engine-replay", "max_pixels=2629536"),
-        (3, (1080, 2400), 1, "engine-replay", "max_pixels=3176"),
-        (211, (1000, 1000), 1, "unreachable", "aspect ratio above 200"),  # prime > 200
-        (289, (100, 2000), 1, "unique", "only the grid 17x17"),  # 1x289 exceeds the aspect cap
-        (10, (10, 2500), 1, "unreachable", "exceeds 200"),  # the processor rejects the media
-        # 29x5615 (aspect 194) resizes to 28x5628 = 1x201 cells (aspect 201): the processor
-        # rejects that frame when fed back, but the engine resized the source: a replay
-        (201, (29, 5615), 1, "engine-replay", "1x201 merged cells"),
-        (0, (100, 100), 1, "unreachable", "target is 0"),
-        # 112 = 7x16 cells: 1080x2400 under max_pixels 100000
-        (3 * 112, (1080, 2400), 5, "engine-replay", "7x16 merged cells x 3 group(s)"),
-        (3 * 112 + 1, (1080, 2400), 5, "unreachable", "not divisible by the 3 temporal groups"),
-        (2 * 112, (1080, 2400), 4, "engine-replay", "x 2 group(s)"),
-        (2 * 100, (1080, 2400), 4, "closest-aspect", "grids of 100 cells"),
-    ],
+    ("hw", "knob", "pixels"),  # an engine with its own max_pixels (shrink) or min_pixels (grow)
+    [(SEED_HW, "max_pixels", px) for px in (100_000, 333_333, 1_000_000, 5_000_000)]
+    + [((100, 200), "min_pixels", px) for px in (100_000, 400_000, 2_000_000)],
 )
-def test_patch_merge_solve_table(target, hw, frames, fidelity, reason_has):
-    geo = PatchMergeGeometry()
-    sol = geo.solve(target, hw, frames)
-    assert sol.fidelity == fidelity, sol
-    assert reason_has in sol.reason
-    if sol.reachable:
-        assert round_trip(geo, sol, hw) == target and sol.num_frames == frames
-        assert sol.grid == (sol.size_hw[0] // 14, sol.size_hw[1] // 14)
-
-
-def test_patch_merge_video_counts_temporal_groups():
-    geo = PatchMergeGeometry()
-    per = geo.tokens(SEED_HW)
-    assert [geo.tokens(SEED_HW, t) // per for t in (1, 2, 3, 4, 5)] == [1, 1, 2, 2, 3]
+def test_patch_merge_replays_the_engine_budget(hw, knob, pixels):
+    geo = PatchMergeGeometry.qwen2_vl()
+    target = geo.tokens(hw, **{knob: pixels})
+    sol = geo.solve(target, hw)
+    assert sol.fidelity == "engine-replay" and f"{knob}=" in sol.reason
+    assert sol.size_hw == geo.size_for(hw, **{knob: pixels})
+    assert geo.tokens(hw, **{knob: sol.budget}) == target
+    assert geo.tokens(hw, **{knob: sol.budget - 1}) < target  # the smallest such budget
+    assert round_trip(geo, sol) == target
 
 
 def test_qwen3_video_frames_share_the_budget():
@@ -296,12 +309,6 @@ def test_qwen3_video_frames_share_the_budget():
     with pytest.raises(GeometryError, match="shorter than temporal_patch"):
         geo.tokens((100, 100), 1)
     assert not geo.solve(64, (100, 100), 1).reachable
-
-
-def test_patch_merge_aspect_cap_rejects_media():
-    with pytest.raises(GeometryError, match="exceeds 200"):
-        PatchMergeGeometry().tokens((10, 2500))
-    assert PatchMergeGeometry(max_aspect=300).tokens((10, 2500)) > 0
 
 
 # ---- tiles --------------------------------------------------------------------------------------
@@ -321,58 +328,11 @@ def test_tiled_counts(hw, tiles, tokens):
     assert geo.size_for(hw) == (tiles[1] * 448, tiles[0] * 448)
 
 
-TILES, NO_THUMB, MIN_2 = TiledGeometry(), TiledGeometry(thumbnail=False), TiledGeometry(min_tiles=2)
-
-
-@pytest.mark.parametrize(
-    ("geo", "target", "hw", "fidelity", "tiles", "thumb", "reason_has"),
-    [
-        (TILES, 300, (1000, 1000), "unreachable", None, False, "multiple of 256"),
-        (TILES, 512, (1000, 1000), "unreachable", None, False, "thumbnail"),
-        (TILES, 256, (1000, 1000), "engine-replay", (1, 1), False, "max_tiles=1"),
-        (TILES, 5 * 256, (1000, 1000), "engine-replay", (2, 2), True, "max_tiles=4"),
-        (TILES, 7 * 256, (1000, 1000), "closest-aspect", (2, 3), True, "4 grids"),
-        (TILES, 13 * 256, (1000, 1000), "closest-aspect", None, True, "grids"),
-        (TILES, 14 * 256, (1000, 1000), "unreachable", None, False, "outside [1, 12]"),
-        (NO_THUMB, 512, (448, 896), "engine-replay", (2, 1), False, "2 tiles"),
-        (NO_THUMB, 256, (448, 896), "engine-replay", (1, 1), False, ""),
-        (MIN_2, 256, (448, 896), "unreachable", None, False, "outside [2, 12]"),
-        (TiledGeometry(tile=512), 4 * 256, (512, 1536), "engine-replay", (3, 1), True, ""),
-    ],
-)
-def test_tiled_solve_table(geo, target, hw, fidelity, tiles, thumb, reason_has):
-    sol = geo.solve(target, hw)
-    assert sol.fidelity == fidelity, sol
-    assert reason_has in sol.reason
-    if tiles is not None:
-        assert sol.tiles == tiles
-    if sol.reachable:
-        assert sol.thumbnail == thumb
-        assert round_trip(geo, sol) == target
-        c, r = sol.tiles
-        assert sol.size_hw == (r * geo.tile, c * geo.tile)
-
-
-def test_tiled_frames():
-    geo = TiledGeometry()
-    assert geo.tokens((448, 896), num_frames=4) == 4 * 768
-    assert geo.solve(4 * 768, (448, 896), 4).fidelity == "engine-replay"
-    assert "not divisible by 3 frames" in geo.solve(1000, (448, 896), 3).reason
-
-
 # ---- fixed --------------------------------------------------------------------------------------
 def test_fixed_geometry():
     geo = FixedGeometry()
     assert geo.tokens((1080, 2400)) == 576 and geo.tokens((1, 1), 3) == 3 * 576
     assert geo.size_for((1080, 2400)) == (336, 336)
-    sol = geo.solve(576, (1080, 2400))
-    assert sol.fidelity == "engine-replay" and sol.size_hw == (336, 336)
-    assert geo.solve(2 * 576, (5, 5), 2).reachable
-    two = geo.solve(2 * 576, (5, 5))
-    assert not two.reachable and "2 images/crops" in two.reason
-    assert not geo.solve(577, (5, 5)).reachable
-    gemma = FixedGeometry(tokens_per_image=256, size=(896, 896))
-    assert gemma.solve(256, (10, 10)).size_hw == (896, 896)
 
 
 # ---- bad input ----------------------------------------------------------------------------------
@@ -403,30 +363,32 @@ def test_bad_input_raises_media_input_error(geo, call, match):
     assert not isinstance(info.value, MediaAlignmentError)  # a wrong call, not a data fault
 
 
+ANYRES = AnyresGeometry(pinpoints=((56, 56),), tile=56)
+
+
 @pytest.mark.parametrize(
-    "make",
+    ("call", "match"),
     [
-        lambda: PatchMergeGeometry(min_pixels=10, max_pixels=5),
-        lambda: PatchMergeGeometry(patch=0),
-        lambda: RadioTilerGeometry(pixel_shuffle=0),
-        lambda: RadioTilerGeometry(budget=-3),
-        lambda: TiledGeometry(min_tiles=5, max_tiles=4),
-        lambda: FixedGeometry(size=(0, 336)),
+        (lambda: PatchMergeGeometry(min_pixels=10, max_pixels=5), "min_pixels 10 > max_pixels 5"),
+        (lambda: PatchMergeGeometry(patch=0), "patch must be >= 1"),
+        (lambda: RadioTilerGeometry(pixel_shuffle=0), "pixel_shuffle must be >= 1"),
+        (lambda: RadioTilerGeometry(budget=-3), "budget must be >= 1"),
+        (lambda: TiledGeometry(min_tiles=5, max_tiles=4), "min_tiles 5 > max_tiles 4"),
+        (lambda: FixedGeometry(size=(0, 336)), "positive"),
+        (lambda: PixtralGeometry(longest_edge=0), "longest_edge"),
+        (lambda: PixtralGeometry().solve(4, (0, 10)), "positive"),
+        (lambda: AnyresGeometry(pinpoints=((56, 60),), tile=56), "multiples of 56"),
+        (lambda: AnyresGeometry(pinpoints=((56, 56),), tile=56, max_tiles=0), "max_tiles"),
+        (lambda: ANYRES.solve(40, (0, 3)), "positive"),
+        (lambda: RadioTilerGeometry().engine_tokens([SEED_HW], 0, 0), "max_model_len"),
+        (lambda: RadioTilerGeometry().engine_tokens([SEED_HW], 100, -1), "prompt_text_len"),
+        (lambda: RadioTilerGeometry().engine_tokens([(0, 3)], 100, 0), "positive"),
+        (lambda: RadioTilerGeometry().solve(9, SEED_HW, hw_kind="original"), "hw_kind must be"),
     ],
 )
-def test_bad_config_raises(make):
-    with pytest.raises(GeometryError):
-        make()
-
-
-def test_engine_tokens_bad_input():
-    radio = RadioTilerGeometry()
-    with pytest.raises(GeometryError, match="max_model_len"):
-        radio.engine_tokens([SEED_HW], 0, 0)
-    with pytest.raises(GeometryError, match="prompt_text_len"):
-        radio.engine_tokens([SEED_HW], 100, -1)
-    with pytest.raises(GeometryError, match="positive"):
-        radio.engine_tokens([(0, 3)], 100, 0)
+def test_bad_config_or_call_is_named(call, match):
+    with pytest.raises(GeometryError, match=match):
+        call()
 
 
 def test_solution_is_frozen_and_reachable_follows_fidelity():
@@ -465,9 +427,8 @@ def test_property_patch_merge_solves_its_own_count(h, w, frames, cfg):
     sol = cfg.solve(n, (h, w), frames)
     # the processor's own output for the source, whether or not it would keep that frame
     # when fed back (the max(f, .) clamp, odd T in Qwen3 video, rounding past the aspect cap)
-    assert sol.fidelity == "engine-replay", sol
-    assert sol.size_hw == (hb, wb) and sol.grid == (hb // cfg.patch, wb // cfg.patch)
-    assert round_trip(cfg, sol, (h, w)) == n
+    assert sol.fidelity == "engine-replay" and sol.size_hw == (hb, wb), sol
+    assert_exact(cfg, (h, w), sol, n)
     assert n == math.ceil(frames / cfg.temporal_patch) * (hb // f) * (wb // f)
 
 
@@ -543,56 +504,15 @@ def test_property_tiled_and_fixed_solve_their_own_count(h, w, cfg, frames):
 def test_property_patch_merge_any_target_is_exact_or_named(h, w, target, frames, cfg):
     assume(max(h, w) / min(h, w) <= 200)
     sol = cfg.solve(target, (h, w), frames)
-    if sol.reachable:
-        assert sol.tokens == target and round_trip(cfg, sol, (h, w)) == target
-    else:
-        assert sol.reason and sol.tokens == 0 and sol.size_hw is None
-        g = math.ceil(frames / cfg.temporal_patch)
-        if target and target % g == 0:
-            n = target // g
-            # every grid a*b = n is past the aspect cap (a budget of its own area keeps any
-            # other)
-            assert all(
-                max(a, b) / min(a, b) > cfg.max_aspect
-                for a in range(1, n + 1)
-                if n % a == 0
-                for b in [n // a]
-            )
+    assert_exact(cfg, (h, w), sol, target)
+    g = math.ceil(frames / cfg.temporal_patch)
+    if not sol.reachable and target and target % g == 0:
+        # every grid a*b = n is past the aspect cap (a budget of its own area keeps any other)
+        n = target // g
+        assert all(max(a, b) / min(a, b) > cfg.max_aspect for a, b in divisor_pairs(n))
 
 
-# ---- the budget searches against exhaustive scans ------------------------------------------------
-def exhaustive_grids(geo: RadioTilerGeometry, hw) -> dict[int, set]:
-    """Patch count -> the grids the tiler gives ``hw`` at some budget in [min, cap]."""
-    grids: dict[int, set] = {}
-    for b in range(max(geo.min_num_patches, 1), geo.cap + 1):
-        try:
-            g = geo.grid_for(hw, b)
-        except GeometryError:
-            continue
-        grids.setdefault(g[0] * g[1], set()).add(g)
-    return grids
-
-
-def test_radio_landing_budgets_match_an_exhaustive_scan():
-    import random
-
-    from megatron_media_guard.geometry.radio_search import landing_budgets
-
-    rng = random.Random(4)
-    for geo in (
-        RadioTilerGeometry(min_num_patches=256, max_num_patches=2048),
-        RadioTilerGeometry(min_num_patches=64, max_num_patches=1536),
-    ):
-        for _ in range(12):
-            hw = (rng.randint(1, 2500), rng.choice([rng.randint(1, 2500), rng.randint(1, 50)]))
-            ph0, pw0 = geo.native(hw)
-            grids = exhaustive_grids(geo, hw)
-            for q in sorted(k for k in grids if k)[:: max(1, len(grids) // 8)]:
-                assert {g for _, g in landing_budgets(geo, ph0, pw0, q)} == grids[q], (hw, q)
-                for b, g in landing_budgets(geo, ph0, pw0, q):
-                    assert geo.grid_for(hw, b) == g
-
-
+# ---- the budget search against an exhaustive scan ------------------------------------------
 def test_patch_merge_replay_matches_an_exhaustive_scan():
     import random
 

@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_geometry import assert_exact, exhaustive_grids
+from test_geometry import assert_exact
 
 from megatron_media_guard.geometry import (
     FixedGeometry,
@@ -20,14 +20,14 @@ from megatron_media_guard.geometry import (
 from megatron_media_guard.geometry.radio_search import landing_budgets
 from megatron_media_guard.geometry.solution import divisor_pairs, divisors, pick
 
-FAMILIES = {
-    "qwen2-vl": PatchMergeGeometry.qwen2_vl(),
-    "qwen3-vl-video": PatchMergeGeometry.qwen3_vl_video(),
-    "radio": RadioTilerGeometry(),
-    "radio-uncapped": RadioTilerGeometry(max_num_patches=None),
-    "radio-upscaling": RadioTilerGeometry(factor_max=2.0),
-    "tiles": TiledGeometry(),
-    "fixed": FixedGeometry(),
+FAMILIES = {  # name: (geometry, frames)
+    "qwen2-vl": (PatchMergeGeometry.qwen2_vl(), 1),
+    "qwen3-vl-video": (PatchMergeGeometry.qwen3_vl_video(), 4),
+    "radio": (RadioTilerGeometry(), 1),
+    "radio-uncapped": (RadioTilerGeometry(max_num_patches=None), 1),
+    "radio-upscaling": (RadioTilerGeometry(factor_max=2.0), 1),
+    "tiles": (TiledGeometry(), 1),
+    "fixed": (FixedGeometry(), 1),
 }
 ASPECTS = [1, 199, 200, 201, 1000, 5000, 100_000]
 SHORT_SIDES = [1, 16, 28, 300]
@@ -40,23 +40,27 @@ def extreme_sizes():
             yield (short * a, short)
 
 
-def _frames(name: str) -> int:
-    return 4 if name.endswith("video") else 1
-
-
-def _own_count(geo, hw, frames):
-    try:
-        return geo.tokens(hw, frames)
-    except GeometryError:  # e.g. past the processor's aspect limit
-        return None
+def exhaustive_grids(geo: RadioTilerGeometry, hw) -> dict[int, set]:
+    """Patch count -> the grids the tiler gives ``hw`` at some budget in [min, cap]."""
+    grids: dict[int, set] = {}
+    for b in range(max(geo.min_num_patches, 1), geo.cap + 1):
+        try:
+            g = geo.grid_for(hw, b)
+        except GeometryError:
+            continue
+        grids.setdefault(g[0] * g[1], set()).add(g)
+    return grids
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_extreme_aspects_solve_exactly(name):
-    geo, frames = FAMILIES[name], _frames(name)
+    geo, frames = FAMILIES[name]
     replays = 0
     for hw in extreme_sizes():
-        own = _own_count(geo, hw, frames)
+        try:
+            own = geo.tokens(hw, frames)
+        except GeometryError:  # e.g. past the processor's aspect limit
+            own = None
         targets = {1, 64, 4096, 16384, 720_720, 2**20} | ({own, own + 1} if own else set())
         for target in sorted(targets):
             assert_exact(geo, hw, geo.solve(target, hw, frames), target)
@@ -76,9 +80,13 @@ def test_extreme_aspects_solve_exactly(name):
     ],
     ids=["min64", "min256", "shuffle3"],
 )
-@pytest.mark.parametrize("hw", [(16, 3200), (3200, 16), (40, 40000), (1, 1000), (300, 60_000)])
-def test_radio_landings_at_extreme_aspects_match_an_exhaustive_scan(geo, hw):
-    """The walk skips budget segments that cannot land: none that can is lost."""
+@pytest.mark.parametrize(
+    "hw",
+    [(16, 3200), (3200, 16), (40, 40000), (1, 1000), (300, 60_000), (1021, 767), (2389, 37)],
+)
+def test_radio_landings_match_an_exhaustive_scan(geo, hw):
+    """The walk skips budget segments that cannot land: none that can is lost (extreme
+    aspects and ordinary sizes alike)."""
     ph0, pw0 = geo.native(hw)
     grids = exhaustive_grids(geo, hw)
     for q in sorted(k for k in grids if k):

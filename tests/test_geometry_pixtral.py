@@ -80,27 +80,3 @@ def test_every_count_a_longest_edge_gives_is_replayed(h, w, edge):
         assert sol.size_hw == cells  # each side is monotone in the edge: the grid is unique
         assert geo.size_for((h, w), longest_edge=sol.budget) == cells
     assert sol.tokens == n
-
-
-TABLE = [  # (hw, target, fidelity, size_hw)
-    ((56, 84), 6, "engine-replay", (56, 84)),
-    ((56, 84), 49, "unique", (196, 196)),  # 7x7 alone fits 8 cells a side
-    ((56, 84), 7, "closest-aspect", (28, 196)),  # 1x7 and 7x1 fit: 1x7 is closer in aspect
-    ((56, 84), 24, "closest-aspect", (112, 168)),  # larger than the image: no edge gives it
-    ((56, 84), 0, "unreachable", None),
-    ((56, 84), 61 * 67, "unreachable", None),
-]
-
-
-@pytest.mark.parametrize("hw,target,fidelity,size", TABLE)
-def test_solve_classes(hw, target, fidelity, size):
-    sol = PixtralGeometry(longest_edge=224).solve(target, hw)
-    assert (sol.fidelity, sol.size_hw) == (fidelity, size)
-    assert sol.tokens == (target if size else 0)
-
-
-def test_bad_input_is_named():
-    with pytest.raises(GeometryError, match="longest_edge"):
-        PixtralGeometry(longest_edge=0)
-    with pytest.raises(GeometryError, match="positive"):
-        PixtralGeometry().solve(4, (0, 10))

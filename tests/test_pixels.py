@@ -134,8 +134,10 @@ def test_video_patch_order_matches_the_processor_order(num_frames: int) -> None:
         ),
         (lambda: from_frames(torch.zeros(1, 3, 56, 70), "qwen_patches"), "(56, 70)"),
         (lambda: from_frames(torch.zeros(2, 3, 4, 4), "image", video=False), "exactly 1 frame"),
-        (lambda: grid_thw_tuple(torch.zeros(2, dtype=torch.long)), "3 values"),
+        (lambda: grid_thw_tuple(torch.zeros(2, dtype=torch.long)), "three positive ints"),
         (lambda: grid_thw_tuple((1, 0, 2)), "[1, 0, 2]"),
+        # a device tensor: reading it back is the caller's transfer (core/host.to_host)
+        (lambda: grid_thw_tuple(torch.ones(3, device="meta")), "must be on the host"),
     ],
 )
 def test_bad_input_raises_media_input_error_naming_it(call, fragment: str) -> None:

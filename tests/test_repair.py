@@ -102,19 +102,19 @@ def _scenario(tower):
     return batch, [image, video], feats, engine
 
 
+def _guard(tmp_path, encoder=None, geometry=GEO, **config) -> MediaGuard:
+    """A repair guard on the Qwen grammar, logging to ``tmp_path``."""
+    cfg = GuardConfig(policy="repair", log_dir=str(tmp_path), **config)
+    return MediaGuard(cfg, grammar=Q, rank=RankInfo(rank=0), geometry=geometry, encoder=encoder)
+
+
 def test_repair_reencodes_only_the_mismatched_item(projector, tmp_path):
     tower = Tower(projector)
     batch, items, feats, engine = _scenario(tower)
     tower.calls = 0
     b, s = batch.input_ids.shape
     emb = torch.randn(b, s, H)
-    guard = MediaGuard(
-        GuardConfig(policy="repair", log_dir=str(tmp_path)),
-        grammar=Q,
-        rank=RankInfo(rank=0),
-        geometry=GEO,
-        encoder=tower,
-    )
+    guard = _guard(tmp_path, tower)
     res = guard.merge(emb, batch.input_ids, feats, items, loss_mask=torch.ones(b, s), step=5)
     assert res.report.actions == ("keep", "repair")
     assert res.report.repaired == (1,)
@@ -158,13 +158,7 @@ def test_repair_falls_back_and_says_why(projector, tmp_path, config, encoder_fai
         return tower(pixels, grid_thw)
 
     b, s = batch.input_ids.shape
-    guard = MediaGuard(
-        GuardConfig(policy="repair", fallback="drop", log_dir=str(tmp_path), **config),
-        grammar=Q,
-        rank=RankInfo(rank=0),
-        geometry=GEO,
-        encoder=encoder,
-    )
+    guard = _guard(tmp_path, encoder, fallback="drop", **config)
     res = guard.merge(torch.randn(b, s, H), batch.input_ids, feats, items)
     assert res.report.actions == ("keep", "drop")
     rec = records(tmp_path)
@@ -172,11 +166,10 @@ def test_repair_falls_back_and_says_why(projector, tmp_path, config, encoder_fai
     assert rep["action"] == "fallback:drop" and reason in rep["reason"]
 
 
-def test_unrepairable_status_takes_the_fallback():
+def test_unrepairable_status_takes_the_fallback(tmp_path):
     batch = build_batch(Q, [[("image", 4), ("image", 6)]])
     items = [MediaItem(6, 0), MediaItem(4, 0)]  # swapped: resizing would train on wrong media
-    guard = MediaGuard(GuardConfig(policy="repair", fallback="drop"), grammar=Q, geometry=GEO)
-    res = guard.merge(
+    res = _guard(tmp_path, fallback="drop").merge(
         torch.randn(1, batch.input_ids.shape[1], H), batch.input_ids, torch.randn(10, H), items
     )
     assert res.report.actions == ("drop",) and res.report.repaired == ()
@@ -184,19 +177,11 @@ def test_unrepairable_status_takes_the_fallback():
 
 def test_repair_without_encoder_falls_back_with_reason(tmp_path):
     batch = build_batch(Q, [[("image", 4)]])
-    guard = MediaGuard(
-        GuardConfig(policy="repair", fallback="raise", log_dir=str(tmp_path)),
-        grammar=Q,
-        geometry=GEO,
-    )
-    with pytest.raises(
-        Exception, match=r"surplus(.|\n)*repair failed, item 0: cannot repair: no encoder"
-    ):
-        guard.merge(
-            torch.randn(1, batch.input_ids.shape[1], H),
-            batch.input_ids,
-            torch.randn(5, H),
-            [MediaItem(5, 0)],
+    emb = torch.randn(1, batch.input_ids.shape[1], H)
+    no_encoder = r"surplus(.|\n)*repair failed, item 0: cannot repair: no encoder"
+    with pytest.raises(Exception, match=no_encoder):
+        _guard(tmp_path, fallback="raise").merge(
+            emb, batch.input_ids, torch.randn(5, H), [MediaItem(5, 0)]
         )
     rec = records(tmp_path)
     assert "no encoder, pixels" in next(r for r in rec if r["event"] == "repair")["reason"]
@@ -222,12 +207,7 @@ def test_a_geometry_that_breaks_its_contract_falls_back(tmp_path):
     def encoder(pixels):
         return torch.full((4, H), 77.0)
 
-    g = MediaGuard(
-        GuardConfig(policy="repair", fallback="drop", log_dir=str(tmp_path)),
-        grammar=Q,
-        geometry=LyingGeometry(),
-        encoder=encoder,
-    )
+    g = _guard(tmp_path, encoder, LyingGeometry(), fallback="drop")
     b, s = batch.input_ids.shape
     emb = torch.randn(b, s, H)
     feats = torch.randn(4, H)

@@ -32,10 +32,8 @@ class Target:
 
 
 class QwenLikeEncoder(nn.Module):
-    """Patch-embedding Linear + 2x2 merger, like Qwen2-VL's tower without attention.
-
-    ``[n, C*tp*p*p]`` -> ``[n / 4, out]``; records the row counts and grid it was called with.
-    """
+    """Patch-embedding Linear + 2x2 merger, like Qwen2-VL's tower without attention:
+    ``[n, C*tp*p*p]`` -> ``[n / 4, out]``; records its inputs and (row count, grid) calls."""
 
     def __init__(self, hidden: int = 32, out: int = 24) -> None:
         super().__init__()
@@ -43,9 +41,11 @@ class QwenLikeEncoder(nn.Module):
         self.embed = nn.Linear(PATCH_DIM, hidden)
         self.merger = nn.Linear(hidden * MERGE * MERGE, out)
         self.calls: list[tuple[int, list[list[int]]]] = []
+        self.inputs: list[torch.Tensor] = []
 
     def forward(self, patches: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         self.calls.append((patches.shape[0], grid_thw.tolist()))
+        self.inputs.append(patches)
         x = self.embed(patches)
         return self.merger(rearrange(x, "(n m) h -> n (m h)", m=MERGE * MERGE))
 
@@ -77,7 +77,8 @@ def qwen_item(height: int = 56, width: int = 84, frames: int = 1, seed: int = 0)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
-    ("src", "dst"), [((56, 84), (84, 112)), ((90, 60), (28, 56)), ((7, 9), (8, 9))]
+    ("src", "dst"),
+    [((56, 84), (84, 112)), ((90, 60), (28, 56)), ((7, 9), (8, 9)), ((28, 28), (28, 28))],
 )
 def test_resize_gives_exact_size_and_keeps_dtype(dtype, src, dst) -> None:
     frames = torch.randn(2, 3, *src).to(dtype)
@@ -85,6 +86,7 @@ def test_resize_gives_exact_size_and_keeps_dtype(dtype, src, dst) -> None:
     assert out.shape == (2, 3, *dst)
     assert out.dtype == dtype and out.device == frames.device
     assert torch.isfinite(out.float()).all()
+    assert (out is frames) == (src == dst)  # the same size: the input itself
 
 
 def test_resize_preserves_constants_and_commutes_with_normalization() -> None:
@@ -109,23 +111,29 @@ def test_resize_uint8_rounds_and_clamps() -> None:
     assert out.min() == 0 and out.max() == 255
 
 
-def test_resize_same_size_returns_input() -> None:
-    frames = torch.randn(1, 3, 28, 28)
-    assert resize_frames(frames, (28, 28)) is frames
-
-
 @pytest.mark.parametrize(
-    ("size_hw", "frames", "tokens"),
-    [((84, 112), 1, 12), ((28, 56), 1, 2), ((56, 56), 4, 8), ((112, 84), 3, 24)],
+    ("size_hw", "frames", "tokens", "dtype"),
+    [
+        ((84, 112), 1, 12, torch.float32),
+        ((28, 56), 1, 2, torch.float32),
+        ((56, 56), 4, 8, torch.float32),
+        ((112, 84), 3, 24, torch.float32),
+        ((84, 112), 1, 12, torch.bfloat16),  # the input's dtype is kept
+        ((84, 112), 1, 12, None),  # no size: the solution's grid (6x8) times the patch
+    ],
 )
-def test_reencode_qwen_patches_gives_target_count(size_hw, frames, tokens) -> None:
+def test_reencode_qwen_patches_gives_target_count(size_hw, frames, tokens, dtype) -> None:
     patches, grid_thw = qwen_item(frames=frames)
     original = patches.clone()
-    encoder = QwenLikeEncoder()
-    result = reencode(patches, "qwen_patches", Target(tokens, size_hw), encoder, grid_thw=grid_thw)
+    encoder = QwenLikeEncoder().to(dtype or torch.float32)
+    target = Target(tokens, size_hw) if dtype else Target(tokens, None, grid=(6, 8))
+    result = reencode(
+        patches.to(encoder.embed.weight.dtype), "qwen_patches", target, encoder, grid_thw=grid_thw
+    )
 
     assert isinstance(result, ReencodeResult)
     assert result.features.shape == (tokens, 24)
+    assert result.features.dtype == encoder.embed.weight.dtype
     assert result.size_hw == size_hw
     t = -(-frames // TP)
     assert result.grid_thw == (t, size_hw[0] // PATCH, size_hw[1] // PATCH)
@@ -140,26 +148,12 @@ def test_reencode_qwen_patches_gives_target_count(size_hw, frames, tokens) -> No
 def test_reencode_feeds_the_resized_frames_in_processor_layout(frames: int) -> None:
     """Encoder input == patchify(resize(recover(pixels))) bit for bit, images and videos alike."""
     patches, grid_thw = qwen_item(frames=frames, seed=frames)
-    seen: list[torch.Tensor] = []
-    inner = QwenLikeEncoder()
-
-    def encoder(p: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        seen.append(p)
-        return inner(p, grid_thw)
-
+    encoder = QwenLikeEncoder()
     t = -(-frames // TP)
     reencode(patches, "qwen_patches", Target(12 * t, (84, 112)), encoder, grid_thw=grid_thw)
     recovered = to_frames(patches, "qwen_patches", grid_thw=grid_thw)
     expected, _ = from_frames(resize_frames(recovered, (84, 112)), "qwen_patches")
-    assert torch.equal(seen[0], expected)
-
-
-def test_reencode_uses_the_solution_grid_when_size_is_missing() -> None:
-    patches, grid_thw = qwen_item()
-    result = reencode(
-        patches, "qwen_patches", Target(12, None, grid=(6, 8)), QwenLikeEncoder(), grid_thw=grid_thw
-    )
-    assert result.size_hw == (84, 112) and result.features.shape[0] == 12
+    assert torch.equal(encoder.inputs[0], expected)
 
 
 @pytest.mark.parametrize("video", [False, True])
@@ -213,24 +207,14 @@ def test_fp8_padding_through_the_config_flag() -> None:
     patches, grid_thw = qwen_item()
     multiple = fp8.fp8_multiple(config_flag=True)
     assert multiple == 16 and fp8.fp8_multiple(config_flag=False) is None
-    inner = QwenLikeEncoder()
-    seen: list[int] = []
-
-    def encoder(p: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        assert p.shape[0] % 16 == 0, p.shape
-        seen.append(p.shape[0])
-        return inner(p, grid_thw)
-
+    encoder = QwenLikeEncoder()
     target = Target(12, (84, 112))  # 48 patch rows: already a multiple of 16
     target_odd = Target(6, (56, 84))  # 24 patch rows -> padded to 32
-    plain = reencode(patches, "qwen_patches", target_odd, inner, grid_thw=grid_thw)
-    padded = reencode(
-        patches, "qwen_patches", target_odd, encoder, grid_thw=grid_thw, fp8_multiple=multiple
-    )
-    aligned = reencode(
-        patches, "qwen_patches", target, encoder, grid_thw=grid_thw, fp8_multiple=multiple
-    )
-    assert seen == [32, 48]
+    plain = reencode(patches, "qwen_patches", target_odd, encoder, grid_thw=grid_thw)
+    fp8_on = {"grid_thw": grid_thw, "fp8_multiple": multiple}
+    padded = reencode(patches, "qwen_patches", target_odd, encoder, **fp8_on)
+    aligned = reencode(patches, "qwen_patches", target, encoder, **fp8_on)
+    assert [rows for rows, _ in encoder.calls] == [24, 32, 48]
     assert padded.fp8_pad == 8 and aligned.fp8_pad == 0
     assert padded.features.shape == (6, 24)
     torch.testing.assert_close(padded.features, plain.features)
@@ -303,15 +287,6 @@ def test_gradients_flow_to_encoder_parameters() -> None:
         assert param.grad is not None and param.grad.abs().sum() > 0, name
 
 
-def test_reencode_keeps_input_dtype() -> None:
-    patches, grid_thw = qwen_item()
-    encoder = QwenLikeEncoder().to(torch.bfloat16)
-    result = reencode(
-        patches.bfloat16(), "qwen_patches", Target(12, (84, 112)), encoder, grid_thw=grid_thw
-    )
-    assert result.features.dtype == torch.bfloat16 and result.features.shape == (12, 24)
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_reencode_on_cuda() -> None:
@@ -322,7 +297,7 @@ def test_reencode_on_cuda() -> None:
         "qwen_patches",
         Target(12, (84, 112)),
         encoder,
-        grid_thw=grid_thw.cuda(),
+        grid_thw=grid_thw,  # on the host: reading a device tensor is the caller's transfer
         fp8_multiple=16,
         synchronize=True,
     )

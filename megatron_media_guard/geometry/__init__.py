@@ -1,11 +1,8 @@
 """Geometry families: how a processor turns pixels into a token count, and back.
 
-Every family has ``tokens(hw, num_frames=1, ...)``, ``size_for(hw, num_frames=1, ...)``
-and ``solve(target_tokens, hw, num_frames=1, *, hw_kind="source") -> Solution`` (exact,
-with a fidelity class; ``hw_kind="frame"`` when ``hw`` is a size the training processor
-already resized, not the original: then no answer is claimed as the engine's sizing).
-Pure Python: imports only ``errors`` from the package; no torch, torch.distributed or
-megatron.
+Every family (a ``Geometry``) has ``tokens(hw, num_frames=1, ...)``, ``size_for(hw,
+num_frames=1, ...)`` and ``solve(target_tokens, hw, num_frames=1, *, hw_kind="source") ->
+Solution``. Pure Python: imports only ``errors`` from the package.
 """
 
 from megatron_media_guard.geometry.anyres import AnyresGeometry
@@ -17,20 +14,12 @@ from megatron_media_guard.geometry.solution import (
     FIDELITIES,
     HW_KINDS,
     Fidelity,
+    Geometry,
     GeometryError,
     HwKind,
     Solution,
 )
 from megatron_media_guard.geometry.tiled import TiledGeometry
-
-Geometry = (
-    PatchMergeGeometry
-    | RadioTilerGeometry
-    | TiledGeometry
-    | FixedGeometry
-    | PixtralGeometry
-    | AnyresGeometry
-)
 
 __all__ = [
     "FIDELITIES",

@@ -7,14 +7,11 @@
     anyres_max_k: if sqrt(cur_h * cur_w / (k * side^2)) > 1.1, both sides divided by it
     tokens = side^2 (the base tile) + cur_h * (cur_w + 1)     (one newline feature per row)
 
-The count is many-to-one in (H, W): it depends on the chosen pinpoint and on the aspect, not
-on the pixels. ``solve`` keeps the image's own size when that already gives the target
-(engine-replay), else picks, of every size on a lattice of ``patch``-pixel steps up to the
-largest pinpoint side, the sizes filling one side of each pinpoint at every unpad step (so
-that every count some image gives is on it), and every size of the image's own aspect on
-the patch steps, that gives the target, the one closest in aspect, then in area
-(closest-aspect); unreachable when none does. An image
-of a multi-image sample is one tile, base + 1 whatever its size: no geometry changes it.
+The count depends on the chosen pinpoint and the aspect, not on the pixels. ``solve`` keeps
+the image's own size where it gives the target (engine-replay), else picks the size closest
+in aspect, then area, that does (closest-aspect) of the image's own aspect on ``patch``-pixel
+steps and a lattice holding every count some image gives. An image of a multi-image sample
+is one tile, base + 1 whatever its size: no geometry changes it.
 """
 
 from __future__ import annotations
@@ -24,12 +21,12 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from megatron_media_guard.geometry.solution import (
+    Geometry,
     GeometryError,
     HwKind,
     Solution,
     check_hw,
     check_positive,
-    check_solve,
     pick,
     unreachable,
 )
@@ -57,7 +54,7 @@ def fitted_size(h: int, w: int, target: tuple[int, int]) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class AnyresGeometry:
+class AnyresGeometry(Geometry):
     """Anyres sizing. pinpoints: ``config.image_grid_pinpoints`` ((H, W) pixels, multiples of
     ``tile``); tile / patch: ``vision_config.image_size`` / ``.patch_size``; max_tiles: the k
     of ``config.vision_aspect_ratio = "anyres_max_k"``."""
@@ -106,11 +103,8 @@ class AnyresGeometry:
     @cached_property
     def _lattice(self) -> dict[int, list[tuple[int, int]]]:
         """Count -> sizes giving it: every size on ``patch``-pixel steps up to the largest
-        pinpoint side, and the sizes filling one side of a pinpoint with the other side at
-        each unpad step. The count is the chosen pinpoint's map less the rows (columns) that
-        unpadding drops, a function of int(round(h * cw / w)) (the side the image fills); a
-        patch-step lattice can step over some of those values (a 14x337 image's count was
-        reached by no lattice size), the filled-side sizes take each (±1 px for rounding)."""
+        pinpoint side, and the sizes filling one side of a pinpoint with the other at each
+        unpad step (±1 px), which the steps can miss (a 14x337 image's count was)."""
         top = max(max(p) for p in self.pinpoints) // self.patch
         sizes = {
             (i * self.patch, j * self.patch) for i in range(1, top + 1) for j in range(1, top + 1)
@@ -133,17 +127,9 @@ class AnyresGeometry:
         found = [hw for hw in sorted(own) if min(hw) >= 1 and self.tokens(hw) == n]
         return found + [hw for hw in self._lattice.get(n, ()) if hw not in own]
 
-    def solve(
-        self,
-        target_tokens: int,
-        hw: tuple[int, int],
-        num_frames: int = 1,
-        *,
-        hw_kind: HwKind = "source",
-    ) -> Solution:
-        """An image size whose anyres count is exactly ``target_tokens`` (see the module;
-        ``hw_kind="frame"``: a size the processor already padded, never a replay)."""
-        n, h, w, _, kind = check_solve(target_tokens, hw, 1, hw_kind)
+    def _solve(self, n: int, h: int, w: int, t: int, kind: HwKind) -> Solution:
+        """The image's own size where it gives the target, else the closest in aspect of the
+        candidate sizes that do (see the module)."""
 
         def solution(size: tuple[int, int], fidelity, reason: str) -> Solution:
             bh, bw = best_resolution(*size, self.pinpoints)
@@ -161,10 +147,9 @@ class AnyresGeometry:
             )
         size, _, count = pick(found, (h, w), (1, 1))
         ch, cw = self.feature_grid(size)
-        return solution(
-            size,
-            "closest-aspect",
+        why = (
             f"{count} image sizes give {n} anyres features for {h}x{w}; {size[0]}x{size[1]} "
             f"({ch}x{cw} features, pinpoint {best_resolution(*size, self.pinpoints)}) is "
-            "closest in aspect",
+            "closest in aspect"
         )
+        return solution(size, "closest-aspect", why)

@@ -9,18 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_media_guard.geometry.solution import (
+    Geometry,
     HwKind,
     Solution,
     check_frames,
     check_hw,
     check_positive,
-    check_solve,
     unreachable,
 )
 
 
 @dataclass(frozen=True)
-class FixedGeometry:
+class FixedGeometry(Geometry):
     """tokens_per_image per image or frame; every frame resized to ``size`` (H, W)."""
 
     tokens_per_image: int = 576
@@ -39,17 +39,9 @@ class FixedGeometry:
         check_hw(hw)
         return check_frames(num_frames) * self.tokens_per_image
 
-    def solve(
-        self,
-        target_tokens: int,
-        hw: tuple[int, int],
-        num_frames: int = 1,
-        *,
-        hw_kind: HwKind = "source",
-    ) -> Solution:
+    def _solve(self, n: int, h: int, w: int, t: int, kind: HwKind) -> Solution:
         """Reachable only for num_frames * tokens_per_image: the processor's one size (a
         replay from the source or a frame alike: there is no other)."""
-        n, _, _, t, _ = check_solve(target_tokens, hw, num_frames, hw_kind)
         want = t * self.tokens_per_image
         if n != want:
             extra = (
@@ -62,12 +54,6 @@ class FixedGeometry:
                 f"{n} cannot be reached by resizing{extra}",
                 t,
             )
-        return Solution(
-            tokens=n,
-            size_hw=self.size,
-            fidelity="engine-replay",
-            reason=f"the processor resizes every frame to {self.size[0]}x{self.size[1]} "
-            f"-> {self.tokens_per_image} tokens each",
-            grid=None,
-            num_frames=t,
-        )
+        size = f"{self.size[0]}x{self.size[1]}"
+        why = f"the processor resizes every frame to {size} -> {self.tokens_per_image} tokens each"
+        return Solution(n, self.size, "engine-replay", why, None, num_frames=t)

@@ -19,19 +19,19 @@ import math
 from dataclasses import dataclass
 
 from megatron_media_guard.geometry.solution import (
+    Geometry,
     GeometryError,
     HwKind,
     Solution,
     check_frames,
     check_hw,
     check_positive,
-    check_solve,
     choice_text,
     divisor_pairs,
+    first_landing,
     groups,
     per_group,
     pick,
-    smallest,
     unreachable,
 )
 
@@ -39,14 +39,10 @@ _NO_CAP = 1 << 62
 
 
 @dataclass(frozen=True)
-class PatchMergeGeometry:
-    """Qwen-style patch-merge sizing (defaults: the HF Qwen2-VL image processor's).
-
-    patch: ViT patch side in pixels; merge: spatial merge per side (f = patch * merge).
-    temporal_patch: frames per temporal group; min_pixels / max_pixels: the budget.
-    max_aspect: the processor rejects max(H, W) / min(H, W) above this.
-    temporal_budget: Qwen3-VL video rule (frames share the pixel budget).
-    """
+class PatchMergeGeometry(Geometry):
+    """Qwen-style patch-merge sizing (defaults: the HF Qwen2-VL image processor's): patch side
+    and spatial merge (f = patch * merge), frames per temporal group, the pixel budget, the
+    largest aspect the processor takes, and Qwen3-VL's video rule (frames share the budget)."""
 
     patch: int = 14
     merge: int = 2
@@ -67,7 +63,6 @@ class PatchMergeGeometry:
         if not self.max_aspect >= 1:
             raise GeometryError(f"max_aspect must be >= 1, got {self.max_aspect}")
 
-    # ---- published configurations -------------------------------------------------------
     @classmethod
     def qwen2_vl(cls, **overrides: object) -> PatchMergeGeometry:
         """Qwen2-VL checkpoints' preprocessor_config: 4..16384 tokens per image."""
@@ -94,10 +89,8 @@ class PatchMergeGeometry:
     def factor(self) -> int:
         return self.patch * self.merge
 
-    # ---- the processor's own sizing -----------------------------------------------------
     def _frames(self, t: int) -> tuple[int, int]:
-        """(frames, frames rounded to temporal groups) weighing the budget: (1, 1) but for
-        Qwen3-VL's video rule."""
+        """(frames, frames rounded to temporal groups) weighing the budget: Qwen3-VL video's."""
         if not self.temporal_budget:
             return 1, 1
         return t, round(t / self.temporal_patch) * self.temporal_patch
@@ -163,26 +156,12 @@ class PatchMergeGeometry:
         f = self.factor
         return groups(num_frames, self.temporal_patch) * (hb // f) * (wb // f)
 
-    # ---- the inverse ---------------------------------------------------------------------
     def _cells(self, h: int, w: int, t: int, min_px: int, max_px: int) -> tuple[int, int] | None:
         try:
             hb, wb = self._resize(h, w, t, min_px, max_px)
         except GeometryError:
             return None
         return hb // self.factor, wb // self.factor
-
-    def _smallest(self, lo: int, hi: int, n: int, cells) -> tuple[int, tuple[int, int]] | None:
-        """Smallest budget in [lo, hi] whose (monotone) cell product reaches n, if it is n."""
-
-        def reaches(m: int) -> bool:
-            c = cells(m)
-            return c is not None and c[0] * c[1] >= n
-
-        if not reaches(hi):
-            return None
-        lo = smallest(lo, hi, reaches)
-        c = cells(lo)
-        return (lo, c) if c is not None and c[0] * c[1] == n else None
 
     def _replay(self, h: int, w: int, t: int, n: int) -> tuple[str, int, tuple[int, int]] | None:
         """A budget with which the processor's own resize gives n cells per group."""
@@ -198,38 +177,26 @@ class PatchMergeGeometry:
         # budget (T odd) either branch can land on either side of the natural count.
         found = None
         if natural > 1:
-            found = self._smallest(1, natural - 1, n, lambda m: self._cells(h, w, t, 1, m))
+            found = first_landing(1, natural - 1, n, lambda m: self._cells(h, w, t, 1, m))
         if found:
             return "max_pixels", *found
         top = max(natural + 1, frames * n * f * f)
-        found = self._smallest(natural + 1, top, n, lambda m: self._cells(h, w, t, m, _NO_CAP))
+        found = first_landing(natural + 1, top, n, lambda m: self._cells(h, w, t, m, _NO_CAP))
         return ("min_pixels", *found) if found else None
 
     def _keep_pixels(self, a: int, b: int, t: int) -> int | None:
-        """A pixel budget (min_pixels = max_pixels = it) at which the processor keeps an
-        (a*f, b*f) frame as it is: its own (frame-weighted) area, where the processor takes
-        the frame at all (aspect, clip length); None otherwise."""
+        """The budget (min_pixels = max_pixels) at which the processor keeps an (a*f, b*f)
+        frame as it is, its (frame-weighted) area, where it takes the frame at all; else None."""
         f, (_, t_bar) = self.factor, self._frames(t)
         px = max(t_bar, 1) * a * b * f * f
         return px if self._cells(a * f, b * f, t, px, px) == (a, b) else None
 
-    def solve(
-        self,
-        target_tokens: int,
-        hw: tuple[int, int],
-        num_frames: int = 1,
-        *,
-        hw_kind: HwKind = "source",
-    ) -> Solution:
-        """The pixel size that gives exactly ``target_tokens`` (see module doc), classed:
-        engine-replay where the processor's resize of the source under some min_pixels or
-        max_pixels gives it (``hw_kind="source"``); else (or for ``hw_kind="frame"``, a size
-        the processor already resized) the grid of that many cells closest in aspect that the
-        processor keeps unchanged at some budget (``budget``: min_pixels = max_pixels = it)."""
-        n_total, h, w, t, kind = check_solve(target_tokens, hw, num_frames, hw_kind)
+    def _solve(self, n_total: int, h: int, w: int, t: int, kind: HwKind) -> Solution:
+        """Engine-replay where the processor's resize of the source under some min_pixels or
+        max_pixels gives the target (``hw_kind="source"``); else the grid of that many cells
+        closest in aspect that the processor keeps unchanged at some budget (``budget``:
+        min_pixels = max_pixels = it)."""
         f, g = self.factor, groups(t, self.temporal_patch)
-        if n_total == 0:
-            return unreachable("a patch-merge item yields at least one token; target is 0", t)
         try:
             self._resize(h, w, t, self.min_pixels, self.max_pixels)
         except GeometryError as exc:
@@ -238,34 +205,21 @@ class PatchMergeGeometry:
         if isinstance(n, Solution):
             return n
 
-        def solution(a: int, b: int, fidelity, reason: str, budget: int | None) -> Solution:
-            return Solution(
-                tokens=n_total,
-                size_hw=(a * f, b * f),
-                fidelity=fidelity,
-                reason=reason,
-                grid=(a * self.merge, b * self.merge),
-                num_frames=t,
-                budget=budget,
-            )
+        def solution(a: int, b: int, fidelity, reason: str, budget: int) -> Solution:
+            grid = (a * self.merge, b * self.merge)
+            size = (a * f, b * f)
+            return Solution(n_total, size, fidelity, reason, grid, num_frames=t, budget=budget)
 
         replay = self._replay(h, w, t, n) if kind == "source" else None
         if replay is not None:  # the engine resizes the source: its grid whether or not
             knob, budget, (a, b) = replay  # the processor would keep that frame when fed back
             other = "min_pixels 1" if knob == "max_pixels" else "no max_pixels"
-            return solution(
-                a,
-                b,
-                "engine-replay",
+            why = (
                 f"the processor's resize with {knob}={budget} ({other}) gives {a}x{b} "
-                f"merged cells x {g} group(s) = {n_total}",
-                budget,
+                f"merged cells x {g} group(s) = {n_total}"
             )
-        valid = {}
-        for a, b in divisor_pairs(n):
-            px = self._keep_pixels(a, b, t)
-            if px is not None:
-                valid[(a, b)] = px
+            return solution(a, b, "engine-replay", why, budget)
+        valid = {(a, b): px for a, b in divisor_pairs(n) if (px := self._keep_pixels(a, b, t))}
         if not valid:
             return unreachable(
                 f"{n_total} tokens: every grid a*b = {n} merged cells has aspect ratio above "
@@ -278,11 +232,8 @@ class PatchMergeGeometry:
             if kind == "frame"
             else f"no pixel budget makes the processor give {n} merged cells per group for {h}x{w}"
         )
-        return solution(
-            a,
-            b,
-            fidelity,
+        why = (
             f"{lead}; {choice_text(count, a, b, f'of {n} cells')} (kept unchanged at "
-            f"min_pixels = max_pixels = {valid[(a, b)]}; aspect)",
-            valid[(a, b)],
+            f"min_pixels = max_pixels = {valid[(a, b)]}; aspect)"
         )
+        return solution(a, b, fidelity, why, valid[(a, b)])

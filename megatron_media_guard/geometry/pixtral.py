@@ -16,22 +16,22 @@ import math
 from dataclasses import dataclass
 
 from megatron_media_guard.geometry.solution import (
+    Geometry,
     GeometryError,
     HwKind,
     Solution,
     check_hw,
     check_positive,
-    check_solve,
     choice_text,
     divisor_pairs,
+    first_landing,
     pick,
-    smallest,
     unreachable,
 )
 
 
 @dataclass(frozen=True)
-class PixtralGeometry:
+class PixtralGeometry(Geometry):
     """Pixtral sizing. longest_edge: the processor's ``size["longest_edge"]`` and the tower's
     limit (``vision_config.image_size``: its rope table has image_size / patch positions per
     side); patch / merge: ``vision_config.patch_size`` and ``spatial_merge_size``."""
@@ -47,11 +47,6 @@ class PixtralGeometry:
     @property
     def factor(self) -> int:
         return self.patch * self.merge
-
-    @property
-    def max_cells(self) -> int:
-        """Merged cells per side the tower takes (an edge of at most ``longest_edge``)."""
-        return self.longest_edge // self.factor
 
     def _cells(self, h: int, w: int, edge: int) -> tuple[int, int]:
         ratio = max(h / edge, w / edge)
@@ -74,50 +69,25 @@ class PixtralGeometry:
         hb, wb = self.size_for(hw, longest_edge=longest_edge)
         return (hb // self.factor) * (wb // self.factor)
 
-    def _replay(self, h: int, w: int, n: int) -> tuple[int, tuple[int, int]] | None:
-        """The smallest longest edge whose resize gives n cells, if one does."""
-
-        def reaches(edge: int) -> bool:
-            return math.prod(self._cells(h, w, edge)) >= n
-
-        top = max(h, w)  # from max(H, W) on the image is only rounded up: the plateau
-        if not reaches(top):
-            return None
-        lo = smallest(1, top, reaches)
-        cells = self._cells(h, w, lo)
-        return (lo, cells) if math.prod(cells) == n else None
-
-    def solve(
-        self,
-        target_tokens: int,
-        hw: tuple[int, int],
-        num_frames: int = 1,
-        *,
-        hw_kind: HwKind = "source",
-    ) -> Solution:
-        """The pixel size that gives exactly ``target_tokens`` features, classed:
-        engine-replay (the processor's resize with another longest edge gives it), else the
-        grid of that many cells closest in aspect that the tower takes (also for
-        ``hw_kind="frame"``: a size the processor already resized, so no replay is claimed)."""
-        n, h, w, _, kind = check_solve(target_tokens, hw, 1, hw_kind)
-        f, top = self.factor, self.max_cells
-        if n == 0:
-            return unreachable("a Pixtral image yields at least one feature; target is 0")
+    def _solve(self, n: int, h: int, w: int, t: int, kind: HwKind) -> Solution:
+        """Engine-replay where the resize with another longest edge gives the target (the
+        smallest such edge, by bisection: each side is monotone in it); else the grid of
+        that many cells closest in aspect that the tower takes."""
+        f = self.factor
+        top = self.longest_edge // f  # merged cells per side the tower takes
 
         def solution(a: int, b: int, fidelity, reason: str, budget: int | None) -> Solution:
             grid = (a * self.merge, b * self.merge)
             return Solution(n, (a * f, b * f), fidelity, reason, grid, budget=budget)
 
-        replay = self._replay(h, w, n) if kind == "source" else None
+        # from max(H, W) on the image is only rounded up: the plateau
+        replay = None
+        if kind == "source":
+            replay = first_landing(1, max(h, w), n, lambda edge: self._cells(h, w, edge))
         if replay is not None and max(replay[1]) <= top:
             edge, (a, b) = replay
-            return solution(
-                a,
-                b,
-                "engine-replay",
-                f"the Pixtral resize of {h}x{w} with longest_edge={edge} gives {a}x{b} cells",
-                edge,
-            )
+            why = f"the Pixtral resize of {h}x{w} with longest_edge={edge} gives {a}x{b} cells"
+            return solution(a, b, "engine-replay", why, edge)
         fits = n <= top * top  # (else no divisor scan: the tower takes no such grid)
         valid = [(a, b) for a, b in divisor_pairs(n) if a <= top and b <= top] if fits else []
         if not valid:
@@ -126,11 +96,8 @@ class PixtralGeometry:
                 f"{self.longest_edge} px, {f} px per cell)"
             )
         (a, b), fidelity, count = pick(valid, (h, w), (f, f))
-        return solution(
-            a,
-            b,
-            fidelity,
+        why = (
             f"no longest edge makes the Pixtral resize give {n} cells for {h}x{w}; "
-            f"{choice_text(count, a, b, f'of {n} cells')} (aspect)",
-            None,
+            f"{choice_text(count, a, b, f'of {n} cells')} (aspect)"
         )
+        return solution(a, b, fidelity, why, None)

@@ -8,12 +8,9 @@ Per image, under a budget of B patches (patch 16, pixel shuffle 2):
     odd ph: ph + 1 if (ph + 1) * pw <= B else max(2, ph - 1); then pw the same with the new ph
     tokens = (ph/2) * (pw/2); the media is resized to (16*ph, 16*pw).
 
-The upscale is not bounded by B, so a grid can exceed its budget (8x151 native at 1025:
-8x143 after the upscale, 8x142 = 1136 patches after the evenness step).
-
-The engine's budget per request is (max_model_len - prompt_text_len - 4) * 4 patches,
-shared by all media of the request and scaled down in proportion until the sum fits
-(``RadioTilerGeometry.engine_tokens``). The training processor only knows its static
+The upscale is not bounded by B (8x151 native at 1025: 8x142 = 1136 patches). The engine
+shares (max_model_len - prompt_text_len - 4) * 4 patches among a request's media, scaled
+down until the sum fits (``engine_tokens``); the training processor knows only its static
 budget (``max_num_patches``).
 """
 
@@ -22,21 +19,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megatron_media_guard.geometry.radio_search import (
-    _INF,
-    keep_budget,
-    landing_budgets,
-    pin_budget,
-    tile,
-)
+from megatron_media_guard.geometry.radio_search import _INF, landing_budgets, tile
 from megatron_media_guard.geometry.solution import (
+    Geometry,
     GeometryError,
     HwKind,
     Solution,
     check_frames,
     check_hw,
     check_positive,
-    check_solve,
     choice_text,
     divisors,
     groups,
@@ -50,11 +41,8 @@ _ENGINE_ROUNDS = 10  # the engine gives up after this many scale-down rounds
 
 @dataclass(frozen=True)
 class RadioEngineItem:
-    """One media item of a request as the engine sized it.
-
-    budget: the per-item patch budget of the last round; grid: (ph, pw) patches;
-    size_hw: (16*ph, 16*pw) pixels; tokens: (ph/2) * (pw/2) per frame.
-    """
+    """One media item of a request as the engine sized it: the last round's patch budget,
+    (ph, pw) patches, (16*ph, 16*pw) pixels, (ph/2) * (pw/2) tokens per frame."""
 
     budget: int
     grid: tuple[int, int]
@@ -63,15 +51,10 @@ class RadioEngineItem:
 
 
 @dataclass(frozen=True)
-class RadioTilerGeometry:
-    """RADIO tiler sizing.
-
-    patch: pixels per patch side; pixel_shuffle: patches merged per side into a token.
-    min_num_patches / max_num_patches: the per-item clamp (max None or 0: no cap).
-    budget: the static per-item budget of the training processor (None: max_num_patches).
-    temporal_patch: frames per token group for clips (1: every frame is its own item).
-    factor_max: the engine's cap on the scale factor (1: never upscale past native).
-    """
+class RadioTilerGeometry(Geometry):
+    """RADIO tiler sizing: patch side in pixels, patches merged per side into a token, the
+    per-item clamp (max None or 0: no cap), the training processor's static budget (None:
+    max_num_patches), frames per token group, the engine's cap on the scale factor."""
 
     patch: int = 16
     pixel_shuffle: int = 2
@@ -94,16 +77,8 @@ class RadioTilerGeometry:
 
     @property
     def cap(self) -> int | None:
-        """The per-item patch cap (None: none)."""
         return self.max_num_patches or None
 
-    @property
-    def static_budget(self) -> int:
-        if self.budget is not None:
-            return self.budget
-        return self.cap if self.cap is not None else 1 << 62
-
-    # ---- the tiler -----------------------------------------------------------------------
     def native(self, hw: tuple[int, int]) -> tuple[int, int]:
         """(ph0, pw0): the patch grid the tiler starts from."""
         h, w = check_hw(hw)
@@ -122,7 +97,8 @@ class RadioTilerGeometry:
 
     def grid_for(self, hw: tuple[int, int], budget: int | None = None) -> tuple[int, int]:
         """(ph, pw) patches for one frame at ``budget`` (None: the static budget)."""
-        b = self.static_budget if budget is None else check_positive(budget, "budget")
+        static = self.budget or self.cap or _INF
+        b = static if budget is None else check_positive(budget, "budget")
         return self._grid(*self.native(hw), b)
 
     def size_for(
@@ -140,7 +116,6 @@ class RadioTilerGeometry:
         d = self.pixel_shuffle
         return groups(t, self.temporal_patch) * (ph // d) * (pw // d)
 
-    # ---- the engine's per-request budget -------------------------------------------------
     def engine_tokens(
         self,
         sizes: Sequence[tuple[int, int]],
@@ -162,13 +137,9 @@ class RadioTilerGeometry:
             grids = [self._grid(ph0, pw0, b) for (ph0, pw0), b in zip(natives, budgets)]
             used = sum(ph * pw for ph, pw in grids)
             if used <= total:
+                px, d = self.patch, self.pixel_shuffle
                 return tuple(
-                    RadioEngineItem(
-                        budget=b,
-                        grid=g,
-                        size_hw=(g[0] * self.patch, g[1] * self.patch),
-                        tokens=(g[0] // self.pixel_shuffle) * (g[1] // self.pixel_shuffle),
-                    )
+                    RadioEngineItem(b, g, (g[0] * px, g[1] * px), (g[0] // d) * (g[1] // d))
                     for b, g in zip(budgets, grids)
                 )
             scale = total / used
@@ -181,57 +152,49 @@ class RadioTilerGeometry:
             context={"sizes": [list(hw) for hw in hws], "max_model_len": max_len},
         )
 
-    # ---- the inverse ---------------------------------------------------------------------
     def _budgets(self) -> tuple[int, int]:
-        """[lo, hi]: every per-item budget the engine can give (``engine_tokens``: the
-        request's patches clamped to [min_num_patches, max_num_patches], then shares floored
-        at min_num_patches)."""
+        """[lo, hi]: every per-item budget the engine can give (``engine_tokens``)."""
         return max(self.min_num_patches, 1), self.cap if self.cap is not None else _INF
 
-    def _round_trips(self, grid: tuple[int, int], budget: int | None) -> bool:
+    def _round_trips(self, grid: tuple[int, int], budget: int) -> bool:
         """The tiler keeps a (16*ph, 16*pw) frame as it is at ``budget``."""
-        ph, pw = grid
-        b = self.static_budget if budget is None else budget
-        # native() of the (16*ph, 16*pw) frame: h / patch == ph exactly, so round(ph + 0.5)
-        native = round(ph + 0.5), round(pw + 0.5)
-        return tile(*native, b, self.min_num_patches, self.pixel_shuffle, self.factor_max) == grid
+        # native() of that frame: h / patch == ph exactly, so round(ph + 0.5)
+        own = round(grid[0] + 0.5), round(grid[1] + 0.5)
+        mn, d = self.min_num_patches, self.pixel_shuffle
+        return tile(*own, budget, mn, d, self.factor_max) == grid
 
     def _kept_grids(self, n: int) -> list[tuple[tuple[int, int], int]]:
-        """Every (d*a, d*b) grid with a*b == n that the tiler keeps as it is at some engine
-        budget, a ascending, each with the smallest such budget (``keep_budget``)."""
-        d = self.pixel_shuffle
+        """Every (d*a, d*b) grid, a*b == n, that the tiler keeps at some engine budget, with
+        one: its patch count clamped to the engine's budgets (an even grid is its own native
+        grid, s exactly 1; min_num_patches itself skips the upscale), else its landings."""
+        d, (lo, hi) = self.pixel_shuffle, self._budgets()
         out = []
         for a in divisors(n):
             grid = (d * a, d * (n // a))
-            b = keep_budget(self, grid)
+            b = min(max(d * d * n, lo), hi)
+            if not self._round_trips(grid, b):
+                own = round(grid[0] + 0.5), round(grid[1] + 0.5)
+                b = next((x for x, g in landing_budgets(self, *own, d * d * n) if g == grid), None)
             if b is not None:
                 out.append((grid, b))
         return out
 
-    def solve(
-        self,
-        target_tokens: int,
-        hw: tuple[int, int],
-        num_frames: int = 1,
-        *,
-        hw_kind: HwKind = "source",
-    ) -> Solution:
-        """The patch grid giving exactly ``target_tokens``.
+    def _pin_budget(self, ph0: int, pw0: int, grid: tuple[int, int], starts: list[int]) -> int:
+        """A landing budget for a repair to pin: of the runs (``starts``, ascending) the first
+        holding min_num_patches or a multiple of pixel_shuffle**2 (a one-image request's)."""
+        m, mn = self.pixel_shuffle**2, self.min_num_patches
+        for b in starts:
+            c = b if b == mn else -(-b // m) * m
+            if tile(ph0, pw0, c, mn, self.pixel_shuffle, self.factor_max) == grid:
+                return c
+        return starts[0]
 
-        hw_kind "source" (``hw`` is the original media): every grid the tiler gives that
-        media at some engine budget in [min_num_patches, max_num_patches] with that count;
-        one such grid is the engine's (engine-replay, ``budget`` a budget that lands there,
-        a multiple of pixel_shuffle**2 where one does: a one-image request's budget); several
-        of one count are told apart by aspect (closest-aspect, never a guess called a
-        replay). hw_kind "frame" (``hw`` is a frame the training processor already resized:
-        the original's aspect is lost to the rounding), or a source the tiler never sizes to
-        that count: the grids of that count the tiler keeps unchanged at some engine budget,
-        closest in aspect (unique / closest-aspect; ``budget``: the smallest that keeps it).
-        """
-        n_total, h, w, t, kind = check_solve(target_tokens, hw, num_frames, hw_kind)
+    def _solve(self, n_total: int, h: int, w: int, t: int, kind: HwKind) -> Solution:
+        """From a source: the grids the tiler gives it with that count at some engine budget,
+        one of them an engine-replay (``budget`` a landing, a multiple of pixel_shuffle**2
+        where one is), several closest-aspect; from a frame (or a source never sized so):
+        the grids of that count kept unchanged at some engine budget, closest in aspect."""
         d, px = self.pixel_shuffle, self.patch
-        if n_total == 0:
-            return unreachable("a RADIO item yields at least one token; target is 0", t)
         n = per_group(n_total, t, self.temporal_patch)
         if isinstance(n, Solution):
             return n
@@ -239,15 +202,8 @@ class RadioTilerGeometry:
         ph0, pw0 = self.native((h, w))
 
         def solution(grid, fidelity, reason, budget) -> Solution:
-            return Solution(
-                tokens=n_total,
-                size_hw=(grid[0] * px, grid[1] * px),
-                fidelity=fidelity,
-                reason=reason,
-                grid=grid,
-                num_frames=t,
-                budget=budget,
-            )
+            size = (grid[0] * px, grid[1] * px)
+            return Solution(n_total, size, fidelity, reason, grid, num_frames=t, budget=budget)
 
         lands = ""
         if kind == "source":
@@ -255,7 +211,7 @@ class RadioTilerGeometry:
             if landings:
                 grids = list(dict.fromkeys(gr for _, gr in landings))
                 best, fidelity, count = pick(grids, (h, w), (px, px))
-                b = pin_budget(self, ph0, pw0, best, [b for b, gr in landings if gr == best])
+                b = self._pin_budget(ph0, pw0, best, [b for b, gr in landings if gr == best])
                 fidelity = "engine-replay" if count == 1 else fidelity
                 more = (
                     ""
@@ -264,43 +220,35 @@ class RadioTilerGeometry:
                     f"({', '.join(f'{a}x{c}' for a, c in grids)}): the count does not "
                     f"tell which the engine used, {best[0]}x{best[1]} is closest in aspect"
                 )
-                return solution(
-                    best,
-                    fidelity,
+                why = (
                     f"the tiler at a budget of {b} patches sizes {ph0}x{pw0} native patches "
-                    f"to {best[0]}x{best[1]} = {n} tokens per group{more}",
-                    b,
+                    f"to {best[0]}x{best[1]} = {n} tokens per group{more}"
                 )
-            lo, _ = self._budgets()
+                return solution(best, fidelity, why, b)
             lands = (
-                f"no budget in [{lo}, {self.cap}] makes the tiler give {n} tokens for "
-                f"{ph0}x{pw0} native patches; "
+                f"no budget in [{self._budgets()[0]}, {self.cap}] makes the tiler give {n} "
+                f"tokens for {ph0}x{pw0} native patches; "
             )
         valid = self._kept_grids(n) if q <= self._kept_bound() else []
         if not valid:
-            return unreachable(f"{lands}{self._why_not(n, q)}", t)
+            if self.cap is not None and q > self.cap:
+                why = f"{n} tokens need {q} patches, above max_num_patches {self.cap}"
+            else:
+                why = f"no grid of {q} patches is kept as it is by the tiler at any engine budget"
+            return unreachable(lands + why, t)
         best, fidelity, count = pick([gr for gr, _ in valid], (h, w), (px, px))
         keep = dict(valid)[best]
         frame = "with only a processed frame's size, " if kind == "frame" else ""
-        return solution(
-            best,
-            fidelity,
+        why = (
             f"{lands}{frame}{choice_text(count, best[0], best[1], f'of {q} patches')} "
             f"(grids the tiler keeps unchanged at some engine budget; this one at "
-            f"{keep} patches)",
-            keep,
+            f"{keep} patches)"
         )
+        return solution(best, fidelity, why, keep)
 
     def _kept_bound(self) -> int:
-        """No grid of more patches than this is kept as it is at any engine budget B <= hi:
-        the floors hold at most B patches, the upscale at most 2 * min + 2 (ceil(u*fh) *
-        ceil(u*fw) with u*u*fh*fw = min and fw/fh within [1/min, min]), and the evenness step
-        raises a side past the budget only from below d (at most d times the patches).
-        Skips the divisor scan for huge targets (which would cost O(divisors))."""
+        """No grid of more patches is kept at any engine budget B <= hi (floors hold at most B
+        patches, the upscale at most 2 * min + 2, the evenness step at most d times that):
+        huge targets skip the divisor scan."""
         d, (_, hi) = self.pixel_shuffle, self._budgets()
         return d * max(hi, 2 * self.min_num_patches + 2) + d * d
-
-    def _why_not(self, n: int, q: int) -> str:
-        if self.cap is not None and q > self.cap:
-            return f"{n} tokens need {q} patches, above max_num_patches {self.cap}"
-        return f"no grid of {q} patches is kept as it is by the tiler at any engine budget"

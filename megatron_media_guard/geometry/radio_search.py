@@ -1,12 +1,10 @@
 """Budget search for the RADIO tiler: every per-item budget that lands on a patch count.
 
-The tiler's grid at budget B depends on B only through (i) the floors of s*ph0 and s*pw0
-with s = sqrt(B / (ph0*pw0)), which change where B crosses k^2 * ph0*pw0 / ph0^2, (ii) the
-upscale switch B > min_num_patches, and (iii) the evenness tests (ph+1)*pw <= B. So the
-budget axis splits into segments of constant floors, each with at most a few evenness
-thresholds inside; the walk visits the segments of the windows that can hold the target
-(bounds below) and evaluates the tiler itself only at segment starts and thresholds. The
-count is not monotone in B (an evenness step can trade rows for columns), so no bisection.
+The grid depends on the budget B only through the floors of s*ph0 and s*pw0 (s = sqrt(B /
+(ph0*pw0))), the upscale switch B > min_num_patches and the evenness tests (ph+1)*pw <= B:
+the walk visits the segments of constant floors in the windows that can hold the target and
+runs the tiler at segment starts and thresholds only. The count is not monotone in B (an
+evenness step can trade rows for columns), so no bisection (docs/GEOMETRY.md).
 
 Windows, for a target of q patches (h, w the final grid; fh, fw the floors):
 - plain regime: fh - (d-1) <= h <= fh + (d-1) and h >= d (d: the pixel shuffle), so
@@ -19,27 +17,21 @@ from __future__ import annotations
 import math
 from typing import Protocol
 
-from megatron_media_guard.geometry.solution import GeometryError, divisors
+from megatron_media_guard.geometry.solution import divisors
 
 _INF = 1 << 62
 
 
 class TilerView(Protocol):
-    """What the search reads of the tiler (``radio.RadioTilerGeometry`` is one; radio.py
-    imports this module, so the tiler is described here rather than imported)."""
+    """What the search reads of the tiler (``radio.RadioTilerGeometry``, which imports this
+    module: so it is described here, not imported)."""
 
-    patch: int
     pixel_shuffle: int
     min_num_patches: int
     factor_max: float
 
     @property
     def cap(self) -> int | None: ...
-    def native(self, hw: tuple[int, int]) -> tuple[int, int]: ...
-    def _grid(self, ph0: int, pw0: int, budget: int) -> tuple[int, int]: ...
-    def _budgets(self) -> tuple[int, int]: ...
-    def _round_trips(self, grid: tuple[int, int], budget: int | None) -> bool: ...
-    def _kept_bound(self) -> int: ...
 
 
 def _budget_at(geo: TilerView, s: float, p: int) -> int:
@@ -48,7 +40,8 @@ def _budget_at(geo: TilerView, s: float, p: int) -> int:
 
 
 def windows(geo: TilerView, ph0: int, pw0: int, q: int) -> list[tuple[int, int]]:
-    """Budget ranges that can give q patches: the plain regime, then the upscale regime."""
+    """Budget ranges that can give q patches, ascending: the plain regime and the upscale
+    regime, one range where they overlap (each budget walked once)."""
     p, ssum, mn, d = ph0 * pw0, ph0 + pw0, geo.min_num_patches, geo.pixel_shuffle
     k = d - 1  # the evenness step moves a side by at most d - 1
     s_lo = (
@@ -64,7 +57,9 @@ def windows(geo: TilerView, ph0: int, pw0: int, q: int) -> list[tuple[int, int]]
     out = [(int(s_lo * s_lo * p) - 2, _budget_at(geo, s_hi, p))]
     if mn > 0:
         s_up = (ssum + math.sqrt(ssum * ssum + 4 * p * (mn - 1))) / (2 * p)
-        out.append((mn + 1, _budget_at(geo, s_up, p)))
+        out = sorted([*out, (mn + 1, _budget_at(geo, s_up, p))])
+        if out[1][0] <= out[0][1] + 1:
+            out = [(out[0][0], max(out[0][1], out[1][1]))]
     return out
 
 
@@ -117,18 +112,17 @@ def landing_budgets(
     p = ph0 * pw0
     fmax2 = geo.factor_max * geo.factor_max
     hits: set[tuple[int, tuple[int, int]]] = set()
-    spans = [(max(lo, lo_all), min(hi, hi_all)) for lo, hi in _union(windows(geo, ph0, pw0, q))]
+    spans = [(max(lo, lo_all), min(hi, hi_all)) for lo, hi in windows(geo, ph0, pw0, q)]
     spans = [(lo, hi) for lo, hi in spans if lo <= hi]
     if not spans:
         return []
-    # the final grids that count: a x (q / a), both sides multiples of d; per side a, the
-    # pre-evenness values of the other side that the evenness step takes to q / a
-    # (both sides multiples of d: a = d * a' with a' dividing q / d^2)
+    # the final grids a x (q / a), both sides multiples of d: per side a, the range of the
+    # other side's pre-evenness values that the evenness step takes to q / a
     n, k = divmod(q, d * d)
     sides = {}
     if k == 0:
         for a in divisors(n):
-            b = d * (n // a)  # the other side; the pre-evenness values the evenness step takes to b
+            b = d * (n // a)
             sides[d * a] = (0 if b == d else b - d + 1, b + d - 1)
     for x, hi in spans:
         while x <= hi:
@@ -147,11 +141,8 @@ def landing_budgets(
                     points = {x - 1, x, x + 1} | {a * c for a in hs for c in (*ws, prep[3])}
                     for b in points:
                         if max(x - 1, lo_all) <= b < end and b <= hi:
-                            try:
-                                g = geo._grid(ph0, pw0, b)
-                            except GeometryError:
-                                continue
-                            if g[0] * g[1] == q:
+                            g = tile(ph0, pw0, b, mn, d, geo.factor_max)
+                            if g is not None and g[0] * g[1] == q:
                                 hits.add((b, g))
             if not sides:
                 break
@@ -162,17 +153,6 @@ def landing_budgets(
             )
             x = max(end, skip)
     return sorted(hits)
-
-
-def _union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Overlapping budget windows merged (each budget walked once)."""
-    out: list[tuple[int, int]] = []
-    for lo, hi in sorted(spans):
-        if out and lo <= out[-1][1] + 1:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        else:
-            out.append((lo, hi))
-    return out
 
 
 def _floor_start(v: int, n0: int, p: int) -> int:
@@ -191,13 +171,8 @@ def _bound_along(
     up: bool,
 ) -> int:
     """A budget before which nothing from ``x`` on lands: floor ``fa`` (of ``na`` native
-    patches) held until it next changes, ``fb`` only grows with the budget meanwhile.
-
-    Landings need fb in a few narrow ranges (the evenness step moves a side by less than d;
-    the upscale maps fb monotonically), so the walk jumps to the next one. Used for both
-    sides at once (the maximum of two bounds is one): it keeps the walk's length
-    independent of the aspect ratio (a 10000:1 strip had thousands of 1-budget segments).
-    """
+    patches) held until it next changes, ``fb`` only grows meanwhile, and landings need fb in
+    a few narrow ranges. Keeps the walk's length independent of the aspect ratio."""
     d, mn, p = geo.pixel_shuffle, geo.min_num_patches, na * nb
     grows = fa * fa < geo.factor_max * geo.factor_max * na * na
     ea = -(-((fa + 1) ** 2) * p // na**2) if grows else _INF  # where fa changes
@@ -222,43 +197,3 @@ def _bound_along(
     if nxt == _INF:
         return limit
     return x if nxt <= fb else min(limit, _floor_start(nxt, nb, p))
-
-
-def keep_budget(geo: TilerView, grid: tuple[int, int]) -> int | None:
-    """An engine budget (``geo._budgets()``) at which the tiler keeps a (16*ph, 16*pw)
-    frame as it is, None where none does.
-
-    The tiler's code paths: a frame of even sides is its own native grid (round(ph + 0.5)
-    is ph, half to even), so at a budget of its own patch count s is exactly 1 and the
-    floors are the sides; below min_num_patches the budget min_num_patches itself skips the
-    upscale (it needs budget > min). So the count clamped into [lo, hi] keeps it whenever
-    any budget does for factor_max 1 and even sides; other configurations (odd pixel
-    shuffle, another factor cap, a grid past the cap that the upscale reaches) fall back to
-    the frame's own landings, the exact search."""
-    lo, hi = geo._budgets()
-    q = grid[0] * grid[1]
-    if q > geo._kept_bound():
-        return None
-    b0 = min(max(q, lo), hi)
-    if geo._round_trips(grid, b0):
-        return b0
-    own = geo.native((grid[0] * geo.patch, grid[1] * geo.patch))
-    return next((b for b, g in landing_budgets(geo, *own, q) if g == grid), None)
-
-
-def pin_budget(geo: TilerView, ph0: int, pw0: int, grid: tuple[int, int], starts: list[int]) -> int:
-    """A budget at which ph0 x pw0 native patches land on ``grid``, for a repair to pin:
-    of the landing runs (``starts``, ascending, from ``landing_budgets``) the first that
-    holds a multiple of pixel_shuffle**2 or min_num_patches itself (a one-image request's
-    budget: 4 * (max_model_len - prompt - 4), clamped), else the first landing."""
-    m = geo.pixel_shuffle**2
-    for b in starts:
-        if b == geo.min_num_patches:
-            return b
-        c = -(-b // m) * m
-        try:
-            if geo._grid(ph0, pw0, c) == grid:
-                return c
-        except GeometryError:
-            continue
-    return starts[0]

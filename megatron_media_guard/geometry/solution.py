@@ -1,4 +1,4 @@
-"""The answer every geometry family gives, and the input checks they share.
+"""The answer every geometry family gives, the base they share, and their input checks.
 
 A ``Solution`` says how to size one media item so that its encoder yields an exact
 number of tokens, and how sure the family is that this is the sizing the engine used
@@ -8,7 +8,7 @@ number of tokens, and how sure the family is that this is the sizing the engine 
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
@@ -30,19 +30,11 @@ class GeometryError(MediaInputError):
 
 @dataclass(frozen=True)
 class Solution:
-    """How to size one media item so that it yields ``tokens`` features.
-
-    tokens: the count the solution yields (== target when reachable; 0 when unreachable).
-    size_hw: pixel (H, W) to resize the media to; None when unreachable.
-    fidelity: engine-replay | unique | closest-aspect | unreachable.
-    reason: why (always set; for unreachable: why not).
-    grid: patch grid (rows, cols) before merge / pixel shuffle, where the family has one.
-    tiles: tile grid (cols, rows) for tile families.
-    thumbnail: whether a thumbnail tile is added (tile families).
-    num_frames: frames of the item (1 for an image).
-    budget: the per-item budget engine-replay found (RADIO: patches; patch-merge:
-        pixels; tiles: max tiles); None otherwise.
-    """
+    """How to size one media item so that it yields ``tokens`` features (0 when unreachable):
+    pixel ``size_hw`` (None when unreachable), why (always), the patch ``grid`` (rows, cols)
+    before merge / pixel shuffle where the family has one, the ``tiles`` (cols, rows) and
+    ``thumbnail`` of tile families, and the per-item ``budget`` found (RADIO: patches;
+    patch-merge: pixels; tiles: max tiles)."""
 
     tokens: int
     size_hw: tuple[int, int] | None
@@ -59,15 +51,45 @@ class Solution:
         return self.fidelity != "unreachable"
 
 
+class Geometry:
+    """The base of every family: ``solve`` checks its arguments, the family's ``_solve`` answers
+    (its docstring says how)."""
+
+    def solve(
+        self,
+        target_tokens: int,
+        hw: tuple[int, int],
+        num_frames: int = 1,
+        *,
+        hw_kind: HwKind = "source",
+    ) -> Solution:
+        """A size of ``hw``'s media (``num_frames`` frames) that gives exactly
+        ``target_tokens``, with its fidelity; ``hw_kind="frame"``: ``hw`` is a size the
+        processor already resized, so no answer is called the engine's sizing."""
+        n = _int(target_tokens, "target_tokens")
+        if n < 0:
+            raise GeometryError(
+                f"target token count must be >= 0, got {n}", context={"target_tokens": n}
+            )
+        (h, w), t = check_hw(hw), check_frames(num_frames)
+        if hw_kind not in HW_KINDS:
+            raise GeometryError(
+                f"hw_kind must be one of {list(HW_KINDS)} (the original media's size, or a "
+                f"frame the training processor already resized), got {hw_kind!r}",
+                context={"hw_kind": str(hw_kind)},
+            )
+        if n == 0:
+            return unreachable(
+                f"a {type(self).__name__} item yields at least one token; target is 0", t
+            )
+        return self._solve(n, h, w, t, hw_kind)
+
+    def _solve(self, n: int, h: int, w: int, t: int, kind: HwKind) -> Solution:
+        raise NotImplementedError
+
+
 def unreachable(reason: str, num_frames: int = 1) -> Solution:
-    return Solution(
-        tokens=0,
-        size_hw=None,
-        fidelity="unreachable",
-        reason=reason,
-        grid=None,
-        num_frames=num_frames,
-    )
+    return Solution(0, None, "unreachable", reason, None, num_frames=num_frames)
 
 
 def _int(value: object, what: str) -> int:
@@ -98,32 +120,6 @@ def check_hw(hw: object) -> tuple[int, int]:
     return h, w
 
 
-def check_hw_kind(hw_kind: object) -> HwKind:
-    if hw_kind not in HW_KINDS:
-        raise GeometryError(
-            f"hw_kind must be one of {list(HW_KINDS)} (the original media's size, or a frame "
-            f"the training processor already resized), got {hw_kind!r}",
-            context={"hw_kind": str(hw_kind)},
-        )
-    return hw_kind  # type: ignore[return-value]
-
-
-def check_frames(num_frames: object) -> int:
-    t = _int(num_frames, "num_frames")
-    if t < 1:
-        raise GeometryError(f"num_frames must be >= 1, got {t}", context={"num_frames": t})
-    return t
-
-
-def check_target(target: object) -> int:
-    n = _int(target, "target_tokens")
-    if n < 0:
-        raise GeometryError(
-            f"target token count must be >= 0, got {n}", context={"target_tokens": n}
-        )
-    return n
-
-
 def check_positive(value: object, what: str, *, allow_zero: bool = False) -> int:
     v = _int(value, what)
     if v < 0 or (v == 0 and not allow_zero):
@@ -132,12 +128,8 @@ def check_positive(value: object, what: str, *, allow_zero: bool = False) -> int
     return v
 
 
-def check_solve(
-    target: object, hw: object, num_frames: object, hw_kind: object
-) -> tuple[int, int, int, int, HwKind]:
-    """``solve``'s arguments checked: (target, H, W, frames, hw_kind)."""
-    n, (h, w) = check_target(target), check_hw(hw)
-    return n, h, w, check_frames(num_frames), check_hw_kind(hw_kind)
+def check_frames(num_frames: object) -> int:
+    return check_positive(num_frames, "num_frames")
 
 
 def per_group(n_total: int, t: int, temporal_patch: int) -> int | Solution:
@@ -152,21 +144,32 @@ def per_group(n_total: int, t: int, temporal_patch: int) -> int | Solution:
     return n_total // g
 
 
-def smallest(lo: int, hi: int, reaches) -> int:
-    """The smallest x in [lo, hi] with ``reaches(x)`` (monotone in x; ``reaches(hi)``)."""
+def first_landing(
+    lo: int, hi: int, n: int, cells: Callable[[int], tuple[int, int] | None]
+) -> tuple[int, tuple[int, int]] | None:
+    """The smallest budget in [lo, hi] whose cells (their product monotone in the budget;
+    None: the processor rejects it) number at least n, with its cells, if they are exactly
+    n; else None."""
+
+    def reaches(m: int) -> bool:
+        c = cells(m)
+        return c is not None and c[0] * c[1] >= n
+
+    if not reaches(hi):
+        return None
     while lo < hi:
         mid = (lo + hi) // 2
         if reaches(mid):
             hi = mid
         else:
             lo = mid + 1
-    return lo
+    c = cells(lo)
+    return (lo, c) if c is not None and c[0] * c[1] == n else None
 
 
 def divisors(n: int) -> list[int]:
-    """Every divisor of ``n`` >= 1, ascending: trial division by the primes (O(sqrt of
-    n's second-largest prime factor), at most O(sqrt n) for a prime), then the products;
-    none for n < 1."""
+    """Every divisor of ``n`` >= 1, ascending (none for n < 1): trial division by the primes
+    (O(sqrt of n's second-largest prime factor)), then the products."""
     if n < 1:
         return []
     out, m, p = [1], n, 2
@@ -206,13 +209,12 @@ def pick(
     hw: tuple[int, int],
     scale: tuple[int, int],
 ) -> tuple[tuple[int, int], Fidelity, int]:
-    """The candidate (rows, cols) closest in aspect to ``hw``, then in area (rows*scale_h *
-    cols*scale_w vs H*W), then fewest rows; with its fidelity and the number of candidates."""
+    """The candidate (rows, cols) closest in aspect to ``hw`` (|log((r / c) / (H / W))|,
+    compared exactly: a ratio and its reciprocal tie), then in area (rows*scale_h *
+    cols*scale_w vs H*W), then fewest rows, then first listed; with its fidelity and the
+    number of candidates."""
     h, w = hw
     area, cell = h * w, scale[0] * scale[1]
-    # aspect distance |log((r / c) / (H / W))|, compared exactly as the ratio of the larger
-    # to the smaller of r*W and c*H (a ratio and its reciprocal tie), then area, then
-    # fewest rows, then the first listed
     best = min(
         (Fraction(max(r * w, c * h), min(r * w, c * h)), abs(r * c * cell - area), r, i)
         for i, (r, c) in enumerate(candidates)

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from megatron_media_guard.geometry.solution import (
+    Geometry,
     GeometryError,
     HwKind,
     Solution,
     check_frames,
     check_hw,
     check_positive,
-    check_solve,
     choice_text,
     divisor_pairs,
     unreachable,
@@ -41,12 +41,9 @@ def _ratios(min_tiles: int, max_tiles: int) -> tuple[tuple[int, int], ...]:
 
 
 @dataclass(frozen=True)
-class TiledGeometry:
-    """InternVL-style tiling.
-
-    tile: tile side S in pixels; tokens_per_tile: tokens of one tile after pixel shuffle.
-    min_tiles / max_tiles: bounds on c*r; thumbnail: add an S x S thumbnail when c*r != 1.
-    """
+class TiledGeometry(Geometry):
+    """InternVL-style tiling: tile side S in pixels, tokens of a tile after pixel shuffle,
+    bounds on c*r, and an S x S thumbnail added when c*r != 1."""
 
     tile: int = 448
     tokens_per_tile: int = 256
@@ -79,13 +76,6 @@ class TiledGeometry:
                 best = (c, r)
         return best
 
-    def _keeps(self, cr: tuple[int, int]) -> bool:
-        """The configured processor picks ``cr`` again for its own (r*S, c*S) canvas."""
-        return self._pick(cr[1] * self.tile, cr[0] * self.tile, self.max_tiles) == cr
-
-    def _per_frame(self, c: int, r: int) -> int:
-        return self.tokens_per_tile * (c * r + (1 if self.thumbnail and c * r != 1 else 0))
-
     def size_for(
         self, hw: tuple[int, int], num_frames: int = 1, *, max_tiles: int | None = None
     ) -> tuple[int, int]:
@@ -100,25 +90,13 @@ class TiledGeometry:
         """num_frames * tokens_per_tile * (c*r + thumbnail)."""
         t = check_frames(num_frames)
         c, r = self.tiles_for(hw, max_tiles=max_tiles)
-        return t * self._per_frame(c, r)
+        return t * self.tokens_per_tile * (c * r + int(self.thumbnail and c * r != 1))
 
-    def solve(
-        self,
-        target_tokens: int,
-        hw: tuple[int, int],
-        num_frames: int = 1,
-        *,
-        hw_kind: HwKind = "source",
-    ) -> Solution:
-        """The tile grid giving exactly ``target_tokens``; engine-replay where some max_tiles
-        makes the processor pick it for this image (``hw_kind="source"``; the engine tiles
-        the source, kept canvas or not); else, and for ``hw_kind="frame"`` (a canvas the
-        processor already made), the grid of that many tiles closest in aspect that the
-        processor keeps as it is."""
-        n_total, h, w, t, kind = check_solve(target_tokens, hw, num_frames, hw_kind)
+    def _solve(self, n_total: int, h: int, w: int, t: int, kind: HwKind) -> Solution:
+        """Engine-replay where some max_tiles makes the processor pick a grid of the target's
+        tiles for the source (``budget``: the smallest); else the grid of that many tiles
+        closest in aspect (|W/H - c/r|) that the processor keeps as it is."""
         tpt, s = self.tokens_per_tile, self.tile
-        if n_total == 0:
-            return unreachable("a tiled item yields at least one tile; target is 0", t)
         if n_total % t:
             return unreachable(f"{n_total} is not divisible by {t} frames", t)
         per = n_total // t
@@ -138,31 +116,24 @@ class TiledGeometry:
             )
 
         def solution(cr: tuple[int, int], fidelity, reason: str, budget: int | None) -> Solution:
-            c, r = cr
+            size, thumb = (cr[1] * s, cr[0] * s), self.thumbnail and k != 1
             return Solution(
-                tokens=n_total,
-                size_hw=(r * s, c * s),
-                fidelity=fidelity,
-                reason=reason,
-                grid=None,
-                tiles=cr,
-                thumbnail=self.thumbnail and k != 1,
-                num_frames=t,
-                budget=budget,
+                n_total, size, fidelity, reason, None, cr, thumb, num_frames=t, budget=budget
             )
 
         replays = range(max(k, self.min_tiles), self.max_tiles + 1) if kind == "source" else ()
         for m in replays:
             cr = self._pick(h, w, m)
             if cr[0] * cr[1] == k:
-                return solution(
-                    cr,
-                    "engine-replay",
+                why = (
                     f"the processor with max_tiles={m} picks {cr[0]}x{cr[1]} tiles for "
-                    f"{w}x{h} (W x H) -> {n_tiles} tiles",
-                    m,
+                    f"{w}x{h} (W x H) -> {n_tiles} tiles"
                 )
-        valid = [cr for cr in divisor_pairs(k) if self._keeps(cr)]
+                return solution(cr, "engine-replay", why, m)
+        # the grids the processor picks again for their own (r*S, c*S) canvas
+        valid = [
+            cr for cr in divisor_pairs(k) if self._pick(cr[1] * s, cr[0] * s, self.max_tiles) == cr
+        ]
         if not valid:
             return unreachable(
                 f"no {k}-tile grid is kept as it is by the processor (max_tiles {self.max_tiles})",
@@ -171,10 +142,8 @@ class TiledGeometry:
         aspect = w / h
         best = min(valid, key=lambda cr: (abs(aspect - cr[0] / cr[1]), cr[1]))
         fidelity = "unique" if len(valid) == 1 else "closest-aspect"
-        return solution(
-            best,
-            fidelity,
+        why = (
             f"no max_tiles in [{k}, {self.max_tiles}] picks a {k}-tile grid for {w}x{h} "
-            f"(W x H); {choice_text(len(valid), best[0], best[1], f'of {k} tiles (c x r)')}",
-            None,
+            f"(W x H); {choice_text(len(valid), best[0], best[1], f'of {k} tiles (c x r)')}"
         )
+        return solution(best, fidelity, why, None)

@@ -1,8 +1,3 @@
-"""Re-projection of mismatched items: ``pixels`` (layouts: image, Qwen patches),
-``reproject`` (resize on the item's device, re-patchify, re-encode, verify the count),
-``fp8`` (FP8 padding multiples). Running a plan's repairs is the fault path's
-(``core/repairs.py``), which calls these.
-
-Imports torch and ``geometry``, never ``core`` (the core imports this), torch.distributed or
-megatron.
-"""
+"""Re-projection of mismatched items: ``pixels`` (layouts), ``reproject`` (resize,
+re-patchify, re-encode), ``fp8`` (padding). ``core/repairs.py`` runs a plan's repairs with
+them; this package never imports ``core``, torch.distributed or megatron."""

@@ -1,22 +1,12 @@
-"""FP8 padding of a re-encoded patch sequence (transformer-engine; optional).
+"""FP8 padding of a re-encoded patch sequence (transformer-engine, optional).
 
-transformer-engine's FP8 GEMMs need the token dimension of a linear's input to be
-a multiple of 8 (forward) and the inner dimension a multiple of 16
-(``check_dim_for_fp8_exec``); Megatron pads token counts to 16 for FP8 recipes
-and 32 for MXFP8 (``get_fp8_align_size``), and newer TE exposes the same rule as
-``get_align_size_for_quantization(recipe)`` (16; 32 for MXFP8; 128 for NVFP4).
-A re-projected item has an arbitrary patch count, so when FP8 is on the patch
-sequence handed to the encoder is padded with zero rows at the end and the
-features those rows produce are trimmed off.
-
-The padded rows sit after every real row, so an encoder that maps patches to
-features position-wise (patch embed, MLPs, the patch merger) yields the real
-features first, unchanged. An encoder with attention over the whole sequence
-must keep the padding out of the real rows' attention (Qwen2-VL's vision tower
-does so through ``cu_seqlens`` built from ``grid_thw``, which excludes the padding).
-
-transformer-engine is never required: without it (no CUDA, CPU CI) FP8 is only
-ever on through the configuration flag.
+TE's FP8 GEMMs need a linear's token dimension a multiple of 8 and its inner dimension of
+16; Megatron pads token counts to 16 (32 for MXFP8), newer TE says so through
+``get_align_size_for_quantization(recipe)`` (16; 32 MXFP8; 128 NVFP4). A re-projected item
+has any patch count, so under FP8 its patches get zero rows at the end and their features
+are trimmed off: position-wise layers give the real rows' features first, unchanged; an
+encoder attending over the sequence must mask the padding (Qwen2-VL's ``cu_seqlens`` from
+``grid_thw`` do). Without TE (CPU CI) FP8 is only on through the configuration flag.
 """
 
 from __future__ import annotations
@@ -31,12 +21,12 @@ from megatron_media_guard.errors import MediaInputError
 
 DEFAULT_FP8_MULTIPLE = 16
 
-# Where FP8GlobalStateManager lives: TE >= 2.8 moved it to ``quantization``.
+# where FP8GlobalStateManager lives (TE >= 2.8: quantization)
 _TE_STATE_MODULES = ("transformer_engine.pytorch.quantization", "transformer_engine.pytorch.fp8")
 
 
 def _te_state_module() -> ModuleType | None:
-    """The installed TE module holding ``FP8GlobalStateManager``, or None (TE absent or unusable)."""
+    """The TE module holding ``FP8GlobalStateManager``, or None (TE absent or unusable)."""
     for name in _TE_STATE_MODULES:
         try:
             module = importlib.import_module(name)
@@ -49,28 +39,19 @@ def _te_state_module() -> ModuleType | None:
 
 
 def fp8_active(config_flag: bool | None = None) -> bool:
-    """Whether the vision encoder runs under FP8.
-
-    ``config_flag`` (e.g. Megatron's ``config.fp8 is not None``) decides when given.
-    When it is None, transformer-engine is asked whether an ``fp8_autocast`` is
-    open now (``FP8GlobalStateManager.is_fp8_enabled()``); without TE the answer
-    is False. Megatron opens the FP8 context per layer for non-delayed recipes,
-    so at the merge the detection can say False while the tower's own layers
-    run in FP8: pass the flag when the configuration is known.
-    """
+    """Whether the vision encoder runs under FP8: ``config_flag`` when given (Megatron's
+    ``config.fp8 is not None``), else whether TE has an ``fp8_autocast`` open now (False
+    without TE). Megatron opens it per layer for non-delayed recipes, so detection at the
+    merge can miss it: pass the flag when the configuration is known."""
     if config_flag is not None:
         return bool(config_flag)
     module = _te_state_module()
-    if module is None:
-        return False
-    return bool(module.FP8GlobalStateManager.is_fp8_enabled())
+    return module is not None and bool(module.FP8GlobalStateManager.is_fp8_enabled())
 
 
 def fp8_align_size(default: int = DEFAULT_FP8_MULTIPLE) -> int:
-    """Rows multiple the active TE recipe needs (16; 32 for MXFP8; 128 for NVFP4).
-
-    ``default`` when TE is absent or no FP8 context is open.
-    """
+    """Rows multiple the active TE recipe needs (16; 32 MXFP8; 128 NVFP4); ``default``
+    without TE or an open FP8 context."""
     module = _te_state_module()
     if module is None or not module.FP8GlobalStateManager.is_fp8_enabled():
         return default
@@ -83,10 +64,7 @@ def fp8_align_size(default: int = DEFAULT_FP8_MULTIPLE) -> int:
 
 
 def fp8_multiple(config_flag: bool | None = None, multiple: int | None = None) -> int | None:
-    """The ``fp8_multiple`` to pass to ``reencode``: None when FP8 is off.
-
-    ``multiple`` overrides the size read from TE's recipe (default 16).
-    """
+    """The ``fp8_multiple`` for ``reencode`` (None: FP8 off); ``multiple`` overrides TE's."""
     if not fp8_active(config_flag):
         return None
     return multiple if multiple is not None else fp8_align_size()
@@ -109,11 +87,8 @@ def padded_multiple(multiple: int, group: int) -> int:
 def pad_for_fp8(
     patches: torch.Tensor, multiple: int = DEFAULT_FP8_MULTIPLE
 ) -> tuple[torch.Tensor, int]:
-    """Zero rows appended so the row count is a multiple of ``multiple``.
-
-    ``patches [n, d]`` -> ``(padded [n + n_pad, d], n_pad)``; ``patches`` itself
-    when ``n_pad == 0``. Autograd flows through the real rows.
-    """
+    """``patches [n, d]`` with zero rows appended to a multiple of ``multiple``: ``(padded,
+    n_pad)`` (``patches`` itself when none); autograd flows through the real rows."""
     _check_multiple(multiple)
     if not isinstance(patches, torch.Tensor) or patches.ndim != 2:
         shape = (

@@ -1,20 +1,12 @@
-"""Pixel layouts: recover plain frames from what the vision tower is fed, and back.
+"""Pixel layouts: plain frames ``[T, C, H, W]`` from what the vision tower is fed, and back.
 
-Re-projection needs the media as frames ``[T, C, H, W]`` to resize them, and then
-needs them back in the exact layout the user's vision encoder consumes. Two
-layouts are known:
-
-- ``"image"``: plain tensors, an image ``[C, H, W]`` or a video ``[T, C, H, W]``.
-  The encoder is called with the tensor alone.
-- ``"qwen_patches"``: the Qwen2-VL / 2.5-VL / 3-VL processors' flattened patches
-  ``[grid_t*grid_h*grid_w, C*temporal_patch*patch*patch]`` with
-  ``grid_thw = (grid_t, grid_h, grid_w)`` counted in patches before the merge.
-  Rows are ordered ``(t, h/merge, w/merge, merge_h, merge_w)`` so each merge
-  group is contiguous; each row is one patch flattened as
-  ``(C, temporal_patch, patch, patch)``. The processors repeat a single image
-  ``temporal_patch`` times and pad a video's frame count to a multiple of
-  ``temporal_patch`` by repeating its last frame. The encoder is called with the
-  patches and ``grid_thw=`` as a ``[1, 3]`` long tensor on the patches' device.
+- ``"image"``: an image ``[C, H, W]`` or a video ``[T, C, H, W]``; the encoder takes it alone.
+- ``"qwen_patches"``: the Qwen-VL processors' patch rows ``[t*h*w, C*tp*p*p]`` with
+  ``grid_thw = (t, h, w)`` in patches before the merge, rows ordered ``(t, h/merge,
+  w/merge, merge_h, merge_w)`` (each merge group contiguous), each a patch flattened as
+  ``(C, tp, p, p)``. An image is repeated ``tp`` times, a video's frames padded to a
+  multiple of ``tp`` with its last. The encoder takes ``grid_thw=`` as a ``[1, 3]`` long
+  tensor on the patches' device.
 
 ``to_frames`` and ``from_frames`` are exact inverses (pure reshapes: bit-exact).
 """
@@ -31,7 +23,7 @@ from megatron_media_guard.errors import MediaInputError
 Layout = Literal["image", "qwen_patches"]
 LAYOUTS: tuple[str, ...] = get_args(Layout)
 
-# Qwen2-VL defaults (Qwen3-VL uses patch=16).
+# Qwen2-VL's (Qwen3-VL: patch 16)
 QWEN_PATCH = 14
 QWEN_TEMPORAL_PATCH = 2
 QWEN_MERGE = 2
@@ -41,7 +33,6 @@ _QWEN_FRAMES = "(t tp) c (hb mh ph) (wb mw pw)"
 
 
 def check_layout(layout: str) -> Layout:
-    """``layout`` if it is a known layout name, else MediaInputError naming it."""
     if layout not in LAYOUTS:
         raise MediaInputError(
             f"unknown pixel layout {layout!r}; known layouts: {', '.join(LAYOUTS)}",
@@ -51,22 +42,21 @@ def check_layout(layout: str) -> Layout:
 
 
 def grid_thw_tuple(grid_thw: object) -> tuple[int, int, int]:
-    """``grid_thw`` given as ``(t, h, w)``, a list, or a tensor ``[3]`` / ``[1, 3]`` as three ints.
-
-    A tensor on an accelerator is read back to the host (one small transfer per item).
-    """
+    """``grid_thw`` given as ``(t, h, w)``, a list, or a host tensor ``[3]`` / ``[1, 3]`` as
+    three ints. A tensor on an accelerator is refused: reading it is a device-to-host
+    transfer, the caller's to make (``core/host.to_host``, saying why)."""
     if isinstance(grid_thw, torch.Tensor):
-        if grid_thw.numel() != 3:
+        if grid_thw.device.type != "cpu":
             raise MediaInputError(
-                f"grid_thw must hold 3 values (t, h, w), got a tensor of shape {tuple(grid_thw.shape)}",
-                context={"grid_thw_shape": list(grid_thw.shape)},
+                f"grid_thw must be on the host, got a tensor on {grid_thw.device} (read it "
+                "back once where the call knows why, then pass the ints)",
+                context={"device": str(grid_thw.device)},
             )
-        values = [int(v) for v in grid_thw.reshape(3).tolist()]
-    else:
-        try:
-            values = [int(v) for v in grid_thw]  # type: ignore[union-attr]
-        except TypeError as exc:
-            raise MediaInputError(f"grid_thw must be (t, h, w), got {grid_thw!r}") from exc
+        grid_thw = grid_thw.reshape(-1).tolist()  # host memory: no transfer
+    try:
+        values = [int(v) for v in grid_thw]  # type: ignore[union-attr]
+    except TypeError as exc:
+        raise MediaInputError(f"grid_thw must be (t, h, w), got {grid_thw!r}") from exc
     if len(values) != 3 or min(values) < 1:
         raise MediaInputError(
             f"grid_thw must be three positive ints (t, h, w), got {values}",
@@ -75,11 +65,13 @@ def grid_thw_tuple(grid_thw: object) -> tuple[int, int, int]:
     return values[0], values[1], values[2]
 
 
-def _check_qwen_sizes(patch: int, temporal_patch: int, merge: int) -> None:
+def _qwen_dims(patch: int, temporal_patch: int, merge: int) -> dict[str, int]:
+    """The qwen_patches layout's einops sizes, checked."""
     sizes = {"patch": patch, "temporal_patch": temporal_patch, "merge": merge}
     bad = {k: v for k, v in sizes.items() if not isinstance(v, int) or v < 1}
     if bad:
         raise MediaInputError(f"qwen_patches sizes must be positive ints, got {bad}", context=bad)
+    return {"tp": temporal_patch, "mh": merge, "mw": merge, "ph": patch, "pw": patch}
 
 
 def to_frames(
@@ -91,12 +83,9 @@ def to_frames(
     temporal_patch: int = QWEN_TEMPORAL_PATCH,
     merge: int = QWEN_MERGE,
 ) -> torch.Tensor:
-    """Frames ``[T, C, H, W]`` held by ``pixels`` in ``layout`` (a view where possible).
-
-    - ``"image"``: ``[C, H, W]`` -> ``[1, C, H, W]``; ``[T, C, H, W]`` unchanged.
-    - ``"qwen_patches"``: ``[t*h*w, C*tp*p*p]`` with ``grid_thw=(t, h, w)`` ->
-      ``[t*tp, C, h*p, w*p]`` (an image comes back as its ``tp`` repeated frames).
-    """
+    """Frames ``[T, C, H, W]`` held by ``pixels`` in ``layout`` (a view where possible):
+    ``"image"`` ``[C, H, W]`` as ``[1, C, H, W]``; ``"qwen_patches"`` with ``grid_thw=(t, h,
+    w)`` as ``[t*tp, C, h*p, w*p]`` (an image comes back as its ``tp`` repeated frames)."""
     layout = check_layout(layout)
     if not isinstance(pixels, torch.Tensor):
         raise MediaInputError(f"pixels must be a torch.Tensor, got {type(pixels).__name__}")
@@ -110,7 +99,7 @@ def to_frames(
             context={"shape": list(pixels.shape)},
         )
 
-    _check_qwen_sizes(patch, temporal_patch, merge)
+    dims = _qwen_dims(patch, temporal_patch, merge)
     if grid_thw is None:
         raise MediaInputError("layout 'qwen_patches' needs grid_thw=(t, h, w)")
     t, h, w = grid_thw_tuple(grid_thw)
@@ -126,18 +115,7 @@ def to_frames(
             f"{temporal_patch} expects [{t * h * w}, C*{row_len}], got shape {tuple(pixels.shape)}",
             context={"shape": list(pixels.shape), "grid_thw": [t, h, w]},
         )
-    return rearrange(
-        pixels,
-        f"{_QWEN_ROWS} -> {_QWEN_FRAMES}",
-        t=t,
-        hb=h // merge,
-        wb=w // merge,
-        mh=merge,
-        mw=merge,
-        tp=temporal_patch,
-        ph=patch,
-        pw=patch,
-    )
+    return rearrange(pixels, f"{_QWEN_ROWS} -> {_QWEN_FRAMES}", t=t, hb=h // merge, **dims)
 
 
 def from_frames(
@@ -149,17 +127,11 @@ def from_frames(
     temporal_patch: int = QWEN_TEMPORAL_PATCH,
     merge: int = QWEN_MERGE,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Frames ``[T, C, H, W]`` put into ``layout``; returns ``(pixels, encoder_kwargs)``.
-
-    ``encoder_kwargs`` are the keyword arguments the vision encoder takes with
-    these pixels: ``{}`` for ``"image"``, ``{"grid_thw": LongTensor [1, 3]}`` for
-    ``"qwen_patches"``.
-
-    - ``"image"``: ``video=False`` returns ``[C, H, W]`` (needs T == 1),
-      ``video=True`` returns ``[T, C, H, W]``; ``None`` squeezes only when T == 1.
-    - ``"qwen_patches"``: H and W must be multiples of ``patch*merge``; T is padded to
-      a multiple of ``temporal_patch`` by repeating the last frame, as the processor does.
-    """
+    """Frames ``[T, C, H, W]`` put into ``layout``: ``(pixels, the encoder's keyword
+    arguments)``. ``"image"``: ``[C, H, W]`` for ``video=False`` (T == 1), ``[T, C, H, W]``
+    for ``video=True`` (None: squeezed only when T == 1), ``{}``. ``"qwen_patches"``: H and
+    W multiples of ``patch*merge``, T padded to a multiple of ``temporal_patch`` with the
+    last frame as the processor does, ``{"grid_thw": LongTensor [1, 3]}``."""
     layout = check_layout(layout)
     if not isinstance(frames, torch.Tensor) or frames.ndim != 4 or frames.shape[0] < 1:
         shape = tuple(frames.shape) if isinstance(frames, torch.Tensor) else type(frames).__name__
@@ -174,7 +146,7 @@ def from_frames(
         squeeze = (video is False) or (video is None and num_frames == 1)
         return (frames[0] if squeeze else frames), {}
 
-    _check_qwen_sizes(patch, temporal_patch, merge)
+    dims = _qwen_dims(patch, temporal_patch, merge)
     factor = patch * merge
     if height % factor or width % factor:
         raise MediaInputError(
@@ -184,14 +156,5 @@ def from_frames(
     if pad := -num_frames % temporal_patch:
         frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)], dim=0)
     grid = (frames.shape[0] // temporal_patch, height // patch, width // patch)
-    patches = rearrange(
-        frames,
-        f"{_QWEN_FRAMES} -> {_QWEN_ROWS}",
-        tp=temporal_patch,
-        mh=merge,
-        mw=merge,
-        ph=patch,
-        pw=patch,
-    )
-    grid_thw = torch.tensor([grid], dtype=torch.long, device=frames.device)
-    return patches, {"grid_thw": grid_thw}
+    patches = rearrange(frames, f"{_QWEN_FRAMES} -> {_QWEN_ROWS}", **dims)
+    return patches, {"grid_thw": torch.tensor([grid], dtype=torch.long, device=frames.device)}

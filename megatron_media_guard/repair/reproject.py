@@ -1,13 +1,9 @@
-"""On-device re-projection of one mismatched media item to a target feature count.
-
-The merge calls ``reencode`` for each item its plan marks ``repair(target)``, and
-only for those: the pixels it was given are recovered as frames, resized to the
-geometry solution's pixel size on their own device, put back into the layout the
-vision encoder takes, and encoded by the user's encoder (vision tower + projector).
-
-Errors: the checks made here raise ``MediaAlignmentError`` (``MediaInputError``
-for bad input). Anything the encoder raises (out of memory, shape errors) is not
-caught: the merge catches it, records its type and message, and falls back.
+"""On-device re-projection of one mismatched item to a target feature count (``reencode``,
+for each item a plan marks ``repair(target)``): its pixels recovered as frames, resized to
+the geometry solution's size on their own device, put back into the encoder's layout and
+encoded by the user's encoder. The checks here raise ``MediaAlignmentError``
+(``MediaInputError`` for bad input); what the encoder raises propagates (the merge records
+it and falls back).
 """
 
 from __future__ import annotations
@@ -22,6 +18,7 @@ from einops import rearrange, repeat
 
 from megatron_media_guard.errors import MediaAlignmentError, MediaInputError
 from megatron_media_guard.geometry import Solution
+from megatron_media_guard.geometry.solution import check_hw
 from megatron_media_guard.repair.fp8 import pad_for_fp8, padded_multiple
 from megatron_media_guard.repair.pixels import (
     QWEN_MERGE,
@@ -33,24 +30,16 @@ from megatron_media_guard.repair.pixels import (
     to_frames,
 )
 
-Encoder = Callable[..., torch.Tensor]
-"""``encoder(pixels, **encoder_kwargs) -> features [n, h]`` (``grid_thw=`` for qwen_patches)."""
+Encoder = Callable[..., torch.Tensor]  # encoder(pixels, **kwargs) -> features [n, h]
 
 
 @dataclass(frozen=True, eq=False)
 class ReencodeResult:
-    """One re-projected item.
-
-    features: ``[tokens, h]``, in the autograd graph of the encoder's parameters.
-    size_hw: pixel (H, W) the frames were resized to.
-    grid: patch (rows, cols) before merge; for qwen_patches read from the new
-        ``grid_thw``, otherwise the solution's ``grid`` (None when it has none).
-    grid_thw: qwen_patches' new (t, h, w); None for other layouts.
-    num_frames: frames encoded (for qwen_patches including temporal repeats).
-    fp8_pad: zero patch rows appended for FP8 and trimmed off again (0 when none).
-    duration_ms: host wall time of recover + resize + patchify + encode; on an
-        accelerator it covers kernel launches only unless ``synchronize=True``.
-    """
+    """One re-projected item: ``features [tokens, h]`` (in the encoder's autograd graph),
+    the pixel ``size_hw`` resized to, the patch ``grid`` before merge (qwen_patches: the new
+    ``grid_thw``'s; else the solution's), qwen_patches' new ``grid_thw``, the frames encoded
+    (temporal repeats included), the FP8 padding rows trimmed off, and the host wall time
+    (kernel launches only on an accelerator, unless ``synchronize=True``)."""
 
     features: torch.Tensor
     tokens: int
@@ -62,68 +51,25 @@ class ReencodeResult:
     duration_ms: float
 
 
-def _size_pair(size_hw: object) -> tuple[int, int]:
-    try:
-        height, width = (int(v) for v in size_hw)  # type: ignore[union-attr]
-    except (TypeError, ValueError) as exc:
-        raise MediaInputError(f"size_hw must be (H, W), got {size_hw!r}") from exc
-    if height < 1 or width < 1:
-        raise MediaInputError(
-            f"size_hw must be positive, got {(height, width)}",
-            context={"size_hw": [height, width]},
-        )
-    return height, width
-
-
 def resize_frames(frames: torch.Tensor, size_hw: tuple[int, int]) -> torch.Tensor:
-    """Frames ``[T, C, H, W]`` resized to ``[T, C, *size_hw]`` on their own device.
-
-    Bicubic with antialias (align_corners=False), computed in float32, returned in
-    the input dtype (integer dtypes rounded and clamped to their range). Returns
-    ``frames`` itself when the size already matches.
-
-    Resizing normalized pixels is the same as resizing raw ones and normalizing
-    after: resampling is a linear map whose kernel weights sum to 1 (antialias
-    renormalizes them), so it commutes with the per-channel affine
-    ``(x - mean) / std``. The one difference from resizing 8-bit images first is
-    that bicubic overshoot at hard edges is not clipped to [0, 255].
-    """
+    """Frames ``[T, C, H, W]`` resized to ``[T, C, *size_hw]`` on their own device (``frames``
+    itself at that size): bicubic, antialias, in float32, back in the input dtype (integers
+    rounded and clamped). Resizing normalized pixels equals normalizing resized ones:
+    resampling is linear with weights summing to 1, so it commutes with ``(x - mean) / std``
+    (only bicubic overshoot at hard edges is not clipped to [0, 255])."""
     if not isinstance(frames, torch.Tensor) or frames.ndim != 4:
         shape = tuple(frames.shape) if isinstance(frames, torch.Tensor) else type(frames).__name__
         raise MediaInputError(f"resize_frames takes frames [T, C, H, W], got {shape}")
-    height, width = _size_pair(size_hw)
+    height, width = check_hw(size_hw)
     if frames.shape[-2:] == (height, width):
         return frames
     out = F.interpolate(
-        frames.float(),
-        size=(height, width),
-        mode="bicubic",
-        antialias=True,
-        align_corners=False,
+        frames.float(), (height, width), mode="bicubic", antialias=True, align_corners=False
     )
     if frames.dtype.is_floating_point:
         return out.to(frames.dtype)
     info = torch.iinfo(frames.dtype)
     return out.round_().clamp_(info.min, info.max).to(frames.dtype)
-
-
-def _resize_temporal_groups(
-    frames: torch.Tensor, size_hw: tuple[int, int], temporal_patch: int
-) -> torch.Tensor:
-    """``resize_frames``, resizing once a frame the processor repeated over a temporal group.
-
-    The Qwen processors feed an image as ``temporal_patch`` copies of itself; when every
-    group holds one repeated frame (one comparison, a host sync on an accelerator), only
-    the first of each group is resized: the same values for half the work.
-    """
-    if temporal_patch == 1 or frames.shape[-2:] == tuple(size_hw):
-        return resize_frames(frames, size_hw)
-    groups = rearrange(frames, "(t tp) c h w -> t tp c h w", tp=temporal_patch)
-    firsts = groups[:, :1]
-    if not torch.equal(groups[:, 1:], firsts.expand_as(groups[:, 1:])):
-        return resize_frames(frames, size_hw)
-    resized = resize_frames(firsts[:, 0], size_hw)
-    return repeat(resized, "t c h w -> (t tp) c h w", tp=temporal_patch)
 
 
 def resize_patches(
@@ -135,25 +81,31 @@ def resize_patches(
     temporal_patch: int = QWEN_TEMPORAL_PATCH,
     merge: int = QWEN_MERGE,
 ) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """One item's ``qwen_patches`` resized on their own device to ``size_hw`` pixels a frame.
-
-    The patches are unfolded to frames, resized (bicubic, antialias; a frame the processor
-    repeated over a temporal group is resized once) and put back in the same patch layout.
-    Returns the new patches ``[t*h*w, C*tp*p*p]`` and their ``(t, h, w)`` (read from shapes:
-    no transfer). This is a repair without the encode: the Qwen-VL adapter feeds the result
-    to the model's own vision tower.
-    """
+    """One item's ``qwen_patches`` resized on their own device to ``size_hw`` pixels a frame:
+    the new patches ``[t*h*w, C*tp*p*p]`` and their ``(t, h, w)`` (from shapes: no transfer).
+    A repair without the encode: the Qwen-VL adapter feeds them to the model's own tower."""
     qwen = {"patch": patch, "temporal_patch": temporal_patch, "merge": merge}
-    height, width = _size_pair(size_hw)
+    height, width = check_hw(size_hw)
     frames = to_frames(pixels, "qwen_patches", grid_thw=grid_thw, **qwen)
-    resized = _resize_temporal_groups(frames, (height, width), temporal_patch)
+    # an image is tp copies of itself: when every group holds one repeated frame (one
+    # comparison, a host sync on an accelerator), only the first of each is resized
+    groups = rearrange(frames, "(t tp) c h w -> t tp c h w", tp=temporal_patch)
+    rest, first = groups[:, 1:], groups[:, :1]
+    if (
+        temporal_patch > 1
+        and frames.shape[-2:] != (height, width)
+        and rest.equal(first.expand_as(rest))
+    ):
+        firsts = resize_frames(groups[:, 0], (height, width))
+        resized = repeat(firsts, "t c h w -> (t tp) c h w", tp=temporal_patch)
+    else:
+        resized = resize_frames(frames, (height, width))
     patches, _ = from_frames(resized, "qwen_patches", **qwen)
     t = -(-resized.shape[0] // temporal_patch)
     return patches, (t, height // patch, width // patch)
 
 
 def _target_size(solution: Solution, layout: Layout, patch: int) -> tuple[int, int]:
-    """Pixel (H, W) to resize to: ``solution.size_hw``, else ``solution.grid * patch`` (qwen)."""
     if getattr(solution, "reachable", True) is False:
         raise MediaAlignmentError(
             f"repair target of {solution.tokens} tokens is unreachable: "
@@ -162,10 +114,10 @@ def _target_size(solution: Solution, layout: Layout, patch: int) -> tuple[int, i
         )
     size_hw = getattr(solution, "size_hw", None)
     if size_hw is not None:
-        return _size_pair(size_hw)
+        return check_hw(size_hw)
     grid = getattr(solution, "grid", None)
     if layout == "qwen_patches" and grid is not None:
-        rows, cols = _size_pair(grid)
+        rows, cols = check_hw(grid)
         return rows * patch, cols * patch
     raise MediaAlignmentError(
         f"repair target of {solution.tokens} tokens has no pixel size (size_hw is None)",
@@ -186,20 +138,11 @@ def reencode(
     fp8_multiple: int | None = None,
     synchronize: bool = False,
 ) -> ReencodeResult:
-    """Re-encode one item's ``pixels`` at ``solution``'s size; features ``[solution.tokens, h]``.
-
-    pixels: the item as the encoder was fed it (``"image"``: ``[C, H, W]`` /
-        ``[T, C, H, W]``; ``"qwen_patches"``: ``[t*h*w, C*tp*p*p]`` with ``grid_thw``).
-    solution: target from geometry; ``size_hw`` (or ``grid`` for qwen_patches) and ``tokens``.
-    encoder: ``encoder(new_pixels, **encoder_kwargs) -> [n, h]``; for qwen_patches
-        ``encoder_kwargs = {"grid_thw": LongTensor [1, 3]}`` on the pixels' device.
-    fp8_multiple: for qwen_patches, pad the patch rows to this multiple (kept to
-        whole merge groups) before encoding and trim the output (see ``fp8``).
-        Ignored for ``"image"``, whose encoder embeds patches itself.
-
-    Raises MediaAlignmentError when the new grid cannot give ``solution.tokens`` or
-    the encoder returns another count (both named); encoder exceptions propagate.
-    """
+    """Re-encode one item's ``pixels`` (in ``layout``, as the encoder was fed them) at
+    ``solution``'s ``size_hw`` (qwen_patches: else its ``grid``): features ``[tokens, h]``.
+    The encoder takes qwen_patches with ``grid_thw=`` (``[1, 3]`` long, the pixels' device),
+    their rows padded to ``fp8_multiple`` (whole merge groups; the output trimmed).
+    MediaAlignmentError when the new grid or the encoder gives another count (both named)."""
     start = time.perf_counter()
     layout = check_layout(layout)
     tokens = int(solution.tokens)
@@ -209,15 +152,13 @@ def reencode(
     if layout == "image":
         resized = resize_frames(to_frames(pixels, layout), size_hw)
         new_pixels, encoder_kwargs = from_frames(resized, layout, video=pixels.ndim == 4)
-        num_frames = resized.shape[0]
-        grid = getattr(solution, "grid", None)
-        grid = None if grid is None else _size_pair(grid)
+        num_frames = int(resized.shape[0])
+        grid = None if getattr(solution, "grid", None) is None else check_hw(solution.grid)
     else:
         qwen = {"patch": patch, "temporal_patch": temporal_patch, "merge": merge}
         new_pixels, new_grid_thw = resize_patches(pixels, grid_thw, size_hw, **qwen)
-        encoder_kwargs = {
-            "grid_thw": torch.tensor([new_grid_thw], dtype=torch.long, device=new_pixels.device)
-        }
+        thw = torch.tensor([new_grid_thw], dtype=torch.long, device=new_pixels.device)
+        encoder_kwargs = {"grid_thw": thw}
         t, h, w = new_grid_thw
         num_frames, grid = t * temporal_patch, (h, w)
         grid_tokens = t * (h // merge) * (w // merge)
@@ -228,9 +169,8 @@ def reencode(
                 context={"expected": tokens, "got": grid_tokens, "grid_thw": list(new_grid_thw)},
             )
         if fp8_multiple is not None:
-            new_pixels, fp8_pad = pad_for_fp8(
-                new_pixels, padded_multiple(fp8_multiple, merge * merge)
-            )
+            multiple = padded_multiple(fp8_multiple, merge * merge)
+            new_pixels, fp8_pad = pad_for_fp8(new_pixels, multiple)
 
     features = encoder(new_pixels, **encoder_kwargs)
     if not isinstance(features, torch.Tensor) or features.ndim != 2:
@@ -251,13 +191,5 @@ def reencode(
     features = features[:tokens] if got > tokens else features
     if synchronize and features.device.type == "cuda":
         torch.cuda.synchronize(features.device)
-    return ReencodeResult(
-        features=features,
-        tokens=tokens,
-        size_hw=size_hw,
-        grid=grid,
-        grid_thw=new_grid_thw,
-        num_frames=int(num_frames),
-        fp8_pad=fp8_pad,
-        duration_ms=(time.perf_counter() - start) * 1e3,
-    )
+    ms = (time.perf_counter() - start) * 1e3
+    return ReencodeResult(features, tokens, size_hw, grid, new_grid_thw, num_frames, fp8_pad, ms)
