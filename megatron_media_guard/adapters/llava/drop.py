@@ -1,18 +1,9 @@
-"""Dropping samples of a LLaVA ``_preprocess_data`` call without copying the features.
-
-megatron-core still places every feature row; the dropped samples' positions are zeroed in its
-output afterwards (in place: the towers stay in the graph with a zero gradient). Only the small
-integer inputs are rewritten so that megatron-core's own placement stays right:
-
-- image count fault: the dropped sample's image tokens are made to match its entries (extra
-  ones become token 0, what the forward embedded there; missing ones replace its last text
-  tokens). In a packed THD row this would move the later sub-samples: such a drop raises.
-- sound count fault: its sound tokens become token 0, its clips' ``sound_embeddings_len`` 0
-  (with ``sound_pad_to_clip_duration`` every row is placed: such a drop raises).
-- entries with no image token in the batch: ``image_embeddings[:0]``, ``num_image_tiles[:0]``.
-
-Features megatron-core then does not place stay in the graph through
-:func:`~..core.apply.zero_anchor`, added to one output element.
+"""Dropping samples of a LLaVA ``_preprocess_data`` call without copying the features:
+megatron-core still places every row, the dropped samples' positions are zeroed in its output
+afterwards. Only the small integer inputs are rewritten, so that its own placement stays
+right (docs/MEGATRON.md, Policies): a dropped sample's image tokens made to match its entries,
+its sound tokens made text and its clips' lengths 0, entries no token claims cut to ``[:0]``;
+features it then does not place stay in the graph through :func:`~...core.apply.zero_anchor`.
 """
 
 from __future__ import annotations

@@ -46,8 +46,7 @@ from .sound import sound_faults
 
 @dataclass(frozen=True)
 class LlavaResult:
-    """What one guarded ``_preprocess_data`` call found and did (``handle.last_result``).
-
+    """What one guarded ``_preprocess_data`` call found and did (``handle.last_result``);
     spans: where each sample lies (rows, or packed sub-samples of ``cu_seqlens``)."""
 
     step: int | None
