@@ -1,18 +1,9 @@
 """install_llava / install_from_args on Megatron-Bridge 0.6.2's real ``NemotronVLModel`` /
-``NemotronOmniModel`` (imported from its wheel through ``megatron_media_guard.testing.bridge``)
-around a real megatron-core 0.19.2 ``LLaVAModel`` at ``.llava_model``.
-
-The whole forward runs on CPU, called as Bridge's ``nemotron_omni_step`` calls the model (by
-keyword: ``images``, ``input_ids``, ``position_ids``, ``attention_mask``, ``labels``,
-``loss_mask``, ``num_image_tiles``, ``sound_clips``, ``sound_length``, ``packed_seq_params``):
-the wrapper's ``forward``, ``LLaVAModel.forward`` (tiles, class-token drop, the real
-``MultimodalProjector``, sound projection), its ``_preprocess_data`` (guarded), and
-``GPTModel.forward`` (embedding, output layer, loss). Three stand-ins
-(``testing.bridge_models``): the CLIP tower (its ``__init__`` calls ``.cuda()``), the GPT
-decoder block (its attention asks for a CUDA device; the stand-in is per token) and the sound
-encoder. ``sound_clips`` is always a tensor: with ``None`` 0.19.2's forward calls
-``torch.cuda.current_device()``; Bridge's data path passes the ``[1, 1]`` zero sentinel for
-"no sound". Run by scripts/test_mcore019.sh; skipped elsewhere.
+``NemotronOmniModel`` (from its wheel, ``megatron_media_guard.testing.bridge``) around a real
+megatron-core 0.19.2 ``LLaVAModel``, the whole forward on CPU, called by keyword as Bridge's
+``nemotron_omni_step`` does. Stand-ins (``testing.bridge_models``): the CLIP tower, the GPT
+decoder block and the sound encoder (CUDA-only). ``sound_clips`` is always a tensor (Bridge's
+``[1, 1]`` zero sentinel for no sound). Run by scripts/test_mcore019.sh; skipped elsewhere.
 """
 
 from __future__ import annotations

@@ -257,9 +257,16 @@ def _run(handle: LlavaHandle, ba: inspect.BoundArguments, step, mb) -> Any:
             for rec in text_records(gen, step, mb, PAD_TOKEN, kept)
         ]
     found = [(f.check, f.modality, f.sample, f.item) for f in faults]
-    owners, L, maxlen = img_own.owners, facts.img_seq_len, facts.max_len
+    owners = img_own.owners
     plan_digest = digest(
-        facts.tokens, facts.entries, owners, actions, L, maxlen, found, batch_fatal
+        facts.tokens,
+        facts.entries,
+        owners,
+        actions,
+        facts.img_seq_len,
+        facts.max_len,
+        found,
+        batch_fatal,
     )
     stage = conclude(
         guard,
