@@ -214,39 +214,28 @@ def test_packed_row_nan_in_the_middle_sub_sample_drops_only_it():
 
 
 @pytest.mark.parametrize("policy", ["raise", "drop"])
-def test_packed_row_count_fault_in_the_middle_names_the_sub_sample(policy):
-    batch = build(IMAGES_SOUND, pack=True, pad_to_multiple_of=4)
-    # the forward recomputes the middle sub-sample's second image as 9 tokens (the collate
-    # packed it as 4): megatron-core would place sub-sample 2 five positions late, silently
+@pytest.mark.parametrize("positions", [True, False], ids=["resets", "cu_seqlens-only"])
+def test_packed_row_count_fault_in_the_middle_names_the_sub_sample(policy, positions):
+    """The forward recomputes the middle sub-sample's second image as 9 tokens (the collate
+    packed it as 4): megatron-core would place sub-sample 2 five positions late, silently.
+    From cu_seqlens alone a length change in a text-heavy row cannot be placed: every
+    sub-sample between the boundaries both walks confirm is named."""
+    batch = build(IMAGES_SOUND, pack=True, pad_to_multiple_of=4 if positions else 1)
     batch.num_image_tiles = torch.tensor([6, 6, 9, 8], dtype=torch.int)
     batch.image_embeddings = torch.randn(29, 1, 8)
     unguarded(batch)  # no error
     model = OmniForwardStandIn(batch)
     install_llava(model, guard(policy))
     with pytest.raises(MediaAlignmentError) as e:
-        run_forward(model, batch)
+        run_forward(model, batch, positions)
     msg = str(e.value)
-    assert (
-        "sample 1 row 0: " in msg
-        and "segment:" in msg
-        and "sample 0" not in msg
-        and "sample 2" not in msg
-    )
-    assert "1 of 3 packed sub-samples" in msg
+    if not positions:
+        assert "3 of 3 packed sub-samples" in msg
+        return
+    assert "sample 1 row 0: " in msg and "segment:" in msg and "1 of 3 packed sub-samples" in msg
+    assert "sample 0" not in msg and "sample 2" not in msg
     if policy == "drop":
         assert "cannot drop" in msg
-
-
-def test_packed_row_count_fault_without_position_ids_names_the_candidates():
-    """From cu_seqlens alone a length change in a text-heavy row cannot be placed: every
-    sub-sample between the boundaries both walks confirm is named."""
-    batch = build(IMAGES_SOUND, pack=True)
-    batch.num_image_tiles = torch.tensor([6, 6, 9, 8], dtype=torch.int)
-    batch.image_embeddings = torch.randn(29, 1, 8)
-    model = OmniForwardStandIn(batch)
-    install_llava(model, guard("raise"))
-    with pytest.raises(MediaAlignmentError, match="3 of 3 packed sub-samples"):
-        run_forward(model, batch, positions=False)
 
 
 def test_packed_row_extra_image_token_in_the_middle():
