@@ -9,6 +9,7 @@ from __future__ import annotations
 import types
 
 import megatron.core
+import torch
 from megatron.core.models.multimodal.llava_model import LLaVAModel
 from omni_batches import IMAGE, SOUND
 
@@ -67,4 +68,12 @@ def omni_guard(policy="raise", **cfg):
     """A guard for ``omni_batches`` batches, as rank 1."""
     return MediaGuard(
         GuardConfig(policy=policy, **cfg), Grammar.llava(IMAGE), rank=RankInfo(rank=1)
+    )
+
+
+def same(a, b):
+    """Two ``_preprocess_data`` outputs are bit-identical (None where the other is None)."""
+    return all(
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+        for x, y in zip(a, b)
     )

@@ -12,7 +12,7 @@ llava_mod = pytest.importorskip("megatron.core.models.multimodal.llava_model")
 LLaVAModel = llava_mod.LLaVAModel
 
 from devices import DEVICES  # noqa: E402
-from llava_standins import LLaVAStandIn  # noqa: E402
+from llava_standins import LLaVAStandIn, same  # noqa: E402
 
 from megatron_media_guard import (  # noqa: E402
     Grammar,
@@ -67,13 +67,6 @@ def call(model, x, **over):
 
 def guard_for(policy="raise", **cfg):
     return MediaGuard(GuardConfig(policy=policy, **cfg), Grammar.llava(TOK), rank=RankInfo(rank=3))
-
-
-def same(a, b):
-    return all(
-        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
-        for x, y in zip(a, b)
-    )
 
 
 LAYOUT = [[(1, 2)], [(2, 1), (5, 1)], [(3, 2)]]  # sample 1 holds two images

@@ -9,7 +9,7 @@ import torch
 
 llava_mod = pytest.importorskip("megatron.core.models.multimodal.llava_model")
 
-from llava_standins import HAS_MCORE019, NEEDS_MCORE019, Mcore019LLaVAStandIn  # noqa: E402
+from llava_standins import HAS_MCORE019, NEEDS_MCORE019, Mcore019LLaVAStandIn, same  # noqa: E402
 from llava_standins import omni_guard as guard  # noqa: E402
 from llava_standins import omni_standin as standin  # noqa: E402
 from omni_batches import IMAGE, SOUND, Example, build  # noqa: E402
@@ -71,7 +71,7 @@ def test_aligned_image_and_sound_are_bit_identical_with_one_transfer():
     with count_transfers() as seen:
         out = call(model, batch)
     assert sum(seen.values()) == 1, dict(seen)
-    assert all(torch.equal(a, b) for a, b in zip(ref, out)) and handle.last_result.ok
+    assert same(ref, out) and handle.last_result.ok
 
 
 def test_release_defaults_negative_ids():
@@ -95,7 +95,7 @@ def test_release_defaults_negative_ids():
     ref = LLaVAModel._preprocess_data(Mcore019LLaVAStandIn(img_seq_len=3), **args)
     model = Mcore019LLaVAStandIn(img_seq_len=3)
     install_llava(model, MediaGuard(GuardConfig(), Grammar.llava(-200)))
-    assert all(torch.equal(a, b) for a, b in zip(ref, model._preprocess_data(**args)))
+    assert same(ref, model._preprocess_data(**args))
     args["sound_embeddings_len"] = torch.tensor([2, 2])
     with pytest.raises(MediaAlignmentError, match=r"sample 0 row 0, sound item 0.*3 sound tokens"):
         model._preprocess_data(**args)
@@ -179,7 +179,7 @@ def test_pad_to_clip_duration_takes_every_row():
     batch.sound_embeddings = batch.sound_embeddings[:5]  # 5 rows per clip, all placed
     ref = call(standin(batch, sound_pad_to_clip_duration=True), batch)
     model, _ = guarded(batch, "drop", sound_pad_to_clip_duration=True)
-    assert all(torch.equal(a, b) for a, b in zip(ref, call(model, batch)))
+    assert same(ref, call(model, batch))
     extra_sound_token(batch)
     with pytest.raises(MediaAlignmentError, match="cannot drop: with sound_pad_to_clip_duration"):
         call(model, batch)
@@ -381,5 +381,5 @@ def test_encoder_hidden_state_without_sound_tokens_is_not_read():
     batch.sound_embeddings, batch.sound_embeddings_len = torch.randn(3, 2, 8), None
     ref = call(standin(batch), batch)
     model, handle = guarded(batch, "raise")
-    assert all(torch.equal(a, b) for a, b in zip(ref, call(model, batch)))
+    assert same(ref, call(model, batch))
     assert handle.last_result.ok

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 llava_mod = pytest.importorskip("megatron.core.models.multimodal.llava_model")
 
-from llava_standins import HAS_MCORE019, NEEDS_MCORE019  # noqa: E402
+from llava_standins import HAS_MCORE019, NEEDS_MCORE019, same  # noqa: E402
 from llava_standins import omni_guard as guard  # noqa: E402
 from llava_standins import omni_standin as standin  # noqa: E402
 from omni_batches import IMAGE, SOUND, Example, build  # noqa: E402
@@ -78,10 +78,6 @@ def run_forward(model, batch, positions=True):
 
 def unguarded(batch):
     return LLaVAModel._preprocess_data(standin(batch), **batch.kwargs())
-
-
-def same(a, b):
-    return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 IMAGES_SOUND = [

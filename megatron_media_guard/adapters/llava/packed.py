@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -150,9 +151,7 @@ def host_spans(h: dict[str, tuple[int, ...]], s: int) -> tuple[Span, ...] | Boun
     """The sub-samples' spans, or the boundaries to count again with (second pass)."""
     cu = h["cu"]
     k = len(cu) - 1
-    pos = [0]
-    for n in h["ncols"]:
-        pos.append(pos[-1] + n)
+    pos = [0, *accumulate(h["ncols"])]  # compact start of each sub-sample
     fits = _fits(h, [cu[i + 1] - cu[i] for i in range(k)])
 
     def spans() -> tuple[Span, ...]:
