@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -54,7 +54,7 @@ class LlavaResult:
     num_samples: int
     actions: tuple[str, ...]
     faults: tuple[ItemFault, ...]
-    mode: str  # "as-is", "zero" (dropped positions zeroed) or "restructure"
+    mode: Literal["as-is", "zero", "restructure"]  # zero: the dropped positions zeroed
     stage: StageOutcome | None
     spans: tuple[Span, ...] = ()
     packed: bool = False
