@@ -1,11 +1,7 @@
-"""Stand-in ``self`` objects for megatron-core's ``LLaVAModel._preprocess_data``.
-
-Each copies the attributes one release's ``_preprocess_data`` reads (checked against the
-unpacked sources: 0.16.1 reads ``pre_process``, ``post_process``, ``add_decoder``,
-``img_seq_len``, ``_language_is_pipeline_parallel``, ``_language_max_sequence_length``,
-``context_parallel_lm`` and ``vision_model``; 0.19.2 also ``sound_token_index`` and
-``sound_model``) and carries the real method of the release on the path. ``LLaVAStandIn``
-is the one for that release.
+"""Stand-in ``self`` objects for megatron-core's ``LLaVAModel._preprocess_data``: each holds
+the attributes one release's method reads (checked by
+``test_standin_has_every_attribute_the_release_reads``) and carries that release's real method;
+``LLaVAStandIn`` is the one for the release on the path.
 """
 
 from __future__ import annotations
@@ -13,7 +9,12 @@ from __future__ import annotations
 import types
 
 import megatron.core
+import torch
 from megatron.core.models.multimodal.llava_model import LLaVAModel
+from omni_batches import IMAGE, SOUND
+
+from megatron_media_guard import Grammar, GuardConfig, MediaGuard
+from megatron_media_guard.diagnostics import RankInfo
 
 MCORE = tuple(int(x) for x in megatron.core.__version__.split("+")[0].split(".")[:2])
 HAS_MCORE019 = MCORE >= (0, 19)
@@ -54,3 +55,25 @@ class Mcore019LLaVAStandIn(Mcore016LLaVAStandIn):
 
 
 LLaVAStandIn = Mcore019LLaVAStandIn if HAS_MCORE019 else Mcore016LLaVAStandIn
+
+
+def omni_standin(batch, maxlen=4096, **kw):
+    """The 0.19.2 stand-in ``self`` for an ``omni_batches`` batch."""
+    return Mcore019LLaVAStandIn(
+        maxlen, img_seq_len=batch.img_seq_len, image_token=IMAGE, sound_token=SOUND, **kw
+    )
+
+
+def omni_guard(policy="raise", **cfg):
+    """A guard for ``omni_batches`` batches, as rank 1."""
+    return MediaGuard(
+        GuardConfig(policy=policy, **cfg), Grammar.llava(IMAGE), rank=RankInfo(rank=1)
+    )
+
+
+def same(a, b):
+    """Two ``_preprocess_data`` outputs are bit-identical (None where the other is None)."""
+    return all(
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+        for x, y in zip(a, b)
+    )

@@ -80,21 +80,15 @@ def test_aligned_merge_is_bit_identical_and_reversible():
     assert torch.equal(model(emb, ids, pixels), ref)
 
 
-def test_offsetting_error_is_caught_per_sample():
-    model = TinyVLM()
-    emb, ids, feats, items = batch([[3], [4], [2]])
+def test_offsetting_error_raises_or_drops_per_sample():
+    emb, ids, feats, _items = batch([[3], [4], [2]])
     # +1 / -1: the totals agree and the plain merge silently shifts a row across samples
-    items = [MediaItem(4, sample=0), MediaItem(3, sample=1), MediaItem(2, sample=2)]
-    model.merge_embeddings(emb, ids, feats)
-    install_generic(model, "merge_embeddings", guard("raise")).set_items(items)
+    bad = [MediaItem(4, sample=0), MediaItem(3, sample=1), MediaItem(2, sample=2)]
+    ref = TinyVLM().merge_embeddings(emb, ids, feats)
+    model = TinyVLM()
+    install_generic(model, "merge_embeddings", guard("raise")).set_items(bad)
     with pytest.raises(MediaAlignmentError, match="sample 0"):
         model.merge_embeddings(emb, ids, feats)
-
-
-def test_drop_keeps_other_samples_identical():
-    emb, ids, feats, _items = batch([[3], [4], [2]])
-    ref = TinyVLM().merge_embeddings(emb, ids, feats)
-    bad = [MediaItem(4, sample=0), MediaItem(3, sample=1), MediaItem(2, sample=2)]
     model = TinyVLM()
     handle = install_generic(model, "merge_embeddings", guard("drop"))
     handle.set_items(bad)
@@ -118,20 +112,15 @@ def test_items_from_a_parameter_and_seq_first_output():
     assert fn.__wrapped__ is merge and fn.handle.last_result.report.ok
 
 
-def test_packed_features_without_items_are_inferred_or_refused():
+def test_items_without_metadata_from_a_feature_list_or_the_runs():
     emb, ids, feats, _ = batch([[2, 1], [3]])
+    ref = TinyVLM().merge_embeddings(emb, ids, feats)
     fn = guard_merge_fn(TinyVLM().merge_embeddings, guard())
-    fn(emb, ids, feats)  # totals agree: one item per run
+    assert torch.equal(fn(emb, ids, [feats[:2], feats[2:3], feats[3:]]), ref)  # one per tensor
+    assert torch.equal(fn(emb, ids, feats), ref)  # totals agree: one item per run
     assert fn.handle.last_result.report.num_items == 3
     with pytest.raises(MediaAlignmentError, match="7 feature rows for 6 placeholders"):
         fn(emb, ids, torch.cat([feats, feats[:1]]))
-
-
-def test_feature_list_gives_the_items():
-    emb, ids, feats, _items = batch([[2], [3]])
-    fn = guard_merge_fn(TinyVLM().merge_embeddings, guard())
-    out = fn(emb, ids, [feats[:2], feats[2:]])
-    assert torch.equal(out, TinyVLM().merge_embeddings(emb, ids, feats))
 
 
 def test_structural_finding_is_caught_without_metadata():

@@ -1,18 +1,9 @@
 """install_llava / install_from_args on Megatron-Bridge 0.6.2's real ``NemotronVLModel`` /
-``NemotronOmniModel`` (imported from its wheel through ``megatron_media_guard.testing.bridge``)
-around a real megatron-core 0.19.2 ``LLaVAModel`` at ``.llava_model``.
-
-The whole forward runs on CPU, called as Bridge's ``nemotron_omni_step`` calls the model (by
-keyword: ``images``, ``input_ids``, ``position_ids``, ``attention_mask``, ``labels``,
-``loss_mask``, ``num_image_tiles``, ``sound_clips``, ``sound_length``, ``packed_seq_params``):
-the wrapper's ``forward``, ``LLaVAModel.forward`` (tiles, class-token drop, the real
-``MultimodalProjector``, sound projection), its ``_preprocess_data`` (guarded), and
-``GPTModel.forward`` (embedding, output layer, loss). Three stand-ins
-(``testing.bridge_models``): the CLIP tower (its ``__init__`` calls ``.cuda()``), the GPT
-decoder block (its attention asks for a CUDA device; the stand-in is per token) and the sound
-encoder. ``sound_clips`` is always a tensor: with ``None`` 0.19.2's forward calls
-``torch.cuda.current_device()``; Bridge's data path passes the ``[1, 1]`` zero sentinel for
-"no sound". Run by scripts/test_mcore019.sh; skipped elsewhere.
+``NemotronOmniModel`` (from its wheel, ``megatron_media_guard.testing.bridge``) around a real
+megatron-core 0.19.2 ``LLaVAModel``, the whole forward on CPU, called by keyword as Bridge's
+``nemotron_omni_step`` does. Stand-ins (``testing.bridge_models``): the CLIP tower, the GPT
+decoder block and the sound encoder (CUDA-only). ``sound_clips`` is always a tensor (Bridge's
+``[1, 1]`` zero sentinel for no sound). Run by scripts/test_mcore019.sh; skipped elsewhere.
 """
 
 from __future__ import annotations
@@ -137,24 +128,16 @@ def test_aligned_forward_is_bit_identical(models, kind):
     assert h.last_result.actions == ("keep",) * 3 and h.last_result.mode == "as-is"
 
 
-def test_raise_names_the_sample_and_clip(models):
-    w = models["omni"]
-    kw = short_clip(batch(sound=SOUNDS))
-    with pytest.raises(RuntimeError, match="shape mismatch"):  # the plain model
-        run(w, kw)
-    with install_llava(w, guard()) as h:
-        h.set_step(5)
-        with pytest.raises(MediaAlignmentError) as e:
-            run(w, kw)
-    msg = str(e.value)
-    for part in ("step 5", "sound item 1", "3 sound tokens", "2 sound_embeddings_len"):
-        assert part in msg, part
-
-
-def test_drop_keeps_the_other_samples_bit_identical_and_remove_restores(models):
+def test_raise_names_the_sample_and_clip_drop_keeps_the_others_and_remove_restores(models):
     w = models["omni"]
     good = batch(sound=SOUNDS)
     ref = run(w, good)
+    with install_llava(w, guard()) as h:
+        h.set_step(5)
+        with pytest.raises(MediaAlignmentError) as e:
+            run(w, short_clip(good))
+    for part in ("step 5", "sound item 1", "3 sound tokens", "2 sound_embeddings_len"):
+        assert part in str(e.value), part
     h = install_llava(w, guard("drop"))
     loss, mask = run(w, short_clip(good))
     assert h.last_result.actions == ("keep", "keep", "drop")
@@ -162,7 +145,7 @@ def test_drop_keeps_the_other_samples_bit_identical_and_remove_restores(models):
     assert mask[2].eq(0).all() and mask[:2].eq(ref[1][:2]).all()
     h.remove()
     assert not {"_preprocess_data", "forward"} & set(vars(w.llava_model))
-    with pytest.raises(RuntimeError, match="shape mismatch"):
+    with pytest.raises(RuntimeError, match="shape mismatch"):  # the plain model
         run(w, short_clip(good))
 
 

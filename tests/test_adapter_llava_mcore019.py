@@ -9,7 +9,9 @@ import torch
 
 llava_mod = pytest.importorskip("megatron.core.models.multimodal.llava_model")
 
-from llava_standins import HAS_MCORE019, NEEDS_MCORE019, Mcore019LLaVAStandIn  # noqa: E402
+from llava_standins import HAS_MCORE019, NEEDS_MCORE019, Mcore019LLaVAStandIn, same  # noqa: E402
+from llava_standins import omni_guard as guard  # noqa: E402
+from llava_standins import omni_standin as standin  # noqa: E402
 from omni_batches import IMAGE, SOUND, Example, build  # noqa: E402
 
 from megatron_media_guard import (  # noqa: E402
@@ -21,7 +23,6 @@ from megatron_media_guard import (  # noqa: E402
 )
 from megatron_media_guard.adapters import install_llava  # noqa: E402
 from megatron_media_guard.core.host import count_transfers  # noqa: E402
-from megatron_media_guard.diagnostics import RankInfo  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not HAS_MCORE019, reason=NEEDS_MCORE019)
 LLaVAModel = llava_mod.LLaVAModel
@@ -37,18 +38,6 @@ ITEMS = [
     MediaItem(4, sample=1),
     MediaItem(8, sample=2),
 ]
-
-
-def standin(batch, maxlen=4096, **kw):
-    return Mcore019LLaVAStandIn(
-        maxlen, img_seq_len=batch.img_seq_len, image_token=IMAGE, sound_token=SOUND, **kw
-    )
-
-
-def guard(policy="raise", **cfg):
-    return MediaGuard(
-        GuardConfig(policy=policy, **cfg), Grammar.llava(IMAGE), rank=RankInfo(rank=1)
-    )
 
 
 def call(model, batch):
@@ -82,7 +71,7 @@ def test_aligned_image_and_sound_are_bit_identical_with_one_transfer():
     with count_transfers() as seen:
         out = call(model, batch)
     assert sum(seen.values()) == 1, dict(seen)
-    assert all(torch.equal(a, b) for a, b in zip(ref, out)) and handle.last_result.ok
+    assert same(ref, out) and handle.last_result.ok
 
 
 def test_release_defaults_negative_ids():
@@ -106,7 +95,7 @@ def test_release_defaults_negative_ids():
     ref = LLaVAModel._preprocess_data(Mcore019LLaVAStandIn(img_seq_len=3), **args)
     model = Mcore019LLaVAStandIn(img_seq_len=3)
     install_llava(model, MediaGuard(GuardConfig(), Grammar.llava(-200)))
-    assert all(torch.equal(a, b) for a, b in zip(ref, model._preprocess_data(**args)))
+    assert same(ref, model._preprocess_data(**args))
     args["sound_embeddings_len"] = torch.tensor([2, 2])
     with pytest.raises(MediaAlignmentError, match=r"sample 0 row 0, sound item 0.*3 sound tokens"):
         model._preprocess_data(**args)
@@ -165,19 +154,6 @@ def test_sound_faults_in_one_sample(fault, policy):
     kept_identical(out, ref, {1})
 
 
-def test_sound_rows_past_the_max_length_are_caught():
-    examples = [Example(text=2, images=[(64, 64)], mel_frames=40)]
-    batch = build([*examples, Example(text=12, images=[(64, 64)], mel_frames=40)])
-    # row 1: text 0..11, <img> 12, its image 13..16, </img> 17, <so_start> 18, sound 19..23
-    ref = call(standin(batch, 21), batch)
-    model, handle = guarded(batch, "drop", maxlen=21)
-    out = call(model, batch)
-    (f,) = handle.last_result.faults
-    assert (f.sample, f.modality, f.check, f.item) == (1, "sound", "max_length", 1)
-    assert f.expected == (5,) and f.got == (2,)
-    kept_identical(out, ref, {1})
-
-
 @pytest.mark.parametrize("policy", ["raise", "drop"])
 def test_nonfinite_sound_rows(policy):
     batch = build(EXAMPLES)
@@ -203,7 +179,7 @@ def test_pad_to_clip_duration_takes_every_row():
     batch.sound_embeddings = batch.sound_embeddings[:5]  # 5 rows per clip, all placed
     ref = call(standin(batch, sound_pad_to_clip_duration=True), batch)
     model, _ = guarded(batch, "drop", sound_pad_to_clip_duration=True)
-    assert all(torch.equal(a, b) for a, b in zip(ref, call(model, batch)))
+    assert same(ref, call(model, batch))
     extra_sound_token(batch)
     with pytest.raises(MediaAlignmentError, match="cannot drop: with sound_pad_to_clip_duration"):
         call(model, batch)
@@ -229,16 +205,67 @@ def test_last_stage_does_not_read_the_sound():
 # ---- packed dynamic resolution: img_seq_len 1, per-image counts, [sum, 1, h] --------------
 
 
-def test_packed_dynamic_count_fault_drops_the_sample():
-    batch = build(EXAMPLES)
-    assert batch.dynamic and batch.image_embeddings.shape == (24, 1, 8)
-    ref = call(standin(batch), batch)
-    batch.input_ids = batch.input_ids.clone()
-    batch.input_ids[1, 2] = IMAGE  # an image token the entries do not have
-    model, handle = guarded(batch, "drop", items=ITEMS)
+def extra_image_token(b):
+    b.input_ids = b.input_ids.clone()
+    b.input_ids[1, 2] = IMAGE  # an image token the entries do not have
+
+
+def nan_in_image_2(b):
+    b.image_embeddings = b.image_embeddings.clone()
+    b.image_embeddings[13, 0, 2] = float("nan")  # image 2 (sample 1) holds rows 12..15
+
+
+# row 1: text 0..11, <img> 12, its image 13..16, </img> 17, <so_start> 18, sound 19..23
+SOUND_PAST = [Example(text=t, images=[(64, 64)], mel_frames=40) for t in (2, 12)]
+LONG = [Example(images=[(64, 64)])] * 2 + [Example(images=[(64, 64), (256, 256)])]  # 64 rows
+ONE_DROP = {  # examples, fault, guarded(...) arguments, the fault found, the drop's mode
+    "sound-past-max-length": (
+        SOUND_PAST,
+        None,
+        {"maxlen": 21},
+        {"sample": 1, "modality": "sound", "check": "max_length", "item": 1, "got": (2,)},
+        "zero",
+    ),
+    "dynamic-count": (
+        EXAMPLES,
+        extra_image_token,
+        {"items": ITEMS},
+        {"sample": 1, "modality": "image", "check": "count", "expected": (3,), "got": (2,)},
+        "restructure",
+    ),
+    "dynamic-max-length": (
+        LONG,
+        None,
+        {"maxlen": 40},
+        {"sample": 2, "check": "max_length", "item": 3, "tiles": 64},
+        "zero",
+    ),
+    "dynamic-nan": (
+        EXAMPLES,
+        nan_in_image_2,
+        {"policy": "raise", "cfg": {"nonfinite": "drop"}},
+        {"sample": 1, "check": "nonfinite", "item": 2, "item_in_sample": 1, "got": (1,)},
+        "zero",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(ONE_DROP))
+def test_one_fault_drops_its_sample_the_others_bit_identical(case):
+    """Sound past the max length; packed dynamic resolution (img_seq_len 1, per-image
+    counts, ``[sum, 1, h]``): an image token too many, an image past the max length, NaN."""
+    examples, inject, kw, want, mode = ONE_DROP[case]
+    batch = build(examples)
+    assert batch.dynamic and batch.image_embeddings.shape[1:] == (1, 8)
+    ref = call(standin(batch, kw.get("maxlen", 4096)), batch)
+    if inject is not None:
+        inject(batch)
+    model, handle = guarded(batch, **{"policy": "drop", **kw})
     out = call(model, batch)
-    assert handle.last_result.dropped == (1,) and handle.last_result.mode == "restructure"
-    kept_identical(out, ref, {1})
+    (f,) = handle.last_result.faults
+    assert {k: getattr(f, k) for k in want} == want
+    assert handle.last_result.dropped == (want["sample"],) and handle.last_result.mode == mode
+    kept_identical(out, ref, {want["sample"]})
 
 
 def test_packed_dynamic_count_fault_without_items_drops_every_image_sample():
@@ -249,36 +276,6 @@ def test_packed_dynamic_count_fault_without_items_drops_every_image_sample():
     out = call(model, batch)
     assert handle.last_result.dropped == (0, 1, 2)
     assert (out[2][3] != 0).any() and (out[2][:3] == 0).all()
-
-
-def test_packed_dynamic_max_length_fault_drops_the_sample():
-    batch = build(
-        [
-            Example(images=[(64, 64)]),
-            Example(images=[(64, 64)]),
-            Example(images=[(64, 64), (256, 256)]),  # the second image: 64 rows
-        ]
-    )
-    ref = call(standin(batch, 40), batch)
-    model, handle = guarded(batch, "drop", maxlen=40)
-    out = call(model, batch)
-    (f,) = handle.last_result.faults
-    assert (f.sample, f.check, f.item, f.tiles) == (2, "max_length", 3, 64)
-    assert handle.last_result.mode == "zero"
-    kept_identical(out, ref, {2})
-
-
-def test_packed_dynamic_nan_drops_the_sample():
-    batch = build(EXAMPLES)
-    batch.image_embeddings = batch.image_embeddings.clone()
-    batch.image_embeddings[13, 0, 2] = float("nan")  # image 2 (sample 1) holds rows 12..15
-    ref = call(standin(batch), batch)
-    model, handle = guarded(batch, "raise", cfg={"nonfinite": "drop"})
-    out = call(model, batch)
-    assert handle.last_result.dropped == (1,) and torch.isfinite(out[0]).all()
-    (f,) = handle.last_result.faults
-    assert (f.check, f.item, f.item_in_sample, f.got) == ("nonfinite", 2, 1, (1,))
-    kept_identical(out, ref, {1})
 
 
 def test_packed_dynamic_layout_must_be_sum_by_one():
@@ -384,5 +381,5 @@ def test_encoder_hidden_state_without_sound_tokens_is_not_read():
     batch.sound_embeddings, batch.sound_embeddings_len = torch.randn(3, 2, 8), None
     ref = call(standin(batch), batch)
     model, handle = guarded(batch, "raise")
-    assert all(torch.equal(a, b) for a, b in zip(ref, call(model, batch)))
+    assert same(ref, call(model, batch))
     assert handle.last_result.ok

@@ -14,23 +14,18 @@ from hypothesis import strategies as st
 
 llava_mod = pytest.importorskip("megatron.core.models.multimodal.llava_model")
 
-from llava_standins import HAS_MCORE019, NEEDS_MCORE019, Mcore019LLaVAStandIn  # noqa: E402
+from llava_standins import HAS_MCORE019, NEEDS_MCORE019, same  # noqa: E402
+from llava_standins import omni_guard as guard  # noqa: E402
+from llava_standins import omni_standin as standin  # noqa: E402
 from omni_batches import IMAGE, SOUND, Example, build  # noqa: E402
 
-from megatron_media_guard import Grammar, GuardConfig, MediaAlignmentError, MediaGuard  # noqa: E402
+from megatron_media_guard import MediaAlignmentError  # noqa: E402
 from megatron_media_guard.adapters import guarded_by, install_llava  # noqa: E402
 from megatron_media_guard.core.host import count_transfers  # noqa: E402
-from megatron_media_guard.diagnostics import RankInfo  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not HAS_MCORE019, reason=NEEDS_MCORE019)
 LLaVAModel = llava_mod.LLaVAModel
 MAXLEN = 4096
-
-
-def standin(batch, maxlen=MAXLEN):
-    return Mcore019LLaVAStandIn(
-        maxlen, img_seq_len=batch.img_seq_len, image_token=IMAGE, sound_token=SOUND
-    )
 
 
 class OmniForwardStandIn(torch.nn.Module):
@@ -81,18 +76,8 @@ def run_forward(model, batch, positions=True):
     return model(None, batch.input_ids, pos, None, packed_seq_params=psp(batch))
 
 
-def guard(policy="raise", **cfg):
-    return MediaGuard(
-        GuardConfig(policy=policy, **cfg), Grammar.llava(IMAGE), rank=RankInfo(rank=2)
-    )
-
-
 def unguarded(batch):
     return LLaVAModel._preprocess_data(standin(batch), **batch.kwargs())
-
-
-def same(a, b):
-    return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 IMAGES_SOUND = [
@@ -126,40 +111,34 @@ def test_batches_follow_the_contract():
     assert (v.input_ids == IMAGE).sum().item() == 7
 
 
-@pytest.mark.parametrize("kind", ["image+sound", "image+video", "packed"])
-def test_aligned_omni_batches_are_bit_identical(kind):
-    batch = build(VIDEO if kind == "image+video" else IMAGES_SOUND, pack=kind == "packed")
+@pytest.mark.parametrize(
+    "kind, positions",
+    [
+        ("image+sound", "resets"),
+        ("image+video", "resets"),
+        ("packed", "resets"),
+        ("packed", None),
+        ("packed", "no-resets"),  # positions over the whole row: the two walks decide
+    ],
+)
+def test_aligned_omni_batches_are_bit_identical_with_one_transfer(kind, positions):
+    packed = kind == "packed"
+    batch = build(
+        VIDEO if kind == "image+video" else IMAGES_SOUND, pack=packed, pad_to_multiple_of=8
+    )
+    if positions == "no-resets":
+        batch.position_ids = torch.arange(batch.input_ids.shape[1]).view(1, -1)
     ref = unguarded(batch)
     model = OmniForwardStandIn(batch)
-    with install_llava(model, guard("drop")) as handle:
-        out = run_forward(model, batch)
-    assert same(ref, out) and handle.last_result.ok and handle.last_result.mode == "as-is"
-    assert handle.last_result.packed == (kind == "packed")
-    assert handle.last_result.num_samples == 3
-
-
-@pytest.mark.parametrize("positions", ["resets", None, "no-resets"])
-def test_aligned_call_with_sound_moves_data_to_host_once(positions):
-    batch = build(IMAGES_SOUND, pack=True, pad_to_multiple_of=8)
-    if positions == "no-resets":  # positions over the whole row: the two walks decide
-        batch.position_ids = torch.arange(batch.input_ids.shape[1]).view(1, -1)
-    model = OmniForwardStandIn(batch)
-    handle = install_llava(model, guard())
-    with count_transfers() as seen:
-        run_forward(model, batch, positions is not None)
-    assert sum(seen.values()) == 1, dict(seen)
-    assert [sp.merged_start for sp in handle.last_result.spans] == [0, 32, 72]
-
-
-def test_pre_hook_goes_with_remove():
-    batch = build(IMAGES_SOUND, pack=True)
-    model = OmniForwardStandIn(batch)
-    handle = install_llava(model, guard())
-    assert guarded_by(model.forward) is handle  # its pre captures packed_seq_params
-    run_forward(model, batch)
-    assert handle.last_result.packed
-    handle.remove()
-    assert "forward" not in vars(model) and "_preprocess_data" not in vars(model)
+    with install_llava(model, guard("drop")) as handle, count_transfers() as seen:
+        assert guarded_by(model.forward) is handle  # its pre captures packed_seq_params
+        out = run_forward(model, batch, positions is not None)
+    assert "forward" not in vars(model) and "_preprocess_data" not in vars(model)  # removed
+    res = handle.last_result
+    assert same(ref, out) and res.ok and res.mode == "as-is" and sum(seen.values()) == 1
+    assert res.packed == packed and res.num_samples == 3
+    if packed:
+        assert [sp.merged_start for sp in res.spans] == [0, 32, 72]
 
 
 def outside(out, ref, spans, drop):
@@ -188,7 +167,7 @@ def test_packed_row_sound_fault_in_the_middle_sub_sample(policy):
             run_forward(model, batch)
         msg = str(e.value)
         for part in (
-            "rank 2",
+            "rank 1",
             "step 4",
             "sound item 1",
             "3 sound tokens",
@@ -231,39 +210,28 @@ def test_packed_row_nan_in_the_middle_sub_sample_drops_only_it():
 
 
 @pytest.mark.parametrize("policy", ["raise", "drop"])
-def test_packed_row_count_fault_in_the_middle_names_the_sub_sample(policy):
-    batch = build(IMAGES_SOUND, pack=True, pad_to_multiple_of=4)
-    # the forward recomputes the middle sub-sample's second image as 9 tokens (the collate
-    # packed it as 4): megatron-core would place sub-sample 2 five positions late, silently
+@pytest.mark.parametrize("positions", [True, False], ids=["resets", "cu_seqlens-only"])
+def test_packed_row_count_fault_in_the_middle_names_the_sub_sample(policy, positions):
+    """The forward recomputes the middle sub-sample's second image as 9 tokens (the collate
+    packed it as 4): megatron-core would place sub-sample 2 five positions late, silently.
+    From cu_seqlens alone a length change in a text-heavy row cannot be placed: every
+    sub-sample between the boundaries both walks confirm is named."""
+    batch = build(IMAGES_SOUND, pack=True, pad_to_multiple_of=4 if positions else 1)
     batch.num_image_tiles = torch.tensor([6, 6, 9, 8], dtype=torch.int)
     batch.image_embeddings = torch.randn(29, 1, 8)
     unguarded(batch)  # no error
     model = OmniForwardStandIn(batch)
     install_llava(model, guard(policy))
     with pytest.raises(MediaAlignmentError) as e:
-        run_forward(model, batch)
+        run_forward(model, batch, positions)
     msg = str(e.value)
-    assert (
-        "sample 1 row 0: " in msg
-        and "segment:" in msg
-        and "sample 0" not in msg
-        and "sample 2" not in msg
-    )
-    assert "1 of 3 packed sub-samples" in msg
+    if not positions:
+        assert "3 of 3 packed sub-samples" in msg
+        return
+    assert "sample 1 row 0: " in msg and "segment:" in msg and "1 of 3 packed sub-samples" in msg
+    assert "sample 0" not in msg and "sample 2" not in msg
     if policy == "drop":
         assert "cannot drop" in msg
-
-
-def test_packed_row_count_fault_without_position_ids_names_the_candidates():
-    """From cu_seqlens alone a length change in a text-heavy row cannot be placed: every
-    sub-sample between the boundaries both walks confirm is named."""
-    batch = build(IMAGES_SOUND, pack=True)
-    batch.num_image_tiles = torch.tensor([6, 6, 9, 8], dtype=torch.int)
-    batch.image_embeddings = torch.randn(29, 1, 8)
-    model = OmniForwardStandIn(batch)
-    install_llava(model, guard("raise"))
-    with pytest.raises(MediaAlignmentError, match="3 of 3 packed sub-samples"):
-        run_forward(model, batch, positions=False)
 
 
 def test_packed_row_extra_image_token_in_the_middle():

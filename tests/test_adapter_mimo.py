@@ -97,18 +97,19 @@ def offsetting():
     return ids, embs, items
 
 
-def test_offsetting_error_passes_the_original_and_is_caught():
+def test_errors_the_original_passes_are_caught_under_raise():
     ids, embs, items = offsetting()
     run(TinyMimo(), ids, embs)  # megatron-core: no error, image rows shifted between samples
     model = TinyMimo()
     handle = install_mimo(model, config=GuardConfig(policy="raise"))
     handle.set_step(5)
-    handle.set_items(items)
-    with pytest.raises(MediaAlignmentError) as e:
-        run(model, ids, embs)
-    msg = str(e.value)
-    assert "sample 0" in msg and "sample 1" in msg and "step 5" in msg
-    assert e.value.context["sample"] == 0
+    for case, parts in ((offsetting, ("sample 1", "step 5")), (compensating, ("text tokens",))):
+        ids, embs, items = case()
+        handle.set_items(items)
+        with pytest.raises(MediaAlignmentError) as e:
+            run(model, ids, embs)
+        assert all(p in str(e.value) for p in ("sample 0", *parts))
+        assert e.value.context["sample"] == 0
 
 
 def test_drop_keeps_other_samples_and_exposes_the_loss_mask():
@@ -127,15 +128,7 @@ def test_drop_keeps_other_samples_and_exposes_the_loss_mask():
     assert (lm2[:2] == 0).all() and (lm2[2] == 1).all()
     assert (labels2[:2] == -100).all() and (labels2[2] == 7).all()
     assert torch.equal(handle.last_result.loss_mask[:2], torch.zeros(2, ids.shape[1]))
-
-
-def test_items_are_consumed_by_one_call():
-    ids, embs, items = offsetting()
-    model = TinyMimo()
-    handle = install_mimo(model, config=GuardConfig(policy="drop"))
-    handle.set_items(items)
-    run(model, ids, embs)
-    run(model, ids, embs)  # no items now: inferred from the runs, totals agree
+    run(model, ids, embs)  # the items went with the call: inferred from the runs, all agree
     assert handle.last_result.report.ok
 
 
@@ -176,27 +169,21 @@ def test_nonfinite_features_drop_their_sample():
 
 
 @pytest.mark.parametrize(
-    "mutate, match",
+    "mutate, cut, match",
     [
-        (lambda e: e.update(text=e["text"][:-1]), "text tokens"),
-        (lambda e: e.update(video=e["images"]), "no special token id for modality 'video'"),
+        (lambda e: e.update(text=e["text"][:-1]), None, "17 text tokens in input_ids, 16 text"),
+        (lambda e: e.update(text=e["text"][:-1]), 3, "17 text tokens in input_ids, 16 text"),
+        (lambda e: e.update(video=e["images"]), None, "no special token id for modality 'video'"),
+        (lambda e: None, 2, "items of modality 'images' declare 3"),
     ],
+    ids=["text-rows", "text-rows-with-items", "unknown-modality", "items-vs-embeddings"],
 )
-def test_bad_input_is_a_clear_error(mutate, match):
-    ids, embs, _ = make(ROWS)
+def test_bad_input_is_a_clear_error(mutate, cut, match):
+    ids, embs, items = make(ROWS)
     mutate(embs)
     model = TinyMimo()
-    install_mimo(model)
+    install_mimo(model).set_items(None if cut is None else items[:cut])
     with pytest.raises(MediaInputError, match=match):
-        run(model, ids, embs)
-
-
-def test_items_disagreeing_with_the_embeddings_are_an_input_error():
-    ids, embs, items = make(ROWS)
-    model = TinyMimo()
-    handle = install_mimo(model)
-    handle.set_items(items[:-1])
-    with pytest.raises(MediaInputError, match="items of modality 'images' declare 3"):
         run(model, ids, embs)
 
 
@@ -234,16 +221,6 @@ def test_text_count_costs_no_transfer(with_items):
         assert sum(seen.values()) == 1  # the merge's verdict only
 
 
-def test_text_rows_that_do_not_fit_the_ids_with_items_are_an_input_error():
-    ids, embs, items = make(ROWS)
-    embs["text"] = embs["text"][:-1]
-    model = TinyMimo()
-    handle = install_mimo(model)
-    handle.set_items(items)
-    with pytest.raises(MediaInputError, match="17 text tokens in input_ids, 16 text embeddings"):
-        run(model, ids, embs)
-
-
 def compensating():
     """One text row short and one image row extra: the totals still add up to b*s."""
     ids, embs, _ = make(ROWS)
@@ -276,15 +253,6 @@ def test_text_rows_offset_by_the_media_drop_every_sample(tmp_path):
     assert [r["sample"] for r in drops] == [0, 1, 2]
     assert all("17 text tokens in input_ids, 16 text embeddings" in r["reason"] for r in drops)
     assert handle.guard.counters["dropped"] == 3
-
-
-def test_text_rows_offset_by_the_media_raise_under_raise():
-    ids, embs, items = compensating()
-    model = TinyMimo()
-    handle = install_mimo(model, config=GuardConfig(policy="raise"))
-    handle.set_items(items)
-    with pytest.raises(MediaAlignmentError, match="sample 0"):
-        run(model, ids, embs)
 
 
 @pytest.mark.parametrize("device", DEVICES)

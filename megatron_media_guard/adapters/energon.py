@@ -1,11 +1,8 @@
-"""megatron-energon (Megatron's multimodal data loader): the media check inside a ``TaskEncoder``
-(recipe: docs/DATA_SIDE.md). :func:`guard_batch` runs where a task encoder has the model inputs
-of a batch (``encode_batch``) or of one sample (``postencode_sample``). A sample the check drops
-becomes energon's own ``SkipSample`` (``on_drop="skip"``, the default) or stays in the batch
-text-only with its labels ignored (``"mask"``, ``check_batch``'s drop); one the guard must raise
-for becomes ``FatalSampleError``, which energon's error handling never swallows. Mismatched
-items whose originals are given are re-processed (``policy="repair"``,
-:mod:`~megatron_media_guard.families.reprocess`). megatron-energon is imported only when needed.
+"""megatron-energon: the media check inside a ``TaskEncoder`` (recipe: docs/DATA_SIDE.md), in
+``encode_batch`` or ``postencode_sample``. A sample the check drops becomes energon's
+``SkipSample`` (``on_drop="skip"``) or stays text-only with its labels ignored (``"mask"``);
+one the guard raises for becomes ``FatalSampleError``, which energon never swallows;
+``policy="repair"`` re-processes items from the originals given. Imports energon lazily.
 """
 
 from __future__ import annotations

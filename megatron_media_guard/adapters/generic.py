@@ -1,18 +1,12 @@
-"""Guard any model's own merge function (Megatron-Bridge style custom VLMs).
+"""Guard any model's own merge function (Megatron-Bridge style custom VLMs), such as
+``merge_embeddings(inputs_embeds, input_ids, image_features)`` doing a ``masked_scatter``:
+:func:`guard_merge_fn` returns a function with its parameters (:class:`ArgMap`) that merges
+through :meth:`MediaGuard.merge` instead; :func:`install_generic` puts it on one instance.
 
-A custom model usually has a method such as ``merge_embeddings(inputs_embeds,
-input_ids, image_features)`` that does ``inputs_embeds.masked_scatter(mask, feats)``.
-:func:`guard_merge_fn` returns a function with the same parameters that performs that
-merge through :meth:`MediaGuard.merge` instead (bit-identical on aligned batches,
-per-sample checks and policies otherwise); :func:`install_generic` puts it on one
-model instance, reversibly. :class:`ArgMap` says which parameter holds what.
-
-Item metadata: an ``items`` parameter of the merge function (``ArgMap.items``),
-``handle.set_items(items)`` before the call, or ``items_provider``. Without any, a
-list of per-item feature tensors gives the items (matched to runs in order); a single
-packed tensor gets one item per placeholder run when its row count equals the
-placeholder count (:func:`infer_items`). That still catches malformed structure and
-NaN/Inf, but not errors that cancel between samples: give item metadata for those.
+Item metadata: an ``items`` parameter, ``handle.set_items`` or ``items_provider``. Without it,
+a list of per-item tensors gives the items, one packed tensor one item per placeholder run
+when the totals agree (:func:`infer_items`): structure and NaN/Inf are still checked, errors
+that cancel between samples are not.
 """
 
 from __future__ import annotations
@@ -38,12 +32,9 @@ OutputFn = Callable[[MergeResult], Any]
 
 @dataclass(frozen=True)
 class ArgMap:
-    """Parameter names of the wrapped merge function (None: not passed to it).
-
-    embeddings: ``[b, s, h]`` text embeddings (``[s, b, h]`` with ``seq_first``).
-    input_ids: ``[b, s]`` token ids. features: ``[sum n, h]`` or a list of ``[n_i, h]``.
-    items / loss_mask / labels / cu_seqlens: optional parameters carrying those.
-    """
+    """Parameter names of the wrapped merge function (None: not passed to it). embeddings:
+    ``[b, s, h]`` (``[s, b, h]`` with ``seq_first``); input_ids ``[b, s]``; features
+    ``[sum n, h]`` or a list of ``[n_i, h]``."""
 
     embeddings: str = "inputs_embeds"
     input_ids: str = "input_ids"
@@ -58,16 +49,11 @@ class ArgMap:
 def infer_items(
     parsed: ParsedRuns, totals: Mapping[str, int] | int
 ) -> tuple[tuple[MediaItem, ...], tuple[str, ...]]:
-    """One item per placeholder run (``num_features`` = run length, ``sample`` = the run's
-    sample), for each modality whose feature total equals its placeholder total.
-
-    totals: feature rows per modality, or one int for all modalities together (features
-    in token order). Returns ``(items in token order, modalities whose totals differ)``.
-    """
+    """One item per placeholder run, for each modality whose feature total (``totals``: per
+    modality, or one int for all in token order) equals its placeholder total. Returns
+    ``(items in token order, modalities whose totals differ)``."""
     runs = [r for r in parsed.runs if r.modality != "break"]
-    have: dict[str, int] = {}
-    for r in runs:
-        have[r.modality] = have.get(r.modality, 0) + r.length
+    have = _placeholders(parsed)
     if isinstance(totals, int):
         ok = sum(have.values()) == totals
         bad: tuple[str, ...] = () if ok else ("*",)
@@ -116,13 +102,9 @@ def guard_merge_fn(
     output: OutputFn | None = None,
     handle: GuardHandle | None = None,
 ) -> Callable[..., Any]:
-    """A function with ``merge_fn``'s parameters that merges through ``guard``.
-
-    The original is not called: the guard's merge is the masked scatter. Returns the
-    merged embeddings in the input layout, or ``output(result)``. The returned function
-    has ``.handle`` (``set_items``, ``set_step``, ``last_result``, ``mask_loss``) and
-    ``__wrapped__`` = ``merge_fn``.
-    """
+    """A function with ``merge_fn``'s parameters that merges through ``guard`` (the original
+    is not called) and returns the merged embeddings in the input layout, or
+    ``output(result)``; it has ``.handle`` and ``__wrapped__`` (``merge_fn``)."""
     amap = arg_map or ArgMap()
     sig = inspect.signature(merge_fn)
     for name in (amap.embeddings, amap.input_ids, amap.features):
@@ -192,17 +174,12 @@ def merge_through_guard(
 ) -> MergeResult:
     """``guard.merge`` with item metadata completed where it is missing.
 
-    features: one tensor (items in token order), a list per item, or a mapping
-    modality -> ``[n_m, h]`` (each modality's rows consumed in the items' order).
-    Without items, a modality whose feature total differs from its placeholder total
-    cannot be assigned to samples: its features are not merged (kept in the autograd
-    graph by a -0.0 term) and every sample holding its placeholders goes to the policy.
-    parsed: ``parse_runs(input_ids, guard.grammar, cu_seqlens)`` when the caller already has
-    it (items are inferred from it; otherwise it is computed here when items are missing).
-
-    Hang safety: call it inside :meth:`GuardHandle.call` (or between ``guard.begin()`` and
-    ``guard.fail``), since errors before ``guard.merge`` do not join the collective here.
-    """
+    features: one tensor (items in token order), a list per item, or a mapping modality ->
+    ``[n_m, h]``. Without items, a modality whose feature total differs from its placeholder
+    total is not merged (kept in the graph by a -0.0 term) and every sample holding its
+    placeholders goes to the policy. parsed: the caller's ``parse_runs`` of these ids, if any.
+    Call it inside :meth:`GuardHandle.call`: an error before ``guard.merge`` must still join
+    the stage's collective."""
     unused: list[torch.Tensor] = []
     note = None
     # items inferred from the runs: a mapping's, or one tensor's in token order
@@ -262,10 +239,17 @@ def merge_through_guard(
     return res
 
 
-def _totals_note(bad: Sequence[str], totals: Mapping[str, int], parsed: ParsedRuns) -> str:
-    per: dict[str, int] = {}
+def _placeholders(parsed: ParsedRuns) -> dict[str, int]:
+    """Placeholders per modality."""
+    have: dict[str, int] = {}
     for r in parsed.runs:
-        per[r.modality] = per.get(r.modality, 0) + r.length
+        if r.modality != "break":
+            have[r.modality] = have.get(r.modality, 0) + r.length
+    return have
+
+
+def _totals_note(bad: Sequence[str], totals: Mapping[str, int], parsed: ParsedRuns) -> str:
+    per = _placeholders(parsed)
     parts = []
     for m in bad:
         have = sum(per.values()) if m == "*" else per.get(m, 0)

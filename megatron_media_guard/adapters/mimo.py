@@ -1,23 +1,14 @@
 """Guard for megatron-core ``MimoModel.align_embeddings_by_token_positions``.
 
-The original gets ``modality_embeddings`` (``{"text": [num_text_tokens, h], "<modality>":
-[n_m, h], ...}``, text rows in token order), ``input_ids`` ``[b, s]`` with each item's
-placeholders expanded, and ``special_token_ids``; it returns ``[s, b, h]`` and checks only
-batch totals per modality, so errors that cancel across samples pass. The guarded version
-places the text rows as the original does (same bits, no count sync), then merges every
-modality through :meth:`MediaGuard.merge` per sample:
-
-- with item metadata (``handle.set_items`` / ``items_provider``: one :class:`MediaItem` per
-  item in token order, ``modality`` the MIMO name, ``sample`` the row): full per-item checks;
-- without: a modality whose feature total equals its placeholder total gets one inferred item
-  per placeholder run; one whose totals differ sends each sample holding it to the policy.
-
-Text rows with item metadata: when ``text rows + media rows == b*s`` an aligned verdict proves
-the text count (no transfer); else one count transfer names the mismatch. Without metadata the
-count comes from the parsed runs the items are inferred from.
-
-MIMO's forward returns ``loss_mask`` untouched: the training step applies drops with
-``loss_mask, labels = handle.mask_loss(loss_mask, labels)``.
+It gets ``modality_embeddings`` (``{"text": [num_text_tokens, h], "<modality>": [n_m, h]}``),
+``input_ids`` ``[b, s]`` with each item's placeholders expanded and ``special_token_ids``,
+returns ``[s, b, h]`` and checks only batch totals per modality. The guarded version places
+the text rows as the original does (same bits, no sync) and merges every modality through
+:meth:`MediaGuard.merge` per sample, with the items given (``handle.set_items``, one
+:class:`MediaItem` per item in token order, ``modality`` the MIMO name) or inferred
+(:func:`~.generic.merge_through_guard`). The text rows are counted only where the totals
+cannot prove them (a transfer). MIMO returns ``loss_mask`` untouched: the training step
+applies drops with ``handle.mask_loss(loss_mask, labels)``.
 """
 
 from __future__ import annotations
@@ -64,11 +55,9 @@ def install_mimo(
     step_provider: StepProvider | None = None,
     auto_step_end: bool | None = None,
 ) -> GuardHandle:
-    """Guard ``model.align_embeddings_by_token_positions`` on this instance.
-
-    guard: built from ``config`` and ``model.special_token_ids`` when None; a given
-    guard's grammar must have the same placeholders as the model's special tokens.
-    """
+    """Guard ``model.align_embeddings_by_token_positions`` on this instance. guard: built
+    from ``config`` and ``model.special_token_ids`` when None, else with the same
+    placeholders."""
     special = getattr(model, "special_token_ids", None)
     if guard is None:
         if not special:
@@ -177,12 +166,9 @@ def _check_text(n_text: int, rows: int) -> None:
 
 
 def _place_text(mask: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-    """``[b, s, h]``: the text rows at the text positions in token order, zeros elsewhere.
-
-    The same bits as the original's ``zeros.masked_scatter_(mask, text)`` when the counts
-    agree, with no host sync; rows past the end (counts that disagree) read zeros instead
-    of failing on the device.
-    """
+    """``[b, s, h]``: the text rows at the text positions in token order, zeros elsewhere:
+    the original's ``zeros.masked_scatter_(mask, text)`` bits with no host sync (rows past the
+    end, where the counts disagree, read zeros instead of failing on the device)."""
     b, s = mask.shape
     flat = mask.reshape(-1).to(text.device)
     n = text.size(0)

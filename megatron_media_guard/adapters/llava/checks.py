@@ -1,8 +1,6 @@
-"""Findings of one LLaVA ``_preprocess_data`` call, from its host facts: the images' and the
-packed sub-samples' faults per sample (:func:`image_faults`; the sound's are in :mod:`.sound`),
-and what the arguments say about their own shapes (:func:`layout_problems`, batch level).
-Loops run over samples and images, never tokens.
-"""
+"""Findings of one LLaVA ``_preprocess_data`` call from its host facts: the images' and the
+packed sub-samples' faults per sample (the sound's: :mod:`.sound`) and the arguments' shapes
+(batch level). Loops run over samples and images, never tokens."""
 
 from __future__ import annotations
 
@@ -25,8 +23,8 @@ SOUND_MODALITIES = frozenset({"sound", "audio"})
 
 @dataclass(frozen=True)
 class ImageOwners:
-    """Sample of each ``num_image_tiles`` entry (None: cannot be assigned) and whether
-    that is megatron-core's own token-order assignment (``consistent``)."""
+    """Sample of each ``num_image_tiles`` entry (None: cannot be assigned); ``consistent``:
+    that is megatron-core's own token-order assignment."""
 
     owners: tuple[int, ...] | None
     consistent: bool
@@ -69,8 +67,7 @@ def item_owners(items: Sequence[MediaItem], count: int, batch: int, what: str) -
 
 def _packed_owners(facts: LlavaFacts) -> list[int] | None:
     """Entries of a packed row whose totals disagree: the sub-samples before the unmatched
-    ones take theirs from the front, those after from the back, the first unmatched one the
-    rest (it holds every unmatched token)."""
+    ones take theirs from the front, those after from the back, the first unmatched the rest."""
     bad = [i for i, sp in enumerate(facts.spans) if not sp.resolved]
     if not bad:
         return None
@@ -167,8 +164,8 @@ def _count_faults(
 
 
 def _cross_fault(smp, j, i, facts: LlavaFacts, end, seq_len=None) -> ItemFault:
-    """Image ``j`` (the ``i``-th of sample ``smp``) expands to end at ``end``, past the max
-    length; ``seq_len``: the sample's expanded length (its span's end when None)."""
+    """Image ``j`` (the ``i``-th of sample ``smp``) ends at ``end``, past the max length;
+    ``seq_len``: the sample's expanded length (default: its span's end)."""
     L, m, t = facts.img_seq_len, facts.max_len, facts.entries[j]
     start = end - t * L
     seq_len = facts.spans[smp].merged_end if seq_len is None else seq_len
@@ -260,10 +257,9 @@ def image_faults(
 
 
 def generated_tokens(guard, a: dict) -> Generated | None:
-    """Image tokens the policy generated: under the loss mask (a collapsed grammar has no
-    regions, so the loss mask alone marks them; megatron-core's labels are never
-    ``ignore_index``, they do not count). None without a loss mask or when there is none.
-    Positions are per row here; :func:`per_sample` names the (packed) samples."""
+    """Image tokens the policy generated: those under the loss mask (a collapsed grammar has
+    no regions; megatron-core's labels are never ``ignore_index``). None without a loss mask
+    or when there is none. Positions are per row: :func:`per_sample` names the samples."""
     lm = a.get("loss_mask")
     ids = a["input_ids"]
     if not isinstance(lm, torch.Tensor) or lm.shape != ids.shape:
@@ -273,8 +269,7 @@ def generated_tokens(guard, a: dict) -> Generated | None:
 
 
 def per_sample(gen: Generated, spans) -> Generated:
-    """``gen`` with its positions grouped by the call's samples (rows, or the packed
-    sub-samples of ``spans``)."""
+    """``gen`` with its positions grouped by the call's samples (rows, or packed ``spans``)."""
     by: dict[int, tuple[int, list[int]]] = {}
     for g in gen.samples:
         for col in g.positions:
@@ -288,8 +283,7 @@ def per_sample(gen: Generated, spans) -> Generated:
 
 
 def generated_faults(gen: Generated, action: str) -> list[ItemFault]:
-    """One ``generated`` fault per sample when ``GuardConfig.generated`` drops or raises
-    (none under ``"text"``: the tokens were fed as text and the sample stays)."""
+    """One ``generated`` fault per sample, none under ``"text"`` (fed as text, kept)."""
     if action == "text":
         return []
     why = gen.reasons(action)
@@ -335,12 +329,8 @@ def _sound_problem(a: dict[str, Any], facts: LlavaFacts, padded: bool) -> str | 
 def layout_problems(
     a: dict[str, Any], model: Any, facts: LlavaFacts
 ) -> tuple[list[str], bool, bool]:
-    """``(batch-level problems, image embeddings usable, sound embeddings usable)``.
-
-    The image embeddings are checked on the first stage when the call has entries; the
-    sound embeddings when the call passes a sound tensor to a model with a sound token and
-    either sound tokens or ``sound_embeddings_len``.
-    A wrong layout names no sample (rows are concatenated): always fatal."""
+    """``(batch-level problems, image embeddings usable, sound embeddings usable)``, checked on
+    the first stage. A wrong layout names no sample (rows are concatenated): always fatal."""
     problems: list[str] = []
     img_ok = snd_ok = False
     if model.pre_process and facts.num_entries:

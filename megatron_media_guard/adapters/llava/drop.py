@@ -1,18 +1,9 @@
-"""Dropping samples of a LLaVA ``_preprocess_data`` call without copying the features.
-
-megatron-core still places every feature row; the dropped samples' positions are zeroed in its
-output afterwards (in place: the towers stay in the graph with a zero gradient). Only the small
-integer inputs are rewritten so that megatron-core's own placement stays right:
-
-- image count fault: the dropped sample's image tokens are made to match its entries (extra
-  ones become token 0, what the forward embedded there; missing ones replace its last text
-  tokens). In a packed THD row this would move the later sub-samples: such a drop raises.
-- sound count fault: its sound tokens become token 0, its clips' ``sound_embeddings_len`` 0
-  (with ``sound_pad_to_clip_duration`` every row is placed: such a drop raises).
-- entries with no image token in the batch: ``image_embeddings[:0]``, ``num_image_tiles[:0]``.
-
-Features megatron-core then does not place stay in the graph through
-:func:`~..core.apply.zero_anchor`, added to one output element.
+"""Dropping samples of a LLaVA ``_preprocess_data`` call without copying the features:
+megatron-core still places every row, the dropped samples' positions are zeroed in its output
+afterwards. Only the small integer inputs are rewritten, so that its own placement stays
+right (docs/MEGATRON.md, Policies): a dropped sample's image tokens made to match its entries,
+its sound tokens made text and its clips' lengths 0, entries no token claims cut to ``[:0]``;
+features it then does not place stay in the graph through :func:`~...core.apply.zero_anchor`.
 """
 
 from __future__ import annotations
@@ -23,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ...core.apply import dropped_tokens, zero_anchor
+from ...core.apply import dropped_tokens, mask_dropped, zero_anchor
 from ...families.inputs import placeholders_as_text
 from ...families.megatron import LLAVA
 from .checks import ImageOwners
@@ -163,23 +154,23 @@ def rewrite_inputs(a: dict[str, Any], facts: LlavaFacts, plan: DropPlan) -> Any:
 
 def finish_outputs(
     out: Any, plan: DropPlan, facts: LlavaFacts, ignore_index: int, seq_first: bool, anchor
-) -> Any:
-    """Zero the dropped samples' positions in the merged embeddings, ignore their labels and
-    zero their loss mask (in place on megatron-core's freshly made outputs), at core's
-    dropped tokens of the expanded layout."""
-    emb, labels, lmask = out[0], out[1], out[2]
+) -> tuple:
+    """megatron-core's ``(embeddings, labels, loss_mask)`` with the dropped samples' positions
+    of the expanded layout zeroed (in place) and their loss masked (core's
+    :func:`mask_dropped`), and the zero anchor added to one element."""
+    emb, labels, lmask = out
     ref = labels if labels is not None else lmask
     if ref is None and emb is not None:
         ref = emb[:, :, 0].t() if seq_first else emb[:, :, 0]
     if ref is not None and ref.numel() and plan.drops:
         lay = merged_layout(facts.spans, facts.packed, tuple(ref.shape[:2]), ref.device)
-        gone = dropped_tokens(lay, _keep(facts, plan.drops, ref.device))
+        keep = _keep(facts, plan.drops, ref.device)
         if emb is not None:
-            emb.masked_fill_((gone.t() if seq_first else gone).unsqueeze(-1), 0)
-        if labels is not None:
-            labels.masked_fill_(gone, ignore_index)
-        if lmask is not None:
-            lmask.masked_fill_(gone, 0)
+            gone = dropped_tokens(lay, keep)
+            emb.masked_fill_((gone.t() if seq_first else gone).unsqueeze(-1), 0)  # fresh output
+        if labels is not None or lmask is not None:
+            masked, labels = mask_dropped(lay, keep, lmask, labels, ignore_index)
+            lmask = masked if lmask is not None else None
     if anchor is not None and emb is not None and emb.numel():
         emb[(0,) * emb.dim()].add_(anchor.to(emb.dtype))  # -0.0: no bit changes
-    return out
+    return emb, labels, lmask

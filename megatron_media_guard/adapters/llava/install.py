@@ -1,28 +1,18 @@
-"""Guard for megatron-core ``LLaVAModel._preprocess_data`` (collapsed image tokens, sound).
-
-``install_llava(model, guard)`` hooks the method of one model instance and, on an
-``nn.Module``, its ``forward`` with a pre that captures ``packed_seq_params`` (Megatron-Bridge's
-Nemotron Omni collate packs a micro-batch into one THD row whose ``cu_seqlens`` reach
-``forward``, never ``_preprocess_data``). Before the original runs, the wrapper checks each
-sample (a row, or a packed sub-sample) with one device-to-host transfer (:mod:`.measure`):
-image tokens vs ``num_image_tiles`` entries, tiles vs item metadata, an image cut at
-``language_max_sequence_length``, NaN/Inf, sound tokens vs clip rows, packed spans the
-expansion does not fill, and (always fatal) embeddings not in the shape the entries need.
-
-Policies: ``raise``; ``drop`` (:mod:`.drop`: no feature is copied, every other sample
-bit-identical to the unguarded call); ``repair`` acts as its ``fallback`` (a fixed-size tile
-cannot be re-projected). Every stage computes the same plan from the token ids and the
-entries, so the last pipeline stage masks what the first dropped; faults only the first stage
-sees (NaN/Inf, sound) escalate to raise on a first stage that does not compute the loss.
-See docs/MEGATRON.md.
+"""Guard for megatron-core ``LLaVAModel._preprocess_data``: ``install_llava`` hooks the method
+of one instance (and, on an ``nn.Module``, a pre on ``forward`` that captures
+``packed_seq_params``: Bridge's Nemotron Omni collate packs a micro-batch into one THD row
+whose ``cu_seqlens`` never reach ``_preprocess_data``). Each call is measured in one transfer
+(:mod:`.measure`), checked (:mod:`.checks`, :mod:`.sound`), planned per sample and ended by
+core's :func:`~...core.fault_path.conclude`; ``drop`` rewrites the inputs (:mod:`.drop`),
+``repair`` acts as its ``fallback``. Faults only the first stage sees (NaN/Inf, sound) raise
+on a first stage that does not compute the loss. See docs/MEGATRON.md.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -35,7 +25,6 @@ from ...core.items import MediaItem
 from ...core.outcome import StageOutcome
 from ...core.plan import Plan, digest, worst
 from ...core.runs import TokenLayout
-from ...diagnostics import GuardRecord
 from ...errors import MediaInputError
 from ..forward_hook import CallArgs
 from ..hooks import GuardHandle, ItemsProvider, StepProvider
@@ -57,8 +46,7 @@ from .sound import sound_faults
 
 @dataclass(frozen=True)
 class LlavaResult:
-    """What one guarded ``_preprocess_data`` call found and did (``handle.last_result``).
-
+    """What one guarded ``_preprocess_data`` call found and did (``handle.last_result``);
     spans: where each sample lies (rows, or packed sub-samples of ``cu_seqlens``)."""
 
     step: int | None
@@ -66,7 +54,7 @@ class LlavaResult:
     num_samples: int
     actions: tuple[str, ...]
     faults: tuple[ItemFault, ...]
-    mode: str  # "as-is", "zero" (dropped positions zeroed) or "restructure"
+    mode: Literal["as-is", "zero", "restructure"]  # zero: the dropped positions zeroed
     stage: StageOutcome | None
     spans: tuple[Span, ...] = ()
     packed: bool = False
@@ -110,30 +98,6 @@ class LlavaHandle(GuardHandle):
     def take_packed(self) -> tuple[Any, Any]:
         out, self._packed = self._packed, (None, None)
         return out
-
-    def install_llava(self) -> LlavaHandle:
-        """Hooks ``_preprocess_data`` and, on an ``nn.Module``, ``forward`` (its pre captures
-        ``packed_seq_params``)."""
-        self.install(self._around)
-        self._sig = inspect.signature(self.original)
-        module = self.module
-        if isinstance(module, torch.nn.Module):
-            fsig = inspect.signature(module.forward)
-
-            def capture(args: tuple, kwargs: dict) -> None:
-                try:
-                    call = CallArgs(fsig, args, kwargs)
-                except TypeError:  # the forward reports its own signature error
-                    return
-                psp = call.get("packed_seq_params")
-                self._packed = (psp, call.get("position_ids") if psp is not None else None)
-
-            try:
-                self.hook(module, "forward", pre=capture)
-            except MediaInputError:
-                self.remove()
-                raise
-        return self
 
     def remove(self) -> None:
         super().remove()
@@ -180,7 +144,25 @@ def install_llava(
         step_provider=step_provider,
         auto_step_end=auto_step_end,
     )
-    return handle.install_llava()
+    handle.install(handle._around)
+    handle._sig = inspect.signature(handle.original)
+    if isinstance(model, torch.nn.Module):
+        fsig = inspect.signature(model.forward)
+
+        def capture(args: tuple, kwargs: dict) -> None:
+            try:
+                call = CallArgs(fsig, args, kwargs)
+            except TypeError:  # the forward reports its own signature error
+                return
+            psp = call.get("packed_seq_params")
+            handle._packed = (psp, call.get("position_ids") if psp is not None else None)
+
+        try:
+            handle.hook(model, "forward", pre=capture)
+        except MediaInputError:
+            handle.remove()
+            raise
+    return handle
 
 
 def _checks(handle: LlavaHandle, a: dict[str, Any], cu, pos, img_items, snd_items):
@@ -260,27 +242,45 @@ def _run(handle: LlavaHandle, ba: inspect.BoundArguments, step, mb) -> Any:
             for smp in drops:
                 actions[smp], why_raise[smp] = "raise", f"cannot drop: {plan.problem}"
             drops, plan = [], None
-    text = []
+
+    # the records, the raise message and the plan, agreed with the stage by core's conclusion
+    sids = {it.sample: it.sample_id for it in reversed(img_items or ()) if it.sample_id is not None}
+    ctx = FaultContext("llava", lambda smp: facts.spans[smp].row, sids.get, why_raise)
+    recs = [
+        *fault_records(faults, actions, ctx, step=step, microbatch=mb),
+        *batch_records(batch_fatal, notes, ctx.adapter, step, mb),
+    ]
     if gen is not None and cfg.generated == "text":
         kept = {s for s, x in enumerate(actions) if x == "keep"}
-        text = [
+        recs += [
             replace(rec, extra={**rec.extra, "adapter": "llava"})
             for rec in text_records(gen, step, mb, PAD_TOKEN, kept)
         ]
-    stage = settle(
-        guard,
-        facts,
-        img_own.owners,
-        faults,
+    found = [(f.check, f.modality, f.sample, f.item) for f in faults]
+    owners = img_own.owners
+    plan_digest = digest(
+        facts.tokens,
+        facts.entries,
+        owners,
         actions,
-        batch_fatal=batch_fatal,
-        notes=notes,
-        why_raise=why_raise,
-        items=img_items,
-        records=text,
-        ids=a["input_ids"],
+        facts.img_seq_len,
+        facts.max_len,
+        found,
+        batch_fatal,
+    )
+    stage = conclude(
+        guard,
+        Plan(tuple(actions), (), plan_digest),
+        recs,
         step=step,
-        mb=mb,
+        microbatch=mb,
+        mismatched=len({f.sample for f in faults}),
+        summary=_summary(facts),
+        what="LLaVA _preprocess_data",
+        unit="packed sub-samples" if facts.packed else "samples",
+        caller="megatron_media_guard.adapters.llava",
+        bundle=_bundle(guard, facts, faults, owners, img_items, a["input_ids"], step, mb),
+        samples=facts.batch,
     )
     mode = "as-is" if plan is None else ("restructure" if plan.restructures else "zero")
     result = LlavaResult(
@@ -299,9 +299,6 @@ def _run(handle: LlavaHandle, ba: inspect.BoundArguments, step, mb) -> Any:
         )
     seq_first = getattr(m, "context_parallel_lm", 1) == 1
     return finish_outputs(out, plan, facts, cfg.ignore_index, seq_first, anchor)
-
-
-_CALLER = "megatron_media_guard.adapters.llava"
 
 
 def _summary(facts: LlavaFacts) -> str:
@@ -333,55 +330,4 @@ def _bundle(guard, facts: LlavaFacts, faults, owners, items, ids, step, mb):
         ]
     return lambda: save_replay(
         guard, input_ids=ids, items=items, cu_seqlens=None, step=step, microbatch=mb, report=None
-    )
-
-
-def settle(
-    guard,
-    facts: LlavaFacts,
-    owners,
-    faults: Sequence[ItemFault],
-    actions: Sequence[str],
-    *,
-    batch_fatal: Sequence[str],
-    notes: Sequence[str],
-    why_raise: dict[int, str],
-    items: Sequence[MediaItem] | None,
-    records: Sequence[GuardRecord],
-    ids,
-    step,
-    mb,
-):
-    """Records, raise message and plan of this call, agreed with the stage and counted by
-    core's conclusion (:func:`~megatron_media_guard.core.fault_path.conclude`)."""
-    sids = {it.sample: it.sample_id for it in reversed(items or ()) if it.sample_id is not None}
-    ctx = FaultContext("llava", lambda smp: facts.spans[smp].row, sids.get, why_raise)
-    plan_digest = digest(
-        facts.tokens,
-        facts.entries,
-        owners,
-        actions,
-        facts.img_seq_len,
-        facts.max_len,
-        [(f.check, f.modality, f.sample, f.item) for f in faults],
-        batch_fatal,
-    )
-    recs = [
-        *fault_records(faults, actions, ctx, step=step, microbatch=mb),
-        *batch_records(batch_fatal, notes, ctx.adapter, step, mb),
-        *records,
-    ]
-    return conclude(
-        guard,
-        Plan(tuple(actions), (), plan_digest),
-        recs,
-        step=step,
-        microbatch=mb,
-        mismatched=len({f.sample for f in faults}),
-        summary=_summary(facts),
-        what="LLaVA _preprocess_data",
-        unit="packed sub-samples" if facts.packed else "samples",
-        caller=_CALLER,
-        bundle=_bundle(guard, facts, faults, owners, items, ids, step, mb),
-        samples=facts.batch,
     )

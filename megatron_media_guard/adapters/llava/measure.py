@@ -1,9 +1,6 @@
 """Device-side facts of one LLaVA ``_preprocess_data`` call, moved to the host once
-(:func:`measure`): per sample (a row, or a sub-sample of one packed row, :mod:`.packed`) its
-image / sound / text tokens, the image whose expansion crosses
-``language_max_sequence_length``, the sound tokens past it; per entry and clip the NaN/Inf
-counts. Nothing here loops over tokens.
-"""
+(:func:`measure`), per sample (a row, or a packed sub-sample, :mod:`.packed`), entry and clip.
+Nothing here loops over tokens."""
 
 from __future__ import annotations
 
@@ -23,15 +20,12 @@ _BIG = 2**62
 
 @dataclass(frozen=True)
 class LlavaFacts:
-    """Host-side facts of one call (see :func:`measure`).
-
-    Per sample: tokens (image), sound, text, cross_image / cross_end (first image, in
-    ``num_image_tiles`` order, whose expansion ends past the max length, and that end;
-    ``num_entries`` / -1 when none), sound_past (sound tokens placed past the max
-    length). Per entry: entries (``num_image_tiles``), entry_bad (units holding NaN/Inf;
-    empty when not checked). Per clip: clip_rows (sound rows megatron-core takes from
-    it), clip_bad (rows holding NaN/Inf; empty when not checked). spans: per sample.
-    """
+    """Host-side facts of one call. Per sample: tokens (image), sound, text, cross_image /
+    cross_end (the first image whose expansion ends past the max length, and that end;
+    ``num_entries`` / -1 when none), sound_past (sound tokens placed past it), spans. Per
+    entry: entries (``num_image_tiles``), entry_bad (units holding NaN/Inf). Per clip:
+    clip_rows (rows megatron-core takes), clip_bad (rows holding NaN/Inf). The NaN/Inf
+    counts are empty when not checked."""
 
     batch: int
     row_length: int
@@ -95,14 +89,10 @@ def measure(
     boundaries: Boundaries | None = None,
 ) -> LlavaFacts:
     """Everything the checks need from the bound arguments ``a`` of one ``_preprocess_data``
-    call on ``model``, in one device-to-host transfer.
-
-    The embeddings are read on the first stage only: ``image_embeddings`` ``[img_seq_len,
-    tiles, h]``, or ``[sum(num_image_tiles), 1, h]`` with ``is_packed_dynamic_res``;
-    ``sound_embeddings`` ``[T, clips, h]`` with ``sound_embeddings_len`` rows per clip (every
-    row with ``sound_pad_to_clip_duration``). cu_seqlens: sub-sample boundaries of a single
-    packed row, in merged positions (None: the rows are the samples).
-    """
+    call, in one device-to-host transfer. The embeddings (first stage only):
+    ``image_embeddings`` ``[img_seq_len, tiles, h]`` (``[sum(num_image_tiles), 1, h]`` with
+    ``is_packed_dynamic_res``), ``sound_embeddings`` ``[T, clips, h]``. cu_seqlens: the
+    sub-sample boundaries of one packed row, in merged positions (None: rows are samples)."""
     first, packed_rows = bool(model.pre_process), bool(a.get("is_packed_dynamic_res"))
     input_ids, counts = a["input_ids"], a.get("num_image_tiles")
     image_token_index = int(a["image_token_index"])
@@ -146,7 +136,6 @@ def measure(
             raise MediaInputError(f"packed cu_seqlens need input_ids [1, s], got [{b}, {s}]")
         cu = torch.as_tensor(cu_seqlens).to(dev, i64).reshape(-1)
         k = cu.numel() - 1
-
         rev = n - ph.sum() + img_idx  # entry of each image counted from the last one
         sample_of, seg_parts = device_segments(
             start=start[0],
@@ -157,24 +146,18 @@ def measure(
             position_ids=position_ids,
             boundaries=boundaries,
         )
-        nb = k + 1  # the last bin collects tokens after the last sub-sample
-
-        def count(x: torch.Tensor) -> torch.Tensor:
-            out = torch.zeros(nb, dtype=i64, device=dev)
-            return out.scatter_add_(0, sample_of.reshape(-1), x.reshape(-1).to(i64))[:k]
-
-        def first(x: torch.Tensor, init: int) -> torch.Tensor:
-            out = torch.full((nb,), init, dtype=i64, device=dev)
-            return out.scatter_reduce_(0, sample_of.reshape(-1), x.reshape(-1), "amin")[:k]
-
-    else:  # the rows are the samples: plain row reductions
+    else:  # the rows are the samples
         k = b
+        sample_of = torch.arange(b, device=dev).view(b, 1).expand(b, s)
+    of = sample_of.reshape(-1)  # bin k collects a packed row's tokens after its last sub-sample
 
-        def count(x: torch.Tensor) -> torch.Tensor:
-            return x.to(i64).sum(1)
+    def count(x: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(k + 1, dtype=i64, device=dev)
+        return out.scatter_add_(0, of, x.reshape(-1).to(i64))[:k]
 
-        def first(x: torch.Tensor, init: int) -> torch.Tensor:
-            return x.amin(1) if s else torch.full((b,), init, dtype=i64, device=dev)
+    def first(x: torch.Tensor, init: int) -> torch.Tensor:
+        out = torch.full((k + 1,), init, dtype=i64, device=dev)
+        return out.scatter_reduce_(0, of, x.reshape(-1), "amin")[:k]
 
     cross = valid & (last >= max_len)
     cross_end = first(torch.where(cross, last + 1, _BIG), _BIG)

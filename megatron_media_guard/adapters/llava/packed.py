@@ -2,22 +2,19 @@
 call's samples as core's :class:`~...core.runs.TokenLayout` (rows, or packed sub-samples by
 their compact or merged boundaries), on which the drop rewrites and masks.
 
-The collate concatenates compact rows into one ``[1, total]`` row; ``forward`` gets
-``packed_seq_params`` whose ``cu_seqlens_q(_padded)`` are the boundaries *after* the image
-expansion, and ``position_ids`` that restart at 0 at each sub-sample (captured by the
-adapter's forward pre-hook: ``_preprocess_data`` sees neither).
-
-Compact boundaries come from the position resets when there is one per sub-sample, else from
-the expansion: the token that starts exactly at ``cu_seqlens[i]``, looked for from the row's
-start (entries in token order) and from its end (entries from the last image back). Only a
-boundary both walks find at the same token is confirmed; sub-samples between confirmed ones
-with unconfirmed ones inside are unmatched together.
+The collate concatenates compact rows into one ``[1, total]`` row; ``packed_seq_params``'
+``cu_seqlens_q(_padded)`` are the boundaries *after* the image expansion, ``position_ids``
+restart at 0 at each sub-sample. Compact boundaries come from those resets when there is one
+per sub-sample, else from two walks of the expansion (entries from the row's start, and from
+its end): only a boundary both find at the same token is confirmed; the sub-samples between
+confirmed ones are unmatched together when one inside is not.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -60,8 +57,7 @@ class Boundaries:
 
 
 def sample_layout(ids: torch.Tensor, grammar: Grammar, spans, packed: bool) -> TokenLayout:
-    """The call's samples as core's token layout over ``ids`` ``[b, s]``: the rows, or the
-    packed sub-samples at their compact columns (``spans``, :class:`Span`)."""
+    """The call's samples over ``ids`` ``[b, s]``: rows, or the sub-samples' compact columns."""
     cu = None
     if packed:
         cu = torch.tensor([sp.start for sp in spans] + [spans[-1].end]).to(ids.device)
@@ -69,9 +65,8 @@ def sample_layout(ids: torch.Tensor, grammar: Grammar, spans, packed: bool) -> T
 
 
 def merged_layout(spans, packed: bool, shape: tuple[int, int], device) -> TokenLayout:
-    """The call's samples in megatron-core's expanded output ``[b, S]`` (rows, or the packed
-    sub-samples' merged spans): a layout whose tokens are positions (only its samples are
-    read)."""
+    """The call's samples in megatron-core's expanded output ``[b, S]`` (rows, or the
+    sub-samples' merged spans); only the layout's samples are read, not its tokens."""
     cu = None
     if packed:
         cu = torch.tensor([sp.merged_start for sp in spans] + [spans[-1].merged_end])
@@ -81,8 +76,8 @@ def merged_layout(spans, packed: bool, shape: tuple[int, int], device) -> TokenL
 
 
 def _landing(start, total, cu, lens_rev, s):
-    """Compact index of each boundary of ``cu`` found from the row's start (``f``, landed
-    ``lf``) and from its end (``g``, landed ``lg``)."""
+    """Compact index of each boundary of ``cu`` found from the row's start (``f``; ``lf``:
+    a token starts exactly there) and from its end (``g``, ``lg``)."""
     f = torch.searchsorted(start, cu)
     lf = (f < s) & (start.gather(0, f.clamp(max=s - 1)) == cu)
     f[-1], lf[-1] = s, total == cu[-1]  # the last sub-sample ends with the row
@@ -97,9 +92,8 @@ def _landing(start, total, cu, lens_rev, s):
 
 
 def _from_positions(pos: torch.Tensor, s: int) -> torch.Tensor:
-    """Sub-sample of each of the ``s`` columns of a row whose sub-samples start at compact
-    columns ``pos`` (k: after the last), numbered as core's :class:`TokenLayout` numbers a
-    packed row's samples (not built here: its bounds cost a host copy on the aligned path)."""
+    """Sub-sample of each of the ``s`` columns (k: after the last) from the compact starts
+    ``pos``, as :class:`TokenLayout` numbers them (not built here: a host copy)."""
     col = torch.arange(s, device=pos.device)
     return (torch.searchsorted(pos, col, right=True) - 1).clamp(min=0)
 
@@ -157,9 +151,7 @@ def host_spans(h: dict[str, tuple[int, ...]], s: int) -> tuple[Span, ...] | Boun
     """The sub-samples' spans, or the boundaries to count again with (second pass)."""
     cu = h["cu"]
     k = len(cu) - 1
-    pos = [0]
-    for n in h["ncols"]:
-        pos.append(pos[-1] + n)
+    pos = [0, *accumulate(h["ncols"])]  # compact start of each sub-sample
     fits = _fits(h, [cu[i + 1] - cu[i] for i in range(k)])
 
     def spans() -> tuple[Span, ...]:

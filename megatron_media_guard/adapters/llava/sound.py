@@ -1,15 +1,8 @@
-"""Sound as a LLaVA modality (megatron-core 0.19: ``sound_embeddings`` /
-``sound_embeddings_len``).
-
-megatron-core places one sound embedding row at each sound token
-(``self.sound_token_index``, one token per row: sound tokens are not expanded), taking
-``sound_embeddings_len[c]`` rows of clip ``c`` (every row with
-``sound_pad_to_clip_duration``) in token order, with no count check. Here clips are
-assigned to samples by the item metadata (``MediaItem(modality="sound")``, one per clip)
-or by walking the per-sample sound token counts against the clips' rows from both ends
-of the batch: a sample whose tokens are not a whole number of clips stops the walk, so
-one short or long sample is bracketed and named. Loops run over samples and clips.
-"""
+"""Sound as a LLaVA modality (megatron-core 0.19): one ``sound_embeddings`` row per sound
+token (not expanded), ``sound_embeddings_len[c]`` rows of clip ``c`` (every row with
+``sound_pad_to_clip_duration``) in token order, with no count check. Clips go to samples by
+the item metadata (``MediaItem(modality="sound")``, one per clip) or by walking the sound
+token counts against the clips' rows from both ends (:func:`clip_owners`)."""
 
 from __future__ import annotations
 
@@ -24,16 +17,14 @@ from .measure import LlavaFacts
 
 @dataclass(frozen=True)
 class ClipOwners:
-    """Clips of each sample (``clips[i]``) and the samples whose sound tokens match their
-    clips' rows (``matched``): megatron-core's token-order placement is right for them."""
+    """Clips of each sample; ``matched``: its sound tokens match its clips' rows."""
 
     clips: tuple[tuple[int, ...], ...]
     matched: tuple[bool, ...]
 
 
 def _walk(tokens: Sequence[int], rows: Sequence[int]) -> tuple[list[list[int]], int]:
-    """Clips of the leading samples whose sound tokens are whole clips, and the clips they
-    use; stops at the first sample that is not."""
+    """Clips of the leading samples whose sound tokens are whole clips, and how many."""
     out: list[list[int]] = []
     c = 0
     for need in tokens:
@@ -51,10 +42,8 @@ def _walk(tokens: Sequence[int], rows: Sequence[int]) -> tuple[list[list[int]], 
 
 def clip_owners(facts: LlavaFacts, items: Sequence[MediaItem] | None) -> ClipOwners:
     """Clips per sample. From the front and from the back, samples are matched while their
-    tokens are whole clips. A wrong sample lies where both walks allow it: after the
-    front-matched ones it needs and before the back-matched ones; those candidates are
-    unmatched, the first takes the clips left between the two walks (when the walks overlap
-    several samples are candidates: the error cannot be placed more closely)."""
+    tokens are whole clips; the samples between the two walks are unmatched (one, unless the
+    walks overlap), the first of them taking the clips left between."""
     B, rows, C = facts.batch, facts.clip_rows, len(facts.clip_rows)
     if items is not None:
         owners = item_owners(items, C, B, "sound")
@@ -81,8 +70,8 @@ def clip_owners(facts: LlavaFacts, items: Sequence[MediaItem] | None) -> ClipOwn
 def sound_faults(
     facts: LlavaFacts, items: Sequence[MediaItem] | None, sound_known: bool
 ) -> tuple[list[ItemFault], ClipOwners | None]:
-    """Count, max-length and NaN/Inf faults of the sound; (``[]``, None) when this stage
-    does not see the sound (no ``sound_embeddings``) or the model has no sound token."""
+    """Count, max-length and NaN/Inf faults of the sound; ``([], None)`` where this stage does
+    not see it or the model has no sound token."""
     if not sound_known or facts.sound_token_index is None:
         return [], None
     own = clip_owners(facts, items)
