@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from megatron_media_guard.cli import main
 from megatron_media_guard.diagnostics import (
     file_name,
-    report_lines,
+    report,
 )
 from megatron_media_guard.diagnostics.report import summarize
 from megatron_media_guard.diagnostics.report_format import format_summary
@@ -77,7 +77,7 @@ def test_report_skips_an_unreadable_file(tmp_path, monkeypatch):
             raise PermissionError(13, "Permission denied", str(path))
         return real_open(path, *a, **kw)
 
-    monkeypatch.setattr(report_lines.os, "open", deny)
+    monkeypatch.setattr(report.os, "open", deny)
     s = summarize(tmp_path, jobs=1)
     assert s.records == 3 and "Permission denied" in s.skipped_files[str(bad)]
 
@@ -173,7 +173,7 @@ def test_template_fast_path_matches_a_full_parse(tmp_path_factory, rows):
         out.append(text)
     (d / file_name(0)).write_text("".join(out))
     fast = summarize(d, jobs=1).to_dict()
-    import megatron_media_guard.diagnostics.report_aggregate as agg
+    import megatron_media_guard.diagnostics.report as agg
 
     real = agg.template_match
     try:

@@ -19,10 +19,10 @@ from megatron_media_guard.diagnostics import (
     GuardRecord,
     RankInfo,
     file_name,
-    report_aggregate,
+    report,
 )
 from megatron_media_guard.diagnostics.report import ReportSummary, summarize
-from megatron_media_guard.diagnostics.report_aggregate import _HeavyHitters
+from megatron_media_guard.diagnostics.report_grid import _HeavyHitters
 from megatron_media_guard.diagnostics.report_format import format_summary
 from megatron_media_guard.errors import MediaInputError
 
@@ -259,8 +259,8 @@ def test_heavy_hitters_merge_matches_one_pass():
 
 
 def test_reason_classes_and_keys_are_capped(tmp_path, monkeypatch):
-    monkeypatch.setattr(report_aggregate, "LABEL_CAP", 3)
-    monkeypatch.setattr(report_aggregate, "COMBO_CAP", 5)
+    monkeypatch.setattr(report, "LABEL_CAP", 3)
+    monkeypatch.setattr(report, "COMBO_CAP", 5)
     write(tmp_path, 0, [raw(event="drop", reason=f"kind{chr(97 + i)} {i}") for i in range(10)])
     s = summarize(tmp_path)
     assert s.count("drop") + s.count("(other)") == 10

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from megatron_media_guard.cli import main
 from megatron_media_guard.diagnostics import (
     file_name,
-    report_aggregate,
+    report,
 )
 from megatron_media_guard.diagnostics.report import summarize
 from megatron_media_guard.diagnostics.report_format import format_summary
@@ -176,7 +176,7 @@ def test_series_bars_count_every_record(tmp_path):
 
 @pytest.mark.parametrize("cap", [4, 16, 64])
 def test_heat_grid_stays_bounded_and_exact(tmp_path, monkeypatch, cap):
-    monkeypatch.setattr(report_aggregate, "HEAT_CAP", cap)
+    monkeypatch.setattr(report, "HEAT_CAP", cap)
     rows = wide_and_tall()
     write_run(tmp_path, rows)
     s = summarize(tmp_path, jobs=1)

@@ -61,6 +61,33 @@ def get_logger() -> logging.Logger:
     return logger
 
 
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def open_regular(path: str | os.PathLike[str], flags: int) -> int:
+    """``os.open`` of a regular file, never blocking: opened with ``O_NONBLOCK`` (a FIFO
+    without a peer opens at once), then anything but a regular file is closed and refused
+    with an OSError naming its kind, and the descriptor is made blocking again."""
+    flags |= getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags, 0o644)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _KINDS if test(mode)), "special file")
+            raise OSError(f"not a regular file ({kind})")
+        os.set_blocking(fd, True)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _caller_name(depth: int) -> str | None:
     try:
         frame = sys._getframe(depth + 1)
@@ -202,20 +229,11 @@ class DiagnosticsLog:
             self._close_fd()
         assert self.path is not None
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # O_NONBLOCK: a FIFO at the path must not block the open (fstat refuses it below)
-        flags = os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | os.O_NONBLOCK
+        flags = os.O_APPEND | os.O_CREAT
         try:
-            fd, self._readable = os.open(self.path, flags | os.O_RDWR, 0o644), True
+            fd, self._readable = open_regular(self.path, flags | os.O_RDWR), True
         except PermissionError:  # a write-only file: append without reading the tail back
-            fd, self._readable = os.open(self.path, flags | os.O_WRONLY, 0o644), False
-        try:
-            mode = os.fstat(fd).st_mode
-            if not stat.S_ISREG(mode):
-                raise OSError(f"{self.path} is not a regular file (mode {stat.filemode(mode)})")
-            os.set_blocking(fd, True)
-        except OSError:
-            os.close(fd)
-            raise
+            fd, self._readable = open_regular(self.path, flags | os.O_WRONLY), False
         self._fd, self._fd_pid, self._end = fd, pid, None  # None: check the tail first
         return fd
 

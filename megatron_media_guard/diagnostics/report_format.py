@@ -18,8 +18,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .records import cut_words, summary_line
-from .report_aggregate import OFFENDING_EVENTS, _event_order
-from .report_summary import ReportSummary
+from .report import ReportSummary, _event_order
+from .report_lines import OFFENDING_EVENTS
 
 _CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 _ID_LEN = 80

@@ -1,6 +1,6 @@
 """The post-mortem as one self-contained page (``media-guard report DIR --html FILE``).
 
-Renders a :class:`~.report_summary.ReportSummary` (the streaming reader's bounded counters,
+Renders a :class:`~.report.ReportSummary` (the streaming reader's bounded counters,
 nothing re-read) as HTML with inline CSS and SVG: no script, no font, no network access, so
 it opens from a ``file://`` URL and survives being mailed. Sections: the run's span and first
 fatal; a rank x step heatmap of drop/repair/raise/budget records (binned to at most
@@ -25,9 +25,8 @@ from collections.abc import Mapping, Sequence
 from os import PathLike
 from pathlib import Path
 
-from .report_aggregate import HEAT_EVENTS
+from .report import HEAT_EVENTS, GridCounts, ReportSummary
 from .report_format import _namer, fatal_text, neutralise
-from .report_summary import GridCounts, ReportSummary
 
 MAX_ROWS = 128  # heatmap rows (rank bins)
 MAX_COLS = 200  # heatmap and chart columns (step bins)
