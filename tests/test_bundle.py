@@ -25,12 +25,13 @@ from megatron_media_guard import (
     MediaInputError,
     MediaItem,
 )
+from megatron_media_guard.cli import main
 from megatron_media_guard.diagnostics import RankInfo
 from megatron_media_guard.replay import bundle_load, bundle_save
 from megatron_media_guard.replay.bundle import FORMAT, BundleError, report_summary
 from megatron_media_guard.replay.bundle_load import load_bundle
 from megatron_media_guard.replay.bundle_save import save_bundle
-from megatron_media_guard.replay.rerun import replay, replay_main
+from megatron_media_guard.replay.rerun import replay
 from megatron_media_guard.testing import TEST_GRAMMARS, build_batch, inject, random_layout
 
 Q = TEST_GRAMMARS["qwen"]
@@ -231,18 +232,18 @@ def _bundle(tmp_path, fault):
     )
 
 
-def test_replay_main_exit_codes(tmp_path, capsys, backend):
+def test_replay_exit_codes(tmp_path, capsys, backend):
     ok, bad = _bundle(tmp_path, "none"), _bundle(tmp_path, "budget_shrink")
-    assert replay_main([str(ok)]) == 0
+    assert main(["replay", str(ok)]) == 0
     assert "Media alignment ok (replay of rank 3, step 2)" in capsys.readouterr().out
-    assert replay_main([str(bad)]) == 1
+    assert main(["replay", str(bad)]) == 1
     out = capsys.readouterr().out
     assert "Media alignment failed (replay of rank 3, step 2)" in out and "sample 0" in out
-    assert replay_main([str(bad), "--json"]) == 1
+    assert main(["replay", str(bad), "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
     assert doc["aligned"] is False and doc["mismatched"] == [0] == doc["saved_mismatched"]
     assert doc["report"]["mismatched"][0]["status"] == "surplus"
-    assert replay_main([]) == 2  # usage error; bad bundles: test_hostile_replay, test_cli_ops
+    assert main(["replay"]) == 2  # usage error; bad bundles: test_hostile_replay, test_cli_ops
 
 
 # ---- corrupt, partial and hostile bundles: tests/test_hostile_replay.py ------------------
@@ -377,8 +378,6 @@ def test_bad_arguments_raise(tmp_path, case):
 
 def test_guard_saves_a_bundle_that_replays_to_the_same_diagnostic(tmp_path):
     """dump_dir wired into the merge: the raise names the bundle, replay reproduces it."""
-    from megatron_media_guard.cli import main as cli_main
-
     batch = inject(Q, [[("image", 4)], [("video", 6)]], "budget_shrink")
     feats = batch.features(8)
     guard = MediaGuard(GuardConfig(dump_dir=str(tmp_path)), grammar=Q, rank=RankInfo(rank=2))
@@ -388,4 +387,4 @@ def test_guard_saves_a_bundle_that_replays_to_the_same_diagnostic(tmp_path):
         )
     path = str(info.value).split("replay bundle: ")[1].strip()
     assert path.endswith(".bundle")
-    assert cli_main(["replay", path]) == 1
+    assert main(["replay", path]) == 1

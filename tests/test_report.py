@@ -12,7 +12,7 @@ from family_checks import record_line
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_media_guard.cli import SUBCOMMANDS, main, register
+from megatron_media_guard.cli import main
 from megatron_media_guard.diagnostics import (
     EVENTS,
     DiagnosticsLog,
@@ -437,15 +437,6 @@ def test_cli_text_file_named_like_a_log_is_malformed(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 0
     out, err = capsys.readouterr()
     assert "1 malformed line(s)" in err and "0 torn" in err and "torn last line" not in out
-
-
-def test_register_adds_a_subcommand(capsys):
-    seen = []
-    register("echo-test", "test", lambda p: p.add_argument("x"), lambda a: seen.append(a.x) or 5)
-    try:
-        assert main(["echo-test", "hi"]) == 5 and seen == ["hi"]
-    finally:
-        del SUBCOMMANDS["echo-test"]
 
 
 def test_summary_is_frozen(tmp_path):

@@ -31,11 +31,11 @@ from .bundle_limits import (
     DEFAULT_MAX_BYTES,
     LimitError,
     check_loaded,
+    check_meta,
     check_safetensors,
     check_torch_zip,
     max_bytes_from_env,
 )
-from .bundle_meta import check_meta
 
 _META_ERRORS = (KeyError, TypeError, ValueError, AttributeError, RecursionError, MediaGuardError)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +25,6 @@ from ..diagnostics import where_text
 from ..diagnostics.records import cut_words
 from ..diagnostics.report_format import neutralise
 from ..errors import MediaGuardError
-from .args import add_replay_arguments
 from .bundle import BundleError, _json_default, report_summary
 from .bundle_load import Bundle, load_bundle
 
@@ -106,7 +104,7 @@ def run_replay(args: argparse.Namespace) -> int:
     (one line on stderr saying why, and with ``--json`` one JSON object on stdout; never a
     traceback, never 1)."""
     try:
-        result = replay(load_bundle(args.bundle, max_bytes=getattr(args, "max_bytes", None)))
+        result = replay(load_bundle(args.bundle, max_bytes=args.max_bytes))
     except MediaGuardError as err:
         return _bad_bundle(args, _one_line(str(err)))
     except Exception as err:  # whatever an invalid bundle trips in the replay itself
@@ -123,7 +121,7 @@ def run_replay(args: argparse.Namespace) -> int:
 
 def _bad_bundle(args: argparse.Namespace, why: str) -> int:
     print(f"media-guard replay: {neutralise(why)}", file=sys.stderr)
-    if getattr(args, "json", False):
+    if args.json:
         out = {"path": str(args.bundle), "error": neutralise(why), "exit": EXIT_BAD_BUNDLE}
         print(json.dumps(out))
     return EXIT_BAD_BUNDLE
@@ -131,16 +129,3 @@ def _bad_bundle(args: argparse.Namespace, why: str) -> int:
 
 def _one_line(text: str) -> str:
     return cut_words(" ".join(text.split()), 400)
-
-
-def replay_main(argv: Sequence[str] | None = None) -> int:
-    """``media-guard replay BUNDLE [--json]`` as a function; returns the exit code."""
-    parser = argparse.ArgumentParser(
-        prog="media-guard replay", description="re-run the check on a saved micro-batch"
-    )
-    add_replay_arguments(parser)
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as stop:
-        return stop.code if isinstance(stop.code, int) else EXIT_BAD_BUNDLE
-    return run_replay(args)
