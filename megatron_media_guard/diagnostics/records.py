@@ -1,10 +1,7 @@
 """Schema v1 of the per-rank diagnostics (docs/DIAGNOSTICS.md): :class:`GuardRecord`, where it
-comes from (:class:`RankInfo`), the JSON object it is written as (:func:`build_record`) and its
-one human line (:func:`summary_line`); :mod:`.log` writes them.
-
-A line is strict JSON (non-finite floats become null) and holds nothing of the raw pixel or
-text content: only the fields of :class:`GuardRecord` (counts, shapes, indices, ids, short
-names), with ``extra`` reduced by :func:`json_safe`. Never imports torch.
+comes from (:class:`RankInfo`), its strict-JSON object (:func:`build_record`: counts, shapes,
+indices, ids, short names; never pixel or text content) and its one human line
+(:func:`summary_line`); :mod:`.log` writes them. Never imports torch.
 """
 
 from __future__ import annotations
@@ -47,10 +44,8 @@ class RankInfo:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RankInfo:
-        """Global rank from ``RANK`` (set by torchrun) when it is an integer; the rest None.
-
-        Never imports torch.distributed: the parallel coordinates are the caller's to fill.
-        """
+        """Global rank from ``RANK`` (set by torchrun) when it is an integer; the rest None
+        (never imports torch.distributed: the parallel coordinates are the caller's)."""
         env = os.environ if environ is None else environ
         try:
             rank = int(env["RANK"])
@@ -113,11 +108,9 @@ SCHEMA_KEYS: tuple[str, ...] = (
 
 
 def json_safe(value: object, depth: int = 0) -> object:
-    """``value`` reduced to strict-JSON data: finite numbers, short strings, lists, flat dicts.
-
-    Non-finite floats become None; numpy/torch scalars become Python numbers; any
-    other object becomes ``"<TypeName>"`` (its contents are never written).
-    """
+    """``value`` reduced to strict-JSON data: finite numbers (non-finite: None; numpy/torch
+    scalars: Python numbers), short strings, lists, flat dicts; any other object
+    ``"<TypeName>"`` (its contents are never written)."""
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, str):
@@ -139,13 +132,7 @@ def json_safe(value: object, depth: int = 0) -> object:
 
 
 def build_record(
-    record: GuardRecord,
-    rank: RankInfo,
-    *,
-    time: str,
-    host: str,
-    pid: int,
-    caller: str | None,
+    record: GuardRecord, rank: RankInfo, *, time: str, host: str, pid: int, caller: str | None
 ) -> dict[str, object]:
     """The schema-v1 object for ``record`` (a pure function: no I/O)."""
     out: dict[str, object] = {"schema": SCHEMA_VERSION, "time": time, "host": host, "pid": pid}
@@ -335,16 +322,12 @@ def _media(g) -> str:
 
 
 def summary_line(rec: Mapping[str, object], *, where: bool = True) -> str:
-    """The one line of a record, in the order an operator reads it: where (rank, step,
-    microbatch), the sample (its id, its row), the item (and its media), what was expected
-    and what was found, why, and the action. Each fact once; the same text is the console
-    line, a line of the exception, the report's "first fatal" line and the page's examples.
-    Tolerates missing and mistyped fields.
-
-    ``[media-guard] rank 3, step 12, microbatch 0: sample 5 (sample_id 'abc') row 1, image
-    item 2 (16 frames, 1080x2400 (HxW)): 2010 placeholders vs 2550 features (surplus 540)
-    -> drop``; ``where=False``: without the ``[media-guard] <where>:`` head (a line of a
-    message that names the where once, above)."""
+    """The one line of a record (the console line, a line of the exception, the report's
+    "first fatal" and the page's examples), each fact once, in the order an operator reads
+    it: ``[media-guard] rank 3, step 12, microbatch 0: sample 5 (sample_id 'abc') row 1,
+    image item 2 (16 frames, 1080x2400 (HxW)): 2010 placeholders vs 2550 features (surplus
+    540) -> drop``. Tolerates missing and mistyped fields. ``where=False``: without the
+    ``[media-guard] <where>:`` head (a message names the where once, above)."""
     g = rec.get
     subject = []
     if g("sample") is not None:

@@ -37,7 +37,6 @@ import torch
 
 from ..config import GuardConfig
 from ..core.alignment import AlignmentReport
-from ..core.grammar import Grammar
 from ..core.items import MediaItem
 from ..errors import MediaInputError
 
@@ -80,48 +79,31 @@ def _tuples(value: object) -> object:
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
-def _item_meta(item: MediaItem, pixels: dict | None) -> dict:
-    meta = {f.name: _plain(getattr(item, f.name)) for f in dataclasses.fields(MediaItem)}
-    meta["pixels"] = pixels
-    return meta
-
-
+# the fields saved (an item's ``pixels`` are tensors; a grammar's ``text_id`` is not saved: a
+# replay feeds no text)
 _ITEM_FIELDS = tuple(f.name for f in dataclasses.fields(MediaItem) if f.name != "pixels")
-
-
-def _item_from_meta(meta: Mapping, pixels: torch.Tensor | None) -> MediaItem:
-    known = {k: _tuples(meta[k]) for k in _ITEM_FIELDS if k in meta}
-    return MediaItem(**known, pixels=pixels)
-
-
-# the grammar as saved (``text_id`` is not: a replay feeds no text)
 _GRAMMAR_FIELDS = ("placeholders", "start_id", "end_id", "break_ids", "collapsed", "name")
 _GRAMMAR_FIELDS += ("regions", "inner", "aliases")
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(GuardConfig))
 
 
-def _grammar_meta(g: Grammar) -> dict:
-    values = {k: getattr(g, k) for k in _GRAMMAR_FIELDS}
-    return {k: dict(v) if isinstance(v, Mapping) else _plain(v) for k, v in values.items()}
-
-
-def _grammar_from_meta(meta: Mapping) -> Grammar:
-    """``regions``, ``inner`` and ``aliases`` are absent in bundles written before them."""
-    return Grammar(**{k: _tuples(meta[k]) for k in _GRAMMAR_FIELDS if k in meta})
-
-
-def _config_meta(config: GuardConfig) -> dict:
+def _fields_meta(obj: object, names: tuple[str, ...]) -> dict:
+    """The fields ``names`` of ``obj`` as JSON data (tuples as lists, mappings as dicts); a
+    value that is no JSON is left out (a config's callables)."""
     out = {}
-    for f in dataclasses.fields(config):
-        value = _plain(getattr(config, f.name))
+    for k in names:
+        v = getattr(obj, k)
+        v = dict(v) if isinstance(v, Mapping) else _plain(v)
         with contextlib.suppress(TypeError, ValueError):
-            json.dumps(value)
-            out[f.name] = value
+            json.dumps(v)
+            out[k] = v
     return out
 
 
-def _config_from_meta(meta: Mapping) -> GuardConfig:
-    names = {f.name for f in dataclasses.fields(GuardConfig)}
-    return GuardConfig(**{k: _tuples(v) for k, v in meta.items() if k in names})
+def _build(cls: type, meta: Mapping, names: tuple[str, ...], **given: object):
+    """``cls`` from the fields ``names`` found in ``meta`` (lists as tuples); a field absent in
+    a bundle written before it existed takes its default."""
+    return cls(**{k: _tuples(meta[k]) for k in names if k in meta}, **given)
 
 
 def report_summary(report: AlignmentReport) -> dict:

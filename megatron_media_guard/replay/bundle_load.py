@@ -17,13 +17,14 @@ from ..core.items import MediaItem
 from ..diagnostics import RankInfo
 from ..errors import MediaGuardError
 from .bundle import (
+    _CONFIG_FIELDS,
+    _GRAMMAR_FIELDS,
+    _ITEM_FIELDS,
     _ZIP_MAGIC,
     FORMAT,
     SCHEMA_VERSION,
     BundleError,
-    _config_from_meta,
-    _grammar_from_meta,
-    _item_from_meta,
+    _build,
     _safetensors,
     _tensor_meta,
 )
@@ -179,16 +180,18 @@ def _from_meta(path: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> Bund
                 f"{path}: tensor {name!r} is {_tensor_meta(tensors[name])}, metadata says {spec}"
             )
     items = tuple(
-        _item_from_meta(m, tensors.get(f"pixels.{i}")) for i, m in enumerate(meta["items"])
+        _build(MediaItem, m, _ITEM_FIELDS, pixels=tensors.get(f"pixels.{i}"))
+        for i, m in enumerate(meta["items"])
     )
     features = {int(k.split(".", 1)[1]): t for k, t in tensors.items() if k.startswith("features.")}
     rank = RankInfo(**meta["rank"]) if meta.get("rank") is not None else None
-    config = _config_from_meta(meta["config"]) if meta.get("config") is not None else None
+    config = meta.get("config")
+    config = None if config is None else _build(GuardConfig, config, _CONFIG_FIELDS)
     return Bundle(
         path=path,
         input_ids=tensors["input_ids"],
         items=items,
-        grammar=_grammar_from_meta(meta["grammar"]),
+        grammar=_build(Grammar, meta["grammar"], _GRAMMAR_FIELDS),
         cu_seqlens=tensors.get("cu_seqlens"),
         step=meta.get("step"),
         microbatch=meta.get("microbatch"),

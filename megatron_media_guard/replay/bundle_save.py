@@ -23,13 +23,14 @@ from ..core.runs import TokenLayout, parse_layout
 from ..diagnostics import RankInfo, file_name, get_logger, utc_now
 from ..errors import MediaInputError
 from .bundle import (
+    _CONFIG_FIELDS,
+    _GRAMMAR_FIELDS,
+    _ITEM_FIELDS,
     FORMAT,
     SCHEMA_VERSION,
     SUFFIX,
-    _config_meta,
     _cpu,
-    _grammar_meta,
-    _item_meta,
+    _fields_meta,
     _json_default,
     _safetensors,
     _tensor_meta,
@@ -139,7 +140,7 @@ def save_bundle(
             pix = {**_tensor_meta(it.pixels), "saved": saved}
             if saved:
                 tensors[f"pixels.{i}"] = _cpu(it.pixels)
-        item_meta.append(_item_meta(it, pix))
+        item_meta.append({**_fields_meta(it, _ITEM_FIELDS), "pixels": pix})
     if rows is not None:
         for i in bad_items:
             tensors[f"features.{i}"] = _cpu(rows[i])
@@ -157,8 +158,8 @@ def save_bundle(
         "rank": dataclasses.asdict(rank) if rank is not None else None,
         "step": step,
         "microbatch": microbatch,
-        "grammar": _grammar_meta(grammar),
-        "config": _config_meta(config) if config is not None else None,
+        "grammar": _fields_meta(grammar, _GRAMMAR_FIELDS),
+        "config": _fields_meta(config, _CONFIG_FIELDS) if config is not None else None,
         "log_path": log_path,
         "items": item_meta,
         "report": report_summary(report),
