@@ -66,31 +66,12 @@ def packed_batch(ids_dtype=torch.long, pixel_dtype=torch.bfloat16):
     ids = torch.cat([a, b, torch.zeros(1, 2, dtype=torch.long)], dim=1).to(ids_dtype)
     cu = torch.tensor([0, a.shape[1], a.shape[1] + b.shape[1]], dtype=torch.int32)
     g = torch.Generator().manual_seed(0)
-    items = (
-        MediaItem(
-            3,
-            sample=0,
-            modality="image",
-            sample_id="img-0",
-            num_frames=None,
-            frame_hw=(28, 56),
-            pixels=(torch.rand(3, 28, 56, generator=g) * 255).to(pixel_dtype),
-            layout="image",
-            grid_thw=(1, 2, 4),
-            source_hw=(100, 200),
-        ),
-        MediaItem(
-            6,
-            sample=1,
-            modality="video",
-            sample_id=17,
-            num_frames=4,
-            frame_hw=(28, 28),
-            pixels=(torch.rand(4, 3, 28, 28, generator=g) * 255).to(pixel_dtype),
-            layout="qwen_patches",
-            grid_thw=(2, 1, 3),
-            source_hw=(480, 640),
-        ),
+    image = (torch.rand(3, 28, 56, generator=g) * 255).to(pixel_dtype)
+    video = (torch.rand(4, 3, 28, 28, generator=g) * 255).to(pixel_dtype)
+    items = (  # every field: num_features, sample, modality, sample_id, num_frames, frame_hw,
+        # pixels, layout, grid_thw, source_hw
+        MediaItem(3, 0, "image", "img-0", None, (28, 56), image, "image", (1, 2, 4), (100, 200)),
+        MediaItem(6, 1, "video", 17, 4, (28, 28), video, "qwen_patches", (2, 1, 3), (480, 640)),
     )
     return ids, cu, items
 
@@ -305,28 +286,38 @@ def _names(d):
     return sorted(p.name for p in d.iterdir()) if d.exists() else []
 
 
-def test_failure_mid_write_leaves_nothing(tmp_path, backend, monkeypatch, log_records):
-    ids, _cu, items = packed_batch()
-    real = bundle_save._write_payload
-
+def _half_written(real):
     def half(tmp, text, tensors):
         real(tmp, text, tensors)
         tmp.write_bytes(tmp.read_bytes()[:50])
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(bundle_save, "_write_payload", half)
-    assert save_bundle(tmp_path, input_ids=ids, items=items, grammar=Q) is None
-    assert _names(tmp_path) == []
-    assert "No space left on device" in log_records.text
+    return half
 
 
-def test_failure_at_publish_leaves_nothing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fault", ["mid_write", "publish", "dump_dir_a_file", "under_a_file"])
+def test_io_failures_return_none_and_leave_nothing(tmp_path, monkeypatch, log_records, fault):
+    """A full disk mid-write, a failing rename, a dump directory that cannot be made: None, one
+    logged error, no file (a half bundle never takes a ``.bundle`` name)."""
     ids, _cu, items = packed_batch()
-    fail = mock.Mock(side_effect=OSError(5, "Input/output error"))
-    monkeypatch.setattr(os, "link", fail)
-    monkeypatch.setattr(os, "replace", fail)
-    assert save_bundle(tmp_path, input_ids=ids, items=items, grammar=Q) is None
-    assert _names(tmp_path) == []
+    dump = tmp_path / "dumps"
+    if fault == "mid_write":
+        monkeypatch.setattr(
+            bundle_save, "_write_payload", _half_written(bundle_save._write_payload)
+        )
+    elif fault == "publish":
+        fail = mock.Mock(side_effect=OSError(5, "Input/output error"))
+        monkeypatch.setattr(os, "link", fail)
+        monkeypatch.setattr(os, "replace", fail)
+    else:
+        dump.write_text("x")
+        dump = dump if fault == "dump_dir_a_file" else dump / "sub"
+    assert save_bundle(dump, input_ids=ids, items=items, grammar=Q) is None
+    assert "cannot save replay bundle" in log_records.text
+    assert _names(tmp_path) == ["dumps"]  # the dump directory (or the file in its way) only
+    assert not (tmp_path / "dumps").is_dir() or _names(tmp_path / "dumps") == []
+    if fault == "mid_write":
+        assert "No space left on device" in log_records.text
 
 
 def test_no_hard_links_falls_back_to_rename(tmp_path, monkeypatch):
@@ -336,14 +327,6 @@ def test_no_hard_links_falls_back_to_rename(tmp_path, monkeypatch):
     second = save_bundle(tmp_path, input_ids=ids, items=items, grammar=Q, step=1)
     assert _names(tmp_path) == sorted([first.name, second.name]) and first != second
     assert torch.equal(load_bundle(second).input_ids, ids)
-
-
-def test_unwritable_dump_dir_returns_none(tmp_path):
-    ids, _cu, items = packed_batch()
-    blocker = tmp_path / "file"
-    blocker.write_text("x")
-    assert save_bundle(blocker, input_ids=ids, items=items, grammar=Q) is None
-    assert save_bundle(blocker / "sub", input_ids=ids, items=items, grammar=Q) is None
 
 
 BAD_ARGS = {

@@ -22,8 +22,8 @@ from megatron_media_guard.diagnostics import (
     report,
 )
 from megatron_media_guard.diagnostics.report import ReportSummary, summarize
-from megatron_media_guard.diagnostics.report_grid import _HeavyHitters
 from megatron_media_guard.diagnostics.report_format import format_summary
+from megatron_media_guard.diagnostics.report_grid import _HeavyHitters
 from megatron_media_guard.errors import MediaInputError
 
 pytestmark = pytest.mark.usefixtures("quiet_logger")
@@ -447,11 +447,3 @@ def test_summary_is_frozen(tmp_path):
         s.records = 2  # type: ignore[misc]
     with pytest.raises(TypeError):
         s.by_event["check"] = 5  # type: ignore[index]
-
-
-def test_a_directory_of_run_directories_is_searched(tmp_path):
-    """The smoke writes one subdirectory per run; report DIR finds their files."""
-    for run in ("a.raise", "b.drop"):
-        with DiagnosticsLog(tmp_path / run, RankInfo(rank=1)) as log:
-            log.emit(GuardRecord(event="drop", step=1, sample=0))
-    assert summarize(tmp_path).count("drop") == 2
