@@ -357,17 +357,3 @@ def test_bad_arguments_raise(tmp_path, case):
     with pytest.raises(MediaInputError):
         save_bundle(tmp_path, **kw)
     assert _names(tmp_path) == []
-
-
-def test_guard_saves_a_bundle_that_replays_to_the_same_diagnostic(tmp_path):
-    """dump_dir wired into the merge: the raise names the bundle, replay reproduces it."""
-    batch = inject(Q, [[("image", 4)], [("video", 6)]], "budget_shrink")
-    feats = batch.features(8)
-    guard = MediaGuard(GuardConfig(dump_dir=str(tmp_path)), grammar=Q, rank=RankInfo(rank=2))
-    with pytest.raises(MediaAlignmentError) as info:
-        guard.merge(
-            torch.randn(2, batch.input_ids.shape[1], 8), batch.input_ids, feats, batch.items, step=4
-        )
-    path = str(info.value).split("replay bundle: ")[1].strip()
-    assert path.endswith(".bundle")
-    assert main(["replay", path]) == 1

@@ -86,15 +86,6 @@ def test_replay_max_bytes_must_be_a_positive_count(tmp_path, capsys, value):
     assert "--max-bytes" in capsys.readouterr().err
 
 
-def test_replay_message_names_no_log_it_does_not_write(tmp_path, capsys):
-    path = _bundle(tmp_path, log_dir=str(tmp_path / "train_logs"))
-    capsys.readouterr()
-    assert main(["replay", str(path)]) == 1
-    out = capsys.readouterr().out
-    assert "replay of rank 1, step 3" in out
-    assert "per-rank log" not in out and "train_logs" not in out, out
-
-
 HELP_IMPORTS = """
 import sys
 from megatron_media_guard import cli

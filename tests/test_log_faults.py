@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaGuard
+from megatron_media_guard.cli import main
 from megatron_media_guard.core import providers
 from megatron_media_guard.diagnostics import DiagnosticsLog, GuardRecord, RankInfo, get_logger, log
 from megatron_media_guard.diagnostics.report import summarize
@@ -189,7 +190,8 @@ def test_full_dump_dir_with_the_torch_backend_is_contained(tmp_path, monkeypatch
 
 
 def test_record_is_written_before_the_bundle(tmp_path, monkeypatch):
-    """The bundle writer sees the record already on disk (a crash in between keeps it)."""
+    """The bundle writer sees the record already on disk (a crash in between keeps it); the
+    raise names the bundle, whose replay reproduces the mismatch."""
     seen = []
     real = bundle_save.save_bundle
 
@@ -202,3 +204,5 @@ def test_record_is_written_before_the_bundle(tmp_path, monkeypatch):
     with pytest.raises(MediaAlignmentError) as info:
         merge_a_fault(cfg)
     assert seen == [1] and "replay bundle:" in str(info.value)
+    path = str(info.value).split("replay bundle: ")[1].strip()
+    assert path.endswith(".bundle") and main(["replay", path]) == 1
