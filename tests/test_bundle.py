@@ -81,8 +81,6 @@ def check_report(ids, items, cu=None):
 
 
 # ---- round trip --------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize("ids_dtype", [torch.long, torch.int32])
 @pytest.mark.parametrize("pixel_dtype", [torch.bfloat16, torch.uint8, torch.float32])
 def test_round_trip_every_field(tmp_path, backend, ids_dtype, pixel_dtype):
@@ -148,8 +146,6 @@ def test_never_overwrites_a_bundle(tmp_path, backend):
 
 
 # ---- replay parity with the live raise -----------------------------------------------------
-
-
 @pytest.mark.parametrize(
     "fault", ["budget_shrink", "offsetting", "swapped_items", "extra_pad", "cut_by_max_len"]
 )
@@ -204,8 +200,6 @@ def test_replay_report_equals_live_check(seed, fault):
 
 
 # ---- command line ------------------------------------------------------------------------
-
-
 def _bundle(tmp_path, fault):
     batch = inject(Q, LAYOUT, fault)
     return save_bundle(
@@ -228,8 +222,6 @@ def test_replay_exit_codes(tmp_path, capsys, backend):
 
 
 # ---- corrupt, partial and hostile bundles: tests/test_hostile_replay.py ------------------
-
-
 def test_safetensors_bundle_without_safetensors_says_so(tmp_path, monkeypatch):
     ids, cu, items = packed_batch()
     path = save_bundle(tmp_path, input_ids=ids, items=items, grammar=Q, cu_seqlens=cu)
@@ -239,8 +231,6 @@ def test_safetensors_bundle_without_safetensors_says_so(tmp_path, monkeypatch):
 
 
 # ---- loading never unpickles ----------------------------------------------------------------
-
-
 def test_loading_never_unpickles(tmp_path, backend, monkeypatch):
     ids, cu, items = packed_batch()
     path = save_bundle(tmp_path, input_ids=ids, items=items, grammar=Q, cu_seqlens=cu)
@@ -280,8 +270,6 @@ def test_malicious_pickle_is_refused_not_run(tmp_path):
 
 
 # ---- atomic writes, I/O errors and bad arguments --------------------------------------------
-
-
 def _names(d):
     return sorted(p.name for p in d.iterdir()) if d.exists() else []
 

@@ -29,8 +29,6 @@ Q = TEST_GRAMMARS["qwen"]
 
 
 # ---- replay: hostile bundles ----------------------------------------------------------------
-
-
 def _meta_and_tensors(path: Path) -> tuple[dict, dict]:
     from safetensors import safe_open
 
@@ -209,8 +207,6 @@ def test_token_ids_are_bounded_tighter_than_bytes(tmp_path, capsys):
 
 
 # ---- MediaItem refuses what diagnostics could not carry ---------------------------------
-
-
 @pytest.mark.parametrize(
     "sid, ok",
     [

@@ -39,8 +39,6 @@ def good_file(d: Path, rank: int = 0) -> Path:
 
 
 # ---- report: special files named like rank files ------------------------------------------
-
-
 SPECIAL = {
     "fifo": (os.mkfifo, "FIFO"),
     "urandom": (lambda p: os.symlink("/dev/urandom", p), "character device"),
@@ -83,8 +81,6 @@ def test_report_skips_an_unreadable_file(tmp_path, monkeypatch):
 
 
 # ---- report: hostile content (hostile lines: tests/test_report.py, test_torn_and_malformed_lines)
-
-
 def test_control_characters_never_reach_the_terminal(tmp_path):
     esc = "\x1b[2J\x1b]0;owned\x07\r\x9b"
     p = tmp_path / file_name(0)
@@ -111,8 +107,6 @@ def test_huge_strings_are_cut_in_the_summary(tmp_path):
 
 
 # ---- report: reading a smoke directory of several runs -----------------------------------
-
-
 def test_smoke_directory_names_the_run_and_labels_consensus(tmp_path):
     for run, rank in (("raise.policy", 1), ("drop.policy", 0)):
         d = tmp_path / run

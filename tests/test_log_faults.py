@@ -164,8 +164,6 @@ def test_emit_survives_a_field_that_cannot_be_serialized(tmp_path):
 
 
 # ---- the dump: a full disk under the torch-format bundle --------------------------------
-
-
 def _disk_full(*args, **kwargs):
     raise RuntimeError("[enforce fail at inline_container.cc] . PytorchStreamWriter failed writing")
 

@@ -33,8 +33,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # ---- the scenario stream (no torch.distributed) ------------------------------------------
-
-
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_each_fault_breaks_exactly_the_samples_it_names(scenario):
     spec = FAULT_SPECS[scenario]
@@ -61,8 +59,6 @@ def test_peers_of_one_data_parallel_rank_get_identical_batches_and_others_differ
 
 
 # ---- the tiny model, single process -------------------------------------------------------
-
-
 @pytest.fixture(scope="module")
 def tiny():
     pytest.importorskip("megatron.core")
@@ -133,8 +129,6 @@ def test_repair_reprojects_the_shrunk_video_to_the_engine_count(tiny):
 
 
 # ---- expectations and the table ----------------------------------------------------------
-
-
 def _obs(rank, **kw):
     base = dict(scenario="budget_shrink", policy="drop", rank=rank, steps_done=2)
     base.update(losses=(7.0, 6.9), drops=(), repairs=(), injected=())
@@ -235,8 +229,6 @@ def test_launcher_refuses_fork():
 
 
 # ---- 4-rank smoke runs ------------------------------------------------------------------------
-
-
 def _smoke(tmp_path, *flags, timeout=240):
     log_dir = tmp_path / "logs"
     cmd = [sys.executable, "-m", "megatron_media_guard.smoke", "--log-dir", str(log_dir), *flags]

@@ -61,8 +61,6 @@ def _safetensors():
 
 
 # ---- metadata <-> objects --------------------------------------------------------------
-
-
 def _json_default(value: object) -> object:
     if isinstance(value, numbers.Integral):
         return int(value)
@@ -144,6 +142,3 @@ def _tensor_meta(t: torch.Tensor) -> dict:
 def _cpu(t: torch.Tensor) -> torch.Tensor:
     """A private contiguous CPU copy (safetensors refuses tensors that share storage)."""
     return t.detach().to("cpu", copy=True).contiguous()
-
-
-# ---- save --------------------------------------------------------------------------------

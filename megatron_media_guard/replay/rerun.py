@@ -97,8 +97,6 @@ def replay(bundle: Bundle) -> ReplayResult:
 
 
 # ---- command line ------------------------------------------------------------------------
-
-
 def run_replay(args: argparse.Namespace) -> int:
     """0: aligned now; 1: the mismatch reproduces; 2: the bundle cannot be read or is invalid
     (one line on stderr saying why, and with ``--json`` one JSON object on stdout; never a
