@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import errno
 import json
-import logging
 import os
 import threading
 from collections.abc import Mapping
@@ -19,21 +18,14 @@ import torch
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaGuard
 from megatron_media_guard.cli import main
 from megatron_media_guard.core import providers
-from megatron_media_guard.diagnostics import DiagnosticsLog, GuardRecord, RankInfo, get_logger, log
+from megatron_media_guard.diagnostics import DiagnosticsLog, GuardRecord, RankInfo, log
 from megatron_media_guard.diagnostics.report import summarize
 from megatron_media_guard.replay import bundle_save
 from megatron_media_guard.testing import TEST_GRAMMARS, inject
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("quiet_logger")]
 Q = TEST_GRAMMARS["qwen"]
 LAYOUT = [[("image", 4)], [("image", 3)]]
-
-
-@pytest.fixture(autouse=True)
-def _quiet_logger():
-    get_logger().setLevel(logging.CRITICAL)
-    yield
-    get_logger().setLevel(logging.INFO)
 
 
 def merge_a_fault(cfg: GuardConfig, **kw):
