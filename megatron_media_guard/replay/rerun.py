@@ -22,7 +22,7 @@ from ..core.plan import build_plan
 from ..core.runs import TokenLayout, parse_layout
 from ..core.verify import Verdict
 from ..diagnostics import where_text
-from ..diagnostics.records import cut_words
+from ..diagnostics.records import one_line
 from ..diagnostics.report_format import neutralise
 from ..errors import MediaGuardError
 from .bundle import BundleError, _json_default, report_summary
@@ -104,9 +104,9 @@ def run_replay(args: argparse.Namespace) -> int:
     try:
         result = replay(load_bundle(args.bundle, max_bytes=args.max_bytes))
     except MediaGuardError as err:
-        return _bad_bundle(args, _one_line(str(err)))
+        return _bad_bundle(args, one_line(err, 400))
     except Exception as err:  # whatever an invalid bundle trips in the replay itself
-        why = _one_line(f"{type(err).__name__}: {err}")
+        why = one_line(f"{type(err).__name__}: {err}", 400)
         return _bad_bundle(args, f"{args.bundle}: invalid bundle ({why})")
     if args.json:
         print(json.dumps(result.to_dict(), default=_json_default))
@@ -123,7 +123,3 @@ def _bad_bundle(args: argparse.Namespace, why: str) -> int:
         out = {"path": str(args.bundle), "error": neutralise(why), "exit": EXIT_BAD_BUNDLE}
         print(json.dumps(out))
     return EXIT_BAD_BUNDLE
-
-
-def _one_line(text: str) -> str:
-    return cut_words(" ".join(text.split()), 400)
