@@ -216,7 +216,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The ``media-guard`` parser. ``only``: define the arguments of that subcommand alone
     (the others are listed with their help): ``media-guard --help`` and ``report`` then never
-    import the torch-side modules that ``replay`` and ``smoke`` define their arguments in."""
+    import the torch-side module ``smoke`` defines its arguments in."""
     parser = argparse.ArgumentParser(
         prog="media-guard", description="Guard for merging media features into text embeddings."
     )
@@ -228,15 +228,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _chosen(argv: list[str]) -> str | None:
-    """The subcommand named in ``argv`` (the first word that is one), or None."""
-    return next((a for a in argv if a in SUBCOMMANDS), None)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run ``media-guard`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser(only=_chosen(argv) or "")
+    chosen = next((a for a in argv if a in SUBCOMMANDS), "")  # the first word naming one
+    parser = build_parser(only=chosen)
     try:
         args = parser.parse_args(argv)
     except SystemExit as stop:  # --help (0) or a usage error (2)

@@ -23,7 +23,6 @@ from pathlib import Path
 from .records import (
     _WARN_EVENTS,
     LOGGER_NAME,
-    SCHEMA_VERSION,
     GuardRecord,
     RankInfo,
     build_record,
@@ -139,22 +138,16 @@ class DiagnosticsLog:
         caller = caller if caller is not None else _caller_name(1)
         if self._rank_source is not None:
             self._refresh_rank()
+        when, pid = utc_now(), os.getpid()
         try:
-            rec = build_record(
-                record, self.rank, time=utc_now(), host=self.host, pid=os.getpid(), caller=caller
-            )
+            rec = build_record(record, self.rank, time=when, host=self.host, pid=pid, caller=caller)
             line = (json_dumps(rec) + "\n").encode("utf-8")
         except Exception as err:  # a hostile field: the record must still say what happened
-            rec = {
-                "schema": SCHEMA_VERSION,
-                "time": utc_now(),
-                "host": self.host,
-                "pid": os.getpid(),
-                "rank": self.rank.rank if type(self.rank.rank) is int else None,
-                "event": getattr(record, "event", "check"),
-                "reason": f"record could not be serialized ({type(err).__name__})",
-                "caller": caller,
-            }
+            why = GuardRecord(
+                record.event, reason=f"record could not be serialized ({type(err).__name__})"
+            )
+            rank = RankInfo(self.rank.rank if type(self.rank.rank) is int else None)
+            rec = build_record(why, rank, time=when, host=self.host, pid=pid, caller=caller)
             line = (json_dumps(rec) + "\n").encode("utf-8")
         if self.path is not None:
             with self._locked():

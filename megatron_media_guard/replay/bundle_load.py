@@ -80,7 +80,9 @@ def _read_payload(
             raise BundleError(f"{path}: 'tensors' is not a mapping of name -> tensor")
         check_loaded(tensors, max_bytes)
         return obj[FORMAT], dict(tensors)
-    if not _safetensors_like(path, head):
+    # a safetensors file opens with its header's length (8 bytes) and the header's JSON object:
+    # any other file fails this at once (a length past the file is the limit check's to name)
+    if len(head) < 9 or head[8:9] != b"{":
         raise BundleError(
             f"{path} is not a media-guard bundle: neither a torch zip nor a safetensors file "
             f"(it starts with {head[:16]!r})"
@@ -99,13 +101,6 @@ def _read_payload(
         if text is None:
             raise BundleError(f"{path} is a safetensors file but not a media-guard bundle")
         return text, {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118
-
-
-def _safetensors_like(path: Path, head: bytes) -> bool:
-    """A safetensors file opens with its header's length (8 bytes, little-endian) and the
-    header's JSON object: a text file or any other format fails this at once (its first bytes
-    read as an absurd length). A length past the file is left to the limit check to name."""
-    return len(head) >= 9 and head[8:9] == b"{"
 
 
 def _not_a_file(path: Path) -> str:
