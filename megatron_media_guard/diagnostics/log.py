@@ -3,7 +3,7 @@
 :meth:`DiagnosticsLog.emit` returns once the line is on disk (one ``os.write`` on an
 ``O_APPEND`` descriptor, then ``os.fsync``) and never raises: a write failure is counted and
 logged once (:meth:`DiagnosticsLog.describe_path` says so in the guard's message), a record
-that cannot be serialized is written as a minimal one naming the failure. Only a regular file
+that cannot be serialized is written as its event alone, naming the failure. Only a regular file
 is written (opened with ``O_NONBLOCK``, checked with ``fstat``), and a torn tail costs only
 the torn line. docs/DIAGNOSTICS.md states these guarantees in full. Never imports torch.
 """
