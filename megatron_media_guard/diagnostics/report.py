@@ -59,6 +59,7 @@ PARALLEL_MIN_BYTES = 32 << 20
 _REASON_LEN = 4096  # the writer's longest string: a reason it wrote is never cut
 _EXAMPLE_LEN = 600  # an example record's summary line
 _STEP_MAX, _STEP_MIN = 1 << 62, -(1 << 62)
+_NO_TIME = datetime.min.replace(tzinfo=timezone.utc)
 
 _HEAT = frozenset(HEAT_EVENTS)
 _NO_KIND = (NONE_LABEL, NONE_LABEL)
@@ -135,7 +136,8 @@ class _Aggregator:
         loads, top_add, heat_add = json.loads, self.top.add, self.heat.add
         combo, ranks, steps = self.combo, self.ranks, self.steps
         filtered = ranks is not None or steps is not None
-        examples, series_add = self.reason_examples, self.series.add
+        examples, series = self.reason_examples, self.series
+        s_counts, s_shift = series.counts, series.step_shift  # the hot path of series.add
         known, add_template = self.templates.facts, self.templates.add
         match, max_len = template_match, MAX_TEMPLATE_LINE
         lines = records = matched = bad = other_schema = 0
@@ -186,7 +188,12 @@ class _Aggregator:
                             lo = step
                         if step > hi:
                             hi = step
-                        series_add(None, step, "records")
+                        bin_ = (None, step >> s_shift, "records")
+                        count = s_counts.get(bin_)
+                        if count is None:
+                            bin_, count = series.room(None, step, "records")
+                            s_counts, s_shift = series.counts, series.step_shift
+                        s_counts[bin_] = count + 1
                     if not schema_1:
                         other_schema += 1
                     key = (rank, event, action, reason, kind)
@@ -254,17 +261,9 @@ class _Aggregator:
             self.last_step = hi
 
     def _fatal(self, rec: dict, rank, step, file_index: int, line_no: int, name: str) -> None:
-        t = _parse_time(rec.get("time"))
-        key = (
-            t is None,
-            t or datetime.min.replace(tzinfo=timezone.utc),
-            rank is None,
-            rank or 0,
-            step is None,
-            step or 0,
-            file_index,
-            line_no,
-        )
+        t = _parse_time(rec.get("time"))  # the earliest time, then rank, step, file, line
+        when = (t is None, t or _NO_TIME)
+        key = (*when, rank is None, rank or 0, step is None, step or 0, file_index, line_no)
         if self.fatal_key is None or key < self.fatal_key:
             self.fatal_key = key
             safe = json_safe(rec)  # bounded: strings, lists and nesting cut (hostile lines)
