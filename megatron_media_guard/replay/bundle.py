@@ -1,28 +1,22 @@
-"""Replay bundle file format: one failing micro-batch saved to disk, loaded and validated.
+"""Replay bundle file format: one failing micro-batch, saved (:mod:`.bundle_save`) and loaded
+(:mod:`.bundle_load`) for ``media-guard replay`` (:mod:`.rerun`) to re-run the check without a
+GPU, torch.distributed or the data pipeline. It holds the token ids, every :class:`MediaItem`
+field but ``pixels``, the grammar, ``cu_seqlens``, the config's fields, rank, step,
+microbatch, a summary of the alignment report and, optionally, the mismatched items' pixels
+and features.
 
-On a mismatch the guard can save what it needs to re-run the check without a GPU,
-without torch.distributed and without the data pipeline: the token ids, every
-:class:`MediaItem` field except ``pixels`` (so each item's feature row count), the
-grammar, ``cu_seqlens``, the config's policy fields, rank, step, microbatch and a
-summary of the alignment report; optionally the pixel tensors and the features of the
-mismatched items. :mod:`.replay` (``media-guard replay BUNDLE``) rebuilds the live
-diagnostic from it.
+One file ``media_guard.rank{rank:05d}.step{step}.mb{microbatch}[.k].bundle`` (``k`` counts up
+instead of overwriting): a safetensors file whose header metadata holds the JSON description
+under ``"media_guard.bundle"``; without ``safetensors``, a ``torch.save`` zip of
+``{"media_guard.bundle": json, "tensors": {name: tensor}}`` read back with
+``torch.load(weights_only=True)`` (loading never unpickles code). Tensors: ``input_ids``,
+``cu_seqlens``, ``pixels.{i}``, ``features.{i}`` (``i``: the item's index in the caller's order).
 
-Format: one file ``media_guard.rank{rank:05d}.step{step}.mb{microbatch}[.k].bundle``
-(``k`` counts up instead of overwriting). It is a safetensors file whose header
-metadata holds the JSON description under ``"media_guard.bundle"``; without the
-``safetensors`` package it is a ``torch.save`` zip of ``{"media_guard.bundle": json,
-"tensors": {name: tensor}}`` read back with ``torch.load(weights_only=True)``. Loading
-never unpickles code. Tensor names: ``input_ids``, ``cu_seqlens``, ``pixels.{i}``,
-``features.{i}`` (``i``: the item's index in the caller's order).
-
-SENSITIVE DATA: a bundle holds token ids, which are the sample's content (text decodes
-from them), and by default the pixels of the mismatched items. It never holds raw text.
-Store bundles like training data, not like logs (files are written mode 0600).
-
-Writes are atomic (temp file, fsync, hard link to a name not yet taken): a crash leaves
-no half bundle under a ``.bundle`` name. An I/O failure is logged and ``save_bundle``
-returns None, so it never raises into the training step; bad arguments still raise.
+SENSITIVE DATA: token ids are the sample's content (text decodes from them), and the pixels
+of the mismatched items are saved by default (never raw text). Store bundles like training
+data, not like logs (files are written mode 0600). Writes are atomic (temp file, fsync, hard
+link to a name not yet taken); an I/O failure is logged and ``save_bundle`` returns None,
+never raising into the training step (bad arguments still raise).
 """
 
 from __future__ import annotations
