@@ -1,8 +1,8 @@
-"""``media-guard`` command line: one registered function per subcommand.
+"""``media-guard`` command line: one :class:`Subcommand` per name.
 
-A subcommand is a :class:`Subcommand` (help, ``add_arguments(parser)``,
-``run(args) -> exit code``) added with :func:`register`; heavy modules are imported when
-the subcommand's parser is built or run, not at import.
+Each subcommand (:data:`SUBCOMMANDS`) imports its heavy modules when its parser is built or
+it runs, not at import: ``media-guard --help``, ``report`` and ``replay --help`` import no
+torch.
 
 Exit codes: 0 success; 1 ``replay``: the bundle still mismatches, ``smoke``: a scenario
 ended unexpectedly, ``report``: output closed early; 2 usage error or missing input;
@@ -25,24 +25,11 @@ EXIT_FAIL_ON = 3
 
 @dataclass(frozen=True)
 class Subcommand:
-    """One ``media-guard NAME`` subcommand."""
+    """One ``media-guard NAME`` subcommand: its help, its arguments, its run (an exit code)."""
 
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
-
-
-SUBCOMMANDS: dict[str, Subcommand] = {}
-
-
-def register(
-    name: str,
-    help: str,
-    add_arguments: Callable[[argparse.ArgumentParser], None],
-    run: Callable[[argparse.Namespace], int],
-) -> None:
-    """Add (or replace) subcommand ``name``."""
-    SUBCOMMANDS[name] = Subcommand(help, add_arguments, run)
 
 
 def int_list(text: str) -> list[int]:
@@ -162,32 +149,35 @@ def _report_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-register(
-    "report",
-    "post-mortem summary of all ranks' media_guard.rank*.jsonl files",
-    _report_arguments,
-    _report_run,
-)
+def _byte_count(text: str) -> int:
+    """argparse type: a byte count >= 1."""
+    from .replay.bundle_limits import LimitError, parse_max_bytes  # torch-free
+
+    try:
+        return parse_max_bytes(text, "--max-bytes")
+    except LimitError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _replay_arguments(p: argparse.ArgumentParser) -> None:
-    from .replay.args import add_replay_arguments  # torch-free: `replay --help` imports none
-
-    add_replay_arguments(p)
+    p.add_argument("bundle", help="a media_guard.rank*.bundle file")
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object (also for an unreadable bundle)"
+    )
+    p.add_argument(
+        "--max-bytes",
+        type=_byte_count,
+        default=None,
+        metavar="N",
+        help="refuse a bundle declaring more than N bytes of tensors, before reading them "
+        "(default: $MEDIA_GUARD_REPLAY_MAX_BYTES or 1 GiB)",
+    )
 
 
 def _replay_run(args: argparse.Namespace) -> int:
     from .replay.rerun import run_replay
 
     return run_replay(args)
-
-
-register(
-    "replay",
-    "re-run the check on a saved micro-batch offline (exit 0 aligned, 1 mismatch, 2 bad bundle)",
-    _replay_arguments,
-    _replay_run,
-)
 
 
 def _smoke_arguments(p: argparse.ArgumentParser) -> None:
@@ -202,19 +192,31 @@ def _smoke_run(args: argparse.Namespace) -> int:
     return run_smoke(args)
 
 
-register(
-    "smoke",
-    "distributed smoke run with fault injection (4 CPU ranks over gloo by default)",
-    _smoke_arguments,
-    _smoke_run,
-)
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "report": Subcommand(
+        "post-mortem summary of all ranks' media_guard.rank*.jsonl files",
+        _report_arguments,
+        _report_run,
+    ),
+    "replay": Subcommand(
+        "re-run the check on a saved micro-batch offline (exit 0 aligned, 1 mismatch, 2 bad "
+        "bundle)",
+        _replay_arguments,
+        _replay_run,
+    ),
+    "smoke": Subcommand(
+        "distributed smoke run with fault injection (4 CPU ranks over gloo by default)",
+        _smoke_arguments,
+        _smoke_run,
+    ),
+}
 
 
 # -- entry point ------------------------------------------------------------------------
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The ``media-guard`` parser. ``only``: define the arguments of that subcommand alone
     (the others are listed with their help): ``media-guard --help`` and ``report`` then never
-    import the torch-side modules that ``replay`` and ``smoke`` define their arguments in."""
+    import the torch-side module ``smoke`` defines its arguments in."""
     parser = argparse.ArgumentParser(
         prog="media-guard", description="Guard for merging media features into text embeddings."
     )
@@ -226,15 +228,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _chosen(argv: list[str]) -> str | None:
-    """The subcommand named in ``argv`` (the first word that is one), or None."""
-    return next((a for a in argv if a in SUBCOMMANDS), None)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run ``media-guard`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser(only=_chosen(argv) or "")
+    chosen = next((a for a in argv if a in SUBCOMMANDS), "")  # the first word naming one
+    parser = build_parser(only=chosen)
     try:
         args = parser.parse_args(argv)
     except SystemExit as stop:  # --help (0) or a usage error (2)

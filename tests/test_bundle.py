@@ -25,12 +25,13 @@ from megatron_media_guard import (
     MediaInputError,
     MediaItem,
 )
+from megatron_media_guard.cli import main
 from megatron_media_guard.diagnostics import RankInfo
 from megatron_media_guard.replay import bundle_load, bundle_save
 from megatron_media_guard.replay.bundle import FORMAT, BundleError, report_summary
 from megatron_media_guard.replay.bundle_load import load_bundle
 from megatron_media_guard.replay.bundle_save import save_bundle
-from megatron_media_guard.replay.rerun import replay, replay_main
+from megatron_media_guard.replay.rerun import replay
 from megatron_media_guard.testing import TEST_GRAMMARS, build_batch, inject, random_layout
 
 Q = TEST_GRAMMARS["qwen"]
@@ -65,31 +66,12 @@ def packed_batch(ids_dtype=torch.long, pixel_dtype=torch.bfloat16):
     ids = torch.cat([a, b, torch.zeros(1, 2, dtype=torch.long)], dim=1).to(ids_dtype)
     cu = torch.tensor([0, a.shape[1], a.shape[1] + b.shape[1]], dtype=torch.int32)
     g = torch.Generator().manual_seed(0)
-    items = (
-        MediaItem(
-            3,
-            sample=0,
-            modality="image",
-            sample_id="img-0",
-            num_frames=None,
-            frame_hw=(28, 56),
-            pixels=(torch.rand(3, 28, 56, generator=g) * 255).to(pixel_dtype),
-            layout="image",
-            grid_thw=(1, 2, 4),
-            source_hw=(100, 200),
-        ),
-        MediaItem(
-            6,
-            sample=1,
-            modality="video",
-            sample_id=17,
-            num_frames=4,
-            frame_hw=(28, 28),
-            pixels=(torch.rand(4, 3, 28, 28, generator=g) * 255).to(pixel_dtype),
-            layout="qwen_patches",
-            grid_thw=(2, 1, 3),
-            source_hw=(480, 640),
-        ),
+    image = (torch.rand(3, 28, 56, generator=g) * 255).to(pixel_dtype)
+    video = (torch.rand(4, 3, 28, 28, generator=g) * 255).to(pixel_dtype)
+    items = (  # every field: num_features, sample, modality, sample_id, num_frames, frame_hw,
+        # pixels, layout, grid_thw, source_hw
+        MediaItem(3, 0, "image", "img-0", None, (28, 56), image, "image", (1, 2, 4), (100, 200)),
+        MediaItem(6, 1, "video", 17, 4, (28, 28), video, "qwen_patches", (2, 1, 3), (480, 640)),
     )
     return ids, cu, items
 
@@ -99,8 +81,6 @@ def check_report(ids, items, cu=None):
 
 
 # ---- round trip --------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize("ids_dtype", [torch.long, torch.int32])
 @pytest.mark.parametrize("pixel_dtype", [torch.bfloat16, torch.uint8, torch.float32])
 def test_round_trip_every_field(tmp_path, backend, ids_dtype, pixel_dtype):
@@ -166,8 +146,6 @@ def test_never_overwrites_a_bundle(tmp_path, backend):
 
 
 # ---- replay parity with the live raise -----------------------------------------------------
-
-
 @pytest.mark.parametrize(
     "fault", ["budget_shrink", "offsetting", "swapped_items", "extra_pad", "cut_by_max_len"]
 )
@@ -222,8 +200,6 @@ def test_replay_report_equals_live_check(seed, fault):
 
 
 # ---- command line ------------------------------------------------------------------------
-
-
 def _bundle(tmp_path, fault):
     batch = inject(Q, LAYOUT, fault)
     return save_bundle(
@@ -231,23 +207,21 @@ def _bundle(tmp_path, fault):
     )
 
 
-def test_replay_main_exit_codes(tmp_path, capsys, backend):
+def test_replay_exit_codes(tmp_path, capsys, backend):
     ok, bad = _bundle(tmp_path, "none"), _bundle(tmp_path, "budget_shrink")
-    assert replay_main([str(ok)]) == 0
+    assert main(["replay", str(ok)]) == 0
     assert "Media alignment ok (replay of rank 3, step 2)" in capsys.readouterr().out
-    assert replay_main([str(bad)]) == 1
+    assert main(["replay", str(bad)]) == 1
     out = capsys.readouterr().out
     assert "Media alignment failed (replay of rank 3, step 2)" in out and "sample 0" in out
-    assert replay_main([str(bad), "--json"]) == 1
+    assert main(["replay", str(bad), "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
     assert doc["aligned"] is False and doc["mismatched"] == [0] == doc["saved_mismatched"]
     assert doc["report"]["mismatched"][0]["status"] == "surplus"
-    assert replay_main([]) == 2  # usage error; bad bundles: test_hostile_replay, test_cli_ops
+    assert main(["replay"]) == 2  # usage error; bad bundles: test_hostile_replay, test_cli_ops
 
 
 # ---- corrupt, partial and hostile bundles: tests/test_hostile_replay.py ------------------
-
-
 def test_safetensors_bundle_without_safetensors_says_so(tmp_path, monkeypatch):
     ids, cu, items = packed_batch()
     path = save_bundle(tmp_path, input_ids=ids, items=items, grammar=Q, cu_seqlens=cu)
@@ -257,8 +231,6 @@ def test_safetensors_bundle_without_safetensors_says_so(tmp_path, monkeypatch):
 
 
 # ---- loading never unpickles ----------------------------------------------------------------
-
-
 def test_loading_never_unpickles(tmp_path, backend, monkeypatch):
     ids, cu, items = packed_batch()
     path = save_bundle(tmp_path, input_ids=ids, items=items, grammar=Q, cu_seqlens=cu)
@@ -298,34 +270,42 @@ def test_malicious_pickle_is_refused_not_run(tmp_path):
 
 
 # ---- atomic writes, I/O errors and bad arguments --------------------------------------------
-
-
 def _names(d):
     return sorted(p.name for p in d.iterdir()) if d.exists() else []
 
 
-def test_failure_mid_write_leaves_nothing(tmp_path, backend, monkeypatch, log_records):
-    ids, _cu, items = packed_batch()
-    real = bundle_save._write_payload
-
+def _half_written(real):
     def half(tmp, text, tensors):
         real(tmp, text, tensors)
         tmp.write_bytes(tmp.read_bytes()[:50])
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(bundle_save, "_write_payload", half)
-    assert save_bundle(tmp_path, input_ids=ids, items=items, grammar=Q) is None
-    assert _names(tmp_path) == []
-    assert "No space left on device" in log_records.text
+    return half
 
 
-def test_failure_at_publish_leaves_nothing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fault", ["mid_write", "publish", "dump_dir_a_file", "under_a_file"])
+def test_io_failures_return_none_and_leave_nothing(tmp_path, monkeypatch, log_records, fault):
+    """A full disk mid-write, a failing rename, a dump directory that cannot be made: None, one
+    logged error, no file (a half bundle never takes a ``.bundle`` name)."""
     ids, _cu, items = packed_batch()
-    fail = mock.Mock(side_effect=OSError(5, "Input/output error"))
-    monkeypatch.setattr(os, "link", fail)
-    monkeypatch.setattr(os, "replace", fail)
-    assert save_bundle(tmp_path, input_ids=ids, items=items, grammar=Q) is None
-    assert _names(tmp_path) == []
+    dump = tmp_path / "dumps"
+    if fault == "mid_write":
+        monkeypatch.setattr(
+            bundle_save, "_write_payload", _half_written(bundle_save._write_payload)
+        )
+    elif fault == "publish":
+        fail = mock.Mock(side_effect=OSError(5, "Input/output error"))
+        monkeypatch.setattr(os, "link", fail)
+        monkeypatch.setattr(os, "replace", fail)
+    else:
+        dump.write_text("x")
+        dump = dump if fault == "dump_dir_a_file" else dump / "sub"
+    assert save_bundle(dump, input_ids=ids, items=items, grammar=Q) is None
+    assert "cannot save replay bundle" in log_records.text
+    assert _names(tmp_path) == ["dumps"]  # the dump directory (or the file in its way) only
+    assert not (tmp_path / "dumps").is_dir() or _names(tmp_path / "dumps") == []
+    if fault == "mid_write":
+        assert "No space left on device" in log_records.text
 
 
 def test_no_hard_links_falls_back_to_rename(tmp_path, monkeypatch):
@@ -335,14 +315,6 @@ def test_no_hard_links_falls_back_to_rename(tmp_path, monkeypatch):
     second = save_bundle(tmp_path, input_ids=ids, items=items, grammar=Q, step=1)
     assert _names(tmp_path) == sorted([first.name, second.name]) and first != second
     assert torch.equal(load_bundle(second).input_ids, ids)
-
-
-def test_unwritable_dump_dir_returns_none(tmp_path):
-    ids, _cu, items = packed_batch()
-    blocker = tmp_path / "file"
-    blocker.write_text("x")
-    assert save_bundle(blocker, input_ids=ids, items=items, grammar=Q) is None
-    assert save_bundle(blocker / "sub", input_ids=ids, items=items, grammar=Q) is None
 
 
 BAD_ARGS = {
@@ -373,19 +345,3 @@ def test_bad_arguments_raise(tmp_path, case):
     with pytest.raises(MediaInputError):
         save_bundle(tmp_path, **kw)
     assert _names(tmp_path) == []
-
-
-def test_guard_saves_a_bundle_that_replays_to_the_same_diagnostic(tmp_path):
-    """dump_dir wired into the merge: the raise names the bundle, replay reproduces it."""
-    from megatron_media_guard.cli import main as cli_main
-
-    batch = inject(Q, [[("image", 4)], [("video", 6)]], "budget_shrink")
-    feats = batch.features(8)
-    guard = MediaGuard(GuardConfig(dump_dir=str(tmp_path)), grammar=Q, rank=RankInfo(rank=2))
-    with pytest.raises(MediaAlignmentError) as info:
-        guard.merge(
-            torch.randn(2, batch.input_ids.shape[1], 8), batch.input_ids, feats, batch.items, step=4
-        )
-    path = str(info.value).split("replay bundle: ")[1].strip()
-    assert path.endswith(".bundle")
-    assert cli_main(["replay", path]) == 1

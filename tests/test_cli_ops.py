@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from family_checks import saved_bundle
 
-from megatron_media_guard.replay.rerun import replay_main
+from megatron_media_guard.cli import main
 from megatron_media_guard.smoke import EXIT_USAGE
 from megatron_media_guard.smoke import main as smoke_main
 
@@ -68,7 +68,7 @@ def _dir_with_bundle(d: Path) -> Path:
 def test_replay_errors_say_what_is_wrong(tmp_path, capsys, make, extra, needle, as_json):
     path = make(tmp_path)
     capsys.readouterr()  # the save's own log line
-    code = replay_main([str(path), *extra, *(["--json"] if as_json else [])])
+    code = main(["replay", str(path), *extra, *(["--json"] if as_json else [])])
     out, err = capsys.readouterr()
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and needle in err, err
@@ -82,17 +82,8 @@ def test_replay_errors_say_what_is_wrong(tmp_path, capsys, make, extra, needle, 
 
 @pytest.mark.parametrize("value", ["0", "-5", "ten"])
 def test_replay_max_bytes_must_be_a_positive_count(tmp_path, capsys, value):
-    assert replay_main([str(_bundle(tmp_path)), "--max-bytes", value]) == 2
+    assert main(["replay", str(_bundle(tmp_path)), "--max-bytes", value]) == 2
     assert "--max-bytes" in capsys.readouterr().err
-
-
-def test_replay_message_names_no_log_it_does_not_write(tmp_path, capsys):
-    path = _bundle(tmp_path, log_dir=str(tmp_path / "train_logs"))
-    capsys.readouterr()
-    assert replay_main([str(path)]) == 1
-    out = capsys.readouterr().out
-    assert "replay of rank 1, step 3" in out
-    assert "per-rank log" not in out and "train_logs" not in out, out
 
 
 HELP_IMPORTS = """
@@ -181,7 +172,7 @@ def test_smoke_dump_dir_writes_bundles_that_replay_reproduces(tmp_path):
     run_ok(["-m", "megatron_media_guard", "smoke", *run, *dirs])
     for run in ("budget_shrink.raise", "budget_shrink.drop"):
         (bundle,) = sorted((tmp_path / "dumps" / run).glob("*.bundle"))
-        assert replay_main([str(bundle)]) == 1  # the mismatch reproduces offline
+        assert main(["replay", str(bundle)]) == 1  # the mismatch reproduces offline
 
 
 @pytest.mark.timeout(120)

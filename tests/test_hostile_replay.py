@@ -16,12 +16,12 @@ import torch
 from family_checks import saved_bundle
 
 from megatron_media_guard import MediaItem
+from megatron_media_guard.cli import main
 from megatron_media_guard.errors import MediaInputError
 from megatron_media_guard.replay import bundle_load
 from megatron_media_guard.replay.bundle import FORMAT, BundleError
 from megatron_media_guard.replay.bundle_load import load_bundle
 from megatron_media_guard.replay.bundle_save import save_bundle
-from megatron_media_guard.replay.rerun import replay_main
 from megatron_media_guard.testing import TEST_GRAMMARS
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("quiet_logger")]
@@ -29,8 +29,6 @@ Q = TEST_GRAMMARS["qwen"]
 
 
 # ---- replay: hostile bundles ----------------------------------------------------------------
-
-
 def _meta_and_tensors(path: Path) -> tuple[dict, dict]:
     from safetensors import safe_open
 
@@ -157,7 +155,7 @@ def test_hostile_bundle_exits_2_with_one_line(tmp_path, case, capsys):
     make, why = HOSTILE_BUNDLES[case]
     meta, tensors = _meta_and_tensors(saved_bundle(tmp_path))
     path = make(tmp_path, meta, tensors)
-    assert replay_main([str(path), "--max-bytes", str(1 << 20)]) == 2
+    assert main(["replay", str(path), "--max-bytes", str(1 << 20)]) == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1, err
     assert err.startswith("media-guard replay: ") and why in err and path.name in err, err
@@ -169,7 +167,7 @@ def test_hostile_bundle_exits_2_with_one_line(tmp_path, case, capsys):
 
 def test_good_bundle_still_reproduces_with_exit_1(tmp_path, capsys):
     path = saved_bundle(tmp_path)
-    assert replay_main([str(path), "--max-bytes", str(1 << 20)]) == 1
+    assert main(["replay", str(path), "--max-bytes", str(1 << 20)]) == 1
     assert "Media alignment failed" in capsys.readouterr().out
 
 
@@ -178,7 +176,7 @@ def test_escape_sequences_in_a_bundle_never_reach_the_terminal(tmp_path, capsys,
     meta, tensors = _meta_and_tensors(saved_bundle(tmp_path))
     value = "\x1b[2Jevil" if field == "modality" else "\x1b]0;title\x07id"
     path = _item(field, value)(tmp_path, meta, tensors)
-    code = replay_main([str(path), "--max-bytes", str(1 << 20)])
+    code = main(["replay", str(path), "--max-bytes", str(1 << 20)])
     out, err = capsys.readouterr()
     assert code in (1, 2)
     assert "\x1b" not in out + err and "\x07" not in out + err
@@ -191,26 +189,24 @@ def test_the_limit_is_configurable_and_checked_before_loading(tmp_path, monkeypa
     monkeypatch.setattr(
         bundle_load.torch, "load", lambda *a, **k: loaded.append(1) or real(*a, **k)
     )
-    assert replay_main([str(path), "--max-bytes", "16"]) == 2
+    assert main(["replay", str(path), "--max-bytes", "16"]) == 2
     assert "limit" in capsys.readouterr().err and not loaded
     monkeypatch.setenv("MEDIA_GUARD_REPLAY_MAX_BYTES", "16")
-    assert replay_main([str(path)]) == 2
+    assert main(["replay", str(path)]) == 2
     monkeypatch.setenv("MEDIA_GUARD_REPLAY_MAX_BYTES", "lots")
-    assert replay_main([str(path)]) == 2
+    assert main(["replay", str(path)]) == 2
     assert "MEDIA_GUARD_REPLAY_MAX_BYTES" in capsys.readouterr().err
 
 
 def test_token_ids_are_bounded_tighter_than_bytes(tmp_path, capsys):
     ids = torch.full((1, 40_000), 1, dtype=torch.long)  # 320 KB, 40k tokens
     path = save_bundle(tmp_path, input_ids=ids, items=[], grammar=Q)
-    assert replay_main([str(path), "--max-bytes", str(1 << 20)]) == 2  # 16,384 tokens admitted
+    assert main(["replay", str(path), "--max-bytes", str(1 << 20)]) == 2  # 16,384 tokens admitted
     assert "token ids" in capsys.readouterr().err
-    assert replay_main([str(path), "--max-bytes", str(4 << 20)]) == 0  # aligned: no media
+    assert main(["replay", str(path), "--max-bytes", str(4 << 20)]) == 0  # aligned: no media
 
 
 # ---- MediaItem refuses what diagnostics could not carry ---------------------------------
-
-
 @pytest.mark.parametrize(
     "sid, ok",
     [

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from megatron_media_guard.cli import main
 from megatron_media_guard.diagnostics import (
     file_name,
-    report_lines,
+    report,
 )
 from megatron_media_guard.diagnostics.report import summarize
 from megatron_media_guard.diagnostics.report_format import format_summary
@@ -39,8 +39,6 @@ def good_file(d: Path, rank: int = 0) -> Path:
 
 
 # ---- report: special files named like rank files ------------------------------------------
-
-
 SPECIAL = {
     "fifo": (os.mkfifo, "FIFO"),
     "urandom": (lambda p: os.symlink("/dev/urandom", p), "character device"),
@@ -77,14 +75,12 @@ def test_report_skips_an_unreadable_file(tmp_path, monkeypatch):
             raise PermissionError(13, "Permission denied", str(path))
         return real_open(path, *a, **kw)
 
-    monkeypatch.setattr(report_lines.os, "open", deny)
+    monkeypatch.setattr(report.os, "open", deny)
     s = summarize(tmp_path, jobs=1)
     assert s.records == 3 and "Permission denied" in s.skipped_files[str(bad)]
 
 
 # ---- report: hostile content (hostile lines: tests/test_report.py, test_torn_and_malformed_lines)
-
-
 def test_control_characters_never_reach_the_terminal(tmp_path):
     esc = "\x1b[2J\x1b]0;owned\x07\r\x9b"
     p = tmp_path / file_name(0)
@@ -111,8 +107,6 @@ def test_huge_strings_are_cut_in_the_summary(tmp_path):
 
 
 # ---- report: reading a smoke directory of several runs -----------------------------------
-
-
 def test_smoke_directory_names_the_run_and_labels_consensus(tmp_path):
     for run, rank in (("raise.policy", 1), ("drop.policy", 0)):
         d = tmp_path / run
@@ -173,7 +167,7 @@ def test_template_fast_path_matches_a_full_parse(tmp_path_factory, rows):
         out.append(text)
     (d / file_name(0)).write_text("".join(out))
     fast = summarize(d, jobs=1).to_dict()
-    import megatron_media_guard.diagnostics.report_aggregate as agg
+    import megatron_media_guard.diagnostics.report as agg
 
     real = agg.template_match
     try:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import errno
 import json
-import logging
 import os
 import threading
 from collections.abc import Mapping
@@ -17,22 +16,16 @@ import pytest
 import torch
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaGuard
+from megatron_media_guard.cli import main
 from megatron_media_guard.core import providers
-from megatron_media_guard.diagnostics import DiagnosticsLog, GuardRecord, RankInfo, get_logger, log
+from megatron_media_guard.diagnostics import DiagnosticsLog, GuardRecord, RankInfo, log
 from megatron_media_guard.diagnostics.report import summarize
 from megatron_media_guard.replay import bundle_save
 from megatron_media_guard.testing import TEST_GRAMMARS, inject
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("quiet_logger")]
 Q = TEST_GRAMMARS["qwen"]
 LAYOUT = [[("image", 4)], [("image", 3)]]
-
-
-@pytest.fixture(autouse=True)
-def _quiet_logger():
-    get_logger().setLevel(logging.CRITICAL)
-    yield
-    get_logger().setLevel(logging.INFO)
 
 
 def merge_a_fault(cfg: GuardConfig, **kw):
@@ -163,8 +156,6 @@ def test_emit_survives_a_field_that_cannot_be_serialized(tmp_path):
 
 
 # ---- the dump: a full disk under the torch-format bundle --------------------------------
-
-
 def _disk_full(*args, **kwargs):
     raise RuntimeError("[enforce fail at inline_container.cc] . PytorchStreamWriter failed writing")
 
@@ -189,7 +180,8 @@ def test_full_dump_dir_with_the_torch_backend_is_contained(tmp_path, monkeypatch
 
 
 def test_record_is_written_before_the_bundle(tmp_path, monkeypatch):
-    """The bundle writer sees the record already on disk (a crash in between keeps it)."""
+    """The bundle writer sees the record already on disk (a crash in between keeps it); the
+    raise names the bundle, whose replay reproduces the mismatch."""
     seen = []
     real = bundle_save.save_bundle
 
@@ -202,3 +194,5 @@ def test_record_is_written_before_the_bundle(tmp_path, monkeypatch):
     with pytest.raises(MediaAlignmentError) as info:
         merge_a_fault(cfg)
     assert seen == [1] and "replay bundle:" in str(info.value)
+    path = str(info.value).split("replay bundle: ")[1].strip()
+    assert path.endswith(".bundle") and main(["replay", path]) == 1

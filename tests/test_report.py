@@ -12,18 +12,18 @@ from family_checks import record_line
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_media_guard.cli import SUBCOMMANDS, main, register
+from megatron_media_guard.cli import main
 from megatron_media_guard.diagnostics import (
     EVENTS,
     DiagnosticsLog,
     GuardRecord,
     RankInfo,
     file_name,
-    report_aggregate,
+    report,
 )
 from megatron_media_guard.diagnostics.report import ReportSummary, summarize
-from megatron_media_guard.diagnostics.report_aggregate import _HeavyHitters
 from megatron_media_guard.diagnostics.report_format import format_summary
+from megatron_media_guard.diagnostics.report_grid import _HeavyHitters
 from megatron_media_guard.errors import MediaInputError
 
 pytestmark = pytest.mark.usefixtures("quiet_logger")
@@ -259,8 +259,8 @@ def test_heavy_hitters_merge_matches_one_pass():
 
 
 def test_reason_classes_and_keys_are_capped(tmp_path, monkeypatch):
-    monkeypatch.setattr(report_aggregate, "LABEL_CAP", 3)
-    monkeypatch.setattr(report_aggregate, "COMBO_CAP", 5)
+    monkeypatch.setattr(report, "LABEL_CAP", 3)
+    monkeypatch.setattr(report, "COMBO_CAP", 5)
     write(tmp_path, 0, [raw(event="drop", reason=f"kind{chr(97 + i)} {i}") for i in range(10)])
     s = summarize(tmp_path)
     assert s.count("drop") + s.count("(other)") == 10
@@ -439,15 +439,6 @@ def test_cli_text_file_named_like_a_log_is_malformed(tmp_path, capsys):
     assert "1 malformed line(s)" in err and "0 torn" in err and "torn last line" not in out
 
 
-def test_register_adds_a_subcommand(capsys):
-    seen = []
-    register("echo-test", "test", lambda p: p.add_argument("x"), lambda a: seen.append(a.x) or 5)
-    try:
-        assert main(["echo-test", "hi"]) == 5 and seen == ["hi"]
-    finally:
-        del SUBCOMMANDS["echo-test"]
-
-
 def test_summary_is_frozen(tmp_path):
     write(tmp_path, 0, [line()])
     s = summarize([tmp_path / file_name(0)])
@@ -456,11 +447,3 @@ def test_summary_is_frozen(tmp_path):
         s.records = 2  # type: ignore[misc]
     with pytest.raises(TypeError):
         s.by_event["check"] = 5  # type: ignore[index]
-
-
-def test_a_directory_of_run_directories_is_searched(tmp_path):
-    """The smoke writes one subdirectory per run; report DIR finds their files."""
-    for run in ("a.raise", "b.drop"):
-        with DiagnosticsLog(tmp_path / run, RankInfo(rank=1)) as log:
-            log.emit(GuardRecord(event="drop", step=1, sample=0))
-    assert summarize(tmp_path).count("drop") == 2

@@ -23,35 +23,38 @@ def _shim(bindir: Path, name: str, body: str) -> None:
     path.chmod(0o755)
 
 
-def _scratch(tmp_path: Path, script: str) -> Path:
+def _scratch(tmp_path: Path, script: str, python: str | None = f'exec "{sys.executable}" "$@"'):
     """A copy of the repository's top (pyproject.toml and the script) whose ``.venv/bin/python``
-    runs this interpreter (a shim, so the real virtual environment is used and never written)."""
+    is the shim ``python`` (None: no virtual environment; by default this interpreter, so the
+    real one is used and never written), and an empty ``tmp_path/bin`` for the tests' shims."""
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
+    (tmp_path / "bin").mkdir()
     shutil.copy(ROOT / "pyproject.toml", repo / "pyproject.toml")
     shutil.copy(ROOT / "scripts" / script, repo / "scripts" / script)
-    (repo / ".venv" / "bin").mkdir(parents=True)
-    _shim(repo / ".venv" / "bin", "python", f'exec "{sys.executable}" "$@"')
+    if python is not None:
+        (repo / ".venv" / "bin").mkdir(parents=True)
+        _shim(repo / ".venv" / "bin", "python", python)
     return repo
 
 
-def _run(repo: Path, script: str, bindir: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}")
+def _run(repo: Path, script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """``bash script args`` with ``tmp_path/bin`` first on PATH and ``env`` set."""
+    path = f"{repo.parent / 'bin'}{os.pathsep}{os.environ['PATH']}"
     return subprocess.run(
         ["bash", str(repo / "scripts" / script), *args],
         capture_output=True,
         text=True,
-        env=env,
+        env=dict(os.environ, PATH=path, **env),
         timeout=120,
+        cwd=repo.parent,
     )
 
 
 def test_install_stamp_is_hashed_without_sha256sum(tmp_path):
     repo = _scratch(tmp_path, "install.sh")
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
     for tool in ("sha256sum", "shasum"):  # as on a machine without them
-        _shim(bindir, tool, f'echo "{tool}: command not found" >&2; exit 127')
+        _shim(tmp_path / "bin", tool, f'echo "{tool}: command not found" >&2; exit 127')
     version = subprocess.run(
         [repo / ".venv" / "bin" / "python", "--version"], capture_output=True, text=True
     ).stdout
@@ -65,7 +68,7 @@ def test_install_stamp_is_hashed_without_sha256sum(tmp_path):
     )
     # the stamp an up-to-date install left: sha256 of the same bytes (what sha256sum printed)
     (repo / ".venv" / ".media_guard_install.test").write_text(hashlib.sha256(blob).hexdigest())
-    out = _run(repo, "install.sh", bindir, "test")
+    out = _run(repo, "install.sh", "test")
     assert out.returncode == 0, out.stderr
     assert "up to date" in out.stderr and "installing" not in out.stderr
 
@@ -76,10 +79,9 @@ def test_install_stamp_is_hashed_without_sha256sum(tmp_path):
 )
 def test_mcore019_step_skips_where_its_wheels_cannot_be_used(tmp_path, system, machine):
     repo = _scratch(tmp_path, "test_mcore019.sh")
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    _shim(bindir, "uname", f'case "$1" in -s) echo "{system}";; -m) echo "{machine}";; esac')
-    out = _run(repo, "test_mcore019.sh", bindir)
+    uname = f'case "$1" in -s) echo "{system}";; -m) echo "{machine}";; esac'
+    _shim(tmp_path / "bin", "uname", uname)
+    out = _run(repo, "test_mcore019.sh")
     assert out.returncode == 0, out.stderr
     assert f"[mcore019] SKIPPED: no megatron-core 0.19.2 / triton wheel for {system} {machine}" in (
         out.stderr
@@ -87,16 +89,6 @@ def test_mcore019_step_skips_where_its_wheels_cannot_be_used(tmp_path, system, m
     assert "required on Linux x86_64 only" in out.stderr
     assert not (repo / ".mcore019").exists()  # nothing downloaded, no test run
     assert not (repo / ".bridge062").exists()
-
-
-def _gpu_check_copy(tmp_path: Path, venv_python: str | None) -> Path:
-    repo = tmp_path / "repo"
-    (repo / "scripts").mkdir(parents=True)
-    shutil.copy(ROOT / "scripts" / "gpu_check.sh", repo / "scripts" / "gpu_check.sh")
-    if venv_python is not None:
-        (repo / ".venv" / "bin").mkdir(parents=True)
-        _shim(repo / ".venv" / "bin", "python", venv_python)
-    return repo
 
 
 @pytest.mark.parametrize(
@@ -111,21 +103,10 @@ def _gpu_check_copy(tmp_path: Path, venv_python: str | None) -> Path:
 def test_gpu_check_uses_the_project_venv(tmp_path, venv_python, rc, needle):
     """gpu_check.sh runs ./.venv/bin/python, not the system python3 (a machine without a
     global torch got a raw ModuleNotFoundError), and says so when it is missing."""
-    repo = _gpu_check_copy(tmp_path, venv_python)
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    _shim(bindir, "python3", 'echo "system python3 used" >&2; exit 99')
-    env = dict(os.environ, PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}")
-    env.pop("PYTHON", None)
-    env["CUDA_VISIBLE_DEVICES"] = ""  # never the real GPU run, even on a GPU machine
-    out = subprocess.run(
-        ["bash", str(repo / "scripts" / "gpu_check.sh")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        cwd=tmp_path,
-    )
+    repo = _scratch(tmp_path, "gpu_check.sh", venv_python)
+    _shim(tmp_path / "bin", "python3", 'echo "system python3 used" >&2; exit 99')
+    # never the real GPU run, even on a GPU machine; PYTHON unset (the script's override)
+    out = _run(repo, "gpu_check.sh", CUDA_VISIBLE_DEVICES="", PYTHON="")
     assert "system python3 used" not in out.stderr
     assert out.returncode == rc and needle in out.stderr + out.stdout, (out.stdout, out.stderr)
 
@@ -143,9 +124,7 @@ def test_mcore019_version_line_names_megatron_cores_version_alone(tmp_path):
     git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run([*git, "init", "-q"], check=True)
     subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "x"], check=True)
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    out = _run(repo, "test_mcore019.sh", bindir, "--version")  # pytest --version: no tests
+    out = _run(repo, "test_mcore019.sh", "--version")  # pytest --version: no tests
     assert out.returncode == 0, out.stderr
     line = next(x for x in out.stdout.splitlines() if x.startswith("megatron-core "))
     assert line.split()[1] == "0.19.2", line
@@ -171,9 +150,7 @@ def test_smoke_sh_keeps_logs_page_and_bundles_by_default(tmp_path, args, log_dir
     repo = _scratch(tmp_path, "smoke.sh")
     _shim(repo / "scripts", "install.sh", "exit 0")
     _shim(repo / ".venv" / "bin", "media-guard", 'printf "%s\\n" "$@" > "$(dirname "$0")/argv"')
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    out = _run(repo, "smoke.sh", bindir, *args)
+    out = _run(repo, "smoke.sh", *args)
     assert out.returncode == 0, out.stderr
     argv = (repo / ".venv" / "bin" / "argv").read_text().splitlines()
     assert argv[0] == "smoke"

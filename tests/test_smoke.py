@@ -33,8 +33,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # ---- the scenario stream (no torch.distributed) ------------------------------------------
-
-
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_each_fault_breaks_exactly_the_samples_it_names(scenario):
     spec = FAULT_SPECS[scenario]
@@ -61,8 +59,6 @@ def test_peers_of_one_data_parallel_rank_get_identical_batches_and_others_differ
 
 
 # ---- the tiny model, single process -------------------------------------------------------
-
-
 @pytest.fixture(scope="module")
 def tiny():
     pytest.importorskip("megatron.core")
@@ -133,19 +129,9 @@ def test_repair_reprojects_the_shrunk_video_to_the_engine_count(tiny):
 
 
 # ---- expectations and the table ----------------------------------------------------------
-
-
 def _obs(rank, **kw):
-    base = dict(
-        scenario="budget_shrink",
-        policy="drop",
-        rank=rank,
-        steps_done=2,
-        losses=(7.0, 6.9),
-        drops=(),
-        repairs=(),
-        injected=(),
-    )
+    base = dict(scenario="budget_shrink", policy="drop", rank=rank, steps_done=2)
+    base.update(losses=(7.0, 6.9), drops=(), repairs=(), injected=())
     return Observation(**{**base, **kw})
 
 
@@ -243,8 +229,6 @@ def test_launcher_refuses_fork():
 
 
 # ---- 4-rank smoke runs ------------------------------------------------------------------------
-
-
 def _smoke(tmp_path, *flags, timeout=240):
     log_dir = tmp_path / "logs"
     cmd = [sys.executable, "-m", "megatron_media_guard.smoke", "--log-dir", str(log_dir), *flags]
@@ -264,6 +248,13 @@ def _records(run_dir: Path) -> dict[int, list[dict]]:
 
 def _events(recs: list[dict]) -> Counter:
     return Counter(r["event"] for r in recs)
+
+
+def _of(recs: dict[int, list[dict]], event: str, *keys: str) -> list[tuple]:
+    """``keys`` of every ``event`` record of every rank, sorted."""
+    return sorted(
+        tuple(r[k] for k in keys) for x in recs.values() for r in x if r["event"] == event
+    )
 
 
 @pytest.mark.dist
@@ -296,13 +287,7 @@ def test_smoke_four_ranks_every_policy_logs_exactly_what_was_injected(tmp_path):
         assert cons["action"] == "raise" and cons["extra"]["culprit_ranks"] == [1]
 
     recs = _records(logs / "budget_shrink.drop")
-    drops = [
-        (r["rank"], r["step"], r["sample"])
-        for x in recs.values()
-        for r in x
-        if r["event"] == "drop"
-    ]
-    assert drops == [(1, 1, 1)]
+    assert _of(recs, "drop", "rank", "step", "sample") == [(1, 1, 1)]
     assert all(_events(x)["step"] == 2 and not _events(x)["raise"] for x in recs.values())
 
     recs = _records(logs / "budget_shrink.repair")
@@ -311,23 +296,11 @@ def test_smoke_four_ranks_every_policy_logs_exactly_what_was_injected(tmp_path):
     assert rep["fidelity"] == "engine-replay" and rep["expected"][0] < rep["got"][0]
     assert not any(r["event"] in ("drop", "raise") for x in recs.values() for r in x)
 
+    # +1 and -1: equal batch totals, both caught
     recs = _records(logs / "offsetting.drop")
-    drops = sorted(
-        (r["rank"], r["step"], r["sample"])
-        for x in recs.values()
-        for r in x
-        if r["event"] == "drop"
-    )
-    assert drops == [(1, 1, 0), (1, 1, 2)]  # +1 and -1: equal batch totals, both caught
-
+    assert _of(recs, "drop", "rank", "step", "sample") == [(1, 1, 0), (1, 1, 2)]
     recs = _records(logs / "offsetting.repair")
-    fixed = sorted(
-        (r["rank"], r["item"], r["action"])
-        for x in recs.values()
-        for r in x
-        if r["event"] == "repair"
-    )
-    assert fixed == [(1, 0, "repair"), (1, 2, "repair")]
+    assert _of(recs, "repair", "rank", "item", "action") == [(1, 0, "repair"), (1, 2, "repair")]
 
     summary = summarize(logs / "offsetting.raise")
     assert summary.by_rank[1]["raise"] == 2 and summary.count("consensus") == 4
@@ -338,17 +311,8 @@ def test_smoke_four_ranks_every_policy_logs_exactly_what_was_injected(tmp_path):
 @pytest.mark.timeout(300)
 def test_smoke_tensor_parallel_peers_raise_and_drop_together(tmp_path):
     pytest.importorskip("megatron.core")
-    proc, logs = _smoke(
-        tmp_path,
-        "--tp",
-        "2",
-        "--scenario",
-        "swapped_items",
-        "--policy",
-        "raise,drop",
-        "--steps",
-        "2",
-    )
+    flags = ["--tp", "2", "--scenario", "swapped_items", "--policy", "raise,drop", "--steps", "2"]
+    proc, logs = _smoke(tmp_path, *flags)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     # rank 1's tensor-parallel peer is rank 0: both hold the faulty micro-batch of dp rank 0
     recs = _records(logs / "swapped_items.raise")
@@ -356,9 +320,5 @@ def test_smoke_tensor_parallel_peers_raise_and_drop_together(tmp_path):
     for rank in range(4):
         (cons,) = [r for r in recs[rank] if r["event"] == "consensus"]
         assert cons["extra"]["culprit_ranks"] == [0, 1]
-    recs = _records(logs / "swapped_items.drop")
-    drops = sorted(
-        (r["rank"], r["sample"]) for x in recs.values() for r in x if r["event"] == "drop"
-    )
-    assert drops == [(0, 2), (1, 2)]
+    assert _of(_records(logs / "swapped_items.drop"), "drop", "rank", "sample") == [(0, 2), (1, 2)]
     assert "all 4 raised at step 1 naming rank 0" in proc.stdout

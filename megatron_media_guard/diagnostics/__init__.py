@@ -1,9 +1,6 @@
-"""The post-mortem side: ``records`` (``RankInfo``, ``GuardRecord``, schema v1, summary
-lines), ``log`` (``DiagnosticsLog``: one fsync-ed JSONL file per rank, and the library's
-logger), ``report`` (streaming reader over every rank's file) and ``report_format``.
-
-Imports no torch at module level (``media-guard report`` and ``--help`` stay fast) and
-nothing from the package but ``errors``.
+"""The post-mortem side: ``records`` (schema v1), ``log`` (the per-rank JSONL writer, the
+logger), ``report`` and its modules (``media-guard report``). No torch; of the package, only
+``errors``.
 """
 
 from .log import DiagnosticsLog, get_logger
@@ -14,14 +11,11 @@ from .records import (
     LOGGER_NAME,
     SCHEMA_KEYS,
     SCHEMA_VERSION,
-    SINGLE_PROCESS,
-    EventName,
     GuardRecord,
     RankInfo,
     build_record,
     file_name,
     json_dumps,
-    json_safe,
     summary_line,
     utc_now,
     where_text,
@@ -34,16 +28,13 @@ __all__ = [
     "LOGGER_NAME",
     "SCHEMA_KEYS",
     "SCHEMA_VERSION",
-    "SINGLE_PROCESS",
     "DiagnosticsLog",
-    "EventName",
     "GuardRecord",
     "RankInfo",
     "build_record",
     "file_name",
     "get_logger",
     "json_dumps",
-    "json_safe",
     "summary_line",
     "utc_now",
     "where_text",

@@ -3,7 +3,7 @@
 :meth:`DiagnosticsLog.emit` returns once the line is on disk (one ``os.write`` on an
 ``O_APPEND`` descriptor, then ``os.fsync``) and never raises: a write failure is counted and
 logged once (:meth:`DiagnosticsLog.describe_path` says so in the guard's message), a record
-that cannot be serialized is written as a minimal one naming the failure. Only a regular file
+that cannot be serialized is written as its event alone, naming the failure. Only a regular file
 is written (opened with ``O_NONBLOCK``, checked with ``fstat``), and a torn tail costs only
 the torn line. docs/DIAGNOSTICS.md states these guarantees in full. Never imports torch.
 """
@@ -23,7 +23,6 @@ from pathlib import Path
 from .records import (
     _WARN_EVENTS,
     LOGGER_NAME,
-    SCHEMA_VERSION,
     GuardRecord,
     RankInfo,
     build_record,
@@ -59,6 +58,33 @@ def get_logger() -> logging.Logger:
             logger.setLevel(logging.INFO)
             logger.propagate = False
     return logger
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def open_regular(path: str | os.PathLike[str], flags: int) -> int:
+    """``os.open`` of a regular file, never blocking: opened with ``O_NONBLOCK`` (a FIFO
+    without a peer opens at once), then anything but a regular file is closed and refused
+    with an OSError naming its kind, and the descriptor is made blocking again."""
+    flags |= getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags, 0o644)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _KINDS if test(mode)), "special file")
+            raise OSError(f"not a regular file ({kind})")
+        os.set_blocking(fd, True)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _caller_name(depth: int) -> str | None:
@@ -112,22 +138,16 @@ class DiagnosticsLog:
         caller = caller if caller is not None else _caller_name(1)
         if self._rank_source is not None:
             self._refresh_rank()
+        when, pid = utc_now(), os.getpid()
         try:
-            rec = build_record(
-                record, self.rank, time=utc_now(), host=self.host, pid=os.getpid(), caller=caller
-            )
+            rec = build_record(record, self.rank, time=when, host=self.host, pid=pid, caller=caller)
             line = (json_dumps(rec) + "\n").encode("utf-8")
         except Exception as err:  # a hostile field: the record must still say what happened
-            rec = {
-                "schema": SCHEMA_VERSION,
-                "time": utc_now(),
-                "host": self.host,
-                "pid": os.getpid(),
-                "rank": self.rank.rank if type(self.rank.rank) is int else None,
-                "event": getattr(record, "event", "check"),
-                "reason": f"record could not be serialized ({type(err).__name__})",
-                "caller": caller,
-            }
+            why = GuardRecord(
+                record.event, reason=f"record could not be serialized ({type(err).__name__})"
+            )
+            rank = RankInfo(self.rank.rank if type(self.rank.rank) is int else None)
+            rec = build_record(why, rank, time=when, host=self.host, pid=pid, caller=caller)
             line = (json_dumps(rec) + "\n").encode("utf-8")
         if self.path is not None:
             with self._locked():
@@ -202,20 +222,11 @@ class DiagnosticsLog:
             self._close_fd()
         assert self.path is not None
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # O_NONBLOCK: a FIFO at the path must not block the open (fstat refuses it below)
-        flags = os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | os.O_NONBLOCK
+        flags = os.O_APPEND | os.O_CREAT
         try:
-            fd, self._readable = os.open(self.path, flags | os.O_RDWR, 0o644), True
+            fd, self._readable = open_regular(self.path, flags | os.O_RDWR), True
         except PermissionError:  # a write-only file: append without reading the tail back
-            fd, self._readable = os.open(self.path, flags | os.O_WRONLY, 0o644), False
-        try:
-            mode = os.fstat(fd).st_mode
-            if not stat.S_ISREG(mode):
-                raise OSError(f"{self.path} is not a regular file (mode {stat.filemode(mode)})")
-            os.set_blocking(fd, True)
-        except OSError:
-            os.close(fd)
-            raise
+            fd, self._readable = open_regular(self.path, flags | os.O_WRONLY), False
         self._fd, self._fd_pid, self._end = fd, pid, None  # None: check the tail first
         return fd
 

@@ -1,10 +1,7 @@
 """Schema v1 of the per-rank diagnostics (docs/DIAGNOSTICS.md): :class:`GuardRecord`, where it
-comes from (:class:`RankInfo`), the JSON object it is written as (:func:`build_record`) and its
-one human line (:func:`summary_line`); :mod:`.log` writes them.
-
-A line is strict JSON (non-finite floats become null) and holds nothing of the raw pixel or
-text content: only the fields of :class:`GuardRecord` (counts, shapes, indices, ids, short
-names), with ``extra`` reduced by :func:`json_safe`. Never imports torch.
+comes from (:class:`RankInfo`), its strict-JSON object (:func:`build_record`: counts, shapes,
+indices, ids, short names; never pixel or text content) and its one human line
+(:func:`summary_line`); :mod:`.log` writes them. Never imports torch.
 """
 
 from __future__ import annotations
@@ -47,10 +44,8 @@ class RankInfo:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RankInfo:
-        """Global rank from ``RANK`` (set by torchrun) when it is an integer; the rest None.
-
-        Never imports torch.distributed: the parallel coordinates are the caller's to fill.
-        """
+        """Global rank from ``RANK`` (set by torchrun) when it is an integer; the rest None
+        (never imports torch.distributed: the parallel coordinates are the caller's)."""
         env = os.environ if environ is None else environ
         try:
             rank = int(env["RANK"])
@@ -113,11 +108,9 @@ SCHEMA_KEYS: tuple[str, ...] = (
 
 
 def json_safe(value: object, depth: int = 0) -> object:
-    """``value`` reduced to strict-JSON data: finite numbers, short strings, lists, flat dicts.
-
-    Non-finite floats become None; numpy/torch scalars become Python numbers; any
-    other object becomes ``"<TypeName>"`` (its contents are never written).
-    """
+    """``value`` reduced to strict-JSON data: finite numbers (non-finite: None; numpy/torch
+    scalars: Python numbers), short strings, lists, flat dicts; any other object
+    ``"<TypeName>"`` (its contents are never written)."""
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, str):
@@ -139,13 +132,7 @@ def json_safe(value: object, depth: int = 0) -> object:
 
 
 def build_record(
-    record: GuardRecord,
-    rank: RankInfo,
-    *,
-    time: str,
-    host: str,
-    pid: int,
-    caller: str | None,
+    record: GuardRecord, rank: RankInfo, *, time: str, host: str, pid: int, caller: str | None
 ) -> dict[str, object]:
     """The schema-v1 object for ``record`` (a pure function: no I/O)."""
     out: dict[str, object] = {"schema": SCHEMA_VERSION, "time": time, "host": host, "pid": pid}
@@ -177,7 +164,7 @@ def json_dumps(rec: Mapping[str, object]) -> str:
 
 
 # -- human summary ------------------------------------------------------------------
-def _clean(value: object, limit: int = 200) -> str:
+def one_line(value: object, limit: int = 200) -> str:
     """One line of at most ``limit`` characters, cut at a word boundary when one is near."""
     try:
         raw = value if isinstance(value, str) else str(value)
@@ -201,7 +188,7 @@ def cut_words(text: str, limit: int) -> str:
 
 def _repr(value: object) -> str:
     try:
-        return repr(value) if isinstance(value, (str, int)) else _clean(value, 80)
+        return repr(value) if isinstance(value, (str, int)) else one_line(value, 80)
     except ValueError:  # an int too long to print
         return f"<{type(value).__name__}>"
 
@@ -243,11 +230,11 @@ _COUNT_STATUSES = ("surplus", "deficit", "count_mismatch", "length_mismatch")
 def where_text(rank: object, step: object = None, microbatch: object = None) -> str:
     """``"rank 3, step 12, microbatch 0"`` (``"single process (RANK unset), ..."`` without a
     rank): the one way a record line, an exception and a report name a guarded call."""
-    parts = [SINGLE_PROCESS if rank is None else f"rank {_clean(rank, 20)}"]
+    parts = [SINGLE_PROCESS if rank is None else f"rank {one_line(rank, 20)}"]
     if step is not None:
-        parts.append(f"step {_clean(step, 20)}")
+        parts.append(f"step {one_line(step, 20)}")
     if microbatch is not None:
-        parts.append(f"microbatch {_clean(microbatch, 20)}")
+        parts.append(f"microbatch {one_line(microbatch, 20)}")
     return ", ".join(parts)
 
 
@@ -276,7 +263,7 @@ def _counts(exp: list[int] | None, got: list[int] | None, first: object, status:
         runs = f"{len(exp)} run" + ("s" if len(exp) != 1 else "")
         why.append(f"{runs} for {len(got)} item" + ("s" if len(got) != 1 else ""))
     elif first is not None and (len(exp) > 1 or not delta):
-        why.append(f"first mismatch at run {_clean(first, 20)}")
+        why.append(f"first mismatch at run {one_line(first, 20)}")
     return f"{out} ({', '.join(why)})"
 
 
@@ -290,7 +277,7 @@ def _reason(reason: object, counted: bool) -> str:
     placeholders (+1)`` once the line shows both counts)."""
     if not reason:
         return ""
-    text = _clean(reason, _REASON_CHARS)
+    text = one_line(reason, _REASON_CHARS)
     if counted:
         keep = [c for c in text.split("; ") if c.split(":")[0] not in _COUNT_STATUSES]
         text = "; ".join(keep)
@@ -306,14 +293,14 @@ def _extra(extra: object, reason: str) -> str:
     for k, v in extra.items():
         if k == "status":
             continue
-        if k == "findings" and (not v or all(_clean(f) in reason for f in v)):
+        if k == "findings" and (not v or all(one_line(f) in reason for f in v)):
             continue
         if k == "check" and reason.startswith(f"{v}:"):
             continue
-        if v is None or (isinstance(v, str) and _clean(v) in reason):  # said already
+        if v is None or (isinstance(v, str) and one_line(v) in reason):  # said already
             continue
         out.append(f"{k}={v}")
-    return _clean(", ".join(out), 160)
+    return one_line(", ".join(out), 160)
 
 
 def _media(g) -> str:
@@ -323,45 +310,41 @@ def _media(g) -> str:
     frames = g("num_frames")
     size = f"{hw[0]}x{hw[1]} (HxW)" if hw and len(hw) == 2 else None
     if frames is not None:
-        out.append(f"{_clean(frames, 20)} frames" + (f" of {size}" if size else ""))
+        out.append(f"{one_line(frames, 20)} frames" + (f" of {size}" if size else ""))
     elif size:
         out.append(size)
     grid = _ints(g("grid"))
     if grid:
         out.append("grid " + "x".join(map(str, grid)))
     if g("tiles") is not None:
-        out.append(f"{_clean(g('tiles'), 20)} tiles")
+        out.append(f"{one_line(g('tiles'), 20)} tiles")
     return ", ".join(out)
 
 
 def summary_line(rec: Mapping[str, object], *, where: bool = True) -> str:
-    """The one line of a record, in the order an operator reads it: where (rank, step,
-    microbatch), the sample (its id, its row), the item (and its media), what was expected
-    and what was found, why, and the action. Each fact once; the same text is the console
-    line, a line of the exception, the report's "first fatal" line and the page's examples.
-    Tolerates missing and mistyped fields.
-
-    ``[media-guard] rank 3, step 12, microbatch 0: sample 5 (sample_id 'abc') row 1, image
-    item 2 (16 frames, 1080x2400 (HxW)): 2010 placeholders vs 2550 features (surplus 540)
-    -> drop``; ``where=False``: without the ``[media-guard] <where>:`` head (a line of a
-    message that names the where once, above)."""
+    """The one line of a record (the console line, a line of the exception, the report's
+    "first fatal" and the page's examples), each fact once, in the order an operator reads
+    it: ``[media-guard] rank 3, step 12, microbatch 0: sample 5 (sample_id 'abc') row 1,
+    image item 2 (16 frames, 1080x2400 (HxW)): 2010 placeholders vs 2550 features (surplus
+    540) -> drop``. Tolerates missing and mistyped fields. ``where=False``: without the
+    ``[media-guard] <where>:`` head (a message names the where once, above)."""
     g = rec.get
     subject = []
     if g("sample") is not None:
-        head = f"sample {_clean(g('sample'), 20)}"
+        head = f"sample {one_line(g('sample'), 20)}"
         if g("sample_id") is not None:
-            head += f" (sample_id {_clean(_repr(g('sample_id')), 80)})"
+            head += f" (sample_id {one_line(_repr(g('sample_id')), 80)})"
         if g("row") is not None:
-            head += f" row {_clean(g('row'), 20)}"
+            head += f" row {one_line(g('row'), 20)}"
         subject.append(head)
     elif g("row") is not None:
-        subject.append(f"row {_clean(g('row'), 20)}")
+        subject.append(f"row {one_line(g('row'), 20)}")
     media = _media(g)
-    modality = _clean(g("modality"), 20) if g("modality") is not None else None
+    modality = one_line(g("modality"), 20) if g("modality") is not None else None
     if modality == "sample":  # a packed sub-sample's own fault: the sample says it
         modality = None
     if g("item") is not None:
-        item = f"{modality + ' ' if modality else ''}item {_clean(g('item'), 20)}"
+        item = f"{modality + ' ' if modality else ''}item {one_line(g('item'), 20)}"
         subject.append(item + (f" ({media})" if media else ""))
     elif modality or media:
         subject.append(" ".join(x for x in (modality, f"({media})" if media else "") if x))
@@ -374,7 +357,7 @@ def summary_line(rec: Mapping[str, object], *, where: bool = True) -> str:
     else:
         counts = _counts(exp, got, g("first_mismatch"), status)
     odd = [  # a foreign file's fields that are no lists of ints: shown as they are
-        f"{k} {_clean(g(k), 80)}"
+        f"{k} {one_line(g(k), 80)}"
         for k in ("expected", "got")
         if g(k) is not None and _ints(g(k)) is None
     ]
@@ -384,20 +367,20 @@ def summary_line(rec: Mapping[str, object], *, where: bool = True) -> str:
     if shown:
         body.append(shown)
     if g("fidelity") is not None:
-        body.append(f"fidelity {_clean(g('fidelity'), 40)}")
+        body.append(f"fidelity {one_line(g('fidelity'), 40)}")
     ms = g("duration_ms")
     if isinstance(ms, (int, float)) and not isinstance(ms, bool):
         body.append(f"{ms:.3g} ms")
-    event, action = _clean(g("event", "?"), 20), g("action")
+    event, action = one_line(g("event", "?"), 20), g("action")
     end = ""
     if action is None and event in ("drop", "raise", "repair"):  # the event is the action
         end = f" -> {event}"
     elif action is None:  # a record of no decision (a step's counters): its event first
         subject.insert(0, event)
-    elif _clean(action, 40) == event:
+    elif one_line(action, 40) == event:
         end = f" -> {event}"
     else:
-        end = f" -> {_clean(action, 40)} ({event})"
+        end = f" -> {one_line(action, 40)} ({event})"
     line = ", ".join(subject)
     if body:
         line = f"{line}: {'; '.join(body)}" if line else "; ".join(body)

@@ -18,11 +18,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .records import cut_words, summary_line
-from .report_aggregate import OFFENDING_EVENTS, _event_order
-from .report_summary import ReportSummary
+from .report import ReportSummary, _event_order
+from .report_lines import OFFENDING_EVENTS
 
 _CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
-_ID_LEN = 80
 
 
 def neutralise(text: str) -> str:
@@ -54,10 +53,6 @@ def fatal_text(ff: Mapping[str, object], name) -> tuple[str, str]:
     """The first fatal record's line (no ``[media-guard]`` head) and its ``file:line``."""
     where = f"{name(str(ff.get('_file')))}:{ff.get('_line')}"
     return summary_line(ff).removeprefix("[media-guard] "), where
-
-
-def _short_id(value: object) -> str:
-    return cut_words(repr(value), _ID_LEN)
 
 
 def _table(
@@ -141,10 +136,7 @@ def format_summary(summary: ReportSummary) -> str:
             "  (consensus: every rank's record of a stage-wide round; the stage's action, not its own)"
         )
     lines += _table("by reason (digits shown as #, full text)", s.by_reason, cut=None)
-    if s.top_sample_ids:
-        note = "" if s.sample_ids_exact else " (estimated: counts are lower bounds)"
-        lines.append(f"top offending sample ids (repair/drop/raise){note}:")
-        ids = [(_short_id(k), n) for k, n in s.top_sample_ids]
-        width = max(len(k) for k, _ in ids)
-        lines += [f"  {k:<{width}}  {n:>10,}" for k, n in ids]
+    note = "" if s.sample_ids_exact else " (estimated: counts are lower bounds)"
+    ids = {repr(k): n for k, n in s.top_sample_ids}  # a str and an int never share a repr
+    lines += _table(f"top offending sample ids (repair/drop/raise){note}", ids, len(ids), 80)
     return neutralise("\n".join(lines))

@@ -1,12 +1,16 @@
-"""Bounded counters and labels behind ``media-guard report``: heavy hitters for sample ids,
-binned (rank, step) grids for the page's heatmap and its events-over-steps charts, and the
-bounded one-line labels fields are counted under. Never imports torch; every structure holds
-at most a fixed number of entries whatever the input.
+"""The data of ``media-guard report``: bounded counters (heavy hitters for sample ids, binned
+(rank, step) grids for the page's heatmap and its records-over-steps charts, the one-line labels
+fields are counted under), each holding at most a fixed number of entries whatever the input,
+and :class:`ReportSummary`, the frozen result they fold into (its JSON form:
+:meth:`ReportSummary.to_dict`).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
 
 from .records import cut_words
 
@@ -159,34 +163,6 @@ class _Grid:
         }
 
 
-class _Steps:
-    """Exact record counts per step bin (``step >> shift``), at most ``cap`` bins: when full,
-    the bin size doubles and the bins fold together."""
-
-    def __init__(self, cap: int) -> None:
-        self.cap = cap
-        self.counts: dict[int, int] = {}
-        self.shift = 0
-
-    def coarsen(self, to: int | None = None) -> None:
-        shift = self.shift + 1 if to is None else to
-        out: dict[int, int] = {}
-        d = shift - self.shift
-        for b, n in self.counts.items():
-            out[b >> d] = out.get(b >> d, 0) + n
-        self.counts, self.shift = out, shift
-
-    def merge(self, other: _Steps) -> None:
-        if other.shift > self.shift:
-            self.coarsen(other.shift)
-        d = self.shift - other.shift
-        counts = self.counts
-        for b, n in other.counts.items():
-            counts[b >> d] = counts.get(b >> d, 0) + n
-        while len(self.counts) > self.cap:
-            self.coarsen()
-
-
 def _label(value: object, limit: int = _LABEL_LEN) -> str:
     """A one-line string key for a field (None, numbers, garbage, long text): whitespace
     runs as one space, cut at a word boundary to at most ``limit`` characters."""
@@ -225,3 +201,95 @@ def _size(value: object) -> str | None:
     if isinstance(value, list) and len(value) == 2 and all(type(v) is int for v in value):
         return f"{value[0]}x{value[1]}"
     return _label(value, 40)
+
+
+def _empty() -> Mapping:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class GridCounts:
+    """Exact counts in (rank, step) bins: ``cells[(first rank, first step, label)] = n``; a bin
+    holds ranks ``r .. r + rank_bin - 1`` and steps ``s .. s + step_bin - 1`` (aligned at
+    multiples of its size); None: records with no rank / step. ``label``: the event (heatmap)
+    or ``"records"`` (records over steps)."""
+
+    rank_bin: int = 1
+    step_bin: int = 1
+    cells: Mapping[tuple[int | None, int | None, str], int] = field(default_factory=_empty)
+
+
+@dataclass(frozen=True)
+class ReportSummary:
+    """What ``media-guard report`` found across the files (after the rank/step filters).
+
+    by_rank: rank -> event -> count; rank None: unknown (no rank in the record or the file name).
+    top_sample_ids: (sample_id, count) for events repair/drop/raise, most frequent first.
+    first_fatal: the first ``raise`` record as read (strings, lists and nesting bounded), plus
+        ``_file`` and ``_line``; None if none.
+    skipped_files: file -> why it was not read (not a regular file, unreadable, read error).
+    by_action: consensus records' actions are labelled ``"<action> (consensus)"``: each rank
+        of a stage writes one when any rank raises, so they do not count as raises.
+    """
+
+    files: tuple[str, ...]
+    lines: int
+    records: int
+    matched: int
+    malformed: int
+    malformed_by_file: Mapping[str, int]
+    torn_files: tuple[str, ...]
+    other_schema: int
+    skipped_files: Mapping[str, str]
+    by_rank: Mapping[int | None, Mapping[str, int]]
+    by_event: Mapping[str, int]
+    by_reason: Mapping[str, int]
+    by_action: Mapping[str, int]
+    top_sample_ids: tuple[tuple[str | int, int], ...]
+    sample_ids_exact: bool
+    first_step: int | None
+    last_step: int | None
+    first_fatal: Mapping[str, object] | None
+    ranks_filter: tuple[int, ...] | None = None
+    steps_filter: tuple[int, ...] | None = None
+    heat: GridCounts = field(default_factory=GridCounts)
+    series: GridCounts = field(default_factory=GridCounts)
+    by_kind: Mapping[tuple[str, str, str], int] = field(default_factory=_empty)
+    reason_examples: Mapping[str, Mapping[str, object]] = field(default_factory=_empty)
+    sample_examples: Mapping[object, Mapping[str, object]] = field(default_factory=_empty)
+
+    def by(self, which: str) -> dict[str, dict[str, int]]:
+        """``"modality"`` or ``"family"`` -> event -> count, from ``by_kind``."""
+        pos = {"modality": 0, "family": 1}[which]
+        out: dict[str, dict[str, int]] = {}
+        for key, n in self.by_kind.items():
+            per = out.setdefault(key[pos], {})
+            per[key[2]] = per.get(key[2], 0) + n
+        return out
+
+    def count(self, event: str) -> int:
+        """Records of ``event`` that passed the filters."""
+        return self.by_event.get(event, 0)
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain JSON-ready data (rank keys as strings, ``"null"`` for unknown); without the
+        grids (``heat``, ``series``: the page draws them)."""
+        d: dict[str, object] = {}
+        for f in fields(self):
+            if f.name in ("heat", "series", "by_kind", "sample_examples"):
+                continue
+            v = getattr(self, f.name)
+            d[f.name] = (
+                dict(v) if isinstance(v, Mapping) else list(v) if isinstance(v, tuple) else v
+            )
+        d["by_rank"] = {
+            ("null" if r is None else str(r)): dict(ev) for r, ev in self.by_rank.items()
+        }
+        d["top_sample_ids"] = [
+            {"sample_id": s, "count": n, "example": dict(self.sample_examples.get(s) or {})}
+            for s, n in self.top_sample_ids
+        ]
+        d["reason_examples"] = {k: dict(v) for k, v in self.reason_examples.items()}
+        d["by_modality"] = self.by("modality")
+        d["by_family"] = self.by("family")
+        return d

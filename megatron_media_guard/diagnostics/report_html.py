@@ -1,18 +1,15 @@
-"""The post-mortem as one self-contained page (``media-guard report DIR --html FILE``).
-
-Renders a :class:`~.report_summary.ReportSummary` (the streaming reader's bounded counters,
-nothing re-read) as HTML with inline CSS and SVG: no script, no font, no network access, so
-it opens from a ``file://`` URL and survives being mailed. Sections: the run's span and first
-fatal; a rank x step heatmap of drop/repair/raise/budget records (binned to at most
+"""The post-mortem as one self-contained page (``media-guard report DIR --html FILE``): a
+:class:`~.report.ReportSummary` (nothing re-read) as HTML with inline CSS and SVG; no script,
+font or network access (it opens from ``file://`` and survives being mailed). Sections: the
+run and its first fatal; a rank x step heatmap of drop/repair/raise/budget records (at most
 :data:`MAX_ROWS` x :data:`MAX_COLS` cells, the bin size stated, exact counts in each cell's
-hover title); records over steps per action; reasons in full with an example record each;
-the top offending sample ids with their item; counts per modality and per model family.
+title); records over steps; reasons with an example record each; the top offending sample
+ids; counts per modality and per model family.
 
-Every string from a record is escaped (``html.escape``, control characters shown as
-``\\x1b``). Cells carry ``data-r`` / ``data-s`` (first rank / step of the bin, ``none`` for
-records without one) and ``data-n`` (records in the cell) for tests and scrapers; the SVG
-states ``data-rank0``, ``data-rank-bin``, ``data-step0`` and ``data-step-bin``.
-Standard library only; never imports torch.
+Every string from a record is escaped (``html.escape``, control characters as ``\\x1b``).
+Cells carry ``data-r`` / ``data-s`` (first rank / step of the bin, ``none`` for records
+without one) and ``data-n`` (records in the cell); the heatmap's SVG states ``data-rank0``,
+``data-rank-bin``, ``data-step0`` and ``data-step-bin``.
 """
 
 from __future__ import annotations
@@ -25,9 +22,8 @@ from collections.abc import Mapping, Sequence
 from os import PathLike
 from pathlib import Path
 
-from .report_aggregate import HEAT_EVENTS
+from .report import HEAT_EVENTS, GridCounts, ReportSummary
 from .report_format import _namer, fatal_text, neutralise
-from .report_summary import GridCounts, ReportSummary
 
 MAX_ROWS = 128  # heatmap rows (rank bins)
 MAX_COLS = 200  # heatmap and chart columns (step bins)
@@ -36,52 +32,43 @@ _ID_KEYS = ("event", "rank", "step", "modality", "item", "frames", "size", "fide
 _ID_HEAD = ("records", "sample id", "first event", "rank", "step", "modality", "item")
 _ID_HEAD += ("frames", "size (HxW)", "fidelity", "family", "where")
 
-# the inline style: system fonts only, no asset
-# sequential, light to dark (ColorBrewer YlOrRd, 8 classes)
+# the inline style, system fonts only; the palette sequential, light to dark (YlOrRd, 8 classes)
 PALETTE = ("#ffeda0", "#fed976", "#feb24c", "#fd8d3c", "#fc4e2a", "#e31a1c", "#bd0026", "#800026")
 
 _LEVELS = "".join(f".l{i + 1}{{fill:{c};background:{c}}}" for i, c in enumerate(PALETTE))
 
 CSS = (
-    "body{font:14px/1.4 system-ui,-apple-system,'Segoe UI',sans-serif;margin:24px;"
-    "color:#1b1f24;background:#fff;max-width:1400px}"
-    "h1{font-size:22px;margin:0 0 12px}h2{font-size:17px;margin:28px 0 8px;"
-    "border-bottom:1px solid #d0d7de;padding-bottom:4px}"
+    "body{font:14px/1.4 system-ui,-apple-system,'Segoe UI',sans-serif;margin:24px;color:#1b1f24;"
+    "background:#fff;max-width:1400px}"
+    "h1{font-size:22px;margin:0 0 12px}"
+    "h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #d0d7de;padding-bottom:4px}"
     "dl{display:grid;grid-template-columns:max-content 1fr;gap:2px 16px;margin:0 0 8px}"
     "dt{color:#57606a}dd{margin:0}"
-    "code{font:12px ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;"
-    "overflow-wrap:anywhere}"
+    "code{font:12px ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;overflow-wrap:anywhere}"
     ".ev{display:inline-block;padding:1px 8px;margin:2px 4px 2px 0;border-radius:10px;"
     "background:#eaeef2;font-size:13px}"
     ".ev.drop{background:#fed976}.ev.repair{background:#c6e2ff}.ev.raise{background:#ff8182}"
     ".ev.budget{background:#fdb4d8}"
     ".fatal{border-left:4px solid #cf222e;background:#fff5f5;padding:8px 12px;margin:8px 0}"
-    ".ok{color:#1a7f37}"
-    ".note{color:#57606a;margin:4px 0 8px}.bin{color:#1b1f24}"
-    ".scroll{overflow-x:auto}"
-    "svg text{font:11px system-ui,sans-serif;fill:#57606a}"
-    "svg .axis{font-size:12px;fill:#1b1f24}"
-    "svg .bg{fill:#f6f8fa;stroke:#d0d7de}"
-    "svg rect.x{stroke:#000;stroke-width:1.5px}"
-    "svg rect:hover{stroke:#0969da;stroke-width:2px}"
+    ".ok{color:#1a7f37}.note{color:#57606a;margin:4px 0 8px}.bin{color:#1b1f24}"
+    ".scroll{overflow-x:auto}svg text{font:11px system-ui,sans-serif;fill:#57606a}"
+    "svg .axis{font-size:12px;fill:#1b1f24}svg .bg{fill:#f6f8fa;stroke:#d0d7de}"
+    "svg rect.x{stroke:#000;stroke-width:1.5px}svg rect:hover{stroke:#0969da;stroke-width:2px}"
     "svg .bar{fill:#57606a}svg .bar.drop{fill:#feb24c}svg .bar.repair{fill:#0969da}"
     "svg .bar.raise{fill:#cf222e}svg .bar.budget{fill:#bf3989}"
     "svg .mark{fill:none;stroke:#000;stroke-width:2px;pointer-events:none}"
     + _LEVELS
     + ".legend{font-size:12px;color:#57606a}"
     ".sw{display:inline-block;width:14px;height:10px;margin:0 3px 0 8px;vertical-align:middle;"
-    "border:1px solid #d0d7de}.sw.x{border:2px solid #000}"
+    "border:1px solid #d0d7de}"
+    ".sw.x{border:2px solid #000}"
     ".series{display:flex;align-items:flex-end;gap:12px;margin:6px 0;"
     "border-bottom:1px solid #eaeef2}"
     ".slabel{width:190px;flex:none;font-size:12px;color:#57606a;overflow-wrap:anywhere}"
-    ".slabel b{color:#1b1f24}"
-    "table{border-collapse:collapse;margin:4px 0;font-size:13px}"
+    ".slabel b{color:#1b1f24}table{border-collapse:collapse;margin:4px 0;font-size:13px}"
     "th,td{border:1px solid #d0d7de;padding:3px 8px;text-align:left;vertical-align:top}"
-    "th{background:#f6f8fa}"
-    "td{overflow-wrap:anywhere}"
-    "table.reasons td:nth-child(2){max-width:520px}"
-    "table.reasons td:nth-child(3){max-width:560px;font:12px ui-monospace,monospace;"
-    "color:#57606a}"
+    "th{background:#f6f8fa}td{overflow-wrap:anywhere}table.reasons td:nth-child(2){max-width:520px}"
+    "table.reasons td:nth-child(3){max-width:560px;font:12px ui-monospace,monospace;color:#57606a}"
     "table.num td:not(:first-child){text-align:right}"
     "footer{margin-top:32px;color:#8c959f;font-size:12px}"
 )

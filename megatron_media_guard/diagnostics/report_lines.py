@@ -1,24 +1,29 @@
-"""Reading rank files for the post-mortem: safely (:func:`open_rank_file` opens only regular
-files, non-blocking, and says why it skipped anything else) and fast (:class:`LineTemplates`).
+"""Reading rank files for the post-mortem: safely (:func:`open_rank_file`), each record reduced
+to the bounded facts the counters take (:func:`record_facts`), and fast (:class:`LineTemplates`,
+docs/DIAGNOSTICS.md "Memory and speed").
 
-The fast path (docs/DIAGNOSTICS.md, "Memory and speed"): a writer-shaped line is cut into its
-*template* (the line less its ``time``, ``step`` and ``microbatch`` values) and those values.
-A template's facts are stored only after a full parse of its line and a probe: the template
-re-filled with sentinels parses to the same object with exactly those three fields changed,
-so its cut positions are the structural fields, not text inside a string. A later line with
-the same template and valid value tokens then has the stored facts, unparsed.
+The fast path: a writer-shaped line is cut into its *template* (the line less its ``time``,
+``step`` and ``microbatch`` values) and those values. A template's facts are stored only after a
+probe (the template re-filled with sentinels parses to the same object with exactly those three
+fields changed): its cut positions are the structural fields, not text inside a string. A later
+line with the same template and valid value tokens then has the stored facts, unparsed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
 import re
-import stat
+from collections.abc import Callable
 from pathlib import Path
 
+from .log import open_regular
+from .report_grid import NONE_LABEL, _family, _label, _size, _small
+
+MAX_TEMPLATE_LINE = 4096  # longer lines are always parsed (their templates would cost memory)
+MAX_TEMPLATES = 8192  # the cache is cleared when full: memory stays bounded
+PROBE_LINES = 8192  # after this many lines of a file, a fast path that cannot hit is off
 _INT = r"(?:0|[1-9][0-9]*|null)"
 # a writer-shaped line: group 1 the text between time and step, group 2 the step token,
 # ``m.end()`` the start of the tail; its template is ``(group 1, line[m.end():])``
@@ -30,60 +35,32 @@ template_match = re.compile(
     + ",",
     re.ASCII,
 ).match
-MAX_TEMPLATE_LINE = 4096  # longer lines are always parsed (their templates would cost memory)
-MAX_TEMPLATES = 8192  # the cache is cleared when full: memory stays bounded
-PROBE_LINES = 8192  # after this many lines of a file, a fast path that cannot hit is off
+OFFENDING_EVENTS = frozenset({"repair", "drop", "raise"})
+_LABEL_LEN = 120
+_SID_LEN = 200  # longer string sample ids are cut in the summary
+_SID_INT = 1 << 63
 _SCAN = json.JSONDecoder().scan_once  # C scanner: parse one value at an index, no wrapper
-
 LINE_OK, LINE_BAD, LINE_TORN, LINE_BLANK = "ok", "bad", "torn", "blank"
 
 
 def open_rank_file(path: Path) -> tuple[io.TextIOWrapper | None, str | None]:
-    """``(text file, None)`` for a regular file, else ``(None, why it is skipped)``.
-
-    Never blocks: the open is non-blocking (a FIFO without a writer opens at once) and
-    anything but a regular file (FIFO, device, directory, socket) is refused by ``fstat``.
-    Invalid UTF-8 is kept as lone surrogates (``surrogateescape``), for the reader to count
-    the line as malformed.
-    """
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    """``(text file, None)`` for a regular file, else ``(None, why it is skipped)``; never
+    blocks (see :func:`.log.open_regular`). Invalid UTF-8 is kept as lone surrogates
+    (``surrogateescape``), for the reader to count the line as malformed."""
     try:
-        fd = os.open(path, flags)
-    except OSError as err:  # dangling symlink, symlink loop, unreadable, vanished
-        return None, err.strerror or type(err).__name__
-    try:
-        mode = os.fstat(fd).st_mode
-    except OSError as err:
-        os.close(fd)
-        return None, err.strerror or type(err).__name__
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        return None, f"not a regular file ({_kind(mode)})"
-    with contextlib.suppress(OSError, AttributeError):  # regular files never block anyway
-        os.set_blocking(fd, True)
+        fd = open_regular(path, os.O_RDONLY)
+    except OSError as err:  # not a regular file, dangling symlink, loop, unreadable, vanished
+        return None, err.strerror or str(err) or type(err).__name__
     return open(fd, encoding="utf-8", errors="surrogateescape", newline="\n"), None
-
-
-def _kind(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    ):
-        if test(mode):
-            return name
-    return "special file"
 
 
 def parse_line(line: str, loads=json.loads) -> tuple[str, dict | None]:
     """``(LINE_OK, record)``, or ``(LINE_BAD | LINE_TORN | LINE_BLANK, None)``.
 
-    Malformed (``LINE_BAD``): not JSON, JSON that is not an object, nesting too deep for the
-    parser, invalid UTF-8. ``LINE_TORN``: a line without its newline that does not parse (the
-    reader counts it torn when it is the last line of a file after valid records, else
-    malformed). A whole record whose newline is missing is a record.
+    Malformed (``LINE_BAD``): not JSON, not an object, nested too deep, invalid UTF-8.
+    ``LINE_TORN``: a line without its newline that does not parse (torn when it is a file's
+    last line after valid records, else malformed). A whole record without its newline is a
+    record.
     """
     try:
         rec, end = _SCAN(line, 0)
@@ -107,25 +84,12 @@ def parse_line(line: str, loads=json.loads) -> tuple[str, dict | None]:
     return LINE_OK, rec
 
 
-def probe_ok(template: tuple[str, str], rec: dict) -> bool:
-    """The template's cut positions are the structural time/step/microbatch of ``rec``: the
-    template re-filled with sentinels parses to ``rec`` with exactly those fields changed."""
-    middle, tail = template
-    probe = f'{{"schema":1,"time":"T"{middle},"step":0,"microbatch":0,{tail}'
-    try:
-        again = json.loads(probe)
-    except (ValueError, RecursionError):
-        return False
-    return again == {**rec, "time": "T", "step": 0, "microbatch": 0}
-
-
 class LineTemplates:
     """Facts of verified templates (see the module docstring); bounded.
 
-    A template is probed (a second parse) only when it is seen for the second time, so lines
-    that never repeat cost one parse each, as without the fast path; and a file whose first
-    :data:`PROBE_LINES` lines are nearly all distinct templates stops cutting lines at all
-    (``useful``)."""
+    A template is probed (a second parse) only when seen for the second time, so lines that
+    never repeat cost one parse each; a file whose first :data:`PROBE_LINES` lines are nearly
+    all distinct templates stops cutting lines at all (``useful``)."""
 
     def __init__(self) -> None:
         self.facts: dict[tuple[str, str], tuple] = {}
@@ -141,8 +105,50 @@ class LineTemplates:
                 self.seen.clear()
             self.seen.add(template)
             return
-        if not probe_ok(template, rec):
+        middle, tail = template
+        probe = f'{{"schema":1,"time":"T"{middle},"step":0,"microbatch":0,{tail}'
+        try:
+            again = json.loads(probe)
+        except (ValueError, RecursionError):
             return
+        if again != {**rec, "time": "T", "step": 0, "microbatch": 0}:
+            return  # the cut positions are not the structural time/step/microbatch
         if len(self.facts) >= MAX_TEMPLATES:
             self.facts.clear()
         self.facts[template] = facts
+
+
+def record_facts(rec: dict, reason_class: Callable[[object], str]) -> tuple:
+    """What the counters need from a record, every string bounded: (rank or None, event,
+    action, reason class, sample id or None, schema is 1, (modality, family), the item
+    (modality, item, frames, size, fidelity, family)); ``reason_class`` of a non-None reason."""
+    get = rec.get
+    rank, event, action, reason, sid = map(get, ("rank", "event", "action", "reason", "sample_id"))
+    if type(rank) is not int:
+        rank = None
+    if type(event) is not str or len(event) > _LABEL_LEN:
+        event = _label(event)
+    if type(action) is not str or len(action) > _LABEL_LEN:
+        action = _label(action)
+    reason = NONE_LABEL if reason is None else reason_class(reason)
+    if sid is not None and event in OFFENDING_EVENTS:
+        if type(sid) is str:
+            if len(sid) > _SID_LEN:
+                sid = sid[:_SID_LEN] + "..."
+        elif type(sid) is not int or not -_SID_INT < sid < _SID_INT:
+            sid = _label(sid)
+    else:
+        sid = None
+    modality, family = _label(get("modality"), 40), _label(_family(rec), 40)
+    hw, extra = get("frame_hw"), get("extra")
+    if hw is None and isinstance(extra, dict):
+        hw = extra.get("size_hw")  # a repair's engine-sized image
+    item = (
+        None if modality == NONE_LABEL else modality,
+        _small(get("item")),
+        _small(get("num_frames")),
+        _size(hw),
+        None if get("fidelity") is None else _label(get("fidelity"), 40),
+        None if family == NONE_LABEL else family,
+    )
+    return (rank, event, action, reason, sid, get("schema") == 1, (modality, family), item)

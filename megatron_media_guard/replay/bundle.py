@@ -1,28 +1,22 @@
-"""Replay bundle file format: one failing micro-batch saved to disk, loaded and validated.
+"""Replay bundle file format: one failing micro-batch, saved (:mod:`.bundle_save`) and loaded
+(:mod:`.bundle_load`) for ``media-guard replay`` (:mod:`.rerun`) to re-run the check without a
+GPU, torch.distributed or the data pipeline. It holds the token ids, every :class:`MediaItem`
+field but ``pixels``, the grammar, ``cu_seqlens``, the config's fields, rank, step,
+microbatch, a summary of the alignment report and, optionally, the mismatched items' pixels
+and features.
 
-On a mismatch the guard can save what it needs to re-run the check without a GPU,
-without torch.distributed and without the data pipeline: the token ids, every
-:class:`MediaItem` field except ``pixels`` (so each item's feature row count), the
-grammar, ``cu_seqlens``, the config's policy fields, rank, step, microbatch and a
-summary of the alignment report; optionally the pixel tensors and the features of the
-mismatched items. :mod:`.replay` (``media-guard replay BUNDLE``) rebuilds the live
-diagnostic from it.
+One file ``media_guard.rank{rank:05d}.step{step}.mb{microbatch}[.k].bundle`` (``k`` counts up
+instead of overwriting): a safetensors file whose header metadata holds the JSON description
+under ``"media_guard.bundle"``; without ``safetensors``, a ``torch.save`` zip of
+``{"media_guard.bundle": json, "tensors": {name: tensor}}`` read back with
+``torch.load(weights_only=True)`` (loading never unpickles code). Tensors: ``input_ids``,
+``cu_seqlens``, ``pixels.{i}``, ``features.{i}`` (``i``: the item's index in the caller's order).
 
-Format: one file ``media_guard.rank{rank:05d}.step{step}.mb{microbatch}[.k].bundle``
-(``k`` counts up instead of overwriting). It is a safetensors file whose header
-metadata holds the JSON description under ``"media_guard.bundle"``; without the
-``safetensors`` package it is a ``torch.save`` zip of ``{"media_guard.bundle": json,
-"tensors": {name: tensor}}`` read back with ``torch.load(weights_only=True)``. Loading
-never unpickles code. Tensor names: ``input_ids``, ``cu_seqlens``, ``pixels.{i}``,
-``features.{i}`` (``i``: the item's index in the caller's order).
-
-SENSITIVE DATA: a bundle holds token ids, which are the sample's content (text decodes
-from them), and by default the pixels of the mismatched items. It never holds raw text.
-Store bundles like training data, not like logs (files are written mode 0600).
-
-Writes are atomic (temp file, fsync, hard link to a name not yet taken): a crash leaves
-no half bundle under a ``.bundle`` name. An I/O failure is logged and ``save_bundle``
-returns None, so it never raises into the training step; bad arguments still raise.
+SENSITIVE DATA: token ids are the sample's content (text decodes from them), and the pixels
+of the mismatched items are saved by default (never raw text). Store bundles like training
+data, not like logs (files are written mode 0600). Writes are atomic (temp file, fsync, hard
+link to a name not yet taken); an I/O failure is logged and ``save_bundle`` returns None,
+never raising into the training step (bad arguments still raise).
 """
 
 from __future__ import annotations
@@ -37,7 +31,6 @@ import torch
 
 from ..config import GuardConfig
 from ..core.alignment import AlignmentReport
-from ..core.grammar import Grammar
 from ..core.items import MediaItem
 from ..errors import MediaInputError
 
@@ -62,8 +55,6 @@ def _safetensors():
 
 
 # ---- metadata <-> objects --------------------------------------------------------------
-
-
 def _json_default(value: object) -> object:
     if isinstance(value, numbers.Integral):
         return int(value)
@@ -80,48 +71,31 @@ def _tuples(value: object) -> object:
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
-def _item_meta(item: MediaItem, pixels: dict | None) -> dict:
-    meta = {f.name: _plain(getattr(item, f.name)) for f in dataclasses.fields(MediaItem)}
-    meta["pixels"] = pixels
-    return meta
-
-
+# the fields saved (an item's ``pixels`` are tensors; a grammar's ``text_id`` is not saved: a
+# replay feeds no text)
 _ITEM_FIELDS = tuple(f.name for f in dataclasses.fields(MediaItem) if f.name != "pixels")
-
-
-def _item_from_meta(meta: Mapping, pixels: torch.Tensor | None) -> MediaItem:
-    known = {k: _tuples(meta[k]) for k in _ITEM_FIELDS if k in meta}
-    return MediaItem(**known, pixels=pixels)
-
-
-# the grammar as saved (``text_id`` is not: a replay feeds no text)
 _GRAMMAR_FIELDS = ("placeholders", "start_id", "end_id", "break_ids", "collapsed", "name")
 _GRAMMAR_FIELDS += ("regions", "inner", "aliases")
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(GuardConfig))
 
 
-def _grammar_meta(g: Grammar) -> dict:
-    values = {k: getattr(g, k) for k in _GRAMMAR_FIELDS}
-    return {k: dict(v) if isinstance(v, Mapping) else _plain(v) for k, v in values.items()}
-
-
-def _grammar_from_meta(meta: Mapping) -> Grammar:
-    """``regions``, ``inner`` and ``aliases`` are absent in bundles written before them."""
-    return Grammar(**{k: _tuples(meta[k]) for k in _GRAMMAR_FIELDS if k in meta})
-
-
-def _config_meta(config: GuardConfig) -> dict:
+def _fields_meta(obj: object, names: tuple[str, ...]) -> dict:
+    """The fields ``names`` of ``obj`` as JSON data (tuples as lists, mappings as dicts); a
+    value that is no JSON is left out (a config's callables)."""
     out = {}
-    for f in dataclasses.fields(config):
-        value = _plain(getattr(config, f.name))
+    for k in names:
+        v = getattr(obj, k)
+        v = dict(v) if isinstance(v, Mapping) else _plain(v)
         with contextlib.suppress(TypeError, ValueError):
-            json.dumps(value)
-            out[f.name] = value
+            json.dumps(v)
+            out[k] = v
     return out
 
 
-def _config_from_meta(meta: Mapping) -> GuardConfig:
-    names = {f.name for f in dataclasses.fields(GuardConfig)}
-    return GuardConfig(**{k: _tuples(v) for k, v in meta.items() if k in names})
+def _build(cls: type, meta: Mapping, names: tuple[str, ...], **given: object):
+    """``cls`` from the fields ``names`` found in ``meta`` (lists as tuples); a field absent in
+    a bundle written before it existed takes its default."""
+    return cls(**{k: _tuples(meta[k]) for k in names if k in meta}, **given)
 
 
 def report_summary(report: AlignmentReport) -> dict:
@@ -162,6 +136,3 @@ def _tensor_meta(t: torch.Tensor) -> dict:
 def _cpu(t: torch.Tensor) -> torch.Tensor:
     """A private contiguous CPU copy (safetensors refuses tensors that share storage)."""
     return t.detach().to("cpu", copy=True).contiguous()
-
-
-# ---- save --------------------------------------------------------------------------------

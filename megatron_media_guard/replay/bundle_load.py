@@ -17,13 +17,14 @@ from ..core.items import MediaItem
 from ..diagnostics import RankInfo
 from ..errors import MediaGuardError
 from .bundle import (
+    _CONFIG_FIELDS,
+    _GRAMMAR_FIELDS,
+    _ITEM_FIELDS,
     _ZIP_MAGIC,
     FORMAT,
     SCHEMA_VERSION,
     BundleError,
-    _config_from_meta,
-    _grammar_from_meta,
-    _item_from_meta,
+    _build,
     _safetensors,
     _tensor_meta,
 )
@@ -31,11 +32,11 @@ from .bundle_limits import (
     DEFAULT_MAX_BYTES,
     LimitError,
     check_loaded,
+    check_meta,
     check_safetensors,
     check_torch_zip,
     max_bytes_from_env,
 )
-from .bundle_meta import check_meta
 
 _META_ERRORS = (KeyError, TypeError, ValueError, AttributeError, RecursionError, MediaGuardError)
 
@@ -79,7 +80,9 @@ def _read_payload(
             raise BundleError(f"{path}: 'tensors' is not a mapping of name -> tensor")
         check_loaded(tensors, max_bytes)
         return obj[FORMAT], dict(tensors)
-    if not _safetensors_like(path, head):
+    # a safetensors file opens with its header's length (8 bytes) and the header's JSON object:
+    # any other file fails this at once (a length past the file is the limit check's to name)
+    if len(head) < 9 or head[8:9] != b"{":
         raise BundleError(
             f"{path} is not a media-guard bundle: neither a torch zip nor a safetensors file "
             f"(it starts with {head[:16]!r})"
@@ -98,13 +101,6 @@ def _read_payload(
         if text is None:
             raise BundleError(f"{path} is a safetensors file but not a media-guard bundle")
         return text, {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118
-
-
-def _safetensors_like(path: Path, head: bytes) -> bool:
-    """A safetensors file opens with its header's length (8 bytes, little-endian) and the
-    header's JSON object: a text file or any other format fails this at once (its first bytes
-    read as an absurd length). A length past the file is left to the limit check to name."""
-    return len(head) >= 9 and head[8:9] == b"{"
 
 
 def _not_a_file(path: Path) -> str:
@@ -179,16 +175,18 @@ def _from_meta(path: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> Bund
                 f"{path}: tensor {name!r} is {_tensor_meta(tensors[name])}, metadata says {spec}"
             )
     items = tuple(
-        _item_from_meta(m, tensors.get(f"pixels.{i}")) for i, m in enumerate(meta["items"])
+        _build(MediaItem, m, _ITEM_FIELDS, pixels=tensors.get(f"pixels.{i}"))
+        for i, m in enumerate(meta["items"])
     )
     features = {int(k.split(".", 1)[1]): t for k, t in tensors.items() if k.startswith("features.")}
     rank = RankInfo(**meta["rank"]) if meta.get("rank") is not None else None
-    config = _config_from_meta(meta["config"]) if meta.get("config") is not None else None
+    config = meta.get("config")
+    config = None if config is None else _build(GuardConfig, config, _CONFIG_FIELDS)
     return Bundle(
         path=path,
         input_ids=tensors["input_ids"],
         items=items,
-        grammar=_grammar_from_meta(meta["grammar"]),
+        grammar=_build(Grammar, meta["grammar"], _GRAMMAR_FIELDS),
         cu_seqlens=tensors.get("cu_seqlens"),
         step=meta.get("step"),
         microbatch=meta.get("microbatch"),

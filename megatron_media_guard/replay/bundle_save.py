@@ -23,13 +23,14 @@ from ..core.runs import TokenLayout, parse_layout
 from ..diagnostics import RankInfo, file_name, get_logger, utc_now
 from ..errors import MediaInputError
 from .bundle import (
+    _CONFIG_FIELDS,
+    _GRAMMAR_FIELDS,
+    _ITEM_FIELDS,
     FORMAT,
     SCHEMA_VERSION,
     SUFFIX,
-    _config_meta,
     _cpu,
-    _grammar_meta,
-    _item_meta,
+    _fields_meta,
     _json_default,
     _safetensors,
     _tensor_meta,
@@ -45,8 +46,6 @@ def _check_args(input_ids, items, grammar, cu_seqlens, config, rank, step, micro
     bad = [i for i, it in enumerate(items) if not isinstance(it, MediaItem)]
     if bad:
         raise MediaInputError(f"items must be MediaItem, item {bad[0]} is {type(items[bad[0]])}")
-    if not isinstance(grammar, Grammar):
-        raise MediaInputError(f"grammar must be a Grammar, got {type(grammar).__name__}")
     if cu_seqlens is not None and (
         not isinstance(cu_seqlens, torch.Tensor)
         or cu_seqlens.dim() != 1
@@ -55,15 +54,14 @@ def _check_args(input_ids, items, grammar, cu_seqlens, config, rank, step, micro
         raise MediaInputError(
             f"cu_seqlens must be a 1-D integer tensor, got {_shape_or_type(cu_seqlens)}"
         )
-    if config is not None and not isinstance(config, GuardConfig):
-        raise MediaInputError(f"config must be a GuardConfig, got {type(config).__name__}")
-    if rank is not None and not isinstance(rank, RankInfo):
-        raise MediaInputError(f"rank must be a RankInfo, got {type(rank).__name__}")
+    typed = (("grammar", grammar, Grammar), ("config", config, GuardConfig))
+    typed += (("rank", rank, RankInfo), ("report", report, AlignmentReport))
+    for name, v, cls in typed:
+        if (v is not None or name == "grammar") and not isinstance(v, cls):
+            raise MediaInputError(f"{name} must be a {cls.__name__}, got {type(v).__name__}")
     for name, v in (("step", step), ("microbatch", microbatch)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             raise MediaInputError(f"{name} must be an int >= 0 or None, got {v!r}")
-    if report is not None and not isinstance(report, AlignmentReport):
-        raise MediaInputError(f"report must be an AlignmentReport, got {type(report).__name__}")
 
 
 def _shape_or_type(x: object) -> str:
@@ -139,7 +137,7 @@ def save_bundle(
             pix = {**_tensor_meta(it.pixels), "saved": saved}
             if saved:
                 tensors[f"pixels.{i}"] = _cpu(it.pixels)
-        item_meta.append(_item_meta(it, pix))
+        item_meta.append({**_fields_meta(it, _ITEM_FIELDS), "pixels": pix})
     if rows is not None:
         for i in bad_items:
             tensors[f"features.{i}"] = _cpu(rows[i])
@@ -157,8 +155,8 @@ def save_bundle(
         "rank": dataclasses.asdict(rank) if rank is not None else None,
         "step": step,
         "microbatch": microbatch,
-        "grammar": _grammar_meta(grammar),
-        "config": _config_meta(config) if config is not None else None,
+        "grammar": _fields_meta(grammar, _GRAMMAR_FIELDS),
+        "config": _fields_meta(config, _CONFIG_FIELDS) if config is not None else None,
         "log_path": log_path,
         "items": item_meta,
         "report": report_summary(report),

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,10 +22,9 @@ from ..core.plan import build_plan
 from ..core.runs import TokenLayout, parse_layout
 from ..core.verify import Verdict
 from ..diagnostics import where_text
-from ..diagnostics.records import cut_words
+from ..diagnostics.records import one_line
 from ..diagnostics.report_format import neutralise
 from ..errors import MediaGuardError
-from .args import add_replay_arguments
 from .bundle import BundleError, _json_default, report_summary
 from .bundle_load import Bundle, load_bundle
 
@@ -99,18 +97,16 @@ def replay(bundle: Bundle) -> ReplayResult:
 
 
 # ---- command line ------------------------------------------------------------------------
-
-
 def run_replay(args: argparse.Namespace) -> int:
     """0: aligned now; 1: the mismatch reproduces; 2: the bundle cannot be read or is invalid
     (one line on stderr saying why, and with ``--json`` one JSON object on stdout; never a
     traceback, never 1)."""
     try:
-        result = replay(load_bundle(args.bundle, max_bytes=getattr(args, "max_bytes", None)))
+        result = replay(load_bundle(args.bundle, max_bytes=args.max_bytes))
     except MediaGuardError as err:
-        return _bad_bundle(args, _one_line(str(err)))
+        return _bad_bundle(args, one_line(err, 400))
     except Exception as err:  # whatever an invalid bundle trips in the replay itself
-        why = _one_line(f"{type(err).__name__}: {err}")
+        why = one_line(f"{type(err).__name__}: {err}", 400)
         return _bad_bundle(args, f"{args.bundle}: invalid bundle ({why})")
     if args.json:
         print(json.dumps(result.to_dict(), default=_json_default))
@@ -123,24 +119,7 @@ def run_replay(args: argparse.Namespace) -> int:
 
 def _bad_bundle(args: argparse.Namespace, why: str) -> int:
     print(f"media-guard replay: {neutralise(why)}", file=sys.stderr)
-    if getattr(args, "json", False):
+    if args.json:
         out = {"path": str(args.bundle), "error": neutralise(why), "exit": EXIT_BAD_BUNDLE}
         print(json.dumps(out))
     return EXIT_BAD_BUNDLE
-
-
-def _one_line(text: str) -> str:
-    return cut_words(" ".join(text.split()), 400)
-
-
-def replay_main(argv: Sequence[str] | None = None) -> int:
-    """``media-guard replay BUNDLE [--json]`` as a function; returns the exit code."""
-    parser = argparse.ArgumentParser(
-        prog="media-guard replay", description="re-run the check on a saved micro-batch"
-    )
-    add_replay_arguments(parser)
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as stop:
-        return stop.code if isinstance(stop.code, int) else EXIT_BAD_BUNDLE
-    return run_replay(args)
