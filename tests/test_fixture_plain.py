@@ -1,9 +1,8 @@
 """The plain transformers class of every family fixture (tiny random config, CPU), unguarded, as
-measured: one table per behaviour the guard exists for, one row per family x batch.
+measured: one table per behaviour the guard exists for, one row per family x batch (that each
+sample of an aligned batch equals its own forward: ``tests/families/test_contract.py``, where
+the guarded call is the plain forward bit for bit and each sample its own).
 
-- ``ALIGNED``: each sample of an aligned batch equals its own forward (rows the contract suite
-  already runs guarded, ``FAMILY_ALIGNED`` in ``tests/families/test_contract.py``, are not
-  repeated here: there the guarded output equals the plain forward and each sample's own);
 - ``RAISES``: a fault the plain model catches, with its message (never naming a sample);
 - ``SILENT``: a fault it runs through silently: the merged embeddings show another sample's
   feature in the victim's row (where the rig reads the features), and the victim's output
@@ -24,7 +23,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from family_checks import decoder_inputs
+from family_checks import aud, decoder_inputs, img, vid
 
 from megatron_media_guard.errors import MediaInputError
 from megatron_media_guard.testing.families.base import Media
@@ -32,18 +31,6 @@ from megatron_media_guard.testing.families.base import Media
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 pytestmark = pytest.mark.timeout(120)
-
-
-def img(*size, n=None):
-    return Media("image", size, n)
-
-
-def vid(*size, n=None):
-    return Media("video", size, n)
-
-
-def aud(*size, n=None):
-    return Media("audio", size, n)
 
 
 def _logits(model, b):
@@ -146,6 +133,7 @@ RIGS = {
         Rig("mistral3", feats=_mistral3_feats),
         Rig("llava_onevision", _hidden, feats=_llava_ov_feats),
         Rig("qwen2_audio", _hidden, feats=_qwen2_audio_feats),
+        Rig("qwen3_5", _hidden, {"image": "IMAGE", "video": "VIDEO"}),
     ]
 }
 
@@ -165,49 +153,15 @@ def own(rig: Rig, model, sample, **kw) -> torch.Tensor:
     return rig.out(model, b)[0, : b.lengths[0]]
 
 
-# ---- aligned ----------------------------------------------------------------------------------
-
 WIDE, TALL, SQUARE = img(20, 64), img(40, 30), img(32, 32)  # Gemma 3
 ONE, IWIDE, ITALL, IVID = img(56, 56), img(56, 112), img(100, 40), vid(3)  # InternVL
-NA, NB, NC, NV = img(4, 4), img(2, 6), img(4, 6), vid(3, 4, 4)  # Nemotron Omni
+NA, NC, NV = img(4, 4), img(4, 6), vid(3, 4, 4)  # Nemotron Omni
 AA, AB, AC = aud(40), aud(17), aud(25)
-
-ALIGNED = [
-    ("gemma3", "plain", [[TALL, SQUARE], [WIDE]], {}),
-    ("gemma3", "pan-and-scan", [[TALL, SQUARE], [WIDE]], {"pan_and_scan": True}),
-    ("internvl", "images", [[IWIDE, ONE], [ITALL]], {}),
-    ("internvl", "video", [[IVID], [vid(2)]], {}),
-    ("internvl", "mixed image+video", [[IWIDE, IVID], [ONE, ITALL]], {}),
-    ("nemotron_omni", "images", [[NA, NB], [NC]], {}),
-    ("nemotron_omni", "videos", [[NV], [aud(9), NV]], {}),
-    ("nemotron_omni", "audio", [[AA, AB], [AC]], {}),
-    ("nemotron_omni", "image+audio", [[NA, AA], [AC, NC]], {}),
-    ("nemotron_omni", "video+audio", [[NV, AB], [AC, NV]], {}),
-    ("ernie4_5_vl", "mixed", [[img(4, 4)], [vid(2, 4, 4)], [vid(2, 2, 2), img(2, 2)]], {}),
-    ("glm4v", "images", [[img(4, 6)], [img(8, 4), img(2, 2)]], {}),
-    ("glm4v", "videos", [[vid(2, 4, 4)], [vid(3, 2, 4)]], {}),
-    ("llava_onevision", "single images", [[img(100, 60)], [img(1000, 333)], []], {}),
-    ("llava_onevision", "multi-image sample", [[img(30, 300), img(56, 56)], [img(200, 200)]], {}),
-    ("llava_onevision", "video", [[vid(2)], [], [vid(2)]], {}),
-    ("llava_onevision", "mixed image+video",
-     [[img(100, 60), vid(2)], [vid(2), img(20, 20), img(80, 90)], [img(500, 50)]], {}),
-]  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    "family,_name,samples,kw", ALIGNED, ids=[f"{a[0]}-{a[1]}" for a in ALIGNED]
-)
-def test_aligned_each_sample_equals_its_own_forward(family, _name, samples, kw):
-    rig, model = RIGS[family], model_of(family)
-    b = rig.F.make_batch(model, samples, **kw)
-    out = rig.out(model, b)
-    for k, sample in enumerate(samples):
-        want = own(rig, model, sample, **kw)
-        torch.testing.assert_close(out[k, : b.lengths[k]], want, atol=1e-5, rtol=0)
-
+Q6, Q4, Q6T = img(64, 96), img(64, 64), img(96, 64)  # Qwen3.5: 6, 4 and 6 (transposed) tokens
+QV8, QV6 = vid(4, 64, 64), vid(2, 64, 96)  # 2 groups of 4 tokens, 1 group of 6
 
 ONE_ITEM = {"gemma3": [SQUARE], "internvl": [ONE], "llava_onevision": [img(100, 60)],
-            "qwen2_audio": [aud(100)]}  # fmt: skip
+            "qwen2_audio": [aud(100)], "qwen3_5": [Q4]}  # fmt: skip
 
 
 @pytest.mark.parametrize("family", [f for f, r in RIGS.items() if r.out is _hidden])
@@ -217,16 +171,6 @@ def test_the_logits_are_lm_head_of_the_hidden_states_compared(family):
     with torch.no_grad():
         want = model.lm_head(rig.out(model, b))
     torch.testing.assert_close(_logits(model, b), want)
-
-
-PLACED = [("qwen2_audio", "audio", [[aud(100), aud(41)], [aud(3000)]])]
-
-
-@pytest.mark.parametrize("family,modality,samples", PLACED, ids=[p[0] for p in PLACED])
-def test_an_aligned_merge_places_each_feature_in_its_own_sample(family, modality, samples):
-    rig, model = RIGS[family], model_of(family)
-    b = rig.F.make_batch(model, samples)
-    assert all(s == owner for s, owner in _placed(rig, model, b, modality))
 
 
 # ---- unguarded: raises ------------------------------------------------------------------------
@@ -330,6 +274,17 @@ RAISES = [
     # no placeholder at all takes the legacy path, which cannot count
     Raises("qwen2_audio", "legacy path, no placeholder", [[aud(100, n=0)]], ValueError,
            "The number of audio tokens is tensor"),
+    Raises("qwen3_5", "short image run", [[img(64, 96, n=5)]], ValueError, IMG_MSG.format(5, 6)),
+    Raises("qwen3_5", "short video run", [[vid(4, 64, 64, n=7)]], ValueError,
+           "Video features and video tokens do not match, tokens: 7, features: 8"),
+    # the merge passes (totals agree); get_rope_index then lays a grid's positions over a run
+    # of another length
+    Raises("qwen3_5", "+k/-k images", [[img(64, 96, n=8)], [img(64, 64, n=2)]], RuntimeError,
+           ROPE + " to indexing result"),
+    Raises("qwen3_5", "+k/-k video groups", [[vid(4, 64, 64, n=9)], [vid(4, 64, 64, n=7)]],
+           RuntimeError, ROPE),
+    Raises("qwen3_5", "swap images of different size", [[Q6], [Q4]], RuntimeError, ROPE, (0, 1)),
+    Raises("qwen3_5", "swap videos of different size", [[QV8], [QV6]], RuntimeError, ROPE, (0, 1)),
 ]  # fmt: skip
 
 
@@ -383,6 +338,7 @@ SILENT = [
     # a 4x6 and a 6x4 grid (6 tokens each): rope and the merge see equal counts
     Silent("ernie4_5_vl", "swap of equal counts", [[img(4, 6)], [img(6, 4)]], (0, 1), every=True),
     Silent("glm4v", "swap of equal counts", [[img(4, 6)], [img(6, 4)]], (0, 1), every=True),
+    Silent("qwen3_5", "swap of equal counts", [[Q6], [Q6T]], (0, 1), every=True),
     Silent("kimi_k25", "+k/-k images", [[img(4, 6, n=8)], [img(8, 4, n=6)]], modality="image"),
     Silent("kimi_k25", "+k/-k videos", [[vid(6, 4, 4, n=10)], [vid(3, 2, 4, n=0)]],
            modality="video"),
@@ -517,6 +473,15 @@ LAYOUTS = [
            (("input_ids", "F.VISION_START", 2), ("input_ids", "F.VISION_END", 2),
             ("input_ids", "cfg.audio_start_token_id", 2), ("input_ids", "F.AUDIO_END", 2)),
            {"feature_attention_mask": torch.int32}, row=None),
+    Layout("kimi_k25", [[img(4, 6), vid(9, 2, 4)], [img(2, 2)]],
+           [(0, "image", 6), (1, "image", 1), (0, "video", 6)],
+           [[("image", 6), ("video", 2), ("video", 2), ("video", 2)], [("image", 1)]],
+           # a video is chunks of <= 4 frames, time-pooled: one grid row and one run each
+           {"image_grid_thw": [[1, 4, 6], [1, 2, 2]],
+            "video_grid_thw": [[4, 2, 4], [4, 2, 4], [1, 2, 4]]},
+           {"pixel_values": (28, 3, 14, 14), "pixel_values_videos": (72, 3, 14, 14)},
+           (("input_ids", "cfg.vision_start_token_id", 4), ("input_ids", "F.MEDIA_CONTENT", 4),
+            ("input_ids", "cfg.vision_end_token_id", 4))),
     Layout("nemotron_omni", [[NA, AA, NV], [NC, AC]],
            [(0, "image", 4), (1, "image", 6), (0, "video", 8), (0, "audio", 6), (1, "audio", 4)],
            [[("image", 4), ("audio", 6), ("video", 4), ("video", 4)], [("image", 6), ("audio", 4)]],
