@@ -1,5 +1,5 @@
-"""What every family's tests check the same way: the per-rank records a guarded call wrote,
-and a raise that names the culprit sample (in the message and in a ``raise`` record)."""
+"""What the family tests share: media of a sample, the per-rank records a guarded call wrote, a
+raise naming the culprit sample (message and ``raise`` record), the decoder's inputs, forwards."""
 
 from __future__ import annotations
 

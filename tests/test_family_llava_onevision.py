@@ -33,9 +33,14 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
-def plain_model():
-    """The fixture's model as it is (its full output head)."""
-    return F.tiny_model(seed=0)
+def model():
+    """The fixture's model with a narrow output head (1000 of the 151680 ids; the text ids are
+    drawn below 1000): the logits stay small, and every position's hidden state still shows."""
+    m = F.tiny_model()
+    torch.manual_seed(1)
+    m.lm_head = torch.nn.Linear(m.config.text_config.hidden_size, F.TEXT_IDS[1], bias=False)
+    m.config.text_config.vocab_size = F.TEXT_IDS[1]  # the loss reshapes logits by it
+    return m
 
 
 # -- 1. oracles ---------------------------------------------------------------------------------
@@ -66,8 +71,7 @@ SIZES = [(h, w) for h in (1, 20, 56, 57, 100, 333, 1000, 3000) for w in (1, 30, 
 
 
 @pytest.mark.parametrize("aspect", ["anyres_max_9", "anyres_max_4"])
-def test_count_matches_processor_arithmetic(plain_model, aspect):
-    model = plain_model
+def test_count_matches_processor_arithmetic(model, aspect):
     from transformers.image_processing_utils import select_best_resolution
 
     cfg = types.SimpleNamespace(
@@ -130,8 +134,7 @@ def test_counts_match_image_processor_processor_and_model(aspect):
         assert out["pixel_values"][q, t:].abs().sum() == 0
 
 
-def test_video_count_matches_processor_and_model(plain_model):
-    model = plain_model
+def test_video_count_matches_processor_and_model(model):
     proc = _processor_self(model.config)
     b = F.make_batch(model, [[vid(3)], [vid(3)]])
     pv = b.kwargs["pixel_values_videos"]
@@ -142,24 +145,12 @@ def test_video_count_matches_processor_and_model(plain_model):
     assert b.items == [(0, "video", 13), (1, "video", 13)]
 
 
-def test_aligned_multi_image_without_batch_num_images_raises(plain_model):
-    model = plain_model
+def test_aligned_multi_image_without_batch_num_images_raises(model):
     # the count of a multi-image sample depends on batch_num_images; dropped, anyres counts apply
     b = F.make_batch(model, [[img(30, 300), img(56, 56)], [img(200, 200)]])
     kwargs = {k: v for k, v in b.kwargs.items() if k != "batch_num_images"}
     with pytest.raises(ValueError, match="Image features and image tokens do not match"):
         model.model(**kwargs)
-
-
-@pytest.fixture(scope="module")
-def model():
-    """The fixture's model with a narrow output head (1000 of the 151680 ids; the text ids are
-    drawn below 1000): the logits stay small, and every position's hidden state still shows."""
-    m = F.tiny_model()
-    torch.manual_seed(1)
-    m.lm_head = torch.nn.Linear(m.config.text_config.hidden_size, F.TEXT_IDS[1], bias=False)
-    m.config.text_config.vocab_size = F.TEXT_IDS[1]  # the loss reshapes logits by it
-    return m
 
 
 ALL = [img(80, 80)]  # an aligned sample beside every fault: it must stay its own forward

@@ -4,7 +4,7 @@ CPU): Pixtral images as rows of ``[IMG]`` split by ``[IMG_BREAK]`` and closed by
 The fixture (``testing/families/mistral3.py``) against the processor's own code first:
 ``PixtralImageProcessorPil`` (resize, ``image_sizes``, padding),
 ``PixtralProcessor.replace_image_token`` (its function taken from the module source: the class
-needs torchvision), the model's feature split; then repair. The plain class under the faults:
+needs torchvision); then repair. The plain class under the faults:
 ``tests/test_fixture_plain.py``; the shared contract and the family's own faults:
 ``tests/families/``.
 """
@@ -90,16 +90,6 @@ def test_grammar_matches_processor(size):
     run = F.image_run(F.num_features(*size), size[1] // 28, 10)
     assert "".join(names[i] for i in run) == text
     assert run.count(10) == F.num_features(*size) == (size[0] // 28) * (size[1] // 28)
-
-
-def test_feature_split_matches_model(model):
-    b = F.make_batch(model, [[img(56, 84), img(28, 28)], [img(84, 56)]])
-    with torch.no_grad():
-        feats = model.model.get_image_features(
-            pixel_values=b.kwargs["pixel_values"], image_sizes=b.kwargs["image_sizes"]
-        ).pooler_output
-    assert [f.shape[0] for f in feats] == [n for _, _, n in b.items] == [6, 1, 6]
-    assert b.runs == [[("image", 6), ("image", 1)], [("image", 6)]]
 
 
 ALL = [img(28, 56)]  # an aligned sample beside every fault: it must stay its own forward

@@ -15,10 +15,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from family_checks import aud
+from family_checks import aud, guarded_forward
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem
-from megatron_media_guard.adapters import install_vlm
 from megatron_media_guard.testing.families import qwen2_audio as F
 
 pytestmark = pytest.mark.timeout(120)
@@ -96,40 +95,24 @@ def test_unguarded_single_placeholder_runs_take_the_legacy_expansion(model, samp
     assert hidden.shape[1] == b.input_ids.shape[1] + grown
 
 
-def hidden(model, kwargs):
-    with torch.no_grad():
-        return model.model(**kwargs).last_hidden_state
-
-
-def own(model, sample):
-    b = F.make_batch(model, [sample])
-    return hidden(model, b.kwargs)[0, : b.lengths[0]]
-
-
-def guarded(model, samples, config=None, items=None, **kw):
-    b = F.make_batch(model, samples, **kw)
-    with install_vlm(model.model, config or GuardConfig()) as h:
-        if items is not None:
-            h.set_items(items)
-        out = hidden(model, b.kwargs)
-        return b, out, h.last_result
-
-
 def test_a_clip_whose_run_has_no_placeholder_is_an_orphan_set_items_attributes(model, tmp_path):
     """bos/eos with nothing between is no run: raise names the item; drop leaves the clip
     unused (the report says so); ``set_items`` ties it to its sample, which is dropped."""
-    samples = [[aud(40)], [aud(100, n=0)], [aud(61)]]
+    mm, samples = model.model, [[aud(40)], [aud(100, n=0)], [aud(61)]]
     with pytest.raises(
         MediaAlignmentError, match=r"items \[1\] could not be tied to a placeholder run"
     ):
-        guarded(model, samples, GuardConfig(log_dir=str(tmp_path)))
-    b, out, res = guarded(model, samples, GuardConfig(policy="drop"))
+        guarded_forward(F, mm, samples, GuardConfig(log_dir=str(tmp_path)))
+    res = guarded_forward(F, mm, samples, GuardConfig(policy="drop"))[2]
     assert res.report.actions == ("keep",) * 3 and res.report.alignment.orphans == (1,)
     assert not res.report.ok
     items = [MediaItem(0, sample=s, modality="audio") for s in range(3)]
-    b, out, res = guarded(model, samples, GuardConfig(policy="drop"), items=items)
+    b, out, res = guarded_forward(F, mm, samples, GuardConfig(policy="drop"), items)
     assert res.report.actions == ("keep", "drop", "keep")
     for k in (0, 2):
+        alone = F.make_batch(mm, [samples[k]])
+        with torch.no_grad():
+            want = mm(**alone.kwargs).last_hidden_state[0]
         torch.testing.assert_close(
-            out[k, : b.lengths[k]], own(model, samples[k]), atol=1e-5, rtol=0
+            out.last_hidden_state[k, : b.lengths[k]], want, atol=1e-5, rtol=0
         )

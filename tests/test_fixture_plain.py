@@ -1,18 +1,14 @@
 """The plain transformers class of every family fixture (tiny random config, CPU), unguarded, as
-measured: one table per behaviour the guard exists for, one row per family x batch (that each
-sample of an aligned batch equals its own forward: ``tests/families/test_contract.py``, where
-the guarded call is the plain forward bit for bit and each sample its own).
+measured: one table per behaviour the guard exists for, one row per family x batch.
 
 - ``RAISES``: a fault the plain model catches, with its message (never naming a sample);
 - ``SILENT``: a fault it runs through silently: the merged embeddings show another sample's
-  feature in the victim's row (where the rig reads the features), and the victim's output
-  differs from its own aligned forward (past its first placeholder, the ids before it agreeing).
+  feature in the victim's row (where the rig reads the features), or the victim's output
+  differs from its own aligned forward (past its first placeholder, the ids before it agreeing);
+- ``LAYOUTS``: the batch a fixture builds, as its processor lays it out.
 
-- ``LAYOUTS``: the batch a fixture builds, as its processor lays it out (shapes, grids, items,
-  runs, marker counts).
-
-Each family's own oracles (its processor's arithmetic, paths of its own) stay in its files
-(``tests/test_family_<family>.py``, ``tests/test_fixture_<family>.py``).
+Aligned batches (each sample its own forward): ``tests/families/test_contract.py``; each
+family's own oracles: ``tests/test_family_<family>.py``, ``tests/test_fixture_<family>.py``.
 """
 
 from __future__ import annotations
@@ -24,6 +20,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from family_checks import aud, decoder_inputs, img, vid
+from test_check_batch import fixture as check_batch_fixture
 
 from megatron_media_guard.errors import MediaInputError
 from megatron_media_guard.testing.families.base import Media
@@ -65,6 +62,10 @@ def _qwen3_omni_feats(model, kw, mod):
     return _cat(
         mm.get_video_features(kw["pixel_values_videos"], kw["video_grid_thw"]).pooler_output
     )
+
+
+def _nemotron_feats(model, kw, _mod):
+    return _cat(model.get_image_features(kw["pixel_values"], kw["image_grid_hw"]).pooler_output)
 
 
 def _mistral3_feats(model, kw, _mod):
@@ -125,7 +126,7 @@ RIGS = {
     for r in [
         Rig("gemma3", _hidden, IMAGE),
         Rig("internvl", _hidden, IMAGE),
-        Rig("nemotron_omni", pads={**IMAGE, "audio": "SO_EMBED"}),
+        Rig("nemotron_omni", pads={**IMAGE, "audio": "SO_EMBED"}, feats=_nemotron_feats),
         Rig("ernie4_5_vl"),
         Rig("glm4v"),
         Rig("kimi_k25", feats=_kimi_feats),
@@ -137,19 +138,15 @@ RIGS = {
     ]
 }
 
-_MODELS: dict = {}
-
 
 def model_of(fixture: str):
-    """The fixture's tiny model (seed 0), built once per session."""
-    if fixture not in _MODELS:
-        _MODELS[fixture] = RIGS[fixture].F.tiny_model(seed=0)
-    return _MODELS[fixture]
+    """The fixture's tiny model (seed 0), built once per session (test_check_batch's)."""
+    return check_batch_fixture("qwen_vl" if fixture == "qwen3_5" else fixture)[2]
 
 
-def own(rig: Rig, model, sample, **kw) -> torch.Tensor:
+def own(rig: Rig, model, sample) -> torch.Tensor:
     """The sample, aligned, in a batch of its own: its outputs over its length."""
-    b = rig.F.make_batch(model, [[Media(m.modality, m.size) for m in sample]], **kw)
+    b = rig.F.make_batch(model, [[Media(m.modality, m.size) for m in sample]])
     return rig.out(model, b)[0, : b.lengths[0]]
 
 
@@ -328,7 +325,9 @@ SILENT = [
     Silent("internvl", "+k/-k image/video frame", [[img(56, 56, n=8)], [vid(3, n=8)]], victim=1),
     Silent("internvl", "swap images of different tile counts", [[IWIDE], [ITALL]], (0, 1)),
     Silent("internvl", "swap image and video", [[IWIDE], [IVID]], (0, 1)),
-    Silent("nemotron_omni", "+k/-k images", [[img(4, 4, n=6)], [img(4, 6, n=4)]], victim=1),
+    # sample 0's two surplus placeholders hold sample 1's first two image features
+    Silent("nemotron_omni", "+k/-k images", [[img(4, 4, n=6)], [img(4, 6, n=4)]],
+           modality="image"),
     Silent("nemotron_omni", "+k/-k audio", [[aud(40, n=8)], [aud(25, n=2)]], victim=1),
     Silent("nemotron_omni", "+k/-k video tubelets", [[vid(4, 4, 4, n=9)], [vid(4, 4, 4, n=7)]],
            victim=1),
@@ -379,7 +378,8 @@ def _placed(rig: Rig, model, b, modality: str) -> list[tuple[int, int]]:
     owning the feature put there), after checking that the merged embeddings are exactly the
     features in item order."""
     kw = b.kwargs
-    emb, _ = decoder_inputs(model.model.language_model, lambda: rig.out(model, b))
+    lm = getattr(model, "model", model).language_model
+    emb, _ = decoder_inputs(lm, lambda: rig.out(model, b))
     with torch.no_grad():
         extra = (b.items,) if rig.fixture == "qwen2_audio" else ()
         feats = rig.feats(model, kw, modality, *extra)
