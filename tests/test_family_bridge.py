@@ -411,9 +411,10 @@ def test_a_kimi_swap_silent_in_bridge_names_both_samples_guarded(bridge):
         ([*SHORT, [img(4, 2)]], None, ("drop", "keep", "keep")),
         (SWAP, (0, 1), ("drop", "drop", "keep")),
     ],
-    ids=["short", "swap"],  # +k/-k: test_drop_keeps_the_aligned_sample_feeds_no_feature_...
+    ids=["short", "swap"],
 )
 def test_a_kimi_drop_keeps_each_aligned_sample_and_its_loss(bridge, samples, swap, actions):
+    """(+k/-k: test_drop_keeps_the_aligned_sample_feeds_no_feature_and_remove_restores.)"""
     case, model, full = bridge
     b = K_F.make_batch(full, samples, swap=swap)
     h = case.install(model, GuardConfig(policy="drop"))

@@ -66,32 +66,27 @@ def without_items(model, samples, config):
         return b, hidden, h.last_result
 
 
-ALIGNED = {
+BY_RUNS = {
     "images": [[WIDE, ONE], [TALL]],
     "video": [[VID], [vid(2)]],
     "mixed image+video": [[WIDE, VID], [ONE, TALL]],
+    "+k/-k, unseen": [[img(56, 56, n=6)], [img(56, 112, n=10)], [TALL]],
 }
 
 
-@pytest.mark.parametrize("name", list(ALIGNED))
-def test_aligned_batches_cut_by_the_runs_equal_the_plain_model(model, name, tmp_path):
-    """Without ``set_items`` the record says only the total was checked (with them, bit for
-    bit, each sample its own forward, one transfer: tests/families/)."""
+@pytest.mark.parametrize("name", list(BY_RUNS))
+def test_without_set_items_only_the_total_is_checked(model, name, tmp_path):
+    """Cut by the runs every sample is kept, the plain model's output (a +k/-k too), and the
+    record says only the total was checked (with ``set_items``: tests/families/)."""
     cfg = GuardConfig(log_dir=str(tmp_path))
-    b, hidden, res = without_items(model, ALIGNED[name], cfg)
-    assert res.report.actions == ("keep",) * len(ALIGNED[name])
+    b, hidden, res = without_items(model, BY_RUNS[name], cfg)
+    assert res.report.actions == ("keep",) * len(BY_RUNS[name])
     torch.testing.assert_close(hidden, F.plain_hidden(model, b), atol=1e-6, rtol=1e-6)
     checks = [r for r in records(tmp_path) if r["event"] == "check"]
     assert checks and all(CHECK in r["reason"] for r in checks)
 
 
-def test_without_set_items_only_the_total_is_checked(model, tmp_path):
-    """A net short run still raises (the total is off; the blame falls on the last run, which
-    takes what is left); a +k/-k keeps every sample, and the record says why it could not see."""
-    cfg = GuardConfig(log_dir=str(tmp_path))
+def test_without_set_items_a_net_short_run_still_raises(model, tmp_path):
+    """The total is off; the blame falls on the last run, which takes what is left."""
     with pytest.raises(MediaAlignmentError):
-        without_items(model, [[img(56, 112, n=10)], [ONE]], cfg)
-    plus_minus = [[img(56, 56, n=6)], [img(56, 112, n=10)], [TALL]]
-    res = without_items(model, plus_minus, cfg)[2]
-    assert res.report.actions == ("keep",) * 3
-    assert any(CHECK in r["reason"] for r in records(tmp_path) if r["event"] == "check")
+        without_items(model, [[img(56, 112, n=10)], [ONE]], GuardConfig(log_dir=str(tmp_path)))
