@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 
 import pytest
@@ -119,17 +120,13 @@ CASES = {c.family: c for c in [
 NAMES = sorted(CASES)
 
 
-def test_every_registered_family_has_a_case():
+def test_every_registered_family_has_a_case_and_the_registry_routes_its_classes():
     """A family added to the registry fails here until it has a row (megatron-core's LLaVA and
-    MIMO merges have no processor batch: tests/test_adapter_llava*.py, test_adapter_mimo.py)."""
+    MIMO merges have no processor batch: tests/test_adapter_llava*.py, test_adapter_mimo.py);
+    each row's transformers and Bridge classes are the names the registry holds for it."""
     names = {s.name for s in FAMILIES}
     assert names == set(CASES) | set(NO_FIXTURE), names ^ (set(CASES) | set(NO_FIXTURE))
     assert set(BATCH_CASES) == set(CASES)  # test_check_batch runs the same families
-
-
-def test_the_registry_routes_every_class_of_the_table():
-    """Each row's transformers class and Bridge class are the names the registry holds for
-    the family (a renamed class in either fails)."""
     for case in CASES.values():
         specs = [s for s in FAMILIES if s.name == case.family]
         hf = {c for s in specs for c in s.classes.get("transformers.", ())}
@@ -150,12 +147,6 @@ def build(name: str):
     return case, F, model
 
 
-def attr(model, path: str):
-    for part in path.split("."):
-        model = getattr(model, part)
-    return model
-
-
 def logits(model, kw: dict) -> torch.Tensor:
     with torch.no_grad():
         return model(**kw).logits
@@ -174,11 +165,6 @@ def guarded(name: str, model, b, config: GuardConfig | None = None, labels=None)
         with torch.no_grad():
             out = model(**kw)
         return out, h.last_result
-
-
-def fault_batch(F, model, case, fault: str):
-    ok = F.make_batch(model, case.samples)
-    return F.make_batch(model, faulty(ok, case.samples, FAULTS[fault]))
 
 
 def _state(model) -> dict:
@@ -207,7 +193,7 @@ def test_remove_leaves_the_model_as_it_was(name):
     from megatron_media_guard.adapters import install_vlm
 
     case, F, model = build(name)
-    b = fault_batch(F, model, case, "+k/-k across two samples")
+    _, b = Fault("+k/-k across two samples", None, K01).batch(case, F, model)
     plain = _outcome(model, b.kwargs)  # first: transformers adds its output-capturing hooks
     before = _state(model)
     h = install_vlm(model, GuardConfig(), tokenizer=case.one_item[1])
@@ -235,8 +221,8 @@ def test_a_text_only_micro_batch_keeps_the_tower_in_step(name, mode, runs):
         media=F.make_batch(model, [case.samples[0]]).kwargs,
         text=F.make_batch(model, [[], []]).kwargs,
         tokenizer=tokens,
-        towers=[attr(model, p) for p in case.towers],
-        decoder=attr(model, case.decoder),
+        towers=[attrgetter(p)(model) for p in case.towers],
+        decoder=attrgetter(case.decoder)(model),
     )
 
 
@@ -252,7 +238,7 @@ def test_repair_where_the_family_has_a_geometry(name, tmp_path):
     )
     geo = guard_for(spec, model, GuardConfig(policy="repair"), case.one_item[1]).geometry
     assert (geo is not None) == case.repair, geo
-    b = fault_batch(F, model, case, "one run short")
+    _, b = Fault("one run short", None, 1).batch(case, F, model)
     cfg = GuardConfig(policy="repair", fallback="drop", log_dir=str(tmp_path))
     out, res = guarded(name, model, b, cfg)
     assert res.report.actions[1] in ("repair", "drop") and res.report.actions[::2] == ("keep",) * 2
@@ -464,7 +450,7 @@ def test_a_fault_dropped_feeds_no_feature_and_keeps_the_others(name, fault):
     labels = torch.where(b.input_ids < vocab, b.input_ids, -100)
     cfg = GuardConfig(policy="drop")
     emb, (out, res) = decoder_inputs(
-        attr(model, case.decoder), lambda: guarded(name, model, b, cfg, labels)
+        attrgetter(case.decoder)(model), lambda: guarded(name, model, b, cfg, labels)
     )
     dropped = {s for s, a in enumerate(res.report.actions) if a == "drop"}
     fault.check(dropped)
@@ -487,29 +473,17 @@ def test_a_fault_dropped_feeds_no_feature_and_keeps_the_others(name, fault):
 
 # ---- docs/FAMILIES.md's capability table is this table and the registry ----
 
-_YES = {True: "yes", False: "no"}
-
 
 def capability_rows() -> dict[str, tuple[str, ...]]:
-    """family -> (install_vlm, check_batch, repair, keep_tower, Bridge), as the table says."""
-    rows = {
-        c.family: (
-            c.cls,
-            _YES[c.family in BATCH_CASES],
-            _YES[c.repair],
-            "yes",
-            c.bridge_cls or "no",
-        )
-        for c in CASES.values()
-    }
-    rows.update(
-        {
-            # keep_tower: not part of megatron-core's merges' contract ("-")
-            "llava": ("install_llava (megatron-core LLaVAModel)", "no", "no", "-", "yes"),
-            "mimo": ("install_mimo (megatron-core MimoModel)", "no", "no", "-", "no"),
-        }
-    )
-    return rows
+    """family -> (install_vlm, check_batch, repair, keep_tower, Bridge), as the table says;
+    keep_tower is no part of megatron-core's merges' contract ("-")."""
+    yes = {True: "yes", False: "no"}
+    return {
+        **{c.family: (c.cls, yes[c.family in BATCH_CASES], yes[c.repair], "yes",
+                      c.bridge_cls or "no") for c in CASES.values()},
+        "llava": ("install_llava (megatron-core LLaVAModel)", "no", "no", "-", "yes"),
+        "mimo": ("install_mimo (megatron-core MimoModel)", "no", "no", "-", "no"),
+    }  # fmt: skip
 
 
 def test_the_capability_table_in_the_docs_is_the_registrys():
