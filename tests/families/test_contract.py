@@ -614,8 +614,9 @@ def aligned_transfers(name: str, samples, own: bool = True) -> tuple[int, dict]:
     "name,mix,samples", ALIGNED_ROWS, ids=[f"{f}-{m}" for f, m, _ in ALIGNED_ROWS]
 )
 def test_an_aligned_call_of_any_modality_mix_makes_one_transfer(name, mix, samples):
-    """Mixed image + video + audio calls included: the verdict is the one transfer; the run
-    order, the audio clips' counts and the family's own refusals ride in it."""
+    """Mixed image + video + audio calls included: the plain forward bit for bit, each sample
+    its own (``aligned_transfers``); the verdict is the one transfer, the run order, the audio
+    clips' counts and the family's own refusals ride in it."""
     n, reasons = aligned_transfers(name, samples, (name, mix) not in NOT_OWN)
     assert n == TRANSFERS.get((name, mix), 1), reasons
     assert reasons["aligned-path verdict"] == 1, reasons
