@@ -1,5 +1,5 @@
-"""What every family's tests check the same way: the per-rank records a guarded call wrote,
-and a raise that names the culprit sample (in the message and in a ``raise`` record)."""
+"""What the family tests share: media of a sample, the per-rank records a guarded call wrote, a
+raise naming the culprit sample (message and ``raise`` record), the decoder's inputs, forwards."""
 
 from __future__ import annotations
 
@@ -11,6 +11,20 @@ import pytest
 import torch
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, install_vlm
+from megatron_media_guard.testing.families.base import Media
+
+
+def img(*size, n=None):
+    """An image of ``size`` (its fixture's units) with ``n`` placeholders (None: its count)."""
+    return Media("image", size, n)
+
+
+def vid(*size, n=None):
+    return Media("video", size, n)
+
+
+def aud(*size, n=None):
+    return Media("audio", size, n)
 
 
 def records(log_dir) -> list[dict]:
@@ -50,8 +64,6 @@ def hidden_forward(model, kw: dict):
     """(final hidden states of ``model.model``, output) of one forward under no_grad, where
     the wide vocabulary dominates CPU time: logits for the last position only unless labels
     are given (the loss needs them all)."""
-    import torch
-
     seen = []
     hook = model.model.register_forward_hook(lambda m, a, o: seen.append(o.last_hidden_state))
     extra = {} if "labels" in kw else {"logits_to_keep": 1}
@@ -61,14 +73,6 @@ def hidden_forward(model, kw: dict):
     finally:
         hook.remove()
     return seen[0], out
-
-
-def named_items(modality: str, ids: str = "ab"):
-    """One item per sample (sample ``k`` named ``ids[k]``): what ``set_items`` takes for
-    a batch of one item per sample."""
-    from megatron_media_guard import MediaItem
-
-    return [MediaItem(0, sample=s, modality=modality, sample_id=i) for s, i in enumerate(ids)]
 
 
 def record_line(event: str, rank: int | None = 0, **fields) -> str:
@@ -85,7 +89,6 @@ def record_line(event: str, rank: int | None = 0, **fields) -> str:
 def saved_bundle(d, **config):
     """A replay bundle of a two-sample Qwen batch with a surplus feature in sample 0 (rank 1,
     step 3; ``config``: the GuardConfig's fields), saved under ``d``."""
-    from megatron_media_guard import GuardConfig
     from megatron_media_guard.diagnostics import RankInfo
     from megatron_media_guard.replay.bundle_save import save_bundle
     from megatron_media_guard.testing import TEST_GRAMMARS, inject
@@ -98,16 +101,39 @@ def saved_bundle(d, **config):
     return path
 
 
-def guarded_forward(F, model, samples, config=None, items=None, **kw):
+def guarded_forward(F, model, samples, config=None, items=None, tokenizer=None, **kw):
     """``(batch, output, last_result)`` of ``samples`` (fixture module ``F``'s batch) through
-    ``install_vlm(model, config)``, ``items`` given with ``set_items``; the guard removed."""
+    ``install_vlm(model, config, tokenizer=tokenizer)`` (``config``: a GuardConfig or a
+    MediaGuard), ``items`` given with ``set_items``; the guard removed."""
     b = F.make_batch(model, samples, **kw)
-    with install_vlm(model, config or GuardConfig()) as h:
+    with install_vlm(model, config or GuardConfig(), tokenizer=tokenizer) as h:
         if items is not None:
             h.set_items(items)
         with torch.no_grad():
             out = model(**b.kwargs)
         return b, out, h.last_result
+
+
+def own_logits(F, model, sample) -> torch.Tensor:
+    """The plain model's logits of ``sample`` in a batch of its own, over its length."""
+    b = F.make_batch(model, [sample])
+    with torch.no_grad():
+        return model(**b.kwargs).logits[0, : b.lengths[0]]
+
+
+def internvl_items(b) -> list:
+    """What a collate that kept InternVL's ``num_patches`` gives ``set_items`` for batch ``b``:
+    per tile block in ``pixel_values`` order, its sample and one item per image (its tiles'
+    features) or per video frame (one tile's), all of the model's one modality. After a swap a
+    block keeps its place (its sample) and brings its tiles (``FamilyBatch.items``)."""
+    from megatron_media_guard import MediaItem
+    from megatron_media_guard.testing.families.internvl import SEQ
+
+    out = []
+    for s, mod, n in b.items:
+        sizes = [n] if mod == "image" else [SEQ] * (n // SEQ)
+        out += [MediaItem(x, sample=s, modality="image") for x in sizes]
+    return out
 
 
 def placed_by_hand(model, b, token: int, queue: dict[str, list[torch.Tensor]]) -> torch.Tensor:

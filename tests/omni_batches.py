@@ -30,7 +30,7 @@ import torch
 
 IMG_START, IMG_END, IMAGE, SO_START, SOUND, SO_END = 10, 11, 12, 13, 14, 15
 PAD = 2
-PATCH, SHUFFLE, FRAME = 16, 2, 512
+PATCH, SHUFFLE, FRAME, TEMPORAL = 16, 2, 512, 2  # TEMPORAL: frames per tubelet
 VIDEO_TOKENS = (FRAME // PATCH // SHUFFLE) ** 2  # 256 embeddings per tubelet
 H = 8  # hidden size
 
@@ -91,7 +91,7 @@ class OmniBatch:
         )
 
 
-def _row(ex: Example, g: torch.Generator, temporal: int, video: bool) -> tuple[list, list]:
+def _row(ex: Example, g: torch.Generator, video: bool) -> tuple[list, list]:
     """Compact token ids of one example and its image entries (with the temporal video
     embedder every image is one 512x512 tubelet: an entry of 1)."""
     words = lambda n: torch.randint(20, 90, (n,), generator=g).tolist()  # noqa: E731
@@ -101,7 +101,7 @@ def _row(ex: Example, g: torch.Generator, temporal: int, video: bool) -> tuple[l
         entries.append(1 if video else image_tokens(*hw))
     if ex.video_frames:
         ids += words(3)  # "This is a video:"
-        for _ in range(0, ex.video_frames, temporal):
+        for _ in range(0, ex.video_frames, TEMPORAL):
             ids += [*words(4), IMG_START, IMAGE, IMG_END]  # "Frame k sampled at t seconds:"
             entries.append(1)
     if ex.mel_frames:
@@ -112,20 +112,13 @@ def _row(ex: Example, g: torch.Generator, temporal: int, video: bool) -> tuple[l
     return ids + words(ex.text), entries
 
 
-def build(
-    examples: list[Example],
-    *,
-    seed: int = 0,
-    temporal: int = 2,
-    pack: bool = False,
-    pad_to_multiple_of: int = 1,
-) -> OmniBatch:
+def build(examples: list[Example], *, pack: bool = False, pad_to_multiple_of: int = 1) -> OmniBatch:
     """The batch the collate + forward would give ``_preprocess_data`` (random features)."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(0)
     video = any(ex.video_frames for ex in examples)
     rows, entries = [], []
     for ex in examples:
-        r, e = _row(ex, g, temporal, video)
+        r, e = _row(ex, g, video)
         rows.append(r)
         entries.append(e)
     flat = [t for e in entries for t in e]

@@ -3,18 +3,16 @@ a fixed count per pixel row, pan-and-scan crops as extra rows, ``token_type_ids`
 image block attend bidirectionally (a drop must rewrite them with the ids).
 
 Inputs from ``testing/families/gemma3.py`` (transformers' real ``Gemma3ImageProcessorPil``).
-Comparisons are on the final hidden states (``lm_head`` of them are the logits; the 262k
-vocabulary dominates CPU time): the forward runs with ``logits_to_keep=1`` and a hook on
-``model.model`` keeps its ``last_hidden_state``. The fixture's own checks (pan-and-scan crops,
-``token_type_ids``, logits as ``lm_head`` of the hidden states) come first; the plain class
-under the faults: ``tests/test_fixture_plain.py``; the shared contract: ``tests/families/``.
+Comparisons are on the final hidden states (the 262k vocabulary dominates CPU time). The plain
+class under the faults: ``tests/test_fixture_plain.py``; the shared contract:
+``tests/families/``.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from family_checks import decoder_inputs, raised_samples, records
+from family_checks import decoder_inputs, img, raised_samples, records
 from family_checks import hidden_forward as forward
 
 from megatron_media_guard import GuardConfig
@@ -28,11 +26,10 @@ from megatron_media_guard.adapters import install_vlm
 from megatron_media_guard.adapters.vlm_install import guard_for
 from megatron_media_guard.families import gemma3 as spec_mod
 from megatron_media_guard.testing.families import gemma3 as F
-from megatron_media_guard.testing.families.base import Media as M
 
 pytestmark = pytest.mark.timeout(120)
 
-WIDE, TALL, SQUARE = M("image", (20, 64)), M("image", (40, 30)), M("image", (32, 32))
+WIDE, TALL, SQUARE = img(20, 64), img(40, 30), img(32, 32)
 
 
 @pytest.fixture(scope="module")
@@ -56,17 +53,6 @@ def test_pan_and_scan_crops_are_extra_images_after_their_original(model):
     assert torch.equal(batch.kwargs["token_type_ids"] == 1, ids == F.IMAGE)
 
 
-def test_token_type_ids_matter(model):
-    """They make each image block attend bidirectionally: without them the output changes, so a
-    rewrite of the ids must rewrite them too."""
-    b = F.make_batch(model, [[TALL, SQUARE], [WIDE]])
-    kw = dict(b.kwargs)
-    kw.pop("token_type_ids")
-    with torch.no_grad():
-        without = model.model(**kw).last_hidden_state
-    assert (without - F.plain_hidden(model, b)).abs().max() > 1e-3
-
-
 def own(model, sample, **kw):
     b = F.make_batch(model, [sample], **kw)
     return F.plain_hidden(model, b)[0, : b.lengths[0]]
@@ -81,6 +67,7 @@ def guarded(model, samples, config=None, labels=False, **kw):
 
 
 def test_an_aligned_call_with_pan_and_scan_crops_is_the_plain_model_with_one_transfer(model):
+    """Bit for bit, each sample its own forward, the one transfer of the guard's verdict."""
     samples = [[TALL, SQUARE], [WIDE]]
     b = F.make_batch(model, samples, pan_and_scan=True)
     ref = F.plain_hidden(model, b)
@@ -88,57 +75,44 @@ def test_an_aligned_call_with_pan_and_scan_crops_is_the_plain_model_with_one_tra
         hidden, _ = forward(model, b.kwargs)
     assert h.last_result.report.actions == ("keep",) * len(samples)
     assert torch.equal(hidden, ref)
-    assert sum(n.values()) == 1, n  # the guard's verdict
+    assert sum(n.values()) == 1, n
+    for k, s in enumerate(samples):
+        want = own(model, s, pan_and_scan=True)
+        torch.testing.assert_close(hidden[k, : b.lengths[k]], want, atol=1e-5, rtol=0)
 
 
-# (name, samples, bad samples, the kept sample); the plain model raises on a net short run
-# and runs +k/-k silently with features in the wrong sample (tests/test_fixture_plain.py);
-# the shared faults without crops: tests/families/
-FAULTS = [
-    (
-        "+k/-k",
-        [[M("image", (32, 32), tokens=6)], [M("image", (20, 64), tokens=2)], [TALL]],
-        {0, 1},
-        2,
-    ),
-    ("short run before a crop", [[WIDE], [M("image", (20, 64), tokens=3)]], {1}, 0),
-]
+# the plain model raises on it (tests/test_fixture_plain.py); the shared faults without crops,
+# +k/-k among them: tests/families/
+SHORT = [[WIDE], [img(20, 64, n=3)]]  # sample 1's first run short, crops after it
 
 
 def test_a_short_run_before_a_crop_raises_naming_the_sample(model, tmp_path):
-    _, samples, bad, _ = FAULTS[-1]
-    run = lambda: guarded(model, samples, GuardConfig(log_dir=str(tmp_path)), pan_and_scan=True)  # noqa: E731
-    assert raised_samples(run, bad, tmp_path) >= bad
+    run = lambda: guarded(model, SHORT, GuardConfig(log_dir=str(tmp_path)), pan_and_scan=True)  # noqa: E731
+    assert raised_samples(run, 1, tmp_path) == {1}
 
 
-def _as_text(b, k: int) -> dict:
-    """Sample ``k`` of the batch as the guard hands it on after a drop: no pixel rows, its soft
-    tokens their own token's embedding (no feature), its ``token_type_ids`` 0 (no blocks)."""
-    ids = b.input_ids[k : k + 1]
-    attn = b.kwargs["attention_mask"][k : k + 1]
-    return dict(input_ids=ids, attention_mask=attn, token_type_ids=torch.zeros_like(ids))
-
-
-@pytest.mark.parametrize("name,samples,bad,kept", FAULTS, ids=[f[0] for f in FAULTS])
-def test_drop_keeps_every_other_sample_equal_to_its_own_forward(model, name, samples, bad, kept):
-    pas = "crop" in name
+def test_a_dropped_sample_gets_no_feature_and_no_image_block(model):
+    """Its row holds its tokens' embeddings and its bidirectional blocks (``token_type_ids``,
+    which matter) went with its soft tokens: the plain model on that text, no pixel rows; the
+    other sample is its own forward."""
     cfg = GuardConfig(policy="drop")
     emb, (b, hidden, out, res) = decoder_inputs(
         model.model.language_model,
-        lambda: guarded(model, samples, cfg, labels=True, pan_and_scan=pas),
+        lambda: guarded(model, SHORT, cfg, labels=True, pan_and_scan=True),
     )
-    assert {s for s, a in enumerate(res.report.actions) if a == "drop"} == bad
-    n = b.lengths[kept]
-    torch.testing.assert_close(hidden[kept, :n], own(model, samples[kept], pan_and_scan=pas))
-    embed = model.get_input_embeddings()
-    for k in bad:
-        text = _as_text(b, k)
-        assert torch.equal(emb[k], embed(text["input_ids"])[0])  # no feature in its row
-        # its bidirectional blocks went with its soft tokens: the plain model on that text
-        with torch.no_grad():
-            want = model.model(**text).last_hidden_state[0]
-        torch.testing.assert_close(hidden[k], want, atol=1e-5, rtol=1e-5)
-        assert (res.labels[k] == -100).all()
+    assert res.report.actions == ("keep", "drop")
+    want = own(model, SHORT[0], pan_and_scan=True)
+    torch.testing.assert_close(hidden[0, : b.lengths[0]], want)
+    ids, attn = b.input_ids[1:], b.kwargs["attention_mask"][1:]
+    assert torch.equal(emb[1], model.get_input_embeddings()(ids)[0])
+    with torch.no_grad():
+        want = model.model(input_ids=ids, attention_mask=attn, token_type_ids=ids * 0)
+        blocks = model.model(
+            input_ids=ids, attention_mask=attn, token_type_ids=(ids == F.IMAGE).long()
+        )
+    torch.testing.assert_close(hidden[1], want.last_hidden_state[0], atol=1e-5, rtol=1e-5)
+    assert (hidden[1] - blocks.last_hidden_state[0]).abs().max() > 1e-3
+    assert (res.labels[1] == -100).all()
     assert torch.isfinite(out.loss)
 
 
@@ -154,7 +128,7 @@ def test_repair_falls_back_no_resize_reaches_another_count(model, tmp_path):
     g = guard_for(spec_mod.SPEC, model, GuardConfig(policy="repair"))
     assert g.geometry == FixedGeometry(F.MM_TOKENS, (F.IMAGE_SIZE, F.IMAGE_SIZE))
     cfg = GuardConfig(policy="repair", fallback="drop", log_dir=str(tmp_path))
-    samples = [[M("image", (32, 32), tokens=3)], [WIDE]]
+    samples = [[img(32, 32, n=3)], [WIDE]]
     b, hidden, _, res = guarded(model, samples, cfg)
     assert res.report.actions == ("drop", "keep")
     recs = records(tmp_path)

@@ -2,18 +2,12 @@
 config, CPU): bare ``<image>`` / ``<video>`` runs, anyres counts from ``image_sizes``, base + 1
 for the images of a multi-image sample (``batch_num_images``), pooled videos.
 
-Inputs come from ``testing/families/llava_onevision.py``. Aligned batches are compared with
-the plain model on the same batch; kept samples of a guarded faulty batch with the same
-sample's plain forward in a batch of its own (its own ``batch_num_images``).
-
-The fixture's counts come first, against the processor's own code
-(``LlavaOnevisionProcessor._get_number_of_features`` / ``replace_image_token`` /
-``replace_video_token``, called on a stand-in ``self``: the processor cannot be built without
-torchvision) fed with the real ``LlavaOnevisionImageProcessorPil`` outputs, and against the
-model's own ``get_image_features`` / ``get_video_features`` (the fixture's model,
-``plain_model``); a multi-image sample's count depends on ``batch_num_images``. The plain class
-under the faults: ``tests/test_fixture_plain.py``; the shared contract and the family's own
-faults: ``tests/families/``.
+The fixture's counts (``testing/families/llava_onevision.py``) first, against the processor's
+own code (``LlavaOnevisionProcessor``'s counting methods on a stand-in ``self``: it cannot be
+built without torchvision) fed with the real ``LlavaOnevisionImageProcessorPil`` outputs, and
+against the model's own ``get_image_features`` / ``get_video_features``; then repair. The plain
+class under the faults: ``tests/test_fixture_plain.py``; the shared contract and the family's
+own faults: ``tests/families/``.
 """
 
 from __future__ import annotations
@@ -23,7 +17,7 @@ import types
 import numpy as np
 import pytest
 import torch
-from family_checks import decoder_inputs, records
+from family_checks import decoder_inputs, guarded_forward, img, own_logits, records, vid
 
 from megatron_media_guard import GuardConfig
 from megatron_media_guard.families import anyres_pixels
@@ -33,34 +27,20 @@ from megatron_media_guard.repair.reproject import resize_frames
 
 pytest.importorskip("transformers.models.llava_onevision")
 
-from megatron_media_guard.adapters import install_vlm
 from megatron_media_guard.testing.families import llava_onevision as F
-from megatron_media_guard.testing.families.base import Media
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def img(h: int, w: int, tokens: int | None = None) -> Media:
-    return Media("image", (h, w), tokens)
-
-
-def vid(frames: int, tokens: int | None = None) -> Media:
-    return Media("video", (frames,), tokens)
-
-
 @pytest.fixture(scope="module")
-def plain_model():
-    """The fixture's model as it is (its full output head)."""
-    return F.tiny_model(seed=0)
-
-
-def _image_feats(model, kwargs):
-    with torch.no_grad():
-        return model.model.get_image_features(
-            kwargs["pixel_values"],
-            kwargs["image_sizes"],
-            batch_num_images=kwargs["batch_num_images"],
-        ).pooler_output
+def model():
+    """The fixture's model with a narrow output head (1000 of the 151680 ids; the text ids are
+    drawn below 1000): the logits stay small, and every position's hidden state still shows."""
+    m = F.tiny_model()
+    torch.manual_seed(1)
+    m.lm_head = torch.nn.Linear(m.config.text_config.hidden_size, F.TEXT_IDS[1], bias=False)
+    m.config.text_config.vocab_size = F.TEXT_IDS[1]  # the loss reshapes logits by it
+    return m
 
 
 # -- 1. oracles ---------------------------------------------------------------------------------
@@ -91,8 +71,7 @@ SIZES = [(h, w) for h in (1, 20, 56, 57, 100, 333, 1000, 3000) for w in (1, 30, 
 
 
 @pytest.mark.parametrize("aspect", ["anyres_max_9", "anyres_max_4"])
-def test_count_matches_processor_arithmetic(plain_model, aspect):
-    model = plain_model
+def test_count_matches_processor_arithmetic(model, aspect):
     from transformers.image_processing_utils import select_best_resolution
 
     cfg = types.SimpleNamespace(
@@ -132,7 +111,10 @@ def test_counts_match_image_processor_processor_and_model(aspect):
     proc = _processor_self(model.config)
     n_images = sum(len(s) for s in per_sample)
     from_proc = [proc.replace_image_token(out, q).count(F.IMAGE_TOKEN) for q in range(n_images)]
-    feats = _image_feats(model, out)
+    with torch.no_grad():
+        feats = model.model.get_image_features(
+            out["pixel_values"], out["image_sizes"], batch_num_images=out["batch_num_images"]
+        ).pooler_output
     b = F.make_batch(model, [[img(h, w) for h, w in s] for s in per_sample])
     assert from_proc == [f.shape[0] for f in feats] == [n for _, _, n in b.items]
     # the fixture's layout is the processor's: shapes, dtypes, sizes, batch_num_images
@@ -152,8 +134,7 @@ def test_counts_match_image_processor_processor_and_model(aspect):
         assert out["pixel_values"][q, t:].abs().sum() == 0
 
 
-def test_video_count_matches_processor_and_model(plain_model):
-    model = plain_model
+def test_video_count_matches_processor_and_model(model):
     proc = _processor_self(model.config)
     b = F.make_batch(model, [[vid(3)], [vid(3)]])
     pv = b.kwargs["pixel_values_videos"]
@@ -164,41 +145,12 @@ def test_video_count_matches_processor_and_model(plain_model):
     assert b.items == [(0, "video", 13), (1, "video", 13)]
 
 
-def test_aligned_multi_image_without_batch_num_images_raises(plain_model):
-    model = plain_model
+def test_aligned_multi_image_without_batch_num_images_raises(model):
     # the count of a multi-image sample depends on batch_num_images; dropped, anyres counts apply
     b = F.make_batch(model, [[img(30, 300), img(56, 56)], [img(200, 200)]])
     kwargs = {k: v for k, v in b.kwargs.items() if k != "batch_num_images"}
     with pytest.raises(ValueError, match="Image features and image tokens do not match"):
         model.model(**kwargs)
-
-
-@pytest.fixture(scope="module")
-def model():
-    """The fixture's model with a narrow output head (1000 of the 151680 ids; the text ids are
-    drawn below 1000): the logits stay small, and every position's hidden state still shows."""
-    m = F.tiny_model()
-    torch.manual_seed(1)
-    m.lm_head = torch.nn.Linear(m.config.text_config.hidden_size, F.TEXT_IDS[1], bias=False)
-    m.config.text_config.vocab_size = F.TEXT_IDS[1]  # the loss reshapes logits by it
-    return m
-
-
-def logits(model, kwargs) -> torch.Tensor:
-    with torch.no_grad():
-        return model(**kwargs).logits
-
-
-def own(model, sample) -> torch.Tensor:
-    b = F.make_batch(model, [sample])
-    return logits(model, b.kwargs)[0, : b.lengths[0]]
-
-
-def guarded(model, samples, config=None, **kw):
-    b = F.make_batch(model, samples, **kw)
-    with install_vlm(model, config or GuardConfig()) as h:
-        out = logits(model, b.kwargs)
-        return b, out, h.last_result
 
 
 ALL = [img(80, 80)]  # an aligned sample beside every fault: it must stay its own forward
@@ -207,38 +159,35 @@ ANY = ("engine-replay", "unique", "closest-aspect")  # anyres repairs are closes
 
 
 def _records(tmp_path, event):
-    recs = records(tmp_path)
-    return [r for r in recs if r["event"] == event]
+    return [r for r in records(tmp_path) if r["event"] == event]
 
 
 def test_repair_reencodes_a_short_and_a_long_run(model, tmp_path):
     """56x56 gives 36 features; runs of 34 (short) and 40 (long) are re-encoded at sizes whose
     anyres count is the run's; the aligned sample between them stays its own forward."""
-    samples = [[img(56, 56, tokens=34)], ALL, [img(56, 56, tokens=40)]]
-    b = F.make_batch(model, samples)
+    samples = [[img(56, 56, n=34)], ALL, [img(56, 56, n=40)]]
     cfg = GuardConfig(policy="repair", allowed_fidelity=ANY, log_dir=str(tmp_path))
-
-    def run():
-        with install_vlm(model, cfg) as h:
-            return logits(model, b.kwargs), h.last_result
-
-    emb, (out, res) = decoder_inputs(model.model.language_model, run)
+    emb, (b, out, res) = decoder_inputs(
+        model.model.language_model, lambda: guarded_forward(F, model, samples, cfg)
+    )
+    out = out.logits
     assert res.report.actions == ("repair", "keep", "repair")
     reps = _records(tmp_path, "repair")
     assert [r["action"] for r in reps] == ["repair", "repair"]
     assert [r["fidelity"] for r in reps] == ["closest-aspect"] * 2
     geo = spec_mod._geometry(model)
     assert [geo.tokens(tuple(r["extra"]["size_hw"])) for r in reps] == [34, 40]
-    torch.testing.assert_close(out[1, : b.lengths[1]], own(model, ALL), atol=1e-5, rtol=1e-5)
+    want = own_logits(F, model, ALL)
+    torch.testing.assert_close(out[1, : b.lengths[1]], want, atol=1e-5, rtol=1e-5)
     # by hand: sample 0's pixels resized to the solved size, tiled, fed to the plain model
     one = F.make_batch(model, [samples[0]])
     size = tuple(reps[0]["extra"]["size_hw"])
     pix = anyres_pixels.stitch(geo, one.kwargs["pixel_values"][0], 56, 56)
     pv = anyres_pixels.tiles_for(geo, resize_frames(pix[None], size)[0])[None]
     fixed = {**one.kwargs, "pixel_values": pv, "image_sizes": torch.tensor([size])}
-    torch.testing.assert_close(
-        out[0, : b.lengths[0]], logits(model, fixed)[0], atol=1e-5, rtol=1e-5
-    )
+    with torch.no_grad():
+        want = model(**fixed).logits[0]
+    torch.testing.assert_close(out[0, : b.lengths[0]], want, atol=1e-5, rtol=1e-5)
     text = model.get_input_embeddings()(b.input_ids)
     for k, n in ((0, 34), (2, 40)):  # every placeholder of the run took a feature
         ph = b.input_ids[k] == model.config.image_token_id
@@ -248,19 +197,18 @@ def test_repair_reencodes_a_short_and_a_long_run(model, tmp_path):
 
 def test_repair_of_a_multi_image_sample_falls_back_saying_why(model, tmp_path):
     cfg = GuardConfig(policy="repair", fallback="drop", allowed_fidelity=ANY, log_dir=str(tmp_path))
-    _, out, res = guarded(model, [[img(56, 56), img(100, 40, tokens=26)], ALL], cfg)
+    b, out, res = guarded_forward(F, model, [[img(56, 56), img(100, 40, n=26)], ALL], cfg)
     assert res.report.actions == ("drop", "keep")
     (rep,) = _records(tmp_path, "repair")
     assert "multi-image sample" in rep["reason"] and "base + 1 = 17" in rep["reason"]
-    torch.testing.assert_close(out[1, : F.make_batch(model, [ALL]).lengths[0]], own(model, ALL))
+    torch.testing.assert_close(out.logits[1, : b.lengths[1]], own_logits(F, model, ALL))
 
 
 def test_repair_falls_back_where_no_size_gives_the_count(model, tmp_path):
     assert F.llava_onevision_num_features(56, 56, model.config) == N56
     cfg = GuardConfig(policy="repair", fallback="drop", log_dir=str(tmp_path))
-    _, _, res = guarded(
-        model, [[img(56, 56, tokens=N56 - 1)], ALL], cfg
-    )  # 35: no size gives an odd 16 + r * (c + 1)
+    # 35: no size gives an odd 16 + r * (c + 1)
+    _, _, res = guarded_forward(F, model, [[img(56, 56, n=N56 - 1)], ALL], cfg)
     assert res.report.actions == ("drop", "keep")
     (rep,) = _records(tmp_path, "repair")
     assert rep["reason"].startswith("unreachable: no image size")
@@ -270,7 +218,6 @@ def test_tiles_are_the_processors_and_stitch_back_exactly(model):
     """The real Pil processor on an image already at its fitted size (no resize): its tiles
     stitched with the padding cut are the normalized image itself, and ``tiles_for`` on that
     image gives the processor's pinpoint tiles exactly (the base tile up to the resampler)."""
-    import numpy as np
     from PIL import Image
     from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
         LlavaOnevisionImageProcessorPil,

@@ -1,15 +1,12 @@
 """install_vlm on transformers' real ``Mistral3ForConditionalGeneration`` (tiny random config,
 CPU): Pixtral images as rows of ``[IMG]`` split by ``[IMG_BREAK]`` and closed by ``[IMG_END]``.
 
-Inputs come from ``testing/families/mistral3.py`` (processed sizes, the processor's grammar and
-padding). Aligned batches are compared with the plain model on the same batch; kept samples of
-a guarded faulty batch with the same sample's plain forward in a batch of its own.
-
-The fixture's arithmetic against the processor's own code comes first: ``PixtralImageProcessorPil``
-(resize, ``image_sizes``, padding), ``PixtralProcessor.replace_image_token`` (grammar; the class
-needs torchvision, so its function is taken from the module source), the model's feature split.
-The plain class under the faults: ``tests/test_fixture_plain.py``; the shared contract and the
-family's own faults: ``tests/families/``.
+The fixture (``testing/families/mistral3.py``) against the processor's own code first:
+``PixtralImageProcessorPil`` (resize, ``image_sizes``, padding),
+``PixtralProcessor.replace_image_token`` (its function taken from the module source: the class
+needs torchvision); then repair. The plain class under the faults:
+``tests/test_fixture_plain.py``; the shared contract and the family's own faults:
+``tests/families/``.
 """
 
 from __future__ import annotations
@@ -22,25 +19,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from family_checks import records
+from family_checks import guarded_forward, img, records
 
-from megatron_media_guard import GuardConfig, MediaGuard, MediaItem
-from megatron_media_guard.families import mistral3 as spec_mod
+from megatron_media_guard import GuardConfig, MediaItem
 from megatron_media_guard.repair.reproject import resize_frames
 
 pytest.importorskip("transformers.models.mistral3")
 
-from megatron_media_guard.adapters import install_vlm
 from megatron_media_guard.testing.families import mistral3 as F
-from megatron_media_guard.testing.families.base import Media
 
 pytestmark = pytest.mark.timeout(120)
 
 TOKENS = {"[IMG_BREAK]": F.BREAK_ID, "[IMG_END]": F.END_ID}
-
-
-def img(h: int, w: int, tokens: int | None = None) -> Media:
-    return Media("image", (h, w), tokens)
 
 
 @pytest.fixture(scope="module")
@@ -48,16 +38,8 @@ def model():
     return F.tiny_model(seed=0)
 
 
-ORIG_SIZES = [
-    (30, 30),
-    (28, 28),
-    (27, 29),
-    (100, 60),
-    (1541, 17),
-    (3000, 2000),
-    (1540, 1540),
-    (777, 1999),
-]
+ORIG_SIZES = [(30, 30), (28, 28), (27, 29), (100, 60), (1541, 17), (3000, 2000), (1540, 1540),
+              (777, 1999)]  # fmt: skip
 
 
 def test_resize_and_layout_match_pixtral_image_processor():
@@ -110,35 +92,6 @@ def test_grammar_matches_processor(size):
     assert run.count(10) == F.num_features(*size) == (size[0] // 28) * (size[1] // 28)
 
 
-def test_feature_split_matches_model(model):
-    b = F.make_batch(model, [[img(56, 84), img(28, 28)], [img(84, 56)]])
-    with torch.no_grad():
-        feats = model.model.get_image_features(
-            pixel_values=b.kwargs["pixel_values"], image_sizes=b.kwargs["image_sizes"]
-        ).pooler_output
-    assert [f.shape[0] for f in feats] == [n for _, _, n in b.items] == [6, 1, 6]
-    assert b.runs == [[("image", 6), ("image", 1)], [("image", 6)]]
-
-
-def logits(model, kwargs) -> torch.Tensor:
-    with torch.no_grad():
-        return model(**kwargs).logits
-
-
-def own(model, sample) -> torch.Tensor:
-    b = F.make_batch(model, [sample])
-    return logits(model, b.kwargs)[0, : b.lengths[0]]
-
-
-def guarded(model, samples, config=None, items=None, guard=None, **kw):
-    b = F.make_batch(model, samples, **kw)
-    with install_vlm(model, guard or config or GuardConfig(), tokenizer=TOKENS) as h:
-        if items is not None:
-            h.set_items(items)
-        out = logits(model, b.kwargs)
-        return b, out, h.last_result
-
-
 ALL = [img(28, 56)]  # an aligned sample beside every fault: it must stay its own forward
 
 
@@ -146,10 +99,10 @@ def test_repair_reencodes_at_the_engines_longest_edge(model, tmp_path):
     """The trainer's image is 112x168 (4x6 cells); the engine wrote 6 placeholders: the resize
     with a smaller longest edge (2x3 cells) replayed, the item's own pixels re-encoded."""
     cfg = GuardConfig(policy="repair", log_dir=str(tmp_path))
-    samples = [[img(112, 168, tokens=6)], ALL]
+    samples = [[img(112, 168, n=6)], ALL]
     # the original's size (the engine sized it): a frame alone would be a guess, not a replay
     source = [MediaItem(0, sample=0, source_hw=(112, 168)), MediaItem(0, sample=1)]
-    b, out, res = guarded(model, samples, cfg, items=source)
+    b, out, res = guarded_forward(F, model, samples, cfg, source, TOKENS)
     assert res.report.actions == ("repair", "keep")
     rec = next(r for r in records(tmp_path) if r["event"] == "repair")
     assert (rec["fidelity"], rec["grid"], rec["extra"]["size_hw"]) == (
@@ -163,19 +116,15 @@ def test_repair_reencodes_at_the_engines_longest_edge(model, tmp_path):
     pv[0] = small[0]
     pv[1, :, :28, :56] = b.kwargs["pixel_values"][1, :, :28, :56]
     fixed = {**b.kwargs, "pixel_values": pv, "image_sizes": torch.tensor([[56, 84], [28, 56]])}
-    torch.testing.assert_close(out, logits(model, fixed), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        ref = model(**fixed).logits
+    torch.testing.assert_close(out.logits, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_repair_falls_back_where_no_grid_fits(model, tmp_path):
     """61 cells (prime): only 1x61, beyond the tower's 8 cells per side."""
     cfg = GuardConfig(policy="repair", fallback="drop", log_dir=str(tmp_path))
-    _, _, res = guarded(model, [[img(56, 84, tokens=61)], ALL], cfg)
+    _, _, res = guarded_forward(F, model, [[img(56, 84, n=61)], ALL], cfg, tokenizer=TOKENS)
     assert res.report.actions == ("drop", "keep")
     recs = records(tmp_path)
     assert any("unreachable" in (r.get("reason") or "") for r in recs if r["event"] == "repair")
-
-
-def test_a_guard_built_by_hand_with_the_family_grammar(model):
-    guard = MediaGuard(GuardConfig(), grammar=spec_mod.SPEC.grammar(model, TOKENS))
-    _, _, res = guarded(model, [[img(56, 84)], [img(84, 56)]], guard=guard)
-    assert res.report.actions == ("keep", "keep")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from family_checks import placed_by_hand, records
+from family_checks import guarded_forward, placed_by_hand, records
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaGuard, MediaItem
 from megatron_media_guard.errors import MediaInputError
@@ -53,14 +53,8 @@ def own(model, sample):
     return out.logits[0, : b.lengths[0]]
 
 
-def guarded(model, samples, config=None, items=None, guard=None, **kw):
-    b = F.make_batch(model, samples, **kw)
-    with install_vlm(model, guard or config or GuardConfig(), tokenizer=TOKENS) as h:
-        if items is not None:
-            h.set_items(items)
-        with torch.no_grad():
-            out = model(**b.kwargs)
-        return b, out, h.last_result
+def guarded(model, samples, config=None, items=None):
+    return guarded_forward(F, model, samples, config, items, TOKENS)
 
 
 # the plain model cannot take images and videos together: each sample must equal its own
@@ -89,7 +83,7 @@ def test_repair_reencodes_the_shrunk_image_at_the_engines_grid(model, tmp_path):
     samples = [[Media("image", (8, 12), tokens=12)], [IMG2]]
     # the original's size (the engine sized it): a frame alone would be a guess, not a replay
     source = [MediaItem(0, sample=0, source_hw=(8 * 16, 12 * 16)), MediaItem(0, sample=1)]
-    b, out, res = guarded(model, samples, guard=guard, items=source)
+    b, out, res = guarded(model, samples, guard, source)
     assert res.report.actions == ("repair", "keep")
     rec = next(r for r in records(tmp_path) if r["event"] == "repair")
     assert (rec["fidelity"], rec["grid"]) == ("engine-replay", [6, 8])
@@ -144,24 +138,21 @@ def evs_model():
     return F.tiny_model(video_pruning_rate=0.5)
 
 
-def test_evs_prunes_as_the_plain_model_does(evs_model):
-    samples = [[VID], [Media("video", (4, 4, 4))]]
+@pytest.mark.parametrize(
+    "samples, plain",
+    [([[VID], [VID]], True), ([[VID], [AUD]], False)],
+    ids=["equal pruning", "unequal pruning"],
+)
+def test_evs_prunes_each_row_as_its_own_forward(evs_model, samples, plain):
+    """Rows that prune the same count: the plain forward (each row its own pruned forward);
+    unequal ones, where the plain forward's ``view(batch, -1)`` moves tokens between rows
+    (tests/test_fixture_nemotron_omni.py): each row its own forward, the shorter one padded."""
     b = F.make_batch(evs_model, samples)
     with install_vlm(evs_model, GuardConfig(), tokenizer=TOKENS), torch.no_grad():
         out = evs_model(**b.kwargs).logits
-    ref = F.plain_logits(evs_model, b)
-    assert out.shape == ref.shape and out.shape[1] < b.input_ids.shape[1]
-    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
-
-
-def test_evs_rows_of_unequal_length_are_padded_not_shifted(evs_model):
-    """The plain forward's ``view(batch, -1)`` moves tokens between rows when one row prunes
-    more than another; guarded, each row equals its own forward (the shorter one padded)."""
-    samples = [[VID], [AUD]]
-    b = F.make_batch(evs_model, samples)
-    with install_vlm(evs_model, GuardConfig(), tokenizer=TOKENS), torch.no_grad():
-        out = evs_model(**b.kwargs).logits
+    if plain:
+        assert out.shape[1] < b.input_ids.shape[1]
+        torch.testing.assert_close(out, F.plain_logits(evs_model, b), atol=1e-6, rtol=1e-6)
     for k, s in enumerate(samples):
-        alone = F.make_batch(evs_model, [s])
-        want = F.plain_logits(evs_model, alone)[0]
+        want = F.plain_logits(evs_model, F.make_batch(evs_model, [s]))[0]
         torch.testing.assert_close(out[k, : want.shape[0]], want, atol=1e-5, rtol=1e-5)

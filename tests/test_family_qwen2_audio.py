@@ -1,19 +1,13 @@
 """install_vlm on transformers' real ``Qwen2AudioForConditionalGeneration`` / ``Qwen2AudioModel``
 (tiny random config, CPU): audio clips, ``<|audio_bos|>`` ``<|AUDIO|>``xN ``<|audio_eos|>``.
 
-Inputs come from ``testing/families/qwen2_audio.py`` (checked against the real processor in
-the processor oracles below). Most calls go through ``model.model`` (the
-``Qwen2AudioModel``: the 151680-wide ``lm_head`` would cost most of the time) and compare last
-hidden states; the labels / loss tests use the full class. The tower always runs 3000 mel
-frames, so each sample of a plain batch equals its own forward.
-
-The fixture's arithmetic against the real ``Qwen2AudioProcessor`` (``WhisperFeatureExtractor`` and
-an in-memory word-level tokenizer with the real special ids) and the tower's own
-``_get_feat_extract_output_lengths`` comes first, then the plain class's legacy path: a run cut
-to ONE placeholder in a batch with no two adjacent placeholders is re-expanded (the output
-grows longer than the ids). The plain class under the other faults and the merge's placement:
-``tests/test_fixture_plain.py``; the shared contract and the family's own faults:
-``tests/families/``.
+The fixture (``testing/families/qwen2_audio.py``) against the real ``Qwen2AudioProcessor``
+(``WhisperFeatureExtractor`` and an in-memory word-level tokenizer with the real special ids)
+and the tower's ``_get_feat_extract_output_lengths`` first; then the plain class's legacy path
+(a run cut to ONE placeholder is re-expanded: the output grows longer than the ids) and an
+orphan clip. Calls go through ``model.model`` (the 151680-wide ``lm_head`` would cost most of
+the time). The plain class under the other faults: ``tests/test_fixture_plain.py``; the shared
+contract and the family's own faults: ``tests/families/``.
 """
 
 from __future__ import annotations
@@ -21,18 +15,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from family_checks import aud, guarded_forward
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem
-from megatron_media_guard.adapters import install_vlm
 from megatron_media_guard.testing.families import qwen2_audio as F
-from megatron_media_guard.testing.families.base import Media
 
 pytestmark = pytest.mark.timeout(120)
-AUDIO = 151646
-
-
-def aud(frames: int, tokens: int | None = None) -> Media:
-    return Media("audio", (frames,), tokens)
+AUDIO = 151646  # <|AUDIO|>
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +33,7 @@ def _processor():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2AudioProcessor, WhisperFeatureExtractor
 
-    specials = {F.AUDIO_TOKEN: 151646, F.BOS_TOKEN: F.BOS_ID, F.EOS_TOKEN: F.EOS_ID}
+    specials = {F.AUDIO_TOKEN: AUDIO, F.BOS_TOKEN: F.BOS_ID, F.EOS_TOKEN: F.EOS_ID}
     vocab = {
         "[UNK]": 0,
         **{f"w{i}": i for i in range(1, 20)},
@@ -78,7 +67,7 @@ def test_counts_and_layout_match_qwen2_audio_processor(model):
     # the processor's rows == the fixture's run (1 text id each side instead of text_len)
     b = F.make_batch(model, [[aud(f)] for f in frames], text_len=1)
     for s, f in enumerate(frames):
-        want = [F.BOS_ID, *[151646] * F.num_features(f), F.EOS_ID]
+        want = [F.BOS_ID, *[AUDIO] * F.num_features(f), F.EOS_ID]
         got = out["input_ids"][s][out["attention_mask"][s] == 1].tolist()
         assert got[1:-1] == want == b.input_ids[s, 1 : b.lengths[s] - 1].tolist()
     assert [n for _, _, n in b.items] == [F.num_features(f) for f in frames]
@@ -95,8 +84,8 @@ def test_count_formula_is_the_towers():
 @pytest.mark.parametrize(
     "samples, grown",
     [
-        ([[aud(100, tokens=1)]], 24),  # one sample, its run cut to 1 placeholder
-        ([[aud(100, tokens=1)], [aud(40, tokens=1)]], 24),  # both cut: rows padded to the longest
+        ([[aud(100, n=1)]], 24),  # one sample, its run cut to 1 placeholder
+        ([[aud(100, n=1)], [aud(40, n=1)]], 24),  # both cut: rows padded to the longest
     ],
 )
 def test_unguarded_single_placeholder_runs_take_the_legacy_expansion(model, samples, grown):
@@ -106,40 +95,24 @@ def test_unguarded_single_placeholder_runs_take_the_legacy_expansion(model, samp
     assert hidden.shape[1] == b.input_ids.shape[1] + grown
 
 
-def hidden(model, kwargs):
-    with torch.no_grad():
-        return model.model(**kwargs).last_hidden_state
-
-
-def own(model, sample):
-    b = F.make_batch(model, [sample])
-    return hidden(model, b.kwargs)[0, : b.lengths[0]]
-
-
-def guarded(model, samples, config=None, items=None, **kw):
-    b = F.make_batch(model, samples, **kw)
-    with install_vlm(model.model, config or GuardConfig()) as h:
-        if items is not None:
-            h.set_items(items)
-        out = hidden(model, b.kwargs)
-        return b, out, h.last_result
-
-
 def test_a_clip_whose_run_has_no_placeholder_is_an_orphan_set_items_attributes(model, tmp_path):
     """bos/eos with nothing between is no run: raise names the item; drop leaves the clip
     unused (the report says so); ``set_items`` ties it to its sample, which is dropped."""
-    samples = [[aud(40)], [aud(100, tokens=0)], [aud(61)]]
+    mm, samples = model.model, [[aud(40)], [aud(100, n=0)], [aud(61)]]
     with pytest.raises(
         MediaAlignmentError, match=r"items \[1\] could not be tied to a placeholder run"
     ):
-        guarded(model, samples, GuardConfig(log_dir=str(tmp_path)))
-    b, out, res = guarded(model, samples, GuardConfig(policy="drop"))
+        guarded_forward(F, mm, samples, GuardConfig(log_dir=str(tmp_path)))
+    res = guarded_forward(F, mm, samples, GuardConfig(policy="drop"))[2]
     assert res.report.actions == ("keep",) * 3 and res.report.alignment.orphans == (1,)
     assert not res.report.ok
     items = [MediaItem(0, sample=s, modality="audio") for s in range(3)]
-    b, out, res = guarded(model, samples, GuardConfig(policy="drop"), items=items)
+    b, out, res = guarded_forward(F, mm, samples, GuardConfig(policy="drop"), items)
     assert res.report.actions == ("keep", "drop", "keep")
     for k in (0, 2):
+        alone = F.make_batch(mm, [samples[k]])
+        with torch.no_grad():
+            want = mm(**alone.kwargs).last_hidden_state[0]
         torch.testing.assert_close(
-            out[k, : b.lengths[k]], own(model, samples[k]), atol=1e-5, rtol=0
+            out.last_hidden_state[k, : b.lengths[k]], want, atol=1e-5, rtol=0
         )

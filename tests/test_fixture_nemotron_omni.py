@@ -1,7 +1,7 @@
 """The Nemotron 3 Nano Omni fixture against the real transformers class (tiny random config, CPU):
-the processor's arithmetic matches its source; the unguarded paths of its own (features placed
-past a run, ``inputs_embeds`` alone, EVS pruning), as measured. Aligned batches, the batch
-layout and the other unguarded faults: ``tests/test_fixture_plain.py``."""
+the processor's arithmetic matches its source; the unguarded paths of its own (``inputs_embeds``
+alone, EVS pruning), as measured. The batch layout and the other unguarded faults:
+``tests/test_fixture_plain.py``; aligned batches: ``tests/families/``."""
 
 from __future__ import annotations
 
@@ -27,25 +27,8 @@ def evs_model():
     return F.tiny_model(seed=0, video_pruning_rate=0.5)
 
 
-def own_logits(model, sample):
-    b = F.make_batch(model, [sample])
-    return F.plain_logits(model, b)[0, : b.lengths[0]]
-
-
-IMG_A, IMG_B, IMG_C = M("image", (4, 4)), M("image", (2, 6)), M("image", (4, 6))
 VID_A = M("video", (3, 4, 4))  # 2 tubelets (the last one pads frame 3), 4 tokens each
-AUD_A, AUD_B, AUD_C = M("audio", (40,)), M("audio", (17,)), M("audio", (25,))
-
-
-def test_aligned_evs_rows_with_one_video_each_equal_their_own_forward(evs_model):
-    """Every row prunes the same count (one equal-shape video each): each row's kept prefix is
-    its own pruned forward."""
-    samples = [[VID_A], [AUD_C, VID_A]]
-    logits = F.plain_logits(evs_model, F.make_batch(evs_model, samples))
-    assert logits.shape[1] == F.make_batch(evs_model, samples).input_ids.shape[1] - 4
-    for k, sample in enumerate(samples):
-        own = F.plain_logits(evs_model, F.make_batch(evs_model, [sample]))[0]
-        torch.testing.assert_close(logits[k, : len(own)], own, atol=1e-5, rtol=0)
+AUD_A, AUD_C = M("audio", (40,)), M("audio", (25,))
 
 
 # ---- the processor's own arithmetic -------------------------------------------------------
@@ -124,18 +107,6 @@ def test_image_grid_is_the_processors_and_the_geometrys(hw, grid):
     assert RadioTilerGeometry(budget=13312).grid_for(hw) == grid
 
 
-def test_unguarded_surplus_takes_the_next_samples_feature_rows(model):
-    """+2/-2: sample 0's two surplus placeholders hold sample 1's first two image features."""
-    batch = F.make_batch(model, [[M("image", (4, 4), tokens=6)], [M("image", (4, 6), tokens=4)]])
-    emb = F.merged_embeds(model, batch)
-    kw = batch.kwargs
-    with torch.no_grad():
-        feats = model.get_image_features(kw["pixel_values"], kw["image_grid_hw"]).pooler_output
-    pos = (batch.input_ids[0] == F.IMAGE).nonzero()[:, 0]
-    torch.testing.assert_close(emb[0, pos[:4]], feats[0])
-    torch.testing.assert_close(emb[0, pos[4:]], feats[1][:2])
-
-
 def test_inputs_embeds_without_input_ids_drops_audio_silently(model):
     """forward merges audio only when ``input_ids`` is given: embeds alone ignore the clip."""
     b = F.make_batch(model, [[AUD_A]])
@@ -151,7 +122,7 @@ def test_inputs_embeds_without_input_ids_drops_audio_silently(model):
 
 
 def test_inputs_embeds_without_input_ids_merges_images(model):
-    b = F.make_batch(model, [[IMG_A]])
+    b = F.make_batch(model, [[M("image", (4, 4))]])
     kw = dict(b.kwargs)
     emb = model.get_input_embeddings()(kw.pop("input_ids"))
     with torch.no_grad():
@@ -167,7 +138,7 @@ def test_evs_rows_with_unequal_pruning_reshape_silently_across_rows(evs_model):
     batch = F.make_batch(evs_model, [[VID_A], [AUD_C]])
     logits = F.plain_logits(evs_model, batch)
     assert logits.shape[1] == batch.input_ids.shape[1] - 2
-    ref = own_logits(evs_model, [AUD_C])
+    ref = F.plain_logits(evs_model, F.make_batch(evs_model, [[AUD_C]]))[0]
     assert (logits[1, :5] - ref[:5]).abs().max() > 1e-3
 
 

@@ -1,19 +1,14 @@
 """The plain transformers class of every family fixture (tiny random config, CPU), unguarded, as
 measured: one table per behaviour the guard exists for, one row per family x batch.
 
-- ``ALIGNED``: each sample of an aligned batch equals its own forward (rows the contract suite
-  already runs guarded, ``FAMILY_ALIGNED`` in ``tests/families/test_contract.py``, are not
-  repeated here: there the guarded output equals the plain forward and each sample's own);
 - ``RAISES``: a fault the plain model catches, with its message (never naming a sample);
 - ``SILENT``: a fault it runs through silently: the merged embeddings show another sample's
-  feature in the victim's row (where the rig reads the features), and the victim's output
-  differs from its own aligned forward (past its first placeholder, the ids before it agreeing).
+  feature in the victim's row (where the rig reads the features), or the victim's output
+  differs from its own aligned forward (past its first placeholder, the ids before it agreeing);
+- ``LAYOUTS``: the batch a fixture builds, as its processor lays it out.
 
-- ``LAYOUTS``: the batch a fixture builds, as its processor lays it out (shapes, grids, items,
-  runs, marker counts).
-
-Each family's own oracles (its processor's arithmetic, paths of its own) stay in its files
-(``tests/test_family_<family>.py``, ``tests/test_fixture_<family>.py``).
+Aligned batches (each sample its own forward): ``tests/families/test_contract.py``; each
+family's own oracles: ``tests/test_family_<family>.py``, ``tests/test_fixture_<family>.py``.
 """
 
 from __future__ import annotations
@@ -24,7 +19,8 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from family_checks import decoder_inputs
+from family_checks import aud, decoder_inputs, img, vid
+from test_check_batch import fixture as check_batch_fixture
 
 from megatron_media_guard.errors import MediaInputError
 from megatron_media_guard.testing.families.base import Media
@@ -32,18 +28,6 @@ from megatron_media_guard.testing.families.base import Media
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 pytestmark = pytest.mark.timeout(120)
-
-
-def img(*size, n=None):
-    return Media("image", size, n)
-
-
-def vid(*size, n=None):
-    return Media("video", size, n)
-
-
-def aud(*size, n=None):
-    return Media("audio", size, n)
 
 
 def _logits(model, b):
@@ -78,6 +62,10 @@ def _qwen3_omni_feats(model, kw, mod):
     return _cat(
         mm.get_video_features(kw["pixel_values_videos"], kw["video_grid_thw"]).pooler_output
     )
+
+
+def _nemotron_feats(model, kw, _mod):
+    return _cat(model.get_image_features(kw["pixel_values"], kw["image_grid_hw"]).pooler_output)
 
 
 def _mistral3_feats(model, kw, _mod):
@@ -138,7 +126,7 @@ RIGS = {
     for r in [
         Rig("gemma3", _hidden, IMAGE),
         Rig("internvl", _hidden, IMAGE),
-        Rig("nemotron_omni", pads={**IMAGE, "audio": "SO_EMBED"}),
+        Rig("nemotron_omni", pads={**IMAGE, "audio": "SO_EMBED"}, feats=_nemotron_feats),
         Rig("ernie4_5_vl"),
         Rig("glm4v"),
         Rig("kimi_k25", feats=_kimi_feats),
@@ -146,68 +134,31 @@ RIGS = {
         Rig("mistral3", feats=_mistral3_feats),
         Rig("llava_onevision", _hidden, feats=_llava_ov_feats),
         Rig("qwen2_audio", _hidden, feats=_qwen2_audio_feats),
+        Rig("qwen3_5", _hidden, {"image": "IMAGE", "video": "VIDEO"}),
     ]
 }
 
-_MODELS: dict = {}
-
 
 def model_of(fixture: str):
-    """The fixture's tiny model (seed 0), built once per session."""
-    if fixture not in _MODELS:
-        _MODELS[fixture] = RIGS[fixture].F.tiny_model(seed=0)
-    return _MODELS[fixture]
+    """The fixture's tiny model (seed 0), built once per session (test_check_batch's)."""
+    return check_batch_fixture("qwen_vl" if fixture == "qwen3_5" else fixture)[2]
 
 
-def own(rig: Rig, model, sample, **kw) -> torch.Tensor:
+def own(rig: Rig, model, sample) -> torch.Tensor:
     """The sample, aligned, in a batch of its own: its outputs over its length."""
-    b = rig.F.make_batch(model, [[Media(m.modality, m.size) for m in sample]], **kw)
+    b = rig.F.make_batch(model, [[Media(m.modality, m.size) for m in sample]])
     return rig.out(model, b)[0, : b.lengths[0]]
 
 
-# ---- aligned ----------------------------------------------------------------------------------
-
 WIDE, TALL, SQUARE = img(20, 64), img(40, 30), img(32, 32)  # Gemma 3
 ONE, IWIDE, ITALL, IVID = img(56, 56), img(56, 112), img(100, 40), vid(3)  # InternVL
-NA, NB, NC, NV = img(4, 4), img(2, 6), img(4, 6), vid(3, 4, 4)  # Nemotron Omni
+NA, NC, NV = img(4, 4), img(4, 6), vid(3, 4, 4)  # Nemotron Omni
 AA, AB, AC = aud(40), aud(17), aud(25)
-
-ALIGNED = [
-    ("gemma3", "plain", [[TALL, SQUARE], [WIDE]], {}),
-    ("gemma3", "pan-and-scan", [[TALL, SQUARE], [WIDE]], {"pan_and_scan": True}),
-    ("internvl", "images", [[IWIDE, ONE], [ITALL]], {}),
-    ("internvl", "video", [[IVID], [vid(2)]], {}),
-    ("internvl", "mixed image+video", [[IWIDE, IVID], [ONE, ITALL]], {}),
-    ("nemotron_omni", "images", [[NA, NB], [NC]], {}),
-    ("nemotron_omni", "videos", [[NV], [aud(9), NV]], {}),
-    ("nemotron_omni", "audio", [[AA, AB], [AC]], {}),
-    ("nemotron_omni", "image+audio", [[NA, AA], [AC, NC]], {}),
-    ("nemotron_omni", "video+audio", [[NV, AB], [AC, NV]], {}),
-    ("ernie4_5_vl", "mixed", [[img(4, 4)], [vid(2, 4, 4)], [vid(2, 2, 2), img(2, 2)]], {}),
-    ("glm4v", "images", [[img(4, 6)], [img(8, 4), img(2, 2)]], {}),
-    ("glm4v", "videos", [[vid(2, 4, 4)], [vid(3, 2, 4)]], {}),
-    ("llava_onevision", "single images", [[img(100, 60)], [img(1000, 333)], []], {}),
-    ("llava_onevision", "multi-image sample", [[img(30, 300), img(56, 56)], [img(200, 200)]], {}),
-    ("llava_onevision", "video", [[vid(2)], [], [vid(2)]], {}),
-    ("llava_onevision", "mixed image+video",
-     [[img(100, 60), vid(2)], [vid(2), img(20, 20), img(80, 90)], [img(500, 50)]], {}),
-]  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    "family,_name,samples,kw", ALIGNED, ids=[f"{a[0]}-{a[1]}" for a in ALIGNED]
-)
-def test_aligned_each_sample_equals_its_own_forward(family, _name, samples, kw):
-    rig, model = RIGS[family], model_of(family)
-    b = rig.F.make_batch(model, samples, **kw)
-    out = rig.out(model, b)
-    for k, sample in enumerate(samples):
-        want = own(rig, model, sample, **kw)
-        torch.testing.assert_close(out[k, : b.lengths[k]], want, atol=1e-5, rtol=0)
-
+Q6, Q4, Q6T = img(64, 96), img(64, 64), img(96, 64)  # Qwen3.5: 6, 4 and 6 (transposed) tokens
+QV8, QV6 = vid(4, 64, 64), vid(2, 64, 96)  # 2 groups of 4 tokens, 1 group of 6
 
 ONE_ITEM = {"gemma3": [SQUARE], "internvl": [ONE], "llava_onevision": [img(100, 60)],
-            "qwen2_audio": [aud(100)]}  # fmt: skip
+            "qwen2_audio": [aud(100)], "qwen3_5": [Q4]}  # fmt: skip
 
 
 @pytest.mark.parametrize("family", [f for f, r in RIGS.items() if r.out is _hidden])
@@ -217,16 +168,6 @@ def test_the_logits_are_lm_head_of_the_hidden_states_compared(family):
     with torch.no_grad():
         want = model.lm_head(rig.out(model, b))
     torch.testing.assert_close(_logits(model, b), want)
-
-
-PLACED = [("qwen2_audio", "audio", [[aud(100), aud(41)], [aud(3000)]])]
-
-
-@pytest.mark.parametrize("family,modality,samples", PLACED, ids=[p[0] for p in PLACED])
-def test_an_aligned_merge_places_each_feature_in_its_own_sample(family, modality, samples):
-    rig, model = RIGS[family], model_of(family)
-    b = rig.F.make_batch(model, samples)
-    assert all(s == owner for s, owner in _placed(rig, model, b, modality))
 
 
 # ---- unguarded: raises ------------------------------------------------------------------------
@@ -330,6 +271,17 @@ RAISES = [
     # no placeholder at all takes the legacy path, which cannot count
     Raises("qwen2_audio", "legacy path, no placeholder", [[aud(100, n=0)]], ValueError,
            "The number of audio tokens is tensor"),
+    Raises("qwen3_5", "short image run", [[img(64, 96, n=5)]], ValueError, IMG_MSG.format(5, 6)),
+    Raises("qwen3_5", "short video run", [[vid(4, 64, 64, n=7)]], ValueError,
+           "Video features and video tokens do not match, tokens: 7, features: 8"),
+    # the merge passes (totals agree); get_rope_index then lays a grid's positions over a run
+    # of another length
+    Raises("qwen3_5", "+k/-k images", [[img(64, 96, n=8)], [img(64, 64, n=2)]], RuntimeError,
+           ROPE + " to indexing result"),
+    Raises("qwen3_5", "+k/-k video groups", [[vid(4, 64, 64, n=9)], [vid(4, 64, 64, n=7)]],
+           RuntimeError, ROPE),
+    Raises("qwen3_5", "swap images of different size", [[Q6], [Q4]], RuntimeError, ROPE, (0, 1)),
+    Raises("qwen3_5", "swap videos of different size", [[QV8], [QV6]], RuntimeError, ROPE, (0, 1)),
 ]  # fmt: skip
 
 
@@ -373,7 +325,9 @@ SILENT = [
     Silent("internvl", "+k/-k image/video frame", [[img(56, 56, n=8)], [vid(3, n=8)]], victim=1),
     Silent("internvl", "swap images of different tile counts", [[IWIDE], [ITALL]], (0, 1)),
     Silent("internvl", "swap image and video", [[IWIDE], [IVID]], (0, 1)),
-    Silent("nemotron_omni", "+k/-k images", [[img(4, 4, n=6)], [img(4, 6, n=4)]], victim=1),
+    # sample 0's two surplus placeholders hold sample 1's first two image features
+    Silent("nemotron_omni", "+k/-k images", [[img(4, 4, n=6)], [img(4, 6, n=4)]],
+           modality="image"),
     Silent("nemotron_omni", "+k/-k audio", [[aud(40, n=8)], [aud(25, n=2)]], victim=1),
     Silent("nemotron_omni", "+k/-k video tubelets", [[vid(4, 4, 4, n=9)], [vid(4, 4, 4, n=7)]],
            victim=1),
@@ -383,6 +337,7 @@ SILENT = [
     # a 4x6 and a 6x4 grid (6 tokens each): rope and the merge see equal counts
     Silent("ernie4_5_vl", "swap of equal counts", [[img(4, 6)], [img(6, 4)]], (0, 1), every=True),
     Silent("glm4v", "swap of equal counts", [[img(4, 6)], [img(6, 4)]], (0, 1), every=True),
+    Silent("qwen3_5", "swap of equal counts", [[Q6], [Q6T]], (0, 1), every=True),
     Silent("kimi_k25", "+k/-k images", [[img(4, 6, n=8)], [img(8, 4, n=6)]], modality="image"),
     Silent("kimi_k25", "+k/-k videos", [[vid(6, 4, 4, n=10)], [vid(3, 2, 4, n=0)]],
            modality="video"),
@@ -423,7 +378,8 @@ def _placed(rig: Rig, model, b, modality: str) -> list[tuple[int, int]]:
     owning the feature put there), after checking that the merged embeddings are exactly the
     features in item order."""
     kw = b.kwargs
-    emb, _ = decoder_inputs(model.model.language_model, lambda: rig.out(model, b))
+    lm = getattr(model, "model", model).language_model
+    emb, _ = decoder_inputs(lm, lambda: rig.out(model, b))
     with torch.no_grad():
         extra = (b.items,) if rig.fixture == "qwen2_audio" else ()
         feats = rig.feats(model, kw, modality, *extra)
@@ -517,6 +473,15 @@ LAYOUTS = [
            (("input_ids", "F.VISION_START", 2), ("input_ids", "F.VISION_END", 2),
             ("input_ids", "cfg.audio_start_token_id", 2), ("input_ids", "F.AUDIO_END", 2)),
            {"feature_attention_mask": torch.int32}, row=None),
+    Layout("kimi_k25", [[img(4, 6), vid(9, 2, 4)], [img(2, 2)]],
+           [(0, "image", 6), (1, "image", 1), (0, "video", 6)],
+           [[("image", 6), ("video", 2), ("video", 2), ("video", 2)], [("image", 1)]],
+           # a video is chunks of <= 4 frames, time-pooled: one grid row and one run each
+           {"image_grid_thw": [[1, 4, 6], [1, 2, 2]],
+            "video_grid_thw": [[4, 2, 4], [4, 2, 4], [1, 2, 4]]},
+           {"pixel_values": (28, 3, 14, 14), "pixel_values_videos": (72, 3, 14, 14)},
+           (("input_ids", "cfg.vision_start_token_id", 4), ("input_ids", "F.MEDIA_CONTENT", 4),
+            ("input_ids", "cfg.vision_end_token_id", 4))),
     Layout("nemotron_omni", [[NA, AA, NV], [NC, AC]],
            [(0, "image", 4), (1, "image", 6), (0, "video", 8), (0, "audio", 6), (1, "audio", 4)],
            [[("image", 4), ("audio", 6), ("video", 4), ("video", 4)], [("image", 6), ("audio", 4)]],

@@ -296,21 +296,3 @@ def plain_logits(model, batch: FamilyBatch) -> torch.Tensor:
     """``model(**batch.kwargs).logits`` under no_grad."""
     with torch.no_grad():
         return model(**batch.kwargs).logits
-
-
-def merged_embeds(model, batch: FamilyBatch, language_model=None) -> torch.Tensor:
-    """The ``inputs_embeds`` the plain forward hands its language model (after the merge):
-    where each feature row landed. ``language_model``: default ``model.language_model``."""
-    lm = language_model if language_model is not None else model.language_model
-    seen: list[torch.Tensor] = []
-
-    def grab(_module, _args, kwargs):
-        seen.append(kwargs["inputs_embeds"].detach().clone())
-
-    handle = lm.register_forward_pre_hook(grab, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(**batch.kwargs)
-    finally:
-        handle.remove()
-    return seen[0]
