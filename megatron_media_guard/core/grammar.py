@@ -25,7 +25,7 @@ class Grammar:
         items match that token's runs and keep their own name in reports.
     inner: marker pairs whose region may also sit right inside another pair's, start after
         start and end before end (Qwen3-Omni's audio in video): read as the outer region's
-        markers, and a nested start without its nested end is a finding (``nesting.py``).
+        markers, and a nested start without its nested end is a finding (``runs.py``).
     text_id: a text token id (the pad token) fed where the policy generated a placeholder
         (``GuardConfig.generated="text"``); None: :meth:`neutral_text_id`.
     """

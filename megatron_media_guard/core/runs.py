@@ -1,23 +1,36 @@
 """Placeholder runs and structural findings, parsed on the tensor's own device: elementwise
 work, scans and gathers over the ids, no Python loop over tokens. ``TokenLayout`` holds the
 per-token masks that the aligned check (``verify.py``) and the full parse start from; the
-full parse moves only the run table and the findings to the host (sized by the runs)."""
+full parse moves only the run table and the findings to the host (sized by the runs).
+
+Marker pairs nested right inside another pair's region (``Grammar.inner``, Qwen3-Omni's
+``<|vision_start|><|audio_start|>`` ... ``<|audio_end|><|vision_end|>``) are read as part of
+the outer region's markers (neither opens, closes nor is text); what is checked is that they
+pair up."""
 
 from __future__ import annotations
 
 import functools
 from functools import cached_property
 from itertools import pairwise
+from typing import NamedTuple
 
 import torch
 
 from ..errors import MediaInputError
-from . import nesting
 from .grammar import Grammar
 from .host import to_host
 from .parsed import Finding, FindingKind, ParsedRuns, Run
 
 _FITS: dict[tuple[int, torch.dtype], Grammar] = {}  # grammars whose ids fit a dtype
+
+
+class Nested(NamedTuple):
+    """``[b, s]`` bool masks of the nested markers (``Grammar.inner``): starts, ends, either."""
+
+    start: torch.Tensor
+    end: torch.Tensor
+    either: torch.Tensor
 
 
 def _check_fits(grammar: Grammar, dtype: torch.dtype) -> None:
@@ -110,8 +123,19 @@ class TokenLayout:
         return out if self.nested is None else out & ~self.nested.end
 
     @cached_property
-    def nested(self) -> nesting.Nested | None:  # the inner pairs' nested markers, if any
-        return nesting.markers(self) if self.grammar.inner else None
+    def nested(self) -> Nested | None:
+        """Inner starts right after an outer start, inner ends right before an outer end."""
+        g = self.grammar
+        if not g.inner:
+            return None
+        start = self._any_of(tuple(a for a, _ in g.inner))
+        start = start & self.prev(self._any_of(g.outer_start_ids))
+        end = self._any_of(tuple(b for _, b in g.inner)) & self.next(self._any_of(g.outer_end_ids))
+        return Nested(start, end, start | end)
+
+    def _or_nested(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` or a nested marker (those are no text: a run before ``<|audio_end|>`` is closed)."""
+        return x if self.nested is None else x | self.nested.either
 
     def _any_of(self, toks: tuple[int, ...]) -> torch.Tensor | None:
         if not toks:
@@ -175,6 +199,15 @@ class TokenLayout:
             last = torch.where(last >= self.seg_start, last, -1)
         return last
 
+    def _depth(self, opens: torch.Tensor, closes: torch.Tensor) -> torch.Tensor:
+        """``[b, s]`` int32 ``cumsum(opens - closes)`` within each token's sample."""
+        i32 = torch.int32
+        d = torch.cumsum(opens, 1, dtype=i32) - torch.cumsum(closes, 1, dtype=i32)
+        if self.seg_start is None:
+            return d
+        first = self.seg_start  # minus the depth before the sample's first token
+        return d - torch.where(first > 0, d.gather(1, (first - 1).clamp(min=0)), 0)
+
     def structure_violations(self, run_start: torch.Tensor, run_end: torch.Tensor) -> torch.Tensor:
         """Device scalar, no sync: 0 exactly when :meth:`finding_codes` finds nothing. With
         both markers the depth ``d = cumsum(start - end)`` decides: it stays in {0, 1}, is 1 on
@@ -188,25 +221,23 @@ class TokenLayout:
             if empty is not None:
                 count = count + empty
             return count + self.cu_violations()
-        i32 = torch.int32
-        d = torch.cumsum(self.is_start, 1, dtype=i32) - torch.cumsum(self.is_end, 1, dtype=i32)
-        marked = nesting.with_markers(self, self.is_start | self.is_end | self.content)
+        d = self._depth(self.is_start, self.is_end)
+        marked = self._or_nested(self.is_start | self.is_end | self.content)
         if self.seg_start is None:
             # d outside {0, 1}, or content where d != 1: d < content (as 0/1) or d > 1
             count = torch.count_nonzero((d < self.content) | (d > 1)) + torch.count_nonzero(
                 d[:, -1]
             )
         else:
-            # depth within each packed sample: minus the depth before its first token
-            first = self.seg_start
-            d = d - torch.where(first > 0, d.gather(1, (first - 1).clamp(min=0)), 0)
             bad = (d < 0) | (d > 1) | (self.content & (d != 1))
             at_end = self.next(torch.zeros_like(run_end), fill=True)
             padding = self.sample == self.num_samples
             bad = bad | (at_end & (d != 0))
             bad = bad | (padding & marked)
             count = bad.sum()
-        count = count + nesting.violations(self)  # nested markers (Grammar.inner) unpaired
+        if self.nested is not None:  # nested starts and ends pair up: depth in {0, 1}, 0 at ends
+            x = self._depth(self.nested.start, self.nested.end)
+            count = count + torch.count_nonzero((x < 0) | (x > 1) | (self.is_end & (x != 0)))
         text_next = ~self.next(marked, fill=True)
         count = count + torch.count_nonzero(run_end & text_next)
         if empty is not None:
@@ -299,7 +330,7 @@ class TokenLayout:
         marks: list[tuple[torch.Tensor, FindingKind]] = []
         if self.packed:
             padding = self.sample == self.num_samples
-            special = nesting.with_markers(self, self.content)
+            special = self._or_nested(self.content)
             for t in (self.is_start, self.is_end):
                 if t is not None:
                     special = special | t
@@ -316,11 +347,15 @@ class TokenLayout:
             marks.append((self.is_start & (last_marker == self.col), self._cut_kind()))
             # a run followed by text while its region is open and a marker still comes
             # later in the sample: the end token is missing (no later marker: it was cut)
-            text_next = ~self.next(nesting.with_markers(self, marker | self.content), fill=True)
+            text_next = ~self.next(self._or_nested(marker | self.content), fill=True)
             unterminated = run_end & text_next & inside & (last_marker > self.col)
             marks.append((unterminated, FindingKind.UNTERMINATED))
-            if self.nested is not None:
-                marks += nesting.marks(self, inside, last_m)
+            if self.nested is not None:  # the open region began nested: its end comes nested
+                after = (last_m + 1).clamp(max=self.row_length - 1)
+                opened = inside & self.nested.start.gather(1, after)
+                unclosed = self.is_end & opened & ~self.prev(self.nested.end)
+                marks.append((unclosed, FindingKind.UNTERMINATED))
+                marks.append((self.nested.end & ~opened, FindingKind.END_WITHOUT_START))
         elif g.end_id is not None:
             # end-only grammar (Pixtral): every run is closed by the end token right after it
             at_last = self.next(torch.zeros_like(run_end), fill=True)
