@@ -10,7 +10,6 @@ from megatron_media_guard import MediaItem, parse_runs
 from megatron_media_guard.core.alignment import align
 from megatron_media_guard.core.explain import check_records, plan_records
 from megatron_media_guard.core.plan import Plan
-from megatron_media_guard.diagnostics import GuardRecord
 from megatron_media_guard.testing import TEST_GRAMMARS, build_batch
 
 Q = TEST_GRAMMARS["qwen"]
@@ -22,33 +21,44 @@ def _report(layout, items):
     return align(parse_runs(ids, Q), items)
 
 
-def _aligned(smp: int, act: str) -> GuardRecord:
-    return GuardRecord(event=act, sample=smp, action=act, reason="from the callback")
+NONE: dict = {}
 
 
 @pytest.mark.parametrize(
-    ("actions", "reasons", "want"),
+    ("actions", "reasons", "extra", "want"),
     [
-        (("keep", "keep", "keep"), (), []),
-        (("drop", "keep", "raise"), (), [(0, "drop", "run"), (2, "raise", "callback")]),
-        (("drop", "keep", "keep"), ((0, "suspected swap"),), [(0, "drop", "swap")]),
-        (("keep", "repair", "drop"), ((2, "ignored here"),), [(2, "drop", "callback")]),
+        (("keep", "keep", "keep"), (), {}, []),
+        (("drop", "keep", "raise"), (), {}, [(0, "drop", RUN_REASON), (2, "raise", "nonfinite")]),
+        (("drop", "keep", "keep"), ((0, "suspected swap"),), {}, [(0, "drop", "swap; run")]),
+        (("keep", "repair", "drop"), ((2, "call: bad"),), {}, [(2, "drop", "call: bad")]),
+        (
+            ("drop", "keep", "drop"),
+            (),
+            {"nonfinite": {2: [2]}, "failed": {0: "repair failed, x"}},
+            [(0, "drop", f"repair failed, x; {RUN_REASON}"), (2, "drop", "item 2")],
+        ),
     ],
 )
-def test_plan_records_one_per_dropped_or_raised_sample(actions, reasons, want):
+def test_plan_records_one_per_dropped_or_raised_sample(actions, reasons, extra, want):
     # sample 0 is mismatched (3 features declared for a run of 2); samples 1 and 2 align
     items = [MediaItem(3, sample=0), MediaItem(4, sample=1), MediaItem(1, sample=2)]
     report = _report([[("image", 2)], [("image", 4)], [("image", 1)]], items)
     plan = Plan(actions, (), 0, reasons)
-    got = plan_records(report, plan, items, 7, 1, _aligned)
-    assert [(smp, act) for smp, act, _ in got] == [(smp, act) for smp, act, _ in want]
-    for (_, _, rec), (_, _, kind) in zip(got, want, strict=True):
-        if kind == "callback":
-            assert rec.reason == "from the callback"
-        elif kind == "swap":  # the plan's override reason comes first
+    kw = {"nonfinite": NONE, "gen": None, "failed": NONE, **extra}
+    got = plan_records(report, plan, items, 7, 1, **kw)
+    assert [(r.sample, r.event, r.action) for r in got] == [(s, a, a) for s, a, _ in want]
+    for rec, (_, _, reason) in zip(got, want, strict=True):
+        assert (rec.step, rec.microbatch) == (7, 1)
+        if reason == "nonfinite":  # aligned, no reason: its features are why
+            assert rec.extra["status"] == "nonfinite"
+        elif reason == "item 2":
+            assert (rec.item, rec.reason) == (2, "nonfinite: NaN/Inf in the features of item 2")
+        elif reason == "swap; run":  # the plan's override reason comes first
             assert rec.reason == f"suspected swap; {RUN_REASON}"
         else:
-            assert (rec.step, rec.microbatch, rec.reason) == (7, 1, RUN_REASON)
+            assert rec.reason == reason
+    if actions[2] == "drop" and reasons:  # aligned, given the policy for the call's sake
+        assert got[0].extra == {"status": "call"} and got[0].item is None
 
 
 def test_check_records_name_unclaimed_items_with_the_callers_wording():

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import fields, replace
 from typing import TYPE_CHECKING
 
 from ..diagnostics import GuardRecord, summary_line
 from .alignment import AlignmentReport, SampleReport
+from .generated import Generated, generated_record
 from .items import MediaItem
 
 if TYPE_CHECKING:
@@ -144,23 +145,44 @@ def plan_records(
     items: Sequence[MediaItem],
     step: int | None,
     microbatch: int | None,
-    aligned: Callable[[int, str], GuardRecord],
-) -> list[tuple[int, str, GuardRecord]]:
-    """``(sample, action, record)`` per dropped or raised sample: a mismatched one by its runs
-    (the plan's reason first), any other by ``aligned(sample, action)``."""
-    bad = {rep.sample: rep for rep in report.mismatched}
+    *,
+    nonfinite: Mapping[int, Sequence[int]],
+    gen: Generated | None,
+    failed: Mapping[int, str],
+) -> list[GuardRecord]:
+    """One record per dropped or raised sample, in sample order: a mismatched one by its runs;
+    an aligned one by its generated placeholders (``gen``), its items holding NaN/Inf
+    (``nonfinite``: sample -> items) or, with neither, the plan's reason for the whole call.
+    The plan's reason comes first, why its repair failed (``failed``) before it."""
     reasons = dict(plan.reasons)
     out = []
     for smp, act in enumerate(plan.actions):
         if act not in ("drop", "raise"):
             continue
-        if smp in bad:
-            rec = sample_record(bad[smp], items, act, act, step=step, microbatch=microbatch)
-            if reasons.get(smp):
-                rec = replace(rec, reason=f"{reasons[smp]}; {rec.reason}")
-        else:
-            rec = aligned(smp, act)
-        out.append((smp, act, rec))
+        rep, why, bad = report.samples[smp], reasons.get(smp), nonfinite.get(smp, [])
+        if not rep.ok:
+            rec = sample_record(rep, items, act, act, step=step, microbatch=microbatch)
+        elif gen is not None and gen.of(smp) is not None and not bad:
+            rec = generated_record(gen, smp, act, step, microbatch)
+            rec = replace(rec, sample_id=rep.sample_id)  # named as its other records
+        elif bad or not why:
+            rec = nonfinite_record(rep, items, bad, act, step=step, microbatch=microbatch)
+        else:  # aligned, given the policy for the whole call's sake (call_faults): no item
+            rec = GuardRecord(
+                event=act,  # type: ignore[arg-type]
+                step=step,
+                microbatch=microbatch,
+                sample=smp,
+                sample_id=rep.sample_id,
+                row=rep.row,
+                action=act,  # type: ignore[arg-type]
+                extra={"status": "call"},
+            )
+        if why and why not in (rec.reason or ""):
+            rec = replace(rec, reason=f"{why}; {rec.reason}" if rec.reason else why)
+        if smp in failed:
+            rec = replace(rec, reason=f"{failed[smp]}; {rec.reason}")
+        out.append(rec)
     return out
 
 

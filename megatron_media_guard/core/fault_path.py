@@ -18,10 +18,9 @@ from .explain import (
     alignment_message,
     batch_summary,
     check_records,
-    nonfinite_record,
     plan_records,
 )
-from .generated import Generated, as_text, find_generated, generated_record, text_records
+from .generated import Generated, as_text, find_generated, text_records
 from .grammar import Grammar
 from .items import Batch
 from .outcome import LocalOutcome, MergeResult, StageOutcome
@@ -230,38 +229,8 @@ def call_records(
     """The records of a planned call: one per dropped or fatal sample (``failed``: why its
     repair failed), one for unused items, one per sample whose generated placeholders were
     fed as text. ``nonfinite``: sample -> its items holding NaN/Inf."""
-    items, step, mb = c.batch.items, c.step, c.microbatch
-    reasons = dict(plan.reasons)
-
-    def aligned(smp: int, act: str) -> GuardRecord:  # aligned tokens: generated, NaN/Inf
-        bad = nonfinite.get(smp, [])
-        rep = report.samples[smp]
-        why = reasons.get(smp)
-        if gen is not None and gen.of(smp) is not None and not bad:  # named as its other records
-            rec = replace(generated_record(gen, smp, act, step, mb), sample_id=rep.sample_id)
-        elif bad or not why:
-            rec = nonfinite_record(rep, items, bad, act, step=step, microbatch=mb)
-        else:  # aligned, given the policy for the whole call's sake (call_faults): no item
-            return GuardRecord(
-                event=act,  # type: ignore[arg-type]
-                step=step,
-                microbatch=mb,
-                sample=smp,
-                sample_id=rep.sample_id,
-                row=rep.row,
-                action=act,  # type: ignore[arg-type]
-                reason=why,
-                extra={"status": "call"},
-            )
-        if why and why not in (rec.reason or ""):
-            rec = replace(rec, reason=f"{why}; {rec.reason}" if rec.reason else why)
-        return rec
-
-    out = []
-    for smp, _, rec in plan_records(report, plan, items, step, mb, aligned):
-        if smp in failed:
-            rec = replace(rec, reason=f"{failed[smp]}; {rec.reason}")
-        out.append(rec)
+    step, mb, items = c.step, c.microbatch, c.batch.items
+    out = plan_records(report, plan, items, step, mb, nonfinite=nonfinite, gen=gen, failed=failed)
     # placeholders in a packed row's padding are never merged
     out += check_records(report, step, mb, "items {} could not be tied to a placeholder run")
     if gen is not None and guard.config.generated == "text":

@@ -28,6 +28,11 @@ def worst(a: Action, b: Action) -> Action:
     return a if SEVERITY[a] >= SEVERITY[b] else b
 
 
+def dropping_action(config: GuardConfig) -> Action:
+    """What a sample no repair can fix takes: the policy, ``fallback`` under ``repair``."""
+    return config.fallback if config.policy == "repair" else config.policy
+
+
 #: statuses a re-projection can fix: one run per item, same modalities, only the media
 #: size differs. Equal totals with different lengths (LENGTH_MISMATCH) look like swapped
 #: items: resizing each to the other's run would train on the wrong image, so no.
@@ -177,8 +182,8 @@ def build_plan(
     if report is not None:
         for rep in report.mismatched:
             repairable = rep.status in REPAIRABLE and rep.run_modalities == rep.item_modalities
-            act = config.fallback if config.policy == "repair" else config.policy
-            actions[rep.sample] = "repair" if config.policy == "repair" and repairable else act
+            repair = config.policy == "repair" and repairable
+            actions[rep.sample] = "repair" if repair else dropping_action(config)
             repairs += [
                 ItemRepair(item=rep.items[k], sample=rep.sample, target=exp, run=k)
                 for k, (exp, got) in enumerate(zip(rep.expected, rep.got))
@@ -210,8 +215,7 @@ def build_plan(
     if gen:
         plan_digest = digest(plan_digest, config.generated, gen)
     if call_faults:
-        act: Action = config.fallback if config.policy == "repair" else config.policy
-        actions = [worst(act, a) for a in actions]
+        actions = [worst(dropping_action(config), a) for a in actions]
         for smp in range(num_samples):
             reasons[smp] = "; ".join(filter(None, ("; ".join(call_faults), reasons.get(smp))))
         repairs = []
