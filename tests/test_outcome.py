@@ -1,4 +1,4 @@
-"""``LocalOutcome.of_plan``: the one constructor the core guard and the Qwen-VL adapter share."""
+"""``LocalOutcome.of_plan``: a planned call's outcome, counted from its final plan."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ REPAIR = ItemRepair(item=1, sample=1, target=4, run=0)
         ),
         (
             Plan(("keep", "raise", "raise"), (), 13),
-            dict(mismatched=2, message="boom", record={"event": "raise"}, digest=99),
+            dict(mismatched=2, message="boom", record={"event": "raise"}),
             dict(
-                digest=99,
+                digest=13,
                 num_samples=3,
                 mismatched=2,
                 dropped=0,

@@ -77,9 +77,7 @@ def diagnose(
     """Full parse, per-sample report, plan, repairs, records, bundle, the consensus round, then
     the merge of what is kept. ``found``: the items holding NaN/Inf, where already asked.
     Placeholders the policy generated (:mod:`.generated`) are text from here on."""
-    gen = None
-    if c.labels is not None or c.loss_mask is not None:
-        gen = find_generated(c.lay, c.labels, c.loss_mask, guard.config.ignore_index)
+    gen = find_generated(c.lay, c.labels, c.loss_mask, guard.config.ignore_index)
     if gen is not None:
         ids, lay = as_text(
             c.input_ids, gen, guard.grammar.neutral_text_id(), c.cu_seqlens, guard.grammar
@@ -151,12 +149,12 @@ def diagnose(
         ),
     )
     keep = torch.tensor([a in ("keep", "repair") for a in plan.actions], device=c.input_ids.device)
-    if c.emb is None:
-        return guard.result(c, None, plan, report, verdict, stage, keep)
-    kept_items = [
-        i for rep in report.samples if plan.actions[rep.sample] != "drop" for i in rep.items
-    ]
-    out = scatter_kept(c.emb, c.lay, batch, kept_items, replaced, keep)
+    out = None
+    if c.emb is not None:
+        kept_items = [
+            i for rep in report.samples if plan.actions[rep.sample] != "drop" for i in rep.items
+        ]
+        out = scatter_kept(c.emb, c.lay, batch, kept_items, replaced, keep)
     return guard.result(c, out, plan, report, verdict, stage, keep)
 
 
@@ -174,15 +172,14 @@ def conclude(
     fatal: bool = False,
     caller: str | None = None,
     bundle: Callable[[], object | None] | None = None,
-    digest: int | None = None,
     samples: int | None = None,
 ) -> StageOutcome:
     """Writes ``records``, saves the replay bundle (``bundle()``: its path or None), agrees the
     planned call with the stage and counts it; raises on every rank when any rank must (the
     first ``raise`` record is what the peers fetch). Fatal when the plan or a record raises,
     or ``fatal`` (items no run claims under ``policy="raise"``). ``summary`` / ``what`` /
-    ``unit``: the message's totals, what was guarded, what its samples are. ``digest``: the
-    caller's (default: the plan's). ``samples``: counted here as one merge (an adapter's)."""
+    ``unit``: the message's totals, what was guarded, what its samples are. ``samples``:
+    counted here as one merge (an adapter's)."""
     written = [guard.log.emit(rec, caller=caller) for rec in records]
     first = next((w for w in written if w.get("event") == "raise"), None)
     path = bundle() if bundle is not None else None
@@ -205,7 +202,7 @@ def conclude(
             bundle=path,
         )
     local = LocalOutcome.of_plan(
-        plan, step, microbatch, mismatched=mismatched, message=message, record=first, digest=digest
+        plan, step, microbatch, mismatched=mismatched, message=message, record=first
     )
     stage = guard.settle(local)
     if samples is not None:

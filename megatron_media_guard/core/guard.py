@@ -276,13 +276,8 @@ class MediaGuard:
         self._agreed = True
         self.consensus.agree(
             LocalOutcome(
-                step=step,
-                microbatch=microbatch,
-                digest=0,
-                num_samples=0,
-                mismatched=0,
-                dropped=0,
-                repaired=0,
+                step,
+                microbatch,
                 fatal=True,
                 message=f"{type(err).__name__}: {err}",
                 fault="data" if isinstance(err, MediaAlignmentError) else "call",
@@ -360,16 +355,13 @@ class MediaGuard:
             return diagnose(self, c, verdict, found)
         plan = build_plan(lay.num_samples, batch.items, verdict, None, self.config)
         stage = self.settle(LocalOutcome.of_plan(plan, c.step, c.microbatch))
-        if c.emb is None:
-            return self.result(c, None, plan, None, verdict, stage, None)
-        if not owning:  # no features: nothing to scatter (verified: no placeholder either)
-            return self.result(c, c.emb, plan, None, verdict, stage, None)
-        out = c.emb
-        for mask, mine in groups:
-            src = batch.features
-            if mine != list(range(len(batch.items))):  # a subset, or out of token order
-                src = src.index_select(0, rows_index(batch, mine, src.device))
-            out = scatter(out, lay.ph if mask is None else mask, src)
+        out = c.emb  # None: the last stage; no features: no placeholder either (verified)
+        if out is not None and owning:
+            for mask, mine in groups:
+                src = batch.features
+                if mine != list(range(len(batch.items))):  # a subset, or out of token order
+                    src = src.index_select(0, rows_index(batch, mine, src.device))
+                out = scatter(out, lay.ph if mask is None else mask, src)
         return self.result(c, out, plan, None, verdict, stage, None)
 
     def settle(self, local: LocalOutcome) -> StageOutcome:

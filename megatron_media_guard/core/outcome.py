@@ -19,16 +19,17 @@ FaultKind = Literal["data", "call"]
 
 @dataclass(frozen=True)
 class LocalOutcome:
-    """This rank's plan for one guarded merge, as plain data."""
+    """This rank's plan for one guarded merge, as plain data (a call that failed before it
+    planned: the defaults, ``fatal`` and its ``message``)."""
 
     step: int | None
     microbatch: int | None
-    digest: int  # 63-bit plan digest: equal on ranks that hold the same micro-batch
-    num_samples: int
-    mismatched: int
-    dropped: int
-    repaired: int
-    fatal: bool
+    digest: int = 0  # 63-bit plan digest: equal on ranks that hold the same micro-batch
+    num_samples: int = 0
+    mismatched: int = 0
+    dropped: int = 0
+    repaired: int = 0
+    fatal: bool = False
     fatal_sample: int | None = None
     message: str | None = None  # the full diagnostic when fatal
     record: dict | None = None  # the JSONL record of the fatal event
@@ -44,13 +45,12 @@ class LocalOutcome:
         mismatched: int = 0,
         message: str | None = None,
         record: dict | None = None,
-        digest: int | None = None,
     ) -> LocalOutcome:
         """From the final plan; fatal when there is a ``message`` (the full diagnostic)."""
         return cls(
             step=step,
             microbatch=microbatch,
-            digest=plan.digest if digest is None else digest,
+            digest=plan.digest,
             num_samples=len(plan.actions),
             mismatched=mismatched,
             dropped=len(plan.dropped),

@@ -155,11 +155,6 @@ class TokenLayout:
             code.masked_fill_(m, k)
         return code
 
-    @property
-    def modality_key(self) -> torch.Tensor:
-        """:attr:`code` on placeholders; with two modalities the second one's mask (no int8 pass)."""
-        return self._masks[1] if len(self._masks) == 2 else self.code
-
     @cached_property
     def col(self) -> torch.Tensor:  # [b, s] position within the row (a view)
         return torch.arange(self.row_length, device=self.device).expand(self.batch, -1)
@@ -260,7 +255,8 @@ class TokenLayout:
         if len(self.grammar.placeholders) == 1:
             start = self.content & ~before
         else:  # a modality switch between two placeholders starts a new run
-            key = self.modality_key
+            # the modality of each placeholder: with two, the second one's mask (no int8 pass)
+            key = self._masks[1] if len(self._masks) == 2 else self.code
             ph_before = before if self.ph is self.content else self.ph & self.prev(self.ph)
             start = self.content & (~before | (ph_before & (self.prev(key) != key)))
         end = self.content & (~self.next(self.content) | self.next(start))

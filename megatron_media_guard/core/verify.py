@@ -40,19 +40,15 @@ class Verdict:
     def aligned_but_nonfinite(self, num_items: int) -> bool:
         """Only the NaN/Inf flag fails, and that flag may be a finite sum's overflow."""
         return (
-            bool(self.nonfinite)
-            and not self.nonfinite_exact
-            and self.runs == num_items
-            and (self.bad_runs == 0 and self.findings == 0)
+            self.structure_aligned(num_items) and bool(self.nonfinite) and not self.nonfinite_exact
         )
 
     def aligned(self, num_items: int) -> bool:
-        return (
-            self.runs == num_items
-            and self.bad_runs == 0
-            and self.findings == 0
-            and self.nonfinite == 0
-        )
+        return self.structure_aligned(num_items) and self.nonfinite == 0
+
+    def structure_aligned(self, num_items: int) -> bool:
+        """Every run agrees with its item, the structure is sound (NaN/Inf aside)."""
+        return self.runs == num_items and self.bad_runs == 0 and self.findings == 0
 
 
 @dataclass(frozen=True)
