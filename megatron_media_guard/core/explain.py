@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from ..diagnostics import GuardRecord, summary_line
 from .alignment import AlignmentReport, SampleReport
-from .generated import Generated, generated_record
+from .generated import Generated
 from .items import MediaItem
 
 if TYPE_CHECKING:
@@ -160,14 +160,12 @@ def plan_records(
         if act not in ("drop", "raise"):
             continue
         rep, why, bad = report.samples[smp], reasons.get(smp), nonfinite.get(smp, [])
+        fed = None if gen is None or bad else gen.of(smp)
         if not rep.ok:
             rec = sample_record(rep, items, act, act, step=step, microbatch=microbatch)
-        elif gen is not None and gen.of(smp) is not None and not bad:
-            rec = generated_record(gen, smp, act, step, microbatch)
-            rec = replace(rec, sample_id=rep.sample_id)  # named as its other records
-        elif bad or not why:
+        elif bad or not (why or fed):
             rec = nonfinite_record(rep, items, bad, act, step=step, microbatch=microbatch)
-        else:  # aligned, given the policy for the whole call's sake (call_faults): no item
+        else:  # aligned: its generated placeholders, or the whole call's findings: no item
             rec = GuardRecord(
                 event=act,  # type: ignore[arg-type]
                 step=step,
@@ -176,7 +174,10 @@ def plan_records(
                 sample_id=rep.sample_id,
                 row=rep.row,
                 action=act,  # type: ignore[arg-type]
-                extra={"status": "call"},
+                reason=gen.reasons(act)[smp] if fed else None,
+                extra={"status": "generated", "positions": list(fed.positions[:4096])}
+                if fed
+                else {"status": "call"},
             )
         if why and why not in (rec.reason or ""):
             rec = replace(rec, reason=f"{why}; {rec.reason}" if rec.reason else why)

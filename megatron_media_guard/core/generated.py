@@ -131,21 +131,3 @@ def text_records(
         for g in gen.samples
         if kept is None or g.sample in kept
     ]
-
-
-def generated_record(
-    gen: Generated, sample: int, action: str, step: int | None, microbatch: int | None
-) -> GuardRecord:
-    """The drop / raise record of a sample aligned once its generated placeholders are text."""
-    g = gen.of(sample)
-    assert g is not None
-    return GuardRecord(
-        event=action,  # type: ignore[arg-type]
-        step=step,
-        microbatch=microbatch,
-        sample=sample,
-        row=g.row,
-        action=action,
-        reason=gen.reasons(action)[sample],
-        extra={"status": "generated", "positions": list(g.positions[:4096])},
-    )
