@@ -10,13 +10,8 @@ from hypothesis import strategies as st
 from megatron_media_guard import Grammar, GuardConfig, MediaGuard, MediaItem
 from megatron_media_guard.testing import TEST_GRAMMARS, build_batch
 
-GRAMMARS = {
-    "qwen": TEST_GRAMMARS["qwen"],
-    "plain": TEST_GRAMMARS["plain"],
-    "internvl": TEST_GRAMMARS["internvl"],
-    "pixtral": TEST_GRAMMARS["pixtral"],
-    "three": Grammar({"image": 13, "video": 14, "audio": 15}, start_id=16, end_id=17),
-}
+GRAMMARS = {n: TEST_GRAMMARS[n] for n in ("qwen", "plain", "internvl", "pixtral")}
+GRAMMARS["three"] = Grammar({"image": 13, "video": 14, "audio": 15}, start_id=16, end_id=17)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))

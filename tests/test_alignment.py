@@ -36,23 +36,19 @@ def test_each_fault_is_classified_per_sample(fault, statuses, explicit):
     assert report.ok == (not statuses)
 
 
-def test_offsetting_errors_pass_batch_totals_but_not_the_guard():
-    batch = inject(Q, LAYOUT, "offsetting")
+@pytest.mark.parametrize(
+    ("fault", "want"),  # sample -> (run lengths, item lengths)
+    [
+        ("offsetting", {0: ((4, 6), (5, 6)), 1: ((3,), (2,))}),
+        ("swapped_items", {0: ((4, 6), (6, 4))}),
+    ],
+)
+def test_errors_that_pass_batch_totals_are_caught_per_sample(fault, want):
+    batch = inject(Q, LAYOUT, fault)
     report = check_alignment(batch.input_ids, batch.items, Q)
     assert report.total_placeholders == report.total_features  # what today's merges check
-    assert not report.ok
-    s0, s1 = report.samples[0], report.samples[1]
-    assert (s0.expected, s0.got, s0.first_mismatch) == ((4, 6), (5, 6), 0)
-    assert (s1.expected, s1.got, s1.first_mismatch) == ((3,), (2,), 0)
-
-
-def test_swapped_items_pass_totals_and_are_caught():
-    batch = inject(Q, LAYOUT, "swapped_items")
-    report = check_alignment(batch.input_ids, batch.items, Q)
-    assert report.total_placeholders == report.total_features
-    rep = report.samples[0]
-    assert rep.status is Status.LENGTH_MISMATCH
-    assert (rep.expected, rep.got, rep.first_mismatch) == ((4, 6), (6, 4), 0)
+    assert {s.sample: (s.expected, s.got) for s in report.mismatched} == want
+    assert [s.first_mismatch for s in report.mismatched] == [0] * len(want)
 
 
 @pytest.mark.parametrize(

@@ -73,30 +73,25 @@ def test_aligned_merge_is_bit_identical_with_one_transfer(dtype, grammar):
     assert res.loss_mask is None and res.labels is None
 
 
-def test_aligned_path_keeps_callers_masks_untouched():
-    batch = build_batch(Q, LAYOUT)
+@pytest.mark.parametrize("form", ["masks", "feature list, items inferred", "seq_first"])
+def test_aligned_call_forms_merge_as_unguarded(form):
+    batch = build_batch(Q, [[("image", 4), ("image", 6)], [("image", 3)], []])  # images only
+    ids, items = batch.input_ids, batch.items
     emb, feats = inputs(batch)
-    lm, lab = torch.ones(batch.input_ids.shape), batch.input_ids.clone()
-    res = guard().merge(emb, batch.input_ids, feats, batch.items, loss_mask=lm, labels=lab)
-    assert res.loss_mask is lm and res.labels is lab
-
-
-def test_list_features_and_items_inferred():
-    batch = build_batch(Q, [[("image", 4)], [("image", 3)]])
-    emb, feats = inputs(batch)
-    parts = list(feats.split([4, 3]))
-    res = guard().merge(emb, batch.input_ids, parts)
-    assert torch.equal(res.embeddings, unguarded(emb, batch.input_ids, feats))
-
-
-def test_seq_first_layout():
-    batch = build_batch(Q, LAYOUT)
-    emb, feats = inputs(batch)
-    res = guard().merge(
-        emb.transpose(0, 1).contiguous(), batch.input_ids, feats, batch.items, seq_first=True
-    )
-    assert res.embeddings.shape == (batch.input_ids.shape[1], batch.input_ids.shape[0], H)
-    assert torch.equal(res.embeddings.transpose(0, 1), unguarded(emb, batch.input_ids, feats))
+    kw, args = {}, (emb, ids, feats, items)
+    if form == "masks":  # the caller's own tensors come back untouched
+        kw = {"loss_mask": torch.ones(ids.shape), "labels": ids.clone()}
+    elif form == "seq_first":
+        kw, args = {"seq_first": True}, (emb.transpose(0, 1).contiguous(), *args[1:])
+    else:
+        args = (emb, ids, list(feats.split([it.num_features for it in items])))
+    res = guard().merge(*args, **kw)
+    out = res.embeddings
+    if form == "seq_first":  # [s, b, h] back, as given
+        assert out.shape == (ids.shape[1], ids.shape[0], H)
+        out = out.transpose(0, 1)
+    assert torch.equal(out, unguarded(emb, ids, feats))
+    assert res.loss_mask is kw.get("loss_mask") and res.labels is kw.get("labels")
 
 
 def test_packed_samples_are_checked_and_dropped_per_sample():
@@ -208,6 +203,8 @@ def test_nonfinite_found_in_every_float_dtype(dtype, bad):
         MediaGuard(GuardConfig(nonfinite="raise"), grammar=Q).merge(
             emb, batch.input_ids, feats, batch.items
         )
+    off = MediaGuard(GuardConfig(nonfinite="off"), grammar=Q)  # the check skipped
+    assert off.merge(emb, batch.input_ids, feats, batch.items).report.ok
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -223,19 +220,12 @@ def test_huge_finite_features_are_no_nonfinite_alarm(dtype):
     assert torch.equal(res.embeddings, unguarded(emb, batch.input_ids, feats))
 
 
-def test_nonfinite_check_off_skips_it():
-    batch = build_batch(Q, LAYOUT)
-    emb, feats = inputs(batch)
-    feats[0, 0] = math.inf
-    res = MediaGuard(GuardConfig(nonfinite="off"), grammar=Q).merge(
-        emb, batch.input_ids, feats, batch.items
-    )
-    assert res.report.ok
-
-
 BATCH = build_batch(Q, [[("image", 2)]])
-EMB = torch.zeros(1, BATCH.input_ids.shape[1], H)
+N = BATCH.input_ids.shape[1]
+EMB = torch.zeros(1, N, H)
 FEATS = torch.zeros(2, H)
+F8 = torch.float8_e4m3fn
+CU_BAD = "cu_seqlens must start at 0, never decrease"
 
 
 @pytest.mark.parametrize(
@@ -255,6 +245,11 @@ FEATS = torch.zeros(2, H)
         ({"loss_mask": torch.ones(2, 2)}, "loss_mask must be"),
         ({"labels": torch.ones(BATCH.input_ids.shape)}, "labels must be integer"),
         ({"features": [torch.zeros(3, H)]}, "declares 2 features"),
+        ({"items": [2]}, "items must be MediaItem, got int"),  # with packed features too
+        ({"embeddings": EMB.to(F8), "features": FEATS.to(F8)}, "merge in bf16"),
+        ({"cu_seqlens": torch.tensor([0, N, 1, N])}, CU_BAD),  # decreasing
+        ({"cu_seqlens": torch.tensor([0, N + 4])}, CU_BAD),  # past the row's end
+        ({"cu_seqlens": torch.tensor([2, N])}, CU_BAD),  # not at 0
     ],
 )
 def test_bad_input_is_a_clear_error(kwargs, match):
@@ -372,29 +367,6 @@ def test_text_only_batch_with_a_stray_placeholder_is_dropped_in_half_precision()
     assert res.report.dropped == (1,) and torch.equal(res.embeddings, emb)
 
 
-@pytest.mark.parametrize(
-    "cu", [[0, 10, 5, 16], [0, 8, 20], [2, 8, 16]], ids=["decreasing", "past-end", "not-at-0"]
-)
-def test_bad_packed_offsets_are_named(cu):
-    batch = build_batch(Q, [[("image", 3)]], seq_len=16)
-    with pytest.raises(MediaInputError, match=r"cu_seqlens must start at 0, never decrease"):
-        guard().merge(
-            torch.randn(1, 16, H),
-            batch.input_ids,
-            torch.randn(3, H),
-            [MediaItem(3)],
-            cu_seqlens=torch.tensor(cu),
-        )
-
-
-def test_items_must_be_media_items_even_with_packed_features():
-    batch = build_batch(Q, [[("image", 3), ("image", 2)]])
-    with pytest.raises(MediaInputError, match="items must be MediaItem, got int"):
-        guard().merge(
-            torch.randn(1, batch.input_ids.shape[1], H), batch.input_ids, torch.randn(5, H), [3, 2]
-        )
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("grammar", ["pixtral", "qwen"])
 def test_aligned_path_has_no_hidden_sync(monkeypatch, device, grammar):
@@ -445,13 +417,7 @@ def test_placeholder_in_packed_padding_is_logged_and_never_merged(tmp_path):
     assert "in_padding" in rec[0]["reason"]
 
 
-def test_guard_rejects_what_it_cannot_check():
-    with pytest.raises(MediaInputError, match="one placeholder modality"):
-        Grammar({"image": 20, "video": 21}, end_id=22, break_ids=(23,))
-    batch = build_batch(Q, [[("image", 2)]])
-    e8 = torch.zeros(1, batch.input_ids.shape[1], H).to(torch.float8_e4m3fn)
-    with pytest.raises(MediaInputError, match="merge in bf16"):
-        guard().merge(e8, batch.input_ids, torch.zeros(2, H).to(torch.float8_e4m3fn), batch.items)
+def test_grammar_ids_must_fit_the_ids_dtype():
     wide = Grammar({"image": 70000})
     with pytest.raises(MediaInputError, match=r"do not fit input_ids of dtype torch\.int16"):
         MediaGuard(GuardConfig(), grammar=wide).merge(

@@ -109,6 +109,7 @@ def test_bad_input_is_named(ids, cu, match):
         ({"placeholders": {"image": 1.5}}, "must be an int"),
         ({"placeholders": {"image": 3}, "start_id": 3, "end_id": 4}, "distinct"),
         ({"placeholders": {"image": 3}, "start_id": 1, "collapsed": True}, "collapsed"),
+        ({"placeholders": {"image": 20, "video": 21}, "break_ids": (23,)}, "one placeholder"),
     ],
 )
 def test_grammar_validation(kwargs, match):
