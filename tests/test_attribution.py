@@ -45,31 +45,25 @@ def _batch_with_nan(item: int):
 
 
 @pytest.mark.parametrize("item, sample, sid", [(0, 0, "id-0"), (2, 1, "id-1")])
-def test_nonfinite_raise_names_cause_item_and_sample_id(tmp_path, item, sample, sid):
+@pytest.mark.parametrize("nonfinite", ["raise", "drop"])
+def test_nonfinite_names_cause_item_and_sample_id(tmp_path, item, sample, sid, nonfinite):
     batch, items, feats = _batch_with_nan(item)
-    guard = MediaGuard(GuardConfig(log_dir=str(tmp_path)), Q, rank=RankInfo(rank=0))
-    emb = torch.zeros(*batch.input_ids.shape, 8)
-    with pytest.raises(MediaAlignmentError) as info:
-        guard.merge(emb, batch.input_ids, feats, items, step=2)
-    msg = str(info.value)
-    assert f"nonfinite: NaN/Inf in the features of item {item}" in msg
-    assert f"sample {sample} (sample_id {sid!r})" in msg  # the sample's id: its first item's
-    assert "aligned — ." not in msg
-    (rec,) = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
-    assert rec["event"] == "raise" and rec["reason"].startswith("nonfinite")
-    assert (rec["sample"], rec["item"]) == (sample, item)
-    assert rec["sample_id"] == sid and rec["extra"]["items"] == [item]
-
-
-def test_nonfinite_drop_record_names_the_item(tmp_path):
-    batch, items, feats = _batch_with_nan(2)
-    cfg = GuardConfig(log_dir=str(tmp_path), nonfinite="drop")
+    cfg = GuardConfig(log_dir=str(tmp_path), nonfinite=nonfinite)
     guard = MediaGuard(cfg, Q, rank=RankInfo(rank=0))
     emb = torch.zeros(*batch.input_ids.shape, 8)
-    res = guard.merge(emb, batch.input_ids, feats, items)
-    assert res.report.dropped == (1,)
+    if nonfinite == "drop":
+        assert guard.merge(emb, batch.input_ids, feats, items).report.dropped == (sample,)
+    else:
+        with pytest.raises(MediaAlignmentError) as info:
+            guard.merge(emb, batch.input_ids, feats, items, step=2)
+        msg = str(info.value)
+        assert f"nonfinite: NaN/Inf in the features of item {item}" in msg
+        assert f"sample {sample} (sample_id {sid!r})" in msg  # the sample's id: its first item's
+        assert "aligned — ." not in msg
     (rec,) = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
-    assert (rec["event"], rec["item"], rec["sample_id"]) == ("drop", 2, "id-1")
+    assert rec["event"] == nonfinite and rec["reason"].startswith("nonfinite")
+    assert (rec["sample"], rec["item"]) == (sample, item)
+    assert rec["sample_id"] == sid and rec["extra"]["items"] == [item]
 
 
 @pytest.mark.parametrize(
@@ -118,21 +112,16 @@ def test_message_building_cannot_hide_the_alignment_error(tmp_path, monkeypatch)
     assert "per-rank log:" in msg
 
 
-@pytest.mark.parametrize(
-    "labels",
-    [
-        torch.ones(2, 3, dtype=torch.int64),  # wrong shape
-        torch.ones(1, 1, dtype=torch.float32),  # placeholder: replaced by the batch's shape below
-        [[1, 2, 3]],  # not a tensor
-    ],
-    ids=["shape", "float", "list"],
-)
-def test_last_stage_checks_masks_as_merge_does(labels):
+@pytest.mark.parametrize("bad", ["shape", "float", "list"])
+def test_last_stage_checks_masks_as_merge_does(bad):
     """The last pipeline stage refuses the labels the first stage's merge refuses, with the
     library's error (not an AttributeError from deep inside)."""
     batch = inject(Q, LAYOUT, "surplus_feature")
-    if isinstance(labels, torch.Tensor) and labels.is_floating_point():
-        labels = torch.ones(batch.input_ids.shape, dtype=torch.float32)
+    labels = {
+        "shape": torch.ones(2, 3, dtype=torch.int64),
+        "float": torch.ones(batch.input_ids.shape, dtype=torch.float32),
+        "list": [[1, 2, 3]],
+    }[bad]
     guard = MediaGuard(GuardConfig(policy="drop"), Q, rank=RankInfo(rank=0))
     emb = torch.zeros(*batch.input_ids.shape, 8)
     with pytest.raises(MediaInputError):
