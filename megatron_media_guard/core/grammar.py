@@ -112,15 +112,6 @@ class Grammar:
         """Every token that closes a region (``end_id`` first)."""
         return () if self.end_id is None else (self.end_id, *(b for _, b in self.regions))
 
-    @property
-    def outer_start_ids(self) -> tuple[int, ...]:
-        """The starts of the pairs that are not :attr:`inner` (an inner start nests after one)."""
-        return tuple(t for t in self.start_ids if t not in {a for a, _ in self.inner})
-
-    @property
-    def outer_end_ids(self) -> tuple[int, ...]:  # the ends of the pairs not inner
-        return tuple(t for t in self.end_ids if t not in {b for _, b in self.inner})
-
     def token_modality(self, modality: str) -> str:
         """The modality whose placeholder token ``modality`` uses (itself unless aliased)."""
         return self.aliases.get(modality, modality)

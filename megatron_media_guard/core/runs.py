@@ -128,9 +128,11 @@ class TokenLayout:
         g = self.grammar
         if not g.inner:
             return None
-        start = self._any_of(tuple(a for a, _ in g.inner))
-        start = start & self.prev(self._any_of(g.outer_start_ids))
-        end = self._any_of(tuple(b for _, b in g.inner)) & self.next(self._any_of(g.outer_end_ids))
+        starts, ends = zip(*g.inner)
+        outer_start = self._any_of(tuple(t for t in g.start_ids if t not in starts))
+        outer_end = self._any_of(tuple(t for t in g.end_ids if t not in ends))
+        start = self._any_of(starts) & self.prev(outer_start)
+        end = self._any_of(ends) & self.next(outer_end)
         return Nested(start, end, start | end)
 
     def _or_nested(self, x: torch.Tensor) -> torch.Tensor:

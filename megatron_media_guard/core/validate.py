@@ -8,10 +8,6 @@ from ..errors import MediaInputError
 from .runs import TokenLayout
 
 
-def _shape(t: torch.Tensor) -> tuple[int, ...]:
-    return tuple(t.shape)
-
-
 def check_inputs(
     embeddings: torch.Tensor,
     input_ids: torch.Tensor,
@@ -34,15 +30,16 @@ def check_inputs(
         )
     if embeddings.dim() != 3:
         raise MediaInputError(
-            f"embeddings must be [b, s, h] (or [s, b, h] with seq_first=True), got {_shape(embeddings)}"
+            "embeddings must be [b, s, h] (or [s, b, h] with seq_first=True), got "
+            f"{tuple(embeddings.shape)}"
         )
     emb = embeddings.transpose(0, 1) if seq_first else embeddings
     b, s = lay.batch, lay.row_length  # not empty: the layout refused an empty batch
     if emb.shape[:2] != (b, s):
         layout = "[s, b, h]" if seq_first else "[b, s, h]"
         raise MediaInputError(
-            f"embeddings {_shape(embeddings)} (read as {layout}) do not match input_ids "
-            f"{_shape(input_ids)}; pass seq_first=True for [s, b, h]"
+            f"embeddings {tuple(embeddings.shape)} (read as {layout}) do not match input_ids "
+            f"{tuple(input_ids.shape)}; pass seq_first=True for [s, b, h]"
         )
     if input_ids.device != embeddings.device:
         raise MediaInputError(f"input_ids on {input_ids.device}, embeddings on {embeddings.device}")
@@ -73,8 +70,8 @@ def check_masks(
     for name, t in (("loss_mask", loss_mask), ("labels", labels)):
         if t is None:
             continue
-        if not isinstance(t, torch.Tensor) or _shape(t) != (b, s):
-            got = _shape(t) if isinstance(t, torch.Tensor) else type(t).__name__
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (b, s):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise MediaInputError(f"{name} must be [b, s] = {(b, s)}, got {got}")
         if device is not None and t.device != device:
             raise MediaInputError(f"{name} on {t.device}, embeddings on {device}")
