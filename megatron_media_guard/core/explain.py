@@ -15,16 +15,6 @@ if TYPE_CHECKING:
     from .plan import Plan
 
 
-def _item_of(rep: SampleReport, items: Sequence[MediaItem]) -> tuple[int | None, MediaItem | None]:
-    k = rep.first_mismatch
-    if k is not None and k < len(rep.items):
-        i = rep.items[k]
-        return i, items[i]
-    if rep.items:
-        return rep.items[0], items[rep.items[0]]
-    return None, None
-
-
 def sample_record(
     rep: SampleReport,
     items: Sequence[MediaItem],
@@ -34,8 +24,11 @@ def sample_record(
     step: int | None,
     microbatch: int | None,
 ) -> GuardRecord:
-    """One record for a mismatched sample; ``item`` is the first mismatching one."""
-    idx, item = _item_of(rep, items)
+    """One record for a mismatched sample; ``item`` is the first mismatching one (else its
+    first)."""
+    k = rep.first_mismatch if rep.first_mismatch is not None else 0
+    idx = rep.items[k] if k < len(rep.items) else (rep.items[0] if rep.items else None)
+    item = None if idx is None else items[idx]
     return GuardRecord(
         event=event,  # type: ignore[arg-type]
         step=step,

@@ -47,14 +47,11 @@ def tables(grammar: Grammar, packed: bool, s: int, dev: torch.device) -> tuple |
         and len(grammar.placeholders) <= 4
     )
     if ok:
-        ok = max(_ids(grammar)) - min(_ids(grammar)) <= 1 << 16
+        ids = [*grammar.start_ids, *grammar.end_ids, *grammar.placeholders.values()]
+        ok = max(ids) - min(ids) <= 1 << 16
     made = _build(grammar, dev) if ok else None
     _TABLES[key] = (grammar, made)
     return made
-
-
-def _ids(grammar: Grammar) -> list[int]:
-    return [*grammar.start_ids, *grammar.end_ids, *grammar.placeholders.values()]
 
 
 def _build(grammar: Grammar, dev: torch.device) -> tuple:
