@@ -1,6 +1,5 @@
 """The records the fault path writes for a plan: one per dropped or raised sample, in sample
-order, and ``check`` records for what no sample's decision covers (shared by MediaGuard.merge
-and the Qwen-VL adapter, which differ only in wording and extras)."""
+order, and ``check`` records for what no sample's decision covers."""
 
 from __future__ import annotations
 
@@ -61,19 +60,19 @@ def test_plan_records_one_per_dropped_or_raised_sample(actions, reasons, extra, 
         assert got[0].extra == {"status": "call"} and got[0].item is None
 
 
-def test_check_records_name_unclaimed_items_with_the_callers_wording():
+def test_check_records_name_unclaimed_items():
     # implicit items: two items, one run, so item 1 is tied to no run
     report = _report([[("image", 2)]], [MediaItem(2), MediaItem(5)])
     assert report.orphans == (1,)
-    (rec,) = check_records(report, 3, 0, "rows {} have no run")
+    (rec,) = check_records(report, 3, 0)
     assert (rec.event, rec.action, rec.reason, rec.step, rec.microbatch) == (
         "check",
         "unused",
-        "rows [1] have no run",
+        "items [1] could not be tied to a placeholder run",
         3,
         0,
     )
-    assert check_records(_report([[("image", 2)]], [MediaItem(2)]), 3, 0, "{}") == []
+    assert check_records(_report([[("image", 2)]], [MediaItem(2)]), 3, 0) == []
 
 
 # -- one line per record: the console, the exception, the report and the page say the same ----

@@ -181,12 +181,13 @@ def plan_records(
 
 
 def check_records(
-    report: AlignmentReport, step: int | None, microbatch: int | None, orphans: str
+    report: AlignmentReport, step: int | None, microbatch: int | None
 ) -> list[GuardRecord]:
-    """``check`` records of items tied to no run (``orphans``, formatted with their indices)
-    and placeholders in a packed row's padding."""
+    """``check`` records of items tied to no run and of placeholders in a packed row's
+    padding (never merged)."""
+    orphans = list(report.orphans)[:16]
     found = [
-        ("unused", orphans.format(list(report.orphans)[:16]) if report.orphans else ""),
+        ("unused", f"items {orphans} could not be tied to a placeholder run" if orphans else ""),
         ("ignored", "; ".join(f.describe() for f in report.stray_findings[:4])),
     ]
     return [

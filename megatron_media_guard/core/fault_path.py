@@ -228,8 +228,7 @@ def call_records(
     fed as text. ``nonfinite``: sample -> its items holding NaN/Inf."""
     step, mb, items = c.step, c.microbatch, c.batch.items
     out = plan_records(report, plan, items, step, mb, nonfinite=nonfinite, gen=gen, failed=failed)
-    # placeholders in a packed row's padding are never merged
-    out += check_records(report, step, mb, "items {} could not be tied to a placeholder run")
+    out += check_records(report, step, mb)
     if gen is not None and guard.config.generated == "text":
         kept = {s for s, a in enumerate(plan.actions) if a in ("keep", "repair")}
         out += text_records(gen, step, mb, guard.grammar.neutral_text_id(), kept)

@@ -113,10 +113,10 @@ def text_records(
     step: int | None,
     microbatch: int | None,
     text_id: int,
-    kept: set[int] | None = None,
+    kept: set[int],
 ) -> list[GuardRecord]:
-    """A ``check`` record (action ``text``) per sample whose generated placeholders were fed as
-    text (``kept``: only these samples)."""
+    """A ``check`` record (action ``text``) per ``kept`` sample whose generated placeholders
+    were fed as text."""
     return [
         GuardRecord(
             event="check",
@@ -129,5 +129,5 @@ def text_records(
             extra={"positions": list(g.positions[:4096]), "text_id": text_id},
         )
         for g in gen.samples
-        if kept is None or g.sample in kept
+        if g.sample in kept
     ]
