@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_plan_determinism import assert_same, stages
 
 from megatron_media_guard import (
     Grammar,
@@ -21,7 +22,6 @@ from megatron_media_guard import (
     MediaInputError,
 )
 from megatron_media_guard.adapters.launcher import add_media_guard_args, config_from_args
-from megatron_media_guard.diagnostics import RankInfo
 from megatron_media_guard.testing import TEST_GRAMMARS, build_batch, random_layout
 
 H = 8
@@ -150,16 +150,12 @@ def test_grammars_without_markers_read_the_loss_alone(name):
         merge(guard("raise", grammar=g), bad, clean, emb, loss_mask=torch.ones_like(lm))
 
 
-def test_first_and_last_stage_reach_the_same_plan():
+@pytest.mark.parametrize("generated", ["text", "drop"])
+def test_first_and_last_stage_reach_the_same_plan(generated):
     clean, bad, labels, lm, _ = rollout()
-    for generated in ("text", "drop"):
-        cfg = GuardConfig(policy="raise", generated=generated)
-        first = MediaGuard(cfg, Q, rank=RankInfo(rank=0, pp=0))
-        last = MediaGuard(cfg, Q, rank=RankInfo(rank=1, pp=1))
-        res = merge(first, bad, clean, torch.randn(*bad.shape, H), labels=labels, loss_mask=lm)
-        lp = last.last_stage(bad, clean.items, labels=labels, loss_mask=lm)
-        assert lp.report.actions == res.report.actions and lp.report.digest == res.report.digest
-        assert torch.equal(lp.loss_mask, res.loss_mask) and torch.equal(lp.labels, res.labels)
+    first, last = stages(Q, "raise", generated=generated)
+    res = merge(first, bad, clean, torch.randn(*bad.shape, H), labels=labels, loss_mask=lm)
+    assert_same(res, last.last_stage(bad, clean.items, labels=labels, loss_mask=lm))
 
 
 def test_packed_rows_name_the_packed_sample():

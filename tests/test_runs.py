@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_media_guard import Grammar, MediaInputError, parse_runs
-from megatron_media_guard.core.runs import FindingKind
+from megatron_media_guard.core.runs import FindingKind, TokenLayout
 from megatron_media_guard.testing import TEST_GRAMMARS, build_batch, reference_runs
 
 Q = TEST_GRAMMARS["qwen"]  # image 5, video 6, start 3, end 4
@@ -179,8 +179,6 @@ def test_well_formed_batches_have_no_findings(name, seed):
 )
 def test_fast_structure_check_agrees_with_findings(name, seed, s, packed):
     """The aligned path's sync-free count is zero exactly when the full parse finds nothing."""
-    from megatron_media_guard.core.runs import TokenLayout
-
     g = GRAMMARS[name]
     rng = random.Random(seed)
     if rng.random() < 0.5:  # well-formed rows, sometimes cut, so both outcomes occur
@@ -221,8 +219,6 @@ def test_fast_structure_check_agrees_with_findings(name, seed, s, packed):
 )
 def test_sync_free_structure_count(monkeypatch, name, row, cu, malformed):
     """The sync-free count (no ``nonzero``) agrees with the finding codes."""
-    from megatron_media_guard.core.runs import TokenLayout
-
     g = GRAMMARS[name]
     lay = TokenLayout(torch.tensor([row]), g, None if cu is None else torch.tensor(cu))
     start, end = lay.run_bounds()
