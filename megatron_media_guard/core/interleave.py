@@ -276,11 +276,6 @@ def order_runs(
             mine.setdefault((it.sample, g.token_modality(it.modality)), []).append(i)
         order = [mine[k].pop(0) for r in runs if mine.get(k := (r.sample, r.modality))]
         return order + [i for q in mine.values() for i in q]  # beyond the runs: reported
-    runs_of: dict[str, list[int]] = {}
-    samples_of: dict[str, list[int]] = {}
-    for r in runs:
-        runs_of.setdefault(r.modality, []).append(r.length)
-        samples_of.setdefault(r.modality, []).append(r.sample)
     queue: dict[str, list[int]] = {}
     for tok, by_mod in streams.items():
         seqs = list(by_mod.values())
@@ -290,14 +285,13 @@ def order_runs(
         if len(seqs) > 2:
             raise MediaInputError(f"more than two modalities share the {tok!r} token")
         a, b = seqs
-        la = [items[i].num_features for i in a]
-        lb = [items[i].num_features for i in b]
+        tok_runs = [r for r in runs if r.modality == tok]
         pick, unique = interleave(
-            runs_of.get(tok, []),
-            la,
-            lb,
+            [r.length for r in tok_runs],
+            [items[i].num_features for i in a],
+            [items[i].num_features for i in b],
             groups=[parent[i] for i in b],
-            run_samples=samples_of.get(tok, []),
+            run_samples=[r.sample for r in tok_runs],
         )
         if pick is None:  # no interleaving fits: consumption order, the guard reports it
             queue[tok] = a + b
@@ -310,10 +304,6 @@ def order_runs(
             )
         ia, ib = iter(a), iter(b)
         queue[tok] = [next(ia) if s == 0 else next(ib) for s in pick]
-    order: list[int] = []
-    for r in runs:
-        q = queue.get(r.modality)
-        if q:
-            order.append(q.pop(0))
+    order = [queue[r.modality].pop(0) for r in runs if queue.get(r.modality)]
     order += [i for q in queue.values() for i in q]  # items beyond the runs: the guard reports
     return order
