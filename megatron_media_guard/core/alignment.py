@@ -199,14 +199,8 @@ def _sample_report(
         expected = tuple(r.length for r in runs)
     rmods = tuple(r.modality for r in runs)
     imods = tuple(it.modality for _, it in items)
-    first = next(
-        (
-            k
-            for k, (a, b, ma, mb) in enumerate(zip(expected, got, rmods, imods))
-            if a != b or ma != mb
-        ),
-        None,
-    )
+    pairs = zip(zip(expected, rmods), zip(got, imods))  # (length, modality): run vs item
+    first = next((k for k, (run, item) in enumerate(pairs) if run != item), None)
     if first is None and len(expected) != len(got):
         first = min(len(expected), len(got))
     truncs = [f for f in findings if f.kind in TRUNCATION_KINDS]

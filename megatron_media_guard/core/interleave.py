@@ -166,11 +166,9 @@ def _expected(lay, items, mine: list[int], code: int, typ, late: RunOrder, expli
     )
     counts = counts.to(dev, torch.int64).index_select(0, at)
     runs = torch.ones_like(counts) if late.runs is None else late.runs.to(dev).index_select(0, at)
-    smp = (
-        torch.tensor([items[i].sample for i in mine]).to(dev, non_blocking=True)
-        if explicit
-        else None
-    )
+    smp = None
+    if explicit:
+        smp = torch.tensor([items[i].sample for i in mine]).to(dev, non_blocking=True)
     where = None if typ is None else late.keys.to(dev) == typ
     if runs.dim() == 2:  # each run's length: one row per run (none past the item's runs)
         smp = None if smp is None else smp.repeat_interleave(runs.shape[1])
