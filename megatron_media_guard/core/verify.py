@@ -83,11 +83,9 @@ _ITEM_TABLES: dict[tuple, list[Expected]] = {}
 
 
 def _item_tables(lengths, codes, samples, dev) -> list[Expected]:
-    by_code: dict[int, list[int]] = {}
-    for i, c in enumerate(codes):
-        by_code.setdefault(c, []).append(i)
     out = []
-    for c, idx in sorted(by_code.items()):
+    for c in sorted(set(codes)):
+        idx = [i for i, k in enumerate(codes) if k == c]
         n = tuple(lengths[i] for i in idx)
         smp = None if samples is None else tuple(samples[i] for i in idx)
         out.append(
