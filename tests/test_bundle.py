@@ -27,9 +27,8 @@ from megatron_media_guard import (
 )
 from megatron_media_guard.cli import main
 from megatron_media_guard.diagnostics import RankInfo
-from megatron_media_guard.replay import bundle_load, bundle_save
-from megatron_media_guard.replay.bundle import FORMAT, BundleError, report_summary
-from megatron_media_guard.replay.bundle_load import load_bundle
+from megatron_media_guard.replay import bundle, bundle_save
+from megatron_media_guard.replay.bundle import FORMAT, BundleError, load_bundle, report_summary
 from megatron_media_guard.replay.bundle_save import save_bundle
 from megatron_media_guard.replay.rerun import replay
 from megatron_media_guard.testing import TEST_GRAMMARS, build_batch, inject, random_layout
@@ -46,7 +45,7 @@ def backend(request, monkeypatch):
     """Every bundle test runs with safetensors and with the torch.save fallback."""
     if request.param == "torch":
         monkeypatch.setattr(bundle_save, "_safetensors", lambda: None)
-        monkeypatch.setattr(bundle_load, "_safetensors", lambda: None)
+        monkeypatch.setattr(bundle, "_safetensors", lambda: None)
     return request.param
 
 
@@ -225,7 +224,7 @@ def test_replay_exit_codes(tmp_path, capsys, backend):
 def test_safetensors_bundle_without_safetensors_says_so(tmp_path, monkeypatch):
     ids, cu, items = packed_batch()
     path = save_bundle(tmp_path, input_ids=ids, items=items, grammar=Q, cu_seqlens=cu)
-    monkeypatch.setattr(bundle_load, "_safetensors", lambda: None)
+    monkeypatch.setattr(bundle, "_safetensors", lambda: None)
     with pytest.raises(BundleError, match="pip install safetensors"):
         load_bundle(path)
 

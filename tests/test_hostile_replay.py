@@ -18,9 +18,7 @@ from family_checks import saved_bundle
 from megatron_media_guard import MediaItem
 from megatron_media_guard.cli import main
 from megatron_media_guard.errors import MediaInputError
-from megatron_media_guard.replay import bundle_load
-from megatron_media_guard.replay.bundle import FORMAT, BundleError
-from megatron_media_guard.replay.bundle_load import load_bundle
+from megatron_media_guard.replay.bundle import FORMAT, BundleError, load_bundle
 from megatron_media_guard.replay.bundle_save import save_bundle
 from megatron_media_guard.testing import TEST_GRAMMARS
 
@@ -185,10 +183,8 @@ def test_escape_sequences_in_a_bundle_never_reach_the_terminal(tmp_path, capsys,
 def test_the_limit_is_configurable_and_checked_before_loading(tmp_path, monkeypatch, capsys):
     path = saved_bundle(tmp_path)
     loaded = []
-    real = bundle_load.torch.load
-    monkeypatch.setattr(
-        bundle_load.torch, "load", lambda *a, **k: loaded.append(1) or real(*a, **k)
-    )
+    real = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loaded.append(1) or real(*a, **k))
     assert main(["replay", str(path), "--max-bytes", "16"]) == 2
     assert "limit" in capsys.readouterr().err and not loaded
     monkeypatch.setenv("MEDIA_GUARD_REPLAY_MAX_BYTES", "16")
