@@ -75,6 +75,10 @@ def packed_batch(ids_dtype=torch.long, pixel_dtype=torch.bfloat16):
     return ids, cu, items
 
 
+def _names(d):
+    return sorted(p.name for p in d.iterdir()) if d.exists() else []
+
+
 def check_report(ids, items, cu=None):
     return MediaGuard(GuardConfig(), grammar=Q).check(ids, items, cu)
 
@@ -132,16 +136,20 @@ def test_include_pixels_false_and_no_pixels(tmp_path, backend):
     assert p.name == "media_guard.rank00000.stepna.mbna.bundle"
 
 
-def test_never_overwrites_a_bundle(tmp_path, backend):
+@pytest.mark.parametrize("hard_links", [True, False])
+def test_never_overwrites_a_bundle(tmp_path, backend, monkeypatch, hard_links):
+    """With hard links (atomic, never overwrites) or without (check, then rename)."""
+    if not hard_links:
+        monkeypatch.setattr(os, "link", mock.Mock(side_effect=OSError(1, "Not permitted")))
     ids, cu, items = packed_batch()
     kw = dict(input_ids=ids, items=items, grammar=Q, cu_seqlens=cu, rank=RANK, step=5)
     first = save_bundle(tmp_path, microbatch=0, **kw)
     before = first.read_bytes()
     second = save_bundle(tmp_path, microbatch=0, **kw)
     assert second != first and second.name == "media_guard.rank00003.step5.mb0.1.bundle"
-    assert first.read_bytes() == before
+    assert first.read_bytes() == before and torch.equal(load_bundle(second).input_ids, ids)
     assert save_bundle(tmp_path, microbatch=0, max_bundles=2, **kw) is None
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, second.name])
+    assert _names(tmp_path) == sorted([first.name, second.name])
 
 
 # ---- replay parity with the live raise -----------------------------------------------------
@@ -269,10 +277,6 @@ def test_malicious_pickle_is_refused_not_run(tmp_path):
 
 
 # ---- atomic writes, I/O errors and bad arguments --------------------------------------------
-def _names(d):
-    return sorted(p.name for p in d.iterdir()) if d.exists() else []
-
-
 def _half_written(real):
     def half(tmp, text, tensors):
         real(tmp, text, tensors)
@@ -305,15 +309,6 @@ def test_io_failures_return_none_and_leave_nothing(tmp_path, monkeypatch, log_re
     assert not (tmp_path / "dumps").is_dir() or _names(tmp_path / "dumps") == []
     if fault == "mid_write":
         assert "No space left on device" in log_records.text
-
-
-def test_no_hard_links_falls_back_to_rename(tmp_path, monkeypatch):
-    ids, _cu, items = packed_batch()
-    monkeypatch.setattr(os, "link", mock.Mock(side_effect=OSError(1, "Operation not permitted")))
-    first = save_bundle(tmp_path, input_ids=ids, items=items, grammar=Q, step=1)
-    second = save_bundle(tmp_path, input_ids=ids, items=items, grammar=Q, step=1)
-    assert _names(tmp_path) == sorted([first.name, second.name]) and first != second
-    assert torch.equal(load_bundle(second).input_ids, ids)
 
 
 BAD_ARGS = {
