@@ -13,6 +13,7 @@ The JSON description (:func:`check_meta`): each field's type and size, a wrong o
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import zipfile
@@ -33,6 +34,28 @@ _ST_SIZES = {
     **dict.fromkeys(("I32", "U32", "F32"), 4),
     **dict.fromkeys(("I64", "U64", "F64"), 8),
 }
+
+
+Valid = Callable[[object], bool]
+
+
+def _int(lo: int, hi: int) -> Valid:
+    return lambda v: type(v) is int and lo <= v < hi
+
+
+def _text(n: int) -> Valid:
+    return lambda v: isinstance(v, str) and len(v) <= n
+
+
+def _list(valid: Valid, most: int, *, exactly: bool = False) -> Valid:
+    return lambda v: (
+        isinstance(v, list)
+        and (len(v) == most if exactly else len(v) <= most)
+        and all(valid(x) for x in v)
+    )
+
+
+_SHAPE = _list(_int(0, 1 << 48), 8)
 
 
 class LimitError(ValueError):
@@ -89,31 +112,17 @@ def check_safetensors(path: Path, max_bytes: int) -> None:
         item = _ST_SIZES.get(dtype) if isinstance(dtype, str) else None
         if item is None:
             raise LimitError(f"tensor {name!r}: unknown dtype {str(dtype)[:20]!r}")
-        numel = _numel(name, shape)
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(type(o) is int and 0 <= o <= data for o in offsets)
-            or offsets[1] - offsets[0] != numel * item
+        if not _SHAPE(shape):
+            raise LimitError(f"tensor {name!r}: shape {str(shape)[:60]} is not a list of sizes")
+        numel = math.prod(shape)
+        if not _list(_int(0, data + 1), 2, exactly=True)(offsets) or (
+            offsets[1] - offsets[0] != numel * item
         ):
             raise LimitError(
                 f"tensor {name!r}: data offsets do not match shape {shape} in the file"
             )
         total += numel * item
         _check_size(name, numel, shape, total, max_bytes)
-
-
-def _numel(name: str, shape: object) -> int:
-    if (
-        not isinstance(shape, list)
-        or len(shape) > 8
-        or not all(type(s) is int and 0 <= s < 1 << 48 for s in shape)
-    ):
-        raise LimitError(f"tensor {name!r}: shape {str(shape)[:60]} is not a list of sizes")
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def check_torch_zip(path: Path, max_bytes: int) -> None:
@@ -165,23 +174,6 @@ MAX_FEATURES = 1 << 40  # feature rows one item may declare
 MAX_INDEX = 1 << 31  # samples, frames, grid sides, parallel coordinates
 MAX_NAME = 64  # modality, layout, grammar name
 MAX_TEXT = 4096  # log path, creation time
-Valid = Callable[[object], bool]
-
-
-def _int(lo: int, hi: int) -> Valid:
-    return lambda v: type(v) is int and lo <= v < hi
-
-
-def _text(n: int) -> Valid:
-    return lambda v: isinstance(v, str) and len(v) <= n
-
-
-def _list(valid: Valid, most: int, *, exactly: bool = False) -> Valid:
-    return lambda v: (
-        isinstance(v, list)
-        and (len(v) == most if exactly else len(v) <= most)
-        and all(valid(x) for x in v)
-    )
 
 
 def _dict(v: object) -> bool:
@@ -257,7 +249,7 @@ _REPORT = {
 }
 _TENSOR = {
     "dtype": (_text(MAX_NAME), "a dtype name"),
-    "shape": (_list(_int(0, 1 << 48), 8), "a list of at most 8 sizes"),
+    "shape": (_SHAPE, "a list of at most 8 sizes"),
 }
 
 
