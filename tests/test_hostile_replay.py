@@ -72,8 +72,9 @@ def _st_huge_shape(d, meta, tensors):
     return _st_file(d, {"__metadata__": {FORMAT: json.dumps(meta)}, "input_ids": spec}, b"\0" * 8)
 
 
-def _st_deep_header(d, meta, tensors):
-    return _st_file(d, {"__metadata__": {FORMAT: "[" * 5000 + "]" * 5000}}, b"")
+def _st_metadata(text: str):
+    """A safetensors file of no tensors whose bundle metadata is ``text``."""
+    return lambda d, meta, tensors: _st_file(d, {"__metadata__": {FORMAT: text}}, b"")
 
 
 def _meta(mutate, drop: str | None = None):
@@ -111,7 +112,7 @@ HOSTILE_BUNDLES = {
     "zip_bomb": (_zip_bomb, "uncompressed"),
     "st_shape_past_the_file": (_st_huge_shape, "data offsets"),
     "st_header_length": (_bytes(lambda b: struct.pack("<Q", 1 << 60) + b"{}"), "header declares"),
-    "st_deep_metadata": (_st_deep_header, "invalid"),
+    "st_deep_metadata": (_st_metadata("[" * 5000 + "]" * 5000), "invalid"),
     "items_not_a_list": (_meta(lambda m: m.__setitem__("items", 5)), "items"),
     "num_features_str": (_item("num_features", "five"), "num_features"),
     "num_features_huge": (_item("num_features", 10**30), "num_features"),
@@ -133,7 +134,7 @@ HOSTILE_BUNDLES = {
     "truncated": (_bytes(lambda b: b[: len(b) // 2]), "not a readable bundle"),
     "empty": (_bytes(lambda b: b""), "not a media-guard bundle"),
     "garbage": (_bytes(lambda b: b"\x07garbage" * 8), "not a media-guard bundle"),
-    "bad_json": (lambda d, m, t: _st_file(d, {"__metadata__": {FORMAT: "{no"}}, b""), "invalid"),
+    "bad_json": (_st_metadata("{no"), "invalid"),
     "newer_schema": (_meta(lambda m: m.update(schema=2)), "schema 2"),
     "not_a_bundle": (_meta(lambda m: m.update(format="other")), "not a media_guard.bundle"),
     "missing_tensor": (_meta(lambda m: None, drop="input_ids"), "partial bundle"),
