@@ -199,8 +199,7 @@ def _read_payload(path: Path, max_bytes: int) -> tuple[str, dict[str, torch.Tens
             f"{path} is not a media-guard bundle: neither a torch zip nor a safetensors file "
             f"(it starts with {head[:16]!r})"
         )
-    st = _safetensors()
-    if st is None:
+    if _safetensors() is None:
         raise BundleError(
             f"{path} is a safetensors bundle; reading it needs the safetensors package "
             "(pip install safetensors)"
@@ -265,7 +264,7 @@ def load_bundle(path: str | os.PathLike[str], *, max_bytes: int | None = None) -
 
 
 def _from_meta(path: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> Bundle:
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    if meta.get("format") != FORMAT:  # check_meta: a dict
         raise BundleError(f"{path}: not a {FORMAT} (format {meta.get('format')!r})")
     schema = meta.get("schema")
     if schema != SCHEMA_VERSION:
