@@ -115,7 +115,6 @@ def save_bundle(
     tensors: dict[str, torch.Tensor] = {"input_ids": ids}
     if cu is not None:
         tensors["cu_seqlens"] = cu
-    rows = _feature_rows(features, items) if features is not None else None
     item_meta = []
     for i, it in enumerate(items):
         pix = None
@@ -125,13 +124,12 @@ def save_bundle(
             if saved:
                 tensors[f"pixels.{i}"] = _cpu(it.pixels)
         item_meta.append({**_fields_meta(it, _ITEM_FIELDS), "pixels": pix})
-    if rows is not None:
-        for i in bad_items:
-            tensors[f"features.{i}"] = _cpu(rows[i])
+    if features is not None:
+        rows = _feature_rows(features, items)
+        tensors.update({f"features.{i}": _cpu(rows[i]) for i in bad_items})
     r = rank or RankInfo()
-    log_path = None
-    if config is not None and config.log_dir is not None:
-        log_path = str(Path(config.log_dir) / file_name(r.rank))
+    log_dir = config.log_dir if config is not None else None
+    log_path = str(Path(log_dir) / file_name(r.rank)) if log_dir is not None else None
     meta = {
         "format": FORMAT,
         "schema": SCHEMA_VERSION,
