@@ -101,34 +101,33 @@ class GuardConfig:
     def with_env(self, environ: Mapping[str, str] | None = None) -> GuardConfig:
         """Overrides from ``MEDIA_GUARD_<FIELD>`` variables (lists comma-separated): here the
         environment wins over every field of ``self`` (the Megatron launcher's order)."""
-        env = os.environ if environ is None else environ
-        return _checked(env, lambda changes: replace(self, **changes), _env_changes(env, ()))
+        return _from_env(environ, (), lambda changes: replace(self, **changes))
 
 
-def _env_changes(env: Mapping[str, str], skip: Collection[str]) -> dict[str, object]:
-    """The fields ``env``'s ``MEDIA_GUARD_<FIELD>`` variables set (but ``skip``), parsed."""
+def _from_env(environ: Mapping[str, str] | None, skip: Collection[str], build):
+    """``build(changes)``: ``changes`` the fields but ``skip`` that ``MEDIA_GUARD_<FIELD>``
+    variables of ``environ`` (default ``os.environ``) set, parsed; an error names them."""
+    env = os.environ if environ is None else environ
     changes: dict[str, object] = {}
     for f in fields(GuardConfig):
         raw = env.get(f"MEDIA_GUARD_{f.name.upper()}")
         if raw is None or f.name in skip:
             continue
-        if f.name == "allowed_fidelity":
-            changes[f.name] = tuple(x.strip() for x in raw.split(",") if x.strip())
-        elif f.name == "ignore_index":
-            changes[f.name] = parse_int(f.name, raw)
-        elif f.name in ("fp8_multiple", "dump_max"):
-            changes[f.name] = None if raw.lower() in ("", "none") else parse_int(f.name, raw)
-        elif f.name in ("fp8", "dump_pixels", "dump_features"):
-            changes[f.name] = parse_bool(f.name, raw, allow_none=f.name == "fp8")
-        elif f.name in ("log_dir", "dump_dir"):
-            changes[f.name] = raw or None  # set but empty: off
-        else:
-            changes[f.name] = raw
-    return changes
-
-
-def _checked(env: Mapping[str, str], build, changes: dict[str, object]):
-    """``build(changes)``; a MediaInputError it raises names the variables it came from."""
+        try:
+            if f.name == "allowed_fidelity":
+                changes[f.name] = tuple(x.strip() for x in raw.split(",") if x.strip())
+            elif f.name == "ignore_index":
+                changes[f.name] = parse_int(f.name, raw)
+            elif f.name in ("fp8_multiple", "dump_max"):
+                changes[f.name] = None if raw.lower() in ("", "none") else parse_int(f.name, raw)
+            elif f.name in ("fp8", "dump_pixels", "dump_features"):
+                changes[f.name] = parse_bool(f.name, raw, allow_none=f.name == "fp8")
+            elif f.name in ("log_dir", "dump_dir"):
+                changes[f.name] = raw or None  # set but empty: off
+            else:
+                changes[f.name] = raw
+        except MediaInputError as err:
+            raise err.with_context("GuardConfig from the environment: ") from None
     try:
         return build(changes)
     except MediaInputError as err:
@@ -149,13 +148,8 @@ def _init_with_env(
 ) -> None:
     """``GuardConfig(...)`` reading ``environ`` (default ``os.environ``; ``{}``: none) for the
     fields not given."""
-    env = os.environ if environ is None else environ
     given = {f.name for f in fields(GuardConfig)[: len(args)]} | set(kwargs)
-    try:
-        changes = _env_changes(env, given)
-    except MediaInputError as err:
-        raise err.with_context("GuardConfig from the environment: ") from None
-    _checked(env, lambda ch: _dataclass_init(self, *args, **kwargs, **ch), changes)
+    _from_env(environ, given, lambda ch: _dataclass_init(self, *args, **kwargs, **ch))
 
 
 GuardConfig.__init__ = _init_with_env  # type: ignore[method-assign]

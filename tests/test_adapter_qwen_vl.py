@@ -309,7 +309,7 @@ def test_items_that_contradict_the_grids_are_input_errors(what, match):
 
 
 def test_replay_bundle_of_a_mismatched_batch(family, tmp_path):
-    from megatron_media_guard.replay.bundle_load import load_bundle
+    from megatron_media_guard.replay.bundle import load_bundle
 
     _, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
     model = model_for(family)

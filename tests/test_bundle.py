@@ -27,9 +27,8 @@ from megatron_media_guard import (
 )
 from megatron_media_guard.cli import main
 from megatron_media_guard.diagnostics import RankInfo
-from megatron_media_guard.replay import bundle_load, bundle_save
-from megatron_media_guard.replay.bundle import FORMAT, BundleError, report_summary
-from megatron_media_guard.replay.bundle_load import load_bundle
+from megatron_media_guard.replay import bundle, bundle_save
+from megatron_media_guard.replay.bundle import FORMAT, BundleError, load_bundle, report_summary
 from megatron_media_guard.replay.bundle_save import save_bundle
 from megatron_media_guard.replay.rerun import replay
 from megatron_media_guard.testing import TEST_GRAMMARS, build_batch, inject, random_layout
@@ -46,7 +45,7 @@ def backend(request, monkeypatch):
     """Every bundle test runs with safetensors and with the torch.save fallback."""
     if request.param == "torch":
         monkeypatch.setattr(bundle_save, "_safetensors", lambda: None)
-        monkeypatch.setattr(bundle_load, "_safetensors", lambda: None)
+        monkeypatch.setattr(bundle, "_safetensors", lambda: None)
     return request.param
 
 
@@ -74,6 +73,10 @@ def packed_batch(ids_dtype=torch.long, pixel_dtype=torch.bfloat16):
         MediaItem(6, 1, "video", 17, 4, (28, 28), video, "qwen_patches", (2, 1, 3), (480, 640)),
     )
     return ids, cu, items
+
+
+def _names(d):
+    return sorted(p.name for p in d.iterdir()) if d.exists() else []
 
 
 def check_report(ids, items, cu=None):
@@ -133,16 +136,20 @@ def test_include_pixels_false_and_no_pixels(tmp_path, backend):
     assert p.name == "media_guard.rank00000.stepna.mbna.bundle"
 
 
-def test_never_overwrites_a_bundle(tmp_path, backend):
+@pytest.mark.parametrize("hard_links", [True, False])
+def test_never_overwrites_a_bundle(tmp_path, backend, monkeypatch, hard_links):
+    """With hard links (atomic, never overwrites) or without (check, then rename)."""
+    if not hard_links:
+        monkeypatch.setattr(os, "link", mock.Mock(side_effect=OSError(1, "Not permitted")))
     ids, cu, items = packed_batch()
     kw = dict(input_ids=ids, items=items, grammar=Q, cu_seqlens=cu, rank=RANK, step=5)
     first = save_bundle(tmp_path, microbatch=0, **kw)
     before = first.read_bytes()
     second = save_bundle(tmp_path, microbatch=0, **kw)
     assert second != first and second.name == "media_guard.rank00003.step5.mb0.1.bundle"
-    assert first.read_bytes() == before
+    assert first.read_bytes() == before and torch.equal(load_bundle(second).input_ids, ids)
     assert save_bundle(tmp_path, microbatch=0, max_bundles=2, **kw) is None
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, second.name])
+    assert _names(tmp_path) == sorted([first.name, second.name])
 
 
 # ---- replay parity with the live raise -----------------------------------------------------
@@ -225,7 +232,7 @@ def test_replay_exit_codes(tmp_path, capsys, backend):
 def test_safetensors_bundle_without_safetensors_says_so(tmp_path, monkeypatch):
     ids, cu, items = packed_batch()
     path = save_bundle(tmp_path, input_ids=ids, items=items, grammar=Q, cu_seqlens=cu)
-    monkeypatch.setattr(bundle_load, "_safetensors", lambda: None)
+    monkeypatch.setattr(bundle, "_safetensors", lambda: None)
     with pytest.raises(BundleError, match="pip install safetensors"):
         load_bundle(path)
 
@@ -270,10 +277,6 @@ def test_malicious_pickle_is_refused_not_run(tmp_path):
 
 
 # ---- atomic writes, I/O errors and bad arguments --------------------------------------------
-def _names(d):
-    return sorted(p.name for p in d.iterdir()) if d.exists() else []
-
-
 def _half_written(real):
     def half(tmp, text, tensors):
         real(tmp, text, tensors)
@@ -306,15 +309,6 @@ def test_io_failures_return_none_and_leave_nothing(tmp_path, monkeypatch, log_re
     assert not (tmp_path / "dumps").is_dir() or _names(tmp_path / "dumps") == []
     if fault == "mid_write":
         assert "No space left on device" in log_records.text
-
-
-def test_no_hard_links_falls_back_to_rename(tmp_path, monkeypatch):
-    ids, _cu, items = packed_batch()
-    monkeypatch.setattr(os, "link", mock.Mock(side_effect=OSError(1, "Operation not permitted")))
-    first = save_bundle(tmp_path, input_ids=ids, items=items, grammar=Q, step=1)
-    second = save_bundle(tmp_path, input_ids=ids, items=items, grammar=Q, step=1)
-    assert _names(tmp_path) == sorted([first.name, second.name]) and first != second
-    assert torch.equal(load_bundle(second).input_ids, ids)
 
 
 BAD_ARGS = {

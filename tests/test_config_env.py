@@ -117,28 +117,22 @@ def test_the_readme_way_writes_where_the_variable_says(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "kwargs, missing",
+    "policy, kwargs, missing",
     [
-        ({}, "without geometry and encoder"),
-        ({"encoder": object()}, "without geometry:"),
-        ({"geometry": object(), "encoder": object()}, None),
-        ({"geometry": object()}, None),  # the encoder may come with each merge / the model
+        ("repair", {}, "without geometry and encoder"),
+        ("repair", {"encoder": object()}, "without geometry:"),
+        ("repair", {"geometry": object(), "encoder": object()}, None),
+        ("repair", {"geometry": object()}, None),  # the encoder may come with each merge
+        ("drop", {}, None),  # other policies never warn
     ],
 )
-def test_repair_without_geometry_warns_at_construction(kwargs, missing):
+def test_repair_without_geometry_warns_at_construction(policy, kwargs, missing):
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        MediaGuard(GuardConfig(policy="repair", environ={}), Grammar.qwen2_vl(), **kwargs)
-    msgs = [str(w.message) for w in seen if "policy='repair'" in str(w.message)]
+        MediaGuard(GuardConfig(policy=policy, environ={}), Grammar.qwen2_vl(), **kwargs)
+    msgs = [str(w.message) for w in seen if "repair" in str(w.message)]
     if missing is None:
         assert msgs == []
     else:
         assert len(msgs) == 1 and missing in msgs[0] and "fallback ('drop')" in msgs[0], msgs
         assert seen[0].filename == __file__  # points at the caller's line
-
-
-def test_other_policies_never_warn():
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        MediaGuard(GuardConfig(policy="drop", environ={}), Grammar.qwen2_vl())
-    assert not [w for w in seen if "repair" in str(w.message)]

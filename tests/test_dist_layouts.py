@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 from dist_harness import run_ranks
+from family_checks import records
 
 from megatron_media_guard.geometry import Solution
 
@@ -182,11 +182,6 @@ def _stages(results):
     return stages
 
 
-def _records(log_root: Path, scenario: str, rank: int) -> list[dict]:
-    path = log_root / scenario / f"media_guard.rank{rank:05d}.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-
-
 def _assert_all_raise(results, scenario, culprit_of, error="MediaAlignmentError"):
     for ranks, members in _stages(results).items():
         culprit = culprit_of(ranks, members)
@@ -229,10 +224,8 @@ def test_layout_consensus(layout, tmp_path):
     for r in results:
         o = sc(r, "aligned")
         assert o["error"] is None and o["collectives"] == [1], o
-        assert not [
-            x for x in _records(tmp_path, "aligned", r["rank"]) if x["event"] == "consensus"
-        ]
-        # every rank of a micro-batch group (and the first/last stage pair) holds one digest
+    assert not [x for x in records(tmp_path / "aligned") if x["event"] == "consensus"]
+    # every rank of a micro-batch group (and the first/last stage pair) holds one digest
     by_dp: dict[int, set] = {}
     for r in results:
         by_dp.setdefault(r["dp"], set()).add(sc(r, "aligned")["digests"][0])
@@ -256,13 +249,10 @@ def test_layout_consensus(layout, tmp_path):
     # the encoder fails on rank 1 only: its sample falls back to raise; the stage raises with it.
     # The last stage has no encoder (it assumes the repair succeeded): it does not raise.
     _assert_all_raise(results, "encoder_fault", _min_rank(lambda m: m["rank"] == 1))
-    for r in results:
-        o = sc(r, "encoder_fault")
-        if r["rank"] == 1:
-            assert "re-encoding failed" in json.dumps(_records(tmp_path, "encoder_fault", 1))
-        if o["error"]:
-            recs = _records(tmp_path, "encoder_fault", r["rank"])
-            assert any(x["event"] == "consensus" for x in recs), r["rank"]
+    recs = records(tmp_path / "encoder_fault")
+    assert "re-encoding failed" in json.dumps([x for x in recs if x["rank"] == 1])
+    raised = {r["rank"] for r in results if sc(r, "encoder_fault")["error"]}
+    assert raised <= {x["rank"] for x in recs if x["event"] == "consensus"}, raised
 
     # one rank with different item metadata: the digest catches it (not on PP: a stage's
     # ranks all hold different micro-batches there, nobody to compare with)
@@ -279,5 +269,7 @@ def test_layout_consensus(layout, tmp_path):
         assert o["error"] == "DropBudgetExceeded", o
         assert o["step"] == step0 + 1 and "4 of 8 samples" in o["message"], o["message"]
         assert o["context"]["fraction"] == 0.5 and o["context"]["limit"] == 0.3
-        recs = _records(tmp_path, "budget", r["rank"])
-        assert [x["step"] for x in recs if x["event"] == "budget"] == [step0 + 1]
+    tripped = [
+        (x["rank"], x["step"]) for x in records(tmp_path / "budget") if x["event"] == "budget"
+    ]
+    assert sorted(tripped) == [(r, step0 + 1) for r in range(4)]  # one record per rank

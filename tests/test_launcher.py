@@ -270,7 +270,7 @@ class TinyMimo(torch.nn.Module):
 
 def test_dump_dir_reaches_the_guard_and_a_mismatch_writes_a_bundle(tmp_path):
     from megatron_media_guard import MediaItem
-    from megatron_media_guard.replay.bundle_load import load_bundle
+    from megatron_media_guard.replay.bundle import load_bundle
 
     mimo = TinyMimo()
     argv = ["--media-guard-policy", "drop", "--media-guard-dump-dir", str(tmp_path)]

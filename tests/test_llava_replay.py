@@ -16,7 +16,7 @@ from test_adapter_llava import CROSS, LAYOUT, TOK, TinyLLaVA, call, guard_for, m
 from megatron_media_guard import Grammar, MediaAlignmentError, MediaItem
 from megatron_media_guard.adapters import install_llava
 from megatron_media_guard.core.alignment import Status, check_alignment
-from megatron_media_guard.replay.bundle_load import load_bundle
+from megatron_media_guard.replay.bundle import load_bundle
 from megatron_media_guard.replay.rerun import replay
 
 

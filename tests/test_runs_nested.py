@@ -156,7 +156,7 @@ def test_property_structured_rows(seed, corrupt, packed):
 
 def test_a_replay_bundle_keeps_the_inner_pairs(tmp_path):
     from megatron_media_guard import MediaItem
-    from megatron_media_guard.replay.bundle_load import load_bundle
+    from megatron_media_guard.replay.bundle import load_bundle
     from megatron_media_guard.replay.bundle_save import save_bundle
 
     ids = torch.tensor([[T, VS, AS, VID, AUD, AE, VE]])

@@ -35,7 +35,6 @@ COUNTERS = ("samples", "mismatched", "dropped", "repaired")
 
 
 def dist_ready() -> bool:
-    """True when torch.distributed is available and a default process group exists."""
     return dist.is_available() and dist.is_initialized()
 
 
@@ -206,27 +205,26 @@ class StageConsensus:
         """One all-reduce over the stage; ConsensusError on a plan disagreement; a fatal rank
         makes the outcome fatal on every rank."""
         self.totals["merges"] += 1
-        if not self.active or self.stage_size == 1:
-            for k in COUNTERS:
-                self.totals[k] += local.num_samples if k == "samples" else getattr(local, k)
-            return StageOutcome.local(local, self.rank)
-        checks = check_values(local.digest, self.group_id, local.step, local.microbatch, self._coef)
         counts = [local.num_samples, local.mismatched, local.dropped, local.repaired]
+        if not self.active or self.stage_size == 1:
+            for k, v in zip(COUNTERS, counts):
+                self.totals[k] += v
+            return StageOutcome.local(local, self.rank)
+        start = self.collectives
+        checks = check_values(local.digest, self.group_id, local.step, local.microbatch, self._coef)
         vals = self._all_reduce([*checks, *counts, int(local.fatal)], dist.ReduceOp.SUM)
-        calls = 1
         summed = dict(zip(_FIELDS, vals))
-        for k in COUNTERS:
+        for k in COUNTERS:  # each micro-batch group's ranks all counted the same micro-batch
             self.totals[k] += summed[k] // self.batch_size
         stage = {k: summed[k] // self.batch_size for k in ("mismatched", "dropped", "repaired")}
         if not (summed["fatal"] or summed["check0"] or summed["check1"]):
-            return StageOutcome(fatal=False, collectives=calls, **stage)
+            return StageOutcome(fatal=False, collectives=1, **stage)
         rows = self._gather(local)
-        calls += 1
         disagree = _disagreements(rows)
         fatal = [r for r in rows if r["fatal"]]
         if not fatal:
             msg, culprits = _disagreement_message(disagree, local)
-            self._record(local, "raise", msg, rows, culprits, None)
+            self._record(local, msg, rows, culprits, None)
             raise ConsensusError(
                 msg, context={"culprit_rank": culprits[0], "disagreeing_ranks": culprits}
             )
@@ -236,7 +234,6 @@ class StageConsensus:
             got, src=culprit["rank"], group=self.stage_group, device=self.device
         )
         self.collectives += 1
-        calls += 1
         message = got[0] or f"rank {culprit['rank']} reported a fatal alignment error"
         if disagree:
             note, _ = _disagreement_message(disagree, local)
@@ -249,7 +246,7 @@ class StageConsensus:
             + "); the stage stops with it: "
             + (lines[1].strip() if len(lines) > 1 else lines[0])
         )
-        self._record(local, "raise", reason, rows, [r["rank"] for r in fatal], got[1])
+        self._record(local, reason, rows, [r["rank"] for r in fatal], got[1])
         return StageOutcome(
             fatal=True,
             culprit_rank=culprit["rank"],
@@ -257,7 +254,7 @@ class StageConsensus:
             culprit_step=_none(culprit["step"]),
             message=message,
             culprit_fault="call" if culprit["fatal"] == _FATAL_CODE["call"] else "data",
-            collectives=calls,
+            collectives=self.collectives - start,
             **stage,
         )
 
@@ -279,9 +276,7 @@ class StageConsensus:
     # ---- collectives ----------------------------------------------------------------
 
     def _all_reduce(self, values: Sequence[int], op: Any, group: Any = None) -> list[int]:
-        t = torch.tensor(values, dtype=torch.int64)
-        if self.device is not None:
-            t = t.to(self.device)
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=op, group=group if group is not None else self.stage_group)
         self.collectives += 1
         return (t if self.device is None else to_host(t, why="stage consensus")).tolist()
@@ -305,7 +300,7 @@ class StageConsensus:
         flat = flat if self.device is None else to_host(flat, why="stage consensus table")
         return sorted((dict(zip(_ROW, r)) for r in flat.tolist()), key=lambda r: r["rank"])
 
-    def _record(self, local, action, message, rows, culprits, culprit_record) -> None:
+    def _record(self, local, message, rows, culprits, culprit_record) -> None:
         log = self.log or DiagnosticsLog(None, self.rank_info())
         log.emit(
             GuardRecord(
@@ -313,7 +308,7 @@ class StageConsensus:
                 step=local.step,
                 microbatch=local.microbatch,
                 sample=local.fatal_sample if local.fatal else None,
-                action=action,
+                action="raise",
                 reason=message.splitlines()[0][:600],
                 extra={
                     "culprit_ranks": culprits,

@@ -29,12 +29,16 @@ def default_consensus() -> StageConsensus | None:
         cons, source = StageConsensus.from_parallel_state(), "megatron-core parallel_state"
     else:
         cons, source = StageConsensus(), "the world group (parallel_state is not initialized)"
-    _announce(
-        source,
-        f"[media-guard] torch.distributed is initialized: every guarded merge is agreed over "
-        f"{source}, stage of {cons.stage_size} rank(s); pass consensus=False to decide per "
-        "rank alone",
-    )
+    with _LOCK:  # once per process and source
+        first = source not in _ANNOUNCED
+        _ANNOUNCED.add(source)
+    if first:
+        get_logger().info(
+            "[media-guard] torch.distributed is initialized: every guarded merge is agreed over "
+            "%s, stage of %d rank(s); pass consensus=False to decide per rank alone",
+            source,
+            cons.stage_size,
+        )
     return cons
 
 
@@ -51,14 +55,6 @@ class ProcessRank:
         if key != self._key:
             self._info, self._key = process_rank_info(), key
         return self._info
-
-
-def _announce(key: str, line: str) -> None:
-    with _LOCK:
-        if key in _ANNOUNCED:
-            return
-        _ANNOUNCED.add(key)
-    get_logger().info("%s", line)
 
 
 # one ProcessRank for the process: its cache follows torch.distributed / parallel_state

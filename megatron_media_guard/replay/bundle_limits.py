@@ -13,10 +13,11 @@ The JSON description (:func:`check_meta`): each field's type and size, a wrong o
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 DEFAULT_MAX_BYTES = 1 << 30
@@ -33,6 +34,28 @@ _ST_SIZES = {
     **dict.fromkeys(("I32", "U32", "F32"), 4),
     **dict.fromkeys(("I64", "U64", "F64"), 8),
 }
+
+
+Valid = Callable[[object], bool]
+
+
+def _int(lo: int, hi: int) -> Valid:
+    return lambda v: type(v) is int and lo <= v < hi
+
+
+def _text(n: int) -> Valid:
+    return lambda v: isinstance(v, str) and len(v) <= n
+
+
+def _list(valid: Valid, most: int, *, exactly: bool = False) -> Valid:
+    return lambda v: (
+        isinstance(v, list)
+        and (len(v) == most if exactly else len(v) <= most)
+        and all(valid(x) for x in v)
+    )
+
+
+_SHAPE = _list(_int(0, 1 << 48), 8)
 
 
 class LimitError(ValueError):
@@ -89,31 +112,17 @@ def check_safetensors(path: Path, max_bytes: int) -> None:
         item = _ST_SIZES.get(dtype) if isinstance(dtype, str) else None
         if item is None:
             raise LimitError(f"tensor {name!r}: unknown dtype {str(dtype)[:20]!r}")
-        numel = _numel(name, shape)
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(type(o) is int and 0 <= o <= data for o in offsets)
-            or offsets[1] - offsets[0] != numel * item
+        if not _SHAPE(shape):
+            raise LimitError(f"tensor {name!r}: shape {str(shape)[:60]} is not a list of sizes")
+        numel = math.prod(shape)
+        if not _list(_int(0, data + 1), 2, exactly=True)(offsets) or (
+            offsets[1] - offsets[0] != numel * item
         ):
             raise LimitError(
                 f"tensor {name!r}: data offsets do not match shape {shape} in the file"
             )
         total += numel * item
         _check_size(name, numel, shape, total, max_bytes)
-
-
-def _numel(name: str, shape: object) -> int:
-    if (
-        not isinstance(shape, list)
-        or len(shape) > 8
-        or not all(type(s) is int and 0 <= s < 1 << 48 for s in shape)
-    ):
-        raise LimitError(f"tensor {name!r}: shape {str(shape)[:60]} is not a list of sizes")
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def check_torch_zip(path: Path, max_bytes: int) -> None:
@@ -167,31 +176,80 @@ MAX_NAME = 64  # modality, layout, grammar name
 MAX_TEXT = 4096  # log path, creation time
 
 
-def _int(v: object, lo: int, hi: int) -> bool:
-    return type(v) is int and lo <= v < hi
+def _dict(v: object) -> bool:
+    return isinstance(v, dict)
 
 
-def _text(n: int):
-    return lambda v: isinstance(v, str) and len(v) <= n
+def _or_null(valid: Valid) -> Valid:
+    return lambda v: v is None or valid(v)
 
 
-def _ints_or_none(n: int):
-    return lambda v: (
-        v is None or (isinstance(v, list) and len(v) == n and all(_int(x, 0, 1 << 31) for x in v))
+_TOKEN = _int(-(1 << 63), 1 << 63)
+_INDEX = (_or_null(_int(0, MAX_INDEX)), f"an int in [0, {MAX_INDEX}) or null")
+_NAME = (_text(MAX_NAME), f"a string of at most {MAX_NAME} characters")
+_PAIRS = (_list(_list(_TOKEN, 2, exactly=True), 16), "a list of [start, end] token id pairs")
+_COUNT = (_or_null(_int(0, 1 << 62)), "an int >= 0 or null")
+_TEXT = (_or_null(_text(MAX_TEXT)), f"a string of at most {MAX_TEXT} characters or null")
+_OBJECT = (_or_null(_dict), "an object or null")
+
+
+def _sizes(n: int) -> tuple[Valid, str]:
+    return _or_null(_list(_int(0, 1 << 31), n, exactly=True)), f"a list of {n} ints >= 0 or null"
+
+
+# each object's keys -> (valid, what it must be), checked where present; the keys a bundle
+# written before they existed lacks take their defaults
+_META = {
+    "step": _COUNT,
+    "microbatch": _COUNT,
+    "log_path": _TEXT,
+    "created": _TEXT,
+    "config": _OBJECT,
+}
+_ITEM = {
+    "num_features": (_int(0, MAX_FEATURES), f"an int in [0, {MAX_FEATURES})"),
+    "sample": _INDEX,
+    "num_frames": _INDEX,
+    "modality": _NAME,
+    "layout": _NAME,
+    "frame_hw": _sizes(2),
+    "source_hw": _sizes(2),
+    "grid_thw": _sizes(3),
+    "pixels": _OBJECT,
+}
+_GRAMMAR = {
+    "placeholders": (
+        lambda v: _dict(v) and 0 < len(v) <= 64,
+        "an object of modality -> token id",
+    ),
+    "start_id": (_or_null(_TOKEN), "an int or null"),
+    "end_id": (_or_null(_TOKEN), "an int or null"),
+    "break_ids": (_list(_TOKEN, 64), "a list of token ids"),
+    "collapsed": (lambda v: isinstance(v, bool), "true or false"),
+    "name": _NAME,
+    "regions": _PAIRS,
+    "inner": _PAIRS,
+    "aliases": (
+        lambda v: (
+            _dict(v)
+            and len(v) <= 64
+            and all(map(_NAME[0], v))
+            and all(isinstance(x, str) for x in v.values())
+        ),
+        "an object of modality -> modality",
+    ),
+}
+_GRAMMAR_REQUIRED = ("placeholders", "break_ids", "collapsed", "name")
+_RANK = dict.fromkeys(("rank", "tp", "pp", "dp", "cp"), _INDEX)
+_REPORT = {
+    "mismatched": (
+        _list(lambda m: _dict(m) and _int(0, MAX_INDEX)(m.get("sample")), MAX_ITEMS),
+        "a list of objects with a sample: int >= 0",
     )
-
-
-_INDEX = f"an int in [0, {MAX_INDEX}) or null"
-_NAME = f"a string of at most {MAX_NAME} characters"
-_ITEM_KEYS = {  # key -> (valid, what it must be)
-    "num_features": (lambda v: _int(v, 0, MAX_FEATURES), f"an int in [0, {MAX_FEATURES})"),
-    "sample": (lambda v: v is None or _int(v, 0, MAX_INDEX), _INDEX),
-    "num_frames": (lambda v: v is None or _int(v, 0, MAX_INDEX), _INDEX),
-    "modality": (_text(MAX_NAME), _NAME),
-    "layout": (_text(MAX_NAME), _NAME),
-    "frame_hw": (_ints_or_none(2), "a list of 2 ints >= 0 or null"),
-    "source_hw": (_ints_or_none(2), "a list of 2 ints >= 0 or null"),
-    "grid_thw": (_ints_or_none(3), "a list of 3 ints >= 0 or null"),
+}
+_TENSOR = {
+    "dtype": (_text(MAX_NAME), "a dtype name"),
+    "shape": (_SHAPE, "a list of at most 8 sizes"),
 }
 
 
@@ -202,110 +260,33 @@ def _fail(where: str, value: object, want: str) -> LimitError:
     return LimitError(f"{where}: expected {want}, got {shown[:40]}")
 
 
+def _check_object(
+    where: str, obj: object, keys: Mapping[str, tuple[Valid, str]], required=(), want="an object"
+) -> None:
+    if not isinstance(obj, dict):
+        raise _fail(where, obj, want)
+    for key, (valid, what) in keys.items():
+        if (key in obj or key in required) and not valid(obj.get(key)):
+            raise _fail(f"{where}.{key}", obj.get(key), what)
+
+
 def check_meta(meta: object) -> None:
     """Raises :class:`LimitError` naming the first field of the wrong type or size."""
-    if not isinstance(meta, dict):
-        raise _fail("metadata", meta, "a JSON object")
-    for key in ("step", "microbatch"):
-        v = meta.get(key)
-        if v is not None and not _int(v, 0, 1 << 62):
-            raise _fail(key, v, "an int >= 0 or null")
-    for key in ("log_path", "created"):
-        v = meta.get(key)
-        if v is not None and not _text(MAX_TEXT)(v):
-            raise _fail(key, v, f"a string of at most {MAX_TEXT} characters or null")
-    _check_tensors(meta.get("tensors"))
-    _check_items(meta.get("items"))
-    _check_grammar(meta.get("grammar"))
-    _check_rank(meta.get("rank"))
-    config = meta.get("config")
-    if config is not None and not isinstance(config, dict):
-        raise _fail("config", config, "an object or null")
-    _check_report(meta.get("report"))
-
-
-def _check_tensors(tensors: object) -> None:
+    _check_object("metadata", meta, _META, want="a JSON object")
+    tensors = meta.get("tensors")
     if not isinstance(tensors, dict):
         raise _fail("tensors", tensors, "an object of name -> {dtype, shape}")
     for name, spec in tensors.items():
-        if not (
-            isinstance(spec, dict)
-            and isinstance(spec.get("dtype"), str)
-            and isinstance(spec.get("shape"), list)
-            and all(_int(s, 0, 1 << 48) for s in spec["shape"])
-        ):
-            raise _fail(f"tensors[{name[:40]!r}]", spec, "{dtype: str, shape: [int, ...]}")
-
-
-def _check_items(items: object) -> None:
+        _check_object(f"tensors[{name[:40]!r}]", spec, _TENSOR, required=_TENSOR)
+    items = meta.get("items")
     if not isinstance(items, list) or len(items) > MAX_ITEMS:
         raise _fail("items", items, f"a list of at most {MAX_ITEMS:,} objects")
     for i, item in enumerate(items):
-        if not isinstance(item, dict):
-            raise _fail(f"items[{i}]", item, "an object")
-        for key, (valid, want) in _ITEM_KEYS.items():
-            if key in item and not valid(item[key]):
-                raise _fail(f"items[{i}].{key}", item[key], want)
-        pixels = item.get("pixels")
-        if pixels is not None and not isinstance(pixels, dict):
-            raise _fail(f"items[{i}].pixels", pixels, "an object or null")
-
-
-def _check_grammar(g: object) -> None:
-    if not isinstance(g, dict):
-        raise _fail("grammar", g, "an object")
-    ph = g.get("placeholders")
-    if not isinstance(ph, dict) or not ph or len(ph) > 64:
-        raise _fail("grammar.placeholders", ph, "an object of modality -> token id")
-    for key in ("start_id", "end_id"):
-        if g.get(key) is not None and type(g.get(key)) is not int:
-            raise _fail(f"grammar.{key}", g.get(key), "an int or null")
-    breaks = g.get("break_ids")
-    if not isinstance(breaks, list) or len(breaks) > 64:
-        raise _fail("grammar.break_ids", breaks, "a list of token ids")
-    if not isinstance(g.get("collapsed"), bool):
-        raise _fail("grammar.collapsed", g.get("collapsed"), "true or false")
-    if not _text(MAX_NAME)(g.get("name")):
-        raise _fail("grammar.name", g.get("name"), _NAME)
-    for key in ("regions", "inner"):  # absent in bundles written before they existed
-        pairs = g.get(key, [])
-        if (
-            not isinstance(pairs, list)
-            or len(pairs) > 16
-            or not all(
-                isinstance(p, list) and len(p) == 2 and all(type(t) is int for t in p)
-                for p in pairs
-            )
-        ):
-            raise _fail(f"grammar.{key}", pairs, "a list of [start, end] token id pairs")
-    aliases = g.get("aliases", {})
-    if (
-        not isinstance(aliases, dict)
-        or len(aliases) > 64
-        or not all(
-            isinstance(k, str) and isinstance(v, str) and len(k) <= MAX_NAME
-            for k, v in aliases.items()
-        )
-    ):
-        raise _fail("grammar.aliases", aliases, "an object of modality -> modality")
-
-
-def _check_rank(rank: object) -> None:
-    if rank is None:
-        return
-    if not isinstance(rank, dict) or not set(rank) <= {"rank", "tp", "pp", "dp", "cp"}:
+        _check_object(f"items[{i}]", item, _ITEM)
+    _check_object("grammar", meta.get("grammar"), _GRAMMAR, _GRAMMAR_REQUIRED)
+    rank = meta.get("rank")
+    if rank is not None and not (_dict(rank) and set(rank) <= set(_RANK)):
         raise _fail("rank", rank, "an object with keys rank/tp/pp/dp/cp")
-    for key, v in rank.items():
-        if v is not None and not _int(v, 0, MAX_INDEX):
-            raise _fail(f"rank.{key}", v, "an int >= 0 or null")
-
-
-def _check_report(report: object) -> None:
-    if not isinstance(report, Mapping):
-        raise _fail("report", report, "an object")
-    bad = report.get("mismatched", [])
-    if not isinstance(bad, list):
-        raise _fail("report.mismatched", bad, "a list")
-    for i, m in enumerate(bad):
-        if not isinstance(m, dict) or not _int(m.get("sample"), 0, MAX_INDEX):
-            raise _fail(f"report.mismatched[{i}].sample", m, "an int >= 0")
+    if rank is not None:
+        _check_object("rank", rank, _RANK)
+    _check_object("report", meta.get("report"), _REPORT)

@@ -39,33 +39,19 @@ from .bundle import (
 
 
 def _check_args(input_ids, items, grammar, cu_seqlens, config, rank, step, microbatch, report):
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() not in (1, 2):
-        raise MediaInputError(f"input_ids must be a [b, s] tensor, got {_shape_or_type(input_ids)}")
-    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-        raise MediaInputError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
+    """The types; the ids' and ``cu_seqlens``' shapes and dtypes are TokenLayout's to check."""
     bad = [i for i, it in enumerate(items) if not isinstance(it, MediaItem)]
     if bad:
         raise MediaInputError(f"items must be MediaItem, item {bad[0]} is {type(items[bad[0]])}")
-    if cu_seqlens is not None and (
-        not isinstance(cu_seqlens, torch.Tensor)
-        or cu_seqlens.dim() != 1
-        or cu_seqlens.is_floating_point()
-    ):
-        raise MediaInputError(
-            f"cu_seqlens must be a 1-D integer tensor, got {_shape_or_type(cu_seqlens)}"
-        )
-    typed = (("grammar", grammar, Grammar), ("config", config, GuardConfig))
+    typed = (("input_ids", input_ids, torch.Tensor), ("cu_seqlens", cu_seqlens, torch.Tensor))
+    typed += (("grammar", grammar, Grammar), ("config", config, GuardConfig))
     typed += (("rank", rank, RankInfo), ("report", report, AlignmentReport))
     for name, v, cls in typed:
-        if (v is not None or name == "grammar") and not isinstance(v, cls):
+        if (v is not None or name in ("input_ids", "grammar")) and not isinstance(v, cls):
             raise MediaInputError(f"{name} must be a {cls.__name__}, got {type(v).__name__}")
     for name, v in (("step", step), ("microbatch", microbatch)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             raise MediaInputError(f"{name} must be an int >= 0 or None, got {v!r}")
-
-
-def _shape_or_type(x: object) -> str:
-    return str(tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
 
 
 def _feature_rows(features, items: Sequence[MediaItem]) -> list[torch.Tensor]:
@@ -120,15 +106,15 @@ def save_bundle(
     _check_args(input_ids, items, grammar, cu_seqlens, config, rank, step, microbatch, report)
     ids = _cpu(input_ids)
     cu = _cpu(cu_seqlens) if cu_seqlens is not None else None
+    lay = TokenLayout(ids, grammar, cu)  # refuses ids or offsets no replay could read
     if report is None:
-        report = align(parse_layout(TokenLayout(ids, grammar, cu)), items)
+        report = align(parse_layout(lay), items)
     elif report.num_items != len(items):
         raise MediaInputError(f"report covers {report.num_items} items, {len(items)} given")
     bad_items = sorted({i for r in report.mismatched for i in r.items} | set(report.orphans))
     tensors: dict[str, torch.Tensor] = {"input_ids": ids}
     if cu is not None:
         tensors["cu_seqlens"] = cu
-    rows = _feature_rows(features, items) if features is not None else None
     item_meta = []
     for i, it in enumerate(items):
         pix = None
@@ -138,13 +124,12 @@ def save_bundle(
             if saved:
                 tensors[f"pixels.{i}"] = _cpu(it.pixels)
         item_meta.append({**_fields_meta(it, _ITEM_FIELDS), "pixels": pix})
-    if rows is not None:
-        for i in bad_items:
-            tensors[f"features.{i}"] = _cpu(rows[i])
+    if features is not None:
+        rows = _feature_rows(features, items)
+        tensors.update({f"features.{i}": _cpu(rows[i]) for i in bad_items})
     r = rank or RankInfo()
-    log_path = None
-    if config is not None and config.log_dir is not None:
-        log_path = str(Path(config.log_dir) / file_name(r.rank))
+    log_dir = config.log_dir if config is not None else None
+    log_path = str(Path(log_dir) / file_name(r.rank)) if log_dir is not None else None
     meta = {
         "format": FORMAT,
         "schema": SCHEMA_VERSION,

@@ -25,8 +25,7 @@ from ..diagnostics import where_text
 from ..diagnostics.records import one_line
 from ..diagnostics.report_format import neutralise
 from ..errors import MediaGuardError
-from .bundle import BundleError, _json_default, report_summary
-from .bundle_load import Bundle, load_bundle
+from .bundle import Bundle, BundleError, _json_default, load_bundle, report_summary
 
 EXIT_ALIGNED, EXIT_MISMATCH, EXIT_BAD_BUNDLE = 0, 1, 2
 
