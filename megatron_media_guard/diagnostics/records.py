@@ -194,11 +194,9 @@ def _repr(value: object) -> str:
 
 
 def _ints(value: object) -> list[int] | None:
-    if not isinstance(value, list):
-        return None
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return None
-    return value
+    """``value`` when it is a list of ints (a record's counts), else None."""
+    ok = isinstance(value, list) and all(type(v) is int for v in value)
+    return value if ok else None
 
 
 def _compact(values: list[int], limit: int = 8) -> str:
