@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import threading
+from logging.handlers import BufferingHandler
 from pathlib import Path
 
 import numpy as np
@@ -47,15 +48,9 @@ SEED = GuardRecord(
 )
 
 
-class Catch(logging.Handler):
-    """Keeps the log records it is handed."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[logging.LogRecord] = []
-
-    def emit(self, record):
-        self.seen.append(record)
+def catch() -> BufferingHandler:
+    """A handler keeping the log records it is handed (in ``buffer``)."""
+    return BufferingHandler(1 << 20)
 
 
 def _lines(path: Path) -> list[dict]:
@@ -150,7 +145,7 @@ def test_logger_is_idempotent_and_does_not_propagate(tmp_path, capsys):
     n = len(a.handlers)
     get_logger()
     assert len(a.handlers) == n
-    root_catch = Catch()
+    root_catch = catch()
     logging.getLogger().addHandler(root_catch)
     try:
         with DiagnosticsLog(tmp_path, RankInfo(rank=0)) as log:
@@ -158,7 +153,7 @@ def test_logger_is_idempotent_and_does_not_propagate(tmp_path, capsys):
             log.emit(GuardRecord("drop", step=1, sample=0))
     finally:
         logging.getLogger().removeHandler(root_catch)
-    assert root_catch.seen == []  # nothing reached the root logger
+    assert root_catch.buffer == []  # nothing reached the root logger
     err = capsys.readouterr().err.splitlines()
     assert err == [
         "[media-guard] rank 0, step 1: check",
@@ -174,13 +169,13 @@ def test_logger_is_idempotent_and_does_not_propagate(tmp_path, capsys):
     ],
 )
 def test_log_level_by_event(tmp_path, event, level):
-    catch = Catch()
-    get_logger().addHandler(catch)
+    seen = catch()
+    get_logger().addHandler(seen)
     try:
         DiagnosticsLog(None, RankInfo(rank=0)).emit(GuardRecord(event))
     finally:
-        get_logger().removeHandler(catch)
-    assert [r.levelno for r in catch.seen] == [level]
+        get_logger().removeHandler(seen)
+    assert [r.levelno for r in seen.buffer] == [level]
 
 
 def test_values_are_strict_json(tmp_path):
@@ -225,23 +220,18 @@ def test_unknown_event_is_rejected():
         GuardRecord("oops")  # type: ignore[arg-type]
 
 
+@pytest.mark.usefixtures("quiet_logger")  # keep 400 summaries off stderr
 def test_threads_write_whole_lines(tmp_path):
-    log = DiagnosticsLog(tmp_path, RankInfo(rank=0))
-    get_logger().setLevel(logging.ERROR)  # keep 400 summaries off stderr
-    try:
+    def work(t: int) -> None:
+        for i in range(50):
+            log.emit(GuardRecord("check", step=i, sample=t, sample_id=f"t{t}-{i}" * 20))
 
-        def work(t: int) -> None:
-            for i in range(50):
-                log.emit(GuardRecord("check", step=i, sample=t, sample_id=f"t{t}-{i}" * 20))
-
+    with DiagnosticsLog(tmp_path, RankInfo(rank=0)) as log:
         threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
         for th in threads:
             th.start()
         for th in threads:
             th.join(timeout=60)
-    finally:
-        get_logger().setLevel(logging.INFO)
-        log.close()
     recs = _lines(log.path)
     assert len(recs) == 400 and all(tuple(r) == SCHEMA_KEYS for r in recs)
     assert sorted((r["sample"], r["step"]) for r in recs) == [
@@ -336,10 +326,9 @@ def test_long_run_lists_are_compacted():
 
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.usefixtures("quiet_logger")
 def test_forked_child_appends_its_own_lines(tmp_path):
-    log = DiagnosticsLog(tmp_path, RankInfo(rank=0))
-    get_logger().setLevel(logging.ERROR)
-    try:
+    with DiagnosticsLog(tmp_path, RankInfo(rank=0)) as log:
         log.emit(GuardRecord("check", step=0))
         pid = os.fork()
         if pid == 0:  # child: same object, inherited descriptor and lock
@@ -349,9 +338,6 @@ def test_forked_child_appends_its_own_lines(tmp_path):
                 os._exit(0)
         os.waitpid(pid, 0)
         log.emit(GuardRecord("check", step=2))
-    finally:
-        get_logger().setLevel(logging.INFO)
-        log.close()
     recs = _lines(log.path)
     assert [r["step"] for r in recs] == [0, 1, 2]
     assert recs[1]["pid"] == pid and recs[0]["pid"] == recs[2]["pid"] == os.getpid()

@@ -38,8 +38,10 @@ def raw(**fields: object) -> str:
 
 
 def write(d: Path, rank: int, lines: list[str], tail: str = "") -> Path:
+    """A rank file of ``lines`` and ``tail``; lone surrogates are written as the invalid UTF-8
+    bytes they stand for."""
     path = d / file_name(rank)
-    path.write_text("".join(x + "\n" for x in lines) + tail, encoding="utf-8")
+    path.write_bytes(("".join(x + "\n" for x in lines) + tail).encode("utf-8", "surrogateescape"))
     return path
 
 
@@ -116,6 +118,8 @@ def test_counts_by_rank_event_action_reason(tmp_path):
         ([line(), '{"schema":1,"extra":' + "[" * 5000 + "]" * 5000 + "}", line()], "", 2, 1, False),
         ([line(), '{"schema":1,"event":"dro' + line(), line()], "", 2, 1, False),  # glued
         ([line(), '{"schema":1,"sample_id":' + "9" * 5000 + "}", line()], "", 2, 1, False),
+        ([line(), "\udcff\udcfe\udc80 bad", line()], "", 2, 1, False),  # invalid UTF-8
+        ([line(), '{"schema":1,"reason":"\udcff\udcfe"}', line()], "", 2, 1, False),
     ],
 )
 def test_torn_and_malformed_lines(tmp_path, body, tail, records, malformed, torn):
@@ -126,14 +130,6 @@ def test_torn_and_malformed_lines(tmp_path, body, tail, records, malformed, torn
     text = format_summary(s)
     assert ("torn last line" in text) is torn
     assert (f"{malformed} malformed" in text) is bool(malformed)
-
-
-@pytest.mark.parametrize("bad", [b"\xff\xfe\x80 bad", b'{"schema":1,"reason":"\xff\xfe"}'])
-def test_invalid_utf8_is_malformed_not_fatal(tmp_path, bad):
-    path = tmp_path / file_name(0)
-    path.write_bytes(line().encode() + b"\n" + bad + b"\n" + line("drop").encode() + b"\n")
-    s = summarize(path)
-    assert (s.records, s.malformed, dict(s.by_event)) == (2, 1, {"check": 1, "drop": 1})
 
 
 def test_unknown_and_missing_fields_are_tolerated(tmp_path):
@@ -409,24 +405,32 @@ def test_cli_text_names_the_culprit(logdir, capsys):
 
 
 @pytest.mark.parametrize(
-    ("make", "why"),
+    ("args", "why"),
     [
-        (lambda d: d / "nope", "no such diagnostics directory"),
-        (lambda d: d, "no media_guard.rank*.jsonl files in"),
+        (lambda d: [d / "nope"], "no such diagnostics directory"),
+        (lambda d: [d], "no media_guard.rank*.jsonl files in"),
+        (
+            lambda d: [write(d, 0, [line()]).parent, "--html", d / "no" / "p.html"],
+            "cannot write --html",
+        ),
     ],
 )
 @pytest.mark.parametrize("as_json", [False, True])
-def test_cli_missing_input_is_one_line_and_exit_2(tmp_path, capsys, make, why, as_json):
-    """A CI step reading a wrong path fails: exit 2 and one line why (a JSON object with
-    --json); the Python API raises for a missing path, returns an empty summary for no files."""
+def test_cli_input_or_output_error_is_one_line_and_exit_2(tmp_path, capsys, args, why, as_json):
+    """A CI step reading a wrong path (or writing the page where it cannot) fails: exit 2 and
+    one line why (a JSON object with --json)."""
     (tmp_path / "notes.txt").write_text("x")
-    assert main(["report", str(make(tmp_path)), *(["--json"] if as_json else [])]) == 2
+    argv = ["report", *map(str, args(tmp_path)), *(["--json"] if as_json else [])]
+    assert main(argv) == 2
     out, err = capsys.readouterr()
     assert err.count("\n") == 1 and why in err
     if as_json:
         assert json.loads(out) == {"error": err.strip().split(": ", 1)[1], "exit_code": 2}
     else:
         assert out == ""
+
+
+def test_api_raises_for_a_missing_path_and_finds_no_files_in_an_empty_dir(tmp_path):
     assert summarize(tmp_path).files == ()
     with pytest.raises(MediaInputError, match="no such diagnostics"):
         summarize(tmp_path / "nope")

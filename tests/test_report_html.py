@@ -22,10 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_media_guard.cli import main
-from megatron_media_guard.diagnostics import (
-    file_name,
-    report,
-)
+from megatron_media_guard.diagnostics import file_name, report
 from megatron_media_guard.diagnostics.report import summarize
 from megatron_media_guard.diagnostics.report_format import format_summary
 from megatron_media_guard.diagnostics.report_grid import _Grid
@@ -248,17 +245,6 @@ def test_page_escapes_record_text_and_is_self_contained(tmp_path):
     assert not re.search(r"""(?:src|href)\s*=|url\(|@import|@font-face""", page)
     assert set(re.findall(r"https?://[^\s\"'<>]+", page)) <= {"http://www.w3.org/2000/svg"}
     assert "FIFO" in page and "1 malformed line(s)" in page
-
-
-@pytest.mark.parametrize("as_json", [False, True])
-def test_cli_html_unwritable_is_one_line(tmp_path, capsys, as_json):
-    write_run(tmp_path, few())
-    bad = tmp_path / "no" / "such" / "dir" / "page.html"
-    assert main(["report", str(tmp_path), "--html", str(bad), *(["--json"] * as_json)]) == 2
-    stdout, err = capsys.readouterr()
-    assert err.count("\n") == 1 and "cannot write --html" in err
-    if as_json:
-        assert "cannot write --html" in json.loads(stdout)["error"]
 
 
 TORCH_FREE = """
