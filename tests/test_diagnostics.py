@@ -178,41 +178,34 @@ def test_log_level_by_event(tmp_path, event, level):
     assert [r.levelno for r in seen.buffer] == [level]
 
 
+JSON_SAFE = {  # extra's key: (value given, value written)
+    "nan": (float("nan"), None),
+    "inf": (-float("inf"), None),
+    "np": (np.int64(4), 4),
+    "f32": (np.float32(0.5), 0.5),
+    "obj": (object(), "<object>"),
+    "arr": (np.zeros(0), "<ndarray>"),
+    "list": ((1, 2.0, None), [1, 2.0, None]),
+    "nested": ({"a": [1]}, {"a": [1]}),
+}
+
+
 def test_values_are_strict_json(tmp_path):
-    extra = {
-        "nan": float("nan"),
-        "inf": -float("inf"),
-        "np": np.int64(4),
-        "f32": np.float32(0.5),
-        "obj": object(),
-        "arr": np.zeros(0),
-        "list": (1, 2.0, None),
-        "nested": {"a": [1]},
-    }
+    extra = {k: given for k, (given, _) in JSON_SAFE.items()}
     with DiagnosticsLog(tmp_path, RankInfo(rank=0)) as log:
-        rec = log.emit(
-            GuardRecord(
-                "repair",
-                sample=np.int32(3),
-                expected=(np.int64(4),),
-                duration_ms=float("nan"),
-                extra=extra,
-            )
+        record = GuardRecord(
+            "repair",
+            sample=np.int32(3),
+            expected=(np.int64(4),),
+            duration_ms=float("nan"),
+            extra=extra,
         )
+        rec = log.emit(record)
     line = log.path.read_text()
     assert "NaN" not in line and "Infinity" not in line
     assert _lines(log.path)[0] == rec
     assert rec["duration_ms"] is None and rec["sample"] == 3 and rec["expected"] == [4]
-    assert rec["extra"] == {
-        "nan": None,
-        "inf": None,
-        "np": 4,
-        "f32": 0.5,
-        "obj": "<object>",
-        "arr": "<ndarray>",
-        "list": [1, 2.0, None],
-        "nested": {"a": [1]},
-    }
+    assert rec["extra"] == {k: written for k, (_, written) in JSON_SAFE.items()}
 
 
 def test_unknown_event_is_rejected():
@@ -272,16 +265,16 @@ def test_write_failure_does_not_raise(tmp_path, capsys):
             ],
         ),
         (
-            {
-                "rank": None,
-                "event": "repair",
-                "sample": 0,
-                "sample_id": 17,
-                "expected": [256, 257],
-                "got": [256, 256],
-                "action": "repair",
-                "fidelity": "unique",
-            },
+            dict(
+                rank=None,
+                event="repair",
+                sample=0,
+                sample_id=17,
+                expected=[256, 257],
+                got=[256, 256],
+                action="repair",
+                fidelity="unique",
+            ),
             [
                 "single process (RANK unset): sample 0 (sample_id 17): ",
                 "placeholder runs [256, 257] = 513 vs item features [256 x2] = 512 (deficit 1)",
@@ -289,24 +282,11 @@ def test_write_failure_does_not_raise(tmp_path, capsys):
             ],
         ),
         (
-            {
-                "event": "check",
-                "expected": [4, 5],
-                "got": [5, 4],
-                "action": "keep",
-                "duration_ms": 0.25,
-            },
+            dict(event="check", expected=[4, 5], got=[5, 4], action="keep", duration_ms=0.25),
             ["[5, 4] = 9 (equal totals); 0.25 ms -> keep (check)"],
         ),
         (  # garbage types from a foreign file: no crash, one line
-            {
-                "rank": [1],
-                "event": 5,
-                "expected": "x\ny",
-                "got": [1.5],
-                "frame_hw": [1],
-                "reason": "a\nb",
-            },
+            dict(rank=[1], event=5, expected="x\ny", got=[1.5], frame_hw=[1], reason="a\nb"),
             ["rank [1]", "expected x y", "; a b"],
         ),
         ({}, ["[media-guard] single process (RANK unset): ?"]),
