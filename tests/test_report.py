@@ -51,27 +51,15 @@ def test_counts_by_rank_event_action_reason(tmp_path):
         with DiagnosticsLog(tmp_path, RankInfo(rank=rank)) as log:
             for step in range(4):
                 log.emit(GuardRecord("check", step=step, action="keep"))
+            why = f"{100 + rank} features for 90 placeholders (+{10 + rank})"
             log.emit(
                 GuardRecord(
-                    "drop",
-                    step=2,
-                    sample=1,
-                    sample_id=f"s{rank}",
-                    action="drop",
-                    reason=f"{100 + rank} features for 90 placeholders (+{10 + rank})",
+                    "drop", step=2, sample=1, sample_id=f"s{rank}", action="drop", reason=why
                 )
             )
             if rank == 1:
-                log.emit(
-                    GuardRecord(
-                        "repair",
-                        step=3,
-                        sample_id="s1",
-                        action="repair",
-                        fidelity="unique",
-                        reason="run 0 holds 4 placeholders, its item 5 features",
-                    )
-                )
+                why = "run 0 holds 4 placeholders, its item 5 features"
+                log.emit(GuardRecord("repair", step=3, sample_id="s1", action="repair", reason=why))
     s = summarize(tmp_path)
     assert (s.records, s.matched, s.malformed, s.torn_files) == (16, 16, 0, ())
     assert dict(s.by_event) == {"check": 12, "repair": 1, "drop": 3}
