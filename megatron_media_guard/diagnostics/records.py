@@ -186,13 +186,6 @@ def cut_words(text: str, limit: int) -> str:
     return head.rstrip(" ,;:-") + "..."
 
 
-def _repr(value: object) -> str:
-    try:
-        return repr(value) if isinstance(value, (str, int)) else one_line(value, 80)
-    except ValueError:  # an int too long to print
-        return f"<{type(value).__name__}>"
-
-
 def _ints(value: object) -> list[int] | None:
     """``value`` when it is a list of ints (a record's counts), else None."""
     ok = isinstance(value, list) and all(type(v) is int for v in value)
@@ -330,8 +323,9 @@ def summary_line(rec: Mapping[str, object], *, where: bool = True) -> str:
     subject = []
     if g("sample") is not None:
         head = f"sample {one_line(g('sample'), 20)}"
-        if g("sample_id") is not None:
-            head += f" (sample_id {one_line(_repr(g('sample_id')), 80)})"
+        sid = g("sample_id")
+        if sid is not None:  # a string id quoted: ``'abc'`` is not ``abc``
+            head += f" (sample_id {one_line(repr(sid) if isinstance(sid, str) else sid, 80)})"
         if g("row") is not None:
             head += f" row {one_line(g('row'), 20)}"
         subject.append(head)
