@@ -114,7 +114,7 @@ class _Axis:
         none = len(known) < len(values)
         if not known:
             return cls(None, 1, 0, none)
-        lo, hi = min(*known, *span) // stored * stored, max(*known, *span)
+        lo, hi = min([*known, *span]) // stored * stored, max([*known, *span])
         return cls(*display_bins(lo, hi, stored, limit), none)
 
     @property
