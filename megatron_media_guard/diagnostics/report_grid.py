@@ -94,13 +94,16 @@ class _Grid:
         self.rank_shift = self.step_shift = 0
 
     def add(self, rank: int | None, step: int | None, label: str, n: int = 1) -> None:
-        key, have = self.room(rank, step, label)
+        rs, ss = self.rank_shift, self.step_shift  # inline: the reader's hot path
+        key = (None if rank is None else rank >> rs, None if step is None else step >> ss, label)
+        have = self.counts.get(key)
+        if have is None:
+            key, have = self.room(rank, step, label)
         self.counts[key] = have + n
 
     def room(self, rank: int | None, step: int | None, label: str) -> tuple[tuple, int]:
-        """The key for a (rank, step, label), after making room for it when it is new; and its
-        count so far (0 unless counted, or the label or a coarsening folded it into a known
-        key)."""
+        """The key for a (rank, step, label) not yet counted, after making room for it; and
+        its current count (0 unless the label or a coarsening folded it into a known key)."""
         if label not in self.labels:
             if len(self.labels) >= self.max_labels:
                 label = OTHER_LABEL
