@@ -142,36 +142,26 @@ def test_unknown_and_missing_fields_are_tolerated(tmp_path):
 
 
 # -- filters ---------------------------------------------------------------------------------
-def _filter_dir(d: Path) -> None:
-    for rank in range(4):
-        write(
-            d,
-            rank,
-            [line("check", rank, step=s) for s in range(5)] + [line("drop", rank, sample=0)],
-        )
-
-
 @pytest.mark.parametrize(
     ("ranks", "steps", "matched", "events"),
     [
-        (None, None, 24, {"check": 20, "drop": 4}),
+        (None, None, 25, {"check": 20, "drop": 5}),
         ([1], None, 6, {"check": 5, "drop": 1}),
         ([0, 3], [4], 2, {"check": 2}),
-        (None, [0, 1], 8, {"check": 8}),  # a record without a step fails any step filter
+        (None, [0, 1], 9, {"check": 8, "drop": 1}),  # a record without a step fails them
         ([9], None, 0, {}),
+        ([3], None, 7, {"check": 5, "drop": 2}),
     ],
 )
 def test_filters(tmp_path, ranks, steps, matched, events):
-    _filter_dir(tmp_path)
+    for rank in range(4):
+        lines = [line("check", rank, step=s) for s in range(5)] + [line("drop", rank, sample=0)]
+        if rank == 3:
+            lines.append(raw(event="drop", step=1))  # no rank: it takes the file's
+        write(tmp_path, rank, lines)
     s = summarize(tmp_path, ranks=ranks, steps=steps)
-    assert s.records == 24 and s.matched == matched and dict(s.by_event) == events
+    assert s.records == 25 and s.matched == matched and dict(s.by_event) == events
     assert s.ranks_filter == (None if ranks is None else tuple(sorted(ranks)))
-
-
-def test_record_without_rank_takes_rank_from_file_name(tmp_path):
-    write(tmp_path, 7, [raw(event="drop", step=1)])
-    assert summarize(tmp_path, ranks=[7]).count("drop") == 1
-    assert summarize(tmp_path, ranks=[0]).matched == 0
 
 
 # -- first fatal ----------------------------------------------------------------------------
