@@ -24,8 +24,6 @@ LOGGER_NAME = "megatron_media_guard"
 FILE_PREFIX = "media_guard.rank"
 FILE_SUFFIX = ".jsonl"
 
-# Events a human should see even at WARNING level.
-_WARN_EVENTS = frozenset({"drop", "raise", "budget", "repair"})
 _MAX_STR = 4096  # longest string written (sample ids, reasons); longer ones are cut
 _MAX_LIST = 4096  # longest list written; longer ones are cut
 _MAX_DEPTH = 3  # nesting kept in ``extra``
