@@ -6,6 +6,7 @@ indices, ids, short names; never pixel or text content) and its one human line
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import numbers
@@ -192,13 +193,8 @@ def _ints(value: object) -> list[int] | None:
 
 def _compact(values: list[int], limit: int = 8) -> str:
     """``[2010 x16]`` for repeats, the list itself when short, else its head and a count."""
-    groups: list[tuple[int, int]] = []
-    for v in values:
-        if groups and groups[-1][0] == v:
-            groups[-1] = (v, groups[-1][1] + 1)
-        else:
-            groups.append((v, 1))
-    parts = [str(v) if n == 1 else f"{v} x{n}" for v, n in groups]
+    runs = [(v, sum(1 for _ in same)) for v, same in itertools.groupby(values)]
+    parts = [str(v) if n == 1 else f"{v} x{n}" for v, n in runs]
     if len(parts) > limit:
         parts = [*parts[:limit], f"... +{len(parts) - limit} more"]
     return "[" + ", ".join(parts) + "]"
