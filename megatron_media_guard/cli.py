@@ -55,10 +55,6 @@ def event_list(text: str) -> list[str]:
     return names
 
 
-def _flat(groups: list[list] | None) -> list | None:
-    return None if groups is None else [v for g in groups for v in g]
-
-
 # -- report -----------------------------------------------------------------------------
 def _report_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="log directory holding media_guard.rank*.jsonl (or one file)")
@@ -69,13 +65,13 @@ def _report_arguments(p: argparse.ArgumentParser) -> None:
         help="also write a self-contained page (heatmap, charts, tables) to FILE",
     )
     p.add_argument(
-        "--rank", type=int_list, action="append", metavar="R", help="only these global ranks"
+        "--rank", type=int_list, action="extend", metavar="R", help="only these global ranks"
     )
-    p.add_argument("--step", type=int_list, action="append", metavar="S", help="only these steps")
+    p.add_argument("--step", type=int_list, action="extend", metavar="S", help="only these steps")
     p.add_argument(
         "--fail-on",
         type=event_list,
-        action="append",
+        action="extend",
         metavar="EVENT",
         help=f"exit {EXIT_FAIL_ON} when records of EVENT remain after the filters",
     )
@@ -106,8 +102,8 @@ def _report_run(args: argparse.Namespace) -> int:
     try:
         summary = summarize(
             args.dir,
-            ranks=_flat(args.rank),
-            steps=_flat(args.step),
+            ranks=args.rank,
+            steps=args.step,
             top=max(0, args.top),
             jobs=args.jobs,
         )
@@ -133,7 +129,7 @@ def _report_run(args: argparse.Namespace) -> int:
         except OSError as err:
             return _report_error(args, f"cannot write --html {args.html}: {err.strerror or err}")
         print(neutralise(f"media-guard report: page {args.html} ({size:,} bytes)"), file=sys.stderr)
-    fail_on = dict.fromkeys(_flat(args.fail_on) or [])
+    fail_on = dict.fromkeys(args.fail_on or [])
     hits = {e: summary.count(e) for e in fail_on if summary.count(e)}
     if args.json:
         out = summary.to_dict()

@@ -34,8 +34,8 @@ def run_ok(argv: list[str], timeout: int = 180, **env: str) -> subprocess.Comple
     return out
 
 
-def _bundle(d: Path, log_dir: str | None = None) -> Path:
-    return saved_bundle(d, log_dir=log_dir, environ={})
+def _bundle(d: Path) -> Path:
+    return saved_bundle(d, environ={})
 
 
 def _text_file(d: Path) -> Path:

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import threading
+from logging.handlers import BufferingHandler
 from pathlib import Path
 
 import numpy as np
@@ -47,15 +48,9 @@ SEED = GuardRecord(
 )
 
 
-class Catch(logging.Handler):
-    """Keeps the log records it is handed."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[logging.LogRecord] = []
-
-    def emit(self, record):
-        self.seen.append(record)
+def catch() -> BufferingHandler:
+    """A handler keeping the log records it is handed (in ``buffer``)."""
+    return BufferingHandler(1 << 20)
 
 
 def _lines(path: Path) -> list[dict]:
@@ -150,7 +145,7 @@ def test_logger_is_idempotent_and_does_not_propagate(tmp_path, capsys):
     n = len(a.handlers)
     get_logger()
     assert len(a.handlers) == n
-    root_catch = Catch()
+    root_catch = catch()
     logging.getLogger().addHandler(root_catch)
     try:
         with DiagnosticsLog(tmp_path, RankInfo(rank=0)) as log:
@@ -158,7 +153,7 @@ def test_logger_is_idempotent_and_does_not_propagate(tmp_path, capsys):
             log.emit(GuardRecord("drop", step=1, sample=0))
     finally:
         logging.getLogger().removeHandler(root_catch)
-    assert root_catch.seen == []  # nothing reached the root logger
+    assert root_catch.buffer == []  # nothing reached the root logger
     err = capsys.readouterr().err.splitlines()
     assert err == [
         "[media-guard] rank 0, step 1: check",
@@ -174,50 +169,43 @@ def test_logger_is_idempotent_and_does_not_propagate(tmp_path, capsys):
     ],
 )
 def test_log_level_by_event(tmp_path, event, level):
-    catch = Catch()
-    get_logger().addHandler(catch)
+    seen = catch()
+    get_logger().addHandler(seen)
     try:
         DiagnosticsLog(None, RankInfo(rank=0)).emit(GuardRecord(event))
     finally:
-        get_logger().removeHandler(catch)
-    assert [r.levelno for r in catch.seen] == [level]
+        get_logger().removeHandler(seen)
+    assert [r.levelno for r in seen.buffer] == [level]
+
+
+JSON_SAFE = {  # extra's key: (value given, value written)
+    "nan": (float("nan"), None),
+    "inf": (-float("inf"), None),
+    "np": (np.int64(4), 4),
+    "f32": (np.float32(0.5), 0.5),
+    "obj": (object(), "<object>"),
+    "arr": (np.zeros(0), "<ndarray>"),
+    "list": ((1, 2.0, None), [1, 2.0, None]),
+    "nested": ({"a": [1]}, {"a": [1]}),
+}
 
 
 def test_values_are_strict_json(tmp_path):
-    extra = {
-        "nan": float("nan"),
-        "inf": -float("inf"),
-        "np": np.int64(4),
-        "f32": np.float32(0.5),
-        "obj": object(),
-        "arr": np.zeros(0),
-        "list": (1, 2.0, None),
-        "nested": {"a": [1]},
-    }
+    extra = {k: given for k, (given, _) in JSON_SAFE.items()}
     with DiagnosticsLog(tmp_path, RankInfo(rank=0)) as log:
-        rec = log.emit(
-            GuardRecord(
-                "repair",
-                sample=np.int32(3),
-                expected=(np.int64(4),),
-                duration_ms=float("nan"),
-                extra=extra,
-            )
+        record = GuardRecord(
+            "repair",
+            sample=np.int32(3),
+            expected=(np.int64(4),),
+            duration_ms=float("nan"),
+            extra=extra,
         )
+        rec = log.emit(record)
     line = log.path.read_text()
     assert "NaN" not in line and "Infinity" not in line
     assert _lines(log.path)[0] == rec
     assert rec["duration_ms"] is None and rec["sample"] == 3 and rec["expected"] == [4]
-    assert rec["extra"] == {
-        "nan": None,
-        "inf": None,
-        "np": 4,
-        "f32": 0.5,
-        "obj": "<object>",
-        "arr": "<ndarray>",
-        "list": [1, 2.0, None],
-        "nested": {"a": [1]},
-    }
+    assert rec["extra"] == {k: written for k, (_, written) in JSON_SAFE.items()}
 
 
 def test_unknown_event_is_rejected():
@@ -225,23 +213,18 @@ def test_unknown_event_is_rejected():
         GuardRecord("oops")  # type: ignore[arg-type]
 
 
+@pytest.mark.usefixtures("quiet_logger")  # keep 400 summaries off stderr
 def test_threads_write_whole_lines(tmp_path):
-    log = DiagnosticsLog(tmp_path, RankInfo(rank=0))
-    get_logger().setLevel(logging.ERROR)  # keep 400 summaries off stderr
-    try:
+    def work(t: int) -> None:
+        for i in range(50):
+            log.emit(GuardRecord("check", step=i, sample=t, sample_id=f"t{t}-{i}" * 20))
 
-        def work(t: int) -> None:
-            for i in range(50):
-                log.emit(GuardRecord("check", step=i, sample=t, sample_id=f"t{t}-{i}" * 20))
-
+    with DiagnosticsLog(tmp_path, RankInfo(rank=0)) as log:
         threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
         for th in threads:
             th.start()
         for th in threads:
             th.join(timeout=60)
-    finally:
-        get_logger().setLevel(logging.INFO)
-        log.close()
     recs = _lines(log.path)
     assert len(recs) == 400 and all(tuple(r) == SCHEMA_KEYS for r in recs)
     assert sorted((r["sample"], r["step"]) for r in recs) == [
@@ -282,16 +265,16 @@ def test_write_failure_does_not_raise(tmp_path, capsys):
             ],
         ),
         (
-            {
-                "rank": None,
-                "event": "repair",
-                "sample": 0,
-                "sample_id": 17,
-                "expected": [256, 257],
-                "got": [256, 256],
-                "action": "repair",
-                "fidelity": "unique",
-            },
+            dict(
+                rank=None,
+                event="repair",
+                sample=0,
+                sample_id=17,
+                expected=[256, 257],
+                got=[256, 256],
+                action="repair",
+                fidelity="unique",
+            ),
             [
                 "single process (RANK unset): sample 0 (sample_id 17): ",
                 "placeholder runs [256, 257] = 513 vs item features [256 x2] = 512 (deficit 1)",
@@ -299,24 +282,11 @@ def test_write_failure_does_not_raise(tmp_path, capsys):
             ],
         ),
         (
-            {
-                "event": "check",
-                "expected": [4, 5],
-                "got": [5, 4],
-                "action": "keep",
-                "duration_ms": 0.25,
-            },
+            dict(event="check", expected=[4, 5], got=[5, 4], action="keep", duration_ms=0.25),
             ["[5, 4] = 9 (equal totals); 0.25 ms -> keep (check)"],
         ),
         (  # garbage types from a foreign file: no crash, one line
-            {
-                "rank": [1],
-                "event": 5,
-                "expected": "x\ny",
-                "got": [1.5],
-                "frame_hw": [1],
-                "reason": "a\nb",
-            },
+            dict(rank=[1], event=5, expected="x\ny", got=[1.5], frame_hw=[1], reason="a\nb"),
             ["rank [1]", "expected x y", "; a b"],
         ),
         ({}, ["[media-guard] single process (RANK unset): ?"]),
@@ -336,10 +306,9 @@ def test_long_run_lists_are_compacted():
 
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.usefixtures("quiet_logger")
 def test_forked_child_appends_its_own_lines(tmp_path):
-    log = DiagnosticsLog(tmp_path, RankInfo(rank=0))
-    get_logger().setLevel(logging.ERROR)
-    try:
+    with DiagnosticsLog(tmp_path, RankInfo(rank=0)) as log:
         log.emit(GuardRecord("check", step=0))
         pid = os.fork()
         if pid == 0:  # child: same object, inherited descriptor and lock
@@ -349,9 +318,6 @@ def test_forked_child_appends_its_own_lines(tmp_path):
                 os._exit(0)
         os.waitpid(pid, 0)
         log.emit(GuardRecord("check", step=2))
-    finally:
-        get_logger().setLevel(logging.INFO)
-        log.close()
     recs = _lines(log.path)
     assert [r["step"] for r in recs] == [0, 1, 2]
     assert recs[1]["pid"] == pid and recs[0]["pid"] == recs[2]["pid"] == os.getpid()

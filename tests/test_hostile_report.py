@@ -15,10 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_media_guard.cli import main
-from megatron_media_guard.diagnostics import (
-    file_name,
-    report,
-)
+from megatron_media_guard.diagnostics import file_name, report
 from megatron_media_guard.diagnostics.report import summarize
 from megatron_media_guard.diagnostics.report_format import format_summary
 
@@ -167,15 +164,9 @@ def test_template_fast_path_matches_a_full_parse(tmp_path_factory, rows):
         out.append(text)
     (d / file_name(0)).write_text("".join(out))
     fast = summarize(d, jobs=1).to_dict()
-    import megatron_media_guard.diagnostics.report as agg
-
-    real = agg.template_match
-    try:
-        agg.template_match = lambda line: None  # every line parsed in full
-        slow = summarize(d, jobs=1).to_dict()
-    finally:
-        agg.template_match = real
-    assert fast == slow
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(report, "template_match", lambda line: None)  # every line parsed in full
+        assert summarize(d, jobs=1).to_dict() == fast
 
 
 def test_streams_are_not_left_open(tmp_path):

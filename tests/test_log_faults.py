@@ -91,27 +91,29 @@ def test_write_faults_never_cost_the_next_record(tmp_path, monkeypatch, plan, em
     assert s.records == sum(x is not None for x in lines) and not s.torn_files
 
 
-def test_torn_tail_from_another_writer_mid_run(tmp_path):
+TORN = b'{"schema":1,"ev'  # a line another writer left when it died mid-write
+PEER = b'{"schema":1,"event":"check","reason":"peer"}\n'  # a well-behaved peer's whole line
+
+
+@pytest.mark.parametrize(
+    "steps, want",
+    [
+        (["one", TORN, "two", "three"], ["one", None, "two", "three"]),  # with our file open
+        ([TORN, "one", PEER, "two"], [None, "one", "peer", "two"]),  # before this process began
+    ],
+    ids=["mid_run", "at_open"],
+)
+def test_torn_tail_from_another_writer_costs_only_that_line(tmp_path, steps, want):
     w = DiagnosticsLog(tmp_path, RankInfo(rank=0))
-    w.emit(GuardRecord("check", reason="one"))
-    with open(w.path, "ab") as f:  # a second writer died mid-line, with our file open
-        f.write(b'{"schema":1,"event":"dro')
-    w.emit(GuardRecord("check", reason="two"))
-    w.emit(GuardRecord("check", reason="three"))
-    assert reasons(w.path) == ["one", None, "two", "three"]
+    for step in steps:
+        if isinstance(step, bytes):
+            with open(w.path, "ab") as f:
+                f.write(step)
+        else:
+            w.emit(GuardRecord("check", reason=step))
+    assert reasons(w.path) == want
     s = summarize(tmp_path, jobs=1)
     assert (s.records, s.malformed) == (3, 1)
-
-
-def test_torn_tail_at_open_and_an_appending_peer(tmp_path):
-    path = tmp_path / "media_guard.rank00000.jsonl"
-    path.write_bytes(b'{"schema":1,"ev')  # left by a crash before this process started
-    w = DiagnosticsLog(tmp_path, RankInfo(rank=0))
-    w.emit(GuardRecord("check", reason="one"))
-    with open(path, "ab") as f:  # a well-behaved peer appends a whole line: nothing to mend
-        f.write(b'{"schema":1,"event":"check","reason":"peer"}\n')
-    w.emit(GuardRecord("check", reason="two"))
-    assert reasons(path) == [None, "one", "peer", "two"]
 
 
 def test_a_fifo_at_the_log_path_never_blocks(tmp_path):

@@ -22,10 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_media_guard.cli import main
-from megatron_media_guard.diagnostics import (
-    file_name,
-    report,
-)
+from megatron_media_guard.diagnostics import file_name, report
 from megatron_media_guard.diagnostics.report import summarize
 from megatron_media_guard.diagnostics.report_format import format_summary
 from megatron_media_guard.diagnostics.report_grid import _Grid
@@ -120,35 +117,16 @@ def assert_cells(page: Page, rows) -> dict[tuple[str, str], Counter]:
     return want
 
 
-def few():
-    return [("check", r, s) for r in range(4) for s in range(6)] + [
-        ("drop", 1, 2),
-        ("drop", 1, 2),
-        ("repair", 1, 2),
-        ("raise", 3, 5),
-        ("budget", 0, 0),
-    ]
+FEW = [("check", r, s) for r in range(4) for s in range(6)]
+FEW += [("drop", 1, 2), ("drop", 1, 2), ("repair", 1, 2), ("raise", 3, 5), ("budget", 0, 0)]
+MANY_RANKS = [("drop", r, r % 7) for r in range(300)] + [("check", r, 0) for r in range(0, 300, 3)]
+MANY_STEPS = [("repair", s % 3, s) for s in range(0, 5000, 7)] + [("drop", 2, 4999)]
+UNKNOWN = [("drop", None, 3), ("drop", 2, None), ("raise", None, None), ("drop", 2, 1)]
+WIDE_AND_TALL = [("drop", r, s) for r in range(0, 1000, 9) for s in range(0, 3000, 97)]
 
 
-def many_ranks():
-    return [("drop", r, r % 7) for r in range(300)] + [("check", r, 0) for r in range(0, 300, 3)]
-
-
-def many_steps():
-    return [("repair", s % 3, s) for s in range(0, 5000, 7)] + [("drop", 2, 4999)]
-
-
-def unknown():
-    return [("drop", None, 3), ("drop", 2, None), ("raise", None, None), ("drop", 2, 1)]
-
-
-def wide_and_tall():
-    return [("drop", r, s) for r in range(0, 1000, 9) for s in range(0, 3000, 97)]
-
-
-@pytest.mark.parametrize("make", [few, many_ranks, many_steps, unknown, wide_and_tall])
-def test_heatmap_cells_match_the_records(tmp_path, make):
-    rows = make()
+@pytest.mark.parametrize("rows", [FEW, MANY_RANKS, MANY_STEPS, UNKNOWN, WIDE_AND_TALL])
+def test_heatmap_cells_match_the_records(tmp_path, rows):
     write_run(tmp_path, rows)
     s = summarize(tmp_path, jobs=1)
     page = parse(render_html(s))
@@ -167,23 +145,22 @@ def test_heatmap_cells_match_the_records(tmp_path, make):
     assert f"{rb} rank{'s' * (rb > 1)} × {sb} step{'s' * (sb > 1)}" in text  # bin size stated
 
 
-def test_series_bars_count_every_record(tmp_path):
-    rows = many_steps() + [("check", 0, s) for s in range(0, 5000, 5)]
+@pytest.mark.parametrize(
+    "rows", [MANY_STEPS + [("check", 0, s) for s in range(0, 5000, 5)], [("check", 0, 3)]]
+)
+def test_series_bars_count_every_record(tmp_path, rows):
     write_run(tmp_path, rows)
     page = parse(render_html(summarize(tmp_path, jobs=1)))
     by_label: Counter[str] = Counter()
     for bar in page.bars:
-        label = bar["class"].split()[1]
-        by_label[label] += int(bar["data-n"])
-    assert by_label["all"] == len(rows)
-    assert by_label["repair"] == sum(e == "repair" for e, _, _ in rows)
-    assert by_label["drop"] == 1
+        by_label[bar["class"].split()[1]] += int(bar["data-n"])
+    assert by_label == Counter({"all": len(rows)}) + Counter(e for e, _, _ in rows if e != "check")
 
 
 @pytest.mark.parametrize("cap", [4, 16, 64])
 def test_heat_grid_stays_bounded_and_exact(tmp_path, monkeypatch, cap):
     monkeypatch.setattr(report, "HEAT_CAP", cap)
-    rows = wide_and_tall()
+    rows = WIDE_AND_TALL
     write_run(tmp_path, rows)
     s = summarize(tmp_path, jobs=1)
     assert len(s.heat.cells) <= cap and sum(s.heat.cells.values()) == len(rows)
@@ -250,17 +227,6 @@ def test_page_escapes_record_text_and_is_self_contained(tmp_path):
     assert "FIFO" in page and "1 malformed line(s)" in page
 
 
-@pytest.mark.parametrize("as_json", [False, True])
-def test_cli_html_unwritable_is_one_line(tmp_path, capsys, as_json):
-    write_run(tmp_path, few())
-    bad = tmp_path / "no" / "such" / "dir" / "page.html"
-    assert main(["report", str(tmp_path), "--html", str(bad), *(["--json"] * as_json)]) == 2
-    stdout, err = capsys.readouterr()
-    assert err.count("\n") == 1 and "cannot write --html" in err
-    if as_json:
-        assert "cannot write --html" in json.loads(stdout)["error"]
-
-
 TORCH_FREE = """
 import sys
 from megatron_media_guard.cli import main
@@ -274,7 +240,7 @@ def test_report_in_a_fresh_process_imports_no_torch_and_never_blocks(tmp_path):
     """End to end in a fresh process with a hard timeout: ``report --json --html`` over a
     directory where one rank file is a FIFO skips it with the reason (never hangs), prints one
     JSON object, names and writes the page, and imports no torch."""
-    write_run(tmp_path, few())
+    write_run(tmp_path, FEW)
     os.mkfifo(tmp_path / file_name(9))
     page = tmp_path / "p.html"
     done = subprocess.run(
@@ -288,10 +254,10 @@ def test_report_in_a_fresh_process_imports_no_torch_and_never_blocks(tmp_path):
     assert out[-1] == "TORCH:" and f"page {page}" in done.stderr
     summary = json.loads(out[0])
     assert (
-        summary["records"] == len(few())
+        summary["records"] == len(FEW)
         and "FIFO" in summary["skipped_files"][str(tmp_path / file_name(9))]
     )
-    assert_cells(parse(page.read_text(encoding="utf-8")), few())
+    assert_cells(parse(page.read_text(encoding="utf-8")), FEW)
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -302,7 +268,7 @@ CHROMIUM_FLAGS += ("--disable-background-networking", "--disable-component-updat
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium on this machine")
 def test_page_renders_in_a_headless_browser(tmp_path):
     Image = pytest.importorskip("PIL.Image")
-    write_run(tmp_path, many_ranks() + few())
+    write_run(tmp_path, MANY_RANKS + FEW)
     page = tmp_path / "page.html"
     assert main(["report", str(tmp_path), "--html", str(page)]) == 0
     shot = tmp_path / "shot.png"
@@ -339,7 +305,7 @@ def test_smoke_post_mortem_writes_the_page_next_to_its_logs(tmp_path):
 
     run = tmp_path / "budget_shrink.raise"
     run.mkdir()
-    write_run(run, few())
+    write_run(run, FEW)
     args = WorkerArgs(scenarios=(), policies=(), steps=2, log_dir=str(tmp_path))
     ok, text = check_runs(args, [], tmp_path)
     page = tmp_path / "report.html"

@@ -21,7 +21,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .records import (
-    _WARN_EVENTS,
     LOGGER_NAME,
     GuardRecord,
     RankInfo,
@@ -45,6 +44,7 @@ class _StderrHandler(logging.StreamHandler):
 
 
 _LOGGER_LOCK = threading.Lock()
+_WARN_EVENTS = frozenset({"drop", "raise", "budget", "repair"})  # seen even at WARNING level
 
 
 def get_logger() -> logging.Logger:

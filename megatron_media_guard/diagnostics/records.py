@@ -6,6 +6,7 @@ indices, ids, short names; never pixel or text content) and its one human line
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import numbers
@@ -24,8 +25,6 @@ LOGGER_NAME = "megatron_media_guard"
 FILE_PREFIX = "media_guard.rank"
 FILE_SUFFIX = ".jsonl"
 
-# Events a human should see even at WARNING level.
-_WARN_EVENTS = frozenset({"drop", "raise", "budget", "repair"})
 _MAX_STR = 4096  # longest string written (sample ids, reasons); longer ones are cut
 _MAX_LIST = 4096  # longest list written; longer ones are cut
 _MAX_DEPTH = 3  # nesting kept in ``extra``
@@ -186,30 +185,16 @@ def cut_words(text: str, limit: int) -> str:
     return head.rstrip(" ,;:-") + "..."
 
 
-def _repr(value: object) -> str:
-    try:
-        return repr(value) if isinstance(value, (str, int)) else one_line(value, 80)
-    except ValueError:  # an int too long to print
-        return f"<{type(value).__name__}>"
-
-
 def _ints(value: object) -> list[int] | None:
-    if not isinstance(value, list):
-        return None
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return None
-    return value
+    """``value`` when it is a list of ints (a record's counts), else None."""
+    ok = isinstance(value, list) and all(type(v) is int for v in value)
+    return value if ok else None
 
 
 def _compact(values: list[int], limit: int = 8) -> str:
     """``[2010 x16]`` for repeats, the list itself when short, else its head and a count."""
-    groups: list[tuple[int, int]] = []
-    for v in values:
-        if groups and groups[-1][0] == v:
-            groups[-1] = (v, groups[-1][1] + 1)
-        else:
-            groups.append((v, 1))
-    parts = [str(v) if n == 1 else f"{v} x{n}" for v, n in groups]
+    runs = [(v, sum(1 for _ in same)) for v, same in itertools.groupby(values)]
+    parts = [str(v) if n == 1 else f"{v} x{n}" for v, n in runs]
     if len(parts) > limit:
         parts = [*parts[:limit], f"... +{len(parts) - limit} more"]
     return "[" + ", ".join(parts) + "]"
@@ -332,8 +317,9 @@ def summary_line(rec: Mapping[str, object], *, where: bool = True) -> str:
     subject = []
     if g("sample") is not None:
         head = f"sample {one_line(g('sample'), 20)}"
-        if g("sample_id") is not None:
-            head += f" (sample_id {one_line(_repr(g('sample_id')), 80)})"
+        sid = g("sample_id")
+        if sid is not None:  # a string id quoted: ``'abc'`` is not ``abc``
+            head += f" (sample_id {one_line(repr(sid) if isinstance(sid, str) else sid, 80)})"
         if g("row") is not None:
             head += f" row {one_line(g('row'), 20)}"
         subject.append(head)

@@ -16,6 +16,7 @@ import os
 import re
 import stat
 import threading
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -272,22 +273,17 @@ class _Aggregator:
             self.fatal = {**safe, "rank": rank, "_file": name, "_line": line_no}
 
     def summary(self, files: list[Path], top: int) -> ReportSummary:
-        by_rank: dict[int | None, dict[str, int]] = {}
-        by_event: dict[str, int] = {}
-        by_reason: dict[str, int] = {}
-        by_action: dict[str, int] = {}
-        by_kind: dict[tuple[str, str, str], int] = {}
+        by_rank: defaultdict[int | None, Counter[str]] = defaultdict(Counter)
+        by_event, by_reason, by_action = Counter[str](), Counter[str](), Counter[str]()
+        by_kind: Counter[tuple[str, str, str]] = Counter()
         for (rank, event, action, reason, kind), n in self.combo.items():
-            per = by_rank.setdefault(rank, {})
-            per[event] = per.get(event, 0) + n
-            by_event[event] = by_event.get(event, 0) + n
-            action = _charted(event, action)
-            by_action[action] = by_action.get(action, 0) + n
-            by_reason[reason] = by_reason.get(reason, 0) + n
-            k = (*kind, event)
-            by_kind[k] = by_kind.get(k, 0) + n
+            by_rank[rank][event] += n
+            by_event[event] += n
+            by_action[_charted(event, action)] += n
+            by_reason[reason] += n
+            by_kind[(*kind, event)] += n
 
-        def ordered(d: dict[str, int]) -> Mapping[str, int]:
+        def ordered(d: Mapping[str, int]) -> Mapping[str, int]:
             return MappingProxyType(dict(sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))))
 
         def where(file_index: int, line: int, rank, step) -> dict[str, object]:
@@ -299,13 +295,11 @@ class _Aggregator:
             if ex is not None and r in by_reason
         }
         top_ids = self.top.top(top)
-        sample_examples = {}
-        for sid, _ in top_ids:
-            ex = self.top.examples.get(sid)
-            if ex is not None:
-                sample_examples[sid] = MappingProxyType(
-                    {**where(*ex[:4]), **dict(zip(_ITEM_KEYS, ex[4:]))}
-                )
+        sample_examples = {
+            sid: MappingProxyType({**where(*ex[:4]), **dict(zip(_ITEM_KEYS, ex[4:]))})
+            for sid, _ in top_ids
+            if (ex := self.top.examples.get(sid)) is not None
+        }
         ranks_sorted = sorted(by_rank, key=lambda r: (r is None, r or 0))
         return ReportSummary(
             files=tuple(str(p) for p in files),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from .records import cut_words, summary_line
@@ -29,24 +29,15 @@ def neutralise(text: str) -> str:
     return _CONTROL.sub(lambda m: ascii(m.group())[1:-1], text)
 
 
-def _namer(files: Sequence[str]):
-    """A function naming a file relative to the directory all ``files`` share."""
-    root = ""
-    if len(files) > 1:
-        try:
-            root = os.path.commonpath([os.path.dirname(f) or "." for f in files])
-        except ValueError:  # absolute and relative paths mixed
-            root = ""
-
-    def name(f: str) -> str:
-        if not root:
-            return Path(f).name
-        try:
-            return os.path.relpath(f, root)
-        except ValueError:
-            return Path(f).name
-
-    return name
+def _namer(files: Sequence[str]) -> Callable[[str], str]:
+    """A function naming a file relative to the directory all ``files`` share (its base name
+    when there is one file, or no shared directory)."""
+    try:
+        dirs = [os.path.dirname(f) or "." for f in files]
+        root = os.path.commonpath(dirs) if len(files) > 1 else ""
+    except ValueError:  # absolute and relative paths mixed
+        root = ""
+    return lambda f: os.path.relpath(f, root) if root else Path(f).name
 
 
 def fatal_text(ff: Mapping[str, object], name) -> tuple[str, str]:

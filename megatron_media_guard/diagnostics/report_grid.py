@@ -12,12 +12,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 
-from .records import cut_words
+from .records import one_line
 
 NONE_LABEL = "(none)"
 OTHER_LABEL = "(other)"
 _LABEL_LEN = 120
-_LABEL_SCAN = 1024  # a short label depends only on this much of a string (memo keys stay small)
+
+
+def _shift(value: int | None, bits: int) -> int | None:
+    """``value >> bits``; None (no rank or step) stays None."""
+    return None if value is None else value >> bits
 
 
 class _HeavyHitters:
@@ -90,14 +94,12 @@ class _Grid:
         self.rank_shift = self.step_shift = 0
 
     def add(self, rank: int | None, step: int | None, label: str, n: int = 1) -> None:
-        rs, ss = self.rank_shift, self.step_shift
+        rs, ss = self.rank_shift, self.step_shift  # inline: the reader's hot path
         key = (None if rank is None else rank >> rs, None if step is None else step >> ss, label)
-        counts = self.counts
-        have = counts.get(key)
+        have = self.counts.get(key)
         if have is None:
             key, have = self.room(rank, step, label)
-            counts = self.counts
-        counts[key] = have + n
+        self.counts[key] = have + n
 
     def room(self, rank: int | None, step: int | None, label: str) -> tuple[tuple, int]:
         """The key for a (rank, step, label) not yet counted, after making room for it; and
@@ -107,12 +109,7 @@ class _Grid:
                 label = OTHER_LABEL
             self.labels.add(label)
         while True:
-            rs, ss = self.rank_shift, self.step_shift
-            key = (
-                None if rank is None else rank >> rs,
-                None if step is None else step >> ss,
-                label,
-            )
+            key = (_shift(rank, self.rank_shift), _shift(step, self.step_shift), label)
             have = self.counts.get(key)
             if have is not None or len(self.counts) < self.cap or not self._coarsen():
                 return key, have or 0
@@ -138,7 +135,7 @@ class _Grid:
         dr, ds = rank_shift - self.rank_shift, step_shift - self.step_shift
         out: dict[tuple[int | None, int | None, str], int] = {}
         for (r, s, label), n in self.counts.items():
-            key = (None if r is None else r >> dr, None if s is None else s >> ds, label)
+            key = (_shift(r, dr), _shift(s, ds), label)
             out[key] = out.get(key, 0) + n
         self.counts, self.rank_shift, self.step_shift = out, rank_shift, step_shift
 
@@ -148,11 +145,8 @@ class _Grid:
         ss = max(self.step_shift, other.step_shift)
         if (rs, ss) != (self.rank_shift, self.step_shift):
             self._rekey(rs, ss)
-        dr, ds = rs - other.rank_shift, ss - other.step_shift
-        for (r, s, label), n in other.counts.items():
-            rank = None if r is None else (r >> dr) << rs
-            step = None if s is None else (s >> ds) << ss
-            self.add(rank, step, label, n)
+        for (r, s, label), n in other.cells().items():
+            self.add(r, s, label, n)
 
     def cells(self) -> dict[tuple[int | None, int | None, str], int]:
         """``(first rank of the bin, first step of the bin, label) -> count``."""
@@ -164,19 +158,16 @@ class _Grid:
 
 
 def _label(value: object, limit: int = _LABEL_LEN) -> str:
-    """A one-line string key for a field (None, numbers, garbage, long text): whitespace
-    runs as one space, cut at a word boundary to at most ``limit`` characters."""
+    """A one-line string key for a field (None, numbers, garbage, long text): a non-string as
+    its JSON, then :func:`.records.one_line`."""
     if value is None:
         return NONE_LABEL
-    scan = max(_LABEL_SCAN, 2 * limit + 16)
-    if isinstance(value, str):
-        text = value[:scan]
-    else:
+    if not isinstance(value, str):
         try:
-            text = json.dumps(value, default=str)[:scan]
+            value = json.dumps(value, default=str)
         except (ValueError, TypeError, RecursionError):  # huge ints, deep nesting
-            text = f"<{type(value).__name__}>"
-    return cut_words(" ".join(text.split()), limit) or NONE_LABEL
+            value = f"<{type(value).__name__}>"
+    return one_line(value, limit) or NONE_LABEL
 
 
 def _family(rec: dict) -> object:

@@ -18,7 +18,8 @@ import html
 import math
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
 
@@ -78,10 +79,6 @@ def _e(value: object) -> str:
     return html.escape(neutralise(str(value)), quote=True)
 
 
-def _fmt(n: int) -> str:
-    return f"{n:,}"
-
-
 def display_bins(lo: int, hi: int, stored: int, limit: int) -> tuple[int, int, int]:
     """(first, size, count) of at most ``limit`` bins over ``lo..hi`` (bin starts at multiples
     of ``stored``): ``size`` is a multiple of ``stored``, so every stored bin falls in one."""
@@ -94,32 +91,56 @@ def _span(a: int, b: int, what: str) -> str:
     return f"{what} {a}" if a == b else f"{what}s {a}–{b}"
 
 
-def _axis(cells: Mapping, pos: int, stored: int, limit: int, span: Sequence[int] = ()):
-    """Display bins of the non-None values at ``pos`` of the cell keys, widened to ``span``
-    (the run's ranks or steps, so the map has the run's shape), or None if none."""
-    vals = [k[pos] for k in cells if k[pos] is not None]
-    if not vals:
-        return None
-    lo, hi = min(vals), max(vals)
-    if span:
-        lo, hi = min(lo, min(span) // stored * stored), max(hi, max(span))
-    return display_bins(lo, hi, stored, limit)
+def _key(value: int | None) -> object:
+    """A bin's first rank or step as the page's ``data-`` attributes state it."""
+    return "none" if value is None else value
 
 
-def _index(value: int | None, axis, n: int) -> int:
-    """The display bin of a value; None goes to the extra last bin ``n``."""
-    if value is None or axis is None:
-        return n
-    first, size, _ = axis
-    return (value - first) // size
+@dataclass(frozen=True)
+class _Axis:
+    """The display bins of ranks or steps: ``count`` bins of ``size`` from ``first`` (None: no
+    value), then one more for the records without a value when ``none``."""
+
+    first: int | None
+    size: int
+    count: int
+    none: bool
+
+    @classmethod
+    def of(cls, values: Sequence[int | None], stored: int, limit: int, span: Sequence[int] = ()):
+        """Bins over ``values`` (stored bin starts), widened to ``span`` (the run's ranks or
+        steps, so the map has the run's shape)."""
+        known = [v for v in values if v is not None]
+        none = len(known) < len(values)
+        if not known:
+            return cls(None, 1, 0, none)
+        lo, hi = min([*known, *span]) // stored * stored, max([*known, *span])
+        return cls(*display_bins(lo, hi, stored, limit), none)
+
+    @property
+    def bins(self) -> int:
+        return self.count + self.none
+
+    def index(self, value: int | None) -> int:
+        if value is None or self.first is None:
+            return self.count
+        return (value - self.first) // self.size
+
+    def start(self, i: int) -> int | None:
+        """The first value of bin ``i``; None for the bin of records without one."""
+        if i >= self.count or self.first is None:
+            return None
+        return self.first + i * self.size
+
+    def label(self, i: int, what: str, none: str) -> str:
+        a = self.start(i)
+        return none if a is None else _span(a, a + self.size - 1, what)
 
 
-def _label_of(value: int | None, axis, i: int, what: str) -> str:
-    if value is None or axis is None:
-        return f"no {what}"
-    first, size, _ = axis
-    a = first + i * size
-    return _span(a, a + size - 1, what)
+def _ticks(n: int, about: int) -> list[int]:
+    """About ``about`` of ``n`` bins to label, always the last."""
+    every = max(1, n // about)
+    return [i for i in range(n) if i % every == 0 or i == n - 1]
 
 
 def _level(n: int, top: int) -> int:
@@ -133,62 +154,48 @@ def _heatmap(grid: GridCounts, ranks: Sequence[int] = (), steps: Sequence[int] =
     cells = grid.cells
     if not cells:
         return "<p class=note>No drop, repair, raise or budget record: nothing to map.</p>"
-    ra = _axis(cells, 0, grid.rank_bin, MAX_ROWS, ranks)
-    sa = _axis(cells, 1, grid.step_bin, MAX_COLS, steps)
-    rows = (ra[2] if ra else 0) + any(k[0] is None for k in cells)
-    cols = (sa[2] if sa else 0) + any(k[1] is None for k in cells)
+    ra = _Axis.of([k[0] for k in cells], grid.rank_bin, MAX_ROWS, ranks)
+    sa = _Axis.of([k[1] for k in cells], grid.step_bin, MAX_COLS, steps)
+    rows, cols = ra.bins, sa.bins
     merged: dict[tuple[int, int], dict[str, int]] = {}
-    first_of: dict[tuple[int, int], tuple[int | None, int | None]] = {}
     for (r, s, event), n in cells.items():
-        at = (_index(r, ra, ra[2] if ra else 0), _index(s, sa, sa[2] if sa else 0))
-        per = merged.setdefault(at, {})
+        per = merged.setdefault((ra.index(r), sa.index(s)), {})
         per[event] = per.get(event, 0) + n
-        first_of[at] = (r, s)
     top = max(sum(v.values()) for v in merged.values())
     cw = max(3, min(40, 960 // cols))
     ch = max(3, min(24, 640 // rows))
     left, head = 86, 22
     width, height = left + cols * cw + 40, head + rows * ch + 34
-    rank_bin = ra[1] if ra else 1
-    step_bin = sa[1] if sa else 1
+    rank_bin, step_bin = ra.size, sa.size
     out = [
         f'<svg class=heat xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}"'
-        f' data-rank0="{ra[0] if ra else "none"}" data-rank-bin="{rank_bin}"'
-        f' data-step0="{sa[0] if sa else "none"}" data-step-bin="{step_bin}">',
+        f' data-rank0="{_key(ra.first)}" data-rank-bin="{rank_bin}"'
+        f' data-step0="{_key(sa.first)}" data-step-bin="{step_bin}">',
         f'<rect x="{left}" y="{head}" width="{cols * cw}" height="{rows * ch}" class=bg />',
     ]
     marks: list[str] = []
     for (row, col), per in sorted(merged.items()):
-        r, s = first_of[(row, col)]
         n = sum(per.values())
         what = ", ".join(f"{per[e]:,} {e}" for e in (*HEAT_EVENTS, "(other)") if e in per)
-        where = f"{_label_of(r, ra, row, 'rank')}, {_label_of(s, sa, col, 'step')}".replace(
-            "no rank", "rank unknown"
-        )
-        rank_key = "none" if r is None else ra[0] + row * rank_bin
-        step_key = "none" if s is None else sa[0] + col * step_bin
+        where = f"{ra.label(row, 'rank', 'rank unknown')}, {sa.label(col, 'step', 'no step')}"
         cls = f"l{_level(n, top)}" + (" x" if "raise" in per else "")
         out.append(
             f'<rect x="{left + col * cw}" y="{head + row * ch}" width="{cw}" height="{ch}"'
-            f' class="{cls}" data-r="{rank_key}" data-s="{step_key}" data-n="{n}">'
-            f"<title>{_e(where)}: {_e(what)}</title></rect>"
+            f' class="{cls}" data-r="{_key(ra.start(row))}" data-s="{_key(sa.start(col))}"'
+            f' data-n="{n}"><title>{_e(where)}: {_e(what)}</title></rect>'
         )
         if "raise" in per:  # a marker that stays visible however small the cell
             cx, cy = left + col * cw + cw / 2, head + row * ch + ch / 2
             marks.append(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="6" class=mark />')
     out += marks
-    for row in range(rows):  # rank ticks: about 16
-        if row % max(1, rows // 16) == 0 or row == rows - 1:
-            is_none = ra is None or row >= ra[2]
-            text = "?" if is_none else str(ra[0] + row * rank_bin)
-            y = head + row * ch + ch / 2 + 4
-            out.append(f'<text x="{left - 6}" y="{y:.0f}" class=tick text-anchor=end>{text}</text>')
-    for col in range(cols):  # step ticks: about 10
-        if col % max(1, cols // 10) == 0 or col == cols - 1:
-            is_none = sa is None or col >= sa[2]
-            text = "none" if is_none else str(sa[0] + col * step_bin)
-            x = left + col * cw + cw / 2
-            out.append(f'<text x="{x:.0f}" y="{head + rows * ch + 14}" class=tick>{text}</text>')
+    for row in _ticks(rows, 16):
+        text = "?" if ra.start(row) is None else ra.start(row)
+        y = head + row * ch + ch / 2 + 4
+        out.append(f'<text x="{left - 6}" y="{y:.0f}" class=tick text-anchor=end>{text}</text>')
+    for col in _ticks(cols, 10):
+        x = left + col * cw + cw / 2
+        text = _key(sa.start(col))
+        out.append(f'<text x="{x:.0f}" y="{head + rows * ch + 14}" class=tick>{text}</text>')
     out.append(
         f'<text x="{left + cols * cw / 2:.0f}" y="{height - 4}" class=axis>step</text>'
         f'<text x="{left - 6}" y="14" class=axis text-anchor=end>rank</text></svg>'
@@ -198,7 +205,7 @@ def _heatmap(grid: GridCounts, ranks: Sequence[int] = (), steps: Sequence[int] =
     for i in range(len(PALETTE)):
         n = max(1, math.ceil(top ** (i / (len(PALETTE) - 1)))) if top > 1 else 1
         starts.setdefault(_level(n, top), n)
-    legend = "".join(f'<span class="sw l{lv}"></span>{_fmt(n)} ' for lv, n in starts.items())
+    legend = "".join(f'<span class="sw l{lv}"></span>{n:,} ' for lv, n in starts.items())
     return (
         f"<p class=note>Each cell: <b class=bin>{cell}</b> ({rows} × {cols} cells; "
         f"the reader kept bins of {grid.rank_bin} × {grid.step_bin}). Colour: records in the "
@@ -221,8 +228,8 @@ def _series(s: ReportSummary) -> str:
     if not charts:
         return "<p class=note>No record with a step.</p>"
     steps = [st for per in charts.values() for st in per]
-    stored = max(s.series.step_bin, s.heat.step_bin)
-    first, size, cols = display_bins(min(steps) // stored * stored, max(steps), stored, MAX_COLS)
+    axis = _Axis.of(steps, max(s.series.step_bin, s.heat.step_bin), MAX_COLS)
+    first, size, cols = axis.first, axis.size, axis.count
     bw = max(2, min(12, 960 // cols))
     h = 44
     out = [
@@ -234,7 +241,7 @@ def _series(s: ReportSummary) -> str:
     for label in order:
         bars: dict[int, int] = {}
         for step, n in charts[label].items():
-            i = (step - first) // size
+            i = axis.index(step)
             bars[i] = bars.get(i, 0) + n
         top = max(bars.values())
         parts = [
@@ -243,11 +250,10 @@ def _series(s: ReportSummary) -> str:
         ]
         for i, n in sorted(bars.items()):
             bh = max(1.0, h * n / top)
-            a = first + i * size
             parts.append(
                 f'<rect x="{i * bw}" y="{h - bh:.1f}" width="{max(1, bw - 1)}" height="{bh:.1f}"'
-                f' class="bar {_e(label.split()[0])}" data-s="{a}" data-n="{n}">'
-                f"<title>{_e(_span(a, a + size - 1, 'step'))}: {n:,} {_e(label)}</title></rect>"
+                f' class="bar {_e(label.split()[0])}" data-s="{axis.start(i)}" data-n="{n}">'
+                f"<title>{_e(axis.label(i, 'step', ''))}: {n:,} {_e(label)}</title></rect>"
             )
         parts.append("</svg>")
         total = sum(bars.values())
@@ -278,7 +284,7 @@ def _counts(s: ReportSummary, which: str) -> str:
         )
     events = [e for e in s.by_event]
     rows = [
-        [name, _fmt(sum(per.values())), *(_fmt(per.get(e, 0)) for e in events)]
+        [name, f"{sum(per.values()):,}", *(f"{per.get(e, 0):,}" for e in events)]
         for name, per in sorted(data.items(), key=lambda kv: -sum(kv[1].values()))
     ]
     return _table([which, "records", *events], rows, "num")
@@ -287,11 +293,11 @@ def _counts(s: ReportSummary, which: str) -> str:
 def _header(s: ReportSummary, name) -> str:
     known = [r for r in s.by_rank if r is not None]
     facts = [
-        ("files", _fmt(len(s.files))),
+        ("files", f"{len(s.files):,}"),
         (
             "records",
-            _fmt(s.records)
-            + (f" ({_fmt(s.matched)} after filters)" if s.matched != s.records else ""),
+            f"{s.records:,}"
+            + (f" ({s.matched:,} after filters)" if s.matched != s.records else ""),
         ),
         ("steps", "none" if s.first_step is None else f"{s.first_step} … {s.last_step}"),
         ("ranks", f"{len(known)} ({min(known)} … {max(known)})" if known else "unknown"),
@@ -300,14 +306,14 @@ def _header(s: ReportSummary, name) -> str:
         facts.append(("filters", f"ranks={s.ranks_filter} steps={s.steps_filter}"))
     skipped = [f"{_e(name(f))}: {_e(why)}" for f, why in s.skipped_files.items()]
     if s.malformed:
-        skipped.append(f"{_fmt(s.malformed)} malformed line(s)")
+        skipped.append(f"{s.malformed:,} malformed line(s)")
     if s.torn_files:
         skipped.append(f"torn last line in {', '.join(_e(name(f)) for f in s.torn_files)}")
     if skipped:
         facts.append(("skipped", "; ".join(skipped)))
     dl = "".join(f"<dt>{_e(k)}</dt><dd>{v if k == 'skipped' else _e(v)}</dd>" for k, v in facts)
     events = " ".join(
-        f"<span class='ev {e if e in HEAT_EVENTS else ''}'>{_e(e)} {_fmt(n)}</span>"
+        f"<span class='ev {e if e in HEAT_EVENTS else ''}'>{_e(e)} {n:,}</span>"
         for e, n in s.by_event.items()
     )
     ff = s.first_fatal
@@ -328,7 +334,7 @@ def render_html(summary: ReportSummary, title: str = "media-guard report") -> st
     name = _namer(s.files)
     reasons = [
         [
-            _fmt(n),
+            f"{n:,}",
             reason,
             (ex := s.reason_examples.get(reason) or {}).get("text"),
             f"{name(str(ex['file']))}:{ex['line']}" if ex else None,
@@ -339,7 +345,7 @@ def render_html(summary: ReportSummary, title: str = "media-guard report") -> st
     for sid, n in s.top_sample_ids[:MAX_TABLE]:
         ex = s.sample_examples.get(sid) or {}
         where = f"{name(str(ex['file']))}:{ex['line']}" if ex else None
-        ids.append([_fmt(n), repr(sid), *(ex.get(k) for k in _ID_KEYS), where])
+        ids.append([f"{n:,}", repr(sid), *(ex.get(k) for k in _ID_KEYS), where])
     note = "" if s.sample_ids_exact else " (estimated: counts are lower bounds)"
     more = len(s.by_reason) - MAX_TABLE
     sections = [

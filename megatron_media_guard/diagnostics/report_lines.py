@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .log import open_regular
-from .report_grid import NONE_LABEL, _family, _label, _size, _small
+from .report_grid import _LABEL_LEN, NONE_LABEL, _family, _label, _size, _small
 
 MAX_TEMPLATE_LINE = 4096  # longer lines are always parsed (their templates would cost memory)
 MAX_TEMPLATES = 8192  # the cache is cleared when full: memory stays bounded
@@ -36,7 +36,6 @@ template_match = re.compile(
     re.ASCII,
 ).match
 OFFENDING_EVENTS = frozenset({"repair", "drop", "raise"})
-_LABEL_LEN = 120
 _SID_LEN = 200  # longer string sample ids are cut in the summary
 _SID_INT = 1 << 63
 _SCAN = json.JSONDecoder().scan_once  # C scanner: parse one value at an index, no wrapper
