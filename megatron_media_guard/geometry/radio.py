@@ -104,13 +104,11 @@ class RadioTilerGeometry(Geometry):
     def size_for(
         self, hw: tuple[int, int], num_frames: int = 1, *, budget: int | None = None
     ) -> tuple[int, int]:
-        """Pixel (16*ph, 16*pw) the tiler resizes each frame to."""
         check_frames(num_frames)
         ph, pw = self.grid_for(hw, budget)
         return ph * self.patch, pw * self.patch
 
     def tokens(self, hw: tuple[int, int], num_frames: int = 1, *, budget: int | None = None) -> int:
-        """Tokens of one item: groups * (ph/d) * (pw/d)."""
         t = check_frames(num_frames)
         ph, pw = self.grid_for(hw, budget)
         d = self.pixel_shuffle
@@ -152,11 +150,6 @@ class RadioTilerGeometry(Geometry):
             context={"sizes": [list(hw) for hw in hws], "max_model_len": max_len},
         )
 
-    def _round_trips(self, grid: tuple[int, int], budget: int) -> bool:
-        """The tiler keeps a (16*ph, 16*pw) frame as it is at ``budget``."""
-        # native() of that frame: h / patch == ph exactly, so round(ph + 0.5)
-        return tile(self, round(grid[0] + 0.5), round(grid[1] + 0.5), budget) == grid
-
     def _kept_grids(self, n: int) -> list[tuple[tuple[int, int], int]]:
         """Every (d*a, d*b) grid, a*b == n, that the tiler keeps at some engine budget, with
         one: its patch count clamped to the engine's budgets (an even grid is its own native
@@ -165,9 +158,10 @@ class RadioTilerGeometry(Geometry):
         out = []
         for a in divisors(n):
             grid = (d * a, d * (n // a))
+            # native() of its (16*ph, 16*pw) frame: h / patch == ph exactly, so round(ph + 0.5)
+            own = round(grid[0] + 0.5), round(grid[1] + 0.5)
             b = min(max(d * d * n, lo), hi)
-            if not self._round_trips(grid, b):
-                own = round(grid[0] + 0.5), round(grid[1] + 0.5)
+            if tile(self, *own, b) != grid:
                 b = next((x for x, g in landing_budgets(self, *own, d * d * n) if g == grid), None)
             if b is not None:
                 out.append((grid, b))
