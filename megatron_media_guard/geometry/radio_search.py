@@ -109,25 +109,23 @@ def landing_budgets(
     """(budget, grid) pairs in [min, cap] where the tiler's grid has q patches, budget
     ascending; at least the first budget of every segment and threshold run that lands."""
     d, mn = geo.pixel_shuffle, geo.min_num_patches
+    n, k = divmod(q, d * d)
+    if k or not n:  # the evenness step leaves both sides multiples of d
+        return []
     lo_all, hi_all = engine_budgets(geo)
     if q > d * (2 * mn + 2) + d * d:  # past what the upscale reaches: the budget must hold it
         lo_all = max(lo_all, -(-(q - d * d) // d))  # (see RadioTilerGeometry._kept_bound)
     p = ph0 * pw0
     fmax2 = geo.factor_max * geo.factor_max
     hits: set[tuple[int, tuple[int, int]]] = set()
-    spans = [(max(lo, lo_all), min(hi, hi_all)) for lo, hi in windows(geo, ph0, pw0, q)]
-    spans = [(lo, hi) for lo, hi in spans if lo <= hi]
-    if not spans:
-        return []
     # the final grids a x (q / a), both sides multiples of d: per side a, the range of the
     # other side's pre-evenness values that the evenness step takes to q / a
-    n, k = divmod(q, d * d)
     sides = {}
-    if k == 0:
-        for a in divisors(n):
-            b = d * (n // a)
-            sides[d * a] = (0 if b == d else b - d + 1, b + d - 1)
-    for x, hi in spans:
+    for a in divisors(n):
+        b = d * (n // a)
+        sides[d * a] = (0 if b == d else b - d + 1, b + d - 1)
+    for lo, hi in windows(geo, ph0, pw0, q):
+        x, hi = max(lo, lo_all), min(hi, hi_all)
         while x <= hi:
             prep = _prepare(geo, ph0, pw0, x)
             fh, fw = (prep[0], prep[1]) if prep else (0, 0)
@@ -147,8 +145,6 @@ def landing_budgets(
                             g = tile(geo, ph0, pw0, b)
                             if g is not None and g[0] * g[1] == q:
                                 hits.add((b, g))
-            if not sides:
-                break
             up = x > mn and fh * fw < mn
             skip = max(
                 _bound_along(geo, sides, x, fh, fw, ph0, pw0, up),
