@@ -25,7 +25,7 @@ from megatron_media_guard.geometry.solution import divisor_pairs
 SEED_HW = (1080, 2400)  # a 2400x1080 (W x H) frame
 
 
-def pm_replay_budget(geo: PatchMergeGeometry, sol: Solution) -> dict:
+def pm_replay_budget(sol: Solution) -> dict:
     """The pixel budget a patch-merge engine-replay names (its knob, in ``reason``; the
     other knob open: min_pixels 1 under a max_pixels, no max_pixels under a min_pixels)."""
     if "max_pixels=" in sol.reason:
@@ -33,29 +33,14 @@ def pm_replay_budget(geo: PatchMergeGeometry, sol: Solution) -> dict:
     return {"min_pixels": sol.budget, "max_pixels": max(sol.budget, 1 << 62)}
 
 
-def round_trip(geo, sol: Solution, hw=None) -> int:
-    """The count the solution gives through the family's own sizing; patch-merge: an
-    engine-replay is the processor's sizing of the source ``hw`` at the budget it names
-    (size_hw included), any other answer a frame it keeps unchanged at min_pixels =
-    max_pixels = budget."""
-    if isinstance(geo, PatchMergeGeometry):
-        if sol.fidelity != "engine-replay":
-            px = {"min_pixels": sol.budget, "max_pixels": sol.budget}
-            assert geo.size_for(sol.size_hw, sol.num_frames, **px) == sol.size_hw
-            return geo.tokens(sol.size_hw, sol.num_frames, **px)
-        if hw is not None:
-            cfg = pm_replay_budget(geo, sol)
-            assert geo.size_for(hw, sol.num_frames, **cfg) == sol.size_hw
-            return geo.tokens(hw, sol.num_frames, **cfg)
-    return geo.tokens(sol.size_hw, sol.num_frames)
-
-
 def assert_exact(geo, hw, sol: Solution, target: int | None = None) -> None:
     """A solution is exact or named. Unreachable: a reason, no size, no tokens. Reachable:
-    ``target`` tokens through the family's own sizing (``round_trip``), the size its grid
-    (or tiles) times the patch (tile); RADIO: the tiler's at ``sol.budget``, an engine budget
-    (in [min_num_patches, max_num_patches]), of the source ``hw`` for an engine-replay, else
-    of a frame it keeps unchanged."""
+    ``target`` tokens, the size its grid (or tiles) times the patch (tile). RADIO and
+    patch-merge: an engine-replay is the family's sizing of the source ``hw`` at the budget
+    it names (RADIO: an engine budget, in [min_num_patches, max_num_patches]; patch-merge:
+    the knob in ``reason``), any other answer a frame that sizing keeps unchanged (RADIO at
+    ``sol.budget``, patch-merge at min_pixels = max_pixels = budget); the others: the count
+    of ``size_hw`` under their own sizing."""
     assert sol.fidelity in FIDELITIES and sol.reason
     if not sol.reachable:
         assert sol.tokens == 0 and sol.size_hw is None
@@ -66,13 +51,19 @@ def assert_exact(geo, hw, sol: Solution, target: int | None = None) -> None:
     if isinstance(geo, TiledGeometry):  # a thumbnail with every grid but one tile
         assert sol.size_hw == (sol.tiles[1] * geo.tile, sol.tiles[0] * geo.tile)
         assert sol.thumbnail == (geo.thumbnail and sol.tiles != (1, 1))
-    if not isinstance(geo, RadioTilerGeometry):
-        assert round_trip(geo, sol, hw) == sol.tokens
-        return
-    assert geo.min_num_patches <= sol.budget <= (geo.cap or sol.budget)
-    src = hw if sol.fidelity == "engine-replay" else sol.size_hw
-    assert geo.grid_for(src, sol.budget) == sol.grid
-    assert geo.tokens(src, sol.num_frames, budget=sol.budget) == sol.tokens
+    src, budget = (hw if sol.fidelity == "engine-replay" else sol.size_hw), {}
+    if isinstance(geo, RadioTilerGeometry):
+        assert geo.min_num_patches <= sol.budget <= (geo.cap or sol.budget)
+        budget = {"budget": sol.budget}
+        assert geo.grid_for(src, sol.budget) == sol.grid
+    elif isinstance(geo, PatchMergeGeometry):
+        budget = {"min_pixels": sol.budget, "max_pixels": sol.budget}
+        if sol.fidelity == "engine-replay":
+            budget = pm_replay_budget(sol)
+        assert geo.size_for(src, sol.num_frames, **budget) == sol.size_hw
+    else:
+        src = sol.size_hw
+    assert geo.tokens(src, sol.num_frames, **budget) == sol.tokens
 
 
 # ---- the seed case (README, docs/GEOMETRY.md) ----------------------------------------------------
@@ -247,7 +238,6 @@ def test_patch_merge_replays_the_engine_budget(hw, knob, pixels):
     assert sol.size_hw == geo.size_for(hw, **{knob: pixels})
     assert geo.tokens(hw, **{knob: sol.budget}) == target
     assert geo.tokens(hw, **{knob: sol.budget - 1}) < target  # the smallest such budget
-    assert round_trip(geo, sol) == target
 
 
 def test_qwen3_video_frames_share_the_budget():
