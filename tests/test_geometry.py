@@ -300,9 +300,6 @@ def test_bad_input_raises_media_input_error(geo, call, match):
     assert not isinstance(info.value, MediaAlignmentError)  # a wrong call, not a data fault
 
 
-ANYRES = AnyresGeometry(pinpoints=((56, 56),), tile=56)
-
-
 @pytest.mark.parametrize(
     ("call", "match"),
     [
@@ -313,10 +310,8 @@ ANYRES = AnyresGeometry(pinpoints=((56, 56),), tile=56)
         (lambda: TiledGeometry(min_tiles=5, max_tiles=4), "min_tiles 5 > max_tiles 4"),
         (lambda: FixedGeometry(size=(0, 336)), "positive"),
         (lambda: PixtralGeometry(longest_edge=0), "longest_edge"),
-        (lambda: PixtralGeometry().solve(4, (0, 10)), "positive"),
         (lambda: AnyresGeometry(pinpoints=((56, 60),), tile=56), "multiples of 56"),
         (lambda: AnyresGeometry(pinpoints=((56, 56),), tile=56, max_tiles=0), "max_tiles"),
-        (lambda: ANYRES.solve(40, (0, 3)), "positive"),
         (lambda: RadioTilerGeometry().engine_tokens([SEED_HW], 0, 0), "max_model_len"),
         (lambda: RadioTilerGeometry().engine_tokens([SEED_HW], 100, -1), "prompt_text_len"),
         (lambda: RadioTilerGeometry().engine_tokens([(0, 3)], 100, 0), "positive"),
