@@ -108,7 +108,7 @@ def test_sizes_and_solved_sizes_match_smart_resize(name):
                 assert tuple(kept) == sol.size_hw, (hw, target, sol)
                 assert (kept[0] // f) * (kept[1] // f) == target
             else:
-                replay = smart_resize(*hw, factor=f, **pm_replay_budget(geo, sol))
+                replay = smart_resize(*hw, factor=f, **pm_replay_budget(sol))
                 assert tuple(replay) == sol.size_hw, (hw, target, sol)
     assert accepted >= 200 and rejected >= 10 and reachable > 150
 

@@ -173,17 +173,31 @@ def test_reencode_image_layout(video: bool) -> None:
     assert result.grid == (6, 8) and result.grid_thw is None and result.num_frames == 1
 
 
-def test_wrong_count_encoder_raises_naming_both_counts() -> None:
+class VisionOOM(RuntimeError):
+    pass
+
+
+def one_short(p: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    return QwenLikeEncoder()(p, grid_thw)[:-1]
+
+
+def out_of_memory(p: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    raise VisionOOM("CUDA out of memory (simulated)")
+
+
+@pytest.mark.parametrize(
+    ("encoder", "error", "match"),
+    [
+        (one_short, MediaAlignmentError, "gave 11 features for 12 placeholder tokens"),
+        (out_of_memory, VisionOOM, "simulated"),  # the encoder's own error, unchanged
+    ],
+)
+def test_encoder_faults_are_named_or_propagate(encoder, error, match) -> None:
     patches, grid_thw = qwen_item()
-    inner = QwenLikeEncoder()
-
-    def short(p: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        return inner(p, grid_thw)[:-1]
-
-    with pytest.raises(MediaAlignmentError) as info:
-        reencode(patches, "qwen_patches", Target(12, (84, 112)), short, grid_thw=grid_thw)
-    assert "11 features" in str(info.value) and "12 placeholder tokens" in str(info.value)
-    assert info.value.context["expected"] == 12 and info.value.context["got"] == 11
+    with pytest.raises(error, match=match) as info:
+        reencode(patches, "qwen_patches", Target(12, (84, 112)), encoder, grid_thw=grid_thw)
+    if error is MediaAlignmentError:
+        assert info.value.context["expected"] == 12 and info.value.context["got"] == 11
 
 
 @pytest.mark.parametrize(
@@ -203,7 +217,7 @@ def test_inconsistent_target_raises_before_encoding(target: Target, fragment: st
     assert encoder.calls == []
 
 
-def test_fp8_padding_through_the_config_flag() -> None:
+def test_fp8_padding_through_the_config_flag_keeps_features_and_gradients() -> None:
     patches, grid_thw = qwen_item()
     multiple = fp8.fp8_multiple(config_flag=True)
     assert multiple == 16 and fp8.fp8_multiple(config_flag=False) is None
@@ -218,6 +232,9 @@ def test_fp8_padding_through_the_config_flag() -> None:
     assert padded.fp8_pad == 8 and aligned.fp8_pad == 0
     assert padded.features.shape == (6, 24)
     torch.testing.assert_close(padded.features, plain.features)
+    padded.features.square().sum().backward()  # gradients reach every encoder parameter
+    for name, param in encoder.named_parameters():
+        assert param.grad is not None and param.grad.abs().sum() > 0, name
 
 
 @pytest.mark.parametrize(
@@ -262,29 +279,6 @@ def test_fp8_detection_reads_transformer_engine_when_flag_is_none(monkeypatch) -
         assert fp8.fp8_active(None) is enabled
         assert fp8.fp8_multiple(None) == expected
         assert fp8.fp8_active(False) is False  # the flag wins over detection
-
-
-def test_encoder_exception_propagates_unchanged() -> None:
-    class VisionOOM(RuntimeError):
-        pass
-
-    def failing(p: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        raise VisionOOM("CUDA out of memory (simulated)")
-
-    patches, grid_thw = qwen_item()
-    with pytest.raises(VisionOOM, match="simulated"):
-        reencode(patches, "qwen_patches", Target(12, (84, 112)), failing, grid_thw=grid_thw)
-
-
-def test_gradients_flow_to_encoder_parameters() -> None:
-    patches, grid_thw = qwen_item()
-    encoder = QwenLikeEncoder()
-    result = reencode(
-        patches, "qwen_patches", Target(6, (56, 84)), encoder, grid_thw=grid_thw, fp8_multiple=16
-    )
-    result.features.square().sum().backward()
-    for name, param in encoder.named_parameters():
-        assert param.grad is not None and param.grad.abs().sum() > 0, name
 
 
 @pytest.mark.cuda

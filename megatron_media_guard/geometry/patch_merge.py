@@ -151,7 +151,6 @@ class PatchMergeGeometry(Geometry):
         min_pixels: int | None = None,
         max_pixels: int | None = None,
     ) -> int:
-        """t * (H'/f) * (W'/f): the placeholder count of one image or clip."""
         hb, wb = self.size_for(hw, num_frames, min_pixels=min_pixels, max_pixels=max_pixels)
         f = self.factor
         return groups(num_frames, self.temporal_patch) * (hb // f) * (wb // f)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megatron_media_guard.geometry.radio_search import _INF, landing_budgets, tile
+from megatron_media_guard.geometry.radio_search import engine_budgets, landing_budgets, tile
 from megatron_media_guard.geometry.solution import (
     Geometry,
     GeometryError,
@@ -86,7 +86,7 @@ class RadioTilerGeometry(Geometry):
 
     def _grid(self, ph0: int, pw0: int, budget: int) -> tuple[int, int]:
         """The tiler's (ph, pw) at ``budget`` patches (the engine's float rounding)."""
-        grid = tile(ph0, pw0, budget, self.min_num_patches, self.pixel_shuffle, self.factor_max)
+        grid = tile(self, ph0, pw0, budget)
         if grid is None:
             raise GeometryError(
                 f"the tiler divides by zero: {ph0}x{pw0} patches scale to an empty grid "
@@ -97,20 +97,18 @@ class RadioTilerGeometry(Geometry):
 
     def grid_for(self, hw: tuple[int, int], budget: int | None = None) -> tuple[int, int]:
         """(ph, pw) patches for one frame at ``budget`` (None: the static budget)."""
-        static = self.budget or self.cap or _INF
+        static = self.budget or engine_budgets(self)[1]
         b = static if budget is None else check_positive(budget, "budget")
         return self._grid(*self.native(hw), b)
 
     def size_for(
         self, hw: tuple[int, int], num_frames: int = 1, *, budget: int | None = None
     ) -> tuple[int, int]:
-        """Pixel (16*ph, 16*pw) the tiler resizes each frame to."""
         check_frames(num_frames)
         ph, pw = self.grid_for(hw, budget)
         return ph * self.patch, pw * self.patch
 
     def tokens(self, hw: tuple[int, int], num_frames: int = 1, *, budget: int | None = None) -> int:
-        """Tokens of one item: groups * (ph/d) * (pw/d)."""
         t = check_frames(num_frames)
         ph, pw = self.grid_for(hw, budget)
         d = self.pixel_shuffle
@@ -152,28 +150,18 @@ class RadioTilerGeometry(Geometry):
             context={"sizes": [list(hw) for hw in hws], "max_model_len": max_len},
         )
 
-    def _budgets(self) -> tuple[int, int]:
-        """[lo, hi]: every per-item budget the engine can give (``engine_tokens``)."""
-        return max(self.min_num_patches, 1), self.cap if self.cap is not None else _INF
-
-    def _round_trips(self, grid: tuple[int, int], budget: int) -> bool:
-        """The tiler keeps a (16*ph, 16*pw) frame as it is at ``budget``."""
-        # native() of that frame: h / patch == ph exactly, so round(ph + 0.5)
-        own = round(grid[0] + 0.5), round(grid[1] + 0.5)
-        mn, d = self.min_num_patches, self.pixel_shuffle
-        return tile(*own, budget, mn, d, self.factor_max) == grid
-
     def _kept_grids(self, n: int) -> list[tuple[tuple[int, int], int]]:
         """Every (d*a, d*b) grid, a*b == n, that the tiler keeps at some engine budget, with
         one: its patch count clamped to the engine's budgets (an even grid is its own native
         grid, s exactly 1; min_num_patches itself skips the upscale), else its landings."""
-        d, (lo, hi) = self.pixel_shuffle, self._budgets()
+        d, (lo, hi) = self.pixel_shuffle, engine_budgets(self)
         out = []
         for a in divisors(n):
             grid = (d * a, d * (n // a))
+            # native() of its (16*ph, 16*pw) frame: h / patch == ph exactly, so round(ph + 0.5)
+            own = round(grid[0] + 0.5), round(grid[1] + 0.5)
             b = min(max(d * d * n, lo), hi)
-            if not self._round_trips(grid, b):
-                own = round(grid[0] + 0.5), round(grid[1] + 0.5)
+            if tile(self, *own, b) != grid:
                 b = next((x for x, g in landing_budgets(self, *own, d * d * n) if g == grid), None)
             if b is not None:
                 out.append((grid, b))
@@ -182,10 +170,10 @@ class RadioTilerGeometry(Geometry):
     def _pin_budget(self, ph0: int, pw0: int, grid: tuple[int, int], starts: list[int]) -> int:
         """A landing budget for a repair to pin: of the runs (``starts``, ascending) the first
         holding min_num_patches or a multiple of pixel_shuffle**2 (a one-image request's)."""
-        m, mn = self.pixel_shuffle**2, self.min_num_patches
+        m = self.pixel_shuffle**2
         for b in starts:
-            c = b if b == mn else -(-b // m) * m
-            if tile(ph0, pw0, c, mn, self.pixel_shuffle, self.factor_max) == grid:
+            c = b if b == self.min_num_patches else -(-b // m) * m
+            if tile(self, ph0, pw0, c) == grid:
                 return c
         return starts[0]
 
@@ -226,7 +214,7 @@ class RadioTilerGeometry(Geometry):
                 )
                 return solution(best, fidelity, why, b)
             lands = (
-                f"no budget in [{self._budgets()[0]}, {self.cap}] makes the tiler give {n} "
+                f"no budget in [{engine_budgets(self)[0]}, {self.cap}] makes the tiler give {n} "
                 f"tokens for {ph0}x{pw0} native patches; "
             )
         valid = self._kept_grids(n) if q <= self._kept_bound() else []
@@ -250,5 +238,5 @@ class RadioTilerGeometry(Geometry):
         """No grid of more patches is kept at any engine budget B <= hi (floors hold at most B
         patches, the upscale at most 2 * min + 2, the evenness step at most d times that):
         huge targets skip the divisor scan."""
-        d, (_, hi) = self.pixel_shuffle, self._budgets()
+        d, (_, hi) = self.pixel_shuffle, engine_budgets(self)
         return d * max(hi, 2 * self.min_num_patches + 2) + d * d

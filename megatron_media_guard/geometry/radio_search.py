@@ -34,6 +34,11 @@ class TilerView(Protocol):
     def cap(self) -> int | None: ...
 
 
+def engine_budgets(geo: TilerView) -> tuple[int, int]:
+    """[lo, hi]: every per-item budget the engine can give (``engine_tokens``)."""
+    return max(geo.min_num_patches, 1), geo.cap if geo.cap is not None else _INF
+
+
 def _budget_at(geo: TilerView, s: float, p: int) -> int:
     """A budget past which the scale factor exceeds ``s`` (unbounded at the factor cap)."""
     return _INF if s >= geo.factor_max else math.ceil(s * s * p) + 2
@@ -63,10 +68,11 @@ def windows(geo: TilerView, ph0: int, pw0: int, q: int) -> list[tuple[int, int]]
     return out
 
 
-def _prepare(ph0: int, pw0: int, budget: int, mn: int, factor_max: float):
+def _prepare(geo: TilerView, ph0: int, pw0: int, budget: int):
     """(fh, fw, h, w): the tiler's floors and its grid before the evenness step, in the
     engine's float arithmetic; None where it divides by zero."""
-    s = min(math.sqrt(budget / (ph0 * pw0)), factor_max)
+    mn = geo.min_num_patches
+    s = min(math.sqrt(budget / (ph0 * pw0)), geo.factor_max)
     fh, fw = math.floor(s * ph0), math.floor(s * pw0)
     h, w = fh, fw
     if budget > mn and fh * fw < mn:
@@ -77,15 +83,13 @@ def _prepare(ph0: int, pw0: int, budget: int, mn: int, factor_max: float):
     return fh, fw, h, w
 
 
-def tile(
-    ph0: int, pw0: int, budget: int, mn: int, d: int, factor_max: float
-) -> tuple[int, int] | None:
+def tile(geo: TilerView, ph0: int, pw0: int, budget: int) -> tuple[int, int] | None:
     """The tiler's (ph, pw) for ph0 x pw0 native patches at ``budget`` (radio.py's module
     docstring); None where it divides by zero."""
-    prep = _prepare(ph0, pw0, budget, mn, factor_max)
+    prep = _prepare(geo, ph0, pw0, budget)
     if prep is None:
         return None
-    ph, pw = prep[2], prep[3]
+    d, ph, pw = geo.pixel_shuffle, prep[2], prep[3]
     if r := ph % d:
         ph = ph + d - r if (ph + d - r) * pw <= budget else max(d, ph - r)
     if r := pw % d:
@@ -105,28 +109,25 @@ def landing_budgets(
     """(budget, grid) pairs in [min, cap] where the tiler's grid has q patches, budget
     ascending; at least the first budget of every segment and threshold run that lands."""
     d, mn = geo.pixel_shuffle, geo.min_num_patches
-    lo_all = max(mn, 1)
+    n, k = divmod(q, d * d)
+    if k or not n:  # the evenness step leaves both sides multiples of d
+        return []
+    lo_all, hi_all = engine_budgets(geo)
     if q > d * (2 * mn + 2) + d * d:  # past what the upscale reaches: the budget must hold it
         lo_all = max(lo_all, -(-(q - d * d) // d))  # (see RadioTilerGeometry._kept_bound)
-    hi_all = geo.cap if geo.cap is not None else _INF
     p = ph0 * pw0
     fmax2 = geo.factor_max * geo.factor_max
     hits: set[tuple[int, tuple[int, int]]] = set()
-    spans = [(max(lo, lo_all), min(hi, hi_all)) for lo, hi in windows(geo, ph0, pw0, q)]
-    spans = [(lo, hi) for lo, hi in spans if lo <= hi]
-    if not spans:
-        return []
     # the final grids a x (q / a), both sides multiples of d: per side a, the range of the
     # other side's pre-evenness values that the evenness step takes to q / a
-    n, k = divmod(q, d * d)
     sides = {}
-    if k == 0:
-        for a in divisors(n):
-            b = d * (n // a)
-            sides[d * a] = (0 if b == d else b - d + 1, b + d - 1)
-    for x, hi in spans:
+    for a in divisors(n):
+        b = d * (n // a)
+        sides[d * a] = (0 if b == d else b - d + 1, b + d - 1)
+    for lo, hi in windows(geo, ph0, pw0, q):
+        x, hi = max(lo, lo_all), min(hi, hi_all)
         while x <= hi:
-            prep = _prepare(ph0, pw0, x, mn, geo.factor_max)
+            prep = _prepare(geo, ph0, pw0, x)
             fh, fw = (prep[0], prep[1]) if prep else (0, 0)
             ends = [hi + 1]  # the next budget where a floor or the upscale switch can change
             if fh * fh < fmax2 * ph0 * ph0 or fw * fw < fmax2 * pw0 * pw0:
@@ -141,11 +142,9 @@ def landing_budgets(
                     points = {x - 1, x, x + 1} | {a * c for a in hs for c in (*ws, prep[3])}
                     for b in points:
                         if max(x - 1, lo_all) <= b < end and b <= hi:
-                            g = tile(ph0, pw0, b, mn, d, geo.factor_max)
+                            g = tile(geo, ph0, pw0, b)
                             if g is not None and g[0] * g[1] == q:
                                 hits.add((b, g))
-            if not sides:
-                break
             up = x > mn and fh * fw < mn
             skip = max(
                 _bound_along(geo, sides, x, fh, fw, ph0, pw0, up),

@@ -198,7 +198,6 @@ def groups(num_frames: int, temporal_patch: int) -> int:
 
 
 def choice_text(count: int, rows: int, cols: int, what: str) -> str:
-    """'only the grid RxC <what> fits' / 'N grids <what> fit, RxC is closest in aspect'."""
     if count == 1:
         return f"only the grid {rows}x{cols} {what} fits"
     return f"{count} grids {what} fit, {rows}x{cols} is closest in aspect"

@@ -87,7 +87,6 @@ class TiledGeometry(Geometry):
     def tokens(
         self, hw: tuple[int, int], num_frames: int = 1, *, max_tiles: int | None = None
     ) -> int:
-        """num_frames * tokens_per_tile * (c*r + thumbnail)."""
         t = check_frames(num_frames)
         c, r = self.tiles_for(hw, max_tiles=max_tiles)
         return t * self.tokens_per_tile * (c * r + int(self.thumbnail and c * r != 1))

@@ -49,18 +49,18 @@ def fp8_active(config_flag: bool | None = None) -> bool:
     return module is not None and bool(module.FP8GlobalStateManager.is_fp8_enabled())
 
 
-def fp8_align_size(default: int = DEFAULT_FP8_MULTIPLE) -> int:
-    """Rows multiple the active TE recipe needs (16; 32 MXFP8; 128 NVFP4); ``default``
-    without TE or an open FP8 context."""
+def fp8_align_size() -> int:
+    """Rows multiple the active TE recipe needs (16; 32 MXFP8; 128 NVFP4); 16 without TE or
+    an open FP8 context."""
     module = _te_state_module()
     if module is None or not module.FP8GlobalStateManager.is_fp8_enabled():
-        return default
+        return DEFAULT_FP8_MULTIPLE
     recipe = module.FP8GlobalStateManager.get_fp8_recipe()
     align = getattr(module, "get_align_size_for_quantization", None)
     if callable(align):
         return int(align(recipe))
     is_mxfp8 = getattr(recipe, "mxfp8", None)
-    return 32 if callable(is_mxfp8) and is_mxfp8() else default
+    return 32 if callable(is_mxfp8) and is_mxfp8() else DEFAULT_FP8_MULTIPLE
 
 
 def fp8_multiple(config_flag: bool | None = None, multiple: int | None = None) -> int | None:
