@@ -11,12 +11,12 @@ from typing import Any
 import torch
 
 from ...core.faults import ItemFault
-from ...core.generated import Generated, GeneratedSample, find_generated
+from ...core.generated import Generated, GeneratedSample, as_text, find_generated
 from ...core.items import MediaItem
 from ...core.runs import TokenLayout, parse_layout
 from ...errors import MediaInputError
-from .measure import LlavaFacts, sound_padded
-from .packed import llava_grammar
+from .measure import LlavaFacts
+from .packed import PAD_TOKEN, llava_grammar
 
 SOUND_MODALITIES = frozenset({"sound", "audio"})
 
@@ -94,22 +94,21 @@ def image_owners(facts: LlavaFacts, items: Sequence[MediaItem] | None) -> ImageO
 
 
 def _segment_faults(facts: LlavaFacts) -> list[ItemFault]:
-    out = []
-    for smp, sp in enumerate(facts.spans):
-        if not sp.resolved:
-            span = sp.merged_end - sp.merged_start
-            out.append(
-                ItemFault(
-                    smp,
-                    "segment",
-                    "sample",
-                    f"packed sub-sample [{sp.merged_start}, {sp.merged_end}) of cu_seqlens is "
-                    "not filled by the expansion of its tokens (an image token or an image's "
-                    "token count differs from what the packing assumed)",
-                    expected=(span,),
-                )
-            )
-    return out
+    why = (
+        "packed sub-sample [{}, {}) of cu_seqlens is not filled by the expansion of its tokens "
+        "(an image token or an image's token count differs from what the packing assumed)"
+    )
+    return [
+        ItemFault(
+            smp,
+            "segment",
+            "sample",
+            why.format(sp.merged_start, sp.merged_end),
+            expected=(sp.merged_end - sp.merged_start,),
+        )
+        for smp, sp in enumerate(facts.spans)
+        if not sp.resolved
+    ]
 
 
 def _count_faults(
@@ -256,16 +255,19 @@ def image_faults(
     return faults, own
 
 
-def generated_tokens(guard, a: dict) -> Generated | None:
-    """Image tokens the policy generated: those under the loss mask (a collapsed grammar has
-    no regions; megatron-core's labels are never ``ignore_index``). None without a loss mask
-    or when there is none. Positions are per row: :func:`per_sample` names the samples."""
-    lm = a.get("loss_mask")
-    ids = a["input_ids"]
+def generated_as_text(a: dict, ignore_index: int) -> Generated | None:
+    """Image tokens the policy generated, made token 0 in ``a["input_ids"]``: those under the
+    loss mask (a collapsed grammar has no regions; megatron-core's labels are never
+    ``ignore_index``). None without a loss mask or when there is none. Positions are per
+    row: :func:`per_sample` names the samples."""
+    lm, ids = a.get("loss_mask"), a["input_ids"]
     if not isinstance(lm, torch.Tensor) or lm.shape != ids.shape:
         return None
-    lay = TokenLayout(ids, llava_grammar(int(a["image_token_index"])))
-    return find_generated(lay, None, lm, guard.config.ignore_index)
+    grammar = llava_grammar(int(a["image_token_index"]))
+    gen = find_generated(TokenLayout(ids, grammar), None, lm, ignore_index)
+    if gen is not None:
+        a["input_ids"] = as_text(ids, gen, PAD_TOKEN, None, grammar)[0]
+    return gen
 
 
 def per_sample(gen: Generated, spans) -> Generated:
@@ -310,12 +312,12 @@ def _image_problem(a: dict[str, Any], facts: LlavaFacts) -> str | None:
     return None
 
 
-def _sound_problem(a: dict[str, Any], facts: LlavaFacts, padded: bool) -> str | None:
+def _sound_problem(a: dict[str, Any], facts: LlavaFacts) -> str | None:
     snd, lang = a.get("sound_embeddings"), a.get("language_embeddings")
     if snd.dim() != 3:
         return f"sound_embeddings must be [rows, clips, h], got {tuple(snd.shape)}"
     T, C = snd.shape[0], snd.shape[1]
-    if C and a.get("sound_embeddings_len") is None and not padded:
+    if C and a.get("sound_embeddings_len") is None and not facts.sound_padded:
         return f"sound_embeddings has {C} clips and no sound_embeddings_len"
     if len(facts.clip_rows) != C:
         return f"sound_embeddings has {C} clips, sound_embeddings_len {len(facts.clip_rows)}"
@@ -348,7 +350,7 @@ def layout_problems(
         and isinstance(snd, torch.Tensor)
         and facts.sound_token_index is not None
     ):
-        problem = _sound_problem(a, facts, sound_padded(model))
+        problem = _sound_problem(a, facts)
         if problem:
             problems.append(f"layout: {problem}")
         snd_ok = problem is None

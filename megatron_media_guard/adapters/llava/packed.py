@@ -22,6 +22,7 @@ from ...core.grammar import Grammar
 from ...core.runs import TokenLayout
 
 i64 = torch.int64
+PAD_TOKEN = 0  # what megatron-core's forward embeds at image-token positions
 
 
 @functools.lru_cache(maxsize=16)
@@ -113,11 +114,10 @@ def device_segments(
     expansion, ``lens_rev`` the expansion with entries assigned from the end."""
     s, k = start.numel(), cu.numel() - 1
     parts: dict[str, torch.Tensor] = {"cu": cu}
-    rev = lens_rev
     if boundaries is not None:
         sample_of = _from_positions(torch.tensor(boundaries.pos, dtype=i64).to(cu.device), s)
     else:
-        f, lf, g, lg = _landing(start, total, cu, rev, s)
+        f, lf, g, lg = _landing(start, total, cu, lens_rev, s)
         parts.update(f=f, lf=lf, g=g, lg=lg)
         sample_of = _from_positions(f, s)
         if position_ids is not None and position_ids.numel() == s:
@@ -127,7 +127,7 @@ def device_segments(
             by_reset = (torch.cumsum(resets.to(i64), 0) - 1).clamp(0, k)
             sample_of = torch.where(ok, by_reset, sample_of)
             parts["resets_ok"] = ok.view(1)
-    for name, x in (("ncols", torch.ones_like(lens)), ("nexp", lens), ("nexp_rev", rev)):
+    for name, x in (("ncols", torch.ones_like(lens)), ("nexp", lens), ("nexp_rev", lens_rev)):
         bins = torch.zeros(k + 1, dtype=i64, device=cu.device)
         parts[name] = bins.scatter_add_(0, sample_of, x)[:k]
     return sample_of.view(1, s), parts
