@@ -333,25 +333,15 @@ def layout_problems(
 ) -> tuple[list[str], bool, bool]:
     """``(batch-level problems, image embeddings usable, sound embeddings usable)``, checked on
     the first stage. A wrong layout names no sample (rows are concatenated): always fatal."""
-    problems: list[str] = []
-    img_ok = snd_ok = False
-    if model.pre_process and facts.num_entries:
-        problem = _image_problem(a, facts)
-        if problem:
-            problems.append(f"layout: {problem}")
-        img_ok = problem is None
-    snd = a.get("sound_embeddings")
     # a stage without the encoders passes its encoder_hidden_state and no lengths: megatron-core
     # only reads it at sound tokens
     used = any(facts.sound) or a.get("sound_embeddings_len") is not None
-    if (
-        model.pre_process
-        and used
-        and isinstance(snd, torch.Tensor)
-        and facts.sound_token_index is not None
-    ):
-        problem = _sound_problem(a, facts)
-        if problem:
-            problems.append(f"layout: {problem}")
-        snd_ok = problem is None
-    return problems, img_ok, snd_ok
+    sound = (
+        isinstance(a.get("sound_embeddings"), torch.Tensor) and facts.sound_token_index is not None
+    )
+    img_checked = bool(model.pre_process and facts.num_entries)
+    snd_checked = bool(model.pre_process and used and sound)
+    img = _image_problem(a, facts) if img_checked else None
+    snd = _sound_problem(a, facts) if snd_checked else None
+    problems = [f"layout: {p}" for p in (img, snd) if p]
+    return problems, img_checked and img is None, snd_checked and snd is None

@@ -167,15 +167,10 @@ def _checks(handle: LlavaHandle, a: dict[str, Any], cu, pos, img_items, snd_item
     m, cfg = handle.module, handle.guard.config
     facts = measure(a, m, cu_seqlens=cu, position_ids=pos, check_finite=cfg.nonfinite != "off")
     batch_fatal, img_ok, snd_ok = layout_problems(a, m, facts)
-    if (any(facts.entry_bad) and img_ok) or (any(facts.clip_bad) and snd_ok):
-        facts = refine_finite(
-            facts,
-            a.get("image_embeddings") if img_ok else None,
-            bool(a.get("is_packed_dynamic_res")),
-            a.get("sound_embeddings") if snd_ok else None,
-        )
     if not img_ok:
         facts = replace(facts, entry_bad=())  # the images' layout is not known
+    if any(facts.entry_bad) or (any(facts.clip_bad) and snd_ok):
+        facts = refine_finite(facts, a, snd_ok)
     faults, img_own = image_faults(facts, img_items, a["input_ids"])
     more, clip_own = sound_faults(facts, snd_items, snd_ok)
     return facts, batch_fatal, faults + more, img_own, clip_own

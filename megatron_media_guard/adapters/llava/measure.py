@@ -217,26 +217,23 @@ def measure(
     )
 
 
-def refine_finite(
-    facts: LlavaFacts,
-    image_embeddings: torch.Tensor | None,
-    packed_rows: bool,
-    sound_embeddings: torch.Tensor | None,
-) -> LlavaFacts:
-    """Exact NaN/Inf flags for the entries and clips the sums flagged (diagnose path only;
-    reads only the flagged items' views, through core's per-view check)."""
+def refine_finite(facts: LlavaFacts, a: dict[str, Any], sound_ok: bool) -> LlavaFacts:
+    """Exact NaN/Inf flags for the entries and (``sound_ok``: their layout is right) clips the
+    sums flagged in the bound arguments ``a`` (diagnose path only; reads only the flagged
+    items' views, through core's per-view check)."""
     entry_bad, clip_bad = list(facts.entry_bad), list(facts.clip_bad)
     views: list[tuple[list[int], int, torch.Tensor]] = []  # (flags, index, view)
-    if image_embeddings is not None:
-        dim, starts = (0 if packed_rows else 1), (0, *accumulate(facts.entries))
+    if any(entry_bad):
+        dim = 0 if a.get("is_packed_dynamic_res") else 1
+        starts, emb = (0, *accumulate(facts.entries)), a["image_embeddings"]
         views += [
-            (entry_bad, j, image_embeddings.narrow(dim, starts[j], facts.entries[j]))
+            (entry_bad, j, emb.narrow(dim, starts[j], facts.entries[j]))
             for j, x in enumerate(facts.entry_bad)
             if x
         ]
-    if sound_embeddings is not None:
+    if sound_ok:
         views += [
-            (clip_bad, c, sound_embeddings[: facts.clip_rows[c], c])
+            (clip_bad, c, a["sound_embeddings"][: facts.clip_rows[c], c])
             for c, x in enumerate(facts.clip_bad)
             if x
         ]
