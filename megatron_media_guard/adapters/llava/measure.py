@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ...core.apply import nonfinite_flags
-from ...core.host import to_host
+from ...core.host import scalars_to_host
 from ...errors import MediaInputError
 from .packed import Boundaries, Span, device_segments, host_spans
 
@@ -186,8 +186,8 @@ def measure(
     if packed:
         parts.update(seg_parts)
     # the one host sync of the aligned path: per-sample counts and per-item facts
-    flat = to_host(torch.cat([p.to(i64) for p in parts.values()]), why="LLaVA merge facts")
-    v, h, o = flat.tolist(), {}, 0
+    v = scalars_to_host(list(parts.values()), dev, why="LLaVA merge facts")
+    h, o = {}, 0
     for name, p in parts.items():
         h[name], o = tuple(v[o : o + p.numel()]), o + p.numel()
     if packed:
