@@ -66,7 +66,8 @@ class LlavaFacts:
 
 
 def _bad_per_group(bad_units: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-    """NaN/Inf units per consecutive group of ``sizes`` (non-empty) units."""
+    """NaN/Inf units per consecutive group of ``sizes`` units (a cumulative-sum gather; at
+    least one group)."""
     cum = torch.cat([bad_units.new_zeros(1), torch.cumsum(bad_units.to(torch.int64), 0)])
     ends = torch.cumsum(sizes, 0).clamp(0, cum.numel() - 1)
     return cum[ends] - cum[(ends - sizes).clamp(0, cum.numel() - 1)]
