@@ -57,23 +57,23 @@ class Boundaries:
     unmatched: tuple[int, ...] = ()
 
 
-def sample_layout(ids: torch.Tensor, grammar: Grammar, spans, packed: bool) -> TokenLayout:
-    """The call's samples over ``ids`` ``[b, s]``: rows, or the sub-samples' compact columns."""
+def sample_layout(
+    ids: torch.Tensor, grammar: Grammar, spans, packed: bool, merged: bool = False
+) -> TokenLayout:
+    """The call's samples over ``ids`` ``[b, s]``: rows, or the sub-samples' compact columns
+    (``merged``: their merged spans, ``ids`` megatron-core's expanded output)."""
     cu = None
     if packed:
-        cu = torch.tensor([sp.start for sp in spans] + [spans[-1].end]).to(ids.device)
+        ends = [(sp.merged_start, sp.merged_end) if merged else (sp.start, sp.end) for sp in spans]
+        cu = torch.tensor([start for start, _ in ends] + [ends[-1][1]]).to(ids.device)
     return TokenLayout(ids, grammar, cu)
 
 
 def merged_layout(spans, packed: bool, shape: tuple[int, int], device) -> TokenLayout:
     """The call's samples in megatron-core's expanded output ``[b, S]`` (rows, or the
     sub-samples' merged spans); only the layout's samples are read, not its tokens."""
-    cu = None
-    if packed:
-        cu = torch.tensor([sp.merged_start for sp in spans] + [spans[-1].merged_end])
-        cu = cu.to(device)
     ids = torch.zeros(shape, dtype=i64, device=device)
-    return TokenLayout(ids, llava_grammar(-200), cu)
+    return sample_layout(ids, llava_grammar(-200), spans, packed, merged=True)
 
 
 def _landing(start, total, cu, lens_rev, s):
