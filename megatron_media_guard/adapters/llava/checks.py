@@ -221,26 +221,24 @@ def _nonfinite_faults(facts: LlavaFacts, own: ImageOwners) -> list[ItemFault]:
     """One fault per sample, at its first image holding NaN/Inf."""
     if not facts.entry_bad or own.owners is None:
         return []
-    out: list[ItemFault] = []
-    for smp in sorted(set(own.owners)):
-        js = own.of(smp)
-        bad = [j for j in js if facts.entry_bad[j]]
-        if bad:
-            j = bad[0]
-            out.append(
-                ItemFault(
-                    smp,
-                    "nonfinite",
-                    "image",
-                    "NaN/Inf in the image's embeddings (got: tiles / rows affected)",
-                    item=j,
-                    item_in_sample=js.index(j),
-                    expected=(facts.entries[j],),
-                    got=(facts.entry_bad[j],),
-                    tiles=facts.entries[j],
-                )
-            )
-    return out
+    first: dict[int, int] = {}  # sample -> its first bad image
+    for j, smp in enumerate(own.owners):
+        if facts.entry_bad[j]:
+            first.setdefault(smp, j)
+    return [
+        ItemFault(
+            smp,
+            "nonfinite",
+            "image",
+            "NaN/Inf in the image's embeddings (got: tiles / rows affected)",
+            item=j,
+            item_in_sample=own.of(smp).index(j),
+            expected=(facts.entries[j],),
+            got=(facts.entry_bad[j],),
+            tiles=facts.entries[j],
+        )
+        for smp, j in sorted(first.items())
+    ]
 
 
 def image_faults(
