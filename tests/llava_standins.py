@@ -77,3 +77,21 @@ def same(a, b):
         (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
         for x, y in zip(a, b)
     )
+
+
+def kept_identical(out, ref, dropped, spans=None):
+    """The samples of ``_preprocess_data`` outputs ``(emb [S, b, h], labels, loss_mask)``
+    (rows, or the packed sub-samples' merged ``spans``) equal ``ref`` but ``dropped``, whose
+    positions are zeroed, their labels ignored and their loss masked."""
+    for i in range(ref[1].shape[0] if spans is None else len(spans)):
+        if spans is None:
+            emb, tok = (slice(None), i), (i,)
+        else:
+            emb = (slice(spans[i].merged_start, spans[i].merged_end),)
+            tok = (slice(None), *emb)
+        if i in dropped:
+            assert (out[0][emb] == 0).all() and (out[1][tok] == -100).all(), i
+            assert (out[2][tok] == 0).all(), i
+        else:
+            assert torch.equal(out[0][emb], ref[0][emb]), i
+            assert torch.equal(out[1][tok], ref[1][tok]) and torch.equal(out[2][tok], ref[2][tok])

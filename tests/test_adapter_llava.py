@@ -12,7 +12,7 @@ llava_mod = pytest.importorskip("megatron.core.models.multimodal.llava_model")
 LLaVAModel = llava_mod.LLaVAModel
 
 from devices import DEVICES  # noqa: E402
-from llava_standins import LLaVAStandIn, same  # noqa: E402
+from llava_standins import LLaVAStandIn, kept_identical, same  # noqa: E402
 
 from megatron_media_guard import (  # noqa: E402
     Grammar,
@@ -72,6 +72,14 @@ def guard_for(policy="raise", **cfg):
 LAYOUT = [[(1, 2)], [(2, 1), (5, 1)], [(3, 2)]]  # sample 1 holds two images
 # with max length 8 only sample 2's image ([3, 9) after expansion) crosses it
 CROSS = [[(1, 1)], [(2, 1), (3, 1)], [(3, 2)]]
+
+
+def extra_token_batch():
+    """Sample 1 holds an extra <image> token: the metadata (returned) gives it one image."""
+    x = make_batch([[(1, 2)], [(2, 1), (5, 1)], [(3, 1)]])
+    x["nit"] = torch.tensor([2, 1, 1], dtype=torch.int)
+    x["emb"] = x["emb"][:, :4]
+    return x, [MediaItem(6, sample=0), MediaItem(3, sample=1), MediaItem(3, sample=2)]
 
 
 @pytest.mark.parametrize(
@@ -156,12 +164,7 @@ def test_drop_crossing_image_keeps_others_bit_identical_logs_and_masks_the_loss(
     res = handle.last_result
     assert res.dropped == (2,) and res.mode == "zero"
     assert emb.shape == ref[0].shape  # same width: the layout is kept
-    for r in (0, 1):
-        assert torch.equal(emb[:, r], ref[0][:, r])
-        assert torch.equal(labels[r], ref[1][r]) and torch.equal(lmask[r], ref[2][r])
-    assert (labels[2] == -100).all() and (lmask[2] == 0).all()
-    start = last[0][0]
-    assert (emb[start:maxlen, 2] == 0).all()  # its (truncated) tiles were not merged
+    kept_identical((emb, labels, lmask), ref, {2})  # its (truncated) tiles were not merged
     log = (tmp_path / "media_guard.rank00003.jsonl").read_text().splitlines()
     (drop,) = [r for r in map(json.loads, log) if r["event"] == "drop"]
     assert (drop["sample"], drop["step"], drop["extra"]["check"]) == (2, 11, "max_length")
@@ -176,32 +179,21 @@ def test_drop_crossing_image_keeps_others_bit_identical_logs_and_masks_the_loss(
 
 
 def test_drop_count_mismatch_restructures_and_keeps_others():
-    # sample 1 holds an extra <image> token; metadata says it has one image
-    x = make_batch([[(1, 2)], [(2, 1), (5, 1)], [(3, 1)]])
-    items = [MediaItem(6, sample=0), MediaItem(3, sample=1), MediaItem(3, sample=2)]
-    x["nit"] = torch.tensor([2, 1, 1], dtype=torch.int)
-    x["emb"] = x["emb"][:, :4].detach().requires_grad_(True)
+    x, items = extra_token_batch()
+    x["emb"] = x["emb"].detach().requires_grad_(True)
     model = TinyLLaVA()
     handle = install_llava(model, guard_for("drop"))
     handle.set_items(items)
     emb, labels, lmask = call(model, x)
     assert handle.last_result.dropped == (1,) and handle.last_result.mode == "restructure"
     # kept samples: what the unguarded merge gives for them on their own
-    sub = {
-        "emb": torch.cat([x["emb"][:, :2], x["emb"][:, 3:]], 1),
-        "lang": x["lang"][[0, 2]],
-        "ids": x["ids"][[0, 2]],
-        "lm": x["lm"][[0, 2]],
-        "lab": x["lab"][[0, 2]],
-        "nit": torch.tensor([2, 1], dtype=torch.int),
-    }
+    sub = {k: x[k][[0, 2]] for k in ("lang", "ids", "lm", "lab")}
+    sub["emb"] = torch.cat([x["emb"][:, :2], x["emb"][:, 3:]], 1)
+    sub["nit"] = torch.tensor([2, 1], dtype=torch.int)
     ref = call(TinyLLaVA(), sub)
-    for r, rr in ((0, 0), (2, 1)):
-        assert torch.equal(emb[:, r], ref[0][:, rr])
-        assert torch.equal(labels[r], ref[1][rr]) and torch.equal(lmask[r], ref[2][rr])
     # the dropped sample: zeros (no foreign tile), nothing to learn
-    assert (emb[:, 1] == 0).all()
-    assert (labels[1] == -100).all() and (lmask[1] == 0).all()
+    at = [0, 0, 1]  # the reference row of each output row (row 1: dropped)
+    kept_identical((emb, labels, lmask), (ref[0][:, at], ref[1][at], ref[2][at]), {1})
     # the removed tile (sample 1's) stays in the graph with a zero gradient
     emb.sum().backward()
     g = x["emb"].grad
@@ -269,17 +261,21 @@ def test_layout_fault_raises_even_under_drop(bad):
         call(model, x)
 
 
-def test_nonfinite_tile_drops_its_sample():
+@pytest.mark.parametrize("post", [True, False], ids=["drops", "raises-without-the-loss"])
+def test_nonfinite_tile_drops_its_sample(post):
     x = make_batch(LAYOUT)
     x["emb"] = x["emb"].clone()
     x["emb"][1, 4, 2] = float("nan")  # tile 4 = sample 2's first tile
     ref = call(TinyLLaVA(), x)
-    model = TinyLLaVA()
+    model = TinyLLaVA(post=post)
     handle = install_llava(model, guard_for("raise", nonfinite="drop"))
-    emb, _labels, lmask = call(model, x)
-    assert handle.last_result.dropped == (2,)
-    assert torch.isfinite(emb).all()
-    assert torch.equal(emb[:, :2], ref[0][:, :2]) and (lmask[2] == 0).all()
+    if not post:  # the last stage could not drop it: the first one raises
+        with pytest.raises(MediaAlignmentError, match="last pipeline stage cannot see"):
+            call(model, x)
+        return
+    out = call(model, x)
+    assert handle.last_result.dropped == (2,) and torch.isfinite(out[0]).all()
+    kept_identical(out, ref, {2})
 
 
 @pytest.mark.parametrize("nonfinite", ["raise", "off"])
@@ -293,21 +289,8 @@ def test_huge_finite_tiles_are_not_a_nonfinite_fault(nonfinite):
     assert same(call(model, x), ref) and handle.last_result.ok
 
 
-def test_nonfinite_drop_escalates_on_a_stage_without_the_loss():
-    x = make_batch(LAYOUT)
-    x["emb"] = x["emb"].clone()
-    x["emb"][0, 0, 0] = float("inf")
-    model = TinyLLaVA(post=False)
-    install_llava(model, guard_for("drop", nonfinite="drop"))
-    with pytest.raises(MediaAlignmentError, match="last pipeline stage cannot see"):
-        call(model, x)
-
-
 def test_first_and_last_stage_reach_the_same_plan():
-    x = make_batch([[(1, 2)], [(2, 1), (5, 1)], [(3, 1)]])
-    items = [MediaItem(6, sample=0), MediaItem(3, sample=1), MediaItem(3, sample=2)]
-    x["nit"] = torch.tensor([2, 1, 1], dtype=torch.int)
-    x["emb"] = x["emb"][:, :4]
+    x, items = extra_token_batch()
     first, last = TinyLLaVA(post=False), TinyLLaVA(pre=False)
     hf = install_llava(first, guard_for("drop"))
     hl = install_llava(last, guard_for("drop"))
@@ -348,23 +331,11 @@ def test_inference_cache_and_middle_stage_pass_through():
     assert call(mid, x) == (None, None, None)
 
 
-class FakeConsensus:
-    """Agrees locally; records each round and each step end."""
-
-    def __init__(self):
-        self.steps, self.seen = [], []
-
-    def agree(self, local):
-        self.seen.append(local)
-        return StageOutcome.local(local, 3)
-
-    def on_step_end(self, step, counts, guard):
-        self.steps.append((step, dict(counts)))
-
-
 def test_step_provider_closes_steps_and_counts_microbatches():
     x = make_batch(CROSS)
-    cons = FakeConsensus()
+    cons = types.SimpleNamespace(seen=[], steps=[])  # agrees locally, records rounds and ends
+    cons.agree = lambda local: cons.seen.append(local) or StageOutcome.local(local, 3)
+    cons.on_step_end = lambda step, counts, guard: cons.steps.append((step, dict(counts)))
     guard = MediaGuard(GuardConfig(policy="drop"), Grammar.llava(TOK), consensus=cons)
     step = {"i": 1}
     model = TinyLLaVA(maxlen=8)
@@ -381,11 +352,8 @@ def test_step_provider_closes_steps_and_counts_microbatches():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_drop_paths_on_the_tensors_device(device):
-    x = make_batch([[(1, 2)], [(2, 1), (5, 1)], [(3, 1)]])
-    x["nit"] = torch.tensor([2, 1, 1], dtype=torch.int)
-    x["emb"] = x["emb"][:, :4].to(torch.bfloat16)
-    x["lang"] = x["lang"].to(torch.bfloat16)
-    items = [MediaItem(6, sample=0), MediaItem(3, sample=1), MediaItem(3, sample=2)]
+    x, items = extra_token_batch()
+    x["emb"], x["lang"] = x["emb"].to(torch.bfloat16), x["lang"].to(torch.bfloat16)
     outs = {}
     for dev in ("cpu", device):
         xd = {k: v.to(dev) for k, v in x.items()}

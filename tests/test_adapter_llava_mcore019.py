@@ -9,7 +9,13 @@ import torch
 
 llava_mod = pytest.importorskip("megatron.core.models.multimodal.llava_model")
 
-from llava_standins import HAS_MCORE019, NEEDS_MCORE019, Mcore019LLaVAStandIn, same  # noqa: E402
+from llava_standins import (  # noqa: E402
+    HAS_MCORE019,
+    NEEDS_MCORE019,
+    Mcore019LLaVAStandIn,
+    kept_identical,
+    same,
+)
 from llava_standins import omni_guard as guard  # noqa: E402
 from llava_standins import omni_standin as standin  # noqa: E402
 from omni_batches import IMAGE, SOUND, Example, build  # noqa: E402
@@ -52,22 +58,40 @@ def guarded(batch, policy="raise", items=None, maxlen=4096, cfg=None, **kw):
     return model, handle
 
 
-def kept_identical(out, ref, dropped):
-    """Rows other than ``dropped`` equal the reference; the dropped ones are zeroed out."""
-    for r in range(ref[1].shape[0]):
-        if r in dropped:
-            assert (
-                (out[0][:, r] == 0).all() and (out[1][r] == -100).all() and (out[2][r] == 0).all()
-            )
-        else:
-            assert torch.equal(out[0][:, r], ref[0][:, r]), r
-            assert torch.equal(out[1][r], ref[1][r]) and torch.equal(out[2][r], ref[2][r]), r
+def short_sound(b):
+    b.sound_embeddings_len = torch.tensor([5, 2, 7])
 
 
-def test_aligned_image_and_sound_are_bit_identical_with_one_transfer():
-    batch = build(EXAMPLES)
-    ref = call(standin(batch), batch)
-    model, handle = guarded(batch, "drop")
+def clips_of_five_rows(b):
+    b.sound_embeddings = b.sound_embeddings[:5]  # 5 rows per clip, all placed when padded
+
+
+def encoder_hidden_state(b):
+    b.sound_embeddings, b.sound_embeddings_len = torch.randn(3, 2, 8), None
+
+
+PAD = {"sound_pad_to_clip_duration": True}
+PADDED = [Example(images=[(64, 64)], mel_frames=40)] * 2
+
+
+@pytest.mark.parametrize(
+    "examples, change, kw",
+    [
+        (EXAMPLES, None, {}),
+        (EXAMPLES, short_sound, {"pre": False}),  # only the first stage can see the sound
+        (PADDED, clips_of_five_rows, PAD),  # every row of a clip is placed
+        # a stage without the encoders passes ``encoder_hidden_state`` as the sound embeddings
+        # and no lengths: megatron-core reads it only at sound tokens, so neither does the guard
+        ([Example(images=[(64, 64)])] * 2, encoder_hidden_state, {}),
+    ],
+    ids=["image+sound", "last-stage", "pad-to-clip-duration", "encoder-hidden-state"],
+)
+def test_aligned_calls_are_bit_identical_with_one_transfer(examples, change, kw):
+    batch = build(examples)
+    if change is not None:
+        change(batch)
+    ref = call(standin(batch, **kw), batch)
+    model, handle = guarded(batch, "drop", **kw)
     with count_transfers() as seen:
         out = call(model, batch)
     assert sum(seen.values()) == 1, dict(seen)
@@ -99,10 +123,6 @@ def test_release_defaults_negative_ids():
     args["sound_embeddings_len"] = torch.tensor([2, 2])
     with pytest.raises(MediaAlignmentError, match=r"sample 0 row 0, sound item 0.*3 sound tokens"):
         model._preprocess_data(**args)
-
-
-def short_sound(b):
-    b.sound_embeddings_len = torch.tensor([5, 2, 7])
 
 
 def extra_sound_token(b):
@@ -154,6 +174,36 @@ def test_sound_faults_in_one_sample(fault, policy):
     kept_identical(out, ref, {1})
 
 
+def no_sound_lengths(b):
+    b.sound_embeddings_len = None
+
+
+def image_layout_by_tiles(b):
+    b.image_embeddings = b.image_embeddings.view(1, 24, 8)  # [img_seq_len, tiles, h]
+
+
+def padded_extra_sound_token(b):
+    clips_of_five_rows(b)
+    extra_sound_token(b)
+
+
+@pytest.mark.parametrize(
+    "examples, change, kw, match",
+    [
+        (EXAMPLES, short_sound, {"post": False}, "last pipeline stage cannot see the sound"),
+        (EXAMPLES, no_sound_lengths, {}, "no sound_embeddings_len"),
+        (EXAMPLES, image_layout_by_tiles, {}, r"expected \[24 \(sum of num_image_tiles\), 1"),
+        (PADDED, padded_extra_sound_token, PAD, "cannot drop: with sound_pad_to_clip_duration"),
+    ],
+)
+def test_faults_that_raise_under_drop(examples, change, kw, match):
+    batch = build(examples)
+    change(batch)
+    model, _ = guarded(batch, "drop", **kw)
+    with pytest.raises(MediaAlignmentError, match=match):
+        call(model, batch)
+
+
 @pytest.mark.parametrize("policy", ["raise", "drop"])
 def test_nonfinite_sound_rows(policy):
     batch = build(EXAMPLES)
@@ -172,34 +222,6 @@ def test_nonfinite_sound_rows(policy):
     assert handle.last_result.dropped == (2,) and handle.last_result.mode == "zero"
     assert torch.isfinite(out[0]).all()
     kept_identical(out, ref, {2})
-
-
-def test_pad_to_clip_duration_takes_every_row():
-    batch = build([Example(images=[(64, 64)], mel_frames=40)] * 2)
-    batch.sound_embeddings = batch.sound_embeddings[:5]  # 5 rows per clip, all placed
-    ref = call(standin(batch, sound_pad_to_clip_duration=True), batch)
-    model, _ = guarded(batch, "drop", sound_pad_to_clip_duration=True)
-    assert same(ref, call(model, batch))
-    extra_sound_token(batch)
-    with pytest.raises(MediaAlignmentError, match="cannot drop: with sound_pad_to_clip_duration"):
-        call(model, batch)
-
-
-def test_sound_drop_on_a_first_stage_without_the_loss_escalates():
-    batch = build(EXAMPLES)
-    short_sound(batch)
-    model, _ = guarded(batch, "drop", post=False)
-    with pytest.raises(MediaAlignmentError, match="last pipeline stage cannot see the sound"):
-        call(model, batch)
-
-
-def test_last_stage_does_not_read_the_sound():
-    batch = build(EXAMPLES)
-    short_sound(batch)  # only the first stage can see it
-    ref = call(standin(batch, pre=False), batch)
-    model, handle = guarded(batch, "raise", pre=False)
-    out = call(model, batch)
-    assert out[0] is None and torch.equal(out[1], ref[1]) and handle.last_result.ok
 
 
 # ---- packed dynamic resolution: img_seq_len 1, per-image counts, [sum, 1, h] --------------
@@ -278,14 +300,6 @@ def test_packed_dynamic_count_fault_without_items_drops_every_image_sample():
     assert (out[2][3] != 0).any() and (out[2][:3] == 0).all()
 
 
-def test_packed_dynamic_layout_must_be_sum_by_one():
-    batch = build(EXAMPLES)
-    batch.image_embeddings = batch.image_embeddings.view(1, 24, 8)  # [img_seq_len, tiles, h]
-    model, _ = guarded(batch, "drop")
-    with pytest.raises(MediaAlignmentError, match=r"expected \[24 \(sum of num_image_tiles\), 1"):
-        call(model, batch)
-
-
 def test_sound_metadata_places_a_clip_the_walk_cannot():
     batch = build([Example(mel_frames=40), Example(), Example(mel_frames=56)])
     ref = call(standin(batch), batch)
@@ -336,14 +350,6 @@ def test_sound_tokens_without_sound_embeddings(policy):
     assert (out[2] == 0).all() and out[0].shape == ref[0].shape
 
 
-def test_sound_lengths_missing_is_a_layout_fault():
-    batch = build(EXAMPLES)
-    batch.sound_embeddings_len = None
-    model, _ = guarded(batch, "drop")
-    with pytest.raises(MediaAlignmentError, match="no sound_embeddings_len"):
-        call(model, batch)
-
-
 def test_drop_under_context_parallel_layout():
     """With context_parallel_lm > 1 the merged embeddings stay [b, S, h]."""
     batch = build(EXAMPLES)
@@ -372,14 +378,3 @@ def test_release_signature():
         "sound_timestamps",
     ]
     assert "imgs_sizes" not in params and "media_token_counts" not in params
-
-
-def test_encoder_hidden_state_without_sound_tokens_is_not_read():
-    """A stage without the encoders passes ``encoder_hidden_state`` as the sound embeddings
-    and no lengths: megatron-core reads it only at sound tokens, so neither does the guard."""
-    batch = build([Example(images=[(64, 64)])] * 2)
-    batch.sound_embeddings, batch.sound_embeddings_len = torch.randn(3, 2, 8), None
-    ref = call(standin(batch), batch)
-    model, handle = guarded(batch, "raise")
-    assert same(ref, call(model, batch))
-    assert handle.last_result.ok

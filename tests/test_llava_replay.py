@@ -61,27 +61,20 @@ def test_count_fault_bundle_replays_to_the_same_sample(tmp_path):
     assert "sample 0" in result.message and "2 runs for 1 item" in result.message
 
 
-def test_faults_a_replay_cannot_rerun_leave_no_bundle(tmp_path):
+def test_max_length_fault_raises_the_record_the_peers_fetch_and_leaves_no_bundle(tmp_path):
     x = make_batch(CROSS)  # sample 2's image crosses the max length: no token is wrong
     model = TinyLLaVA(maxlen=8)
-    install_llava(model, guard_for("raise", dump_dir=str(tmp_path / "b")))
-    with pytest.raises(MediaAlignmentError) as e:
-        call(model, x)
-    assert "replay bundle" not in str(e.value)
-    assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())
-
-
-def test_raise_record_is_the_one_the_peers_fetch(tmp_path):
-    x = make_batch(CROSS)
-    model = TinyLLaVA(maxlen=8)
-    guard = guard_for("raise", log_dir=str(tmp_path))
+    guard = guard_for("raise", log_dir=str(tmp_path), dump_dir=str(tmp_path / "b"))
     seen = []
     settle = guard.settle
     guard.settle = lambda local: seen.append(local) or settle(local)  # what consensus gets
     handle = install_llava(model, guard)
     handle.set_step(4)
-    with pytest.raises(MediaAlignmentError):
+    with pytest.raises(MediaAlignmentError) as e:
         call(model, x)
+    # a replay cannot re-run a max-length fault: no bundle
+    assert "replay bundle" not in str(e.value)
+    assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())
     recs = [
         json.loads(s) for s in (tmp_path / "media_guard.rank00003.jsonl").read_text().splitlines()
     ]

@@ -11,12 +11,12 @@ from typing import Any
 import torch
 
 from ...core.faults import ItemFault
-from ...core.generated import Generated, GeneratedSample, find_generated
+from ...core.generated import Generated, GeneratedSample, as_text, find_generated
 from ...core.items import MediaItem
 from ...core.runs import TokenLayout, parse_layout
 from ...errors import MediaInputError
-from .measure import LlavaFacts, sound_padded
-from .packed import llava_grammar
+from .measure import LlavaFacts
+from .packed import PAD_TOKEN, llava_grammar
 
 SOUND_MODALITIES = frozenset({"sound", "audio"})
 
@@ -94,22 +94,21 @@ def image_owners(facts: LlavaFacts, items: Sequence[MediaItem] | None) -> ImageO
 
 
 def _segment_faults(facts: LlavaFacts) -> list[ItemFault]:
-    out = []
-    for smp, sp in enumerate(facts.spans):
-        if not sp.resolved:
-            span = sp.merged_end - sp.merged_start
-            out.append(
-                ItemFault(
-                    smp,
-                    "segment",
-                    "sample",
-                    f"packed sub-sample [{sp.merged_start}, {sp.merged_end}) of cu_seqlens is "
-                    "not filled by the expansion of its tokens (an image token or an image's "
-                    "token count differs from what the packing assumed)",
-                    expected=(span,),
-                )
-            )
-    return out
+    why = (
+        "packed sub-sample [{}, {}) of cu_seqlens is not filled by the expansion of its tokens "
+        "(an image token or an image's token count differs from what the packing assumed)"
+    )
+    return [
+        ItemFault(
+            smp,
+            "segment",
+            "sample",
+            why.format(sp.merged_start, sp.merged_end),
+            expected=(sp.merged_end - sp.merged_start,),
+        )
+        for smp, sp in enumerate(facts.spans)
+        if not sp.resolved
+    ]
 
 
 def _count_faults(
@@ -222,26 +221,24 @@ def _nonfinite_faults(facts: LlavaFacts, own: ImageOwners) -> list[ItemFault]:
     """One fault per sample, at its first image holding NaN/Inf."""
     if not facts.entry_bad or own.owners is None:
         return []
-    out: list[ItemFault] = []
-    for smp in sorted(set(own.owners)):
-        js = own.of(smp)
-        bad = [j for j in js if facts.entry_bad[j]]
-        if bad:
-            j = bad[0]
-            out.append(
-                ItemFault(
-                    smp,
-                    "nonfinite",
-                    "image",
-                    "NaN/Inf in the image's embeddings (got: tiles / rows affected)",
-                    item=j,
-                    item_in_sample=js.index(j),
-                    expected=(facts.entries[j],),
-                    got=(facts.entry_bad[j],),
-                    tiles=facts.entries[j],
-                )
-            )
-    return out
+    first: dict[int, int] = {}  # sample -> its first bad image
+    for j, smp in enumerate(own.owners):
+        if facts.entry_bad[j]:
+            first.setdefault(smp, j)
+    return [
+        ItemFault(
+            smp,
+            "nonfinite",
+            "image",
+            "NaN/Inf in the image's embeddings (got: tiles / rows affected)",
+            item=j,
+            item_in_sample=own.of(smp).index(j),
+            expected=(facts.entries[j],),
+            got=(facts.entry_bad[j],),
+            tiles=facts.entries[j],
+        )
+        for smp, j in sorted(first.items())
+    ]
 
 
 def image_faults(
@@ -256,16 +253,19 @@ def image_faults(
     return faults, own
 
 
-def generated_tokens(guard, a: dict) -> Generated | None:
-    """Image tokens the policy generated: those under the loss mask (a collapsed grammar has
-    no regions; megatron-core's labels are never ``ignore_index``). None without a loss mask
-    or when there is none. Positions are per row: :func:`per_sample` names the samples."""
-    lm = a.get("loss_mask")
-    ids = a["input_ids"]
+def generated_as_text(a: dict, ignore_index: int) -> Generated | None:
+    """Image tokens the policy generated, made token 0 in ``a["input_ids"]``: those under the
+    loss mask (a collapsed grammar has no regions; megatron-core's labels are never
+    ``ignore_index``). None without a loss mask or when there is none. Positions are per
+    row: :func:`per_sample` names the samples."""
+    lm, ids = a.get("loss_mask"), a["input_ids"]
     if not isinstance(lm, torch.Tensor) or lm.shape != ids.shape:
         return None
-    lay = TokenLayout(ids, llava_grammar(int(a["image_token_index"])))
-    return find_generated(lay, None, lm, guard.config.ignore_index)
+    grammar = llava_grammar(int(a["image_token_index"]))
+    gen = find_generated(TokenLayout(ids, grammar), None, lm, ignore_index)
+    if gen is not None:
+        a["input_ids"] = as_text(ids, gen, PAD_TOKEN, None, grammar)[0]
+    return gen
 
 
 def per_sample(gen: Generated, spans) -> Generated:
@@ -310,12 +310,12 @@ def _image_problem(a: dict[str, Any], facts: LlavaFacts) -> str | None:
     return None
 
 
-def _sound_problem(a: dict[str, Any], facts: LlavaFacts, padded: bool) -> str | None:
+def _sound_problem(a: dict[str, Any], facts: LlavaFacts) -> str | None:
     snd, lang = a.get("sound_embeddings"), a.get("language_embeddings")
     if snd.dim() != 3:
         return f"sound_embeddings must be [rows, clips, h], got {tuple(snd.shape)}"
     T, C = snd.shape[0], snd.shape[1]
-    if C and a.get("sound_embeddings_len") is None and not padded:
+    if C and a.get("sound_embeddings_len") is None and not facts.sound_padded:
         return f"sound_embeddings has {C} clips and no sound_embeddings_len"
     if len(facts.clip_rows) != C:
         return f"sound_embeddings has {C} clips, sound_embeddings_len {len(facts.clip_rows)}"
@@ -331,25 +331,15 @@ def layout_problems(
 ) -> tuple[list[str], bool, bool]:
     """``(batch-level problems, image embeddings usable, sound embeddings usable)``, checked on
     the first stage. A wrong layout names no sample (rows are concatenated): always fatal."""
-    problems: list[str] = []
-    img_ok = snd_ok = False
-    if model.pre_process and facts.num_entries:
-        problem = _image_problem(a, facts)
-        if problem:
-            problems.append(f"layout: {problem}")
-        img_ok = problem is None
-    snd = a.get("sound_embeddings")
     # a stage without the encoders passes its encoder_hidden_state and no lengths: megatron-core
     # only reads it at sound tokens
     used = any(facts.sound) or a.get("sound_embeddings_len") is not None
-    if (
-        model.pre_process
-        and used
-        and isinstance(snd, torch.Tensor)
-        and facts.sound_token_index is not None
-    ):
-        problem = _sound_problem(a, facts, sound_padded(model))
-        if problem:
-            problems.append(f"layout: {problem}")
-        snd_ok = problem is None
-    return problems, img_ok, snd_ok
+    sound = (
+        isinstance(a.get("sound_embeddings"), torch.Tensor) and facts.sound_token_index is not None
+    )
+    img_checked = bool(model.pre_process and facts.num_entries)
+    snd_checked = bool(model.pre_process and used and sound)
+    img = _image_problem(a, facts) if img_checked else None
+    snd = _sound_problem(a, facts) if snd_checked else None
+    problems = [f"layout: {p}" for p in (img, snd) if p]
+    return problems, img_checked and img is None, snd_checked and snd is None

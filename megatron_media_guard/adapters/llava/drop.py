@@ -19,10 +19,8 @@ from ...families.inputs import placeholders_as_text
 from ...families.megatron import LLAVA
 from .checks import ImageOwners
 from .measure import LlavaFacts
-from .packed import llava_grammar, merged_layout, sample_layout
+from .packed import PAD_TOKEN, llava_grammar, merged_layout, sample_layout
 from .sound import ClipOwners
-
-PAD_TOKEN = 0  # what megatron-core's forward embeds at image-token positions
 
 
 @dataclass(frozen=True)
@@ -73,8 +71,6 @@ def plan_drop(
     img: ImageOwners,
     snd: ClipOwners | None,
     drops: Sequence[int],
-    *,
-    sound_padded: bool,
     unclaimed: bool,
     unused_sound: bool,
 ) -> DropPlan:
@@ -101,16 +97,14 @@ def plan_drop(
         bad = [i for i in drops if not snd.matched[i]]
         sound_samples = tuple(i for i in bad if facts.sound[i])
         clips = tuple(c for i in bad for c in snd.clips[i])
-        if (sound_samples or clips) and sound_padded and problem is None:
+        if (sound_samples or clips) and facts.sound_padded and problem is None:
             problem = "with sound_pad_to_clip_duration every row of a clip is placed"
     return DropPlan(drops, targets, sound_samples, clips, unclaimed, unused_sound, problem)
 
 
 def _keep(facts: LlavaFacts, gone: Sequence[int], device) -> torch.Tensor:
     """``[samples]`` bool on ``device``: the samples not in ``gone``."""
-    keep = torch.ones(facts.batch, dtype=torch.bool)
-    keep[list(gone)] = False
-    return keep.to(device, non_blocking=True)
+    return torch.tensor([i not in gone for i in range(facts.batch)]).to(device, non_blocking=True)
 
 
 def rewrite_inputs(a: dict[str, Any], facts: LlavaFacts, plan: DropPlan) -> Any:

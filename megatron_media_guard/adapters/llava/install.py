@@ -19,7 +19,7 @@ import torch
 from ...config import GuardConfig
 from ...core.fault_path import conclude, save_replay
 from ...core.faults import FaultContext, ItemFault, batch_records, fault_records
-from ...core.generated import as_text, text_records
+from ...core.generated import text_records
 from ...core.guard import MediaGuard
 from ...core.items import MediaItem
 from ...core.outcome import StageOutcome
@@ -30,17 +30,17 @@ from ..forward_hook import CallArgs
 from ..hooks import GuardHandle, ItemsProvider, StepProvider
 from ..vlm_inputs import packed_offsets
 from .checks import (
+    generated_as_text,
     generated_faults,
-    generated_tokens,
     image_faults,
     layout_problems,
     llava_grammar,
     per_sample,
     split_items,
 )
-from .drop import PAD_TOKEN, finish_outputs, plan_drop, rewrite_inputs
-from .measure import LlavaFacts, measure, refine_finite, sound_padded
-from .packed import Span, merged_layout
+from .drop import finish_outputs, plan_drop, rewrite_inputs
+from .measure import LlavaFacts, measure, refine_finite
+from .packed import PAD_TOKEN, Span, merged_layout
 from .sound import sound_faults
 
 
@@ -98,10 +98,6 @@ class LlavaHandle(GuardHandle):
     def take_packed(self) -> tuple[Any, Any]:
         out, self._packed = self._packed, (None, None)
         return out
-
-    def remove(self) -> None:
-        super().remove()
-        self._packed = (None, None)
 
     def _around(self, original: Any, args: tuple, kwargs: dict) -> Any:
         try:
@@ -171,15 +167,10 @@ def _checks(handle: LlavaHandle, a: dict[str, Any], cu, pos, img_items, snd_item
     m, cfg = handle.module, handle.guard.config
     facts = measure(a, m, cu_seqlens=cu, position_ids=pos, check_finite=cfg.nonfinite != "off")
     batch_fatal, img_ok, snd_ok = layout_problems(a, m, facts)
-    if (any(facts.entry_bad) and img_ok) or (any(facts.clip_bad) and snd_ok):
-        facts = refine_finite(
-            facts,
-            a.get("image_embeddings") if img_ok else None,
-            bool(a.get("is_packed_dynamic_res")),
-            a.get("sound_embeddings") if snd_ok else None,
-        )
     if not img_ok:
         facts = replace(facts, entry_bad=())  # the images' layout is not known
+    if any(facts.entry_bad) or (any(facts.clip_bad) and snd_ok):
+        facts = refine_finite(facts, a, snd_ok)
     faults, img_own = image_faults(facts, img_items, a["input_ids"])
     more, clip_own = sound_faults(facts, snd_items, snd_ok)
     return facts, batch_fatal, faults + more, img_own, clip_own
@@ -194,13 +185,10 @@ def _run(handle: LlavaHandle, ba: inspect.BoundArguments, step, mb) -> Any:
     cu = cu if cu is not None and cu.numel() >= 2 else None
     pos = pos if cu is not None and isinstance(pos, torch.Tensor) else None
     checked = _checks(handle, a, cu, pos, img_items, snd_items)
-    gen = None
-    if any(f.check == "count" and f.modality == "image" for f in checked[2]):
-        # an image token too many may be one the policy generated (fault path only)
-        gen = generated_tokens(guard, a)
-    if gen is not None:  # fed as text (token 0, as the forward embedded it), then checked
-        grammar = llava_grammar(int(a["image_token_index"]))
-        a["input_ids"] = as_text(a["input_ids"], gen, PAD_TOKEN, None, grammar)[0]
+    # an image token too many may be one the policy generated (fault path only): fed as text
+    # (token 0, as the forward embedded it), then checked again
+    gen = generated_as_text(a, cfg.ignore_index) if _count_fault(checked[2]) else None
+    if gen is not None:
         checked = _checks(handle, a, cu, pos, img_items, snd_items)
     facts, batch_fatal, faults, img_own, clip_own = checked
     if gen is not None:
@@ -214,6 +202,7 @@ def _run(handle: LlavaHandle, ba: inspect.BoundArguments, step, mb) -> Any:
     if unclaimed:
         text = f"unused: {n} num_image_tiles entries for no image token in the batch"
         (batch_fatal if dropping_policy == "raise" else notes).append(text)
+        unclaimed = dropping_policy != "raise"  # the entries go (under raise: fatal)
     if unused_sound:
         notes.append(f"unused: {facts.num_clips} sound clips for no sound token in the batch")
 
@@ -228,20 +217,12 @@ def _run(handle: LlavaHandle, ba: inspect.BoundArguments, step, mb) -> Any:
         actions[f.sample] = worst(act, actions[f.sample])
     drops = [i for i, x in enumerate(actions) if x == "drop"]
     plan = None
-    if drops or (unclaimed and dropping_policy != "raise"):
-        plan = plan_drop(
-            facts,
-            img_own,
-            clip_own,
-            drops,
-            sound_padded=sound_padded(m),
-            unclaimed=unclaimed and dropping_policy != "raise",
-            unused_sound=unused_sound,
-        )
+    if drops or unclaimed:
+        plan = plan_drop(facts, img_own, clip_own, drops, unclaimed, unused_sound)
         if plan.problem:
             for smp in drops:
                 actions[smp], why_raise[smp] = "raise", f"cannot drop: {plan.problem}"
-            drops, plan = [], None
+            plan = None
 
     # the records, the raise message and the plan, agreed with the stage by core's conclusion
     sids = {it.sample: it.sample_id for it in reversed(img_items or ()) if it.sample_id is not None}
@@ -258,16 +239,8 @@ def _run(handle: LlavaHandle, ba: inspect.BoundArguments, step, mb) -> Any:
         ]
     found = [(f.check, f.modality, f.sample, f.item) for f in faults]
     owners = img_own.owners
-    plan_digest = digest(
-        facts.tokens,
-        facts.entries,
-        owners,
-        actions,
-        facts.img_seq_len,
-        facts.max_len,
-        found,
-        batch_fatal,
-    )
+    planned = (facts.tokens, facts.entries, owners, actions)
+    plan_digest = digest(*planned, facts.img_seq_len, facts.max_len, found, batch_fatal)
     stage = conclude(
         guard,
         Plan(tuple(actions), (), plan_digest),
@@ -301,6 +274,11 @@ def _run(handle: LlavaHandle, ba: inspect.BoundArguments, step, mb) -> Any:
     return finish_outputs(out, plan, facts, cfg.ignore_index, seq_first, anchor)
 
 
+def _count_fault(faults: list[ItemFault]) -> bool:
+    """An image token too many or too few in a sample."""
+    return any(f.check == "count" and f.modality == "image" for f in faults)
+
+
 def _summary(facts: LlavaFacts) -> str:
     out = (
         f"{facts.total_tokens} image tokens / {facts.num_entries} num_image_tiles "
@@ -320,7 +298,7 @@ def _bundle(guard, facts: LlavaFacts, faults, owners, items, ids, step, mb):
     or too few in a sample (a collapsed grammar's replay checks the runs per sample). The
     other checks (tiles, sequence length, NaN/Inf, sound, packed spans) read facts the bundle
     does not hold: no bundle."""
-    if facts.packed or not any(f.check == "count" and f.modality == "image" for f in faults):
+    if facts.packed or not _count_fault(faults):
         return None
     if items is None:
         L = facts.img_seq_len

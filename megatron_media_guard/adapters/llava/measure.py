@@ -4,14 +4,14 @@ Nothing here loops over tokens."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from itertools import accumulate
 from typing import Any
 
 import torch
 
 from ...core.apply import nonfinite_flags
-from ...core.host import to_host
+from ...core.host import scalars_to_host
 from ...errors import MediaInputError
 from .packed import Boundaries, Span, device_segments, host_spans
 
@@ -25,15 +25,18 @@ class LlavaFacts:
     ``num_entries`` / -1 when none), sound_past (sound tokens placed past it), spans. Per
     entry: entries (``num_image_tiles``), entry_bad (units holding NaN/Inf). Per clip:
     clip_rows (rows megatron-core takes), clip_bad (rows holding NaN/Inf). The NaN/Inf
-    counts are empty when not checked."""
+    counts are empty when not checked. sound_padded: megatron-core 0.19 takes every row of
+    every clip (the sound model's ``config.sound_pad_to_clip_duration``)."""
 
     batch: int
     row_length: int
     packed: bool
     image_token_index: int
     sound_token_index: int | None
+    sound_padded: bool
     img_seq_len: int
     max_len: int
+    spans: tuple[Span, ...]
     tokens: tuple[int, ...]
     sound: tuple[int, ...]
     text: tuple[int, ...]
@@ -41,10 +44,9 @@ class LlavaFacts:
     cross_end: tuple[int, ...]
     sound_past: tuple[int, ...]
     entries: tuple[int, ...]
-    entry_bad: tuple[int, ...]
-    clip_rows: tuple[int, ...]
-    clip_bad: tuple[int, ...]
-    spans: tuple[Span, ...]
+    entry_bad: tuple[int, ...] = ()
+    clip_rows: tuple[int, ...] = ()
+    clip_bad: tuple[int, ...] = ()
 
     @property
     def total_tokens(self) -> int:
@@ -64,19 +66,11 @@ class LlavaFacts:
 
 
 def _bad_per_group(bad_units: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-    """NaN/Inf units per consecutive group of ``sizes`` units (a cumulative-sum gather)."""
-    if sizes.numel() == 0:
-        return sizes.new_zeros(0)
+    """NaN/Inf units per consecutive group of ``sizes`` units (a cumulative-sum gather; at
+    least one group)."""
     cum = torch.cat([bad_units.new_zeros(1), torch.cumsum(bad_units.to(torch.int64), 0)])
     ends = torch.cumsum(sizes, 0).clamp(0, cum.numel() - 1)
     return cum[ends] - cum[(ends - sizes).clamp(0, cum.numel() - 1)]
-
-
-def sound_padded(model: Any) -> bool:
-    """megatron-core 0.19 takes every row of every clip when the sound model's config sets
-    ``sound_pad_to_clip_duration`` (else ``sound_embeddings_len[c]`` rows of clip c)."""
-    cfg = getattr(getattr(model, "sound_model", None), "config", None)
-    return bool(getattr(cfg, "sound_pad_to_clip_duration", False))
 
 
 def measure(
@@ -93,13 +87,15 @@ def measure(
     ``image_embeddings`` ``[img_seq_len, tiles, h]`` (``[sum(num_image_tiles), 1, h]`` with
     ``is_packed_dynamic_res``), ``sound_embeddings`` ``[T, clips, h]``. cu_seqlens: the
     sub-sample boundaries of one packed row, in merged positions (None: rows are samples)."""
-    first, packed_rows = bool(model.pre_process), bool(a.get("is_packed_dynamic_res"))
+    pre, packed_rows = bool(model.pre_process), bool(a.get("is_packed_dynamic_res"))
     input_ids, counts = a["input_ids"], a.get("num_image_tiles")
     image_token_index = int(a["image_token_index"])
     sound_token_index = getattr(model, "sound_token_index", None)
+    sound_cfg = getattr(getattr(model, "sound_model", None), "config", None)
+    sound_padded = bool(getattr(sound_cfg, "sound_pad_to_clip_duration", False))
     max_len = int(model._language_max_sequence_length)
-    image_embeddings = a.get("image_embeddings") if first else None
-    sound_embeddings = a.get("sound_embeddings") if first else None
+    image_embeddings = a.get("image_embeddings") if pre else None
+    sound_embeddings = a.get("sound_embeddings") if pre else None
     if not isinstance(sound_embeddings, torch.Tensor) or sound_embeddings.dim() != 3:
         sound_embeddings = None
     sound_lengths = a.get("sound_embeddings_len")
@@ -179,7 +175,7 @@ def measure(
         parts["entry_bad"] = _bad_per_group(~unit_ok.to(dev), cnt)
     if sound_embeddings is not None:
         T, c = sound_embeddings.shape[0], sound_embeddings.shape[1]
-        if sound_lengths is not None and not sound_padded(model):
+        if sound_lengths is not None and not sound_padded:
             rows = torch.as_tensor(sound_lengths).to(dev, i64).reshape(-1)
         else:
             rows = torch.full((c,), T, dtype=i64, device=dev)
@@ -191,8 +187,8 @@ def measure(
     if packed:
         parts.update(seg_parts)
     # the one host sync of the aligned path: per-sample counts and per-item facts
-    flat = to_host(torch.cat([p.to(i64) for p in parts.values()]), why="LLaVA merge facts")
-    v, h, o = flat.tolist(), {}, 0
+    v = scalars_to_host(list(parts.values()), dev, why="LLaVA merge facts")
+    h, o = {}, 0
     for name, p in parts.items():
         h[name], o = tuple(v[o : o + p.numel()]), o + p.numel()
     if packed:
@@ -212,44 +208,33 @@ def measure(
         batch=k,
         row_length=s,
         packed=packed,
-        image_token_index=int(image_token_index),
+        image_token_index=image_token_index,
         sound_token_index=None if sound_token_index is None else int(sound_token_index),
+        sound_padded=sound_padded,
         img_seq_len=L,
         max_len=max_len,
-        tokens=h["tokens"],
-        sound=h["sound"],
-        text=h["text"],
-        cross_image=h["cross_image"],
-        cross_end=h["cross_end"],
-        sound_past=h["sound_past"],
-        entries=h["entries"],
-        entry_bad=h.get("entry_bad", ()),
-        clip_rows=h.get("clip_rows", ()),
-        clip_bad=h.get("clip_bad", ()),
         spans=spans,
+        **{f.name: h[f.name] for f in fields(LlavaFacts) if f.name in h},
     )
 
 
-def refine_finite(
-    facts: LlavaFacts,
-    image_embeddings: torch.Tensor | None,
-    packed_rows: bool,
-    sound_embeddings: torch.Tensor | None,
-) -> LlavaFacts:
-    """Exact NaN/Inf flags for the entries and clips the sums flagged (diagnose path only;
-    reads only the flagged items' views, through core's per-view check)."""
+def refine_finite(facts: LlavaFacts, a: dict[str, Any], sound_ok: bool) -> LlavaFacts:
+    """Exact NaN/Inf flags for the entries and (``sound_ok``: their layout is right) clips the
+    sums flagged in the bound arguments ``a`` (diagnose path only; reads only the flagged
+    items' views, through core's per-view check)."""
     entry_bad, clip_bad = list(facts.entry_bad), list(facts.clip_bad)
     views: list[tuple[list[int], int, torch.Tensor]] = []  # (flags, index, view)
-    if image_embeddings is not None:
-        dim, starts = (0 if packed_rows else 1), (0, *accumulate(facts.entries))
+    if any(entry_bad):
+        dim = 0 if a.get("is_packed_dynamic_res") else 1
+        starts, emb = (0, *accumulate(facts.entries)), a["image_embeddings"]
         views += [
-            (entry_bad, j, image_embeddings.narrow(dim, starts[j], facts.entries[j]))
+            (entry_bad, j, emb.narrow(dim, starts[j], facts.entries[j]))
             for j, x in enumerate(facts.entry_bad)
             if x
         ]
-    if sound_embeddings is not None:
+    if sound_ok:
         views += [
-            (clip_bad, c, sound_embeddings[: facts.clip_rows[c], c])
+            (clip_bad, c, a["sound_embeddings"][: facts.clip_rows[c], c])
             for c, x in enumerate(facts.clip_bad)
             if x
         ]

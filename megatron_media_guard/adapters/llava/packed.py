@@ -22,6 +22,7 @@ from ...core.grammar import Grammar
 from ...core.runs import TokenLayout
 
 i64 = torch.int64
+PAD_TOKEN = 0  # what megatron-core's forward embeds at image-token positions
 
 
 @functools.lru_cache(maxsize=16)
@@ -56,23 +57,23 @@ class Boundaries:
     unmatched: tuple[int, ...] = ()
 
 
-def sample_layout(ids: torch.Tensor, grammar: Grammar, spans, packed: bool) -> TokenLayout:
-    """The call's samples over ``ids`` ``[b, s]``: rows, or the sub-samples' compact columns."""
+def sample_layout(
+    ids: torch.Tensor, grammar: Grammar, spans, packed: bool, merged: bool = False
+) -> TokenLayout:
+    """The call's samples over ``ids`` ``[b, s]``: rows, or the sub-samples' compact columns
+    (``merged``: their merged spans, ``ids`` megatron-core's expanded output)."""
     cu = None
     if packed:
-        cu = torch.tensor([sp.start for sp in spans] + [spans[-1].end]).to(ids.device)
+        ends = [(sp.merged_start, sp.merged_end) if merged else (sp.start, sp.end) for sp in spans]
+        cu = torch.tensor([start for start, _ in ends] + [ends[-1][1]]).to(ids.device)
     return TokenLayout(ids, grammar, cu)
 
 
 def merged_layout(spans, packed: bool, shape: tuple[int, int], device) -> TokenLayout:
     """The call's samples in megatron-core's expanded output ``[b, S]`` (rows, or the
     sub-samples' merged spans); only the layout's samples are read, not its tokens."""
-    cu = None
-    if packed:
-        cu = torch.tensor([sp.merged_start for sp in spans] + [spans[-1].merged_end])
-        cu = cu.to(device)
     ids = torch.zeros(shape, dtype=i64, device=device)
-    return TokenLayout(ids, llava_grammar(-200), cu)
+    return sample_layout(ids, llava_grammar(-200), spans, packed, merged=True)
 
 
 def _landing(start, total, cu, lens_rev, s):
@@ -113,11 +114,10 @@ def device_segments(
     expansion, ``lens_rev`` the expansion with entries assigned from the end."""
     s, k = start.numel(), cu.numel() - 1
     parts: dict[str, torch.Tensor] = {"cu": cu}
-    rev = lens_rev
     if boundaries is not None:
         sample_of = _from_positions(torch.tensor(boundaries.pos, dtype=i64).to(cu.device), s)
     else:
-        f, lf, g, lg = _landing(start, total, cu, rev, s)
+        f, lf, g, lg = _landing(start, total, cu, lens_rev, s)
         parts.update(f=f, lf=lf, g=g, lg=lg)
         sample_of = _from_positions(f, s)
         if position_ids is not None and position_ids.numel() == s:
@@ -127,7 +127,7 @@ def device_segments(
             by_reset = (torch.cumsum(resets.to(i64), 0) - 1).clamp(0, k)
             sample_of = torch.where(ok, by_reset, sample_of)
             parts["resets_ok"] = ok.view(1)
-    for name, x in (("ncols", torch.ones_like(lens)), ("nexp", lens), ("nexp_rev", rev)):
+    for name, x in (("ncols", torch.ones_like(lens)), ("nexp", lens), ("nexp_rev", lens_rev)):
         bins = torch.zeros(k + 1, dtype=i64, device=cu.device)
         parts[name] = bins.scatter_add_(0, sample_of, x)[:k]
     return sample_of.view(1, s), parts

@@ -84,19 +84,15 @@ def sound_faults(
         if not own.matched[smp]:
             if k == 0 and not mine:
                 continue
+            clips = f"its clip(s) {list(mine)} {got} sound_embeddings_len rows"
+            batch = f"{sum(facts.sound)} sound tokens, {sum(rows)} rows in {len(rows)} clips"
             out.append(
                 ItemFault(
                     smp,
                     "count",
                     "sound",
                     f"sample holds {k} sound tokens, "
-                    + (
-                        f"its clip(s) {list(mine)} {got} sound_embeddings_len rows"
-                        if mine
-                        else "no clip can be assigned to it"
-                    )
-                    + f" (batch: {sum(facts.sound)} sound tokens, {sum(rows)} rows in "
-                    f"{len(rows)} clips)",
+                    f"{clips if mine else 'no clip can be assigned to it'} (batch: {batch})",
                     item=mine[0] if mine else None,
                     item_in_sample=0 if mine else None,
                     expected=(k,),
