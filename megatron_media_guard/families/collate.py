@@ -34,7 +34,7 @@ from ..core.outcome import GuardReport
 from ..core.runs import TokenLayout
 from ..core.validate import check_labels_dtype, check_masks
 from ..errors import MediaInputError
-from . import FAMILIES
+from . import FAMILIES, no_family
 from .inputs import (
     count_tables,
     counted,
@@ -112,24 +112,19 @@ def check_batch(
     text = spec.text.resolve(holder, tokenizer)
     mods = present(spec, batch)
     tables = count_tables(spec, mods, config, batch, CALLER)
-    given = None if on_device(spec) else given_tables(spec, mods, tables, items)
-    if on_device(spec) or given is not None:  # the runs against the tables: one transfer
+    given = _given(mods, tables, items)
+    device = None if on_device(spec) else given_tables(spec, mods, tables, items)
+    if on_device(spec) or device is not None:  # the runs against the tables: one transfer
         _check_labels(guard, ids, batch.get("labels"), step)
-        n = {m.name: sum(getattr(it, "modality", 0) == m.name for it in items or ()) for m in mods}
-        _given(
-            {m.name: n[m.name] if m.split else int(t.shape[0]) for m, t in zip(mods, tables)}, items
-        )
         lay = TokenLayout(ids, guard.grammar)
         types = batch.get(spec.token_types) if spec.token_types else None
         types = types if isinstance(types, torch.Tensor) else None
-        tabs, extra = (tables, []) if given is None else (given[0], [given[1]])
+        tabs, extra = (tables, []) if device is None else (device[0], [device[1]])
         verdict, flags = verify_tables(lay, ids, mods, tabs, extra=extra, types=types)
         if verdict.bad_runs == 0 and verdict.findings == 0 and not any(flags):
-            labels = batch.get("labels")
-            res = guard.keep_all(lay, verdict, labels=labels, step=step)
+            res = guard.keep_all(lay, verdict, labels=batch.get("labels"), step=step)
             return BatchCheck(dict(batch), res.report)
     encoded = counted(spec, mods, config, batch, items, CALLER, tables)
-    given = _given({m.name: len(set(encoded[m.name].parent)) for m in mods}, items)
     listed = [
         MediaItem(
             f.shape[0],
@@ -178,11 +173,10 @@ def _check_labels(guard: MediaGuard, ids: torch.Tensor, labels: Any, step: int |
 def _spec(family: str | FamilySpec) -> FamilySpec:
     if isinstance(family, FamilySpec):
         return family
-    for s in FAMILIES:
-        if s.name == family:
-            return s
-    known = ", ".join(dict.fromkeys(s.name for s in FAMILIES))  # Bridge specs share names
-    raise MediaInputError(f"{CALLER}: no family {family!r}; known: {known}")
+    spec = next((s for s in FAMILIES if s.name == family), None)
+    if spec is None:
+        raise no_family(CALLER, f"the name {family!r}")
+    return spec
 
 
 def _ids(batch: Mapping[str, Any]) -> torch.Tensor:
@@ -219,20 +213,20 @@ def _sample_ids(sample_ids, rows: int) -> tuple | None:
     return tuple(sample_ids)
 
 
-def _given(want: Mapping[str, int], items: Sequence[MediaItem] | None) -> dict:
-    """``(modality, model-level index) -> fields`` the caller's ``items`` give (``want``: per
-    modality its model-level items)."""
+def _given(mods, tables, items: Sequence[MediaItem] | None) -> dict:
+    """``(modality, model-level index) -> fields`` the caller's ``items`` give, one per row
+    of each modality's count table (a ``split`` modality's: as many as it gives)."""
     if items is None:
         return {}
-    items = list(items)
+    per_mod: dict[str, list[MediaItem]] = {}
     for g, it in enumerate(items):
         if not isinstance(it, MediaItem):
             raise MediaInputError(
                 f"{CALLER}: items[{g}] is a {type(it).__name__}; pass MediaItem objects"
             )
-    got: dict[str, int] = {}
-    for it in items:
-        got[it.modality] = got.get(it.modality, 0) + 1
+        per_mod.setdefault(it.modality, []).append(it)
+    got = {mod: len(its) for mod, its in per_mod.items()}
+    want = {m.name: got.get(m.name, 0) if m.split else t.shape[0] for m, t in zip(mods, tables)}
     if got != {k: v for k, v in want.items() if v}:
         raise MediaInputError(
             f"{CALLER}: items= gives {got} for this batch's {want} model-level items (one per "
@@ -245,14 +239,12 @@ def _given(want: Mapping[str, int], items: Sequence[MediaItem] | None) -> dict:
             "the next run in token order, not by sample: leave sample unset (the check ties "
             "each item to the run the model gives it)"
         )
-    out: dict[tuple[str, int], dict] = {}
-    rank: dict[str, int] = {}
-    for it in items:
-        k = rank.get(it.modality, 0)
-        rank[it.modality] = k + 1
-        fields = {"sample_id": it.sample_id, "source_hw": it.source_hw}
-        out[(it.modality, k)] = {f: v for f, v in fields.items() if v is not None}
-    return out
+    fields = ("sample_id", "source_hw")
+    return {
+        (mod, k): {f: getattr(it, f) for f in fields if getattr(it, f) is not None}
+        for mod, its in per_mod.items()
+        for k, it in enumerate(its)
+    }
 
 
 __all__ = ["BatchCheck", "check_batch"]
