@@ -11,7 +11,7 @@ processor's outputs and the rollout's token ids, with no model and no tower (CPU
 
 Each item's count comes from the spec's ``counts`` (the model's own arithmetic on the inputs),
 checked against the runs on the device: an aligned batch costs one transfer (Nemotron Omni's
-images and video, which share a token, read their counts first). A sample whose runs disagree
+images and video together, on one token with no per-token type, read their counts first). A sample whose runs disagree
 is dropped (the default here) or raises naming it: its media leave the inputs, its placeholders
 become text, its labels are ignored; the batch keeps its shape. A repair re-processes the
 original media (``media=``, :mod:`.reprocess`), else falls back. The steps are :mod:`.inputs`'s,
@@ -113,8 +113,9 @@ def check_batch(
     mods = present(spec, batch)
     tables = count_tables(spec, mods, config, batch, CALLER)
     given = _given(mods, tables, items)
-    device = None if on_device(spec) else given_tables(spec, mods, tables, items)
-    if on_device(spec) or device is not None:  # the runs against the tables: one transfer
+    checked = on_device(spec, mods)
+    device = None if checked else given_tables(spec, mods, tables, items)
+    if checked or device is not None:  # the runs against the tables: one transfer
         _check_labels(guard, ids, batch.get("labels"), step)
         lay = TokenLayout(ids, guard.grammar)
         types = batch.get(spec.token_types) if spec.token_types else None

@@ -78,15 +78,16 @@ def counted(
     return out
 
 
-def on_device(spec: FamilySpec) -> bool:
-    """Whether the spec's calls are verified against their count tables on the device
-    (:func:`verify_tables`): no ``split``, and each modality's runs told apart by its own
-    placeholder or the spec's per-token types."""
+def on_device(spec: FamilySpec, mods: Sequence[ModalitySpec] | None = None) -> bool:
+    """Whether a call holding ``mods`` (default: every modality of ``spec``) is verified
+    against its count tables on the device (:func:`verify_tables`): no ``split``, and each
+    modality's runs told apart by its own placeholder, the spec's per-token types, or being
+    the only one present on a shared placeholder (Nemotron Omni's images, or its video)."""
+    mods = spec.modalities if mods is None else mods
     typed = bool(spec.token_types) and all(m.type_id is not None for m in spec.modalities)
-    return all(
-        m.split is None and m.counts is not None and (m.shares is None or typed)
-        for m in spec.modalities
-    )
+    tokens = [m.shares or m.name for m in mods]
+    alone = len(set(tokens)) == len(tokens)
+    return (typed or alone) and all(m.split is None and m.counts is not None for m in mods)
 
 
 def given_tables(
