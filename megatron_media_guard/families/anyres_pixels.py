@@ -16,9 +16,8 @@ import torch
 from ..geometry import AnyresGeometry
 from ..geometry.anyres import best_resolution, fitted_size
 from ..repair.reproject import resize_frames
+from .pinning import CLIP_MEAN, CLIP_STD
 from .spec import count_table
-
-MEAN, STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 
 
 def stitch(geo: AnyresGeometry, tiles: torch.Tensor, h: int, w: int) -> torch.Tensor:
@@ -39,7 +38,9 @@ def tiles_for(geo: AnyresGeometry, img: torch.Tensor) -> torch.Tensor:
     (h, w), t = img.shape[-2:], geo.tile
     bh, bw = best_resolution(h, w, geo.pinpoints)
     nh, nw = fitted_size(h, w, (bh, bw))
-    canvas = (-torch.tensor(MEAN) / torch.tensor(STD)).to(img)[:, None, None].repeat(1, bh, bw)
+    canvas = (
+        (-torch.tensor(CLIP_MEAN) / torch.tensor(CLIP_STD)).to(img)[:, None, None].repeat(1, bh, bw)
+    )
     top, left = (bh - nh) // 2, (bw - nw) // 2
     canvas[:, top : top + nh, left : left + nw] = resize_frames(img[None], (nh, nw))[0]
     grid = canvas.unflatten(1, (bh // t, t)).unflatten(3, (bw // t, t)).permute(1, 3, 0, 2, 4)

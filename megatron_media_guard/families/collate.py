@@ -47,7 +47,7 @@ from .inputs import (
     take_items,
     verify_tables,
 )
-from .reprocess import Reprocessed, Reprocessor
+from .reprocess import Reprocessed, Reprocessor, originals
 from .spec import FamilySpec, check_tokenizer, present
 
 CALLER = "check_batch"
@@ -112,7 +112,9 @@ def check_batch(
     text = spec.text.resolve(holder, tokenizer)
     mods = present(spec, batch)
     tables = count_tables(spec, mods, config, batch, CALLER)
-    given = _given(mods, tables, items)
+    given, rows = _given(mods, tables, items)
+    if media is not None:  # one original per model-level item, refused before any check
+        originals(media, [(mod, k) for mod, n in rows.items() for k in range(n)])
     checked = on_device(spec, mods)
     device = None if checked else given_tables(spec, mods, tables, items)
     if checked or device is not None:  # the runs against the tables: one transfer
@@ -214,13 +216,11 @@ def _sample_ids(sample_ids, rows: int) -> tuple | None:
     return tuple(sample_ids)
 
 
-def _given(mods, tables, items: Sequence[MediaItem] | None) -> dict:
-    """``(modality, model-level index) -> fields`` the caller's ``items`` give, one per row
-    of each modality's count table (a ``split`` modality's: as many as it gives)."""
-    if items is None:
-        return {}
+def _given(mods, tables, items: Sequence[MediaItem] | None) -> tuple[dict, dict[str, int]]:
+    """``(modality, model-level index) -> fields`` the caller's ``items`` give, and per
+    modality its model-level items: its count table's rows (a ``split`` block: the items')."""
     per_mod: dict[str, list[MediaItem]] = {}
-    for g, it in enumerate(items):
+    for g, it in enumerate(items or ()):
         if not isinstance(it, MediaItem):
             raise MediaInputError(
                 f"{CALLER}: items[{g}] is a {type(it).__name__}; pass MediaItem objects"
@@ -228,6 +228,8 @@ def _given(mods, tables, items: Sequence[MediaItem] | None) -> dict:
         per_mod.setdefault(it.modality, []).append(it)
     got = {mod: len(its) for mod, its in per_mod.items()}
     want = {m.name: got.get(m.name, 0) if m.split else t.shape[0] for m, t in zip(mods, tables)}
+    if items is None:
+        return {}, want
     if got != {k: v for k, v in want.items() if v}:
         raise MediaInputError(
             f"{CALLER}: items= gives {got} for this batch's {want} model-level items (one per "
@@ -241,11 +243,12 @@ def _given(mods, tables, items: Sequence[MediaItem] | None) -> dict:
             "each item to the run the model gives it)"
         )
     fields = ("sample_id", "source_hw")
-    return {
+    given = {
         (mod, k): {f: getattr(it, f) for f in fields if getattr(it, f) is not None}
         for mod, its in per_mod.items()
         for k, it in enumerate(its)
     }
+    return given, want
 
 
 __all__ = ["BatchCheck", "check_batch"]

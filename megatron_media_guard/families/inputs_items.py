@@ -85,18 +85,12 @@ def split_items(lay: TokenLayout, items: list[MediaItem], parent: list[int]):
     keys = [(it.modality, p) for it, p in zip(items, parent)]
     if len(set(keys)) == len(keys):
         return items, {}
-    runs = parse_layout(lay).runs
-    seen: dict[str, int] = {}
-    run_sample: list[int | None] = []
-    by_mod: dict[str, list] = {}
-    for r in runs:
+    by_mod: dict[str, list] = {}  # per placeholder token, its runs' samples in order
+    for r in parse_layout(lay).runs:
         by_mod.setdefault(r.modality, []).append(r.sample)
-    for it in items:
-        tok = lay.grammar.token_modality(it.modality)
-        k = seen.get(tok, 0)
-        seen[tok] = k + 1
-        got = by_mod.get(tok, [])
-        run_sample.append(got[k] if k < len(got) else None)
+    queues = {tok: iter(samples) for tok, samples in by_mod.items()}
+    tokens = [lay.grammar.token_modality(it.modality) for it in items]
+    run_sample = [next(queues.get(tok, iter(())), None) for tok in tokens]
     where: dict[tuple, set] = {}
     for key, s in zip(keys, run_sample):
         if s is not None:

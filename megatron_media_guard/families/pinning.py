@@ -36,16 +36,6 @@ class Processed:
     knobs: tuple[tuple[str, int], ...] = ()
 
 
-def _budget_knobs(processor: Any) -> tuple[int, int]:
-    lo, hi = (_setting(processor.size, k, None) for k in ("shortest_edge", "longest_edge"))
-    if lo is None or hi is None:
-        raise MediaInputError(
-            f"{type(processor).__name__}.size has no shortest_edge / longest_edge (the pixel "
-            "budget of a patch-merge processor): pass the family's image processor"
-        )
-    return int(lo), int(hi)
-
-
 def _backend_resize(processor: Any, original: Any, hw: tuple[int, int]) -> Any:
     """``original`` as the processor reads it, resized to ``hw`` by its backend's own
     ``resize`` and resampling."""
@@ -79,7 +69,12 @@ class PatchMergePin:
         none without a budget (not an engine replay)."""
         if budget is None:
             return []
-        lo, hi = _budget_knobs(processor)
+        lo, hi = (_setting(processor.size, k, None) for k in ("shortest_edge", "longest_edge"))
+        if lo is None or hi is None:
+            raise MediaInputError(
+                f"{type(processor).__name__}.size has no shortest_edge / longest_edge (the pixel "
+                "budget of a patch-merge processor): pass the family's image processor"
+            )
         out = []
         if budget >= lo:
             out.append({"shortest_edge": lo, "longest_edge": budget})

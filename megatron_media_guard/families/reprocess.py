@@ -59,11 +59,7 @@ def originals(media: Any, keys: Sequence[Key]) -> dict[Key, Any]:
     (every image, then every video, ...; None where there is none), or a mapping modality ->
     its originals in order."""
     if isinstance(media, Mapping):
-        out = {}
-        for mod, seq in media.items():
-            for k, m in enumerate(seq):
-                out[(mod, k)] = m
-        return out
+        return {(mod, k): m for mod, seq in media.items() for k, m in enumerate(seq)}
     media = list(media)
     if len(media) != len(keys):
         raise MediaInputError(
