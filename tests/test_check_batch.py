@@ -223,6 +223,7 @@ MAKE = {  # the batch made wrong
     "float labels": lambda kw: dict(kw, labels=kw["input_ids"].float()),
 }
 TIED = [MediaItem(1, sample=1), MediaItem(1, sample=0)]  # the model places items in order
+TILES = CASES["internvl"].tokens
 
 
 @pytest.mark.parametrize(
@@ -236,6 +237,9 @@ TIED = [MediaItem(1, sample=1), MediaItem(1, sample=0)]  # the model places item
         ("mistral3", None, {"tokenizer": "my-tok"}, r"check_batch: tokenizer='my-tok' cannot"),
         ("glm4v", None, {"sample_ids": ["a"]}, "1 sample_ids for 2 samples"),
         ("glm4v", None, {"items": TIED}, r"check_batch: items= set MediaItem\.sample"),
+        # InternVL's processor drops which tiles are whose: items= says it, in whole tiles
+        ("internvl", None, {"tokenizer": TILES}, r"internvl: the inputs hold \d+ rows .*items="),
+        ("internvl", None, {"tokenizer": TILES, "items": [MediaItem(4)] * 2}, "whole rows"),
     ],
 )
 def test_a_wrong_call_names_check_batch_and_what_to_pass(family, make, kw, match):
@@ -277,19 +281,6 @@ def test_records_carry_the_ids_the_grid_and_the_size_as_in_training(glm, tmp_pat
     check_batch("glm4v", b.kwargs, config=model.config, guard=cfg, items=items)
     (rec,) = [r for r in records(tmp_path / "b") if r["event"] == "drop"]
     assert rec["sample_id"] == "img-b"
-
-
-def test_internvl_without_per_image_tiles_says_what_is_missing():
-    case, F, model = fixture("internvl")
-    b = batch(F, model, [[img(56, 112)], [img(56, 56)]])
-    with pytest.raises(
-        MediaInputError,
-        match=r"check_batch: internvl: the inputs hold 4 rows of 'pixel_values'.*pass items=",
-    ):
-        check_batch("internvl", b.kwargs, config=model.config, tokenizer=case.tokens)
-    wrong = [MediaItem(4, modality="image"), MediaItem(4, modality="image")]
-    with pytest.raises(MediaInputError, match="each item is whole rows"):
-        check_batch("internvl", b.kwargs, config=model.config, tokenizer=case.tokens, items=wrong)
 
 
 # ---- the counts are the model's arithmetic (torch ops against the host formula) ----
