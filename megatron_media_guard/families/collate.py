@@ -41,7 +41,6 @@ from .inputs import (
     drop_inputs,
     given_tables,
     gone_items,
-    n_items,
     on_device,
     plan_items,
     take_items,
@@ -150,7 +149,7 @@ def check_batch(
     done = () if rep is None else rep.kept(report)
     if done:  # the re-processed items' rows and grid rows in place of the batch's
         fixed = {(d.modality, d.index): (d.grid, d.rows) for d in done}
-        keep = {m.name: range(n_items(m, batch)) for m in mods}
+        keep = {mod: range(n) for mod, n in rows.items()}
         batch = {**batch, **take_items(batch, mods, keep, repaired=fixed)}
     dropped = set(report.dropped)
     if not dropped:

@@ -132,25 +132,15 @@ def verify_tables(
     the features its caller declares. types: the spec's per-token types (``type_id``)."""
     g = lay.grammar
     shared = {g.modality_code(m.name) for m in mods if m.shares is not None}
-    expected = [
-        Expected(
-            g.modality_code(m.name),
-            t[:, 0],
-            t[:, 1],
-            (samples or {}).get(m.name),
-            (declared or {}).get(m.name),
-            where=_typed(types, m, g.modality_code(m.name) in shared),
-        )
-        for m, t in zip(mods, tables)
-    ]
+    expected = []
+    for m, t in zip(mods, tables):
+        code = g.modality_code(m.name)
+        typed = code in shared and types is not None and m.type_id is not None
+        # a shared placeholder's runs told apart by their type, where the types are given
+        where = types.to(torch.int64) == m.type_id if typed else None
+        smp, given = (samples or {}).get(m.name), (declared or {}).get(m.name)
+        expected.append(Expected(code, t[:, 0], t[:, 1], smp, given, where=where))
     return verify(lay, ids, expected, extra=extra)
-
-
-def _typed(types: torch.Tensor | None, m: ModalitySpec, shared: bool) -> torch.Tensor | None:
-    """``m``'s tokens by their type where its token is shared and the types are given."""
-    if not shared or types is None or m.type_id is None:
-        return None
-    return types.to(torch.int64) == m.type_id
 
 
 def _cut(spec, m: ModalitySpec, rows: list, given: Sequence[MediaItem], caller: str) -> list:

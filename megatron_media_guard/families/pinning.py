@@ -88,11 +88,17 @@ class PatchMergePin:
         merge = int(getattr(processor, "merge_size", 2))
         patch = int(getattr(processor, "patch_size", 14))
         want = (solution.size_hw[0] // patch, solution.size_hw[1] // patch)
+
+        def done(out, how: How, knobs: dict) -> Processed:
+            grid = tuple(int(v) for v in out[self.grid_input][0].tolist())
+            tokens = int(np.prod(grid)) // (merge * merge)
+            return Processed(out["pixel_values"], grid, tokens, how, tuple(sorted(knobs.items())))
+
         for knobs in self.candidates(processor, solution.budget):
             out = processor(images=[original], size=dict(knobs), return_tensors="pt")
-            grid = tuple(int(v) for v in out[self.grid_input][0].tolist())
-            if grid[1:] == want:
-                return self._done(out, grid, merge, "pinned", knobs)
+            got = done(out, "pinned", knobs)
+            if got.grid[1:] == want:
+                return got
         resized = _backend_resize(processor, original, solution.size_hw)
         out = processor(
             images=[resized],
@@ -101,13 +107,7 @@ class PatchMergePin:
             input_data_format="channels_first",
             return_tensors="pt",
         )
-        grid = tuple(int(v) for v in out[self.grid_input][0].tolist())
-        return self._done(out, grid, merge, "resized", {})
-
-    def _done(self, out, grid, merge: int, how: How, knobs: dict) -> Processed:
-        tokens = int(np.prod(grid)) // (merge * merge)
-        rows = out["pixel_values"]
-        return Processed(rows, grid, tokens, how, tuple(sorted(knobs.items())))
+        return done(out, "resized", {})
 
 
 def _tensor(x: Any) -> torch.Tensor:
