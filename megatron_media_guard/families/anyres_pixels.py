@@ -16,7 +16,8 @@ import torch
 from ..geometry import AnyresGeometry
 from ..geometry.anyres import best_resolution, fitted_size
 from ..repair.reproject import resize_frames
-from .pinning import CLIP_MEAN, CLIP_STD
+from .pinning import CLIP_MEAN as MEAN
+from .pinning import CLIP_STD as STD
 from .spec import count_table
 
 
@@ -38,9 +39,7 @@ def tiles_for(geo: AnyresGeometry, img: torch.Tensor) -> torch.Tensor:
     (h, w), t = img.shape[-2:], geo.tile
     bh, bw = best_resolution(h, w, geo.pinpoints)
     nh, nw = fitted_size(h, w, (bh, bw))
-    canvas = (
-        (-torch.tensor(CLIP_MEAN) / torch.tensor(CLIP_STD)).to(img)[:, None, None].repeat(1, bh, bw)
-    )
+    canvas = (-torch.tensor(MEAN) / torch.tensor(STD)).to(img)[:, None, None].repeat(1, bh, bw)
     top, left = (bh - nh) // 2, (bw - nw) // 2
     canvas[:, top : top + nh, left : left + nw] = resize_frames(img[None], (nh, nw))[0]
     grid = canvas.unflatten(1, (bh // t, t)).unflatten(3, (bw // t, t)).permute(1, 3, 0, 2, 4)
