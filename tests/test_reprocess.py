@@ -191,16 +191,6 @@ def test_a_short_run_is_repaired_to_what_the_processor_makes_at_the_engines_size
         model(**b)
 
 
-@pytest.mark.parametrize("family", CASES)
-def test_an_aligned_batch_is_returned_as_given(family):
-    case = case_of(family)
-    imgs = [picture(200, 260, 3)]
-    model, kw, _ = batch_for(case, imgs, [None])
-    out = run(case, kw, imgs, model)
-    assert out.report.actions == ("keep",) and out.reprocessed == () and out.matched == set()
-    assert all(out.batch[k] is v for k, v in kw.items())
-
-
 FALLBACKS = {  # why: (no original given, no processor given, GuardConfig, the reason says)
     "no original": (True, False, {}, "no original"),
     "fidelity": (False, False, {"allowed_fidelity": ("unique",)}, "fidelity engine-replay not"),
@@ -348,53 +338,37 @@ def test_the_qwen_processor_is_pinned_by_its_own_budget_knobs():
     assert proc.to_dict() == before
 
 
-def test_every_registered_family_either_has_a_pin_or_falls_back_saying_so():
-    """A pin re-processes the images of a family that sizes them with a geometry and keeps
-    them as patch rows with a grid; every other family's repair falls back naming why."""
-    img = picture(64, 64, 0)
+@pytest.mark.parametrize("mod", ["image", "video"])
+def test_every_registered_family_has_a_pin_or_refuses_saying_why(mod):
+    """A pin re-processes the media of a family that sizes them with a geometry and keeps them
+    as patch rows with a grid; every other family's repair is refused naming why (a video's:
+    both totals and the first mismatching run)."""
+    pins = PINS if mod == "image" else VIDEO_PINS
+    media = picture(64, 64, 0) if mod == "image" else [picture(64, 64, k) for k in range(4)]
+    n = 1 if mod == "image" else 2  # a video of two runs, the second planned 4 short
     for spec in FAMILIES:
-        pin = PINS.get(spec.name)
-        if pin is not None and spec.geometry is not None:
-            grids = set(spec.modality("image").patches.values())
-            assert grids and (not isinstance(pin, PatchMergePin) or pin.grid_input in grids)
+        if not any(m.name == mod for m in spec.modalities):
             continue
-        if not any(m.name == "image" for m in spec.modalities):
-            continue
-        item = MediaItem(256, modality="image")
-        rep = Reprocessor(spec, None, [item], [0], [img])
-        got, facts = rep.reprocess(
-            ItemRepair(item=0, sample=0, target=100, run=0),
-            None,
-            SimpleNamespace(items=(item,)),
-            SimpleNamespace(config=GuardConfig(policy="repair")),
-        )
-        assert got is None and f"{spec.name} images are not re-processed" in facts["reason"]
-
-
-def test_every_registered_family_with_videos_has_a_video_pin_or_refuses_saying_why():
-    """A video pin for each family whose videos are patch-merge grids sized by a budget;
-    every other family's video repair is refused, naming why and the video's runs."""
-    frames = [picture(64, 64, k) for k in range(4)]
-    for spec in FAMILIES:
-        if not any(m.name == "video" for m in spec.modalities):
-            continue
-        pin = VIDEO_PINS.get(spec.name)
+        pin = pins.get(spec.name)
         if pin is not None:
-            assert spec.geometry is not None
-            assert pin.grid_input in spec.modality("video").patches.values()
+            grids = set(spec.modality(mod).patches.values())
+            assert spec.geometry is not None and grids
+            assert not hasattr(pin, "grid_input") or pin.grid_input in grids
             continue
-        items = [MediaItem(16, modality="video"), MediaItem(16, modality="video")]
-        rep = Reprocessor(spec, None, items, [0, 0], [frames])
-        got, facts = rep.reprocess(
-            ItemRepair(item=1, sample=0, target=12, run=1),
-            SimpleNamespace(repairs=(ItemRepair(item=1, sample=0, target=12, run=1),)),
+        items = [MediaItem(16, modality=mod) for _ in range(n)]
+        fix = ItemRepair(item=n - 1, sample=0, target=12, run=n - 1)
+        got, facts = Reprocessor(spec, None, items, [0] * n, [media]).reprocess(
+            fix,
+            SimpleNamespace(repairs=(fix,)),
             SimpleNamespace(items=tuple(items)),
             SimpleNamespace(config=GuardConfig(policy="repair")),
         )
         why = NO_VIDEO_PIN.get(spec.name, f"{spec.name} has no video pin")
+        why = f"{spec.name} images are not re-processed" if mod == "image" else why
         assert got is None and why in facts["reason"], (spec.name, facts)
-        assert "gives 32 placeholders in 2 run(s), the rollout 28" in facts["reason"]
-        assert "4 frames" in facts["reason"] and "first mismatching run: 1" in facts["reason"]
+        if mod == "video":
+            assert "gives 32 placeholders in 2 run(s), the rollout 28" in facts["reason"]
+            assert "4 frames" in facts["reason"] and "first mismatching run: 1" in facts["reason"]
 
 
 def clip(t: int, h: int, w: int, seed: int = 0) -> list[Image.Image]:

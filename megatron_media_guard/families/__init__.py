@@ -6,6 +6,7 @@ module here with a ``SPEC`` and one line below (docs/FAMILIES.md).
 from __future__ import annotations
 
 import textwrap
+from itertools import chain
 from typing import Any
 
 from ..errors import MediaInputError
@@ -75,16 +76,11 @@ def find_family(model: Any) -> tuple[Any, FamilySpec | None]:
     """The (possibly wrapped) model a family knows, and that family (``(model, None)``: none):
     wrappers first, then the submodules, the outermost first; else a spec derived from a
     transformers class (:func:`~.derived.derive`)."""
-    for m in unwrap(model):
+    modules = getattr(model, "modules", None)
+    for m in chain(unwrap(model), modules() if callable(modules) else ()):
         spec = family_of(m)
         if spec is not None:
             return m, spec
-    modules = getattr(model, "modules", None)
-    if callable(modules):
-        for sub in modules():
-            spec = family_of(sub)
-            if spec is not None:
-                return sub, spec
     for m in unwrap(model):  # no written spec: one read from the class (families/derived.py)
         spec = derive(m)
         if spec is not None:

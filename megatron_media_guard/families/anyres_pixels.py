@@ -16,9 +16,9 @@ import torch
 from ..geometry import AnyresGeometry
 from ..geometry.anyres import best_resolution, fitted_size
 from ..repair.reproject import resize_frames
+from .pinning import CLIP_MEAN as MEAN
+from .pinning import CLIP_STD as STD
 from .spec import count_table
-
-MEAN, STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 
 
 def stitch(geo: AnyresGeometry, tiles: torch.Tensor, h: int, w: int) -> torch.Tensor:

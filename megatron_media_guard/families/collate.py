@@ -11,7 +11,7 @@ processor's outputs and the rollout's token ids, with no model and no tower (CPU
 
 Each item's count comes from the spec's ``counts`` (the model's own arithmetic on the inputs),
 checked against the runs on the device: an aligned batch costs one transfer (Nemotron Omni's
-images and video, which share a token, read their counts first). A sample whose runs disagree
+images and video together, on one token with no per-token type, read their counts first). A sample whose runs disagree
 is dropped (the default here) or raises naming it: its media leave the inputs, its placeholders
 become text, its labels are ignored; the batch keeps its shape. A repair re-processes the
 original media (``media=``, :mod:`.reprocess`), else falls back. The steps are :mod:`.inputs`'s,
@@ -34,20 +34,19 @@ from ..core.outcome import GuardReport
 from ..core.runs import TokenLayout
 from ..core.validate import check_labels_dtype, check_masks
 from ..errors import MediaInputError
-from . import FAMILIES
+from . import FAMILIES, no_family
 from .inputs import (
     count_tables,
     counted,
     drop_inputs,
     given_tables,
     gone_items,
-    n_items,
     on_device,
     plan_items,
     take_items,
     verify_tables,
 )
-from .reprocess import Reprocessed, Reprocessor
+from .reprocess import Reprocessed, Reprocessor, originals
 from .spec import FamilySpec, check_tokenizer, present
 
 CALLER = "check_batch"
@@ -112,24 +111,22 @@ def check_batch(
     text = spec.text.resolve(holder, tokenizer)
     mods = present(spec, batch)
     tables = count_tables(spec, mods, config, batch, CALLER)
-    given = None if on_device(spec) else given_tables(spec, mods, tables, items)
-    if on_device(spec) or given is not None:  # the runs against the tables: one transfer
+    given, rows = _given(mods, tables, items)
+    if media is not None:  # one original per model-level item, refused before any check
+        originals(media, [(mod, k) for mod, n in rows.items() for k in range(n)])
+    checked = on_device(spec, mods)
+    device = None if checked else given_tables(spec, mods, tables, items)
+    if checked or device is not None:  # the runs against the tables: one transfer
         _check_labels(guard, ids, batch.get("labels"), step)
-        n = {m.name: sum(getattr(it, "modality", 0) == m.name for it in items or ()) for m in mods}
-        _given(
-            {m.name: n[m.name] if m.split else int(t.shape[0]) for m, t in zip(mods, tables)}, items
-        )
         lay = TokenLayout(ids, guard.grammar)
         types = batch.get(spec.token_types) if spec.token_types else None
         types = types if isinstance(types, torch.Tensor) else None
-        tabs, extra = (tables, []) if given is None else (given[0], [given[1]])
+        tabs, extra = (tables, []) if device is None else (device[0], [device[1]])
         verdict, flags = verify_tables(lay, ids, mods, tabs, extra=extra, types=types)
         if verdict.bad_runs == 0 and verdict.findings == 0 and not any(flags):
-            labels = batch.get("labels")
-            res = guard.keep_all(lay, verdict, labels=labels, step=step)
+            res = guard.keep_all(lay, verdict, labels=batch.get("labels"), step=step)
             return BatchCheck(dict(batch), res.report)
     encoded = counted(spec, mods, config, batch, items, CALLER, tables)
-    given = _given({m.name: len(set(encoded[m.name].parent)) for m in mods}, items)
     listed = [
         MediaItem(
             f.shape[0],
@@ -152,7 +149,7 @@ def check_batch(
     done = () if rep is None else rep.kept(report)
     if done:  # the re-processed items' rows and grid rows in place of the batch's
         fixed = {(d.modality, d.index): (d.grid, d.rows) for d in done}
-        keep = {m.name: range(n_items(m, batch)) for m in mods}
+        keep = {mod: range(n) for mod, n in rows.items()}
         batch = {**batch, **take_items(batch, mods, keep, repaired=fixed)}
     dropped = set(report.dropped)
     if not dropped:
@@ -178,11 +175,10 @@ def _check_labels(guard: MediaGuard, ids: torch.Tensor, labels: Any, step: int |
 def _spec(family: str | FamilySpec) -> FamilySpec:
     if isinstance(family, FamilySpec):
         return family
-    for s in FAMILIES:
-        if s.name == family:
-            return s
-    known = ", ".join(dict.fromkeys(s.name for s in FAMILIES))  # Bridge specs share names
-    raise MediaInputError(f"{CALLER}: no family {family!r}; known: {known}")
+    spec = next((s for s in FAMILIES if s.name == family), None)
+    if spec is None:
+        raise no_family(CALLER, f"the name {family!r}")
+    return spec
 
 
 def _ids(batch: Mapping[str, Any]) -> torch.Tensor:
@@ -219,20 +215,20 @@ def _sample_ids(sample_ids, rows: int) -> tuple | None:
     return tuple(sample_ids)
 
 
-def _given(want: Mapping[str, int], items: Sequence[MediaItem] | None) -> dict:
-    """``(modality, model-level index) -> fields`` the caller's ``items`` give (``want``: per
-    modality its model-level items)."""
-    if items is None:
-        return {}
-    items = list(items)
-    for g, it in enumerate(items):
+def _given(mods, tables, items: Sequence[MediaItem] | None) -> tuple[dict, dict[str, int]]:
+    """``(modality, model-level index) -> fields`` the caller's ``items`` give, and per
+    modality its model-level items: its count table's rows (a ``split`` block: the items')."""
+    per_mod: dict[str, list[MediaItem]] = {}
+    for g, it in enumerate(items or ()):
         if not isinstance(it, MediaItem):
             raise MediaInputError(
                 f"{CALLER}: items[{g}] is a {type(it).__name__}; pass MediaItem objects"
             )
-    got: dict[str, int] = {}
-    for it in items:
-        got[it.modality] = got.get(it.modality, 0) + 1
+        per_mod.setdefault(it.modality, []).append(it)
+    got = {mod: len(its) for mod, its in per_mod.items()}
+    want = {m.name: got.get(m.name, 0) if m.split else t.shape[0] for m, t in zip(mods, tables)}
+    if items is None:
+        return {}, want
     if got != {k: v for k, v in want.items() if v}:
         raise MediaInputError(
             f"{CALLER}: items= gives {got} for this batch's {want} model-level items (one per "
@@ -245,14 +241,13 @@ def _given(want: Mapping[str, int], items: Sequence[MediaItem] | None) -> dict:
             "the next run in token order, not by sample: leave sample unset (the check ties "
             "each item to the run the model gives it)"
         )
-    out: dict[tuple[str, int], dict] = {}
-    rank: dict[str, int] = {}
-    for it in items:
-        k = rank.get(it.modality, 0)
-        rank[it.modality] = k + 1
-        fields = {"sample_id": it.sample_id, "source_hw": it.source_hw}
-        out[(it.modality, k)] = {f: v for f, v in fields.items() if v is not None}
-    return out
+    fields = ("sample_id", "source_hw")
+    given = {
+        (mod, k): {f: getattr(it, f) for f in fields if getattr(it, f) is not None}
+        for mod, its in per_mod.items()
+        for k, it in enumerate(its)
+    }
+    return given, want
 
 
 __all__ = ["BatchCheck", "check_batch"]

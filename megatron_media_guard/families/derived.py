@@ -151,8 +151,7 @@ def _lengths(owner: Any, call: dict) -> torch.Tensor | None:
         return None
     lens = given[0].sum(-1) if given[0].dim() == 2 else given[0]
     out = fn(lens)
-    out = out[-1] if isinstance(out, tuple) else out
-    return out
+    return out[-1] if isinstance(out, tuple) else out
 
 
 def _dummy(mods: tuple[ModalitySpec, ...]):

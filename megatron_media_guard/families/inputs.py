@@ -78,15 +78,16 @@ def counted(
     return out
 
 
-def on_device(spec: FamilySpec) -> bool:
-    """Whether the spec's calls are verified against their count tables on the device
-    (:func:`verify_tables`): no ``split``, and each modality's runs told apart by its own
-    placeholder or the spec's per-token types."""
+def on_device(spec: FamilySpec, mods: Sequence[ModalitySpec] | None = None) -> bool:
+    """Whether a call holding ``mods`` (default: every modality of ``spec``) is verified
+    against its count tables on the device (:func:`verify_tables`): no ``split``, and each
+    modality's runs told apart by its own placeholder, the spec's per-token types, or being
+    the only one present on a shared placeholder (Nemotron Omni's images, or its video)."""
+    mods = spec.modalities if mods is None else mods
     typed = bool(spec.token_types) and all(m.type_id is not None for m in spec.modalities)
-    return all(
-        m.split is None and m.counts is not None and (m.shares is None or typed)
-        for m in spec.modalities
-    )
+    tokens = [m.shares or m.name for m in mods]
+    alone = len(set(tokens)) == len(tokens)
+    return (typed or alone) and all(m.split is None and m.counts is not None for m in mods)
 
 
 def given_tables(
@@ -131,25 +132,15 @@ def verify_tables(
     the features its caller declares. types: the spec's per-token types (``type_id``)."""
     g = lay.grammar
     shared = {g.modality_code(m.name) for m in mods if m.shares is not None}
-    expected = [
-        Expected(
-            g.modality_code(m.name),
-            t[:, 0],
-            t[:, 1],
-            (samples or {}).get(m.name),
-            (declared or {}).get(m.name),
-            where=_typed(types, m, g.modality_code(m.name) in shared),
-        )
-        for m, t in zip(mods, tables)
-    ]
+    expected = []
+    for m, t in zip(mods, tables):
+        code = g.modality_code(m.name)
+        typed = code in shared and types is not None and m.type_id is not None
+        # a shared placeholder's runs told apart by their type, where the types are given
+        where = types.to(torch.int64) == m.type_id if typed else None
+        smp, given = (samples or {}).get(m.name), (declared or {}).get(m.name)
+        expected.append(Expected(code, t[:, 0], t[:, 1], smp, given, where=where))
     return verify(lay, ids, expected, extra=extra)
-
-
-def _typed(types: torch.Tensor | None, m: ModalitySpec, shared: bool) -> torch.Tensor | None:
-    """``m``'s tokens by their type where its token is shared and the types are given."""
-    if not shared or types is None or m.type_id is None:
-        return None
-    return types.to(torch.int64) == m.type_id
 
 
 def _cut(spec, m: ModalitySpec, rows: list, given: Sequence[MediaItem], caller: str) -> list:

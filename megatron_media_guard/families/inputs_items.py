@@ -31,26 +31,23 @@ def meta_tables(meta, mods, tables, num_samples: int):
     if meta is None:
         return True, None, None
     mine = {m.name: [it for it in meta if it.modality == m.name] for m in mods}
-    if sum(map(len, mine.values())) != len(meta):
-        return False, None, None
-    if any(len(mine[m.name]) != t.shape[0] for m, t in zip(mods, tables)):
-        return False, None, None
     given = [it.sample is not None for it in meta]
-    if any(given) and (not all(given) or not in_order(meta)):
-        return False, None, None
-    if any(given) and any(not 0 <= it.sample < num_samples for it in meta):
+    placed = all(given) and in_order(meta) and all(0 <= it.sample < num_samples for it in meta)
+    if (
+        sum(map(len, mine.values())) != len(meta)
+        or any(len(mine[m.name]) != t.shape[0] for m, t in zip(mods, tables))
+        or (any(given) and not placed)
+    ):
         return False, None, None
 
-    def dev(values, t):
-        return torch.tensor(values, dtype=torch.long).to(t.device, non_blocking=True)
+    def on_device(field: str) -> dict[str, torch.Tensor]:
+        out = {}
+        for m, t in zip(mods, tables):
+            values = torch.tensor([getattr(it, field) for it in mine[m.name]], dtype=torch.long)
+            out[m.name] = values.to(t.device, non_blocking=True)
+        return out
 
-    declared = {
-        m.name: dev([it.num_features for it in mine[m.name]], t) for m, t in zip(mods, tables)
-    }
-    if not any(given):
-        return True, None, declared
-    samples = {m.name: dev([it.sample for it in mine[m.name]], t) for m, t in zip(mods, tables)}
-    return True, samples, declared
+    return True, on_device("sample") if any(given) else None, on_device("num_features")
 
 
 def check_declared(meta, mods, encoded) -> None:
@@ -85,18 +82,12 @@ def split_items(lay: TokenLayout, items: list[MediaItem], parent: list[int]):
     keys = [(it.modality, p) for it, p in zip(items, parent)]
     if len(set(keys)) == len(keys):
         return items, {}
-    runs = parse_layout(lay).runs
-    seen: dict[str, int] = {}
-    run_sample: list[int | None] = []
-    by_mod: dict[str, list] = {}
-    for r in runs:
+    by_mod: dict[str, list] = {}  # per placeholder token, its runs' samples in order
+    for r in parse_layout(lay).runs:
         by_mod.setdefault(r.modality, []).append(r.sample)
-    for it in items:
-        tok = lay.grammar.token_modality(it.modality)
-        k = seen.get(tok, 0)
-        seen[tok] = k + 1
-        got = by_mod.get(tok, [])
-        run_sample.append(got[k] if k < len(got) else None)
+    queues = {tok: iter(samples) for tok, samples in by_mod.items()}
+    tokens = [lay.grammar.token_modality(it.modality) for it in items]
+    run_sample = [next(queues.get(tok, iter(())), None) for tok in tokens]
     where: dict[tuple, set] = {}
     for key, s in zip(keys, run_sample):
         if s is not None:

@@ -36,16 +36,6 @@ class Processed:
     knobs: tuple[tuple[str, int], ...] = ()
 
 
-def _budget_knobs(processor: Any) -> tuple[int, int]:
-    lo, hi = (_setting(processor.size, k, None) for k in ("shortest_edge", "longest_edge"))
-    if lo is None or hi is None:
-        raise MediaInputError(
-            f"{type(processor).__name__}.size has no shortest_edge / longest_edge (the pixel "
-            "budget of a patch-merge processor): pass the family's image processor"
-        )
-    return int(lo), int(hi)
-
-
 def _backend_resize(processor: Any, original: Any, hw: tuple[int, int]) -> Any:
     """``original`` as the processor reads it, resized to ``hw`` by its backend's own
     ``resize`` and resampling."""
@@ -79,7 +69,12 @@ class PatchMergePin:
         none without a budget (not an engine replay)."""
         if budget is None:
             return []
-        lo, hi = _budget_knobs(processor)
+        lo, hi = (_setting(processor.size, k, None) for k in ("shortest_edge", "longest_edge"))
+        if lo is None or hi is None:
+            raise MediaInputError(
+                f"{type(processor).__name__}.size has no shortest_edge / longest_edge (the pixel "
+                "budget of a patch-merge processor): pass the family's image processor"
+            )
         out = []
         if budget >= lo:
             out.append({"shortest_edge": lo, "longest_edge": budget})
@@ -93,11 +88,17 @@ class PatchMergePin:
         merge = int(getattr(processor, "merge_size", 2))
         patch = int(getattr(processor, "patch_size", 14))
         want = (solution.size_hw[0] // patch, solution.size_hw[1] // patch)
+
+        def done(out, how: How, knobs: dict) -> Processed:
+            grid = tuple(int(v) for v in out[self.grid_input][0].tolist())
+            tokens = int(np.prod(grid)) // (merge * merge)
+            return Processed(out["pixel_values"], grid, tokens, how, tuple(sorted(knobs.items())))
+
         for knobs in self.candidates(processor, solution.budget):
             out = processor(images=[original], size=dict(knobs), return_tensors="pt")
-            grid = tuple(int(v) for v in out[self.grid_input][0].tolist())
-            if grid[1:] == want:
-                return self._done(out, grid, merge, "pinned", knobs)
+            got = done(out, "pinned", knobs)
+            if got.grid[1:] == want:
+                return got
         resized = _backend_resize(processor, original, solution.size_hw)
         out = processor(
             images=[resized],
@@ -106,13 +107,7 @@ class PatchMergePin:
             input_data_format="channels_first",
             return_tensors="pt",
         )
-        grid = tuple(int(v) for v in out[self.grid_input][0].tolist())
-        return self._done(out, grid, merge, "resized", {})
-
-    def _done(self, out, grid, merge: int, how: How, knobs: dict) -> Processed:
-        tokens = int(np.prod(grid)) // (merge * merge)
-        rows = out["pixel_values"]
-        return Processed(rows, grid, tokens, how, tuple(sorted(knobs.items())))
+        return done(out, "resized", {})
 
 
 def _tensor(x: Any) -> torch.Tensor:

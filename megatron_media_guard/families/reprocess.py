@@ -59,11 +59,7 @@ def originals(media: Any, keys: Sequence[Key]) -> dict[Key, Any]:
     (every image, then every video, ...; None where there is none), or a mapping modality ->
     its originals in order."""
     if isinstance(media, Mapping):
-        out = {}
-        for mod, seq in media.items():
-            for k, m in enumerate(seq):
-                out[(mod, k)] = m
-        return out
+        return {(mod, k): m for mod, seq in media.items() for k, m in enumerate(seq)}
     media = list(media)
     if len(media) != len(keys):
         raise MediaInputError(
@@ -74,9 +70,68 @@ def originals(media: Any, keys: Sequence[Key]) -> dict[Key, Any]:
     return dict(zip(keys, media))
 
 
-class Reprocessor:
-    """The guard's ``encoder`` in ``check_batch`` (module docstring); ``parent``: each item's
-    model-level index; ``media``: see :func:`originals`."""
+class ItemRepairer:
+    """The guard's ``encoder`` for one call's planned repairs (``core.repairs``' hook): each
+    model-level item ``(modality, k)`` solved once, whole (a video with all of its runs), its
+    other runs given the same result; a refusal recorded for them too. ``parent``: per item
+    (one per run) its model-level index; ``geometry``: one, or ``{modality: geometry}``.
+    Subclasses :meth:`solve` an item (raising ``MediaAlignmentError`` to refuse) and say what
+    a solved item's other runs get (:meth:`again`)."""
+
+    def __init__(self, items: Sequence[MediaItem], parent: Sequence[int], geometry: Any) -> None:
+        self.geometry = geometry
+        self.key = {id(it): (it.modality, k) for it, k in zip(items, parent)}
+        self.runs: dict[Key, list[MediaItem]] = {}
+        for it, k in zip(items, parent):
+            self.runs.setdefault((it.modality, k), []).append(it)
+        self.done: dict[Key, Any] = {}
+        self.failed: dict[Key, str] = {}
+
+    def reprocess(self, r: ItemRepair, plan: Plan, batch, ctx) -> tuple[Any, dict]:
+        """One planned repair: (new rows or None, facts for the record)."""
+        t0 = time.perf_counter()
+        item = batch.items[r.item]
+        key = self.key.get(id(item))
+        facts: dict = {"target": r.target}
+        if key in self.done:
+            return self.again(key, r, facts), facts
+        if key in self.failed:
+            facts["reason"] = self.failed[key]
+            return None, facts
+        try:
+            if key is None:
+                raise MediaAlignmentError("cannot repair: the item is not one of the call's")
+            rows = self.solve(key, r, plan, batch, item, ctx, facts)
+        except Exception as err:
+            if isinstance(err, MediaAlignmentError):
+                facts["reason"] = str(err)
+            else:  # a geometry's, converter's or processor's own error: recorded, fallback
+                what = f"{key[0]} {key[1]} " if key else ""
+                why = f"{self.verb} {what}failed: {type(err).__name__}: {err}"
+                facts["reason"] = why[:500]
+            if key is not None:
+                self.failed[key] = facts["reason"]
+            return None, facts
+        facts["duration_ms"] = (time.perf_counter() - t0) * 1e3
+        return rows, facts
+
+    verb = "repairing"  # what an unexpected error's reason says failed
+
+    def geometry_of(self, mod: str) -> Any:
+        geo = self.geometry
+        return geo.get(mod) if isinstance(geo, Mapping) else geo  # a geometry per modality
+
+    def targets(self, key: Key, plan: Plan, batch) -> list[int]:
+        """What each run of ``key`` must hold, in order: its planned target, else its count."""
+        want = {id(batch.items[x.item]): x.target for x in plan.repairs}
+        return [want.get(id(it), it.num_features) for it in self.runs[key]]
+
+
+class Reprocessor(ItemRepairer):
+    """The guard's ``encoder`` in ``check_batch`` (module docstring); ``media``: see
+    :func:`originals`."""
+
+    verb = "re-processing"
 
     def __init__(
         self,
@@ -87,14 +142,9 @@ class Reprocessor:
         media: Any,
         processor: Any = None,
     ) -> None:
-        self.spec, self.geometry, self.processor = spec, geometry, processor
-        self.key = {id(it): (it.modality, k) for it, k in zip(items, parent)}
-        self.runs: dict[Key, list[MediaItem]] = {}
-        for it, k in zip(items, parent):
-            self.runs.setdefault((it.modality, k), []).append(it)
+        super().__init__(items, parent, geometry)
+        self.spec, self.processor = spec, processor
         self.media = originals(media, list(self.runs))
-        self.done: dict[Key, Reprocessed] = {}
-        self.failed: dict[Key, str] = {}  # a video refused once is refused for each of its runs
 
     def _processor(self, mod: str) -> Any:
         """The processor for ``mod``: ``processor[mod]`` of a mapping, else the one given
@@ -103,41 +153,31 @@ class Reprocessor:
             return self.processor.get(mod)
         return self.processor if mod == "image" else None
 
-    def reprocess(self, r: ItemRepair, plan: Plan, batch, ctx) -> tuple[Any, dict]:
-        """One planned repair (``core.repairs``' hook): (new rows or None, facts)."""
+    def again(self, key: Key, r: ItemRepair, facts: dict) -> torch.Tensor:
+        d = self.done[key]  # another run of a video already re-processed whole
+        facts.update(fidelity=d.fidelity, size_hw=d.size_hw, grid=d.grid)
+        facts["reason"] = f"re-processed from the original with its video ({d.how})"
+        return d.rows
+
+    def solve(self, key: Key, r: ItemRepair, plan: Plan, batch, item, ctx, facts: dict):
         t0 = time.perf_counter()
-        item = batch.items[r.item]
-        facts: dict = {"target": r.target}
-        key = self.key.get(id(item))
-        if key in self.done:  # another run of a video already re-processed whole
-            d = self.done[key]
-            facts.update(fidelity=d.fidelity, size_hw=d.size_hw, grid=d.grid)
-            facts["reason"] = f"re-processed from the original with its video ({d.how})"
-            return d.rows, facts
-        if key in self.failed:
-            facts["reason"] = self.failed[key]
-            return None, facts
-        try:
-            sol, proc, tokens = self._solve_and_process(r, plan, batch, item, key, ctx, facts)
-        except Exception as err:
-            if isinstance(err, MediaAlignmentError):
-                facts["reason"] = str(err)
-            else:  # a geometry's, converter's or processor's own error: recorded, fallback
-                what = f"{key[0]} {key[1]} " if key else ""
-                why = f"re-processing {what}failed: {type(err).__name__}: {err}"
-                facts["reason"] = why[:500]
-            if key is not None and key[0] != "image":
-                self.failed[key] = facts["reason"]
-            return None, facts
+        mod, k = key
+        if self.media.get(key) is None:
+            raise MediaAlignmentError("cannot repair: no original media given for this item")
+        if mod not in ("image", "video"):
+            raise MediaAlignmentError(f"cannot repair: {mod} items are not re-processed here")
+        solved = self._video if mod == "video" else self._image
+        sol, proc, tokens = solved(r, plan, batch, key, ctx, facts)
         facts.update(
             fidelity=sol.fidelity,
             size_hw=sol.size_hw,
             grid=proc.grid,
             reason=f"re-processed from the original ({proc.how}): {sol.reason}",
         )
+        when = (time.perf_counter() - t0) * 1e3
         self.done[key] = Reprocessed(
-            key[0],
-            key[1],
+            mod,
+            k,
             r.sample,
             tokens,
             sol.fidelity,
@@ -145,20 +185,14 @@ class Reprocessor:
             proc.grid,
             proc.how,
             proc.knobs,
-            (time.perf_counter() - t0) * 1e3,
+            when,
             proc.rows,
         )
-        return proc.rows, facts
+        return proc.rows
 
-    def _solve_and_process(self, r, plan, batch, item, key, ctx, facts):
-        if key is None or self.media.get(key) is None:
-            raise MediaAlignmentError("cannot repair: no original media given for this item")
+    def _image(self, r: ItemRepair, plan: Plan, batch, key: Key, ctx, facts):
         mod, k = key
-        if mod == "video":
-            return self._video(r, plan, batch, key, ctx, facts)
-        if mod != "image":
-            raise MediaAlignmentError(f"cannot repair: {mod} items are not re-processed here")
-        pin, geo = PINS.get(self.spec.name), self._geometry(mod)
+        pin, geo = PINS.get(self.spec.name), self.geometry_of(mod)
         if pin is None or geo is None:
             what = "its processor has no pin" if pin is None else "it has no geometry"
             raise MediaAlignmentError(
@@ -183,17 +217,12 @@ class Reprocessor:
             )
         return sol, proc, r.target
 
-    def _geometry(self, mod: str) -> Any:
-        geo = self.geometry
-        return geo.get(mod) if isinstance(geo, Mapping) else geo  # a geometry per modality
-
     def _video(self, r: ItemRepair, plan: Plan, batch, key: Key, ctx, facts):
         """A video solved and processed whole from its frames, pinned to all of its runs."""
         mod, k = key
-        want = {id(batch.items[x.item]): x.target for x in plan.repairs if x.sample == r.sample}
         static = [it.num_features for it in self.runs[key]]  # as the static processing gave
-        rollout = [want.get(id(it), it.num_features) for it in self.runs[key]]
-        pin, geo = VIDEO_PINS.get(self.spec.name), self._geometry(mod)
+        rollout = self.targets(key, plan, batch)
+        pin, geo = VIDEO_PINS.get(self.spec.name), self.geometry_of(mod)
         if pin is None or geo is None:  # both totals, the first mismatching run, and why
             why = NO_VIDEO_PIN.get(self.spec.name, f"{self.spec.name} has no video pin")
             first = next((i for i, (a, b) in enumerate(zip(static, rollout)) if a != b), 0)
