@@ -25,7 +25,7 @@ from ..core.interleave import RunOrder, order_runs
 from ..core.outcome import MergeResult
 from ..core.repairs import media_hw
 from ..core.runs import TokenLayout, parse_layout
-from ..families.inputs import generated_as_text, placeholders_as_text, take_items
+from ..families.inputs import drop_inputs, generated_as_text
 from ..families.spec import Merged, present
 from .forward_hook import CallArgs, ForwardHookHandle
 from .tower import tower_due
@@ -258,25 +258,17 @@ class VLMHandle(ForwardHookHandle):
         return self.module.get_input_embeddings()(ids)
 
     def _drop_rewrite(self, call: CallArgs, ids, kw, mods, dropped, gone) -> torch.Tensor:
-        """The dropped samples' placeholders as text in the ids (and the tensors that follow
-        them), their items' rows out of the kept grids; returns the new ids."""
-        lay = TokenLayout(ids, self.guard.grammar)
-        keep = torch.ones(lay.num_samples, dtype=torch.bool)
-        keep[sorted(dropped)] = False
-        follow = {n: call.get(n) for n in self.spec.follow_ids}
-        out = placeholders_as_text(
-            self.spec, {**follow, "input_ids": ids}, lay, keep.to(ids.device), self.text_id
-        )
-        rows = {n: kw.get(n) for m in mods for n in m.rows if n in m.keep}  # the others left
-        kept = {  # per input, by its own length: a derived spec's rows need not be one per item
-            n: [k for k in range(len(rows[n])) if (m.name, k) not in gone]
-            for m in mods
-            for n in m.rows
-            if isinstance(rows.get(n), (torch.Tensor, list, tuple))
+        """The plan applied to the call (:func:`~..families.inputs.drop_inputs`) on the ids,
+        the tensors that follow them and the kept inputs (the others left the call with the
+        merge); returns the new ids."""
+        given = {
+            **{n: call.get(n) for n in self.spec.follow_ids},
+            **{n: kw.get(n) for m in mods for n in m.keep},
+            "input_ids": ids,
         }
-        out.update(take_items(rows, mods, kept))
+        out = drop_inputs(self.spec, given, mods, self.guard, dropped, gone, self.text_id)
         for name, value in out.items():
-            if name != "input_ids":
+            if name != "input_ids" and value is not given[name]:
                 call.set(name, value)
         return out["input_ids"]
 
