@@ -28,7 +28,6 @@ from ..core.runs import TokenLayout, parse_layout
 from ..families.inputs import drop_inputs, generated_as_text
 from ..families.spec import Merged, present
 from .forward_hook import CallArgs, ForwardHookHandle
-from .tower import tower_due
 from .vlm_items import (
     call_items,
     counted,
@@ -156,8 +155,7 @@ class VLMHandle(ForwardHookHandle):
         if spec.positions is not None and call.get("position_ids") is None:
             call.set("position_ids", spec.positions(model, call.view(ids)))
         call.set("input_ids", ids if spec.ids_with_embeds else None)
-        if res.report.dropped and len(res.report.dropped) == len(res.report.actions):
-            self.keeper.every_sample_dropped()  # the tower ran (encode): its features anchored
+        self.keeper.planned(res.report.actions)  # the tower ran (encode): its features anchored
         if spec.after_merge is not None:
             self._after_merge(call, ids, items, feats, res, [parent[i] for i in order])
         return call.rebuild()
@@ -167,11 +165,7 @@ class VLMHandle(ForwardHookHandle):
         (docs/PARALLEL.md), then planned with no items (:meth:`MediaGuard.last_stage`, the
         stage's round as in a media call's merge). Aligned: the call as given; a literal
         placeholder is fed as text, dropped or raised, as the plan says."""
-        dummy = self.spec.dummy
-        if dummy is not None and tower_due(
-            self.guard.config.keep_tower, had_media=False, feeds_media=False
-        ):
-            self.keeper.run(lambda: dummy(self.module))
+        self.keep_tower(had_media=False, feeds_media=False)
         call_items((), {}, self.take_items())  # set_items for this call: it holds no item
         labels = call.get("labels")
         labels = labels if isinstance(labels, torch.Tensor) else None
@@ -185,8 +179,7 @@ class VLMHandle(ForwardHookHandle):
             new = self._drop_rewrite(call, new, {}, (), dropped, set())
             if labels is not None:
                 call.set("labels", res.labels)
-            if len(dropped) == len(res.report.actions):
-                self.keeper.every_sample_dropped()
+            self.keeper.planned(res.report.actions)
         call.set("input_ids", new)
         return call.rebuild()
 

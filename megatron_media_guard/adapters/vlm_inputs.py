@@ -55,7 +55,6 @@ from ..families.inputs_items import (
 from ..families.resize import Resizer
 from ..families.spec import present
 from .forward_hook import CallArgs, ForwardHookHandle
-from .tower import tower_due
 from .vlm_items import call_items, parents, typed_order
 
 
@@ -89,21 +88,12 @@ class InputsHandle(ForwardHookHandle):
             view = call.view(ids)
             mods = present(self.spec, view)  # none (text only): planned all the same
             new = self.call(self.label, lambda step, mb: self._run(call, ids, view, mods, step, mb))
-        self._keep_tower(module, call, had)
+        if had or call.get("past_key_values") is None:  # not in a decoding step
+            self.keep_tower(had_media=had, feeds_media=self._feeds(call))
         return new
 
     def _feeds(self, call: CallArgs) -> bool:
         return any(call.get(m.inputs[0]) is not None for m in self.spec.modalities)
-
-    def _keep_tower(self, module: Any, call: CallArgs, had: bool) -> None:
-        """The spec's ``dummy`` tower call now, before the model's body, when this call feeds
-        the tower nothing (adapters/tower.py); not in a decoding step (a KV cache given)."""
-        dummy = self.spec.dummy
-        if dummy is None or (not had and call.get("past_key_values") is not None):
-            return
-        mode = self.guard.config.keep_tower
-        if tower_due(mode, had_media=had, feeds_media=self._feeds(call)):
-            self.keeper.run(lambda: dummy(module))
 
     # ---- one call -----------------------------------------------------------------------
 
@@ -217,8 +207,7 @@ class InputsHandle(ForwardHookHandle):
             if value is not view.get(name):
                 call.set(name, value)
         self._follow(call, out["input_ids"])
-        if res.report.actions and all(a == "drop" for a in res.report.actions):
-            self.keeper.every_sample_dropped()
+        self.keeper.planned(res.report.actions)
         return call.rebuild()
 
     # ---- the inputs' own checks and rebuilds ------------------------------------------
