@@ -41,6 +41,11 @@ class CallArgs:
         a = self.bound.arguments
         return a[name] if name in a else self._extra().get(name)
 
+    def tensor(self, name: str) -> torch.Tensor | None:
+        """The argument ``name`` where it is a tensor, else None."""
+        value = self.get(name)
+        return value if isinstance(value, torch.Tensor) else None
+
     def given(self, name: str) -> bool:
         return name in self.bound.arguments or name in self._extra()
 

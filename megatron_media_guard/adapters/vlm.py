@@ -25,7 +25,7 @@ from ..core.interleave import RunOrder, order_runs
 from ..core.outcome import MergeResult
 from ..core.repairs import media_hw
 from ..core.runs import TokenLayout, parse_layout
-from ..families.inputs import drop_inputs, generated_as_text
+from ..families.inputs import drop_inputs, generated_as_text, gone_items
 from ..families.spec import Merged, present
 from .forward_hook import CallArgs, ForwardHookHandle
 from .vlm_items import (
@@ -109,14 +109,14 @@ class VLMHandle(ForwardHookHandle):
         if late is None:  # token order known: the set_items order, or one modality's
             items, feats = [items[i] for i in order], [feats[i] for i in order]
         emb = self._embed(ids)
-        labels = call.get("labels")
+        labels = call.tensor("labels")
         remod = next((m for m in mods if m.reencode is not None), None)  # the repair's encoder
         res = guard.merge(
             emb,
             ids,
             feats,
             items,
-            labels=labels if isinstance(labels, torch.Tensor) else None,
+            labels=labels,
             step=step,
             microbatch=mb,
             encoder=None if remod is None else lambda pixels, **_: remod.reencode(model, pixels),
@@ -126,6 +126,7 @@ class VLMHandle(ForwardHookHandle):
             items, feats = cut[-1] if cut else (items, feats)
             order = decided[-1] if decided else list(range(len(items)))  # aligned: per modality
             items, feats = [items[i] for i in order], [feats[i] for i in order]
+        owners = [parent[i] for i in order]  # per item (token order) its model-level item
         self.record(MergeResult(None, res.loss_mask, res.labels, res.report), ids, None)
         emb, ids = self._generated_as_text(res, ids)
         call.set("inputs_embeds", emb)
@@ -133,22 +134,22 @@ class VLMHandle(ForwardHookHandle):
             for name in m.inputs:
                 if call.given(name) and name not in m.keep:
                     call.set(name, None)
-        if isinstance(labels, torch.Tensor):
+        if labels is not None:
             call.set("labels", res.labels)
         if res.report.repaired:
-            kw = self._regrid(call, kw, mods, items, [parent[i] for i in order], res)
-        dropped = {s for s, a in enumerate(res.report.actions) if a == "drop"}
-        rep_all = res.report.alignment
-        owner = {i: r.sample for r in rep_all.samples for i in r.items} if rep_all else {}
+            kw = self._regrid(call, kw, mods, items, owners, res)
+        dropped = set(res.report.dropped)
         if dropped:
-            gone = {(items[k].modality, parent[order[k]]) for k in owner if owner[k] in dropped}
+            gone = gone_items(res.report, [(it.modality, p) for it, p in zip(items, owners)])
             ids = self._drop_rewrite(call, ids, kw, mods, dropped, gone)
         if spec.reuse is not None:  # placed: every item (aligned), else those of kept samples
+            rep_all = res.report.alignment
+            owner = {i: r.sample for r in rep_all.samples for i in r.items} if rep_all else {}
             placed = range(len(items)) if rep_all is None else owner
             kept: dict[str, list[int]] = {m.name: [] for m in mods}
             for k in placed:
                 if owner.get(k) not in dropped:
-                    kept[items[k].modality].append(parent[order[k]])
+                    kept[items[k].modality].append(owners[k])
             kept = {m: sorted(set(v)) for m, v in kept.items()}
             for name, value in spec.reuse(model, encoded, kept).items():
                 call.set(name, value)
@@ -157,7 +158,7 @@ class VLMHandle(ForwardHookHandle):
         call.set("input_ids", ids if spec.ids_with_embeds else None)
         self.keeper.planned(res.report.actions)  # the tower ran (encode): its features anchored
         if spec.after_merge is not None:
-            self._after_merge(call, ids, items, feats, res, [parent[i] for i in order])
+            self._after_merge(call, ids, items, feats, res, owners)
         return call.rebuild()
 
     def _text_only(self, call: CallArgs, ids: torch.Tensor, step, mb):
@@ -167,8 +168,7 @@ class VLMHandle(ForwardHookHandle):
         placeholder is fed as text, dropped or raised, as the plan says."""
         self.keep_tower(had_media=False, feeds_media=False)
         call_items((), {}, self.take_items())  # set_items for this call: it holds no item
-        labels = call.get("labels")
-        labels = labels if isinstance(labels, torch.Tensor) else None
+        labels = call.tensor("labels")
         res = self.guard.last_stage(ids, (), labels=labels, step=step, microbatch=mb)
         self.record(res, ids, None)
         _, new = self._generated_as_text(res, ids)

@@ -103,9 +103,7 @@ class InputsHandle(ForwardHookHandle):
         cu = packed_offsets(call, ids)
         lay = TokenLayout(ids, guard.grammar, cu)
         meta = self.take_items()
-        labels, lmask = (view.get(n) for n in ("labels", "loss_mask"))
-        labels = labels if isinstance(labels, torch.Tensor) else None
-        lmask = lmask if isinstance(lmask, torch.Tensor) else None
+        labels, lmask = call.tensor("labels"), call.tensor("loss_mask")
         for m in mods:
             for name, grid in m.patches.items():
                 if view.get(name) is not None and view.get(grid) is None:
