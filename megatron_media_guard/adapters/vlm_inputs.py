@@ -110,7 +110,7 @@ class InputsHandle(ForwardHookHandle):
                     raise MediaInputError(f"{name} given without {grid}")
         tables = count_tables(spec, mods, config, view)
         rows = patch_rows_bad(view, mods)
-        types = self._types(view, ids)
+        types = self._types(call, ids)
         ok, samples, declared = meta_tables(meta, mods, tables, lay.num_samples)
         if on_device(spec) and ok:
             # the runs against the tables on the device: the verdict (with the inputs' own
@@ -210,37 +210,36 @@ class InputsHandle(ForwardHookHandle):
 
     # ---- the inputs' own checks and rebuilds ------------------------------------------
 
-    def _types(self, view: dict, ids: torch.Tensor) -> torch.Tensor | None:
-        """Device scalar: positions where the given per-token inputs (``follow_ids``)
-        disagree with what the ids say (the spec's ``derive``)."""
-        derive, bad = self.spec.derive, None
-        if derive is None:
-            return None
-        for name in self.spec.follow_ids:
-            given = view.get(name)
-            if isinstance(given, torch.Tensor):
-                want = derive(name, ids.to(given.device), self.guard.grammar)
-                b = torch.count_nonzero(given != want.to(given.dtype))
-                bad = b if bad is None else bad + b
-        return bad
-
-    def _follow(self, call: CallArgs, ids: torch.Tensor) -> None:
-        """The given per-token inputs rebuilt from ``ids`` (their device and dtype), and
-        ``position_ids`` left to the model once the media inputs changed (they follow the
-        grids; ``mm_token_type_ids`` derived where the forward takes it and none was given)."""
-        derive = self.spec.derive
-        if derive is None:
-            return
-        g, media_changed = self.guard.grammar, call.changed
-        for name in self.spec.follow_ids:
+    def _derived(self, call: CallArgs, ids: torch.Tensor) -> dict:
+        """Per given per-token input (``follow_ids``), ``(given, what the ids say it must be)``
+        (the spec's ``derive``, on its device and in its dtype)."""
+        derive, out = self.spec.derive, {}
+        for name in self.spec.follow_ids if derive is not None else ():
             given = call.get(name)
             if isinstance(given, torch.Tensor):
-                call.set(name, derive(name, ids.to(given.device), g).to(given.dtype))
+                want = derive(name, ids.to(given.device), self.guard.grammar)
+                out[name] = given, want.to(given.dtype)
+        return out
+
+    def _types(self, call: CallArgs, ids: torch.Tensor) -> torch.Tensor | None:
+        """Device scalar: positions where the given per-token inputs disagree with the ids."""
+        pairs = self._derived(call, ids).values()
+        return sum(torch.count_nonzero(g != w) for g, w in pairs) if pairs else None
+
+    def _follow(self, call: CallArgs, ids: torch.Tensor) -> None:
+        """The given per-token inputs rebuilt from ``ids``, and ``position_ids`` left to the
+        model once the media inputs changed (they follow the grids; ``mm_token_type_ids``
+        derived where the forward takes it and none was given)."""
+        if self.spec.derive is None:
+            return
+        media_changed = call.changed
+        for name, (_, want) in self._derived(call, ids).items():
+            call.set(name, want)
         if media_changed and call.get("position_ids") is not None:
             call.set("position_ids", None)
             for name in self.spec.follow_ids:
                 if name in call.names and call.get(name) is None:
-                    call.set(name, derive(name, ids, g))
+                    call.set(name, self.spec.derive(name, ids, self.guard.grammar))
                     break
 
 
