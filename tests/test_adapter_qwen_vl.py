@@ -93,12 +93,13 @@ class Recorder:
 
 
 @contextlib.contextmanager
-def spy(module):
-    """Keyword arguments the module's forward got last, and its outputs (hooks removed after)."""
+def spy(module, take=lambda out: out):
+    """Keyword arguments the module's forward got last, and ``take`` of each output as it
+    returns (the model may change the output object after); the hooks removed after."""
     seen, outs = {}, []
     hooks = (
         module.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True),
-        module.register_forward_hook(lambda m, a, o: outs.append(o)),
+        module.register_forward_hook(lambda m, a, o: outs.append(take(o))),
     )
     try:
         yield seen, outs
@@ -187,15 +188,14 @@ def test_repair_takes_the_geometry_of_the_models_config(family, install, tmp_pat
 def test_repair_runs_the_tower_once_and_matches_the_engine_sizes(family):
     engine, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
     model = model_for(family)
-    with spy(inner(model)) as (seen, _), spy(inner(model).visual) as (_, towers), torch.no_grad():
+    pooled = spy(inner(model).visual, lambda o: o.pooler_output)
+    with spy(inner(model)) as (seen, _), pooled as (_, tower_out), torch.no_grad():
         ref = model(**engine, labels=engine["input_ids"])
-        ref_feats = torch.cat([o.pooler_output for o in towers])
-        plain_calls = len(towers)
-        towers.clear()
+        ref_feats, plain_calls = torch.cat(tower_out), len(tower_out)
+        tower_out.clear()
         with install_qwen_vl(model, guard_for(family, "repair")) as h:
             h.set_items(source_items(SAMPLES, mixed))  # the originals' sizes
             out = model(**mixed, labels=engine["input_ids"])
-    tower_out = [o.pooler_output for o in towers]
     assert h.last_result.report.actions == ("repair", "repair", "keep")
     assert len(tower_out) == plain_calls  # one encode per modality, as the plain forward
     assert torch.equal(seen["image_grid_thw"], engine["image_grid_thw"])
