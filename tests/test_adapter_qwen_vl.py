@@ -8,6 +8,7 @@ runs, the pixels and grids the trainer's larger size.
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -91,19 +92,20 @@ class Recorder:
         return StageOutcome.local(local, 0)
 
 
-def spy(module) -> tuple[dict, list]:
-    """Keyword arguments the module's forward got last, and its calls (hooks, removable)."""
-    seen, calls = {}, []
-    module.register_forward_pre_hook(lambda m, a, kw: seen.update(kw) or None, with_kwargs=True)
-    module.register_forward_hook(lambda m, a, o: calls.append(1))
-    return seen, calls
-
-
-def clear(module) -> None:
-    module._forward_pre_hooks.clear()
-    module._forward_hooks.clear()
-    module._forward_hooks_with_kwargs.clear()
-    module._forward_pre_hooks_with_kwargs.clear()
+@contextlib.contextmanager
+def spy(module, take=lambda out: out):
+    """Keyword arguments the module's forward got last, and ``take`` of each output as it
+    returns (the model may change the output object after); the hooks removed after."""
+    seen, outs = {}, []
+    hooks = (
+        module.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True),
+        module.register_forward_hook(lambda m, a, o: outs.append(take(o))),
+    )
+    try:
+        yield seen, outs
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def test_config_gives_the_sizes_and_ids(family):
@@ -142,12 +144,9 @@ def test_a_dropped_video_takes_its_second_per_grid_ts_along(as_tensor):
     assert checked.report.actions == ("drop", "keep")
     got = checked.batch["second_per_grid_ts"]
     assert (got.tolist() if as_tensor else got) == [2.0]
-    seen, _ = spy(inner(model))
-    try:
-        with torch.no_grad(), install_qwen_vl(model, guard_for(family, "drop")) as h:
-            model(**mixed)
-    finally:
-        clear(inner(model))
+    guard = guard_for(family, "drop")
+    with spy(inner(model)) as (seen, _), torch.no_grad(), install_qwen_vl(model, guard) as h:
+        model(**mixed)
     assert h.last_result.report.actions == ("drop", "keep")
     got = seen["second_per_grid_ts"]
     assert (got.tolist() if as_tensor else got) == [2.0]
@@ -189,20 +188,14 @@ def test_repair_takes_the_geometry_of_the_models_config(family, install, tmp_pat
 def test_repair_runs_the_tower_once_and_matches_the_engine_sizes(family):
     engine, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
     model = model_for(family)
-    seen, _ = spy(inner(model))
-    tower_out: list = []
-    inner(model).visual.register_forward_hook(lambda m, a, o: tower_out.append(o.pooler_output))
-    try:
-        with torch.no_grad():
-            ref = model(**engine, labels=engine["input_ids"])
-            ref_feats, plain_calls = torch.cat(tower_out), len(tower_out)
-            tower_out.clear()
-            with install_qwen_vl(model, guard_for(family, "repair")) as h:
-                h.set_items(source_items(SAMPLES, mixed))  # the originals' sizes
-                out = model(**mixed, labels=engine["input_ids"])
-    finally:
-        clear(inner(model))
-        clear(inner(model).visual)
+    pooled = spy(inner(model).visual, lambda o: o.pooler_output)
+    with spy(inner(model)) as (seen, _), pooled as (_, tower_out), torch.no_grad():
+        ref = model(**engine, labels=engine["input_ids"])
+        ref_feats, plain_calls = torch.cat(tower_out), len(tower_out)
+        tower_out.clear()
+        with install_qwen_vl(model, guard_for(family, "repair")) as h:
+            h.set_items(source_items(SAMPLES, mixed))  # the originals' sizes
+            out = model(**mixed, labels=engine["input_ids"])
     assert h.last_result.report.actions == ("repair", "repair", "keep")
     assert len(tower_out) == plain_calls  # one encode per modality, as the plain forward
     assert torch.equal(seen["image_grid_thw"], engine["image_grid_thw"])
@@ -227,16 +220,12 @@ def test_qwen3_deepstack_follows_the_repaired_items():
     engine, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
     model = model_for(family)
     lm = inner(model).language_model
-    seen, _ = spy(lm)
-    try:
-        with torch.no_grad():
-            model(**engine)
-            want = {k: seen[k] for k in ("visual_pos_masks", "deepstack_visual_embeds")}
-            with install_qwen_vl(model, guard_for(family, "repair")) as h:
-                h.set_items(source_items(SAMPLES, mixed))  # the originals' sizes
-                model(**mixed)
-    finally:
-        clear(lm)
+    with spy(lm) as (seen, _), torch.no_grad():
+        model(**engine)
+        want = {k: seen[k] for k in ("visual_pos_masks", "deepstack_visual_embeds")}
+        with install_qwen_vl(model, guard_for(family, "repair")) as h:
+            h.set_items(source_items(SAMPLES, mixed))  # the originals' sizes
+            model(**mixed)
     mask = seen["visual_pos_masks"]
     assert torch.equal(mask, want["visual_pos_masks"])
     assert torch.equal(mask, (engine["input_ids"] == IMAGE) | (engine["input_ids"] == VIDEO))
@@ -249,13 +238,10 @@ def test_qwen3_deepstack_follows_the_repaired_items():
 def test_every_item_dropped_keeps_the_tower_in_the_graph(family):
     _, mixed = seed_failure(family, SAMPLES[:2], ENGINE, TRAINER)
     model = model_for(family)
-    _, calls = spy(inner(model).visual)
     labels = mixed["input_ids"].clone()
-    try:
-        with install_qwen_vl(model, guard_for(family, "drop")) as h:
-            out = model(**mixed, labels=labels)
-    finally:
-        clear(inner(model).visual)
+    guard = guard_for(family, "drop")
+    with spy(inner(model).visual) as (_, calls), install_qwen_vl(model, guard) as h:
+        out = model(**mixed, labels=labels)
     assert h.last_result.report.actions == ("drop", "drop")
     assert len(calls) == 1 and torch.isfinite(out.loss)
     model.zero_grad()
@@ -394,13 +380,10 @@ def test_passed_position_ids_are_recomputed_after_a_rewrite():
         engine["video_grid_thw"],
         attention_mask=engine["attention_mask"],
     )
-    seen, _ = spy(inner(model))
-    try:
-        with torch.no_grad(), install_qwen_vl(model, guard_for(family, "repair")) as h:
-            h.set_items(source_items(SAMPLES, mixed))  # the originals' sizes
-            model(**dict(mixed, mm_token_type_ids=None), position_ids=pos)
-    finally:
-        clear(inner(model))
+    guard = guard_for(family, "repair")
+    with spy(inner(model)) as (seen, _), torch.no_grad(), install_qwen_vl(model, guard) as h:
+        h.set_items(source_items(SAMPLES, mixed))  # the originals' sizes
+        model(**dict(mixed, mm_token_type_ids=None), position_ids=pos)
     assert seen["position_ids"] is None  # the model recomputes MRoPE from the new grids
     assert torch.equal(seen["mm_token_type_ids"], engine["mm_token_type_ids"])
 

@@ -343,7 +343,7 @@ def test_a_text_only_call_applies_its_plan(name, tmp_path):
             text, stray = calls["text"], calls["stray"]
             ph = int(stray["input_ids"][0, 2])
             not_under_loss = _labels(stray).masked_fill(stray["input_ids"] == ph, -100)
-            text_id = handle.text_id if hasattr(handle, "text_id") else handle.spec.text_id
+            text_id = handle.text_id
             # aligned: the caller's own tensors reach the model (the model's own forward)
             with count_transfers() as n:
                 got = _model_inputs(model, handle, dict(text, labels=_labels(text)))

@@ -15,7 +15,7 @@ from ..diagnostics import GuardRecord
 from ..errors import MediaInputError
 from ..families import FamilySpec
 from .hooks import GuardHandle
-from .tower import TowerKeeper, input_embeddings
+from .tower import TowerKeeper, input_embeddings, tower_due
 
 
 class CallArgs:
@@ -40,6 +40,11 @@ class CallArgs:
     def get(self, name: str) -> Any:
         a = self.bound.arguments
         return a[name] if name in a else self._extra().get(name)
+
+    def tensor(self, name: str) -> torch.Tensor | None:
+        """The argument ``name`` where it is a tensor, else None."""
+        value = self.get(name)
+        return value if isinstance(value, torch.Tensor) else None
 
     def given(self, name: str) -> bool:
         return name in self.bound.arguments or name in self._extra()
@@ -116,6 +121,13 @@ class ForwardHookHandle(GuardHandle):
 
     def _guarded(self, module: Any, call: CallArgs) -> Any:
         raise NotImplementedError
+
+    def keep_tower(self, *, had_media: bool, feeds_media: bool) -> None:
+        """The spec's ``dummy`` tower call now, before the model's body, when
+        :func:`~.tower.tower_due` (the call feeds the tower nothing)."""
+        dummy, mode = self.spec.dummy, self.guard.config.keep_tower
+        if dummy is not None and tower_due(mode, had_media=had_media, feeds_media=feeds_media):
+            self.keeper.run(lambda: dummy(self.module))
 
     def note(self, step, mb, action: str, reason: str, modality: str | None = None) -> None:
         """A ``check`` record: the inputs were put right without touching any sample."""

@@ -11,7 +11,7 @@ decoder's backward first, as on a rank with media; with frozen embeddings FSDP2 
 the first layer only when its input requires grad), else to the model's output.
 
 Per handle: ``TowerKeeper(embeddings, handle)``; in the pre-hook ``keeper.clear()``, then when
-``tower_due(...)`` ``keeper.run(fn)``; ``keeper.every_sample_dropped()``; in the post-hook
+``tower_due(...)`` ``keeper.run(fn)``; ``keeper.planned(actions)``; in the post-hook
 ``return keeper.attach(out)``. The dummy's gradient is exactly zero.
 """
 
@@ -79,8 +79,10 @@ class TowerKeeper:
             raise MediaInputError("the dummy tower call returned no floating-point tensor")
         self._anchor, self._placed = zero_anchor(*floats), False
 
-    def every_sample_dropped(self) -> None:
-        self._all_dropped = True
+    def planned(self, actions) -> None:
+        """The call's plan: where it drops every sample, :meth:`attach` makes a ``loss``
+        beside ``logits`` a zero that depends on them."""
+        self._all_dropped = bool(actions) and all(a == "drop" for a in actions)
 
     def _into_embeddings(self, args: tuple, kwargs: dict, out: Any) -> Any:
         if self._anchor is None or self._placed:

@@ -25,10 +25,9 @@ from ..core.interleave import RunOrder, order_runs
 from ..core.outcome import MergeResult
 from ..core.repairs import media_hw
 from ..core.runs import TokenLayout, parse_layout
-from ..families.inputs import generated_as_text, placeholders_as_text, take_items
+from ..families.inputs import drop_inputs, generated_as_text, gone_items
 from ..families.spec import Merged, present
 from .forward_hook import CallArgs, ForwardHookHandle
-from .tower import tower_due
 from .vlm_items import (
     call_items,
     counted,
@@ -110,14 +109,14 @@ class VLMHandle(ForwardHookHandle):
         if late is None:  # token order known: the set_items order, or one modality's
             items, feats = [items[i] for i in order], [feats[i] for i in order]
         emb = self._embed(ids)
-        labels = call.get("labels")
+        labels = call.tensor("labels")
         remod = next((m for m in mods if m.reencode is not None), None)  # the repair's encoder
         res = guard.merge(
             emb,
             ids,
             feats,
             items,
-            labels=labels if isinstance(labels, torch.Tensor) else None,
+            labels=labels,
             step=step,
             microbatch=mb,
             encoder=None if remod is None else lambda pixels, **_: remod.reencode(model, pixels),
@@ -127,6 +126,7 @@ class VLMHandle(ForwardHookHandle):
             items, feats = cut[-1] if cut else (items, feats)
             order = decided[-1] if decided else list(range(len(items)))  # aligned: per modality
             items, feats = [items[i] for i in order], [feats[i] for i in order]
+        owners = [parent[i] for i in order]  # per item (token order) its model-level item
         self.record(MergeResult(None, res.loss_mask, res.labels, res.report), ids, None)
         emb, ids = self._generated_as_text(res, ids)
         call.set("inputs_embeds", emb)
@@ -134,32 +134,31 @@ class VLMHandle(ForwardHookHandle):
             for name in m.inputs:
                 if call.given(name) and name not in m.keep:
                     call.set(name, None)
-        if isinstance(labels, torch.Tensor):
+        if labels is not None:
             call.set("labels", res.labels)
         if res.report.repaired:
-            kw = self._regrid(call, kw, mods, items, [parent[i] for i in order], res)
-        dropped = {s for s, a in enumerate(res.report.actions) if a == "drop"}
-        rep_all = res.report.alignment
-        owner = {i: r.sample for r in rep_all.samples for i in r.items} if rep_all else {}
+            kw = self._regrid(call, kw, mods, items, owners, res)
+        dropped = set(res.report.dropped)
         if dropped:
-            gone = {(items[k].modality, parent[order[k]]) for k in owner if owner[k] in dropped}
+            gone = gone_items(res.report, [(it.modality, p) for it, p in zip(items, owners)])
             ids = self._drop_rewrite(call, ids, kw, mods, dropped, gone)
         if spec.reuse is not None:  # placed: every item (aligned), else those of kept samples
+            rep_all = res.report.alignment
+            owner = {i: r.sample for r in rep_all.samples for i in r.items} if rep_all else {}
             placed = range(len(items)) if rep_all is None else owner
             kept: dict[str, list[int]] = {m.name: [] for m in mods}
             for k in placed:
                 if owner.get(k) not in dropped:
-                    kept[items[k].modality].append(parent[order[k]])
+                    kept[items[k].modality].append(owners[k])
             kept = {m: sorted(set(v)) for m, v in kept.items()}
             for name, value in spec.reuse(model, encoded, kept).items():
                 call.set(name, value)
         if spec.positions is not None and call.get("position_ids") is None:
             call.set("position_ids", spec.positions(model, call.view(ids)))
         call.set("input_ids", ids if spec.ids_with_embeds else None)
-        if res.report.dropped and len(res.report.dropped) == len(res.report.actions):
-            self.keeper.every_sample_dropped()  # the tower ran (encode): its features anchored
+        self.keeper.planned(res.report.actions)  # the tower ran (encode): its features anchored
         if spec.after_merge is not None:
-            self._after_merge(call, ids, items, feats, res, [parent[i] for i in order])
+            self._after_merge(call, ids, items, feats, res, owners)
         return call.rebuild()
 
     def _text_only(self, call: CallArgs, ids: torch.Tensor, step, mb):
@@ -167,14 +166,9 @@ class VLMHandle(ForwardHookHandle):
         (docs/PARALLEL.md), then planned with no items (:meth:`MediaGuard.last_stage`, the
         stage's round as in a media call's merge). Aligned: the call as given; a literal
         placeholder is fed as text, dropped or raised, as the plan says."""
-        dummy = self.spec.dummy
-        if dummy is not None and tower_due(
-            self.guard.config.keep_tower, had_media=False, feeds_media=False
-        ):
-            self.keeper.run(lambda: dummy(self.module))
+        self.keep_tower(had_media=False, feeds_media=False)
         call_items((), {}, self.take_items())  # set_items for this call: it holds no item
-        labels = call.get("labels")
-        labels = labels if isinstance(labels, torch.Tensor) else None
+        labels = call.tensor("labels")
         res = self.guard.last_stage(ids, (), labels=labels, step=step, microbatch=mb)
         self.record(res, ids, None)
         _, new = self._generated_as_text(res, ids)
@@ -185,8 +179,7 @@ class VLMHandle(ForwardHookHandle):
             new = self._drop_rewrite(call, new, {}, (), dropped, set())
             if labels is not None:
                 call.set("labels", res.labels)
-            if len(dropped) == len(res.report.actions):
-                self.keeper.every_sample_dropped()
+            self.keeper.planned(res.report.actions)
         call.set("input_ids", new)
         return call.rebuild()
 
@@ -258,25 +251,17 @@ class VLMHandle(ForwardHookHandle):
         return self.module.get_input_embeddings()(ids)
 
     def _drop_rewrite(self, call: CallArgs, ids, kw, mods, dropped, gone) -> torch.Tensor:
-        """The dropped samples' placeholders as text in the ids (and the tensors that follow
-        them), their items' rows out of the kept grids; returns the new ids."""
-        lay = TokenLayout(ids, self.guard.grammar)
-        keep = torch.ones(lay.num_samples, dtype=torch.bool)
-        keep[sorted(dropped)] = False
-        follow = {n: call.get(n) for n in self.spec.follow_ids}
-        out = placeholders_as_text(
-            self.spec, {**follow, "input_ids": ids}, lay, keep.to(ids.device), self.text_id
-        )
-        rows = {n: kw.get(n) for m in mods for n in m.rows if n in m.keep}  # the others left
-        kept = {  # per input, by its own length: a derived spec's rows need not be one per item
-            n: [k for k in range(len(rows[n])) if (m.name, k) not in gone]
-            for m in mods
-            for n in m.rows
-            if isinstance(rows.get(n), (torch.Tensor, list, tuple))
+        """The plan applied to the call (:func:`~..families.inputs.drop_inputs`) on the ids,
+        the tensors that follow them and the kept inputs (the others left the call with the
+        merge); returns the new ids."""
+        given = {
+            **{n: call.get(n) for n in self.spec.follow_ids},
+            **{n: kw.get(n) for m in mods for n in m.keep},
+            "input_ids": ids,
         }
-        out.update(take_items(rows, mods, kept))
+        out = drop_inputs(self.spec, given, mods, self.guard, dropped, gone, self.text_id)
         for name, value in out.items():
-            if name != "input_ids":
+            if name != "input_ids" and value is not given[name]:
                 call.set(name, value)
         return out["input_ids"]
 

@@ -55,7 +55,6 @@ from ..families.inputs_items import (
 from ..families.resize import Resizer
 from ..families.spec import present
 from .forward_hook import CallArgs, ForwardHookHandle
-from .tower import tower_due
 from .vlm_items import call_items, parents, typed_order
 
 
@@ -89,21 +88,12 @@ class InputsHandle(ForwardHookHandle):
             view = call.view(ids)
             mods = present(self.spec, view)  # none (text only): planned all the same
             new = self.call(self.label, lambda step, mb: self._run(call, ids, view, mods, step, mb))
-        self._keep_tower(module, call, had)
+        if had or call.get("past_key_values") is None:  # not in a decoding step
+            self.keep_tower(had_media=had, feeds_media=self._feeds(call))
         return new
 
     def _feeds(self, call: CallArgs) -> bool:
         return any(call.get(m.inputs[0]) is not None for m in self.spec.modalities)
-
-    def _keep_tower(self, module: Any, call: CallArgs, had: bool) -> None:
-        """The spec's ``dummy`` tower call now, before the model's body, when this call feeds
-        the tower nothing (adapters/tower.py); not in a decoding step (a KV cache given)."""
-        dummy = self.spec.dummy
-        if dummy is None or (not had and call.get("past_key_values") is not None):
-            return
-        mode = self.guard.config.keep_tower
-        if tower_due(mode, had_media=had, feeds_media=self._feeds(call)):
-            self.keeper.run(lambda: dummy(module))
 
     # ---- one call -----------------------------------------------------------------------
 
@@ -113,16 +103,14 @@ class InputsHandle(ForwardHookHandle):
         cu = packed_offsets(call, ids)
         lay = TokenLayout(ids, guard.grammar, cu)
         meta = self.take_items()
-        labels, lmask = (view.get(n) for n in ("labels", "loss_mask"))
-        labels = labels if isinstance(labels, torch.Tensor) else None
-        lmask = lmask if isinstance(lmask, torch.Tensor) else None
+        labels, lmask = call.tensor("labels"), call.tensor("loss_mask")
         for m in mods:
             for name, grid in m.patches.items():
                 if view.get(name) is not None and view.get(grid) is None:
                     raise MediaInputError(f"{name} given without {grid}")
         tables = count_tables(spec, mods, config, view)
         rows = patch_rows_bad(view, mods)
-        types = self._types(view, ids)
+        types = self._types(call, ids)
         ok, samples, declared = meta_tables(meta, mods, tables, lay.num_samples)
         if on_device(spec) and ok:
             # the runs against the tables on the device: the verdict (with the inputs' own
@@ -217,43 +205,41 @@ class InputsHandle(ForwardHookHandle):
             if value is not view.get(name):
                 call.set(name, value)
         self._follow(call, out["input_ids"])
-        if res.report.actions and all(a == "drop" for a in res.report.actions):
-            self.keeper.every_sample_dropped()
+        self.keeper.planned(res.report.actions)
         return call.rebuild()
 
     # ---- the inputs' own checks and rebuilds ------------------------------------------
 
-    def _types(self, view: dict, ids: torch.Tensor) -> torch.Tensor | None:
-        """Device scalar: positions where the given per-token inputs (``follow_ids``)
-        disagree with what the ids say (the spec's ``derive``)."""
-        derive, bad = self.spec.derive, None
-        if derive is None:
-            return None
-        for name in self.spec.follow_ids:
-            given = view.get(name)
-            if isinstance(given, torch.Tensor):
-                want = derive(name, ids.to(given.device), self.guard.grammar)
-                b = torch.count_nonzero(given != want.to(given.dtype))
-                bad = b if bad is None else bad + b
-        return bad
-
-    def _follow(self, call: CallArgs, ids: torch.Tensor) -> None:
-        """The given per-token inputs rebuilt from ``ids`` (their device and dtype), and
-        ``position_ids`` left to the model once the media inputs changed (they follow the
-        grids; ``mm_token_type_ids`` derived where the forward takes it and none was given)."""
-        derive = self.spec.derive
-        if derive is None:
-            return
-        g, media_changed = self.guard.grammar, call.changed
-        for name in self.spec.follow_ids:
+    def _derived(self, call: CallArgs, ids: torch.Tensor) -> dict:
+        """Per given per-token input (``follow_ids``), ``(given, what the ids say it must be)``
+        (the spec's ``derive``, on its device and in its dtype)."""
+        derive, out = self.spec.derive, {}
+        for name in self.spec.follow_ids if derive is not None else ():
             given = call.get(name)
             if isinstance(given, torch.Tensor):
-                call.set(name, derive(name, ids.to(given.device), g).to(given.dtype))
+                want = derive(name, ids.to(given.device), self.guard.grammar)
+                out[name] = given, want.to(given.dtype)
+        return out
+
+    def _types(self, call: CallArgs, ids: torch.Tensor) -> torch.Tensor | None:
+        """Device scalar: positions where the given per-token inputs disagree with the ids."""
+        pairs = self._derived(call, ids).values()
+        return sum(torch.count_nonzero(g != w) for g, w in pairs) if pairs else None
+
+    def _follow(self, call: CallArgs, ids: torch.Tensor) -> None:
+        """The given per-token inputs rebuilt from ``ids``, and ``position_ids`` left to the
+        model once the media inputs changed (they follow the grids; ``mm_token_type_ids``
+        derived where the forward takes it and none was given)."""
+        if self.spec.derive is None:
+            return
+        media_changed = call.changed
+        for name, (_, want) in self._derived(call, ids).items():
+            call.set(name, want)
         if media_changed and call.get("position_ids") is not None:
             call.set("position_ids", None)
             for name in self.spec.follow_ids:
                 if name in call.names and call.get(name) is None:
-                    call.set(name, derive(name, ids, g))
+                    call.set(name, self.spec.derive(name, ids, self.guard.grammar))
                     break
 
 

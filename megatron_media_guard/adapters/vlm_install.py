@@ -21,17 +21,6 @@ from .vlm import VLMHandle
 from .vlm_inputs import InputsHandle
 
 
-def family_grammar(spec: FamilySpec, model: Any, tokenizer: Any = None) -> Grammar:
-    """The grammar of ``spec`` with ``model``'s own token ids (megatron-core's LLaVA: its
-    ``image_token_index``, -200 by default; MIMO: its ``special_token_ids``)."""
-    if spec.apply == "llava":
-        tok = getattr(model, "image_token_index", None)
-        return llava_grammar(-200 if tok is None else tok)
-    if spec.apply == "mimo":
-        return mimo_grammar(getattr(model, "special_token_ids", None) or {})
-    return spec.grammar(model, tokenizer)
-
-
 def guard_for(
     spec: FamilySpec,
     model: Any,
@@ -39,9 +28,18 @@ def guard_for(
     tokenizer: Any = None,
     **guard_kw: Any,
 ) -> MediaGuard:
-    """A :class:`MediaGuard` for ``model`` of family ``spec``: its grammar, and its repair
-    geometry when the spec has one (``guard_kw``: ``rank=``, ``consensus=``, ``grammar=``)."""
-    grammar = guard_kw.pop("grammar", None) or family_grammar(spec, model, tokenizer)
+    """A :class:`MediaGuard` for ``model`` of family ``spec``: its grammar with the model's own
+    token ids (megatron-core's LLaVA: its ``image_token_index``, -200 by default; MIMO: its
+    ``special_token_ids``), and its repair geometry when the spec has one (``guard_kw``:
+    ``rank=``, ``consensus=``, ``grammar=``)."""
+    grammar = guard_kw.pop("grammar", None)
+    if grammar is None and spec.apply == "llava":
+        tok = getattr(model, "image_token_index", None)
+        grammar = llava_grammar(-200 if tok is None else tok)
+    elif grammar is None and spec.apply == "mimo":
+        grammar = mimo_grammar(getattr(model, "special_token_ids", None) or {})
+    elif grammar is None:
+        grammar = spec.grammar(model, tokenizer)
     if "geometry" not in guard_kw and spec.geometry is not None:
         guard_kw["geometry"] = spec.geometry(model)
     return MediaGuard(config, grammar, **guard_kw)
@@ -89,15 +87,13 @@ def _check_grammar(spec: FamilySpec, model: Any, grammar: Grammar, tokenizer: An
         )
 
 
-def _install_embed(model, guard, spec, tokenizer=None, **kw) -> GuardHandle:
-    _check_grammar(spec, model, guard.grammar, tokenizer)
-    text = _text_id(model, guard, spec, tokenizer)
-    return VLMHandle(model, guard, spec, text, **kw).install_hooks()
-
-
-def _install_inputs(model, guard, spec, tokenizer=None, drop_token_id=None, **kw) -> GuardHandle:
+def _install_family(model, guard, spec, tokenizer=None, drop_token_id=None, **kw) -> GuardHandle:
+    """The family engine's installer: ``apply="embed"`` (:class:`VLMHandle`) or ``"inputs"``
+    (:class:`InputsHandle`, its repair geometry checked against the model's config)."""
     _check_grammar(spec, model, guard.grammar, tokenizer)
     text = _text_id(model, guard, spec, tokenizer, drop_token_id)
+    if spec.apply == "embed":
+        return VLMHandle(model, guard, spec, text, **kw).install_hooks()
     _check_geometry(spec, model, guard.geometry)
     return InputsHandle(model, guard, spec, text, **kw).install_hooks()
 
@@ -135,8 +131,8 @@ def _megatron(install):
 
 #: how each kind of family is installed (FamilySpec.apply -> installer)
 INSTALLERS = {
-    "embed": _install_embed,
-    "inputs": _install_inputs,
+    "embed": _install_family,
+    "inputs": _install_family,
     "llava": _megatron(install_llava),
     "mimo": _megatron(install_mimo),
 }
@@ -160,7 +156,7 @@ def install_vlm(
     ``.module``, Megatron-Bridge's ``.llava_model``) and submodules are looked through; an
     unknown model raises, listing the families. tokenizer: anything with
     ``convert_tokens_to_ids``, or a ``{token text: id}`` mapping, for markers the config lacks.
-    install_kw: to the family's installer (``loss_mask_inplace=``, ``drop_token_id=`` for
+    install_kw: to the family's installer (``drop_token_id=``; ``loss_mask_inplace=`` for
     ``apply="inputs"`` families).
     """
     check_tokenizer(tokenizer, "install_vlm")
@@ -192,4 +188,4 @@ def install_qwen_vl(
     return install_vlm(model, config_or_guard, **options)
 
 
-__all__ = ["INSTALLERS", "family_grammar", "guard_for", "install_qwen_vl", "install_vlm"]
+__all__ = ["INSTALLERS", "guard_for", "install_qwen_vl", "install_vlm"]

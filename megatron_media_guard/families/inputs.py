@@ -223,19 +223,33 @@ def drop_inputs(
     repaired: Mapping[tuple[str, int], tuple[Sequence[int], torch.Tensor | None]] | None = None,
     order: Mapping[str, Sequence[int]] | None = None,
 ) -> dict[str, Any]:
-    """``inputs`` with the dropped samples' placeholders as ``text`` and the ``gone`` items'
-    rows out (:func:`take_items`). cu: the packed row's sample offsets. order: per modality
-    each item's sample: the kept ones are fed in sample order. Labels are the caller's."""
+    """The one application of a plan to a call's inputs (``check_batch`` and both modes of
+    the family engine): ``inputs`` with the dropped samples' placeholders (and, with
+    ``drop_markers``, their markers) as ``text`` and the ``gone`` items' rows out
+    (:func:`take_items`; a ``rows`` input by its own length: a derived spec's need not be one
+    per item). cu: the packed row's sample offsets. order: per modality each item's sample:
+    the kept ones are fed in sample order. Labels are the caller's."""
     ids = inputs["input_ids"]
     lay = TokenLayout(ids, guard.grammar, cu)
     keep = torch.ones(lay.num_samples, dtype=torch.bool)
     keep[sorted(dropped)] = False
     marks = (*guard.grammar.start_ids, *guard.grammar.end_ids) if spec.drop_markers else ()
     out = {**inputs, **placeholders_as_text(spec, inputs, lay, keep.to(ids.device), text, marks)}
-    n = {m.name: n_items(m, inputs, (spans or {}).get(m.name)) for m in mods}
-    kept = {m.name: [k for k in range(n[m.name]) if (m.name, k) not in gone] for m in mods}
-    for name, smp in (order or {}).items():
-        kept[name] = sorted(kept.get(name, ()), key=lambda k: smp[k])  # stable
+    kept: dict[str, list[int]] = {}
+    for m in mods:
+        span = (spans or {}).get(m.name)
+        sized = {m.name: n_items(m, inputs, span)}
+        if not span:
+            sized.update(
+                (n, len(inputs[n]))
+                for n in m.rows
+                if isinstance(inputs.get(n), (torch.Tensor, list, tuple))
+            )
+        smp = (order or {}).get(m.name)
+        for key, n in sized.items():
+            kept[key] = [k for k in range(n) if (m.name, k) not in gone]
+            if smp is not None:
+                kept[key].sort(key=lambda k: smp[k])  # stable
     out.update(take_items(inputs, mods, kept, spans=spans, repaired=repaired))
     for m in mods:
         for name in m.groups:
