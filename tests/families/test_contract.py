@@ -574,6 +574,15 @@ FAMILY_ALIGNED = {
         ("ragged, a text-only sample", [[img(28, 28), img(84, 84)], [], [img(56, 28)]]),
         ("two in one sample", [[], [img(112, 56), img(28, 56)]]),
     ),
+    # videos with their audio track (3 and 2 grids, 400 and 230 mel frames): 5 and 3 runs
+    "qwen3_omni": (
+        ("two videos with their audio", [[vid(3, 4, 4, 400)], [vid(2, 4, 4, 230)]]),
+        ("beside a plain image and a plain clip", [[vid(3, 4, 4, 400)], [img(2, 2), aud(100)]]),
+        (
+            "a plain clip and an image around a video with its audio",
+            [[aud(60), vid(2, 4, 4, 230), img(2, 4)], [vid(3, 4, 4, 400)]],
+        ),
+    ),
     "qwen2_audio": (
         ("zero-feature clip", [[aud(2), aud(100)], [aud(9)]]),  # L=2: bos/eos, no placeholder
         ("one feature per clip (plain: legacy path)", [[aud(3)], [aud(4), aud(5)]]),
