@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from family_checks import decoder_inputs, img, raised_samples, records
+from family_checks import decoder_inputs, img, raised_samples
 from family_checks import hidden_forward as forward
 
 from megatron_media_guard import GuardConfig
@@ -124,14 +124,7 @@ def test_an_equal_size_swap_is_invisible_to_every_count(model):
     torch.testing.assert_close(hidden, F.plain_hidden(model, b), atol=1e-6, rtol=1e-6)
 
 
-def test_repair_falls_back_no_resize_reaches_another_count(model, tmp_path):
+def test_the_repair_geometry_is_the_fixed_count_at_the_towers_size(model):
+    """No resize reaches another count: every repair falls back (tests/families/)."""
     g = guard_for(spec_mod.SPEC, model, GuardConfig(policy="repair"))
     assert g.geometry == FixedGeometry(F.MM_TOKENS, (F.IMAGE_SIZE, F.IMAGE_SIZE))
-    cfg = GuardConfig(policy="repair", fallback="drop", log_dir=str(tmp_path))
-    samples = [[img(32, 32, n=3)], [WIDE]]
-    b, hidden, _, res = guarded(model, samples, cfg)
-    assert res.report.actions == ("drop", "keep")
-    recs = records(tmp_path)
-    why = " ".join(str(r.get("reason")) for r in recs if r["sample"] == 0)
-    assert "cannot be reached by resizing" in why, recs
-    torch.testing.assert_close(hidden[1, : b.lengths[1]], own(model, [WIDE]))

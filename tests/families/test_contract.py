@@ -7,7 +7,7 @@ forward, with one device-to-host transfer; a fault (the shared ones of
 ``tests/test_check_batch.py`` and each family's own, ``FAMILY_FAULTS``) raises naming the sample
 or is dropped (no feature in its row, its labels ignored, every other sample its own forward);
 ``remove()`` restores the model; ``keep_tower`` (``tests/tower_check.py``); ``repair`` where
-the family has a geometry; the registry, the markers named at install, ``set_items`` and a
+the family has a geometry, a drop saying why where no resize reaches the count; the registry, the markers named at install, ``set_items`` and a
 generated placeholder fed as text. ``check_batch`` (the data side) runs the same families in
 ``tests/test_check_batch.py``; Bridge 0.6.2's classes (rows here) in
 ``tests/test_family_*bridge.py``. docs/FAMILIES.md's capability table is checked against this
@@ -250,6 +250,42 @@ def test_repair_where_the_family_has_a_geometry(name, tmp_path):
         assert why.strip() and why != "None", why
         if not case.repair:
             assert f"cannot repair: no geometry for {name}" in why, why
+
+
+#: (family, samples, why): a run no resize reaches (any fidelity allowed) falls back to a drop
+#: whose repair record says why; the other sample its own forward
+REPAIR_FALLBACKS = [
+    ("gemma3", [[img(32, 32, n=3)], [img(20, 64)]], "cannot be reached by resizing"),
+    # 61 cells (prime): only 1x61, beyond the tower's 8 cells per side
+    ("mistral3", [[img(56, 84, n=61)], [img(28, 56)]], "unreachable"),
+    # 35: no size gives an odd 16 + r * (c + 1)
+    ("llava_onevision", [[img(56, 56, n=35)], [img(80, 80)]], "^unreachable: no image size"),
+    ("llava_onevision", [[img(56, 56), img(100, 40, n=26)], [img(80, 80)]],
+     r"multi-image sample.*base \+ 1 = 17"),
+    # videos: no repair encoder
+    ("glm4v", [[vid(2, 4, 4, n=7)], [vid(2, 2, 4)]], "no encoder, pixels, media size given"),
+    ("ernie4_5_vl", [[vid(2, 4, 4, n=3)], [vid(2, 2, 4)]], "no encoder, pixels, media size given"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name,samples,why", REPAIR_FALLBACKS, ids=[f"{f}-{w[:20]}" for f, _, w in REPAIR_FALLBACKS]
+)
+def test_a_run_no_resize_reaches_falls_back_saying_why(name, samples, why, tmp_path):
+    _case, F, model = build(name)
+    b = F.make_batch(model, samples)
+    cfg = GuardConfig(
+        policy="repair",
+        fallback="drop",
+        allowed_fidelity=("engine-replay", "unique", "closest-aspect"),
+        log_dir=str(tmp_path),
+    )
+    out, res = guarded(name, model, b, cfg)
+    assert res.report.actions == ("drop", "keep")
+    reps = [r["reason"] for r in records(tmp_path) if r["event"] == "repair" and r["sample"] == 0]
+    assert reps and all(re.search(why, r) for r in reps), reps
+    want = own_logits(F, model, samples[1])
+    torch.testing.assert_close(out.logits[1, : b.lengths[1]], want, atol=1e-5, rtol=1e-5)
 
 
 #: family -> what ``install_vlm`` without a tokenizer says, where the markers are tokenizer-only
