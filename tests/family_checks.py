@@ -114,9 +114,10 @@ def guarded_forward(F, model, samples, config=None, items=None, tokenizer=None, 
         return b, out, h.last_result
 
 
-def own_logits(F, model, sample) -> torch.Tensor:
-    """The plain model's logits of ``sample`` in a batch of its own, over its length."""
-    b = F.make_batch(model, [sample])
+def own_logits(F, model, sample, **kw) -> torch.Tensor:
+    """The plain model's logits of ``sample`` in a batch of its own (``kw``: the fixture's
+    ``make_batch`` keywords), over its length."""
+    b = F.make_batch(model, [sample], **kw)
     with torch.no_grad():
         return model(**b.kwargs).logits[0, : b.lengths[0]]
 

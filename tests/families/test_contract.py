@@ -390,11 +390,14 @@ class Fault:
         samples = self.samples
         if samples is None:
             samples = faulty(F.make_batch(model, case.samples), case.samples, FAULTS[self.name])
-        return samples, F.make_batch(model, samples, swap=self.swap)
+        kw = BATCH_KW.get((case.family, self.name), {})
+        return samples, F.make_batch(model, samples, swap=self.swap, **kw)
 
 
 K01 = frozenset({0, 1})
 FAMILY_FAULTS = {
+    # pan-and-scan: sample 1's first run short, its crops' runs after it
+    "gemma3": (Fault("short run before its crops", [[img(20, 64)], [img(20, 64, n=3)]], 1),),
     "ernie4_5_vl": (
         Fault("swap", [[img(2, 2), img(4, 6)], [img(8, 4)], [img(2, 4)]], 1, (1, 2)),
         Fault("video +k/-k", [[vid(2, 4, 4, n=5)], [vid(4, 2, 4, n=3)], [vid(2, 2, 4)]], 0),
@@ -502,7 +505,7 @@ def test_a_fault_dropped_feeds_no_feature_and_keeps_the_others(name, fault):
             assert torch.equal(emb[k], text[k])
             assert (res.labels[k] == -100).all()
         else:
-            want = own_logits(F, model, samples[k])
+            want = own_logits(F, model, samples[k], **BATCH_KW.get((name, fault.name), {}))
             torch.testing.assert_close(out.logits[k, : b.lengths[k]], want, atol=1e-5, rtol=1e-5)
     assert torch.isfinite(out.loss)
 
@@ -598,6 +601,7 @@ TRANSFER_ROWS = [(f, mix, s) for f, xs in TRANSFER_MIXES.items() for mix, s in x
 #: family -> (name, samples): the family's other aligned batches (ragged, text-only samples,
 #: edge counts), as rows of the same test
 FAMILY_ALIGNED = {
+    "gemma3": (("pan-and-scan crops", [[img(40, 30), img(32, 32)], [img(20, 64)]]),),
     "llava_onevision": (
         ("multi-image and single", [[img(56, 56), img(100, 40)], [img(80, 80)]]),
         ("text-only sample", [[], [img(130, 60)]]),
@@ -632,13 +636,20 @@ ALIGNED_ROWS = TRANSFER_ROWS + [(f, n, s) for f, xs in FAMILY_ALIGNED.items() fo
 #: Nemotron's Parakeet encoder on a 40-frame clip padded to 60 frames
 NOT_OWN = {("nemotron_omni", "audio"), ("nemotron_omni", "video + audio")}
 
+#: (family, row) -> the fixture's ``make_batch`` keywords for that aligned or faulty batch
+BATCH_KW = {
+    ("gemma3", "pan-and-scan crops"): {"pan_and_scan": True},
+    ("gemma3", "short run before its crops"): {"pan_and_scan": True},
+}
 
-def aligned_transfers(name: str, samples, own: bool = True) -> tuple[int, dict]:
-    """(transfers, by reason) of one aligned call of ``samples`` under ``install_vlm``; the
-    call must keep every sample and, where the plain model takes the batch, be its forward bit
-    for bit and (``own``) give each sample its own forward."""
+
+def aligned_transfers(name: str, samples, own: bool = True, **kw) -> tuple[int, dict]:
+    """(transfers, by reason) of one aligned call of ``samples`` (``kw``: the fixture's
+    ``make_batch`` keywords) under ``install_vlm``; the call must keep every sample and, where
+    the plain model takes the batch, be its forward bit for bit and (``own``) give each sample
+    its own forward."""
     _case, F, model = build(name)
-    b = F.make_batch(model, samples)
+    b = F.make_batch(model, samples, **kw)
     with count_transfers() as n:
         out, res = guarded(name, model, b)
     assert res.report.actions == ("keep",) * len(samples)
@@ -646,7 +657,7 @@ def aligned_transfers(name: str, samples, own: bool = True) -> tuple[int, dict]:
     if isinstance(plain, torch.Tensor):
         assert torch.equal(out.logits, plain)
         for k, s in enumerate(samples if own else ()):
-            want = own_logits(F, model, s)
+            want = own_logits(F, model, s, **kw)
             torch.testing.assert_close(out.logits[k, : b.lengths[k]], want, atol=1e-5, rtol=0)
     return sum(n.values()), dict(n)
 
@@ -658,7 +669,8 @@ def test_an_aligned_call_of_any_modality_mix_makes_one_transfer(name, mix, sampl
     """Mixed image + video + audio calls included: the plain forward bit for bit, each sample
     its own (``aligned_transfers``); the verdict is the one transfer, the run order, the audio
     clips' counts and the family's own refusals ride in it."""
-    n, reasons = aligned_transfers(name, samples, (name, mix) not in NOT_OWN)
+    kw = BATCH_KW.get((name, mix), {})
+    n, reasons = aligned_transfers(name, samples, (name, mix) not in NOT_OWN, **kw)
     assert n == 1, reasons
     assert reasons["aligned-path verdict"] == 1, reasons
 
