@@ -601,6 +601,15 @@ TRANSFER_ROWS = [(f, mix, s) for f, xs in TRANSFER_MIXES.items() for mix, s in x
 #: family -> (name, samples): the family's other aligned batches (ragged, text-only samples,
 #: edge counts), as rows of the same test
 FAMILY_ALIGNED = {
+    # images beside videos: each sample as its features placed by hand (family_checks)
+    "nemotron_omni": (
+        ("image and video in one sample", [[img(2, 4), vid(4, 4, 4)], [img(4, 4)]]),
+        ("video then image", [[vid(4, 4, 4), img(2, 4)], [aud(40), img(4, 4)]]),
+        ("every modality, one clip", [[img(4, 4)], [vid(4, 4, 4)], [aud(40), img(2, 4)]]),
+    ),
+    "glm4v": (
+        ("image then video, equal runs", [[img(4, 4), vid(2, 4, 4)], [vid(2, 4, 4), img(4, 4)]]),
+    ),
     "gemma3": (("pan-and-scan crops", [[img(40, 30), img(32, 32)], [img(20, 64)]]),),
     "llava_onevision": (
         ("multi-image and single", [[img(56, 56), img(100, 40)], [img(80, 80)]]),
@@ -645,20 +654,20 @@ BATCH_KW = {
 
 def aligned_transfers(name: str, samples, own: bool = True, **kw) -> tuple[int, dict]:
     """(transfers, by reason) of one aligned call of ``samples`` (``kw``: the fixture's
-    ``make_batch`` keywords) under ``install_vlm``; the call must keep every sample and, where
-    the plain model takes the batch, be its forward bit for bit and (``own``) give each sample
-    its own forward."""
+    ``make_batch`` keywords) under ``install_vlm``; the call must keep every sample, be the
+    plain forward bit for bit where the plain model takes the batch, and (``own``) give each
+    sample its own forward (``own_logits``: by hand where the plain model cannot take it)."""
     _case, F, model = build(name)
     b = F.make_batch(model, samples, **kw)
     with count_transfers() as n:
         out, res = guarded(name, model, b)
     assert res.report.actions == ("keep",) * len(samples)
-    plain = _outcome(model, b.kwargs)  # Nemotron's plain forward takes no image beside a video
+    plain = _outcome(model, b.kwargs)  # GLM-4V's, Nemotron's take no image beside a video
     if isinstance(plain, torch.Tensor):
         assert torch.equal(out.logits, plain)
-        for k, s in enumerate(samples if own else ()):
-            want = own_logits(F, model, s, **kw)
-            torch.testing.assert_close(out.logits[k, : b.lengths[k]], want, atol=1e-5, rtol=0)
+    for k, s in enumerate(samples if own else ()):
+        want = own_logits(F, model, s, **kw)
+        torch.testing.assert_close(out.logits[k, : b.lengths[k]], want, atol=1e-5, rtol=0)
     return sum(n.values()), dict(n)
 
 
