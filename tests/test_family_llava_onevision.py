@@ -89,6 +89,18 @@ def test_count_matches_processor_arithmetic(model, aspect):
         assert F.llava_onevision_num_features(h, w, cfg) == want, (h, w)
 
 
+def _image_processor():
+    """transformers' real ``LlavaOnevisionImageProcessorPil`` at the fixture's tile and
+    pinpoints."""
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+        LlavaOnevisionImageProcessorPil,
+    )
+
+    return LlavaOnevisionImageProcessorPil(
+        size={"height": F.TILE, "width": F.TILE}, image_grid_pinpoints=F.PINPOINTS
+    )
+
+
 def _pil(h, w, rng):
     from PIL import Image
 
@@ -97,17 +109,11 @@ def _pil(h, w, rng):
 
 @pytest.mark.parametrize("aspect", ["anyres_max_9", "anyres_max_4"])
 def test_counts_match_image_processor_processor_and_model(aspect):
-    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
-        LlavaOnevisionImageProcessorPil,
-    )
-
     model = F.tiny_model(vision_aspect_ratio=aspect)
-    ip = LlavaOnevisionImageProcessorPil(
-        size={"height": F.TILE, "width": F.TILE}, image_grid_pinpoints=F.PINPOINTS
-    )
     rng = np.random.default_rng(0)
     per_sample = [[(1000, 1000)], [(30, 300), (56, 56)], [(57, 2500)], [(333, 999)], [(20, 20)]]
-    out = ip([[_pil(h, w, rng) for h, w in s] for s in per_sample], return_tensors="pt")
+    images = [[_pil(h, w, rng) for h, w in s] for s in per_sample]
+    out = _image_processor()(images, return_tensors="pt")
     proc = _processor_self(model.config)
     n_images = sum(len(s) for s in per_sample)
     from_proc = [proc.replace_image_token(out, q).count(F.IMAGE_TOKEN) for q in range(n_images)]
@@ -195,14 +201,8 @@ def test_tiles_are_the_processors_and_stitch_back_exactly(model):
     stitched with the padding cut are the normalized image itself, and ``tiles_for`` on that
     image gives the processor's pinpoint tiles exactly (the base tile up to the resampler)."""
     from PIL import Image
-    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
-        LlavaOnevisionImageProcessorPil,
-    )
 
-    geo = spec_mod._geometry(model)
-    ip = LlavaOnevisionImageProcessorPil(
-        size={"height": F.TILE, "width": F.TILE}, image_grid_pinpoints=F.PINPOINTS
-    )
+    geo, ip = spec_mod._geometry(model), _image_processor()
     rng = np.random.default_rng(0)
     for h, w in [(112, 80), (56, 150), (168, 168), (100, 112)]:
         assert fitted_size(h, w, geo.size_for((h, w))) == (h, w)
