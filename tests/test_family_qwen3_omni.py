@@ -170,6 +170,9 @@ def test_flag_and_ids_that_disagree_are_refused(model, samples, flag, match):
 
 
 def test_a_thinker_config_without_vision_start_is_refused_at_install():
+    """The thinker config lacks it: the plain forward then crashes in its rope."""
     bare = F.tiny_model(seed=1, vision_start_token_id=None)
+    with pytest.raises(AttributeError, match="has no attribute 'vision_start_token_id'"):
+        logits(bare, F.make_batch(bare, [[img(2, 2)]]).kwargs)
     with pytest.raises(MediaInputError, match=r"config\.vision_start_token_id"):
         install_vlm(bare, GuardConfig(), tokenizer={**TOKENS, "<|vision_start|>": F.VISION_START})

@@ -521,13 +521,6 @@ def test_the_qwen3_omni_fixture_counts_audio_as_the_model_does():
     assert _get_feat_extract_output_lengths(lengths).tolist() == want
 
 
-def test_the_qwen3_omni_thinker_config_lacks_vision_start_token_id():
-    F = RIGS["qwen3_omni"].F
-    bare = F.tiny_model(vision_start_token_id=None)
-    with pytest.raises(AttributeError, match="has no attribute 'vision_start_token_id'"):
-        _logits(bare, F.make_batch(bare, [[img(2, 2)]]))
-
-
 REFUSED = [
     ("ernie4_5_vl", [[vid(3, 2, 2)]], ValueError, "even frame count"),
     ("nemotron_omni", [[NV], [vid(5, 4, 4)]], MediaInputError, "stack"),
