@@ -105,8 +105,8 @@ RIGS = {
     for r in [
         Rig("gemma3", _hidden, IMAGE),
         Rig("internvl", _hidden, IMAGE),
-        Rig("nemotron_omni", pads={**IMAGE, "audio": "SO_EMBED"}, feats={
-            "image": _pooled("get_image_features", "pixel_values", "image_grid_hw", on_model=True)}),
+        Rig("nemotron_omni", pads={**IMAGE, "audio": "SO_EMBED"}, feats={"image": _pooled(
+            "get_image_features", "pixel_values", "image_grid_hw", on_model=True)}),
         Rig("ernie4_5_vl"),
         Rig("glm4v"),
         Rig("kimi_k25", feats={"image": IMAGES,  # its videos through the image tower too
@@ -481,7 +481,8 @@ LAYOUTS = [
     # tiles: IWIDE 2 + thumbnail, IVID 3 frames, ONE 1, ITALL 3 + thumbnail; no tile counts
     Layout("internvl", [[IWIDE, IVID], [ONE, ITALL]],
            [(0, "image", 12), (0, "video", 12), (1, "image", 4), (1, "image", 16)],
-           [[("image", 12), ("video", 4), ("video", 4), ("video", 4)], [("image", 4), ("image", 16)]],
+           [[("image", 12), ("video", 4), ("video", 4), ("video", 4)],
+            [("image", 4), ("image", 16)]],
            shapes={"pixel_values": (3 + 3 + 1 + 4, 3, "F.TILE", "F.TILE")},
            keys=frozenset({"input_ids", "attention_mask", "pixel_values"})),
 ]  # fmt: skip

@@ -7,11 +7,11 @@ forward, with one device-to-host transfer; a fault (the shared ones of
 ``tests/test_check_batch.py`` and each family's own, ``FAMILY_FAULTS``) raises naming the sample
 or is dropped (no feature in its row, its labels ignored, every other sample its own forward);
 ``remove()`` restores the model; ``keep_tower`` (``tests/tower_check.py``); ``repair`` where
-the family has a geometry, a drop saying why where no resize reaches the count; the registry, the markers named at install, ``set_items`` and a
-generated placeholder fed as text. ``check_batch`` (the data side) runs the same families in
-``tests/test_check_batch.py``; Bridge 0.6.2's classes (rows here) in
-``tests/test_family_*bridge.py``. docs/FAMILIES.md's capability table is checked against this
-table and the registry.
+the family has a geometry, a drop saying why where no resize reaches the count; the registry,
+the markers named at install, ``set_items`` and a generated placeholder fed as text.
+``check_batch`` (the data side) runs the same families in ``tests/test_check_batch.py``;
+Bridge 0.6.2's classes (rows here) in ``tests/test_family_*bridge.py``. docs/FAMILIES.md's
+capability table is checked against this table and the registry.
 """
 
 from __future__ import annotations
