@@ -148,9 +148,9 @@ def _glm4v_by_hand(F, model, b) -> torch.Tensor:
     emb = placed_by_hand(
         model, b, model.config.image_token_id, {"image": list(im), "video": frames}
     )
-    grids = kw["mm_token_type_ids"], kw["image_grid_thw"], kw["video_grid_thw"]
+    types_grids = kw["mm_token_type_ids"], kw["image_grid_thw"], kw["video_grid_thw"]
     mask = kw["attention_mask"]
-    rope = model.model.get_rope_index(b.input_ids, *grids, attention_mask=mask)[0]
+    rope = model.model.get_rope_index(b.input_ids, *types_grids, attention_mask=mask)[0]
     return model(inputs_embeds=emb, position_ids=rope, attention_mask=mask).logits
 
 
