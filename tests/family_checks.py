@@ -114,11 +114,47 @@ def guarded_forward(F, model, samples, config=None, items=None, tokenizer=None, 
         return b, out, h.last_result
 
 
-def own_logits(F, model, sample) -> torch.Tensor:
-    """The plain model's logits of ``sample`` in a batch of its own, over its length."""
-    b = F.make_batch(model, [sample])
+def own_logits(F, model, sample, **kw) -> torch.Tensor:
+    """The plain model's logits of ``sample`` in a batch of its own (``kw``: the fixture's
+    ``make_batch`` keywords), over its length. Images and videos together, which GLM-4V's and
+    Nemotron Omni's plain forwards cannot take: their features placed by hand
+    (:func:`placed_by_hand`), the language model run on them."""
+    b = F.make_batch(model, [sample], **kw)
+    by_hand = _BY_HAND.get(F.__name__.rpartition(".")[2])
     with torch.no_grad():
+        if by_hand and {m.modality for m in sample} >= {"image", "video"}:
+            return by_hand(F, model, b)[0, : b.lengths[0]]
         return model(**b.kwargs).logits[0, : b.lengths[0]]
+
+
+def _nemotron_by_hand(F, model, b) -> torch.Tensor:
+    kw = b.kwargs
+    img = model.get_image_features(kw["pixel_values"], kw["image_grid_hw"]).pooler_output
+    vid = model.get_video_features(kw["pixel_values_videos"]).pooler_output
+    per = vid[0].shape[0] // kw["pixel_values_videos"].shape[1]  # a tubelet's features
+    queue = {"image": list(img), "video": [g for v in vid for g in v.split(per)]}
+    emb = placed_by_hand(model, b, F.IMAGE, queue)
+    return model.language_model(inputs_embeds=emb, attention_mask=kw["attention_mask"]).logits
+
+
+def _glm4v_by_hand(F, model, b) -> torch.Tensor:
+    """With the model's own M-RoPE positions."""
+    kw = b.kwargs
+    im = model.get_image_features(kw["pixel_values"], kw["image_grid_thw"]).pooler_output
+    vd = model.get_video_features(kw["pixel_values_videos"], kw["video_grid_thw"]).pooler_output
+    frames = [  # a video's temporal groups, one run each
+        g for (_, h, w), v in zip(kw["video_grid_thw"].tolist(), vd) for g in v.split(h * w // 4)
+    ]
+    emb = placed_by_hand(
+        model, b, model.config.image_token_id, {"image": list(im), "video": frames}
+    )
+    types_grids = kw["mm_token_type_ids"], kw["image_grid_thw"], kw["video_grid_thw"]
+    mask = kw["attention_mask"]
+    rope = model.model.get_rope_index(b.input_ids, *types_grids, attention_mask=mask)[0]
+    return model(inputs_embeds=emb, position_ids=rope, attention_mask=mask).logits
+
+
+_BY_HAND = {"nemotron_omni": _nemotron_by_hand, "glm4v": _glm4v_by_hand}
 
 
 def internvl_items(b) -> list:

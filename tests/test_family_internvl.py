@@ -37,18 +37,6 @@ def model():
     return F.tiny_model(seed=0)
 
 
-def test_batch_layout(model):
-    b = F.make_batch(model, [[WIDE, VID], [ONE, TALL]])
-    # tiles: WIDE 2 + thumbnail, VID 3 frames, ONE 1, TALL 3 + thumbnail
-    assert b.kwargs["pixel_values"].shape == (3 + 3 + 1 + 4, 3, F.TILE, F.TILE)
-    assert b.items == [(0, "image", 12), (0, "video", 12), (1, "image", 4), (1, "image", 16)]
-    assert b.runs == [
-        [("image", 12), ("video", 4), ("video", 4), ("video", 4)],
-        [("image", 4), ("image", 16)],
-    ]
-    assert set(b.kwargs) == {"input_ids", "attention_mask", "pixel_values"}  # no tile counts
-
-
 @pytest.mark.parametrize("hw", [(56, 56), (56, 112), (100, 40), (60, 300), (90, 100)])
 def test_tile_counts_are_the_processors_and_the_geometrys(model, hw):
     from megatron_media_guard.geometry.tiled import TiledGeometry

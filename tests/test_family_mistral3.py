@@ -119,12 +119,3 @@ def test_repair_reencodes_at_the_engines_longest_edge(model, tmp_path):
     with torch.no_grad():
         ref = model(**fixed).logits
     torch.testing.assert_close(out.logits, ref, atol=1e-5, rtol=1e-5)
-
-
-def test_repair_falls_back_where_no_grid_fits(model, tmp_path):
-    """61 cells (prime): only 1x61, beyond the tower's 8 cells per side."""
-    cfg = GuardConfig(policy="repair", fallback="drop", log_dir=str(tmp_path))
-    _, _, res = guarded_forward(F, model, [[img(56, 84, n=61)], ALL], cfg, tokenizer=TOKENS)
-    assert res.report.actions == ("drop", "keep")
-    recs = records(tmp_path)
-    assert any("unreachable" in (r.get("reason") or "") for r in recs if r["event"] == "repair")

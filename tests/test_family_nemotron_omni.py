@@ -3,14 +3,16 @@ images (RADIO patch rows), video tubelets on the same image token, Parakeet audi
 
 Inputs come from ``testing/families/nemotron_omni.py`` (the image processor imports
 torchvision: patch rows from its own ``convert_image_to_patches`` / ``get_patch_grid_size``).
-Every guarded sample is compared with the same sample's plain forward in a batch of its own.
+Every guarded sample is compared with the same sample's plain forward in a batch of its own
+(``family_checks.own_logits``: by hand beside a video). Aligned batches of every modality mix:
+``tests/families/``.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from family_checks import guarded_forward, placed_by_hand, records
+from family_checks import aud, guarded_forward, img, own_logits, records, vid
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaGuard, MediaItem
 from megatron_media_guard.errors import MediaInputError
@@ -22,11 +24,9 @@ from megatron_media_guard.adapters import install_vlm
 from megatron_media_guard.families import layouts
 from megatron_media_guard.families import nemotron_omni as spec_mod
 from megatron_media_guard.testing.families import nemotron_omni as F
-from megatron_media_guard.testing.families.base import Media
 
 TOKENS = {"<img>": F.IMG_START, "</img>": F.IMG_END, "<so_start>": F.SO_START, "<so_end>": F.SO_END}
-IMG, IMG2 = Media("image", (4, 4)), Media("image", (2, 4))
-VID, AUD = Media("video", (4, 4, 4)), Media("audio", (40,))
+IMG, IMG2, VID, AUD = img(4, 4), img(2, 4), vid(4, 4, 4), aud(40)
 
 
 @pytest.fixture(scope="module")
@@ -34,45 +34,8 @@ def model():
     return F.tiny_model()
 
 
-def own(model, sample):
-    """Logits of ``sample`` in a batch of its own, plain model: ``[len, vocab]``. A sample with
-    both images and videos the plain model cannot take: its features are then placed by hand,
-    run by run in token order, and the language model runs on the result."""
-    b = F.make_batch(model, [sample])
-    mods = {m.modality for m in sample}
-    if not {"image", "video"} <= mods:
-        return F.plain_logits(model, b)[0, : b.lengths[0]]
-    kw = b.kwargs
-    with torch.no_grad():
-        img = model.get_image_features(kw["pixel_values"], kw["image_grid_hw"]).pooler_output
-        vid = model.get_video_features(kw["pixel_values_videos"]).pooler_output
-        per = vid[0].shape[0] // kw["pixel_values_videos"].shape[1]
-        queue = {"image": list(img), "video": [g for v in vid for g in v.split(per)]}
-        emb = placed_by_hand(model, b, F.IMAGE, queue)
-        out = model.language_model(inputs_embeds=emb, attention_mask=kw["attention_mask"])
-    return out.logits[0, : b.lengths[0]]
-
-
 def guarded(model, samples, config=None, items=None):
     return guarded_forward(F, model, samples, config, items, TOKENS)
-
-
-# the plain model cannot take images and videos together: each sample must equal its own
-# plain forward (the batches it takes: tests/families/, TRANSFER_MIXES)
-ALIGNED = [
-    ("image+video one sample", [[IMG2, VID], [IMG]]),
-    ("video then image", [[VID, IMG2], [AUD, IMG]]),
-    ("every modality", [[IMG], [VID], [AUD, IMG2]]),
-]
-
-
-@pytest.mark.parametrize("name,samples", ALIGNED, ids=[n for n, _ in ALIGNED])
-def test_aligned_batches_equal_each_samples_own_forward(model, name, samples):
-    b, out, res = guarded(model, samples)
-    assert res.report.actions == ("keep",) * len(samples)
-    for k, s in enumerate(samples):
-        want = own(model, s)
-        torch.testing.assert_close(out.logits[k, : b.lengths[k]], want, atol=1e-5, rtol=1e-5)
 
 
 def test_repair_reencodes_the_shrunk_image_at_the_engines_grid(model, tmp_path):
@@ -80,7 +43,7 @@ def test_repair_reencodes_the_shrunk_image_at_the_engines_grid(model, tmp_path):
     geo = RadioTilerGeometry(min_num_patches=16, max_num_patches=4096)
     cfg = GuardConfig(policy="repair", log_dir=str(tmp_path))
     guard = MediaGuard(cfg, grammar=spec_mod.SPEC.grammar(model, TOKENS), geometry=geo)
-    samples = [[Media("image", (8, 12), tokens=12)], [IMG2]]
+    samples = [[img(8, 12, n=12)], [IMG2]]
     # the original's size (the engine sized it): a frame alone would be a guess, not a replay
     source = [MediaItem(0, sample=0, source_hw=(8 * 16, 12 * 16)), MediaItem(0, sample=1)]
     b, out, res = guarded(model, samples, guard, source)
@@ -89,9 +52,9 @@ def test_repair_reencodes_the_shrunk_image_at_the_engines_grid(model, tmp_path):
     assert (rec["fidelity"], rec["grid"]) == ("engine-replay", [6, 8])
     # the same image resized to 6x8 patches by hand and fed to the plain model
     rows = b.kwargs["pixel_values"][: 8 * 12]
-    img = layouts.patches_to_image(rows, 8, 12)[None]
+    image = layouts.patches_to_image(rows, 8, 12)[None]
     small = torch.nn.functional.interpolate(
-        img, size=(96, 128), mode="bicubic", antialias=True, align_corners=False
+        image, size=(96, 128), mode="bicubic", antialias=True, align_corners=False
     )[0]
     fixed = dict(b.kwargs)
     fixed["pixel_values"] = torch.cat(
@@ -104,7 +67,7 @@ def test_repair_reencodes_the_shrunk_image_at_the_engines_grid(model, tmp_path):
 
 
 def test_set_items_names_sample_ids_and_shares_a_video_across_its_tubelets(model, tmp_path):
-    samples = [[VID], [Media("video", (4, 4, 4), tokens=7)]]
+    samples = [[VID], [vid(4, 4, 4, n=7)]]
     items = [
         MediaItem(0, sample=0, modality="video", sample_id="a"),
         MediaItem(0, sample=1, modality="video", sample_id="b"),
@@ -124,7 +87,7 @@ def test_equal_length_image_and_tubelets_need_set_items_in_token_order(model):
     ]
     b, out, _ = guarded(model, samples, items=items)
     for k, s in enumerate(samples):
-        want = own(model, s)
+        want = own_logits(F, model, s)
         torch.testing.assert_close(out.logits[k, : b.lengths[k]], want, atol=1e-5, rtol=1e-5)
 
 

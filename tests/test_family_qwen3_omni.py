@@ -4,36 +4,25 @@ config with deepstack, CPU): images, one-run videos, audio clips, videos with th
 MRoPE positions from the grids.
 
 Inputs come from ``testing/families/qwen3_omni.py`` (``tests/test_fixture_plain.py`` pins
-the plain model: aligned batches equal each sample's own forward, +k/-k and swaps are silent,
-audio is not counted at all). The guarded forward must equal the plain one on aligned batches,
-deepstack included, and each kept sample its own plain forward after a drop.
+the plain model: +k/-k and swaps are silent, audio is not counted at all). Aligned batches,
+audio in video included, equal the plain forward and each sample its own:
+``tests/families/`` (``TRANSFER_MIXES``, ``FAMILY_ALIGNED``); here deepstack, and each kept
+sample its own plain forward after an audio-in-video drop.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from family_checks import aud, img, own_logits, vid
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError
 from megatron_media_guard.adapters import install_vlm
 from megatron_media_guard.errors import MediaInputError
 from megatron_media_guard.testing.families import qwen3_omni as F
-from megatron_media_guard.testing.families.base import Media
 
 pytestmark = pytest.mark.timeout(120)
 TOKENS = {"<|vision_end|>": F.VISION_END, "<|audio_end|>": F.AUDIO_END}
-
-
-def img(h, w, tokens=None):
-    return Media("image", (h, w), tokens)
-
-
-def vid(t, h, w, tokens=None):
-    return Media("video", (t, h, w), tokens)
-
-
-def aud(length, tokens=None):
-    return Media("audio", (length,), tokens)
 
 
 @pytest.fixture(scope="module")
@@ -44,17 +33,6 @@ def model():
 def logits(model, kwargs, **kw):
     with torch.no_grad():
         return model(**kwargs, **kw).logits
-
-
-def own(model, sample):
-    b = F.make_batch(model, [[Media(m.modality, m.size) for m in sample]])
-    return logits(model, b.kwargs)[0]
-
-
-def guarded(model, samples, config=None, **kw):
-    b = F.make_batch(model, samples, **kw)
-    with install_vlm(model, config or GuardConfig(), tokenizer=TOKENS) as h:
-        return b, logits(model, b.kwargs), h.last_result
 
 
 def lm_inputs(model, fn):
@@ -94,93 +72,64 @@ def test_drop_feeds_no_feature_and_no_deepstack_to_the_dropped_rows(model):
     assert seen["visual_pos_masks"][2].sum() == 1
 
 
-def aiv(t, h, w, length, tokens=None):
-    """A video of grid (t, h, w) with its audio track of ``length`` mel frames."""
-    return Media("video", (t, h, w, length), tokens)
+# videos with their audio track, (t, h, w) + mel frames, and their runs in token order
+# (position_id_per_seconds 25, 2 s per grid): video 4, audio 50, video 4, audio 2, video 4;
+# video 4, audio 30, video 4. A fault gives the runs' lengths (n=).
+LONG, SHORT = vid(3, 4, 4, 400), vid(2, 4, 4, 230)
 
 
-def bent(model, media, run, k):
-    """``media`` (audio in video) with its ``run``-th run (token order) ``k`` longer."""
-    lengths = [n for _, n in F.interleaved_runs(model, media.size[:3], media.size[3])]
-    lengths[run] += k
-    return aiv(*media.size, tokens=tuple(lengths))
+def long(*runs):
+    return vid(3, 4, 4, 400, n=runs)
 
 
-# (3, 4, 4) + 400 frames: video 4, audio 50, video 4, audio 2, video 4 (position_id_per_seconds
-# 25, 2 s per grid); (2, 4, 4) + 230 frames: video 4, audio 30, video 4
-LONG, SHORT = aiv(3, 4, 4, 400), aiv(2, 4, 4, 230)
-AIV_ALIGNED = [
-    ("two videos with their audio", [[LONG], [SHORT]]),
-    ("beside a plain image and a plain clip", [[LONG], [img(2, 2), aud(100)]]),
-    ("a plain clip and an image around it in one sample", [[aud(60), SHORT, img(2, 4)], [LONG]]),
-]
+def short(*runs):
+    return vid(2, 4, 4, 230, n=runs)
 
 
-@pytest.mark.parametrize("name,samples", AIV_ALIGNED, ids=[n for n, _ in AIV_ALIGNED])
-def test_audio_in_video_aligned_equals_the_plain_model(model, name, samples):
-    b, out, res = guarded(model, samples)
+def test_a_video_with_its_audio_is_laid_out_in_the_processors_runs(model):
+    """The runs the guard checks one by one (an item each): the processor's interleaving."""
+    b = F.make_batch(model, [[LONG], [SHORT]])
     assert b.kwargs["use_audio_in_video"] is True
-    assert res.report.actions == ("keep",) * len(samples)
-    torch.testing.assert_close(out, logits(model, b.kwargs), atol=1e-6, rtol=1e-6)
-    for k, sample in enumerate(samples):  # and each sample its own forward
-        got = out[k, : b.lengths[k]]
-        torch.testing.assert_close(got, own(model, sample), atol=1e-5, rtol=1e-5)
-
-
-def test_audio_in_video_is_checked_per_chunk(model):
-    """The video and its clip are cut into the runs the interleaving predicts: one item each."""
-    b, _, res = guarded(model, [[LONG], [SHORT]])
     assert b.runs == [
         [("video", 4), ("audio", 50), ("video", 4), ("audio", 2), ("video", 4)],
         [("video", 4), ("audio", 30), ("video", 4)],
     ]
-    assert res.report.actions == ("keep", "keep")
 
 
 # (samples, every bad sample, swap, the item the first message names: token order in its
 # sample); the plain model: a short audio chunk and +k/-k run silently, a short video block
 # raises on the totals, the swap crashes in rope
 AIV_FAULTS = [
-    ("short audio chunk", lambda m: [[bent(m, LONG, 1, -1)], [SHORT]], {0}, None, "audio item 1"),
-    ("short video block", lambda m: [[bent(m, LONG, 2, -1)], [SHORT]], {0}, None, "video item 2"),
-    (
-        "+k/-k audio chunks",
-        lambda m: [[bent(m, LONG, 1, 2)], [bent(m, SHORT, 1, -2)]],
-        {0, 1},
-        None,
-        "audio item 1",
-    ),
-    (
-        "+k/-k against a plain clip",
-        lambda m: [[bent(m, LONG, 3, 2)], [aud(100, 11)]],
-        {0, 1},
-        None,
-        "audio item 3",
-    ),
-    (
-        "+k/-k video blocks",
-        lambda m: [[bent(m, LONG, 0, 1)], [bent(m, SHORT, 2, -1)]],
-        {0, 1},
-        None,
-        "video item 0",
-    ),
-    ("swap of the tracks", lambda m: [[LONG], [SHORT]], {0, 1}, (0, 1), "audio item 1"),
-]
+    ("short audio chunk", [[long(4, 49, 4, 2, 4)], [SHORT]], {0}, None, "audio item 1"),
+    ("short video block", [[long(4, 50, 3, 2, 4)], [SHORT]], {0}, None, "video item 2"),
+    ("+k/-k audio chunks", [[long(4, 52, 4, 2, 4)], [short(4, 28, 4)]], {0, 1}, None,
+     "audio item 1"),
+    ("+k/-k against a plain clip", [[long(4, 50, 4, 4, 4)], [aud(100, n=11)]], {0, 1}, None,
+     "audio item 3"),
+    ("+k/-k video blocks", [[long(5, 50, 4, 2, 4)], [short(4, 30, 3)]], {0, 1}, None,
+     "video item 0"),
+    ("swap of the tracks", [[LONG], [SHORT]], {0, 1}, (0, 1), "audio item 1"),
+]  # fmt: skip
+AIV_IDS = [f[0] for f in AIV_FAULTS]
 
 
-@pytest.mark.parametrize("name,make,bads,swap,item", AIV_FAULTS, ids=[f[0] for f in AIV_FAULTS])
-def test_audio_in_video_raise_names_the_sample_and_item(model, name, make, bads, swap, item):
-    with pytest.raises(MediaAlignmentError) as err:
-        guarded(model, make(model), swap=swap)
+@pytest.mark.parametrize("name,samples,bads,swap,item", AIV_FAULTS, ids=AIV_IDS)
+def test_audio_in_video_raise_names_the_sample_and_item(model, name, samples, bads, swap, item):
+    b = F.make_batch(model, samples, swap=swap)
+    with (
+        install_vlm(model, GuardConfig(), tokenizer=TOKENS),
+        pytest.raises(MediaAlignmentError) as err,
+    ):
+        logits(model, b.kwargs)
     first = str(err.value).splitlines()[1]
     assert first.strip().startswith(f"sample {min(bads)} ") and item in first, first
 
 
-@pytest.mark.parametrize("name,make,bads,swap,item", AIV_FAULTS, ids=[f[0] for f in AIV_FAULTS])
+@pytest.mark.parametrize("name,samples,bads,swap,item", AIV_FAULTS, ids=AIV_IDS)
 def test_audio_in_video_drop_keeps_the_others_equal_to_their_own_forward(
-    model, name, make, bads, swap, item
+    model, name, samples, bads, swap, item
 ):
-    samples = [*make(model), [img(2, 4), aiv(2, 2, 4, 150)]]  # an aligned bystander, last
+    samples = [*samples, [img(2, 4), vid(2, 2, 4, 150)]]  # an aligned bystander, last
     b = F.make_batch(model, samples, swap=swap)
     with install_vlm(model, GuardConfig(policy="drop"), tokenizer=TOKENS) as h:
         seen = lm_inputs(model, lambda: logits(model, b.kwargs))
@@ -190,7 +139,7 @@ def test_audio_in_video_drop_keeps_the_others_equal_to_their_own_forward(
     assert dropped == bads
     for k in set(range(len(samples))) - dropped:
         got = out.logits[k, : b.lengths[k]].detach()
-        torch.testing.assert_close(got, own(model, samples[k]), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, own_logits(F, model, samples[k]), atol=1e-5, rtol=1e-5)
     text = model.get_input_embeddings()(b.input_ids)
     for s in dropped:  # no feature, no deepstack in a dropped row; its labels ignored
         assert torch.equal(seen["inputs_embeds"][s], text[s])
@@ -221,6 +170,9 @@ def test_flag_and_ids_that_disagree_are_refused(model, samples, flag, match):
 
 
 def test_a_thinker_config_without_vision_start_is_refused_at_install():
+    """The thinker config lacks it: the plain forward then crashes in its rope."""
     bare = F.tiny_model(seed=1, vision_start_token_id=None)
+    with pytest.raises(AttributeError, match="has no attribute 'vision_start_token_id'"):
+        logits(bare, F.make_batch(bare, [[img(2, 2)]]).kwargs)
     with pytest.raises(MediaInputError, match=r"config\.vision_start_token_id"):
         install_vlm(bare, GuardConfig(), tokenizer={**TOKENS, "<|vision_start|>": F.VISION_START})

@@ -12,7 +12,7 @@ import argparse
 
 import pytest
 import torch
-from family_checks import records
+from family_checks import aud, img, records, vid
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem
 from megatron_media_guard.testing import bridge as loader
@@ -29,21 +29,8 @@ from megatron_media_guard.adapters.launcher import (  # noqa: E402
 from megatron_media_guard.families import qwen3_omni_bridge as spec_mod  # noqa: E402
 from megatron_media_guard.families.collate import check_batch  # noqa: E402
 from megatron_media_guard.testing.families import qwen3_omni as F  # noqa: E402
-from megatron_media_guard.testing.families.base import Media  # noqa: E402
 
 TEXT = 151643  # the spec's text token: a dropped sample's placeholders
-
-
-def img(h, w, tokens=None):
-    return Media("image", (h, w), tokens)
-
-
-def vid(t, h, w, tokens=None):
-    return Media("video", (t, h, w), tokens)
-
-
-def aud(frames, tokens=None):
-    return Media("audio", (frames,), tokens)
 
 
 # Bridge's audio merge pairs rows with clips (zip, strict): one clip per row wherever audio is
@@ -55,11 +42,11 @@ ALIGNED = {
 }
 # name: (samples, swap, culprit, dropped); every case keeps its last, aligned sample
 FAULTS = {
-    "short image run": ([[img(4, 4, 3)], [img(2, 4)]], None, 0, (0,)),
-    "+k/-k": ([[img(4, 4, 5)], [img(2, 4, 1)], [img(2, 2)]], None, 0, (0, 1)),
+    "short image run": ([[img(4, 4, n=3)], [img(2, 4)]], None, 0, (0,)),
+    "+k/-k": ([[img(4, 4, n=5)], [img(2, 4, n=1)], [img(2, 2)]], None, 0, (0, 1)),
     "swap": ([[img(4, 4)], [img(2, 4)], [img(2, 2)]], (0, 1), 0, (0, 1)),
-    "short audio run": ([[aud(100, 12)], [aud(61)]], None, 0, (0,)),
-    "mixed, video +1": ([[aud(120), vid(2, 4, 4, 9)], [aud(61), img(2, 4)]], None, 0, (0,)),
+    "short audio run": ([[aud(100, n=12)], [aud(61)]], None, 0, (0,)),
+    "mixed, video +1": ([[aud(120), vid(2, 4, 4, n=9)], [aud(61), img(2, 4)]], None, 0, (0,)),
 }
 
 
@@ -72,17 +59,13 @@ def bridge():
         yield qwen3_omni(full), full
 
 
-def batch(full, samples, swap=None):
-    return F.make_batch(full, samples, swap=swap)
-
-
 def forward(model, kwargs) -> torch.Tensor:
     with torch.no_grad():
         return model(**kwargs)
 
 
 def alone(model, full, sample) -> torch.Tensor:
-    return forward(model, batch(full, [sample]).kwargs)[0]
+    return forward(model, F.make_batch(full, [sample]).kwargs)[0]
 
 
 def test_the_registry_finds_the_thinker_as_the_bridge_spec(bridge):
@@ -98,7 +81,7 @@ def test_the_registry_finds_the_thinker_as_the_bridge_spec(bridge):
 @pytest.mark.parametrize("case", list(ALIGNED))
 def test_aligned_batches_are_bit_identical(bridge, case):
     model, full = bridge
-    kw = batch(full, ALIGNED[case]).kwargs
+    kw = F.make_batch(full, ALIGNED[case]).kwargs
     ref = forward(model, kw)
     with install_vlm(model, GuardConfig()) as h:
         assert torch.equal(forward(model, kw), ref)
@@ -109,7 +92,7 @@ def test_aligned_batches_are_bit_identical(bridge, case):
 def test_faults_run_unguarded_and_raise_naming_the_sample(bridge, case, tmp_path):
     model, full = bridge
     samples, swap, culprit, _ = FAULTS[case]
-    kw = batch(full, samples, swap).kwargs
+    kw = F.make_batch(full, samples, swap=swap).kwargs
     if case == "mixed, video +1":  # more placeholders than features: Bridge's total check
         with pytest.raises(ValueError, match="exceed produced features"):
             forward(model, kw)
@@ -126,7 +109,7 @@ def test_a_short_image_run_corrupts_the_next_sample_unguarded(bridge):
     """Bridge's trim cuts the batch's last feature: sample 1 (aligned) gets sample 0's."""
     model, full = bridge
     samples = FAULTS["short image run"][0]
-    b = batch(full, samples)
+    b = F.make_batch(full, samples)
     out, n = forward(model, b.kwargs), b.lengths[1]
     assert not torch.allclose(out[1, :n], alone(model, full, samples[1]), atol=1e-4)
 
@@ -135,7 +118,7 @@ def test_a_short_image_run_corrupts_the_next_sample_unguarded(bridge):
 def test_drop_keeps_each_kept_sample_as_its_own_forward(bridge, case):
     model, full = bridge
     samples, swap, _, dropped = FAULTS[case]
-    b = batch(full, samples, swap)
+    b = F.make_batch(full, samples, swap=swap)
     with install_vlm(model, GuardConfig(policy="drop")) as h:
         out = forward(model, b.kwargs)
     assert h.last_result.report.dropped == dropped
@@ -155,7 +138,7 @@ def test_drop_keeps_each_kept_sample_as_its_own_forward(bridge, case):
 @pytest.mark.parametrize("inplace", [True, False])
 def test_drop_ignores_the_labels_and_masks_the_loss(bridge, inplace):
     model, full = bridge
-    b = batch(full, FAULTS["short image run"][0])
+    b = F.make_batch(full, FAULTS["short image run"][0])
     labels = torch.roll(b.input_ids, -1, 1)
     lm = torch.ones(b.input_ids.shape)
     kw = {**b.kwargs, "labels": labels, "loss_mask": lm}
@@ -171,7 +154,7 @@ def test_drop_ignores_the_labels_and_masks_the_loss(bridge, inplace):
 
 def test_repair_falls_back_with_the_engines_reason(bridge, tmp_path):
     model, full = bridge
-    kw = batch(full, FAULTS["short audio run"][0]).kwargs
+    kw = F.make_batch(full, FAULTS["short audio run"][0]).kwargs
     cfg = GuardConfig(policy="repair", fallback="drop", log_dir=str(tmp_path))
     with pytest.warns(UserWarning, match="no mismatch can be repaired"):
         h = install_vlm(model, cfg)
@@ -185,7 +168,7 @@ def test_repair_falls_back_with_the_engines_reason(bridge, tmp_path):
 
 def test_set_step_and_set_items_reach_the_records(bridge, tmp_path):
     model, full = bridge
-    kw = batch(full, FAULTS["short audio run"][0]).kwargs
+    kw = F.make_batch(full, FAULTS["short audio run"][0]).kwargs
     meta = [MediaItem(13, modality="audio", sample_id="clip-a"), MediaItem(8, modality="audio")]
     h = install_vlm(model, GuardConfig(log_dir=str(tmp_path)))
     h.set_step(7)
@@ -203,7 +186,7 @@ def test_set_step_and_set_items_reach_the_records(bridge, tmp_path):
 
 def test_remove_restores_bridges_own_forward(bridge):
     model, full = bridge
-    kw = batch(full, FAULTS["+k/-k"][0]).kwargs
+    kw = F.make_batch(full, FAULTS["+k/-k"][0]).kwargs
     ref = forward(model, kw)
     h = install_vlm(model, GuardConfig())
     with pytest.raises(MediaAlignmentError):
@@ -218,7 +201,7 @@ def test_install_from_args_guards_the_thinker_and_zeros_the_callers_loss_mask(br
     args = add_media_guard_args(argparse.ArgumentParser()).parse_args(
         ["--media-guard-policy", "drop"]
     )
-    b = batch(full, FAULTS["short audio run"][0])
+    b = F.make_batch(full, FAULTS["short audio run"][0])
     lm = torch.ones(b.input_ids.shape)
     kw = {**b.kwargs, "labels": torch.roll(b.input_ids, -1, 1), "loss_mask": lm}
     group = install_from_args([model], args, step_end="manual", environ={})
@@ -236,11 +219,13 @@ def test_check_batch_with_the_bridge_spec_feeds_bridge_a_consistent_batch(bridge
     as their own forwards (the dropped sample's audio clip stays, paired with its row)."""
     model, full = bridge
     samples = FAULTS["mixed, video +1"][0]
-    checked = check_batch(spec_mod.SPEC, batch(full, samples).kwargs, config=model.thinker.config)
+    checked = check_batch(
+        spec_mod.SPEC, F.make_batch(full, samples).kwargs, config=model.thinker.config
+    )
     assert checked.dropped == (0,)
     assert checked.batch["input_features"].shape[0] == 2  # the dropped row's clip stays
     assert "pixel_values_videos" not in checked.batch  # its only video left
-    out, n = forward(model, checked.batch), batch(full, samples).lengths[1]
+    out, n = forward(model, checked.batch), F.make_batch(full, samples).lengths[1]
     torch.testing.assert_close(out[1, :n], alone(model, full, samples[1]), atol=1e-5, rtol=1e-5)
 
 
@@ -249,6 +234,6 @@ def test_bridges_audio_path_calls_an_encoder_method_transformers_lacks(bridge, m
     fixture binds the method; testing/bridge_models_omni.py). The guard does not hide it."""
     model, full = bridge
     monkeypatch.delattr(model.thinker.audio_model, "_get_feat_extract_output_lengths")
-    kw = batch(full, ALIGNED["audio"]).kwargs
+    kw = F.make_batch(full, ALIGNED["audio"]).kwargs
     with pytest.raises(AttributeError, match="_get_feat_extract_output_lengths"):
         forward(model, kw)

@@ -42,50 +42,25 @@ def _hidden(model, b):
         return model.model(**b.kwargs).last_hidden_state
 
 
-def _cat(pooled):
-    return torch.cat(list(pooled))
+def _pooled(method: str, *keys: str, on_model: bool = False, **named: str) -> Callable:
+    """The features of the inner model's (``on_model``: the model's) own ``method`` on the
+    inputs ``keys`` and ``named`` (``{parameter: key}``): its items' ``pooler_output`` back to
+    back."""
+
+    def feats(model, kw, _items):
+        m = model if on_model else model.model
+        out = getattr(m, method)(*(kw[k] for k in keys), **{p: kw[k] for p, k in named.items()})
+        return torch.cat(list(out.pooler_output))
+
+    return feats
 
 
-def _kimi_feats(model, kw, mod):
-    key = "pixel_values" if mod == "image" else "pixel_values_videos"
-    return _cat(model.model.get_image_features(kw[key], kw[f"{mod}_grid_thw"]).pooler_output)
+def _qwen3_omni_audio(model, kw, _items):
+    mask = kw["feature_attention_mask"]
+    return model.model.get_audio_features(kw["input_features"], mask).last_hidden_state
 
 
-def _qwen3_omni_feats(model, kw, mod):
-    mm = model.model
-    if mod == "audio":
-        return mm.get_audio_features(
-            kw["input_features"], kw["feature_attention_mask"]
-        ).last_hidden_state
-    if mod == "image":
-        return _cat(mm.get_image_features(kw["pixel_values"], kw["image_grid_thw"]).pooler_output)
-    return _cat(
-        mm.get_video_features(kw["pixel_values_videos"], kw["video_grid_thw"]).pooler_output
-    )
-
-
-def _nemotron_feats(model, kw, _mod):
-    return _cat(model.get_image_features(kw["pixel_values"], kw["image_grid_hw"]).pooler_output)
-
-
-def _mistral3_feats(model, kw, _mod):
-    out = model.model.get_image_features(
-        pixel_values=kw["pixel_values"], image_sizes=kw["image_sizes"]
-    )
-    return _cat(out.pooler_output)
-
-
-def _llava_ov_feats(model, kw, mod):
-    mm = model.model
-    if mod == "video":
-        return mm.get_video_features(kw["pixel_values_videos"]).pooler_output.flatten(0, 1)
-    out = mm.get_image_features(
-        kw["pixel_values"], kw["image_sizes"], batch_num_images=kw["batch_num_images"]
-    )
-    return _cat(out.pooler_output)
-
-
-def _qwen2_audio_feats(model, kw, _mod, items):
+def _qwen2_audio(model, kw, items):
     """The projector's rows of each clip, cut to the clip's feature count."""
     seen = []
     hook = model.model.multi_modal_projector.register_forward_hook(
@@ -98,17 +73,21 @@ def _qwen2_audio_feats(model, kw, _mod, items):
     return torch.cat([seen[0][q][:n] for q, (_, _, n) in enumerate(items)])
 
 
+IMAGES = _pooled("get_image_features", "pixel_values", "image_grid_thw")
+VIDEOS = _pooled("get_video_features", "pixel_values_videos", "video_grid_thw")
+
+
 @dataclass(frozen=True)
 class Rig:
     """How one fixture's plain model runs. out(model, batch): the per-position outputs compared;
     pads: modality -> the fixture's constant naming its placeholder id (default: the config's
-    ``<modality>_token_id``); feats(model, kwargs, modality[, items]): the features the plain
-    merge places, in item order (None: not read for this family)."""
+    ``<modality>_token_id``); feats: modality -> (model, kwargs, items) -> the features the
+    plain merge places, in item order (none: not read for this family)."""
 
     fixture: str
     out: Callable = _logits
     pads: dict | None = None
-    feats: Callable | None = None
+    feats: dict = field(default_factory=dict)
 
     @property
     def F(self):
@@ -126,17 +105,23 @@ RIGS = {
     for r in [
         Rig("gemma3", _hidden, IMAGE),
         Rig("internvl", _hidden, IMAGE),
-        Rig("nemotron_omni", pads={**IMAGE, "audio": "SO_EMBED"}, feats=_nemotron_feats),
+        Rig("nemotron_omni", pads={**IMAGE, "audio": "SO_EMBED"}, feats={"image": _pooled(
+            "get_image_features", "pixel_values", "image_grid_hw", on_model=True)}),
         Rig("ernie4_5_vl"),
         Rig("glm4v"),
-        Rig("kimi_k25", feats=_kimi_feats),
-        Rig("qwen3_omni", feats=_qwen3_omni_feats),
-        Rig("mistral3", feats=_mistral3_feats),
-        Rig("llava_onevision", _hidden, feats=_llava_ov_feats),
-        Rig("qwen2_audio", _hidden, feats=_qwen2_audio_feats),
+        Rig("kimi_k25", feats={"image": IMAGES,  # its videos through the image tower too
+            "video": _pooled("get_image_features", "pixel_values_videos", "video_grid_thw")}),
+        Rig("qwen3_omni", feats={"image": IMAGES, "video": VIDEOS, "audio": _qwen3_omni_audio}),
+        Rig("mistral3", feats={"image": _pooled(
+            "get_image_features", pixel_values="pixel_values", image_sizes="image_sizes")}),
+        Rig("llava_onevision", _hidden, feats={
+            "image": _pooled("get_image_features", "pixel_values", "image_sizes",
+                             batch_num_images="batch_num_images"),
+            "video": _pooled("get_video_features", "pixel_values_videos")}),
+        Rig("qwen2_audio", _hidden, feats={"audio": _qwen2_audio}),
         Rig("qwen3_5", _hidden, {"image": "IMAGE", "video": "VIDEO"}),
     ]
-}
+}  # fmt: skip
 
 
 def model_of(fixture: str):
@@ -381,8 +366,7 @@ def _placed(rig: Rig, model, b, modality: str) -> list[tuple[int, int]]:
     lm = getattr(model, "model", model).language_model
     emb, _ = decoder_inputs(lm, lambda: rig.out(model, b))
     with torch.no_grad():
-        extra = (b.items,) if rig.fixture == "qwen2_audio" else ()
-        feats = rig.feats(model, kw, modality, *extra)
+        feats = rig.feats[modality](model, kw, b.items)
     where = kw["input_ids"] == rig.pad(model, modality)
     n = int(where.sum())
     torch.testing.assert_close(emb[where], feats[:n], atol=1e-6, rtol=0)
@@ -431,17 +415,18 @@ class Layout:
     """The batch ``make_batch`` gives ``samples``: its items and runs; kwargs values
     (``.tolist()``), shapes and dtypes; counts: (kwargs key, value, n) with ``n`` positions of
     row ``row`` (None: every row) equal to ``value`` (an int, ``"cfg.<attr>"`` of the model's
-    config or ``"F.<name>"`` of the fixture)."""
+    config or ``"F.<name>"`` of the fixture); keys: every kwargs key, where given."""
 
     family: str
     samples: list
     items: list
     runs: list
-    values: dict
-    shapes: dict
-    counts: tuple
+    values: dict = field(default_factory=dict)
+    shapes: dict = field(default_factory=dict)
+    counts: tuple = ()
     dtypes: dict = field(default_factory=dict)
     row: int | None = 0
+    keys: frozenset | None = None
 
 
 LAYOUTS = [
@@ -493,6 +478,13 @@ LAYOUTS = [
            (("input_ids", "F.IMAGE", 4 + 6 + 8), ("input_ids", "F.SO_EMBED", 10),
             ("input_ids", "F.IMG_START", 4)),
            {"pixel_values": torch.float32, "input_features_mask": torch.bool}, row=None),
+    # tiles: IWIDE 2 + thumbnail, IVID 3 frames, ONE 1, ITALL 3 + thumbnail; no tile counts
+    Layout("internvl", [[IWIDE, IVID], [ONE, ITALL]],
+           [(0, "image", 12), (0, "video", 12), (1, "image", 4), (1, "image", 16)],
+           [[("image", 12), ("video", 4), ("video", 4), ("video", 4)],
+            [("image", 4), ("image", 16)]],
+           shapes={"pixel_values": (3 + 3 + 1 + 4, 3, "F.TILE", "F.TILE")},
+           keys=frozenset({"input_ids", "attention_mask", "pixel_values"})),
 ]  # fmt: skip
 
 
@@ -517,6 +509,7 @@ def test_the_batch_is_laid_out_as_the_processor_lays_it(row):
     for key, value, n in row.counts:
         got = kw[key] if row.row is None else kw[key][row.row]
         assert int((got == _resolve(rig, model, value)).sum()) == n, (key, value)
+    assert row.keys is None or set(kw) == row.keys
 
 
 def test_the_qwen3_omni_fixture_counts_audio_as_the_model_does():
@@ -527,13 +520,6 @@ def test_the_qwen3_omni_fixture_counts_audio_as_the_model_does():
     lengths = torch.tensor([1, 50, 60, 99, 100, 101, 230, 3000])
     want = [RIGS["qwen3_omni"].F.audio_tokens(int(n)) for n in lengths]
     assert _get_feat_extract_output_lengths(lengths).tolist() == want
-
-
-def test_the_qwen3_omni_thinker_config_lacks_vision_start_token_id():
-    F = RIGS["qwen3_omni"].F
-    bare = F.tiny_model(vision_start_token_id=None)
-    with pytest.raises(AttributeError, match="has no attribute 'vision_start_token_id'"):
-        _logits(bare, F.make_batch(bare, [[img(2, 2)]]))
 
 
 REFUSED = [

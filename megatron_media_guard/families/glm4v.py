@@ -66,39 +66,37 @@ def geometry(model: Any = None) -> ClipGeometry:
 
 _IMAGE = Token(("image_token_id",), "<|image|>")
 
-MODALITIES = (
-    ModalitySpec(
-        "image",
-        _IMAGE,
-        ("pixel_values", "image_grid_thw"),
-        _encode_image,
-        start=Token(("image_start_token_id",), "<|begin_of_image|>"),
-        end=Token(("image_end_token_id",), "<|end_of_image|>"),
-        reencode=_reencode_image,
-        keep=("image_grid_thw",),
-        rows=("image_grid_thw",),
-        patches={"pixel_values": "image_grid_thw"},
-        counts=grid_counts("image_grid_thw", False),
-        type_id=1,
-    ),
-    ModalitySpec(
-        "video",
-        _IMAGE,
-        ("pixel_values_videos", "video_grid_thw"),
-        _encode_video,
-        shares="image",
-        keep=("video_grid_thw",),
-        rows=("video_grid_thw",),
-        patches={"pixel_values_videos": "video_grid_thw"},
-        counts=grid_counts("video_grid_thw", True),
-        type_id=2,
-    ),
-)
-
 SPEC = FamilySpec(
     name="glm4v",
     classes=hf_classes("Glm4v", "Glm4vMoe"),
-    modalities=MODALITIES,
+    modalities=(
+        ModalitySpec(
+            "image",
+            _IMAGE,
+            ("pixel_values", "image_grid_thw"),
+            _encode_image,
+            start=Token(("image_start_token_id",), "<|begin_of_image|>"),
+            end=Token(("image_end_token_id",), "<|end_of_image|>"),
+            reencode=_reencode_image,
+            keep=("image_grid_thw",),
+            rows=("image_grid_thw",),
+            patches={"pixel_values": "image_grid_thw"},
+            counts=grid_counts("image_grid_thw", False),
+            type_id=1,
+        ),
+        ModalitySpec(
+            "video",
+            _IMAGE,
+            ("pixel_values_videos", "video_grid_thw"),
+            _encode_video,
+            shares="image",
+            keep=("video_grid_thw",),
+            rows=("video_grid_thw",),
+            patches={"pixel_values_videos": "video_grid_thw"},
+            counts=grid_counts("video_grid_thw", True),
+            type_id=2,
+        ),
+    ),
     text=Token(("text_config.pad_token_id", "pad_token_id"), "<|endoftext|>", 151329),
     geometry=geometry,
     follow_ids=("mm_token_type_ids",),

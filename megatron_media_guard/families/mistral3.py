@@ -46,18 +46,8 @@ def _reencode_image(model: Any, img: torch.Tensor) -> torch.Tensor:
     return _features(model, img[None], sizes)[0]
 
 
-def _counts(config: Any, kw) -> torch.Tensor:
-    """``(H // p) * (W // p)`` per ``image_sizes`` row (``p = patch * spatial_merge_size``,
-    the patch merger's split), its ``[IMG_BREAK]`` / ``[IMG_END]`` taking none."""
-    cfg = getattr(config, "hf_config", config)
-    p = int(cfg.vision_config.patch_size) * int(getattr(cfg, "spatial_merge_size", 2))
-    sizes = kw["image_sizes"]
-    rows, cols = (sizes // p).unbind(-1)
-    return count_table(rows * cols, hw=sizes, grid=torch.stack([rows * 0 + 1, rows, cols], -1))
-
-
-def _geometry(model: Any) -> PixtralGeometry:
-    cfg = getattr(model.config, "hf_config", model.config)  # Bridge keeps HF's config there
+def _geometry(config: Any) -> PixtralGeometry:
+    cfg = getattr(config, "hf_config", config)  # Bridge keeps HF's config there
     vis = cfg.vision_config
     return PixtralGeometry(
         longest_edge=int(vis.image_size),
@@ -66,10 +56,19 @@ def _geometry(model: Any) -> PixtralGeometry:
     )
 
 
+def _counts(config: Any, kw) -> torch.Tensor:
+    """``(H // p) * (W // p)`` per ``image_sizes`` row (``p = patch * spatial_merge_size``,
+    the patch merger's split), its ``[IMG_BREAK]`` / ``[IMG_END]`` taking none."""
+    g = _geometry(config)
+    sizes = kw["image_sizes"]
+    rows, cols = (sizes // (g.patch * g.merge)).unbind(-1)
+    return count_table(rows * cols, hw=sizes, grid=torch.stack([rows * 0 + 1, rows, cols], -1))
+
+
 def _dummy(model: Any):
     """An image of zeros of two features (one would be squeezed flat by the model's own
     ``get_image_features``), through the tower, the patch merger and the projector."""
-    g = _geometry(model)
+    g = _geometry(model.config)
     side = g.patch * g.merge
     pv = tower_zeros(model, "vision_tower", 1, 3, side, 2 * side)
     sizes = torch.tensor([[side, 2 * side]], device=pv.device)
@@ -93,7 +92,7 @@ SPEC = FamilySpec(
         ),
     ),
     text=Token(PAD, "<pad>", 0),
-    geometry=_geometry,
+    geometry=lambda model: _geometry(model.config),
     ids_with_embeds=False,
     dummy=_dummy,
 )

@@ -53,13 +53,11 @@ def _encode_video(model: Any, kw) -> Encoded:
 
 def _encode_audio(model: Any, kw) -> Encoded:
     feats, mask = kw["input_features"], kw.get("input_features_mask")
-    flat = model.get_audio_features(feats, mask).pooler_output
-    if not isinstance(flat, torch.Tensor):
-        return Encoded(tuple(flat))  # one tensor per clip already
+    flat = model.get_audio_features(feats, mask).pooler_output  # every clip back to back
     if mask is None:  # every clip the whole window
         return Encoded(tuple(flat.split(flat.shape[0] // feats.shape[0])))
-    # the flat features hold every clip back to back: their lengths (on the device) cut them
-    # per item once the merge's one transfer brings them (Encoded.counts)
+    # their lengths (on the device) cut them per item once the merge's one transfer brings
+    # them (Encoded.counts)
     lengths = model.audio_tower._get_subsampling_output_length(mask.sum(-1) + 1)
     return Encoded((flat,), counts=lengths)
 

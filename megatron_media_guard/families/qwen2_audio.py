@@ -39,10 +39,8 @@ def _encode_audio(model: Any, kw) -> Encoded:
     tower, proj = _parts(model)
     device = tower.conv1.weight.device
     x = kw["input_features"].to(device)
-    fmask = kw.get("feature_attention_mask")
-    if fmask is None:
-        fmask = torch.ones(x.shape[0], x.shape[-1], dtype=torch.long, device=device)
-    conv_len, out_len = tower._get_feat_extract_output_lengths(fmask.to(device).sum(-1))
+    frames = mel_frames(x, kw.get("feature_attention_mask")).to(device)
+    conv_len, out_len = tower._get_feat_extract_output_lengths(frames)
     s = (x.shape[-1] - 2) // 2 + 1
     valid = torch.arange(s, device=device)[None, :] < conv_len[:, None]
     dtype = proj.linear.weight.dtype

@@ -25,11 +25,8 @@ def vision_counts(kind: str):
             paths = (name, f"vision_config.{name}", f"thinker_config.vision_config.{name}")
             return int(attr_path(config, *paths) or default)
 
-        merge, p, tp = (
-            vis("spatial_merge_size", 2),
-            vis("patch_size", 16),
-            vis("temporal_patch_size", 2),
-        )
+        merge, p = vis("spatial_merge_size", 2), vis("patch_size", 16)
+        tp = vis("temporal_patch_size", 2)
         thw = kw[f"{kind}_grid_thw"].long()
         n = thw.prod(-1) // merge**2
         frames = thw[:, 0] * tp if kind == "video" else 0

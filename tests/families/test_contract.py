@@ -7,11 +7,11 @@ forward, with one device-to-host transfer; a fault (the shared ones of
 ``tests/test_check_batch.py`` and each family's own, ``FAMILY_FAULTS``) raises naming the sample
 or is dropped (no feature in its row, its labels ignored, every other sample its own forward);
 ``remove()`` restores the model; ``keep_tower`` (``tests/tower_check.py``); ``repair`` where
-the family has a geometry; the registry, the markers named at install, ``set_items`` and a
-generated placeholder fed as text. ``check_batch`` (the data side) runs the same families in
-``tests/test_check_batch.py``; Bridge 0.6.2's classes (rows here) in
-``tests/test_family_*bridge.py``. docs/FAMILIES.md's capability table is checked against this
-table and the registry.
+the family has a geometry, a drop saying why where no resize reaches the count; the registry,
+the markers named at install, ``set_items`` and a generated placeholder fed as text.
+``check_batch`` (the data side) runs the same families in ``tests/test_check_batch.py``;
+Bridge 0.6.2's classes (rows here) in ``tests/test_family_*bridge.py``. docs/FAMILIES.md's
+capability table is checked against this table and the registry.
 """
 
 from __future__ import annotations
@@ -252,6 +252,42 @@ def test_repair_where_the_family_has_a_geometry(name, tmp_path):
             assert f"cannot repair: no geometry for {name}" in why, why
 
 
+#: (family, samples, why): a run no resize reaches (any fidelity allowed) falls back to a drop
+#: whose repair record says why; the other sample its own forward
+REPAIR_FALLBACKS = [
+    ("gemma3", [[img(32, 32, n=3)], [img(20, 64)]], "cannot be reached by resizing"),
+    # 61 cells (prime): only 1x61, beyond the tower's 8 cells per side
+    ("mistral3", [[img(56, 84, n=61)], [img(28, 56)]], "unreachable"),
+    # 35: no size gives an odd 16 + r * (c + 1)
+    ("llava_onevision", [[img(56, 56, n=35)], [img(80, 80)]], "^unreachable: no image size"),
+    ("llava_onevision", [[img(56, 56), img(100, 40, n=26)], [img(80, 80)]],
+     r"multi-image sample.*base \+ 1 = 17"),
+    # videos: no repair encoder
+    ("glm4v", [[vid(2, 4, 4, n=7)], [vid(2, 2, 4)]], "no encoder, pixels, media size given"),
+    ("ernie4_5_vl", [[vid(2, 4, 4, n=3)], [vid(2, 2, 4)]], "no encoder, pixels, media size given"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name,samples,why", REPAIR_FALLBACKS, ids=[f"{f}-{w[:20]}" for f, _, w in REPAIR_FALLBACKS]
+)
+def test_a_run_no_resize_reaches_falls_back_saying_why(name, samples, why, tmp_path):
+    _case, F, model = build(name)
+    b = F.make_batch(model, samples)
+    cfg = GuardConfig(
+        policy="repair",
+        fallback="drop",
+        allowed_fidelity=("engine-replay", "unique", "closest-aspect"),
+        log_dir=str(tmp_path),
+    )
+    out, res = guarded(name, model, b, cfg)
+    assert res.report.actions == ("drop", "keep")
+    reps = [r["reason"] for r in records(tmp_path) if r["event"] == "repair" and r["sample"] == 0]
+    assert reps and all(re.search(why, r) for r in reps), reps
+    want = own_logits(F, model, samples[1])
+    torch.testing.assert_close(out.logits[1, : b.lengths[1]], want, atol=1e-5, rtol=1e-5)
+
+
 #: family -> what ``install_vlm`` without a tokenizer says, where the markers are tokenizer-only
 MARKERS = {
     "nemotron_omni": "'<img>'",
@@ -354,11 +390,14 @@ class Fault:
         samples = self.samples
         if samples is None:
             samples = faulty(F.make_batch(model, case.samples), case.samples, FAULTS[self.name])
-        return samples, F.make_batch(model, samples, swap=self.swap)
+        kw = BATCH_KW.get((case.family, self.name), {})
+        return samples, F.make_batch(model, samples, swap=self.swap, **kw)
 
 
 K01 = frozenset({0, 1})
 FAMILY_FAULTS = {
+    # pan-and-scan: sample 1's first run short, its crops' runs after it
+    "gemma3": (Fault("short run before its crops", [[img(20, 64)], [img(20, 64, n=3)]], 1),),
     "ernie4_5_vl": (
         Fault("swap", [[img(2, 2), img(4, 6)], [img(8, 4)], [img(2, 4)]], 1, (1, 2)),
         Fault("video +k/-k", [[vid(2, 4, 4, n=5)], [vid(4, 2, 4, n=3)], [vid(2, 2, 4)]], 0),
@@ -466,7 +505,7 @@ def test_a_fault_dropped_feeds_no_feature_and_keeps_the_others(name, fault):
             assert torch.equal(emb[k], text[k])
             assert (res.labels[k] == -100).all()
         else:
-            want = own_logits(F, model, samples[k])
+            want = own_logits(F, model, samples[k], **BATCH_KW.get((name, fault.name), {}))
             torch.testing.assert_close(out.logits[k, : b.lengths[k]], want, atol=1e-5, rtol=1e-5)
     assert torch.isfinite(out.loss)
 
@@ -562,6 +601,16 @@ TRANSFER_ROWS = [(f, mix, s) for f, xs in TRANSFER_MIXES.items() for mix, s in x
 #: family -> (name, samples): the family's other aligned batches (ragged, text-only samples,
 #: edge counts), as rows of the same test
 FAMILY_ALIGNED = {
+    # images beside videos: each sample as its features placed by hand (family_checks)
+    "nemotron_omni": (
+        ("image and video in one sample", [[img(2, 4), vid(4, 4, 4)], [img(4, 4)]]),
+        ("video then image", [[vid(4, 4, 4), img(2, 4)], [aud(40), img(4, 4)]]),
+        ("every modality, one clip", [[img(4, 4)], [vid(4, 4, 4)], [aud(40), img(2, 4)]]),
+    ),
+    "glm4v": (
+        ("image then video, equal runs", [[img(4, 4), vid(2, 4, 4)], [vid(2, 4, 4), img(4, 4)]]),
+    ),
+    "gemma3": (("pan-and-scan crops", [[img(40, 30), img(32, 32)], [img(20, 64)]]),),
     "llava_onevision": (
         ("multi-image and single", [[img(56, 56), img(100, 40)], [img(80, 80)]]),
         ("text-only sample", [[], [img(130, 60)]]),
@@ -573,6 +622,15 @@ FAMILY_ALIGNED = {
     "mistral3": (
         ("ragged, a text-only sample", [[img(28, 28), img(84, 84)], [], [img(56, 28)]]),
         ("two in one sample", [[], [img(112, 56), img(28, 56)]]),
+    ),
+    # videos with their audio track (3 and 2 grids, 400 and 230 mel frames): 5 and 3 runs
+    "qwen3_omni": (
+        ("two videos with their audio", [[vid(3, 4, 4, 400)], [vid(2, 4, 4, 230)]]),
+        ("beside a plain image and a plain clip", [[vid(3, 4, 4, 400)], [img(2, 2), aud(100)]]),
+        (
+            "a plain clip and an image around a video with its audio",
+            [[aud(60), vid(2, 4, 4, 230), img(2, 4)], [vid(3, 4, 4, 400)]],
+        ),
     ),
     "qwen2_audio": (
         ("zero-feature clip", [[aud(2), aud(100)], [aud(9)]]),  # L=2: bos/eos, no placeholder
@@ -587,22 +645,29 @@ ALIGNED_ROWS = TRANSFER_ROWS + [(f, n, s) for f, xs in FAMILY_ALIGNED.items() fo
 #: Nemotron's Parakeet encoder on a 40-frame clip padded to 60 frames
 NOT_OWN = {("nemotron_omni", "audio"), ("nemotron_omni", "video + audio")}
 
+#: (family, row) -> the fixture's ``make_batch`` keywords for that aligned or faulty batch
+BATCH_KW = {
+    ("gemma3", "pan-and-scan crops"): {"pan_and_scan": True},
+    ("gemma3", "short run before its crops"): {"pan_and_scan": True},
+}
 
-def aligned_transfers(name: str, samples, own: bool = True) -> tuple[int, dict]:
-    """(transfers, by reason) of one aligned call of ``samples`` under ``install_vlm``; the
-    call must keep every sample and, where the plain model takes the batch, be its forward bit
-    for bit and (``own``) give each sample its own forward."""
+
+def aligned_transfers(name: str, samples, own: bool = True, **kw) -> tuple[int, dict]:
+    """(transfers, by reason) of one aligned call of ``samples`` (``kw``: the fixture's
+    ``make_batch`` keywords) under ``install_vlm``; the call must keep every sample, be the
+    plain forward bit for bit where the plain model takes the batch, and (``own``) give each
+    sample its own forward (``own_logits``: by hand where the plain model cannot take it)."""
     _case, F, model = build(name)
-    b = F.make_batch(model, samples)
+    b = F.make_batch(model, samples, **kw)
     with count_transfers() as n:
         out, res = guarded(name, model, b)
     assert res.report.actions == ("keep",) * len(samples)
-    plain = _outcome(model, b.kwargs)  # Nemotron's plain forward takes no image beside a video
+    plain = _outcome(model, b.kwargs)  # GLM-4V's, Nemotron's take no image beside a video
     if isinstance(plain, torch.Tensor):
         assert torch.equal(out.logits, plain)
-        for k, s in enumerate(samples if own else ()):
-            want = own_logits(F, model, s)
-            torch.testing.assert_close(out.logits[k, : b.lengths[k]], want, atol=1e-5, rtol=0)
+    for k, s in enumerate(samples if own else ()):
+        want = own_logits(F, model, s, **kw)
+        torch.testing.assert_close(out.logits[k, : b.lengths[k]], want, atol=1e-5, rtol=0)
     return sum(n.values()), dict(n)
 
 
@@ -613,7 +678,8 @@ def test_an_aligned_call_of_any_modality_mix_makes_one_transfer(name, mix, sampl
     """Mixed image + video + audio calls included: the plain forward bit for bit, each sample
     its own (``aligned_transfers``); the verdict is the one transfer, the run order, the audio
     clips' counts and the family's own refusals ride in it."""
-    n, reasons = aligned_transfers(name, samples, (name, mix) not in NOT_OWN)
+    kw = BATCH_KW.get((name, mix), {})
+    n, reasons = aligned_transfers(name, samples, (name, mix) not in NOT_OWN, **kw)
     assert n == 1, reasons
     assert reasons["aligned-path verdict"] == 1, reasons
 
