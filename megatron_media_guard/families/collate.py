@@ -11,9 +11,9 @@ processor's outputs and the rollout's token ids, with no model and no tower (CPU
 
 Each item's count comes from the spec's ``counts`` (the model's own arithmetic on the inputs),
 checked against the runs on the device: an aligned batch costs one transfer (Nemotron Omni's
-images and video together, on one token with no per-token type, read their counts first). A sample whose runs disagree
-is dropped (the default here) or raises naming it: its media leave the inputs, its placeholders
-become text, its labels are ignored; the batch keeps its shape. A repair re-processes the
+images and video together, on one token with no per-token type, read their counts first). A
+sample whose runs disagree is dropped (the default here) or raises naming it: its media leave
+the inputs, its placeholders become text, its labels are ignored; the batch keeps its shape. A repair re-processes the
 original media (``media=``, :mod:`.reprocess`), else falls back. The steps are :mod:`.inputs`'s,
 shared with the ``apply="inputs"`` pre-hook; records go to the guard's log as in training.
 """
