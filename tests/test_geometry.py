@@ -273,7 +273,14 @@ def test_forward_counts(geo, hw, frames, tokens, size):
 
 
 # ---- bad input ----------------------------------------------------------------------------------
-FAMILIES = [PatchMergeGeometry(), RadioTilerGeometry(), TiledGeometry(), FixedGeometry()]
+FAMILIES = [
+    PatchMergeGeometry(),
+    RadioTilerGeometry(),
+    TiledGeometry(),
+    FixedGeometry(),
+    PixtralGeometry(),
+    AnyresGeometry(pinpoints=((384, 384), (384, 768))),
+]
 
 
 @pytest.mark.parametrize("geo", FAMILIES, ids=lambda g: type(g).__name__)

@@ -25,6 +25,7 @@ from megatron_media_guard.geometry.solution import (
     GeometryError,
     HwKind,
     Solution,
+    check_frames,
     check_hw,
     check_positive,
     pick,
@@ -79,6 +80,7 @@ class AnyresGeometry(Geometry):
     def size_for(self, hw: tuple[int, int], num_frames: int = 1) -> tuple[int, int]:
         """The pinpoint (H, W) the processor pads the image to (its tiles' canvas)."""
         h, w = check_hw(hw)
+        check_frames(num_frames)
         return best_resolution(h, w, self.pinpoints)
 
     def feature_grid(self, hw: tuple[int, int]) -> tuple[int, int]:
@@ -97,6 +99,7 @@ class AnyresGeometry(Geometry):
 
     def tokens(self, hw: tuple[int, int], num_frames: int = 1) -> int:
         """The image's features: base tile + rows * (cols + 1)."""
+        check_frames(num_frames)
         ch, cw = self.feature_grid(hw)
         return self.side**2 + ch * (cw + 1)
 

@@ -1,17 +1,6 @@
-"""Patch-merge dynamic resolution: Qwen2-VL, Qwen2.5-VL, Qwen3-VL.
-
-The processor resizes an image to H' x W', both multiples of f = patch * merge,
-with its own rounding (transformers ``smart_resize``, 5.x):
-
-    H' = round(H / f) * f, W' likewise (Python round: half to even)
-    if H'W' > max_pixels: b = sqrt(HW / max_pixels); H' = max(f, floor(H / b / f) * f)
-    elif H'W' < min_pixels: b = sqrt(min_pixels / HW); H' = ceil(H * b / f) * f
-    max(H, W) / min(H, W) > 200 is rejected.
-
-Tokens = t * (H'/f) * (W'/f) with t = ceil(T / temporal_patch) for a clip of T frames
-(1 for an image). Qwen3-VL's video processor (``temporal_budget=True``) compares
-round(T/2)*2 * H'W' with the budget and uses b = sqrt(T*H*W / max_pixels).
-"""
+"""Patch-merge dynamic resolution: Qwen2-VL, Qwen2.5-VL, Qwen3-VL (transformers ``smart_resize``,
+5.x, in ``_resize``; its formulas, Qwen3-VL video's shared budget and the solve:
+docs/GEOMETRY.md, "Patch-merge dynamic resolution")."""
 
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ from megatron_media_guard.geometry.solution import (
     GeometryError,
     HwKind,
     Solution,
+    check_frames,
     check_hw,
     check_positive,
     choice_text,
@@ -58,6 +59,7 @@ class PixtralGeometry(Geometry):
     def size_for(self, hw: tuple[int, int], num_frames: int = 1, *, longest_edge=None):
         """Pixel (H', W') the processor resizes to (``longest_edge`` overridable)."""
         h, w = check_hw(hw)
+        check_frames(num_frames)
         edge = self.longest_edge if longest_edge is None else check_positive(longest_edge, "edge")
         a, b = self._cells(h, w, edge)
         if not a or not b:  # the processor fails on it too (a side of 0 pixels)
@@ -66,7 +68,7 @@ class PixtralGeometry(Geometry):
 
     def tokens(self, hw: tuple[int, int], num_frames: int = 1, *, longest_edge=None) -> int:
         """(H'/f) * (W'/f): the image's features (its ``[IMG]`` placeholders)."""
-        hb, wb = self.size_for(hw, longest_edge=longest_edge)
+        hb, wb = self.size_for(hw, num_frames, longest_edge=longest_edge)
         return (hb // self.factor) * (wb // self.factor)
 
     def _solve(self, n: int, h: int, w: int, t: int, kind: HwKind) -> Solution:

@@ -1,17 +1,8 @@
-"""RADIO dynamic-resolution tiler (Nemotron Nano VL / Omni; vLLM DynamicResolutionImageTiler).
-
-Per image, under a budget of B patches (patch 16, pixel shuffle 2):
-
-    ph0 = round(H/16 + 0.5), pw0 = round(W/16 + 0.5)          (Python round)
-    s = min(sqrt(B / (ph0*pw0)), 1); ph = floor(s*ph0), pw = floor(s*pw0)
-    if B > min_num_patches and ph*pw < min_num_patches: u = sqrt(min/(ph*pw)); ph, pw = ceil(u*ph), ceil(u*pw)
-    odd ph: ph + 1 if (ph + 1) * pw <= B else max(2, ph - 1); then pw the same with the new ph
-    tokens = (ph/2) * (pw/2); the media is resized to (16*ph, 16*pw).
-
-The upscale is not bounded by B (8x151 native at 1025: 8x142 = 1136 patches). The engine
-shares (max_model_len - prompt_text_len - 4) * 4 patches among a request's media, scaled
-down until the sum fits (``engine_tokens``); the training processor knows only its static
-budget (``max_num_patches``).
+"""RADIO dynamic-resolution tiler (Nemotron Nano VL / Omni; vLLM DynamicResolutionImageTiler):
+per image, under a budget of B patches, a (ph, pw) grid of patches, (ph/d) * (pw/d) tokens
+(``radio_search.tile``; its formulas and quirks: docs/GEOMETRY.md, "RADIO dynamic-resolution
+tiler"). The engine shares one budget among a request's media (``engine_tokens``); the
+training processor knows only its static budget (``max_num_patches``).
 """
 
 from __future__ import annotations

@@ -4,12 +4,8 @@ The grid depends on the budget B only through the floors of s*ph0 and s*pw0 (s =
 (ph0*pw0))), the upscale switch B > min_num_patches and the evenness tests (ph+1)*pw <= B:
 the walk visits the segments of constant floors in the windows that can hold the target and
 runs the tiler at segment starts and thresholds only. The count is not monotone in B (an
-evenness step can trade rows for columns), so no bisection (docs/GEOMETRY.md).
-
-Windows, for a target of q patches (h, w the final grid; fh, fw the floors):
-- plain regime: fh - (d-1) <= h <= fh + (d-1) and h >= d (d: the pixel shuffle), so
-  max(d, s*ph0 - d) * max(d, s*pw0 - d) <= q <= (s*ph0 + d-1) * (s*pw0 + d-1);
-- upscale regime: B > min and fh*fw < min, so (s*ph0 - 1) * (s*pw0 - 1) < min.
+evenness step can trade rows for columns), so no bisection; the windows and the skips:
+docs/GEOMETRY.md.
 """
 
 from __future__ import annotations
@@ -84,8 +80,8 @@ def _prepare(geo: TilerView, ph0: int, pw0: int, budget: int):
 
 
 def tile(geo: TilerView, ph0: int, pw0: int, budget: int) -> tuple[int, int] | None:
-    """The tiler's (ph, pw) for ph0 x pw0 native patches at ``budget`` (radio.py's module
-    docstring); None where it divides by zero."""
+    """The tiler's (ph, pw) for ph0 x pw0 native patches at ``budget`` (docs/GEOMETRY.md);
+    None where it divides by zero."""
     prep = _prepare(geo, ph0, pw0, budget)
     if prep is None:
         return None

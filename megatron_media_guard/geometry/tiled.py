@@ -1,12 +1,6 @@
-"""Fixed-size tiles: InternVL / NVLM / Nemotron-VL (``dynamic_preprocess``).
-
-The image is resized to a grid of (c, r) tiles of S x S pixels, S = 448 (InternViT,
-patch 14) or 512 (patch 16); pixel shuffle 0.5 gives 256 tokens per tile. The grid is
-the (c, r) with min_tiles <= c*r <= max_tiles closest to the aspect W/H, candidates
-visited in the order of the source (a set of pairs sorted by c*r); on a tie a later
-pair wins when the image area exceeds half its canvas. A thumbnail tile is added when
-c*r != 1. Tokens per frame = tokens_per_tile * (c*r + thumbnail).
-"""
+"""Fixed-size tiles: InternVL / NVLM / Nemotron-VL (``dynamic_preprocess``, its grid choice
+and thumbnail: docs/GEOMETRY.md, "Fixed tiles"). Tokens per frame = tokens_per_tile *
+(c*r + thumbnail)."""
 
 from __future__ import annotations
 
