@@ -26,7 +26,6 @@ from megatron_media_guard.diagnostics import RankInfo
 from megatron_media_guard.ranks.budget import DropBudget
 from megatron_media_guard.ranks.consensus import (
     StageConsensus,
-    _disagreement_message,
     _disagreements,
     check_values,
     coefficients,
@@ -101,9 +100,9 @@ def test_disagreement_names_the_ranks_that_differ(rows, culprits, needle):
         dict(rank=r, group=g, digest=d, fatal=0, sample=-1, step=4, microbatch=m, samples=4)
         for r, g, d, m in rows
     ]
-    msg, named = _disagreement_message(_disagreements(table), local(step=4))
+    lines, named = _disagreements(table, local(step=4))
     assert named == culprits
-    assert needle in msg and "step 4" in msg
+    assert needle in "\n".join(lines) and all("step 4" in line for line in lines)
 
 
 # ---- single process ---------------------------------------------------------------------

@@ -99,35 +99,28 @@ class DropBudget:
             self._trip(status, guard)
         return status
 
-    def message(self, s: BudgetStatus) -> str:
+    def _trip(self, s: BudgetStatus, guard: Any) -> None:
         if s.tripped == "step":
+            dropped, samples, fraction = s.dropped, s.samples, s.fraction
+            limit = self.max_fraction_per_step
             what = (
-                f"{s.dropped} of {s.samples} samples dropped in this step ({_pct(s.fraction)}) "
-                f"> max_fraction_per_step {_pct(self.max_fraction_per_step)}"
+                f"{dropped} of {samples} samples dropped in this step ({_pct(fraction)}) "
+                f"> max_fraction_per_step {_pct(limit)}"
             )
         else:
+            dropped, samples, fraction = s.window_dropped, s.window_samples, s.window_fraction
+            limit = self.max_fraction_window
             what = (
-                f"{s.window_dropped} of {s.window_samples} samples dropped over the last "
-                f"{s.window_steps} steps (steps {self._window[0][0]}..{s.step}, "
-                f"{_pct(s.window_fraction)}) > max_fraction_window {_pct(self.max_fraction_window)}"
+                f"{dropped} of {samples} samples dropped over the last {s.window_steps} steps "
+                f"(steps {self._window[0][0]}..{s.step}, {_pct(fraction)}) > "
+                f"max_fraction_window {_pct(limit)}"
             )
-        return (
+        msg = (
             f"Drop budget exceeded at step {s.step}: {what} (summed over the stage's "
             "data-parallel replicas). See the per-rank media_guard logs for the drop records."
         )
-
-    def _trip(self, s: BudgetStatus, guard: Any) -> None:
-        msg = self.message(s)
-        one = s.tripped == "step"
-        context = {
-            "step": s.step,
-            "tripped": s.tripped,
-            "fraction": s.fraction if one else s.window_fraction,
-            "limit": self.max_fraction_per_step if one else self.max_fraction_window,
-            "dropped": s.dropped if one else s.window_dropped,
-            "samples": s.samples if one else s.window_samples,
-            "window_steps": s.window_steps,
-        }
+        context = {"step": s.step, "tripped": s.tripped, "fraction": fraction, "limit": limit}
+        context |= {"dropped": dropped, "samples": samples, "window_steps": s.window_steps}
         log = getattr(guard, "log", None) or DiagnosticsLog(None, RankInfo.from_env())
         log.emit(
             GuardRecord(event="budget", step=s.step, action="raise", reason=msg, extra=context)

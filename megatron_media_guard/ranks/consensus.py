@@ -220,10 +220,17 @@ class StageConsensus:
         if not (summed["fatal"] or summed["check0"] or summed["check1"]):
             return StageOutcome(fatal=False, collectives=1, **stage)
         rows = self._gather(local)
-        disagree = _disagreements(rows)
+        disagree, culprits = _disagreements(rows, local)
         fatal = [r for r in rows if r["fatal"]]
         if not fatal:
-            msg, culprits = _disagreement_message(disagree, local)
+            # the lanes did not cancel, yet every group agrees: the groups are inconsistent
+            msg = "\n".join(disagree) or (
+                f"Stage consensus failed (step {local.step}, microbatch {local.microbatch}): "
+                "the check sums did not cancel although every micro-batch group agrees: the "
+                "ranks were given inconsistent stage / micro-batch groups (every rank must pass "
+                "the same layout, with micro-batch groups of one size)."
+            )
+            culprits = culprits or [-1]
             self._record(local, msg, rows, culprits, None)
             raise ConsensusError(
                 msg, context={"culprit_rank": culprits[0], "disagreeing_ranks": culprits}
@@ -236,8 +243,7 @@ class StageConsensus:
         self.collectives += 1
         message = got[0] or f"rank {culprit['rank']} reported a fatal alignment error"
         if disagree:
-            note, _ = _disagreement_message(disagree, local)
-            message += "\n  (also: " + note.splitlines()[0] + ")"
+            message += "\n  (also: " + disagree[0] + ")"
         lines = message.splitlines()
         sample = _none(culprit["sample"])
         reason = (
@@ -250,7 +256,7 @@ class StageConsensus:
         return StageOutcome(
             fatal=True,
             culprit_rank=culprit["rank"],
-            culprit_sample=_none(culprit["sample"]),
+            culprit_sample=sample,
             culprit_step=_none(culprit["step"]),
             message=message,
             culprit_fault="call" if culprit["fatal"] == _FATAL_CODE["call"] else "data",
@@ -320,38 +326,23 @@ class StageConsensus:
         )
 
 
-def _majority(values: dict[int, Any]) -> Any:
-    """The most common value; ties go to the value of the lowest rank."""
+def _odd_ones(values: dict[int, Any]) -> list[int]:
+    """The ranks whose value differs from the most common one (a tie: the lowest rank's)."""
     counts = Counter(values.values())
     top = max(counts.values())
-    return next(v for _, v in sorted(values.items()) if counts[v] == top)
+    ref = next(v for _, v in sorted(values.items()) if counts[v] == top)
+    return [k for k, v in values.items() if v != ref]
 
 
-def _disagreements(rows: list[dict[str, int]]) -> dict[str, Any]:
-    """Which ranks differ from their micro-batch group (digest) or the stage (step)."""
-    out: dict[str, Any] = {}
-    where = {r["rank"]: (r["step"], r["microbatch"]) for r in rows}
-    if len(set(where.values())) > 1:
-        ref = _majority(where)
-        out["where"] = (where, ref, [k for k, v in where.items() if v != ref])
-    groups: dict[int, dict[int, int]] = {}
-    for r in rows:
-        groups.setdefault(r["group"], {})[r["rank"]] = r["digest"]
-    for _, digests in sorted(groups.items()):
-        if len(set(digests.values())) > 1:
-            ref = _majority(digests)
-            out.setdefault("plan", []).append(
-                (digests, ref, [k for k, v in digests.items() if v != ref])
-            )
-    return out
-
-
-def _disagreement_message(dis: dict[str, Any], local: LocalOutcome) -> tuple[str, list[int]]:
+def _disagreements(rows: list[dict[str, int]], local: LocalOutcome) -> tuple[list[str], list[int]]:
+    """One line per disagreement (ranks at different merges; a micro-batch group's ranks at
+    different plans) and the ranks that differ from the rest."""
     lines: list[str] = []
     culprits: list[int] = []
     at = f"step {local.step}, microbatch {local.microbatch}"
-    if "where" in dis:
-        where, _, bad = dis["where"]
+    where = {r["rank"]: (r["step"], r["microbatch"]) for r in rows}
+    if len(set(where.values())) > 1:
+        bad = _odd_ones(where)
         show = ", ".join(
             f"rank {k} at step {_none(s)} microbatch {_none(m)}" for k, (s, m) in where.items()
         )
@@ -360,7 +351,13 @@ def _disagreement_message(dis: dict[str, Any], local: LocalOutcome) -> tuple[str
             f"({show}); rank(s) {bad} differ from the rest (a rank skipped or added a merge)."
         )
         culprits += bad
-    for digests, _, bad in dis.get("plan", []):
+    groups: dict[int, dict[int, int]] = {}
+    for r in rows:
+        groups.setdefault(r["group"], {})[r["rank"]] = r["digest"]
+    for _, digests in sorted(groups.items()):
+        if len(set(digests.values())) == 1:
+            continue
+        bad = _odd_ones(digests)
         view = ", ".join(f"rank {k} digest {v:#018x}" for k, v in digests.items())
         lines.append(
             f"Stage consensus failed ({at}): ranks {sorted(digests)} hold the same micro-batch "
@@ -370,10 +367,4 @@ def _disagreement_message(dis: dict[str, Any], local: LocalOutcome) -> tuple[str
             "modality, frames, size); every rank of the stage stops here."
         )
         culprits += [k for k in bad if k not in culprits]
-    if not lines:  # the lanes did not cancel, yet every group agrees: groups are inconsistent
-        lines.append(
-            f"Stage consensus failed ({at}): the check sums did not cancel although every "
-            "micro-batch group agrees: the ranks were given inconsistent stage / micro-batch "
-            "groups (every rank must pass the same layout, with micro-batch groups of one size)."
-        )
-    return "\n".join(lines), culprits or [-1]
+    return lines, culprits
