@@ -87,8 +87,7 @@ def _tuples(value: object) -> object:
 # the fields saved (an item's ``pixels`` are tensors; a grammar's ``text_id`` is not saved: a
 # replay feeds no text)
 _ITEM_FIELDS = tuple(f.name for f in dataclasses.fields(MediaItem) if f.name != "pixels")
-_GRAMMAR_FIELDS = ("placeholders", "start_id", "end_id", "break_ids", "collapsed", "name")
-_GRAMMAR_FIELDS += ("regions", "inner", "aliases")
+_GRAMMAR_FIELDS = tuple(f.name for f in dataclasses.fields(Grammar) if f.name != "text_id")
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(GuardConfig))
 
 

@@ -1,13 +1,7 @@
-"""What an untrusted bundle may declare, checked before anything is built from it (docs/
-DIAGNOSTICS.md, "media-guard replay BUNDLE on bundles you did not write"); torch-free.
-
-Sizes, before anything is allocated: a safetensors header's tensors (dtype, shape and data
-offsets consistent, inside the file) and a torch zip's declared uncompressed sizes, each summed
-against the limit, then the loaded tensors' logical sizes (a stride-0 view counts in full). The
-limit is ``DEFAULT_MAX_BYTES`` (1 GiB) unless given (``--max-bytes``,
-``MEDIA_GUARD_REPLAY_MAX_BYTES``); token ids get ``max_bytes // BYTES_PER_TOKEN`` at most.
-The JSON description (:func:`check_meta`): each field's type and size, a wrong one one
-:class:`LimitError` line naming the field, not a traceback from deep inside the replay.
+"""What an untrusted bundle may declare, checked before anything is built from it: tensor
+sizes before and after loading, token ids, the JSON description field by field (docs/
+DIAGNOSTICS.md, "media-guard replay BUNDLE on bundles you did not write"); torch-free. A wrong
+field or size is one :class:`LimitError` line naming it, not a traceback from the replay.
 """
 
 from __future__ import annotations
