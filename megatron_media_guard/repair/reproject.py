@@ -106,16 +106,18 @@ def resize_patches(
 
 
 def _target_size(solution: Solution, layout: Layout, patch: int) -> tuple[int, int]:
-    if not solution.reachable:
+    if getattr(solution, "reachable", True) is False:
         raise MediaAlignmentError(
             f"repair target of {solution.tokens} tokens is unreachable: "
-            f"{solution.reason or 'no reason given'}",
-            context={"tokens": solution.tokens, "reason": solution.reason},
+            f"{getattr(solution, 'reason', None) or 'no reason given'}",
+            context={"tokens": solution.tokens, "reason": getattr(solution, "reason", None)},
         )
-    if solution.size_hw is not None:
-        return check_hw(solution.size_hw)
-    if layout == "qwen_patches" and solution.grid is not None:
-        rows, cols = check_hw(solution.grid)
+    size_hw = getattr(solution, "size_hw", None)
+    if size_hw is not None:
+        return check_hw(size_hw)
+    grid = getattr(solution, "grid", None)
+    if layout == "qwen_patches" and grid is not None:
+        rows, cols = check_hw(grid)
         return rows * patch, cols * patch
     raise MediaAlignmentError(
         f"repair target of {solution.tokens} tokens has no pixel size (size_hw is None)",
@@ -151,7 +153,7 @@ def reencode(
         resized = resize_frames(to_frames(pixels, layout), size_hw)
         new_pixels, encoder_kwargs = from_frames(resized, layout, video=pixels.ndim == 4)
         num_frames = int(resized.shape[0])
-        grid = None if solution.grid is None else check_hw(solution.grid)
+        grid = None if getattr(solution, "grid", None) is None else check_hw(solution.grid)
     else:
         qwen = {"patch": patch, "temporal_patch": temporal_patch, "merge": merge}
         new_pixels, new_grid_thw = resize_patches(pixels, grid_thw, size_hw, **qwen)
