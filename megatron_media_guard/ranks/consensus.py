@@ -1,14 +1,12 @@
-"""Per-rank consensus for the guarded merge (docs/CONSENSUS.md): one small all-reduce per merge.
+"""Per-rank consensus for the guarded merge: one small all-reduce per merge.
 
 The *stage group* is every rank of one pipeline stage (tensor x data x context parallel);
 the *micro-batch group*, the ranks of it holding the same micro-batch (tensor x context).
-Aligned path: one ``all_reduce(SUM)`` of 7 int64 over the stage,
-``[check0, check1, samples, mismatched, dropped, repaired, fatal]``; the two 30-bit check
-lanes cancel exactly when every micro-batch group agrees on its plan digest and the stage is
-at one (step, microbatch) (:func:`check_values`). A non-zero lane or a fatal rank (every rank
-sees the same sums) takes the slow path: an ``all_gather`` of one row per rank names the
-disagreeing ranks, the culprit (lowest fatal rank) broadcasts its message and record, and
-every rank raises. Without torch.distributed (or a stage of one) nothing is communicated.
+Aligned path: one ``all_reduce(SUM)`` of ``_FIELDS`` over the stage, whose check lanes cancel
+exactly when every micro-batch group agrees on its plan digest and the stage is at one (step,
+microbatch); else the slow path (``all_gather`` of a row per rank, the culprit's broadcast).
+The protocol, payloads and messages: docs/CONSENSUS.md. Without torch.distributed (or a
+stage of one) nothing is communicated.
 """
 
 from __future__ import annotations

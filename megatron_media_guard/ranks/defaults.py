@@ -1,13 +1,8 @@
 """What a :class:`~megatron_media_guard.core.guard.MediaGuard` built without ``consensus=`` or
 ``rank=`` gets, registered with ``core/providers.py`` when imported (the core never imports
-this module). Both resolve when used, so a guard built before ``init_process_group`` still
-agrees with its peers and writes its own rank's file:
-
-- consensus: a :class:`~.consensus.StageConsensus` over megatron-core ``parallel_state``'s
-  groups when that is initialized, else over the world group (logged once per process);
-  None without torch.distributed. A guard deciding alone would leave its peers waiting in
-  the next collective until the process-group timeout.
-- rank: :func:`~.consensus.process_rank_info` at record time.
+this module): a :class:`~.consensus.StageConsensus` over ``parallel_state``'s groups, else the
+world group (None without torch.distributed), and :func:`~.consensus.process_rank_info`, both
+resolved when used (docs/CONSENSUS.md, "The default").
 """
 
 from __future__ import annotations
