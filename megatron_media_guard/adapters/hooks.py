@@ -160,10 +160,7 @@ class GuardHandle:
 
     def dropped_samples(self) -> tuple[int, ...]:
         res = self.last_result
-        if res is None:
-            return ()
-        report = getattr(res, "report", res)
-        return tuple(getattr(report, "dropped", ()))
+        return () if res is None else tuple(res.report.dropped)
 
     def mask_loss(
         self,
