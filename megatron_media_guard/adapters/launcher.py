@@ -21,6 +21,7 @@ from ..diagnostics import get_logger
 from ..errors import MediaInputError
 from ..families import find_family, no_family
 from ..families.spec import check_tokenizer
+from ..ranks.budget import DropBudget
 from ..ranks.consensus import StageConsensus, dist_ready
 from .hooks import HandleGroup, ItemsProvider
 from .step_end import StepEnd
@@ -134,14 +135,12 @@ def disabled(args: Any, environ: Mapping[str, str] | None = None) -> bool:
 
 
 def budget_from_args(args: Any, environ: Mapping[str, str] | None = None) -> Any:
-    """A :class:`~megatron_media_guard.ranks.budget.DropBudget`, or None when no limit is set."""
+    """A :class:`DropBudget`, or None when no limit is set."""
     step = _setting(args, "media_guard_drop_budget_step", environ, _float)
     window = _setting(args, "media_guard_drop_budget_window", environ, _float)
     steps = _setting(args, "media_guard_window_steps", environ, parse_int)
     if step is None and window is None:
         return None
-    from ..ranks.budget import DropBudget
-
     return DropBudget(step, window, 100 if steps is None else steps)
 
 

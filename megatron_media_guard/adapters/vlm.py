@@ -71,10 +71,7 @@ class VLMHandle(ForwardHookHandle):
                 nonlocal parent, listed  # a video cut into its runs: each run's parent is the video
                 got, fs, parent, source = sized[2](sizes, runs)
                 if listed is not None:  # set_items' order: each item's runs in its place
-                    pieces: dict[int, list[int]] = {}
-                    for k, i in enumerate(source):
-                        pieces.setdefault(i, []).append(k)
-                    listed = [k for i in listed for k in pieces[i]]
+                    listed = [k for i in listed for k, s in enumerate(source) if s == i]
                 cut.append((got, fs))
                 return cut[-1]
 
