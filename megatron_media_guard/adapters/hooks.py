@@ -98,9 +98,7 @@ class GuardHandle:
         if step != self._seen_step:
             prev = self._seen_step
             self._seen_step, self._calls_in_step = step, 0
-            auto = self.auto_step_end
-            if auto is None:
-                auto = not dist_ready()
+            auto = not dist_ready() if self.auto_step_end is None else self.auto_step_end
             if auto and isinstance(prev, int) and step is not None:
                 end_step(self.guard, prev)
             self._seen_ends = self.guard.steps_ended
