@@ -13,6 +13,7 @@ import torch
 
 from megatron_media_guard import Grammar, GuardConfig, MediaGuard
 from megatron_media_guard.adapters.launcher import add_media_guard_args, config_from_args
+from megatron_media_guard.adapters.method_hook import Hook
 from megatron_media_guard.adapters.tower import TowerKeeper, float_leaves
 from megatron_media_guard.errors import MediaInputError
 
@@ -67,7 +68,8 @@ def test_keep_tower_is_validated_and_read_from_the_environment():
 def test_keeper_anchors_the_embeddings_once_else_the_output():
     emb = torch.nn.Embedding(10, 4)
     tower = torch.nn.Linear(3, 2)
-    keeper = TowerKeeper(emb)
+    keeper = TowerKeeper()
+    hook = Hook(emb, "forward", keeper, post=keeper.into_embeddings).install()
     keeper.run(lambda: {"a": tower(torch.zeros(1, 3)), "n": torch.ones(1, dtype=torch.long)})
     e1 = emb(torch.tensor([1, 2]))
     e2 = emb(torch.tensor([3]))  # a second call: already placed
@@ -79,7 +81,7 @@ def test_keeper_anchors_the_embeddings_once_else_the_output():
     out = keeper.attach({"logits": torch.ones(2, requires_grad=True)})  # embeddings not called
     assert out["logits"].grad_fn.name() == "AddBackward0"
     assert keeper.attach({"logits": torch.ones(1)}) is None  # attached once: nothing left
-    keeper.remove()
+    hook.remove()
     keeper.run(lambda: tower(torch.zeros(1, 3)))
     assert emb(torch.tensor([1])).grad_fn.name() == "EmbeddingBackward0"  # hook gone
     with pytest.raises(MediaInputError, match="no floating-point tensor"):

@@ -34,20 +34,14 @@ class CallArgs:
         }
         self.changed = False
 
-    def _extra(self) -> dict:
-        return self.bound.arguments.get(self.varkw, {}) if self.varkw else {}
-
     def get(self, name: str) -> Any:
         a = self.bound.arguments
-        return a[name] if name in a else self._extra().get(name)
+        return a[name] if name in a else a.get(self.varkw, {}).get(name)
 
     def tensor(self, name: str) -> torch.Tensor | None:
         """The argument ``name`` where it is a tensor, else None."""
         value = self.get(name)
         return value if isinstance(value, torch.Tensor) else None
-
-    def given(self, name: str) -> bool:
-        return name in self.bound.arguments or name in self._extra()
 
     def set(self, name: str, value: Any) -> None:
         self.changed = True
@@ -97,17 +91,14 @@ class ForwardHookHandle(GuardHandle):
             pre=lambda args, kwargs: self._pre_hook(m, args, kwargs),
             post=lambda args, kwargs, out: self.keeper.attach(out),
         )
-        try:
-            self.keeper = TowerKeeper(input_embeddings(m), self)
-        except MediaInputError:
-            self.remove()
-            raise
+        emb = input_embeddings(m)
+        if emb is not None:
+            try:
+                self.hook(emb, "forward", post=self.keeper.into_embeddings)
+            except MediaInputError:
+                self.remove()
+                raise
         return self
-
-    def remove(self) -> None:
-        """Takes the hooks off (``forward``, the keeper's embeddings; idempotent)."""
-        super().remove()
-        self.keeper.remove()
 
     def _pre_hook(self, module: Any, args: tuple, kwargs: dict) -> Any:
         self.keeper.clear()  # a forward that raised leaves nothing behind

@@ -1,17 +1,15 @@
-"""Guard any model's own merge function (Megatron-Bridge style custom VLMs), such as
-``merge_embeddings(inputs_embeds, input_ids, image_features)`` doing a ``masked_scatter``:
-:func:`guard_merge_fn` returns a function with its parameters (:class:`ArgMap`) that merges
-through :meth:`MediaGuard.merge` instead; :func:`install_generic` puts it on one instance.
-
-Item metadata: an ``items`` parameter, ``handle.set_items`` or ``items_provider``. Without it,
-a list of per-item tensors gives the items, one packed tensor one item per placeholder run
-when the totals agree (:func:`infer_items`): structure and NaN/Inf are still checked, errors
-that cancel between samples are not.
+"""Guard any model's own merge function (docs/MEGATRON.md, Custom models): :func:`guard_merge_fn`
+returns a function with its parameters (:class:`ArgMap`) that merges through
+:meth:`MediaGuard.merge` instead; :func:`install_generic` puts it on one instance. Without item
+metadata a packed tensor gets one item per placeholder run when the totals agree
+(:func:`infer_items`): structure and NaN/Inf are still checked, errors that cancel between
+samples are not.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -239,12 +237,12 @@ def merge_through_guard(
     return res
 
 
-def _placeholders(parsed: ParsedRuns) -> dict[str, int]:
+def _placeholders(parsed: ParsedRuns) -> Counter[str]:
     """Placeholders per modality."""
-    have: dict[str, int] = {}
+    have: Counter[str] = Counter()
     for r in parsed.runs:
         if r.modality != "break":
-            have[r.modality] = have.get(r.modality, 0) + r.length
+            have[r.modality] += r.length
     return have
 
 
@@ -284,10 +282,7 @@ def install_generic(
         auto_step_end=auto_step_end,
     )
 
-    def merge(original, args: tuple, kwargs: dict) -> Any:
-        return guarded(*args, **kwargs)
-
-    handle.install(merge)  # the guard's merge runs in place of the method
+    handle.install(lambda original, args, kwargs: guarded(*args, **kwargs))  # in its place
     try:
         guarded = guard_merge_fn(
             handle.original, guard, arg_map=arg_map, output=output, handle=handle

@@ -27,17 +27,10 @@ _UNSEEN = object()
 
 class GuardHandle:
     """One installed guard on one method of one model instance: its :class:`Hook` (and any
-    more it installs, :meth:`hook`), the guard, the call's items and step.
-
-    items: :meth:`set_items` before the forward (consumed by the next guarded call), or
-        ``items_provider`` (called on every guarded call).
-    step / microbatch: :meth:`set_step`, or ``step_provider`` (e.g. ``args.curr_iteration``).
-        The microbatch, unless given, counts the step's guarded calls from 0 (a step begins
-        when the step changes or the guard's step ended). ``auto_step_end``: the first call of
-        a new step ends the previous one unless the loop did; default (None) only while
-        torch.distributed is not initialized (a distributed step end is never inside a
-        forward: :meth:`step_end` or a :class:`StepEnd`).
-    last_result: what the last guarded call produced (a MergeResult, or an ``LlavaResult``).
+    more it installs, :meth:`hook`), the guard, the call's items and step (members:
+    docs/MEGATRON.md, Handles). ``auto_step_end``: the first call of a new step ends the
+    previous one unless the loop did; default (None) only while torch.distributed is not
+    initialized (a distributed step end is never inside a forward).
 
     Every guarded call runs through :meth:`call`: an error before the stage's collective still
     joins it as this rank's fatal outcome, so the peers raise naming this rank, not hang.
@@ -105,9 +98,7 @@ class GuardHandle:
         if step != self._seen_step:
             prev = self._seen_step
             self._seen_step, self._calls_in_step = step, 0
-            auto = self.auto_step_end
-            if auto is None:
-                auto = not dist_ready()
+            auto = not dist_ready() if self.auto_step_end is None else self.auto_step_end
             if auto and isinstance(prev, int) and step is not None:
                 end_step(self.guard, prev)
             self._seen_ends = self.guard.steps_ended
@@ -160,10 +151,7 @@ class GuardHandle:
 
     def dropped_samples(self) -> tuple[int, ...]:
         res = self.last_result
-        if res is None:
-            return ()
-        report = getattr(res, "report", res)
-        return tuple(getattr(report, "dropped", ()))
+        return () if res is None else tuple(res.report.dropped)
 
     def mask_loss(
         self,

@@ -21,6 +21,7 @@ from ..diagnostics import get_logger
 from ..errors import MediaInputError
 from ..families import find_family, no_family
 from ..families.spec import check_tokenizer
+from ..ranks.budget import DropBudget
 from ..ranks.consensus import StageConsensus, dist_ready
 from .hooks import HandleGroup, ItemsProvider
 from .step_end import StepEnd
@@ -114,12 +115,11 @@ def _float(name: str, raw: str) -> float:
         raise MediaInputError(f"MEDIA_GUARD_{name.upper()} must be a number, got {raw!r}") from None
 
 
-def _setting(args: Any, attr: str, environ, parse=None) -> Any:
+def _setting(args: Any, attr: str, environ, parse) -> Any:
     """``MEDIA_GUARD_<NAME>`` parsed (when set), else ``args.media_guard_<name>``."""
-    name = attr.removeprefix("media_guard_")
     raw = _env(environ).get(attr.upper())
     if raw is not None:
-        return parse(name, raw) if parse is not None else raw
+        return parse(attr.removeprefix("media_guard_"), raw)
     return getattr(args, attr, None)
 
 
@@ -135,14 +135,12 @@ def disabled(args: Any, environ: Mapping[str, str] | None = None) -> bool:
 
 
 def budget_from_args(args: Any, environ: Mapping[str, str] | None = None) -> Any:
-    """A :class:`~megatron_media_guard.ranks.budget.DropBudget`, or None when no limit is set."""
+    """A :class:`DropBudget`, or None when no limit is set."""
     step = _setting(args, "media_guard_drop_budget_step", environ, _float)
     window = _setting(args, "media_guard_drop_budget_window", environ, _float)
     steps = _setting(args, "media_guard_window_steps", environ, parse_int)
     if step is None and window is None:
         return None
-    from ..ranks.budget import DropBudget
-
     return DropBudget(step, window, 100 if steps is None else steps)
 
 
@@ -164,19 +162,10 @@ def install_from_args(
     tokenizer: Any = None,
 ) -> HandleGroup:
     """Install the guard on every module of ``model`` (one module or the virtual-pipeline
-    chunks, possibly DDP/Float16Module-wrapped) that a family of the registry knows
-    (:func:`find_vlm`), through the family's installer; ``apply="inputs"`` families with
-    ``loss_mask_inplace=True`` (Bridge's forward steps build the loss from the caller's
-    ``loss_mask``). Grammar and repair geometry come from the family (``tokenizer``: for
-    markers the config lacks).
-
-    One :class:`MediaGuard` per family, shared by the chunks, with a ``StageConsensus`` from
-    megatron-core ``parallel_state`` (no collectives outside torch.distributed) and the
-    arguments' drop budget; the step is ``args.curr_iteration``. Steps end outside the forward,
-    on every rank, through a :class:`~.step_end.StepEnd`: ``"zero_grad_buffer"`` hooks the
-    first chunk's DDP ``zero_grad_buffer``, ``"optimizer"`` a torch optimizer post-step hook,
-    ``"auto"`` the first where the chunk has it, else the second; ``"manual"``: call
-    ``group.step_end(iteration)``. Returns a :class:`HandleGroup` (empty when disabled).
+    chunks, possibly DDP/Float16Module-wrapped) that a family of the registry knows, one
+    :class:`MediaGuard` per family shared by the chunks; steps end outside the forward per
+    ``step_end`` (a :class:`~.step_end.StepEnd`). Each step: docs/MEGATRON.md, Launcher.
+    Returns a :class:`HandleGroup` (empty when disabled).
     """
     log = get_logger()
     if step_end not in typing.get_args(StepEndChoice):

@@ -1,9 +1,6 @@
 """The one hook type of the adapters: :class:`Hook`, a pre and a post (or a body in place of
-the method) around one named method of one object *instance*: an instance attribute shadowing
-the class method (other instances and the class untouched; :meth:`Hook.remove` restores the
-instance exactly). A model's ``forward`` too, not with torch forward hooks: ``nn.Module.__call__``
-calls ``self.forward`` between torch's pre-hooks and hooks, so FSDP2's and DDP's stay around the
-guard; ``generate`` reads the signature through ``__wrapped__``.
+the method) around one named method of one object *instance*, an instance attribute shadowing
+the class method (why a model's ``forward`` too, not torch forward hooks: docs/MEGATRON.md).
 
 One double-install check: a method that already carries a hook (the wrapper's
 :data:`HANDLE_ATTR`, which ``functools.update_wrapper`` copies onto a later wrapper of it)

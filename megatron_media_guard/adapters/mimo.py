@@ -1,11 +1,7 @@
-"""Guard for megatron-core ``MimoModel.align_embeddings_by_token_positions``.
-
-It gets ``modality_embeddings`` (``{"text": [num_text_tokens, h], "<modality>": [n_m, h]}``),
-``input_ids`` ``[b, s]`` with each item's placeholders expanded and ``special_token_ids``,
-returns ``[s, b, h]`` and checks only batch totals per modality. The guarded version places
-the text rows as the original does (same bits, no sync) and merges every modality through
-:meth:`MediaGuard.merge` per sample, with the items given (``handle.set_items``, one
-:class:`MediaItem` per item in token order, ``modality`` the MIMO name) or inferred
+"""Guard for megatron-core ``MimoModel.align_embeddings_by_token_positions`` (docs/MEGATRON.md,
+MIMO): the guarded version places the text rows as the original does (same bits, no sync) and
+merges every modality through :meth:`MediaGuard.merge` per sample, with the items given
+(``handle.set_items``, token order, ``modality`` the MIMO name) or inferred
 (:func:`~.generic.merge_through_guard`). The text rows are counted only where the totals
 cannot prove them (a transfer). MIMO returns ``loss_mask`` untouched: the training step
 applies drops with ``handle.mask_loss(loss_mask, labels)``.

@@ -28,13 +28,11 @@ def end_step(guard: MediaGuard, step: int, *, again: bool = False) -> dict[str, 
 
 
 class StepEnd:
-    """Ends steps of ``guards`` from outside the forward, on every rank.
-
-    :meth:`on_method`: a :class:`~.method_hook.Hook` on a method every rank calls once per step
-    (Megatron's DDP ``zero_grad_buffer``): when ``step_provider()`` changed, the previous step
-    ends. :meth:`on_optimizer_step`: after every torch optimizer step the current one ends
-    (torch's global post-step hook: ``install_from_args`` may run before any optimizer exists;
-    chained optimizers end it once, a skipped step folds into the next).
+    """Ends steps of ``guards`` from outside the forward, on every rank (docs/MEGATRON.md,
+    Launcher, 5.): :meth:`on_method` hooks a method every rank calls once per step (Megatron's
+    DDP ``zero_grad_buffer``) and ends the previous step when ``step_provider()`` changed;
+    :meth:`on_optimizer_step` ends the current one after every torch optimizer step (a global
+    post-step hook: ``install_from_args`` may run before any optimizer exists).
     """
 
     kind = "step_end"

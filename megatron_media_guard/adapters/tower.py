@@ -1,18 +1,11 @@
 """Keeping a media tower in step across data-parallel ranks when a micro-batch feeds it nothing
-(docs/PARALLEL.md).
+(why and the measurements: docs/PARALLEL.md, ``keep_tower``): the model's own tower runs in the
+forward **pre**-hook on a minimal dummy input, and a ``-0.0`` that depends on its output goes
+into the input embeddings (else the model's output); its gradient is exactly zero.
 
-FSDP2 all-gathers the tower's parameters when its forward starts and reduce-scatters their
-gradients in backward; DDP (``find_unused_parameters=False``) and FSDP1 reduce every gradient.
-So every rank runs the tower before the decoder and gives each parameter a gradient, also when
-its media were all dropped or it holds none: the guard runs the model's own tower in its
-forward **pre**-hook on a minimal dummy input (under ``torch.no_grad`` too) and keeps the output
-in the graph with a ``-0.0`` added to the input embeddings (the autograd engine then runs the
-decoder's backward first, as on a rank with media; with frozen embeddings FSDP2 reduce-scatters
-the first layer only when its input requires grad), else to the model's output.
-
-Per handle: ``TowerKeeper(embeddings, handle)``; in the pre-hook ``keeper.clear()``, then when
-``tower_due(...)`` ``keeper.run(fn)``; ``keeper.planned(actions)``; in the post-hook
-``return keeper.attach(out)``. The dummy's gradient is exactly zero.
+Per handle: a ``TowerKeeper``, its :meth:`~TowerKeeper.into_embeddings` a post on the embedding
+module's ``forward``; in the pre-hook ``keeper.clear()``, then when ``tower_due(...)``
+``keeper.run(fn)``; ``keeper.planned(actions)``; in the post-hook ``return keeper.attach(out)``.
 """
 
 from __future__ import annotations
@@ -25,7 +18,6 @@ import torch
 from ..config import KeepTower
 from ..core.apply import zero_anchor
 from ..errors import MediaInputError
-from .method_hook import Hook
 
 
 def tower_due(mode: KeepTower, *, had_media: bool, feeds_media: bool) -> bool:
@@ -50,27 +42,16 @@ def float_leaves(out: Any) -> list[torch.Tensor]:
 
 
 class TowerKeeper:
-    """One forward's kept tower output, between the pre-hook and the post-hook; a post on the
-    ``embeddings`` module's forward (owned by ``handle``) takes it there."""
+    """One forward's kept tower output, between the pre-hook and the post-hook (or
+    :meth:`into_embeddings`, a post on the embedding module's forward, where it runs)."""
 
-    def __init__(self, embeddings: torch.nn.Module | None = None, handle: Any = None) -> None:
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
         self._anchor: torch.Tensor | None = None
         self._placed = False
         self._all_dropped = False
-        self._hook: Hook | None = None
-        if embeddings is not None:
-            owner = self if handle is None else handle
-            self._hook = Hook(embeddings, "forward", owner, post=self._into_embeddings).install()
-
-    def clear(self) -> None:
-        self._anchor, self._placed, self._all_dropped = None, False, False
-
-    def remove(self) -> None:
-        """Takes the embedding hook off (idempotent)."""
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-        self.clear()
 
     def run(self, tower_call: Callable[[], Any]) -> None:
         """Runs the tower now and keeps a ``-0.0`` that depends on every float it returned."""
@@ -84,7 +65,7 @@ class TowerKeeper:
         beside ``logits`` a zero that depends on them."""
         self._all_dropped = bool(actions) and all(a == "drop" for a in actions)
 
-    def _into_embeddings(self, args: tuple, kwargs: dict, out: Any) -> Any:
+    def into_embeddings(self, args: tuple, kwargs: dict, out: Any) -> Any:
         if self._anchor is None or self._placed:
             return None
         if not isinstance(out, torch.Tensor) or not out.is_floating_point():

@@ -1,18 +1,11 @@
-"""The family engine's ``apply="embed"`` mode: one forward pre-hook for every such family of
-the registry (``families/``; :class:`~megatron_media_guard.families.spec.FamilySpec`). It
-
-1. encodes each modality the call carries through the model's *own* feature method (the tower
-   runs where the model would run it: before the decoder, once, on every rank);
-2. hands the items to :meth:`MediaGuard.merge` (check, plan, repair / drop / raise, records,
-   bundle, consensus: the one fault path) in the model's order; where the call mixes
-   modalities or a modality's counts live on the device, each modality's runs are checked
-   against its items there and the token order read with the verdict, in its one transfer
-   (:class:`~megatron_media_guard.core.interleave.RunOrder`);
-3. lets the forward run on the merged ``inputs_embeds``, the media inputs taken out and the
-   labels of dropped samples ignored.
-
-A text-only call is guarded too: planned with no items (it joins the stage's round,
-docs/CONSENSUS.md) and passed on untouched unless a placeholder stands in it.
+"""The family engine's ``apply="embed"`` mode (docs/FAMILIES.md): one forward pre-hook that
+encodes each modality the call carries through the model's *own* feature method, merges the
+items with :meth:`MediaGuard.merge` (the one fault path) in token order, and lets the forward
+run on the merged ``inputs_embeds``. Where the call mixes modalities or a modality's counts
+live on the device, the token order is read with the verdict, in its one transfer
+(:class:`~megatron_media_guard.core.interleave.RunOrder`). A text-only call is planned with no
+items (it joins the stage's round, docs/CONSENSUS.md), passed on untouched unless a
+placeholder stands in it.
 """
 
 from __future__ import annotations
@@ -28,14 +21,7 @@ from ..core.runs import TokenLayout, parse_layout
 from ..families.inputs import drop_inputs, generated_as_text, gone_items
 from ..families.spec import Merged, present
 from .forward_hook import CallArgs, ForwardHookHandle
-from .vlm_items import (
-    call_items,
-    counted,
-    cut_blocks,
-    parents,
-    typed_keys,
-    typed_runs_order,
-)
+from .vlm_items import call_items, counted, cut_blocks, typed_keys, typed_runs_order
 
 PIXELS_FLAG = "_media_guard_pixels"  # tells a spec's encode to cut per-item pixels (repair)
 
@@ -66,8 +52,7 @@ class VLMHandle(ForwardHookHandle):
         encoded = cut_blocks(
             mods, encoded, meta, ids, guard.grammar, lambda *a: self.note(step, mb, *a)
         )
-        items, feats, listed = call_items(mods, encoded, meta)
-        parent = parents(mods, encoded)
+        items, feats, listed, parent = call_items(mods, encoded, meta)
         # several modalities, or counts on the device: the token order and the counts come
         # with the verdict, in its one transfer (core/interleave.RunOrder)
         late, decided, cut, sized = None, [], [], counted(mods, encoded, items, parent)
@@ -86,10 +71,7 @@ class VLMHandle(ForwardHookHandle):
                 nonlocal parent, listed  # a video cut into its runs: each run's parent is the video
                 got, fs, parent, source = sized[2](sizes, runs)
                 if listed is not None:  # set_items' order: each item's runs in its place
-                    pieces: dict[int, list[int]] = {}
-                    for k, i in enumerate(source):
-                        pieces.setdefault(i, []).append(k)
-                    listed = [k for i in listed for k in pieces[i]]
+                    listed = [k for i in listed for k, s in enumerate(source) if s == i]
                 cut.append((got, fs))
                 return cut[-1]
 
@@ -132,7 +114,7 @@ class VLMHandle(ForwardHookHandle):
         call.set("inputs_embeds", emb)
         for m in spec.modalities:
             for name in m.inputs:
-                if call.given(name) and name not in m.keep:
+                if call.get(name) is not None and name not in m.keep:
                     call.set(name, None)
         if labels is not None:
             call.set("labels", res.labels)

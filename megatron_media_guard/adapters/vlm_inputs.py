@@ -1,23 +1,14 @@
-"""The family engine's ``apply="inputs"`` mode: forwards whose model encodes and merges its
-media itself (the Qwen-VL family, transformers' and Megatron-Bridge's; Bridge's
-``Qwen3OmniThinkerModel``), so the guard checks and rewrites the inputs before the forward:
-
-1. each item sized from its modality's ``counts`` (grids, masks, lengths: no tower runs) as
-   count tables on the device, every run checked against them there
-   (:func:`~..families.inputs.verify_tables`): the verdict is the aligned call's one
-   transfer, and the call goes on untouched (packed THD rows attributed from
-   ``packed_seq_params`` / ``cu_seq_lens_q``);
-2. else (the fault path) the tables read, ``set_items`` laid on the items, put in token order
-   and planned (:meth:`MediaGuard.last_stage`): a planned repair of a spec with ``patches``
-   and a geometry resizes the item's patch rows to the solved grid
-   (:class:`~..families.resize.Resizer`); an item whose runs lie in two samples is never kept;
-3. the plan applied by rewriting the inputs (:func:`~..families.inputs.drop_inputs`); labels of
-   dropped samples ignored, their ``loss_mask`` zeroed (out of place, or in the caller's tensor
-   with ``loss_mask_inplace``); per-token inputs (``follow_ids``) rebuilt from the ids and
-   ``position_ids`` left to the model.
-
-A text-only call is planned the same way. When a call feeds the tower nothing (all dropped;
-text-only under ``keep_tower="always"``) the spec's ``dummy`` runs it (``adapters/tower.py``).
+"""The family engine's ``apply="inputs"`` mode (docs/FAMILIES.md, docs/QWEN_VL.md): forwards
+whose model encodes and merges its media itself, so the guard checks and rewrites the inputs
+before the forward and runs no tower. Each item is sized from its modality's ``counts`` as
+count tables on the device and every run checked there
+(:func:`~..families.inputs.verify_tables`): the verdict is the aligned call's one transfer,
+and the call goes on untouched. Else the tables are read, the items put in token order and
+planned (:meth:`MediaGuard.last_stage`; a repair resizes patch rows,
+:class:`~..families.resize.Resizer`; an item whose runs lie in two samples is never kept), and
+the plan applied by rewriting the inputs (:func:`~..families.inputs.drop_inputs`; the
+``loss_mask`` zeroed out of place, or in the caller's tensor with ``loss_mask_inplace``). When
+a call feeds the tower nothing the spec's ``dummy`` runs it (``adapters/tower.py``).
 """
 
 from __future__ import annotations
@@ -55,7 +46,7 @@ from ..families.inputs_items import (
 from ..families.resize import Resizer
 from ..families.spec import present
 from .forward_hook import CallArgs, ForwardHookHandle
-from .vlm_items import call_items, parents, typed_order
+from .vlm_items import call_items, typed_order
 
 
 class InputsHandle(ForwardHookHandle):
@@ -141,9 +132,8 @@ class InputsHandle(ForwardHookHandle):
         guard, spec = self.guard, self.spec
         config = getattr(self.module, "config", None)
         encoded = counted(spec, mods, config, view, tables=tables)
-        items, _, listed = call_items(mods, encoded, meta)  # checks the items' modalities
+        items, _, listed, parent = call_items(mods, encoded, meta)  # checks their modalities
         check_declared(meta, mods, encoded)
-        parent = parents(mods, encoded)
         grids = [g for m in mods for g in grids_of(encoded[m.name])]
         items = [it if g is None else replace(it, grid_thw=g) for it, g in zip(items, grids)]
         explicit = meta is not None and all(it.sample is not None for it in meta)

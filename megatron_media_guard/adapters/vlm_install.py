@@ -1,7 +1,5 @@
-"""``install_vlm``: a model's family from the registry (``families.FAMILIES``), its guard
-installed through one installer table (``FamilySpec.apply`` -> installer; also
-``install_from_args``'s): ``vlm`` (``"embed"``), ``vlm_inputs`` (``"inputs"``), megatron-core's
-LLaVA and MIMO."""
+"""``install_vlm``: a model's family from the registry, its guard installed through one
+installer table (:data:`INSTALLERS`, also ``install_from_args``'s)."""
 
 from __future__ import annotations
 
@@ -29,9 +27,8 @@ def guard_for(
     **guard_kw: Any,
 ) -> MediaGuard:
     """A :class:`MediaGuard` for ``model`` of family ``spec``: its grammar with the model's own
-    token ids (megatron-core's LLaVA: its ``image_token_index``, -200 by default; MIMO: its
-    ``special_token_ids``), and its repair geometry when the spec has one (``guard_kw``:
-    ``rank=``, ``consensus=``, ``grammar=``)."""
+    token ids, its repair geometry when the spec has one (``guard_kw``: ``rank=``,
+    ``consensus=``, ``grammar=``)."""
     grammar = guard_kw.pop("grammar", None)
     if grammar is None and spec.apply == "llava":
         tok = getattr(model, "image_token_index", None)

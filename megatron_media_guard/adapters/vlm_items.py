@@ -63,19 +63,22 @@ def cut_blocks(
 
 def call_items(
     mods: Sequence[ModalitySpec], encoded: dict[str, Encoded], meta: Sequence[MediaItem] | None
-) -> tuple[list[MediaItem], list[torch.Tensor], list[int] | None]:
-    """MediaItems and features in the model's consumption order (modality by modality), and,
-    when ``set_items`` gave ``meta`` (one item per model-level item: a video, not its
-    tubelets; the k-th of a modality describes the model's k-th), the items' order as listed
-    there (taken as token order)."""
+) -> tuple[list[MediaItem], list[torch.Tensor], list[int] | None, list[int]]:
+    """MediaItems and features in the model's consumption order (modality by modality); when
+    ``set_items`` gave ``meta`` (one item per model-level item: a video, not its tubelets;
+    the k-th of a modality describes the model's k-th), the items' order as listed there
+    (taken as token order), else None; per item its model-level item (numbered per
+    modality)."""
     items: list[MediaItem] = []
     feats: list[torch.Tensor] = []
+    parent: list[int] = []
     first: dict[str, list[int]] = {}  # modality -> per model-level item, its first item index
     end: dict[str, int] = {}  # modality -> past its last item
     for m in mods:
         enc = encoded[m.name]
         pieces = _pieces(enc)
         parents = enc.parent or tuple(range(len(pieces)))
+        parent += parents
         starts = first.setdefault(m.name, [])
         for k, f in enumerate(pieces):
             if parents[k] == len(starts):
@@ -92,7 +95,7 @@ def call_items(
             feats.append(f)
         end[m.name] = len(items)
     if meta is None:
-        return items, feats, None
+        return items, feats, None, parent
     want = {m: len(v) for m, v in first.items()}
     got: dict[str, int] = {}
     for g, src in enumerate(meta):
@@ -119,16 +122,7 @@ def call_items(
                 items[i], sample=src.sample, sample_id=src.sample_id, source_hw=src.source_hw
             )
             order.append(i)
-    return items, feats, order
-
-
-def parents(mods: Sequence[ModalitySpec], encoded: dict[str, Encoded]) -> list[int]:
-    """Per item (consumption order), its model-level item (numbered per modality)."""
-    out: list[int] = []
-    for m in mods:
-        enc = encoded[m.name]
-        out += list(enc.parent or range(len(_pieces(enc))))
-    return out
+    return items, feats, order, parent
 
 
 def _pieces(enc: Encoded) -> tuple[torch.Tensor, ...]:

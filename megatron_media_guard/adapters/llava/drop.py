@@ -1,9 +1,8 @@
-"""Dropping samples of a LLaVA ``_preprocess_data`` call without copying the features:
-megatron-core still places every row, the dropped samples' positions are zeroed in its output
-afterwards. Only the small integer inputs are rewritten, so that its own placement stays
-right (docs/MEGATRON.md, Policies): a dropped sample's image tokens made to match its entries,
-its sound tokens made text and its clips' lengths 0, entries no token claims cut to ``[:0]``;
-features it then does not place stay in the graph through :func:`~...core.apply.zero_anchor`.
+"""Dropping samples of a LLaVA ``_preprocess_data`` call without copying the features
+(docs/MEGATRON.md, Policies): only the small integer inputs are rewritten so that
+megatron-core's own placement stays right, the dropped samples' positions are zeroed in its
+output afterwards; features it then does not place stay in the graph through
+:func:`~...core.apply.zero_anchor`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
-"""Guard for megatron-core ``LLaVAModel._preprocess_data``: ``install_llava`` hooks the method
-of one instance (and, on an ``nn.Module``, a pre on ``forward`` that captures
-``packed_seq_params``: Bridge's Nemotron Omni collate packs a micro-batch into one THD row
-whose ``cu_seqlens`` never reach ``_preprocess_data``). Each call is measured in one transfer
-(:mod:`.measure`), checked (:mod:`.checks`, :mod:`.sound`), planned per sample and ended by
-core's :func:`~...core.fault_path.conclude`; ``drop`` rewrites the inputs (:mod:`.drop`),
-``repair`` acts as its ``fallback``. Faults only the first stage sees (NaN/Inf, sound) raise
-on a first stage that does not compute the loss. See docs/MEGATRON.md.
+"""Guard for megatron-core ``LLaVAModel._preprocess_data`` (docs/MEGATRON.md): ``install_llava``
+hooks the method of one instance (and, on an ``nn.Module``, a pre on ``forward`` that captures
+``packed_seq_params``, which never reach ``_preprocess_data``). Each call is measured in one
+transfer (:mod:`.measure`), checked (:mod:`.checks`, :mod:`.sound`), planned per sample and
+ended by core's :func:`~...core.fault_path.conclude`; ``drop`` rewrites the inputs
+(:mod:`.drop`), ``repair`` acts as its ``fallback``.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from ...core.generated import text_records
 from ...core.guard import MediaGuard
 from ...core.items import MediaItem
 from ...core.outcome import StageOutcome
-from ...core.plan import Plan, digest, worst
+from ...core.plan import Plan, digest, dropping_action, worst
 from ...core.runs import TokenLayout
 from ...errors import MediaInputError
 from ..forward_hook import CallArgs
@@ -194,7 +192,7 @@ def _run(handle: LlavaHandle, ba: inspect.BoundArguments, step, mb) -> Any:
     if gen is not None:
         gen = per_sample(gen, facts.spans)
         faults += generated_faults(gen, cfg.generated)
-    dropping_policy = cfg.policy if cfg.policy != "repair" else cfg.fallback
+    dropping_policy = dropping_action(cfg)
     n = facts.num_entries
     unclaimed = img_own.owners is None and facts.total_tokens == 0 and n > 0
     unused_sound = clip_own is not None and facts.num_clips > 0 and not any(facts.sound)

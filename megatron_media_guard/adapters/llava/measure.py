@@ -107,11 +107,7 @@ def measure(
     i64 = torch.int64
     ph = input_ids == image_token_index
     sp = input_ids == sound_token_index if sound_token_index is not None else torch.zeros_like(ph)
-    cnt = (
-        torch.as_tensor(counts).to(dev, i64).reshape(-1)
-        if counts is not None
-        else torch.zeros(0, dtype=i64, device=dev)
-    )
+    cnt = torch.as_tensor(() if counts is None else counts).to(dev, i64).reshape(-1)
     n = cnt.numel()
     L = 1 if packed_rows else int(model.img_seq_len)
     img_idx = (torch.cumsum(ph.reshape(-1), 0) - 1).view(b, s)  # image index, token order

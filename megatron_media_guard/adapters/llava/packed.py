@@ -1,13 +1,8 @@
 """Sub-samples of a packed THD row (Megatron-Bridge's Nemotron Omni in-batch packing), and the
 call's samples as core's :class:`~...core.runs.TokenLayout` (rows, or packed sub-samples by
-their compact or merged boundaries), on which the drop rewrites and masks.
-
-The collate concatenates compact rows into one ``[1, total]`` row; ``packed_seq_params``'
-``cu_seqlens_q(_padded)`` are the boundaries *after* the image expansion, ``position_ids``
-restart at 0 at each sub-sample. Compact boundaries come from those resets when there is one
-per sub-sample, else from two walks of the expansion (entries from the row's start, and from
-its end): only a boundary both find at the same token is confirmed; the sub-samples between
-confirmed ones are unmatched together when one inside is not.
+their compact or merged boundaries), on which the drop rewrites and masks. How the compact
+boundaries are found (``position_ids`` resets, else two walks of the expansion):
+docs/MEGATRON.md, Samples.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""Sound as a LLaVA modality (megatron-core 0.19): one ``sound_embeddings`` row per sound
-token (not expanded), ``sound_embeddings_len[c]`` rows of clip ``c`` (every row with
-``sound_pad_to_clip_duration``) in token order, with no count check. Clips go to samples by
-the item metadata (``MediaItem(modality="sound")``, one per clip) or by walking the sound
-token counts against the clips' rows from both ends (:func:`clip_owners`)."""
+"""Sound as a LLaVA modality (megatron-core 0.19; docs/MEGATRON.md): one ``sound_embeddings``
+row per sound token, clips to samples by the item metadata (``MediaItem(modality="sound")``,
+one per clip) or by walking the sound token counts against the clips' rows from both ends
+(:func:`clip_owners`)."""
 
 from __future__ import annotations
 
