@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from dist_harness import run_ranks
+from dist_harness import data_parallel, full_grads, run_ranks
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError
 from megatron_media_guard.core.host import count_transfers
@@ -224,23 +224,10 @@ def train_worker(rank: int, world: int, layout: str) -> dict:
         model.zero_grad(set_to_none=True)
         ref = copy.deepcopy(model)
         handle = install_vlm(model, GuardConfig(policy="drop"), tokenizer=case.tokens)
-        if layout == "fsdp2":
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = init_device_mesh("cpu", (world,))
-            layers = next(
-                m
-                for n, m in model.named_modules()
-                if "language_model" in n and n.endswith("layers")
-            )
-            for layer in layers:  # NeMo-RL's per-module layout: each decoder layer, then the root
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            wrapped, inner = model, model
-        else:
-            wrapped = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=False)
-            inner = wrapped.module
+        layers = next(
+            m for n, m in model.named_modules() if "language_model" in n and n.endswith("layers")
+        )
+        wrapped, inner = data_parallel(model, layout, shard=layers)
         params = {n: p for n, p in inner.named_parameters() if p.requires_grad}
         ref_params = {n: p for n, p in ref.named_parameters() if p.requires_grad}
         steps = []
@@ -248,12 +235,7 @@ def train_worker(rank: int, world: int, layout: str) -> dict:
             kw = per_rank[rank]
             loss = wrapped(**kw, labels=_labels(kw)).loss
             loss.backward()
-            grads = {}
-            for n, p in params.items():
-                g = p.grad
-                if g is not None and hasattr(g, "full_tensor"):
-                    g = g.full_tensor()  # FSDP2: a collective, in the same order on every rank
-                grads[n] = g
+            grads = full_grads(params)
             t = torch.ones(4)
             dist.all_reduce(t)
             want = {n: torch.zeros_like(p) for n, p in ref_params.items()}
