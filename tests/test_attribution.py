@@ -4,11 +4,9 @@ the message can replace the alignment error."""
 
 from __future__ import annotations
 
-import json
-import logging
-
 import pytest
 import torch
+from family_checks import records
 
 from megatron_media_guard import (
     GuardConfig,
@@ -18,18 +16,14 @@ from megatron_media_guard import (
     MediaItem,
 )
 from megatron_media_guard.core import explain
-from megatron_media_guard.diagnostics import RankInfo, get_logger
+from megatron_media_guard.diagnostics import RankInfo
 from megatron_media_guard.testing import TEST_GRAMMARS, inject
 
 Q = TEST_GRAMMARS["qwen"]
 LAYOUT = [[("image", 4)], [("image", 3), ("image", 2)]]
 
 
-@pytest.fixture(autouse=True)
-def _quiet_logger():
-    get_logger().setLevel(logging.CRITICAL)
-    yield
-    get_logger().setLevel(logging.INFO)
+pytestmark = pytest.mark.usefixtures("quiet_logger")
 
 
 def _batch_with_nan(item: int):
@@ -60,28 +54,40 @@ def test_nonfinite_names_cause_item_and_sample_id(tmp_path, item, sample, sid, n
         assert f"nonfinite: NaN/Inf in the features of item {item}" in msg
         assert f"sample {sample} (sample_id {sid!r})" in msg  # the sample's id: its first item's
         assert "aligned — ." not in msg
-    (rec,) = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
+    (rec,) = records(tmp_path)
     assert rec["event"] == nonfinite and rec["reason"].startswith("nonfinite")
     assert (rec["sample"], rec["item"]) == (sample, item)
     assert rec["sample_id"] == sid and rec["extra"]["items"] == [item]
 
 
+CANNOT_HOLD = "cannot hold ignore_index -100"
+
+
 @pytest.mark.parametrize(
-    "dtype, ok",
+    "labels, refused",
     [
-        (torch.int64, True),
-        (torch.int32, True),
-        (torch.int16, True),
-        (torch.int8, True),  # -100 fits
-        (torch.uint8, False),  # -100 would wrap to 156
-        (torch.bool, False),
+        (torch.int64, None),
+        (torch.int32, None),
+        (torch.int16, None),
+        (torch.int8, None),  # -100 fits
+        (torch.uint8, CANNOT_HOLD),  # -100 would wrap to 156
+        (torch.bool, CANNOT_HOLD),
+        # the library's error on both stages (not an AttributeError from deep inside)
+        (torch.float32, "labels must be integer"),
+        ("shape", r"labels must be \[b, s\]"),
+        ("list", r"labels must be \[b, s\]"),
     ],
 )
 @pytest.mark.parametrize("path", ["merge", "last_stage"])
-def test_labels_that_cannot_hold_ignore_index_are_refused(dtype, ok, path):
+def test_labels_the_guard_cannot_mask_are_refused_by_both_stages(labels, refused, path):
     batch = inject(Q, LAYOUT, "surplus_feature")
     guard = MediaGuard(GuardConfig(policy="drop"), Q, rank=RankInfo(rank=0))
-    labels = torch.ones(batch.input_ids.shape, dtype=dtype)
+    if labels == "shape":
+        labels = torch.ones(2, 3, dtype=torch.int64)
+    elif labels == "list":
+        labels = [[1, 2, 3]]
+    else:
+        labels = torch.ones(batch.input_ids.shape, dtype=labels)
     emb = torch.zeros(*batch.input_ids.shape, 8)
 
     def call():
@@ -89,11 +95,11 @@ def test_labels_that_cannot_hold_ignore_index_are_refused(dtype, ok, path):
             return guard.merge(emb, batch.input_ids, batch.features(8), batch.items, labels=labels)
         return guard.last_stage(batch.input_ids, batch.items, labels=labels)
 
-    if ok:
+    if refused is None:
         res = call()
-        assert (res.labels == -100).any() and res.labels.dtype == dtype
+        assert (res.labels == -100).any() and res.labels.dtype == labels.dtype
     else:
-        with pytest.raises(MediaInputError, match="cannot hold ignore_index -100"):
+        with pytest.raises(MediaInputError, match=refused):
             call()
 
 
@@ -110,21 +116,3 @@ def test_message_building_cannot_hide_the_alignment_error(tmp_path, monkeypatch)
     msg = str(info.value)
     assert "Media alignment failed (rank 4, step 9)" in msg and "RuntimeError" in msg
     assert "per-rank log:" in msg
-
-
-@pytest.mark.parametrize("bad", ["shape", "float", "list"])
-def test_last_stage_checks_masks_as_merge_does(bad):
-    """The last pipeline stage refuses the labels the first stage's merge refuses, with the
-    library's error (not an AttributeError from deep inside)."""
-    batch = inject(Q, LAYOUT, "surplus_feature")
-    labels = {
-        "shape": torch.ones(2, 3, dtype=torch.int64),
-        "float": torch.ones(batch.input_ids.shape, dtype=torch.float32),
-        "list": [[1, 2, 3]],
-    }[bad]
-    guard = MediaGuard(GuardConfig(policy="drop"), Q, rank=RankInfo(rank=0))
-    emb = torch.zeros(*batch.input_ids.shape, 8)
-    with pytest.raises(MediaInputError):
-        guard.merge(emb, batch.input_ids, batch.features(8), batch.items, labels=labels)
-    with pytest.raises(MediaInputError):
-        guard.last_stage(batch.input_ids, batch.items, labels=labels)

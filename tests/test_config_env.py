@@ -6,11 +6,11 @@ when it is built."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import warnings
 
 import pytest
 import torch
+from family_checks import records
 
 from megatron_media_guard import Grammar, GuardConfig, MediaGuard, MediaInputError
 from megatron_media_guard.testing import TEST_GRAMMARS, inject
@@ -112,8 +112,7 @@ def test_the_readme_way_writes_where_the_variable_says(monkeypatch, tmp_path):
     emb = torch.zeros(*batch.input_ids.shape, 8)
     guard.merge(emb, batch.input_ids, batch.features(8), batch.items)
     guard.close()
-    lines = (tmp_path / "logs" / "media_guard.rank00000.jsonl").read_text().splitlines()
-    assert json.loads(lines[-1])["action"] == "drop"
+    assert records(tmp_path / "logs")[-1]["action"] == "drop"
 
 
 @pytest.mark.parametrize(

@@ -5,14 +5,13 @@ culprit, and the rank comes from torch.distributed even without ``RANK`` in the 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-from pathlib import Path
 
 import pytest
 import torch
 from dist_harness import run_ranks
+from family_checks import records
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaGuard
 from megatron_media_guard.diagnostics import get_logger
@@ -69,14 +68,10 @@ def test_every_rank_raises_naming_the_culprit_without_a_consensus_argument(tmp_p
         assert r["error"] is not None, f"rank {r['rank']} went on while rank {CULPRIT} raised"
         assert r["culprit"] == CULPRIT
         assert f"rank {CULPRIT}" in r["error"]
-    records = [
-        json.loads(line)
-        for p in sorted(Path(tmp_path).glob("media_guard.rank*.jsonl"))
-        for line in p.read_text().splitlines()
-    ]
-    raised = [r for r in records if r["event"] == "raise"]
+    recs = records(tmp_path)
+    raised = [r for r in recs if r["event"] == "raise"]
     assert [r["rank"] for r in raised] == [CULPRIT]  # the culprit's own record, not "rank ?"
-    assert sorted(r["rank"] for r in records if r["event"] == "consensus") == [0, 1, 2, 3]
+    assert sorted(r["rank"] for r in recs if r["event"] == "consensus") == [0, 1, 2, 3]
 
 
 @pytest.mark.timeout(150)

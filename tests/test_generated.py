@@ -5,11 +5,11 @@ pipeline stage; the knob through the environment and the launcher."""
 from __future__ import annotations
 
 import argparse
-import json
 import random
 
 import pytest
 import torch
+from family_checks import records
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_plan_determinism import assert_same, stages
@@ -82,8 +82,7 @@ def test_fed_as_text_keeps_the_sample_bit_identical(policy, signal, tmp_path):
         assert (got is None) == (want is None) and (got is None or torch.equal(got, want))
     assert res.report.generated == ((1, tuple(at)),)
     g.close()
-    recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
-    fed = [r for r in recs if r["action"] == "text"]
+    fed = [r for r in records(tmp_path) if r["action"] == "text"]
     assert [(r["event"], r["sample"], r["extra"]["positions"]) for r in fed] == [("check", 1, at)]
     assert fed[0]["reason"].startswith("generated placeholder fed as text")
 

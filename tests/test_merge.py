@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from itertools import accumulate
@@ -10,6 +9,7 @@ from itertools import accumulate
 import pytest
 import torch
 from devices import DEVICES
+from family_checks import records
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -127,8 +127,7 @@ def test_raise_names_everything(tmp_path):
     ]:
         assert needle in msg, (needle, msg)
     # the record was on disk before the raise
-    lines = (tmp_path / "media_guard.rank00003.jsonl").read_text().splitlines()
-    recs = [json.loads(x) for x in lines]
+    recs = records(tmp_path)
     assert [r["event"] for r in recs] == ["raise"]
     first = recs[0]
     assert (first["rank"], first["step"], first["sample"], first["sample_id"]) == (3, 12, 0, "s0")
@@ -402,9 +401,7 @@ def test_placeholder_in_packed_padding_is_logged_and_never_merged(tmp_path):
     res = g.merge(emb, ids, torch.randn(3, H), [MediaItem(3, 0)], cu_seqlens=torch.tensor([0, n]))
     assert res.report.actions == ("keep",)
     assert torch.equal(res.embeddings[0, n:], emb[0, n:])
-    rec = [
-        json.loads(x) for x in (tmp_path / "media_guard.rank00000.jsonl").read_text().splitlines()
-    ]
+    rec = records(tmp_path)
     assert [(r["event"], r["action"]) for r in rec] == [("check", "ignored")]
     assert "in_padding" in rec[0]["reason"]
 

@@ -3,7 +3,6 @@ whose per-rank JSONL must hold exactly what the smoke injected."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_checks import records
 
 from megatron_media_guard.core.alignment import check_alignment
 from megatron_media_guard.diagnostics.report import summarize
@@ -239,10 +239,9 @@ def _smoke(tmp_path, *flags, timeout=240):
 
 
 def _records(run_dir: Path) -> dict[int, list[dict]]:
-    out = {}
-    for f in sorted(run_dir.glob("media_guard.rank*.jsonl")):
-        recs = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-        out[int(f.name[len("media_guard.rank") : -len(".jsonl")])] = recs
+    out: dict[int, list[dict]] = {}
+    for rec in records(run_dir):
+        out.setdefault(rec["rank"], []).append(rec)
     return out
 
 
