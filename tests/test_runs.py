@@ -180,6 +180,7 @@ INNER = dict(placeholders={"image": IMG, "audio": AUD}, start_id=VS, end_id=VE, 
         ({"placeholders": {"image": 3}, "start_id": 3, "end_id": 4}, "distinct"),
         ({"placeholders": {"image": 3}, "start_id": 1, "collapsed": True}, "collapsed"),
         ({"placeholders": {"image": 20, "video": 21}, "break_ids": (23,)}, "one placeholder"),
+        ({"placeholders": {"image": 5}, "text_id": 5}, "text_id 5 is one of the grammar's own"),
         ({**INNER, "inner": ((AS, VE),)}, "must be marker pairs"),
         ({**INNER, "inner": ((AS, AE), (VS, VE))}, "stay outer"),
     ],
@@ -195,6 +196,8 @@ def test_presets():
     assert (q.start_id, q.end_id) == (151652, 151653)
     assert Grammar.llava().collapsed and dict(Grammar.llava().placeholders) == {"image": -200}
     assert Grammar.pixtral(1, 2, 3).break_ids == (2,)
+    assert q.text_id == 151643 and Grammar.llava().neutral_text_id() == 0
+    assert Grammar({"image": 0, "video": 1}, start_id=2, end_id=3).neutral_text_id() == 4
     with pytest.raises(MediaInputError, match="not in grammar"):
         q.modality_code("audio")
 

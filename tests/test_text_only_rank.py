@@ -164,29 +164,26 @@ def minimal_worker(rank: int, world: int, names: tuple[str, ...]) -> dict:
     return out
 
 
-def _check_minimal(res: list[dict], names) -> None:
+BRIDGE_SKIP = pytest.mark.skipif(loader.missing() is not None, reason=loader.missing() or "")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    "names",
+    [
+        pytest.param(tuple(CASES), id="every family"),
+        pytest.param((BRIDGE_CASE,), marks=BRIDGE_SKIP, id="bridge"),
+    ],
+)
+def test_every_family_joins_the_round_whatever_the_rank_holds(names):
+    if names == (BRIDGE_CASE,):
+        pytest.importorskip("transformers.models.qwen3_omni_moe")
+    res = run_ranks(minimal_worker, 2, args=(names,), timeout=120, pg_timeout=20)
     for name in names:
         for rank in (0, 1):
-            got = res[rank][name]
             want = [(k + 1, (ACTION[p[rank]],)) for k, p in enumerate(PAIRS)]
-            assert got == want, (name, rank, got)
-
-
-@pytest.mark.dist
-@pytest.mark.timeout(150)
-def test_every_family_joins_the_round_whatever_the_rank_holds():
-    names = tuple(CASES)
-    res = run_ranks(minimal_worker, 2, args=(names,), timeout=120, pg_timeout=20)
-    _check_minimal(res, names)
-
-
-@pytest.mark.dist
-@pytest.mark.timeout(150)
-@pytest.mark.skipif(loader.missing() is not None, reason=loader.missing() or "")
-def test_bridge_inputs_family_joins_the_round():
-    pytest.importorskip("transformers.models.qwen3_omni_moe")
-    res = run_ranks(minimal_worker, 2, args=((BRIDGE_CASE,),), timeout=120, pg_timeout=20)
-    _check_minimal(res, (BRIDGE_CASE,))
+            assert res[rank][name] == want, (name, rank, res[rank][name])
 
 
 # ---- FSDP2 / DDP: a text-only rank trains in step ----------------------------------------------
@@ -310,10 +307,7 @@ def _model_inputs(model, handle, kw: dict) -> dict:
     return got
 
 
-BRIDGE = pytest.param(
-    BRIDGE_CASE,
-    marks=pytest.mark.skipif(loader.missing() is not None, reason=loader.missing() or ""),
-)
+BRIDGE = pytest.param(BRIDGE_CASE, marks=BRIDGE_SKIP)
 
 
 @pytest.mark.parametrize("name", [*CASES, BRIDGE])
