@@ -139,3 +139,31 @@ def _failures(workdir: str, world_size: int) -> str:
         f"\n-- rank {r} failed{' first' if i == 0 else ''}:\n{text}"
         for i, (_, r, text) in enumerate(found)
     )
+
+
+def data_parallel(model, layout: str, shard=()) -> tuple[Any, Any]:
+    """(wrapped, inner): ``model`` under DDP (``find_unused_parameters=False``) or FSDP2 over
+    every rank, NeMo-RL's per-module layout (``fully_shard`` on each of ``shard``, then the
+    root)."""
+    import torch
+
+    if layout == "ddp":
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=False)
+        return wrapped, wrapped.module
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    for module in shard:
+        fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, model
+
+
+def full_grads(params: dict) -> dict:
+    """Each parameter's whole gradient (None where it has none): FSDP2's shards are gathered,
+    a collective, in the same order on every rank."""
+    return {
+        n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        for n, p in params.items()
+    }

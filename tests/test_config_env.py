@@ -5,14 +5,16 @@ when it is built."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import json
 import warnings
 
 import pytest
 import torch
+from family_checks import records
 
 from megatron_media_guard import Grammar, GuardConfig, MediaGuard, MediaInputError
+from megatron_media_guard.adapters.launcher import add_media_guard_args, config_from_args
 from megatron_media_guard.testing import TEST_GRAMMARS, inject
 
 ENV = {
@@ -40,6 +42,8 @@ ENV = {
         ({"dump_max": 3}, "dump_max", 3),
         ({"environ": {}}, "policy", "raise"),  # no environment: defaults
         ({"environ": {"MEDIA_GUARD_POLICY": "repair"}}, "policy", "repair"),
+        ({"environ": {}}, "keep_tower", "always"),
+        ({"environ": {"MEDIA_GUARD_KEEP_TOWER": "on_drop"}}, "keep_tower", "on_drop"),
     ],
 )
 def test_argument_then_environment_then_default(monkeypatch, kwargs, field, want):
@@ -77,6 +81,7 @@ def test_empty_directory_variables_turn_logging_and_dumps_off():
         ({"MEDIA_GUARD_FP8": "maybe"}, "MEDIA_GUARD_FP8 must be true/false"),
         ({"MEDIA_GUARD_DUMP_PIXELS": "maybe"}, "MEDIA_GUARD_DUMP_PIXELS must be true/false"),
         ({"MEDIA_GUARD_GENERATED": "no"}, "MEDIA_GUARD_GENERATED='no'"),
+        ({"MEDIA_GUARD_KEEP_TOWER": "yes"}, "MEDIA_GUARD_KEEP_TOWER='yes'"),
     ],
 )
 def test_a_bad_variable_is_named(env, needle):
@@ -85,6 +90,7 @@ def test_a_bad_variable_is_named(env, needle):
     with pytest.raises(MediaInputError, match=needle.replace("(", r"\(")):
         GuardConfig(environ={}).with_env(env)  # the environment over every field
     given = dict(policy="raise", dump_max=1, fp8=None, dump_pixels=True, generated="text")
+    given["keep_tower"] = "always"
     GuardConfig(**given, environ=env)  # every field given: no variable read
 
 
@@ -93,6 +99,7 @@ def test_a_bad_variable_is_named(env, needle):
     [
         ({"policy": "ignore"}, "policy must be one of"),
         ({"generated": "keep"}, "GuardConfig.generated must be one of"),
+        ({"keep_tower": "sometimes"}, "keep_tower must be one of"),
         ({"ignore_index": "x"}, "ignore_index must be an int"),
         ({"allowed_fidelity": "unique"}, r"write \('unique',\)"),
     ],
@@ -100,6 +107,22 @@ def test_a_bad_variable_is_named(env, needle):
 def test_config_rejects_values_that_would_fail_later(kwargs, match):
     with pytest.raises(MediaInputError, match=match):
         GuardConfig(environ={}, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "field, value, env, default",
+    [("generated", "raise", "drop", "text"), ("keep_tower", "never", "on_drop", "always")],
+)
+def test_launcher_flag_then_environment_then_default(field, value, env, default):
+    parser = add_media_guard_args(argparse.ArgumentParser())
+    flag = "--media-guard-" + field.replace("_", "-")
+    args = parser.parse_args([flag, value])
+    assert getattr(config_from_args(args, {}), field) == value
+    environ = {f"MEDIA_GUARD_{field.upper()}": env}
+    assert getattr(config_from_args(args, environ), field) == env
+    assert getattr(config_from_args(parser.parse_args([]), {}), field) == default
+    with pytest.raises(SystemExit):
+        parser.parse_args([flag, "sometimes"])
 
 
 def test_the_readme_way_writes_where_the_variable_says(monkeypatch, tmp_path):
@@ -112,8 +135,7 @@ def test_the_readme_way_writes_where_the_variable_says(monkeypatch, tmp_path):
     emb = torch.zeros(*batch.input_ids.shape, 8)
     guard.merge(emb, batch.input_ids, batch.features(8), batch.items)
     guard.close()
-    lines = (tmp_path / "logs" / "media_guard.rank00000.jsonl").read_text().splitlines()
-    assert json.loads(lines[-1])["action"] == "drop"
+    assert records(tmp_path / "logs")[-1]["action"] == "drop"
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,14 @@
-"""StageConsensus and DropBudget: the check arithmetic, naming, single-process defaults,
-the budget's limits and records, and explicit gloo groups on 4 ranks."""
+"""StageConsensus and DropBudget: a call's local outcome, the check arithmetic, naming,
+single-process defaults, the budget's limits and records, explicit gloo groups on 4 ranks, and
+the default consensus of a guard built with no ``consensus=`` in an initialized
+torch.distributed job (docs/CONSENSUS.md): a fault on one of 4 gloo ranks makes every rank raise
+naming the culprit, the rank from torch.distributed even without ``RANK`` in the environment (a
+``spawn`` launch); ``consensus=False`` is the explicit way back to deciding alone."""
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 import time
 import types
@@ -18,11 +24,13 @@ from megatron_media_guard import (
     ConsensusError,
     DropBudgetExceeded,
     GuardConfig,
+    MediaAlignmentError,
     MediaGuard,
     MediaInputError,
 )
 from megatron_media_guard.core.outcome import LocalOutcome
-from megatron_media_guard.diagnostics import RankInfo
+from megatron_media_guard.core.plan import ItemRepair, Plan
+from megatron_media_guard.diagnostics import RankInfo, get_logger
 from megatron_media_guard.ranks.budget import DropBudget
 from megatron_media_guard.ranks.consensus import (
     StageConsensus,
@@ -50,6 +58,33 @@ def local(digest=7, fatal=False, step=1, mb=0, dropped=0, samples=4, message=Non
         fatal_sample=0 if fatal else None,
         message=message,
     )
+
+
+# ---- LocalOutcome.of_plan: a planned call's outcome, counted from its final plan ---------
+REPAIR = ItemRepair(item=1, sample=1, target=4, run=0)
+COUNTED = ("digest", "num_samples", "mismatched", "dropped", "repaired", "fatal", "fatal_sample")
+RAISED = dict(mismatched=2, message="boom", record={"event": "raise"})
+
+
+@pytest.mark.parametrize(
+    "plan, kw, want",  # want: the COUNTED fields
+    [
+        (Plan(("keep", "keep"), (), 11), {}, (11, 2, 0, 0, 0, False, None)),
+        (
+            Plan(("drop", "repair", "keep"), (REPAIR,), 12),
+            {"mismatched": 2},
+            (12, 3, 2, 1, 1, False, None),
+        ),
+        (Plan(("keep", "raise", "raise"), (), 13), RAISED, (13, 3, 2, 0, 0, True, 1)),
+        # a batch-level fatal (a message, no raising sample): fatal, no sample named
+        (Plan(("drop",), (), 14), {"message": "orphans"}, (14, 1, 0, 1, 0, True, None)),
+    ],
+)
+def test_of_plan_counts_the_plan(plan, kw, want):
+    out = LocalOutcome.of_plan(plan, 7, 3, **kw)
+    assert (out.step, out.microbatch) == (7, 3)
+    assert tuple(getattr(out, k) for k in COUNTED) == want
+    assert (out.message, out.record) == (kw.get("message"), kw.get("record"))
 
 
 # ---- the check lanes ----------------------------------------------------------------
@@ -311,3 +346,68 @@ def test_error_before_the_collective_still_joins_it():
     assert res[3]["own"] is True and "hidden size" in res[3]["msg"]
     for o in res[:3]:
         assert o["own"] is False and o["ctx"] == 3 and "hidden size" in o["msg"]
+
+
+# ---- the default consensus: no consensus= argument, 4 ranks ----------------------------------
+CULPRIT = 2
+
+
+def default_worker(rank: int, world: int, log_dir: str, mode: str) -> dict:
+    os.environ.pop("RANK", None)  # as under a spawn launch: only torch.distributed knows
+    if mode == "parallel_state":
+        from megatron.core import parallel_state as ps
+
+        ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    kwargs = {"consensus": False} if mode == "off" else {}
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    get_logger().addHandler(handler)
+    guard = MediaGuard(GuardConfig(log_dir=log_dir), Q, **kwargs)
+    MediaGuard(GuardConfig(), Q, **kwargs).close()  # a second guard: no second announcement
+    get_logger().removeHandler(handler)
+    batch = inject(Q, LAYOUT, "surplus_feature" if rank == CULPRIT else "none")
+    emb = torch.zeros(*batch.input_ids.shape, 8)
+    out = {"rank": guard.rank.rank, "tp": guard.rank.tp, "consensus": guard.consensus is not None}
+    out["announced"] = [m for m in seen if "torch.distributed is initialized" in m]
+    try:
+        guard.merge(emb, batch.input_ids, batch.features(8), batch.items, step=5)
+        out["error"] = None
+    except MediaAlignmentError as err:
+        out["error"] = str(err)
+        out["culprit"] = err.context.get("culprit_rank", guard.rank.rank)
+    finally:
+        guard.close()
+        if mode == "parallel_state":
+            ps.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["world", "parallel_state"])
+def test_every_rank_raises_naming_the_culprit_without_a_consensus_argument(tmp_path, mode):
+    res = run_ranks(default_worker, 4, args=(str(tmp_path), mode), timeout=120)
+    assert [r["rank"] for r in res] == [0, 1, 2, 3]  # from torch.distributed, RANK unset
+    assert all(r["consensus"] for r in res)
+    source = "parallel_state" if mode == "parallel_state" else "the world group"
+    for r in res:  # one line per process, saying which groups
+        assert len(r["announced"]) == 1 and source in r["announced"][0], r["announced"]
+    if mode == "parallel_state":
+        assert [r["tp"] for r in res] == [0, 1, 0, 1]
+    for r in res:
+        assert r["error"] is not None, f"rank {r['rank']} went on while rank {CULPRIT} raised"
+        assert r["culprit"] == CULPRIT
+        assert f"rank {CULPRIT}" in r["error"]
+    recs = records(tmp_path)
+    raised = [r for r in recs if r["event"] == "raise"]
+    assert [r["rank"] for r in raised] == [CULPRIT]  # the culprit's own record, not "rank ?"
+    assert sorted(r["rank"] for r in recs if r["event"] == "consensus") == [0, 1, 2, 3]
+
+
+@pytest.mark.timeout(150)
+def test_consensus_false_decides_per_rank(tmp_path):
+    res = run_ranks(default_worker, 4, args=(str(tmp_path), "off"), timeout=120)
+    assert [r["consensus"] for r in res] == [False] * 4
+    assert all(r["announced"] == [] for r in res)
+    assert [r["error"] is not None for r in res] == [r == CULPRIT for r in range(4)]
+    assert [r["rank"] for r in res] == [0, 1, 2, 3]

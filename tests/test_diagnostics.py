@@ -48,11 +48,6 @@ SEED = GuardRecord(
 )
 
 
-def catch() -> BufferingHandler:
-    """A handler keeping the log records it is handed (in ``buffer``)."""
-    return BufferingHandler(1 << 20)
-
-
 def _lines(path: Path) -> list[dict]:
     text = path.read_text(encoding="utf-8")
     assert text.endswith("\n")
@@ -119,13 +114,10 @@ def test_file_name(tmp_path, rank, name, field):
 @pytest.mark.parametrize(
     ("env", "rank"), [({"RANK": "5"}, 5), ({}, None), ({"RANK": "x"}, None), ({"RANK": " 2"}, 2)]
 )
-def test_rank_from_env(env, rank):
+def test_rank_from_env(monkeypatch, env, rank):
     assert RankInfo.from_env(env) == RankInfo(rank=rank)
-
-
-def test_rank_from_env_reads_os_environ(monkeypatch):
-    monkeypatch.setenv("RANK", "7")
-    assert DiagnosticsLog(None).rank.rank == 7
+    monkeypatch.setattr(os, "environ", env)  # a log without a rank reads os.environ
+    assert DiagnosticsLog(None).rank.rank == rank
 
 
 def test_no_log_dir_writes_nothing_but_logs(tmp_path, capsys):
@@ -145,7 +137,7 @@ def test_logger_is_idempotent_and_does_not_propagate(tmp_path, capsys):
     n = len(a.handlers)
     get_logger()
     assert len(a.handlers) == n
-    root_catch = catch()
+    root_catch = BufferingHandler(1 << 20)
     logging.getLogger().addHandler(root_catch)
     try:
         with DiagnosticsLog(tmp_path, RankInfo(rank=0)) as log:
@@ -169,7 +161,7 @@ def test_logger_is_idempotent_and_does_not_propagate(tmp_path, capsys):
     ],
 )
 def test_log_level_by_event(tmp_path, event, level):
-    seen = catch()
+    seen = BufferingHandler(1 << 20)
     get_logger().addHandler(seen)
     try:
         DiagnosticsLog(None, RankInfo(rank=0)).emit(GuardRecord(event))

@@ -18,31 +18,15 @@ import pytest
 import torch
 from dist_harness import run_ranks
 from family_checks import records
-
-from megatron_media_guard.geometry import Solution
+from test_plan_determinism import Geo, encoder
 
 H = 8
 LAYOUTS = {"tp2_dp2": (2, 1, 1), "dp2_cp2": (1, 1, 2), "pp2_dp2": (1, 2, 1)}
 MEDIA = [[("image", 4), ("image", 6)], [("image", 3)], [("image", 8)], [("image", 5)]]
 
 
-class StubGeometry:
-    def solve(
-        self, target: int, hw: tuple[int, int], num_frames: int = 1, *, hw_kind="source"
-    ) -> Solution:
-        return Solution(target, (target, 2), "unique", "stub geometry", None)
-
-
-class StubEncoder:
-    """``[C, n, 2]`` pixels -> ``[n, H]`` features; raises (an injected OOM) when told to."""
-
-    def __init__(self, fail: bool) -> None:
-        self.fail = fail
-
-    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
-        if self.fail:
-            raise RuntimeError("CUDA out of memory (injected on this rank)")
-        return pixels.mean(dim=(0, 2)).unsqueeze(1).expand(-1, H).contiguous()
+def _oom(pixels: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("CUDA out of memory (injected on this rank)")
 
 
 # scenario: (policy, steps, fault(rank, dp, step) -> fault name or None, extra)
@@ -102,8 +86,8 @@ def _run_scenario(name, ps, info, log_dir, step0):
         TEST_GRAMMARS["qwen"],
         rank=info,
         consensus=cons,
-        geometry=StubGeometry(),
-        encoder=StubEncoder(rank == extra.get("fail_rank")),
+        geometry=Geo(),
+        encoder=_oom if rank == extra.get("fail_rank") else encoder,
     )
     cons.bind(guard)  # proposed for MediaGuard.__init__ (see docs/CONSENSUS.md)
     out = {"error": None, "collectives": [], "dropped": [], "loss_masks": [], "digests": []}

@@ -1,27 +1,23 @@
 """Placeholders the policy generated (RL rollouts): under the loss and outside every region
 they are text, not media (``GuardConfig.generated``), in ``MediaGuard.merge`` and its last
-pipeline stage; the knob through the environment and the launcher."""
+pipeline stage (the knob through the environment and the launcher: tests/test_config_env.py)."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 
 import pytest
 import torch
+from family_checks import records
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_plan_determinism import assert_same, stages
 
 from megatron_media_guard import (
-    Grammar,
     GuardConfig,
     MediaAlignmentError,
     MediaGuard,
-    MediaInputError,
 )
-from megatron_media_guard.adapters.launcher import add_media_guard_args, config_from_args
 from megatron_media_guard.testing import TEST_GRAMMARS, build_batch, random_layout
 
 H = 8
@@ -48,12 +44,8 @@ def rollout(grammar=Q, layout=LAYOUT, sample=1, n=2, seed=0):
     return clean, bad, labels, resp.float(), at
 
 
-def features(batch):
-    return batch.features(H)
-
-
 def merge(guard, ids, batch, emb, **kw):
-    return guard.merge(emb, ids, features(batch), batch.items, **kw)
+    return guard.merge(emb, ids, batch.features(H), batch.items, **kw)
 
 
 def guard(policy="drop", generated="text", grammar=Q, **kw):
@@ -82,8 +74,7 @@ def test_fed_as_text_keeps_the_sample_bit_identical(policy, signal, tmp_path):
         assert (got is None) == (want is None) and (got is None or torch.equal(got, want))
     assert res.report.generated == ((1, tuple(at)),)
     g.close()
-    recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
-    fed = [r for r in recs if r["action"] == "text"]
+    fed = [r for r in records(tmp_path) if r["action"] == "text"]
     assert [(r["event"], r["sample"], r["extra"]["positions"]) for r in fed] == [("check", 1, at)]
     assert fed[0]["reason"].startswith("generated placeholder fed as text")
 
@@ -194,8 +185,10 @@ def test_property_generated_placeholders_never_change_another_sample(seed, name,
     clean, bad, _labels, lm, _at = rollout(g, layout, sample=k, n=n, seed=seed)
     emb = torch.randn(*bad.shape, H)
     cfg = GuardConfig(policy="drop", generated=generated)
-    res = MediaGuard(cfg, g).merge(emb, bad, features(clean), clean.items, loss_mask=lm)
-    ref = MediaGuard(cfg, g).merge(emb, clean.input_ids, features(clean), clean.items, loss_mask=lm)
+    res = MediaGuard(cfg, g).merge(emb, bad, clean.features(H), clean.items, loss_mask=lm)
+    ref = MediaGuard(cfg, g).merge(
+        emb, clean.input_ids, clean.features(H), clean.items, loss_mask=lm
+    )
     assert ref.report.actions == ("keep",) * len(layout)
     for smp in range(len(layout)):
         if smp != k:
@@ -207,24 +200,3 @@ def test_property_generated_placeholders_never_change_another_sample(seed, name,
         assert torch.equal(res.embeddings, ref.embeddings) and res.report.dropped == ()
     else:
         assert res.report.dropped == (k,)
-
-
-# ---- the knob -----------------------------------------------------------------------------
-
-
-def test_launcher_flag_and_its_environment_override():
-    parser = add_media_guard_args(argparse.ArgumentParser())
-    args = parser.parse_args(["--media-guard-generated", "raise"])
-    assert config_from_args(args, {}).generated == "raise"
-    assert config_from_args(args, {"MEDIA_GUARD_GENERATED": "drop"}).generated == "drop"
-    assert config_from_args(parser.parse_args([]), {}).generated == "text"
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--media-guard-generated", "keep"])
-
-
-def test_grammar_text_id():
-    assert Grammar.qwen2_vl().text_id == 151643
-    assert Grammar.llava().neutral_text_id() == 0
-    assert Grammar({"image": 0, "video": 1}, start_id=2, end_id=3).neutral_text_id() == 4
-    with pytest.raises(MediaInputError, match="text_id 5 is one of the grammar's own tokens"):
-        Grammar({"image": 5}, text_id=5)

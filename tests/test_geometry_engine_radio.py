@@ -11,12 +11,10 @@ trainer's frame (a grid the tiler keeps unchanged at an engine budget, never eng
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_geometry import assert_exact
 
-from megatron_media_guard import Grammar, parse_runs
 from megatron_media_guard.geometry import RadioTilerGeometry
 
 GEO = RadioTilerGeometry(min_num_patches=1024, max_num_patches=13312)
@@ -131,14 +129,3 @@ def test_property_every_run_of_a_request_is_reached_both_ways(sizes, max_len, ro
         frame = GEO.solve(it.tokens, GEO.size_for(hw), hw_kind="frame")
         assert frame.reachable
         assert_exact(GEO, GEO.size_for(hw), frame, it.tokens)
-
-
-# ---- issue 25 item 4: a fact from the seed's own tests ------------------------------------------
-def test_seed_fact_runs_of_an_expanded_nemotron_prompt():
-    """ids with <image> / <img> / </img> = 99 / 98 / 97: two regions, runs of 2 and 3."""
-    grammar = Grammar({"image": 99}, start_id=98, end_id=97)
-    ids = torch.tensor([[10, 98, 99, 99, 97, 11, 98, 99, 99, 99, 97]])
-    parsed = parse_runs(ids, grammar)
-    assert [r.length for r in parsed.runs] == [2, 3]
-    assert [(r.start, r.end) for r in parsed.runs] == [(2, 4), (7, 10)]
-    assert parsed.findings == ()

@@ -197,31 +197,33 @@ def test_token_ids_are_bounded_tighter_than_bytes(tmp_path, capsys):
     assert main(["replay", str(path), "--max-bytes", str(4 << 20)]) == 0  # aligned: no media
 
 
-# ---- MediaItem refuses what diagnostics could not carry ---------------------------------
+# ---- MediaItem refuses what diagnostics could not carry (and bad counts) ---------------------------------
 @pytest.mark.parametrize(
-    "sid, ok",
+    "fields, refused",
     [
-        ("abc", True),
-        (7, True),
-        (-(2**63) + 1, True),
-        (torch.tensor(5), False),  # str(x) or int(x) of it
-        (2**63, False),
-        (10**5000, False),
-        ("x" * 1025, False),
-        (1.5, False),
-        (object(), False),
-        (True, False),
-        (b"id", False),
+        ({"sample_id": "abc"}, None),
+        ({"sample_id": 7}, None),
+        ({"sample_id": -(2**63) + 1}, None),
+        ({"sample_id": torch.tensor(5)}, "sample_id"),  # str(x) or int(x) of it
+        ({"sample_id": 2**63}, "sample_id"),
+        ({"sample_id": 10**5000}, "sample_id"),
+        ({"sample_id": "x" * 1025}, "sample_id"),
+        ({"sample_id": 1.5}, "sample_id"),
+        ({"sample_id": object()}, "sample_id"),
+        ({"sample_id": True}, "sample_id"),
+        ({"sample_id": b"id"}, "sample_id"),
+        ({"num_features": -1}, "num_features"),
+        ({"num_features": 2.0}, "num_features"),
+        ({"sample": -1}, "sample"),
     ],
-    ids=lambda v: type(v).__name__ if not isinstance(v, bool) else str(v),
 )
-def test_sample_id_is_checked_at_construction(sid, ok):
-    if ok:
-        item = MediaItem(3, sample_id=sid)
-        assert type(item.sample_id) in (str, int)
+def test_media_item_checks_its_fields_at_construction(fields, refused):
+    fields = {"num_features": 3, **fields}
+    if refused is None:
+        assert type(MediaItem(**fields).sample_id) in (str, int)
     else:
-        with pytest.raises(MediaInputError, match="sample_id"):
-            MediaItem(3, sample_id=sid)
+        with pytest.raises(MediaInputError, match=refused):
+            MediaItem(**fields)
 
 
 def test_str_subclass_with_a_hostile_repr_is_stored_as_a_plain_str():

@@ -1,18 +1,17 @@
 """``GuardConfig.keep_tower`` on the real tiny transformers Qwen2.5-VL / Qwen3-VL (one process)
 where a call had media (all dropped, or fed), with ``inputs_embeds`` and in decoding steps, and
-``adapters.tower`` itself. A text-only call under each mode is every family's
+``adapters.tower`` itself (the knob's values: tests/test_config_env.py). A text-only call under each mode is every family's
 (tests/families/test_contract.py, tests/tower_check.py); the 2-rank FSDP2 / DDP loops are
 tests/test_parallel_tower.py's."""
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 
 import pytest
 import torch
 
 from megatron_media_guard import Grammar, GuardConfig, MediaGuard
-from megatron_media_guard.adapters.launcher import add_media_guard_args, config_from_args
 from megatron_media_guard.adapters.method_hook import Hook
 from megatron_media_guard.adapters.tower import TowerKeeper, float_leaves
 from megatron_media_guard.errors import MediaInputError
@@ -51,20 +50,6 @@ def batch(family: str, kind: str) -> dict:
     return bad  # "dropped": its one image mismatched, dropped under policy="drop"
 
 
-def test_keep_tower_is_validated_and_read_from_the_environment():
-    assert GuardConfig().keep_tower == "always"
-    with pytest.raises(MediaInputError, match="keep_tower must be one of"):
-        GuardConfig(keep_tower="sometimes")
-    cfg = GuardConfig().with_env({"MEDIA_GUARD_KEEP_TOWER": "on_drop"})
-    assert cfg.keep_tower == "on_drop"
-    with pytest.raises(MediaInputError, match="MEDIA_GUARD_KEEP_TOWER"):
-        GuardConfig().with_env({"MEDIA_GUARD_KEEP_TOWER": "yes"})
-    parser = add_media_guard_args(argparse.ArgumentParser())
-    args = parser.parse_args(["--media-guard-keep-tower", "never"])
-    assert config_from_args(args, {}).keep_tower == "never"
-    assert config_from_args(parser.parse_args([]), {}).keep_tower == "always"
-
-
 def test_keeper_anchors_the_embeddings_once_else_the_output():
     emb = torch.nn.Embedding(10, 4)
     tower = torch.nn.Linear(3, 2)
@@ -89,7 +74,9 @@ def test_keeper_anchors_the_embeddings_once_else_the_output():
     assert len(float_leaves({"x": [torch.ones(1), None, (torch.zeros(2),)]})) == 2
 
 
-def _spy_order(model) -> tuple[list[str], list]:
+@contextlib.contextmanager
+def _order(model):
+    """The calls of the vision tower and the first decoder layer within the block, in order."""
     order: list[str] = []
     hooks = [
         model.model.visual.register_forward_pre_hook(lambda m, a: order.append("visual")),
@@ -97,7 +84,11 @@ def _spy_order(model) -> tuple[list[str], list]:
             lambda m, a: order.append("layer0")
         ),
     ]
-    return order, hooks
+    try:
+        yield order
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -121,12 +112,8 @@ def test_the_tower_runs_before_the_decoder_and_changes_no_bit(family, kind, mode
             h.remove()
             want = model(**b).logits
             h.install_hooks()
-        order, hooks = _spy_order(model)
-        try:
+        with _order(model) as order:
             got = model(**b)
-        finally:
-            for x in hooks:
-                x.remove()
     assert order.count("visual") == calls, order
     if calls:
         assert order.index("visual") < order.index("layer0"), order
@@ -143,20 +130,14 @@ def test_inputs_embeds_and_decoding_steps():
     b = batch(family, "text")
     guard = MediaGuard(GuardConfig(), grammar=Grammar.qwen2_vl())
     emb = model.get_input_embeddings()(b["input_ids"]).detach()
-    with install_qwen_vl(model, guard):
-        order, hooks = _spy_order(model)
-        try:
-            out = model(inputs_embeds=emb, attention_mask=b["attention_mask"])
-            first = list(order)
+    with install_qwen_vl(model, guard), _order(model) as order:
+        out = model(inputs_embeds=emb, attention_mask=b["attention_mask"])
+        first = list(order)
+        with torch.no_grad():
+            pre = model(**b, use_cache=True)
             order.clear()
-            with torch.no_grad():
-                pre = model(**b, use_cache=True)
-                order.clear()
-                step = dict(input_ids=b["input_ids"][:, -1:], past_key_values=pre.past_key_values)
-                model(**step)
-        finally:
-            for x in hooks:
-                x.remove()
+            step = dict(input_ids=b["input_ids"][:, -1:], past_key_values=pre.past_key_values)
+            model(**step)
     assert first == ["visual", "layer0"]
     assert out.logits.grad_fn.name() == "AddBackward0"  # anchored at the output
     assert order == ["layer0"]

@@ -1,7 +1,7 @@
 """The package layout's rules (docs/ARCHITECTURE.md), checked on the source itself.
 
 - the core side (core/, geometry/, repair/) never imports torch.distributed or megatron;
-- the diagnostics side, the CLI entry and ``--help`` import no torch;
+- the diagnostics side, the CLI entry and every subcommand's ``--help`` import no torch;
 - no import cycle among the package's modules, counting every import statement (module
   level, inside functions, under ``if TYPE_CHECKING``);
 - the runtime never imports ``testing``;
@@ -358,18 +358,18 @@ import {name}, {name}.cli, {name}.errors, {name}.config
 import {name}.diagnostics, {name}.diagnostics.report, {name}.diagnostics.report_format
 from {name} import GuardConfig, MediaAlignmentError, MediaGuardError
 from {name}.diagnostics import GuardRecord
-try:
-    {name}.cli.main(["--help"])
-    {name}.cli.main(["report", "--help"])
-except SystemExit:
-    pass
+for argv in (["--help"], ["report", "--help"], ["replay", "--help"], ["smoke", "--help"]):
+    try:
+        {name}.cli.main(argv)
+    except SystemExit:
+        pass
 loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
 print("TORCH:" + ",".join(loaded[:5]))
 """
 
 
 @pytest.mark.timeout(120)
-def test_diagnostics_side_and_help_import_no_torch():
+def test_diagnostics_side_and_every_help_import_no_torch():
     out = subprocess.run(
         [sys.executable, "-c", TORCH_FREE.format(name=NAME)],
         capture_output=True,
@@ -379,3 +379,4 @@ def test_diagnostics_side_and_help_import_no_torch():
     ).stdout
     line = next(x for x in out.splitlines() if x.startswith("TORCH:"))
     assert line == "TORCH:", f"torch imported by the torch-free side: {line}"
+    assert all(f"usage: media-guard {cmd}" in out for cmd in ("report", "replay", "smoke")), out

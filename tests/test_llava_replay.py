@@ -4,13 +4,12 @@ same sample (a collapsed grammar's replay checks the runs per sample)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 pytest.importorskip("megatron.core.models.multimodal.llava_model")
 
+from family_checks import records
 from test_adapter_llava import CROSS, LAYOUT, TOK, TinyLLaVA, call, guard_for, make_batch
 
 from megatron_media_guard import Grammar, MediaAlignmentError, MediaItem
@@ -75,10 +74,7 @@ def test_max_length_fault_raises_the_record_the_peers_fetch_and_leaves_no_bundle
     # a replay cannot re-run a max-length fault: no bundle
     assert "replay bundle" not in str(e.value)
     assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())
-    recs = [
-        json.loads(s) for s in (tmp_path / "media_guard.rank00003.jsonl").read_text().splitlines()
-    ]
-    raised = [r for r in recs if r["event"] == "raise"]
+    raised = [r for r in records(tmp_path) if r["event"] == "raise"]
     assert raised[0]["sample"] == 2 and raised[0]["extra"] == {
         "adapter": "llava",
         "check": "max_length",

@@ -12,7 +12,7 @@ the dropping / text-only rank's tower gradient is zero; the parameters agree aft
 from __future__ import annotations
 
 import pytest
-from dist_harness import run_ranks
+from dist_harness import data_parallel, full_grads, run_ranks
 
 pytest.importorskip("transformers.models.qwen2_5_vl")
 pytest.importorskip("PIL")
@@ -114,19 +114,8 @@ def train_worker(rank: int, world: int, layout: str) -> dict:
             consensus=StageConsensus(),
         )
         handle = install_qwen_vl(model, guard)
-        if layout == "fsdp2":
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = init_device_mesh("cpu", (world,))
-            for layer in model.model.language_model.layers:  # NeMo-RL's per-module layout
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model.model.visual, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            wrapped, inner = model, model
-        else:
-            wrapped = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=False)
-            inner = wrapped.module
+        shard = [*model.model.language_model.layers, model.model.visual]
+        wrapped, inner = data_parallel(model, layout, shard)
         params = {n: p for n, p in inner.named_parameters() if p.requires_grad}
         ref_params = {n: p for n, p in ref.named_parameters() if p.requires_grad}
         opt = torch.optim.SGD(list(params.values()), lr=LR, foreach=False)
@@ -138,12 +127,7 @@ def train_worker(rank: int, world: int, layout: str) -> dict:
             loss = wrapped(**batch, labels=batch["input_ids"].clone()).loss
             loss.backward()
             dropped = guard.counters["dropped"]
-            grads = {}
-            for n, p in params.items():
-                g = p.grad
-                if g is not None and hasattr(g, "full_tensor"):
-                    g = g.full_tensor()  # FSDP2: a collective, same order on every rank
-                grads[n] = g
+            grads = full_grads(params)
             want = {n: torch.zeros_like(p) for n, p in ref_params.items()}
             local = {}
             for r, (b, drop) in enumerate(per_rank):

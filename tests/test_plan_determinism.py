@@ -108,11 +108,14 @@ def test_raise_policy_raises_on_both_stages_naming_the_sample():
 
 
 class Geo:
+    """Any target is reached, uniquely, by a ``target x 2`` frame."""
+
     def solve(self, target, hw, num_frames=1, *, hw_kind="source"):
         return Solution(target, (target, 2), "unique", "stub", None)
 
 
 def encoder(px: torch.Tensor) -> torch.Tensor:
+    """``[C, n, 2]`` pixels -> ``[n, H]`` features."""
     return px.mean(dim=(0, 2)).unsqueeze(1).expand(-1, H).contiguous()
 
 

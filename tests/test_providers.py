@@ -26,6 +26,13 @@ print("REPLAY:" + str("megatron_media_guard.replay" in sys.modules))
         # the public name: the package __init__ imports both providers first
         ("from megatron_media_guard import MediaGuard", "bundle,process"),
         ("import megatron_media_guard as m\nm.check_batch", "bundle,process"),
+        # a from-import of the lazily loaded names (the package alone loads no torch: test_layout)
+        (
+            "from megatron_media_guard import install_vlm, install_from_args, check_batch\n"
+            "from megatron_media_guard import MediaGuardError, MediaAlignmentError\n"
+            "from megatron_media_guard import MediaInputError, GuardConfig",
+            "bundle,process",
+        ),
         ("import megatron_media_guard.adapters", "bundle,process"),  # every adapter
         ("from megatron_media_guard.adapters.vlm_install import install_vlm", "bundle,process"),
         ("from megatron_media_guard.ranks.defaults import default_consensus", "process"),

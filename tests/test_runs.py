@@ -1,5 +1,7 @@
 """Run parsing: table-driven findings per grammar, and the vectorized parser against a
-per-token reference loop on random batches."""
+per-token reference loop on random batches; marker pairs nested right inside another pair's
+region (``Grammar.inner``, Qwen3-Omni's audio in video) on structured rows with one
+corruption."""
 
 from __future__ import annotations
 
@@ -21,6 +23,16 @@ P = TEST_GRAMMARS["pixtral"]  # img 10, break 11, end 12
 T = 1000  # a text token
 
 F = FindingKind
+# audio in video: the audio pair nests right inside a vision region (G); without inner, FLAT
+VS, VE, IMG, VID, AS, AE, AUD = 3, 4, 5, 6, 7, 9, 8
+G = Grammar(
+    {"image": IMG, "video": VID, "audio": AUD},
+    start_id=VS,
+    end_id=VE,
+    regions=((AS, AE),),
+    inner=((AS, AE),),
+)
+FLAT = Grammar({"image": IMG, "video": VID, "audio": AUD}, VS, VE, regions=((AS, AE),))
 
 
 @pytest.mark.parametrize(
@@ -50,6 +62,13 @@ F = FindingKind
         (P, [T, 11, 12], [(1, 2, 0, "break")], [(F.EMPTY_RUN, 1)]),
         # Pixtral: end without a run
         (P, [T, 12, T], [], [(F.END_WITHOUT_START, 1)]),
+        # the seed's expanded Nemotron prompt: <image> / <img> / </img> = 99 / 98 / 97
+        (
+            Grammar({"image": 99}, start_id=98, end_id=97),
+            [10, 98, 99, 99, 97, 11, 98, 99, 99, 99, 97],
+            [(2, 4, 2, "image"), (7, 10, 3, "image")],
+            [],
+        ),
         # collapsed (LLaVA): each token its own run
         (
             Grammar.llava(),
@@ -57,6 +76,54 @@ F = FindingKind
             [(1, 2, 1, "image"), (2, 3, 1, "image"), (4, 5, 1, "image")],
             [],
         ),
+        # audio in video: one region, video and audio runs alternating
+        (
+            G,
+            [T, VS, AS, VID, VID, AUD, AUD, AUD, VID, VID, AUD, AE, VE, T],
+            [(3, 5, 2, "video"), (5, 8, 3, "audio"), (8, 10, 2, "video"), (10, 11, 1, "audio")],
+            [],
+        ),
+        # a plain audio region and a plain video region beside it
+        (G, [T, AS, AUD, AE, T, VS, VID, VE], [(2, 3, 1, "audio"), (6, 7, 1, "video")], []),
+        # nested markers around nothing
+        (G, [T, VS, AS, AE, VE, T], [], []),
+        # the nested start never closed before the region's end
+        (
+            G,
+            [VS, AS, VID, AUD, VE, T],
+            [(2, 3, 1, "video"), (3, 4, 1, "audio")],
+            [(F.UNTERMINATED, 4)],
+        ),
+        # a nested end whose region opened without a nested start
+        (
+            G,
+            [VS, VID, AUD, AE, VE],
+            [(1, 2, 1, "video"), (2, 3, 1, "audio")],
+            [(F.END_WITHOUT_START, 3)],
+        ),
+        # an audio start inside a vision region, not right after its start: a nested start
+        (
+            G,
+            [VS, VID, AS, AUD, AE, VE],
+            [(1, 2, 1, "video"), (3, 4, 1, "audio")],
+            [(F.NESTED_START, 2), (F.END_WITHOUT_START, 4)],
+        ),
+        # an inner pair does not nest in itself
+        (
+            G,
+            [AS, AS, AUD, AE, AE],
+            [(2, 3, 1, "audio")],
+            [(F.NESTED_START, 1), (F.END_WITHOUT_START, 4)],
+        ),
+        # one bad region does not taint the next one
+        (
+            G,
+            [VS, AS, VID, VE, VS, AS, VID, AE, VE],
+            [(2, 3, 1, "video"), (6, 7, 1, "video")],
+            [(F.UNTERMINATED, 3)],
+        ),
+        # a run right before the nested end is closed; text there is not
+        (G, [VS, AS, VID, T, AE, VE], [(2, 3, 1, "video")], [(F.UNTERMINATED, 2)]),
     ],
 )
 def test_parse_table(grammar, row, runs, findings):
@@ -102,6 +169,9 @@ def test_bad_input_is_named(ids, cu, match):
         parse_runs(ids, Q, cu)
 
 
+INNER = dict(placeholders={"image": IMG, "audio": AUD}, start_id=VS, end_id=VE, regions=((AS, AE),))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -110,6 +180,9 @@ def test_bad_input_is_named(ids, cu, match):
         ({"placeholders": {"image": 3}, "start_id": 3, "end_id": 4}, "distinct"),
         ({"placeholders": {"image": 3}, "start_id": 1, "collapsed": True}, "collapsed"),
         ({"placeholders": {"image": 20, "video": 21}, "break_ids": (23,)}, "one placeholder"),
+        ({"placeholders": {"image": 5}, "text_id": 5}, "text_id 5 is one of the grammar's own"),
+        ({**INNER, "inner": ((AS, VE),)}, "must be marker pairs"),
+        ({**INNER, "inner": ((AS, AE), (VS, VE))}, "stay outer"),
     ],
 )
 def test_grammar_validation(kwargs, match):
@@ -123,6 +196,8 @@ def test_presets():
     assert (q.start_id, q.end_id) == (151652, 151653)
     assert Grammar.llava().collapsed and dict(Grammar.llava().placeholders) == {"image": -200}
     assert Grammar.pixtral(1, 2, 3).break_ids == (2,)
+    assert q.text_id == 151643 and Grammar.llava().neutral_text_id() == 0
+    assert Grammar({"image": 0, "video": 1}, start_id=2, end_id=3).neutral_text_id() == 4
     with pytest.raises(MediaInputError, match="not in grammar"):
         q.modality_code("audio")
 
@@ -233,3 +308,79 @@ def test_sync_free_structure_count(monkeypatch, name, row, cu, malformed):
     monkeypatch.setattr(torch, "nonzero", real)
     assert full == malformed
     assert (fast > 0) == malformed
+
+
+# ---- marker pairs nested inside another pair's region (Grammar.inner) ----------------
+def test_without_inner_the_same_row_is_a_nested_start():
+    row = torch.tensor([[VS, AS, VID, AUD, AE, VE]])
+    assert [f.kind for f in parse_runs(row, FLAT).findings] == [F.NESTED_START, F.END_WITHOUT_START]
+    assert parse_runs(row, G).findings == ()
+
+
+def test_packed_boundary_between_the_markers_nests_nothing():
+    # sample 0 ends right after its vision start: the audio start opens sample 1's own region
+    ids = torch.tensor([[T, VS, AS, AUD, AE, T]])
+    parsed = parse_runs(ids, G, torch.tensor([0, 2, 6]))
+    assert [(r.sample, r.modality) for r in parsed.runs] == [(1, "audio")]
+    assert [(f.kind, f.sample) for f in parsed.findings] == [(F.CUT_BY_BOUNDARY, 0)]
+
+
+def _region(rng: random.Random) -> list[int]:
+    kind = rng.choice(["image", "video", "audio", "aiv"])
+    if kind == "audio":
+        return [AS, *[AUD] * rng.randint(1, 4), AE]
+    if kind != "aiv":
+        return [VS, *[IMG if kind == "image" else VID] * rng.randint(1, 4), VE]
+    body = [rng.choice([VID, AUD]) for _ in range(rng.randint(0, 8))]
+    return [VS, AS, *body, AE, VE]
+
+
+def _row(rng: random.Random, corrupt: bool) -> list[int]:
+    row = [T]
+    for _ in range(rng.randint(0, 3)):
+        row += [*_region(rng), T + rng.randint(0, 3)]
+    if corrupt:
+        i = rng.randrange(len(row))
+        op = rng.choice(["drop", "replace", "insert"])
+        tok = rng.choice([VS, VE, AS, AE, VID, AUD, T])
+        row = (
+            row[:i] + row[i + 1 :]
+            if op == "drop"
+            else [*row[:i], tok, *row[i + (op == "replace") :]]
+        )
+    return row or [T]
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**31), corrupt=st.booleans(), packed=st.booleans())
+def test_property_structured_rows(seed, corrupt, packed):
+    rng = random.Random(seed)
+    rows = [_row(rng, corrupt and k == 0) for k in range(1 if packed else 2)]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [T] * (width - len(r)) for r in rows])
+    cu = None
+    if packed:
+        n = ids.shape[1]
+        cu = torch.tensor([0, *sorted(rng.sample(range(1, n + 1), k=min(n, rng.randint(1, 3))))])
+    parsed = parse_runs(ids, G, cu)
+    if not packed:
+        got = [(r.sample, r.start, r.end, r.length, r.modality) for r in parsed.runs]
+        assert got == reference_runs(ids, G)
+        if not corrupt:
+            assert parsed.findings == ()
+    lay = TokenLayout(ids, G, cu)
+    start, end = lay.run_bounds()
+    fast = int(lay.structure_violations(start, end))
+    assert (fast > 0) == bool((lay.finding_codes(start, end) != 0).any())
+
+
+def test_a_replay_bundle_keeps_the_inner_pairs(tmp_path):
+    from megatron_media_guard import MediaItem
+    from megatron_media_guard.replay.bundle import load_bundle
+    from megatron_media_guard.replay.bundle_save import save_bundle
+
+    ids = torch.tensor([[T, VS, AS, VID, AUD, AE, VE]])
+    items = [MediaItem(1, sample=0, modality="video"), MediaItem(1, sample=0, modality="audio")]
+    got = load_bundle(save_bundle(tmp_path, input_ids=ids, items=items, grammar=G)).grammar
+    assert got.inner == ((AS, AE),)
+    assert parse_runs(ids, got).findings == ()

@@ -3,7 +3,6 @@ whose per-rank JSONL must hold exactly what the smoke injected."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_checks import records
 
 from megatron_media_guard.core.alignment import check_alignment
 from megatron_media_guard.diagnostics.report import summarize
@@ -199,26 +199,24 @@ class _Ranked:
 
 @pytest.mark.dist
 @pytest.mark.timeout(120)
-def test_launcher_stops_a_hang_at_its_timeout():
+@pytest.mark.parametrize(
+    "entry, start_method, timed_out, needles",
+    [
+        (_hang, "forkserver", True, ["timed out after 4 s"]),
+        (_boom, "forkserver", False, ["rank 1", "boom on purpose"]),
+        (_boom, "spawn", False, ["rank 1", "boom on purpose"]),
+    ],
+)
+def test_launcher_stops_a_hang_and_names_the_rank_that_failed(
+    entry, start_method, timed_out, needles
+):
     from megatron_media_guard.smoke.launch import LaunchError, LaunchSpec, launch
 
+    spec = LaunchSpec(2, timeout_s=4 if timed_out else 60, start_method=start_method, preload=())
     with pytest.raises(LaunchError) as info:
-        launch(LaunchSpec(2, timeout_s=4, preload=()), None, entry=_hang)
-    assert info.value.timed_out and not info.value.interrupted
-    assert "timed out after 4 s" in str(info.value)
-
-
-@pytest.mark.dist
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
-def test_launcher_names_the_rank_that_failed(start_method):
-    from megatron_media_guard.smoke.launch import LaunchError, LaunchSpec, launch
-
-    spec = LaunchSpec(2, timeout_s=60, start_method=start_method, preload=())
-    with pytest.raises(LaunchError) as info:
-        launch(spec, None, entry=_boom)
-    assert not info.value.timed_out
-    assert "rank 1" in str(info.value) and "boom on purpose" in str(info.value)
+        launch(spec, None, entry=entry)
+    assert info.value.timed_out is timed_out and not info.value.interrupted
+    assert all(n in str(info.value) for n in needles), str(info.value)
 
 
 def test_launcher_refuses_fork():
@@ -239,10 +237,9 @@ def _smoke(tmp_path, *flags, timeout=240):
 
 
 def _records(run_dir: Path) -> dict[int, list[dict]]:
-    out = {}
-    for f in sorted(run_dir.glob("media_guard.rank*.jsonl")):
-        recs = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-        out[int(f.name[len("media_guard.rank") : -len(".jsonl")])] = recs
+    out: dict[int, list[dict]] = {}
+    for rec in records(run_dir):
+        out.setdefault(rec["rank"], []).append(rec)
     return out
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from dist_harness import run_ranks
+from dist_harness import data_parallel, full_grads, run_ranks
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError
 from megatron_media_guard.core.host import count_transfers
@@ -164,29 +164,26 @@ def minimal_worker(rank: int, world: int, names: tuple[str, ...]) -> dict:
     return out
 
 
-def _check_minimal(res: list[dict], names) -> None:
+BRIDGE_SKIP = pytest.mark.skipif(loader.missing() is not None, reason=loader.missing() or "")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    "names",
+    [
+        pytest.param(tuple(CASES), id="every family"),
+        pytest.param((BRIDGE_CASE,), marks=BRIDGE_SKIP, id="bridge"),
+    ],
+)
+def test_every_family_joins_the_round_whatever_the_rank_holds(names):
+    if names == (BRIDGE_CASE,):
+        pytest.importorskip("transformers.models.qwen3_omni_moe")
+    res = run_ranks(minimal_worker, 2, args=(names,), timeout=120, pg_timeout=20)
     for name in names:
         for rank in (0, 1):
-            got = res[rank][name]
             want = [(k + 1, (ACTION[p[rank]],)) for k, p in enumerate(PAIRS)]
-            assert got == want, (name, rank, got)
-
-
-@pytest.mark.dist
-@pytest.mark.timeout(150)
-def test_every_family_joins_the_round_whatever_the_rank_holds():
-    names = tuple(CASES)
-    res = run_ranks(minimal_worker, 2, args=(names,), timeout=120, pg_timeout=20)
-    _check_minimal(res, names)
-
-
-@pytest.mark.dist
-@pytest.mark.timeout(150)
-@pytest.mark.skipif(loader.missing() is not None, reason=loader.missing() or "")
-def test_bridge_inputs_family_joins_the_round():
-    pytest.importorskip("transformers.models.qwen3_omni_moe")
-    res = run_ranks(minimal_worker, 2, args=((BRIDGE_CASE,),), timeout=120, pg_timeout=20)
-    _check_minimal(res, (BRIDGE_CASE,))
+            assert res[rank][name] == want, (name, rank, res[rank][name])
 
 
 # ---- FSDP2 / DDP: a text-only rank trains in step ----------------------------------------------
@@ -224,23 +221,10 @@ def train_worker(rank: int, world: int, layout: str) -> dict:
         model.zero_grad(set_to_none=True)
         ref = copy.deepcopy(model)
         handle = install_vlm(model, GuardConfig(policy="drop"), tokenizer=case.tokens)
-        if layout == "fsdp2":
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = init_device_mesh("cpu", (world,))
-            layers = next(
-                m
-                for n, m in model.named_modules()
-                if "language_model" in n and n.endswith("layers")
-            )
-            for layer in layers:  # NeMo-RL's per-module layout: each decoder layer, then the root
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            wrapped, inner = model, model
-        else:
-            wrapped = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=False)
-            inner = wrapped.module
+        layers = next(
+            m for n, m in model.named_modules() if "language_model" in n and n.endswith("layers")
+        )
+        wrapped, inner = data_parallel(model, layout, shard=layers)
         params = {n: p for n, p in inner.named_parameters() if p.requires_grad}
         ref_params = {n: p for n, p in ref.named_parameters() if p.requires_grad}
         steps = []
@@ -248,12 +232,7 @@ def train_worker(rank: int, world: int, layout: str) -> dict:
             kw = per_rank[rank]
             loss = wrapped(**kw, labels=_labels(kw)).loss
             loss.backward()
-            grads = {}
-            for n, p in params.items():
-                g = p.grad
-                if g is not None and hasattr(g, "full_tensor"):
-                    g = g.full_tensor()  # FSDP2: a collective, in the same order on every rank
-                grads[n] = g
+            grads = full_grads(params)
             t = torch.ones(4)
             dist.all_reduce(t)
             want = {n: torch.zeros_like(p) for n, p in ref_params.items()}
@@ -328,10 +307,7 @@ def _model_inputs(model, handle, kw: dict) -> dict:
     return got
 
 
-BRIDGE = pytest.param(
-    BRIDGE_CASE,
-    marks=pytest.mark.skipif(loader.missing() is not None, reason=loader.missing() or ""),
-)
+BRIDGE = pytest.param(BRIDGE_CASE, marks=BRIDGE_SKIP)
 
 
 @pytest.mark.parametrize("name", [*CASES, BRIDGE])

@@ -1,11 +1,13 @@
-"""The marker-grammar check (core/verify_lut.py) against the tables check it stands in for:
-same run count, same structure verdict, same keep-all decision, same placeholder mask."""
+"""The aligned path's checks: the marker-grammar check (core/verify_lut.py) against the tables
+check it stands in for (same run count, same structure verdict, same keep-all decision, same
+placeholder mask), and the combined run check (length and modality at each run end as one
+key) catching any modality swap or length change, for one, two and three modalities."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_media_guard import GuardConfig, MediaGuard, MediaItem
@@ -13,6 +15,7 @@ from megatron_media_guard.core import verify as V
 from megatron_media_guard.core import verify_lut
 from megatron_media_guard.core.grammar import Grammar
 from megatron_media_guard.core.runs import TokenLayout, parse_runs
+from megatron_media_guard.testing import TEST_GRAMMARS, build_batch
 
 Q = Grammar.qwen2_vl()
 INTERN = Grammar.internvl(10, 11, 12)
@@ -109,3 +112,49 @@ def test_an_item_longer_than_its_row_never_reads_as_a_later_run(samples, extra):
         torch.zeros(2, 4, 3), ids, torch.ones(n, 3), items
     )
     assert res.report.dropped and not res.report.ok
+
+
+# ---- the combined run check ----------------------------------------------------------------
+GRAMMARS = {n: TEST_GRAMMARS[n] for n in ("qwen", "plain", "internvl", "pixtral")}
+GRAMMARS["three"] = Grammar({"image": 13, "video": 14, "audio": 15}, start_id=16, end_id=17)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    name=st.sampled_from(list(GRAMMARS)),
+    data=st.data(),
+    fault=st.sampled_from(["none", "modality", "length"]),
+)
+def test_property_aligned_iff_every_item_matches_its_run(name, data, fault):
+    g = GRAMMARS[name]
+    mods = list(g.placeholders)
+    layout = data.draw(
+        st.lists(
+            st.lists(st.tuples(st.sampled_from(mods), st.integers(1, 6)), max_size=3),
+            min_size=1,
+            max_size=3,
+        )
+    )
+    batch = build_batch(g, layout, text=2)
+    items = list(batch.items)
+    if fault != "none" and items:
+        k = data.draw(st.integers(0, len(items) - 1))
+        it = items[k]
+        if fault == "modality" and len(mods) > 1:
+            other = data.draw(st.sampled_from([m for m in mods if m != it.modality]))
+            items[k] = MediaItem(it.num_features, sample=it.sample, modality=other)
+        elif fault == "length":
+            items[k] = MediaItem(it.num_features + 1, sample=it.sample, modality=it.modality)
+        else:
+            fault = "none"
+    else:
+        fault = "none"
+    feats = torch.randn(sum(i.num_features for i in items), 4)
+    emb = torch.randn(*batch.input_ids.shape, 4)
+    res = MediaGuard(GuardConfig(policy="drop"), grammar=g).merge(
+        emb, batch.input_ids, feats, items
+    )
+    if fault == "none":
+        assert res.report.ok and res.report.alignment is None  # decided on the aligned path
+    else:
+        assert res.report.dropped == (items[k].sample,)
