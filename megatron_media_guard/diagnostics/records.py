@@ -97,7 +97,7 @@ class GuardRecord:
 _RECORD_FIELDS: tuple[str, ...] = tuple(
     f.name for f in fields(GuardRecord) if f.name not in ("event", "step", "microbatch", "extra")
 )
-_RANK_FIELDS = ("rank", "tp", "pp", "dp", "cp")
+_RANK_FIELDS = tuple(f.name for f in fields(RankInfo))
 SCHEMA_KEYS: tuple[str, ...] = (
     *("schema", "time", "host", "pid", *_RANK_FIELDS, "step", "microbatch", "event"),
     *_RECORD_FIELDS,
@@ -357,16 +357,12 @@ def summary_line(rec: Mapping[str, object], *, where: bool = True) -> str:
     ms = g("duration_ms")
     if isinstance(ms, (int, float)) and not isinstance(ms, bool):
         body.append(f"{ms:.3g} ms")
-    event, action = one_line(g("event", "?"), 20), g("action")
-    end = ""
-    if action is None and event in ("drop", "raise", "repair"):  # the event is the action
-        end = f" -> {event}"
-    elif action is None:  # a record of no decision (a step's counters): its event first
+    event = one_line(g("event", "?"), 20)
+    action = None if g("action") is None else one_line(g("action"), 40)
+    end = f" -> {event}" if action in (None, event) else f" -> {action} ({event})"
+    if action is None and event not in ("drop", "raise", "repair"):  # else the event is the action
+        end = ""  # a record of no decision (a step's counters): its event first
         subject.insert(0, event)
-    elif one_line(action, 40) == event:
-        end = f" -> {event}"
-    else:
-        end = f" -> {one_line(action, 40)} ({event})"
     line = ", ".join(subject)
     if body:
         line = f"{line}: {'; '.join(body)}" if line else "; ".join(body)

@@ -1,12 +1,8 @@
 """Reading rank files for the post-mortem: safely (:func:`open_rank_file`), each record reduced
-to the bounded facts the counters take (:func:`record_facts`), and fast (:class:`LineTemplates`,
-docs/DIAGNOSTICS.md "Memory and speed").
-
-The fast path: a writer-shaped line is cut into its *template* (the line less its ``time``,
-``step`` and ``microbatch`` values) and those values. A template's facts are stored only after a
-probe (the template re-filled with sentinels parses to the same object with exactly those three
-fields changed): its cut positions are the structural fields, not text inside a string. A later
-line with the same template and valid value tokens then has the stored facts, unparsed.
+to the bounded facts the counters take (:func:`record_facts`), and fast (:class:`LineTemplates`:
+a writer-shaped line's facts stored under its *template*, the line less its ``time``, ``step``
+and ``microbatch`` values, once a probe proves the cuts structural; docs/DIAGNOSTICS.md,
+"Memory and speed").
 """
 
 from __future__ import annotations
@@ -84,7 +80,9 @@ def parse_line(line: str, loads=json.loads) -> tuple[str, dict | None]:
 
 
 class LineTemplates:
-    """Facts of verified templates (see the module docstring); bounded.
+    """Facts of templates whose probe (the template re-filled with sentinels parses to the same
+    object with exactly those three fields changed) proved its cut positions the structural
+    fields, not text inside a string; bounded.
 
     A template is probed (a second parse) only when seen for the second time, so lines that
     never repeat cost one parse each; a file whose first :data:`PROBE_LINES` lines are nearly
