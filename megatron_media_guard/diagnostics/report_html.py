@@ -340,10 +340,7 @@ def render_html(summary: ReportSummary, title: str = "media-guard report") -> st
             _table(["records", "reason", "example record", "where"], reasons, "reasons")
             + (f"<p class=note>{more} more reasons: see --json.</p>" if more > 0 else ""),
         ),
-        (
-            f"Top offending sample ids (repair/drop/raise){note}",
-            _table(_ID_HEAD, ids),
-        ),
+        (f"Top offending sample ids (repair/drop/raise){note}", _table(_ID_HEAD, ids)),
         ("Per modality", _counts(s, "modality")),
         ("Per model family", _counts(s, "family")),
     ]
