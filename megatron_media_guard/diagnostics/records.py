@@ -42,12 +42,11 @@ class RankInfo:
     cp: int | None = None
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> RankInfo:
+    def from_env(cls) -> RankInfo:
         """Global rank from ``RANK`` (set by torchrun) when it is an integer; the rest None
         (never imports torch.distributed: the parallel coordinates are the caller's)."""
-        env = os.environ if environ is None else environ
         try:
-            rank = int(env["RANK"])
+            rank = int(os.environ["RANK"])
         except (KeyError, ValueError):
             rank = None
         return cls(rank=rank)
@@ -314,26 +313,21 @@ def summary_line(rec: Mapping[str, object], *, where: bool = True) -> str:
     540) -> drop``. Tolerates missing and mistyped fields. ``where=False``: without the
     ``[media-guard] <where>:`` head (a message names the where once, above)."""
     g = rec.get
-    subject = []
+    head = []
     if g("sample") is not None:
-        head = f"sample {one_line(g('sample'), 20)}"
+        head.append(f"sample {one_line(g('sample'), 20)}")
         sid = g("sample_id")
         if sid is not None:  # a string id quoted: ``'abc'`` is not ``abc``
-            head += f" (sample_id {one_line(repr(sid) if isinstance(sid, str) else sid, 80)})"
-        if g("row") is not None:
-            head += f" row {one_line(g('row'), 20)}"
-        subject.append(head)
-    elif g("row") is not None:
-        subject.append(f"row {one_line(g('row'), 20)}")
+            head.append(f"(sample_id {one_line(repr(sid) if isinstance(sid, str) else sid, 80)})")
+    if g("row") is not None:
+        head.append(f"row {one_line(g('row'), 20)}")
     media = _media(g)
     modality = one_line(g("modality"), 20) if g("modality") is not None else None
     if modality == "sample":  # a packed sub-sample's own fault: the sample says it
         modality = None
-    if g("item") is not None:
-        item = f"{modality + ' ' if modality else ''}item {one_line(g('item'), 20)}"
-        subject.append(item + (f" ({media})" if media else ""))
-    elif modality or media:
-        subject.append(" ".join(x for x in (modality, f"({media})" if media else "") if x))
+    item = None if g("item") is None else f"item {one_line(g('item'), 20)}"
+    what = [x for x in (modality, item, f"({media})" if media else None) if x]
+    subject = [" ".join(part) for part in (head, what) if part]
     exp, got = _ints(g("expected")), _ints(g("got"))
     extra = g("extra")
     status = extra.get("status") if isinstance(extra, Mapping) else None
