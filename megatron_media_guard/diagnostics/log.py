@@ -129,7 +129,8 @@ class DiagnosticsLog:
     # -- writing ----------------------------------------------------------------
     def emit(self, record: GuardRecord, *, caller: str | None = None) -> dict[str, object]:
         """Write ``record`` as one fsync-ed line, log its summary, return the object written.
-        Never raises (see the module docstring)."""
+        Never raises: a write failure is counted and logged once (:meth:`describe_path` says
+        so), a record that cannot be serialized is written as its event alone, naming why."""
         caller = caller if caller is not None else _caller_name(1)
         if self._rank_source is not None:
             self._refresh_rank()
