@@ -42,11 +42,12 @@ class RankInfo:
     cp: int | None = None
 
     @classmethod
-    def from_env(cls) -> RankInfo:
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> RankInfo:
         """Global rank from ``RANK`` (set by torchrun) when it is an integer; the rest None
         (never imports torch.distributed: the parallel coordinates are the caller's)."""
+        env = os.environ if environ is None else environ
         try:
-            rank = int(os.environ["RANK"])
+            rank = int(env["RANK"])
         except (KeyError, ValueError):
             rank = None
         return cls(rank=rank)
