@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .log import open_regular
-from .report_grid import _LABEL_LEN, NONE_LABEL, _family, _label, _size, _small
+from .report_grid import _LABEL_LEN, NONE_LABEL, _label
 
 MAX_TEMPLATE_LINE = 4096  # longer lines are always parsed (their templates would cost memory)
 MAX_TEMPLATES = 8192  # the cache is cleared when full: memory stays bounded
@@ -115,6 +115,20 @@ class LineTemplates:
         self.facts[template] = facts
 
 
+def _small(value: object) -> object:
+    """An int as is, anything else (None aside) as a short label: an item description."""
+    return value if value is None or type(value) is int else _label(value, 40)
+
+
+def _size(value: object) -> str | None:
+    """``[h, w]`` as ``"HxW"``, anything else a short label (None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, list) and len(value) == 2 and all(type(v) is int for v in value):
+        return f"{value[0]}x{value[1]}"
+    return _label(value, 40)
+
+
 def record_facts(rec: dict, reason_class: Callable[[object], str]) -> tuple:
     """What the counters need from a record, every string bounded: (rank or None, event,
     action, reason class, sample id or None, schema is 1, (modality, family), the item
@@ -136,9 +150,14 @@ def record_facts(rec: dict, reason_class: Callable[[object], str]) -> tuple:
             sid = _label(sid)
     else:
         sid = None
-    modality, family = _label(get("modality"), 40), _label(_family(rec), 40)
-    hw, extra = get("frame_hw"), get("extra")
-    if hw is None and isinstance(extra, dict):
+    extra = get("extra")
+    extra = extra if isinstance(extra, dict) else {}
+    family = get("family")
+    if family is None:  # else the adapter's extra says it
+        family = extra.get("family", extra.get("adapter"))
+    modality, family = _label(get("modality"), 40), _label(family, 40)
+    hw = get("frame_hw")
+    if hw is None:
         hw = extra.get("size_hw")  # a repair's engine-sized image
     item = (
         None if modality == NONE_LABEL else modality,
