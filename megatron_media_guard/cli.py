@@ -76,12 +76,7 @@ def _report_arguments(p: argparse.ArgumentParser) -> None:
         help=f"exit {EXIT_FAIL_ON} when records of EVENT remain after the filters",
     )
     p.add_argument("--top", type=int, default=20, help="offending sample ids shown (default 20)")
-    p.add_argument(
-        "--jobs",
-        type=int,
-        default=None,
-        help="reader processes (default: one per CPU, up to files)",
-    )
+    p.add_argument("--jobs", type=int, help="reader processes (default: one per CPU, up to files)")
 
 
 def _report_error(args: argparse.Namespace, message: str) -> int:
@@ -101,11 +96,7 @@ def _report_run(args: argparse.Namespace) -> int:
 
     try:
         summary = summarize(
-            args.dir,
-            ranks=args.rank,
-            steps=args.step,
-            top=max(0, args.top),
-            jobs=args.jobs,
+            args.dir, ranks=args.rank, steps=args.step, top=max(0, args.top), jobs=args.jobs
         )
     except MediaGuardError as err:
         return _report_error(args, str(err))

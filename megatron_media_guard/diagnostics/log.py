@@ -1,11 +1,6 @@
-"""The per-rank JSONL writer and the library's logger.
-
-:meth:`DiagnosticsLog.emit` returns once the line is on disk (one ``os.write`` on an
-``O_APPEND`` descriptor, then ``os.fsync``) and never raises: a write failure is counted and
-logged once (:meth:`DiagnosticsLog.describe_path` says so in the guard's message), a record
-that cannot be serialized is written as its event alone, naming the failure. Only a regular file
-is written (opened with ``O_NONBLOCK``, checked with ``fstat``), and a torn tail costs only
-the torn line. docs/DIAGNOSTICS.md states these guarantees in full. Never imports torch.
+"""The per-rank JSONL writer and the library's logger. :meth:`DiagnosticsLog.emit` returns once
+the line is on disk and never raises (docs/DIAGNOSTICS.md, "Durability guarantee", states what
+that takes). Never imports torch.
 """
 
 from __future__ import annotations
@@ -134,7 +129,8 @@ class DiagnosticsLog:
     # -- writing ----------------------------------------------------------------
     def emit(self, record: GuardRecord, *, caller: str | None = None) -> dict[str, object]:
         """Write ``record`` as one fsync-ed line, log its summary, return the object written.
-        Never raises (see the module docstring)."""
+        Never raises: a write failure is counted and logged once (:meth:`describe_path` says
+        so), a record that cannot be serialized is written as its event alone, naming why."""
         caller = caller if caller is not None else _caller_name(1)
         if self._rank_source is not None:
             self._refresh_rank()
@@ -192,7 +188,9 @@ class DiagnosticsLog:
         try:
             fd = self._open()
             size = os.fstat(fd).st_size
-            if size != self._end and size > 0 and not self._ends_with_newline(fd, size):
+            stale = size != self._end and size > 0  # not where this writer left the file
+            # a write-only file cannot be looked at: a blank line is harmless, a glued record is not
+            if stale and (not self._readable or os.pread(fd, 1, size - 1) != b"\n"):
                 data = b"\n" + data  # terminate a torn line: only that line is lost
             view = memoryview(data)
             while view:
@@ -208,11 +206,6 @@ class DiagnosticsLog:
                 self._logger.error(
                     "[media-guard] cannot write diagnostics to %s: %s", self.path, err
                 )
-
-    def _ends_with_newline(self, fd: int, size: int) -> bool:
-        if not self._readable:
-            return False  # cannot look: a blank line is harmless, a glued record is not
-        return os.pread(fd, 1, size - 1) == b"\n"
 
     def _open(self) -> int:
         pid = os.getpid()

@@ -97,7 +97,7 @@ class GuardRecord:
 _RECORD_FIELDS: tuple[str, ...] = tuple(
     f.name for f in fields(GuardRecord) if f.name not in ("event", "step", "microbatch", "extra")
 )
-_RANK_FIELDS = ("rank", "tp", "pp", "dp", "cp")
+_RANK_FIELDS = tuple(f.name for f in fields(RankInfo))
 SCHEMA_KEYS: tuple[str, ...] = (
     *("schema", "time", "host", "pid", *_RANK_FIELDS, "step", "microbatch", "event"),
     *_RECORD_FIELDS,
@@ -314,26 +314,21 @@ def summary_line(rec: Mapping[str, object], *, where: bool = True) -> str:
     540) -> drop``. Tolerates missing and mistyped fields. ``where=False``: without the
     ``[media-guard] <where>:`` head (a message names the where once, above)."""
     g = rec.get
-    subject = []
+    head = []
     if g("sample") is not None:
-        head = f"sample {one_line(g('sample'), 20)}"
+        head.append(f"sample {one_line(g('sample'), 20)}")
         sid = g("sample_id")
         if sid is not None:  # a string id quoted: ``'abc'`` is not ``abc``
-            head += f" (sample_id {one_line(repr(sid) if isinstance(sid, str) else sid, 80)})"
-        if g("row") is not None:
-            head += f" row {one_line(g('row'), 20)}"
-        subject.append(head)
-    elif g("row") is not None:
-        subject.append(f"row {one_line(g('row'), 20)}")
+            head.append(f"(sample_id {one_line(repr(sid) if isinstance(sid, str) else sid, 80)})")
+    if g("row") is not None:
+        head.append(f"row {one_line(g('row'), 20)}")
     media = _media(g)
     modality = one_line(g("modality"), 20) if g("modality") is not None else None
     if modality == "sample":  # a packed sub-sample's own fault: the sample says it
         modality = None
-    if g("item") is not None:
-        item = f"{modality + ' ' if modality else ''}item {one_line(g('item'), 20)}"
-        subject.append(item + (f" ({media})" if media else ""))
-    elif modality or media:
-        subject.append(" ".join(x for x in (modality, f"({media})" if media else "") if x))
+    item = None if g("item") is None else f"item {one_line(g('item'), 20)}"
+    what = [x for x in (modality, item, f"({media})" if media else None) if x]
+    subject = [" ".join(part) for part in (head, what) if part]
     exp, got = _ints(g("expected")), _ints(g("got"))
     extra = g("extra")
     status = extra.get("status") if isinstance(extra, Mapping) else None
@@ -357,16 +352,12 @@ def summary_line(rec: Mapping[str, object], *, where: bool = True) -> str:
     ms = g("duration_ms")
     if isinstance(ms, (int, float)) and not isinstance(ms, bool):
         body.append(f"{ms:.3g} ms")
-    event, action = one_line(g("event", "?"), 20), g("action")
-    end = ""
-    if action is None and event in ("drop", "raise", "repair"):  # the event is the action
-        end = f" -> {event}"
-    elif action is None:  # a record of no decision (a step's counters): its event first
+    event = one_line(g("event", "?"), 20)
+    action = None if g("action") is None else one_line(g("action"), 40)
+    end = f" -> {event}" if action in (None, event) else f" -> {action} ({event})"
+    if action is None and event not in ("drop", "raise", "repair"):  # else the event is the action
+        end = ""  # a record of no decision (a step's counters): its event first
         subject.insert(0, event)
-    elif one_line(action, 40) == event:
-        end = f" -> {event}"
-    else:
-        end = f" -> {one_line(action, 40)} ({event})"
     line = ", ".join(subject)
     if body:
         line = f"{line}: {'; '.join(body)}" if line else "; ".join(body)

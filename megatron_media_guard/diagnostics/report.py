@@ -2,10 +2,8 @@
 bounded counters (in worker processes for large runs) and folds them into a
 :class:`ReportSummary`; :mod:`.report_format` renders it as text, :mod:`.report_html` as a page.
 
-Bounded (docs/DIAGNOSTICS.md, "Memory and speed"): ``COMBO_CAP`` (rank, event, action, reason
-class, kind) keys, ``LABEL_CAP`` reason classes (digits as ``#``), sample ids in a Misra-Gries
-counter (exact below 2 x ``TOP_CAPACITY`` distinct ids). The first fatal record is the earliest
-``raise`` (time, then rank, then step).
+Its bounds (``COMBO_CAP``, ``LABEL_CAP``, ``TOP_CAPACITY``): docs/DIAGNOSTICS.md, "Memory and
+speed".
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""Text rendering of a :class:`~.report.ReportSummary` (``media-guard report`` without ``--json``).
-
-Totals and skipped lines first, then the first fatal record, then tables by rank, event,
-action and reason class, then the top offending sample ids. Long tables are cut with a
-pointer to ``--json`` (:meth:`ReportSummary.to_dict` holds everything).
-
-Files are named relative to the directory they share (``run-a/media_guard.rank00001.jsonl``
-when a smoke directory holds several runs). Every control character of the text (escape
-sequences in a hostile record, a file name with a newline) is shown escaped (``\x1b``),
-never sent to the terminal.
+"""Text rendering of a :class:`~.report.ReportSummary` (``media-guard report`` without ``--json``;
+its sections: docs/DIAGNOSTICS.md). Long tables are cut with a pointer to ``--json``; files are
+named relative to the directory they share; every control character is shown escaped.
 """
 
 from __future__ import annotations
@@ -80,11 +73,8 @@ def _rank_table(by_rank: Mapping[int | None, Mapping[str, int]], limit: int = 32
     for r in ranks:
         per = by_rank[r]
         vals = [sum(per.values()), *(per.get(e, 0) for e in events)]
-        out.append(
-            "  "
-            + f"{'?' if r is None else r:>6}"
-            + "".join(f"  {v:>{w},}" for v, w in zip(vals, widths))
-        )
+        row = "".join(f"  {v:>{w},}" for v, w in zip(vals, widths))
+        out.append(f"  {'?' if r is None else r:>6}{row}")
     if len(by_rank) > limit:
         out.append(f"  ... {len(by_rank) - limit} more ranks (see --json)")
     return out

@@ -170,30 +170,6 @@ def _label(value: object, limit: int = _LABEL_LEN) -> str:
     return one_line(value, limit) or NONE_LABEL
 
 
-def _family(rec: dict) -> object:
-    """The model family a record names: ``family``, else ``extra.family`` / ``extra.adapter``."""
-    if rec.get("family") is not None:
-        return rec.get("family")
-    extra = rec.get("extra")
-    if isinstance(extra, dict):
-        return extra.get("family", extra.get("adapter"))
-    return None
-
-
-def _small(value: object) -> object:
-    """An int as is, anything else (None aside) as a short label: an item description."""
-    return value if value is None or type(value) is int else _label(value, 40)
-
-
-def _size(value: object) -> str | None:
-    """``[h, w]`` as ``"HxW"``, anything else a short label (None stays None)."""
-    if value is None:
-        return None
-    if isinstance(value, list) and len(value) == 2 and all(type(v) is int for v in value):
-        return f"{value[0]}x{value[1]}"
-    return _label(value, 40)
-
-
 def _empty() -> Mapping:
     return MappingProxyType({})
 

@@ -1,15 +1,9 @@
 """The post-mortem as one self-contained page (``media-guard report DIR --html FILE``): a
-:class:`~.report.ReportSummary` (nothing re-read) as HTML with inline CSS and SVG; no script,
-font or network access (it opens from ``file://`` and survives being mailed). Sections: the
-run and its first fatal; a rank x step heatmap of drop/repair/raise/budget records (at most
-:data:`MAX_ROWS` x :data:`MAX_COLS` cells, the bin size stated, exact counts in each cell's
-title); records over steps; reasons with an example record each; the top offending sample
-ids; counts per modality and per model family.
-
-Every string from a record is escaped (``html.escape``, control characters as ``\\x1b``).
-Cells carry ``data-r`` / ``data-s`` (first rank / step of the bin, ``none`` for records
-without one) and ``data-n`` (records in the cell); the heatmap's SVG states ``data-rank0``,
-``data-rank-bin``, ``data-step0`` and ``data-step-bin``.
+:class:`~.report.ReportSummary` (nothing re-read) as HTML with inline CSS and SVG; its sections,
+bounds and escaping are docs/DIAGNOSTICS.md's ("The page"). Cells carry ``data-r`` / ``data-s``
+(first rank / step of the bin, ``none`` for records without one) and ``data-n`` (records in the
+cell); the heatmap's SVG states ``data-rank0``, ``data-rank-bin``, ``data-step0`` and
+``data-step-bin``.
 """
 
 from __future__ import annotations
@@ -18,12 +12,12 @@ import html
 import math
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
 
-from .report import HEAT_EVENTS, GridCounts, ReportSummary
+from .report import HEAT_EVENTS, ReportSummary
 from .report_format import _namer, fatal_text, neutralise
 
 MAX_ROWS = 128  # heatmap rows (rank bins)
@@ -79,18 +73,6 @@ def _e(value: object) -> str:
     return html.escape(neutralise(str(value)), quote=True)
 
 
-def display_bins(lo: int, hi: int, stored: int, limit: int) -> tuple[int, int, int]:
-    """(first, size, count) of at most ``limit`` bins over ``lo..hi`` (bin starts at multiples
-    of ``stored``): ``size`` is a multiple of ``stored``, so every stored bin falls in one."""
-    span = (hi - lo) // stored + 1
-    size = stored * -(-span // limit)
-    return lo, size, (hi - lo) // size + 1
-
-
-def _span(a: int, b: int, what: str) -> str:
-    return f"{what} {a}" if a == b else f"{what}s {a}–{b}"
-
-
 def _key(value: int | None) -> object:
     """A bin's first rank or step as the page's ``data-`` attributes state it."""
     return "none" if value is None else value
@@ -108,14 +90,16 @@ class _Axis:
 
     @classmethod
     def of(cls, values: Sequence[int | None], stored: int, limit: int, span: Sequence[int] = ()):
-        """Bins over ``values`` (stored bin starts), widened to ``span`` (the run's ranks or
-        steps, so the map has the run's shape)."""
+        """At most ``limit`` bins over ``values`` (stored bin starts), widened to ``span`` (the
+        run's ranks or steps, so the map has the run's shape); the bin size is a multiple of
+        ``stored``, so every stored bin falls in one."""
         known = [v for v in values if v is not None]
         none = len(known) < len(values)
         if not known:
             return cls(None, 1, 0, none)
         lo, hi = min([*known, *span]) // stored * stored, max([*known, *span])
-        return cls(*display_bins(lo, hi, stored, limit), none)
+        size = stored * -(-((hi - lo) // stored + 1) // limit)
+        return cls(lo, size, (hi - lo) // size + 1, none)
 
     @property
     def bins(self) -> int:
@@ -134,7 +118,9 @@ class _Axis:
 
     def label(self, i: int, what: str, none: str) -> str:
         a = self.start(i)
-        return none if a is None else _span(a, a + self.size - 1, what)
+        if a is None:
+            return none
+        return f"{what} {a}" if self.size == 1 else f"{what}s {a}–{a + self.size - 1}"
 
 
 def _ticks(n: int, about: int) -> list[int]:
@@ -150,10 +136,12 @@ def _level(n: int, top: int) -> int:
     return 1 + min(len(PALETTE) - 1, int((len(PALETTE) - 1) * math.log(n) / math.log(top)))
 
 
-def _heatmap(grid: GridCounts, ranks: Sequence[int] = (), steps: Sequence[int] = ()) -> str:
-    cells = grid.cells
+def _heatmap(s: ReportSummary) -> str:
+    grid, cells = s.heat, s.heat.cells
     if not cells:
         return "<p class=note>No drop, repair, raise or budget record: nothing to map.</p>"
+    ranks = [r for r in s.by_rank if r is not None]  # the map has the run's shape
+    steps = [] if s.first_step is None else [s.first_step, s.last_step]
     ra = _Axis.of([k[0] for k in cells], grid.rank_bin, MAX_ROWS, ranks)
     sa = _Axis.of([k[1] for k in cells], grid.step_bin, MAX_COLS, steps)
     rows, cols = ra.bins, sa.bins
@@ -292,13 +280,10 @@ def _counts(s: ReportSummary, which: str) -> str:
 
 def _header(s: ReportSummary, name) -> str:
     known = [r for r in s.by_rank if r is not None]
+    after = f" ({s.matched:,} after filters)" if s.matched != s.records else ""
     facts = [
         ("files", f"{len(s.files):,}"),
-        (
-            "records",
-            f"{s.records:,}"
-            + (f" ({s.matched:,} after filters)" if s.matched != s.records else ""),
-        ),
+        ("records", f"{s.records:,}{after}"),
         ("steps", "none" if s.first_step is None else f"{s.first_step} … {s.last_step}"),
         ("ranks", f"{len(known)} ({min(known)} … {max(known)})" if known else "unknown"),
     ]
@@ -332,42 +317,30 @@ def render_html(summary: ReportSummary, title: str = "media-guard report") -> st
     """The page for ``summary`` (a string; :func:`write_html` writes it)."""
     s = summary
     name = _namer(s.files)
-    reasons = [
-        [
-            f"{n:,}",
-            reason,
-            (ex := s.reason_examples.get(reason) or {}).get("text"),
-            f"{name(str(ex['file']))}:{ex['line']}" if ex else None,
-        ]
-        for reason, n in list(s.by_reason.items())[:MAX_TABLE]
-    ]
+
+    def where(ex: Mapping[str, object]) -> str | None:
+        return f"{name(str(ex['file']))}:{ex['line']}" if ex else None
+
+    reasons = []
+    for reason, n in list(s.by_reason.items())[:MAX_TABLE]:
+        ex = s.reason_examples.get(reason) or {}
+        reasons.append([f"{n:,}", reason, ex.get("text"), where(ex)])
     ids = []
     for sid, n in s.top_sample_ids[:MAX_TABLE]:
         ex = s.sample_examples.get(sid) or {}
-        where = f"{name(str(ex['file']))}:{ex['line']}" if ex else None
-        ids.append([f"{n:,}", repr(sid), *(ex.get(k) for k in _ID_KEYS), where])
+        ids.append([f"{n:,}", repr(sid), *(ex.get(k) for k in _ID_KEYS), where(ex)])
     note = "" if s.sample_ids_exact else " (estimated: counts are lower bounds)"
     more = len(s.by_reason) - MAX_TABLE
     sections = [
         ("Run", _header(s, name)),
-        (
-            "Drop / repair / raise / budget by rank × step",
-            _heatmap(
-                s.heat,
-                [r for r in s.by_rank if r is not None],
-                [] if s.first_step is None else [s.first_step, s.last_step],
-            ),
-        ),
+        ("Drop / repair / raise / budget by rank × step", _heatmap(s)),
         ("Records over steps", _series(s)),
         (
             "Reasons (digits shown as #, full text)",
             _table(["records", "reason", "example record", "where"], reasons, "reasons")
             + (f"<p class=note>{more} more reasons: see --json.</p>" if more > 0 else ""),
         ),
-        (
-            f"Top offending sample ids (repair/drop/raise){note}",
-            _table(_ID_HEAD, ids),
-        ),
+        (f"Top offending sample ids (repair/drop/raise){note}", _table(_ID_HEAD, ids)),
         ("Per modality", _counts(s, "modality")),
         ("Per model family", _counts(s, "family")),
     ]

@@ -1,12 +1,8 @@
 """Reading rank files for the post-mortem: safely (:func:`open_rank_file`), each record reduced
-to the bounded facts the counters take (:func:`record_facts`), and fast (:class:`LineTemplates`,
-docs/DIAGNOSTICS.md "Memory and speed").
-
-The fast path: a writer-shaped line is cut into its *template* (the line less its ``time``,
-``step`` and ``microbatch`` values) and those values. A template's facts are stored only after a
-probe (the template re-filled with sentinels parses to the same object with exactly those three
-fields changed): its cut positions are the structural fields, not text inside a string. A later
-line with the same template and valid value tokens then has the stored facts, unparsed.
+to the bounded facts the counters take (:func:`record_facts`), and fast (:class:`LineTemplates`:
+a writer-shaped line's facts stored under its *template*, the line less its ``time``, ``step``
+and ``microbatch`` values, once a probe proves the cuts structural; docs/DIAGNOSTICS.md,
+"Memory and speed").
 """
 
 from __future__ import annotations
@@ -19,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .log import open_regular
-from .report_grid import _LABEL_LEN, NONE_LABEL, _family, _label, _size, _small
+from .report_grid import _LABEL_LEN, NONE_LABEL, _label
 
 MAX_TEMPLATE_LINE = 4096  # longer lines are always parsed (their templates would cost memory)
 MAX_TEMPLATES = 8192  # the cache is cleared when full: memory stays bounded
@@ -84,7 +80,9 @@ def parse_line(line: str, loads=json.loads) -> tuple[str, dict | None]:
 
 
 class LineTemplates:
-    """Facts of verified templates (see the module docstring); bounded.
+    """Facts of templates whose probe (the template re-filled with sentinels parses to the same
+    object with exactly those three fields changed) proved its cut positions the structural
+    fields, not text inside a string; bounded.
 
     A template is probed (a second parse) only when seen for the second time, so lines that
     never repeat cost one parse each; a file whose first :data:`PROBE_LINES` lines are nearly
@@ -117,6 +115,20 @@ class LineTemplates:
         self.facts[template] = facts
 
 
+def _small(value: object) -> object:
+    """An int as is, anything else (None aside) as a short label: an item description."""
+    return value if value is None or type(value) is int else _label(value, 40)
+
+
+def _size(value: object) -> str | None:
+    """``[h, w]`` as ``"HxW"``, anything else a short label (None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, list) and len(value) == 2 and all(type(v) is int for v in value):
+        return f"{value[0]}x{value[1]}"
+    return _label(value, 40)
+
+
 def record_facts(rec: dict, reason_class: Callable[[object], str]) -> tuple:
     """What the counters need from a record, every string bounded: (rank or None, event,
     action, reason class, sample id or None, schema is 1, (modality, family), the item
@@ -138,9 +150,14 @@ def record_facts(rec: dict, reason_class: Callable[[object], str]) -> tuple:
             sid = _label(sid)
     else:
         sid = None
-    modality, family = _label(get("modality"), 40), _label(_family(rec), 40)
-    hw, extra = get("frame_hw"), get("extra")
-    if hw is None and isinstance(extra, dict):
+    extra = get("extra")
+    extra = extra if isinstance(extra, dict) else {}
+    family = get("family")
+    if family is None:  # else the adapter's extra says it
+        family = extra.get("family", extra.get("adapter"))
+    modality, family = _label(get("modality"), 40), _label(family, 40)
+    hw = get("frame_hw")
+    if hw is None:
         hw = extra.get("size_hw")  # a repair's engine-sized image
     item = (
         None if modality == NONE_LABEL else modality,
