@@ -18,19 +18,18 @@ if TYPE_CHECKING:
 def sample_record(
     rep: SampleReport,
     items: Sequence[MediaItem],
-    event: str,
     action: str,
     *,
     step: int | None,
     microbatch: int | None,
 ) -> GuardRecord:
-    """One record for a mismatched sample; ``item`` is the first mismatching one (else its
-    first)."""
+    """One record (event and action ``action``) for a mismatched sample; ``item`` is the first
+    mismatching one (else its first)."""
     k = rep.first_mismatch if rep.first_mismatch is not None else 0
     idx = rep.items[k] if k < len(rep.items) else (rep.items[0] if rep.items else None)
     item = None if idx is None else items[idx]
     return GuardRecord(
-        event=event,  # type: ignore[arg-type]
+        event=action,  # type: ignore[arg-type]
         step=step,
         microbatch=microbatch,
         sample=rep.sample,
@@ -60,7 +59,7 @@ def nonfinite_record(
     microbatch: int | None,
 ) -> GuardRecord:
     """The record of a sample whose features hold NaN/Inf (``item``: the first such item)."""
-    rec = sample_record(rep, items, event, event, step=step, microbatch=microbatch)
+    rec = sample_record(rep, items, event, step=step, microbatch=microbatch)
     which = ", ".join(map(str, bad_items[:8])) + (" ..." if len(bad_items) > 8 else "")
     noun = "item" if len(bad_items) == 1 else "items"
     reason = f"nonfinite: NaN/Inf in the features of {noun} {which}"
@@ -155,7 +154,7 @@ def plan_records(
         rep, why, bad = report.samples[smp], reasons.get(smp), nonfinite.get(smp, [])
         fed = None if gen is None or bad else gen.of(smp)
         if not rep.ok:
-            rec = sample_record(rep, items, act, act, step=step, microbatch=microbatch)
+            rec = sample_record(rep, items, act, step=step, microbatch=microbatch)
         elif bad or not (why or fed):
             rec = nonfinite_record(rep, items, bad, act, step=step, microbatch=microbatch)
         else:  # aligned: its generated placeholders, or the whole call's findings: no item

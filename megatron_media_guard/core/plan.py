@@ -13,9 +13,10 @@ from typing import Literal
 
 from ..config import GuardConfig
 from .alignment import AlignmentReport, Status
+from .cache import kept
 from .generated import Generated
 from .items import MediaItem
-from .verify import Verdict, kept
+from .verify import Verdict
 
 Action = Literal["keep", "drop", "repair", "raise"]
 #: how far each action goes: where several findings of one sample ask for different actions,

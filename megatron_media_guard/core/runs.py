@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import MediaInputError
+from .cache import kept
 from .grammar import Grammar
 from .host import to_host
 from .parsed import Finding, FindingKind, ParsedRuns, Run
@@ -26,15 +27,14 @@ _FITS: dict[tuple[int, torch.dtype], Grammar] = {}  # grammars whose ids fit a d
 
 
 class Nested(NamedTuple):
-    """``[b, s]`` bool masks of the nested markers (``Grammar.inner``): starts, ends, either."""
+    """``[b, s]`` bool masks of the nested markers (``Grammar.inner``): starts and ends."""
 
     start: torch.Tensor
     end: torch.Tensor
-    either: torch.Tensor
 
 
-def _check_fits(grammar: Grammar, dtype: torch.dtype) -> None:
-    """Every special id of ``grammar`` fits ``dtype`` (else comparisons wrap), remembered."""
+def _check_fits(grammar: Grammar, dtype: torch.dtype) -> Grammar:
+    """Every special id of ``grammar`` fits ``dtype`` (else comparisons wrap)."""
     info = torch.iinfo(dtype)
     special = [*grammar.placeholders.values(), *grammar.break_ids]
     special += [*grammar.start_ids, *grammar.end_ids]
@@ -44,9 +44,7 @@ def _check_fits(grammar: Grammar, dtype: torch.dtype) -> None:
             f"grammar token ids {bad} do not fit input_ids of dtype {dtype} "
             f"([{info.min}, {info.max}]): comparing would wrap around"
         )
-    if len(_FITS) >= 64:
-        _FITS.pop(next(iter(_FITS)))
-    _FITS[(id(grammar), dtype)] = grammar
+    return grammar
 
 
 class TokenLayout:
@@ -67,8 +65,7 @@ class TokenLayout:
         b, s = ids.shape
         if b == 0 or s == 0:
             raise MediaInputError(f"empty batch: input_ids has shape {tuple(ids.shape)}")
-        if _FITS.get((id(grammar), ids.dtype)) is not grammar:
-            _check_fits(grammar, ids.dtype)
+        kept(_FITS, 64, (id(grammar), ids.dtype), lambda: _check_fits(grammar, ids.dtype))
         self.grammar = grammar
         self.batch, self.row_length = b, s
         dev = ids.device
@@ -86,8 +83,16 @@ class TokenLayout:
                 raise MediaInputError(
                     f"packed input (cu_seqlens) must be one row [1, T], got {tuple(ids.shape)}"
                 )
-            cu = _check_cu_seqlens(cu_seqlens, s, dev)
-            self.cu = cu
+            cu = cu_seqlens
+            if cu.dim() != 1 or cu.numel() < 2:
+                raise MediaInputError(
+                    f"cu_seqlens must be [num_samples + 1], got shape {tuple(cu.shape)}"
+                )
+            if cu.is_floating_point() or cu.dtype == torch.bool:
+                raise MediaInputError(f"cu_seqlens must be integer offsets, got {cu.dtype}")
+            if cu.device != dev:
+                raise MediaInputError(f"cu_seqlens is on {cu.device}, input_ids on {dev}")
+            self.cu = cu = cu.to(torch.int64)
             self.num_samples = cu.numel() - 1
             # sample index; tokens at or past cu[-1] get num_samples (padding)
             self.sample = (torch.searchsorted(cu, self.col, right=True) - 1).clamp(min=0)
@@ -133,11 +138,25 @@ class TokenLayout:
         outer_end = self._any_of(tuple(t for t in g.end_ids if t not in ends))
         start = self._any_of(starts) & self.prev(outer_start)
         end = self._any_of(ends) & self.next(outer_end)
-        return Nested(start, end, start | end)
+        return Nested(start, end)
 
-    def _or_nested(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` or a nested marker (those are no text: a run before ``<|audio_end|>`` is closed)."""
-        return x if self.nested is None else x | self.nested.either
+    @cached_property
+    def marked(self) -> torch.Tensor:
+        """``[b, s]`` bool: content or a marker, nested ones included (none of them is text: a
+        run before ``<|audio_end|>`` is closed)."""
+        out = self.content
+        for t in (self.is_start, self.is_end):
+            if t is not None:
+                out = out | t
+        return out if self.nested is None else out | self.nested.start | self.nested.end
+
+    @cached_property
+    def padding(self) -> torch.Tensor:  # [b, s] bool: past the last packed sample
+        return self.sample == self.num_samples
+
+    @cached_property
+    def sample_end(self) -> torch.Tensor:  # [b, s] bool: the last token of its sample
+        return self.next(torch.zeros_like(self.ph), fill=True)
 
     def _any_of(self, toks: tuple[int, ...]) -> torch.Tensor | None:
         if not toks:
@@ -219,7 +238,6 @@ class TokenLayout:
                 count = count + empty
             return count + self.cu_violations()
         d = self._depth(self.is_start, self.is_end)
-        marked = self._or_nested(self.is_start | self.is_end | self.content)
         if self.seg_start is None:
             # d outside {0, 1}, or content where d != 1: d < content (as 0/1) or d > 1
             count = torch.count_nonzero((d < self.content) | (d > 1)) + torch.count_nonzero(
@@ -227,15 +245,12 @@ class TokenLayout:
             )
         else:
             bad = (d < 0) | (d > 1) | (self.content & (d != 1))
-            at_end = self.next(torch.zeros_like(run_end), fill=True)
-            padding = self.sample == self.num_samples
-            bad = bad | (at_end & (d != 0))
-            bad = bad | (padding & marked)
+            bad = bad | (self.sample_end & (d != 0)) | (self.padding & self.marked)
             count = bad.sum()
         if self.nested is not None:  # nested starts and ends pair up: depth in {0, 1}, 0 at ends
             x = self._depth(self.nested.start, self.nested.end)
             count = count + torch.count_nonzero((x < 0) | (x > 1) | (self.is_end & (x != 0)))
-        text_next = ~self.next(marked, fill=True)
+        text_next = ~self.next(self.marked, fill=True)
         count = count + torch.count_nonzero(run_end & text_next)
         if empty is not None:
             count = count + empty
@@ -327,12 +342,7 @@ class TokenLayout:
         g = self.grammar
         marks: list[tuple[torch.Tensor, FindingKind]] = []
         if self.packed:
-            padding = self.sample == self.num_samples
-            special = self._or_nested(self.content)
-            for t in (self.is_start, self.is_end):
-                if t is not None:
-                    special = special | t
-            marks.append((padding & special, FindingKind.IN_PADDING))
+            marks.append((self.padding & self.marked, FindingKind.IN_PADDING))
         if g.start_id is not None and g.end_id is not None:
             marker = self.is_start | self.is_end
             last_m = self.last_before(marker, inclusive=False)
@@ -345,7 +355,7 @@ class TokenLayout:
             marks.append((self.is_start & (last_marker == self.col), self._cut_kind()))
             # a run followed by text while its region is open and a marker still comes
             # later in the sample: the end token is missing (no later marker: it was cut)
-            text_next = ~self.next(self._or_nested(marker | self.content), fill=True)
+            text_next = ~self.next(self.marked, fill=True)
             unterminated = run_end & text_next & inside & (last_marker > self.col)
             marks.append((unterminated, FindingKind.UNTERMINATED))
             if self.nested is not None:  # the open region began nested: its end comes nested
@@ -356,8 +366,8 @@ class TokenLayout:
                 marks.append((self.nested.end & ~opened, FindingKind.END_WITHOUT_START))
         elif g.end_id is not None:
             # end-only grammar (Pixtral): every run is closed by the end token right after it
-            at_last = self.next(torch.zeros_like(run_end), fill=True)
-            marks.append((run_end & at_last, self._cut_kind()))
+            at_last = run_end & self.sample_end
+            marks.append((at_last, self._cut_kind()))
             marks.append((run_end & ~at_last & ~self.next(self.is_end), FindingKind.UNTERMINATED))
             marks.append((self.is_end & ~self.prev(self.content), FindingKind.END_WITHOUT_START))
         if g.break_ids and empty_runs:  # exact positions (nonzero: off the aligned path)
@@ -379,16 +389,6 @@ class TokenLayout:
             int(FindingKind.CUT_BY_ROW_END),
             int(FindingKind.CUT_BY_BOUNDARY),
         ).to(torch.int8)
-
-
-def _check_cu_seqlens(cu: torch.Tensor, n: int, dev: torch.device) -> torch.Tensor:
-    if cu.dim() != 1 or cu.numel() < 2:
-        raise MediaInputError(f"cu_seqlens must be [num_samples + 1], got shape {tuple(cu.shape)}")
-    if cu.is_floating_point() or cu.dtype == torch.bool:
-        raise MediaInputError(f"cu_seqlens must be integer offsets, got {cu.dtype}")
-    if cu.device != dev:
-        raise MediaInputError(f"cu_seqlens is on {cu.device}, input_ids on {dev}")
-    return cu.to(torch.int64)
 
 
 def run_table(
@@ -419,8 +419,7 @@ def parse_runs(
 ) -> ParsedRuns:
     """Every placeholder run (token order) and structural finding, on the host.
     input_ids: ``[b, s]`` (``[1, T]`` with ``cu_seqlens`` ``[n+1]``), integer, any device."""
-    lay = TokenLayout(input_ids, grammar, cu_seqlens)
-    return parse_layout(lay)
+    return parse_layout(TokenLayout(input_ids, grammar, cu_seqlens))
 
 
 def parse_layout(lay: TokenLayout) -> ParsedRuns:

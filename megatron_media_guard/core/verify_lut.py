@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from .cache import kept
 from .grammar import Grammar
 
 _EDGE = 7  # the class of the padding before a row's first token and after its last
@@ -30,12 +31,12 @@ def tables(grammar: Grammar, packed: bool, s: int, dev: torch.device) -> tuple |
     (see the module docstring; also nested pairs, ids spread too far, rows of 2**30 tokens)."""
     if s >= _MAX_ROW:
         return None
-    key = (id(grammar), packed, dev)
-    got = _TABLES.get(key)
-    if got is not None and got[0] is grammar:
-        return got[1]
-    if len(_TABLES) >= 16:
-        _TABLES.pop(next(iter(_TABLES)))
+    return kept(
+        _TABLES, 16, (id(grammar), packed, dev), lambda: (grammar, _build(grammar, packed, dev))
+    )[1]
+
+
+def _build(grammar: Grammar, packed: bool, dev: torch.device) -> tuple | None:
     ok = (
         dev.type == "cpu"
         and not packed
@@ -49,12 +50,8 @@ def tables(grammar: Grammar, packed: bool, s: int, dev: torch.device) -> tuple |
     if ok:
         ids = [*grammar.start_ids, *grammar.end_ids, *grammar.placeholders.values()]
         ok = max(ids) - min(ids) <= 1 << 16
-    made = _build(grammar, dev) if ok else None
-    _TABLES[key] = (grammar, made)
-    return made
-
-
-def _build(grammar: Grammar, dev: torch.device) -> tuple:
+    if not ok:
+        return None
     ids = {t: _START for t in grammar.start_ids}
     ids.update({t: _END for t in grammar.end_ids})
     ids.update({tok: _PH + m for m, tok in enumerate(grammar.placeholders.values())})
@@ -83,11 +80,6 @@ def _build(grammar: Grammar, dev: torch.device) -> tuple:
         lo - 1,
         hi - lo + 2,
     )
-
-
-def findings(lo: int, hi: int) -> int:
-    """Structure violations (0/1 per kind) from the scan's min and max."""
-    return int(lo < -1) + int(hi > 1)
 
 
 def check(
