@@ -271,11 +271,10 @@ class TokenLayout:
         before = self.prev(self.content)
         if len(self.grammar.placeholders) == 1:
             start = self.content & ~before
-        else:  # a modality switch between two placeholders starts a new run
+        else:  # a modality switch starts a new run (no breaks: they come with one modality)
             # the modality of each placeholder: with two, the second one's mask (no int8 pass)
             key = self._masks[1] if len(self._masks) == 2 else self.code
-            ph_before = before if self.ph is self.content else self.ph & self.prev(self.ph)
-            start = self.content & (~before | (ph_before & (self.prev(key) != key)))
+            start = self.content & (~before | (self.prev(key) != key))
         end = self.content & (~self.next(self.content) | self.next(start))
         return start, end
 
@@ -292,16 +291,6 @@ class TokenLayout:
         ph_cum = torch.cumsum(self.ph, 1)
         start_col = self.last_before(run_start, inclusive=True).clamp(min=0)
         return ph_cum - (ph_cum - self.ph.to(ph_cum.dtype)).gather(1, start_col)
-
-    def run_codes(self, run_start: torch.Tensor) -> torch.Tensor:
-        """``[b, s]`` int64 modality code of each run at its start: its first placeholder's (a
-        run may open with a break), -1 without one."""
-        if not self.grammar.break_ids:
-            return self.code.long()
-        flip = torch.flip(torch.where(self.ph, self.col, self.row_length), [1])
-        nxt = torch.flip(torch.cummin(flip, 1).values, [1])  # first placeholder at or after
-        code = self.code.gather(1, nxt.clamp(max=self.row_length - 1)).long()
-        return torch.where(nxt < self.row_length, code, -1)
 
     # ---- findings --------------------------------------------------------------
 
@@ -409,9 +398,10 @@ def run_table(
         en = torch.nonzero_static(end, size=size, fill_value=0)
     sr, sc, ec = st[:, 0], st[:, 1], en[:, 1]
     lengths = ph_cum[sr, ec] - ph_cum[sr, sc] + lay.ph[sr, sc].to(ph_cum.dtype)
-    first_code = lay.run_codes(start)[sr, sc]
+    # a run opens with a placeholder, or with a break (-1) in a grammar of one modality (0)
+    first_code = lay.code[sr, sc].long().clamp(min=0)
     first_code = torch.where(lengths == 0, -1, first_code)  # breaks only: no modality
-    return torch.stack([sr, sc, ec, lengths, first_code.long(), lay.sample[sr, sc]], dim=1)
+    return torch.stack([sr, sc, ec, lengths, first_code, lay.sample[sr, sc]], dim=1)
 
 
 def parse_runs(

@@ -182,14 +182,12 @@ def _table_parts(lay: TokenLayout, expected: Sequence[Expected], dev) -> list[to
     findings = lay.structure_violations(start, end).to(torch.int64)
     bad = want_total = torch.zeros((), dtype=torch.int64, device=dev)
     one = len(lay.grammar.placeholders) == 1  # every run is of the one code
-    if expected and not one:
-        code_start, code_end = _run_codes(lay, start)
     for e in expected:
         if one:
             start_m, end_m, ph_m = start, end, lay.ph
-        else:
-            start_m, end_m = start & (code_start == e.code), end & (code_end == e.code)
-            ph_m = lay.ph & (lay.code == e.code)
+        else:  # no breaks (they come with one modality): every token of a run has its code
+            is_code = lay.code == e.code
+            start_m, end_m, ph_m = start & is_code, end & is_code, lay.ph & is_code
         if e.where is not None:
             start_m, end_m, ph_m = start_m & e.where, end_m & e.where, ph_m & e.where
         size = e.tokens.to(dev, torch.int64)
@@ -217,17 +215,6 @@ def _table_parts(lay: TokenLayout, expected: Sequence[Expected], dev) -> list[to
             bad = bad + torch.count_nonzero(e.declared.to(dev, torch.int64) != per_row * size)
     bad = bad + (n_runs != want_total).long()  # runs of a modality no table covers
     return [n_runs, findings, bad]
-
-
-def _run_codes(lay: TokenLayout, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(code at each run's start, code at each run's end)``, ``[b, s]``: the token's own
-    code; where a run may open or close with a break, its first / last placeholder's."""
-    if not lay.grammar.break_ids:
-        return lay.code, lay.code
-    n = lay.ph.numel()
-    pos = torch.arange(n, device=lay.device)
-    last = torch.cummax(torch.where(lay.ph.reshape(-1), pos, -1), 0).values.clamp(min=0)
-    return lay.run_codes(start), lay.code.reshape(-1)[last].view_as(lay.code)
 
 
 def _items_across_samples(
