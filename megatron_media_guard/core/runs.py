@@ -230,19 +230,21 @@ class TokenLayout:
         content and 0 at each sample's end, and no run inside a region is followed by text;
         without, the finding codes are counted (no ``last_before`` needed)."""
         g = self.grammar
-        # break tokens add one kind (a run of breaks alone), counted without a sync either way
-        empty = self.empty_runs(run_start) if g.break_ids else None
         if g.start_id is None or g.end_id is None:
             count = (self.finding_codes(run_start, run_end, empty_runs=False) != 0).sum()
-            if empty is not None:
-                count = count + empty
-            return count + self.cu_violations()
+        else:
+            count = self._depth_violations(run_end)
+        if g.break_ids:  # one more kind, a run of breaks alone, counted without a sync
+            count = count + self.empty_runs(run_start)
+        return count if self.seg_start is None else count + self.cu_violations()
+
+    def _depth_violations(self, run_end: torch.Tensor) -> torch.Tensor:
+        """:meth:`structure_violations` of a grammar with both markers, by the depth."""
         d = self._depth(self.is_start, self.is_end)
         if self.seg_start is None:
             # d outside {0, 1}, or content where d != 1: d < content (as 0/1) or d > 1
-            count = torch.count_nonzero((d < self.content) | (d > 1)) + torch.count_nonzero(
-                d[:, -1]
-            )
+            bad = (d < self.content) | (d > 1)
+            count = torch.count_nonzero(bad) + torch.count_nonzero(d[:, -1])
         else:
             bad = (d < 0) | (d > 1) | (self.content & (d != 1))
             bad = bad | (self.sample_end & (d != 0)) | (self.padding & self.marked)
@@ -250,11 +252,7 @@ class TokenLayout:
         if self.nested is not None:  # nested starts and ends pair up: depth in {0, 1}, 0 at ends
             x = self._depth(self.nested.start, self.nested.end)
             count = count + torch.count_nonzero((x < 0) | (x > 1) | (self.is_end & (x != 0)))
-        text_next = ~self.next(self.marked, fill=True)
-        count = count + torch.count_nonzero(run_end & text_next)
-        if empty is not None:
-            count = count + empty
-        return count if self.seg_start is None else count + self.cu_violations()
+        return count + torch.count_nonzero(run_end & ~self.next(self.marked, fill=True))
 
     def last_in_sample(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` read at the last token of each token's sample."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from . import verify_lut
-from .cache import kept
+from .cache import constant, kept
 from .host import scalars_to_host
 from .runs import TokenLayout
 
@@ -92,9 +92,9 @@ def _item_tables(lengths, codes, samples, dev) -> list[Expected]:
         out.append(
             Expected(
                 c,
-                _constant((1,) * len(n), dev),
-                _constant(n, dev),
-                None if smp is None else _constant(smp, dev),
+                constant((1,) * len(n), dev),
+                constant(n, dev),
+                None if smp is None else constant(smp, dev),
                 known=(n, smp, _host_hash(n, c)),
             )
         )
@@ -117,13 +117,8 @@ def verify(
         luts = verify_lut.tables(lay.grammar, lay.packed, lay.row_length, dev)
     runs = None  # a host int from the marker check (CPU), else read with the verdict
     if luts is not None:
-        lengths, samples, _ = expected[0].known if expected else ((), None, 0)
         runs, parts, lay.ph = verify_lut.check(
-            ids64.view(lay.batch, lay.row_length),
-            luts,
-            _want_keys(lengths, expected[0].code if expected else 0, samples, lay, dev),
-            len(lengths),
-            samples is not None,
+            ids64.view(lay.batch, lay.row_length), luts, expected
         )
     else:
         parts = _table_parts(lay, expected, dev)
@@ -246,32 +241,6 @@ def _finite_probe(features: torch.Tensor):
     # min and max propagate NaN and show +-Inf: one cheap reduction over the features
     lohi = torch.count_nonzero(torch.isfinite(torch.stack(torch.aminmax(features))))
     return lohi, lambda v: v != 2, True
-
-
-def _want_keys(lengths, code: int, samples, lay: TokenLayout, dev) -> torch.Tensor | None:
-    """Item r's key for :func:`verify_lut.check` (modality + 1, length, sample), cached."""
-    if not lengths:
-        return None
-    s = lay.row_length
-    row = 8 * (s + 2)
-    smp = samples if samples is not None else [0] * len(lengths)
-    # a length past the row is capped at s + 1, which no run has: uncapped, 8 * n could
-    # reach into the next row's keys (n = s + 3 in sample 0 reads as 1 in sample 1)
-    keys = tuple([code + 1 + 8 * min(n, s + 1) + row * r for n, r in zip(lengths, smp)])
-    return _constant(keys, dev)
-
-
-_CONSTANTS: dict[tuple, torch.Tensor] = {}
-
-
-def _constant(values: tuple[int, ...], dev: torch.device) -> torch.Tensor:
-    """``torch.tensor(values)`` on ``dev``, cached."""
-    return kept(
-        _CONSTANTS,
-        32,
-        (values, dev),
-        lambda: torch.tensor(values, dtype=torch.int64).to(dev, non_blocking=True),
-    )
 
 
 _WEIGHTS: dict[tuple[int, torch.device], tuple[torch.Tensor, int]] = {}
