@@ -102,12 +102,10 @@ def plan_digest_of(fingerprint: int, runs: int, items, knobs, actions, repairs) 
         key = (tuple(sig), tuple(knobs[:3]), tuple(knobs[3]))
         mid = kept(_ENCODED, 64, key, lambda: _dumps(sig) + ", " + _dumps(knobs))
     except TypeError:  # an unhashable field: encode every time
+        mid = None
+    if mid is None or not (type(fingerprint) is int and type(runs) is int):
         return digest(fingerprint, runs, sig, knobs, actions, repairs)
-    if not (type(fingerprint) is int and type(runs) is int):
-        return digest(fingerprint, runs, sig, knobs, actions, repairs)
-    acts = _ACTIONS.get(tuple(actions))  # most calls: every sample kept
-    if acts is None:
-        acts = _dumps(actions)
+    acts = _ACTIONS.get(tuple(actions)) or _dumps(actions)  # most calls: every sample kept
     reps = _dumps(repairs) if repairs else "[]"
     return _hash(f"[{fingerprint}, {runs}, {mid}, {acts}, {reps}]".encode())
 
