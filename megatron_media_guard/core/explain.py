@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import fields, replace
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING
 
 from ..diagnostics import GuardRecord, summary_line
+from ..diagnostics.records import json_safe
 from .alignment import AlignmentReport, SampleReport
 from .generated import Generated
 from .items import MediaItem
@@ -94,7 +95,8 @@ def alignment_message(
     most), the batch's ``summary``, the log and the bundle. Never raises (a shorter message
     takes its place: the alignment error must come out)."""
     try:
-        recs = [r if isinstance(r, Mapping) else _as_dict(r) for r in records]
+        # a record not written: as the log would write it
+        recs = [r if isinstance(r, Mapping) else json_safe(asdict(r)) for r in records]
         raised = [r for r in recs if r.get("event") == "raise"]
         samples = len({r.get("sample") for r in raised if r.get("sample") is not None})
         batch = sum(1 for r in raised if r.get("sample") is None)
@@ -115,12 +117,6 @@ def alignment_message(
     if bundle is not None:
         lines.append(f"  replay bundle: {bundle}")
     return "\n".join(lines)
-
-
-def _as_dict(rec: GuardRecord) -> dict[str, object]:
-    """A record as the log writes it (tuples as lists), for one not written."""
-    out = {f.name: getattr(rec, f.name) for f in fields(rec)}
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
 
 def batch_summary(report: AlignmentReport) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 from functools import cached_property
-from itertools import pairwise
 from typing import NamedTuple
 
 import torch
@@ -292,20 +291,21 @@ class TokenLayout:
 
     # ---- findings --------------------------------------------------------------
 
-    def cu_violations(self) -> torch.Tensor:
-        """Device scalar: packed offsets that do not start at 0, decrease, or pass the row end."""
+    def cu_violations(self, cu: torch.Tensor | None = None) -> torch.Tensor:
+        """Scalar: packed offsets (``cu``, else the layout's, on its device) that do not start at
+        0, decrease, or pass the row end."""
         if self.seg_start is None:
             return torch.zeros((), dtype=torch.int64, device=self.device)
-        cu = self.cu
+        cu = self.cu if cu is None else cu
         return (cu[0] != 0).long() + (cu[1:] < cu[:-1]).sum() + (cu[-1] > self.row_length).long()
 
     def check_cu_on_host(self) -> None:
         """Off the aligned path: a clear error for bad packed offsets (one small transfer)."""
         if self.seg_start is None:
             return
-        cu = to_host(self.cu, why="validate packed offsets").tolist()
-        s = self.row_length
-        if cu[0] != 0 or any(b < a for a, b in pairwise(cu)) or cu[-1] > s:
+        cu = to_host(self.cu, why="validate packed offsets")
+        if self.cu_violations(cu):
+            cu, s = cu.tolist(), self.row_length
             raise MediaInputError(
                 f"cu_seqlens must start at 0, never decrease and end within the row ({s} "
                 f"tokens), got {cu[:16]}{' ...' if len(cu) > 16 else ''}",
