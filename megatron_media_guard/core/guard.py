@@ -60,9 +60,8 @@ class MediaGuard:
         self.config = config or GuardConfig()
         self.grammar = grammar
         self._codes = {m: k for k, m in enumerate(grammar.modalities)}
-        self._rank, self._rank_source = rank, None
-        if rank is None:  # ranks/ provides it (core/providers.py): the core never reads dist
-            self._rank_source = process_rank
+        # without one, ranks/ provides it (core/providers.py): the core never reads dist
+        self._rank, self._rank_source = rank, process_rank if rank is None else None
         self._consensus = None if consensus is False else consensus
         self._consensus_pending = consensus is None  # resolved by the first guarded call
         self.geometry = geometry
