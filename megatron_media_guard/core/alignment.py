@@ -207,20 +207,16 @@ def _sample_report(
     structural = [f for f in findings if f.kind not in TRUNCATION_KINDS]
     ph, ft = sum(expected), sum(got)
     if structural:
-        status = Status.MALFORMED
-        reason = "; ".join(f.in_sample() for f in structural[:3])
+        status, reason = Status.MALFORMED, "; ".join(f.in_sample() for f in structural[:3])
     elif truncs:
-        status = Status.TRUNCATED
-        reason = "; ".join(f.in_sample() for f in truncs[:3])
+        status, reason = Status.TRUNCATED, "; ".join(f.in_sample() for f in truncs[:3])
     elif len(expected) != len(got):
         status = Status.COUNT_MISMATCH
         reason = f"{len(expected)} placeholder runs for {len(got)} items"
     elif ph < ft:
-        status = Status.SURPLUS
-        reason = f"{ft} features for {ph} placeholders (+{ft - ph})"
+        status, reason = Status.SURPLUS, f"{ft} features for {ph} placeholders (+{ft - ph})"
     elif ph > ft:
-        status = Status.DEFICIT
-        reason = f"{ph} placeholders for {ft} features (-{ph - ft})"
+        status, reason = Status.DEFICIT, f"{ph} placeholders for {ft} features (-{ph - ft})"
     elif rmods != imods:
         status = Status.MODALITY_MISMATCH
         reason = f"run modalities {list(rmods)} vs item modalities {list(imods)}"
@@ -228,8 +224,7 @@ def _sample_report(
         status = Status.LENGTH_MISMATCH
         reason = f"run {first} holds {expected[first]} placeholders, its item {got[first]} features"
     else:
-        status = Status.ALIGNED
-        reason = ""
+        status, reason = Status.ALIGNED, ""
     sample_id = next((it.sample_id for _, it in items if it.sample_id is not None), None)
     row_of = runs[0].row if runs else row
     return SampleReport(
