@@ -23,11 +23,22 @@ def sample_record(
     *,
     step: int | None,
     microbatch: int | None,
+    nonfinite: Sequence[int] | None = None,
 ) -> GuardRecord:
-    """One record (event and action ``action``) for a mismatched sample; ``item`` is the first
-    mismatching one (else its first)."""
+    """One record (event and action ``action``) for a mismatched sample (``item``: the first
+    mismatching one, else its first), or for one whose features hold NaN/Inf (``nonfinite``:
+    its items that do; ``item``: the first of them)."""
     k = rep.first_mismatch if rep.first_mismatch is not None else 0
     idx = rep.items[k] if k < len(rep.items) else (rep.items[0] if rep.items else None)
+    reason = f"{rep.status}: {rep.reason}"
+    extra = {"status": str(rep.status), "findings": [f.in_sample() for f in rep.findings[:8]]}
+    if nonfinite is not None:
+        which = ", ".join(map(str, nonfinite[:8])) + (" ..." if len(nonfinite) > 8 else "")
+        noun = "item" if len(nonfinite) == 1 else "items"
+        reason = f"nonfinite: NaN/Inf in the features of {noun} {which}"
+        extra = {"status": "nonfinite"}
+        if nonfinite:
+            idx, extra["items"] = nonfinite[0], list(nonfinite[:16])
     item = None if idx is None else items[idx]
     return GuardRecord(
         event=action,  # type: ignore[arg-type]
@@ -40,42 +51,13 @@ def sample_record(
         modality=item.modality if item else (rep.run_modalities[0] if rep.run_modalities else None),
         expected=rep.expected,
         got=rep.got,
-        first_mismatch=rep.first_mismatch,
+        first_mismatch=None if nonfinite else rep.first_mismatch,
         num_frames=item.num_frames if item else None,
         frame_hw=item.frame_hw if item else None,
         grid=item.grid_thw if item else None,
         action=action,
-        reason=f"{rep.status}: {rep.reason}",
-        extra={"status": str(rep.status), "findings": [f.in_sample() for f in rep.findings[:8]]},
-    )
-
-
-def nonfinite_record(
-    rep: SampleReport,
-    items: Sequence[MediaItem],
-    bad_items: Sequence[int],
-    event: str,
-    *,
-    step: int | None,
-    microbatch: int | None,
-) -> GuardRecord:
-    """The record of a sample whose features hold NaN/Inf (``item``: the first such item)."""
-    rec = sample_record(rep, items, event, step=step, microbatch=microbatch)
-    which = ", ".join(map(str, bad_items[:8])) + (" ..." if len(bad_items) > 8 else "")
-    noun = "item" if len(bad_items) == 1 else "items"
-    reason = f"nonfinite: NaN/Inf in the features of {noun} {which}"
-    if not bad_items:
-        return replace(rec, reason=reason, extra={"status": "nonfinite"})
-    item = items[bad_items[0]]
-    return replace(
-        rec,
-        item=bad_items[0],
-        modality=item.modality,
-        num_frames=item.num_frames,
-        frame_hw=item.frame_hw,
-        first_mismatch=None,
         reason=reason,
-        extra={"status": "nonfinite", "items": list(bad_items[:16])},
+        extra=extra,
     )
 
 
@@ -152,7 +134,7 @@ def plan_records(
         if not rep.ok:
             rec = sample_record(rep, items, act, step=step, microbatch=microbatch)
         elif bad or not (why or fed):
-            rec = nonfinite_record(rep, items, bad, act, step=step, microbatch=microbatch)
+            rec = sample_record(rep, items, act, step=step, microbatch=microbatch, nonfinite=bad)
         else:  # aligned: its generated placeholders, or the whole call's findings: no item
             rec = GuardRecord(
                 event=act,  # type: ignore[arg-type]
