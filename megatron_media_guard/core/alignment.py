@@ -116,18 +116,16 @@ def _assign_implicit(
     real = [i for i, it in enumerate(items) if it.num_features > 0]
     rk = [(0 if collapsed else r.length, r.modality) for r in runs]
     ik = [(0 if collapsed else items[i].num_features, items[i].modality) for i in real]
-    owner: list[int | None] = [None] * len(items)
-    if len(rk) == len(ik):
-        for k, i in enumerate(real):
-            owner[i] = runs[k].sample
+    if len(rk) == len(ik):  # (run, item) pairs
+        pairs = [(k, k) for k in range(len(rk))]
     elif len(rk) < len(ik):  # extra items: place the runs among them
-        for r, j in enumerate(_forced(rk, ik) or []):
-            if j >= 0:
-                owner[real[j]] = runs[r].sample
+        pairs = list(enumerate(_forced(rk, ik) or []))
     else:  # extra runs: place the items among them
-        for j, r in enumerate(_forced(ik, rk) or []):
-            if r >= 0:
-                owner[real[j]] = runs[r].sample
+        pairs = [(r, j) for j, r in enumerate(_forced(ik, rk) or [])]
+    owner: list[int | None] = [None] * len(items)
+    for r, j in pairs:
+        if r >= 0 and j >= 0:  # -1: several fit
+            owner[real[j]] = runs[r].sample
     return owner, [i for i in real if owner[i] is None]
 
 

@@ -67,8 +67,7 @@ class TokenLayout:
         kept(_FITS, 64, (id(grammar), ids.dtype), lambda: _check_fits(grammar, ids.dtype))
         self.grammar = grammar
         self.batch, self.row_length = b, s
-        dev = ids.device
-        self.device = dev
+        self.device = dev = ids.device
         self._ids = ids  # the masks below are built on first use (verify_lut needs none)
 
         # samples: [b, s] rows, or packed samples of one row
