@@ -77,28 +77,23 @@ def item_tables(
 ) -> list[Expected]:
     """Host-known items (one run each, token order) as per-code tables on ``dev``, cached."""
     key = (tuple(lengths), tuple(codes), None if samples is None else tuple(samples), dev)
-    return kept(_ITEM_TABLES, 16, key, lambda: _item_tables(*key))
+    return kept(_ITEM_TABLES, 16, key, lambda: [_item_table(*key, c) for c in sorted(set(codes))])
 
 
 _ITEM_TABLES: dict[tuple, list[Expected]] = {}
 
 
-def _item_tables(lengths, codes, samples, dev) -> list[Expected]:
-    out = []
-    for c in sorted(set(codes)):
-        idx = [i for i, k in enumerate(codes) if k == c]
-        n = tuple(lengths[i] for i in idx)
-        smp = None if samples is None else tuple(samples[i] for i in idx)
-        out.append(
-            Expected(
-                c,
-                constant((1,) * len(n), dev),
-                constant(n, dev),
-                None if smp is None else constant(smp, dev),
-                known=(n, smp, _host_hash(n, c)),
-            )
-        )
-    return out
+def _item_table(lengths, codes, samples, dev, code: int) -> Expected:
+    idx = [i for i, k in enumerate(codes) if k == code]
+    n = tuple(lengths[i] for i in idx)
+    smp = None if samples is None else tuple(samples[i] for i in idx)
+    return Expected(
+        code,
+        constant((1,) * len(n), dev),
+        constant(n, dev),
+        None if smp is None else constant(smp, dev),
+        known=(n, smp, _host_hash(n, code)),
+    )
 
 
 def verify(
