@@ -63,9 +63,6 @@ class Diagnosing(Protocol):
     def result(self, c: Call, out, plan: Plan, report, verdict, stage, keep) -> MergeResult: ...
 
 
-CALLER = "megatron_media_guard.core.fault_path"
-
-
 def diagnose(
     guard: Diagnosing, c: Call, verdict: Verdict, found: list[int] | None = None
 ) -> MergeResult:
@@ -136,7 +133,7 @@ def diagnose(
         mismatched=len(report.mismatched),
         summary=batch_summary(report),
         fatal=bool(report.orphans) and guard.config.policy == "raise",
-        caller=CALLER,
+        caller=__name__,
         bundle=lambda: (
             None
             if report.ok
