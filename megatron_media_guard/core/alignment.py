@@ -116,18 +116,16 @@ def _assign_implicit(
     real = [i for i, it in enumerate(items) if it.num_features > 0]
     rk = [(0 if collapsed else r.length, r.modality) for r in runs]
     ik = [(0 if collapsed else items[i].num_features, items[i].modality) for i in real]
-    owner: list[int | None] = [None] * len(items)
-    if len(rk) == len(ik):
-        for k, i in enumerate(real):
-            owner[i] = runs[k].sample
+    if len(rk) == len(ik):  # (run, item) pairs
+        pairs = [(k, k) for k in range(len(rk))]
     elif len(rk) < len(ik):  # extra items: place the runs among them
-        for r, j in enumerate(_forced(rk, ik) or []):
-            if j >= 0:
-                owner[real[j]] = runs[r].sample
+        pairs = list(enumerate(_forced(rk, ik) or []))
     else:  # extra runs: place the items among them
-        for j, r in enumerate(_forced(ik, rk) or []):
-            if r >= 0:
-                owner[real[j]] = runs[r].sample
+        pairs = [(r, j) for j, r in enumerate(_forced(ik, rk) or [])]
+    owner: list[int | None] = [None] * len(items)
+    for r, j in pairs:
+        if r >= 0 and j >= 0:  # -1: several fit
+            owner[real[j]] = runs[r].sample
     return owner, [i for i in real if owner[i] is None]
 
 
@@ -207,20 +205,16 @@ def _sample_report(
     structural = [f for f in findings if f.kind not in TRUNCATION_KINDS]
     ph, ft = sum(expected), sum(got)
     if structural:
-        status = Status.MALFORMED
-        reason = "; ".join(f.in_sample() for f in structural[:3])
+        status, reason = Status.MALFORMED, "; ".join(f.in_sample() for f in structural[:3])
     elif truncs:
-        status = Status.TRUNCATED
-        reason = "; ".join(f.in_sample() for f in truncs[:3])
+        status, reason = Status.TRUNCATED, "; ".join(f.in_sample() for f in truncs[:3])
     elif len(expected) != len(got):
         status = Status.COUNT_MISMATCH
         reason = f"{len(expected)} placeholder runs for {len(got)} items"
     elif ph < ft:
-        status = Status.SURPLUS
-        reason = f"{ft} features for {ph} placeholders (+{ft - ph})"
+        status, reason = Status.SURPLUS, f"{ft} features for {ph} placeholders (+{ft - ph})"
     elif ph > ft:
-        status = Status.DEFICIT
-        reason = f"{ph} placeholders for {ft} features (-{ph - ft})"
+        status, reason = Status.DEFICIT, f"{ph} placeholders for {ft} features (-{ph - ft})"
     elif rmods != imods:
         status = Status.MODALITY_MISMATCH
         reason = f"run modalities {list(rmods)} vs item modalities {list(imods)}"
@@ -228,8 +222,7 @@ def _sample_report(
         status = Status.LENGTH_MISMATCH
         reason = f"run {first} holds {expected[first]} placeholders, its item {got[first]} features"
     else:
-        status = Status.ALIGNED
-        reason = ""
+        status, reason = Status.ALIGNED, ""
     sample_id = next((it.sample_id for _, it in items if it.sample_id is not None), None)
     row_of = runs[0].row if runs else row
     return SampleReport(

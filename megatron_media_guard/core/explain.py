@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import fields, replace
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING
 
 from ..diagnostics import GuardRecord, summary_line
+from ..diagnostics.records import json_safe
 from .alignment import AlignmentReport, SampleReport
 from .generated import Generated
 from .items import MediaItem
@@ -18,19 +19,29 @@ if TYPE_CHECKING:
 def sample_record(
     rep: SampleReport,
     items: Sequence[MediaItem],
-    event: str,
     action: str,
     *,
     step: int | None,
     microbatch: int | None,
+    nonfinite: Sequence[int] | None = None,
 ) -> GuardRecord:
-    """One record for a mismatched sample; ``item`` is the first mismatching one (else its
-    first)."""
+    """One record (event and action ``action``) for a mismatched sample (``item``: the first
+    mismatching one, else its first), or for one whose features hold NaN/Inf (``nonfinite``:
+    its items that do; ``item``: the first of them)."""
     k = rep.first_mismatch if rep.first_mismatch is not None else 0
     idx = rep.items[k] if k < len(rep.items) else (rep.items[0] if rep.items else None)
+    reason = f"{rep.status}: {rep.reason}"
+    extra = {"status": str(rep.status), "findings": [f.in_sample() for f in rep.findings[:8]]}
+    if nonfinite is not None:
+        which = ", ".join(map(str, nonfinite[:8])) + (" ..." if len(nonfinite) > 8 else "")
+        noun = "item" if len(nonfinite) == 1 else "items"
+        reason = f"nonfinite: NaN/Inf in the features of {noun} {which}"
+        extra = {"status": "nonfinite"}
+        if nonfinite:
+            idx, extra["items"] = nonfinite[0], list(nonfinite[:16])
     item = None if idx is None else items[idx]
     return GuardRecord(
-        event=event,  # type: ignore[arg-type]
+        event=action,  # type: ignore[arg-type]
         step=step,
         microbatch=microbatch,
         sample=rep.sample,
@@ -40,42 +51,13 @@ def sample_record(
         modality=item.modality if item else (rep.run_modalities[0] if rep.run_modalities else None),
         expected=rep.expected,
         got=rep.got,
-        first_mismatch=rep.first_mismatch,
+        first_mismatch=None if nonfinite else rep.first_mismatch,
         num_frames=item.num_frames if item else None,
         frame_hw=item.frame_hw if item else None,
         grid=item.grid_thw if item else None,
         action=action,
-        reason=f"{rep.status}: {rep.reason}",
-        extra={"status": str(rep.status), "findings": [f.in_sample() for f in rep.findings[:8]]},
-    )
-
-
-def nonfinite_record(
-    rep: SampleReport,
-    items: Sequence[MediaItem],
-    bad_items: Sequence[int],
-    event: str,
-    *,
-    step: int | None,
-    microbatch: int | None,
-) -> GuardRecord:
-    """The record of a sample whose features hold NaN/Inf (``item``: the first such item)."""
-    rec = sample_record(rep, items, event, event, step=step, microbatch=microbatch)
-    which = ", ".join(map(str, bad_items[:8])) + (" ..." if len(bad_items) > 8 else "")
-    noun = "item" if len(bad_items) == 1 else "items"
-    reason = f"nonfinite: NaN/Inf in the features of {noun} {which}"
-    if not bad_items:
-        return replace(rec, reason=reason, extra={"status": "nonfinite"})
-    item = items[bad_items[0]]
-    return replace(
-        rec,
-        item=bad_items[0],
-        modality=item.modality,
-        num_frames=item.num_frames,
-        frame_hw=item.frame_hw,
-        first_mismatch=None,
         reason=reason,
-        extra={"status": "nonfinite", "items": list(bad_items[:16])},
+        extra=extra,
     )
 
 
@@ -95,7 +77,8 @@ def alignment_message(
     most), the batch's ``summary``, the log and the bundle. Never raises (a shorter message
     takes its place: the alignment error must come out)."""
     try:
-        recs = [r if isinstance(r, Mapping) else _as_dict(r) for r in records]
+        # a record not written: as the log would write it
+        recs = [r if isinstance(r, Mapping) else json_safe(asdict(r)) for r in records]
         raised = [r for r in recs if r.get("event") == "raise"]
         samples = len({r.get("sample") for r in raised if r.get("sample") is not None})
         batch = sum(1 for r in raised if r.get("sample") is None)
@@ -116,12 +99,6 @@ def alignment_message(
     if bundle is not None:
         lines.append(f"  replay bundle: {bundle}")
     return "\n".join(lines)
-
-
-def _as_dict(rec: GuardRecord) -> dict[str, object]:
-    """A record as the log writes it (tuples as lists), for one not written."""
-    out = {f.name: getattr(rec, f.name) for f in fields(rec)}
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
 
 def batch_summary(report: AlignmentReport) -> str:
@@ -155,9 +132,9 @@ def plan_records(
         rep, why, bad = report.samples[smp], reasons.get(smp), nonfinite.get(smp, [])
         fed = None if gen is None or bad else gen.of(smp)
         if not rep.ok:
-            rec = sample_record(rep, items, act, act, step=step, microbatch=microbatch)
+            rec = sample_record(rep, items, act, step=step, microbatch=microbatch)
         elif bad or not (why or fed):
-            rec = nonfinite_record(rep, items, bad, act, step=step, microbatch=microbatch)
+            rec = sample_record(rep, items, act, step=step, microbatch=microbatch, nonfinite=bad)
         else:  # aligned: its generated placeholders, or the whole call's findings: no item
             rec = GuardRecord(
                 event=act,  # type: ignore[arg-type]

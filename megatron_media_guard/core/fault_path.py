@@ -12,15 +12,10 @@ import torch
 
 from ..config import GuardConfig
 from ..diagnostics import DiagnosticsLog, GuardRecord, RankInfo, get_logger
-from .alignment import AlignmentReport, align
+from .alignment import align
 from .apply import nonfinite_items, scatter_kept
-from .explain import (
-    alignment_message,
-    batch_summary,
-    check_records,
-    plan_records,
-)
-from .generated import Generated, as_text, find_generated, text_records
+from .explain import alignment_message, batch_summary, check_records, plan_records
+from .generated import as_text, find_generated, text_records
 from .grammar import Grammar
 from .items import Batch
 from .outcome import LocalOutcome, MergeResult, StageOutcome
@@ -66,9 +61,6 @@ class Diagnosing(Protocol):
     def where(self, step: int | None, microbatch: int | None) -> str: ...
     def settle(self, local: LocalOutcome) -> StageOutcome: ...
     def result(self, c: Call, out, plan: Plan, report, verdict, stage, keep) -> MergeResult: ...
-
-
-CALLER = "megatron_media_guard.core.fault_path"
 
 
 def diagnose(
@@ -122,17 +114,26 @@ def diagnose(
         plan, replaced, failures = out.plan, out.replaced, out.failures
         for rec in out.records:
             guard.log.emit(rec)
+    # one record per dropped or fatal sample, one for unused items, one per sample whose
+    # generated placeholders were fed as text
     failed = {k: f"repair failed, {v}" for k, v in failures.items()}
+    records = plan_records(
+        report, plan, batch.items, c.step, c.microbatch, nonfinite=nonfinite, gen=gen, failed=failed
+    )
+    records += check_records(report, c.step, c.microbatch)
+    if gen is not None and guard.config.generated == "text":
+        kept = {s for s, a in enumerate(plan.actions) if a in ("keep", "repair")}
+        records += text_records(gen, c.step, c.microbatch, guard.grammar.neutral_text_id(), kept)
     stage = conclude(
         guard,
         plan,
-        call_records(guard, c, report, plan, nonfinite, gen, failed),
+        records,
         step=c.step,
         microbatch=c.microbatch,
         mismatched=len(report.mismatched),
         summary=batch_summary(report),
         fatal=bool(report.orphans) and guard.config.policy == "raise",
-        caller=CALLER,
+        caller=__name__,
         bundle=lambda: (
             None
             if report.ok
@@ -212,27 +213,6 @@ def conclude(
     guard.counters["dropped"] += len(plan.dropped)
     guard.counters["repaired"] += len(plan.repairs)
     return stage
-
-
-def call_records(
-    guard: Diagnosing,
-    c: Call,
-    report: AlignmentReport,
-    plan: Plan,
-    nonfinite: dict[int, list[int]],
-    gen: Generated | None,
-    failed: dict[int, str],
-) -> list[GuardRecord]:
-    """The records of a planned call: one per dropped or fatal sample (``failed``: why its
-    repair failed), one for unused items, one per sample whose generated placeholders were
-    fed as text. ``nonfinite``: sample -> its items holding NaN/Inf."""
-    step, mb, items = c.step, c.microbatch, c.batch.items
-    out = plan_records(report, plan, items, step, mb, nonfinite=nonfinite, gen=gen, failed=failed)
-    out += check_records(report, step, mb)
-    if gen is not None and guard.config.generated == "text":
-        kept = {s for s, a in enumerate(plan.actions) if a in ("keep", "repair")}
-        out += text_records(gen, step, mb, guard.grammar.neutral_text_id(), kept)
-    return out
 
 
 def save_replay(

@@ -82,13 +82,12 @@ class Grammar:
                     f"Grammar alias {alias!r} -> {target!r} must name a new modality and one "
                     f"with a placeholder (placeholders: {list(ids)})"
                 )
-        if self.text_id is not None and (
-            isinstance(self.text_id, bool) or not isinstance(self.text_id, int)
-        ):
-            raise MediaInputError(f"Grammar text_id must be an int or None, got {self.text_id!r}")
-        if self.text_id is not None and self.text_id in every:
+        text = self.text_id
+        if text is not None and (isinstance(text, bool) or not isinstance(text, int)):
+            raise MediaInputError(f"Grammar text_id must be an int or None, got {text!r}")
+        if text is not None and text in every:
             raise MediaInputError(
-                f"Grammar text_id {self.text_id} is one of the grammar's own tokens {every}: "
+                f"Grammar text_id {text} is one of the grammar's own tokens {every}: "
                 "pass a text token id (e.g. the tokenizer's pad token)"
             )
         object.__setattr__(self, "placeholders", MappingProxyType(ids))

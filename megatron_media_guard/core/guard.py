@@ -60,9 +60,8 @@ class MediaGuard:
         self.config = config or GuardConfig()
         self.grammar = grammar
         self._codes = {m: k for k, m in enumerate(grammar.modalities)}
-        self._rank, self._rank_source = rank, None
-        if rank is None:  # ranks/ provides it (core/providers.py): the core never reads dist
-            self._rank_source = process_rank
+        # without one, ranks/ provides it (core/providers.py): the core never reads dist
+        self._rank, self._rank_source = rank, process_rank if rank is None else None
         self._consensus = None if consensus is False else consensus
         self._consensus_pending = consensus is None  # resolved by the first guarded call
         self.geometry = geometry
@@ -177,10 +176,8 @@ class MediaGuard:
     ) -> MergeResult:
         """The merge's decisions without features, for the last pipeline stage (which needs the
         loss mask) or any rank without the vision side. ``embeddings`` of the result is None.
-
-        Same verdict, plan and consensus round as :meth:`merge` on the same ids and items, but
-        blind to NaN/Inf features and to a repair that falls back (``repairs="assume"``
-        assumes success): use ``fallback="raise"`` with pipeline parallelism.
+        What it cannot see (NaN/Inf features, a repair that falls back: ``repairs="assume"``
+        assumes success): docs/CONSENSUS.md, "The last pipeline stage".
         ``repairs="attempt"`` (no other stage merges: the collate check, an input rewrite):
         each planned repair is attempted here, by ``encoder.reprocess(repair, plan, batch,
         context)`` where given (the collate check's ``Reprocessor``), else it falls back with

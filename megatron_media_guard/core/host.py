@@ -17,11 +17,10 @@ _reasons: Counter[str] = Counter()
 
 
 def to_host(tensor: torch.Tensor, why: str) -> torch.Tensor:
-    """Copy ``tensor`` to CPU (a blocking sync when it lives on an accelerator)."""
+    """Copy ``tensor`` to CPU (a blocking sync when it lives on an accelerator; on CPU nothing
+    moves, and the call is still counted: its call site is a sync)."""
     with _lock:
         _reasons[why] += 1
-    if tensor.device.type == "cpu":  # nothing to move (still counted: the call site is a sync)
-        return tensor.detach()
     return tensor.detach().to("cpu")
 
 

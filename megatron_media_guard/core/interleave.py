@@ -266,16 +266,15 @@ def order_runs(
     for i, it in enumerate(items):
         tok = g.token_modality(it.modality)
         streams.setdefault(tok, {}).setdefault(it.modality, []).append(i)
-    if all(it.sample is not None for it in items) and all(len(v) == 1 for v in streams.values()):
+    queue: dict[object, list[int]] = {}  # a run's key -> the items its runs take, in order
+    tied = all(it.sample is not None for it in items)
+    tied = tied and all(len(v) == 1 for v in streams.values())
+    if tied:
         # items tied to their samples: a run takes the next item of its modality in its sample,
         # so that one sample's surplus or shortfall never shifts another's items
-        mine: dict[tuple[int, str], list[int]] = {}
         for i, it in enumerate(items):
-            mine.setdefault((it.sample, g.token_modality(it.modality)), []).append(i)
-        order = [mine[k].pop(0) for r in runs if mine.get(k := (r.sample, r.modality))]
-        return order + [i for q in mine.values() for i in q]  # beyond the runs: reported
-    queue: dict[str, list[int]] = {}
-    for tok, by_mod in streams.items():
+            queue.setdefault((it.sample, g.token_modality(it.modality)), []).append(i)
+    for tok, by_mod in () if tied else streams.items():
         seqs = list(by_mod.values())
         if len(seqs) == 1:
             queue[tok] = seqs[0]
@@ -302,6 +301,6 @@ def order_runs(
             )
         ia, ib = iter(a), iter(b)
         queue[tok] = [next(ia) if s == 0 else next(ib) for s in pick]
-    order = [queue[r.modality].pop(0) for r in runs if queue.get(r.modality)]
-    order += [i for q in queue.values() for i in q]  # items beyond the runs: the guard reports
-    return order
+    keys = [(r.sample, r.modality) if tied else r.modality for r in runs]
+    order = [queue[k].pop(0) for k in keys if queue.get(k)]
+    return order + [i for q in queue.values() for i in q]  # beyond the runs: the guard reports

@@ -147,10 +147,10 @@ def normalize(
     offsets = (0, *accumulate([it.num_features for it in items]))
     samples = [it.sample for it in items]
     given = len(samples) - samples.count(None)
-    explicit = given > 0
-    if explicit and given < len(samples):
-        raise MediaInputError("give MediaItem.sample for every item or for none")
-    if explicit:
+    order = tuple(range(len(items)))
+    if given:
+        if given < len(samples):
+            raise MediaInputError("give MediaItem.sample for every item or for none")
         bad = [(i, s) for i, s in enumerate(samples) if s >= num_samples]
         if bad:
             i, s = bad[0]
@@ -158,10 +158,8 @@ def normalize(
                 f"item {i} names sample {s}, the batch has {num_samples} samples",
                 context={"item": i, "sample": s, "num_samples": num_samples},
             )
-        order = tuple(sorted(range(len(items)), key=lambda i: samples[i]))
-    else:
-        order = tuple(range(len(items)))
-    return Batch(items, packed, offsets, order, explicit)
+        order = tuple(sorted(order, key=samples.__getitem__))
+    return Batch(items, packed, offsets, order, given > 0)
 
 
 def metadata_batch(items: Sequence[MediaItem], num_samples: int) -> Batch:

@@ -13,9 +13,10 @@ from typing import Literal
 
 from ..config import GuardConfig
 from .alignment import AlignmentReport, Status
+from .cache import kept
 from .generated import Generated
 from .items import MediaItem
-from .verify import Verdict, kept
+from .verify import Verdict
 
 Action = Literal["keep", "drop", "repair", "raise"]
 #: how far each action goes: where several findings of one sample ask for different actions,
@@ -101,12 +102,10 @@ def plan_digest_of(fingerprint: int, runs: int, items, knobs, actions, repairs) 
         key = (tuple(sig), tuple(knobs[:3]), tuple(knobs[3]))
         mid = kept(_ENCODED, 64, key, lambda: _dumps(sig) + ", " + _dumps(knobs))
     except TypeError:  # an unhashable field: encode every time
+        mid = None
+    if mid is None or not (type(fingerprint) is int and type(runs) is int):
         return digest(fingerprint, runs, sig, knobs, actions, repairs)
-    if not (type(fingerprint) is int and type(runs) is int):
-        return digest(fingerprint, runs, sig, knobs, actions, repairs)
-    acts = _ACTIONS.get(tuple(actions))  # most calls: every sample kept
-    if acts is None:
-        acts = _dumps(actions)
+    acts = _ACTIONS.get(tuple(actions)) or _dumps(actions)  # most calls: every sample kept
     reps = _dumps(repairs) if repairs else "[]"
     return _hash(f"[{fingerprint}, {runs}, {mid}, {acts}, {reps}]".encode())
 

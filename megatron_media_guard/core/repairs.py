@@ -76,19 +76,16 @@ def _attempt(
     facts: dict = {"target": r.target}
     hw, hw_kind = media_hw(item)
     if ctx.geometry is None:  # the family has no sizing to repair with
-        facts["reason"] = f"cannot repair: no geometry for {ctx.family}"
-        return None, facts
+        return None, facts | {"reason": f"cannot repair: no geometry for {ctx.family}"}
     what = (("encoder", encoder), ("pixels", item.pixels), ("media size", hw))
     missing = [name for name, v in what if v is None]
     if missing:
-        facts["reason"] = f"cannot repair: no {', '.join(missing)} given"
-        return None, facts
+        return None, facts | {"reason": f"cannot repair: no {', '.join(missing)} given"}
     geo = ctx.geometry
     sol, why_not = solve_allowed(geo, r.target, hw, item.num_frames or 1, ctx.config, hw_kind)
     facts.update(fidelity=sol.fidelity, grid=getattr(sol, "grid", None), size_hw=sol.size_hw)
     if why_not is not None:
-        facts["reason"] = why_not
-        return None, facts
+        return None, facts | {"reason": why_not}
     kwargs = {
         k: getattr(geo, k)
         for k in ("patch", "temporal_patch", "merge")
@@ -105,25 +102,23 @@ def _attempt(
             **kwargs,
         )
     except Exception as exc:  # OOM, shape errors in the user's encoder: recorded, then fallback
-        facts["reason"] = f"re-encoding failed: {type(exc).__name__}: {exc}"[:500]
-        facts["error_type"] = type(exc).__name__
-        return None, facts
+        why = f"re-encoding failed: {type(exc).__name__}: {exc}"[:500]
+        return None, facts | {"reason": why, "error_type": type(exc).__name__}
     f = res.features
+    want = batch.features
     if f.shape[0] != r.target:  # a geometry that broke its Solution contract
-        facts["reason"] = (
+        why = (
             f"re-encoding gave {f.shape[0]} features for {r.target} placeholders "
             f"(solution claimed {sol.tokens})"
         )
-        return None, facts
-    want = batch.features
-    if f.dtype != want.dtype or f.device != want.device or f.shape[1] != want.shape[1]:
-        facts["reason"] = (
+    elif f.dtype != want.dtype or f.device != want.device or f.shape[1] != want.shape[1]:
+        why = (
             f"re-encoded features are {f.dtype} [{f.shape[1]}] on {f.device}, the batch's "
             f"{want.dtype} [{want.shape[1]}] on {want.device}"
         )
-        return None, facts
-    facts.update(grid=res.grid, size_hw=res.size_hw, reason=sol.reason)
-    return f, facts
+    else:
+        return f, facts | {"grid": res.grid, "size_hw": res.size_hw, "reason": sol.reason}
+    return None, facts | {"reason": why}
 
 
 def run_repairs(

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import functools
 from functools import cached_property
-from itertools import pairwise
 from typing import NamedTuple
 
 import torch
 
 from ..errors import MediaInputError
+from .cache import kept
 from .grammar import Grammar
 from .host import to_host
 from .parsed import Finding, FindingKind, ParsedRuns, Run
@@ -26,15 +26,14 @@ _FITS: dict[tuple[int, torch.dtype], Grammar] = {}  # grammars whose ids fit a d
 
 
 class Nested(NamedTuple):
-    """``[b, s]`` bool masks of the nested markers (``Grammar.inner``): starts, ends, either."""
+    """``[b, s]`` bool masks of the nested markers (``Grammar.inner``): starts and ends."""
 
     start: torch.Tensor
     end: torch.Tensor
-    either: torch.Tensor
 
 
-def _check_fits(grammar: Grammar, dtype: torch.dtype) -> None:
-    """Every special id of ``grammar`` fits ``dtype`` (else comparisons wrap), remembered."""
+def _check_fits(grammar: Grammar, dtype: torch.dtype) -> Grammar:
+    """Every special id of ``grammar`` fits ``dtype`` (else comparisons wrap)."""
     info = torch.iinfo(dtype)
     special = [*grammar.placeholders.values(), *grammar.break_ids]
     special += [*grammar.start_ids, *grammar.end_ids]
@@ -44,9 +43,7 @@ def _check_fits(grammar: Grammar, dtype: torch.dtype) -> None:
             f"grammar token ids {bad} do not fit input_ids of dtype {dtype} "
             f"([{info.min}, {info.max}]): comparing would wrap around"
         )
-    if len(_FITS) >= 64:
-        _FITS.pop(next(iter(_FITS)))
-    _FITS[(id(grammar), dtype)] = grammar
+    return grammar
 
 
 class TokenLayout:
@@ -67,12 +64,10 @@ class TokenLayout:
         b, s = ids.shape
         if b == 0 or s == 0:
             raise MediaInputError(f"empty batch: input_ids has shape {tuple(ids.shape)}")
-        if _FITS.get((id(grammar), ids.dtype)) is not grammar:
-            _check_fits(grammar, ids.dtype)
+        kept(_FITS, 64, (id(grammar), ids.dtype), lambda: _check_fits(grammar, ids.dtype))
         self.grammar = grammar
         self.batch, self.row_length = b, s
-        dev = ids.device
-        self.device = dev
+        self.device = dev = ids.device
         self._ids = ids  # the masks below are built on first use (verify_lut needs none)
 
         # samples: [b, s] rows, or packed samples of one row
@@ -86,8 +81,16 @@ class TokenLayout:
                 raise MediaInputError(
                     f"packed input (cu_seqlens) must be one row [1, T], got {tuple(ids.shape)}"
                 )
-            cu = _check_cu_seqlens(cu_seqlens, s, dev)
-            self.cu = cu
+            cu = cu_seqlens
+            if cu.dim() != 1 or cu.numel() < 2:
+                raise MediaInputError(
+                    f"cu_seqlens must be [num_samples + 1], got shape {tuple(cu.shape)}"
+                )
+            if cu.is_floating_point() or cu.dtype == torch.bool:
+                raise MediaInputError(f"cu_seqlens must be integer offsets, got {cu.dtype}")
+            if cu.device != dev:
+                raise MediaInputError(f"cu_seqlens is on {cu.device}, input_ids on {dev}")
+            self.cu = cu = cu.to(torch.int64)
             self.num_samples = cu.numel() - 1
             # sample index; tokens at or past cu[-1] get num_samples (padding)
             self.sample = (torch.searchsorted(cu, self.col, right=True) - 1).clamp(min=0)
@@ -133,11 +136,25 @@ class TokenLayout:
         outer_end = self._any_of(tuple(t for t in g.end_ids if t not in ends))
         start = self._any_of(starts) & self.prev(outer_start)
         end = self._any_of(ends) & self.next(outer_end)
-        return Nested(start, end, start | end)
+        return Nested(start, end)
 
-    def _or_nested(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` or a nested marker (those are no text: a run before ``<|audio_end|>`` is closed)."""
-        return x if self.nested is None else x | self.nested.either
+    @cached_property
+    def marked(self) -> torch.Tensor:
+        """``[b, s]`` bool: content or a marker, nested ones included (none of them is text: a
+        run before ``<|audio_end|>`` is closed)."""
+        out = self.content
+        for t in (self.is_start, self.is_end):
+            if t is not None:
+                out = out | t
+        return out if self.nested is None else out | self.nested.start | self.nested.end
+
+    @cached_property
+    def padding(self) -> torch.Tensor:  # [b, s] bool: past the last packed sample
+        return self.sample == self.num_samples
+
+    @cached_property
+    def sample_end(self) -> torch.Tensor:  # [b, s] bool: the last token of its sample
+        return self.next(torch.zeros_like(self.ph), fill=True)
 
     def _any_of(self, toks: tuple[int, ...]) -> torch.Tensor | None:
         if not toks:
@@ -211,35 +228,29 @@ class TokenLayout:
         content and 0 at each sample's end, and no run inside a region is followed by text;
         without, the finding codes are counted (no ``last_before`` needed)."""
         g = self.grammar
-        # break tokens add one kind (a run of breaks alone), counted without a sync either way
-        empty = self.empty_runs(run_start) if g.break_ids else None
         if g.start_id is None or g.end_id is None:
             count = (self.finding_codes(run_start, run_end, empty_runs=False) != 0).sum()
-            if empty is not None:
-                count = count + empty
-            return count + self.cu_violations()
+        else:
+            count = self._depth_violations(run_end)
+        if g.break_ids:  # one more kind, a run of breaks alone, counted without a sync
+            count = count + self.empty_runs(run_start)
+        return count if self.seg_start is None else count + self.cu_violations()
+
+    def _depth_violations(self, run_end: torch.Tensor) -> torch.Tensor:
+        """:meth:`structure_violations` of a grammar with both markers, by the depth."""
         d = self._depth(self.is_start, self.is_end)
-        marked = self._or_nested(self.is_start | self.is_end | self.content)
         if self.seg_start is None:
             # d outside {0, 1}, or content where d != 1: d < content (as 0/1) or d > 1
-            count = torch.count_nonzero((d < self.content) | (d > 1)) + torch.count_nonzero(
-                d[:, -1]
-            )
+            bad = (d < self.content) | (d > 1)
+            count = torch.count_nonzero(bad) + torch.count_nonzero(d[:, -1])
         else:
             bad = (d < 0) | (d > 1) | (self.content & (d != 1))
-            at_end = self.next(torch.zeros_like(run_end), fill=True)
-            padding = self.sample == self.num_samples
-            bad = bad | (at_end & (d != 0))
-            bad = bad | (padding & marked)
+            bad = bad | (self.sample_end & (d != 0)) | (self.padding & self.marked)
             count = bad.sum()
         if self.nested is not None:  # nested starts and ends pair up: depth in {0, 1}, 0 at ends
             x = self._depth(self.nested.start, self.nested.end)
             count = count + torch.count_nonzero((x < 0) | (x > 1) | (self.is_end & (x != 0)))
-        text_next = ~self.next(marked, fill=True)
-        count = count + torch.count_nonzero(run_end & text_next)
-        if empty is not None:
-            count = count + empty
-        return count if self.seg_start is None else count + self.cu_violations()
+        return count + torch.count_nonzero(run_end & ~self.next(self.marked, fill=True))
 
     def last_in_sample(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` read at the last token of each token's sample."""
@@ -256,11 +267,10 @@ class TokenLayout:
         before = self.prev(self.content)
         if len(self.grammar.placeholders) == 1:
             start = self.content & ~before
-        else:  # a modality switch between two placeholders starts a new run
+        else:  # a modality switch starts a new run (no breaks: they come with one modality)
             # the modality of each placeholder: with two, the second one's mask (no int8 pass)
             key = self._masks[1] if len(self._masks) == 2 else self.code
-            ph_before = before if self.ph is self.content else self.ph & self.prev(self.ph)
-            start = self.content & (~before | (ph_before & (self.prev(key) != key)))
+            start = self.content & (~before | (self.prev(key) != key))
         end = self.content & (~self.next(self.content) | self.next(start))
         return start, end
 
@@ -278,32 +288,23 @@ class TokenLayout:
         start_col = self.last_before(run_start, inclusive=True).clamp(min=0)
         return ph_cum - (ph_cum - self.ph.to(ph_cum.dtype)).gather(1, start_col)
 
-    def run_codes(self, run_start: torch.Tensor) -> torch.Tensor:
-        """``[b, s]`` int64 modality code of each run at its start: its first placeholder's (a
-        run may open with a break), -1 without one."""
-        if not self.grammar.break_ids:
-            return self.code.long()
-        flip = torch.flip(torch.where(self.ph, self.col, self.row_length), [1])
-        nxt = torch.flip(torch.cummin(flip, 1).values, [1])  # first placeholder at or after
-        code = self.code.gather(1, nxt.clamp(max=self.row_length - 1)).long()
-        return torch.where(nxt < self.row_length, code, -1)
-
     # ---- findings --------------------------------------------------------------
 
-    def cu_violations(self) -> torch.Tensor:
-        """Device scalar: packed offsets that do not start at 0, decrease, or pass the row end."""
+    def cu_violations(self, cu: torch.Tensor | None = None) -> torch.Tensor:
+        """Scalar: packed offsets (``cu``, else the layout's, on its device) that do not start at
+        0, decrease, or pass the row end."""
         if self.seg_start is None:
             return torch.zeros((), dtype=torch.int64, device=self.device)
-        cu = self.cu
+        cu = self.cu if cu is None else cu
         return (cu[0] != 0).long() + (cu[1:] < cu[:-1]).sum() + (cu[-1] > self.row_length).long()
 
     def check_cu_on_host(self) -> None:
         """Off the aligned path: a clear error for bad packed offsets (one small transfer)."""
         if self.seg_start is None:
             return
-        cu = to_host(self.cu, why="validate packed offsets").tolist()
-        s = self.row_length
-        if cu[0] != 0 or any(b < a for a, b in pairwise(cu)) or cu[-1] > s:
+        cu = to_host(self.cu, why="validate packed offsets")
+        if self.cu_violations(cu):
+            cu, s = cu.tolist(), self.row_length
             raise MediaInputError(
                 f"cu_seqlens must start at 0, never decrease and end within the row ({s} "
                 f"tokens), got {cu[:16]}{' ...' if len(cu) > 16 else ''}",
@@ -327,12 +328,7 @@ class TokenLayout:
         g = self.grammar
         marks: list[tuple[torch.Tensor, FindingKind]] = []
         if self.packed:
-            padding = self.sample == self.num_samples
-            special = self._or_nested(self.content)
-            for t in (self.is_start, self.is_end):
-                if t is not None:
-                    special = special | t
-            marks.append((padding & special, FindingKind.IN_PADDING))
+            marks.append((self.padding & self.marked, FindingKind.IN_PADDING))
         if g.start_id is not None and g.end_id is not None:
             marker = self.is_start | self.is_end
             last_m = self.last_before(marker, inclusive=False)
@@ -345,7 +341,7 @@ class TokenLayout:
             marks.append((self.is_start & (last_marker == self.col), self._cut_kind()))
             # a run followed by text while its region is open and a marker still comes
             # later in the sample: the end token is missing (no later marker: it was cut)
-            text_next = ~self.next(self._or_nested(marker | self.content), fill=True)
+            text_next = ~self.next(self.marked, fill=True)
             unterminated = run_end & text_next & inside & (last_marker > self.col)
             marks.append((unterminated, FindingKind.UNTERMINATED))
             if self.nested is not None:  # the open region began nested: its end comes nested
@@ -356,8 +352,8 @@ class TokenLayout:
                 marks.append((self.nested.end & ~opened, FindingKind.END_WITHOUT_START))
         elif g.end_id is not None:
             # end-only grammar (Pixtral): every run is closed by the end token right after it
-            at_last = self.next(torch.zeros_like(run_end), fill=True)
-            marks.append((run_end & at_last, self._cut_kind()))
+            at_last = run_end & self.sample_end
+            marks.append((at_last, self._cut_kind()))
             marks.append((run_end & ~at_last & ~self.next(self.is_end), FindingKind.UNTERMINATED))
             marks.append((self.is_end & ~self.prev(self.content), FindingKind.END_WITHOUT_START))
         if g.break_ids and empty_runs:  # exact positions (nonzero: off the aligned path)
@@ -381,16 +377,6 @@ class TokenLayout:
         ).to(torch.int8)
 
 
-def _check_cu_seqlens(cu: torch.Tensor, n: int, dev: torch.device) -> torch.Tensor:
-    if cu.dim() != 1 or cu.numel() < 2:
-        raise MediaInputError(f"cu_seqlens must be [num_samples + 1], got shape {tuple(cu.shape)}")
-    if cu.is_floating_point() or cu.dtype == torch.bool:
-        raise MediaInputError(f"cu_seqlens must be integer offsets, got {cu.dtype}")
-    if cu.device != dev:
-        raise MediaInputError(f"cu_seqlens is on {cu.device}, input_ids on {dev}")
-    return cu.to(torch.int64)
-
-
 def run_table(
     lay: TokenLayout, start: torch.Tensor, end: torch.Tensor, size: int | None = None
 ) -> torch.Tensor:
@@ -409,9 +395,10 @@ def run_table(
         en = torch.nonzero_static(end, size=size, fill_value=0)
     sr, sc, ec = st[:, 0], st[:, 1], en[:, 1]
     lengths = ph_cum[sr, ec] - ph_cum[sr, sc] + lay.ph[sr, sc].to(ph_cum.dtype)
-    first_code = lay.run_codes(start)[sr, sc]
+    # a run opens with a placeholder, or with a break (-1) in a grammar of one modality (0)
+    first_code = lay.code[sr, sc].long().clamp(min=0)
     first_code = torch.where(lengths == 0, -1, first_code)  # breaks only: no modality
-    return torch.stack([sr, sc, ec, lengths, first_code.long(), lay.sample[sr, sc]], dim=1)
+    return torch.stack([sr, sc, ec, lengths, first_code, lay.sample[sr, sc]], dim=1)
 
 
 def parse_runs(
@@ -419,8 +406,7 @@ def parse_runs(
 ) -> ParsedRuns:
     """Every placeholder run (token order) and structural finding, on the host.
     input_ids: ``[b, s]`` (``[1, T]`` with ``cu_seqlens`` ``[n+1]``), integer, any device."""
-    lay = TokenLayout(input_ids, grammar, cu_seqlens)
-    return parse_layout(lay)
+    return parse_layout(TokenLayout(input_ids, grammar, cu_seqlens))
 
 
 def parse_layout(lay: TokenLayout) -> ParsedRuns:

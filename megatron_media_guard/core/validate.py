@@ -85,12 +85,9 @@ def check_labels_dtype(labels: torch.Tensor | None, ignore_index: int) -> None:
     if labels is None or not isinstance(labels, torch.Tensor):
         return
     dt = labels.dtype
-    if dt == torch.bool or labels.is_complex():
-        ok = False
-    elif labels.is_floating_point():
-        ok = torch.finfo(dt).min <= ignore_index <= torch.finfo(dt).max
-    else:
-        info = torch.iinfo(dt)
+    ok = dt != torch.bool and not labels.is_complex()
+    if ok:
+        info = torch.finfo(dt) if labels.is_floating_point() else torch.iinfo(dt)
         ok = info.min <= ignore_index <= info.max
     if not ok:
         raise MediaInputError(

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from . import verify_lut
+from .cache import constant, kept
 from .host import scalars_to_host
 from .runs import TokenLayout
 
@@ -76,28 +77,23 @@ def item_tables(
 ) -> list[Expected]:
     """Host-known items (one run each, token order) as per-code tables on ``dev``, cached."""
     key = (tuple(lengths), tuple(codes), None if samples is None else tuple(samples), dev)
-    return kept(_ITEM_TABLES, 16, key, lambda: _item_tables(*key))
+    return kept(_ITEM_TABLES, 16, key, lambda: [_item_table(*key, c) for c in sorted(set(codes))])
 
 
 _ITEM_TABLES: dict[tuple, list[Expected]] = {}
 
 
-def _item_tables(lengths, codes, samples, dev) -> list[Expected]:
-    out = []
-    for c in sorted(set(codes)):
-        idx = [i for i, k in enumerate(codes) if k == c]
-        n = tuple(lengths[i] for i in idx)
-        smp = None if samples is None else tuple(samples[i] for i in idx)
-        out.append(
-            Expected(
-                c,
-                _constant((1,) * len(n), dev),
-                _constant(n, dev),
-                None if smp is None else _constant(smp, dev),
-                known=(n, smp, _host_hash(n, c)),
-            )
-        )
-    return out
+def _item_table(lengths, codes, samples, dev, code: int) -> Expected:
+    idx = [i for i, k in enumerate(codes) if k == code]
+    n = tuple(lengths[i] for i in idx)
+    smp = None if samples is None else tuple(samples[i] for i in idx)
+    return Expected(
+        code,
+        constant((1,) * len(n), dev),
+        constant(n, dev),
+        None if smp is None else constant(smp, dev),
+        known=(n, smp, _host_hash(n, code)),
+    )
 
 
 def verify(
@@ -116,13 +112,8 @@ def verify(
         luts = verify_lut.tables(lay.grammar, lay.packed, lay.row_length, dev)
     runs = None  # a host int from the marker check (CPU), else read with the verdict
     if luts is not None:
-        lengths, samples, _ = expected[0].known if expected else ((), None, 0)
         runs, parts, lay.ph = verify_lut.check(
-            ids64.view(lay.batch, lay.row_length),
-            luts,
-            _want_keys(lengths, expected[0].code if expected else 0, samples, lay, dev),
-            len(lengths),
-            samples is not None,
+            ids64.view(lay.batch, lay.row_length), luts, expected
         )
     else:
         parts = _table_parts(lay, expected, dev)
@@ -147,7 +138,7 @@ def verify(
     vals, tail = vals[:head], vals[head:]
     if runs is not None:  # the scan's min and max decide the structure
         lo, hi, *rest = vals
-        findings = verify_lut.findings(lo, hi)
+        findings = int(lo < -1) + int(hi > 1)  # one per kind: below or above the sound range
         bad_runs = rest.pop(0) if expected and expected[0].known[0] else 0
     else:
         runs, findings, bad_runs, *rest = vals
@@ -181,14 +172,12 @@ def _table_parts(lay: TokenLayout, expected: Sequence[Expected], dev) -> list[to
     findings = lay.structure_violations(start, end).to(torch.int64)
     bad = want_total = torch.zeros((), dtype=torch.int64, device=dev)
     one = len(lay.grammar.placeholders) == 1  # every run is of the one code
-    if expected and not one:
-        code_start, code_end = _run_codes(lay, start)
     for e in expected:
         if one:
             start_m, end_m, ph_m = start, end, lay.ph
-        else:
-            start_m, end_m = start & (code_start == e.code), end & (code_end == e.code)
-            ph_m = lay.ph & (lay.code == e.code)
+        else:  # no breaks (they come with one modality): every token of a run has its code
+            is_code = lay.code == e.code
+            start_m, end_m, ph_m = start & is_code, end & is_code, lay.ph & is_code
         if e.where is not None:
             start_m, end_m, ph_m = start_m & e.where, end_m & e.where, ph_m & e.where
         size = e.tokens.to(dev, torch.int64)
@@ -216,17 +205,6 @@ def _table_parts(lay: TokenLayout, expected: Sequence[Expected], dev) -> list[to
             bad = bad + torch.count_nonzero(e.declared.to(dev, torch.int64) != per_row * size)
     bad = bad + (n_runs != want_total).long()  # runs of a modality no table covers
     return [n_runs, findings, bad]
-
-
-def _run_codes(lay: TokenLayout, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(code at each run's start, code at each run's end)``, ``[b, s]``: the token's own
-    code; where a run may open or close with a break, its first / last placeholder's."""
-    if not lay.grammar.break_ids:
-        return lay.code, lay.code
-    n = lay.ph.numel()
-    pos = torch.arange(n, device=lay.device)
-    last = torch.cummax(torch.where(lay.ph.reshape(-1), pos, -1), 0).values.clamp(min=0)
-    return lay.run_codes(start), lay.code.reshape(-1)[last].view_as(lay.code)
 
 
 def _items_across_samples(
@@ -260,32 +238,6 @@ def _finite_probe(features: torch.Tensor):
     return lohi, lambda v: v != 2, True
 
 
-def _want_keys(lengths, code: int, samples, lay: TokenLayout, dev) -> torch.Tensor | None:
-    """Item r's key for :func:`verify_lut.check` (modality + 1, length, sample), cached."""
-    if not lengths:
-        return None
-    s = lay.row_length
-    row = 8 * (s + 2)
-    smp = samples if samples is not None else [0] * len(lengths)
-    # a length past the row is capped at s + 1, which no run has: uncapped, 8 * n could
-    # reach into the next row's keys (n = s + 3 in sample 0 reads as 1 in sample 1)
-    keys = tuple([code + 1 + 8 * min(n, s + 1) + row * r for n, r in zip(lengths, smp)])
-    return _constant(keys, dev)
-
-
-_CONSTANTS: dict[tuple, torch.Tensor] = {}
-
-
-def _constant(values: tuple[int, ...], dev: torch.device) -> torch.Tensor:
-    """``torch.tensor(values)`` on ``dev``, cached."""
-    return kept(
-        _CONSTANTS,
-        32,
-        (values, dev),
-        lambda: torch.tensor(values, dtype=torch.int64).to(dev, non_blocking=True),
-    )
-
-
 _WEIGHTS: dict[tuple[int, torch.device], tuple[torch.Tensor, int]] = {}
 
 
@@ -298,17 +250,6 @@ def fingerprint_weights(n: int, dev: torch.device) -> tuple[torch.Tensor, int]:
         (n, dev),
         lambda: (torch.arange(n, device=dev) * _MIX + 1, _MIX * (n * (n - 1) // 2) + n),
     )
-
-
-def kept(store: dict, limit: int, key, make):
-    """``store[key]``, made on a miss; the oldest entry goes past ``limit`` (a training run
-    repeats its items and shapes)."""
-    got = store.get(key)
-    if got is None:
-        if len(store) >= limit:
-            store.pop(next(iter(store)))
-        got = store[key] = make()
-    return got
 
 
 __all__ = ["Expected", "Verdict", "item_tables", "verify"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from .cache import constant, kept
 from .grammar import Grammar
 
 _EDGE = 7  # the class of the padding before a row's first token and after its last
@@ -30,12 +31,12 @@ def tables(grammar: Grammar, packed: bool, s: int, dev: torch.device) -> tuple |
     (see the module docstring; also nested pairs, ids spread too far, rows of 2**30 tokens)."""
     if s >= _MAX_ROW:
         return None
-    key = (id(grammar), packed, dev)
-    got = _TABLES.get(key)
-    if got is not None and got[0] is grammar:
-        return got[1]
-    if len(_TABLES) >= 16:
-        _TABLES.pop(next(iter(_TABLES)))
+    return kept(
+        _TABLES, 16, (id(grammar), packed, dev), lambda: (grammar, _build(grammar, packed, dev))
+    )[1]
+
+
+def _build(grammar: Grammar, packed: bool, dev: torch.device) -> tuple | None:
     ok = (
         dev.type == "cpu"
         and not packed
@@ -49,12 +50,8 @@ def tables(grammar: Grammar, packed: bool, s: int, dev: torch.device) -> tuple |
     if ok:
         ids = [*grammar.start_ids, *grammar.end_ids, *grammar.placeholders.values()]
         ok = max(ids) - min(ids) <= 1 << 16
-    made = _build(grammar, dev) if ok else None
-    _TABLES[key] = (grammar, made)
-    return made
-
-
-def _build(grammar: Grammar, dev: torch.device) -> tuple:
+    if not ok:
+        return None
     ids = {t: _START for t in grammar.start_ids}
     ids.update({t: _END for t in grammar.end_ids})
     ids.update({tok: _PH + m for m, tok in enumerate(grammar.placeholders.values())})
@@ -85,18 +82,14 @@ def _build(grammar: Grammar, dev: torch.device) -> tuple:
     )
 
 
-def findings(lo: int, hi: int) -> int:
-    """Structure violations (0/1 per kind) from the scan's min and max."""
-    return int(lo < -1) + int(hi > 1)
-
-
-def check(
-    ids: torch.Tensor, luts: tuple, want: torch.Tensor | None, n_items: int, explicit: bool
-) -> tuple[int, list[torch.Tensor], torch.Tensor]:
+def check(ids: torch.Tensor, luts: tuple, expected) -> tuple[int, list[torch.Tensor], torch.Tensor]:
     """``(runs, [scan min, scan max, (bad runs)], placeholder mask)`` for ``ids`` ``[b, s]``
-    int64: the run count as a host int, the rest scalars for the caller's one read. ``want``:
-    the items' keys in token order, ``modality + 1 + 8 * length (+ 8 * (s + 2) * sample)``."""
+    int64: the run count as a host int, the rest scalars for the caller's one read.
+    ``expected``: none, or one :class:`~.verify.Expected` of items the host knows (one run
+    each, token order); run r must have item r's key ``modality + 1 + 8 * length (+ 8 *
+    (s + 2) * sample)``."""
     b, s = ids.shape
+    lengths, samples, _ = expected[0].known if expected else ((), None, 0)
     cls_t, start_t, end_t, step_t, lo, top = luts
     # table lookups by index_select over flat indices (on CPU about 3x faster than take)
     cls = cls_t.index_select(0, ids.sub(lo).clamp_(0, top).view(-1)).view(b, s)
@@ -112,13 +105,18 @@ def check(
     ps = torch.nonzero(first).view(-1)
     runs = ps.shape[0]
     parts = [lohi.min, lohi.max]
-    if n_items:
+    if lengths:
         pe = torch.nonzero(end_t.index_select(0, pair)).view(-1)  # a run's end + 1
-        if runs == n_items == pe.shape[0]:
+        if runs == len(lengths) == pe.shape[0]:
             got = torch.add(first.index_select(0, ps), pe - ps, alpha=8)  # + 8 * length
-            if explicit:  # the run's row
+            if samples is not None:  # the run's row
                 got = torch.add(got, torch.floor_divide(ps, s + 1), alpha=8 * (s + 2))
-            parts.append(torch.count_nonzero(got != want))
+            # a length past the row is capped at s + 1, which no run has: uncapped, 8 * n
+            # could reach into the next row's keys (n = s + 3 in sample 0 reads as 1 in 1)
+            smp = samples if samples is not None else [0] * len(lengths)
+            code, row = expected[0].code + 1, 8 * (s + 2)
+            want = [code + 8 * min(n, s + 1) + row * r for n, r in zip(lengths, smp)]
+            parts.append(torch.count_nonzero(got != constant(tuple(want), ids.device)))
         else:  # runs and items disagree in number: the verdict fails on that already
-            parts.append(torch.tensor(n_items))
+            parts.append(torch.tensor(len(lengths)))
     return runs, parts, cls >= _PH

@@ -85,7 +85,7 @@ def replay(bundle: Bundle) -> ReplayResult:
     else:
         # no log path: a replay writes no log (the save-time one is the bundle's log_path)
         records = [
-            sample_record(rep, norm.items, "raise", "raise", step=bundle.step, microbatch=mb)
+            sample_record(rep, norm.items, "raise", step=bundle.step, microbatch=mb)
             for rep in report.mismatched
         ]
         message = alignment_message(
