@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..core.interleave import RunOrder, order_runs
+from ..core.interleave import RunOrder, order_runs, queued, take_per_run
 from ..core.outcome import MergeResult
 from ..core.repairs import media_hw
 from ..core.runs import TokenLayout, parse_layout
@@ -175,10 +175,8 @@ class VLMHandle(ForwardHookHandle):
             if len(parsed.runs) != len(items):
                 return ()  # runs the merge could not pair with items: nothing to act on
             # each run takes the next item of its token (items are in each modality's order)
-            left: dict[str, list[int]] = {}
-            for k, it in enumerate(items):
-                left.setdefault(g.token_modality(it.modality), []).append(k)
-            took = [left[r.modality].pop(0) if left.get(r.modality) else -1 for r in parsed.runs]
+            tokens = queued([g.token_modality(it.modality) for it in items])
+            took, _ = take_per_run(tokens, [r.modality for r in parsed.runs])
             if -1 in took:
                 return ()
             acts = res.report.actions

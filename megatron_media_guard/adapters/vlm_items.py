@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.grammar import Grammar
-from ..core.interleave import Run, read_runs
+from ..core.interleave import Run, queued, read_runs, take_per_run
 from ..core.items import MediaItem
 from ..core.runs import TokenLayout, parse_layout
 from ..errors import MediaInputError
@@ -234,14 +234,8 @@ def typed_runs_order(runs: Sequence[Run], grammar, mods, items: list[MediaItem])
     where a run is typed as none of them (the length interleaving decides)."""
     code = {m.type_id: m.name for m in mods if m.type_id is not None}
     shared = {grammar.token_modality(m.name) for m in mods if m.shares is not None}
-    left: dict[str, list[int]] = {}
-    for i, it in enumerate(items):
-        left.setdefault(it.modality, []).append(i)
-    order: list[int] = []
-    for r in runs:
-        mod = code.get(r.key) if r.modality in shared else r.modality
-        if mod is None:
-            return None
-        if left.get(mod):
-            order.append(left[mod].pop(0))
-    return order + [i for v in left.values() for i in v]  # items beyond the runs: reported
+    wants = [code.get(r.key) if r.modality in shared else r.modality for r in runs]
+    if None in wants:
+        return None
+    taken, rest = take_per_run(queued([it.modality for it in items]), wants)
+    return [i for i in taken if i >= 0] + rest  # items beyond the runs: reported

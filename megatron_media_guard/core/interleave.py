@@ -253,6 +253,23 @@ def token_order(ids, grammar: Grammar, items: list[MediaItem], parent: list[int]
     return order_runs(read_runs(TokenLayout(ids, grammar)), grammar, items, parent)
 
 
+def take_per_run(queues: Mapping[object, list[int]], run_keys: Sequence[object]):
+    """Each run takes the next index queued under its key: ``(taken, rest)``, ``taken`` one
+    index per run in run order (-1 where its key has none left), ``rest`` the indices no run
+    took. ``queues`` are copied, never emptied."""
+    left = {k: list(v) for k, v in queues.items()}
+    taken = [left[k].pop(0) if left.get(k) else -1 for k in run_keys]
+    return taken, [i for q in left.values() for i in q]
+
+
+def queued(keys: Sequence[object]) -> dict[object, list[int]]:
+    """Indices ``0..len(keys)-1`` grouped by their key, each group in order."""
+    out: dict[object, list[int]] = {}
+    for i, k in enumerate(keys):
+        out.setdefault(k, []).append(i)
+    return out
+
+
 def order_runs(
     runs: Sequence[Run], grammar: Grammar, items: list[MediaItem], parent: list[int]
 ) -> list[int]:
@@ -272,8 +289,7 @@ def order_runs(
     if tied:
         # items tied to their samples: a run takes the next item of its modality in its sample,
         # so that one sample's surplus or shortfall never shifts another's items
-        for i, it in enumerate(items):
-            queue.setdefault((it.sample, g.token_modality(it.modality)), []).append(i)
+        queue = queued([(it.sample, g.token_modality(it.modality)) for it in items])
     for tok, by_mod in () if tied else streams.items():
         seqs = list(by_mod.values())
         if len(seqs) == 1:
@@ -301,6 +317,7 @@ def order_runs(
             )
         ia, ib = iter(a), iter(b)
         queue[tok] = [next(ia) if s == 0 else next(ib) for s in pick]
-    keys = [(r.sample, r.modality) if tied else r.modality for r in runs]
-    order = [queue[k].pop(0) for k in keys if queue.get(k)]
-    return order + [i for q in queue.values() for i in q]  # beyond the runs: the guard reports
+    taken, rest = take_per_run(
+        queue, [(r.sample, r.modality) if tied else r.modality for r in runs]
+    )
+    return [i for i in taken if i >= 0] + rest  # beyond the runs: the guard reports them
