@@ -3,6 +3,7 @@ raise naming the culprit sample (message and ``raise`` record), the decoder's in
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -58,6 +59,37 @@ def decoder_inputs(decoder, run: Callable[[], object]):
     finally:
         hook.remove()
     return seen[0], out
+
+
+@contextlib.contextmanager
+def spy(module, take=lambda out: out):
+    """Keyword arguments the module's forward got last, and ``take`` of each output as it
+    returns (the model may change the output object after); the hooks removed after."""
+    seen, outs = {}, []
+    hooks = (
+        module.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True),
+        module.register_forward_hook(lambda m, a, o: outs.append(take(o))),
+    )
+    try:
+        yield seen, outs
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def logits(model, kw: dict) -> torch.Tensor:
+    """The logits of one forward on ``kw`` under no_grad."""
+    with torch.no_grad():
+        return model(**kw).logits
+
+
+def response(b) -> torch.Tensor:
+    """Labels on each sample's last two tokens of batch ``b`` (its response; the prompt is not
+    trained), -100 elsewhere."""
+    labels = torch.full_like(b.input_ids, -100)
+    for s, n in enumerate(b.lengths):
+        labels[s, n - 2 : n] = b.input_ids[s, n - 2 : n]
+    return labels
 
 
 def hidden_forward(model, kw: dict):

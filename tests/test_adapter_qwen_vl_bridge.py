@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from family_checks import records
 
 from megatron_media_guard import Grammar, GuardConfig, MediaGuard
 from megatron_media_guard.geometry import PatchMergeGeometry
@@ -216,8 +217,6 @@ def test_packed_thd_repair_matches_the_engine_sized_batch(models, family):
 
 
 def test_placeholders_in_the_packed_padding_become_text(models, tmp_path):
-    import json
-
     from megatron_media_guard.testing.qwen_vl import build_batch
 
     family = "qwen2_5_vl"
@@ -232,5 +231,4 @@ def test_placeholders_in_the_packed_padding_become_text(models, tmp_path):
     with torch.no_grad(), install_qwen_vl(model, guard) as h:
         model(**packed)
     assert h.last_result.report.actions == ("keep",)
-    recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
-    assert [r["action"] for r in recs if r["event"] == "check"] == ["ignored"]
+    assert [r["action"] for r in records(tmp_path) if r["event"] == "check"] == ["ignored"]

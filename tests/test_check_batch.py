@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from family_checks import raised_samples, records
+from family_checks import logits, raised_samples, records
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -131,11 +131,6 @@ def batch(F, model, samples):
     b = F.make_batch(model, samples)
     b.model_config = model.config
     return b
-
-
-def logits(model, kw) -> torch.Tensor:
-    with torch.no_grad():
-        return model(**kw).logits
 
 
 FAULTS = {"one run short": {1: -1}, "+k/-k across two samples": {0: 1, 1: -1}}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from family_checks import aud, img, own_logits, vid
+from family_checks import aud, img, logits, own_logits, spy, vid
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError
 from megatron_media_guard.adapters import install_vlm
@@ -30,29 +30,13 @@ def model():
     return F.tiny_model(seed=0)
 
 
-def logits(model, kwargs, **kw):
-    with torch.no_grad():
-        return model(**kwargs, **kw).logits
-
-
-def lm_inputs(model, fn):
-    """What the text model received during ``fn()``: its keyword arguments."""
-    seen = {}
-    hook = model.model.language_model.register_forward_pre_hook(
-        lambda m, a, kw: seen.update(kw), with_kwargs=True
-    )
-    try:
-        fn()
-    finally:
-        hook.remove()
-    return seen
-
-
 def test_deepstack_reaches_the_text_model_as_in_the_plain_forward(model):
     b = F.make_batch(model, [[img(4, 4), aud(80)], [vid(2, 4, 4)]])
-    plain = lm_inputs(model, lambda: logits(model, b.kwargs))
-    with install_vlm(model, GuardConfig(), tokenizer=TOKENS):
-        mine = lm_inputs(model, lambda: logits(model, b.kwargs))
+    lm = model.model.language_model
+    with spy(lm) as (plain, _):
+        logits(model, b.kwargs)
+    with install_vlm(model, GuardConfig(), tokenizer=TOKENS), spy(lm) as (mine, _):
+        logits(model, b.kwargs)
     assert mine["deepstack_visual_embeds"] is not None
     assert torch.equal(mine["visual_pos_masks"], plain["visual_pos_masks"])
     for a, p in zip(mine["deepstack_visual_embeds"], plain["deepstack_visual_embeds"], strict=True):
@@ -63,8 +47,9 @@ def test_deepstack_reaches_the_text_model_as_in_the_plain_forward(model):
 def test_drop_feeds_no_feature_and_no_deepstack_to_the_dropped_rows(model):
     samples = [[img(4, 6), aud(100)], [img(8, 4), aud(60)], [img(2, 2)]]
     b = F.make_batch(model, samples, swap=(0, 1))  # the two audio clips exchanged
-    with install_vlm(model, GuardConfig(policy="drop"), tokenizer=TOKENS) as h:
-        seen = lm_inputs(model, lambda: logits(model, b.kwargs))
+    guard = install_vlm(model, GuardConfig(policy="drop"), tokenizer=TOKENS)
+    with guard as h, spy(model.model.language_model) as (seen, _):
+        logits(model, b.kwargs)
     assert h.last_result.report.actions == ("drop", "drop", "keep")
     text = model.get_input_embeddings()(b.input_ids)
     assert torch.equal(seen["inputs_embeds"][:2], text[:2])
@@ -132,7 +117,8 @@ def test_audio_in_video_drop_keeps_the_others_equal_to_their_own_forward(
     samples = [*samples, [img(2, 4), vid(2, 2, 4, 150)]]  # an aligned bystander, last
     b = F.make_batch(model, samples, swap=swap)
     with install_vlm(model, GuardConfig(policy="drop"), tokenizer=TOKENS) as h:
-        seen = lm_inputs(model, lambda: logits(model, b.kwargs))
+        with spy(model.model.language_model) as (seen, _):
+            logits(model, b.kwargs)
         out = model(**b.kwargs, labels=b.input_ids.clone())
         res = h.last_result
     dropped = {s for s, a in enumerate(res.report.actions) if a == "drop"}
