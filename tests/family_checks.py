@@ -133,16 +133,17 @@ def saved_bundle(d, **config):
     return path
 
 
-def guarded_forward(F, model, samples, config=None, items=None, tokenizer=None, **kw):
+def guarded_forward(F, model, samples, config=None, items=None, tokenizer=None, run=None, **kw):
     """``(batch, output, last_result)`` of ``samples`` (fixture module ``F``'s batch) through
     ``install_vlm(model, config, tokenizer=tokenizer)`` (``config``: a GuardConfig or a
-    MediaGuard), ``items`` given with ``set_items``; the guard removed."""
+    MediaGuard), ``items`` given with ``set_items``; the guard removed. ``run(model, kwargs)``:
+    the output (default: the model's forward), e.g. :func:`hidden_forward`."""
     b = F.make_batch(model, samples, **kw)
     with install_vlm(model, config or GuardConfig(), tokenizer=tokenizer) as h:
         if items is not None:
             h.set_items(items)
         with torch.no_grad():
-            out = model(**b.kwargs)
+            out = model(**b.kwargs) if run is None else run(model, b.kwargs)
         return b, out, h.last_result
 
 
