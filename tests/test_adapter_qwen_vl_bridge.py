@@ -23,6 +23,8 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 if REASON is None:
     from megatron.core.packed_seq_params import PackedSeqParams
 
+from test_adapter_qwen_vl import BIG, CLIP, ENGINE, SMALL, TRAINER  # noqa: E402
+
 from megatron_media_guard.adapters import install_qwen_vl  # noqa: E402
 from megatron_media_guard.adapters.launcher import find_vlm  # noqa: E402
 from megatron_media_guard.testing.bridge_models import QWEN3, QWEN25, segments  # noqa: E402
@@ -32,14 +34,9 @@ from megatron_media_guard.testing.qwen_vl import (  # noqa: E402
     Sample,
     patch_of,
     seed_failure,
-    smooth_clip,
-    smooth_image,
     source_items,
 )
 
-ENGINE, TRAINER = 12, 30
-BIG, SMALL = smooth_image(150, 200, 1), smooth_image(60, 84, 3)
-CLIP = smooth_clip(4, 150, 180, 2)
 PAD = 0
 FAMILIES = ["qwen2_5_vl", "qwen3_vl"]
 
