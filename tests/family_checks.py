@@ -3,6 +3,7 @@ raise naming the culprit sample (message and ``raise`` record), the decoder's in
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -60,6 +61,37 @@ def decoder_inputs(decoder, run: Callable[[], object]):
     return seen[0], out
 
 
+@contextlib.contextmanager
+def spy(module, take=lambda out: out):
+    """Keyword arguments the module's forward got last, and ``take`` of each output as it
+    returns (the model may change the output object after); the hooks removed after."""
+    seen, outs = {}, []
+    hooks = (
+        module.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True),
+        module.register_forward_hook(lambda m, a, o: outs.append(take(o))),
+    )
+    try:
+        yield seen, outs
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def logits(model, kw: dict) -> torch.Tensor:
+    """The logits of one forward on ``kw`` under no_grad."""
+    with torch.no_grad():
+        return model(**kw).logits
+
+
+def response(b) -> torch.Tensor:
+    """Labels on each sample's last two tokens of batch ``b`` (its response; the prompt is not
+    trained), -100 elsewhere."""
+    labels = torch.full_like(b.input_ids, -100)
+    for s, n in enumerate(b.lengths):
+        labels[s, n - 2 : n] = b.input_ids[s, n - 2 : n]
+    return labels
+
+
 def hidden_forward(model, kw: dict):
     """(final hidden states of ``model.model``, output) of one forward under no_grad, where
     the wide vocabulary dominates CPU time: logits for the last position only unless labels
@@ -101,16 +133,17 @@ def saved_bundle(d, **config):
     return path
 
 
-def guarded_forward(F, model, samples, config=None, items=None, tokenizer=None, **kw):
+def guarded_forward(F, model, samples, config=None, items=None, tokenizer=None, run=None, **kw):
     """``(batch, output, last_result)`` of ``samples`` (fixture module ``F``'s batch) through
     ``install_vlm(model, config, tokenizer=tokenizer)`` (``config``: a GuardConfig or a
-    MediaGuard), ``items`` given with ``set_items``; the guard removed."""
+    MediaGuard), ``items`` given with ``set_items``; the guard removed. ``run(model, kwargs)``:
+    the output (default: the model's forward), e.g. :func:`hidden_forward`."""
     b = F.make_batch(model, samples, **kw)
     with install_vlm(model, config or GuardConfig(), tokenizer=tokenizer) as h:
         if items is not None:
             h.set_items(items)
         with torch.no_grad():
-            out = model(**b.kwargs)
+            out = model(**b.kwargs) if run is None else run(model, b.kwargs)
         return b, out, h.last_result
 
 

@@ -56,6 +56,14 @@ class Example:
     text: int = 6
 
 
+#: three samples of dynamic-resolution images and a sound clip each (sample 1: two images)
+IMAGES_SOUND = [
+    Example(images=[(64, 96)], mel_frames=40),
+    Example(images=[(96, 64), (64, 64)], mel_frames=24),
+    Example(images=[(128, 64)], mel_frames=56),
+]
+
+
 @dataclass
 class OmniBatch:
     input_ids: torch.Tensor

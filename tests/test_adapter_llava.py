@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import types
 
 import pytest
@@ -12,6 +11,7 @@ llava_mod = pytest.importorskip("megatron.core.models.multimodal.llava_model")
 LLaVAModel = llava_mod.LLaVAModel
 
 from devices import DEVICES  # noqa: E402
+from family_checks import records  # noqa: E402
 from llava_standins import LLaVAStandIn, kept_identical, same  # noqa: E402
 
 from megatron_media_guard import (  # noqa: E402
@@ -165,8 +165,8 @@ def test_drop_crossing_image_keeps_others_bit_identical_logs_and_masks_the_loss(
     assert res.dropped == (2,) and res.mode == "zero"
     assert emb.shape == ref[0].shape  # same width: the layout is kept
     kept_identical((emb, labels, lmask), ref, {2})  # its (truncated) tiles were not merged
-    log = (tmp_path / "media_guard.rank00003.jsonl").read_text().splitlines()
-    (drop,) = [r for r in map(json.loads, log) if r["event"] == "drop"]
+    (drop,) = [r for r in records(tmp_path) if r["event"] == "drop"]
+    assert drop["rank"] == 3
     assert (drop["sample"], drop["step"], drop["extra"]["check"]) == (2, 11, "max_length")
     assert drop["tiles"] == last[0][1]
     # the training step's own tensors of the expanded layout, masked out of place

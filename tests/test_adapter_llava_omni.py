@@ -17,7 +17,7 @@ llava_mod = pytest.importorskip("megatron.core.models.multimodal.llava_model")
 from llava_standins import HAS_MCORE019, NEEDS_MCORE019, kept_identical, same  # noqa: E402
 from llava_standins import omni_guard as guard  # noqa: E402
 from llava_standins import omni_standin as standin  # noqa: E402
-from omni_batches import IMAGE, SOUND, Example, build  # noqa: E402
+from omni_batches import IMAGE, IMAGES_SOUND, SOUND, Example, build  # noqa: E402
 
 from megatron_media_guard import MediaAlignmentError  # noqa: E402
 from megatron_media_guard.adapters import guarded_by, install_llava  # noqa: E402
@@ -80,11 +80,6 @@ def unguarded(batch):
     return LLaVAModel._preprocess_data(standin(batch), **batch.kwargs())
 
 
-IMAGES_SOUND = [
-    Example(images=[(64, 96)], mel_frames=40),
-    Example(images=[(96, 64), (64, 64)], mel_frames=24),
-    Example(images=[(128, 64)], mel_frames=56),
-]
 VIDEO = [
     Example(images=[(512, 512)], video_frames=5),
     Example(video_frames=4, mel_frames=30),

@@ -8,11 +8,9 @@ runs, the pixels and grids the trainer's larger size.
 
 from __future__ import annotations
 
-import contextlib
-import json
-
 import pytest
 import torch
+from family_checks import records, spy
 
 from megatron_media_guard import Grammar, GuardConfig, MediaAlignmentError, MediaGuard, MediaItem
 from megatron_media_guard.core.host import count_transfers
@@ -92,22 +90,6 @@ class Recorder:
         return StageOutcome.local(local, 0)
 
 
-@contextlib.contextmanager
-def spy(module, take=lambda out: out):
-    """Keyword arguments the module's forward got last, and ``take`` of each output as it
-    returns (the model may change the output object after); the hooks removed after."""
-    seen, outs = {}, []
-    hooks = (
-        module.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True),
-        module.register_forward_hook(lambda m, a, o: outs.append(take(o))),
-    )
-    try:
-        yield seen, outs
-    finally:
-        for h in hooks:
-            h.remove()
-
-
 def test_config_gives_the_sizes_and_ids(family):
     model = model_for(family)
     grammar = qwen.SPEC.grammar(model)
@@ -180,8 +162,7 @@ def test_repair_takes_the_geometry_of_the_models_config(family, install, tmp_pat
         h.set_items(source_items(SAMPLES, mixed))  # the originals' sizes: an engine replay
         model(**mixed)
     assert h.last_result.report.actions == ("repair", "repair", "keep")
-    recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
-    reasons = [str(r.get("reason")) for r in recs]
+    reasons = [str(r.get("reason")) for r in records(tmp_path)]
     assert not any("no geometry" in r for r in reasons), reasons
 
 
@@ -425,8 +406,7 @@ def test_rows_out_of_token_order_with_explicit_samples_are_put_back(family, tmp_
             got = model(**swapped).logits
     assert h.last_result.report.actions == ("keep",) * 3
     assert torch.equal(got, want)
-    recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
-    assert [r["action"] for r in recs] == ["reordered"]
+    assert [r["action"] for r in records(tmp_path)] == ["reordered"]
 
 
 def test_token_types_that_disagree_with_the_ids_are_rebuilt(tmp_path):
@@ -443,8 +423,7 @@ def test_token_types_that_disagree_with_the_ids_are_rebuilt(tmp_path):
             got = model(**dict(batch, mm_token_type_ids=stale)).logits
     assert torch.equal(got, want)
     assert sum(seen.values()) == 1  # the verdict said it; the rebuild needs no transfer
-    recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
-    assert [r["action"] for r in recs] == ["rebuilt"]
+    assert [r["action"] for r in records(tmp_path)] == ["rebuilt"]
 
 
 def _split_video() -> dict:
@@ -477,7 +456,7 @@ def test_real_qwen3_vl_trains_silently_on_the_split_video_and_the_guard_drops_it
     thw = mixed["video_grid_thw"][0].tolist()
     msg = str(err.value)  # both samples, with the video's grid
     assert "sample 0" in msg and "sample 1" in msg and f"grid {'x'.join(map(str, thw))}" in msg
-    recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
+    recs = records(tmp_path)
     assert [r["sample"] for r in recs if r["event"] == "raise"] == [0, 1]
     split = [r for r in recs if r["event"] == "check" and r["action"] == "split"]
     assert [r["reason"] for r in split] == [

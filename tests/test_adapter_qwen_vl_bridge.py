@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from family_checks import records
 
 from megatron_media_guard import Grammar, GuardConfig, MediaGuard
 from megatron_media_guard.geometry import PatchMergeGeometry
@@ -22,6 +23,8 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 if REASON is None:
     from megatron.core.packed_seq_params import PackedSeqParams
 
+from test_adapter_qwen_vl import BIG, CLIP, ENGINE, SMALL, TRAINER  # noqa: E402
+
 from megatron_media_guard.adapters import install_qwen_vl  # noqa: E402
 from megatron_media_guard.adapters.launcher import find_vlm  # noqa: E402
 from megatron_media_guard.testing.bridge_models import QWEN3, QWEN25, segments  # noqa: E402
@@ -31,14 +34,9 @@ from megatron_media_guard.testing.qwen_vl import (  # noqa: E402
     Sample,
     patch_of,
     seed_failure,
-    smooth_clip,
-    smooth_image,
     source_items,
 )
 
-ENGINE, TRAINER = 12, 30
-BIG, SMALL = smooth_image(150, 200, 1), smooth_image(60, 84, 3)
-CLIP = smooth_clip(4, 150, 180, 2)
 PAD = 0
 FAMILIES = ["qwen2_5_vl", "qwen3_vl"]
 
@@ -216,8 +214,6 @@ def test_packed_thd_repair_matches_the_engine_sized_batch(models, family):
 
 
 def test_placeholders_in_the_packed_padding_become_text(models, tmp_path):
-    import json
-
     from megatron_media_guard.testing.qwen_vl import build_batch
 
     family = "qwen2_5_vl"
@@ -232,5 +228,4 @@ def test_placeholders_in_the_packed_padding_become_text(models, tmp_path):
     with torch.no_grad(), install_qwen_vl(model, guard) as h:
         model(**packed)
     assert h.last_result.report.actions == ("keep",)
-    recs = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
-    assert [r["action"] for r in recs if r["event"] == "check"] == ["ignored"]
+    assert [r["action"] for r in records(tmp_path) if r["event"] == "check"] == ["ignored"]

@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
+from family_checks import records
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -96,7 +95,7 @@ def test_merge_repair_falls_back_on_a_swap(fallback, tmp_path):
 
 def swap_dropped(log_dir) -> None:
     """The records: samples 0 and 1 dropped as a suspected swap, nothing repaired."""
-    recs = [json.loads(x) for x in next(log_dir.glob("*.jsonl")).read_text().splitlines()]
+    recs = records(log_dir)
     assert not [r for r in recs if r["event"] == "repair"]
     drops = [r for r in recs if r["event"] == "drop"]
     assert [r["sample"] for r in drops] == [0, 1]

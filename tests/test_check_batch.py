@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from family_checks import raised_samples, records
+from family_checks import aud, img, logits, raised_samples, records, vid
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -42,31 +42,25 @@ class Case:
     sized: bool = True
 
 
-def img(*size):
-    return M("image", size)
-
-
 CASES = {
     "nemotron_omni": Case(
         "nemotron_omni",
         # (no video beside images: the plain model cannot take both in one batch)
-        ([img(4, 4), M("audio", (40,))], [img(2, 4)], [M("audio", (40,))]),
+        ([img(4, 4), aud(40)], [img(2, 4)], [aud(40)]),
         tokens={"<img>": 3, "</img>": 4, "<so_start>": 6, "<so_end>": 7},
     ),
     "gemma3": Case("gemma3", ([img(32, 32)], [img(20, 64)], [img(40, 30)])),
-    "kimi_k25": Case("kimi_k25", ([img(4, 6)], [img(4, 4)], [M("video", (6, 4, 4))])),
+    "kimi_k25": Case("kimi_k25", ([img(4, 6)], [img(4, 4)], [vid(6, 4, 4)])),
     "internvl": Case(
         "internvl",
         ([img(56, 112)], [img(56, 56)], [img(100, 40)]),
         tokens={"<img>": 151665, "</img>": 151666},
         items=True,
     ),
-    "qwen2_audio": Case(
-        "qwen2_audio", ([M("audio", (100,))], [M("audio", (40,))], [M("audio", (60,))]), sized=False
-    ),
+    "qwen2_audio": Case("qwen2_audio", ([aud(100)], [aud(40)], [aud(60)]), sized=False),
     "qwen3_omni": Case(
         "qwen3_omni",
-        ([img(4, 6), M("audio", (100,))], [img(8, 4), M("audio", (100,))], [M("audio", (100,))]),
+        ([img(4, 6), aud(100)], [img(8, 4), aud(100)], [aud(100)]),
         tokens={"<|vision_end|>": 151653, "<|audio_end|>": 151648},
     ),
     "glm4v": Case("glm4v", ([img(56, 84)], [img(56, 56)], [img(84, 56)])),
@@ -133,11 +127,6 @@ def batch(F, model, samples):
     return b
 
 
-def logits(model, kw) -> torch.Tensor:
-    with torch.no_grad():
-        return model(**kw).logits
-
-
 FAULTS = {"one run short": {1: -1}, "+k/-k across two samples": {0: 1, 1: -1}}
 NAMES = sorted(CASES)
 
@@ -158,10 +147,10 @@ def test_an_aligned_batch_is_kept_as_it_is(name):
 @pytest.mark.parametrize(
     "samples, transfers",
     [
-        ([[M("video", (4, 2, 2)), M("audio", (40,))], [M("video", (4, 2, 2))]], 1),
+        ([[vid(4, 2, 2), aud(40)], [vid(4, 2, 2)]], 1),
         # images and video on the one <image> token with no per-token type: the counts are
         # read first, then the runs' order (the plain model takes no such batch)
-        ([[img(4, 4), M("video", (4, 2, 2))], [M("audio", (40,))]], 3),
+        ([[img(4, 4), vid(4, 2, 2)], [aud(40)]], 3),
     ],
 )
 def test_nemotron_omni_video_is_one_transfer_unless_beside_images(samples, transfers):
@@ -269,7 +258,7 @@ def test_records_carry_the_ids_the_grid_and_the_size_as_in_training(glm, tmp_pat
     """sample_ids by sample, or items= by item (its sample_id and source size); the grid and
     the frame size from the batch's image_grid_thw."""
     F, model, _ = glm
-    b = batch(F, model, [[img(56, 56)], [M("image", (56, 84), 5)]])
+    b = batch(F, model, [[img(56, 56)], [img(56, 84, n=5)]])
     cfg = GuardConfig(policy="drop", log_dir=str(tmp_path / "a"))
     check_batch("glm4v", b.kwargs, config=model.config, guard=cfg, sample_ids=[7, 8])
     (rec,) = [r for r in records(tmp_path / "a") if r["event"] == "drop"]

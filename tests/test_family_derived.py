@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from family_checks import raised_samples, records
+from family_checks import raised_samples, records, response
 
 from megatron_media_guard import GuardConfig
 from megatron_media_guard.core.host import count_transfers
@@ -45,14 +45,6 @@ def guarded(name, samples, config=None, labels=False, **kw):
         call["labels"] = response(b)
     with install_vlm(m, config or GuardConfig()) as h:
         return b, hidden(m, call), h.last_result
-
-
-def response(b):
-    """Labels on each sample's last two tokens (its response; the prompt is not trained)."""
-    labels = torch.full_like(b.input_ids, -100)
-    for s, n in enumerate(b.lengths):
-        labels[s, n - 2 : n] = b.input_ids[s, n - 2 : n]
-    return labels
 
 
 def own(name, sample):

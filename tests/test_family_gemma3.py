@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from family_checks import guarded_forward, img
 from family_checks import hidden_forward as forward
-from family_checks import img
 
 from megatron_media_guard import GuardConfig
 from megatron_media_guard.geometry import FixedGeometry
@@ -21,7 +21,6 @@ from megatron_media_guard.geometry import FixedGeometry
 pytest.importorskip("transformers.models.gemma3")
 pytest.importorskip("PIL")
 
-from megatron_media_guard.adapters import install_vlm
 from megatron_media_guard.adapters.vlm_install import guard_for
 from megatron_media_guard.families import gemma3 as spec_mod
 from megatron_media_guard.testing.families import gemma3 as F
@@ -52,19 +51,13 @@ def test_pan_and_scan_crops_are_extra_images_after_their_original(model):
     assert torch.equal(batch.kwargs["token_type_ids"] == 1, ids == F.IMAGE)
 
 
-def guarded(model, samples, config=None, **kw):
-    b = F.make_batch(model, samples, **kw)
-    with install_vlm(model, config or GuardConfig()) as h:
-        hidden, out = forward(model, b.kwargs)
-        return b, hidden, out, h.last_result
-
-
 def test_a_dropped_samples_image_blocks_go_with_its_soft_tokens(model):
     """Its row is the plain model on its text with ``token_type_ids`` 0: its bidirectional
     blocks, which matter, went with its soft tokens. (No feature in its row, its labels
     ignored, the other sample its own forward: the contract, ``tests/families/``.)"""
     short = [[WIDE], [img(20, 64, n=3)]]  # sample 1's first run short, crops after it
-    b, hidden, _, res = guarded(model, short, GuardConfig(policy="drop"), pan_and_scan=True)
+    drop = GuardConfig(policy="drop")
+    b, (hidden, _), res = guarded_forward(F, model, short, drop, run=forward, pan_and_scan=True)
     assert res.report.actions == ("keep", "drop")
     ids, attn = b.input_ids[1:], b.kwargs["attention_mask"][1:]
     with torch.no_grad():
@@ -79,7 +72,9 @@ def test_a_dropped_samples_image_blocks_go_with_its_soft_tokens(model):
 def test_an_equal_size_swap_is_invisible_to_every_count(model):
     """Every row has mm features: a swap changes no count, for the plain model and the guard
     alike (the guard keeps the batch; nothing in the inputs tells the rows apart)."""
-    b, hidden, _, res = guarded(model, [[TALL, SQUARE], [WIDE]], swap=(0, 2))
+    b, (hidden, _), res = guarded_forward(
+        F, model, [[TALL, SQUARE], [WIDE]], run=forward, swap=(0, 2)
+    )
     assert res.report.actions == ("keep", "keep")
     torch.testing.assert_close(hidden, F.plain_hidden(model, b), atol=1e-6, rtol=1e-6)
 

@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from family_checks import guarded_forward, img, records, vid
 from family_checks import hidden_forward as forward
-from family_checks import img, records, vid
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError
 
 pytest.importorskip("transformers.models.internvl")
 pytest.importorskip("PIL")
 
-from megatron_media_guard.adapters import install_vlm
 from megatron_media_guard.testing.families import internvl as F
 
 pytestmark = pytest.mark.timeout(120)
@@ -47,11 +46,8 @@ def test_tile_counts_are_the_processors_and_the_geometrys(model, hw):
 
 
 def without_items(model, samples, config):
-    """(batch, hidden states, last result) of a guarded call given no ``set_items``."""
-    b = F.make_batch(model, samples)
-    with install_vlm(model, config, tokenizer=TOKENS) as h:
-        hidden, _ = forward(model, b.kwargs)
-        return b, hidden, h.last_result
+    """(batch, (hidden states, output), last result) of a guarded call given no ``set_items``."""
+    return guarded_forward(F, model, samples, config, tokenizer=TOKENS, run=forward)
 
 
 BY_RUNS = {
@@ -67,7 +63,7 @@ def test_without_set_items_only_the_total_is_checked(model, name, tmp_path):
     """Cut by the runs every sample is kept, the plain model's output (a +k/-k too), and the
     record says only the total was checked (with ``set_items``: tests/families/)."""
     cfg = GuardConfig(log_dir=str(tmp_path))
-    b, hidden, res = without_items(model, BY_RUNS[name], cfg)
+    b, (hidden, _), res = without_items(model, BY_RUNS[name], cfg)
     assert res.report.actions == ("keep",) * len(BY_RUNS[name])
     torch.testing.assert_close(hidden, F.plain_hidden(model, b), atol=1e-6, rtol=1e-6)
     checks = [r for r in records(tmp_path) if r["event"] == "check"]

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from family_checks import guarded_forward, img, own_logits, records, vid
+from test_check_batch import fixture as check_batch_fixture
 
 from megatron_media_guard import GuardConfig, MediaItem
 from megatron_media_guard.repair.pixels import from_frames, to_frames
@@ -71,13 +72,11 @@ CASES = {
     ]
 }
 NAMES = sorted(CASES)
-_MODELS: dict = {}
 
 
 def model_of(case: GridCase):
-    if case.family not in _MODELS:
-        _MODELS[case.family] = case.F.tiny_model()
-    return _MODELS[case.family]
+    """The family's tiny model, built once per session (test_check_batch's)."""
+    return check_batch_fixture(case.family)[2]
 
 
 def test_the_registry_routes_glm_4_5v_moe_to_glm4v():

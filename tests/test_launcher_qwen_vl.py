@@ -15,27 +15,16 @@ from megatron_media_guard import MediaAlignmentError, MediaInputError
 pytest.importorskip("transformers.models.qwen3_vl")
 pytest.importorskip("PIL")
 
+from test_adapter_qwen_vl import ENGINE, SAMPLES, TRAINER  # the seed failure's samples
+
 from megatron_media_guard.adapters.launcher import (
     add_media_guard_args,
     find_vlm,
     install_from_args,
 )
 from megatron_media_guard.families import qwen
-from megatron_media_guard.testing.qwen_vl import (
-    Sample,
-    seed_failure,
-    smooth_clip,
-    smooth_image,
-    source_items,
-    tiny_model,
-)
+from megatron_media_guard.testing.qwen_vl import seed_failure, source_items, tiny_model
 
-ENGINE, TRAINER = 12, 30  # pixel budgets in merged cells
-SAMPLES = [
-    Sample((("image", smooth_image(150, 200, 1)),)),  # shrunk by the engine
-    Sample((("video", smooth_clip(4, 150, 180, 2)),)),  # shrunk by the engine
-    Sample((("image", smooth_image(60, 84, 3)),)),  # the same under both budgets
-]
 CASES = [(f, head) for f in ("qwen2_5_vl", "qwen3_vl") for head in (True, False)]
 _MODELS: dict = {}
 _BATCHES: dict = {}

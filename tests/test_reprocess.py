@@ -22,6 +22,7 @@ import torch.nn.functional as Fn
 from family_checks import records
 from originals import picture
 from PIL import Image
+from test_check_batch import CASES as BATCH_CASES
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError
 from megatron_media_guard.core.items import MediaItem
@@ -45,12 +46,7 @@ from megatron_media_guard.testing.qwen_fixture import QwenFixture
 
 pytest.importorskip("transformers.models.glm4v.image_processing_pil_glm4v")
 
-NEMOTRON_TOKENS = {
-    "<img>": nemotron_omni.IMG_START,
-    "</img>": nemotron_omni.IMG_END,
-    "<so_start>": nemotron_omni.SO_START,
-    "<so_end>": nemotron_omni.SO_END,
-}
+NEMOTRON_TOKENS = BATCH_CASES["nemotron_omni"].tokens
 
 
 def radio_oracle(img: Image.Image, budget: int) -> tuple[torch.Tensor, tuple[int, int]]:

@@ -29,14 +29,18 @@ from family_checks import (
     decoder_inputs,
     img,
     internvl_items,
+    logits,
     own_logits,
     raised_samples,
     records,
+    response,
+    spy,
     vid,
 )
 from test_check_batch import CASES as BATCH_CASES
 from test_check_batch import FAULTS, NO_FIXTURE, faulty
 from test_check_batch import fixture as check_batch_fixture
+from test_family_qwen3_omni import AIV_FAULTS
 from test_text_only_rank import CASES as ONE_ITEM
 
 from megatron_media_guard import GuardConfig, MediaItem
@@ -145,11 +149,6 @@ def build(name: str):
     _, F, model = check_batch_fixture(name)
     assert type(model).__name__ == case.cls
     return case, F, model
-
-
-def logits(model, kw: dict) -> torch.Tensor:
-    with torch.no_grad():
-        return model(**kw).logits
 
 
 def guarded(name: str, model, b, config: GuardConfig | None = None, labels=None):
@@ -354,10 +353,7 @@ def test_a_generated_placeholder_is_fed_as_text(name):
     fixed = dict(b.kwargs, input_ids=b.input_ids.clone())
     fixed["input_ids"][1, pos] = spec.text.resolve(model, case.one_item[1])
     b.kwargs["input_ids"][1, pos] = placeholder
-    labels = torch.full_like(b.input_ids, -100)  # the responses: each sample's last 2 tokens
-    for k, n in enumerate(b.lengths):
-        labels[k, n - 2 : n] = b.input_ids[k, n - 2 : n]
-    b.kwargs["labels"] = labels
+    b.kwargs["labels"] = response(b)
     out, res = guarded(name, model, b, GuardConfig(policy="drop"))
     assert res.report.actions == ("keep", "keep")
     assert res.report.generated == ((1, (pos,)),)
@@ -465,6 +461,12 @@ FAMILY_FAULTS = {
         ),
     ),
 }
+# Qwen3-Omni's videos with their audio track (each named fault's item: test_family_qwen3_omni),
+# an aligned bystander last
+FAMILY_FAULTS["qwen3_omni"] += tuple(
+    Fault(f"audio in video, {n}", [*s, [img(2, 4), vid(2, 2, 4, 150)]], frozenset(bad), swap)
+    for n, s, bad, swap, _item in AIV_FAULTS
+)
 FAULT_ROWS = [(f, Fault(x, None, frozenset(d))) for f in NAMES for x, d in FAULTS.items()] + [
     (f, x) for f, xs in FAMILY_FAULTS.items() for x in xs
 ]
@@ -481,16 +483,18 @@ def test_a_fault_raises_naming_the_sample(name, fault, tmp_path):
 
 @pytest.mark.parametrize("name,fault", FAULT_ROWS, ids=FAULT_IDS)
 def test_a_fault_dropped_feeds_no_feature_and_keeps_the_others(name, fault):
-    """The dropped rows reach the decoder as their own tokens' embeddings, their labels
-    ignored; every other sample equals its own forward; the loss stays finite."""
+    """The dropped rows reach the decoder as their own tokens' embeddings (and no deepstack
+    rows), their labels ignored; every other sample equals its own forward; the loss stays
+    finite."""
     case, F, model = build(name)
     samples, b = fault.batch(case, F, model)
     vocab = model.config.get_text_config().vocab_size
     labels = torch.where(b.input_ids < vocab, b.input_ids, -100)
     cfg = GuardConfig(policy="drop")
-    emb, (out, res) = decoder_inputs(
-        attrgetter(case.decoder)(model), lambda: guarded(name, model, b, cfg, labels)
-    )
+    decoder = attrgetter(case.decoder)(model)
+    with spy(decoder) as (seen, _):
+        emb, (out, res) = decoder_inputs(decoder, lambda: guarded(name, model, b, cfg, labels))
+    deepstack = seen.get("visual_pos_masks")
     dropped = {s for s, a in enumerate(res.report.actions) if a == "drop"}
     fault.check(dropped)
     assert len(dropped) < len(samples)
@@ -503,6 +507,7 @@ def test_a_fault_dropped_feeds_no_feature_and_keeps_the_others(name, fault):
     for k in range(len(samples)):
         if k in dropped:
             assert torch.equal(emb[k], text[k])
+            assert deepstack is None or not deepstack[k].any()
             assert (res.labels[k] == -100).all()
         else:
             want = own_logits(F, model, samples[k], **BATCH_KW.get((name, fault.name), {}))
