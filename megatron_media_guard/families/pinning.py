@@ -219,7 +219,6 @@ class PatchMergeVideoPin:
     counts frames). draws: its processor can draw timestamps on the frames
     (``draw_on_frames``): refused when on, the font rendering is not reproduced."""
 
-    grid_input: str = "video_grid_thw"
     row_frames: int | None = None
     draws: bool = False
 
