@@ -116,7 +116,7 @@ def _report(lay, ids, grids, per_group):
     and the model-level items whose runs lie in two samples."""
     inputs = _inputs(ids, grids)
     mods = present(qwen.SPEC, inputs)
-    enc = counted(qwen.SPEC, mods, _config(per_group), inputs)
+    enc = counted(qwen.SPEC, mods, count_tables(qwen.SPEC, mods, _config(per_group), inputs))
     items = [
         MediaItem(int(f.shape[0]), modality=m.name) for m in mods for f in enc[m.name].features
     ]

@@ -20,6 +20,8 @@ from megatron_media_guard.core.host import count_transfers
 from megatron_media_guard.errors import MediaInputError
 from megatron_media_guard.families import family_names
 from megatron_media_guard.families.collate import check_batch
+from megatron_media_guard.families.inputs import take_items
+from megatron_media_guard.families.spec import ModalitySpec, Token, model_encodes
 from megatron_media_guard.testing.families.base import Media as M
 
 pytest.importorskip("transformers")
@@ -292,3 +294,17 @@ def test_llava_onevision_counts_on_the_device_are_the_models(h, w, multi, k):
     sizes = torch.tensor([[h, w]])
     got = anyres_tokens(sizes, torch.tensor([multi]), cfg).item()
     assert got == llava_onevision_num_features(h, w, cfg, multi_image=multi)
+
+
+@pytest.mark.parametrize("rows", [2, 3])
+def test_rows_are_fed_in_sample_order_only_one_per_item(rows):
+    """``take_items`` (every plan's input rewrite) feeds a ``rows`` input in its items' sample
+    order; one that is not one row per item (a derived spec's need not be) is refused."""
+    mod = ModalitySpec("image", Token(), ("x",), model_encodes, rows=("x", "image_sizes"))
+    inputs, order = {"x": torch.arange(rows), "image_sizes": torch.arange(2)}, {"image": [1, 0]}
+    if rows == 3:
+        with pytest.raises(MediaInputError, match=r"^x holds 3 rows for 2 image items: .* order"):
+            take_items(inputs, [mod], order=order)
+    else:
+        got = take_items(inputs, [mod], order=order)
+        assert {k: v.tolist() for k, v in got.items()} == {"x": [1, 0], "image_sizes": [1, 0]}

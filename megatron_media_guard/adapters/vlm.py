@@ -10,6 +10,7 @@ placeholder stands in it.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -185,7 +186,7 @@ class VLMHandle(ForwardHookHandle):
                 for r, k in zip(parsed.runs, took)
             )
 
-        merged = Merged(call.view(ids), items, feats, runs)
+        merged = Merged(call.view(ids), tuple(items), tuple(feats), functools.cache(runs))
         for name, value in self.spec.after_merge(self.module, merged).items():
             call.set(name, value)
 

@@ -35,12 +35,9 @@ from ..families.inputs import (
 )
 from ..families.inputs_items import (
     check_declared,
-    grids_of,
     in_order,
     meta_tables,
     orphans,
-    sample_of,
-    sample_order,
     split_items,
 )
 from ..families.resize import Resizer
@@ -130,11 +127,10 @@ class InputsHandle(ForwardHookHandle):
 
     def _diagnose(self, call, ids, view, mods, tables, meta, lay, cu, labels, lmask, step, mb):
         guard, spec = self.guard, self.spec
-        config = getattr(self.module, "config", None)
-        encoded = counted(spec, mods, config, view, tables=tables)
+        encoded = counted(spec, mods, tables)
         items, _, listed, parent = call_items(mods, encoded, meta)  # checks their modalities
         check_declared(meta, mods, encoded)
-        grids = [g for m in mods for g in grids_of(encoded[m.name])]
+        grids = [g for m in mods for g in encoded[m.name].grid]
         items = [it if g is None else replace(it, grid_thw=g) for it, g in zip(items, grids)]
         explicit = meta is not None and all(it.sample is not None for it in meta)
         if explicit:
@@ -156,18 +152,16 @@ class InputsHandle(ForwardHookHandle):
         if self.geometry is not None and any(m.patches for m in mods):
             rep = Resizer(mods, items, parent, view, self.geometry, split)
         kw = dict(labels=labels, loss_mask=lmask, step=step, microbatch=mb, cu_seqlens=cu)
-        res, owner = plan_items(
-            guard, ids, items, parent, list(range(len(items))), encoder=rep, **kw
-        )
+        res, owner = plan_items(guard, ids, items, parent, encoder=rep, **kw)
         self.record(res, ids, cu)
         report = res.report
         new_ids = generated_as_text(report, ids, self.text_id, guard.config.generated)[0]
         dropped = set(report.dropped)
         gone = gone_items(report, owner) | orphans(report, owner)
-        kept = {s for s, a in enumerate(report.actions) if a in ("keep", "repair")}
-        owners = sample_of(report, owner)
-        fixed = rep.repaired(kept, owners) if rep is not None else {}
-        smp_order = sample_order(meta, mods) if explicit and not in_order(meta) else None
+        fixed = rep.kept(report) if rep is not None else {}
+        smp_order = None  # per modality each item's sample: fed in sample order
+        if explicit and not in_order(meta):
+            smp_order = {m.name: [it.sample for it in meta if it.modality == m.name] for m in mods}
         strays = lay.packed and bool(report.alignment and report.alignment.stray_findings)
         if not (dropped or gone or fixed or smp_order or strays) and new_ids is ids:
             self._follow(call, ids)  # the ids are the truth: given token types follow them

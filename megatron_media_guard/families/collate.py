@@ -1,21 +1,15 @@
 """The family check before the trainer: in a collate function or a rollout worker, on the
-processor's outputs and the rollout's token ids, with no model and no tower (CPU, free).
-
-::
-
-    from megatron_media_guard.families.collate import check_batch
+processor's outputs and the rollout's token ids, with no model and no tower (CPU, free;
+docs/DATA_SIDE.md)::
 
     checked = check_batch("gemma3", batch, config=model_config, sample_ids=ids)
     batch = checked.batch            # every kept sample consistent; dropped ones text-only
     checked.report.actions           # per sample: keep / drop
 
-Each item's count comes from the spec's ``counts`` (the model's own arithmetic on the inputs),
-checked against the runs on the device: an aligned batch costs one transfer (Nemotron Omni's
-images and video together, on one token with no per-token type, read their counts first). A
-sample whose runs disagree is dropped (the default here) or raises naming it: its media leave
-the inputs, its placeholders become text, its labels are ignored; the batch keeps its shape. A repair re-processes the
-original media (``media=``, :mod:`.reprocess`), else falls back. The steps are :mod:`.inputs`'s,
-shared with the ``apply="inputs"`` pre-hook; records go to the guard's log as in training.
+Each item's count comes from the spec's ``counts``, checked against the runs on the device
+(an aligned batch: one transfer). A mismatched sample is dropped (the default here), raises
+naming it, or is repaired from its original media (``media=``, :mod:`.reprocess`). The steps
+are :mod:`.inputs`'s, shared with the ``apply="inputs"`` pre-hook.
 """
 
 from __future__ import annotations
@@ -29,6 +23,7 @@ import torch
 
 from ..config import GuardConfig
 from ..core.guard import MediaGuard
+from ..core.interleave import token_order
 from ..core.items import MediaItem
 from ..core.outcome import GuardReport
 from ..core.runs import TokenLayout
@@ -126,7 +121,7 @@ def check_batch(
         if verdict.bad_runs == 0 and verdict.findings == 0 and not any(flags):
             res = guard.keep_all(lay, verdict, labels=batch.get("labels"), step=step)
             return BatchCheck(dict(batch), res.report)
-    encoded = counted(spec, mods, config, batch, items, CALLER, tables)
+    encoded = counted(spec, mods, tables, items, CALLER)
     listed = [
         MediaItem(
             f.shape[0],
@@ -144,13 +139,15 @@ def check_batch(
     rep = None if media is None else Reprocessor(spec, geo, listed, parent, media, processor)
     labels = batch.get("labels")
     kw = dict(labels=labels, step=step, sample_ids=sids, caller=CALLER, encoder=rep)
-    res, owner = plan_items(guard, ids, listed, parent, **kw)
+    order = token_order(ids, guard.grammar, listed, parent)
+    res, owner = plan_items(
+        guard, ids, [listed[i] for i in order], [parent[i] for i in order], **kw
+    )
     report = res.report
-    done = () if rep is None else rep.kept(report)
+    done = () if rep is None else tuple(rep.kept(report).values())
     if done:  # the re-processed items' rows and grid rows in place of the batch's
         fixed = {(d.modality, d.index): (d.grid, d.rows) for d in done}
-        keep = {mod: range(n) for mod, n in rows.items()}
-        batch = {**batch, **take_items(batch, mods, keep, repaired=fixed)}
+        batch = {**batch, **take_items(batch, mods, repaired=fixed)}
     dropped = set(report.dropped)
     if not dropped:
         return BatchCheck(dict(batch), report, done)

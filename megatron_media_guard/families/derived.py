@@ -1,9 +1,6 @@
 """A family spec read from a transformers class itself, for the VLMs no written spec names
-(docs/FAMILIES.md, "Derived families"): the forward (of the class or its ``.model``) calls
-``self.get_<m>_features(...)`` and merges with ``masked_scatter``; the arguments it passes,
-read from its source (``ast``), are the modality's keywords, ``config.<m>_token_id`` its
-placeholder (bare runs). A merge by ``index_put`` is refused; what cannot be derived (repair
-geometry, markers, counts the inputs never carry) is said once, at install.
+(docs/FAMILIES.md, "Derived families"): ``get_<m>_features(...)`` merged by ``masked_scatter``
+onto ``config.<m>_token_id`` runs, its keywords read from the forward's source (``ast``).
 """
 
 from __future__ import annotations

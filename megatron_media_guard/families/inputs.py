@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from ..core.apply import token_keep
 from ..core.guard import MediaGuard
 from ..core.host import to_host
-from ..core.interleave import token_order
 from ..core.items import MediaItem
 from ..core.outcome import GuardReport, MergeResult
 from ..core.runs import TokenLayout
@@ -52,19 +51,14 @@ def count_tables(
 def counted(
     spec: FamilySpec,
     mods: Sequence[ModalitySpec],
-    config: Any,
-    inputs,
+    tables: Sequence[torch.Tensor],
     items: Sequence[MediaItem] | None = None,
     caller: str = "counts",
-    tables: Sequence[torch.Tensor] | None = None,
 ) -> dict[str, Encoded]:
-    """Per modality, what its tower would produce, sized from ``inputs`` alone: an
-    :class:`Encoded` of zero-width ``[n, 0]`` features, one per run, with ``parent``, frames,
-    frame size and grid where the inputs say them; the ``tables`` come to the host in one
-    transfer. ``items``: one per model-level item (a ``split`` modality's are cut by their
-    ``num_features``)."""
-    if tables is None:
-        tables = count_tables(spec, mods, config, inputs, caller)
+    """Per modality, what its tower would produce, sized from its count ``tables`` (to the
+    host in one transfer): an :class:`Encoded` of zero-width ``[n, 0]`` features, one per run,
+    with ``parent``, frames, frame size and grid where the inputs say them. ``items``: one per
+    model-level item (a ``split`` modality's are cut by their ``num_features``)."""
     if not tables:
         return {}
     # the fault path's (or an unverifiable spec's) read of every modality's counts at once
@@ -185,20 +179,11 @@ def _encoded(rows: list) -> Encoded:
 
 
 def plan_items(
-    guard: MediaGuard,
-    ids: torch.Tensor,
-    items: Sequence[MediaItem],
-    parent: Sequence[int],
-    order: Sequence[int] | None = None,
-    **kw: Any,
+    guard: MediaGuard, ids: torch.Tensor, items: Sequence[MediaItem], parent: Sequence[int], **kw
 ) -> tuple[MergeResult, list[tuple[str, int]]]:
-    """The guard's plan for ``items`` in token order (``order``, else :func:`token_order`):
-    :meth:`MediaGuard.last_stage`, every planned repair attempted. Returns the result and, per
-    item in token order, ``(modality, parent)``."""
-    if order is None:
-        order = token_order(ids, guard.grammar, items, parent)
-    items = [items[i] for i in order]
-    owner = [(items[k].modality, parent[i]) for k, i in enumerate(order)]
+    """The guard's plan for ``items`` in token order: :meth:`MediaGuard.last_stage`, every
+    planned repair attempted. Returns the result and, per item, ``(modality, parent)``."""
+    owner = [(it.modality, p) for it, p in zip(items, parent)]
     return guard.last_stage(ids, items, repairs="attempt", **kw), owner
 
 
@@ -226,31 +211,14 @@ def drop_inputs(
     """The one application of a plan to a call's inputs (``check_batch`` and both modes of
     the family engine): ``inputs`` with the dropped samples' placeholders (and, with
     ``drop_markers``, their markers) as ``text`` and the ``gone`` items' rows out
-    (:func:`take_items`; a ``rows`` input by its own length: a derived spec's need not be one
-    per item). cu: the packed row's sample offsets. order: per modality each item's sample:
-    the kept ones are fed in sample order. Labels are the caller's."""
+    (:func:`take_items`). cu: the packed row's sample offsets. Labels are the caller's."""
     ids = inputs["input_ids"]
     lay = TokenLayout(ids, guard.grammar, cu)
     keep = torch.ones(lay.num_samples, dtype=torch.bool)
     keep[sorted(dropped)] = False
     marks = (*guard.grammar.start_ids, *guard.grammar.end_ids) if spec.drop_markers else ()
     out = {**inputs, **placeholders_as_text(spec, inputs, lay, keep.to(ids.device), text, marks)}
-    kept: dict[str, list[int]] = {}
-    for m in mods:
-        span = (spans or {}).get(m.name)
-        sized = {m.name: n_items(m, inputs, span)}
-        if not span:
-            sized.update(
-                (n, len(inputs[n]))
-                for n in m.rows
-                if isinstance(inputs.get(n), (torch.Tensor, list, tuple))
-            )
-        smp = (order or {}).get(m.name)
-        for key, n in sized.items():
-            kept[key] = [k for k in range(n) if (m.name, k) not in gone]
-            if smp is not None:
-                kept[key].sort(key=lambda k: smp[k])  # stable
-    out.update(take_items(inputs, mods, kept, spans=spans, repaired=repaired))
+    out.update(take_items(inputs, mods, gone, order=order, spans=spans, repaired=repaired))
     for m in mods:
         for name in m.groups:
             t = inputs.get(name)
@@ -301,40 +269,45 @@ def placeholders_as_text(
     return out
 
 
-def n_items(m: ModalitySpec, inputs: Mapping[str, Any], span: Sequence[int] | None = None) -> int:
-    """The model-level items of ``m`` in ``inputs``: the rows of its first row input given
-    (``span``: the rows each item holds)."""
-    if span:
-        return len(span)
-    for name in (*m.rows, *m.patches.values()):
-        t = inputs.get(name)
-        if isinstance(t, (torch.Tensor, list, tuple)):
-            return len(t)
-    return 0
+def _kept(mod: str, n: int, name: str, gone, order: Sequence[int] | None) -> list[int]:
+    """The items of ``mod`` among ``n`` that are not ``gone``, in ``order``'s samples (stable)
+    where given: then ``name`` must hold one row per item."""
+    ks = [k for k in range(n) if (mod, k) not in gone]
+    if order is not None:
+        if n != len(order):
+            raise MediaInputError(
+                f"{name} holds {n} rows for {len(order)} {mod} items: its rows cannot be fed in "
+                "the sample order set_items gives (one row per item)"
+            )
+        ks.sort(key=lambda k: order[k])
+    return ks
 
 
 def take_items(
     inputs: Mapping[str, Any],
     mods: Sequence[ModalitySpec],
-    keep: Mapping[str, Sequence[int]],
+    gone: set[tuple[str, int]] = frozenset(),
     *,
+    order: Mapping[str, Sequence[int]] | None = None,
     repaired: Mapping[tuple[str, int], tuple[Sequence[int], torch.Tensor | None]] | None = None,
     spans: Mapping[str, Sequence[int]] | None = None,
 ) -> dict[str, Any]:
-    """The modalities' ``rows`` and ``patches`` inputs holding the items ``keep`` names (per
-    modality, in the order the model is to take them; a ``rows`` input's name: its own rows),
-    a ``repaired`` item ``(modality, k)`` with its new grid row and patch rows; an input left
-    with no item is None, one unchanged is not returned. spans: per modality, the rows of its
-    ``rows`` inputs each item holds (InternVL's tiles)."""
+    """The modalities' ``rows`` and ``patches`` inputs without the ``gone`` items
+    ``(modality, k)`` (a ``rows`` input by its own length: a derived spec's need not be one per
+    item), ``order``: per modality each item's sample, the kept ones fed in sample order; a
+    ``repaired`` item with its new grid row and patch rows. An input left with no item is
+    None, one unchanged is not returned. spans: per modality, the rows of its ``rows`` inputs
+    each item holds (InternVL's tiles)."""
     out: dict[str, Any] = {}
     fixed = repaired or {}
     for m in mods:
-        ks = list(keep.get(m.name, ()))
+        smp = (order or {}).get(m.name)
         mine = {k: v for (name, k), v in fixed.items() if name == m.name}
         for name, grid in m.patches.items():
             x, g = inputs.get(name), inputs.get(grid)
             if not isinstance(x, torch.Tensor) or not isinstance(g, torch.Tensor):
                 continue
+            ks = _kept(m.name, g.shape[0], name, gone, smp)
             if ks == list(range(g.shape[0])) and not mine:
                 continue  # every item kept, in order: the input as it was
             # patch rows per item: prod of its grid row (a small transfer, drops only)
@@ -350,7 +323,7 @@ def take_items(
             t = inputs.get(name)
             if not isinstance(t, (torch.Tensor, list, tuple)):
                 continue
-            ks = list(keep.get(name, keep.get(m.name, ())))
+            ks = _kept(m.name, len(span) if span else len(t), name, gone, smp)
             if span and isinstance(t, torch.Tensor):  # several rows per item: cut by item
                 if ks != list(range(len(span))):
                     pieces = t.split(list(span))

@@ -106,11 +106,6 @@ def split_items(lay: TokenLayout, items: list[MediaItem], parent: list[int]):
     return tied, why
 
 
-def grids_of(enc) -> list:
-    """Per item of ``enc`` its grid (named in the records), None where the inputs give none."""
-    return list(enc.grid) if enc.grid else [None] * len(enc.features)
-
-
 def orphans(report, owner) -> set[tuple[str, int]]:
     """Model-level items of which no run is tied to a sample (they leave the inputs)."""
     rep = report.alignment
@@ -119,16 +114,3 @@ def orphans(report, owner) -> set[tuple[str, int]]:
     tied = {i for r in rep.samples for i in r.items}
     used = {owner[i] for i in tied}
     return {o for i, o in enumerate(owner) if i not in tied and o not in used}
-
-
-def sample_of(report, owner) -> dict[tuple[str, int], int]:
-    """Per model-level item tied to a run, its sample."""
-    rep = report.alignment
-    if rep is None:
-        return {}
-    return {owner[i]: r.sample for r in rep.samples for i in r.items}
-
-
-def sample_order(meta, mods) -> dict[str, list[int]]:
-    """Per modality, the sample ``set_items`` gives each model-level item."""
-    return {m.name: [it.sample for it in meta if it.modality == m.name] for m in mods}

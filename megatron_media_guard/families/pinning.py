@@ -148,10 +148,8 @@ class RadioPin:
     def run(self, processor: Any, original: Any, solution: Any) -> Processed:
         gh, gw = solution.grid
         patch = int(_setting(processor, "patch_size", self.patch))
-        img = as_channels_first(original)
-        frames = img.expand(3, -1, -1) if img.shape[0] == 1 else img
-        frames = resize_frames(frames[None, :3].to(torch.float32), (gh * patch, gw * patch))
-        x = _normalized(processor, frames)
+        frames = as_frames([original]).to(torch.float32)  # one RGB frame [1, 3, H, W]
+        x = _normalized(processor, resize_frames(frames, (gh * patch, gw * patch)))
         rows = image_to_patches(x[0], patch)
         return Processed(rows, (gh, gw), gh * gw // (self.merge * self.merge), "own-arithmetic")
 
@@ -219,7 +217,6 @@ class PatchMergeVideoPin:
     counts frames). draws: its processor can draw timestamps on the frames
     (``draw_on_frames``): refused when on, the font rendering is not reproduced."""
 
-    grid_input: str = "video_grid_thw"
     row_frames: int | None = None
     draws: bool = False
 

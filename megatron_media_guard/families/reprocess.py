@@ -1,11 +1,7 @@
-"""The data side's repair in :func:`~.collate.check_batch`: each mismatched item re-processed
-from its original media, pinned to the rollout's run (NeMo-RL's
-``reprocess_images_at_rollout_budgets``). A :class:`Reprocessor` is the guard's ``encoder``:
-per planned repair it solves the run's length on the original's size with the family's
-geometry (the fidelity classes the config allows), processes the original at that size as the
-family's processor does (:mod:`.pinning`), and refuses unless the result has exactly the run's
-length: nothing is inferred. A video is solved and processed whole from its frames (a run per
-temporal group must be one run length). A refusal takes ``GuardConfig.fallback``.
+"""The data side's repair in :func:`~.collate.check_batch` (docs/DATA_SIDE.md): each
+mismatched item re-processed from its original media at the run's length solved with the
+family's geometry, as the family's processor does (:mod:`.pinning`), refused unless the result
+has exactly the run's length (nothing inferred; a refusal takes ``GuardConfig.fallback``).
 """
 
 from __future__ import annotations
@@ -85,6 +81,7 @@ class ItemRepairer:
         for it, k in zip(items, parent):
             self.runs.setdefault((it.modality, k), []).append(it)
         self.done: dict[Key, Any] = {}
+        self.sample: dict[Key, int] = {}
         self.failed: dict[Key, str] = {}
 
     def reprocess(self, r: ItemRepair, plan: Plan, batch, ctx) -> tuple[Any, dict]:
@@ -102,6 +99,7 @@ class ItemRepairer:
             if key is None:
                 raise MediaAlignmentError("cannot repair: the item is not one of the call's")
             rows = self.solve(key, r, plan, batch, item, ctx, facts)
+            self.sample[key] = r.sample
         except Exception as err:
             if isinstance(err, MediaAlignmentError):
                 facts["reason"] = str(err)
@@ -125,6 +123,11 @@ class ItemRepairer:
         """What each run of ``key`` must hold, in order: its planned target, else its count."""
         want = {id(batch.items[x.item]): x.target for x in plan.repairs}
         return [want.get(id(it), it.num_features) for it in self.runs[key]]
+
+    def kept(self, report: GuardReport) -> dict[Key, Any]:
+        """The solved items whose samples the plan kept repaired."""
+        keep = {s for s, a in enumerate(report.actions) if a == "repair"}
+        return {key: d for key, d in self.done.items() if self.sample[key] in keep}
 
 
 class Reprocessor(ItemRepairer):
@@ -267,8 +270,3 @@ class Reprocessor(ItemRepairer):
                 f"{sol.size_hw})"
             )
         return sol, proc, total
-
-    def kept(self, report: GuardReport) -> tuple[Reprocessed, ...]:
-        """The re-processed items whose samples the plan kept repaired."""
-        keep = {s for s, a in enumerate(report.actions) if a == "repair"}
-        return tuple(d for d in self.done.values() if d.sample in keep)

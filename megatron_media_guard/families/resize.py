@@ -1,9 +1,7 @@
-"""Repair in the ``inputs`` mode, before the model's one tower call: a mismatched item's patch
-rows (``ModalitySpec.patches``) resized to the grid the geometry solves for its runs.
-:class:`Resizer` is the guard's ``encoder`` (as the collate check's
-:class:`~.reprocess.Reprocessor`): it refuses an item whose runs lie in two samples and keeps
-each solved ``(grid, patches)`` for the input rewrite (:func:`~.inputs.drop_inputs`'
-``repaired``); the model's own forward encodes the resized rows, once.
+"""Repair in the ``inputs`` mode, before the model's one tower call: :class:`Resizer`, the
+guard's ``encoder``, resizes a mismatched item's patch rows (``ModalitySpec.patches``) to the
+grid the geometry solves for its runs, for the input rewrite (:func:`~.inputs.drop_inputs`'
+``repaired``); the model's own forward encodes them, once.
 """
 
 from __future__ import annotations
@@ -25,9 +23,8 @@ from .spec import ModalitySpec
 
 
 class Resizer(ItemRepairer):
-    """The planned repairs of one call. parent: per item (one per run) its model-level item;
-    geometry: one, or ``{modality: geometry}``; split: why an item whose runs lie in several
-    samples is refused."""
+    """The planned repairs of one call (:class:`~.reprocess.ItemRepairer`); split: why an item
+    whose runs lie in several samples is refused."""
 
     verb = "resizing"
 
@@ -102,8 +99,3 @@ class Resizer(ItemRepairer):
             rows = to_host(grid.long().prod(-1), why="patch rows per item to repair").tolist()
             self._offsets[name] = list(accumulate(rows, initial=0))
         return self._offsets[name]
-
-    def repaired(self, kept: set[int], sample_of: Mapping[Key, int]) -> dict:
-        """``{(modality, k): (grid row, patch rows)}`` of the repaired items whose samples
-        were kept (``drop_inputs``' ``repaired``)."""
-        return {key: v for key, v in self.done.items() if sample_of.get(key) in kept}

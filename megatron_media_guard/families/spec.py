@@ -147,23 +147,17 @@ def count_table(
 Reencode = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
+@dataclass(frozen=True)
 class Merged:
     """What a family's ``after_merge`` sees: the forward's ``kwargs`` after the merge, ``items``
-    and ``features`` in token order, and :meth:`runs` (read from the ids when asked: a
+    and ``features`` in token order, and ``runs()`` (read from the ids when asked, once: a
     transfer): per run its item, ``(row, start, end)``, whether its sample was kept, and its
     model-level item."""
 
-    def __init__(self, kwargs: Mapping[str, Any], items, features, runs: Callable[[], tuple]):
-        self.kwargs = kwargs
-        self.items = tuple(items)
-        self.features = tuple(features)
-        self._runs = runs
-        self._cache: tuple | None = None
-
-    def runs(self) -> tuple[tuple[Any, tuple[int, int, int], bool, int], ...]:
-        if self._cache is None:
-            self._cache = self._runs()
-        return self._cache
+    kwargs: Mapping[str, Any]
+    items: tuple
+    features: tuple
+    runs: Callable[[], tuple[tuple[Any, tuple[int, int, int], bool, int], ...]]
 
 
 #: after_merge(model, merged) -> keyword arguments to replace (Nemotron's EVS pruning)
@@ -265,12 +259,6 @@ class FamilySpec:
         of its language model (:func:`bridge_embed`), then ``changes``."""
         changes = {"ids_with_embeds": True, "embed": bridge_embed, **changes}
         return replace(self, classes={"megatron.bridge.": frozenset(classes)}, **changes)
-
-    def modality(self, name: str) -> ModalitySpec:
-        for m in self.modalities:
-            if m.name == name:
-                return m
-        raise MediaInputError(f"family {self.name!r} has no modality {name!r}")
 
     def grammar(self, model: Any, tokenizer: Any = None, caller: str = "install_vlm") -> Grammar:
         """The guard's grammar from the model's config (else the tokenizer); an error naming
