@@ -354,11 +354,14 @@ class MediaGuard:
         stage = self.settle(LocalOutcome.of_plan(plan, c.step, c.microbatch))
         out = c.emb  # None: the last stage; no features: no placeholder either (verified)
         if out is not None and owning:
-            for mask, mine in groups:
-                src = batch.features
-                if mine != list(range(len(batch.items))):  # a subset, or out of token order
+            for k, (mask, mine) in enumerate(groups):
+                src, lo = batch.features, mine[0] if mine else 0
+                if mine == list(range(lo, lo + len(mine))):  # consecutive items: a view
+                    src = src[batch.offsets[lo] : batch.offsets[lo + len(mine)]]
+                else:  # out of token order
                     src = src.index_select(0, rows_index(batch, mine, src.device))
-                out = scatter(out, lay.ph if mask is None else mask, src)
+                # the first scatter copies the caller's embeddings, the next write into that copy
+                out = scatter(out, lay.ph if mask is None else mask, src, inplace=k > 0)
         return self.result(c, out, plan, None, verdict, stage, None)
 
     def settle(self, local: LocalOutcome) -> StageOutcome:

@@ -115,8 +115,9 @@ def verify_in_token_order(
         extra += [t.to(torch.int64).reshape(-1) for t in (late.runs, late.samples) if t is not None]
     if late.checks:
         extra.append(torch.stack([t.reshape(()).to(torch.int64) for t, _ in late.checks]))
-    if features is not None and late.probe is not None:
-        features = torch.cat([features.reshape(-1), late.probe.reshape(-1).to(features.dtype)])
+    if features is not None and late.probe is not None:  # (no copy beside no features)
+        probe = late.probe.reshape(-1).to(features.dtype)
+        features = torch.cat([features.reshape(-1), probe]) if features.numel() else probe
     verdict, vals = verify(lay, ids_flat, tables, features, extra)
     for (_, refuse), flag in zip(late.checks, vals[len(vals) - len(late.checks) :]):
         if flag:

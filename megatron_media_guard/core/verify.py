@@ -189,11 +189,17 @@ def _table_parts(lay: TokenLayout, expected: Sequence[Expected], dev) -> list[to
         base = torch.cumsum(per_row * size, 0) - per_row * size
         run_idx = torch.cumsum(start_m.reshape(-1), 0) - 1
         ph_cum = torch.cumsum(ph_m.reshape(-1), 0)
+        # read at the run ends only: on CPU at their positions (nonzero syncs with no device
+        # there), which spares the per-token search and gathers; elsewhere at every token
+        ends = end_m.reshape(-1)
+        if dev.type == "cpu":
+            at = torch.nonzero(ends).view(-1)
+            run_idx, ph_cum, ends = run_idx[at], ph_cum[at], None
         row = torch.searchsorted(cum_runs, run_idx, right=True).clamp(max=per_row.numel() - 1)
         within = run_idx - (cum_runs[row] - per_row[row])
         want = base[row] + size[row] * (within + 1)
-        late = run_idx >= cum_runs[-1]
-        bad = bad + torch.count_nonzero(end_m.reshape(-1) & (late | (ph_cum != want)))
+        off = (run_idx >= cum_runs[-1]) | (ph_cum != want)  # past the table, or miscounted
+        bad = bad + torch.count_nonzero(off if ends is None else ends & off)
         bad = bad + (torch.count_nonzero(start_m) != cum_runs[-1]).long()
         if e.known is None:  # one run per item (the host's items) never spans two samples
             bad = bad + _items_across_samples(lay, start_m, per_row, cum_runs)
