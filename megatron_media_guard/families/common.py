@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from ..core.host import to_host
-from .spec import Encode, Encoded, count_table
+from .spec import Encode, Encoded, count_table, tower_zeros
 
 #: the text token most families' dropped placeholders become: the config's pad token
 PAD = ("text_config.pad_token_id", "pad_token_id")
@@ -36,6 +36,25 @@ def feature_call(method: str, *args: str, **keywords: str) -> Encode:
         return Encoded(tuple(out.pooler_output))
 
     return encode
+
+
+def tower_dummy(
+    method: str,
+    zeros: Callable[[Any], tuple[int, ...]],
+    grid: Callable[[Any], list] | None = None,
+    tower: str = "vision_tower",
+):
+    """A spec's ``dummy`` (``GuardConfig.keep_tower``): zeros of the shape ``zeros(vision
+    config)`` (:func:`~.spec.tower_zeros` of ``tower``), then ``grid(vision config)`` as a
+    tensor where given, through the model's own ``method``: its whole output."""
+
+    def dummy(model: Any):
+        v = model.config.vision_config
+        pv = tower_zeros(model, tower, *zeros(v))
+        extra = () if grid is None else (torch.tensor(grid(v), device=pv.device),)
+        return getattr(model, method)(pv, *extra, return_dict=True)
+
+    return dummy
 
 
 def patch_images(

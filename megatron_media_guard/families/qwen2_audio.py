@@ -59,14 +59,12 @@ def _counts(config: Any, kw) -> torch.Tensor:
 
 
 def _dummy(model: Any):
-    """One clip of zeros through the tower and the projector, as the encode runs them: the
-    tower takes only its fixed ``2 * max_source_positions`` mel frames, so a full window."""
-    tower, proj = _parts(model)
+    """One clip of zeros through the encode: a full window (the tower takes only its fixed
+    ``2 * max_source_positions`` mel frames)."""
+    tower = _parts(model)[0]
     frames = 2 * tower.config.max_source_positions
-    x = tower_zeros(model, "audio_tower", 1, tower.config.num_mel_bins, frames)
-    valid = torch.ones(1, (frames - 2) // 2 + 1, dtype=torch.bool, device=x.device)
-    mask = _key_mask(tower, valid, proj.linear.weight.dtype)
-    return proj(tower(x, attention_mask=mask).last_hidden_state)
+    x = tower_zeros(model, tower, 1, tower.config.num_mel_bins, frames)
+    return _encode_audio(model, {"input_features": x}).features
 
 
 SPEC = FamilySpec(
