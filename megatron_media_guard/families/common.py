@@ -74,14 +74,17 @@ def patch_images(
     )
 
 
-def grid_table(thw: torch.Tensor, div: int, patch: int, t: str = "tokens") -> torch.Tensor:
+def grid_table(
+    thw: torch.Tensor, div: int, patch: int, t: str = "tokens", frames_per: int = 0
+) -> torch.Tensor:
     """The count table of ``[n, 3]`` (t, h, w) grid rows: one run of ``t*h*w / div`` per row
-    (``t="tokens"``), ``t`` runs of ``h*w / div`` (``"runs"``), or one run of ``h*w / div``
-    over ``t`` frames (``"frames"``: frames pooled)."""
+    (``t="tokens"``; ``t * frames_per`` frames), ``t`` runs of ``h*w / div`` (``"runs"``), or
+    one run of ``h*w / div`` over ``t`` frames (``"frames"``: frames pooled)."""
     thw = thw.long()
     hw = thw[:, 1:]
     if t == "tokens":
-        return count_table(thw.prod(-1) // div, hw=hw * patch, grid=thw)
+        frames = thw[:, 0] * frames_per
+        return count_table(thw.prod(-1) // div, frames=frames, hw=hw * patch, grid=thw)
     runs, frames = (thw[:, 0], 0) if t == "runs" else (1, thw[:, 0])
     return count_table(hw.prod(-1) // div, runs=runs, frames=frames, hw=hw * patch, grid=thw)
 

@@ -12,7 +12,6 @@ it). Text-only: both towers kept. No repair geometry. Bridge: ``qwen3_omni_bridg
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -25,14 +24,6 @@ from .spec import Encoded, FamilySpec, ModalitySpec, Token, tower_zeros
 _AUDIO = ("input_features", "feature_attention_mask", "audio_feature_lengths")
 
 
-def _inner(model: Any):  # the ThinkerModel: itself, or a ...ForConditionalGeneration's .model
-    return model.model if hasattr(model, "model") else model
-
-
-def _count(model: Any):  # the model module's _get_feat_extract_output_lengths
-    return sys.modules[type(_inner(model)).__module__]._get_feat_extract_output_lengths
-
-
 def _visual(kind: str):
     def encode(model: Any, kw) -> Encoded:
         pv, grid = kw[f"pixel_values{'_videos' if kind == 'video' else ''}"], kw[f"{kind}_grid_thw"]
@@ -40,7 +31,7 @@ def _visual(kind: str):
         feats = tuple(out.pooler_output)
         if not kw.get("use_audio_in_video"):
             return Encoded(feats, output=out)
-        got = aiv.layout(model, kw, _count(model))  # a video: cut into its region's runs
+        got = aiv.layout(model, kw)  # a video: cut into its region's runs
         return Encoded(feats, output=out, runs=got.runs.get(kind), sample=got.sample[kind])
 
     return encode
@@ -50,7 +41,7 @@ def _encode_audio(model: Any, kw) -> Encoded:
     """The clips back to back, cut by their counts (and runs) after the verdict."""
     x, mask, lengths = (kw.get(n) for n in _AUDIO)
     flat = model.get_audio_features(x, mask, lengths, return_dict=True).last_hidden_state
-    got = aiv.layout(model, kw, _count(model))
+    got = aiv.layout(model, kw)
     runs, sample = got.runs.get("audio"), got.sample.get("audio")
     return Encoded((flat,), counts=got.tokens, runs=runs, sample=sample, check=got.check)
 
@@ -74,7 +65,7 @@ def _positions(model: Any, kw) -> torch.Tensor | None:
     ids, attn = kw["input_ids"], kw.get("attention_mask")
     if attn is None:
         return None
-    inner, cfg = _inner(model), model.config
+    inner, cfg = getattr(model, "model", model), model.config
     pads = [cfg.image_token_id, cfg.video_token_id, cfg.audio_token_id, cfg.audio_start_token_id]
     pads = torch.tensor(pads, device=ids.device)
     nxt = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)

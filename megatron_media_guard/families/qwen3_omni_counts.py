@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..errors import MediaInputError
+from .common import grid_table
 from .spec import attr_path, count_table
 
 _HF = "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe"
@@ -25,27 +26,18 @@ def vision_counts(kind: str):
             paths = (name, f"vision_config.{name}", f"thinker_config.vision_config.{name}")
             return int(attr_path(config, *paths) or default)
 
+        tp = vis("temporal_patch_size", 2) if kind == "video" else 0
         merge, p = vis("spatial_merge_size", 2), vis("patch_size", 16)
-        tp = vis("temporal_patch_size", 2)
-        thw = kw[f"{kind}_grid_thw"].long()
-        n = thw.prod(-1) // merge**2
-        frames = thw[:, 0] * tp if kind == "video" else 0
-        return count_table(n, frames=frames, hw=thw[:, 1:] * p, grid=thw)
+        return grid_table(kw[f"{kind}_grid_thw"], merge**2, p, frames_per=tp)
 
     return counts
 
 
-def audio_counts(config: Any, kw) -> torch.Tensor:
+def clip_tokens(config: Any, kw) -> torch.Tensor:
     """Per clip, the tower's output length of its mel frames (transformers'
     ``_get_feat_extract_output_lengths``, torch ops) from ``feature_attention_mask`` (else
     ``audio_feature_lengths``), the tower's ``n_window`` (the thinker config's; Bridge's provider
     holds it as ``thinker_config``; 50, the function's default, where neither says)."""
-    if kw.get("use_audio_in_video"):
-        raise MediaInputError(
-            "qwen3_omni: use_audio_in_video=True interleaves video and audio placeholders in "
-            "one region; the inputs alone do not attribute those runs (check it in the model: "
-            "install_vlm)"
-        )
     mask, lengths = kw.get("feature_attention_mask"), kw.get("audio_feature_lengths")
     frames = mask.sum(-1) if mask is not None else lengths
     if frames is None:
@@ -55,4 +47,15 @@ def audio_counts(config: Any, kw) -> torch.Tensor:
         )
     n_window = attr_path(config, "thinker_config.audio_config.n_window", "audio_config.n_window")
     count = importlib.import_module(_HF)._get_feat_extract_output_lengths
-    return count_table(count(frames.long(), int(n_window or 50)))
+    return count(frames.long(), int(n_window or 50))
+
+
+def audio_counts(config: Any, kw) -> torch.Tensor:
+    """Per clip its :func:`clip_tokens`; ``use_audio_in_video`` refused."""
+    if kw.get("use_audio_in_video"):
+        raise MediaInputError(
+            "qwen3_omni: use_audio_in_video=True interleaves video and audio placeholders in "
+            "one region; the inputs alone do not attribute those runs (check it in the model: "
+            "install_vlm)"
+        )
+    return count_table(clip_tokens(config, kw))
