@@ -17,10 +17,8 @@ import torch
 from ..geometry import RadioTilerGeometry
 from .common import PAD, mel_frames, patch_images, tower_dummy
 from .evs import prune_video_tokens
-from .layouts import image_to_patches, patches_to_image
+from .layouts import PATCH, image_to_patches, patches_to_image
 from .spec import Encoded, FamilySpec, ModalitySpec, Token, count_table
-
-PATCH = 16
 
 
 def _encode_image(model: Any, kw) -> Encoded:
