@@ -1,17 +1,12 @@
 """Qwen3-Omni thinker on Megatron-Bridge 0.6.2: ``Qwen3OmniThinkerModel`` (found inside its
 ``Qwen3OmniModel`` wrapper, whose forward calls ``self.thinker(...)`` with keywords).
 
-Its forward takes no ``inputs_embeds`` and merges by batch totals: image and video features cut
-to the placeholder count (``_trim_feature_sequence``) and ``masked_scatter_``'d, audio by zipping
-per-row placeholder counts with per-clip lengths (``strict=True``). Measured (tiny, CPU;
-tests/test_family_qwen3_omni_bridge.py): a short image run, a +k/-k or a swap across samples
-runs silently with features in the wrong rows; a short audio run silently loses its clip's last
-features; a surplus run raises a ``ValueError`` naming no sample; rows that do not hold one clip
-each raise in the ``zip``, aligned or not. So the spec is ``apply="inputs"``, sized by
+Its forward takes no ``inputs_embeds`` and merges by batch totals (what that does to a wrong
+run, measured: docs/FAMILIES.md), so the spec is ``apply="inputs"``, sized by
 ``qwen3_omni_counts``. A dropped sample's patch, grid and ``video_second_per_grid`` rows leave
 the call; its audio clips stay (no ``rows``): with no placeholder left in its row Bridge's trim
-takes none of their features, and rows and clips stay paired for the zip and for Bridge's rope
-(it counts audio start markers). Ids from the model's config; no repair geometry;
+takes none of their features, and rows and clips stay paired for its per-row ``zip`` and its
+rope (it counts audio start markers). Ids from the model's config; no repair geometry;
 ``use_audio_in_video`` refused.
 """
 
