@@ -6,6 +6,7 @@ import sys
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from ..core.host import to_host
 from .spec import Merged
@@ -45,13 +46,9 @@ def prune_video_tokens(model: Any, merged: Merged) -> dict[str, Any]:
     out: dict[str, Any] = {}
     pad = {"inputs_embeds": 0.0, "input_ids": 0, "attention_mask": 0, "labels": -100}
     for name, fill in pad.items():
-        t = kw.get(name)
-        if t is None:
-            continue
-        new = t.new_full((t.shape[0], width, *t.shape[2:]), fill)
-        for r in range(t.shape[0]):  # rows, not tokens
-            new[r, : n[r]] = t[r][keep[r]]
-        out[name] = new
+        if (t := kw.get(name)) is not None:
+            rows = [t[r][keep[r]] for r in range(t.shape[0])]  # rows, not tokens
+            out[name] = pad_sequence(rows, batch_first=True, padding_value=fill)
     if kw.get("attention_mask") is None and min(n) != width:
         cols = torch.arange(width, device=ids.device)
         out["attention_mask"] = (cols[None] < lengths[:, None]).long()
