@@ -2,9 +2,8 @@
 whose count per image never reaches the model.
 
 - image: ``<img>`` ``<IMG_CONTEXT>``x(``image_seq_length`` * tiles) ``</img>``; a video frame is
-  one tile on the same token. ``pixel_values`` ``[sum(tiles), 3, S, S]`` in prompt order.
-- one flat block of tile features (``split="items"``), cut by ``set_items``' ``num_features``,
-  else by the runs in the ids (only the total checked, a ``check`` record says so).
+  one tile on the same token. ``pixel_values`` ``[sum(tiles), 3, S, S]`` in prompt order,
+  encoded as one flat block (``split="items"``: :class:`~.spec.Encoded`).
 
 Repair: none (the model gets tiles, not the image to re-tile).
 """

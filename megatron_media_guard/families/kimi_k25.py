@@ -4,7 +4,6 @@
   ``<|media_end|>``; patch rows with ``image_grid_thw`` ``(1, h, w)``.
 - video: per chunk of <= 4 frames, the same with ``<|kimi_k25_video_placeholder|>``: one
   ``video_grid_thw`` row per chunk (the item), its frames mean-pooled to h*w/4 features.
-- placeholder ids are embedded as id 0, as the model does.
 
 Repair: none (``navit_resize`` needs torchvision: no oracle can pin it here).
 """
