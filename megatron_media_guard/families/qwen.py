@@ -5,8 +5,6 @@
   ``pixel_values`` patch rows with ``image_grid_thw`` (t, h, w).
 - video: one such run of ``<|video_pad|>`` per video; Qwen3-VL / 3.5 one run of
   h*w/merge**2 per temporal group; ``pixel_values_videos`` with ``video_grid_thw``.
-
-``mm_token_type_ids`` and Bridge's ``image_input_mask`` / ``video_input_mask`` follow the ids.
 """
 
 from __future__ import annotations
