@@ -18,7 +18,8 @@ import torch
 
 from . import audio_in_video as aiv
 from .mrope import patch_dummy
-from .qwen3_omni_counts import audio_counts, vision_counts
+from .qwen import grid_counts
+from .qwen3_omni_counts import audio_counts
 from .spec import Encoded, FamilySpec, ModalitySpec, Token, tower_zeros
 
 _AUDIO = ("input_features", "feature_attention_mask", "audio_feature_lengths")
@@ -119,7 +120,7 @@ SPEC = FamilySpec(
             keep=("image_grid_thw",),
             rows=("image_grid_thw",),
             patches={"pixel_values": "image_grid_thw"},
-            counts=vision_counts("image"),
+            counts=grid_counts("image"),
             **_VISION,
         ),
         ModalitySpec(
@@ -130,7 +131,7 @@ SPEC = FamilySpec(
             keep=_VIDEO[1:],
             rows=_VIDEO[1:3],
             patches={"pixel_values_videos": "video_grid_thw"},
-            counts=vision_counts("video"),
+            counts=grid_counts("video", per_group=False),
             **_VISION,
         ),
     ),

@@ -3,16 +3,17 @@
 
 Its forward takes no ``inputs_embeds`` and merges by batch totals (what that does to a wrong
 run, measured: docs/FAMILIES.md), so the spec is ``apply="inputs"``, sized by
-``qwen3_omni_counts``. A dropped sample's patch, grid and ``video_second_per_grid`` rows leave
-the call; its audio clips stay (no ``rows``): with no placeholder left in its row Bridge's trim
-takes none of their features, and rows and clips stay paired for its per-row ``zip`` and its
-rope (it counts audio start markers). Ids from the model's config; no repair geometry;
-``use_audio_in_video`` refused.
+``qwen.grid_counts`` and ``qwen3_omni_counts``. A dropped sample's patch, grid and
+``video_second_per_grid`` rows leave the call; its audio clips stay (no ``rows``): with no
+placeholder left in its row Bridge's trim takes none of their features, and rows and clips stay
+paired for its per-row ``zip`` and its rope (it counts audio start markers). Ids from the
+model's config; no repair geometry; ``use_audio_in_video`` refused.
 """
 
 from __future__ import annotations
 
-from .qwen3_omni_counts import audio_counts, vision_counts
+from .qwen import grid_counts
+from .qwen3_omni_counts import audio_counts
 from .spec import FamilySpec, ModalitySpec, Token, model_encodes
 
 _VISION = dict(
@@ -33,7 +34,7 @@ SPEC = FamilySpec(
             model_encodes,
             rows=("image_grid_thw",),
             patches={"pixel_values": "image_grid_thw"},
-            counts=vision_counts("image"),
+            counts=grid_counts("image"),
             **_VISION,
         ),
         ModalitySpec(
@@ -43,7 +44,7 @@ SPEC = FamilySpec(
             model_encodes,
             rows=_VIDEO[1:],
             patches={"pixel_values_videos": "video_grid_thw"},
-            counts=vision_counts("video"),
+            counts=grid_counts("video", per_group=False),
             **_VISION,
         ),
         ModalitySpec(

@@ -1,6 +1,6 @@
-"""Qwen3-Omni thinker's ``counts`` from its inputs (both specs: transformers' and Bridge's):
-per image / video grid row one run of ``t*h*w/merge**2``, per audio clip the tower's output
-length of its mel frames; torch ops on the inputs' device (:func:`~.spec.count_table`)."""
+"""Qwen3-Omni thinker's audio ``counts`` from its inputs (both specs: transformers' and
+Bridge's; their grid rows: :func:`.qwen.grid_counts`): per clip the tower's output length of its
+mel frames; torch ops on the inputs' device (:func:`~.spec.count_table`)."""
 
 from __future__ import annotations
 
@@ -10,27 +10,9 @@ from typing import Any
 import torch
 
 from ..errors import MediaInputError
-from .common import grid_table
 from .spec import attr_path, count_table
 
 _HF = "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe"
-
-
-def vision_counts(kind: str):
-    """One run of ``t*h*w/merge**2`` per row of ``{kind}_grid_thw`` (a video is one run), at
-    ``patch * (h, w)`` pixels, ``t * temporal_patch`` frames (the thinker's vision config, or
-    Bridge's provider's)."""
-
-    def counts(config: Any, kw) -> torch.Tensor:
-        def vis(name: str, default: int) -> int:
-            paths = (name, f"vision_config.{name}", f"thinker_config.vision_config.{name}")
-            return int(attr_path(config, *paths) or default)
-
-        tp = vis("temporal_patch_size", 2) if kind == "video" else 0
-        merge, p = vis("spatial_merge_size", 2), vis("patch_size", 16)
-        return grid_table(kw[f"{kind}_grid_thw"], merge**2, p, frames_per=tp)
-
-    return counts
 
 
 def clip_tokens(config: Any, kw) -> torch.Tensor:
