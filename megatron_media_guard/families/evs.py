@@ -40,7 +40,7 @@ def prune_video_tokens(model: Any, merged: Merged) -> dict[str, Any]:
             keep[row, a:b] = mask[at : at + b - a]
             at += b - a
     lengths = keep.sum(1)
-    # the new row lengths size the pruned tensors (one small transfer, EVS calls only)
+    # the new row lengths: do unequal rows need an attention mask (one small transfer, EVS only)
     n = to_host(lengths, why="row lengths after EVS pruning").tolist()
     width = max(n)
     out: dict[str, Any] = {}
