@@ -12,49 +12,32 @@ model's config; no repair geometry; ``use_audio_in_video`` refused.
 
 from __future__ import annotations
 
-from .qwen import grid_counts
-from .qwen3_omni_counts import audio_counts
-from .spec import FamilySpec, ModalitySpec, Token, model_encodes
+from dataclasses import replace
+
+from . import qwen3_omni
+from .spec import FamilySpec, Token, model_encodes
 
 _VISION = dict(
     start=Token(("vision_start_token_id",), "<|vision_start|>"),
     end=Token(("vision_end_token_id",), "<|vision_end|>"),
 )
-_VIDEO = ("pixel_values_videos", "video_grid_thw", "video_second_per_grid")
-_AUDIO = ("input_features", "feature_attention_mask", "audio_feature_lengths")
+_INPUTS = dict(encode=model_encodes, keep=())  # the model encodes its own media
+_AUDIO, _IMAGE, _VIDEO = qwen3_omni.SPEC.modalities
 
+#: transformers' modalities with Bridge's markers (every id from its config), in its order, no
+#: audio in video
 SPEC = FamilySpec(
     name="qwen3_omni",
     classes={"megatron.bridge.": frozenset({"Qwen3OmniThinkerModel"})},
     modalities=(
-        ModalitySpec(
-            "image",
-            Token(("image_token_id",), "<|image_pad|>"),
-            ("pixel_values", "image_grid_thw"),
-            model_encodes,
-            rows=("image_grid_thw",),
-            patches={"pixel_values": "image_grid_thw"},
-            counts=grid_counts("image"),
-            **_VISION,
-        ),
-        ModalitySpec(
-            "video",
-            Token(("video_token_id",), "<|video_pad|>"),
-            _VIDEO,
-            model_encodes,
-            rows=_VIDEO[1:],
-            patches={"pixel_values_videos": "video_grid_thw"},
-            counts=grid_counts("video", per_group=False),
-            **_VISION,
-        ),
-        ModalitySpec(
-            "audio",
-            Token(("audio_token_id",), "<|audio_pad|>"),
+        replace(_IMAGE, **_VISION, **_INPUTS),
+        replace(_VIDEO, inputs=_VIDEO.inputs[:3], **_VISION, **_INPUTS),  # no use_audio_in_video
+        replace(
             _AUDIO,
-            model_encodes,
-            start=Token(("audio_start_token_id",), "<|audio_start|>"),
             end=Token(("audio_end_token_id",), "<|audio_end|>"),
-            counts=audio_counts,
+            rows=(),  # a dropped sample's clips stay (above)
+            nests=False,
+            **_INPUTS,
         ),
     ),
     text=Token(
