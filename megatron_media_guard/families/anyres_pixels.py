@@ -69,12 +69,10 @@ def anyres_tokens(sizes: torch.Tensor, multi: torch.Tensor, config: Any) -> torc
     wider = w / h > cur_w / cur_h
     new_h = torch.trunc(torch.round(h * (cur_w / w), decimals=7))
     new_w = torch.trunc(torch.round(w * (cur_h / h), decimals=7))
-    cur_h = torch.where(
-        wider, cur_h - 2 * torch.div(cur_h - new_h, 2, rounding_mode="floor"), cur_h
-    )
-    cur_w = torch.where(
-        wider, cur_w, cur_w - 2 * torch.div(cur_w - new_w, 2, rounding_mode="floor")
-    )
+    cut_h = 2 * torch.div(cur_h - new_h, 2, rounding_mode="floor")  # the unpadded map
+    cut_w = 2 * torch.div(cur_w - new_w, 2, rounding_mode="floor")
+    cur_h = torch.where(wider, cur_h - cut_h, cur_h)
+    cur_w = torch.where(wider, cur_w, cur_w - cut_w)
     ratio = torch.sqrt(cur_h * cur_w / (k * side**2))
     down = ratio > 1.1
     cur_h = torch.where(down, torch.div(cur_h, ratio, rounding_mode="floor"), cur_h)

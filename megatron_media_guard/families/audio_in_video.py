@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from ..core.host import to_host
 from ..errors import MediaInputError
+from .qwen3_omni_counts import clip_tokens
 
 _IMAGE, _VIDEO, _AIV, _AUDIO = 1, 2, 3, 4  # a region's kind, read at its start marker
 
@@ -89,30 +90,25 @@ class Layout:
     check: tuple[torch.Tensor, Callable[[], None]] | None = None
 
 
-def layout(model: Any, kw: MutableMapping[str, Any], count: Callable) -> Layout:
+def layout(model: Any, kw: MutableMapping[str, Any]) -> Layout:
     """:func:`layout_of`, once per call: the modalities' encodes share the call's ``kw`` (the
     engine's own dict), which keeps it under a private key."""
     if _KEY not in kw:
-        kw[_KEY] = layout_of(model, kw, count)
+        kw[_KEY] = layout_of(model, kw)
     return kw[_KEY]
 
 
 _KEY = "_media_guard_audio_in_video"
 
 
-def layout_of(model: Any, kw, count: Callable) -> Layout:
+def layout_of(model: Any, kw) -> Layout:
     """No transfer. The k-th audio region (alone or in a video) takes clip k, the j-th video
-    region video j, as the model's ``get_rope_index`` pairs them. ``count``: the model's
-    ``_get_feat_extract_output_lengths``."""
+    region video j, as the model's ``get_rope_index`` pairs them."""
     cfg, ids, flag = model.config, kw["input_ids"], bool(kw.get("use_audio_in_video"))
-    mask = kw.get("feature_attention_mask")
-    frames = mask.sum(-1) if mask is not None else kw.get("audio_feature_lengths")
-    if frames is None:
-        frames = ids.new_zeros(0)
-    if flag and not frames.numel():
+    x = kw.get("input_features")
+    if flag and (x is None or not x.shape[0]):
         raise MediaInputError("qwen3_omni: use_audio_in_video=True and no audio clips")
-    n_window = cfg.audio_config.n_window
-    tokens = count(frames, n_window)
+    tokens = clip_tokens(cfg, kw)
     grid = kw.get("video_grid_thw")
     if grid is None:
         return Layout(tokens)
@@ -135,7 +131,8 @@ def layout_of(model: Any, kw, count: Callable) -> Layout:
     # bounds, from shapes: t <= t*h*w/merge**2; a video's runs <= its clip's tokens + 1
     merge = int(getattr(cfg.vision_config, "spatial_merge_size", 2))
     grids = max(1, kw["pixel_values_videos"].shape[0] // merge**2)
-    most = int(count(torch.arange(kw["input_features"].shape[-1] + 1), n_window).max())
+    lengths = torch.arange(x.shape[-1] + 1)
+    most = int(clip_tokens(cfg, {"audio_feature_lengths": lengths}).max())
     slots = max(1, min(grids, most + 1))
     tp = int(getattr(cfg.vision_config, "temporal_patch_size", 2))
     video, sound = interleaved_runs(

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from ..core.host import to_host
-from .spec import Encode, Encoded, count_table
+from .spec import Encode, Encoded, count_table, tower_zeros
 
 #: the text token most families' dropped placeholders become: the config's pad token
 PAD = ("text_config.pad_token_id", "pad_token_id")
@@ -38,6 +38,25 @@ def feature_call(method: str, *args: str, **keywords: str) -> Encode:
     return encode
 
 
+def tower_dummy(
+    method: str,
+    zeros: Callable[[Any], tuple[int, ...]],
+    grid: Callable[[Any], list] | None = None,
+    tower: str = "vision_tower",
+):
+    """A spec's ``dummy`` (``GuardConfig.keep_tower``): zeros of the shape ``zeros(vision
+    config)`` (:func:`~.spec.tower_zeros` of ``tower``), then ``grid(vision config)`` as a
+    tensor where given, through the model's own ``method``: its whole output."""
+
+    def dummy(model: Any):
+        v = model.config.vision_config
+        pv = tower_zeros(model, tower, *zeros(v))
+        extra = () if grid is None else (torch.tensor(grid(v), device=pv.device),)
+        return getattr(model, method)(pv, *extra, return_dict=True)
+
+    return dummy
+
+
 def patch_images(
     feats: Sequence[torch.Tensor], kw: Mapping[str, Any], rows: str, grid: str, patch: int, image
 ) -> Encoded:
@@ -55,14 +74,17 @@ def patch_images(
     )
 
 
-def grid_table(thw: torch.Tensor, div: int, patch: int, t: str = "tokens") -> torch.Tensor:
+def grid_table(
+    thw: torch.Tensor, div: int, patch: int, t: str = "tokens", frames_per: int = 0
+) -> torch.Tensor:
     """The count table of ``[n, 3]`` (t, h, w) grid rows: one run of ``t*h*w / div`` per row
-    (``t="tokens"``), ``t`` runs of ``h*w / div`` (``"runs"``), or one run of ``h*w / div``
-    over ``t`` frames (``"frames"``: frames pooled)."""
+    (``t="tokens"``; ``t * frames_per`` frames), ``t`` runs of ``h*w / div`` (``"runs"``), or
+    one run of ``h*w / div`` over ``t`` frames (``"frames"``: frames pooled)."""
     thw = thw.long()
     hw = thw[:, 1:]
     if t == "tokens":
-        return count_table(thw.prod(-1) // div, hw=hw * patch, grid=thw)
+        frames = thw[:, 0] * frames_per
+        return count_table(thw.prod(-1) // div, frames=frames, hw=hw * patch, grid=thw)
     runs, frames = (thw[:, 0], 0) if t == "runs" else (1, thw[:, 0])
     return count_table(hw.prod(-1) // div, runs=runs, frames=frames, hw=hw * patch, grid=thw)
 

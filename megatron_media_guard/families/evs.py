@@ -6,6 +6,7 @@ import sys
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from ..core.host import to_host
 from .spec import Merged
@@ -39,19 +40,15 @@ def prune_video_tokens(model: Any, merged: Merged) -> dict[str, Any]:
             keep[row, a:b] = mask[at : at + b - a]
             at += b - a
     lengths = keep.sum(1)
-    # the new row lengths size the pruned tensors (one small transfer, EVS calls only)
+    # the new row lengths: do unequal rows need an attention mask (one small transfer, EVS only)
     n = to_host(lengths, why="row lengths after EVS pruning").tolist()
     width = max(n)
     out: dict[str, Any] = {}
     pad = {"inputs_embeds": 0.0, "input_ids": 0, "attention_mask": 0, "labels": -100}
     for name, fill in pad.items():
-        t = kw.get(name)
-        if t is None:
-            continue
-        new = t.new_full((t.shape[0], width, *t.shape[2:]), fill)
-        for r in range(t.shape[0]):  # rows, not tokens
-            new[r, : n[r]] = t[r][keep[r]]
-        out[name] = new
+        if (t := kw.get(name)) is not None:
+            rows = [t[r][keep[r]] for r in range(t.shape[0])]  # rows, not tokens
+            out[name] = pad_sequence(rows, batch_first=True, padding_value=fill)
     if kw.get("attention_mask") is None and min(n) != width:
         cols = torch.arange(width, device=ids.device)
         out["attention_mask"] = (cols[None] < lengths[:, None]).long()

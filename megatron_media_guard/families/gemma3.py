@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from ..geometry import FixedGeometry
-from .common import PAD, PIXELS, hf_classes
-from .spec import Encoded, FamilySpec, ModalitySpec, Token, count_table, tower_zeros
+from .common import PAD, PIXELS, hf_classes, tower_dummy
+from .spec import Encoded, FamilySpec, ModalitySpec, Token, count_table
 
 
 def _encode_image(model: Any, kw) -> Encoded:
@@ -46,12 +46,6 @@ def _geometry(model: Any) -> FixedGeometry:
     return FixedGeometry(tokens_per_image=int(cfg.mm_tokens_per_image), size=(size, size))
 
 
-def _dummy(model: Any):  # one S x S image of zeros through the tower and the projector
-    size = int(model.config.vision_config.image_size)
-    pv = tower_zeros(model, "vision_tower", 1, 3, size, size)
-    return model.get_image_features(pv, return_dict=True).pooler_output
-
-
 SPEC = FamilySpec(
     name="gemma3",
     classes=hf_classes("Gemma3"),
@@ -72,7 +66,8 @@ SPEC = FamilySpec(
     geometry=_geometry,
     follow_ids=("token_type_ids",),
     ids_with_embeds=False,
-    dummy=_dummy,
+    # one S x S image of zeros through the tower and the projector
+    dummy=tower_dummy("get_image_features", lambda v: (1, 3, v.image_size, v.image_size)),
 )
 
 #: Megatron-Bridge 0.6.2 ``Gemma3VLModel``: its provider names the markers

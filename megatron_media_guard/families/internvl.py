@@ -2,9 +2,8 @@
 whose count per image never reaches the model.
 
 - image: ``<img>`` ``<IMG_CONTEXT>``x(``image_seq_length`` * tiles) ``</img>``; a video frame is
-  one tile on the same token. ``pixel_values`` ``[sum(tiles), 3, S, S]`` in prompt order.
-- one flat block of tile features (``split="items"``), cut by ``set_items``' ``num_features``,
-  else by the runs in the ids (only the total checked, a ``check`` record says so).
+  one tile on the same token. ``pixel_values`` ``[sum(tiles), 3, S, S]`` in prompt order,
+  encoded as one flat block (``split="items"``: :class:`~.spec.Encoded`).
 
 Repair: none (the model gets tiles, not the image to re-tile).
 """
@@ -15,8 +14,8 @@ from typing import Any
 
 import torch
 
-from .common import PAD, hf_classes
-from .spec import Encoded, FamilySpec, ModalitySpec, Token, count_table, tower_zeros
+from .common import PAD, hf_classes, tower_dummy
+from .spec import Encoded, FamilySpec, ModalitySpec, Token, count_table
 
 
 def _encode_image(model: Any, kw) -> Encoded:
@@ -37,12 +36,6 @@ def _counts(config: Any, kw) -> torch.Tensor:
     return count_table(tiles, runs=pv.shape[0], hw=tuple(pv.shape[-2:]))
 
 
-def _dummy(model: Any):  # one tile of zeros through the tower and the projector
-    h, w = model.config.vision_config.image_size
-    pv = tower_zeros(model, "vision_tower", 1, 3, h, w)
-    return model.get_image_features(pv, return_dict=True).pooler_output
-
-
 SPEC = FamilySpec(
     name="internvl",
     classes=hf_classes("InternVL"),
@@ -61,5 +54,6 @@ SPEC = FamilySpec(
     ),
     text=Token(PAD, "<|endoftext|>", 0),
     ids_with_embeds=False,
-    dummy=_dummy,
+    # one tile of zeros through the tower and the projector
+    dummy=tower_dummy("get_image_features", lambda v: (1, 3, *v.image_size)),
 )

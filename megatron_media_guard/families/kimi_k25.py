@@ -4,7 +4,6 @@
   ``<|media_end|>``; patch rows with ``image_grid_thw`` ``(1, h, w)``.
 - video: per chunk of <= 4 frames, the same with ``<|kimi_k25_video_placeholder|>``: one
   ``video_grid_thw`` row per chunk (the item), its frames mean-pooled to h*w/4 features.
-- placeholder ids are embedded as id 0, as the model does.
 
 Repair: none (``navit_resize`` needs torchvision: no oracle can pin it here).
 """
@@ -16,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .common import PAD, feature_call, grid_table, hf_classes
+from .common import PAD, feature_call, grid_table, hf_classes, tower_dummy
 from .spec import Encoded, FamilySpec, Merged, ModalitySpec, Token, attr_path, tower_zeros
 
 
@@ -38,15 +37,9 @@ def _embed(model: Any, ids: torch.Tensor) -> torch.Tensor:
     return model.get_input_embeddings()(ids.masked_fill(mm, 0))
 
 
-def _zeros(model: Any, v: Any) -> tuple[torch.Tensor, torch.Tensor]:  # one cell, its grid
+def _cell(v: Any) -> tuple[int, ...]:  # a dummy's zeros: one merge cell of patches
     (mh, mw), p = v.merge_kernel_size, v.patch_size
-    pv = tower_zeros(model, "vision_tower", mh * mw, 3, p, p)
-    return pv, torch.tensor([[1, mh, mw]], device=pv.device)
-
-
-def _dummy(model: Any):  # through the tower and the projector
-    pv, grid = _zeros(model, model.config.vision_config)
-    return model.get_image_features(pv, grid, return_dict=True).pooler_output
+    return mh * mw, 3, p, p
 
 
 _MARKERS = dict(
@@ -81,7 +74,8 @@ SPEC = FamilySpec(
     ),
     text=Token(PAD, "[PAD]", 0),
     embed=_embed,
-    dummy=_dummy,
+    # one cell through the tower and the projector
+    dummy=tower_dummy("get_image_features", _cell, lambda v: [[1, *v.merge_kernel_size]]),
 )
 
 
@@ -105,8 +99,12 @@ def _bridge_after_merge(model: Any, merged: Merged) -> dict:
     return out
 
 
-def _bridge_dummy(model: Any):  # through Bridge's tower
-    return model._extract_image_features(*_zeros(model, model.vision_tower_config))
+def _bridge_dummy(model: Any):  # one cell through Bridge's tower
+    v = model.vision_tower_config
+    pv = tower_zeros(model, "vision_tower", *_cell(v))
+    return model._extract_image_features(
+        pv, torch.tensor([[1, *v.merge_kernel_size]], device=pv.device)
+    )
 
 
 #: Megatron-Bridge 0.6.2 ``KimiK25VLModel``: images only, on ``media_placeholder_token_id``,

@@ -22,8 +22,8 @@ from ..core.host import to_host
 from ..errors import MediaInputError
 from ..geometry import AnyresGeometry
 from .anyres_pixels import image_counts, stitch, tiles_for, video_counts
-from .common import PAD, PIXELS, feature_call, hf_classes
-from .spec import Encoded, FamilySpec, ModalitySpec, Token, tower_zeros
+from .common import PAD, PIXELS, feature_call, hf_classes, tower_dummy
+from .spec import Encoded, FamilySpec, ModalitySpec, Token
 
 #: the forward keywords both feature methods take, beside the media
 _SELECT = {k: k for k in ("vision_feature_layer", "vision_feature_select_strategy")}
@@ -75,14 +75,6 @@ def _geometry(model: Any) -> AnyresGeometry:
     )
 
 
-def _dummy(model: Any):
-    """One video frame of zeros (a single tile: no anyres pinpoint to match) through the tower,
-    the projector and the pooling, as the spec's video encode runs them."""
-    size = int(model.config.vision_config.image_size)
-    pv = tower_zeros(model, "vision_tower", 1, 1, 3, size, size)
-    return model.get_video_features(pv, return_dict=True).pooler_output
-
-
 SPEC = FamilySpec(
     name="llava_onevision",
     classes=hf_classes("LlavaOnevision"),
@@ -109,5 +101,7 @@ SPEC = FamilySpec(
     text=Token(PAD, "<|endoftext|>", 0),
     geometry=_geometry,
     ids_with_embeds=False,
-    dummy=_dummy,
+    # one video frame of zeros (a single tile: no anyres pinpoint to match) through the tower,
+    # the projector and the pooling, as the video encode runs them
+    dummy=tower_dummy("get_video_features", lambda v: (1, 1, 3, v.image_size, v.image_size)),
 )

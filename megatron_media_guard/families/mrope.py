@@ -11,8 +11,8 @@ import torch
 
 from ..errors import MediaInputError
 from ..repair.pixels import from_frames, to_frames
-from .common import grid_table, patch_images
-from .spec import Counts, Encoded, tower_zeros
+from .common import grid_table, patch_images, tower_dummy
+from .spec import Counts, Encoded
 
 
 def image_encoder(patch: int, temporal: int, merge: int):
@@ -62,13 +62,13 @@ def grid_counts(grid: str, per_run: bool, div: int = 4, patch: int = 14) -> Coun
 
 def patch_dummy(tower: str):
     """A spec's ``dummy`` for patch-row towers: one ``merge x merge`` patch image of zeros
-    through the model's own ``get_image_features`` (its whole output, deepstack too)."""
+    through the model's own ``get_image_features`` (deepstack too)."""
 
-    def dummy(model: Any):
-        v = model.config.vision_config
+    def cell(v: Any) -> tuple[int, int]:
         m, p, tp = v.spatial_merge_size, v.patch_size, getattr(v, "temporal_patch_size", 1)
-        pv = tower_zeros(model, tower, m * m, v.in_channels * tp * p * p)
-        grid = torch.tensor([[1, m, m]], device=pv.device)
-        return model.get_image_features(pv, grid, return_dict=True)
+        return m * m, v.in_channels * tp * p * p
 
-    return dummy
+    def grid(v: Any) -> list:
+        return [[1, v.spatial_merge_size, v.spatial_merge_size]]
+
+    return tower_dummy("get_image_features", cell, grid, tower)

@@ -15,12 +15,10 @@ from typing import Any
 import torch
 
 from ..geometry import RadioTilerGeometry
-from .common import PAD, mel_frames, patch_images
+from .common import PAD, mel_frames, patch_images, tower_dummy
 from .evs import prune_video_tokens
-from .layouts import image_to_patches, patches_to_image
+from .layouts import PATCH, image_to_patches, patches_to_image
 from .spec import Encoded, FamilySpec, ModalitySpec, Token, count_table
-
-PATCH = 16
 
 
 def _encode_image(model: Any, kw) -> Encoded:
@@ -88,11 +86,6 @@ def _audio_counts(config: Any, kw) -> torch.Tensor:
     return count_table(n)
 
 
-def _dummy(model: Any):  # one 2x2-patch image of zeros through the model's own tower path
-    cell, grid = torch.zeros(4, 3 * PATCH * PATCH), torch.tensor([[2, 2]])
-    return model.get_image_features(cell.to(model.device), grid.to(model.device)).pooler_output
-
-
 SPEC = FamilySpec(
     name="nemotron_omni",
     classes={"transformers.": frozenset({"NemotronH_Omni_Reasoning_V3"})},
@@ -132,5 +125,8 @@ SPEC = FamilySpec(
     text=Token(PAD, "<unk>", 0),
     geometry=lambda model: RadioTilerGeometry(patch=PATCH, pixel_shuffle=2),
     after_merge=prune_video_tokens,
-    dummy=_dummy,
+    # one 2x2-patch image of zeros through the model's own tower path
+    dummy=tower_dummy(
+        "get_image_features", lambda v: (4, 3 * PATCH**2), lambda v: [[2, 2]], "vision_model"
+    ),
 )

@@ -5,8 +5,6 @@
   ``pixel_values`` patch rows with ``image_grid_thw`` (t, h, w).
 - video: one such run of ``<|video_pad|>`` per video; Qwen3-VL / 3.5 one run of
   h*w/merge**2 per temporal group; ``pixel_values_videos`` with ``video_grid_thw``.
-
-``mm_token_type_ids`` and Bridge's ``image_input_mask`` / ``video_input_mask`` follow the ids.
 """
 
 from __future__ import annotations
@@ -32,12 +30,14 @@ def is_qwen3(obj: Any) -> bool:
 
 
 def sizes(model_or_config: Any) -> dict[str, int]:
-    """``patch``, ``merge``, ``temporal_patch`` of the vision tower (``vision_config``, or
-    Bridge's top-level names), else the family defaults."""
+    """``patch``, ``merge``, ``temporal_patch`` of the vision tower (``vision_config``, a whole
+    Qwen3-Omni config's thinker's, or Bridge's top-level names), else the family defaults."""
     cfg = getattr(model_or_config, "config", model_or_config)
     default = {"patch": 16 if is_qwen3(model_or_config) else 14, "merge": 2, "temporal_patch": 2}
     names = ("patch_size", "spatial_merge_size", "temporal_patch_size")
-    got = (attr_path(cfg, f"vision_config.{n}", n) for n in names)
+    got = (
+        attr_path(cfg, f"vision_config.{n}", f"thinker_config.vision_config.{n}", n) for n in names
+    )
     return {k: int(v or default[k]) for k, v in zip(default, got)}
 
 
@@ -51,13 +51,17 @@ def geometry(model: Any) -> PatchMergeGeometry | dict[str, PatchMergeGeometry]:
     return PatchMergeGeometry.qwen2_vl(**s)
 
 
-def _counts(kind: str):
-    """One run of t*h*w/merge**2 per grid row; Qwen3-VL videos t runs of h*w/merge**2."""
+def grid_counts(kind: str, per_group: bool = True):
+    """One run of t*h*w/merge**2 per ``{kind}_grid_thw`` row at :func:`sizes`; Qwen3-VL / 3.5
+    videos t runs of h*w/merge**2 (``per_group``; Qwen3-Omni's, not: one run over t *
+    temporal_patch frames)."""
 
     def counts(config: Any, kw) -> torch.Tensor:
-        s = sizes(config)
+        s, grid = sizes(config), kw[f"{kind}_grid_thw"]
+        if kind == "video" and not per_group:
+            return grid_table(grid, s["merge"] ** 2, s["patch"], frames_per=s["temporal_patch"])
         t = "runs" if kind == "video" and is_qwen3(config) else "tokens"
-        return grid_table(kw[f"{kind}_grid_thw"], s["merge"] ** 2, s["patch"], t)
+        return grid_table(grid, s["merge"] ** 2, s["patch"], t)
 
     return counts
 
@@ -110,7 +114,7 @@ SPEC = FamilySpec(
             model_encodes,
             rows=("image_grid_thw",),
             patches={"pixel_values": "image_grid_thw"},
-            counts=_counts("image"),
+            counts=grid_counts("image"),
             **_VISION,
         ),
         ModalitySpec(
@@ -120,7 +124,7 @@ SPEC = FamilySpec(
             model_encodes,
             rows=("video_grid_thw", "second_per_grid_ts"),
             patches={"pixel_values_videos": "video_grid_thw"},
-            counts=_counts("video"),
+            counts=grid_counts("video"),
             **_VISION,
         ),
     ),

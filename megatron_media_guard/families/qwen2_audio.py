@@ -27,14 +27,6 @@ def _parts(model: Any):
     return inner.audio_tower, inner.multi_modal_projector
 
 
-def _key_mask(tower: Any, valid: torch.Tensor, dtype: torch.dtype):
-    """The tower's attention mask over its ``[n, s]`` conv positions (``valid``: True on a
-    clip's frames), built as the model's own forward builds it (transformers' function)."""
-    make = sys.modules[type(tower).__module__].create_bidirectional_mask
-    dummy = torch.zeros((*valid.shape, 1), dtype=dtype, device=valid.device)
-    return make(config=tower.config, inputs_embeds=dummy, attention_mask=valid.long())
-
-
 def _encode_audio(model: Any, kw) -> Encoded:
     tower, proj = _parts(model)
     device = tower.conv1.weight.device
@@ -42,9 +34,12 @@ def _encode_audio(model: Any, kw) -> Encoded:
     frames = mel_frames(x, kw.get("feature_attention_mask")).to(device)
     conv_len, out_len = tower._get_feat_extract_output_lengths(frames)
     s = (x.shape[-1] - 2) // 2 + 1
-    valid = torch.arange(s, device=device)[None, :] < conv_len[:, None]
-    dtype = proj.linear.weight.dtype
-    feats = proj(tower(x, attention_mask=_key_mask(tower, valid, dtype)).last_hidden_state)
+    valid = torch.arange(s, device=device)[None, :] < conv_len[:, None]  # a clip's frames
+    # the tower's attention mask over its conv positions, as the model's forward builds it
+    make = sys.modules[type(tower).__module__].create_bidirectional_mask
+    embeds = torch.zeros((*valid.shape, 1), dtype=proj.linear.weight.dtype, device=device)
+    mask = make(config=tower.config, inputs_embeds=embeds, attention_mask=valid.long())
+    feats = proj(tower(x, attention_mask=mask).last_hidden_state)
     # the projector's rows are padded to the longest clip: each clip's count (on the device)
     # cuts its own once the merge's one transfer brings it (Encoded.counts)
     return Encoded((feats,), counts=out_len)
@@ -59,14 +54,12 @@ def _counts(config: Any, kw) -> torch.Tensor:
 
 
 def _dummy(model: Any):
-    """One clip of zeros through the tower and the projector, as the encode runs them: the
-    tower takes only its fixed ``2 * max_source_positions`` mel frames, so a full window."""
-    tower, proj = _parts(model)
+    """One clip of zeros through the encode: a full window (the tower takes only its fixed
+    ``2 * max_source_positions`` mel frames)."""
+    tower = _parts(model)[0]
     frames = 2 * tower.config.max_source_positions
-    x = tower_zeros(model, "audio_tower", 1, tower.config.num_mel_bins, frames)
-    valid = torch.ones(1, (frames - 2) // 2 + 1, dtype=torch.bool, device=x.device)
-    mask = _key_mask(tower, valid, proj.linear.weight.dtype)
-    return proj(tower(x, attention_mask=mask).last_hidden_state)
+    x = tower_zeros(model, tower, 1, tower.config.num_mel_bins, frames)
+    return _encode_audio(model, {"input_features": x}).features
 
 
 SPEC = FamilySpec(

@@ -12,25 +12,17 @@ it). Text-only: both towers kept. No repair geometry. Bridge: ``qwen3_omni_bridg
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 
 from . import audio_in_video as aiv
 from .mrope import patch_dummy
-from .qwen3_omni_counts import audio_counts, vision_counts
+from .qwen import grid_counts
+from .qwen3_omni_counts import audio_counts
 from .spec import Encoded, FamilySpec, ModalitySpec, Token, tower_zeros
 
 _AUDIO = ("input_features", "feature_attention_mask", "audio_feature_lengths")
-
-
-def _inner(model: Any):  # the ThinkerModel: itself, or a ...ForConditionalGeneration's .model
-    return model.model if hasattr(model, "model") else model
-
-
-def _count(model: Any):  # the model module's _get_feat_extract_output_lengths
-    return sys.modules[type(_inner(model)).__module__]._get_feat_extract_output_lengths
 
 
 def _visual(kind: str):
@@ -40,7 +32,7 @@ def _visual(kind: str):
         feats = tuple(out.pooler_output)
         if not kw.get("use_audio_in_video"):
             return Encoded(feats, output=out)
-        got = aiv.layout(model, kw, _count(model))  # a video: cut into its region's runs
+        got = aiv.layout(model, kw)  # a video: cut into its region's runs
         return Encoded(feats, output=out, runs=got.runs.get(kind), sample=got.sample[kind])
 
     return encode
@@ -50,7 +42,7 @@ def _encode_audio(model: Any, kw) -> Encoded:
     """The clips back to back, cut by their counts (and runs) after the verdict."""
     x, mask, lengths = (kw.get(n) for n in _AUDIO)
     flat = model.get_audio_features(x, mask, lengths, return_dict=True).last_hidden_state
-    got = aiv.layout(model, kw, _count(model))
+    got = aiv.layout(model, kw)
     runs, sample = got.runs.get("audio"), got.sample.get("audio")
     return Encoded((flat,), counts=got.tokens, runs=runs, sample=sample, check=got.check)
 
@@ -74,7 +66,7 @@ def _positions(model: Any, kw) -> torch.Tensor | None:
     ids, attn = kw["input_ids"], kw.get("attention_mask")
     if attn is None:
         return None
-    inner, cfg = _inner(model), model.config
+    inner, cfg = getattr(model, "model", model), model.config
     pads = [cfg.image_token_id, cfg.video_token_id, cfg.audio_token_id, cfg.audio_start_token_id]
     pads = torch.tensor(pads, device=ids.device)
     nxt = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)
@@ -128,7 +120,7 @@ SPEC = FamilySpec(
             keep=("image_grid_thw",),
             rows=("image_grid_thw",),
             patches={"pixel_values": "image_grid_thw"},
-            counts=vision_counts("image"),
+            counts=grid_counts("image"),
             **_VISION,
         ),
         ModalitySpec(
@@ -139,7 +131,7 @@ SPEC = FamilySpec(
             keep=_VIDEO[1:],
             rows=_VIDEO[1:3],
             patches={"pixel_values_videos": "video_grid_thw"},
-            counts=vision_counts("video"),
+            counts=grid_counts("video", per_group=False),
             **_VISION,
         ),
     ),

@@ -1,64 +1,43 @@
 """Qwen3-Omni thinker on Megatron-Bridge 0.6.2: ``Qwen3OmniThinkerModel`` (found inside its
 ``Qwen3OmniModel`` wrapper, whose forward calls ``self.thinker(...)`` with keywords).
 
-Its forward takes no ``inputs_embeds`` and merges by batch totals: image and video features cut
-to the placeholder count (``_trim_feature_sequence``) and ``masked_scatter_``'d, audio by zipping
-per-row placeholder counts with per-clip lengths (``strict=True``). Measured (tiny, CPU;
-tests/test_family_qwen3_omni_bridge.py): a short image run, a +k/-k or a swap across samples
-runs silently with features in the wrong rows; a short audio run silently loses its clip's last
-features; a surplus run raises a ``ValueError`` naming no sample; rows that do not hold one clip
-each raise in the ``zip``, aligned or not. So the spec is ``apply="inputs"``, sized by
-``qwen3_omni_counts``. A dropped sample's patch, grid and ``video_second_per_grid`` rows leave
-the call; its audio clips stay (no ``rows``): with no placeholder left in its row Bridge's trim
-takes none of their features, and rows and clips stay paired for the zip and for Bridge's rope
-(it counts audio start markers). Ids from the model's config; no repair geometry;
-``use_audio_in_video`` refused.
+Its forward takes no ``inputs_embeds`` and merges by batch totals (what that does to a wrong
+run, measured: docs/FAMILIES.md), so the spec is ``apply="inputs"``, sized by
+``qwen.grid_counts`` and ``qwen3_omni_counts``. A dropped sample's patch, grid and
+``video_second_per_grid`` rows leave the call; its audio clips stay (no ``rows``): with no
+placeholder left in its row Bridge's trim takes none of their features, and rows and clips stay
+paired for its per-row ``zip`` and its rope (it counts audio start markers). Ids from the
+model's config; no repair geometry; ``use_audio_in_video`` refused.
 """
 
 from __future__ import annotations
 
-from .qwen3_omni_counts import audio_counts, vision_counts
-from .spec import FamilySpec, ModalitySpec, Token, model_encodes
+from dataclasses import replace
+
+from . import qwen3_omni
+from .spec import FamilySpec, Token, model_encodes
 
 _VISION = dict(
     start=Token(("vision_start_token_id",), "<|vision_start|>"),
     end=Token(("vision_end_token_id",), "<|vision_end|>"),
 )
-_VIDEO = ("pixel_values_videos", "video_grid_thw", "video_second_per_grid")
-_AUDIO = ("input_features", "feature_attention_mask", "audio_feature_lengths")
+_INPUTS = dict(encode=model_encodes, keep=())  # the model encodes its own media
+_AUDIO, _IMAGE, _VIDEO = qwen3_omni.SPEC.modalities
 
+#: transformers' modalities with Bridge's markers (every id from its config), in its order, no
+#: audio in video
 SPEC = FamilySpec(
     name="qwen3_omni",
     classes={"megatron.bridge.": frozenset({"Qwen3OmniThinkerModel"})},
     modalities=(
-        ModalitySpec(
-            "image",
-            Token(("image_token_id",), "<|image_pad|>"),
-            ("pixel_values", "image_grid_thw"),
-            model_encodes,
-            rows=("image_grid_thw",),
-            patches={"pixel_values": "image_grid_thw"},
-            counts=vision_counts("image"),
-            **_VISION,
-        ),
-        ModalitySpec(
-            "video",
-            Token(("video_token_id",), "<|video_pad|>"),
-            _VIDEO,
-            model_encodes,
-            rows=_VIDEO[1:],
-            patches={"pixel_values_videos": "video_grid_thw"},
-            counts=vision_counts("video"),
-            **_VISION,
-        ),
-        ModalitySpec(
-            "audio",
-            Token(("audio_token_id",), "<|audio_pad|>"),
+        replace(_IMAGE, **_VISION, **_INPUTS),
+        replace(_VIDEO, inputs=_VIDEO.inputs[:3], **_VISION, **_INPUTS),  # no use_audio_in_video
+        replace(
             _AUDIO,
-            model_encodes,
-            start=Token(("audio_start_token_id",), "<|audio_start|>"),
             end=Token(("audio_end_token_id",), "<|audio_end|>"),
-            counts=audio_counts,
+            rows=(),  # a dropped sample's clips stay (above)
+            nests=False,
+            **_INPUTS,
         ),
     ),
     text=Token(

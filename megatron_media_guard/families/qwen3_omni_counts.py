@@ -1,6 +1,6 @@
-"""Qwen3-Omni thinker's ``counts`` from its inputs (both specs: transformers' and Bridge's):
-per image / video grid row one run of ``t*h*w/merge**2``, per audio clip the tower's output
-length of its mel frames; torch ops on the inputs' device (:func:`~.spec.count_table`)."""
+"""Qwen3-Omni thinker's audio ``counts`` from its inputs (both specs: transformers' and
+Bridge's; their grid rows: :func:`.qwen.grid_counts`): per clip the tower's output length of its
+mel frames; torch ops on the inputs' device (:func:`~.spec.count_table`)."""
 
 from __future__ import annotations
 
@@ -15,37 +15,11 @@ from .spec import attr_path, count_table
 _HF = "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe"
 
 
-def vision_counts(kind: str):
-    """One run of ``t*h*w/merge**2`` per row of ``{kind}_grid_thw`` (a video is one run), at
-    ``patch * (h, w)`` pixels, ``t * temporal_patch`` frames (the thinker's vision config, or
-    Bridge's provider's)."""
-
-    def counts(config: Any, kw) -> torch.Tensor:
-        def vis(name: str, default: int) -> int:
-            paths = (name, f"vision_config.{name}", f"thinker_config.vision_config.{name}")
-            return int(attr_path(config, *paths) or default)
-
-        merge, p = vis("spatial_merge_size", 2), vis("patch_size", 16)
-        tp = vis("temporal_patch_size", 2)
-        thw = kw[f"{kind}_grid_thw"].long()
-        n = thw.prod(-1) // merge**2
-        frames = thw[:, 0] * tp if kind == "video" else 0
-        return count_table(n, frames=frames, hw=thw[:, 1:] * p, grid=thw)
-
-    return counts
-
-
-def audio_counts(config: Any, kw) -> torch.Tensor:
+def clip_tokens(config: Any, kw) -> torch.Tensor:
     """Per clip, the tower's output length of its mel frames (transformers'
     ``_get_feat_extract_output_lengths``, torch ops) from ``feature_attention_mask`` (else
     ``audio_feature_lengths``), the tower's ``n_window`` (the thinker config's; Bridge's provider
     holds it as ``thinker_config``; 50, the function's default, where neither says)."""
-    if kw.get("use_audio_in_video"):
-        raise MediaInputError(
-            "qwen3_omni: use_audio_in_video=True interleaves video and audio placeholders in "
-            "one region; the inputs alone do not attribute those runs (check it in the model: "
-            "install_vlm)"
-        )
     mask, lengths = kw.get("feature_attention_mask"), kw.get("audio_feature_lengths")
     frames = mask.sum(-1) if mask is not None else lengths
     if frames is None:
@@ -55,4 +29,15 @@ def audio_counts(config: Any, kw) -> torch.Tensor:
         )
     n_window = attr_path(config, "thinker_config.audio_config.n_window", "audio_config.n_window")
     count = importlib.import_module(_HF)._get_feat_extract_output_lengths
-    return count_table(count(frames.long(), int(n_window or 50)))
+    return count(frames.long(), int(n_window or 50))
+
+
+def audio_counts(config: Any, kw) -> torch.Tensor:
+    """Per clip its :func:`clip_tokens`; ``use_audio_in_video`` refused."""
+    if kw.get("use_audio_in_video"):
+        raise MediaInputError(
+            "qwen3_omni: use_audio_in_video=True interleaves video and audio placeholders in "
+            "one region; the inputs alone do not attribute those runs (check it in the model: "
+            "install_vlm)"
+        )
+    return count_table(clip_tokens(config, kw))
