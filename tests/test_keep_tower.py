@@ -141,3 +141,24 @@ def test_inputs_embeds_and_decoding_steps():
     assert first == ["visual", "layer0"]
     assert out.logits.grad_fn.name() == "AddBackward0"  # anchored at the output
     assert order == ["layer0"]
+
+
+def test_remove_after_a_forward_that_raised_keeps_no_dummy_graph():
+    """A forward that raises between the pre-hook (which ran the dummy tower) and the post-hook
+    leaves the anchor, and the dummy call's graph behind it, pending: ``remove()`` lets it go."""
+    model = model_for("qwen2_5_vl")
+    guard = MediaGuard(GuardConfig(keep_tower="always"), grammar=Grammar.qwen2_vl())
+
+    def boom(module, args):
+        raise RuntimeError("decoder failed")
+
+    h = install_qwen_vl(model, guard)
+    hook = model.model.language_model.layers[0].register_forward_pre_hook(boom)
+    try:
+        with pytest.raises(RuntimeError, match="decoder failed"):
+            model(**batch("qwen2_5_vl", "text"))
+        assert h.keeper._anchor is not None  # the dummy ran, nothing took its anchor
+    finally:
+        hook.remove()
+        h.remove()
+    assert h.keeper._anchor is None

@@ -100,6 +100,10 @@ class ForwardHookHandle(GuardHandle):
                 raise
         return self
 
+    def remove(self) -> None:
+        super().remove()
+        self.keeper.clear()  # a forward that raised may hold the dummy tower call's graph
+
     def _pre_hook(self, module: Any, args: tuple, kwargs: dict) -> Any:
         self.keeper.clear()  # a forward that raised leaves nothing behind
         try:
