@@ -46,7 +46,7 @@ def _run(repo: Path, script: str, *args: str, **env: str) -> subprocess.Complete
         capture_output=True,
         text=True,
         env=dict(os.environ, PATH=path, **env),
-        timeout=120,
+        timeout=240,  # the 0.19.2 version line imports megatron-core: slow on a loaded machine
         cwd=repo.parent,
     )
 
