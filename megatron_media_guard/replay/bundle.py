@@ -14,9 +14,7 @@ under ``"media_guard.bundle"``; without ``safetensors``, a ``torch.save`` zip of
 
 SENSITIVE DATA: token ids are the sample's content (text decodes from them), and the pixels
 of the mismatched items are saved by default (never raw text). Store bundles like training
-data, not like logs (files are written mode 0600). Writes are atomic (temp file, fsync, hard
-link to a name not yet taken); an I/O failure is logged and ``save_bundle`` returns None,
-never raising into the training step (bad arguments still raise).
+data, not like logs (files are written mode 0600, atomically: :mod:`.bundle_save`).
 """
 
 from __future__ import annotations
@@ -110,32 +108,22 @@ def _build(cls: type, meta: Mapping, names: tuple[str, ...], **given: object):
     return cls(**{k: _tuples(meta[k]) for k in names if k in meta}, **given)
 
 
+# the facts kept of an alignment report and of each of its mismatched samples
+_REPORT_FIELDS = ("ok", "num_runs", "num_items", "total_placeholders", "total_features", "orphans")
+_SAMPLE_FIELDS = ("sample", "sample_id", "row", "status", "reason", "expected", "got", "items")
+_SAMPLE_FIELDS += ("first_mismatch",)
+
+
 def report_summary(report: AlignmentReport) -> dict:
     """The JSON-safe facts of an alignment report (counts, statuses, positions; no content)."""
     bad = report.mismatched
     return {
-        "ok": report.ok,
+        **_fields_meta(report, _REPORT_FIELDS),
         "num_samples": len(report.samples),
-        "num_runs": report.num_runs,
-        "num_items": report.num_items,
-        "total_placeholders": report.total_placeholders,
-        "total_features": report.total_features,
-        "orphans": list(report.orphans),
         "stray_findings": [f.describe() for f in report.stray_findings[:16]],
         "num_mismatched": len(bad),
         "mismatched": [
-            {
-                "sample": r.sample,
-                "sample_id": r.sample_id,
-                "row": r.row,
-                "status": str(r.status),
-                "reason": r.reason,
-                "expected": list(r.expected),
-                "got": list(r.got),
-                "items": list(r.items),
-                "first_mismatch": r.first_mismatch,
-                "findings": [f.describe() for f in r.findings[:8]],
-            }
+            {**_fields_meta(r, _SAMPLE_FIELDS), "findings": [f.describe() for f in r.findings[:8]]}
             for r in bad[:_MAX_SAMPLES_IN_SUMMARY]
         ],
     }

@@ -1,5 +1,5 @@
-"""Writing a replay bundle (format: :mod:`.bundle`): atomic, mode 0600, never raising an I/O
-error into the training step."""
+"""Writing a replay bundle (format: :mod:`.bundle`): atomic (temp file, fsync, hard link to a
+name not yet taken), mode 0600, never raising an I/O error into the training step."""
 
 from __future__ import annotations
 

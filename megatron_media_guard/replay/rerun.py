@@ -2,8 +2,7 @@
 
 ``media-guard replay BUNDLE [--json]`` loads a bundle (:mod:`.bundle`), rebuilds the
 alignment report and prints the message the live merge raised (``where`` names the
-replay), plus what the bundle's config plans for each sample. Exit codes: 0 aligned now,
-1 the mismatch reproduces, 2 the bundle cannot be read.
+replay), plus what the bundle's config plans for each sample (exit codes: :func:`run_replay`).
 """
 
 from __future__ import annotations
