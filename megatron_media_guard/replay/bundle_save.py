@@ -17,7 +17,7 @@ import torch
 from ..config import GuardConfig
 from ..core.alignment import AlignmentReport, align
 from ..core.grammar import Grammar
-from ..core.items import MediaItem
+from ..core.items import MediaItem, normalize
 from ..core.providers import provide_bundle_writer
 from ..core.runs import TokenLayout, parse_layout
 from ..diagnostics import RankInfo, file_name, get_logger, utc_now
@@ -52,21 +52,6 @@ def _check_args(input_ids, items, grammar, cu_seqlens, config, rank, step, micro
     for name, v in (("step", step), ("microbatch", microbatch)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             raise MediaInputError(f"{name} must be an int >= 0 or None, got {v!r}")
-
-
-def _feature_rows(features, items: Sequence[MediaItem]) -> list[torch.Tensor]:
-    """Per-item ``[n_i, h]`` views of ``features`` (``[sum n_i, h]`` or a list)."""
-    if isinstance(features, torch.Tensor):
-        total = sum(it.num_features for it in items)
-        if features.dim() != 2 or features.shape[0] != total:
-            raise MediaInputError(
-                f"features must be [{total}, hidden] for these items, got {tuple(features.shape)}"
-            )
-        return list(features.split([it.num_features for it in items]))
-    parts = list(features)
-    if len(parts) != len(items) or not all(isinstance(p, torch.Tensor) for p in parts):
-        raise MediaInputError(f"features must be {len(items)} tensors, one per item")
-    return parts
 
 
 def bundle_name(rank: int | None, step: int | None, microbatch: int | None, k: int = 0) -> str:
@@ -124,9 +109,11 @@ def save_bundle(
             if saved:
                 tensors[f"pixels.{i}"] = _cpu(it.pixels)
         item_meta.append({**_fields_meta(it, _ITEM_FIELDS), "pixels": pix})
-    if features is not None:
-        rows = _feature_rows(features, items)
-        tensors.update({f"features.{i}": _cpu(rows[i]) for i in bad_items})
+    if features is not None:  # checked as the merge checks them
+        batch = normalize(features, items, lay.num_samples)
+        tensors.update(
+            {f"features.{i}": _cpu(batch.features[slice(*batch.rows(i))]) for i in bad_items}
+        )
     r = rank or RankInfo()
     log_dir = config.log_dir if config is not None else None
     log_path = str(Path(log_dir) / file_name(r.rank)) if log_dir is not None else None
