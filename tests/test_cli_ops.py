@@ -37,12 +37,6 @@ def _bundle(d: Path) -> Path:
     return saved_bundle(d, environ={})
 
 
-def _text_file(d: Path) -> Path:
-    p = d / "notes.bundle"
-    p.write_text("hello world\n")
-    return p
-
-
 def _empty_dir(d: Path) -> Path:
     (d / "junk").mkdir()
     return d / "junk"
@@ -56,7 +50,6 @@ def _dir_with_bundle(d: Path) -> Path:
 @pytest.mark.parametrize(
     "make, extra, needle",
     [
-        (_text_file, [], "not a media-guard bundle: neither a torch zip nor a safetensors file"),
         (_empty_dir, [], "is a directory: give one bundle file"),
         (_dir_with_bundle, [], "(it holds media_guard.rank00001.step3"),
         (lambda d: d / "missing.bundle", [], "no bundle file at"),

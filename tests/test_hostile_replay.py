@@ -133,7 +133,10 @@ HOSTILE_BUNDLES = {
     # corrupt, partial or foreign bundles
     "truncated": (_bytes(lambda b: b[: len(b) // 2]), "not a readable bundle"),
     "empty": (_bytes(lambda b: b""), "not a media-guard bundle"),
-    "garbage": (_bytes(lambda b: b"\x07garbage" * 8), "not a media-guard bundle"),
+    "garbage": (
+        _bytes(lambda b: b"\x07garbage" * 8),
+        "not a media-guard bundle: neither a torch zip nor a safetensors file",
+    ),
     "bad_json": (_st_metadata("{no"), "invalid"),
     "newer_schema": (_meta(lambda m: m.update(schema=2)), "schema 2"),
     "not_a_bundle": (_meta(lambda m: m.update(format="other")), "not a media_guard.bundle"),

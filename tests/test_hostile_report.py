@@ -77,16 +77,8 @@ def test_report_skips_an_unreadable_file(tmp_path, monkeypatch):
     assert s.records == 3 and "Permission denied" in s.skipped_files[str(bad)]
 
 
-# ---- report: hostile content (hostile lines: tests/test_report.py, test_torn_and_malformed_lines)
-def test_control_characters_never_reach_the_terminal(tmp_path):
-    esc = "\x1b[2J\x1b]0;owned\x07\r\x9b"
-    p = tmp_path / file_name(0)
-    p.write_text(line("raise", sample_id=esc, reason=f"x{esc}y", action=esc) + "".join(GOOD))
-    text = format_summary(summarize(tmp_path, jobs=1))
-    assert not any((ord(ch) < 32 and ch != "\n") or 0x7F <= ord(ch) <= 0x9F for ch in text)
-    assert "\\x1b[2J" in text  # shown, escaped
-
-
+# ---- report: hostile content (hostile lines: tests/test_report.py, test_torn_and_malformed_lines;
+# escape sequences: tests/test_report_html.py)
 def test_huge_strings_are_cut_in_the_summary(tmp_path):
     p = tmp_path / file_name(0)
     with p.open("w") as f:

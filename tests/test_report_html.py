@@ -208,20 +208,24 @@ def test_reasons_in_full_four_that_differ_after_100_characters(tmp_path):
         assert s.reason_examples[reason]["line"] in (1, 2, 3, 4)
 
 
-HOSTILE = "<script>alert(1)</script>\x1b[2J\"'&"
+HOSTILE = "<script>alert(1)</script>\x1b[2J\x1b]0;owned\x07\r\x9b\"'&"
 
 
-def test_page_escapes_record_text_and_is_self_contained(tmp_path):
+def test_record_text_is_escaped_in_the_text_and_the_page_is_self_contained(tmp_path):
     (tmp_path / file_name(0)).write_text(
-        line("raise", 0, 1, sample_id=HOSTILE, reason=HOSTILE, modality=HOSTILE)
+        line("raise", 0, 1, sample_id=HOSTILE, reason=HOSTILE, modality=HOSTILE, action=HOSTILE)
         + line("drop", 0, 2, sample_id="ok", extra={"adapter": HOSTILE})
         + "garbage\n"
     )
     os.mkfifo(tmp_path / file_name(1))  # a hostile file: skipped, named, never blocks
-    page = render_html(summarize(tmp_path, jobs=1))
+    s = summarize(tmp_path, jobs=1)
+    text, page = format_summary(s), render_html(s)
+    for out in (text, page):  # no control character but a newline reaches the terminal or page
+        assert not any((ord(ch) < 32 and ch != "\n") or 0x7F <= ord(ch) <= 0x9F for ch in out)
+    assert "\\x1b[2J" in text  # shown, escaped
     parsed = parse(page)
     assert parsed.tags["script"] == 0 and parsed.tags["link"] == 0 and parsed.tags["img"] == 0
-    assert "<script>" not in page and "&lt;script&gt;" in page and "\x1b" not in page
+    assert "<script>" not in page and "&lt;script&gt;" in page
     assert not re.search(r"""(?:src|href)\s*=|url\(|@import|@font-face""", page)
     assert set(re.findall(r"https?://[^\s\"'<>]+", page)) <= {"http://www.w3.org/2000/svg"}
     assert "FIFO" in page and "1 malformed line(s)" in page
