@@ -307,12 +307,10 @@ def _media(g) -> str:
 
 
 def summary_line(rec: Mapping[str, object], *, where: bool = True) -> str:
-    """The one line of a record (the console line, a line of the exception, the report's
-    "first fatal" and the page's examples), each fact once, in the order an operator reads
-    it: ``[media-guard] rank 3, step 12, microbatch 0: sample 5 (sample_id 'abc') row 1,
-    image item 2 (16 frames, 1080x2400 (HxW)): 2010 placeholders vs 2550 features (surplus
-    540) -> drop``. Tolerates missing and mistyped fields. ``where=False``: without the
-    ``[media-guard] <where>:`` head (a message names the where once, above)."""
+    """The one line of a record, each fact once (where it is shown, its order and an example:
+    docs/DIAGNOSTICS.md, "Console line"). Tolerates missing and mistyped fields.
+    ``where=False``: without the ``[media-guard] <where>:`` head (a message names the where
+    once, above)."""
     g = rec.get
     head = []
     if g("sample") is not None:
