@@ -143,7 +143,6 @@ def test_reencode_qwen_patches_gives_target_count(size_hw, frames, tokens, dtype
     assert result.grid_thw == (t, size_hw[0] // PATCH, size_hw[1] // PATCH)
     assert result.grid == (size_hw[0] // PATCH, size_hw[1] // PATCH)
     assert result.num_frames == t * TP and result.fp8_pad == 0
-    assert result.duration_ms >= 0
     assert encoder.calls == [(tokens * 4, [list(result.grid_thw)])]
     assert torch.equal(patches, original)  # the caller's tensor is not touched
 
@@ -285,7 +284,6 @@ def test_reencode_on_cuda() -> None:
         encoder,
         grid_thw=grid_thw,  # on the host: reading a device tensor is the caller's transfer
         fp8_multiple=16,
-        synchronize=True,
     )
     assert result.features.device.type == "cuda" and result.features.shape == (12, 24)
     cpu = reencode(patches, "qwen_patches", Target(12, (84, 112)), encoder.cpu(), grid_thw=grid_thw)
