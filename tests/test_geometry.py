@@ -34,13 +34,9 @@ def pm_replay_budget(sol: Solution) -> dict:
 
 
 def assert_exact(geo, hw, sol: Solution, target: int | None = None) -> None:
-    """A solution is exact or named. Unreachable: a reason, no size, no tokens. Reachable:
-    ``target`` tokens, the size its grid (or tiles) times the patch (tile). RADIO and
-    patch-merge: an engine-replay is the family's sizing of the source ``hw`` at the budget
-    it names (RADIO: an engine budget, in [min_num_patches, max_num_patches]; patch-merge:
-    the knob in ``reason``), any other answer a frame that sizing keeps unchanged (RADIO at
-    ``sol.budget``, patch-merge at min_pixels = max_pixels = budget); the others: the count
-    of ``size_hw`` under their own sizing."""
+    """A solution is exact or named (docs/GEOMETRY.md, "Solution and fidelity"): unreachable
+    with a reason, no size, no tokens; else ``target`` tokens, the size its grid (or tiles) times
+    the patch (tile), and the family's sizing at the budget it names gives them."""
     assert sol.fidelity in FIDELITIES and sol.reason
     if not sol.reachable:
         assert sol.tokens == 0 and sol.size_hw is None
