@@ -12,6 +12,7 @@ ended unexpectedly, ``report``: output closed early; 2 usage error or missing in
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -161,22 +162,13 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _replay_run(args: argparse.Namespace) -> int:
-    from .replay.rerun import run_replay
+def _lazy(module: str, name: str) -> Callable:
+    """``module.name``, imported when first called (the torch-side subcommands)."""
 
-    return run_replay(args)
+    def call(arg):
+        return getattr(importlib.import_module(module, __package__), name)(arg)
 
-
-def _smoke_arguments(p: argparse.ArgumentParser) -> None:
-    from .smoke import add_smoke_arguments
-
-    add_smoke_arguments(p)
-
-
-def _smoke_run(args: argparse.Namespace) -> int:
-    from .smoke import run_smoke
-
-    return run_smoke(args)
+    return call
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {
@@ -189,12 +181,12 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "re-run the check on a saved micro-batch offline (exit 0 aligned, 1 mismatch, 2 bad "
         "bundle)",
         _replay_arguments,
-        _replay_run,
+        _lazy(".replay.rerun", "run_replay"),
     ),
     "smoke": Subcommand(
         "distributed smoke run with fault injection (4 CPU ranks over gloo by default)",
-        _smoke_arguments,
-        _smoke_run,
+        _lazy(".smoke", "add_smoke_arguments"),
+        _lazy(".smoke", "run_smoke"),
     ),
 }
 

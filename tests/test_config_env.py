@@ -61,16 +61,12 @@ def test_positional_arguments_count_as_given(monkeypatch):
 
 def test_replace_and_with_env_keep_their_meaning(monkeypatch):
     monkeypatch.setenv("MEDIA_GUARD_POLICY", "drop")
-    cfg = GuardConfig(policy="raise", fallback="raise")
+    cfg = GuardConfig(policy="raise", fallback="raise", log_dir="x", dump_dir="y")
     assert dataclasses.replace(cfg, nonfinite="off").policy == "raise"  # replace: no env
     assert cfg.with_env().policy == "drop"  # with_env: the environment wins
     assert cfg.with_env({}).policy == "raise"
-
-
-def test_empty_directory_variables_turn_logging_and_dumps_off():
-    env = {"MEDIA_GUARD_LOG_DIR": "", "MEDIA_GUARD_DUMP_DIR": ""}
-    cfg = GuardConfig(log_dir="x", dump_dir="y").with_env(env)
-    assert cfg.log_dir is None and cfg.dump_dir is None
+    off = cfg.with_env({"MEDIA_GUARD_LOG_DIR": "", "MEDIA_GUARD_DUMP_DIR": ""})
+    assert off.log_dir is None and off.dump_dir is None  # set but empty: logging, dumps off
 
 
 @pytest.mark.parametrize(

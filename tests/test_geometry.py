@@ -34,13 +34,9 @@ def pm_replay_budget(sol: Solution) -> dict:
 
 
 def assert_exact(geo, hw, sol: Solution, target: int | None = None) -> None:
-    """A solution is exact or named. Unreachable: a reason, no size, no tokens. Reachable:
-    ``target`` tokens, the size its grid (or tiles) times the patch (tile). RADIO and
-    patch-merge: an engine-replay is the family's sizing of the source ``hw`` at the budget
-    it names (RADIO: an engine budget, in [min_num_patches, max_num_patches]; patch-merge:
-    the knob in ``reason``), any other answer a frame that sizing keeps unchanged (RADIO at
-    ``sol.budget``, patch-merge at min_pixels = max_pixels = budget); the others: the count
-    of ``size_hw`` under their own sizing."""
+    """A solution is exact or named (docs/GEOMETRY.md, "Solution and fidelity"): unreachable
+    with a reason, no size, no tokens; else ``target`` tokens, the size its grid (or tiles) times
+    the patch (tile), and the family's sizing at the budget it names gives them."""
     assert sol.fidelity in FIDELITIES and sol.reason
     if not sol.reachable:
         assert sol.tokens == 0 and sol.size_hw is None
@@ -210,8 +206,10 @@ def test_solve_table(geo, target, hw, frames, kind, fidelity, fields, reason_has
     sol = geo.solve(target, hw, frames, hw_kind=kind)
     assert sol.fidelity == fidelity and reason_has in sol.reason, sol
     assert {k: getattr(sol, k) for k in fields} == fields
-    assert sol.num_frames == frames
+    assert sol.num_frames == frames and sol.reachable == (fidelity != UN)
     assert_exact(geo, hw, sol, target)
+    with pytest.raises(AttributeError):  # frozen
+        sol.tokens = 1  # type: ignore[misc]
 
 
 # ---- patch-merge (Qwen) ------------------------------------------------------------------------
@@ -328,13 +326,6 @@ def test_bad_input_raises_media_input_error(geo, call, match):
 def test_bad_config_or_call_is_named(call, match):
     with pytest.raises(GeometryError, match=match):
         call()
-
-
-def test_solution_is_frozen_and_reachable_follows_fidelity():
-    sol = RadioTilerGeometry().solve(2010, SEED_HW)
-    with pytest.raises(AttributeError):
-        sol.tokens = 1  # type: ignore[misc]
-    assert sol.reachable and not RadioTilerGeometry().solve(0, SEED_HW).reachable
 
 
 # ---- properties ---------------------------------------------------------------------------------

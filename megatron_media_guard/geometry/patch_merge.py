@@ -113,9 +113,7 @@ class PatchMergeGeometry(Geometry):
             beta = math.sqrt(min_px / (frames * h * w))
             hb = math.ceil(h * beta / f) * f
             wb = math.ceil(w * beta / f) * f
-        if hb <= 0 or wb <= 0:
-            raise GeometryError(f"the processor sizes (H, W) = ({h}, {w}) to an empty grid")
-        return hb, wb
+        return hb, wb  # each >= f: a side rounded to 0 leaves 0 pixels, below min_pixels
 
     def size_for(
         self,

@@ -72,9 +72,8 @@ class PixtralGeometry(Geometry):
         return (hb // self.factor) * (wb // self.factor)
 
     def _solve(self, n: int, h: int, w: int, t: int, kind: HwKind) -> Solution:
-        """Engine-replay where the resize with another longest edge gives the target (the
-        smallest such edge, by bisection: each side is monotone in it); else the grid of
-        that many cells closest in aspect that the tower takes."""
+        """Engine-replay at the smallest longest edge giving the target (see the module); else
+        the grid of that many cells closest in aspect that the tower takes."""
         f = self.factor
         top = self.longest_edge // f  # merged cells per side the tower takes
 

@@ -26,10 +26,10 @@ from ..diagnostics import DiagnosticsLog, GuardRecord, RankInfo
 from ..errors import ConsensusError, MediaInputError
 
 _LANE = (1 << 30) - 1
-_FIELDS = ("check0", "check1", "samples", "mismatched", "dropped", "repaired", "fatal")
+COUNTERS = ("samples", "mismatched", "dropped", "repaired")
+_FIELDS = ("check0", "check1", *COUNTERS, "fatal")
 _ROW = ("rank", "group", "digest", "fatal", "sample", "step", "microbatch", "samples")
 _FATAL_CODE = {"data": 1, "call": 2}  # the row's "fatal": 0 = not fatal, else what failed
-COUNTERS = ("samples", "mismatched", "dropped", "repaired")
 
 
 def dist_ready() -> bool:

@@ -49,9 +49,13 @@ def fp8_active(config_flag: bool | None = None) -> bool:
     return module is not None and bool(module.FP8GlobalStateManager.is_fp8_enabled())
 
 
-def fp8_align_size() -> int:
-    """Rows multiple the active TE recipe needs (16; 32 MXFP8; 128 NVFP4); 16 without TE or
-    an open FP8 context."""
+def fp8_multiple(config_flag: bool | None = None, multiple: int | None = None) -> int | None:
+    """The ``fp8_multiple`` for ``reencode`` (None: FP8 off): ``multiple``, else what the
+    active TE recipe needs (module docstring), 16 without TE or an open FP8 context."""
+    if not fp8_active(config_flag):
+        return None
+    if multiple is not None:
+        return multiple
     module = _te_state_module()
     if module is None or not module.FP8GlobalStateManager.is_fp8_enabled():
         return DEFAULT_FP8_MULTIPLE
@@ -61,13 +65,6 @@ def fp8_align_size() -> int:
         return int(align(recipe))
     is_mxfp8 = getattr(recipe, "mxfp8", None)
     return 32 if callable(is_mxfp8) and is_mxfp8() else DEFAULT_FP8_MULTIPLE
-
-
-def fp8_multiple(config_flag: bool | None = None, multiple: int | None = None) -> int | None:
-    """The ``fp8_multiple`` for ``reencode`` (None: FP8 off); ``multiple`` overrides TE's."""
-    if not fp8_active(config_flag):
-        return None
-    return multiple if multiple is not None else fp8_align_size()
 
 
 def _check_multiple(multiple: int) -> int:

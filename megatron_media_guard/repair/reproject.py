@@ -8,7 +8,6 @@ it and falls back).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,8 +37,7 @@ class ReencodeResult:
     """One re-projected item: ``features [tokens, h]`` (in the encoder's autograd graph),
     the pixel ``size_hw`` resized to, the patch ``grid`` before merge (qwen_patches: the new
     ``grid_thw``'s; else the solution's), qwen_patches' new ``grid_thw``, the frames encoded
-    (temporal repeats included), the FP8 padding rows trimmed off, and the host wall time
-    (kernel launches only on an accelerator, unless ``synchronize=True``)."""
+    (temporal repeats included) and the FP8 padding rows trimmed off."""
 
     features: torch.Tensor
     tokens: int
@@ -48,7 +46,6 @@ class ReencodeResult:
     grid_thw: tuple[int, int, int] | None
     num_frames: int
     fp8_pad: int
-    duration_ms: float
 
 
 def resize_frames(frames: torch.Tensor, size_hw: tuple[int, int]) -> torch.Tensor:
@@ -136,14 +133,12 @@ def reencode(
     temporal_patch: int = QWEN_TEMPORAL_PATCH,
     merge: int = QWEN_MERGE,
     fp8_multiple: int | None = None,
-    synchronize: bool = False,
 ) -> ReencodeResult:
     """Re-encode one item's ``pixels`` (in ``layout``, as the encoder was fed them) at
     ``solution``'s ``size_hw`` (qwen_patches: else its ``grid``): features ``[tokens, h]``.
     The encoder takes qwen_patches with ``grid_thw=`` (``[1, 3]`` long, the pixels' device),
     their rows padded to ``fp8_multiple`` (whole merge groups; the output trimmed).
     MediaAlignmentError when the new grid or the encoder gives another count (both named)."""
-    start = time.perf_counter()
     layout = check_layout(layout)
     tokens = int(solution.tokens)
     size_hw = _target_size(solution, layout, patch)
@@ -189,7 +184,4 @@ def reencode(
             context={"expected": tokens, "got": got, "fp8_pad": fp8_pad},
         )
     features = features[:tokens] if got > tokens else features
-    if synchronize and features.device.type == "cuda":
-        torch.cuda.synchronize(features.device)
-    ms = (time.perf_counter() - start) * 1e3
-    return ReencodeResult(features, tokens, size_hw, grid, new_grid_thw, num_frames, fp8_pad, ms)
+    return ReencodeResult(features, tokens, size_hw, grid, new_grid_thw, num_frames, fp8_pad)
