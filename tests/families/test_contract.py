@@ -316,8 +316,14 @@ def test_the_registry_finds_the_model_and_its_inner_model(name):
         install_vlm(torch.nn.Linear(2, 2), GuardConfig())
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_set_items_names_the_sample_id_and_checks_the_count(name, tmp_path):
+#: (family, two aligned samples): each family's, and Nemotron Omni's videos (one item for all
+#: the runs of a video's tubelets)
+SET_ITEMS = [(n, CASES[n].samples[:2]) for n in NAMES]
+SET_ITEMS += [("nemotron_omni", [[vid(4, 4, 4)], [vid(4, 4, 4)]])]
+
+
+@pytest.mark.parametrize("name, samples", SET_ITEMS, ids=[*NAMES, "nemotron_omni-videos"])
+def test_set_items_names_the_sample_id_and_checks_the_count(name, samples, tmp_path):
     """Items given with ``set_items`` name the faulty sample by its id; a list one item short
     is refused before any check."""
     from megatron_media_guard import MediaAlignmentError
@@ -325,8 +331,8 @@ def test_set_items_names_the_sample_id_and_checks_the_count(name, tmp_path):
     from megatron_media_guard.errors import MediaInputError
 
     case, F, model = build(name)
-    ok = F.make_batch(model, case.samples[:2])
-    b = F.make_batch(model, faulty(ok, case.samples[:2], FAULTS["one run short"]))
+    ok = F.make_batch(model, samples)
+    b = F.make_batch(model, faulty(ok, samples, FAULTS["one run short"]))
     items = [MediaItem(n, sample=s, modality=mod, sample_id="ab"[s]) for s, mod, n in b.items]
     for given, err, match in [
         (items, MediaAlignmentError, "sample_id 'b'"),
