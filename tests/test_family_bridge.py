@@ -8,12 +8,10 @@ given: the guard passes it as None), ``KimiK25VLModel`` (``hf_model_path`` a loc
 language model is a tiny stand-in (megatron-core's GPTModel attention needs CUDA), the provider
 config a stand-in with the attributes each class reads.
 
-Bridge checks only the batch total before its ``masked_scatter``: +k/-k runs silently unguarded
-(on the M-RoPE classes it then fails in their rope with a shape error naming no sample), a net
-short run raises naming no sample. Kimi's pre-expanded merge: +k/-k and swaps run silently; a
-short run re-cuts the features per sample, silently too; more placeholders than features crash
-with a bare shape error. One :class:`BridgeCase` per class, then each class's own checks.
-Runs under ``scripts/test_mcore019.sh``."""
+Bridge checks only the batch total before its ``masked_scatter``: what its own forward does with
+each fault (silent, or an error naming no sample; docs/FAMILIES.md) is the :class:`Fault` row's
+``plain``. One :class:`BridgeCase` per class, then each class's own checks. Runs under
+``scripts/test_mcore019.sh``."""
 
 from __future__ import annotations
 
