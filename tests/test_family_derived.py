@@ -120,7 +120,7 @@ FAULTS = [(name, *f) for name in NAMES for f in faults(name)]
 IDS = [f"{f[0]}-{f[1]}" for f in FAULTS]
 
 
-def _swap(fault, name):
+def _swap(fault):
     return {"swap": (fault.split()[0], 0, 1)} if fault.endswith("swap") else {}
 
 
@@ -133,7 +133,7 @@ SILENT_SHORT = {("qwen2_5_omni", "audio short run")}
 @pytest.mark.parametrize("name,fault,samples,bad,kept", FAULTS, ids=IDS)
 def test_the_plain_model_sees_batch_totals_only(name, fault, samples, bad, kept):
     m = model(name)
-    b = make_batch(CASE[name], m, samples, **_swap(fault, name))
+    b = make_batch(CASE[name], m, samples, **_swap(fault))
     if fault.endswith("short run") and (name, fault) not in SILENT_SHORT:
         with pytest.raises(ValueError, match=r"features and .* tokens do not match") as e:
             hidden(m, b.kwargs)
@@ -149,9 +149,9 @@ def test_raise_names_the_sample_and_drop_keeps_the_others(
     name, fault, samples, bad, kept, tmp_path
 ):
     cfg = GuardConfig(log_dir=str(tmp_path))
-    run = lambda: guarded(name, samples, cfg, **_swap(fault, name))  # noqa: E731
+    run = lambda: guarded(name, samples, cfg, **_swap(fault))  # noqa: E731
     assert raised_samples(run, bad, tmp_path) >= bad
-    b, out, res = guarded(name, samples, GuardConfig(policy="drop"), True, **_swap(fault, name))
+    b, out, res = guarded(name, samples, GuardConfig(policy="drop"), True, **_swap(fault))
     assert {s for s, a in enumerate(res.report.actions) if a == "drop"} == bad
     torch.testing.assert_close(out[kept, : b.lengths[kept]], own(name, samples[kept]))
     assert all((res.labels[s] == -100).all() for s in bad)
@@ -184,11 +184,11 @@ def test_a_text_only_call_runs_the_tower_and_remove_restores(name):
     m, c = model(name), CASE[name]
     mod, small, _ = sizes(name)[0]
     media = make_batch(c, m, [[small]]).kwargs
-    text = {k: v for k, v in make_batch(c, m, [[], []]).kwargs.items()}
+    text = make_batch(c, m, [[], []]).kwargs
     order: list[str] = []
     owner = m.model if hasattr(m, "model") else m
     fn = getattr(owner, f"get_{mod}_features")
-    hooks = [m.get_decoder().register_forward_hook(lambda *a: order.append("decoder"))]
+    hook = m.get_decoder().register_forward_hook(lambda *a: order.append("decoder"))
     with install_vlm(m, GuardConfig(keep_tower="always")) as h:
         hidden(m, media)  # a media call first: the class gives no minimal input
         order.clear()
@@ -197,8 +197,7 @@ def test_a_text_only_call_runs_the_tower_and_remove_restores(name):
             hidden(m, text)
         finally:
             delattr(owner, f"get_{mod}_features")
-    for hk in hooks:
-        hk.remove()
+    hook.remove()
     assert order == ["tower", "decoder"]
     assert getattr(m, "_media_guard_vlm", None) is None and not h.installed
 

@@ -92,14 +92,11 @@ def test_grammar_matches_processor(size):
     assert run.count(10) == F.num_features(*size) == (size[0] // 28) * (size[1] // 28)
 
 
-ALL = [img(28, 56)]  # an aligned sample beside every fault: it must stay its own forward
-
-
 def test_repair_reencodes_at_the_engines_longest_edge(model, tmp_path):
     """The trainer's image is 112x168 (4x6 cells); the engine wrote 6 placeholders: the resize
     with a smaller longest edge (2x3 cells) replayed, the item's own pixels re-encoded."""
     cfg = GuardConfig(policy="repair", log_dir=str(tmp_path))
-    samples = [[img(112, 168, n=6)], ALL]
+    samples = [[img(112, 168, n=6)], [img(28, 56)]]
     # the original's size (the engine sized it): a frame alone would be a guess, not a replay
     source = [MediaItem(0, sample=0, source_hw=(112, 168)), MediaItem(0, sample=1)]
     b, out, res = guarded_forward(F, model, samples, cfg, source, TOKENS)

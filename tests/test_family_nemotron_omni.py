@@ -14,7 +14,7 @@ import pytest
 import torch
 from family_checks import aud, guarded_forward, img, own_logits, records, vid
 
-from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaGuard, MediaItem
+from megatron_media_guard import GuardConfig, MediaGuard, MediaItem
 from megatron_media_guard.errors import MediaInputError
 from megatron_media_guard.geometry import RadioTilerGeometry
 
@@ -64,16 +64,6 @@ def test_repair_reencodes_the_shrunk_image_at_the_engines_grid(model, tmp_path):
     with torch.no_grad():
         ref = model(**fixed).logits
     torch.testing.assert_close(out.logits, ref, atol=1e-5, rtol=1e-5)
-
-
-def test_set_items_names_sample_ids_and_shares_a_video_across_its_tubelets(model, tmp_path):
-    samples = [[VID], [vid(4, 4, 4, n=7)]]
-    items = [
-        MediaItem(0, sample=0, modality="video", sample_id="a"),
-        MediaItem(0, sample=1, modality="video", sample_id="b"),
-    ]
-    with pytest.raises(MediaAlignmentError, match="sample_id 'b'"):
-        guarded(model, samples, GuardConfig(log_dir=str(tmp_path)), items=items)
 
 
 def test_equal_length_image_and_tubelets_need_set_items_in_token_order(model):

@@ -316,8 +316,19 @@ def test_the_registry_finds_the_model_and_its_inner_model(name):
         install_vlm(torch.nn.Linear(2, 2), GuardConfig())
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_set_items_names_the_sample_id_and_checks_the_count(name, tmp_path):
+#: (family, two aligned samples): each family's; Nemotron Omni's videos (one item for all the
+#: runs of a video's tubelets); Kimi K2.5's videos (an item per chunk of <= 4 frames, each its
+#: own run: ``num_chunks_per_video`` never reaches the model)
+SET_ITEMS = [(n, CASES[n].samples[:2]) for n in NAMES] + [
+    ("nemotron_omni", [[vid(4, 4, 4)], [vid(4, 4, 4)]]),
+    ("kimi_k25", [[vid(6, 4, 4)], [vid(3, 2, 4)]]),
+]
+
+
+@pytest.mark.parametrize(
+    "name, samples", SET_ITEMS, ids=[*NAMES, "nemotron_omni-videos", "kimi_k25-video chunks"]
+)
+def test_set_items_names_the_sample_id_and_checks_the_count(name, samples, tmp_path):
     """Items given with ``set_items`` name the faulty sample by its id; a list one item short
     is refused before any check."""
     from megatron_media_guard import MediaAlignmentError
@@ -325,9 +336,12 @@ def test_set_items_names_the_sample_id_and_checks_the_count(name, tmp_path):
     from megatron_media_guard.errors import MediaInputError
 
     case, F, model = build(name)
-    ok = F.make_batch(model, case.samples[:2])
-    b = F.make_batch(model, faulty(ok, case.samples[:2], FAULTS["one run short"]))
-    items = [MediaItem(n, sample=s, modality=mod, sample_id="ab"[s]) for s, mod, n in b.items]
+    ok = F.make_batch(model, samples)
+    b = F.make_batch(model, faulty(ok, samples, FAULTS["one run short"]))
+    per = b.items
+    if name == "kimi_k25":  # an item per video chunk: its runs
+        per = [(s, m, n) for s, runs in enumerate(b.runs) for m, n in runs]
+    items = [MediaItem(n, sample=s, modality=mod, sample_id="ab"[s]) for s, mod, n in per]
     for given, err, match in [
         (items, MediaAlignmentError, "sample_id 'b'"),
         (items[:-1], MediaInputError, "set_items (gave|declares)"),
