@@ -22,7 +22,7 @@ _BIG = 2**62
 class LlavaFacts:
     """Host-side facts of one call. Per sample: tokens (image), sound, text, cross_image /
     cross_end (the first image whose expansion ends past the max length, and that end;
-    ``num_entries`` / -1 when none), sound_past (sound tokens placed past it), spans. Per
+    ``num_entries`` / 2**62 when none), sound_past (sound tokens placed past it), spans. Per
     entry: entries (``num_image_tiles``), entry_bad (units holding NaN/Inf). Per clip:
     clip_rows (rows megatron-core takes), clip_bad (rows holding NaN/Inf). The NaN/Inf
     counts are empty when not checked. sound_padded: megatron-core 0.19 takes every row of
@@ -152,13 +152,12 @@ def measure(
         return out.scatter_reduce_(0, of, x.reshape(-1), "amin")[:k]
 
     cross = valid & (last >= max_len)
-    cross_end = first(torch.where(cross, last + 1, _BIG), _BIG)
     parts: dict[str, torch.Tensor] = {
         "tokens": count(ph),
         "sound": count(sp),
         "text": count(~(ph | sp)),
         "cross_image": first(torch.where(cross, img_idx, n), n),
-        "cross_end": torch.where(cross_end == _BIG, torch.full_like(cross_end, -1), cross_end),
+        "cross_end": first(torch.where(cross, last + 1, _BIG), _BIG),
         "sound_past": count(sp & (start >= max_len)),
         "totals": row_total,
         "entries": cnt,
