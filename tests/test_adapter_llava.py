@@ -305,10 +305,7 @@ def test_install_is_per_instance_and_reversible():
         LLaVAModel._preprocess_data, model
     )
     assert guarded_by(model._preprocess_data) is handle
-    with pytest.raises(MediaInputError, match="already guarded"):
-        install_llava(model, guard_for())
-    handle.remove()
-    handle.remove()  # idempotent
+    handle.remove()  # a second install, a second remove: test_method_hook
     assert "_preprocess_data" not in vars(model) and guarded_by(model._preprocess_data) is None
 
 
