@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ...core.faults import ItemFault
 from ...core.items import MediaItem
-from .checks import item_owners
+from .checks import item_owners, nonfinite_fault
 from .measure import LlavaFacts
 
 
@@ -112,19 +112,7 @@ def sound_faults(
                     got=(k - past,),
                 )
             )
-        bad = [c for c in mine if facts.clip_bad and facts.clip_bad[c]]
-        if bad:
-            c = bad[0]
-            out.append(
-                ItemFault(
-                    smp,
-                    "nonfinite",
-                    "sound",
-                    "NaN/Inf in the clip's sound embeddings (got: rows affected)",
-                    item=c,
-                    item_in_sample=mine.index(c),
-                    expected=(rows[c],),
-                    got=(facts.clip_bad[c],),
-                )
-            )
+        if facts.clip_bad:
+            why = "NaN/Inf in the clip's sound embeddings (got: rows affected)"
+            out += nonfinite_fault(smp, "sound", mine, facts.clip_bad, rows, why)
     return out, own
