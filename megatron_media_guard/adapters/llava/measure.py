@@ -129,10 +129,10 @@ def measure(
         cu = torch.as_tensor(cu_seqlens).to(dev, i64).reshape(-1)
         k = cu.numel() - 1
         rev = n - ph.sum() + img_idx  # entry of each image counted from the last one
+        lens_rev = expand(rev, ph & (rev >= 0))
         sample_of, seg_parts = device_segments(
             start=start[0],
-            lens=lens[0],
-            lens_rev=expand(rev, ph & (rev >= 0))[0],
+            lens_rev=lens_rev[0],
             total=row_total[0],
             cu=cu,
             position_ids=position_ids,
@@ -179,8 +179,9 @@ def measure(
             per_row = sound_embeddings.sum(dim=2, dtype=torch.float32)  # [T, clips]
             used = torch.arange(T, device=per_row.device).view(T, 1) < rows.to(per_row.device)
             parts["clip_bad"] = (used & ~torch.isfinite(per_row)).sum(0).to(dev)
-    if packed:
-        parts.update(seg_parts)
+    if packed:  # per sub-sample: its columns, its expansion from the front and from the back
+        ones = torch.ones_like(lens)
+        parts.update(seg_parts, ncols=count(ones), nexp=count(lens), nexp_rev=count(lens_rev))
     # the one host sync of the aligned path: per-sample counts and per-item facts
     v = scalars_to_host(list(parts.values()), dev, why="LLaVA merge facts")
     h, o = {}, 0
