@@ -103,14 +103,13 @@ def _merge(guard: MediaGuard, a: dict, items, step, mb) -> MergeResult:
             raise MediaInputError(f"no special token id for modality {name!r} ({dict(special)})")
     if ids.dim() != 2:
         raise MediaInputError(f"input_ids must be [b, s], got {tuple(ids.shape)}")
-    ref = embs.get("text", next(iter(embs.values())))
-    b, s = ids.shape
     media = {m: t for m, t in embs.items() if m != "text"}
     parsed = None
     checks: Callable[[], list[str]] | None = None
     text = embs.get("text")
     if text is None:
-        base = torch.zeros((b, s, ref.size(-1)), dtype=ref.dtype, device=ref.device)
+        ref = next(iter(media.values()))
+        base = ref.new_zeros((*ids.shape, ref.size(-1)))
     else:
         mask = torch.ones_like(ids, dtype=torch.bool)
         for tok in special.values():
@@ -118,8 +117,8 @@ def _merge(guard: MediaGuard, a: dict, items, step, mb) -> MergeResult:
         rows = int(text.size(0))
         if items is None:  # the runs are parsed anyway to infer the items: count from them
             parsed = parse_runs(ids, guard.grammar)
-            _check_text(b * s - sum(r.length for r in parsed.runs), rows)
-        elif rows + sum(int(t.size(0)) for t in media.values()) != b * s:
+            _check_text(ids.numel() - sum(r.length for r in parsed.runs), rows)
+        elif rows + sum(int(t.size(0)) for t in media.values()) != ids.numel():
             _check_text(_count(mask, "MIMO text token count (totals disagree)"), rows)
         else:
             # text tokens = b*s - placeholders, and an aligned verdict means placeholders ==

@@ -217,27 +217,25 @@ def _length_faults(facts: LlavaFacts, own: ImageOwners, ids, skip: set[int]) -> 
     return out
 
 
-def _nonfinite_faults(facts: LlavaFacts, own: ImageOwners) -> list[ItemFault]:
-    """One fault per sample, at its first image holding NaN/Inf."""
-    if not facts.entry_bad or own.owners is None:
+def nonfinite_fault(smp, modality, mine, bad, sizes, reason) -> list[ItemFault]:
+    """The fault of sample ``smp`` at its first item of ``mine`` holding NaN/Inf (``bad``: the
+    units affected per item, ``sizes``: its units), or none."""
+    i = next((i for i, j in enumerate(mine) if bad[j]), None)
+    if i is None:
         return []
-    first: dict[int, int] = {}  # sample -> its first bad image
-    for j, smp in enumerate(own.owners):
-        if facts.entry_bad[j]:
-            first.setdefault(smp, j)
+    j = mine[i]
     return [
         ItemFault(
             smp,
             "nonfinite",
-            "image",
-            "NaN/Inf in the image's embeddings (got: tiles / rows affected)",
+            modality,
+            reason,
             item=j,
-            item_in_sample=own.of(smp).index(j),
-            expected=(facts.entries[j],),
-            got=(facts.entry_bad[j],),
-            tiles=facts.entries[j],
+            item_in_sample=i,
+            expected=(sizes[j],),
+            got=(bad[j],),
+            tiles=sizes[j] if modality == "image" else None,
         )
-        for smp, j in sorted(first.items())
     ]
 
 
@@ -249,7 +247,12 @@ def image_faults(
     faults = _segment_faults(facts) + _count_faults(facts, own, items)
     skip = {f.sample for f in faults}
     faults += _length_faults(facts, own, ids, skip)
-    faults += _nonfinite_faults(facts, own)
+    if facts.entry_bad and own.owners is not None:
+        why = "NaN/Inf in the image's embeddings (got: tiles / rows affected)"
+        for smp in range(facts.batch):
+            faults += nonfinite_fault(
+                smp, "image", own.of(smp), facts.entry_bad, facts.entries, why
+            )
     return faults, own
 
 

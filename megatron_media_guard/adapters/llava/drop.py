@@ -1,8 +1,6 @@
-"""Dropping samples of a LLaVA ``_preprocess_data`` call without copying the features
-(docs/MEGATRON.md, Policies): only the small integer inputs are rewritten so that
-megatron-core's own placement stays right, the dropped samples' positions are zeroed in its
-output afterwards; features it then does not place stay in the graph through
-:func:`~...core.apply.zero_anchor`.
+"""Dropping samples of a LLaVA ``_preprocess_data`` call without copying the features: the
+small integer inputs rewritten, the dropped positions of the output zeroed, features left
+unplaced kept in the graph by :func:`~...core.apply.zero_anchor` (docs/MEGATRON.md, Policies).
 """
 
 from __future__ import annotations

@@ -82,9 +82,8 @@ class LlavaResult:
 
 
 class LlavaHandle(GuardHandle):
-    """A :class:`GuardHandle` that also captures the model forward's ``packed_seq_params``
-    (a pre on ``forward``, removed with the handle). Callers that run ``_preprocess_data``
-    themselves give it with :meth:`set_packed_seq_params` before the call."""
+    """A :class:`GuardHandle` that also holds the next call's ``packed_seq_params`` (from the
+    pre on ``forward``, or :meth:`set_packed_seq_params`)."""
 
     _packed: tuple[Any, Any] = (None, None)
 

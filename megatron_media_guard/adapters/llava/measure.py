@@ -22,7 +22,7 @@ _BIG = 2**62
 class LlavaFacts:
     """Host-side facts of one call. Per sample: tokens (image), sound, text, cross_image /
     cross_end (the first image whose expansion ends past the max length, and that end;
-    ``num_entries`` / -1 when none), sound_past (sound tokens placed past it), spans. Per
+    ``num_entries`` / 2**62 when none), sound_past (sound tokens placed past it), spans. Per
     entry: entries (``num_image_tiles``), entry_bad (units holding NaN/Inf). Per clip:
     clip_rows (rows megatron-core takes), clip_bad (rows holding NaN/Inf). The NaN/Inf
     counts are empty when not checked. sound_padded: megatron-core 0.19 takes every row of
@@ -129,10 +129,10 @@ def measure(
         cu = torch.as_tensor(cu_seqlens).to(dev, i64).reshape(-1)
         k = cu.numel() - 1
         rev = n - ph.sum() + img_idx  # entry of each image counted from the last one
+        lens_rev = expand(rev, ph & (rev >= 0))
         sample_of, seg_parts = device_segments(
             start=start[0],
-            lens=lens[0],
-            lens_rev=expand(rev, ph & (rev >= 0))[0],
+            lens_rev=lens_rev[0],
             total=row_total[0],
             cu=cu,
             position_ids=position_ids,
@@ -152,13 +152,12 @@ def measure(
         return out.scatter_reduce_(0, of, x.reshape(-1), "amin")[:k]
 
     cross = valid & (last >= max_len)
-    cross_end = first(torch.where(cross, last + 1, _BIG), _BIG)
     parts: dict[str, torch.Tensor] = {
         "tokens": count(ph),
         "sound": count(sp),
         "text": count(~(ph | sp)),
         "cross_image": first(torch.where(cross, img_idx, n), n),
-        "cross_end": torch.where(cross_end == _BIG, torch.full_like(cross_end, -1), cross_end),
+        "cross_end": first(torch.where(cross, last + 1, _BIG), _BIG),
         "sound_past": count(sp & (start >= max_len)),
         "totals": row_total,
         "entries": cnt,
@@ -180,8 +179,9 @@ def measure(
             per_row = sound_embeddings.sum(dim=2, dtype=torch.float32)  # [T, clips]
             used = torch.arange(T, device=per_row.device).view(T, 1) < rows.to(per_row.device)
             parts["clip_bad"] = (used & ~torch.isfinite(per_row)).sum(0).to(dev)
-    if packed:
-        parts.update(seg_parts)
+    if packed:  # per sub-sample: its columns, its expansion from the front and from the back
+        ones = torch.ones_like(lens)
+        parts.update(seg_parts, ncols=count(ones), nexp=count(lens), nexp_rev=count(lens_rev))
     # the one host sync of the aligned path: per-sample counts and per-item facts
     v = scalars_to_host(list(parts.values()), dev, why="LLaVA merge facts")
     h, o = {}, 0

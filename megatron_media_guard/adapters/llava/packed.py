@@ -97,7 +97,6 @@ def _from_positions(pos: torch.Tensor, s: int) -> torch.Tensor:
 def device_segments(
     *,
     start: torch.Tensor,
-    lens: torch.Tensor,
     lens_rev: torch.Tensor,
     total: torch.Tensor,
     cu: torch.Tensor,
@@ -105,8 +104,8 @@ def device_segments(
     boundaries: Boundaries | None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``(sample of each token [1, s] (k: after the last), facts to bring to the host)``
-    for one row: ``start`` / ``lens`` ``[s]`` are each token's first merged position and
-    expansion, ``lens_rev`` the expansion with entries assigned from the end."""
+    for one row: ``start`` ``[s]`` is each token's first merged position, ``lens_rev`` its
+    expansion with entries assigned from the end."""
     s, k = start.numel(), cu.numel() - 1
     parts: dict[str, torch.Tensor] = {"cu": cu}
     if boundaries is not None:
@@ -122,9 +121,6 @@ def device_segments(
             by_reset = (torch.cumsum(resets.to(i64), 0) - 1).clamp(0, k)
             sample_of = torch.where(ok, by_reset, sample_of)
             parts["resets_ok"] = ok.view(1)
-    for name, x in (("ncols", torch.ones_like(lens)), ("nexp", lens), ("nexp_rev", lens_rev)):
-        bins = torch.zeros(k + 1, dtype=i64, device=cu.device)
-        parts[name] = bins.scatter_add_(0, sample_of, x)[:k]
     return sample_of.view(1, s), parts
 
 

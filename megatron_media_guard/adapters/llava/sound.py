@@ -1,7 +1,5 @@
-"""Sound as a LLaVA modality (megatron-core 0.19; docs/MEGATRON.md): one ``sound_embeddings``
-row per sound token, clips to samples by the item metadata (``MediaItem(modality="sound")``,
-one per clip) or by walking the sound token counts against the clips' rows from both ends
-(:func:`clip_owners`)."""
+"""Sound as a LLaVA modality (megatron-core 0.19): one ``sound_embeddings`` row per sound
+token; clips to samples and the checks: docs/MEGATRON.md, Checks."""
 
 from __future__ import annotations
 
@@ -10,7 +8,7 @@ from dataclasses import dataclass
 
 from ...core.faults import ItemFault
 from ...core.items import MediaItem
-from .checks import item_owners
+from .checks import item_owners, nonfinite_fault
 from .measure import LlavaFacts
 
 
@@ -40,9 +38,8 @@ def _walk(tokens: Sequence[int], rows: Sequence[int]) -> tuple[list[list[int]], 
 
 
 def clip_owners(facts: LlavaFacts, items: Sequence[MediaItem] | None) -> ClipOwners:
-    """Clips per sample. From the front and from the back, samples are matched while their
-    tokens are whole clips; the samples between the two walks are unmatched (one, unless the
-    walks overlap), the first of them taking the clips left between."""
+    """Clips per sample: by the items, else by the two walks (docs/MEGATRON.md, Checks); the
+    samples between the walks are unmatched, the first of them taking the clips left between."""
     B, rows, C = facts.batch, facts.clip_rows, len(facts.clip_rows)
     if items is not None:
         owners = item_owners(items, C, B, "sound")
@@ -115,19 +112,7 @@ def sound_faults(
                     got=(k - past,),
                 )
             )
-        bad = [c for c in mine if facts.clip_bad and facts.clip_bad[c]]
-        if bad:
-            c = bad[0]
-            out.append(
-                ItemFault(
-                    smp,
-                    "nonfinite",
-                    "sound",
-                    "NaN/Inf in the clip's sound embeddings (got: rows affected)",
-                    item=c,
-                    item_in_sample=mine.index(c),
-                    expected=(rows[c],),
-                    got=(facts.clip_bad[c],),
-                )
-            )
+        if facts.clip_bad:
+            why = "NaN/Inf in the clip's sound embeddings (got: rows affected)"
+            out += nonfinite_fault(smp, "sound", mine, facts.clip_bad, rows, why)
     return out, own
