@@ -29,12 +29,7 @@ from megatron_media_guard.core.items import MediaItem
 from megatron_media_guard.core.plan import ItemRepair
 from megatron_media_guard.families import FAMILIES
 from megatron_media_guard.families.collate import check_batch
-from megatron_media_guard.families.pinning import (
-    NO_VIDEO_PIN,
-    PINS,
-    VIDEO_PINS,
-    RadioPin,
-)
+from megatron_media_guard.families.pinning import PINS, RadioPin
 from megatron_media_guard.families.reprocess import Reprocessor
 from megatron_media_guard.geometry import RadioTilerGeometry
 from megatron_media_guard.testing import video_processors
@@ -304,14 +299,13 @@ def test_every_registered_family_has_a_pin_or_refuses_saying_why(mod):
     """A pin re-processes the media of a family that sizes them with a geometry and keeps them
     as patch rows with a grid; every other family's repair is refused naming why (a video's:
     both totals and the first mismatching run)."""
-    pins = PINS if mod == "image" else VIDEO_PINS
     media = picture(64, 64, 0) if mod == "image" else [picture(64, 64, k) for k in range(4)]
     n = 1 if mod == "image" else 2  # a video of two runs, the second planned 4 short
     for spec in FAMILIES:
         if not any(m.name == mod for m in spec.modalities):
             continue
-        pin = pins.get(spec.name)
-        if pin is not None:
+        pin = PINS.get((spec.name, mod))
+        if pin is not None and not isinstance(pin, str):
             grids = {g for m in spec.modalities if m.name == mod for g in m.patches.values()}
             assert spec.geometry is not None and grids
             assert not hasattr(pin, "grid_input") or pin.grid_input in grids
@@ -324,7 +318,7 @@ def test_every_registered_family_has_a_pin_or_refuses_saying_why(mod):
             SimpleNamespace(items=tuple(items)),
             SimpleNamespace(config=GuardConfig(policy="repair")),
         )
-        why = NO_VIDEO_PIN.get(spec.name, f"{spec.name} has no video pin")
+        why = pin if isinstance(pin, str) else f"{spec.name} has no video pin"
         why = f"{spec.name} images are not re-processed" if mod == "image" else why
         assert got is None and why in facts["reason"], (spec.name, facts)
         if mod == "video":

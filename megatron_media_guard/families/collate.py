@@ -33,10 +33,9 @@ from . import FAMILIES, no_family
 from .inputs import (
     count_tables,
     counted,
+    device_tables,
     drop_inputs,
-    given_tables,
     gone_items,
-    on_device,
     plan_items,
     take_items,
     verify_tables,
@@ -109,14 +108,13 @@ def check_batch(
     given, rows = _given(mods, tables, items)
     if media is not None:  # one original per model-level item, refused before any check
         originals(media, [(mod, k) for mod, n in rows.items() for k in range(n)])
-    checked = on_device(spec, mods)
-    device = None if checked else given_tables(spec, mods, tables, items)
-    if checked or device is not None:  # the runs against the tables: one transfer
+    device = device_tables(spec, mods, tables, items)
+    if device is not None:  # the runs against the tables: one transfer
         _check_labels(guard, ids, batch.get("labels"), step)
         lay = TokenLayout(ids, guard.grammar)
         types = batch.get(spec.token_types) if spec.token_types else None
         types = types if isinstance(types, torch.Tensor) else None
-        tabs, extra = (tables, []) if device is None else (device[0], [device[1]])
+        tabs, extra = device
         verdict, flags = verify_tables(lay, ids, mods, tabs, extra=extra, types=types)
         if verdict.bad_runs == 0 and verdict.findings == 0 and not any(flags):
             res = guard.keep_all(lay, verdict, labels=batch.get("labels"), step=step)

@@ -84,15 +84,17 @@ def on_device(spec: FamilySpec, mods: Sequence[ModalitySpec] | None = None) -> b
     return (typed or alone) and all(m.split is None and m.counts is not None for m in mods)
 
 
-def given_tables(
+def device_tables(
     spec: FamilySpec,
     mods: Sequence[ModalitySpec],
     tables: Sequence[torch.Tensor],
     items: Sequence[MediaItem] | None,
-) -> tuple[list[torch.Tensor], torch.Tensor] | None:
-    """For a spec whose only host step is a ``split`` block (InternVL's tiles): the tables with
-    each block as the given items' rows, and a device flag, nonzero where they do not cut it
-    into whole units (read with the verdict). None where the device cannot check it."""
+) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """``(tables, extra)`` for :func:`verify_tables`: the ``tables`` where :func:`on_device`;
+    where a ``split`` block (InternVL's tiles) is the only host step, each block as the given
+    items' rows and a flag, nonzero where they do not cut it into whole units. Else None."""
+    if on_device(spec, mods):
+        return list(tables), []
     if any(m.shares is not None or m.counts is None for m in spec.modalities):
         return None
     out, bad = [], []
@@ -108,7 +110,7 @@ def given_tables(
         bad += [units * per != n.sum(), torch.any(n % per.clamp(min=1) != 0)]
         out.append(F.pad(torch.stack([torch.ones_like(n), n], 1), (0, t.shape[1] - 2)))
     flag = torch.stack(bad).any() if bad else torch.zeros((), dtype=torch.bool)
-    return out, flag.to(torch.int64)
+    return out, [flag.to(torch.int64)]
 
 
 def verify_tables(
