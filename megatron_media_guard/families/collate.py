@@ -1,15 +1,10 @@
 """The family check before the trainer: in a collate function or a rollout worker, on the
 processor's outputs and the rollout's token ids, with no model and no tower (CPU, free;
-docs/DATA_SIDE.md)::
-
-    checked = check_batch("gemma3", batch, config=model_config, sample_ids=ids)
-    batch = checked.batch            # every kept sample consistent; dropped ones text-only
-    checked.report.actions           # per sample: keep / drop
-
-Each item's count comes from the spec's ``counts``, checked against the runs on the device
-(an aligned batch: one transfer). A mismatched sample is dropped (the default here), raises
-naming it, or is repaired from its original media (``media=``, :mod:`.reprocess`). The steps
-are :mod:`.inputs`'s, shared with the ``apply="inputs"`` pre-hook.
+docs/DATA_SIDE.md, docs/FAMILIES.md). Each item's count comes from the spec's ``counts``,
+checked against the runs on the device (an aligned batch: one transfer). A mismatched sample
+is dropped (the default here), raises naming it, or is repaired from its original media
+(``media=``, :mod:`.reprocess`). The steps are :mod:`.inputs`'s, shared with the
+``apply="inputs"`` pre-hook.
 """
 
 from __future__ import annotations
@@ -37,7 +32,6 @@ from .inputs import (
     drop_inputs,
     gone_items,
     plan_items,
-    take_items,
     verify_tables,
 )
 from .reprocess import Reprocessed, Reprocessor, originals
@@ -135,23 +129,20 @@ def check_batch(
     ]
     parent = [k for m in mods for k in encoded[m.name].parent]
     rep = None if media is None else Reprocessor(spec, geo, listed, parent, media, processor)
-    labels = batch.get("labels")
-    kw = dict(labels=labels, step=step, sample_ids=sids, caller=CALLER, encoder=rep)
+    kw = dict(labels=batch.get("labels"), step=step, sample_ids=sids, caller=CALLER, encoder=rep)
     order = token_order(ids, guard.grammar, listed, parent)
-    res, owner = plan_items(
-        guard, ids, [listed[i] for i in order], [parent[i] for i in order], **kw
-    )
+    listed, parent = [listed[i] for i in order], [parent[i] for i in order]
+    res, owner = plan_items(guard, ids, listed, parent, **kw)
     report = res.report
     done = () if rep is None else tuple(rep.kept(report).values())
-    if done:  # the re-processed items' rows and grid rows in place of the batch's
-        fixed = {(d.modality, d.index): (d.grid, d.rows) for d in done}
-        batch = {**batch, **take_items(batch, mods, repaired=fixed)}
     dropped = set(report.dropped)
-    if not dropped:
-        return BatchCheck(dict(batch), report, done)
+    if not (dropped or done):
+        return BatchCheck(dict(batch), report)
+    # the dropped samples out, the re-processed items' rows and grid rows in place
+    fixed = {(d.modality, d.index): (d.grid, d.rows) for d in done}
     spans = {k: e.spans for k, e in encoded.items() if any(n != 1 for n in e.spans)}
     gone = gone_items(report, owner)
-    out = drop_inputs(spec, batch, mods, guard, dropped, gone, text, spans)
+    out = drop_inputs(spec, batch, mods, guard, dropped, gone, text, spans, repaired=fixed)
     if res.labels is not None:
         out["labels"] = res.labels
     return BatchCheck({k: v for k, v in out.items() if v is not None}, report, done)
