@@ -94,17 +94,11 @@ def fixture(name: str):
     return case, F, _MODELS[name]
 
 
-def counts(b) -> dict:
-    """(sample, modality) -> the feature counts of its items, in prompt order."""
-    out: dict = {}
-    for s, mod, n in b.items:
-        out.setdefault((s, mod), []).append(n)
-    return out
-
-
 def faulty(b, samples, deltas: dict[int, int]):
     """``samples`` with the first media of sample s written ``deltas[s]`` placeholders off."""
-    got = counts(b)
+    got: dict = {}  # (sample, modality) -> the feature counts of its items, in prompt order
+    for s, mod, n in b.items:
+        got.setdefault((s, mod), []).append(n)
     out = []
     for s, sample in enumerate(samples):
         sample = list(sample)

@@ -10,6 +10,7 @@ torchvision's uint8 resize).
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
@@ -111,19 +112,16 @@ FAMILY_CASES = {
 CASES = sorted(FAMILY_CASES)
 
 
-_MODELS: dict[str, Any] = {}
-
-
-def model_of(case: Case):
-    if case.family not in _MODELS:
-        _MODELS[case.family] = case.fixture.tiny_model()
-    return _MODELS[case.family]
+@functools.cache
+def model_of(fixture):
+    """One tiny model per fixture, for the session."""
+    return fixture.tiny_model()
 
 
 def batch_for(case: Case, imgs, tokens: list[int | None], one_sample: bool = False):
     """The static trainer's batch of one image per sample (``one_sample``: all in one), the
     ids with ``tokens`` per run."""
-    model = model_of(case)
+    model = model_of(case.fixture)
     static = [case.static(im) for im in imgs]
     media = [Media("image", tuple(g[-2:]), tokens=t) for (_, g), t in zip(static, tokens)]
     samples = [media] if one_sample else [[m] for m in media]
@@ -276,7 +274,7 @@ def test_a_processor_that_cannot_be_pinned_is_refused_and_left_as_it_was(tmp_pat
 def test_a_static_video_against_a_longer_rollout_is_refused_naming_both_totals():
     """Nemotron Omni (no video pin: fixed patches per frame): a 6-frame 32x32 video is 3
     tubelets of one token (3 placeholders); the rollout wrote 4 (its last run 2)."""
-    model = model_of(FAMILY_CASES["nemotron_omni"])
+    model = model_of(nemotron_omni)
     b = nemotron_omni.make_batch(model, [[Media("video", (6, 2, 2), tokens=4)]])
     frames = [picture(32, 32, k) for k in range(6)]
     with pytest.raises(MediaAlignmentError) as err:
@@ -338,23 +336,22 @@ def frames_array(frames: list[Image.Image]) -> np.ndarray:
 class VideoCase:
     """One family's videos: its spec, its fixture, its video processor (oracle), and the
     engine's smaller budget (``size`` of the video processor); as_array: the originals passed
-    as arrays ``[T, H, W, C]`` (else lists of PIL frames); settings: over the processor's
-    defaults (Ernie: ``draw_on_frames=False``)."""
+    as arrays ``[T, H, W, C]`` (else lists of PIL frames); overrides: settings over the
+    processor's defaults (Ernie: ``draw_on_frames=False``; None: no video processor given)."""
 
     family: str
     fixture: Any
     processor: str
     engine_size: dict
     as_array: bool = False
-    overrides: tuple = ()
+    overrides: tuple | None = ()
 
     def model(self):
-        key = ("video", self.processor)
-        if key not in _MODELS:
-            _MODELS[key] = self.fixture.tiny_model()
-        return _MODELS[key]
+        return model_of(self.fixture)
 
-    def settings(self) -> dict:
+    def settings(self) -> dict | None:
+        if self.overrides is None:
+            return None
         return video_processors.settings(self.processor) | dict(self.overrides)
 
     def batch(self, videos, grids, tokens=None):
@@ -444,30 +441,32 @@ UNDETERMINED = "does not uniquely determine"
 
 
 @pytest.mark.parametrize(
-    "case, extra, frames, drawn, needles",
+    "case, extra, frames, change, needles",
     [
         # a run per temporal group: one frame size gives every group the same run, so runs
         # that differ (the last one 4 short) determine no size
         *[
-            (c, -4, 4, False, [UNDETERMINED, "gives every temporal group the same run", "{runs}"])
+            (c, -4, 4, {}, [UNDETERMINED, "gives every temporal group the same run", "{runs}"])
             for c in ("qwen3_vl", "glm4v")
         ],
         # Qwen2.5-VL: one run of t*h*w/4 over 2 temporal groups; an odd count lands on no size
-        ("qwen2_5_vl", 1, 4, False, [UNDETERMINED, "not divisible by the 2 temporal groups"]),
+        ("qwen2_5_vl", 1, 4, {}, [UNDETERMINED, "not divisible by the 2 temporal groups"]),
         # Qwen3-VL: the rollout wrote the 2 runs of a 4-frame video; 6 frames make 3 groups
-        ("qwen3_vl", 0, 6, False, [UNDETERMINED, "frames make 3 temporal", "wrote 2 runs"]),
+        ("qwen3_vl", 0, 6, {}, [UNDETERMINED, "frames make 3 temporal", "wrote 2 runs"]),
         # Ernie's video processor draws timestamps on the frames by default (a font file): a
         # video processed so is refused, naming it, never re-processed without the drawing
-        ("ernie4_5_vl", 0, 4, True, ["draw_on_frames"]),
+        ("ernie4_5_vl", 0, 4, {"overrides": ()}, ["draw_on_frames"]),
+        # no video processor given (processor={"video": None})
+        ("qwen3_vl", 0, 4, {"overrides": None}, ["no video processor given"]),
     ],
 )
-def test_a_video_no_frame_size_explains_is_refused_saying_why(case, extra, frames, drawn, needles):
+def test_a_video_no_frame_size_explains_is_refused_saying_why(case, extra, frames, change, needles):
     vc = VIDEO_CASES[case]
     videos = [clip(4, 224, 336, 1)]
     _, (t, h, w) = video_processors.process(vc.processor, frames_array(videos[0]), vc.engine_size)
     kw, _ = vc.batch(videos, [(t, h, w)], [t * h * w // 4 + extra if extra else None])
-    if drawn:
-        vc = replace(vc, overrides=())
+    vc = replace(vc, **change)
+    if change.get("overrides") == ():  # the processor's defaults: Ernie's draws
         assert vc.settings()["draw_on_frames"] is True
     originals = [clip(frames, 224, 336, 1)]
     with pytest.raises(MediaAlignmentError) as err:
@@ -477,21 +476,3 @@ def test_a_video_no_frame_size_explains_is_refused_saying_why(case, extra, frame
     out = vc.check(kw, originals)  # never guessed: the sample dropped
     assert out.report.actions == ("drop",) and out.reprocessed == ()
     assert "pixel_values_videos" not in out.batch
-
-
-def test_a_video_without_its_video_processor_falls_back_saying_so(tmp_path):
-    vc = VIDEO_CASES["qwen3_vl"]
-    videos = [clip(4, 224, 336, 1)]
-    _, grid = video_processors.process(vc.processor, frames_array(videos[0]), vc.engine_size)
-    kw, _ = vc.batch(videos, [grid])
-    out = check_batch(
-        vc.family,
-        kw,
-        config=vc.model().config,
-        guard=GuardConfig(policy="repair", log_dir=str(tmp_path)),
-        media=[videos[0]],
-        processor=None,
-    )
-    assert out.report.actions == ("drop",) and out.reprocessed == ()
-    recs = [r for r in records(tmp_path) if r["event"] == "repair"]
-    assert recs and all("no video processor given" in r["reason"] for r in recs)

@@ -314,10 +314,9 @@ def take_items(
                 continue  # every item kept, in order: the input as it was
             # patch rows per item: prod of its grid row (a small transfer, drops only)
             n = to_host(g.prod(-1), why="patch rows per item to drop").tolist()
-            pieces, parts = x.split(n), []
-            for k in ks:
-                new = mine[k][1] if k in mine else None
-                parts.append(pieces[k] if new is None else new.to(x.device))
+            pieces = x.split(n)
+            new = {k: rows for k, (_, rows) in mine.items() if rows is not None}
+            parts = [new[k].to(x.device) if k in new else pieces[k] for k in ks]
             out[name] = torch.cat(parts).to(x.dtype) if parts else None
         grids = set(m.patches.values())
         span = (spans or {}).get(m.name)

@@ -122,9 +122,8 @@ def as_channels_first(original: Any) -> torch.Tensor:
     if isinstance(original, Image.Image):
         from transformers.image_transforms import convert_to_rgb
 
-        return torch.from_numpy(np.asarray(convert_to_rgb(original, return_numpy=True))).permute(
-            2, 0, 1
-        )
+        rgb = np.asarray(convert_to_rgb(original, return_numpy=True))
+        return torch.from_numpy(rgb).permute(2, 0, 1)
     t = _tensor(original)
     if t.ndim == 2:
         return t[None]
@@ -234,11 +233,8 @@ class PatchMergeVideoPin:
                 "default) with its font, which is not reproduced here: re-processed only with "
                 "draw_on_frames=False"
             )
-        for key, name in (
-            ("patch", "patch_size"),
-            ("merge", "merge_size"),
-            ("temporal_patch", "temporal_patch_size"),
-        ):
+        for key in ("patch", "merge", "temporal_patch"):
+            name = f"{key}_size"
             got = int(_setting(processor, name, sizes[key]))
             if got != sizes[key]:
                 raise MediaAlignmentError(
