@@ -94,17 +94,11 @@ def fixture(name: str):
     return case, F, _MODELS[name]
 
 
-def counts(b) -> dict:
-    """(sample, modality) -> the feature counts of its items, in prompt order."""
-    out: dict = {}
-    for s, mod, n in b.items:
-        out.setdefault((s, mod), []).append(n)
-    return out
-
-
 def faulty(b, samples, deltas: dict[int, int]):
     """``samples`` with the first media of sample s written ``deltas[s]`` placeholders off."""
-    got = counts(b)
+    got: dict = {}  # (sample, modality) -> the feature counts of its items, in prompt order
+    for s, mod, n in b.items:
+        got.setdefault((s, mod), []).append(n)
     out = []
     for s, sample in enumerate(samples):
         sample = list(sample)
@@ -133,34 +127,26 @@ FAULTS = {"one run short": {1: -1}, "+k/-k across two samples": {0: 1, 1: -1}}
 NAMES = sorted(CASES)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_an_aligned_batch_is_kept_as_it_is(name):
-    case, F, model = fixture(name)
-    b = batch(F, model, case.samples)
-    with count_transfers() as n:
-        checked = check(name, case, b)
-    assert checked.report.actions == ("keep",) * 3 and checked.dropped == ()
-    assert all(checked.batch[k] is v for k, v in b.kwargs.items())
-    # the runs are checked against the counts on the device (InternVL's tiles against the
-    # given items): the verdict is the one transfer
-    assert sum(n.values()) == 1, n
-
-
 @pytest.mark.parametrize(
-    "samples, transfers",
+    "name, samples, transfers",
     [
-        ([[vid(4, 2, 2), aud(40)], [vid(4, 2, 2)]], 1),
+        # the runs are checked against the counts on the device (InternVL's tiles against the
+        # given items): the verdict is the one transfer
+        *[(name, None, 1) for name in NAMES],
+        ("nemotron_omni", [[vid(4, 2, 2), aud(40)], [vid(4, 2, 2)]], 1),
         # images and video on the one <image> token with no per-token type: the counts are
         # read first, then the runs' order (the plain model takes no such batch)
-        ([[img(4, 4), vid(4, 2, 2)], [aud(40)]], 3),
+        ("nemotron_omni", [[img(4, 4), vid(4, 2, 2)], [aud(40)]], 3),
     ],
 )
-def test_nemotron_omni_video_is_one_transfer_unless_beside_images(samples, transfers):
-    case, F, model = fixture("nemotron_omni")
-    b = batch(F, model, samples)
+def test_an_aligned_batch_is_kept_as_it_is(name, samples, transfers):
+    case, F, model = fixture(name)
+    b = batch(F, model, samples or case.samples)
     with count_transfers() as n:
-        checked = check("nemotron_omni", case, b)
+        checked = check(name, case, b)
+    assert checked.report.actions == ("keep",) * len(samples or case.samples)
     assert checked.dropped == () and sum(n.values()) == transfers, n
+    assert all(checked.batch[k] is v for k, v in b.kwargs.items())
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
@@ -228,6 +214,7 @@ TILES = CASES["internvl"].tokens
         ("mistral3", None, {"tokenizer": "my-tok"}, r"check_batch: tokenizer='my-tok' cannot"),
         ("glm4v", None, {"sample_ids": ["a"]}, "1 sample_ids for 2 samples"),
         ("glm4v", None, {"items": TIED}, r"check_batch: items= set MediaItem\.sample"),
+        ("glm4v", None, {"media": [None] * 3}, r"check_batch\(media=...\) has 3 originals for 2"),
         # InternVL's processor drops which tiles are whose: items= says it, in whole tiles
         ("internvl", None, {"tokenizer": TILES}, r"internvl: the inputs hold \d+ rows .*items="),
         ("internvl", None, {"tokenizer": TILES, "items": [MediaItem(4)] * 2}, "whole rows"),
@@ -250,16 +237,10 @@ def test_an_unknown_family_lists_each_name_once():
     assert err.value.context["families"] == list(family_names())
 
 
-@pytest.fixture(scope="module")
-def glm():
-    _case, F, model = fixture("glm4v")
-    return F, model, batch(F, model, [[img(56, 56)], [img(56, 84)]])
-
-
-def test_records_carry_the_ids_the_grid_and_the_size_as_in_training(glm, tmp_path):
+def test_records_carry_the_ids_the_grid_and_the_size_as_in_training(tmp_path):
     """sample_ids by sample, or items= by item (its sample_id and source size); the grid and
     the frame size from the batch's image_grid_thw."""
-    F, model, _ = glm
+    _case, F, model = fixture("glm4v")
     b = batch(F, model, [[img(56, 56)], [img(56, 84, n=5)]])
     cfg = GuardConfig(policy="drop", log_dir=str(tmp_path / "a"))
     check_batch("glm4v", b.kwargs, config=model.config, guard=cfg, sample_ids=[7, 8])

@@ -10,6 +10,7 @@ torchvision's uint8 resize).
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
@@ -27,18 +28,11 @@ from test_check_batch import CASES as BATCH_CASES
 from megatron_media_guard import GuardConfig, MediaAlignmentError
 from megatron_media_guard.core.items import MediaItem
 from megatron_media_guard.core.plan import ItemRepair
-from megatron_media_guard.errors import MediaInputError
 from megatron_media_guard.families import FAMILIES
 from megatron_media_guard.families.collate import check_batch
-from megatron_media_guard.families.pinning import (
-    NO_VIDEO_PIN,
-    PINS,
-    VIDEO_PINS,
-    PatchMergePin,
-    RadioPin,
-)
+from megatron_media_guard.families.pinning import PINS, RadioPin
 from megatron_media_guard.families.reprocess import Reprocessor
-from megatron_media_guard.geometry import PatchMergeGeometry, RadioTilerGeometry
+from megatron_media_guard.geometry import RadioTilerGeometry
 from megatron_media_guard.testing import video_processors
 from megatron_media_guard.testing.families import ernie4_5_vl, glm4v, nemotron_omni
 from megatron_media_guard.testing.families.base import Media
@@ -64,13 +58,14 @@ def radio_oracle(img: Image.Image, budget: int) -> tuple[torch.Tensor, tuple[int
 
 @dataclass(frozen=True)
 class Case:
-    """One family: its fixture, its processor (None: own arithmetic), the grid input, and how
-    the static trainer and the engine process an original."""
+    """One family: its fixture, its PIL image processor (None: own arithmetic), the grid
+    input, its tokenizer stand-in, and how the static trainer and the engine process an
+    original."""
 
     family: str
     fixture: Any
     processor: Any
-    grid: str
+    grid: str = "image_grid_thw"
     tokenizer: Any = None
 
     def static(self, img):
@@ -93,58 +88,43 @@ class Case:
         grid = tuple(out[self.grid][0].tolist())
         return out["pixel_values"], grid, int(np.prod(grid)) // 4
 
-    def media(self, grid) -> tuple[int, ...]:
-        return tuple(grid[-2:])
+
+def pil(path: str):
+    """``transformers.models.<module>.<class>()``, a PIL image processor."""
+    module, cls = path.rsplit(".", 1)
+    return getattr(importlib.import_module(f"transformers.models.{module}"), cls)()
 
 
-#: family: its fixture, its PIL image processor (transformers.models.<module>.<class>; None:
-#: own arithmetic), its grid input, its tokenizer stand-in
 FAMILY_CASES = {
-    "qwen_vl": (
+    "qwen_vl": Case(
+        "qwen_vl",
         QwenFixture("qwen2_5_vl"),
-        "qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil",
-        "image_grid_thw",
-        None,
+        pil("qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil"),
     ),
-    "glm4v": (
-        glm4v,
-        "glm4v.image_processing_pil_glm4v.Glm4vImageProcessorPil",
-        "image_grid_thw",
-        None,
-    ),
-    "ernie4_5_vl": (
+    "glm4v": Case("glm4v", glm4v, pil("glm4v.image_processing_pil_glm4v.Glm4vImageProcessorPil")),
+    "ernie4_5_vl": Case(
+        "ernie4_5_vl",
         ernie4_5_vl,
-        "ernie4_5_vl_moe.image_processing_pil_ernie4_5_vl_moe.Ernie4_5_VLMoeImageProcessorPil",
-        "image_grid_thw",
-        None,
+        pil("ernie4_5_vl_moe.image_processing_pil_ernie4_5_vl_moe.Ernie4_5_VLMoeImageProcessorPil"),
     ),
-    "nemotron_omni": (nemotron_omni, None, "image_grid_hw", NEMOTRON_TOKENS),
+    "nemotron_omni": Case("nemotron_omni", nemotron_omni, None, "image_grid_hw", NEMOTRON_TOKENS),
 }
 CASES = sorted(FAMILY_CASES)
 
 
-def case_of(family: str) -> Case:
-    fixture, proc, grid, tokens = FAMILY_CASES[family]
-    if proc is not None:
-        module, cls = proc.rsplit(".", 1)
-        proc = getattr(importlib.import_module(f"transformers.models.{module}"), cls)()
-    return Case(family, fixture, proc, grid, tokens)
+@functools.cache
+def model_of(fixture):
+    """One tiny model per fixture, for the session."""
+    return fixture.tiny_model()
 
 
-_MODELS: dict[str, Any] = {}
-
-
-def model_of(case: Case):
-    if case.family not in _MODELS:
-        _MODELS[case.family] = case.fixture.tiny_model()
-    return _MODELS[case.family]
-
-
-def batch_for(case: Case, imgs, tokens: list[int | None]):
-    """The static trainer's batch of one image per sample, the ids with ``tokens`` per run."""
-    model = model_of(case)
+def batch_for(case: Case, imgs, tokens: list[int | None], one_sample: bool = False):
+    """The static trainer's batch of one image per sample (``one_sample``: all in one), the
+    ids with ``tokens`` per run."""
+    model = model_of(case.fixture)
     static = [case.static(im) for im in imgs]
-    samples = [[Media("image", case.media(g), tokens=t)] for (_, g), t in zip(static, tokens)]
+    media = [Media("image", tuple(g[-2:]), tokens=t) for (_, g), t in zip(static, tokens)]
+    samples = [media] if one_sample else [[m] for m in media]
     kw = dict(case.fixture.make_batch(model, samples).kwargs)
     kw["pixel_values"] = torch.cat([r for r, _ in static])
     kw[case.grid] = torch.tensor([list(g) for _, g in static])
@@ -166,16 +146,21 @@ def run(case: Case, kw, imgs, model, **cfg):
 
 @pytest.mark.parametrize("family", CASES)
 def test_a_short_run_is_repaired_to_what_the_processor_makes_at_the_engines_size(family):
-    case = case_of(family)
+    case = FAMILY_CASES[family]
     imgs = [picture(300, 500, 1), picture(120, 150, 2)]
     rows, grid, n = case.engine(imgs[0])
     model, kw, static = batch_for(case, imgs, [n, None])
     assert static[0][0].shape[0] != rows.shape[0]  # the trainer's item is bigger than the run
+    proc = case.processor
+    settings = None if proc is None else proc.to_dict()
     out = run(case, kw, imgs, model)
     assert out.report.actions == ("repair", "keep")
     (done,) = out.reprocessed
     assert (done.modality, done.index, done.sample, done.tokens) == ("image", 0, 0, n)
     assert done.fidelity == "engine-replay" and tuple(done.grid) == grid
+    # a processor is pinned by its own budget knobs, per call: its settings as they were
+    assert done.how == ("own-arithmetic" if proc is None else "pinned")
+    assert settings == (None if proc is None else proc.to_dict())
     assert out.matched == {("image", 0)}
     b = out.batch
     assert b[case.grid].tolist() == [list(grid), list(static[1][1])]
@@ -202,11 +187,11 @@ def test_a_repair_that_cannot_be_made_falls_back_saying_why(family, why, tmp_pat
     """No original, a fidelity the config does not allow, or a processor family without its
     processor: the sample takes the fallback (drop, or raise), the record says why."""
     no_original, no_processor, cfg, says = FALLBACKS[why]
-    case = case_of(family)
+    case = FAMILY_CASES[family]
     imgs = [picture(300, 500, 1)]
     model, kw, _ = batch_for(case, imgs, [case.engine(imgs[0])[2]])
     media = [None] if no_original else imgs
-    case = Case(case.family, case.fixture, None, case.grid) if no_processor else case
+    case = replace(case, processor=None) if no_processor else case
     out = run(case, kw, media, model, log_dir=str(tmp_path), **cfg)
     assert out.report.actions == ("drop",) and out.reprocessed == ()
     (rec,) = [r for r in records(tmp_path) if r["event"] == "repair"]
@@ -219,15 +204,9 @@ def test_a_repair_that_cannot_be_made_falls_back_saying_why(family, why, tmp_pat
 def test_a_sample_is_repaired_only_when_all_its_items_are(family):
     """Two short images in one sample, the second without its original: the sample falls
     back whole (dropped), nothing of it is re-processed into the batch."""
-    case = case_of(family)
+    case = FAMILY_CASES[family]
     imgs = [picture(300, 500, 1), picture(260, 300, 5)]
-    (_, g0), (_, g1) = (case.static(im) for im in imgs)
-    n0, n1 = (case.engine(im)[2] for im in imgs)
-    model = model_of(case)
-    media = [Media("image", case.media(g0), tokens=n0), Media("image", case.media(g1), tokens=n1)]
-    kw = dict(case.fixture.make_batch(model, [media]).kwargs)
-    kw["pixel_values"] = torch.cat([case.static(im)[0] for im in imgs])
-    kw[case.grid] = torch.tensor([list(g0), list(g1)])
+    model, kw, _ = batch_for(case, imgs, [case.engine(im)[2] for im in imgs], one_sample=True)
     out = run(case, kw, [imgs[0], None], model)
     assert out.report.actions == ("drop",) and out.reprocessed == () and out.matched == set()
 
@@ -236,7 +215,7 @@ def test_a_size_no_budget_reaches_is_resized_by_the_processors_own_resize():
     """A closest-aspect solution (no budget lands there): the original resized to the solved
     size with the processor's resampling, then processed without resizing; equal to PIL's
     bicubic resize of the original fed to the processor with ``do_resize=False``."""
-    case = case_of("glm4v")
+    case = FAMILY_CASES["glm4v"]
     img = picture(300, 500, 1)
     from megatron_media_guard.families.glm4v import geometry
 
@@ -274,13 +253,13 @@ def one_more():
 
 
 def test_a_processor_that_cannot_be_pinned_is_refused_and_left_as_it_was(tmp_path):
-    case = case_of("glm4v")
+    case = FAMILY_CASES["glm4v"]
     img = picture(300, 500, 1)
     _, _, n = case.engine(img)
     model, kw, _ = batch_for(case, [img], [n])
     stub = one_more()
     before = stub.to_dict()
-    stubbed = Case(case.family, case.fixture, stub, case.grid)
+    stubbed = replace(case, processor=stub)
     with pytest.raises(MediaAlignmentError, match="does not uniquely determine") as err:
         run(stubbed, kw, [img], model, fallback="raise", log_dir=str(tmp_path))
     assert f"gives {n + 1} tokens" in str(err.value) and f"run of {n}" in str(err.value)
@@ -295,7 +274,7 @@ def test_a_processor_that_cannot_be_pinned_is_refused_and_left_as_it_was(tmp_pat
 def test_a_static_video_against_a_longer_rollout_is_refused_naming_both_totals():
     """Nemotron Omni (no video pin: fixed patches per frame): a 6-frame 32x32 video is 3
     tubelets of one token (3 placeholders); the rollout wrote 4 (its last run 2)."""
-    model = model_of(case_of("nemotron_omni"))
+    model = model_of(nemotron_omni)
     b = nemotron_omni.make_batch(model, [[Media("video", (6, 2, 2), tokens=4)]])
     frames = [picture(32, 32, k) for k in range(6)]
     with pytest.raises(MediaAlignmentError) as err:
@@ -313,40 +292,18 @@ def test_a_static_video_against_a_longer_rollout_is_refused_naming_both_totals()
     assert "video_target_num_patches" in msg and "no grid inferred" in msg
 
 
-def test_the_qwen_processor_is_pinned_by_its_own_budget_knobs():
-    """The pin alone on the real ``Qwen2VLImageProcessorPil`` (the torchvision one needs
-    torchvision) at a Qwen2-VL geometry's solution: equal to the processor at the engine's
-    ``max_pixels`` (a knob passed per call), with its settings left as they were."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
-    proc = Qwen2VLImageProcessorPil()
-    before = proc.to_dict()
-    img = picture(300, 500, 4)
-    engine = proc(images=[img], max_pixels=28 * 28 * 30, return_tensors="pt")
-    t, h, w = engine["image_grid_thw"][0].tolist()
-    sol = PatchMergeGeometry().solve(h * w // 4, (300, 500))
-    assert sol.fidelity == "engine-replay"
-    got = PatchMergePin().run(proc, img, sol)
-    assert got.how == "pinned" and got.grid == (t, h, w) and got.tokens == h * w // 4
-    assert torch.equal(got.rows, engine["pixel_values"])
-    assert proc.to_dict() == before
-
-
 @pytest.mark.parametrize("mod", ["image", "video"])
 def test_every_registered_family_has_a_pin_or_refuses_saying_why(mod):
     """A pin re-processes the media of a family that sizes them with a geometry and keeps them
     as patch rows with a grid; every other family's repair is refused naming why (a video's:
     both totals and the first mismatching run)."""
-    pins = PINS if mod == "image" else VIDEO_PINS
     media = picture(64, 64, 0) if mod == "image" else [picture(64, 64, k) for k in range(4)]
     n = 1 if mod == "image" else 2  # a video of two runs, the second planned 4 short
     for spec in FAMILIES:
         if not any(m.name == mod for m in spec.modalities):
             continue
-        pin = pins.get(spec.name)
-        if pin is not None:
+        pin = PINS.get((spec.name, mod))
+        if pin is not None and not isinstance(pin, str):
             grids = {g for m in spec.modalities if m.name == mod for g in m.patches.values()}
             assert spec.geometry is not None and grids
             assert not hasattr(pin, "grid_input") or pin.grid_input in grids
@@ -359,7 +316,7 @@ def test_every_registered_family_has_a_pin_or_refuses_saying_why(mod):
             SimpleNamespace(items=tuple(items)),
             SimpleNamespace(config=GuardConfig(policy="repair")),
         )
-        why = NO_VIDEO_PIN.get(spec.name, f"{spec.name} has no video pin")
+        why = pin if isinstance(pin, str) else f"{spec.name} has no video pin"
         why = f"{spec.name} images are not re-processed" if mod == "image" else why
         assert got is None and why in facts["reason"], (spec.name, facts)
         if mod == "video":
@@ -379,23 +336,22 @@ def frames_array(frames: list[Image.Image]) -> np.ndarray:
 class VideoCase:
     """One family's videos: its spec, its fixture, its video processor (oracle), and the
     engine's smaller budget (``size`` of the video processor); as_array: the originals passed
-    as arrays ``[T, H, W, C]`` (else lists of PIL frames); settings: over the processor's
-    defaults (Ernie: ``draw_on_frames=False``)."""
+    as arrays ``[T, H, W, C]`` (else lists of PIL frames); overrides: settings over the
+    processor's defaults (Ernie: ``draw_on_frames=False``; None: no video processor given)."""
 
     family: str
     fixture: Any
     processor: str
     engine_size: dict
     as_array: bool = False
-    overrides: tuple = ()
+    overrides: tuple | None = ()
 
     def model(self):
-        key = ("video", self.processor)
-        if key not in _MODELS:
-            _MODELS[key] = self.fixture.tiny_model()
-        return _MODELS[key]
+        return model_of(self.fixture)
 
-    def settings(self) -> dict:
+    def settings(self) -> dict | None:
+        if self.overrides is None:
+            return None
         return video_processors.settings(self.processor) | dict(self.overrides)
 
     def batch(self, videos, grids, tokens=None):
@@ -485,30 +441,32 @@ UNDETERMINED = "does not uniquely determine"
 
 
 @pytest.mark.parametrize(
-    "case, extra, frames, drawn, needles",
+    "case, extra, frames, change, needles",
     [
         # a run per temporal group: one frame size gives every group the same run, so runs
         # that differ (the last one 4 short) determine no size
         *[
-            (c, -4, 4, False, [UNDETERMINED, "gives every temporal group the same run", "{runs}"])
+            (c, -4, 4, {}, [UNDETERMINED, "gives every temporal group the same run", "{runs}"])
             for c in ("qwen3_vl", "glm4v")
         ],
         # Qwen2.5-VL: one run of t*h*w/4 over 2 temporal groups; an odd count lands on no size
-        ("qwen2_5_vl", 1, 4, False, [UNDETERMINED, "not divisible by the 2 temporal groups"]),
+        ("qwen2_5_vl", 1, 4, {}, [UNDETERMINED, "not divisible by the 2 temporal groups"]),
         # Qwen3-VL: the rollout wrote the 2 runs of a 4-frame video; 6 frames make 3 groups
-        ("qwen3_vl", 0, 6, False, [UNDETERMINED, "frames make 3 temporal", "wrote 2 runs"]),
+        ("qwen3_vl", 0, 6, {}, [UNDETERMINED, "frames make 3 temporal", "wrote 2 runs"]),
         # Ernie's video processor draws timestamps on the frames by default (a font file): a
         # video processed so is refused, naming it, never re-processed without the drawing
-        ("ernie4_5_vl", 0, 4, True, ["draw_on_frames"]),
+        ("ernie4_5_vl", 0, 4, {"overrides": ()}, ["draw_on_frames"]),
+        # no video processor given (processor={"video": None})
+        ("qwen3_vl", 0, 4, {"overrides": None}, ["no video processor given"]),
     ],
 )
-def test_a_video_no_frame_size_explains_is_refused_saying_why(case, extra, frames, drawn, needles):
+def test_a_video_no_frame_size_explains_is_refused_saying_why(case, extra, frames, change, needles):
     vc = VIDEO_CASES[case]
     videos = [clip(4, 224, 336, 1)]
     _, (t, h, w) = video_processors.process(vc.processor, frames_array(videos[0]), vc.engine_size)
     kw, _ = vc.batch(videos, [(t, h, w)], [t * h * w // 4 + extra if extra else None])
-    if drawn:
-        vc = replace(vc, overrides=())
+    vc = replace(vc, **change)
+    if change.get("overrides") == ():  # the processor's defaults: Ernie's draws
         assert vc.settings()["draw_on_frames"] is True
     originals = [clip(frames, 224, 336, 1)]
     with pytest.raises(MediaAlignmentError) as err:
@@ -518,29 +476,3 @@ def test_a_video_no_frame_size_explains_is_refused_saying_why(case, extra, frame
     out = vc.check(kw, originals)  # never guessed: the sample dropped
     assert out.report.actions == ("drop",) and out.reprocessed == ()
     assert "pixel_values_videos" not in out.batch
-
-
-def test_a_video_without_its_video_processor_falls_back_saying_so(tmp_path):
-    vc = VIDEO_CASES["qwen3_vl"]
-    videos = [clip(4, 224, 336, 1)]
-    _, grid = video_processors.process(vc.processor, frames_array(videos[0]), vc.engine_size)
-    kw, _ = vc.batch(videos, [grid])
-    out = check_batch(
-        vc.family,
-        kw,
-        config=vc.model().config,
-        guard=GuardConfig(policy="repair", log_dir=str(tmp_path)),
-        media=[videos[0]],
-        processor=None,
-    )
-    assert out.report.actions == ("drop",) and out.reprocessed == ()
-    recs = [r for r in records(tmp_path) if r["event"] == "repair"]
-    assert recs and all("no video processor given" in r["reason"] for r in recs)
-
-
-def test_media_of_the_wrong_length_is_refused_naming_check_batch():
-    case = case_of("nemotron_omni")
-    imgs = [picture(300, 500, 1)]
-    model, kw, _ = batch_for(case, imgs, [None])
-    with pytest.raises(MediaInputError, match=r"check_batch\(media=...\) has 2 originals for 1"):
-        run(case, kw, imgs * 2, model)

@@ -1,15 +1,10 @@
 """The family check before the trainer: in a collate function or a rollout worker, on the
 processor's outputs and the rollout's token ids, with no model and no tower (CPU, free;
-docs/DATA_SIDE.md)::
-
-    checked = check_batch("gemma3", batch, config=model_config, sample_ids=ids)
-    batch = checked.batch            # every kept sample consistent; dropped ones text-only
-    checked.report.actions           # per sample: keep / drop
-
-Each item's count comes from the spec's ``counts``, checked against the runs on the device
-(an aligned batch: one transfer). A mismatched sample is dropped (the default here), raises
-naming it, or is repaired from its original media (``media=``, :mod:`.reprocess`). The steps
-are :mod:`.inputs`'s, shared with the ``apply="inputs"`` pre-hook.
+docs/DATA_SIDE.md, docs/FAMILIES.md). Each item's count comes from the spec's ``counts``,
+checked against the runs on the device (an aligned batch: one transfer). A mismatched sample
+is dropped (the default here), raises naming it, or is repaired from its original media
+(``media=``, :mod:`.reprocess`). The steps are :mod:`.inputs`'s, shared with the
+``apply="inputs"`` pre-hook.
 """
 
 from __future__ import annotations
@@ -33,12 +28,10 @@ from . import FAMILIES, no_family
 from .inputs import (
     count_tables,
     counted,
+    device_tables,
     drop_inputs,
-    given_tables,
     gone_items,
-    on_device,
     plan_items,
-    take_items,
     verify_tables,
 )
 from .reprocess import Reprocessed, Reprocessor, originals
@@ -109,14 +102,13 @@ def check_batch(
     given, rows = _given(mods, tables, items)
     if media is not None:  # one original per model-level item, refused before any check
         originals(media, [(mod, k) for mod, n in rows.items() for k in range(n)])
-    checked = on_device(spec, mods)
-    device = None if checked else given_tables(spec, mods, tables, items)
-    if checked or device is not None:  # the runs against the tables: one transfer
+    device = device_tables(spec, mods, tables, items)
+    if device is not None:  # the runs against the tables: one transfer
         _check_labels(guard, ids, batch.get("labels"), step)
         lay = TokenLayout(ids, guard.grammar)
         types = batch.get(spec.token_types) if spec.token_types else None
         types = types if isinstance(types, torch.Tensor) else None
-        tabs, extra = (tables, []) if device is None else (device[0], [device[1]])
+        tabs, extra = device
         verdict, flags = verify_tables(lay, ids, mods, tabs, extra=extra, types=types)
         if verdict.bad_runs == 0 and verdict.findings == 0 and not any(flags):
             res = guard.keep_all(lay, verdict, labels=batch.get("labels"), step=step)
@@ -137,23 +129,20 @@ def check_batch(
     ]
     parent = [k for m in mods for k in encoded[m.name].parent]
     rep = None if media is None else Reprocessor(spec, geo, listed, parent, media, processor)
-    labels = batch.get("labels")
-    kw = dict(labels=labels, step=step, sample_ids=sids, caller=CALLER, encoder=rep)
+    kw = dict(labels=batch.get("labels"), step=step, sample_ids=sids, caller=CALLER, encoder=rep)
     order = token_order(ids, guard.grammar, listed, parent)
-    res, owner = plan_items(
-        guard, ids, [listed[i] for i in order], [parent[i] for i in order], **kw
-    )
+    listed, parent = [listed[i] for i in order], [parent[i] for i in order]
+    res, owner = plan_items(guard, ids, listed, parent, **kw)
     report = res.report
     done = () if rep is None else tuple(rep.kept(report).values())
-    if done:  # the re-processed items' rows and grid rows in place of the batch's
-        fixed = {(d.modality, d.index): (d.grid, d.rows) for d in done}
-        batch = {**batch, **take_items(batch, mods, repaired=fixed)}
     dropped = set(report.dropped)
-    if not dropped:
-        return BatchCheck(dict(batch), report, done)
+    if not (dropped or done):
+        return BatchCheck(dict(batch), report)
+    # the dropped samples out, the re-processed items' rows and grid rows in place
+    fixed = {(d.modality, d.index): (d.grid, d.rows) for d in done}
     spans = {k: e.spans for k, e in encoded.items() if any(n != 1 for n in e.spans)}
     gone = gone_items(report, owner)
-    out = drop_inputs(spec, batch, mods, guard, dropped, gone, text, spans)
+    out = drop_inputs(spec, batch, mods, guard, dropped, gone, text, spans, repaired=fixed)
     if res.labels is not None:
         out["labels"] = res.labels
     return BatchCheck({k: v for k, v in out.items() if v is not None}, report, done)

@@ -84,15 +84,17 @@ def on_device(spec: FamilySpec, mods: Sequence[ModalitySpec] | None = None) -> b
     return (typed or alone) and all(m.split is None and m.counts is not None for m in mods)
 
 
-def given_tables(
+def device_tables(
     spec: FamilySpec,
     mods: Sequence[ModalitySpec],
     tables: Sequence[torch.Tensor],
     items: Sequence[MediaItem] | None,
-) -> tuple[list[torch.Tensor], torch.Tensor] | None:
-    """For a spec whose only host step is a ``split`` block (InternVL's tiles): the tables with
-    each block as the given items' rows, and a device flag, nonzero where they do not cut it
-    into whole units (read with the verdict). None where the device cannot check it."""
+) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """``(tables, extra)`` for :func:`verify_tables`: the ``tables`` where :func:`on_device`;
+    where a ``split`` block (InternVL's tiles) is the only host step, each block as the given
+    items' rows and a flag, nonzero where they do not cut it into whole units. Else None."""
+    if on_device(spec, mods):
+        return list(tables), []
     if any(m.shares is not None or m.counts is None for m in spec.modalities):
         return None
     out, bad = [], []
@@ -108,7 +110,7 @@ def given_tables(
         bad += [units * per != n.sum(), torch.any(n % per.clamp(min=1) != 0)]
         out.append(F.pad(torch.stack([torch.ones_like(n), n], 1), (0, t.shape[1] - 2)))
     flag = torch.stack(bad).any() if bad else torch.zeros((), dtype=torch.bool)
-    return out, flag.to(torch.int64)
+    return out, [flag.to(torch.int64)]
 
 
 def verify_tables(
@@ -312,10 +314,9 @@ def take_items(
                 continue  # every item kept, in order: the input as it was
             # patch rows per item: prod of its grid row (a small transfer, drops only)
             n = to_host(g.prod(-1), why="patch rows per item to drop").tolist()
-            pieces, parts = x.split(n), []
-            for k in ks:
-                new = mine[k][1] if k in mine else None
-                parts.append(pieces[k] if new is None else new.to(x.device))
+            pieces = x.split(n)
+            new = {k: rows for k, (_, rows) in mine.items() if rows is not None}
+            parts = [new[k].to(x.device) if k in new else pieces[k] for k in ks]
             out[name] = torch.cat(parts).to(x.dtype) if parts else None
         grids = set(m.patches.values())
         span = (spans or {}).get(m.name)

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import torch
 
+from ..core.interleave import queued, take_per_run
 from ..core.items import MediaItem
 from ..core.runs import TokenLayout, parse_layout
 from ..errors import MediaInputError
@@ -82,12 +83,10 @@ def split_items(lay: TokenLayout, items: list[MediaItem], parent: list[int]):
     keys = [(it.modality, p) for it, p in zip(items, parent)]
     if len(set(keys)) == len(keys):
         return items, {}
-    by_mod: dict[str, list] = {}  # per placeholder token, its runs' samples in order
-    for r in parse_layout(lay).runs:
-        by_mod.setdefault(r.modality, []).append(r.sample)
-    queues = {tok: iter(samples) for tok, samples in by_mod.items()}
+    runs = parse_layout(lay).runs  # each item takes the next run of its placeholder token
     tokens = [lay.grammar.token_modality(it.modality) for it in items]
-    run_sample = [next(queues.get(tok, iter(())), None) for tok in tokens]
+    taken, _ = take_per_run(queued([r.modality for r in runs]), tokens)
+    run_sample = [runs[j].sample if j >= 0 else None for j in taken]
     where: dict[tuple, set] = {}
     for key, s in zip(keys, run_sample):
         if s is not None:

@@ -122,9 +122,8 @@ def as_channels_first(original: Any) -> torch.Tensor:
     if isinstance(original, Image.Image):
         from transformers.image_transforms import convert_to_rgb
 
-        return torch.from_numpy(np.asarray(convert_to_rgb(original, return_numpy=True))).permute(
-            2, 0, 1
-        )
+        rgb = np.asarray(convert_to_rgb(original, return_numpy=True))
+        return torch.from_numpy(rgb).permute(2, 0, 1)
     t = _tensor(original)
     if t.ndim == 2:
         return t[None]
@@ -234,11 +233,8 @@ class PatchMergeVideoPin:
                 "default) with its font, which is not reproduced here: re-processed only with "
                 "draw_on_frames=False"
             )
-        for key, name in (
-            ("patch", "patch_size"),
-            ("merge", "merge_size"),
-            ("temporal_patch", "temporal_patch_size"),
-        ):
+        for key in ("patch", "merge", "temporal_patch"):
+            name = f"{key}_size"
             got = int(_setting(processor, name, sizes[key]))
             if got != sizes[key]:
                 raise MediaAlignmentError(
@@ -263,23 +259,17 @@ class PatchMergeVideoPin:
         return Processed(rows, grid, tokens, "own-arithmetic")
 
 
-#: per family, how its images are re-processed from the original (absent: never; the
-#: collate check's repair then falls back, saying so)
-PINS: dict[str, PatchMergePin | RadioPin] = {
-    "qwen_vl": PatchMergePin(),
-    "glm4v": PatchMergePin(),
-    "ernie4_5_vl": PatchMergePin(),
-    "nemotron_omni": RadioPin(),
-}
-
-#: per family, how its videos are re-processed from their frames
-VIDEO_PINS: dict[str, PatchMergeVideoPin] = {
-    "qwen_vl": PatchMergeVideoPin(),
-    "glm4v": PatchMergeVideoPin(),
-    "ernie4_5_vl": PatchMergeVideoPin(row_frames=1, draws=True),
-}
-
-#: why a family's videos are never re-processed (a family in neither: no pin for it)
-NO_VIDEO_PIN: dict[str, str] = {
-    "nemotron_omni": ("frames sized by the fixed video_target_num_patches, not a pixel budget"),
+#: per (family, modality), how its media are re-processed from the original; a string: why
+#: never (absent: no pin; the collate check's repair then falls back, saying so)
+PINS: dict[tuple[str, str], PatchMergePin | RadioPin | PatchMergeVideoPin | str] = {
+    ("qwen_vl", "image"): PatchMergePin(),
+    ("glm4v", "image"): PatchMergePin(),
+    ("ernie4_5_vl", "image"): PatchMergePin(),
+    ("nemotron_omni", "image"): RadioPin(),
+    ("qwen_vl", "video"): PatchMergeVideoPin(),
+    ("glm4v", "video"): PatchMergeVideoPin(),
+    ("ernie4_5_vl", "video"): PatchMergeVideoPin(row_frames=1, draws=True),
+    ("nemotron_omni", "video"): (
+        "frames sized by the fixed video_target_num_patches, not a pixel budget"
+    ),
 }

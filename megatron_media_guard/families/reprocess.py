@@ -18,7 +18,7 @@ from ..core.outcome import GuardReport
 from ..core.plan import ItemRepair, Plan
 from ..core.repairs import solve_allowed
 from ..errors import MediaAlignmentError, MediaInputError
-from .pinning import NO_VIDEO_PIN, PINS, VIDEO_PINS, Processed, as_channels_first, as_frames
+from .pinning import PINS, PatchMergeVideoPin, Processed, as_channels_first, as_frames
 from .spec import FamilySpec
 
 #: a refusal's verdict, first in its reason (the one-line record keeps 200 characters)
@@ -195,7 +195,7 @@ class Reprocessor(ItemRepairer):
 
     def _image(self, r: ItemRepair, plan: Plan, batch, key: Key, ctx, facts):
         mod, k = key
-        pin, geo = PINS.get(self.spec.name), self.geometry_of(mod)
+        pin, geo = PINS.get((self.spec.name, mod)), self.geometry_of(mod)
         if pin is None or geo is None:
             what = "its processor has no pin" if pin is None else "it has no geometry"
             raise MediaAlignmentError(
@@ -225,9 +225,9 @@ class Reprocessor(ItemRepairer):
         mod, k = key
         static = [it.num_features for it in self.runs[key]]  # as the static processing gave
         rollout = self.targets(key, plan, batch)
-        pin, geo = VIDEO_PINS.get(self.spec.name), self.geometry_of(mod)
-        if pin is None or geo is None:  # both totals, the first mismatching run, and why
-            why = NO_VIDEO_PIN.get(self.spec.name, f"{self.spec.name} has no video pin")
+        pin, geo = PINS.get((self.spec.name, mod)), self.geometry_of(mod)
+        if not isinstance(pin, PatchMergeVideoPin) or geo is None:  # totals, first run, why
+            why = pin if isinstance(pin, str) else f"{self.spec.name} has no video pin"
             first = next((i for i, (a, b) in enumerate(zip(static, rollout)) if a != b), 0)
             original = self.media[key]
             frames = len(original) if hasattr(original, "__len__") else "?"
