@@ -1,11 +1,5 @@
 """Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 (dense and MoE; transformers' and Bridge's
-``Qwen25VLModel`` / ``Qwen3VLModel``), ``apply="inputs"`` (docs/QWEN_VL.md).
-
-- image: ``<|vision_start|>`` ``<|image_pad|>``x(t*h*w/merge**2) ``<|vision_end|>``;
-  ``pixel_values`` patch rows with ``image_grid_thw`` (t, h, w).
-- video: one such run of ``<|video_pad|>`` per video; Qwen3-VL / 3.5 one run of
-  h*w/merge**2 per temporal group; ``pixel_values_videos`` with ``video_grid_thw``.
-"""
+``Qwen25VLModel`` / ``Qwen3VLModel``), ``apply="inputs"``: docs/QWEN_VL.md, docs/FAMILIES.md."""
 
 from __future__ import annotations
 
