@@ -51,11 +51,10 @@ def grid_counts(kind: str, per_group: bool = True):
     temporal_patch frames)."""
 
     def counts(config: Any, kw) -> torch.Tensor:
-        s, grid = sizes(config), kw[f"{kind}_grid_thw"]
-        if kind == "video" and not per_group:
-            return grid_table(grid, s["merge"] ** 2, s["patch"], frames_per=s["temporal_patch"])
-        t = "runs" if kind == "video" and is_qwen3(config) else "tokens"
-        return grid_table(grid, s["merge"] ** 2, s["patch"], t)
+        s, video = sizes(config), kind == "video"
+        t = "runs" if video and per_group and is_qwen3(config) else "tokens"
+        frames = s["temporal_patch"] if video and not per_group else 0
+        return grid_table(kw[f"{kind}_grid_thw"], s["merge"] ** 2, s["patch"], t, frames)
 
     return counts
 
