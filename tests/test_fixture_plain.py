@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from family_checks import aud, decoder_inputs, img, vid
+from family_checks import aud, decoder_inputs, img, logits, vid
 from test_check_batch import fixture as check_batch_fixture
 
 from megatron_media_guard.errors import MediaInputError
@@ -31,8 +31,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _logits(model, b):
-    with torch.no_grad():
-        return model(**b.kwargs).logits
+    return logits(model, b.kwargs)
 
 
 def _hidden(model, b):
