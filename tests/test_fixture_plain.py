@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from family_checks import aud, decoder_inputs, img, vid
+from family_checks import aud, decoder_inputs, img, logits, vid
 from test_check_batch import fixture as check_batch_fixture
 
 from megatron_media_guard.errors import MediaInputError
@@ -31,8 +31,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _logits(model, b):
-    with torch.no_grad():
-        return model(**b.kwargs).logits
+    return logits(model, b.kwargs)
 
 
 def _hidden(model, b):
@@ -415,7 +414,8 @@ class Layout:
     """The batch ``make_batch`` gives ``samples``: its items and runs; kwargs values
     (``.tolist()``), shapes and dtypes; counts: (kwargs key, value, n) with ``n`` positions of
     row ``row`` (None: every row) equal to ``value`` (an int, ``"cfg.<attr>"`` of the model's
-    config or ``"F.<name>"`` of the fixture); keys: every kwargs key, where given."""
+    config or ``"F.<name>"`` of the fixture); types: (kwargs key, value, id): the key equals
+    value exactly where the ids are id; keys: every kwargs key, where given."""
 
     family: str
     samples: list
@@ -427,6 +427,7 @@ class Layout:
     dtypes: dict = field(default_factory=dict)
     row: int | None = 0
     keys: frozenset | None = None
+    types: tuple = ()
 
 
 LAYOUTS = [
@@ -485,6 +486,13 @@ LAYOUTS = [
             [("image", 4), ("image", 16)]],
            shapes={"pixel_values": (3 + 3 + 1 + 4, 3, "F.TILE", "F.TILE")},
            keys=frozenset({"input_ids", "attention_mask", "pixel_values"})),
+    Layout("qwen3_5", [[Q6, QV8], [Q4]], [(0, "image", 6), (1, "image", 4), (0, "video", 8)],
+           [[("image", 6), ("video", 4), ("video", 4)], [("image", 4)]],
+           {"image_grid_thw": [[1, 4, 6], [1, 4, 4]], "video_grid_thw": [[2, 4, 4]]},
+           {"pixel_values": (24 + 16, 3 * 2 * 16 * 16), "pixel_values_videos": (2 * 16, 1536)},
+           # one vision start per image and per temporal group
+           (("input_ids", "F.VISION_START", 4),), row=None,
+           types=(("mm_token_type_ids", 1, "F.IMAGE"), ("mm_token_type_ids", 2, "F.VIDEO"))),
 ]  # fmt: skip
 
 
@@ -509,6 +517,8 @@ def test_the_batch_is_laid_out_as_the_processor_lays_it(row):
     for key, value, n in row.counts:
         got = kw[key] if row.row is None else kw[key][row.row]
         assert int((got == _resolve(rig, model, value)).sum()) == n, (key, value)
+    for key, value, tid in row.types:
+        assert torch.equal(kw[key] == value, b.input_ids == _resolve(rig, model, tid)), key
     assert row.keys is None or set(kw) == row.keys
 
 

@@ -1,43 +1,17 @@
-"""The Qwen3.5 fixture against the real transformers class (tiny random config, CPU): its batch
-layout, the processor's video ids and image counts. Aligned batches: ``tests/families/``; the
-plain class under the faults: ``tests/test_fixture_plain.py``."""
+"""The Qwen3.5 fixture against the real transformers processor's arithmetic (no model): its
+video ids and image counts. Aligned batches: ``tests/families/``; the plain class under the
+faults and its batch layout: ``tests/test_fixture_plain.py``."""
 
 from __future__ import annotations
 
 import types
 
 import pytest
-import torch
 
 from megatron_media_guard.testing.families import qwen3_5 as F
 from megatron_media_guard.testing.families.base import Media as M
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return F.tiny_model(seed=0)
-
-
-IMG_A, IMG_B = M("image", (64, 96)), M("image", (64, 64))  # 4x6 -> 6 tokens; 4x4 -> 4
-VID_A = M("video", (4, 64, 64))  # 2 groups of 4 tokens
-
-
-def test_batch_layout(model):
-    b = F.make_batch(model, [[IMG_A, VID_A], [IMG_B]])
-    kw = b.kwargs
-    assert kw["pixel_values"].shape == (24 + 16, 3 * 2 * 16 * 16)
-    assert kw["image_grid_thw"].tolist() == [[1, 4, 6], [1, 4, 4]]
-    assert kw["video_grid_thw"].tolist() == [[2, 4, 4]]
-    assert kw["pixel_values_videos"].shape == (2 * 16, 1536)
-    assert b.items == [(0, "image", 6), (1, "image", 4), (0, "video", 8)]
-    assert b.runs == [[("image", 6), ("video", 4), ("video", 4)], [("image", 4)]]
-    tt = kw["mm_token_type_ids"]
-    assert torch.equal(tt == 1, b.input_ids == F.IMAGE) and torch.equal(
-        tt == 2, b.input_ids == F.VIDEO
-    )
-    assert int((b.input_ids == F.VISION_START).sum()) == 4  # one per image and per temporal group
 
 
 @pytest.mark.parametrize("frames", [1, 4, 5])

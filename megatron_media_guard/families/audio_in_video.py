@@ -12,6 +12,7 @@ on the device (``Encoded.runs``); the engine cuts the items into their runs afte
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,9 +22,27 @@ import torch.nn.functional as F
 
 from ..core.host import to_host
 from ..errors import MediaInputError
-from .qwen3_omni_counts import clip_tokens
+from .spec import attr_path
 
 _IMAGE, _VIDEO, _AIV, _AUDIO = 1, 2, 3, 4  # a region's kind, read at its start marker
+_HF = "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe"
+
+
+def clip_tokens(config: Any, kw) -> torch.Tensor:
+    """Per clip, the tower's output length of its mel frames (transformers'
+    ``_get_feat_extract_output_lengths``, torch ops) from ``feature_attention_mask`` (else
+    ``audio_feature_lengths``), the tower's ``n_window`` (the thinker config's; Bridge's provider
+    holds it as ``thinker_config``; 50, the function's default, where neither says)."""
+    mask, lengths = kw.get("feature_attention_mask"), kw.get("audio_feature_lengths")
+    frames = mask.sum(-1) if mask is not None else lengths
+    if frames is None:
+        raise MediaInputError(
+            "qwen3_omni: input_features without feature_attention_mask or "
+            "audio_feature_lengths (the forward needs one of them too)"
+        )
+    n_window = attr_path(config, "thinker_config.audio_config.n_window", "audio_config.n_window")
+    count = importlib.import_module(_HF)._get_feat_extract_output_lengths
+    return count(frames.long(), int(n_window or 50))
 
 
 def seconds_per_grid(spg: torch.Tensor, tp: int) -> torch.Tensor:

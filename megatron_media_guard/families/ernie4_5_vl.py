@@ -1,12 +1,5 @@
-"""Ernie 4.5 VL (``Ernie4_5_VLMoe*``; Bridge ``Ernie45VLModel``).
-
-- image: ``<|IMAGE_START|>`` ``<|IMAGE_PLACEHOLDER|>``x(h*w/4) ``<|IMAGE_END|>``; patch rows
-  (temporal patch 1, Qwen-VL's row order) with ``image_grid_thw`` (1, h, w).
-- video: ``<|VIDEO_START|>`` ``<|VIDEO_PLACEHOLDER|>``x(t*h*w/8) ``<|VIDEO_END|>`` per video.
-
-A dropped sample's placeholders are text in ``mm_token_type_ids`` (the rope's) and
-``moe_mm_token_type_ids`` (the experts'); ``position_ids`` from the model's own
-``get_rope_index``. Image repair: ``smart_resize``, re-encoded through ``get_image_features``.
+"""Ernie 4.5 VL (``Ernie4_5_VLMoe*``; Bridge ``Ernie45VLModel``): image patch rows of temporal
+patch 1 in Qwen-VL's row order; grammar, counts and repair: docs/FAMILIES.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""Gemma 3 (``Gemma3ForConditionalGeneration``; Bridge ``Gemma3VLModel``): a fixed count per
-image.
-
-- image: ``<start_of_image>`` ``<image_soft_token>``x``mm_tokens_per_image`` ``<end_of_image>``
-  per ``pixel_values`` row ``[3, S, S]``; pan-and-scan crops are extra rows, each one item.
-- a dropped sample's soft tokens become text in the ids and 0 in ``token_type_ids`` (its
-  bidirectional blocks go with them); a swap of two rows changes no count.
-
-Repair: ``FixedGeometry``: no resize reaches another count, every repair falls back.
-"""
+"""Gemma 3 (``Gemma3ForConditionalGeneration``; Bridge ``Gemma3VLModel``): ``mm_tokens_per_image``
+per ``pixel_values`` row ``[3, S, S]`` (pan-and-scan crops are extra rows, each one item);
+grammar and repair: docs/FAMILIES.md."""
 
 from __future__ import annotations
 

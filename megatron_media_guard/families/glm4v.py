@@ -1,14 +1,7 @@
-"""GLM-4V / GLM-4.1V / GLM-4.5V (``Glm4v*``, ``Glm4vMoe*``; Bridge ``GLM45VModel``).
-
-- image: ``<|begin_of_image|>`` ``<|image|>``x(h*w/4) ``<|end_of_image|>``; Qwen-VL's patch
-  rows with ``image_grid_thw`` (1, h, w).
-- video: per temporal patch (2 frames) an image-token run of h*w/4 between the image markers,
-  t runs per ``video_grid_thw`` row (its video their model-level item); the video markers stay
-  text; ``mm_token_type_ids`` (1 image, 2 video) tells a frame run from an image run.
-
-The guard merges per run (the plain model cannot take images and videos together) and passes
-``position_ids`` from the model's own ``get_rope_index``. Image repair: ``smart_resize`` of a
-2-frame clip, re-encoded through ``get_image_features``.
+"""GLM-4V / GLM-4.1V / GLM-4.5V (``Glm4v*``, ``Glm4vMoe*``; Bridge ``GLM45VModel``): grammar,
+counts and repair: docs/FAMILIES.md. A video is t runs of h*w/4 on the image token (per
+temporal patch of 2 frames), its model-level item; ``mm_token_type_ids`` (1 image, 2 video)
+tells a frame run from an image run; the video markers stay text.
 """
 
 from __future__ import annotations
@@ -17,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..geometry import PatchMergeGeometry
-from .common import hf_classes
+from .common import PAD, hf_classes
 from .mrope import grid_counts, image_encoder, patch_dummy, rope_positions
 from .spec import Encoded, FamilySpec, ModalitySpec, Token
 
@@ -97,7 +90,7 @@ SPEC = FamilySpec(
             type_id=2,
         ),
     ),
-    text=Token(("text_config.pad_token_id", "pad_token_id"), "<|endoftext|>", 151329),
+    text=Token(PAD, "<|endoftext|>", 151329),
     geometry=geometry,
     follow_ids=("mm_token_type_ids",),
     token_types="mm_token_type_ids",

@@ -1,11 +1,6 @@
-"""InternVL (``InternVLForConditionalGeneration``): tiles of ``image_seq_length`` features,
-whose count per image never reaches the model.
-
-- image: ``<img>`` ``<IMG_CONTEXT>``x(``image_seq_length`` * tiles) ``</img>``; a video frame is
-  one tile on the same token. ``pixel_values`` ``[sum(tiles), 3, S, S]`` in prompt order,
-  encoded as one flat block (``split="items"``: :class:`~.spec.Encoded`).
-
-Repair: none (the model gets tiles, not the image to re-tile).
+"""InternVL (``InternVLForConditionalGeneration``): ``pixel_values`` ``[sum(tiles), 3, S, S]`` in
+prompt order, tiles per image never reaching the model: encoded as one flat block
+(``split="items"``). Grammar: docs/FAMILIES.md; no repair (the model gets tiles, not the image).
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Kimi K2.5 (``Kimi_K25ForConditionalGeneration``; Bridge ``KimiK25VLModel``, images only).
-
-- image: ``<|media_begin|>`` "image" ``<|media_content|>`` ``<|media_pad|>``x(h*w/4)
-  ``<|media_end|>``; patch rows with ``image_grid_thw`` ``(1, h, w)``.
-- video: per chunk of <= 4 frames, the same with ``<|kimi_k25_video_placeholder|>``: one
-  ``video_grid_thw`` row per chunk (the item), its frames mean-pooled to h*w/4 features.
-
-Repair: none (``navit_resize`` needs torchvision: no oracle can pin it here).
+"""Kimi K2.5 (``Kimi_K25ForConditionalGeneration``; Bridge ``KimiK25VLModel``, images only):
+grammar and counts: docs/FAMILIES.md. A video chunk of <= 4 frames is one ``video_grid_thw``
+row and one item. No repair (``navit_resize`` needs torchvision: no oracle can pin it here).
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""LLaVA-OneVision (``LlavaOnevisionForConditionalGeneration`` / ``LlavaOnevisionModel``).
-
-- image: a bare run of ``<image>`` per image: anyres (:mod:`.anyres_pixels`) for
-  ``image_sizes[n]``, or base + 1 in a sample with several (``batch_num_images``);
-  ``pixel_values`` ``[n, max_tiles, 3, S, S]``.
-- video: a bare run of ``<video>``, frames * ceil(side/2)^2 + 1; ``pixel_values_videos``
-  ``[v, frames, 3, S, S]``. Images are consumed before videos.
-
-The tower runs once on the whole call with the caller's ``batch_num_images``: a kept
-multi-image sample keeps its base + 1 counts. Repair (:class:`AnyresGeometry`): the item's
-tiles stitched back into the image the processor resized, resized to the solved size, re-tiled
-and re-encoded as one single-image sample; a multi-image sample's image falls back.
+"""LLaVA-OneVision (``LlavaOnevisionForConditionalGeneration`` / ``LlavaOnevisionModel``):
+``pixel_values`` ``[n, max_tiles, 3, S, S]``, ``pixel_values_videos`` ``[v, frames, 3, S, S]``;
+grammar, counts (:mod:`.anyres_pixels`) and repair: docs/FAMILIES.md. The tower runs once on
+the whole call with the caller's ``batch_num_images``: a kept multi-image sample keeps its
+base + 1 counts.
 """
 
 from __future__ import annotations

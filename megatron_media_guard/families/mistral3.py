@@ -1,12 +1,6 @@
 """Mistral 3 / Pixtral (``Mistral3ForConditionalGeneration`` / ``Mistral3Model``; Bridge
-``Ministral3Model``).
-
-- image: ``rows`` rows of ``[IMG]``x``cols`` each followed by ``[IMG_BREAK]``, the last
-  ``[IMG_END]`` (no feature: one run of rows*cols); ``rows, cols = image_sizes[n] //
-  (patch * spatial_merge_size)``; ``pixel_values`` ``[n, 3, maxH, maxW]`` zero-padded.
-
-Repair: the item's own pixels resized to the grid :class:`PixtralGeometry` solves, re-encoded.
-"""
+``Ministral3Model``): ``pixel_values`` ``[n, 3, maxH, maxW]`` zero-padded; grammar, counts and
+repair: docs/FAMILIES.md."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Nemotron 3 Nano Omni (``NemotronH_Omni_Reasoning_V3``); markers from the tokenizer.
-
-- image: ``<img>`` ``<image>``x(gh*gw/4) ``</img>``; RADIO patch rows with ``image_grid_hw``.
-  Repair: RADIO tiler (the engine's budget replayed).
-- video: one ``<img>...</img>`` run per tubelet on the *image* token; ``pixel_values_videos``
-  ``[V, T, 2*3, H, W]``, (H/16)(W/16)/4 per tubelet; merged per run; EVS after the merge.
-- audio: ``<so_start>`` ``<so_embedding>``xN ``<so_end>``, N from Parakeet's subsampling.
-"""
+"""Nemotron 3 Nano Omni (``NemotronH_Omni_Reasoning_V3``); markers from the tokenizer. Its
+grammar, counts and repair: docs/FAMILIES.md. A video is one run per tubelet on the *image*
+token, merged per run; EVS after the merge."""
 
 from __future__ import annotations
 

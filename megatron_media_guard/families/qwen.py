@@ -1,11 +1,5 @@
 """Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 (dense and MoE; transformers' and Bridge's
-``Qwen25VLModel`` / ``Qwen3VLModel``), ``apply="inputs"`` (docs/QWEN_VL.md).
-
-- image: ``<|vision_start|>`` ``<|image_pad|>``x(t*h*w/merge**2) ``<|vision_end|>``;
-  ``pixel_values`` patch rows with ``image_grid_thw`` (t, h, w).
-- video: one such run of ``<|video_pad|>`` per video; Qwen3-VL / 3.5 one run of
-  h*w/merge**2 per temporal group; ``pixel_values_videos`` with ``video_grid_thw``.
-"""
+``Qwen25VLModel`` / ``Qwen3VLModel``), ``apply="inputs"``: docs/QWEN_VL.md, docs/FAMILIES.md."""
 
 from __future__ import annotations
 
@@ -57,11 +51,10 @@ def grid_counts(kind: str, per_group: bool = True):
     temporal_patch frames)."""
 
     def counts(config: Any, kw) -> torch.Tensor:
-        s, grid = sizes(config), kw[f"{kind}_grid_thw"]
-        if kind == "video" and not per_group:
-            return grid_table(grid, s["merge"] ** 2, s["patch"], frames_per=s["temporal_patch"])
-        t = "runs" if kind == "video" and is_qwen3(config) else "tokens"
-        return grid_table(grid, s["merge"] ** 2, s["patch"], t)
+        s, video = sizes(config), kind == "video"
+        t = "runs" if video and per_group and is_qwen3(config) else "tokens"
+        frames = s["temporal_patch"] if video and not per_group else 0
+        return grid_table(kw[f"{kind}_grid_thw"], s["merge"] ** 2, s["patch"], t, frames)
 
     return counts
 

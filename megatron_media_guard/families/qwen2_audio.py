@@ -1,12 +1,8 @@
 """Qwen2-Audio (``Qwen2AudioForConditionalGeneration`` / ``Qwen2AudioModel``; Bridge
-``Qwen2AudioModel``): a Whisper-style audio tower and a linear projector.
-
-- audio: ``<|audio_bos|>`` ``<|AUDIO|>``xN ``<|audio_eos|>`` per clip; ``input_features``
-  ``[n, mel, 3000]``, ``feature_attention_mask``; L mel frames give N = ((L-1)//2+1-2)//2+1.
-
-The model has no ``get_audio_features``: the encode runs its modules as its forward does. Its
-unchecked legacy path (a placeholder expanded into its clip) never runs under the guard: a run
-of one placeholder is a short run. No repair geometry.
+``Qwen2AudioModel``): ``input_features`` ``[n, mel, 3000]``; grammar and counts:
+docs/FAMILIES.md. The model has no ``get_audio_features``: the encode runs its modules as its
+forward does. Its legacy path (a placeholder expanded into its clip) never runs under the
+guard: a run of one placeholder is a short run.
 """
 
 from __future__ import annotations

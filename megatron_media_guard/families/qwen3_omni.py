@@ -1,13 +1,8 @@
-"""Qwen3-Omni thinker (transformers ``Qwen3OmniMoeThinkerForConditionalGeneration`` / ``...Model``).
-
-Image: ``<|vision_start|>`` ``<|image_pad|>``x(t*h*w/4) ``<|vision_end|>``; video: one such run on
-``<|video_pad|>``; audio: ``<|audio_start|>`` ``<|audio_pad|>``xn ``<|audio_end|>``, n from the
-module's ``_get_feat_extract_output_lengths``. Audio in video (``use_audio_in_video=True``): one
-vision region interleaves the video's grids and its clip's tokens, both cut into the runs' items
-(``audio_in_video.py``). The kept items' own encoder outputs go back in as ``mm_encoder_outputs``
-(deepstack); grids, seconds per grid and ``feature_attention_mask`` stay (dropped rows out) for
-the model's ``get_rope_index``; set ``config.vision_start_token_id`` (151652; the config lacks
-it). Text-only: both towers kept. No repair geometry. Bridge: ``qwen3_omni_bridge.py``.
+"""Qwen3-Omni thinker (transformers ``Qwen3OmniMoeThinkerForConditionalGeneration`` / ``...Model``;
+grammar and counts: docs/FAMILIES.md; audio in video: ``audio_in_video.py``). The kept items'
+own encoder outputs go back in as ``mm_encoder_outputs`` (deepstack); grids, seconds per grid
+and ``feature_attention_mask`` stay (dropped rows out) for the model's ``get_rope_index``; set
+``config.vision_start_token_id`` (151652; the config lacks it). Bridge: ``qwen3_omni_bridge.py``.
 """
 
 from __future__ import annotations
@@ -16,11 +11,12 @@ from typing import Any
 
 import torch
 
+from ..errors import MediaInputError
 from . import audio_in_video as aiv
+from .common import PAD
 from .mrope import patch_dummy
 from .qwen import grid_counts
-from .qwen3_omni_counts import audio_counts
-from .spec import Encoded, FamilySpec, ModalitySpec, Token, tower_zeros
+from .spec import Encoded, FamilySpec, ModalitySpec, Token, count_table, tower_zeros
 
 _AUDIO = ("input_features", "feature_attention_mask", "audio_feature_lengths")
 
@@ -45,6 +41,18 @@ def _encode_audio(model: Any, kw) -> Encoded:
     got = aiv.layout(model, kw)
     runs, sample = got.runs.get("audio"), got.sample.get("audio")
     return Encoded((flat,), counts=got.tokens, runs=runs, sample=sample, check=got.check)
+
+
+def audio_counts(config: Any, kw) -> torch.Tensor:
+    """Per clip its :func:`~.audio_in_video.clip_tokens` (transformers' and Bridge's spec);
+    ``use_audio_in_video`` refused."""
+    if kw.get("use_audio_in_video"):
+        raise MediaInputError(
+            "qwen3_omni: use_audio_in_video=True interleaves video and audio placeholders in "
+            "one region; the inputs alone do not attribute those runs (check it in the model: "
+            "install_vlm)"
+        )
+    return count_table(aiv.clip_tokens(config, kw))
 
 
 def _reuse(model: Any, encoded, kept) -> dict:
@@ -135,7 +143,7 @@ SPEC = FamilySpec(
             **_VISION,
         ),
     ),
-    text=Token(("text_config.pad_token_id", "pad_token_id"), "<|endoftext|>", 151643),
+    text=Token(PAD, "<|endoftext|>", 151643),
     positions=_positions,
     reuse=_reuse,
     dummy=_dummy,

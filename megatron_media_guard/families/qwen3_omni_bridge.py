@@ -1,13 +1,6 @@
 """Qwen3-Omni thinker on Megatron-Bridge 0.6.2: ``Qwen3OmniThinkerModel`` (found inside its
-``Qwen3OmniModel`` wrapper, whose forward calls ``self.thinker(...)`` with keywords).
-
-Its forward takes no ``inputs_embeds`` and merges by batch totals (what that does to a wrong
-run, measured: docs/FAMILIES.md), so the spec is ``apply="inputs"``, sized by
-``qwen.grid_counts`` and ``qwen3_omni_counts``. A dropped sample's patch, grid and
-``video_second_per_grid`` rows leave the call; its audio clips stay (no ``rows``): with no
-placeholder left in its row Bridge's trim takes none of their features, and rows and clips stay
-paired for its per-row ``zip`` and its rope (it counts audio start markers). Ids from the
-model's config; no repair geometry; ``use_audio_in_video`` refused.
+``Qwen3OmniModel`` wrapper). Its forward takes no ``inputs_embeds``: ``apply="inputs"``; why a
+dropped sample's audio clips stay, and what the plain forward does: docs/FAMILIES.md.
 """
 
 from __future__ import annotations

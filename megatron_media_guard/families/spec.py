@@ -35,9 +35,8 @@ def attr_path(obj: Any, *names: str) -> Any:
 def check_tokenizer(tokenizer: Any, caller: str) -> None:
     """Refuses a ``tokenizer=`` that is neither None, a ``{token text: id}`` mapping, nor has
     ``convert_tokens_to_ids`` (most often a model name given as a string)."""
-    if tokenizer is None or isinstance(tokenizer, Mapping):
-        return
-    if callable(getattr(tokenizer, "convert_tokens_to_ids", None)):
+    lookup = getattr(tokenizer, "convert_tokens_to_ids", None)
+    if tokenizer is None or isinstance(tokenizer, Mapping) or callable(lookup):
         return
     what = repr(tokenizer) if isinstance(tokenizer, str) else f"a {type(tokenizer).__name__}"
     raise MediaInputError(
@@ -366,10 +365,7 @@ def tower_zeros(model: Any, tower: Any, *shape: int) -> torch.Tensor:
     """Zeros of ``shape`` for a spec's ``dummy``, in the device and dtype of the tower's first
     floating parameter (``tower``: the module, or its attribute name on the model or its
     ``.model``; float32 on the CPU without one)."""
-    mod = tower
-    if isinstance(tower, str):
-        mod = getattr(model, tower, None)
-        mod = getattr(model.model, tower) if mod is None else mod
+    mod = attr_path(model, tower, f"model.{tower}") if isinstance(tower, str) else tower
     p = next((p for p in mod.parameters() if p.is_floating_point()), None)
     if p is None:
         return torch.zeros(shape)
