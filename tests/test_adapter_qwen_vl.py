@@ -429,7 +429,7 @@ def test_token_types_that_disagree_with_the_ids_are_rebuilt(tmp_path):
 def _split_video() -> dict:
     """Two clips the engine sampled 4 frames of each (2 groups each), the trainer 6 of the first
     and 2 of the second: the same 4 groups of the same size, grouped 3 + 1 (the runs of video
-    0's third group lie in sample 1: tests/test_adapter_qwen_vl_split.py)."""
+    0's third group lie in sample 1: tests/test_adapter_qwen_vl_checks.py)."""
 
     def clips(frames):
         videos = [smooth_clip(n, 96, 96, seed) for n, seed in zip(frames, (1, 5))]
