@@ -14,6 +14,7 @@ from ..core.guard import MediaGuard
 from ..diagnostics import GuardRecord
 from ..errors import MediaInputError
 from ..families import FamilySpec
+from ..families.inputs import drop_inputs
 from .hooks import GuardHandle
 from .tower import TowerKeeper, input_embeddings, tower_due
 
@@ -114,15 +115,22 @@ class ForwardHookHandle(GuardHandle):
             return None  # encoded before the forward (transformers' generate)
         return self._guarded(module, call)
 
-    def _guarded(self, module: Any, call: CallArgs) -> Any:
-        raise NotImplementedError
-
     def keep_tower(self, *, had_media: bool, feeds_media: bool) -> None:
         """The spec's ``dummy`` tower call now, before the model's body, when
         :func:`~.tower.tower_due` (the call feeds the tower nothing)."""
         dummy, mode = self.spec.dummy, self.guard.config.keep_tower
         if dummy is not None and tower_due(mode, had_media=had_media, feeds_media=feeds_media):
             self.keeper.run(lambda: dummy(self.module))
+
+    def rewrite(self, call: CallArgs, given: dict, mods, dropped, gone, **kw: Any) -> dict:
+        """The plan applied to the call (:func:`~..families.inputs.drop_inputs`) on ``given``
+        (the ids, the tensors that follow them, the kept inputs), each input it changed set on
+        ``call``; returns the rewritten inputs."""
+        out = drop_inputs(self.spec, given, mods, self.guard, dropped, gone, self.text_id, **kw)
+        for name, value in out.items():
+            if value is not given.get(name):
+                call.set(name, value)
+        return out
 
     def note(self, step, mb, action: str, reason: str, modality: str | None = None) -> None:
         """A ``check`` record: the inputs were put right without touching any sample."""
