@@ -281,8 +281,8 @@ def _model_inputs(model, handle, kw: dict) -> dict:
     got = {}
     pre = handle._pre_hook
 
-    def grab(module, args, kwargs):
-        args, kwargs = pre(module, args, kwargs) or (args, kwargs)
+    def grab(args, kwargs):
+        args, kwargs = pre(args, kwargs) or (args, kwargs)
         got.update(handle.sig.bind(*args, **kwargs).arguments)
         raise _Seen
 

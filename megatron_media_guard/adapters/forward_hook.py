@@ -66,7 +66,7 @@ class CallArgs:
 
 class ForwardHookHandle(GuardHandle):
     """The guard of one family model instance: a pre and a post around its ``forward``, a
-    :class:`~.tower.TowerKeeper` between them. Subclasses define ``_guarded(module, call)``:
+    :class:`~.tower.TowerKeeper` between them. Subclasses define ``_guarded(call)``:
     None (the call as given) or ``(args, kwargs)`` for the model. ``text_id``: what a dropped
     sample's placeholders become.
 
@@ -87,12 +87,11 @@ class ForwardHookHandle(GuardHandle):
         self.keeper = TowerKeeper()
 
     def install_hooks(self) -> ForwardHookHandle:
-        m = self.module
         self.install(
-            pre=lambda args, kwargs: self._pre_hook(m, args, kwargs),
+            pre=lambda args, kwargs: self._pre_hook(args, kwargs),
             post=lambda args, kwargs, out: self.keeper.attach(out),
         )
-        emb = input_embeddings(m)
+        emb = input_embeddings(self.module)
         if emb is not None:
             try:
                 self.hook(emb, "forward", post=self.keeper.into_embeddings)
@@ -105,7 +104,7 @@ class ForwardHookHandle(GuardHandle):
         super().remove()
         self.keeper.clear()  # a forward that raised may hold the dummy tower call's graph
 
-    def _pre_hook(self, module: Any, args: tuple, kwargs: dict) -> Any:
+    def _pre_hook(self, args: tuple, kwargs: dict) -> Any:
         self.keeper.clear()  # a forward that raised leaves nothing behind
         try:
             call = CallArgs(self.sig, args, kwargs)
@@ -113,7 +112,7 @@ class ForwardHookHandle(GuardHandle):
             return None  # the model reports its own signature error
         if call.get("mm_encoder_outputs") is not None:
             return None  # encoded before the forward (transformers' generate)
-        return self._guarded(module, call)
+        return self._guarded(call)
 
     def keep_tower(self, *, had_media: bool, feeds_media: bool) -> None:
         """The spec's ``dummy`` tower call now, before the model's body, when

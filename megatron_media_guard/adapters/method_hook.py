@@ -47,6 +47,7 @@ class Hook:
         self.pre, self.post, self.around = pre, post, around
         self.original: Callable[..., Any] | None = None
         self._previous: object = _MISSING
+        self._installed = False
 
     def install(self) -> Hook:
         target, name = self.target, self.name
@@ -65,11 +66,12 @@ class Hook:
         functools.update_wrapper(self, current, updated=())
         setattr(self, HANDLE_ATTR, self.owner)
         object.__setattr__(target, name, self)
+        self._installed = True
         return self
 
     def remove(self) -> None:
         """Restore the instance exactly as before :meth:`install` (idempotent)."""
-        if self.original is None:
+        if not self._installed:
             return
         target, name = self.target, self.name
         if target.__dict__.get(name) is not self:
@@ -81,7 +83,7 @@ class Hook:
             object.__delattr__(target, name)
         else:
             object.__setattr__(target, name, self._previous)
-        self.original, self._previous = None, _MISSING
+        self._installed, self._previous = False, _MISSING
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.pre is not None:
@@ -97,9 +99,10 @@ class Hook:
         return out
 
     def __deepcopy__(self, memo: dict) -> Any:
+        what = getattr(self, "__qualname__", self.name)
         raise MediaInputError(
-            f"{getattr(self, '__qualname__', self.name)} is guarded: a copy of the model would call the original's; "
-            "copy the model before installing the guard (or remove it, copy, install on each)"
+            f"{what} is guarded: a copy of the model would call the original's; copy the model "
+            "before installing the guard (or remove it, copy, install on each)"
         )
 
 

@@ -9,7 +9,6 @@ stands in it."""
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import torch
 
@@ -30,7 +29,7 @@ class VLMHandle(ForwardHookHandle):
     inherit its ``set_items`` item's fields; the list's order is taken as the token order (it
     decides where modalities share a placeholder)."""
 
-    def _guarded(self, module: Any, call: CallArgs):
+    def _guarded(self, call: CallArgs):
         ids = call.get("input_ids")
         if not isinstance(ids, torch.Tensor) or call.get("inputs_embeds") is not None:
             return None  # no token ids to check (or the caller merged already)

@@ -60,7 +60,7 @@ class InputsHandle(ForwardHookHandle):
             geo = spec.geometry(model)
         self.geometry = geo
 
-    def _guarded(self, module: Any, call: CallArgs):
+    def _guarded(self, call: CallArgs):
         ids = call.get("input_ids")
         had = self._feeds(call)
         new = None
