@@ -157,53 +157,50 @@ def test_repair_takes_the_geometry_of_the_models_config(family, install, tmp_pat
 
 
 def test_repair_runs_the_tower_once_and_matches_the_engine_sizes(family):
+    """The repaired batch is the engine-sized one: one tower call as the plain forward, the
+    features and the loss; the grids, the token types (not given: derived from the ids) and the
+    MRoPE positions (given: left to the model, which recomputes them from the new grids); on
+    Qwen3-VL the deepstack rows."""
     engine, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
     model = model_for(family)
-    pooled = spy(inner(model).visual, lambda o: o.pooler_output)
-    with spy(inner(model)) as (seen, _), pooled as (_, tower_out), torch.no_grad():
+    args = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw")
+
+    def positions(b: dict) -> torch.Tensor:
+        rope = inner(model).get_rope_index
+        return rope(b["input_ids"], *(b[k] for k in args), attention_mask=b["attention_mask"])[0]
+
+    with (
+        spy(inner(model)) as (seen, _),
+        spy(inner(model).language_model) as (lm, _),
+        spy(inner(model).visual, lambda o: o.pooler_output) as (_, tower_out),
+        torch.no_grad(),
+    ):
         ref = model(**engine, labels=engine["input_ids"])
         ref_feats, plain_calls = torch.cat(tower_out), len(tower_out)
+        ref_deep = [lm.get(k) for k in ("visual_pos_masks", "deepstack_visual_embeds")]
         tower_out.clear()
         with install_qwen_vl(model, guard_for(family, "repair")) as h:
             h.set_items(source_items(SAMPLES, mixed))  # the originals' sizes
-            out = model(**mixed, labels=engine["input_ids"])
+            stale = dict(mixed, mm_token_type_ids=None, position_ids=positions(engine))
+            out = model(**stale, labels=engine["input_ids"])
     assert h.last_result.report.actions == ("repair", "repair", "keep")
     assert len(tower_out) == plain_calls  # one encode per modality, as the plain forward
-    assert torch.equal(seen["image_grid_thw"], engine["image_grid_thw"])
-    assert torch.equal(seen["video_grid_thw"], engine["video_grid_thw"])
-    rope = inner(model).get_rope_index
-    args = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw")
-    mine, _ = rope(
-        seen["input_ids"], *(seen[k] for k in args), attention_mask=seen["attention_mask"]
-    )
-    want, _ = rope(
-        engine["input_ids"], *(engine[k] for k in args), attention_mask=engine["attention_mask"]
-    )
-    assert torch.equal(mine, want)  # MRoPE positions follow the repaired grids
+    for k in args:
+        assert torch.equal(seen[k], engine[k]), k
+    assert seen["position_ids"] is None
+    assert torch.equal(positions(seen), positions(engine))  # MRoPE follows the repaired grids
     cos = torch.nn.functional.cosine_similarity(torch.cat(tower_out), ref_feats, dim=-1)
     print(f"feature cosine to the engine-sized encode: mean {cos.mean():.5f}, min {cos.min():.5f}")
     assert cos.mean() > 0.999 and cos.min() > 0.99, cos
     assert abs(out.loss.item() - ref.loss.item()) < 1e-2 * ref.loss.item()
-
-
-def test_qwen3_deepstack_follows_the_repaired_items():
-    family = "qwen3_vl"
-    engine, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
-    model = model_for(family)
-    lm = inner(model).language_model
-    with spy(lm) as (seen, _), torch.no_grad():
-        model(**engine)
-        want = {k: seen[k] for k in ("visual_pos_masks", "deepstack_visual_embeds")}
-        with install_qwen_vl(model, guard_for(family, "repair")) as h:
-            h.set_items(source_items(SAMPLES, mixed))  # the originals' sizes
-            model(**mixed)
-    mask = seen["visual_pos_masks"]
-    assert torch.equal(mask, want["visual_pos_masks"])
-    assert torch.equal(mask, (engine["input_ids"] == IMAGE) | (engine["input_ids"] == VIDEO))
-    assert len(seen["deepstack_visual_embeds"]) == 2
-    for mine, ref in zip(seen["deepstack_visual_embeds"], want["deepstack_visual_embeds"]):
-        assert mine.shape == ref.shape == (int(mask.sum()), 64)
-        assert torch.nn.functional.cosine_similarity(mine, ref, dim=-1).min() > 0.99
+    if family == "qwen3_vl":  # deepstack follows the repaired items
+        mask, embeds = lm["visual_pos_masks"], lm["deepstack_visual_embeds"]
+        assert torch.equal(mask, ref_deep[0])
+        assert torch.equal(mask, (engine["input_ids"] == IMAGE) | (engine["input_ids"] == VIDEO))
+        assert len(embeds) == 2
+        for mine, want in zip(embeds, ref_deep[1]):
+            assert mine.shape == want.shape == (int(mask.sum()), 64)
+            assert torch.nn.functional.cosine_similarity(mine, want, dim=-1).min() > 0.99
 
 
 def test_every_item_dropped_keeps_the_tower_in_the_graph(family):
@@ -335,26 +332,6 @@ def test_install_checks_the_guard_geometry_against_the_config(family):
     bad = MediaGuard(GuardConfig(), grammar=Grammar.qwen2_vl(), geometry=geo)
     with pytest.raises(MediaInputError, match="image geometry has patch"):
         install_qwen_vl(model, bad)
-
-
-def test_passed_position_ids_are_recomputed_after_a_rewrite():
-    family = "qwen2_5_vl"
-    engine, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
-    model = model_for(family)
-    rope = inner(model).get_rope_index
-    pos, _ = rope(
-        engine["input_ids"],
-        engine["mm_token_type_ids"],
-        engine["image_grid_thw"],
-        engine["video_grid_thw"],
-        attention_mask=engine["attention_mask"],
-    )
-    guard = guard_for(family, "repair")
-    with spy(inner(model)) as (seen, _), torch.no_grad(), install_qwen_vl(model, guard) as h:
-        h.set_items(source_items(SAMPLES, mixed))  # the originals' sizes
-        model(**dict(mixed, mm_token_type_ids=None), position_ids=pos)
-    assert seen["position_ids"] is None  # the model recomputes MRoPE from the new grids
-    assert torch.equal(seen["mm_token_type_ids"], engine["mm_token_type_ids"])
 
 
 def test_generate_still_works_with_the_hook_installed():
