@@ -90,16 +90,23 @@ class Recorder:
         return StageOutcome.local(local, 0)
 
 
-def test_drop_masks_the_dropped_samples_loss(family):
+def test_drop_masks_the_dropped_samples_loss_and_saves_a_bundle(family, tmp_path):
+    from megatron_media_guard.replay.bundle import load_bundle
+
     _, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
     labels = mixed["input_ids"].clone()
-    with torch.no_grad(), install_qwen_vl(model_for(family), guard_for(family, "drop")) as h:
+    guard = guard_for(family, "drop", dump_dir=str(tmp_path))
+    with torch.no_grad(), install_qwen_vl(model_for(family), guard) as h:
         model_for(family)(**mixed, labels=labels)
     assert h.last_result.report.actions == ("drop", "drop", "keep")
     mask, lab = h.mask_loss(torch.ones(labels.shape), labels)
     assert mask[:2].eq(0).all() and mask[2].eq(1).all()
     assert lab[:2].eq(-100).all() and torch.equal(lab[2], labels[2])
     assert torch.equal(h.last_result.labels, lab)
+    [path] = list(tmp_path.glob("*.bundle"))  # the mismatched batch, to replay
+    bundle = load_bundle(path)
+    assert torch.equal(bundle.input_ids, mixed["input_ids"])
+    assert bundle.items[0].grid_thw == tuple(mixed["image_grid_thw"][0].tolist())
 
 
 @pytest.mark.parametrize("as_tensor", [False, True])
@@ -260,20 +267,6 @@ def test_items_that_contradict_the_grids_are_input_errors(what, match):
         h.set_items(_contradicting(items, what))
         with pytest.raises(MediaInputError, match=match):
             model(**batch)
-
-
-def test_replay_bundle_of_a_mismatched_batch(family, tmp_path):
-    from megatron_media_guard.replay.bundle import load_bundle
-
-    _, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
-    model = model_for(family)
-    guard = guard_for(family, "drop", dump_dir=str(tmp_path))
-    with torch.no_grad(), install_qwen_vl(model, guard):
-        model(**mixed)
-    [path] = list(tmp_path.glob("*.bundle"))
-    bundle = load_bundle(path)
-    assert torch.equal(bundle.input_ids, mixed["input_ids"])
-    assert bundle.items[0].grid_thw == tuple(mixed["image_grid_thw"][0].tolist())
 
 
 def _bad_pixels(b):
