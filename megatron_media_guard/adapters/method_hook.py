@@ -3,7 +3,8 @@ the method) around one named method of one object *instance*, an instance attrib
 the class method (why a model's ``forward`` too, not torch forward hooks: docs/MEGATRON.md).
 
 One double-install check: a method that already carries a hook (its :data:`HANDLE_ATTR`,
-which ``functools.update_wrapper`` copies onto a later wrapper of it) refuses another: a silent no-op would hide a difference between the two installs.
+which ``functools.update_wrapper`` copies onto a later wrapper of it) refuses another: a silent
+no-op would hide a difference between the two installs.
 """
 
 from __future__ import annotations
