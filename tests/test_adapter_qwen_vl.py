@@ -90,25 +90,23 @@ class Recorder:
         return StageOutcome.local(local, 0)
 
 
-def test_config_gives_the_sizes_and_ids(family):
-    model = model_for(family)
-    grammar = qwen.SPEC.grammar(model)
-    assert (grammar.placeholders["image"], grammar.placeholders["video"]) == (IMAGE, VIDEO)
-    s = qwen.sizes(model)
-    assert (s["patch"], s["merge"], s["temporal_patch"]) == (patch_of(family), 2, 2)
-    assert qwen.is_qwen3(model) == (family == "qwen3_vl")  # videos: one run per group
+def test_drop_masks_the_dropped_samples_loss_and_saves_a_bundle(family, tmp_path):
+    from megatron_media_guard.replay.bundle import load_bundle
 
-
-def test_drop_masks_the_dropped_samples_loss(family):
     _, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
     labels = mixed["input_ids"].clone()
-    with torch.no_grad(), install_qwen_vl(model_for(family), guard_for(family, "drop")) as h:
+    guard = guard_for(family, "drop", dump_dir=str(tmp_path))
+    with torch.no_grad(), install_qwen_vl(model_for(family), guard) as h:
         model_for(family)(**mixed, labels=labels)
     assert h.last_result.report.actions == ("drop", "drop", "keep")
     mask, lab = h.mask_loss(torch.ones(labels.shape), labels)
     assert mask[:2].eq(0).all() and mask[2].eq(1).all()
     assert lab[:2].eq(-100).all() and torch.equal(lab[2], labels[2])
     assert torch.equal(h.last_result.labels, lab)
+    [path] = list(tmp_path.glob("*.bundle"))  # the mismatched batch, to replay
+    bundle = load_bundle(path)
+    assert torch.equal(bundle.input_ids, mixed["input_ids"])
+    assert bundle.items[0].grid_thw == tuple(mixed["image_grid_thw"][0].tolist())
 
 
 @pytest.mark.parametrize("as_tensor", [False, True])
@@ -142,7 +140,6 @@ def test_repair_takes_the_geometry_of_the_models_config(family, install, tmp_pat
     smaller one): both families repair both items from their originals' sizes, never falling
     back for want of a geometry."""
     from megatron_media_guard.adapters import install_vlm
-    from megatron_media_guard.families import qwen
 
     _, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
     model = model_for(family)
@@ -167,53 +164,50 @@ def test_repair_takes_the_geometry_of_the_models_config(family, install, tmp_pat
 
 
 def test_repair_runs_the_tower_once_and_matches_the_engine_sizes(family):
+    """The repaired batch is the engine-sized one: one tower call as the plain forward, the
+    features and the loss; the grids, the token types (not given: derived from the ids) and the
+    MRoPE positions (given: left to the model, which recomputes them from the new grids); on
+    Qwen3-VL the deepstack rows."""
     engine, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
     model = model_for(family)
-    pooled = spy(inner(model).visual, lambda o: o.pooler_output)
-    with spy(inner(model)) as (seen, _), pooled as (_, tower_out), torch.no_grad():
+    args = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw")
+
+    def positions(b: dict) -> torch.Tensor:
+        rope = inner(model).get_rope_index
+        return rope(b["input_ids"], *(b[k] for k in args), attention_mask=b["attention_mask"])[0]
+
+    with (
+        spy(inner(model)) as (seen, _),
+        spy(inner(model).language_model) as (lm, _),
+        spy(inner(model).visual, lambda o: o.pooler_output) as (_, tower_out),
+        torch.no_grad(),
+    ):
         ref = model(**engine, labels=engine["input_ids"])
         ref_feats, plain_calls = torch.cat(tower_out), len(tower_out)
+        ref_deep = [lm.get(k) for k in ("visual_pos_masks", "deepstack_visual_embeds")]
         tower_out.clear()
         with install_qwen_vl(model, guard_for(family, "repair")) as h:
             h.set_items(source_items(SAMPLES, mixed))  # the originals' sizes
-            out = model(**mixed, labels=engine["input_ids"])
+            stale = dict(mixed, mm_token_type_ids=None, position_ids=positions(engine))
+            out = model(**stale, labels=engine["input_ids"])
     assert h.last_result.report.actions == ("repair", "repair", "keep")
     assert len(tower_out) == plain_calls  # one encode per modality, as the plain forward
-    assert torch.equal(seen["image_grid_thw"], engine["image_grid_thw"])
-    assert torch.equal(seen["video_grid_thw"], engine["video_grid_thw"])
-    rope = inner(model).get_rope_index
-    args = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw")
-    mine, _ = rope(
-        seen["input_ids"], *(seen[k] for k in args), attention_mask=seen["attention_mask"]
-    )
-    want, _ = rope(
-        engine["input_ids"], *(engine[k] for k in args), attention_mask=engine["attention_mask"]
-    )
-    assert torch.equal(mine, want)  # MRoPE positions follow the repaired grids
+    for k in args:
+        assert torch.equal(seen[k], engine[k]), k
+    assert seen["position_ids"] is None
+    assert torch.equal(positions(seen), positions(engine))  # MRoPE follows the repaired grids
     cos = torch.nn.functional.cosine_similarity(torch.cat(tower_out), ref_feats, dim=-1)
     print(f"feature cosine to the engine-sized encode: mean {cos.mean():.5f}, min {cos.min():.5f}")
     assert cos.mean() > 0.999 and cos.min() > 0.99, cos
     assert abs(out.loss.item() - ref.loss.item()) < 1e-2 * ref.loss.item()
-
-
-def test_qwen3_deepstack_follows_the_repaired_items():
-    family = "qwen3_vl"
-    engine, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
-    model = model_for(family)
-    lm = inner(model).language_model
-    with spy(lm) as (seen, _), torch.no_grad():
-        model(**engine)
-        want = {k: seen[k] for k in ("visual_pos_masks", "deepstack_visual_embeds")}
-        with install_qwen_vl(model, guard_for(family, "repair")) as h:
-            h.set_items(source_items(SAMPLES, mixed))  # the originals' sizes
-            model(**mixed)
-    mask = seen["visual_pos_masks"]
-    assert torch.equal(mask, want["visual_pos_masks"])
-    assert torch.equal(mask, (engine["input_ids"] == IMAGE) | (engine["input_ids"] == VIDEO))
-    assert len(seen["deepstack_visual_embeds"]) == 2
-    for mine, ref in zip(seen["deepstack_visual_embeds"], want["deepstack_visual_embeds"]):
-        assert mine.shape == ref.shape == (int(mask.sum()), 64)
-        assert torch.nn.functional.cosine_similarity(mine, ref, dim=-1).min() > 0.99
+    if family == "qwen3_vl":  # deepstack follows the repaired items
+        mask, embeds = lm["visual_pos_masks"], lm["deepstack_visual_embeds"]
+        assert torch.equal(mask, ref_deep[0])
+        assert torch.equal(mask, (engine["input_ids"] == IMAGE) | (engine["input_ids"] == VIDEO))
+        assert len(embeds) == 2
+        for mine, want in zip(embeds, ref_deep[1]):
+            assert mine.shape == want.shape == (int(mask.sum()), 64)
+            assert torch.nn.functional.cosine_similarity(mine, want, dim=-1).min() > 0.99
 
 
 def test_every_item_dropped_keeps_the_tower_in_the_graph(family):
@@ -275,20 +269,6 @@ def test_items_that_contradict_the_grids_are_input_errors(what, match):
             model(**batch)
 
 
-def test_replay_bundle_of_a_mismatched_batch(family, tmp_path):
-    from megatron_media_guard.replay.bundle import load_bundle
-
-    _, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
-    model = model_for(family)
-    guard = guard_for(family, "drop", dump_dir=str(tmp_path))
-    with torch.no_grad(), install_qwen_vl(model, guard):
-        model(**mixed)
-    [path] = list(tmp_path.glob("*.bundle"))
-    bundle = load_bundle(path)
-    assert torch.equal(bundle.input_ids, mixed["input_ids"])
-    assert bundle.items[0].grid_thw == tuple(mixed["image_grid_thw"][0].tolist())
-
-
 def _bad_pixels(b):
     return dict(b, pixel_values=b["pixel_values"][:-1])
 
@@ -337,36 +317,14 @@ def test_a_failed_resize_falls_back_in_one_round(monkeypatch):
     assert [(o.fatal, o.dropped, o.repaired) for o in rec.seen] == [(False, 1, 0)]
 
 
-def test_install_checks_the_guard_against_the_config(family):
+def test_install_checks_the_guard_geometry_against_the_config(family):
+    """(A grammar that is not the model's: tests/test_launcher_qwen_vl.py.)"""
     model = model_for(family)
-    wrong = MediaGuard(GuardConfig(), grammar=Grammar.qwen2_vl(image_pad=5))
-    with pytest.raises(MediaInputError, match=r"start, end\) .* differs from the qwen_vl model's"):
-        install_qwen_vl(model, wrong)
     other = 16 if family == "qwen2_5_vl" else 14
     geo = {"image": PatchMergeGeometry(patch=other), "video": None}
     bad = MediaGuard(GuardConfig(), grammar=Grammar.qwen2_vl(), geometry=geo)
     with pytest.raises(MediaInputError, match="image geometry has patch"):
         install_qwen_vl(model, bad)
-
-
-def test_passed_position_ids_are_recomputed_after_a_rewrite():
-    family = "qwen2_5_vl"
-    engine, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
-    model = model_for(family)
-    rope = inner(model).get_rope_index
-    pos, _ = rope(
-        engine["input_ids"],
-        engine["mm_token_type_ids"],
-        engine["image_grid_thw"],
-        engine["video_grid_thw"],
-        attention_mask=engine["attention_mask"],
-    )
-    guard = guard_for(family, "repair")
-    with spy(inner(model)) as (seen, _), torch.no_grad(), install_qwen_vl(model, guard) as h:
-        h.set_items(source_items(SAMPLES, mixed))  # the originals' sizes
-        model(**dict(mixed, mm_token_type_ids=None), position_ids=pos)
-    assert seen["position_ids"] is None  # the model recomputes MRoPE from the new grids
-    assert torch.equal(seen["mm_token_type_ids"], engine["mm_token_type_ids"])
 
 
 def test_generate_still_works_with_the_hook_installed():
@@ -429,7 +387,7 @@ def test_token_types_that_disagree_with_the_ids_are_rebuilt(tmp_path):
 def _split_video() -> dict:
     """Two clips the engine sampled 4 frames of each (2 groups each), the trainer 6 of the first
     and 2 of the second: the same 4 groups of the same size, grouped 3 + 1 (the runs of video
-    0's third group lie in sample 1: tests/test_adapter_qwen_vl_split.py)."""
+    0's third group lie in sample 1: tests/test_adapter_qwen_vl_checks.py)."""
 
     def clips(frames):
         videos = [smooth_clip(n, 96, 96, seed) for n, seed in zip(frames, (1, 5))]

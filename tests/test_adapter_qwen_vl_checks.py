@@ -2,7 +2,12 @@
 count tables) against its slow path (no model needed): on random batches of images and
 videos, with and without a fault in the grids or the ids, packed or not, the one-transfer
 verdict is "aligned" exactly when the per-sample report finds nothing and no grid row's runs
-lie in two samples."""
+lie in two samples.
+
+A Qwen3-VL video whose temporal groups land in two samples (every run as long as its grid row
+says, the batch totals agree, but one video's groups feed two samples' runs) is found on the
+device (an item's runs must lie in one sample), never kept or repaired (on the real Qwen3-VL:
+tests/test_adapter_qwen_vl.py)."""
 
 from __future__ import annotations
 
@@ -212,3 +217,57 @@ def test_text_only_fingerprint_equals_the_core_verify_fingerprint(shape):
     verdict, _ = _check(lay, ids, {"image": None, "video": None}, False)
     core, _ = verify(lay, ids, [])
     assert verdict.fingerprint == core.fingerprint == _reference_fingerprint(ids, {})
+
+
+# ---- a video's temporal groups in two samples ------------------------------------------------
+
+
+def _video_rows(groups_per_sample: list[int], grid_t: list[int], packed: bool):
+    """(layout, ids, grids): sample k holds ``groups_per_sample[k]`` groups of 4 cells, the
+    grids say ``grid_t`` groups per video."""
+    samples = [[("video", n, 4, 4)] if n else [] for n in groups_per_sample]
+    ids, cu, _ = _case(samples, True, packed, "none", 0)
+    grids = {"image": None, "video": torch.tensor([[t, 4, 4] for t in grid_t])}
+    return TokenLayout(ids, G, cu), ids, grids
+
+
+@pytest.mark.parametrize(
+    ("tokens", "grid_t", "split"),
+    [
+        ([2, 2], [2, 2], False),  # each video in its sample
+        ([2, 2], [3, 1], True),  # video 0's third group fed to sample 1's first run
+        ([1, 3], [2, 2], True),
+        ([3, 0], [1, 2], False),  # two videos in sample 0: no row crosses a sample
+        ([1, 0, 1], [2], True),  # across an empty sample
+    ],
+)
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_video_row_across_two_samples_is_not_aligned(tokens, grid_t, split, packed):
+    lay, ids, grids = _video_rows(tokens, grid_t, packed)
+    verdict, _ = _check(lay, ids, grids, per_group=True)
+    report, found = _report(lay, ids, grids, per_group=True)
+    assert report.ok  # each run is fed the length it holds: only the rows give it away
+    assert (verdict.bad_runs == 0) == (not split)
+    assert bool(found) == split
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ts=st.lists(st.integers(1, 3), min_size=2, max_size=4),
+    pick=st.tuples(st.integers(0, 3), st.integers(0, 3)),
+    packed=st.booleans(),
+)
+def test_any_group_moved_between_samples_is_found(ts, pick, packed):
+    """One video per sample, all of one frame size; the grids move one temporal group from
+    video ``j`` to an earlier video ``i``: every run still counts right, the rows do not."""
+    i, j = sorted(p % len(ts) for p in pick)
+    grid_t = list(ts)
+    moved = i < j and ts[j] > 1
+    if moved:
+        grid_t[i] += 1
+        grid_t[j] -= 1
+    lay, ids, grids = _video_rows(ts, grid_t, packed)
+    verdict, _ = _check(lay, ids, grids, per_group=True)
+    _, found = _report(lay, ids, grids, per_group=True)
+    assert (verdict.bad_runs == 0) == (not moved)
+    assert bool(found) == moved

@@ -23,7 +23,7 @@ from megatron_media_guard.adapters.launcher import (
     install_from_args,
 )
 from megatron_media_guard.families import qwen
-from megatron_media_guard.testing.qwen_vl import seed_failure, source_items, tiny_model
+from megatron_media_guard.testing.qwen_vl import seed_failure, tiny_model
 
 CASES = [(f, head) for f in ("qwen2_5_vl", "qwen3_vl") for head in (True, False)]
 _MODELS: dict = {}
@@ -105,13 +105,11 @@ def test_install_from_args_guards_the_model_and_remove_restores_it(case):
     "argv, env, want",
     [
         ([], {}, "raise"),  # the default policy
-        (["--media-guard-policy", "raise"], {"MEDIA_GUARD_POLICY": "drop"}, "drop"),
-        # the geometry of the model's config, the originals' sizes: both items repaired
-        (["--media-guard-policy", "repair"], {}, "repair"),
         (["--media-guard-policy", "drop"], {"MEDIA_GUARD_DISABLE": "1"}, "unguarded"),
     ],
 )
 def test_the_seed_failure_is_handled_as_the_arguments_say(case, argv, env, want):
+    """(A drop: above; a repair from the config's geometry: tests/test_adapter_qwen_vl.py.)"""
     model, _, mixed, _ = case
     before = _state(model)
     group = install_from_args([model], parse(argv), step_end="manual", environ=env)
@@ -122,20 +120,10 @@ def test_the_seed_failure_is_handled_as_the_arguments_say(case, argv, env, want)
                     MediaAlignmentError, match=r"image item 0 \(\d+x\d+ \(HxW\), grid 1x"
                 ):
                     model(**mixed)
-            elif want == "unguarded":
+            else:
                 assert len(group) == 0 and _state(model) == before
                 with pytest.raises(ValueError, match=r"features and .* tokens do not match"):
                     model(**mixed)
-            elif want == "repair":
-                group[0].set_items(source_items(SAMPLES, mixed))  # the originals' sizes
-                model(**mixed)
-                report = group[0].last_result.report
-                assert report.actions == ("repair", "repair", "keep")
-            else:
-                model(**mixed)
-                report = group[0].last_result.report
-                assert report.actions == ("drop", "drop", "keep")
-                assert not report.repaired
     finally:
         group.remove()
     assert _state(model) == before

@@ -20,61 +20,49 @@ from dataclasses import dataclass
 import pytest
 import torch
 from dist_harness import data_parallel, full_grads, run_ranks
+from test_check_batch import CASES as BATCH_CASES
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError
 from megatron_media_guard.core.host import count_transfers
 from megatron_media_guard.testing import bridge as loader
 from megatron_media_guard.testing import families as fixtures
-from megatron_media_guard.testing.families import internvl as IV
-from megatron_media_guard.testing.families import mistral3 as MI
-from megatron_media_guard.testing.families import nemotron_omni as NO
-from megatron_media_guard.testing.families import qwen3_omni as QO
 from megatron_media_guard.testing.families.base import Media
 
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
-# markers only a tokenizer knows (as each family's own tests pass them)
-_NEMOTRON = {
-    "<img>": NO.IMG_START,
-    "</img>": NO.IMG_END,
-    "<so_start>": NO.SO_START,
-    "<so_end>": NO.SO_END,
-}
-_QWEN3_OMNI = {"<|vision_end|>": QO.VISION_END, "<|audio_end|>": QO.AUDIO_END}
-_INTERNVL = {"<img>": IV.IMG_START, "</img>": IV.IMG_END}
-_MISTRAL3 = {"[IMG_BREAK]": MI.BREAK_ID, "[IMG_END]": MI.END_ID}
-
 
 @dataclass(frozen=True)
 class Case:
     """One guarded family on one fixture: ``fixture`` (a ``testing/families`` module), one
-    aligned item, the tokenizer stand-in for markers only a tokenizer knows, and ``spec``: a
-    ``families`` module whose ``SPEC`` is installed in place of the registry's choice."""
+    aligned item, and ``spec``: a ``families`` module whose ``SPEC`` is installed in place of
+    the registry's choice. ``tokens``: the tokenizer stand-in for markers only a tokenizer
+    knows (the fixture's in tests/test_check_batch.py)."""
 
     fixture: str
     media: Media
-    tokens: dict | None = None
     spec: str | None = None
+
+    @property
+    def tokens(self) -> dict | None:
+        return next(c.tokens for c in BATCH_CASES.values() if c.fixture == self.fixture) or None
 
 
 CASES = {
     "gemma3": Case("gemma3", Media("image", (32, 32))),
-    "nemotron_omni": Case("nemotron_omni", Media("image", (4, 4)), _NEMOTRON),
+    "nemotron_omni": Case("nemotron_omni", Media("image", (4, 4))),
     "kimi_k25": Case("kimi_k25", Media("image", (4, 4))),
-    "internvl": Case("internvl", Media("image", (56, 56)), _INTERNVL),
+    "internvl": Case("internvl", Media("image", (56, 56))),
     "qwen2_audio": Case("qwen2_audio", Media("audio", (40,))),
-    "qwen3_omni": Case("qwen3_omni", Media("image", (4, 4)), _QWEN3_OMNI),
+    "qwen3_omni": Case("qwen3_omni", Media("image", (4, 4))),
     "glm4v": Case("glm4v", Media("image", (4, 4))),
     "ernie4_5_vl": Case("ernie4_5_vl", Media("image", (4, 4))),
-    "mistral3": Case("mistral3", Media("image", (56, 84)), _MISTRAL3),
+    "mistral3": Case("mistral3", Media("image", (56, 84))),
     "llava_onevision": Case("llava_onevision", Media("image", (56, 56))),
     "qwen3_5": Case("qwen3_5", Media("image", (4, 4))),  # the Qwen-VL family
     # apply="inputs": Bridge's Qwen3-Omni spec on transformers' thinker (the forward Bridge's
     # mirrors: the same keyword inputs, its own merge); Bridge's class itself below
-    "qwen3_omni inputs": Case(
-        "qwen3_omni", Media("image", (4, 4)), _QWEN3_OMNI, "qwen3_omni_bridge"
-    ),
+    "qwen3_omni inputs": Case("qwen3_omni", Media("image", (4, 4)), "qwen3_omni_bridge"),
 }
 BRIDGE_CASE = "qwen3_omni_bridge"  # Bridge 0.6.2's Qwen3OmniThinkerModel (scripts/test_mcore019.sh)
 
@@ -293,8 +281,8 @@ def _model_inputs(model, handle, kw: dict) -> dict:
     got = {}
     pre = handle._pre_hook
 
-    def grab(module, args, kwargs):
-        args, kwargs = pre(module, args, kwargs) or (args, kwargs)
+    def grab(args, kwargs):
+        args, kwargs = pre(args, kwargs) or (args, kwargs)
         got.update(handle.sig.bind(*args, **kwargs).arguments)
         raise _Seen
 

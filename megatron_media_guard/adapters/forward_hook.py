@@ -14,6 +14,7 @@ from ..core.guard import MediaGuard
 from ..diagnostics import GuardRecord
 from ..errors import MediaInputError
 from ..families import FamilySpec
+from ..families.inputs import drop_inputs
 from .hooks import GuardHandle
 from .tower import TowerKeeper, input_embeddings, tower_due
 
@@ -65,7 +66,7 @@ class CallArgs:
 
 class ForwardHookHandle(GuardHandle):
     """The guard of one family model instance: a pre and a post around its ``forward``, a
-    :class:`~.tower.TowerKeeper` between them. Subclasses define ``_guarded(module, call)``:
+    :class:`~.tower.TowerKeeper` between them. Subclasses define ``_guarded(call)``:
     None (the call as given) or ``(args, kwargs)`` for the model. ``text_id``: what a dropped
     sample's placeholders become.
 
@@ -86,12 +87,11 @@ class ForwardHookHandle(GuardHandle):
         self.keeper = TowerKeeper()
 
     def install_hooks(self) -> ForwardHookHandle:
-        m = self.module
         self.install(
-            pre=lambda args, kwargs: self._pre_hook(m, args, kwargs),
+            pre=lambda args, kwargs: self._pre_hook(args, kwargs),
             post=lambda args, kwargs, out: self.keeper.attach(out),
         )
-        emb = input_embeddings(m)
+        emb = input_embeddings(self.module)
         if emb is not None:
             try:
                 self.hook(emb, "forward", post=self.keeper.into_embeddings)
@@ -104,7 +104,7 @@ class ForwardHookHandle(GuardHandle):
         super().remove()
         self.keeper.clear()  # a forward that raised may hold the dummy tower call's graph
 
-    def _pre_hook(self, module: Any, args: tuple, kwargs: dict) -> Any:
+    def _pre_hook(self, args: tuple, kwargs: dict) -> Any:
         self.keeper.clear()  # a forward that raised leaves nothing behind
         try:
             call = CallArgs(self.sig, args, kwargs)
@@ -112,10 +112,7 @@ class ForwardHookHandle(GuardHandle):
             return None  # the model reports its own signature error
         if call.get("mm_encoder_outputs") is not None:
             return None  # encoded before the forward (transformers' generate)
-        return self._guarded(module, call)
-
-    def _guarded(self, module: Any, call: CallArgs) -> Any:
-        raise NotImplementedError
+        return self._guarded(call)
 
     def keep_tower(self, *, had_media: bool, feeds_media: bool) -> None:
         """The spec's ``dummy`` tower call now, before the model's body, when
@@ -123,6 +120,16 @@ class ForwardHookHandle(GuardHandle):
         dummy, mode = self.spec.dummy, self.guard.config.keep_tower
         if dummy is not None and tower_due(mode, had_media=had_media, feeds_media=feeds_media):
             self.keeper.run(lambda: dummy(self.module))
+
+    def rewrite(self, call: CallArgs, given: dict, mods, dropped, gone, **kw: Any) -> dict:
+        """The plan applied to the call (:func:`~..families.inputs.drop_inputs`) on ``given``
+        (the ids, the tensors that follow them, the kept inputs), each input it changed set on
+        ``call``; returns the rewritten inputs."""
+        out = drop_inputs(self.spec, given, mods, self.guard, dropped, gone, self.text_id, **kw)
+        for name, value in out.items():
+            if value is not given.get(name):
+                call.set(name, value)
+        return out
 
     def note(self, step, mb, action: str, reason: str, modality: str | None = None) -> None:
         """A ``check`` record: the inputs were put right without touching any sample."""

@@ -2,9 +2,9 @@
 the method) around one named method of one object *instance*, an instance attribute shadowing
 the class method (why a model's ``forward`` too, not torch forward hooks: docs/MEGATRON.md).
 
-One double-install check: a method that already carries a hook (the wrapper's
-:data:`HANDLE_ATTR`, which ``functools.update_wrapper`` copies onto a later wrapper of it)
-refuses another: a silent no-op would hide a difference between the two installs.
+One double-install check: a method that already carries a hook (its :data:`HANDLE_ATTR`,
+which ``functools.update_wrapper`` copies onto a later wrapper of it) refuses another: a silent
+no-op would hide a difference between the two installs.
 """
 
 from __future__ import annotations
@@ -19,13 +19,15 @@ Pre = Callable[[tuple, dict], "tuple[tuple, dict] | None"]
 Post = Callable[[tuple, dict, Any], Any]
 Around = Callable[[Callable[..., Any], tuple, dict], Any]
 
-#: attribute (on the wrapper function) pointing back to the hook's owner (its handle)
+#: attribute (on the installed hook) pointing back to the hook's owner (its handle)
 HANDLE_ATTR = "__media_guard_handle__"
 _MISSING = object()
 
 
 class Hook:
-    """Pre / post around the method ``name`` of one instance ``target``.
+    """Pre / post around the method ``name`` of one instance ``target``; installed, the hook
+    itself stands in for the method on the instance. A copy of the model would still call this
+    instance's method, so ``copy.deepcopy`` of it is refused.
 
     pre(args, kwargs): None, or the ``(args, kwargs)`` to call with; around(original, args,
     kwargs): runs in place of the method; post(args, kwargs, out): None, or the output in
@@ -45,8 +47,8 @@ class Hook:
         self.target, self.name, self.owner = target, name, owner
         self.pre, self.post, self.around = pre, post, around
         self.original: Callable[..., Any] | None = None
-        self._wrapper: Callable[..., Any] | None = None
         self._previous: object = _MISSING
+        self._installed = False
 
     def install(self) -> Hook:
         target, name = self.target, self.name
@@ -62,16 +64,18 @@ class Hook:
             )
         self._previous = target.__dict__.get(name, _MISSING)
         self.original = current
-        self._wrapper = _Hooked(self, current)
-        object.__setattr__(target, name, self._wrapper)
+        functools.update_wrapper(self, current, updated=())
+        setattr(self, HANDLE_ATTR, self.owner)
+        object.__setattr__(target, name, self)
+        self._installed = True
         return self
 
     def remove(self) -> None:
         """Restore the instance exactly as before :meth:`install` (idempotent)."""
-        if self._wrapper is None:
+        if not self._installed:
             return
         target, name = self.target, self.name
-        if target.__dict__.get(name) is not self._wrapper:
+        if target.__dict__.get(name) is not self:
             raise MediaInputError(
                 f"{type(target).__name__}.{name} was replaced after the media guard was "
                 "installed; remove the later wrapper first (handles come off in reverse order)"
@@ -80,39 +84,29 @@ class Hook:
             object.__delattr__(target, name)
         else:
             object.__setattr__(target, name, self._previous)
-        self._wrapper, self._previous = None, _MISSING
-
-
-def guarded_by(method: object) -> Any:
-    """The handle whose hook ``method`` is (None for an unguarded method)."""
-    return getattr(method, HANDLE_ATTR, None)
-
-
-class _Hooked:
-    """What the hooked instance holds in place of the method. A copy of the model would still
-    call this instance's method, so ``copy.deepcopy`` is refused."""
-
-    def __init__(self, hook: Hook, method: Callable[..., Any]) -> None:
-        functools.update_wrapper(self, method)
-        self.__wrapped__ = method
-        setattr(self, HANDLE_ATTR, hook.owner)
-        self._pre, self._post, self._around, self._method = hook.pre, hook.post, hook.around, method
+        self._installed, self._previous = False, _MISSING
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pre is not None:
-            new = self._pre(args, kwargs)
+        if self.pre is not None:
+            new = self.pre(args, kwargs)
             if new is not None:
                 args, kwargs = new
-        m = self._method
-        out = m(*args, **kwargs) if self._around is None else self._around(m, args, kwargs)
-        if self._post is not None:
-            new = self._post(args, kwargs, out)
+        m = self.original
+        out = m(*args, **kwargs) if self.around is None else self.around(m, args, kwargs)
+        if self.post is not None:
+            new = self.post(args, kwargs, out)
             if new is not None:
                 out = new
         return out
 
     def __deepcopy__(self, memo: dict) -> Any:
+        what = getattr(self, "__qualname__", self.name)
         raise MediaInputError(
-            f"{self.__qualname__} is guarded: a copy of the model would call the original's; "
-            "copy the model before installing the guard (or remove it, copy, install on each)"
+            f"{what} is guarded: a copy of the model would call the original's; copy the model "
+            "before installing the guard (or remove it, copy, install on each)"
         )
+
+
+def guarded_by(method: object) -> Any:
+    """The handle whose hook ``method`` is (None for an unguarded method)."""
+    return getattr(method, HANDLE_ATTR, None)

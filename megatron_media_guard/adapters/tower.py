@@ -1,11 +1,8 @@
 """Keeping a media tower in step across data-parallel ranks when a micro-batch feeds it nothing
 (why and the measurements: docs/PARALLEL.md, ``keep_tower``): the model's own tower runs in the
 forward **pre**-hook on a minimal dummy input, and a ``-0.0`` that depends on its output goes
-into the input embeddings (else the model's output); its gradient is exactly zero.
-
-Per handle: a ``TowerKeeper``, its :meth:`~TowerKeeper.into_embeddings` a post on the embedding
-module's ``forward``; in the pre-hook ``keeper.clear()``, then when ``tower_due(...)``
-``keeper.run(fn)``; ``keeper.planned(actions)``; in the post-hook ``return keeper.attach(out)``.
+into the input embeddings (else the model's output); its gradient is exactly zero. The keeper's
+protocol: :class:`~.forward_hook.ForwardHookHandle`.
 """
 
 from __future__ import annotations

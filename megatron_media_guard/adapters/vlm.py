@@ -1,17 +1,14 @@
 """The family engine's ``apply="embed"`` mode (docs/FAMILIES.md): one forward pre-hook that
-encodes each modality the call carries through the model's *own* feature method, merges the
-items with :meth:`MediaGuard.merge` (the one fault path) in token order, and lets the forward
-run on the merged ``inputs_embeds``. Where the call mixes modalities or a modality's counts
-live on the device, the token order is read with the verdict, in its one transfer
-(:class:`~megatron_media_guard.core.interleave.RunOrder`). A text-only call is planned with no
-items (it joins the stage's round, docs/CONSENSUS.md), passed on untouched unless a
-placeholder stands in it.
-"""
+encodes each modality through the model's *own* feature method and merges the items with
+:meth:`MediaGuard.merge` (the one fault path) in token order, read with the verdict where the
+call mixes modalities or its counts live on the device (:class:`~..core.interleave.RunOrder`);
+the forward runs on the merged ``inputs_embeds``. A text-only call is planned with no items
+(it joins the stage's round, docs/CONSENSUS.md), passed on untouched unless a placeholder
+stands in it."""
 
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import torch
 
@@ -19,7 +16,7 @@ from ..core.interleave import RunOrder, order_runs, queued, take_per_run
 from ..core.outcome import MergeResult
 from ..core.repairs import media_hw
 from ..core.runs import TokenLayout, parse_layout
-from ..families.inputs import drop_inputs, generated_as_text, gone_items
+from ..families.inputs import generated_as_text, gone_items
 from ..families.spec import Merged, present
 from .forward_hook import CallArgs, ForwardHookHandle
 from .vlm_items import call_items, counted, cut_blocks, typed_keys, typed_runs_order
@@ -32,7 +29,7 @@ class VLMHandle(ForwardHookHandle):
     inherit its ``set_items`` item's fields; the list's order is taken as the token order (it
     decides where modalities share a placeholder)."""
 
-    def _guarded(self, module: Any, call: CallArgs):
+    def _guarded(self, call: CallArgs):
         ids = call.get("input_ids")
         if not isinstance(ids, torch.Tensor) or call.get("inputs_embeds") is not None:
             return None  # no token ids to check (or the caller merged already)
@@ -61,7 +58,7 @@ class VLMHandle(ForwardHookHandle):
         mixed = listed is None and len({it.modality for it in items}) > 1
         if sized is not None or mixed or checks:
             types = call.get(spec.token_types) if spec.token_types else None
-            types = typed_keys(guard.grammar, mods, types)
+            types = typed_keys(mods, types)
 
             def order_of(runs, got) -> list[int]:
                 typed = None if types is None else typed_runs_order(runs, guard.grammar, mods, got)
@@ -232,19 +229,14 @@ class VLMHandle(ForwardHookHandle):
         return self.module.get_input_embeddings()(ids)
 
     def _drop_rewrite(self, call: CallArgs, ids, kw, mods, dropped, gone) -> torch.Tensor:
-        """The plan applied to the call (:func:`~..families.inputs.drop_inputs`) on the ids,
-        the tensors that follow them and the kept inputs (the others left the call with the
-        merge); returns the new ids."""
+        """:meth:`rewrite` on the ids, the tensors that follow them and the kept inputs (the
+        others left the call with the merge); returns the new ids."""
         given = {
             **{n: call.get(n) for n in self.spec.follow_ids},
             **{n: kw.get(n) for m in mods for n in m.keep},
             "input_ids": ids,
         }
-        out = drop_inputs(self.spec, given, mods, self.guard, dropped, gone, self.text_id)
-        for name, value in out.items():
-            if name != "input_ids" and value is not given[name]:
-                call.set(name, value)
-        return out["input_ids"]
+        return self.rewrite(call, given, mods, dropped, gone)["input_ids"]
 
 
 __all__ = ["VLMHandle"]

@@ -1,15 +1,8 @@
 """The family engine's ``apply="inputs"`` mode (docs/FAMILIES.md, docs/QWEN_VL.md): forwards
-whose model encodes and merges its media itself, so the guard checks and rewrites the inputs
-before the forward and runs no tower. Each item is sized from its modality's ``counts`` as
-count tables on the device and every run checked there
-(:func:`~..families.inputs.verify_tables`): the verdict is the aligned call's one transfer,
-and the call goes on untouched. Else the tables are read, the items put in token order and
-planned (:meth:`MediaGuard.last_stage`; a repair resizes patch rows,
-:class:`~..families.resize.Resizer`; an item whose runs lie in two samples is never kept), and
-the plan applied by rewriting the inputs (:func:`~..families.inputs.drop_inputs`; the
-``loss_mask`` zeroed out of place, or in the caller's tensor with ``loss_mask_inplace``). When
-a call feeds the tower nothing the spec's ``dummy`` runs it (``adapters/tower.py``).
-"""
+whose model encodes and merges its media itself; the guard checks the inputs against count
+tables on the device (the aligned call's one transfer, the call untouched) and on the fault
+path plans the items and applies the plan by rewriting the inputs; it runs no tower but the
+spec's ``dummy`` (``adapters/tower.py``)."""
 
 from __future__ import annotations
 
@@ -26,7 +19,6 @@ from ..families import FamilySpec
 from ..families.inputs import (
     count_tables,
     counted,
-    drop_inputs,
     generated_as_text,
     gone_items,
     on_device,
@@ -68,7 +60,7 @@ class InputsHandle(ForwardHookHandle):
             geo = spec.geometry(model)
         self.geometry = geo
 
-    def _guarded(self, module: Any, call: CallArgs):
+    def _guarded(self, call: CallArgs):
         ids = call.get("input_ids")
         had = self._feeds(call)
         new = None
@@ -166,28 +158,15 @@ class InputsHandle(ForwardHookHandle):
         if not (dropped or gone or fixed or smp_order or strays) and new_ids is ids:
             self._follow(call, ids)  # the ids are the truth: given token types follow them
             return call.rebuild() if call.changed else None  # else the model's own forward
-        out = drop_inputs(
-            spec,
-            {**view, "input_ids": new_ids},
-            mods,
-            guard,
-            dropped,
-            gone,
-            self.text_id,
-            cu=cu,
-            repaired=fixed,
-            order=smp_order,
-        )
+        given = {**view, "input_ids": new_ids}
+        out = self.rewrite(call, given, mods, dropped, gone, cu=cu, repaired=fixed, order=smp_order)
         if labels is not None and res.labels is not None:
-            out["labels"] = res.labels
+            call.set("labels", res.labels)
         if lmask is not None and dropped:
             if self.loss_mask_inplace:
                 lmask.copy_(res.loss_mask)
             else:
-                out["loss_mask"] = res.loss_mask.to(lmask.dtype)
-        for name, value in out.items():
-            if value is not view.get(name):
-                call.set(name, value)
+                call.set("loss_mask", res.loss_mask.to(lmask.dtype))
         self._follow(call, out["input_ids"])
         self.keeper.planned(res.report.actions)
         return call.rebuild()

@@ -213,20 +213,17 @@ def counted(
 def typed_order(ids, grammar, mods, items: list[MediaItem], types) -> list[int] | None:
     """:func:`typed_runs_order` on the runs read from ``ids`` (one transfer sized by the runs),
     where ``types`` (``FamilySpec.token_types``) decide the order, else None."""
-    if typed_keys(grammar, mods, types) is None:
+    if typed_keys(mods, types) is None:
         return None
     runs = read_runs(TokenLayout(ids, grammar), types)
     return typed_runs_order(runs, grammar, mods, items) if runs else None
 
 
-def typed_keys(grammar, mods, types) -> torch.Tensor | None:
+def typed_keys(mods, types) -> torch.Tensor | None:
     """``types`` where they decide the token order (several modalities, one on a shared
     token, ``type_id``s given), else None."""
-    code = {m.type_id for m in mods if m.type_id is not None}
-    shared = {grammar.token_modality(m.name) for m in mods if m.shares is not None}
-    if not isinstance(types, torch.Tensor) or len(mods) < 2 or not shared or not code:
-        return None
-    return types
+    typed = any(m.type_id is not None for m in mods) and any(m.shares is not None for m in mods)
+    return types if isinstance(types, torch.Tensor) and len(mods) > 1 and typed else None
 
 
 def typed_runs_order(runs: Sequence[Run], grammar, mods, items: list[MediaItem]):
