@@ -326,16 +326,14 @@ class MediaGuard:
                 [batch.items[i].sample for i in owning] if batch.explicit else None,
                 c.input_ids.device,
             )
-            verdict, _ = verify(lay, c.input_ids, tables, probe)
+            verdict, _ = verify(lay, tables, probe)
             groups = [(None, owning)]  # one scatter, or one per modality in its own order
             if len(tables) > 1:
                 groups = [
                     (lay.code == t.code, [i for i in owning if codes[i] == t.code]) for t in tables
                 ]
         else:  # items in consumption order, checked per modality (or ordered by the runs)
-            verdict, order, batch, groups = verify_in_token_order(
-                lay, c.input_ids.reshape(-1), batch, codes, late, probe
-            )
+            verdict, order, batch, groups = verify_in_token_order(lay, batch, codes, late, probe)
             c = replace(c, batch=batch)  # cut by the counts read with the verdict, if any
             owning = [i for i in order if batch.items[i].num_features]
             if not verdict.aligned(len(owning)):  # the fault path reads them in token order

@@ -70,7 +70,6 @@ def read_runs(lay: TokenLayout, keys=None) -> list[Run]:
 
 def verify_in_token_order(
     lay: TokenLayout,
-    ids_flat: torch.Tensor,
     batch: Batch,
     codes: Sequence[int],
     late: RunOrder,
@@ -103,7 +102,7 @@ def verify_in_token_order(
     if features is not None and late.probe is not None:  # (no copy beside no features)
         probe = late.probe.reshape(-1).to(features.dtype)
         features = torch.cat([features.reshape(-1), probe]) if features.numel() else probe
-    verdict, vals = verify(lay, ids_flat, tables, features, extra)
+    verdict, vals = verify(lay, tables, features, extra)
     for (_, refuse), flag in zip(late.checks, vals[len(vals) - len(late.checks) :]):
         if flag:
             refuse()

@@ -68,7 +68,7 @@ class TokenLayout:
         self.grammar = grammar
         self.batch, self.row_length = b, s
         self.device = dev = ids.device
-        self._ids = ids  # the masks below are built on first use (verify_lut needs none)
+        self.ids = ids  # the masks below are built on first use (verify_lut needs none)
 
         # samples: [b, s] rows, or packed samples of one row
         self.packed = cu_seqlens is not None
@@ -104,7 +104,7 @@ class TokenLayout:
 
     @cached_property
     def _masks(self) -> list[torch.Tensor]:  # one placeholder mask per modality
-        return [self._ids == tok for tok in self.grammar.placeholders.values()]
+        return [self.ids == tok for tok in self.grammar.placeholders.values()]
 
     @cached_property
     def ph(self) -> torch.Tensor:  # [b, s] bool: any placeholder
@@ -159,9 +159,9 @@ class TokenLayout:
     def _any_of(self, toks: tuple[int, ...]) -> torch.Tensor | None:
         if not toks:
             return None
-        out = self._ids == toks[0]
+        out = self.ids == toks[0]
         for t in toks[1:]:  # extra marker pairs (Grammar.regions): one compare each
-            out = out | (self._ids == t)
+            out = out | (self.ids == t)
         return out
 
     # ---- helpers ---------------------------------------------------------------
