@@ -367,22 +367,15 @@ def test_aligned_path_has_no_hidden_sync(monkeypatch, device, grammar):
     assert seen == ["cpu"] * expected
 
 
-def test_guard_closes_its_log(tmp_path):
-    batch = inject(Q, LAYOUT, "extra_pad")
-    emb, feats = inputs(batch)
-    with MediaGuard(GuardConfig(policy="drop", log_dir=str(tmp_path)), grammar=Q) as g:
-        g.merge(emb, batch.input_ids, feats, batch.items)
-        assert g.log._fd is not None
-    assert g.log._fd is None
-
-
 def test_placeholder_in_packed_padding_is_logged_and_never_merged(tmp_path):
     a = build_batch(Q, [[("image", 3)]])
     n = a.input_ids.shape[1]
     ids = torch.cat([a.input_ids, torch.tensor([[3, 5, 4]])], dim=1)  # a region after cu[-1]
-    emb = torch.randn(1, n + 3, H)
-    g = MediaGuard(GuardConfig(policy="drop", log_dir=str(tmp_path)), grammar=Q)
-    res = g.merge(emb, ids, torch.randn(3, H), [MediaItem(3, 0)], cu_seqlens=torch.tensor([0, n]))
+    emb, cu = torch.randn(1, n + 3, H), torch.tensor([0, n])
+    with MediaGuard(GuardConfig(policy="drop", log_dir=str(tmp_path)), grammar=Q) as g:
+        res = g.merge(emb, ids, torch.randn(3, H), [MediaItem(3, 0)], cu_seqlens=cu)
+        assert g.log._fd is not None
+    assert g.log._fd is None  # the guard closes its log
     assert res.report.actions == ("keep",)
     assert torch.equal(res.embeddings[0, n:], emb[0, n:])
     rec = records(tmp_path)

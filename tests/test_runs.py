@@ -158,7 +158,6 @@ def test_packed_findings_name_the_packed_sample(grammar, row, cu, runs, findings
 @pytest.mark.parametrize(
     ("ids", "cu", "match"),
     [
-        (torch.tensor([[1.0, 2.0]]), None, "integer token ids"),
         (torch.zeros(2, 2, 2, dtype=torch.long), None, r"\[b, s\]"),
         (torch.zeros(2, 4, dtype=torch.long), torch.tensor([0, 4]), "one row"),
         (torch.zeros(1, 4, dtype=torch.long), torch.tensor([0.0, 4.0]), "integer offsets"),
