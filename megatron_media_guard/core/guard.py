@@ -32,13 +32,11 @@ class MediaGuard:
     """Guards the merge of media features into text embeddings, per sample and per rank.
 
     config: policies and log directory. grammar: the model family's placeholder tokens.
-    rank: this rank's coordinates for diagnostics (default: read at each record, so a guard
-        built before ``init_process_group`` still names its own rank; ``ranks/defaults.py``).
+    rank: this rank's coordinates for diagnostics (default: read at each record).
     consensus: agrees decisions across ranks (``ranks/consensus.py``). None: the default,
-        resolved at the first guarded call that finds torch.distributed initialized (a
-        StageConsensus over parallel_state's groups, else the world group); ``False``: each
-        rank decides alone. The defaults come through ``core/providers.py``: a guard built as
-        ``megatron_media_guard.MediaGuard`` or by an adapter has them.
+        resolved at the first guarded call that finds torch.distributed initialized;
+        ``False``: each rank decides alone. Both defaults, and how a guard finds them
+        (``core/providers.py``): docs/CONSENSUS.md.
     geometry / encoder: what ``policy="repair"`` re-projects with (without them it warns:
         every mismatch takes ``fallback``).
     """
