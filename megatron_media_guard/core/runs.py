@@ -3,10 +3,8 @@ work, scans and gathers over the ids, no Python loop over tokens. ``TokenLayout`
 per-token masks that the aligned check (``verify.py``) and the full parse start from; the
 full parse moves only the run table and the findings to the host (sized by the runs).
 
-Marker pairs nested right inside another pair's region (``Grammar.inner``, Qwen3-Omni's
-``<|vision_start|><|audio_start|>`` ... ``<|audio_end|><|vision_end|>``) are read as part of
-the outer region's markers (neither opens, closes nor is text); what is checked is that they
-pair up."""
+Marker pairs nested right inside another pair's region (``Grammar.inner``) are read as part
+of the outer region's markers (neither opens, closes nor is text): they must pair up."""
 
 from __future__ import annotations
 
