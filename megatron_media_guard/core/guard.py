@@ -70,8 +70,9 @@ class MediaGuard:
         self._agreed = True  # False between a merge's start and its collective
         self._bind(self._consensus)
         _ = self.consensus  # the default resolves now when torch.distributed is initialized
-        if self.config.policy == "repair" and (geometry is None or encoder is None):
-            warn_unrepairable(geometry, encoder, self.config.fallback)
+        # without an encoder a repair can still take one with each merge, or from the model
+        if self.config.policy == "repair" and geometry is None:
+            warn_unrepairable(encoder, self.config.fallback)
 
     @property
     def rank(self) -> RankInfo:
