@@ -117,15 +117,14 @@ def verify_in_token_order(
     if not shared and verdict.aligned(len(owning)):  # consumption order, per modality
         scatter = [(_mask(lay, c, t, late), mine) for (c, t), mine in groups.items()]
         return verdict, tuple(range(len(items))), batch, scatter
-    rows = [vals[k : k + 7] for k in range(0, 7 * min(size, verdict.runs), 7)]
     if not shared or verdict.runs > size or verdict.findings:  # not every run in the table
         runs = read_runs(lay, late.keys)
     else:
-        runs = runs_of(rows, lay.grammar)
+        runs = runs_of([vals[k : k + 7] for k in range(0, 7 * verdict.runs, 7)], lay.grammar)
     order = tuple(late.order(runs, items))
-    if not shared:
-        return verdict, order, batch, [(None, [i for i in order if items[i].num_features])]
     owning = [i for i in order if items[i].num_features]
+    if not shared:
+        return verdict, order, batch, [(None, owning)]
     bad = abs(len(runs) - len(owning))
     for r, i in zip(runs, owning):
         ok = r.modality != "break" and r.length == items[i].num_features
