@@ -129,10 +129,9 @@ def _assign_implicit(
     return owner, [i for i in real if owner[i] is None]
 
 
-def align(
-    parsed: ParsedRuns, items: Sequence[MediaItem], *, explicit: bool | None = None
-) -> AlignmentReport:
-    """Classify every sample of a parsed batch against its items."""
+def align(parsed: ParsedRuns, items: Sequence[MediaItem]) -> AlignmentReport:
+    """Classify every sample of a parsed batch against its items (every item names its
+    sample, or none does)."""
     items = tuple(items)
     if parsed.aliases:  # aliased modalities match runs of their token's modality
         items = tuple(
@@ -141,9 +140,7 @@ def align(
             else it
             for it in items
         )
-    if explicit is None:
-        explicit = any(it.sample is not None for it in items)
-    if explicit:  # items without features own no run
+    if any(it.sample is not None for it in items):  # items without features own no run
         owner: list[int | None] = [it.sample if it.num_features else None for it in items]
         orphans: list[int] = []
     else:

@@ -76,7 +76,7 @@ def diagnose(
         )
         c = replace(c, input_ids=ids, lay=lay)
     batch = c.batch
-    report = align(parse_layout(c.lay), batch.items, explicit=batch.explicit)
+    report = align(parse_layout(c.lay), batch.items)
     if c.sample_ids is not None:  # the caller's per-sample ids where no item names one
         ids = c.sample_ids
         named = [

@@ -104,7 +104,7 @@ class MediaGuard:
         """The full per-sample report, without merging."""
         lay = TokenLayout(input_ids, self.grammar, cu_seqlens)
         batch = metadata_batch(items, lay.num_samples)
-        return align(parse_layout(lay), batch.items, explicit=batch.explicit)
+        return align(parse_layout(lay), batch.items)
 
     def merge(
         self,
