@@ -135,10 +135,7 @@ def verify_in_token_order(
 
 def _groups(items, codes, late: RunOrder) -> dict[tuple[int, int | None], list[int]]:
     """``(code, type) -> items`` in consumption order."""
-    groups: dict[tuple[int, int | None], list[int]] = {}
-    for i, it in enumerate(items):
-        groups.setdefault((codes[i], late.types.get(it.modality)), []).append(i)
-    return groups
+    return queued([(c, late.types.get(it.modality)) for c, it in zip(codes, items)])
 
 
 def _expected(lay, items, mine: list[int], code: int, typ, late: RunOrder, explicit: bool):
