@@ -145,9 +145,9 @@ def align(parsed: ParsedRuns, items: Sequence[MediaItem]) -> AlignmentReport:
         orphans: list[int] = []
     else:
         owner, orphans = _assign_implicit(parsed.runs, items, parsed.collapsed)
-    runs_of = _by_sample((r.sample, r) for r in parsed.runs)
-    items_of = _by_sample((smp, i) for i, smp in enumerate(owner))  # None: unclaimed
-    finds_of = _by_sample((f.sample, f) for f in parsed.findings)
+    runs_of = by_key((r.sample, r) for r in parsed.runs)
+    items_of = by_key((smp, i) for i, smp in enumerate(owner))  # None: unclaimed
+    finds_of = by_key((f.sample, f) for f in parsed.findings)
     stray = finds_of.pop(None, [])  # findings outside any sample (packed padding)
     reports = tuple(
         _sample_report(
@@ -171,8 +171,8 @@ def align(parsed: ParsedRuns, items: Sequence[MediaItem]) -> AlignmentReport:
     )
 
 
-def _by_sample(pairs) -> dict:
-    """``sample -> [values]`` from ``(sample, value)`` pairs, in their order."""
+def by_key(pairs) -> dict:
+    """``key -> [values]`` from ``(key, value)`` pairs, each list in their order."""
     out: dict = {}
     for smp, v in pairs:
         out.setdefault(smp, []).append(v)

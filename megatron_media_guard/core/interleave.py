@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..errors import MediaInputError
+from .alignment import by_key
 from .grammar import Grammar
 from .host import to_host
 from .items import Batch, MediaItem, normalize
@@ -245,10 +246,7 @@ def take_per_run(queues: Mapping[object, list[int]], run_keys: Sequence[object])
 
 def queued(keys: Sequence[object]) -> dict[object, list[int]]:
     """Indices ``0..len(keys)-1`` grouped by their key, each group in order."""
-    out: dict[object, list[int]] = {}
-    for i, k in enumerate(keys):
-        out.setdefault(k, []).append(i)
-    return out
+    return by_key((k, i) for i, k in enumerate(keys))
 
 
 def order_runs(
