@@ -113,7 +113,7 @@ def _check(lay, ids, grids, per_group, extra=()):
     inputs = _inputs(ids, grids)
     mods = present(qwen.SPEC, inputs)
     tables = count_tables(qwen.SPEC, mods, _config(per_group), inputs)
-    return verify_tables(lay, ids, mods, tables, extra=extra)
+    return verify_tables(lay, mods, tables, extra=extra)
 
 
 def _report(lay, ids, grids, per_group):
@@ -215,7 +215,7 @@ def test_text_only_fingerprint_equals_the_core_verify_fingerprint(shape):
     ids = torch.randint(0, 2**31, shape, generator=torch.Generator().manual_seed(shape[1]))
     lay = TokenLayout(ids, G)
     verdict, _ = _check(lay, ids, {"image": None, "video": None}, False)
-    core, _ = verify(lay, ids, [])
+    core, _ = verify(lay, [])
     assert verdict.fingerprint == core.fingerprint == _reference_fingerprint(ids, {})
 
 

@@ -25,6 +25,7 @@ from megatron_media_guard import (
     MediaInputError,
     MediaItem,
 )
+from megatron_media_guard.core.plan import digest, item_signature, plan_digest_of
 from megatron_media_guard.diagnostics import RankInfo
 from megatron_media_guard.geometry import Solution
 from megatron_media_guard.testing import FAULTS, TEST_GRAMMARS, build_batch, inject, random_layout
@@ -205,9 +206,6 @@ def test_last_stage_rejects_what_it_cannot_plan(grammar, shape, match):
 )
 def test_cached_plan_digest_hashes_the_same_bytes(fp, runs, lens, actions, repairs):
     """The digest with the item signature's JSON cached is the plain digest of the parts."""
-    from megatron_media_guard.core.items import MediaItem
-    from megatron_media_guard.core.plan import digest, item_signature, plan_digest_of
-
     items = [MediaItem(n, modality="image" if n % 2 else "video") for n in lens]
     knobs = ["drop", "raise", "raise", ["exact"]]
     for _ in range(2):  # encoded, then from the cache

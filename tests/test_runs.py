@@ -12,8 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_media_guard import Grammar, MediaInputError, parse_runs
+from megatron_media_guard import Grammar, MediaInputError, MediaItem, parse_runs
 from megatron_media_guard.core.runs import FindingKind, TokenLayout
+from megatron_media_guard.replay.bundle import load_bundle
+from megatron_media_guard.replay.bundle_save import save_bundle
 from megatron_media_guard.testing import TEST_GRAMMARS, build_batch, reference_runs
 
 Q = TEST_GRAMMARS["qwen"]  # image 5, video 6, start 3, end 4
@@ -158,7 +160,6 @@ def test_packed_findings_name_the_packed_sample(grammar, row, cu, runs, findings
 @pytest.mark.parametrize(
     ("ids", "cu", "match"),
     [
-        (torch.tensor([[1.0, 2.0]]), None, "integer token ids"),
         (torch.zeros(2, 2, 2, dtype=torch.long), None, r"\[b, s\]"),
         (torch.zeros(2, 4, dtype=torch.long), torch.tensor([0, 4]), "one row"),
         (torch.zeros(1, 4, dtype=torch.long), torch.tensor([0.0, 4.0]), "integer offsets"),
@@ -375,10 +376,6 @@ def test_property_structured_rows(seed, corrupt, packed):
 
 
 def test_a_replay_bundle_keeps_the_inner_pairs(tmp_path):
-    from megatron_media_guard import MediaItem
-    from megatron_media_guard.replay.bundle import load_bundle
-    from megatron_media_guard.replay.bundle_save import save_bundle
-
     ids = torch.tensor([[T, VS, AS, VID, AUD, AE, VE]])
     items = [MediaItem(1, sample=0, modality="video"), MediaItem(1, sample=0, modality="audio")]
     got = load_bundle(save_bundle(tmp_path, input_ids=ids, items=items, grammar=G)).grammar

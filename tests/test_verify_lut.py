@@ -77,7 +77,7 @@ def test_marker_check_matches_the_general_check(case):
     assert verify_lut.tables(g, False, ids.shape[1], ids.device) is not None
     lay = TokenLayout(ids, g)
     tables = V.item_tables(lens, mods, samples, flat.device)
-    fast, _ = V.verify(lay, flat, tables)
+    fast, _ = V.verify(lay, tables)
     ref = TokenLayout(ids, g)
     runs, findings, bad = (int(v) for v in V._table_parts(ref, tables, flat.device))
     assert fast.runs == runs
@@ -103,7 +103,7 @@ def test_an_item_longer_than_its_row_never_reads_as_a_later_run(samples, extra):
     ids = torch.tensor([[*TEXT, *TEXT], [Q.start_id, img, Q.end_id, TEXT[0]]])
     n = 4 + extra
     tables = V.item_tables([n], [0], samples, ids.device)
-    fast, _ = V.verify(TokenLayout(ids, Q), ids, tables)
+    fast, _ = V.verify(TokenLayout(ids, Q), tables)
     assert not fast.aligned(1)
     # and end to end: the guard diagnoses it (a drop of the sample that holds the run), it
     # does not reach the scatter with one position for n rows

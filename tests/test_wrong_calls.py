@@ -15,13 +15,13 @@ from megatron_media_guard.adapters.vlm_install import install_vlm
 from megatron_media_guard.families import FAMILIES, family_names
 
 
-def _omni(**config):
+def _omni():
     """A stand-in of transformers' Nemotron Omni class (the registry matches by class name):
     its config has the placeholder ids, its ``<img>`` / ``<so_start>`` markers come from the
     tokenizer."""
     cls = type("NemotronH_Omni_Reasoning_V3", (), {"__module__": "transformers.models.x"})
     model = cls()
-    model.config = SimpleNamespace(image_token_id=5, audio_token_id=8, pad_token_id=0, **config)
+    model.config = SimpleNamespace(image_token_id=5, audio_token_id=8, pad_token_id=0)
     return model
 
 

@@ -96,7 +96,7 @@ class InputsHandle(ForwardHookHandle):
             # the runs against the tables on the device: the verdict (with the inputs' own
             # checks) is the aligned call's one transfer
             extra = [x for x in (rows, types) if x is not None]
-            verdict, got = verify_tables(lay, ids, mods, tables, samples, declared, extra)
+            verdict, got = verify_tables(lay, mods, tables, samples, declared, extra)
             rows_bad = got.pop(0) if rows is not None else 0
             types_bad = got.pop(0) if types is not None else 0
             if rows_bad:

@@ -129,10 +129,9 @@ def _assign_implicit(
     return owner, [i for i in real if owner[i] is None]
 
 
-def align(
-    parsed: ParsedRuns, items: Sequence[MediaItem], *, explicit: bool | None = None
-) -> AlignmentReport:
-    """Classify every sample of a parsed batch against its items."""
+def align(parsed: ParsedRuns, items: Sequence[MediaItem]) -> AlignmentReport:
+    """Classify every sample of a parsed batch against its items (every item names its
+    sample, or none does)."""
     items = tuple(items)
     if parsed.aliases:  # aliased modalities match runs of their token's modality
         items = tuple(
@@ -141,16 +140,14 @@ def align(
             else it
             for it in items
         )
-    if explicit is None:
-        explicit = any(it.sample is not None for it in items)
-    if explicit:  # items without features own no run
+    if any(it.sample is not None for it in items):  # items without features own no run
         owner: list[int | None] = [it.sample if it.num_features else None for it in items]
         orphans: list[int] = []
     else:
         owner, orphans = _assign_implicit(parsed.runs, items, parsed.collapsed)
-    runs_of = _by_sample((r.sample, r) for r in parsed.runs)
-    items_of = _by_sample((smp, i) for i, smp in enumerate(owner))  # None: unclaimed
-    finds_of = _by_sample((f.sample, f) for f in parsed.findings)
+    runs_of = by_key((r.sample, r) for r in parsed.runs)
+    items_of = by_key((smp, i) for i, smp in enumerate(owner))  # None: unclaimed
+    finds_of = by_key((f.sample, f) for f in parsed.findings)
     stray = finds_of.pop(None, [])  # findings outside any sample (packed padding)
     reports = tuple(
         _sample_report(
@@ -174,8 +171,8 @@ def align(
     )
 
 
-def _by_sample(pairs) -> dict:
-    """``sample -> [values]`` from ``(sample, value)`` pairs, in their order."""
+def by_key(pairs) -> dict:
+    """``key -> [values]`` from ``(key, value)`` pairs, each list in their order."""
     out: dict = {}
     for smp, v in pairs:
         out.setdefault(smp, []).append(v)

@@ -12,7 +12,7 @@ import torch
 
 from ..config import GuardConfig
 from ..diagnostics import DiagnosticsLog, GuardRecord, RankInfo, get_logger
-from .alignment import align
+from .alignment import align, by_key
 from .apply import nonfinite_items, scatter_kept
 from .explain import alignment_message, batch_summary, check_records, plan_records
 from .generated import as_text, find_generated, text_records
@@ -76,7 +76,7 @@ def diagnose(
         )
         c = replace(c, input_ids=ids, lay=lay)
     batch = c.batch
-    report = align(parse_layout(c.lay), batch.items, explicit=batch.explicit)
+    report = align(parse_layout(c.lay), batch.items)
     if c.sample_ids is not None:  # the caller's per-sample ids where no item names one
         ids = c.sample_ids
         named = [
@@ -89,9 +89,8 @@ def diagnose(
     nonfinite: dict[int, list[int]] = {}  # sample -> its items holding NaN/Inf
     if verdict.nonfinite:
         owner = {i: rep.sample for rep in report.samples for i in rep.items}
-        for i in found if found is not None else nonfinite_items(batch):
-            if i in owner:
-                nonfinite.setdefault(owner[i], []).append(i)
+        bad = found if found is not None else nonfinite_items(batch)
+        nonfinite = by_key((owner[i], i) for i in bad if i in owner)
     found_in_call = tuple(c.fault_checks()) if c.fault_checks is not None else ()
     plan = build_plan(
         c.lay.num_samples,

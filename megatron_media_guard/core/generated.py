@@ -1,12 +1,7 @@
-"""Placeholders the policy generated (RL rollouts), found on the fault path.
-
-A placeholder the loss trains on (labels != ``ignore_index`` and loss mask nonzero, where
-given) and outside every start/end region was generated, not expanded from media (the
-engine fed it back as text). Grammars without both markers have no regions: being under the
-loss marks it, unless the loss trains on every placeholder (then nothing is found). Such a
-token always fails the aligned check, so nothing here runs on the aligned path.
-``GuardConfig.generated`` feeds them as text, or drops or raises their samples.
-"""
+"""Placeholders the policy generated (RL rollouts): under the loss and outside every
+start/end region (a grammar without both markers: under the loss alone). Such a token always
+fails the aligned check, so nothing here runs on the aligned path. What is found and what
+``GuardConfig.generated`` does with it: docs/DIAGNOSTICS.md."""
 
 from __future__ import annotations
 

@@ -55,10 +55,8 @@ class Grammar:
         regions = tuple((int(a), int(b)) for a, b in self.regions)
         if regions and (self.start_id is None or self.end_id is None):
             raise MediaInputError("Grammar regions extend start_id / end_id: set both first")
-        specials = [t for t in (self.start_id, self.end_id) if t is not None]
-        specials += [t for pair in regions for t in pair]
-        specials += list(self.break_ids)
-        every = list(ids.values()) + specials
+        object.__setattr__(self, "regions", regions)
+        every = [*ids.values(), *self.start_ids, *self.end_ids, *self.break_ids]
         if len(set(every)) != len(every):
             raise MediaInputError(f"Grammar token ids must be distinct, got {every}")
         if self.break_ids and len(ids) > 1:
@@ -92,7 +90,6 @@ class Grammar:
             )
         object.__setattr__(self, "placeholders", MappingProxyType(ids))
         object.__setattr__(self, "break_ids", tuple(self.break_ids))
-        object.__setattr__(self, "regions", regions)
         object.__setattr__(self, "inner", inner)
         object.__setattr__(self, "aliases", MappingProxyType(aliases))
 

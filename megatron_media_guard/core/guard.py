@@ -32,13 +32,11 @@ class MediaGuard:
     """Guards the merge of media features into text embeddings, per sample and per rank.
 
     config: policies and log directory. grammar: the model family's placeholder tokens.
-    rank: this rank's coordinates for diagnostics (default: read at each record, so a guard
-        built before ``init_process_group`` still names its own rank; ``ranks/defaults.py``).
+    rank: this rank's coordinates for diagnostics (default: read at each record).
     consensus: agrees decisions across ranks (``ranks/consensus.py``). None: the default,
-        resolved at the first guarded call that finds torch.distributed initialized (a
-        StageConsensus over parallel_state's groups, else the world group); ``False``: each
-        rank decides alone. The defaults come through ``core/providers.py``: a guard built as
-        ``megatron_media_guard.MediaGuard`` or by an adapter has them.
+        resolved at the first guarded call that finds torch.distributed initialized;
+        ``False``: each rank decides alone. Both defaults, and how a guard finds them
+        (``core/providers.py``): docs/CONSENSUS.md.
     geometry / encoder: what ``policy="repair"`` re-projects with (without them it warns:
         every mismatch takes ``fallback``).
     """
@@ -72,8 +70,9 @@ class MediaGuard:
         self._agreed = True  # False between a merge's start and its collective
         self._bind(self._consensus)
         _ = self.consensus  # the default resolves now when torch.distributed is initialized
-        if self.config.policy == "repair" and (geometry is None or encoder is None):
-            warn_unrepairable(geometry, encoder, self.config.fallback)
+        # without an encoder a repair can still take one with each merge, or from the model
+        if self.config.policy == "repair" and geometry is None:
+            warn_unrepairable(encoder, self.config.fallback)
 
     @property
     def rank(self) -> RankInfo:
@@ -105,7 +104,7 @@ class MediaGuard:
         """The full per-sample report, without merging."""
         lay = TokenLayout(input_ids, self.grammar, cu_seqlens)
         batch = metadata_batch(items, lay.num_samples)
-        return align(parse_layout(lay), batch.items, explicit=batch.explicit)
+        return align(parse_layout(lay), batch.items)
 
     def merge(
         self,
@@ -326,16 +325,14 @@ class MediaGuard:
                 [batch.items[i].sample for i in owning] if batch.explicit else None,
                 c.input_ids.device,
             )
-            verdict, _ = verify(lay, c.input_ids, tables, probe)
+            verdict, _ = verify(lay, tables, probe)
             groups = [(None, owning)]  # one scatter, or one per modality in its own order
             if len(tables) > 1:
                 groups = [
                     (lay.code == t.code, [i for i in owning if codes[i] == t.code]) for t in tables
                 ]
         else:  # items in consumption order, checked per modality (or ordered by the runs)
-            verdict, order, batch, groups = verify_in_token_order(
-                lay, c.input_ids.reshape(-1), batch, codes, late, probe
-            )
+            verdict, order, batch, groups = verify_in_token_order(lay, batch, codes, late, probe)
             c = replace(c, batch=batch)  # cut by the counts read with the verdict, if any
             owning = [i for i in order if batch.items[i].num_features]
             if not verdict.aligned(len(owning)):  # the fault path reads them in token order

@@ -9,26 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
 
 import torch
 
 from ..errors import MediaInputError
+from .alignment import by_key
 from .grammar import Grammar
 from .host import to_host
 from .items import Batch, MediaItem, normalize
-from .runs import TokenLayout, run_table
+from .parsed import Run
+from .runs import TokenLayout, run_table, runs_of
 from .verify import Expected, Verdict, verify
-
-
-class Run(NamedTuple):
-    """A run as the ordering reads it (modality ``"break"``: breaks only; ``key``:
-    :attr:`RunOrder.keys` at its first token, -1 without keys)."""
-
-    sample: int
-    modality: str
-    length: int
-    key: int = -1
 
 
 @dataclass(frozen=True)
@@ -64,28 +55,22 @@ class RunOrder:
 
 
 def _table(lay: TokenLayout, keys, size: int | None) -> torch.Tensor:
-    """``[runs, 4]`` int64 on the device: sample, modality code, length, key per run."""
+    """``[runs, 7]`` int64 on the device: :func:`~.runs.run_table` and the key of each run."""
     t = run_table(lay, *lay.run_bounds(), size)
     key = t.new_full((t.shape[0],), -1)
     if isinstance(keys, torch.Tensor):
         key = keys.to(t.device)[t[:, 0], t[:, 1]].long()
-    return torch.cat([t[:, [5, 4, 3]], key[:, None]], 1)
-
-
-def _as_runs(rows: Sequence[Sequence[int]], grammar: Grammar) -> list[Run]:
-    names = grammar.modalities
-    return [Run(s, names[c] if c >= 0 else "break", n, k) for s, c, n, k in rows]
+    return torch.cat([t, key[:, None]], 1)
 
 
 def read_runs(lay: TokenLayout, keys=None) -> list[Run]:
     """Each run in token order, in one transfer sized by the runs (no structure check)."""
     rows = to_host(_table(lay, keys, None), why="run order of a call mixing modalities")
-    return _as_runs(rows.tolist(), lay.grammar)
+    return runs_of(rows.tolist(), lay.grammar)
 
 
 def verify_in_token_order(
     lay: TokenLayout,
-    ids_flat: torch.Tensor,
     batch: Batch,
     codes: Sequence[int],
     late: RunOrder,
@@ -118,12 +103,12 @@ def verify_in_token_order(
     if features is not None and late.probe is not None:  # (no copy beside no features)
         probe = late.probe.reshape(-1).to(features.dtype)
         features = torch.cat([features.reshape(-1), probe]) if features.numel() else probe
-    verdict, vals = verify(lay, ids_flat, tables, features, extra)
+    verdict, vals = verify(lay, tables, features, extra)
     for (_, refuse), flag in zip(late.checks, vals[len(vals) - len(late.checks) :]):
         if flag:
             refuse()
     if sized:  # the items and their features cut by the counts (and runs) now on the host
-        got = [int(v) for v in vals[4 * size : len(vals) - len(late.checks)]]
+        got = [int(v) for v in vals[7 * size : len(vals) - len(late.checks)]]
         got, feats = late.resize(got[:n], got[n:] or None)
         batch = normalize(feats, got, lay.num_samples)
         items = batch.items
@@ -133,15 +118,14 @@ def verify_in_token_order(
     if not shared and verdict.aligned(len(owning)):  # consumption order, per modality
         scatter = [(_mask(lay, c, t, late), mine) for (c, t), mine in groups.items()]
         return verdict, tuple(range(len(items))), batch, scatter
-    rows = [vals[k : k + 4] for k in range(0, 4 * min(size, verdict.runs), 4)]
     if not shared or verdict.runs > size or verdict.findings:  # not every run in the table
         runs = read_runs(lay, late.keys)
     else:
-        runs = _as_runs(rows, lay.grammar)
+        runs = runs_of([vals[k : k + 7] for k in range(0, 7 * verdict.runs, 7)], lay.grammar)
     order = tuple(late.order(runs, items))
-    if not shared:
-        return verdict, order, batch, [(None, [i for i in order if items[i].num_features])]
     owning = [i for i in order if items[i].num_features]
+    if not shared:
+        return verdict, order, batch, [(None, owning)]
     bad = abs(len(runs) - len(owning))
     for r, i in zip(runs, owning):
         ok = r.modality != "break" and r.length == items[i].num_features
@@ -152,10 +136,7 @@ def verify_in_token_order(
 
 def _groups(items, codes, late: RunOrder) -> dict[tuple[int, int | None], list[int]]:
     """``(code, type) -> items`` in consumption order."""
-    groups: dict[tuple[int, int | None], list[int]] = {}
-    for i, it in enumerate(items):
-        groups.setdefault((codes[i], late.types.get(it.modality)), []).append(i)
-    return groups
+    return queued([(c, late.types.get(it.modality)) for c, it in zip(codes, items)])
 
 
 def _expected(lay, items, mine: list[int], code: int, typ, late: RunOrder, explicit: bool):
@@ -265,10 +246,7 @@ def take_per_run(queues: Mapping[object, list[int]], run_keys: Sequence[object])
 
 def queued(keys: Sequence[object]) -> dict[object, list[int]]:
     """Indices ``0..len(keys)-1`` grouped by their key, each group in order."""
-    out: dict[object, list[int]] = {}
-    for i, k in enumerate(keys):
-        out.setdefault(k, []).append(i)
-    return out
+    return by_key((k, i) for i, k in enumerate(keys))
 
 
 def order_runs(

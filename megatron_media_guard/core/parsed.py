@@ -30,7 +30,9 @@ TRUNCATION_KINDS = frozenset({FindingKind.CUT_BY_ROW_END, FindingKind.CUT_BY_BOU
 @dataclass(frozen=True)
 class Run:
     """One placeholder run. ``start``/``end`` are positions within ``row`` (end exclusive);
-    ``length`` counts placeholder tokens (breaks excluded): the features it takes."""
+    ``length`` counts placeholder tokens (breaks excluded): the features it takes; modality
+    ``"break"``: breaks only. key: :attr:`~.interleave.RunOrder.keys` at its first token (-1:
+    none read)."""
 
     sample: int
     row: int
@@ -38,6 +40,7 @@ class Run:
     end: int
     length: int
     modality: str
+    key: int = -1
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,6 @@
-"""What the core calls but does not own (and never imports, not even inside a function),
-registered from above when imported: ``ranks/defaults.py`` the rank and default consensus,
-``replay/bundle_save.py`` the replay-bundle writer. The package ``__init__`` and
-``adapters/`` import both; a guard whose module was imported alone is single-process (rank
-from ``RANK``, no consensus, no bundle). Both are looked up when used."""
+"""What the core calls but never imports (not even inside a function), registered from above
+when imported and looked up when used: ``ranks/defaults.py`` the rank and default consensus,
+``replay/bundle_save.py`` the replay-bundle writer (who imports them: docs/ARCHITECTURE.md)."""
 
 from __future__ import annotations
 

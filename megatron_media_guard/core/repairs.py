@@ -172,13 +172,11 @@ def run_repairs(
     return RepairOutcome(plan.with_actions(actions, kept), replaced, failed, tuple(records))
 
 
-def warn_unrepairable(geometry: object | None, encoder: object | None, fallback: str) -> None:
-    """``policy="repair"`` without what a repair needs: said once, when the guard is built."""
-    if geometry is not None:
-        return  # an encoder can still come with each merge, or from the model (the engine)
-    missing = [n for n, v in (("geometry", geometry), ("encoder", encoder)) if v is None]
+def warn_unrepairable(encoder: object | None, fallback: str) -> None:
+    """``policy="repair"`` without a geometry: said once, when the guard is built."""
+    missing = "geometry" if encoder is not None else "geometry and encoder"
     warnings.warn(
-        f"MediaGuard(policy='repair') without {' and '.join(missing)}: no mismatch can be "
+        f"MediaGuard(policy='repair') without {missing}: no mismatch can be "
         f"repaired, each one takes the fallback ({fallback!r}). Pass geometry= (and encoder=, "
         "here or to each merge), or install the guard with install_vlm, which builds both "
         "from the model where its family has them",

@@ -3,10 +3,8 @@ work, scans and gathers over the ids, no Python loop over tokens. ``TokenLayout`
 per-token masks that the aligned check (``verify.py``) and the full parse start from; the
 full parse moves only the run table and the findings to the host (sized by the runs).
 
-Marker pairs nested right inside another pair's region (``Grammar.inner``, Qwen3-Omni's
-``<|vision_start|><|audio_start|>`` ... ``<|audio_end|><|vision_end|>``) are read as part of
-the outer region's markers (neither opens, closes nor is text); what is checked is that they
-pair up."""
+Marker pairs nested right inside another pair's region (``Grammar.inner``) are read as part
+of the outer region's markers (neither opens, closes nor is text): they must pair up."""
 
 from __future__ import annotations
 
@@ -68,7 +66,7 @@ class TokenLayout:
         self.grammar = grammar
         self.batch, self.row_length = b, s
         self.device = dev = ids.device
-        self._ids = ids  # the masks below are built on first use (verify_lut needs none)
+        self.ids = ids  # the masks below are built on first use (verify_lut needs none)
 
         # samples: [b, s] rows, or packed samples of one row
         self.packed = cu_seqlens is not None
@@ -104,7 +102,7 @@ class TokenLayout:
 
     @cached_property
     def _masks(self) -> list[torch.Tensor]:  # one placeholder mask per modality
-        return [self._ids == tok for tok in self.grammar.placeholders.values()]
+        return [self.ids == tok for tok in self.grammar.placeholders.values()]
 
     @cached_property
     def ph(self) -> torch.Tensor:  # [b, s] bool: any placeholder
@@ -159,9 +157,9 @@ class TokenLayout:
     def _any_of(self, toks: tuple[int, ...]) -> torch.Tensor | None:
         if not toks:
             return None
-        out = self._ids == toks[0]
+        out = self.ids == toks[0]
         for t in toks[1:]:  # extra marker pairs (Grammar.regions): one compare each
-            out = out | (self._ids == t)
+            out = out | (self.ids == t)
         return out
 
     # ---- helpers ---------------------------------------------------------------
@@ -225,19 +223,12 @@ class TokenLayout:
     def structure_violations(self, run_start: torch.Tensor, run_end: torch.Tensor) -> torch.Tensor:
         """Device scalar, no sync: 0 exactly when :meth:`finding_codes` finds nothing. With
         both markers the depth ``d = cumsum(start - end)`` decides: it stays in {0, 1}, is 1 on
-        content and 0 at each sample's end, and no run inside a region is followed by text;
-        without, the finding codes are counted (no ``last_before`` needed)."""
+        content and 0 at each sample's end, no run inside a region is followed by text and
+        none holds breaks alone; without, the finding codes are counted (no ``last_before``)."""
         g = self.grammar
         if g.start_id is None or g.end_id is None:
-            count = (self.finding_codes(run_start, run_end, empty_runs=False) != 0).sum()
-        else:
-            count = self._depth_violations(run_end)
-        if g.break_ids:  # one more kind, a run of breaks alone, counted without a sync
-            count = count + self.empty_runs(run_start)
-        return count if self.seg_start is None else count + self.cu_violations()
-
-    def _depth_violations(self, run_end: torch.Tensor) -> torch.Tensor:
-        """:meth:`structure_violations` of a grammar with both markers, by the depth."""
+            count = (self.finding_codes(run_start, run_end) != 0).sum()
+            return count if self.seg_start is None else count + self.cu_violations()
         d = self._depth(self.is_start, self.is_end)
         if self.seg_start is None:
             # d outside {0, 1}, or content where d != 1: d < content (as 0/1) or d > 1
@@ -246,10 +237,12 @@ class TokenLayout:
         else:
             bad = (d < 0) | (d > 1) | (self.content & (d != 1))
             bad = bad | (self.sample_end & (d != 0)) | (self.padding & self.marked)
-            count = bad.sum()
+            count = bad.sum() + self.cu_violations()
         if self.nested is not None:  # nested starts and ends pair up: depth in {0, 1}, 0 at ends
             x = self._depth(self.nested.start, self.nested.end)
             count = count + torch.count_nonzero((x < 0) | (x > 1) | (self.is_end & (x != 0)))
+        if g.break_ids:
+            count = count + self.empty_run_ends(run_start, run_end).sum()
         return count + torch.count_nonzero(run_end & ~self.next(self.marked, fill=True))
 
     def last_in_sample(self, x: torch.Tensor) -> torch.Tensor:
@@ -282,12 +275,6 @@ class TokenLayout:
         counts.scatter_add_(0, self.sample.reshape(-1), run_start.reshape(-1).long())
         return counts[: self.num_samples]
 
-    def run_placeholders(self, run_start: torch.Tensor) -> torch.Tensor:
-        """``[b, s]``: placeholders from the start of the current run up to each position."""
-        ph_cum = torch.cumsum(self.ph, 1)
-        start_col = self.last_before(run_start, inclusive=True).clamp(min=0)
-        return ph_cum - (ph_cum - self.ph.to(ph_cum.dtype)).gather(1, start_col)
-
     # ---- findings --------------------------------------------------------------
 
     def cu_violations(self, cu: torch.Tensor | None = None) -> torch.Tensor:
@@ -311,18 +298,14 @@ class TokenLayout:
                 context={"cu_seqlens": cu[:64], "row_length": s},
             )
 
-    def empty_runs(self, run_start: torch.Tensor) -> torch.Tensor:
-        """Device scalar, no sync: runs of breaks alone (a run holds a placeholder iff one of
-        its placeholders' run index differs from the previous placeholder's)."""
+    def empty_run_ends(self, run_start: torch.Tensor, run_end: torch.Tensor) -> torch.Tensor:
+        """``[b, s]`` bool, no sync: the last token of each run of breaks alone (there the
+        latest placeholder so far belongs to an earlier run)."""
         run_idx = torch.cumsum(run_start, 1)  # 1-based run index within the row
-        ph_run = torch.where(self.ph, run_idx, 0)
-        prev = torch.constant_pad_nd(torch.cummax(ph_run, 1).values[:, :-1], (1, 0), 0)
-        with_ph = (self.ph & (ph_run != prev)).sum()
-        return run_start.sum() - with_ph
+        last_ph_run = torch.cummax(torch.where(self.ph, run_idx, 0), 1).values
+        return run_end & (last_ph_run != run_idx)
 
-    def finding_codes(
-        self, run_start: torch.Tensor, run_end: torch.Tensor, *, empty_runs: bool = True
-    ) -> torch.Tensor:
+    def finding_codes(self, run_start: torch.Tensor, run_end: torch.Tensor) -> torch.Tensor:
         """``[b, s]`` int8: a :class:`FindingKind` at each malformed position, else 0 (where
         several apply, the earliest listed below wins)."""
         g = self.grammar
@@ -356,8 +339,8 @@ class TokenLayout:
             marks.append((at_last, self._cut_kind()))
             marks.append((run_end & ~at_last & ~self.next(self.is_end), FindingKind.UNTERMINATED))
             marks.append((self.is_end & ~self.prev(self.content), FindingKind.END_WITHOUT_START))
-        if g.break_ids and empty_runs:  # exact positions (nonzero: off the aligned path)
-            marks.append((run_end & (self.run_placeholders(run_start) == 0), FindingKind.EMPTY_RUN))
+        if g.break_ids:
+            marks.append((self.empty_run_ends(run_start, run_end), FindingKind.EMPTY_RUN))
         codes = torch.zeros_like(self.code)
         for mask, kind in reversed(marks):
             if isinstance(kind, FindingKind):
@@ -401,6 +384,15 @@ def run_table(
     return torch.stack([sr, sc, ec, lengths, first_code, lay.sample[sr, sc]], dim=1)
 
 
+def runs_of(rows: list[list[int]], grammar: Grammar) -> list[Run]:
+    """The runs of host rows of :func:`run_table`, each with an optional key column."""
+    names = grammar.modalities
+    return [
+        Run(smp, row, a, e + 1, n, names[c] if c >= 0 else "break", *key)
+        for row, a, e, n, c, smp, *key in rows
+    ]
+
+
 def parse_runs(
     input_ids: torch.Tensor, grammar: Grammar, cu_seqlens: torch.Tensor | None = None
 ) -> ParsedRuns:
@@ -427,12 +419,8 @@ def parse_layout(lay: TokenLayout) -> ParsedRuns:
     rt = host[: nr * 6].view(nr, 6).tolist()
     ft = host[nr * 6 :].view(-1, 4).tolist()
     g = lay.grammar
-    # Run(sample, row, start, end, length, modality); Finding(kind, sample, row, position)
-    runs = tuple(
-        Run(smp, row, a, e + 1, ln, g.modalities[mc] if mc >= 0 else "break")
-        for row, a, e, ln, mc, smp in rt
-    )
-    findings = tuple(
+    runs = tuple(runs_of(rt, g))
+    findings = tuple(  # Finding(kind, sample, row, position)
         Finding(FindingKind(kind), None if smp >= lay.num_samples else smp, row, col)
         for row, col, kind, smp in ft
     )

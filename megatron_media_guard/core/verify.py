@@ -98,15 +98,15 @@ def _item_table(lengths, codes, samples, dev, code: int) -> Expected:
 
 def verify(
     lay: TokenLayout,
-    ids: torch.Tensor,
     expected: Sequence[Expected],
     features: torch.Tensor | None = None,
     extra: Sequence[torch.Tensor] = (),
 ) -> tuple[Verdict, list[int]]:
-    """The verdict of every run against ``expected`` and the device integers ``extra`` (0-d or
-    1-d, flattened), in one transfer. ``features``: ``[sum(n), h]`` to check for NaN/Inf."""
-    dev = ids.device
-    ids64 = ids.reshape(-1).to(torch.int64)
+    """The verdict of every run of ``lay`` against ``expected`` and the device integers
+    ``extra`` (0-d or 1-d, flattened), in one transfer. ``features``: ``[sum(n), h]`` to
+    check for NaN/Inf."""
+    dev = lay.device
+    ids64 = lay.ids.reshape(-1).to(torch.int64)
     luts = None
     if len(expected) <= 1 and all(e.known is not None for e in expected):
         luts = verify_lut.tables(lay.grammar, lay.packed, lay.row_length, dev)

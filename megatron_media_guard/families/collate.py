@@ -109,7 +109,7 @@ def check_batch(
         types = batch.get(spec.token_types) if spec.token_types else None
         types = types if isinstance(types, torch.Tensor) else None
         tabs, extra = device
-        verdict, flags = verify_tables(lay, ids, mods, tabs, extra=extra, types=types)
+        verdict, flags = verify_tables(lay, mods, tabs, extra=extra, types=types)
         if verdict.bad_runs == 0 and verdict.findings == 0 and not any(flags):
             res = guard.keep_all(lay, verdict, labels=batch.get("labels"), step=step)
             return BatchCheck(dict(batch), res.report)

@@ -115,7 +115,6 @@ def device_tables(
 
 def verify_tables(
     lay: TokenLayout,
-    ids: torch.Tensor,
     mods: Sequence[ModalitySpec],
     tables: Sequence[torch.Tensor],
     samples: Mapping[str, torch.Tensor] | None = None,
@@ -136,7 +135,7 @@ def verify_tables(
         where = types.to(torch.int64) == m.type_id if typed else None
         smp, given = (samples or {}).get(m.name), (declared or {}).get(m.name)
         expected.append(Expected(code, t[:, 0], t[:, 1], smp, given, where=where))
-    return verify(lay, ids, expected, extra=extra)
+    return verify(lay, expected, extra=extra)
 
 
 def _cut(spec, m: ModalitySpec, rows: list, given: Sequence[MediaItem], caller: str) -> list:

@@ -68,7 +68,7 @@ def replay(bundle: Bundle) -> ReplayResult:
     try:
         lay = TokenLayout(bundle.input_ids, bundle.grammar, bundle.cu_seqlens)
         norm = metadata_batch(bundle.items, lay.num_samples)
-        report = align(parse_layout(lay), norm.items, explicit=norm.explicit)
+        report = align(parse_layout(lay), norm.items)
     except MediaGuardError as err:
         raise BundleError(f"{bundle.path}: bundle content is inconsistent: {err}") from None
     bad = tuple(r.sample for r in report.mismatched)
