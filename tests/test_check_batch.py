@@ -190,6 +190,28 @@ def test_a_drop_leaves_a_batch_the_plain_model_takes(name, fault):
         torch.testing.assert_close(got[k, : b.lengths[k]], want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "samples, modality, grid",
+    [
+        # a 2-frame video's runs (4 + 4) before an image one placeholder over (5)
+        ([[vid(2, 4, 4), img(4, 4, n=5)], [img(4, 4)]], "image", [1, 4, 4]),
+        # a video one placeholder short (3) before an image of its length (4)
+        ([[vid(1, 4, 4, n=3), img(4, 4)], [img(4, 4)]], "video", [1, 4, 4]),
+    ],
+)
+def test_a_shared_tokens_runs_go_to_the_items_their_types_name(samples, modality, grid, tmp_path):
+    """GLM4V's video runs on the image token: on the fault path each run takes the next item of
+    the modality its ``mm_token_type_ids`` name (as the ``inputs`` mode does), so the record
+    names the mismatched item, not the one the run lengths would pair with it."""
+    _case, F, model = fixture("glm4v")
+    b = batch(F, model, samples)
+    cfg = GuardConfig(policy="drop", log_dir=str(tmp_path))
+    checked = check_batch("glm4v", b.kwargs, config=model.config, guard=cfg)
+    assert checked.dropped == (0,)
+    (rec,) = [r for r in records(tmp_path) if r["event"] == "drop"]
+    assert (rec["modality"], rec["grid"]) == (modality, grid)
+
+
 # ---- wrong calls: a MediaInputError that names check_batch and what to pass (issue 27) ----
 
 

@@ -17,9 +17,10 @@ from ..core.outcome import MergeResult
 from ..core.repairs import media_hw
 from ..core.runs import TokenLayout, parse_layout
 from ..families.inputs import generated_as_text, gone_items
+from ..families.inputs_items import call_items, typed_keys, typed_runs_order
 from ..families.spec import Merged, present
 from .forward_hook import CallArgs, ForwardHookHandle
-from .vlm_items import call_items, counted, cut_blocks, typed_keys, typed_runs_order
+from .vlm_items import counted, cut_blocks
 
 PIXELS_FLAG = "_media_guard_pixels"  # tells a spec's encode to cut per-item pixels (repair)
 

@@ -6,13 +6,11 @@ spec's ``dummy`` (``adapters/tower.py``)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ..core.guard import MediaGuard
-from ..core.interleave import token_order
 from ..core.runs import TokenLayout
 from ..errors import MediaInputError
 from ..families import FamilySpec
@@ -20,22 +18,14 @@ from ..families.inputs import (
     count_tables,
     counted,
     generated_as_text,
-    gone_items,
     on_device,
     plan_items,
-    verify_tables,
+    verified,
 )
-from ..families.inputs_items import (
-    check_declared,
-    in_order,
-    meta_tables,
-    orphans,
-    split_items,
-)
+from ..families.inputs_items import check_declared, in_order, meta_tables, split_items, token_items
 from ..families.resize import Resizer
 from ..families.spec import present
 from .forward_hook import CallArgs, ForwardHookHandle
-from .vlm_items import call_items, typed_order
 
 
 class InputsHandle(ForwardHookHandle):
@@ -96,7 +86,9 @@ class InputsHandle(ForwardHookHandle):
             # the runs against the tables on the device: the verdict (with the inputs' own
             # checks) is the aligned call's one transfer
             extra = [x for x in (rows, types) if x is not None]
-            verdict, got = verify_tables(lay, mods, tables, samples, declared, extra)
+            kw = dict(labels=labels, loss_mask=lmask, step=step, microbatch=mb)
+            kw["gate"] = int(rows is not None)  # bad pixel rows keep no sample
+            res, got = verified(guard, lay, mods, tables, samples, declared, extra, **kw)
             rows_bad = got.pop(0) if rows is not None else 0
             types_bad = got.pop(0) if types is not None else 0
             if rows_bad:
@@ -108,9 +100,8 @@ class InputsHandle(ForwardHookHandle):
                 given = sorted(n for n in spec.follow_ids if isinstance(view.get(n), torch.Tensor))
                 why = f"{types_bad} positions of {given} disagree with input_ids: rebuilt from the ids"
                 self.note(step, mb, "rebuilt", why)
-            if verdict.bad_runs == 0 and verdict.findings == 0:
-                kw = dict(labels=labels, loss_mask=lmask, step=step, microbatch=mb)
-                self.record(guard.keep_all(lay, verdict, **kw), ids, cu)
+            if res is not None:
+                self.record(res, ids, cu)
                 if not types_bad:
                     return None  # the call as given: the model's own forward, bit for bit
                 self._follow(call, ids)
@@ -120,20 +111,16 @@ class InputsHandle(ForwardHookHandle):
     def _diagnose(self, call, ids, view, mods, tables, meta, lay, cu, labels, lmask, step, mb):
         guard, spec = self.guard, self.spec
         encoded = counted(spec, mods, tables)
-        items, _, listed, parent = call_items(mods, encoded, meta)  # checks their modalities
-        check_declared(meta, mods, encoded)
-        grids = [g for m in mods for g in encoded[m.name].grid]
-        items = [it if g is None else replace(it, grid_thw=g) for it, g in zip(items, grids)]
         explicit = meta is not None and all(it.sample is not None for it in meta)
-        if explicit:
-            listed = None  # tied to their samples: token_order takes them per sample
-            if not in_order(meta):
-                why = "items out of token order (set_items samples decrease): their rows are "
-                self.note(step, mb, "reordered", why + "fed in sample order")
-        if listed is None and spec.token_types:
-            listed = typed_order(ids, guard.grammar, mods, items, view.get(spec.token_types))
-        order = listed if listed is not None else token_order(ids, guard.grammar, items, parent)
-        items, parent = [items[i] for i in order], [parent[i] for i in order]
+        # tied to their samples: token_order takes them per sample, else in set_items' order
+        types = view.get(spec.token_types) if spec.token_types else None
+        items, parent = token_items(
+            ids, guard.grammar, mods, encoded, meta, types, listed=not explicit
+        )
+        check_declared(meta, mods, encoded)
+        if explicit and not in_order(meta):
+            why = "items out of token order (set_items samples decrease): their rows are "
+            self.note(step, mb, "reordered", why + "fed in sample order")
         items, split = split_items(lay, items, parent)
         for (mod, k), why in split.items():  # never kept or repaired: its samples mismatch
             grid = next(
@@ -144,12 +131,11 @@ class InputsHandle(ForwardHookHandle):
         if self.geometry is not None and any(m.patches for m in mods):
             rep = Resizer(mods, items, parent, view, self.geometry, split)
         kw = dict(labels=labels, loss_mask=lmask, step=step, microbatch=mb, cu_seqlens=cu)
-        res, owner = plan_items(guard, ids, items, parent, encoder=rep, **kw)
+        res, gone = plan_items(guard, ids, items, parent, encoder=rep, **kw)
         self.record(res, ids, cu)
         report = res.report
         new_ids = generated_as_text(report, ids, self.text_id, guard.config.generated)[0]
         dropped = set(report.dropped)
-        gone = gone_items(report, owner) | orphans(report, owner)
         fixed = rep.kept(report) if rep is not None else {}
         smp_order = None  # per modality each item's sample: fed in sample order
         if explicit and not in_order(meta):

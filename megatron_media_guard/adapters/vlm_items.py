@@ -1,5 +1,6 @@
-"""Which feature goes to which run in one call of the family engine: the call's items in the
-model's consumption order, the caller's ``set_items`` laid on them, their token order."""
+"""Which feature goes to which run in one call of the family engine: a ``split`` block cut
+into items, the counts and runs a tower gives on the device for the verdict's run order (the
+call's items and their token order: :mod:`~..families.inputs_items`)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from ..core.grammar import Grammar
-from ..core.interleave import Run, queued, read_runs, take_per_run
 from ..core.items import MediaItem
 from ..core.runs import TokenLayout, parse_layout
 from ..errors import MediaInputError
+from ..families.inputs_items import item_features
 from ..families.spec import Encoded, ModalitySpec, cut_counted
 
 
@@ -61,78 +62,6 @@ def cut_blocks(
     return out
 
 
-def call_items(
-    mods: Sequence[ModalitySpec], encoded: dict[str, Encoded], meta: Sequence[MediaItem] | None
-) -> tuple[list[MediaItem], list[torch.Tensor], list[int] | None, list[int]]:
-    """MediaItems and features in the model's consumption order (modality by modality); when
-    ``set_items`` gave ``meta`` (one item per model-level item: a video, not its tubelets;
-    the k-th of a modality describes the model's k-th), the items' order as listed there
-    (taken as token order), else None; per item its model-level item (numbered per
-    modality)."""
-    items: list[MediaItem] = []
-    feats: list[torch.Tensor] = []
-    parent: list[int] = []
-    first: dict[str, list[int]] = {}  # modality -> per model-level item, its first item index
-    end: dict[str, int] = {}  # modality -> past its last item
-    for m in mods:
-        enc = encoded[m.name]
-        pieces = _pieces(enc)
-        parents = enc.parent or tuple(range(len(pieces)))
-        parent += parents
-        starts = first.setdefault(m.name, [])
-        for k, f in enumerate(pieces):
-            if parents[k] == len(starts):
-                starts.append(len(items))
-            items.append(
-                MediaItem(
-                    int(f.shape[0]),
-                    modality=m.name,
-                    num_frames=enc.num_frames[k] if enc.num_frames else None,
-                    frame_hw=enc.frame_hw[k] if enc.frame_hw else None,
-                    pixels=enc.pixels[k] if enc.pixels else None,
-                )
-            )
-            feats.append(f)
-        end[m.name] = len(items)
-    if meta is None:
-        return items, feats, None, parent
-    want = {m: len(v) for m, v in first.items()}
-    got: dict[str, int] = {}
-    for g, src in enumerate(meta):
-        if src.modality not in want:
-            raise MediaInputError(
-                f"set_items: item {g} has modality {src.modality!r}; this call holds "
-                f"{want} model-level items"
-            )
-        got[src.modality] = got.get(src.modality, 0) + 1
-    if got != want:
-        raise MediaInputError(
-            f"set_items gave {len(meta)} items {got} for this call's {want} (one per image, "
-            "video and audio clip)"
-        )
-    order: list[int] = []
-    rank: dict[str, int] = {}
-    for src in meta:
-        k = rank.get(src.modality, 0)
-        rank[src.modality] = k + 1
-        starts = first[src.modality]
-        lo, hi = starts[k], starts[k + 1] if k + 1 < len(starts) else end[src.modality]
-        for i in range(lo, hi):
-            items[i] = replace(
-                items[i], sample=src.sample, sample_id=src.sample_id, source_hw=src.source_hw
-            )
-            order.append(i)
-    return items, feats, order, parent
-
-
-def _pieces(enc: Encoded) -> tuple[torch.Tensor, ...]:
-    """The items' features; a ``counts`` block's as empty rows (counted with the verdict)."""
-    if enc.counts is None:
-        return enc.features
-    (block,) = enc.features
-    return (block.new_zeros((0, block.shape[-1])),) * int(enc.counts.shape[0])
-
-
 def counted(
     mods: Sequence[ModalitySpec],
     encoded: dict[str, Encoded],
@@ -171,7 +100,7 @@ def counted(
         )
     samples = None
     if any(e.sample is not None for e in encs):  # -1 where not given
-        none = [torch.full((len(_pieces(e)),), -1, device=dev) for e in encs]
+        none = [torch.full((len(item_features(e)),), -1, device=dev) for e in encs]
         samples = torch.cat(
             [s if e.sample is None else e.sample.to(dev) for e, s in zip(encs, none)]
         )
@@ -208,31 +137,3 @@ def counted(
         return out_items, out_feats, out_parent, source
 
     return torch.cat(parts), runs, resize, torch.cat(probe) if probe else None, samples
-
-
-def typed_order(ids, grammar, mods, items: list[MediaItem], types) -> list[int] | None:
-    """:func:`typed_runs_order` on the runs read from ``ids`` (one transfer sized by the runs),
-    where ``types`` (``FamilySpec.token_types``) decide the order, else None."""
-    if typed_keys(mods, types) is None:
-        return None
-    runs = read_runs(TokenLayout(ids, grammar), types)
-    return typed_runs_order(runs, grammar, mods, items) if runs else None
-
-
-def typed_keys(mods, types) -> torch.Tensor | None:
-    """``types`` where they decide the token order (several modalities, one on a shared
-    token, ``type_id``s given), else None."""
-    typed = any(m.type_id is not None for m in mods) and any(m.shares is not None for m in mods)
-    return types if isinstance(types, torch.Tensor) and len(mods) > 1 and typed else None
-
-
-def typed_runs_order(runs: Sequence[Run], grammar, mods, items: list[MediaItem]):
-    """Each run takes the next item of the modality whose ``type_id`` its ``key`` is; None
-    where a run is typed as none of them (the length interleaving decides)."""
-    code = {m.type_id: m.name for m in mods if m.type_id is not None}
-    shared = {grammar.token_modality(m.name) for m in mods if m.shares is not None}
-    wants = [code.get(r.key) if r.modality in shared else r.modality for r in runs]
-    if None in wants:
-        return None
-    taken, rest = take_per_run(queued([it.modality for it in items]), wants)
-    return [i for i in taken if i >= 0] + rest  # items beyond the runs: reported

@@ -18,22 +18,14 @@ import torch
 
 from ..config import GuardConfig
 from ..core.guard import MediaGuard
-from ..core.interleave import token_order
 from ..core.items import MediaItem
 from ..core.outcome import GuardReport
 from ..core.runs import TokenLayout
 from ..core.validate import check_labels_dtype, check_masks
 from ..errors import MediaInputError
 from . import FAMILIES, no_family
-from .inputs import (
-    count_tables,
-    counted,
-    device_tables,
-    drop_inputs,
-    gone_items,
-    plan_items,
-    verify_tables,
-)
+from .inputs import count_tables, counted, device_tables, drop_inputs, plan_items, verified
+from .inputs_items import token_items
 from .reprocess import Reprocessed, Reprocessor, originals
 from .spec import FamilySpec, check_tokenizer, present
 
@@ -99,49 +91,33 @@ def check_batch(
     text = spec.text.resolve(holder, tokenizer)
     mods = present(spec, batch)
     tables = count_tables(spec, mods, config, batch, CALLER)
-    given, rows = _given(mods, tables, items)
+    rows = _given(mods, tables, items)
     if media is not None:  # one original per model-level item, refused before any check
         originals(media, [(mod, k) for mod, n in rows.items() for k in range(n)])
+    types = batch.get(spec.token_types) if spec.token_types else None
+    types = types if isinstance(types, torch.Tensor) else None
     device = device_tables(spec, mods, tables, items)
     if device is not None:  # the runs against the tables: one transfer
         _check_labels(guard, ids, batch.get("labels"), step)
-        lay = TokenLayout(ids, guard.grammar)
-        types = batch.get(spec.token_types) if spec.token_types else None
-        types = types if isinstance(types, torch.Tensor) else None
-        tabs, extra = device
-        verdict, flags = verify_tables(lay, mods, tabs, extra=extra, types=types)
-        if verdict.bad_runs == 0 and verdict.findings == 0 and not any(flags):
-            res = guard.keep_all(lay, verdict, labels=batch.get("labels"), step=step)
+        lay, (tabs, extra) = TokenLayout(ids, guard.grammar), device
+        kw = dict(labels=batch.get("labels"), step=step, types=types)
+        res, _ = verified(guard, lay, mods, tabs, None, None, extra, gate=len(extra), **kw)
+        if res is not None:
             return BatchCheck(dict(batch), res.report)
     encoded = counted(spec, mods, tables, items, CALLER)
-    listed = [
-        MediaItem(
-            f.shape[0],
-            modality=m.name,
-            num_frames=enc.num_frames[i],
-            frame_hw=enc.frame_hw[i],
-            grid_thw=enc.grid[i],
-            **given.get((m.name, enc.parent[i]), {}),
-        )
-        for m in mods
-        for enc in (encoded[m.name],)
-        for i, f in enumerate(enc.features)
-    ]
-    parent = [k for m in mods for k in encoded[m.name].parent]
+    # items= is per modality in the model's order, not the token order
+    listed, parent = token_items(ids, guard.grammar, mods, encoded, items, types, listed=False)
     rep = None if media is None else Reprocessor(spec, geo, listed, parent, media, processor)
     kw = dict(labels=batch.get("labels"), step=step, sample_ids=sids, caller=CALLER, encoder=rep)
-    order = token_order(ids, guard.grammar, listed, parent)
-    listed, parent = [listed[i] for i in order], [parent[i] for i in order]
-    res, owner = plan_items(guard, ids, listed, parent, **kw)
+    res, gone = plan_items(guard, ids, listed, parent, **kw)
     report = res.report
     done = () if rep is None else tuple(rep.kept(report).values())
     dropped = set(report.dropped)
-    if not (dropped or done):
+    if not (dropped or gone or done):
         return BatchCheck(dict(batch), report)
     # the dropped samples out, the re-processed items' rows and grid rows in place
     fixed = {(d.modality, d.index): (d.grid, d.rows) for d in done}
     spans = {k: e.spans for k, e in encoded.items() if any(n != 1 for n in e.spans)}
-    gone = gone_items(report, owner)
     out = drop_inputs(spec, batch, mods, guard, dropped, gone, text, spans, repaired=fixed)
     if res.labels is not None:
         out["labels"] = res.labels
@@ -201,9 +177,10 @@ def _sample_ids(sample_ids, rows: int) -> tuple | None:
     return tuple(sample_ids)
 
 
-def _given(mods, tables, items: Sequence[MediaItem] | None) -> tuple[dict, dict[str, int]]:
-    """``(modality, model-level index) -> fields`` the caller's ``items`` give, and per
-    modality its model-level items: its count table's rows (a ``split`` block: the items')."""
+def _given(mods, tables, items: Sequence[MediaItem] | None) -> dict[str, int]:
+    """Per modality its model-level items: its count table's rows (a ``split`` block: the
+    caller's ``items``'), checked against ``items`` (their ``sample_id`` and ``source_hw``
+    laid on the items: :func:`~.inputs_items.call_items`)."""
     per_mod: dict[str, list[MediaItem]] = {}
     for g, it in enumerate(items or ()):
         if not isinstance(it, MediaItem):
@@ -214,7 +191,7 @@ def _given(mods, tables, items: Sequence[MediaItem] | None) -> tuple[dict, dict[
     got = {mod: len(its) for mod, its in per_mod.items()}
     want = {m.name: got.get(m.name, 0) if m.split else t.shape[0] for m, t in zip(mods, tables)}
     if items is None:
-        return {}, want
+        return want
     if got != {k: v for k, v in want.items() if v}:
         raise MediaInputError(
             f"{CALLER}: items= gives {got} for this batch's {want} model-level items (one per "
@@ -227,13 +204,7 @@ def _given(mods, tables, items: Sequence[MediaItem] | None) -> tuple[dict, dict[
             "the next run in token order, not by sample: leave sample unset (the check ties "
             "each item to the run the model gives it)"
         )
-    fields = ("sample_id", "source_hw")
-    given = {
-        (mod, k): {f: getattr(it, f) for f in fields if getattr(it, f) is not None}
-        for mod, its in per_mod.items()
-        for k, it in enumerate(its)
-    }
-    return given, want
+    return want
 
 
 __all__ = ["BatchCheck", "check_batch"]

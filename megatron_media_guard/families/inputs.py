@@ -19,6 +19,7 @@ from ..core.outcome import GuardReport, MergeResult
 from ..core.runs import TokenLayout
 from ..core.verify import Expected, verify
 from ..errors import MediaInputError
+from .inputs_items import orphans
 from .spec import COUNT_COLUMNS, Encoded, FamilySpec, ModalitySpec
 
 
@@ -138,6 +139,17 @@ def verify_tables(
     return verify(lay, expected, extra=extra)
 
 
+def verified(guard: MediaGuard, lay: TokenLayout, *args, gate: int = 0, types=None, **kw):
+    """The aligned call's check: :func:`verify_tables` on ``lay`` and ``args`` (its one
+    transfer) and, where the runs agree with the tables and none of the first ``gate`` extra
+    values is set, every sample kept (:meth:`MediaGuard.keep_all`, ``kw`` its arguments).
+    Returns ``(the result, None on the fault path; the extra values)``."""
+    verdict, got = verify_tables(lay, *args, types=types)
+    if verdict.bad_runs or verdict.findings or any(got[:gate]):
+        return None, got
+    return guard.keep_all(lay, verdict, **kw), got
+
+
 def _cut(spec, m: ModalitySpec, rows: list, given: Sequence[MediaItem], caller: str) -> list:
     """A split modality's block ``(units, tokens per unit)`` as the given items' rows."""
     units, per, _, h, w = rows[0][:5] if rows else (0, 0, 0, 0, 0)
@@ -181,11 +193,13 @@ def _encoded(rows: list) -> Encoded:
 
 def plan_items(
     guard: MediaGuard, ids: torch.Tensor, items: Sequence[MediaItem], parent: Sequence[int], **kw
-) -> tuple[MergeResult, list[tuple[str, int]]]:
-    """The guard's plan for ``items`` in token order: :meth:`MediaGuard.last_stage`, every
-    planned repair attempted. Returns the result and, per item, ``(modality, parent)``."""
+) -> tuple[MergeResult, set[tuple[str, int]]]:
+    """The guard's plan for ``items`` in token order (:meth:`MediaGuard.last_stage`, every
+    planned repair attempted, ``kw`` its arguments), and the model-level items ``(modality,
+    index)`` that leave the inputs: those of the samples it dropped and those no run took."""
+    res = guard.last_stage(ids, items, repairs="attempt", **kw)
     owner = [(it.modality, p) for it, p in zip(items, parent)]
-    return guard.last_stage(ids, items, repairs="attempt", **kw), owner
+    return res, gone_items(res.report, owner) | orphans(res.report, owner)
 
 
 def gone_items(report: GuardReport, owner: Sequence[tuple[str, int]]) -> set[tuple[str, int]]:
