@@ -311,3 +311,23 @@ def test_rows_are_fed_in_sample_order_only_one_per_item(rows):
     else:
         got = take_items(inputs, [mod], order=order)
         assert {k: v.tolist() for k, v in got.items()} == {"x": [1, 0], "image_sizes": [1, 0]}
+
+
+def test_an_item_no_run_takes_leaves_the_batch_and_the_plain_model_takes_it():
+    """A sample's image written as text (its run gone, its rows still in the batch): the item
+    no run takes is noted unused and its rows and grid row leave the batch, the rest kept."""
+    case, F, model = fixture("glm4v")
+    b = batch(F, model, case.samples)
+    cfg, ids, types = model.config, b.kwargs["input_ids"], b.kwargs["mm_token_type_ids"]
+    marks = (cfg.image_token_id, cfg.image_start_token_id, cfg.image_end_token_id)
+    gone = torch.isin(ids[2], torch.tensor(marks))
+    ids, types = ids.clone(), types.clone()
+    ids[2, gone], types[2, gone] = 0, 0
+    grid = b.kwargs["image_grid_thw"]
+    b.kwargs = {**b.kwargs, "input_ids": ids, "mm_token_type_ids": types}
+    checked = check("glm4v", case, b)
+    assert checked.report.actions == ("keep",) * 3
+    assert torch.equal(checked.batch["image_grid_thw"], grid[:2])
+    assert checked.batch["pixel_values"].shape[0] == int(grid[:2].prod(-1).sum())
+    with torch.no_grad():  # the plain model takes it: every run its item
+        model(**checked.batch)

@@ -324,6 +324,16 @@ def test_every_registered_family_has_a_pin_or_refuses_saying_why(mod):
             assert "4 frames" in facts["reason"] and "first mismatching run: 1" in facts["reason"]
 
 
+@pytest.mark.parametrize("family", ["qwen_vl", "glm4v", "nemotron_omni"])
+def test_a_list_of_originals_is_paired_per_modality_whatever_the_token_order(family):
+    """``media=[...]`` lists every image, then every video (the model's order), while the
+    items come in token order: a video before an image in the ids still gets its own original."""
+    spec = next(s for s in FAMILIES if s.name == family)
+    items = [MediaItem(4, modality="video"), MediaItem(4, modality="image")]  # token order
+    rep = Reprocessor(spec, None, items, [0, 0], ["image 0", "video 0"])
+    assert rep.media == {("image", 0): "image 0", ("video", 0): "video 0"}
+
+
 def clip(t: int, h: int, w: int, seed: int = 0) -> list[Image.Image]:
     return [picture(h, w, seed + k) for k in range(t)]
 

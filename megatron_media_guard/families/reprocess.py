@@ -147,7 +147,9 @@ class Reprocessor(ItemRepairer):
     ) -> None:
         super().__init__(items, parent, geometry)
         self.spec, self.processor = spec, processor
-        self.media = originals(media, list(self.runs))
+        # the originals come per modality in the spec's order, the items in token order
+        rank = {m.name: i for i, m in enumerate(spec.modalities)}
+        self.media = originals(media, sorted(self.runs, key=lambda k: (rank[k[0]], k[1])))
 
     def _processor(self, mod: str) -> Any:
         """The processor for ``mod``: ``processor[mod]`` of a mapping, else the one given
