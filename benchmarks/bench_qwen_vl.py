@@ -78,7 +78,7 @@ def _aligned(model, kwargs: dict, reps: int) -> list[float]:
             h.remove()
 
     def hook_alone():  # what the guard adds to a forward: the pre-hook with these inputs
-        return h._pre_hook(model, (), kwargs)
+        return h._pre_hook((), kwargs)
 
     # best of reps: on a shared machine a load spike swamps a few-ms difference in a median
     return _median_ms([lambda: model(**kwargs), guarded, hook_alone], reps, best=True)

@@ -40,10 +40,10 @@ fi
 if "$PY" -c "import transformer_engine.pytorch" 2>/dev/null; then
   step "transformer-engine fp8" 60 "$PY" -c "
 import torch, transformer_engine.pytorch as te
-from megatron_media_guard.repair.fp8 import fp8_active, fp8_align_size
+from megatron_media_guard.repair.fp8 import fp8_active, fp8_multiple
 print('fp8 outside autocast:', fp8_active(None))
 with te.fp8_autocast(enabled=True):
-    print('fp8 inside autocast:', fp8_active(None), 'align', fp8_align_size())
+    print('fp8 inside autocast:', fp8_active(None), 'align', fp8_multiple(None))
 "
 else
   echo "== transformer-engine: not installed, skipped"
