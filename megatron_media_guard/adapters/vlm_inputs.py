@@ -114,10 +114,10 @@ class InputsHandle(ForwardHookHandle):
         explicit = meta is not None and all(it.sample is not None for it in meta)
         # tied to their samples: token_order takes them per sample, else in set_items' order
         types = view.get(spec.token_types) if spec.token_types else None
-        check_declared(meta, mods, encoded)  # before the order: its message is the clearer
         items, parent = token_items(
             ids, guard.grammar, mods, encoded, meta, types, listed=not explicit
         )
+        check_declared(meta, mods, encoded)
         if explicit and not in_order(meta):
             why = "items out of token order (set_items samples decrease): their rows are "
             self.note(step, mb, "reordered", why + "fed in sample order")
