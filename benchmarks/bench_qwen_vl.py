@@ -40,6 +40,7 @@ from megatron_media_guard.testing.qwen_vl import (
     seed_failure,
     smooth_clip,
     smooth_image,
+    source_items,
     tiny_model,
 )
 
@@ -216,6 +217,7 @@ def _repair_rows(model, reps: int) -> list[dict]:
             plain_calls = len(calls)
             calls.clear()
             with install_qwen_vl(model, _guard("repair")) as h:
+                h.set_items(source_items(samples, mixed))  # the originals' sizes
                 model(**mixed)
             assert h.last_result.report.actions == ("repair", "repair")
             repaired_calls = len(calls)
