@@ -38,3 +38,14 @@ def test_quick_timing_round_runs():
 def test_a_case_naming_a_sample_outside_the_batch_is_refused():
     with pytest.raises(ValueError, match="bad samples"):
         bfp.inputs((4,), *bfp.sizes(True))
+
+
+def test_the_qwen_vl_repair_rows_repair_both_items():
+    """``bench_qwen_vl``'s repair rows assert that the guard repairs the image and the video of
+    their seed failure (they broke once unnoticed: the guard lacked the originals' sizes)."""
+    pytest.importorskip("transformers.models.qwen2_5_vl")
+    from benchmarks import bench_qwen_vl as bq
+
+    rows = bq._repair_rows(bq.tiny_model(bq.FAMILY), 1)
+    calls = {r["metric"]: r["value"] for r in rows if "tower calls" in r["metric"]}
+    assert len(set(calls.values())) == 1, calls  # the guarded repair: the plain tower calls
