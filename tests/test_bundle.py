@@ -290,7 +290,7 @@ def _half_written(real):
 def test_io_failures_return_none_and_leave_nothing(tmp_path, monkeypatch, log_records, fault):
     """A full disk mid-write, a failing rename, a dump directory that cannot be made: None, one
     logged error, no file (a half bundle never takes a ``.bundle`` name)."""
-    ids, _cu, items = packed_batch()
+    ids, cu, items = packed_batch()
     dump = tmp_path / "dumps"
     if fault == "mid_write":
         monkeypatch.setattr(
@@ -303,7 +303,7 @@ def test_io_failures_return_none_and_leave_nothing(tmp_path, monkeypatch, log_re
     else:
         dump.write_text("x")
         dump = dump if fault == "dump_dir_a_file" else dump / "sub"
-    assert save_bundle(dump, input_ids=ids, items=items, grammar=Q) is None
+    assert save_bundle(dump, input_ids=ids, items=items, grammar=Q, cu_seqlens=cu) is None
     assert "cannot save replay bundle" in log_records.text
     assert _names(tmp_path) == ["dumps"]  # the dump directory (or the file in its way) only
     assert not (tmp_path / "dumps").is_dir() or _names(tmp_path / "dumps") == []

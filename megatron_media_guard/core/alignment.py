@@ -9,9 +9,9 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from .items import MediaItem
+from .items import MediaItem, metadata_batch
 from .parsed import TRUNCATION_KINDS, Finding, ParsedRuns, Run
-from .runs import parse_runs
+from .runs import TokenLayout, parse_layout
 
 
 class Status(str, enum.Enum):
@@ -242,5 +242,9 @@ def _sample_report(
 def check_alignment(
     input_ids, items: Sequence[MediaItem], grammar, cu_seqlens=None
 ) -> AlignmentReport:
-    """:func:`align` of :func:`~.runs.parse_runs`."""
-    return align(parse_runs(input_ids, grammar, cu_seqlens), items)
+    """The guard's check of a batch, without merging (``MediaGuard.check``, ``media-guard
+    replay``, a bundle saved without a report): the ids parsed, the items checked as the merge
+    checks them, every sample classified by :func:`align`. Raises :class:`MediaInputError`
+    for ids, offsets or items no merge would take."""
+    lay = TokenLayout(input_ids, grammar, cu_seqlens)
+    return align(parse_layout(lay), metadata_batch(items, lay.num_samples).items)

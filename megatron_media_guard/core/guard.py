@@ -13,7 +13,7 @@ import torch
 from ..config import GuardConfig
 from ..diagnostics import DiagnosticsLog, GuardRecord, RankInfo, where_text
 from ..errors import ConsensusError, MediaAlignmentError, MediaGuardError, MediaInputError
-from .alignment import AlignmentReport, align
+from .alignment import AlignmentReport, check_alignment
 from .apply import mask_dropped, nonfinite_items, rows_index, scatter
 from .fault_path import Call, diagnose
 from .grammar import Grammar
@@ -23,7 +23,7 @@ from .outcome import Consensus, GuardReport, LocalOutcome, MergeResult, StageOut
 from .plan import Plan, build_plan
 from .providers import default_consensus, process_rank
 from .repairs import warn_unrepairable
-from .runs import TokenLayout, parse_layout
+from .runs import TokenLayout
 from .validate import check_inputs, check_labels_dtype, check_masks
 from .verify import Verdict, item_tables, verify
 
@@ -101,10 +101,8 @@ class MediaGuard:
         items: Sequence[MediaItem],
         cu_seqlens: torch.Tensor | None = None,
     ) -> AlignmentReport:
-        """The full per-sample report, without merging."""
-        lay = TokenLayout(input_ids, self.grammar, cu_seqlens)
-        batch = metadata_batch(items, lay.num_samples)
-        return align(parse_layout(lay), batch.items)
+        """The full per-sample report, without merging (:func:`~.alignment.check_alignment`)."""
+        return check_alignment(input_ids, items, self.grammar, cu_seqlens)
 
     def merge(
         self,

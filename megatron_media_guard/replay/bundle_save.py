@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 
 from ..config import GuardConfig
-from ..core.alignment import AlignmentReport, align
+from ..core.alignment import AlignmentReport, check_alignment
 from ..core.grammar import Grammar
 from ..core.items import MediaItem, normalize
 from ..core.providers import provide_bundle_writer
-from ..core.runs import TokenLayout, parse_layout
+from ..core.runs import TokenLayout
 from ..diagnostics import RankInfo, file_name, get_logger, utc_now
 from ..errors import MediaInputError
 from .bundle import (
@@ -93,7 +93,7 @@ def save_bundle(
     cu = _cpu(cu_seqlens) if cu_seqlens is not None else None
     lay = TokenLayout(ids, grammar, cu)  # refuses ids or offsets no replay could read
     if report is None:
-        report = align(parse_layout(lay), items)
+        report = check_alignment(ids, items, grammar, cu)
     elif report.num_items != len(items):
         raise MediaInputError(f"report covers {report.num_items} items, {len(items)} given")
     bad_items = sorted({i for r in report.mismatched for i in r.items} | set(report.orphans))

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import GuardConfig
-from ..core.alignment import AlignmentReport, align
+from ..core.alignment import AlignmentReport, check_alignment
 from ..core.explain import alignment_message, batch_summary, sample_record
-from ..core.items import metadata_batch
 from ..core.plan import build_plan
-from ..core.runs import TokenLayout, parse_layout
 from ..core.verify import Verdict
 from ..diagnostics import where_text
 from ..diagnostics.records import one_line
@@ -26,7 +23,7 @@ from ..diagnostics.report_format import neutralise
 from ..errors import MediaGuardError
 from .bundle import Bundle, BundleError, _json_default, load_bundle, report_summary
 
-EXIT_ALIGNED, EXIT_MISMATCH, EXIT_BAD_BUNDLE = 0, 1, 2
+EXIT_ALIGNED, EXIT_MISMATCH = 0, 1
 
 
 @dataclass(frozen=True)
@@ -66,9 +63,7 @@ def replay(bundle: Bundle) -> ReplayResult:
     rank = bundle.rank.rank if bundle.rank is not None else None
     where = "replay of " + where_text(rank, bundle.step, bundle.microbatch)
     try:
-        lay = TokenLayout(bundle.input_ids, bundle.grammar, bundle.cu_seqlens)
-        norm = metadata_batch(bundle.items, lay.num_samples)
-        report = align(parse_layout(lay), norm.items)
+        report = check_alignment(bundle.input_ids, bundle.items, bundle.grammar, bundle.cu_seqlens)
     except MediaGuardError as err:
         raise BundleError(f"{bundle.path}: bundle content is inconsistent: {err}") from None
     bad = tuple(r.sample for r in report.mismatched)
@@ -84,7 +79,7 @@ def replay(bundle: Bundle) -> ReplayResult:
     else:
         # no log path: a replay writes no log (the save-time one is the bundle's log_path)
         records = [
-            sample_record(rep, norm.items, "raise", step=bundle.step, microbatch=mb)
+            sample_record(rep, bundle.items, "raise", step=bundle.step, microbatch=mb)
             for rep in report.mismatched
         ]
         message = alignment_message(
@@ -96,16 +91,16 @@ def replay(bundle: Bundle) -> ReplayResult:
 
 # ---- command line ------------------------------------------------------------------------
 def run_replay(args: argparse.Namespace) -> int:
-    """0: aligned now; 1: the mismatch reproduces; 2: the bundle cannot be read or is invalid
-    (one line on stderr saying why, and with ``--json`` one JSON object on stdout; never a
-    traceback, never 1)."""
+    """0: aligned now; 1: the mismatch reproduces. A bundle that cannot be read or is invalid
+    raises :class:`~.bundle.BundleError` (or another :class:`MediaGuardError`): the CLI's exit
+    2 with one line why, never a traceback, never 1."""
     try:
         result = replay(load_bundle(args.bundle, max_bytes=args.max_bytes))
-    except MediaGuardError as err:
-        return _bad_bundle(args, one_line(err, 400))
+    except MediaGuardError:
+        raise
     except Exception as err:  # whatever an invalid bundle trips in the replay itself
         why = one_line(f"{type(err).__name__}: {err}", 400)
-        return _bad_bundle(args, f"{args.bundle}: invalid bundle ({why})")
+        raise BundleError(f"{args.bundle}: invalid bundle ({why})") from None
     if args.json:
         print(json.dumps(result.to_dict(), default=_json_default))
     else:
@@ -113,11 +108,3 @@ def run_replay(args: argparse.Namespace) -> int:
         if result.saved_mismatched:
             print(f"  at save time: mismatched samples {list(result.saved_mismatched)[:16]}")
     return EXIT_ALIGNED if result.aligned else EXIT_MISMATCH
-
-
-def _bad_bundle(args: argparse.Namespace, why: str) -> int:
-    print(f"media-guard replay: {neutralise(why)}", file=sys.stderr)
-    if args.json:
-        out = {"path": str(args.bundle), "error": neutralise(why), "exit": EXIT_BAD_BUNDLE}
-        print(json.dumps(out))
-    return EXIT_BAD_BUNDLE
