@@ -80,13 +80,17 @@ def _report_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=int, help="reader processes (default: one per CPU, up to files)")
 
 
-def _report_error(args: argparse.Namespace, message: str) -> int:
-    """One line why on stderr (and a JSON object on stdout with --json); exit 2."""
+def _input_error(args: argparse.Namespace, path: object, message: object) -> int:
+    """A missing, unreadable or invalid input (or an unwritable output): one line why on
+    stderr and, with ``--json``, one JSON object on stdout, ``{"error": why, "path": the
+    input, "exit_code": 2}`` (every subcommand's); exit 2."""
+    from .diagnostics.records import one_line
     from .diagnostics.report_format import neutralise
 
-    print(neutralise(f"media-guard report: {message}"), file=sys.stderr)
+    why = neutralise(one_line(message, 400))
+    print(f"media-guard {args.command}: {why}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"error": message, "exit_code": EXIT_USAGE}))
+        print(json.dumps({"error": why, "path": str(path), "exit_code": EXIT_USAGE}))
     return EXIT_USAGE
 
 
@@ -100,11 +104,10 @@ def _report_run(args: argparse.Namespace) -> int:
             args.dir, ranks=args.rank, steps=args.step, top=max(0, args.top), jobs=args.jobs
         )
     except MediaGuardError as err:
-        return _report_error(args, str(err))
+        return _input_error(args, args.dir, err)
     if not summary.files:  # a CI step reading a wrong path must not pass
-        return _report_error(
-            args, f"no media_guard.rank*.jsonl files in {args.dir} (nor its subdirectories)"
-        )
+        why = f"no media_guard.rank*.jsonl files in {args.dir} (nor its subdirectories)"
+        return _input_error(args, args.dir, why)
     for path, why in summary.skipped_files.items():
         print(neutralise(f"media-guard report: warning: skipped {path}: {why}"), file=sys.stderr)
     if summary.malformed or summary.torn_files:
@@ -119,7 +122,8 @@ def _report_run(args: argparse.Namespace) -> int:
         try:
             size = write_html(summary, args.html)
         except OSError as err:
-            return _report_error(args, f"cannot write --html {args.html}: {err.strerror or err}")
+            why = f"cannot write --html {args.html}: {err.strerror or err}"
+            return _input_error(args, args.dir, why)
         print(neutralise(f"media-guard report: page {args.html} ({size:,} bytes)"), file=sys.stderr)
     fail_on = dict.fromkeys(args.fail_on or [])
     hits = {e: summary.count(e) for e in fail_on if summary.count(e)}
@@ -162,6 +166,16 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _replay_run(args: argparse.Namespace) -> int:
+    from .errors import MediaGuardError
+    from .replay.rerun import run_replay
+
+    try:
+        return run_replay(args)
+    except MediaGuardError as err:
+        return _input_error(args, args.bundle, err)
+
+
 def _lazy(module: str, name: str) -> Callable:
     """``module.name``, imported when first called (the torch-side subcommands)."""
 
@@ -181,7 +195,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "re-run the check on a saved micro-batch offline (exit 0 aligned, 1 mismatch, 2 bad "
         "bundle)",
         _replay_arguments,
-        _lazy(".replay.rerun", "run_replay"),
+        _replay_run,
     ),
     "smoke": Subcommand(
         "distributed smoke run with fault injection (4 CPU ranks over gloo by default)",

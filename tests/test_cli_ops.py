@@ -67,7 +67,7 @@ def test_replay_errors_say_what_is_wrong(tmp_path, capsys, make, extra, needle, 
     assert "0.0 MiB" not in err and "8,458,358" not in err
     if as_json:
         got = json.loads(out)
-        assert got["exit"] == 2 and needle in got["error"] and got["path"] == str(path)
+        assert got["exit_code"] == 2 and needle in got["error"] and got["path"] == str(path)
     else:
         assert out == ""
 
