@@ -1,10 +1,10 @@
 """What a new user meets at the command line: ``media-guard replay`` and ``smoke`` on wrong
-input say one line and exit 2 (``--json`` prints JSON then too), and the smoke job and the demo
-leave no temporary directory behind (``--help`` imports no torch: tests/test_layout.py)."""
+input say one line and exit 2 (replay's missing or unreadable bundles, ``--json`` too:
+tests/test_hostile_replay.py), and the smoke job and the demo leave no temporary directory
+behind (``--help`` imports no torch: tests/test_layout.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -33,48 +33,9 @@ def run_ok(argv: list[str], timeout: int = 180, **env: str) -> subprocess.Comple
     return out
 
 
-def _bundle(d: Path) -> Path:
-    return saved_bundle(d, environ={})
-
-
-def _empty_dir(d: Path) -> Path:
-    (d / "junk").mkdir()
-    return d / "junk"
-
-
-def _dir_with_bundle(d: Path) -> Path:
-    _bundle(d / "dumps")
-    return d / "dumps"
-
-
-@pytest.mark.parametrize(
-    "make, extra, needle",
-    [
-        (_empty_dir, [], "is a directory: give one bundle file"),
-        (_dir_with_bundle, [], "(it holds media_guard.rank00001.step3"),
-        (lambda d: d / "missing.bundle", [], "no bundle file at"),
-        (_bundle, ["--max-bytes", "10"], "limit of 10 bytes"),
-    ],
-)
-@pytest.mark.parametrize("as_json", [False, True])
-def test_replay_errors_say_what_is_wrong(tmp_path, capsys, make, extra, needle, as_json):
-    path = make(tmp_path)
-    capsys.readouterr()  # the save's own log line
-    code = main(["replay", str(path), *extra, *(["--json"] if as_json else [])])
-    out, err = capsys.readouterr()
-    assert code == 2
-    assert len(err.strip().splitlines()) == 1 and needle in err, err
-    assert "0.0 MiB" not in err and "8,458,358" not in err
-    if as_json:
-        got = json.loads(out)
-        assert got["exit_code"] == 2 and needle in got["error"] and got["path"] == str(path)
-    else:
-        assert out == ""
-
-
 @pytest.mark.parametrize("value", ["0", "-5", "ten"])
 def test_replay_max_bytes_must_be_a_positive_count(tmp_path, capsys, value):
-    assert main(["replay", str(_bundle(tmp_path)), "--max-bytes", value]) == 2
+    assert main(["replay", str(saved_bundle(tmp_path, environ={})), "--max-bytes", value]) == 2
     assert "--max-bytes" in capsys.readouterr().err
 
 

@@ -107,6 +107,11 @@ def _item(key, value):
     return _meta(lambda m: m["items"][0].__setitem__(key, value))
 
 
+def _empty_dir(d, meta, tensors):
+    (d / "junk").mkdir()
+    return d / "junk"
+
+
 HOSTILE_BUNDLES = {
     "stride0_view": (_stride0, "limit"),
     "zip_bomb": (_zip_bomb, "uncompressed"),
@@ -149,19 +154,29 @@ HOSTILE_BUNDLES = {
     "no_placeholders": (_meta(lambda m: m["grammar"].update(placeholders={})), "placeholders"),
     "no_items_key": (_meta(lambda m: m.pop("items")), "items"),
     "sample_not_in_batch": (_item("sample", 9), "inconsistent"),  # loads, fails the replay
+    # no bundle file at all
+    "a_directory": (_empty_dir, "is a directory: give one bundle file"),
+    "the_bundles_directory": (lambda d, m, t: d, "(it holds media_guard.rank00001.step3"),
+    "missing": (lambda d, m, t: d / "missing.bundle", "no bundle file at"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE_BUNDLES))
-def test_hostile_bundle_exits_2_with_one_line(tmp_path, case, capsys):
+@pytest.mark.parametrize("as_json", [False, True])
+def test_hostile_bundle_exits_2_with_one_line(tmp_path, case, as_json, capsys):
     make, why = HOSTILE_BUNDLES[case]
     meta, tensors = _meta_and_tensors(saved_bundle(tmp_path))
     path = make(tmp_path, meta, tensors)
-    assert main(["replay", str(path), "--max-bytes", str(1 << 20)]) == 2
+    code = main(["replay", str(path), "--max-bytes", str(1 << 20), *(["--json"] * as_json)])
     out, err = capsys.readouterr()
-    assert out == "" and len(err.strip().splitlines()) == 1, err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith("media-guard replay: ") and why in err and path.name in err, err
     assert "Traceback" not in err
+    if as_json:  # the shape every subcommand's --json error has (test_report: report's)
+        why = err.strip().removeprefix("media-guard replay: ")
+        assert json.loads(out) == {"error": why, "path": str(path), "exit_code": 2}
+    else:
+        assert out == ""
     if case != "sample_not_in_batch":  # a file that is no bundle: a wrong call, named
         with pytest.raises(BundleError, match=path.name):
             load_bundle(path, max_bytes=1 << 20)
@@ -184,7 +199,8 @@ def test_the_limit_is_configurable_and_checked_before_loading(tmp_path, monkeypa
     real = torch.load
     monkeypatch.setattr(torch, "load", lambda *a, **k: loaded.append(1) or real(*a, **k))
     assert main(["replay", str(path), "--max-bytes", "16"]) == 2
-    assert "limit" in capsys.readouterr().err and not loaded
+    err = capsys.readouterr().err
+    assert "limit of 16 bytes" in err and "0.0 MiB" not in err and not loaded
     monkeypatch.setenv("MEDIA_GUARD_REPLAY_MAX_BYTES", "16")
     assert main(["replay", str(path)]) == 2
     monkeypatch.setenv("MEDIA_GUARD_REPLAY_MAX_BYTES", "lots")
