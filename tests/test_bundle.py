@@ -26,6 +26,7 @@ from megatron_media_guard import (
     MediaItem,
 )
 from megatron_media_guard.cli import main
+from megatron_media_guard.core.alignment import check_alignment
 from megatron_media_guard.diagnostics import RankInfo
 from megatron_media_guard.replay import bundle, bundle_save
 from megatron_media_guard.replay.bundle import FORMAT, BundleError, load_bundle, report_summary
@@ -79,10 +80,6 @@ def _names(d):
     return sorted(p.name for p in d.iterdir()) if d.exists() else []
 
 
-def check_report(ids, items, cu=None):
-    return MediaGuard(GuardConfig(), grammar=Q).check(ids, items, cu)
-
-
 # ---- round trip --------------------------------------------------------------------------
 @pytest.mark.parametrize("ids_dtype", [torch.long, torch.int32])
 @pytest.mark.parametrize("pixel_dtype", [torch.bfloat16, torch.uint8, torch.float32])
@@ -121,7 +118,7 @@ def test_round_trip_every_field(tmp_path, backend, ids_dtype, pixel_dtype):
     assert got.grammar == Q and got.grammar.name == Q.name
     assert got.config == cfg
     assert got.rank == RANK and (got.step, got.microbatch) == (12, 1)
-    assert dict(got.report) == report_summary(check_report(ids, items, cu))
+    assert dict(got.report) == report_summary(check_alignment(ids, items, Q, cu))
     assert got.report["mismatched"][0]["sample"] == 1
 
 
@@ -197,7 +194,7 @@ def test_replay_report_equals_live_check(seed, fault):
     if fault != "none" and not any(layout):
         layout[0] = [("image", 3)]
     batch = inject(Q, layout, fault, seed=seed)
-    live = check_report(batch.input_ids, batch.items)
+    live = check_alignment(batch.input_ids, batch.items, Q)
     with tempfile.TemporaryDirectory() as d:
         res = replay(
             load_bundle(save_bundle(d, input_ids=batch.input_ids, items=batch.items, grammar=Q))
@@ -324,7 +321,7 @@ BAD_ARGS = {
     "features_list": dict(features=[torch.zeros(3, H)]),
     "cu_float": dict(cu_seqlens=torch.tensor([0.0, 4.0])),
     "report_items": lambda: dict(
-        report=check_report(build_batch(Q, [[("image", 2)]]).input_ids, [])
+        report=check_alignment(build_batch(Q, [[("image", 2)]]).input_ids, [], Q)
     ),
 }
 # a sample_id of another type is refused earlier, by MediaItem itself (tests/test_hostile_replay.py)
