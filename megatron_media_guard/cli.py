@@ -80,34 +80,31 @@ def _report_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=int, help="reader processes (default: one per CPU, up to files)")
 
 
-def _input_error(args: argparse.Namespace, path: object, message: object) -> int:
-    """A missing, unreadable or invalid input (or an unwritable output): one line why on
-    stderr and, with ``--json``, one JSON object on stdout, ``{"error": why, "path": the
-    input, "exit_code": 2}`` (every subcommand's); exit 2."""
+def _input_error(args: argparse.Namespace, err: Exception) -> int:
+    """Any subcommand's missing, unreadable or invalid input (or unwritable output), raised as
+    a :class:`~.errors.MediaInputError`: one line why on stderr and, with ``--json``, one JSON
+    object on stdout, ``{"error": why, "exit_code": 2}``; exit 2."""
     from .diagnostics.records import one_line
     from .diagnostics.report_format import neutralise
 
-    why = neutralise(one_line(message, 400))
+    why = neutralise(one_line(err, 400))
     print(f"media-guard {args.command}: {why}", file=sys.stderr)
-    if args.json:
-        print(json.dumps({"error": why, "path": str(path), "exit_code": EXIT_USAGE}))
+    if getattr(args, "json", False):
+        print(json.dumps({"error": why, "exit_code": EXIT_USAGE}))
     return EXIT_USAGE
 
 
 def _report_run(args: argparse.Namespace) -> int:
     from .diagnostics.report import summarize
     from .diagnostics.report_format import format_summary, neutralise
-    from .errors import MediaGuardError
+    from .errors import MediaInputError
 
-    try:
-        summary = summarize(
-            args.dir, ranks=args.rank, steps=args.step, top=max(0, args.top), jobs=args.jobs
-        )
-    except MediaGuardError as err:
-        return _input_error(args, args.dir, err)
+    summary = summarize(
+        args.dir, ranks=args.rank, steps=args.step, top=max(0, args.top), jobs=args.jobs
+    )
     if not summary.files:  # a CI step reading a wrong path must not pass
         why = f"no media_guard.rank*.jsonl files in {args.dir} (nor its subdirectories)"
-        return _input_error(args, args.dir, why)
+        raise MediaInputError(why)
     for path, why in summary.skipped_files.items():
         print(neutralise(f"media-guard report: warning: skipped {path}: {why}"), file=sys.stderr)
     if summary.malformed or summary.torn_files:
@@ -123,7 +120,7 @@ def _report_run(args: argparse.Namespace) -> int:
             size = write_html(summary, args.html)
         except OSError as err:
             why = f"cannot write --html {args.html}: {err.strerror or err}"
-            return _input_error(args, args.dir, why)
+            raise MediaInputError(why) from None
         print(neutralise(f"media-guard report: page {args.html} ({size:,} bytes)"), file=sys.stderr)
     fail_on = dict.fromkeys(args.fail_on or [])
     hits = {e: summary.count(e) for e in fail_on if summary.count(e)}
@@ -166,16 +163,6 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _replay_run(args: argparse.Namespace) -> int:
-    from .errors import MediaGuardError
-    from .replay.rerun import run_replay
-
-    try:
-        return run_replay(args)
-    except MediaGuardError as err:
-        return _input_error(args, args.bundle, err)
-
-
 def _lazy(module: str, name: str) -> Callable:
     """``module.name``, imported when first called (the torch-side subcommands)."""
 
@@ -195,7 +182,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "re-run the check on a saved micro-batch offline (exit 0 aligned, 1 mismatch, 2 bad "
         "bundle)",
         _replay_arguments,
-        _replay_run,
+        _lazy(".replay.rerun", "run_replay"),
     ),
     "smoke": Subcommand(
         "distributed smoke run with fault injection (4 CPU ranks over gloo by default)",
@@ -234,8 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    from .errors import MediaInputError
+
     try:
         return SUBCOMMANDS[args.command].run(args)
+    except MediaInputError as err:
+        return _input_error(args, err)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `media-guard report DIR | head`: stop quietly

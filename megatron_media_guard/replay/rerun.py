@@ -20,7 +20,7 @@ from ..core.verify import Verdict
 from ..diagnostics import where_text
 from ..diagnostics.records import one_line
 from ..diagnostics.report_format import neutralise
-from ..errors import MediaGuardError
+from ..errors import MediaGuardError, MediaInputError
 from .bundle import Bundle, BundleError, _json_default, load_bundle, report_summary
 
 EXIT_ALIGNED, EXIT_MISMATCH = 0, 1
@@ -92,11 +92,11 @@ def replay(bundle: Bundle) -> ReplayResult:
 # ---- command line ------------------------------------------------------------------------
 def run_replay(args: argparse.Namespace) -> int:
     """0: aligned now; 1: the mismatch reproduces. A bundle that cannot be read or is invalid
-    raises :class:`~.bundle.BundleError` (or another :class:`MediaGuardError`): the CLI's exit
-    2 with one line why, never a traceback, never 1."""
+    raises :class:`~.bundle.BundleError`: the CLI's exit 2 with one line why, never a
+    traceback, never 1."""
     try:
         result = replay(load_bundle(args.bundle, max_bytes=args.max_bytes))
-    except MediaGuardError:
+    except MediaInputError:
         raise
     except Exception as err:  # whatever an invalid bundle trips in the replay itself
         why = one_line(f"{type(err).__name__}: {err}", 400)
