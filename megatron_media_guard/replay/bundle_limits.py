@@ -67,8 +67,8 @@ def parse_max_bytes(raw: str, source: str) -> int:
     return value
 
 
-def max_bytes_from_env(environ: Mapping[str, str] | None = None) -> int:
-    raw = (os.environ if environ is None else environ).get(ENV_MAX_BYTES, "").strip()
+def max_bytes_from_env() -> int:
+    raw = os.environ.get(ENV_MAX_BYTES, "").strip()
     return parse_max_bytes(raw, ENV_MAX_BYTES) if raw else DEFAULT_MAX_BYTES
 
 
