@@ -6,7 +6,6 @@ tells a frame run from an image run; the video markers stay text.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from ..geometry import PatchMergeGeometry
@@ -27,33 +26,17 @@ def _encode_video(model: Any, kw) -> Encoded:
     return Encoded(feats, num_frames=(TEMPORAL,) * len(feats), runs=grid[:, 0])
 
 
-@dataclass(frozen=True)
-class ClipGeometry:
-    """A patch-merge geometry sizing an image as a clip of ``frames`` frames."""
-
-    geo: PatchMergeGeometry
-    frames: int = TEMPORAL
-
-    def solve(
-        self, target_tokens: int, hw: tuple[int, int], num_frames: int = 1, *, hw_kind="source"
-    ):
-        return self.geo.solve(target_tokens, hw, max(num_frames, self.frames), hw_kind=hw_kind)
-
-    def tokens(self, hw: tuple[int, int], num_frames: int = 1) -> int:
-        return self.geo.tokens(hw, max(num_frames, self.frames))
-
-
-def geometry(model: Any = None) -> ClipGeometry:
-    """``Glm4vImageProcessor``'s sizing (factor 28; ``size`` = 112*112 .. 28*28*15000 pixels)."""
-    return ClipGeometry(
-        PatchMergeGeometry(
-            patch=PATCH,
-            merge=MERGE,
-            temporal_patch=TEMPORAL,
-            min_pixels=112 * 112,
-            max_pixels=28 * 28 * 15000,
-            temporal_budget=True,
-        )
+def geometry(model: Any = None) -> PatchMergeGeometry:
+    """``Glm4vImageProcessor``'s sizing (factor 28; ``size`` = 112*112 .. 28*28*15000 pixels;
+    an image a clip of 2 frames)."""
+    return PatchMergeGeometry(
+        patch=PATCH,
+        merge=MERGE,
+        temporal_patch=TEMPORAL,
+        min_pixels=112 * 112,
+        max_pixels=28 * 28 * 15000,
+        temporal_budget=True,
+        min_frames=TEMPORAL,
     )
 
 

@@ -239,8 +239,7 @@ class Reprocessor(ItemRepairer):
                 f"mismatching run: {first} ({static[first]} vs {rollout[first]}); refused, no "
                 f"grid inferred: {why}"
             )
-        base = getattr(geo, "geo", geo)  # GLM-4V's clip geometry wraps a patch-merge one
-        sizes = {n: int(getattr(base, n)) for n in ("patch", "merge", "temporal_patch")}
+        sizes = {n: int(getattr(geo, n)) for n in ("patch", "merge", "temporal_patch")}
         frames = as_frames(self.media[key])
         t, hw = frames.shape[0], tuple(frames.shape[-2:])
         groups = -(-t // sizes["temporal_patch"])

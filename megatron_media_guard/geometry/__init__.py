@@ -1,8 +1,6 @@
-"""Geometry families: how a processor turns pixels into a token count, and back.
-
-Every family (a ``Geometry``) has ``tokens(hw, num_frames=1, ...)``, ``size_for(hw,
-num_frames=1, ...)`` and ``solve(target_tokens, hw, num_frames=1, *, hw_kind="source") ->
-Solution``. Pure Python: imports only ``errors`` from the package.
+"""Geometry families: how a processor turns pixels into a token count, and back (each a
+``Geometry``: ``tokens``, ``size_for``, ``solve``; docs/GEOMETRY.md). Pure Python: imports only
+``errors`` from the package.
 """
 
 from megatron_media_guard.geometry.anyres import AnyresGeometry

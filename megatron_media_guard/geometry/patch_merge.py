@@ -31,7 +31,8 @@ _NO_CAP = 1 << 62
 class PatchMergeGeometry(Geometry):
     """Qwen-style patch-merge sizing (defaults: the HF Qwen2-VL image processor's): patch side
     and spatial merge (f = patch * merge), frames per temporal group, the pixel budget, the
-    largest aspect the processor takes, and Qwen3-VL's video rule (frames share the budget)."""
+    largest aspect the processor takes, Qwen3-VL's video rule (frames share the budget), and
+    the fewest frames an item is sized as (GLM-4V sizes an image as a clip of 2)."""
 
     patch: int = 14
     merge: int = 2
@@ -40,9 +41,10 @@ class PatchMergeGeometry(Geometry):
     max_pixels: int = 28 * 28 * 1280
     max_aspect: float = 200.0
     temporal_budget: bool = False
+    min_frames: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("patch", "merge", "temporal_patch", "min_pixels", "max_pixels"):
+        for name in ("patch", "merge", "temporal_patch", "min_pixels", "max_pixels", "min_frames"):
             check_positive(getattr(self, name), name)
         if self.min_pixels > self.max_pixels:
             raise GeometryError(
@@ -125,7 +127,7 @@ class PatchMergeGeometry(Geometry):
     ) -> tuple[int, int]:
         """Pixel (H', W') the processor resizes to (budget overridable)."""
         h, w = check_hw(hw)
-        t = check_frames(num_frames)
+        t = max(check_frames(num_frames), self.min_frames)
         lo = self.min_pixels if min_pixels is None else check_positive(min_pixels, "min_pixels")
         hi = self.max_pixels if max_pixels is None else check_positive(max_pixels, "max_pixels")
         return self._resize(h, w, t, lo, hi)
@@ -139,8 +141,8 @@ class PatchMergeGeometry(Geometry):
         max_pixels: int | None = None,
     ) -> int:
         hb, wb = self.size_for(hw, num_frames, min_pixels=min_pixels, max_pixels=max_pixels)
-        f = self.factor
-        return groups(num_frames, self.temporal_patch) * (hb // f) * (wb // f)
+        f, t = self.factor, max(num_frames, self.min_frames)
+        return groups(t, self.temporal_patch) * (hb // f) * (wb // f)
 
     def _cells(self, h: int, w: int, t: int, min_px: int, max_px: int) -> tuple[int, int] | None:
         try:
@@ -182,6 +184,7 @@ class PatchMergeGeometry(Geometry):
         max_pixels gives the target (``hw_kind="source"``); else the grid of that many cells
         closest in aspect that the processor keeps unchanged at some budget (``budget``:
         min_pixels = max_pixels = it)."""
+        t = max(t, self.min_frames)
         f, g = self.factor, groups(t, self.temporal_patch)
         try:
             self._resize(h, w, t, self.min_pixels, self.max_pixels)

@@ -1,8 +1,5 @@
-"""The answer every geometry family gives, the base they share, and their input checks.
-
-A ``Solution`` says how to size one media item so that its encoder yields an exact
-number of tokens, and how sure the family is that this is the sizing the engine used
-(``fidelity``). Pure Python: no torch, no torch.distributed, no megatron.
+"""The answer every geometry family gives (:class:`Solution`), the base they share, and their
+input checks. Pure Python: no torch, no torch.distributed, no megatron.
 """
 
 from __future__ import annotations
@@ -17,9 +14,6 @@ from megatron_media_guard.errors import MediaInputError
 
 Fidelity = Literal["engine-replay", "unique", "closest-aspect", "unreachable"]
 FIDELITIES: tuple[Fidelity, ...] = ("engine-replay", "unique", "closest-aspect", "unreachable")
-# What the size given to ``solve`` is: the original media ("source"), or a frame the
-# training processor already resized ("frame": the original's aspect lost to its rounding,
-# so no answer is called the engine's own sizing).
 HwKind = Literal["source", "frame"]
 HW_KINDS: tuple[HwKind, ...] = ("source", "frame")
 
@@ -30,11 +24,9 @@ class GeometryError(MediaInputError):
 
 @dataclass(frozen=True)
 class Solution:
-    """How to size one media item so that it yields ``tokens`` features (0 when unreachable):
-    pixel ``size_hw`` (None when unreachable), why (always), the patch ``grid`` (rows, cols)
-    before merge / pixel shuffle where the family has one, the ``tiles`` (cols, rows) and
-    ``thumbnail`` of tile families, and the per-item ``budget`` found (RADIO: patches;
-    patch-merge: pixels; tiles: max tiles)."""
+    """How to size one media item so that its encoder yields exactly ``tokens`` features (0,
+    ``size_hw`` None: unreachable), and how sure the family is that this is the engine's
+    sizing (``fidelity``); each field: docs/GEOMETRY.md, "Solution and fidelity"."""
 
     tokens: int
     size_hw: tuple[int, int] | None
