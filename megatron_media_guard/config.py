@@ -14,7 +14,8 @@ Policy = Literal["raise", "drop", "repair"]
 Fallback = Literal["drop", "raise"]
 NonFinite = Literal["raise", "drop", "off"]
 Generated = Literal["text", "drop", "raise"]
-FidelityName = Literal["engine-replay", "unique", "closest-aspect", "unreachable"]
+#: how sure a repair is that its sizing is the engine's (geometry's ``Solution.fidelity``)
+Fidelity = Literal["engine-replay", "unique", "closest-aspect", "unreachable"]
 KeepTower = Literal["always", "on_drop", "never"]
 
 _CHOICES = {
@@ -63,7 +64,7 @@ class GuardConfig:
     fallback: Fallback = "drop"
     log_dir: str | None = None
     nonfinite: NonFinite = "raise"
-    allowed_fidelity: tuple[FidelityName, ...] = ("engine-replay", "unique")
+    allowed_fidelity: tuple[Fidelity, ...] = ("engine-replay", "unique")
     ignore_index: int = -100
     fp8: bool | None = None
     fp8_multiple: int | None = None

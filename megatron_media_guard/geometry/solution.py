@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
 
+from megatron_media_guard.config import Fidelity
 from megatron_media_guard.errors import MediaInputError
 
-Fidelity = Literal["engine-replay", "unique", "closest-aspect", "unreachable"]
 FIDELITIES: tuple[Fidelity, ...] = ("engine-replay", "unique", "closest-aspect", "unreachable")
 # What the size given to ``solve`` is: the original media ("source"), or a frame the
 # training processor already resized ("frame": the original's aspect lost to its rounding,
