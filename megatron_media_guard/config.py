@@ -116,7 +116,7 @@ def _from_env(environ: Mapping[str, str] | None, skip: Collection[str], build):
             continue
         try:
             if f.name == "allowed_fidelity":
-                changes[f.name] = tuple(x.strip() for x in raw.split(",") if x.strip())
+                changes[f.name] = parse_names(raw)
             elif f.name == "ignore_index":
                 changes[f.name] = parse_int(f.name, raw)
             elif f.name in ("fp8_multiple", "dump_max"):
@@ -174,6 +174,11 @@ def parse_bool(name: str, raw: str, *, allow_none: bool = False) -> bool | None:
     if val is None and not (allow_none and raw.lower() in ("", "none", "auto")):
         raise MediaInputError(f"MEDIA_GUARD_{name.upper()} must be true/false, got {raw!r}")
     return val
+
+
+def parse_names(raw: str) -> tuple[str, ...]:
+    """A comma-separated list of names (``MEDIA_GUARD_ALLOWED_FIDELITY``)."""
+    return tuple(x.strip() for x in raw.split(",") if x.strip())
 
 
 def parse_int(name: str, raw: str) -> int:
