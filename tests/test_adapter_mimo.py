@@ -90,25 +90,30 @@ def test_aligned_is_bit_identical_and_counts_no_text(rows, with_items):
         assert sum(seen.values()) == 1  # the merge's verdict only
 
 
-def offsetting():
-    """+1 in sample 0, -1 in sample 1: the totals agree, the original merges silently."""
-    ids, embs, items = make(ROWS)
+def faulty(compensating=False):
+    """+1 image row in sample 0, -1 in sample 1: the totals agree, the original merges
+    silently. compensating: one text row short and one image row extra instead of sample 1's
+    -1 (the totals still add up to b*s)."""
+    ids, embs, _ = make(ROWS)
+    if compensating:
+        embs["text"] = embs["text"][:-1]
+        embs["images"] = torch.cat([embs["images"], embs["images"][:1]])
     items = [
         MediaItem(4, sample=0, modality="images"),
         MediaItem(2, sample=0, modality="audio"),
-        MediaItem(1, sample=1, modality="images"),
+        MediaItem(2 if compensating else 1, sample=1, modality="images"),
     ]
     return ids, embs, items
 
 
 def test_errors_the_original_passes_are_caught_under_raise():
-    ids, embs, items = offsetting()
+    ids, embs, items = faulty()
     run(TinyMimo(), ids, embs)  # megatron-core: no error, image rows shifted between samples
     model = TinyMimo()
     handle = install_mimo(model, config=GuardConfig(policy="raise"))
     handle.set_step(5)
-    for case, parts in ((offsetting, ("sample 1", "step 5")), (compensating, ("text tokens",))):
-        ids, embs, items = case()
+    for comp, parts in ((False, ("sample 1", "step 5")), (True, ("text tokens",))):
+        ids, embs, items = faulty(comp)
         handle.set_items(items)
         with pytest.raises(MediaAlignmentError) as e:
             run(model, ids, embs)
@@ -117,7 +122,7 @@ def test_errors_the_original_passes_are_caught_under_raise():
 
 
 def test_drop_keeps_other_samples_and_exposes_the_loss_mask():
-    ids, embs, items = offsetting()
+    ids, embs, items = faulty()
     ref = run(TinyMimo(), ids, embs)
     model = TinyMimo()
     handle = install_mimo(model, config=GuardConfig(policy="drop"))
@@ -208,23 +213,10 @@ def test_install_remove_restores_the_instance():
     assert "align_embeddings_by_token_positions" not in vars(model)
 
 
-def compensating():
-    """One text row short and one image row extra: the totals still add up to b*s."""
-    ids, embs, _ = make(ROWS)
-    embs["text"] = embs["text"][:-1]
-    embs["images"] = torch.cat([embs["images"], embs["images"][:1]])
-    items = [
-        MediaItem(4, sample=0, modality="images"),
-        MediaItem(2, sample=0, modality="audio"),
-        MediaItem(2, sample=1, modality="images"),
-    ]
-    return ids, embs, items
-
-
 def test_text_rows_offset_by_the_media_drop_every_sample(tmp_path):
     """Found on the fault path before the stage agrees: one plan drops every sample, one
     record each names the text rows, and the guard counts the drops."""
-    ids, embs, items = compensating()
+    ids, embs, items = faulty(compensating=True)
     model = TinyMimo()
     handle = install_mimo(model, config=GuardConfig(policy="drop", log_dir=str(tmp_path)))
     handle.set_items(items)
@@ -252,7 +244,7 @@ def test_text_placement_and_drop_all_on_the_tensors_device(device):
     handle = install_mimo(model, config=GuardConfig(policy="drop"))
     handle.set_items(items)
     assert torch.equal(run(model, ids, embs), ref)
-    ids, embs, items = compensating()
+    ids, embs, items = faulty(compensating=True)
     handle.set_items(items)
     out = run(model, ids.to(device), {k: v.to(device) for k, v in embs.items()})
     assert out.device.type == torch.device(device).type
