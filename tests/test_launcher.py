@@ -179,6 +179,14 @@ def call(m, ids, nit):
     )
 
 
+class TinyMimo(torch.nn.Module):
+    align_embeddings_by_token_positions = mimo_mod.MimoModel.align_embeddings_by_token_positions
+
+    def __init__(self):
+        super().__init__()
+        self.special_token_ids = {"images": 50}
+
+
 def test_find_vlm_through_wrappers_and_submodules():
     model, inner = chunks()
     assert find_vlm(model[0]) == ("llava", inner[0])
@@ -186,10 +194,7 @@ def test_find_vlm_through_wrappers_and_submodules():
     class Holder(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.mimo = Mimo()
-
-    class Mimo(torch.nn.Module):
-        align_embeddings_by_token_positions = mimo_mod.MimoModel.align_embeddings_by_token_positions
+            self.mimo = TinyMimo()
 
     h = Holder()
     assert find_vlm(Wrapper(h)) == ("mimo", h.mimo)
@@ -264,14 +269,6 @@ def test_manual_step_end_and_bad_choice():
     with pytest.raises(MediaInputError, match="step_end must be one of"):
         install_from_args([llava], parse([]), step_end="sometimes", environ={})
     assert "_preprocess_data" not in vars(llava)
-
-
-class TinyMimo(torch.nn.Module):
-    align_embeddings_by_token_positions = mimo_mod.MimoModel.align_embeddings_by_token_positions
-
-    def __init__(self):
-        super().__init__()
-        self.special_token_ids = {"images": 50}
 
 
 def test_dump_dir_reaches_the_guard_and_a_mismatch_writes_a_bundle(tmp_path):
