@@ -14,7 +14,8 @@ Policy = Literal["raise", "drop", "repair"]
 Fallback = Literal["drop", "raise"]
 NonFinite = Literal["raise", "drop", "off"]
 Generated = Literal["text", "drop", "raise"]
-FidelityName = Literal["engine-replay", "unique", "closest-aspect", "unreachable"]
+#: how sure a repair is that its sizing is the engine's (geometry's ``Solution.fidelity``)
+Fidelity = Literal["engine-replay", "unique", "closest-aspect", "unreachable"]
 KeepTower = Literal["always", "on_drop", "never"]
 
 _CHOICES = {
@@ -63,7 +64,7 @@ class GuardConfig:
     fallback: Fallback = "drop"
     log_dir: str | None = None
     nonfinite: NonFinite = "raise"
-    allowed_fidelity: tuple[FidelityName, ...] = ("engine-replay", "unique")
+    allowed_fidelity: tuple[Fidelity, ...] = ("engine-replay", "unique")
     ignore_index: int = -100
     fp8: bool | None = None
     fp8_multiple: int | None = None
@@ -115,7 +116,7 @@ def _from_env(environ: Mapping[str, str] | None, skip: Collection[str], build):
             continue
         try:
             if f.name == "allowed_fidelity":
-                changes[f.name] = tuple(x.strip() for x in raw.split(",") if x.strip())
+                changes[f.name] = parse_names(raw)
             elif f.name == "ignore_index":
                 changes[f.name] = parse_int(f.name, raw)
             elif f.name in ("fp8_multiple", "dump_max"):
@@ -173,6 +174,11 @@ def parse_bool(name: str, raw: str, *, allow_none: bool = False) -> bool | None:
     if val is None and not (allow_none and raw.lower() in ("", "none", "auto")):
         raise MediaInputError(f"MEDIA_GUARD_{name.upper()} must be true/false, got {raw!r}")
     return val
+
+
+def parse_names(raw: str) -> tuple[str, ...]:
+    """A comma-separated list of names (``MEDIA_GUARD_ALLOWED_FIDELITY``)."""
+    return tuple(x.strip() for x in raw.split(",") if x.strip())
 
 
 def parse_int(name: str, raw: str) -> int:

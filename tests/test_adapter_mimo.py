@@ -64,6 +64,15 @@ def run(model, ids, embs):
     return model.align_embeddings_by_token_positions(embs, ids, model.special_token_ids)
 
 
+def guarded(items=None, **config):
+    """A TinyMimo under ``install_mimo(config=GuardConfig(**config))``, ``items`` set for its
+    next call."""
+    model = TinyMimo()
+    handle = install_mimo(model, config=GuardConfig(**config))
+    handle.set_items(items)
+    return model, handle
+
+
 ROWS = [
     [1, (IMG, 3), 2, (AUD, 2), 3],
     [4, 5, (IMG, 2), 6],
@@ -76,10 +85,7 @@ ROWS = [
 def test_aligned_is_bit_identical_and_counts_no_text(rows, with_items):
     ids, embs, items = make(rows)
     ref = run(TinyMimo(), ids, embs)
-    model = TinyMimo()
-    handle = install_mimo(model, config=GuardConfig(policy="drop"))
-    if with_items:
-        handle.set_items(items)
+    model, handle = guarded(items if with_items else None, policy="drop")
     with count_transfers() as seen:
         out = run(model, ids, embs)
     assert out.shape == (ids.shape[1], ids.shape[0], H) and out.is_contiguous()
@@ -90,25 +96,29 @@ def test_aligned_is_bit_identical_and_counts_no_text(rows, with_items):
         assert sum(seen.values()) == 1  # the merge's verdict only
 
 
-def offsetting():
-    """+1 in sample 0, -1 in sample 1: the totals agree, the original merges silently."""
-    ids, embs, items = make(ROWS)
+def faulty(compensating=False):
+    """+1 image row in sample 0, -1 in sample 1: the totals agree, the original merges
+    silently. compensating: one text row short and one image row extra instead of sample 1's
+    -1 (the totals still add up to b*s)."""
+    ids, embs, _ = make(ROWS)
+    if compensating:
+        embs["text"] = embs["text"][:-1]
+        embs["images"] = torch.cat([embs["images"], embs["images"][:1]])
     items = [
         MediaItem(4, sample=0, modality="images"),
         MediaItem(2, sample=0, modality="audio"),
-        MediaItem(1, sample=1, modality="images"),
+        MediaItem(2 if compensating else 1, sample=1, modality="images"),
     ]
     return ids, embs, items
 
 
 def test_errors_the_original_passes_are_caught_under_raise():
-    ids, embs, items = offsetting()
+    ids, embs, items = faulty()
     run(TinyMimo(), ids, embs)  # megatron-core: no error, image rows shifted between samples
-    model = TinyMimo()
-    handle = install_mimo(model, config=GuardConfig(policy="raise"))
+    model, handle = guarded(policy="raise")
     handle.set_step(5)
-    for case, parts in ((offsetting, ("sample 1", "step 5")), (compensating, ("text tokens",))):
-        ids, embs, items = case()
+    for comp, parts in ((False, ("sample 1", "step 5")), (True, ("text tokens",))):
+        ids, embs, items = faulty(comp)
         handle.set_items(items)
         with pytest.raises(MediaAlignmentError) as e:
             run(model, ids, embs)
@@ -117,11 +127,9 @@ def test_errors_the_original_passes_are_caught_under_raise():
 
 
 def test_drop_keeps_other_samples_and_exposes_the_loss_mask():
-    ids, embs, items = offsetting()
+    ids, embs, items = faulty()
     ref = run(TinyMimo(), ids, embs)
-    model = TinyMimo()
-    handle = install_mimo(model, config=GuardConfig(policy="drop"))
-    handle.set_items(items)
+    model, handle = guarded(items, policy="drop")
     out = run(model, ids, embs)
     assert handle.last_result.report.dropped == (0, 1)
     assert torch.equal(out[:, 2], ref[:, 2])
@@ -139,8 +147,7 @@ def test_drop_keeps_other_samples_and_exposes_the_loss_mask():
 def test_totals_mismatch_without_items_names_the_modality():
     ids, embs, _ = make(ROWS)
     embs["images"] = torch.cat([embs["images"], embs["images"][:1]])
-    model = TinyMimo()
-    install_mimo(model, config=GuardConfig(policy="raise"))
+    model, _ = guarded(policy="raise")
     with pytest.raises(MediaAlignmentError, match="'images': 6 feature rows for 5 placeholders"):
         run(model, ids, embs)
 
@@ -150,8 +157,7 @@ def test_totals_mismatch_drop_keeps_samples_without_that_modality():
     ids, embs, _ = make(rows)
     ref = run(TinyMimo(), ids, embs)
     embs["images"] = torch.cat([embs["images"], embs["images"][:1]]).requires_grad_(True)
-    model = TinyMimo()
-    handle = install_mimo(model, config=GuardConfig(policy="drop"))
+    model, handle = guarded(policy="drop")
     out = run(model, ids, embs)
     assert handle.last_result.report.dropped == (0,)
     assert torch.equal(out[:, 1:], ref[:, 1:])
@@ -164,9 +170,7 @@ def test_nonfinite_features_drop_their_sample():
     ref = run(TinyMimo(), ids, embs)
     embs["images"] = embs["images"].clone()
     embs["images"][3, 0] = float("nan")  # sample 1's image
-    model = TinyMimo()
-    handle = install_mimo(model, config=GuardConfig(policy="raise", nonfinite="drop"))
-    handle.set_items(items)
+    model, handle = guarded(items, policy="raise", nonfinite="drop")
     out = run(model, ids, embs)
     assert handle.last_result.report.dropped == (1,)
     assert torch.isfinite(out).all() and torch.equal(out[:, 0], ref[:, 0])
@@ -208,26 +212,11 @@ def test_install_remove_restores_the_instance():
     assert "align_embeddings_by_token_positions" not in vars(model)
 
 
-def compensating():
-    """One text row short and one image row extra: the totals still add up to b*s."""
-    ids, embs, _ = make(ROWS)
-    embs["text"] = embs["text"][:-1]
-    embs["images"] = torch.cat([embs["images"], embs["images"][:1]])
-    items = [
-        MediaItem(4, sample=0, modality="images"),
-        MediaItem(2, sample=0, modality="audio"),
-        MediaItem(2, sample=1, modality="images"),
-    ]
-    return ids, embs, items
-
-
 def test_text_rows_offset_by_the_media_drop_every_sample(tmp_path):
     """Found on the fault path before the stage agrees: one plan drops every sample, one
     record each names the text rows, and the guard counts the drops."""
-    ids, embs, items = compensating()
-    model = TinyMimo()
-    handle = install_mimo(model, config=GuardConfig(policy="drop", log_dir=str(tmp_path)))
-    handle.set_items(items)
+    ids, embs, items = faulty(compensating=True)
+    model, handle = guarded(items, policy="drop", log_dir=str(tmp_path))
     with count_transfers() as seen:
         out = run(model, ids, embs)
     assert seen["MIMO text token count (slow path)"] == 1
@@ -248,11 +237,9 @@ def test_text_placement_and_drop_all_on_the_tensors_device(device):
     ids = ids.to(device)
     embs = {k: v.to(device, torch.bfloat16) for k, v in embs.items()}
     ref = run(TinyMimo(), ids, embs)
-    model = TinyMimo()
-    handle = install_mimo(model, config=GuardConfig(policy="drop"))
-    handle.set_items(items)
+    model, handle = guarded(items, policy="drop")
     assert torch.equal(run(model, ids, embs), ref)
-    ids, embs, items = compensating()
+    ids, embs, items = faulty(compensating=True)
     handle.set_items(items)
     out = run(model, ids.to(device), {k: v.to(device) for k, v in embs.items()})
     assert out.device.type == torch.device(device).type

@@ -5,7 +5,6 @@ when it is built."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import warnings
 
@@ -14,7 +13,6 @@ import torch
 from family_checks import records
 
 from megatron_media_guard import Grammar, GuardConfig, MediaGuard, MediaInputError
-from megatron_media_guard.adapters.launcher import add_media_guard_args, config_from_args
 from megatron_media_guard.testing import TEST_GRAMMARS, inject
 
 ENV = {
@@ -103,22 +101,6 @@ def test_a_bad_variable_is_named(env, needle):
 def test_config_rejects_values_that_would_fail_later(kwargs, match):
     with pytest.raises(MediaInputError, match=match):
         GuardConfig(environ={}, **kwargs)
-
-
-@pytest.mark.parametrize(
-    "field, value, env, default",
-    [("generated", "raise", "drop", "text"), ("keep_tower", "never", "on_drop", "always")],
-)
-def test_launcher_flag_then_environment_then_default(field, value, env, default):
-    parser = add_media_guard_args(argparse.ArgumentParser())
-    flag = "--media-guard-" + field.replace("_", "-")
-    args = parser.parse_args([flag, value])
-    assert getattr(config_from_args(args, {}), field) == value
-    environ = {f"MEDIA_GUARD_{field.upper()}": env}
-    assert getattr(config_from_args(args, environ), field) == env
-    assert getattr(config_from_args(parser.parse_args([]), {}), field) == default
-    with pytest.raises(SystemExit):
-        parser.parse_args([flag, "sometimes"])
 
 
 def test_the_readme_way_writes_where_the_variable_says(monkeypatch, tmp_path):

@@ -39,6 +39,8 @@ FULL = [
     "--media-guard-drop-budget-window", "0.1",
     "--media-guard-window-steps", "20",
     "--media-guard-dump-dir", "/tmp/bundles",
+    "--media-guard-generated", "raise",
+    "--media-guard-keep-tower", "never",
 ]  # fmt: skip
 
 
@@ -51,6 +53,8 @@ def test_argparse_round_trip():
         nonfinite="off",
         allowed_fidelity=("engine-replay", "unique", "closest-aspect"),
         dump_dir="/tmp/bundles",
+        generated="raise",
+        keep_tower="never",
     )
     b = budget_from_args(args, environ={})
     assert (b.max_fraction_per_step, b.max_fraction_window, b.window_steps) == (0.25, 0.1, 20)
@@ -72,25 +76,25 @@ def test_defaults_are_the_config_defaults():
         ({"MEDIA_GUARD_POLICY": "raise"}, "policy", "raise"),
         ({"MEDIA_GUARD_LOG_DIR": "/elsewhere"}, "log_dir", "/elsewhere"),
         ({"MEDIA_GUARD_ALLOWED_FIDELITY": "unique"}, "allowed_fidelity", ("unique",)),
+        ({"MEDIA_GUARD_DUMP_DIR": "/d"}, "dump_dir", "/d"),  # where the merge reads it
+        ({"MEDIA_GUARD_GENERATED": "drop"}, "generated", "drop"),
+        ({"MEDIA_GUARD_KEEP_TOWER": "on_drop"}, "keep_tower", "on_drop"),
     ],
 )
 def test_environment_overrides_arguments(env, field, value):
     assert getattr(config_from_args(parse(FULL), environ=env), field) == value
 
 
-def test_environment_overrides_budget_dump_and_disable():
-    env = {
-        "MEDIA_GUARD_DROP_BUDGET_STEP": "0.5",
-        "MEDIA_GUARD_WINDOW_STEPS": "3",
-        "MEDIA_GUARD_DUMP_DIR": "/d",
-        "MEDIA_GUARD_DISABLE": "true",
-    }
-    args = parse(FULL)
-    b = budget_from_args(args, environ=env)
+def test_environment_overrides_the_budget():
+    env = {"MEDIA_GUARD_DROP_BUDGET_STEP": "0.5", "MEDIA_GUARD_WINDOW_STEPS": "3"}
+    b = budget_from_args(parse(FULL), environ=env)
     assert (b.max_fraction_per_step, b.max_fraction_window, b.window_steps) == (0.5, 0.1, 3)
-    assert config_from_args(args, environ=env).dump_dir == "/d"  # where the merge reads it
-    assert disabled(args, environ=env)
-    assert not disabled(parse(["--media-guard-disable"]), environ={"MEDIA_GUARD_DISABLE": "0"})
+
+
+@pytest.mark.parametrize("flag", ["policy", "generated", "keep-tower"])
+def test_argparse_refuses_a_choice_the_config_lacks(flag):
+    with pytest.raises(SystemExit):
+        parse([f"--media-guard-{flag}", "sometimes"])
 
 
 @pytest.mark.parametrize(
@@ -98,8 +102,10 @@ def test_environment_overrides_budget_dump_and_disable():
     [
         ("on", False, True),
         ("YES", False, True),
+        ("true", False, True),
         ("off", True, False),
         ("no", True, False),
+        ("0", True, False),
         ("", True, True),  # empty: the argument decides
         ("auto", False, False),
     ],
@@ -173,6 +179,14 @@ def call(m, ids, nit):
     )
 
 
+class TinyMimo(torch.nn.Module):
+    align_embeddings_by_token_positions = mimo_mod.MimoModel.align_embeddings_by_token_positions
+
+    def __init__(self):
+        super().__init__()
+        self.special_token_ids = {"images": 50}
+
+
 def test_find_vlm_through_wrappers_and_submodules():
     model, inner = chunks()
     assert find_vlm(model[0]) == ("llava", inner[0])
@@ -180,10 +194,7 @@ def test_find_vlm_through_wrappers_and_submodules():
     class Holder(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.mimo = Mimo()
-
-    class Mimo(torch.nn.Module):
-        align_embeddings_by_token_positions = mimo_mod.MimoModel.align_embeddings_by_token_positions
+            self.mimo = TinyMimo()
 
     h = Holder()
     assert find_vlm(Wrapper(h)) == ("mimo", h.mimo)
@@ -258,14 +269,6 @@ def test_manual_step_end_and_bad_choice():
     with pytest.raises(MediaInputError, match="step_end must be one of"):
         install_from_args([llava], parse([]), step_end="sometimes", environ={})
     assert "_preprocess_data" not in vars(llava)
-
-
-class TinyMimo(torch.nn.Module):
-    align_embeddings_by_token_positions = mimo_mod.MimoModel.align_embeddings_by_token_positions
-
-    def __init__(self):
-        super().__init__()
-        self.special_token_ids = {"images": 50}
 
 
 def test_dump_dir_reaches_the_guard_and_a_mismatch_writes_a_bundle(tmp_path):

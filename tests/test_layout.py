@@ -207,7 +207,7 @@ ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "config": {"errors"},
     "diagnostics": {"errors"},
-    "geometry": {"errors"},
+    "geometry": _BASE,
     "core": _BASE | {"diagnostics", "geometry", "repair"},
     "repair": _BASE | {"diagnostics", "geometry"},
     "families": _BASE | {"core", "geometry", "diagnostics", "repair"},

@@ -28,33 +28,17 @@ def _energon():
 
 
 def guard_batch(
-    inputs: Mapping[str, Any],
-    family: str,
-    *,
-    config: Any,
-    tokenizer: Any = None,
-    guard: Any = None,
-    media: Any = None,
-    processor: Any = None,
-    on_drop: OnDrop = "skip",
-    step: int | None = None,
+    inputs: Mapping[str, Any], family: str, *, on_drop: OnDrop = "skip", **check_kw: Any
 ) -> BatchCheck:
     """:func:`~megatron_media_guard.families.collate.check_batch` on ``inputs`` (the model's
     keyword arguments, ``input_ids`` ``[b, s]``), its outcome in energon's terms (module
-    docstring). Returns the :class:`BatchCheck` (``.batch``: the inputs to feed the model)."""
+    docstring). check_kw: ``check_batch``'s keywords (``config=``, required; ``tokenizer=``,
+    ``guard=``, ``media=``, ``processor=``, ``step=``, ...). Returns the :class:`BatchCheck`
+    (``.batch``: the inputs to feed the model)."""
     if on_drop not in ("skip", "mask"):
         raise MediaInputError(f"guard_batch(on_drop=...) must be 'skip' or 'mask', got {on_drop!r}")
     try:
-        checked = check_batch(
-            family,
-            inputs,
-            config=config,
-            tokenizer=tokenizer,
-            guard=guard,
-            step=step,
-            media=media,
-            processor=processor,
-        )
+        checked = check_batch(family, inputs, **check_kw)
     except MediaAlignmentError as err:
         raise _energon().FatalSampleError(f"media guard: {err}") from err
     if checked.dropped and on_drop == "skip":

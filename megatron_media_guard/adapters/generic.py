@@ -161,14 +161,8 @@ def merge_through_guard(
     features: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
     items: Sequence[MediaItem] | None,
     *,
-    loss_mask: torch.Tensor | None = None,
-    labels: torch.Tensor | None = None,
-    seq_first: bool = False,
-    step: int | None = None,
-    microbatch: int | None = None,
-    cu_seqlens: torch.Tensor | None = None,
     parsed: ParsedRuns | None = None,
-    fault_checks: Callable[[], Sequence[str]] | None = None,
+    **merge_kw: Any,
 ) -> MergeResult:
     """``guard.merge`` with item metadata completed where it is missing.
 
@@ -176,10 +170,11 @@ def merge_through_guard(
     ``[n_m, h]``. Without items, a modality whose feature total differs from its placeholder
     total is not merged (kept in the graph by a -0.0 term) and every sample holding its
     placeholders goes to the policy. parsed: the caller's ``parse_runs`` of these ids, if any.
-    Call it inside :meth:`GuardHandle.call`: an error before ``guard.merge`` must still join
-    the stage's collective."""
+    merge_kw: :meth:`MediaGuard.merge`'s keywords. Call it inside :meth:`GuardHandle.call`: an
+    error before ``guard.merge`` must still join the stage's collective."""
     unused: list[torch.Tensor] = []
     note = None
+    cu_seqlens = merge_kw.get("cu_seqlens")
     # items inferred from the runs: a mapping's, or one tensor's in token order
     if items is None and parsed is None and isinstance(features, (Mapping, torch.Tensor)):
         parsed = parse_runs(input_ids, guard.grammar, cu_seqlens)
@@ -209,24 +204,16 @@ def merge_through_guard(
     if note is not None:
         guard.log.emit(
             GuardRecord(
-                event="check", step=step, microbatch=microbatch, action="unattributed", reason=note
+                event="check",
+                step=merge_kw.get("step"),
+                microbatch=merge_kw.get("microbatch"),
+                action="unattributed",
+                reason=note,
             ),
             caller="megatron_media_guard.adapters.generic",
         )
     try:
-        res = guard.merge(
-            embeddings,
-            input_ids,
-            feats,
-            items,
-            loss_mask=loss_mask,
-            labels=labels,
-            seq_first=seq_first,
-            step=step,
-            microbatch=microbatch,
-            cu_seqlens=cu_seqlens,
-            fault_checks=fault_checks,
-        )
+        res = guard.merge(embeddings, input_ids, feats, items, **merge_kw)
     except MediaGuardError as err:
         if note is None:
             raise

@@ -12,9 +12,10 @@ import argparse
 import os
 import typing
 from collections.abc import Mapping
+from functools import partial
 from typing import Any, Literal
 
-from ..config import GuardConfig, parse_bool, parse_int
+from ..config import GuardConfig, parse_bool, parse_int, parse_names
 from ..core.grammar import Grammar
 from ..core.guard import MediaGuard
 from ..diagnostics import get_logger
@@ -88,10 +89,6 @@ def add_media_guard_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
-def _env(environ: Mapping[str, str] | None) -> Mapping[str, str]:
-    return os.environ if environ is None else environ
-
-
 def config_from_args(args: Any, environ: Mapping[str, str] | None = None) -> GuardConfig:
     """The :class:`GuardConfig` of the ``--media-guard-*`` arguments, then the
     ``MEDIA_GUARD_*`` environment overrides (environment wins)."""
@@ -102,10 +99,8 @@ def config_from_args(args: Any, environ: Mapping[str, str] | None = None) -> Gua
             kw[field] = v
     fid = getattr(args, "media_guard_allowed_fidelity", None)
     if fid is not None:
-        parts = [fid] if isinstance(fid, str) else list(fid)
-        kw["allowed_fidelity"] = tuple(x.strip() for p in parts for x in p.split(",") if x.strip())
-    env = dict(_env(environ))
-    return GuardConfig(**kw, environ=env).with_env(env)
+        kw["allowed_fidelity"] = parse_names(fid if isinstance(fid, str) else ",".join(fid))
+    return GuardConfig(**kw, environ={}).with_env(environ)
 
 
 def _float(name: str, raw: str) -> float:
@@ -117,7 +112,7 @@ def _float(name: str, raw: str) -> float:
 
 def _setting(args: Any, attr: str, environ, parse) -> Any:
     """``MEDIA_GUARD_<NAME>`` parsed (when set), else ``args.media_guard_<name>``."""
-    raw = _env(environ).get(attr.upper())
+    raw = (os.environ if environ is None else environ).get(attr.upper())
     if raw is not None:
         return parse(attr.removeprefix("media_guard_"), raw)
     return getattr(args, attr, None)
@@ -126,12 +121,8 @@ def _setting(args: Any, attr: str, environ, parse) -> Any:
 def disabled(args: Any, environ: Mapping[str, str] | None = None) -> bool:
     """``--media-guard-disable``, or MEDIA_GUARD_DISABLE=1/true/yes/on (0/false/no/off
     re-enables; empty, none or auto leaves the argument in charge)."""
-    raw = _env(environ).get("MEDIA_GUARD_DISABLE")
-    if raw is not None:
-        val = parse_bool("disable", raw, allow_none=True)
-        if val is not None:
-            return val
-    return bool(getattr(args, "media_guard_disable", False))
+    val = _setting(args, "media_guard_disable", environ, partial(parse_bool, allow_none=True))
+    return bool(getattr(args, "media_guard_disable", False)) if val is None else val
 
 
 def budget_from_args(args: Any, environ: Mapping[str, str] | None = None) -> Any:

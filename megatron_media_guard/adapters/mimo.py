@@ -28,9 +28,9 @@ from .hooks import GuardHandle, ItemsProvider, StepProvider
 METHOD = "align_embeddings_by_token_positions"
 
 
-def mimo_grammar(special_token_ids: Mapping[str, int]) -> Grammar:
-    """The plain expanded grammar of MIMO's special tokens (one run per item)."""
-    return Grammar(dict(special_token_ids), name="mimo")
+def mimo_grammar(model: Any) -> Grammar:
+    """The plain expanded grammar of ``model.special_token_ids`` (one run per item)."""
+    return Grammar(dict(getattr(model, "special_token_ids", None) or {}), name="mimo")
 
 
 def _check_grammar(grammar: Grammar, special: Mapping[str, int]) -> None:
@@ -60,7 +60,7 @@ def install_mimo(
             raise MediaInputError(
                 "install_mimo needs model.special_token_ids or a guard with a grammar"
             )
-        guard = MediaGuard(config or GuardConfig(), mimo_grammar(special))
+        guard = MediaGuard(config, mimo_grammar(model))
     elif special:
         _check_grammar(guard.grammar, special)
     handle = GuardHandle(

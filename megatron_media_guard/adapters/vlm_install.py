@@ -12,8 +12,7 @@ from ..errors import MediaInputError
 from ..families import FamilySpec, find_family, no_family
 from ..families.spec import check_tokenizer
 from .hooks import GuardHandle, ItemsProvider, StepProvider
-from .llava.install import install_llava
-from .llava.packed import llava_grammar
+from .llava.install import install_llava, llava_model_grammar
 from .mimo import install_mimo, mimo_grammar
 from .vlm import VLMHandle
 from .vlm_inputs import InputsHandle
@@ -30,13 +29,9 @@ def guard_for(
     token ids, its repair geometry when the spec has one (``guard_kw``: ``rank=``,
     ``consensus=``, ``grammar=``)."""
     grammar = guard_kw.pop("grammar", None)
-    if grammar is None and spec.apply == "llava":
-        tok = getattr(model, "image_token_index", None)
-        grammar = llava_grammar(-200 if tok is None else tok)
-    elif grammar is None and spec.apply == "mimo":
-        grammar = mimo_grammar(getattr(model, "special_token_ids", None) or {})
-    elif grammar is None:
-        grammar = spec.grammar(model, tokenizer)
+    if grammar is None:
+        own = {"llava": llava_model_grammar, "mimo": mimo_grammar}.get(spec.apply)
+        grammar = spec.grammar(model, tokenizer) if own is None else own(model)
     if "geometry" not in guard_kw and spec.geometry is not None:
         guard_kw["geometry"] = spec.geometry(model)
     return MediaGuard(config, grammar, **guard_kw)

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
 
+from megatron_media_guard.config import Fidelity
 from megatron_media_guard.errors import MediaInputError
 
-Fidelity = Literal["engine-replay", "unique", "closest-aspect", "unreachable"]
 FIDELITIES: tuple[Fidelity, ...] = ("engine-replay", "unique", "closest-aspect", "unreachable")
 HwKind = Literal["source", "frame"]
 HW_KINDS: tuple[HwKind, ...] = ("source", "frame")

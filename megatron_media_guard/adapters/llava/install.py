@@ -18,6 +18,7 @@ from ...config import GuardConfig
 from ...core.fault_path import conclude, save_replay
 from ...core.faults import FaultContext, ItemFault, batch_records, fault_records
 from ...core.generated import text_records
+from ...core.grammar import Grammar
 from ...core.guard import MediaGuard
 from ...core.items import MediaItem
 from ...core.outcome import StageOutcome
@@ -108,6 +109,12 @@ class LlavaHandle(GuardHandle):
         return self.call("LLaVA media guard", lambda step, mb: _run(self, ba, step, mb))
 
 
+def llava_model_grammar(model: Any) -> Grammar:
+    """The collapsed grammar of ``model.image_token_index`` (megatron-core's -200 when unset)."""
+    tok = getattr(model, "image_token_index", None)
+    return llava_grammar(-200 if tok is None else tok)
+
+
 def install_llava(
     model: Any,
     guard: MediaGuard | None = None,
@@ -126,8 +133,7 @@ def install_llava(
     if not callable(getattr(model, "_preprocess_data", None)) and inner is not None:
         model = inner  # a wrapper's forward calls it: the forward pre-hook sees its arguments
     if guard is None:
-        tok = getattr(model, "image_token_index", None)
-        guard = MediaGuard(config or GuardConfig(), llava_grammar(-200 if tok is None else tok))
+        guard = MediaGuard(config, llava_model_grammar(model))
     handle = LlavaHandle(
         model,
         "_preprocess_data",
