@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import torch
 
 from ..diagnostics import GuardRecord
-from .alignment import by_key
 from .host import to_host
 from .parsed import FindingKind
 from .runs import TokenLayout
@@ -47,14 +46,10 @@ class Generated:
     @classmethod
     def grouped(cls, mask: torch.Tensor, hits: Iterable[tuple[int, int, int]]) -> Generated:
         """``(row, column, sample)`` hits grouped by sample (its row: its first hit's)."""
-        by = by_key((s, (row, col)) for row, col, s in hits)
-        return cls(
-            mask,
-            tuple(
-                GeneratedSample(s, at[0][0], tuple(c for _, c in at))
-                for s, at in sorted(by.items())
-            ),
-        )
+        by: dict[int, tuple[int, list[int]]] = {}
+        for row, col, s in hits:
+            by.setdefault(s, (row, []))[1].append(col)
+        return cls(mask, tuple(GeneratedSample(s, r, tuple(c)) for s, (r, c) in sorted(by.items())))
 
     def reasons(self, action: str) -> dict[int, str]:
         """sample -> why it is dropped / raised (``action``), naming the positions."""
