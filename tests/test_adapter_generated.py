@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_adapter_llava import TOK, TinyLLaVA, call, make_batch  # skips without megatron-core
+from test_adapter_llava import TOK, TinyLLaVA, call, guard_for, make_batch, same  # skips w/o mcore
 
-from megatron_media_guard import Grammar, GuardConfig, MediaAlignmentError, MediaGuard
+from megatron_media_guard import MediaAlignmentError
 from megatron_media_guard.adapters import install_llava
-from megatron_media_guard.diagnostics import RankInfo
 
 
 @pytest.fixture
@@ -27,38 +26,27 @@ def llava():
     return x, bad, by_hand
 
 
-def llava_guard(generated, policy="drop"):
-    cfg = GuardConfig(policy=policy, generated=generated)
-    return MediaGuard(cfg, Grammar.llava(TOK), rank=RankInfo(rank=0), consensus=False)
-
-
-@pytest.mark.parametrize("policy", ["raise", "drop"])
-def test_llava_generated_image_tokens_are_fed_as_text_before_the_expansion(llava, policy):
+@pytest.mark.parametrize(
+    ("generated", "policy", "loss_mask", "want"),
+    [
+        ("text", "raise", True, ("keep",) * 3),  # fed as text before the expansion
+        ("text", "drop", True, ("keep",) * 3),
+        ("drop", "raise", True, ("keep", "drop", "keep")),
+        ("raise", "drop", True, r"generated placeholder at row 1 positions \[7, 8\]"),
+        ("text", "raise", False, r"sample 1"),  # no loss mask: as before the change, a count fault
+    ],
+)
+def test_llava_generated_image_tokens(llava, generated, policy, loss_mask, want):
     x, bad, by_hand = llava
-    ref = call(TinyLLaVA(), x, ids=by_hand)
+    lm = {} if loss_mask else {"lm": None}
     model = TinyLLaVA()
-    with install_llava(model, llava_guard("text", policy)) as h:
+    with install_llava(model, guard_for(policy, generated=generated)) as h:
+        if isinstance(want, str):
+            with pytest.raises(MediaAlignmentError, match=want) as err:
+                call(model, x, ids=bad, **lm)
+            assert ("generated" in str(err.value)) == loss_mask
+            return
         out = call(model, x, ids=bad)
-    assert h.last_result.actions == ("keep",) * 3 and h.last_result.ok
-    assert all(torch.equal(a, b) for a, b in zip(out, ref))
-
-
-def test_llava_generated_drop_raise_and_no_loss_mask(llava):
-    x, bad, _by_hand = llava
-    model = TinyLLaVA()
-    with install_llava(model, llava_guard("drop", "raise")) as h:
-        call(model, x, ids=bad)
-    assert h.last_result.actions == ("keep", "drop", "keep")
-    with (
-        install_llava(TinyLLaVA(), llava_guard("raise", "drop")) as h,
-        pytest.raises(
-            MediaAlignmentError, match=r"generated placeholder at row 1 positions \[7, 8\]"
-        ),
-    ):
-        call(h.module, x, ids=bad)
-    with (
-        install_llava(TinyLLaVA(), llava_guard("text", "raise")) as h,
-        pytest.raises(MediaAlignmentError, match=r"sample 1") as err,
-    ):  # no loss mask: as before the change, a count fault
-        call(h.module, x, ids=bad, lm=None)
-    assert "generated" not in str(err.value)
+    assert h.last_result.actions == want
+    if generated == "text":  # what the forward embedded there by hand: token 0
+        assert h.last_result.ok and same(out, call(TinyLLaVA(), x, ids=by_hand))

@@ -76,19 +76,23 @@ def extra_token_batch():
     return x, [MediaItem(6, sample=0), MediaItem(3, sample=1), MediaItem(3, sample=2)]
 
 
+ALIGNED = make_batch(LAYOUT)
+NO_IMAGES = {**make_batch([[], []]), "emb": torch.zeros(0, 0, 0), "lab": None}
+
+
 @pytest.mark.parametrize(
-    "kw",
+    ("x", "kw"),
     [
-        {},
-        {"pre": False},
-        {"post": False},
-        {"cp": 2},
-        {"pp": True, "maxlen": 24},
-        {"maxlen": 12},  # text cut by the max length: not an image, still aligned
+        (ALIGNED, {}),
+        (ALIGNED, {"pre": False}),
+        (ALIGNED, {"post": False}),
+        (ALIGNED, {"cp": 2}),
+        (ALIGNED, {"pp": True, "maxlen": 24}),
+        (ALIGNED, {"maxlen": 12}),  # text cut by the max length: not an image, still aligned
+        (NO_IMAGES, {}),  # and labels None
     ],
 )
-def test_aligned_batch_is_bit_identical_with_one_transfer(kw):
-    x = make_batch(LAYOUT)
+def test_aligned_batch_is_bit_identical_with_one_transfer(x, kw):
     ref = call(TinyLLaVA(**kw), x)
     model = TinyLLaVA(**kw)
     with install_llava(model, guard_for("drop")) as handle, count_transfers() as seen:
@@ -97,53 +101,36 @@ def test_aligned_batch_is_bit_identical_with_one_transfer(kw):
     assert handle.last_result.ok and handle.last_result.mode == "as-is"
 
 
-def test_no_images_and_labels_none_pass():
-    x = {**make_batch([[], []]), "emb": torch.zeros(0, 0, 0), "lab": None}
-    model = TinyLLaVA()
-    install_llava(model, guard_for())
-    assert same(call(TinyLLaVA(), x), call(model, x))
+# metadata: sample 1 owns one image, sample 2 two; the tokens say 2 and 1
+SWAPPED = [MediaItem(6, sample=0), MediaItem(3, sample=1)]
+SWAPPED += [MediaItem(3, sample=2, sample_id="s2"), MediaItem(6, sample=2, sample_id="s2")]
 
 
-def test_count_mismatch_raises_naming_sample_image_rank_step():
-    x = make_batch(LAYOUT)
-    model = TinyLLaVA()
+@pytest.mark.parametrize(
+    ("layout", "literal", "maxlen", "items", "sample", "parts"),
+    [
+        (LAYOUT, None, 64, SWAPPED, 1, ["2 image tokens", "1 num_image_tiles", "'s2'"]),
+        # a literal <image> typed in text: the totals disagree
+        (LAYOUT, (0, 7), 64, None, 0, ["5 image tokens for 4 num_image_tiles"]),
+        # sample 2's image expands to [3, 9): megatron-core would cut it silently; samples 0
+        # and 1 fit (their text is cut: fine)
+        (CROSS, None, 8, None, 2, ["2, image item 3", "[3, 9)", "language_max_sequence_length 8"]),
+    ],
+    ids=["count", "totals", "crosses-max-length"],
+)
+def test_raise_names_rank_step_sample_and_image(layout, literal, maxlen, items, sample, parts):
+    x = make_batch(layout)
+    if literal is not None:
+        x["ids"][literal] = TOK
+    model = TinyLLaVA(maxlen=maxlen)
     handle = install_llava(model, guard_for("raise"))
     handle.set_step(7)
-    # metadata: sample 1 owns one image, sample 2 two; the tokens say 2 and 1
-    handle.set_items(
-        [
-            MediaItem(6, sample=0),
-            MediaItem(3, sample=1),
-            MediaItem(3, sample=2, sample_id="s2"),
-            MediaItem(6, sample=2, sample_id="s2"),
-        ]
-    )
+    handle.set_items(items)
     with pytest.raises(MediaAlignmentError) as e:
         call(model, x)
-    msg = str(e.value)
-    for part in ("rank 3", "step 7", "sample 1", "2 image tokens", "1 num_image_tiles", "'s2'"):
-        assert part in msg, part
-    assert e.value.context["sample"] == 1
-
-
-def test_totals_mismatch_without_items_raises_with_totals():
-    x = make_batch(LAYOUT)
-    x["ids"][0, 7] = TOK  # a literal <image> typed in text
-    model = TinyLLaVA()
-    install_llava(model, guard_for("raise"))
-    with pytest.raises(MediaAlignmentError, match="5 image tokens for 4 num_image_tiles"):
-        call(model, x)
-
-
-def test_image_crossing_max_length_is_caught():
-    # sample 2's image expands to [3, 9) with maxlen 8: megatron-core would cut it silently
-    x = make_batch(CROSS)
-    model = TinyLLaVA(maxlen=8)
-    install_llava(model, guard_for("raise"))
-    with pytest.raises(MediaAlignmentError, match="language_max_sequence_length 8") as e:
-        call(model, x)
-    assert "sample 2 row 2, image item 3" in str(e.value) and "[3, 9)" in str(e.value)
-    assert e.value.context["sample"] == 2  # samples 0 and 1 fit (their text is cut: fine)
+    for part in ("rank 3", "step 7", f"sample {sample} row {sample}", *parts):
+        assert part in str(e.value), part
+    assert e.value.context["sample"] == sample
 
 
 @pytest.mark.parametrize("last", [[(3, 2)], [(8, 1)]], ids=["crosses", "beyond"])

@@ -5,6 +5,7 @@ fails the aligned check, so nothing here runs on the aligned path. What is found
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,14 @@ class Generated:
 
     def of(self, sample: int) -> GeneratedSample | None:
         return next((g for g in self.samples if g.sample == sample), None)
+
+    @classmethod
+    def grouped(cls, mask: torch.Tensor, hits: Iterable[tuple[int, int, int]]) -> Generated:
+        """``(row, column, sample)`` hits grouped by sample (its row: its first hit's)."""
+        by: dict[int, tuple[int, list[int]]] = {}
+        for row, col, s in hits:
+            by.setdefault(s, (row, []))[1].append(col)
+        return cls(mask, tuple(GeneratedSample(s, r, tuple(c)) for s, (r, c) in sorted(by.items())))
 
     def reasons(self, action: str) -> dict[int, str]:
         """sample -> why it is dropped / raised (``action``), naming the positions."""
@@ -88,11 +97,7 @@ def find_generated(
     rows = host[1:]
     if not rows or host[0][0] == 0:  # none, or a loss that trains on every placeholder
         return None
-    by: dict[int, tuple[int, list[int]]] = {}
-    for row, col, s in rows:
-        by.setdefault(s, (row, []))[1].append(col)
-    samples = tuple(GeneratedSample(s, r, tuple(cols)) for s, (r, cols) in sorted(by.items()))
-    return Generated(mask, samples)
+    return Generated.grouped(mask, rows)
 
 
 def as_text(

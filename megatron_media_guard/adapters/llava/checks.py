@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
+from ...core.alignment import by_key
 from ...core.faults import ItemFault
-from ...core.generated import Generated, GeneratedSample, as_text, find_generated
+from ...core.generated import Generated, as_text, find_generated
 from ...core.items import MediaItem
 from ...core.runs import TokenLayout, parse_layout
 from ...errors import MediaInputError
@@ -196,9 +197,7 @@ def _length_faults(facts: LlavaFacts, own: ImageOwners, ids, skip: set[int]) -> 
     # items disagree with token order: recompute per consistent sample from run positions
     lay = TokenLayout(ids, llava_grammar(facts.image_token_index))
     runs = parse_layout(lay).runs  # one transfer sized by the number of images
-    pos: dict[int, list[int]] = {}
-    for r in runs:
-        pos.setdefault(r.sample, []).append(r.start)
+    pos = by_key((r.sample, r.start) for r in runs)
     L, m = facts.img_seq_len, facts.max_len
     out: list[ItemFault] = []
     for smp in range(facts.batch):
@@ -273,16 +272,13 @@ def generated_as_text(a: dict, ignore_index: int) -> Generated | None:
 
 def per_sample(gen: Generated, spans) -> Generated:
     """``gen`` with its positions grouped by the call's samples (rows, or packed ``spans``)."""
-    by: dict[int, tuple[int, list[int]]] = {}
-    for g in gen.samples:
-        for col in g.positions:
-            smp = next(
-                (k for k, sp in enumerate(spans) if sp.row == g.row and sp.start <= col < sp.end),
-                g.sample,
-            )
-            by.setdefault(smp, (g.row, []))[1].append(col)
-    samples = tuple(GeneratedSample(s, r, tuple(c)) for s, (r, c) in sorted(by.items()))
-    return Generated(gen.mask, samples)
+
+    def sample_of(row: int, col: int, default: int) -> int:
+        at = (k for k, sp in enumerate(spans) if sp.row == row and sp.start <= col < sp.end)
+        return next(at, default)
+
+    hits = [(g.row, c, sample_of(g.row, c, g.sample)) for g in gen.samples for c in g.positions]
+    return Generated.grouped(gen.mask, hits)
 
 
 def generated_faults(gen: Generated, action: str) -> list[ItemFault]:
