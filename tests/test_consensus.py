@@ -91,11 +91,7 @@ def test_of_plan_counts_the_plan(plan, kw, want):
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    groups=st.integers(1, 4),
-    size=st.integers(1, 4),
-    data=st.data(),
-)
+@given(groups=st.integers(1, 4), size=st.integers(1, 4), data=st.data())
 def test_check_lanes_cancel_exactly_when_groups_and_steps_agree(groups, size, data):
     """Simulates the stage's SUM: zero iff every micro-batch group holds one digest and
     every rank one (step, microbatch)."""

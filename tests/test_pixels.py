@@ -66,8 +66,7 @@ def test_image_layout_round_trip(t: int, c: int, h: int, w: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("patch", "merge", "height", "width"),
-    [(14, 2, 56, 84), (16, 2, 64, 96), (14, 1, 42, 28)],
+    ("patch", "merge", "height", "width"), [(14, 2, 56, 84), (16, 2, 64, 96), (14, 1, 42, 28)]
 )
 def test_recover_matches_the_hf_qwen2_vl_processor(
     patch: int, merge: int, height: int, width: int
