@@ -152,9 +152,8 @@ def test_repair_falls_back_and_says_why(projector, tmp_path, config, encoder_fai
             raise RuntimeError("CUDA out of memory (simulated)")
         return tower(pixels, grid_thw)
 
-    b, s = batch.input_ids.shape
     guard = _guard(tmp_path, encoder, fallback="drop", **config)
-    res = guard.merge(torch.randn(b, s, H), batch.input_ids, feats, items)
+    res = guard.merge(torch.randn(*batch.input_ids.shape, H), batch.input_ids, feats, items)
     assert res.report.actions == ("keep", "drop")
     rep = next(r for r in records(tmp_path) if r["event"] == "repair")
     assert rep["action"] == "fallback:drop" and reason in rep["reason"]
@@ -198,8 +197,7 @@ def test_a_geometry_that_breaks_its_contract_falls_back(tmp_path):
         return torch.full((4, H), 77.0)
 
     g = _guard(tmp_path, encoder, LyingGeometry(), fallback="drop")
-    b, s = batch.input_ids.shape
-    emb = torch.randn(b, s, H)
+    emb = torch.randn(*batch.input_ids.shape, H)
     feats = torch.randn(4, H)
     res = g.merge(emb, batch.input_ids, feats, items)
     assert res.report.actions == ("drop", "keep")
