@@ -137,22 +137,16 @@ def test_one_record_line_everywhere_each_fact_once(tmp_path, capsys, fault):
 TWO_SAMPLES = [[("image", 4)], [("image", 3), ("image", 2)]]
 
 
-def _batch_with_nan(item: int):
+@pytest.mark.parametrize("item, sample, sid", [(0, 0, "id-0"), (2, 1, "id-1")])
+@pytest.mark.parametrize("nonfinite", ["raise", "drop"])
+def test_nonfinite_names_cause_item_and_sample_id(tmp_path, item, sample, sid, nonfinite):
     batch = inject(Q, TWO_SAMPLES, "none")
     items = [
         MediaItem(it.num_features, sample=it.sample, sample_id=f"id-{i}")
         for i, it in enumerate(batch.items)
     ]
     feats = batch.features(8)
-    start = sum(it.num_features for it in items[:item])
-    feats[start + 1, 3] = float("nan")
-    return batch, items, feats
-
-
-@pytest.mark.parametrize("item, sample, sid", [(0, 0, "id-0"), (2, 1, "id-1")])
-@pytest.mark.parametrize("nonfinite", ["raise", "drop"])
-def test_nonfinite_names_cause_item_and_sample_id(tmp_path, item, sample, sid, nonfinite):
-    batch, items, feats = _batch_with_nan(item)
+    feats[sum(it.num_features for it in items[:item]) + 1, 3] = float("nan")
     cfg = GuardConfig(log_dir=str(tmp_path), nonfinite=nonfinite)
     guard = MediaGuard(cfg, Q, rank=RankInfo(rank=0))
     emb = torch.zeros(*batch.input_ids.shape, 8)
