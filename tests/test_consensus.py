@@ -53,7 +53,6 @@ def local(digest=7, fatal=False, step=1, mb=0, dropped=0, samples=4, message=Non
         num_samples=samples,
         mismatched=dropped,
         dropped=dropped,
-        repaired=0,
         fatal=fatal,
         fatal_sample=0 if fatal else None,
         message=message,

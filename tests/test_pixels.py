@@ -12,15 +12,8 @@ from megatron_media_guard.errors import MediaAlignmentError, MediaGuardError, Me
 from megatron_media_guard.repair.pixels import from_frames, grid_thw_tuple, to_frames
 
 QWEN_SHAPES = st.fixed_dictionaries(
-    {
-        "t": st.integers(1, 3),
-        "hb": st.integers(1, 3),
-        "wb": st.integers(1, 3),
-        "channels": st.integers(1, 3),
-        "patch": st.integers(1, 3),
-        "temporal_patch": st.integers(1, 2),
-        "merge": st.integers(1, 2),
-    }
+    {k: st.integers(1, 3) for k in ("t", "hb", "wb", "channels", "patch")}
+    | {k: st.integers(1, 2) for k in ("temporal_patch", "merge")}
 )
 
 

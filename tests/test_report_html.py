@@ -269,18 +269,9 @@ def test_page_renders_in_a_headless_browser(tmp_path):
     assert main(["report", str(tmp_path), "--html", str(page)]) == 0
     shot = tmp_path / "shot.png"
     with tempfile.TemporaryDirectory() as profile:
-        subprocess.run(
-            [
-                CHROMIUM,
-                *CHROMIUM_FLAGS,
-                f"--user-data-dir={profile}",
-                f"--screenshot={shot}",
-                "--window-size=1400,1000",
-                page.resolve().as_uri(),
-            ],
-            capture_output=True,
-            timeout=90,
-        )
+        flags = [f"--user-data-dir={profile}", f"--screenshot={shot}", "--window-size=1400,1000"]
+        argv = [CHROMIUM, *CHROMIUM_FLAGS, *flags, page.resolve().as_uri()]
+        subprocess.run(argv, capture_output=True, timeout=90)
     assert shot.exists(), "chromium wrote no screenshot"
     with Image.open(shot) as im:
         rgb = im.convert("RGB")
