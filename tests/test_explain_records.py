@@ -39,9 +39,6 @@ def _report(layout, items):
     return align(parse_runs(ids, Q), items)
 
 
-NONE: dict = {}
-
-
 @pytest.mark.parametrize(
     ("actions", "reasons", "extra", "want"),
     [
@@ -62,7 +59,7 @@ def test_plan_records_one_per_dropped_or_raised_sample(actions, reasons, extra, 
     items = [MediaItem(3, sample=0), MediaItem(4, sample=1), MediaItem(1, sample=2)]
     report = _report([[("image", 2)], [("image", 4)], [("image", 1)]], items)
     plan = Plan(actions, (), 0, reasons)
-    kw = {"nonfinite": NONE, "gen": None, "failed": NONE, **extra}
+    kw = {"nonfinite": {}, "gen": None, "failed": {}, **extra}
     got = plan_records(report, plan, items, 7, 1, **kw)
     assert [(r.sample, r.event, r.action) for r in got] == [(s, a, a) for s, a, _ in want]
     for rec, (_, _, reason) in zip(got, want, strict=True):

@@ -85,9 +85,7 @@ def test_drop_allocates_the_output_and_token_sized_indices_only(bad):
         ("raise", (1,), None),  # raises naming the first sample
     ],
 )
-def test_fault_checks_run_on_the_fault_path_only_and_give_every_sample_the_policy(
-    policy, bad, dropped
-):
+def test_fault_checks_run_on_the_fault_path_only_and_apply_the_policy(policy, bad, dropped):
     """``merge(fault_checks=)``: not run on an aligned call; a finding there gives every
     sample the policy (``fallback`` under repair), its reason in the plan, counted."""
     ids, items = _offsetting([[("image", 4)] * 2 for _ in range(4)], set(bad))
