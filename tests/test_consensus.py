@@ -53,7 +53,6 @@ def local(digest=7, fatal=False, step=1, mb=0, dropped=0, samples=4, message=Non
         num_samples=samples,
         mismatched=dropped,
         dropped=dropped,
-        repaired=0,
         fatal=fatal,
         fatal_sample=0 if fatal else None,
         message=message,
@@ -91,11 +90,7 @@ def test_of_plan_counts_the_plan(plan, kw, want):
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    groups=st.integers(1, 4),
-    size=st.integers(1, 4),
-    data=st.data(),
-)
+@given(groups=st.integers(1, 4), size=st.integers(1, 4), data=st.data())
 def test_check_lanes_cancel_exactly_when_groups_and_steps_agree(groups, size, data):
     """Simulates the stage's SUM: zero iff every micro-batch group holds one digest and
     every rank one (step, microbatch)."""

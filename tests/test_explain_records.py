@@ -39,9 +39,6 @@ def _report(layout, items):
     return align(parse_runs(ids, Q), items)
 
 
-NONE: dict = {}
-
-
 @pytest.mark.parametrize(
     ("actions", "reasons", "extra", "want"),
     [
@@ -62,7 +59,7 @@ def test_plan_records_one_per_dropped_or_raised_sample(actions, reasons, extra, 
     items = [MediaItem(3, sample=0), MediaItem(4, sample=1), MediaItem(1, sample=2)]
     report = _report([[("image", 2)], [("image", 4)], [("image", 1)]], items)
     plan = Plan(actions, (), 0, reasons)
-    kw = {"nonfinite": NONE, "gen": None, "failed": NONE, **extra}
+    kw = {"nonfinite": {}, "gen": None, "failed": {}, **extra}
     got = plan_records(report, plan, items, 7, 1, **kw)
     assert [(r.sample, r.event, r.action) for r in got] == [(s, a, a) for s, a, _ in want]
     for rec, (_, _, reason) in zip(got, want, strict=True):
@@ -84,13 +81,8 @@ def test_check_records_name_unclaimed_items():
     report = _report([[("image", 2)]], [MediaItem(2), MediaItem(5)])
     assert report.orphans == (1,)
     (rec,) = check_records(report, 3, 0)
-    assert (rec.event, rec.action, rec.reason, rec.step, rec.microbatch) == (
-        "check",
-        "unused",
-        "items [1] could not be tied to a placeholder run",
-        3,
-        0,
-    )
+    assert (rec.event, rec.action, rec.step, rec.microbatch) == ("check", "unused", 3, 0)
+    assert rec.reason == "items [1] could not be tied to a placeholder run"
     assert check_records(_report([[("image", 2)]], [MediaItem(2)]), 3, 0) == []
 
 
@@ -142,22 +134,16 @@ def test_one_record_line_everywhere_each_fact_once(tmp_path, capsys, fault):
 TWO_SAMPLES = [[("image", 4)], [("image", 3), ("image", 2)]]
 
 
-def _batch_with_nan(item: int):
+@pytest.mark.parametrize("item, sample, sid", [(0, 0, "id-0"), (2, 1, "id-1")])
+@pytest.mark.parametrize("nonfinite", ["raise", "drop"])
+def test_nonfinite_names_cause_item_and_sample_id(tmp_path, item, sample, sid, nonfinite):
     batch = inject(Q, TWO_SAMPLES, "none")
     items = [
         MediaItem(it.num_features, sample=it.sample, sample_id=f"id-{i}")
         for i, it in enumerate(batch.items)
     ]
     feats = batch.features(8)
-    start = sum(it.num_features for it in items[:item])
-    feats[start + 1, 3] = float("nan")
-    return batch, items, feats
-
-
-@pytest.mark.parametrize("item, sample, sid", [(0, 0, "id-0"), (2, 1, "id-1")])
-@pytest.mark.parametrize("nonfinite", ["raise", "drop"])
-def test_nonfinite_names_cause_item_and_sample_id(tmp_path, item, sample, sid, nonfinite):
-    batch, items, feats = _batch_with_nan(item)
+    feats[sum(it.num_features for it in items[:item]) + 1, 3] = float("nan")
     cfg = GuardConfig(log_dir=str(tmp_path), nonfinite=nonfinite)
     guard = MediaGuard(cfg, Q, rank=RankInfo(rank=0))
     emb = torch.zeros(*batch.input_ids.shape, 8)
@@ -190,19 +176,15 @@ CANNOT_HOLD = "cannot hold ignore_index -100"
         (torch.bool, CANNOT_HOLD),
         # the library's error on both stages (not an AttributeError from deep inside)
         (torch.float32, "labels must be integer"),
-        ("shape", r"labels must be \[b, s\]"),
-        ("list", r"labels must be \[b, s\]"),
+        (torch.ones(2, 3, dtype=torch.int64), r"labels must be \[b, s\]"),
+        ([[1, 2, 3]], r"labels must be \[b, s\]"),
     ],
 )
 @pytest.mark.parametrize("path", ["merge", "last_stage"])
 def test_labels_the_guard_cannot_mask_are_refused_by_both_stages(labels, refused, path):
     batch = inject(Q, TWO_SAMPLES, "surplus_feature")
     guard = MediaGuard(GuardConfig(policy="drop"), Q, rank=RankInfo(rank=0))
-    if labels == "shape":
-        labels = torch.ones(2, 3, dtype=torch.int64)
-    elif labels == "list":
-        labels = [[1, 2, 3]]
-    else:
+    if isinstance(labels, torch.dtype):
         labels = torch.ones(batch.input_ids.shape, dtype=labels)
     emb = torch.zeros(*batch.input_ids.shape, 8)
 

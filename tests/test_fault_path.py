@@ -85,9 +85,7 @@ def test_drop_allocates_the_output_and_token_sized_indices_only(bad):
         ("raise", (1,), None),  # raises naming the first sample
     ],
 )
-def test_fault_checks_run_on_the_fault_path_only_and_give_every_sample_the_policy(
-    policy, bad, dropped
-):
+def test_fault_checks_run_on_the_fault_path_only_and_apply_the_policy(policy, bad, dropped):
     """``merge(fault_checks=)``: not run on an aligned call; a finding there gives every
     sample the policy (``fallback`` under repair), its reason in the plan, counted."""
     ids, items = _offsetting([[("image", 4)] * 2 for _ in range(4)], set(bad))
@@ -140,9 +138,7 @@ def test_all_dropped_with_nonfinite_features_keeps_every_bit_and_the_graph(corne
     out = res.embeddings
     assert torch.equal(out.view(torch.int32), emb.view(torch.int32))  # bits, signed zeros too
     (out.nan_to_num().sum() + res.loss_mask.sum()).backward()
-    assert tower.weight.grad is not None and torch.equal(
-        tower.weight.grad, torch.zeros_like(tower.weight)
-    )
+    assert torch.equal(tower.weight.grad, torch.zeros_like(tower.weight))  # None: a TypeError
 
 
 def _reference(emb, lay, batch, kept, replaced, keep):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -23,6 +24,7 @@ from megatron_media_guard.geometry import (
 from megatron_media_guard.geometry.solution import divisor_pairs
 
 SEED_HW = (1080, 2400)  # a 2400x1080 (W x H) frame
+RADIO, RADIO_T2 = RadioTilerGeometry(), RadioTilerGeometry(temporal_patch=2)
 
 
 def pm_replay_budget(sol: Solution) -> dict:
@@ -73,14 +75,13 @@ def assert_exact(geo, hw, sol: Solution, target: int | None = None) -> None:
     ],
 )
 def test_engine_budget_per_request(count, max_len, text, budget, tokens):
-    radio = RadioTilerGeometry()
-    items = radio.engine_tokens([SEED_HW] * count, max_model_len=max_len, prompt_text_len=text)
+    items = RADIO.engine_tokens([SEED_HW] * count, max_model_len=max_len, prompt_text_len=text)
     assert [(it.budget, it.tokens) for it in items] == [(budget, tokens)] * count
     # each item's reported budget replays its count
-    assert all(radio.tokens(SEED_HW, budget=it.budget) == tokens for it in items)
+    assert all(RADIO.tokens(SEED_HW, budget=it.budget) == tokens for it in items)
     if count == 16:
         assert {(it.grid, it.size_hw) for it in items} == {((60, 134), (960, 2144))}
-        assert 16 * radio.tokens(SEED_HW) == 40800  # what the static trainer projected
+        assert 16 * RADIO.tokens(SEED_HW) == 40800  # what the static trainer projected
 
 
 SWEEP_SIZES = [
@@ -99,24 +100,22 @@ def test_radio_sweep_7_sizes_x_7_budgets():
     """Counts the tiler gives at 49 budgets, solved back: at an engine budget (1024..13312)
     the grid itself, an engine-replay; below (512) a frame kept at 1024 (no upscale there);
     past the cap (20000) unreachable where the count needs more than 13312 patches."""
-    radio = RadioTilerGeometry()
     unreachable = set()
     for hw in SWEEP_SIZES:
         for budget in SWEEP_BUDGETS:
-            target = radio.tokens(hw, budget=budget)
-            sol = radio.solve(target, hw)
-            assert_exact(radio, hw, sol, target)
+            target = RADIO.tokens(hw, budget=budget)
+            sol = RADIO.solve(target, hw)
+            assert_exact(RADIO, hw, sol, target)
             if 4 * target > 13312:
                 assert not sol.reachable and "above max_num_patches" in sol.reason
                 unreachable.add((hw, budget))
                 continue
             if 1024 <= budget <= 13312:
-                assert sol.fidelity == "engine-replay" and sol.grid == radio.grid_for(hw, budget)
+                assert sol.fidelity == "engine-replay" and sol.grid == RADIO.grid_for(hw, budget)
     assert unreachable == {((3000, 4000), 20000)}
 
 
 # ---- solve, every family ------------------------------------------------------------------------
-RADIO, RADIO_T2 = RadioTilerGeometry(), RadioTilerGeometry(temporal_patch=2)
 PM, QWEN2 = PatchMergeGeometry(), PatchMergeGeometry.qwen2_vl()
 TILES, NO_THUMB, MIN_2 = TiledGeometry(), TiledGeometry(thumbnail=False), TiledGeometry(min_tiles=2)
 FIXED, PIX = FixedGeometry(), PixtralGeometry(longest_edge=224)
@@ -406,8 +405,7 @@ def test_property_radio_solves_any_engine_count(h, w, cfg, budget):
 @SETTINGS
 @given(h=st.integers(1, 8000), w=st.integers(1, 8000), target=st.integers(0, 5000))
 def test_property_radio_any_target_is_exact_or_named(h, w, target):
-    radio = RadioTilerGeometry()
-    assert_exact(radio, (h, w), radio.solve(target, (h, w)), target)
+    assert_exact(RADIO, (h, w), RADIO.solve(target, (h, w)), target)
 
 
 @SETTINGS
@@ -431,8 +429,6 @@ def test_property_patch_merge_any_target_is_exact_or_named(h, w, target, frames,
 
 # ---- the budget search against an exhaustive scan ------------------------------------------
 def test_patch_merge_replay_matches_an_exhaustive_scan():
-    import random
-
     geo = PatchMergeGeometry(patch=7, merge=2, min_pixels=1, max_pixels=10**9)
     rng = random.Random(8)
     for _ in range(6):

@@ -61,11 +61,7 @@ def test_replayed_edge_gives_the_processors_own_size(hw, target):
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    h=st.integers(1, 4000),
-    w=st.integers(1, 4000),
-    edge=st.integers(1, 1540),
-)
+@given(h=st.integers(1, 4000), w=st.integers(1, 4000), edge=st.integers(1, 1540))
 def test_every_count_a_longest_edge_gives_is_replayed(h, w, edge):
     geo = PixtralGeometry()
     assume(min(h, w) * edge >= max(h, w))  # else a side resizes to 0 (the processor fails)

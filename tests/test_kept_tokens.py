@@ -12,19 +12,14 @@ from megatron_media_guard.adapters import install_generic
 from megatron_media_guard.core.apply import kept_tokens
 
 
-def _dropped_handle():
+@pytest.mark.parametrize("given", ["loss_mask", "labels", "both"])  # both: the loss mask counts
+def test_mask_loss_returns_the_kept_token_count(given):
     emb, ids, feats, _ = batch([[3], [4], [2]])
     model = TinyVLM()
     handle = install_generic(model, "merge_embeddings", guard("drop"))
     handle.set_items([MediaItem(4, sample=0), MediaItem(3, sample=1), MediaItem(2, sample=2)])
     model.merge_embeddings(emb, ids, feats)
     assert handle.last_result.report.dropped == (0, 1)
-    return handle
-
-
-@pytest.mark.parametrize("given", ["loss_mask", "labels", "both"])  # both: the loss mask counts
-def test_mask_loss_returns_the_kept_token_count(given):
-    handle = _dropped_handle()
     lm = torch.ones(3, 16) if given in ("loss_mask", "both") else None
     labels = torch.zeros(3, 16, dtype=torch.long) if given in ("labels", "both") else None
     out_lm, out_labels, kept = handle.mask_loss(lm, labels, return_count=True)

@@ -12,15 +12,8 @@ from megatron_media_guard.errors import MediaAlignmentError, MediaGuardError, Me
 from megatron_media_guard.repair.pixels import from_frames, grid_thw_tuple, to_frames
 
 QWEN_SHAPES = st.fixed_dictionaries(
-    {
-        "t": st.integers(1, 3),
-        "hb": st.integers(1, 3),
-        "wb": st.integers(1, 3),
-        "channels": st.integers(1, 3),
-        "patch": st.integers(1, 3),
-        "temporal_patch": st.integers(1, 2),
-        "merge": st.integers(1, 2),
-    }
+    {k: st.integers(1, 3) for k in ("t", "hb", "wb", "channels", "patch")}
+    | {k: st.integers(1, 2) for k in ("temporal_patch", "merge")}
 )
 
 
@@ -66,8 +59,7 @@ def test_image_layout_round_trip(t: int, c: int, h: int, w: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("patch", "merge", "height", "width"),
-    [(14, 2, 56, 84), (16, 2, 64, 96), (14, 1, 42, 28)],
+    ("patch", "merge", "height", "width"), [(14, 2, 56, 84), (16, 2, 64, 96), (14, 1, 42, 28)]
 )
 def test_recover_matches_the_hf_qwen2_vl_processor(
     patch: int, merge: int, height: int, width: int

@@ -30,6 +30,7 @@ from megatron_media_guard.diagnostics import RankInfo
 from megatron_media_guard.geometry import Solution
 from megatron_media_guard.testing import FAULTS, TEST_GRAMMARS, build_batch, inject, random_layout
 
+Q = TEST_GRAMMARS["qwen"]
 H = 8
 LAYOUT = [[("image", 4), ("image", 6)], [("image", 3)], [("video", 8)], [("image", 5)]]
 
@@ -81,13 +82,12 @@ def test_first_and_last_stage_agree_under_drop(grammar, fault):
 
 
 def test_packed_samples_agree():
-    g = TEST_GRAMMARS["qwen"]
-    a = build_batch(g, [[("image", 3)]])
-    b = build_batch(g, [[("image", 5)]], seed=1)
+    a = build_batch(Q, [[("image", 3)]])
+    b = build_batch(Q, [[("image", 5)]], seed=1)
     ids = torch.cat([a.input_ids, b.input_ids], dim=1)
     cu = torch.tensor([0, a.input_ids.shape[1], ids.shape[1]])
     items = [MediaItem(3, 0), MediaItem(6, 1)]  # sample 1: one feature too many
-    first, last = stages(g)
+    first, last = stages(Q)
     res, lp = run_both(first, last, ids, items, torch.randn(9, H), cu)
     assert_same(res, lp)
     assert lp.report.dropped == (1,)
@@ -95,9 +95,8 @@ def test_packed_samples_agree():
 
 
 def test_raise_policy_raises_on_both_stages_naming_the_sample():
-    g = TEST_GRAMMARS["qwen"]
-    batch = inject(g, LAYOUT, "budget_shrink")
-    first, last = stages(g, "raise")
+    batch = inject(Q, LAYOUT, "budget_shrink")
+    first, last = stages(Q, "raise")
     emb, ids = torch.randn(*batch.input_ids.shape, H), batch.input_ids
     for call in (
         lambda: first.merge(emb, ids, batch.features(H), batch.items, step=7),
@@ -121,12 +120,11 @@ def encoder(px: torch.Tensor) -> torch.Tensor:
 
 
 def test_repair_digest_matches_when_the_repair_succeeds():
-    g = TEST_GRAMMARS["qwen"]
-    batch = inject(g, LAYOUT, "budget_shrink")
+    batch = inject(Q, LAYOUT, "budget_shrink")
     items = [replace(it, pixels=torch.rand(3, 6, 6)) for it in batch.items]
     cfg = GuardConfig(policy="repair", fallback="drop")
-    first = MediaGuard(cfg, grammar=g, geometry=Geo(), encoder=encoder)
-    last = MediaGuard(cfg, grammar=g)  # no vision tower on the last stage
+    first = MediaGuard(cfg, grammar=Q, geometry=Geo(), encoder=encoder)
+    last = MediaGuard(cfg, grammar=Q)  # no vision tower on the last stage
     res, lp = run_both(first, last, batch.input_ids, items, batch.features(H))
     assert res.report.actions[0] == "repair" and res.report.repaired
     assert lp.report.actions == res.report.actions and lp.report.digest == res.report.digest
@@ -137,11 +135,10 @@ def test_a_single_stage_without_features_attempts_its_repairs():
     """repairs="attempt" (check_batch, the input rewrite): with no geometry every planned
     repair falls back with the merge's reason; "assume" (the last stage) takes the first
     stage's success on trust."""
-    g = TEST_GRAMMARS["qwen"]
-    batch = inject(g, LAYOUT, "budget_shrink")
+    batch = inject(Q, LAYOUT, "budget_shrink")
     cfg = GuardConfig(policy="repair", fallback="drop")
     with pytest.warns(UserWarning, match="no mismatch can be repaired"):
-        guard = MediaGuard(cfg, grammar=g)
+        guard = MediaGuard(cfg, grammar=Q)
     lone = guard.last_stage(batch.input_ids, batch.items, repairs="attempt")
     last = guard.last_stage(batch.input_ids, batch.items)
     assert lone.report.actions[0] == "drop" and not lone.report.repaired
@@ -186,14 +183,13 @@ def test_property_stages_agree(seed, fault, policy, grammar):
 
 @pytest.mark.parametrize(
     "grammar, shape, match",
-    [("llava", None, "collapsed"), ("qwen", (1, 3), r"loss_mask must be \[b, s\]")],
+    [(Grammar.llava(), None, "collapsed"), (Q, (1, 3), r"loss_mask must be \[b, s\]")],
 )
 def test_last_stage_rejects_what_it_cannot_plan(grammar, shape, match):
-    g = Grammar.llava() if grammar == "llava" else TEST_GRAMMARS[grammar]
     ids = torch.tensor([[1000, 5, 5, 1001]])
     lm = torch.ones(shape) if shape else None
     with pytest.raises(MediaInputError, match=match):
-        MediaGuard(GuardConfig(), grammar=g).last_stage(ids, [MediaItem(2, 0)], loss_mask=lm)
+        MediaGuard(GuardConfig(), grammar=grammar).last_stage(ids, [MediaItem(2, 0)], loss_mask=lm)
 
 
 @settings(max_examples=60, deadline=None)

@@ -67,7 +67,7 @@ from megatron_media_guard.config import GuardConfig
 from megatron_media_guard.core.items import MediaItem
 d = tempfile.mkdtemp()
 g = MediaGuard(GuardConfig(policy="drop", dump_dir=d), Grammar.qwen2_vl())
-V, P, S, E = 151654, 151655, 151652, 151653
+P, S, E = 151655, 151652, 151653
 ids = torch.tensor([[1, S, P, P, E, 2]])
 item = MediaItem(num_features=3, sample=0)  # 2 placeholders: a mismatch
 res = g.merge(torch.zeros(1, 6, 4), ids, torch.ones(3, 4), [item])

@@ -11,7 +11,7 @@ from torch import nn
 
 from megatron_media_guard import GuardConfig, MediaGuard, MediaItem
 from megatron_media_guard.diagnostics import RankInfo
-from megatron_media_guard.geometry import PatchMergeGeometry
+from megatron_media_guard.geometry import PatchMergeGeometry, Solution
 from megatron_media_guard.repair.pixels import from_frames
 from megatron_media_guard.testing import TEST_GRAMMARS, build_batch
 
@@ -71,13 +71,12 @@ class Tower(nn.Module):
         return self.projector(x)
 
 
-def _item(frames: torch.Tensor, sample: int, modality: str, num_features: int | None = None):
+def _item(frames: torch.Tensor, sample: int, modality: str) -> MediaItem:
     pixels, kw = from_frames(frames, "qwen_patches")
     grid = tuple(int(v) for v in kw["grid_thw"][0])
-    n = grid[0] * (grid[1] // 2) * (grid[2] // 2)
     hw = tuple(frames.shape[-2:])
     return MediaItem(
-        num_features if num_features is not None else n,
+        grid[0] * (grid[1] // 2) * (grid[2] // 2),
         sample=sample,
         modality=modality,
         sample_id=f"s{sample}",
@@ -103,7 +102,6 @@ def _scenario(tower):
 
 
 def _guard(tmp_path, encoder=None, geometry=GEO, **config) -> MediaGuard:
-    """A repair guard on the Qwen grammar, logging to ``tmp_path``."""
     cfg = GuardConfig(policy="repair", log_dir=str(tmp_path), **config)
     return MediaGuard(cfg, grammar=Q, rank=RankInfo(rank=0), geometry=geometry, encoder=encoder)
 
@@ -132,10 +130,7 @@ def test_repair_reencodes_only_the_mismatched_item(projector, tmp_path):
     assert tower.embed.weight.grad is not None and tower.embed.weight.grad.abs().sum() > 0
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in projector.parameters())
     # the repair is in the per-rank log with target, grid, fidelity and duration
-    rec = records(tmp_path)
-    rep = [r for r in rec if r["event"] == "repair"]
-    assert len(rep) == 1
-    r = rep[0]
+    (r,) = [r for r in records(tmp_path) if r["event"] == "repair"]
     assert (r["sample"], r["item"], r["expected"], r["got"]) == (1, 1, [engine], [300])
     assert r["fidelity"] == "engine-replay" and r["action"] == "repair"
     assert r["grid"] and r["duration_ms"] > 0 and r["step"] == 5
@@ -157,12 +152,10 @@ def test_repair_falls_back_and_says_why(projector, tmp_path, config, encoder_fai
             raise RuntimeError("CUDA out of memory (simulated)")
         return tower(pixels, grid_thw)
 
-    b, s = batch.input_ids.shape
     guard = _guard(tmp_path, encoder, fallback="drop", **config)
-    res = guard.merge(torch.randn(b, s, H), batch.input_ids, feats, items)
+    res = guard.merge(torch.randn(*batch.input_ids.shape, H), batch.input_ids, feats, items)
     assert res.report.actions == ("keep", "drop")
-    rec = records(tmp_path)
-    rep = next(r for r in rec if r["event"] == "repair")
+    rep = next(r for r in records(tmp_path) if r["event"] == "repair")
     assert rep["action"] == "fallback:drop" and reason in rep["reason"]
 
 
@@ -190,7 +183,6 @@ def test_repair_without_encoder_falls_back_with_reason(tmp_path):
 def test_a_geometry_that_breaks_its_contract_falls_back(tmp_path):
     """A user geometry whose solution claims another count: the re-encoded rows are counted
     against the placeholders before they are merged, so nothing shifts into text."""
-    from megatron_media_guard.geometry import Solution
 
     class LyingGeometry:
         def solve(self, target, hw, num_frames=1, *, hw_kind="source"):
@@ -199,17 +191,13 @@ def test_a_geometry_that_breaks_its_contract_falls_back(tmp_path):
             )
 
     batch = build_batch(Q, [[("image", 3)], [("image", 2)]])
-    items = [
-        MediaItem(2, 0, pixels=torch.randn(3, 28, 28), frame_hw=(28, 28)),
-        MediaItem(2, 1),
-    ]
+    items = [MediaItem(2, 0, pixels=torch.randn(3, 28, 28), frame_hw=(28, 28)), MediaItem(2, 1)]
 
     def encoder(pixels):
         return torch.full((4, H), 77.0)
 
     g = _guard(tmp_path, encoder, LyingGeometry(), fallback="drop")
-    b, s = batch.input_ids.shape
-    emb = torch.randn(b, s, H)
+    emb = torch.randn(*batch.input_ids.shape, H)
     feats = torch.randn(4, H)
     res = g.merge(emb, batch.input_ids, feats, items)
     assert res.report.actions == ("drop", "keep")

@@ -94,24 +94,19 @@ def parse(text: str) -> Page:
     return p
 
 
-def expected_cells(rows, heat: dict[str, str]) -> dict[tuple[str, str], Counter]:
-    """Bin the records as the page says it does (first rank/step and bin sizes it states)."""
-    r0, rb = heat["data-rank0"], int(heat["data-rank-bin"])
-    s0, sb = heat["data-step0"], int(heat["data-step-bin"])
-    out: dict[tuple[str, str], Counter] = {}
+def assert_cells(page: Page, rows) -> dict[tuple[str, str], Counter]:
+    """The heatmap's cells hold the records binned as the page says it does (the first
+    rank/step and the bin sizes it states); returns the records' events per cell."""
+    assert page.heat, "no heatmap"
+    r0, rb = page.heat["data-rank0"], int(page.heat["data-rank-bin"])
+    s0, sb = page.heat["data-step0"], int(page.heat["data-step-bin"])
+    want: dict[tuple[str, str], Counter] = {}
     for event, rank, step in rows:
         if event not in HEAT:
             continue
         rk = "none" if rank is None else str(int(r0) + (rank - int(r0)) // rb * rb)
         sk = "none" if step is None else str(int(s0) + (step - int(s0)) // sb * sb)
-        out.setdefault((rk, sk), Counter())[event] += 1
-    return out
-
-
-def assert_cells(page: Page, rows) -> dict[tuple[str, str], Counter]:
-    """The heatmap's cells hold the records binned as the page says; returns them per cell."""
-    assert page.heat, "no heatmap"
-    want = expected_cells(rows, page.heat)
+        want.setdefault((rk, sk), Counter())[event] += 1
     got = {(c["data-r"], c["data-s"]): int(c["data-n"]) for c in page.cells}
     assert got == {k: sum(v.values()) for k, v in want.items()}
     return want
@@ -160,11 +155,10 @@ def test_series_bars_count_every_record(tmp_path, rows):
 @pytest.mark.parametrize("cap", [4, 16, 64])
 def test_heat_grid_stays_bounded_and_exact(tmp_path, monkeypatch, cap):
     monkeypatch.setattr(report, "HEAT_CAP", cap)
-    rows = WIDE_AND_TALL
-    write_run(tmp_path, rows)
+    write_run(tmp_path, WIDE_AND_TALL)
     s = summarize(tmp_path, jobs=1)
-    assert len(s.heat.cells) <= cap and sum(s.heat.cells.values()) == len(rows)
-    assert_cells(parse(render_html(s)), rows)
+    assert len(s.heat.cells) <= cap and sum(s.heat.cells.values()) == len(WIDE_AND_TALL)
+    assert_cells(parse(render_html(s)), WIDE_AND_TALL)
 
 
 keys = st.tuples(
@@ -257,10 +251,8 @@ def test_report_in_a_fresh_process_imports_no_torch_and_never_blocks(tmp_path):
     out = done.stdout.splitlines()
     assert out[-1] == "TORCH:" and f"page {page}" in done.stderr
     summary = json.loads(out[0])
-    assert (
-        summary["records"] == len(FEW)
-        and "FIFO" in summary["skipped_files"][str(tmp_path / file_name(9))]
-    )
+    assert summary["records"] == len(FEW)
+    assert "FIFO" in summary["skipped_files"][str(tmp_path / file_name(9))]
     assert_cells(parse(page.read_text(encoding="utf-8")), FEW)
 
 
@@ -277,18 +269,9 @@ def test_page_renders_in_a_headless_browser(tmp_path):
     assert main(["report", str(tmp_path), "--html", str(page)]) == 0
     shot = tmp_path / "shot.png"
     with tempfile.TemporaryDirectory() as profile:
-        subprocess.run(
-            [
-                CHROMIUM,
-                *CHROMIUM_FLAGS,
-                f"--user-data-dir={profile}",
-                f"--screenshot={shot}",
-                "--window-size=1400,1000",
-                page.resolve().as_uri(),
-            ],
-            capture_output=True,
-            timeout=90,
-        )
+        flags = [f"--user-data-dir={profile}", f"--screenshot={shot}", "--window-size=1400,1000"]
+        argv = [CHROMIUM, *CHROMIUM_FLAGS, *flags, page.resolve().as_uri()]
+        subprocess.run(argv, capture_output=True, timeout=90)
     assert shot.exists(), "chromium wrote no screenshot"
     with Image.open(shot) as im:
         rgb = im.convert("RGB")

@@ -176,36 +176,30 @@ def out_of_memory(p: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
     raise VisionOOM("CUDA out of memory (simulated)")
 
 
+SHORT = "gave 11 features for 12 placeholder tokens"
+
+
 @pytest.mark.parametrize(
-    ("encoder", "error", "match"),
+    ("target", "encoder", "error", "match"),
     [
-        (one_short, MediaAlignmentError, "gave 11 features for 12 placeholder tokens"),
-        (out_of_memory, VisionOOM, "simulated"),  # the encoder's own error, unchanged
+        # the encoder's faults: a short output is named, its own error propagates unchanged
+        (Target(12, (84, 112)), one_short, MediaAlignmentError, SHORT),
+        (Target(12, (84, 112)), out_of_memory, VisionOOM, "simulated"),
+        # a target at odds with itself (encoder None) raises before anything is encoded
+        (Target(13, (84, 112)), None, MediaAlignmentError, "gives 12 tokens"),
+        (Target(12, (84, 100)), None, MediaInputError, "not a multiple of patch*merge"),
+        (Target(12, None), None, MediaAlignmentError, "no pixel size"),
+        (Target(12, None, reachable=False, reason="prime N"), None, MediaAlignmentError, "prime N"),
     ],
 )
-def test_encoder_faults_are_named_or_propagate(encoder, error, match) -> None:
+def test_encoder_faults_and_inconsistent_targets_are_named(target, encoder, error, match) -> None:
     patches, grid_thw = qwen_item()
-    with pytest.raises(error, match=match) as info:
-        reencode(patches, "qwen_patches", Target(12, (84, 112)), encoder, grid_thw=grid_thw)
-    if error is MediaAlignmentError:
+    spy = QwenLikeEncoder()
+    with pytest.raises(error, match=re.escape(match)) as info:
+        reencode(patches, "qwen_patches", target, encoder or spy, grid_thw=grid_thw)
+    assert encoder is not None or spy.calls == []  # a bad target: nothing was encoded
+    if match == SHORT:
         assert info.value.context["expected"] == 12 and info.value.context["got"] == 11
-
-
-@pytest.mark.parametrize(
-    ("target", "fragment", "error"),
-    [
-        (Target(13, (84, 112)), "gives 12 tokens", MediaAlignmentError),
-        (Target(12, (84, 100)), "not a multiple of patch*merge", MediaInputError),
-        (Target(12, None), "no pixel size", MediaAlignmentError),
-        (Target(12, None, reachable=False, reason="prime N"), "prime N", MediaAlignmentError),
-    ],
-)
-def test_inconsistent_target_raises_before_encoding(target: Target, fragment: str, error) -> None:
-    patches, grid_thw = qwen_item()
-    encoder = QwenLikeEncoder()
-    with pytest.raises(error, match=re.escape(fragment)):
-        reencode(patches, "qwen_patches", target, encoder, grid_thw=grid_thw)
-    assert encoder.calls == []
 
 
 def test_fp8_padding_through_the_config_flag_keeps_features_and_gradients() -> None:
