@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,12 +38,16 @@ def records(log_dir) -> list[dict]:
     ]
 
 
-def raised_samples(run: Callable[[], object], bad: int | set[int], log_dir) -> set[int]:
+def raised_samples(
+    run: Callable[[], object], bad: int | set[int], log_dir, item: str | None = None
+) -> set[int]:
     """Runs ``run`` (a guarded call under ``policy="raise"`` logging to ``log_dir``), which
-    must raise :class:`MediaAlignmentError` naming ``bad`` (its first sample, for a set);
-    returns the samples of the ``raise`` records it wrote."""
+    must raise :class:`MediaAlignmentError` naming ``bad`` (its first sample, for a set; and
+    ``item`` on that sample's line, where given); returns the samples of the ``raise`` records
+    it wrote."""
     first = bad if isinstance(bad, int) else min(bad)
-    with pytest.raises(MediaAlignmentError, match=rf"sample {first}\b"):
+    match = rf"(?m)^\s*sample {first} .*{re.escape(item)}" if item else rf"sample {first}\b"
+    with pytest.raises(MediaAlignmentError, match=match):
         run()
     return {r["sample"] for r in records(log_dir) if r["event"] == "raise"}
 
