@@ -95,16 +95,6 @@ def test_audio_layout_and_count_follow_the_feature_extractor(model, samples):
     assert b.items[0][2] == P._estimate_audio_num_embeddings(_processor_ns(), samples)
 
 
-@pytest.mark.parametrize(
-    "hw,grid", [((2400, 1080), (150, 68)), ((224, 224), (32, 32)), ((100, 3000), (8, 188))]
-)
-def test_image_grid_is_the_processors_and_the_geometrys(hw, grid):
-    from megatron_media_guard.geometry import RadioTilerGeometry
-
-    assert F.image_grid(*hw) == grid
-    assert RadioTilerGeometry(budget=13312).grid_for(hw) == grid
-
-
 @pytest.mark.parametrize("media", [M("image", (4, 4)), AUD_A], ids=["image", "audio"])
 def test_inputs_embeds_without_input_ids_merges_images_but_drops_audio_silently(model, media):
     """forward merges audio only when ``input_ids`` is given: embeds alone ignore the clip."""
