@@ -221,9 +221,7 @@ def test_repair_where_the_family_has_a_geometry(name, tmp_path):
     """A geometry from the config alone; a short run repaired or dropped with a reason, every
     other sample its own forward; a family without one says so in the record."""
     case, F, model = build(name)
-    spec = next(
-        s for s in FAMILIES if s.name == name and case.cls in s.classes.get("transformers.", ())
-    )
+    spec = find_family(model)[1]
     geo = guard_for(spec, model, GuardConfig(policy="repair"), case.tokens).geometry
     assert (geo is not None) == case.repair, geo
     _, b = Fault("one run short", None, 1).batch(case, F, model)
