@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from megatron_media_guard import GuardConfig, MediaAlignmentError, install_vlm
+from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem, install_vlm
+from megatron_media_guard.diagnostics import GuardRecord, RankInfo, build_record, json_dumps
+from megatron_media_guard.replay.bundle_save import save_bundle
+from megatron_media_guard.testing import TEST_GRAMMARS, inject
 from megatron_media_guard.testing.families.base import Media
+from megatron_media_guard.testing.families.internvl import SEQ
 
 
 def img(*size, n=None):
@@ -37,12 +42,16 @@ def records(log_dir) -> list[dict]:
     ]
 
 
-def raised_samples(run: Callable[[], object], bad: int | set[int], log_dir) -> set[int]:
+def raised_samples(
+    run: Callable[[], object], bad: int | set[int], log_dir, item: str | None = None
+) -> set[int]:
     """Runs ``run`` (a guarded call under ``policy="raise"`` logging to ``log_dir``), which
-    must raise :class:`MediaAlignmentError` naming ``bad`` (its first sample, for a set);
-    returns the samples of the ``raise`` records it wrote."""
+    must raise :class:`MediaAlignmentError` naming ``bad`` (its first sample, for a set; and
+    ``item`` on that sample's line, where given); returns the samples of the ``raise`` records
+    it wrote."""
     first = bad if isinstance(bad, int) else min(bad)
-    with pytest.raises(MediaAlignmentError, match=rf"sample {first}\b"):
+    match = rf"(?m)^\s*sample {first} .*{re.escape(item)}" if item else rf"sample {first}\b"
+    with pytest.raises(MediaAlignmentError, match=match):
         run()
     return {r["sample"] for r in records(log_dir) if r["event"] == "raise"}
 
@@ -110,8 +119,6 @@ def hidden_forward(model, kw: dict):
 def record_line(event: str, rank: int | None = 0, **fields) -> str:
     """One schema-v1 record line as the writer makes it (no I/O, no newline), at a fixed
     time unless ``time=`` is given."""
-    from megatron_media_guard.diagnostics import GuardRecord, RankInfo, build_record, json_dumps
-
     time = fields.pop("time", "2026-01-01T00:00:00.000000+00:00")
     rec = build_record(GuardRecord(event, **fields), RankInfo(rank=rank), time=time, host="h",
                        pid=1, caller="t:t")  # fmt: skip
@@ -121,10 +128,6 @@ def record_line(event: str, rank: int | None = 0, **fields) -> str:
 def saved_bundle(d, **config):
     """A replay bundle of a two-sample Qwen batch with a surplus feature in sample 0 (rank 1,
     step 3; ``config``: the GuardConfig's fields), saved under ``d``."""
-    from megatron_media_guard.diagnostics import RankInfo
-    from megatron_media_guard.replay.bundle_save import save_bundle
-    from megatron_media_guard.testing import TEST_GRAMMARS, inject
-
     q = TEST_GRAMMARS["qwen"]
     batch = inject(q, [[("image", 4)], [("image", 3)]], "surplus_feature")
     path = save_bundle(d, input_ids=batch.input_ids, items=batch.items, grammar=q,
@@ -195,9 +198,6 @@ def internvl_items(b) -> list:
     per tile block in ``pixel_values`` order, its sample and one item per image (its tiles'
     features) or per video frame (one tile's), all of the model's one modality. After a swap a
     block keeps its place (its sample) and brings its tiles (``FamilyBatch.items``)."""
-    from megatron_media_guard import MediaItem
-    from megatron_media_guard.testing.families.internvl import SEQ
-
     out = []
     for s, mod, n in b.items:
         sizes = [n] if mod == "image" else [SEQ] * (n // SEQ)

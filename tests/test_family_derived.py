@@ -86,13 +86,10 @@ def test_aligned_is_bit_identical_with_one_transfer(name, mod):
     else:
         _, small, big = next(s for s in sizes(name) if s[0] == mod)
         samples = [[small], [big]]
-    m = model(name)
-    b = make_batch(CASE[name], m, samples)
-    ref = hidden(m, b.kwargs)
-    with install_vlm(m, GuardConfig()) as h, count_transfers() as n:
-        out = hidden(m, b.kwargs)
-    assert torch.equal(out, ref)
-    assert h.last_result.report.actions == ("keep",) * len(samples)
+    with count_transfers() as n:
+        b, out, res = guarded(name, samples)
+    assert torch.equal(out, hidden(model(name), b.kwargs))
+    assert res.report.actions == ("keep",) * len(samples)
     assert sum(n.values()) == 1, n
 
 

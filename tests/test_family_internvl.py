@@ -18,6 +18,7 @@ from family_checks import guarded_forward, img, records, vid
 from family_checks import hidden_forward as forward
 
 from megatron_media_guard import GuardConfig, MediaAlignmentError
+from megatron_media_guard.geometry.tiled import TiledGeometry
 
 pytest.importorskip("transformers.models.internvl")
 pytest.importorskip("PIL")
@@ -38,8 +39,6 @@ def model():
 
 @pytest.mark.parametrize("hw", [(56, 56), (56, 112), (100, 40), (60, 300), (90, 100)])
 def test_tile_counts_are_the_processors_and_the_geometrys(model, hw):
-    from megatron_media_guard.geometry.tiled import TiledGeometry
-
     b = F.make_batch(model, [[img(*hw)]])
     geo = TiledGeometry(tile=F.TILE, tokens_per_tile=F.SEQ, max_tiles=F.MAX_TILES)
     assert b.items[0][2] == geo.tokens(hw)

@@ -97,15 +97,19 @@ def evs_model():
     ids=["equal pruning", "unequal pruning"],
 )
 def test_evs_prunes_each_row_as_its_own_forward(evs_model, samples, plain):
-    """Rows that prune the same count: the plain forward (each row its own pruned forward);
-    unequal ones, where the plain forward's ``view(batch, -1)`` moves tokens between rows
-    (tests/test_fixture_nemotron_omni.py): each row its own forward, the shorter one padded."""
+    """Rows that prune the same count (4 tokens each): the plain forward (each row its own
+    pruned forward). Unequal ones (4 from row 0 only, the total still divisible by 2): the
+    plain forward's ``view(batch, -1)`` silently gives row 0 the first two tokens of row 1 and
+    shifts row 1 by two; the guard gives each row its own forward, the shorter one padded."""
     b = F.make_batch(evs_model, samples)
     with install_vlm(evs_model, GuardConfig(), tokenizer=TOKENS), torch.no_grad():
         out = evs_model(**b.kwargs).logits
+    unguarded = F.plain_logits(evs_model, b)
+    assert unguarded.shape[1] == b.input_ids.shape[1] - (4 if plain else 2)
     if plain:
-        assert out.shape[1] < b.input_ids.shape[1]
-        torch.testing.assert_close(out, F.plain_logits(evs_model, b), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(out, unguarded, atol=1e-6, rtol=1e-6)
     for k, s in enumerate(samples):
         want = F.plain_logits(evs_model, F.make_batch(evs_model, [s]))[0]
         torch.testing.assert_close(out[k, : want.shape[0]], want, atol=1e-5, rtol=1e-5)
+    if not plain:
+        assert (unguarded[1, :5] - want[:5]).abs().max() > 1e-3

@@ -17,6 +17,7 @@ from family_checks import guarded_forward, img, own_logits, records, vid
 from test_check_batch import fixture as check_batch_fixture
 
 from megatron_media_guard import GuardConfig, MediaItem
+from megatron_media_guard.families.collate import check_batch
 from megatron_media_guard.repair.pixels import from_frames, to_frames
 from megatron_media_guard.repair.reproject import resize_frames
 
@@ -74,11 +75,6 @@ CASES = {
 NAMES = sorted(CASES)
 
 
-def model_of(case: GridCase):
-    """The family's tiny model, built once per session (test_check_batch's)."""
-    return check_batch_fixture(case.family)[2]
-
-
 def test_the_registry_routes_glm_4_5v_moe_to_glm4v():
     """GLM-4.5V's MoE class, of which no tiny model is built (the dense class: the contract,
     ``tests/families/``)."""
@@ -114,7 +110,7 @@ def test_repair_reencodes_the_image_at_the_processors_grid(name, tmp_path):
     processor's own resize gives for 12 (6x8 patches), its grid row replaced for M-RoPE;
     equal to the plain model fed that image by hand."""
     case = CASES[name]
-    model, P = model_of(case), case.F.PATCH
+    model, P = check_batch_fixture(name)[2], case.F.PATCH
     cfg = GuardConfig(policy="repair", log_dir=str(tmp_path))
     samples = [[img(8, 12, n=12)], [img(2, 4)]]
     # the original's size (the engine sized it): a frame alone would be a guess, not a replay
@@ -145,10 +141,8 @@ def test_repair_reencodes_the_image_at_the_processors_grid(name, tmp_path):
 def test_check_batch_before_the_trainer_drops_the_bad_sample_without_a_model(name):
     """The spec's own counts on the processor's outputs (no model): the sample whose run is
     short loses its media; the checked batch then runs through the plain model."""
-    from megatron_media_guard.families.collate import check_batch
-
     case = CASES[name]
-    model = model_of(case)
+    model = check_batch_fixture(name)[2]
     b = case.F.make_batch(model, case.check)
     checked = check_batch(name, b.kwargs, config=model.config)
     assert checked.report.actions == ("keep", "drop", "keep")
@@ -164,7 +158,7 @@ def test_check_batch_before_the_trainer_drops_the_bad_sample_without_a_model(nam
 @pytest.mark.parametrize("name", NAMES)
 def test_missing_token_types_is_a_clear_error(name):
     case = CASES[name]
-    model = model_of(case)
+    model = check_batch_fixture(name)[2]
     b = case.F.make_batch(model, [[img(4, 6)]])
     b.kwargs.pop("mm_token_type_ids")
     with install_vlm(model, GuardConfig()), pytest.raises(Exception, match="mm_token_type_ids"):

@@ -32,7 +32,6 @@ def evs_model():
     return F.tiny_model(seed=0, video_pruning_rate=0.5)
 
 
-VID_A = M("video", (3, 4, 4))  # 2 tubelets (the last one pads frame 3), 4 tokens each
 AUD_A, AUD_C = M("audio", (40,)), M("audio", (25,))
 
 
@@ -95,16 +94,6 @@ def test_audio_layout_and_count_follow_the_feature_extractor(model, samples):
     assert b.items[0][2] == P._estimate_audio_num_embeddings(_processor_ns(), samples)
 
 
-@pytest.mark.parametrize(
-    "hw,grid", [((2400, 1080), (150, 68)), ((224, 224), (32, 32)), ((100, 3000), (8, 188))]
-)
-def test_image_grid_is_the_processors_and_the_geometrys(hw, grid):
-    from megatron_media_guard.geometry import RadioTilerGeometry
-
-    assert F.image_grid(*hw) == grid
-    assert RadioTilerGeometry(budget=13312).grid_for(hw) == grid
-
-
 @pytest.mark.parametrize("media", [M("image", (4, 4)), AUD_A], ids=["image", "audio"])
 def test_inputs_embeds_without_input_ids_merges_images_but_drops_audio_silently(model, media):
     """forward merges audio only when ``input_ids`` is given: embeds alone ignore the clip."""
@@ -124,18 +113,8 @@ def test_inputs_embeds_without_input_ids_merges_images_but_drops_audio_silently(
         assert (out - plain).abs().max() > 1e-3
 
 
-# EVS (video_pruning_rate > 0): the prune reshapes the batch to rows of equal kept length.
-def test_evs_rows_with_unequal_pruning_reshape_silently_across_rows(evs_model):
-    """One row with a video, one without: 4 tokens pruned from row 0 only, the total still
-    divisible by 2, so ``view(batch, -1)`` silently gives row 0 the first two tokens of row 1
-    and shifts row 1 by two."""
-    batch = F.make_batch(evs_model, [[VID_A], [AUD_C]])
-    logits = F.plain_logits(evs_model, batch)
-    assert logits.shape[1] == batch.input_ids.shape[1] - 2
-    ref = F.plain_logits(evs_model, F.make_batch(evs_model, [[AUD_C]]))[0]
-    assert (logits[1, :5] - ref[:5]).abs().max() > 1e-3
-
-
+# EVS (video_pruning_rate > 0): the prune reshapes the batch to rows of equal kept length
+# (rows of unequal pruning that still divide: tests/test_family_nemotron_omni.py).
 def test_evs_rows_with_unequal_pruning_raise_when_not_divisible(evs_model):
     """5 tubelets of 1 token keep max(1, int(5 * 0.5)) = 2: 3 pruned from one row of two."""
     batch = F.make_batch(evs_model, [[M("video", (10, 2, 2))], [AUD_C]])

@@ -8,6 +8,7 @@ import types
 
 import pytest
 
+from megatron_media_guard.geometry import PatchMergeGeometry
 from megatron_media_guard.testing.families import qwen3_5 as F
 from megatron_media_guard.testing.families.base import Media as M
 
@@ -42,8 +43,6 @@ def test_video_ids_follow_replace_video_token(frames):
 
 @pytest.mark.parametrize("hw", [(64, 96), (50, 50), (200, 90), (17, 300)])
 def test_image_counts_are_the_processors_and_the_geometrys(hw):
-    from megatron_media_guard.geometry import PatchMergeGeometry
-
     b = F.make_batch(None, [[M("image", hw)]])
     grid = b.kwargs["image_grid_thw"]
     n = int(grid.prod()) // 4

@@ -159,5 +159,9 @@ def test_radio_tiler_matches_hf_get_patch_grid_size():
                     geo.grid_for(hw, budget)
                 continue
             assert geo.grid_for(hw, budget) == want, (hw, budget)
-    seed = tuple(hf(1080, 2400, 16, 2, 1024, 13312))
-    assert seed == RadioTilerGeometry().grid_for((1080, 2400)) == (68, 150)
+    # the seed's 1080x2400 and the fixture's grids, at its static budget of 13312 patches
+    for hw, grid in [((1080, 2400), (68, 150)), ((2400, 1080), (150, 68)),
+                     ((224, 224), (32, 32)), ((100, 3000), (8, 188))]:  # fmt: skip
+        assert tuple(hf(*hw, 16, 2, 1024, 13312)) == nemotron_omni.image_grid(*hw) == grid
+        assert RadioTilerGeometry(budget=13312).grid_for(hw) == grid
+        assert RadioTilerGeometry().grid_for(hw) == grid

@@ -26,13 +26,12 @@ def check_keeps_tower(
     text: dict,
     towers: Sequence[torch.nn.Module],
     decoder: torch.nn.Module,
-    target: torch.nn.Module | None = None,
     tokenizer: Any = None,
     out: Callable[[Any], torch.Tensor] = lambda o: o.logits,
 ) -> None:
     """``media`` / ``text``: forward kwargs of a media batch and of a text-only batch;
     ``towers``: the modules whose parameters are checked (tower and projector); ``decoder``:
-    the module whose forward marks the decoder; ``target``: what the guard is installed on."""
+    the module whose forward marks the decoder."""
     params = [p for t in towers for p in t.parameters()]
     model.zero_grad(set_to_none=True)
     out(model(**media)).float().sum().backward()
@@ -45,7 +44,7 @@ def check_keeps_tower(
         with torch.no_grad():
             ref = out(model(**text))
         order.clear()
-        with install_vlm(target or model, GuardConfig(keep_tower=mode), tokenizer=tokenizer):
+        with install_vlm(model, GuardConfig(keep_tower=mode), tokenizer=tokenizer):
             got = out(model(**text))
         got.float().sum().backward()
     finally:

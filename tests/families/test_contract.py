@@ -41,10 +41,13 @@ from test_check_batch import CASES as BATCH_CASES
 from test_check_batch import FAULTS, NO_FIXTURE, faulty
 from test_check_batch import fixture as check_batch_fixture
 from test_family_qwen3_omni import AIV_FAULTS
-from test_text_only_rank import CASES as ONE_ITEM
+from tower_check import check_keeps_tower
 
-from megatron_media_guard import GuardConfig, MediaItem
+from megatron_media_guard import GuardConfig, MediaAlignmentError, MediaItem
+from megatron_media_guard.adapters import install_vlm
+from megatron_media_guard.adapters.vlm_install import guard_for
 from megatron_media_guard.core.host import count_transfers
+from megatron_media_guard.errors import MediaInputError
 from megatron_media_guard.families import FAMILIES, find_family, kimi_k25
 
 pytest.importorskip("transformers")
@@ -61,9 +64,9 @@ class FamilyCase:
     attribute paths from the model to the tower modules (tower first) and the decoder, for
     keep_tower; repair: the family builds a repair geometry from its config; bridge_cls: the
     class Bridge 0.6.2 trains the family with; embed: how the model embeds ids where not
-    ``get_input_embeddings()`` (a dropped row reaches the decoder as exactly that). The fixture,
-    the three aligned samples and the per-item counts are the family's ``tests/test_check_batch.py``
-    case; one aligned item and the tokenizer stand-in ``tests/test_text_only_rank.py``'s."""
+    ``get_input_embeddings()`` (a dropped row reaches the decoder as exactly that). The
+    tokenizer stand-in, the three aligned samples and the per-item counts are the family's
+    ``tests/test_check_batch.py`` case."""
 
     family: str
     cls: str
@@ -74,14 +77,9 @@ class FamilyCase:
     embed: Callable | None = None
 
     @property
-    def fixture(self) -> str:
-        return BATCH_CASES[self.family].fixture
-
-    @property
-    def one_item(self):
-        """(media of one aligned item, tokenizer stand-in)."""
-        c = ONE_ITEM[self.fixture]
-        return c.media, c.tokens
+    def tokens(self) -> dict | None:
+        """The tokenizer stand-in for the markers the config lacks."""
+        return BATCH_CASES[self.family].tokens or None
 
     @property
     def samples(self):
@@ -154,11 +152,9 @@ def build(name: str):
 def guarded(name: str, model, b, config: GuardConfig | None = None, labels=None):
     """(output, last result) of one call under ``install_vlm``; InternVL's items from
     ``set_items`` (the tiles per image never reach the model)."""
-    from megatron_media_guard.adapters import install_vlm
-
     case = CASES[name]
     kw = b.kwargs if labels is None else dict(b.kwargs, labels=labels)
-    with install_vlm(model, config or GuardConfig(), tokenizer=case.one_item[1]) as h:
+    with install_vlm(model, config or GuardConfig(), tokenizer=case.tokens) as h:
         if case.per_item:
             h.set_items(internvl_items(b))
         with torch.no_grad():
@@ -189,13 +185,11 @@ def _outcome(model, kw):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_remove_leaves_the_model_as_it_was(name):
-    from megatron_media_guard.adapters import install_vlm
-
     case, F, model = build(name)
     _, b = Fault("+k/-k across two samples", None, K01).batch(case, F, model)
     plain = _outcome(model, b.kwargs)  # first: transformers adds its output-capturing hooks
     before = _state(model)
-    h = install_vlm(model, GuardConfig(), tokenizer=case.one_item[1])
+    h = install_vlm(model, GuardConfig(), tokenizer=case.tokens)
     assert _state(model) != before
     h.remove()
     assert _state(model) == before
@@ -209,17 +203,14 @@ def test_remove_leaves_the_model_as_it_was(name):
 @pytest.mark.parametrize("mode, runs", [("always", 1), ("on_drop", 0), ("never", 0)])
 @pytest.mark.parametrize("name", NAMES)
 def test_a_text_only_micro_batch_keeps_the_tower_in_step(name, mode, runs):
-    from tower_check import check_keeps_tower
-
     case, F, model = build(name)
-    _media, tokens = case.one_item
     check_keeps_tower(
         model,
         mode,
         runs,
         media=F.make_batch(model, [case.samples[0]]).kwargs,
         text=F.make_batch(model, [[], []]).kwargs,
-        tokenizer=tokens,
+        tokenizer=case.tokens,
         towers=[attrgetter(p)(model) for p in case.towers],
         decoder=attrgetter(case.decoder)(model),
     )
@@ -229,13 +220,9 @@ def test_a_text_only_micro_batch_keeps_the_tower_in_step(name, mode, runs):
 def test_repair_where_the_family_has_a_geometry(name, tmp_path):
     """A geometry from the config alone; a short run repaired or dropped with a reason, every
     other sample its own forward; a family without one says so in the record."""
-    from megatron_media_guard.adapters.vlm_install import guard_for
-
     case, F, model = build(name)
-    spec = next(
-        s for s in FAMILIES if s.name == name and case.cls in s.classes.get("transformers.", ())
-    )
-    geo = guard_for(spec, model, GuardConfig(policy="repair"), case.one_item[1]).geometry
+    spec = find_family(model)[1]
+    geo = guard_for(spec, model, GuardConfig(policy="repair"), case.tokens).geometry
     assert (geo is not None) == case.repair, geo
     _, b = Fault("one run short", None, 1).batch(case, F, model)
     cfg = GuardConfig(policy="repair", fallback="drop", log_dir=str(tmp_path))
@@ -300,9 +287,6 @@ MARKERS = {
 def test_the_registry_finds_the_model_and_its_inner_model(name):
     """``find_family`` guards the outermost class the family knows (and its inner model alone,
     where the registry holds that class too); markers the config lacks are named at install."""
-    from megatron_media_guard.adapters import install_vlm
-    from megatron_media_guard.errors import MediaInputError
-
     _case, _F, model = build(name)
     target, spec = find_family(model)
     assert target is model and spec.name == name
@@ -331,10 +315,6 @@ SET_ITEMS = [(n, CASES[n].samples[:2]) for n in NAMES] + [
 def test_set_items_names_the_sample_id_and_checks_the_count(name, samples, tmp_path):
     """Items given with ``set_items`` name the faulty sample by its id; a list one item short
     is refused before any check."""
-    from megatron_media_guard import MediaAlignmentError
-    from megatron_media_guard.adapters import install_vlm
-    from megatron_media_guard.errors import MediaInputError
-
     case, F, model = build(name)
     ok = F.make_batch(model, samples)
     b = F.make_batch(model, faulty(ok, samples, FAULTS["one run short"]))
@@ -348,7 +328,7 @@ def test_set_items_names_the_sample_id_and_checks_the_count(name, samples, tmp_p
     ]:
         cfg = GuardConfig(log_dir=str(tmp_path))
         with (
-            install_vlm(model, cfg, tokenizer=case.one_item[1]) as h,
+            install_vlm(model, cfg, tokenizer=case.tokens) as h,
             pytest.raises(err, match=match),
         ):
             h.set_items(given)
@@ -362,10 +342,10 @@ def test_a_generated_placeholder_is_fed_as_text(name):
     case, F, model = build(name)
     b = F.make_batch(model, case.samples[:2])
     spec = find_family(model)[1]
-    placeholder = spec.modalities[0].placeholder.resolve(model, case.one_item[1])
+    placeholder = spec.modalities[0].placeholder.resolve(model, case.tokens)
     pos = b.lengths[1] - 2  # a text token of sample 1's response
     fixed = dict(b.kwargs, input_ids=b.input_ids.clone())
-    fixed["input_ids"][1, pos] = spec.text.resolve(model, case.one_item[1])
+    fixed["input_ids"][1, pos] = spec.text.resolve(model, case.tokens)
     b.kwargs["input_ids"][1, pos] = placeholder
     b.kwargs["labels"] = response(b)
     out, res = guarded(name, model, b, GuardConfig(policy="drop"))
@@ -382,12 +362,14 @@ class Fault:
     """samples: the batch (fault injected with ``Media(..., n=k)``); None: the shared fault
     ``name`` of ``tests/test_check_batch.py`` injected into the family's three aligned samples;
     bad: the sample that must be named (and dropped), or the set of samples that must be,
-    exactly; ``swap``: items exchanged (``make_batch(swap=)``)."""
+    exactly; ``swap``: items exchanged (``make_batch(swap=)``); ``item``: what the raise names
+    on the first bad sample's line."""
 
     name: str
     samples: list | None
     bad: int | frozenset
     swap: tuple[int, int] | None = None
+    item: str | None = None
 
     def check(self, got: set[int]) -> None:
         if isinstance(self.bad, int):
@@ -475,11 +457,11 @@ FAMILY_FAULTS = {
         ),
     ),
 }
-# Qwen3-Omni's videos with their audio track (each named fault's item: test_family_qwen3_omni),
-# an aligned bystander last
+# Qwen3-Omni's videos with their audio track (test_family_qwen3_omni), the item the raise names
+# checked, an aligned bystander last
 FAMILY_FAULTS["qwen3_omni"] += tuple(
-    Fault(f"audio in video, {n}", [*s, [img(2, 4), vid(2, 2, 4, 150)]], frozenset(bad), swap)
-    for n, s, bad, swap, _item in AIV_FAULTS
+    Fault(f"audio in video, {n}", [*s, [img(2, 4), vid(2, 2, 4, 150)]], frozenset(bad), swap, item)
+    for n, s, bad, swap, item in AIV_FAULTS
 )
 FAULT_ROWS = [(f, Fault(x, None, frozenset(d))) for f in NAMES for x, d in FAULTS.items()] + [
     (f, x) for f, xs in FAMILY_FAULTS.items() for x in xs
@@ -492,7 +474,8 @@ def test_a_fault_raises_naming_the_sample(name, fault, tmp_path):
     case, F, model = build(name)
     _, b = fault.batch(case, F, model)
     cfg = GuardConfig(policy="raise", log_dir=str(tmp_path))
-    fault.check(raised_samples(lambda: guarded(name, model, b, cfg), fault.bad, tmp_path))
+    raised = raised_samples(lambda: guarded(name, model, b, cfg), fault.bad, tmp_path, fault.item)
+    fault.check(raised)
 
 
 @pytest.mark.parametrize("name,fault", FAULT_ROWS, ids=FAULT_IDS)
@@ -514,9 +497,8 @@ def test_a_fault_dropped_feeds_no_feature_and_keeps_the_others(name, fault):
     assert len(dropped) < len(samples)
     ids, spec = b.input_ids, find_family(model)[1]
     if spec.apply == "inputs":  # the model embeds a dropped sample's placeholders as text
-        tok = case.one_item[1]
-        ph = torch.tensor([m.placeholder.resolve(model, tok) for m in spec.modalities])
-        ids = ids.masked_fill(torch.isin(ids, ph), spec.text.resolve(model, tok))
+        ph = torch.tensor([m.placeholder.resolve(model, case.tokens) for m in spec.modalities])
+        ids = ids.masked_fill(torch.isin(ids, ph), spec.text.resolve(model, case.tokens))
     text = (case.embed or (lambda m, ids: m.get_input_embeddings()(ids)))(model, ids)
     for k in range(len(samples)):
         if k in dropped:
