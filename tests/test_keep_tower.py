@@ -7,6 +7,7 @@ tests/test_parallel_tower.py's."""
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -25,18 +26,18 @@ from megatron_media_guard.testing.qwen_vl import (
     build_batch,
     patch_of,
     seed_failure,
+    smooth_clip,
     smooth_image,
     tiny_model,
 )
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
-_MODELS: dict = {}
+CLIP = smooth_clip(4, 150, 180, 2)  # shrunk by the engine
 
 
+@functools.cache
 def model_for(family: str) -> torch.nn.Module:
-    if family not in _MODELS:
-        _MODELS[family] = tiny_model(family).train()
-    return _MODELS[family]
+    return tiny_model(family).train()
 
 
 def batch(family: str, kind: str) -> dict:
@@ -46,8 +47,9 @@ def batch(family: str, kind: str) -> dict:
     if kind == "image":
         media = [Sample((("image", smooth_image(60, 84, 3)),)), Sample(())]
         return build_batch(media, family, patch_of(family), 30 * cells)
-    _, bad = seed_failure(family, [Sample((("image", smooth_image(150, 200, 1)),))], 12, 30)
-    return bad  # "dropped": its one image mismatched, dropped under policy="drop"
+    media = [Sample((("image", smooth_image(150, 200, 1)),)), Sample((("video", CLIP),))]
+    _, bad = seed_failure(family, media, 12, 30)
+    return bad  # "dropped": its image and its video mismatched, both dropped under "drop"
 
 
 def test_keeper_anchors_the_embeddings_once_else_the_output():
@@ -103,23 +105,33 @@ def _order(model):
     ],
 )
 def test_the_tower_runs_before_the_decoder_and_changes_no_bit(family, kind, mode, calls):
+    """Every item dropped: the tower runs (``always``, ``on_drop``) at a zero weight, its
+    gradients exact zeros, the loss finite; a call with media is the plain forward bit for bit."""
     model = model_for(family)
     b = batch(family, kind)
     guard = MediaGuard(GuardConfig(policy="drop", keep_tower=mode), grammar=Grammar.qwen2_vl())
-    with torch.no_grad(), install_qwen_vl(model, guard) as h:
+    with install_qwen_vl(model, guard) as h:
         want = None
         if kind != "dropped":
             h.remove()
-            want = model(**b).logits
+            with torch.no_grad():
+                want = model(**b).logits
             h.install_hooks()
         with _order(model) as order:
-            got = model(**b)
+            got = model(**b, labels=b["input_ids"].clone())
     assert order.count("visual") == calls, order
     if calls:
         assert order.index("visual") < order.index("layer0"), order
     if want is not None:
         assert torch.equal(got.logits, want)  # -0.0 added: the same bits
-    assert torch.isfinite(got.logits).all()
+    assert torch.isfinite(got.loss)
+    model.zero_grad(set_to_none=True)
+    got.loss.backward()
+    if kind == "dropped":
+        assert h.last_result.report.actions == ("drop", "drop")
+        grads = [p.grad for p in model.model.visual.parameters()]
+        assert all((g is not None and not g.any()) if calls else g is None for g in grads)
+    model.zero_grad(set_to_none=True)
 
 
 def test_inputs_embeds_and_decoding_steps():
