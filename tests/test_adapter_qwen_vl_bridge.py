@@ -130,61 +130,42 @@ def test_the_models_are_bridge_classes_from_the_wheel(models, family):
     assert find_vlm(model) == ("qwen_vl", model)  # the launcher knows the real class
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["bshd", "thd"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_drop_bshd_keeps_sample_0_and_remove_restores_bridges_forward(models, family):
+def test_drop_keeps_sample_0_bit_identical_and_remove_restores_bridges_forward(
+    models, family, packed
+):
+    """Samples 1 and 2 dropped: the caller's loss mask (what Bridge's forward step builds its
+    loss from) zeroed on their tokens; sample 0 equals the batch without their media, by hand;
+    after ``remove()`` Bridge's own forward again."""
     _, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
     model = models[family]
-    labels = mixed["input_ids"].clone()
+    to_model = pack if packed else bridge_args
+    batch = to_model(mixed)
+    labels = batch["input_ids"].clone()
     loss_mask = torch.ones(labels.shape)
     h = install_qwen_vl(model, guard_for(family, "drop"), loss_mask_inplace=True)
     with torch.no_grad():
-        loss = model(**bridge_args(mixed), labels=labels, loss_mask=loss_mask)
+        loss = model(**batch, labels=labels, loss_mask=loss_mask)
     assert h.last_result.report.actions == ("keep", "drop", "drop")
-    assert loss_mask[0].eq(1).all() and loss_mask[1:].eq(0).all()
+    h.remove()
+    assert not h.installed and not model._forward_pre_hooks and not model._forward_hooks
+    if packed:
+        spans = [(0, slice(s, s + n)) for s, n in segments(batch["packed_seq_params"])]
+    else:
+        spans = [(r, slice(None)) for r in range(len(SAMPLES))]
+    assert loss_mask[spans[0]].eq(1).all() and all(loss_mask[sp].eq(0).all() for sp in spans[1:])
+    # by hand: samples 1 and 2 without media, sample 0's image alone
     ids = mixed["input_ids"].clone()
     ids[1:][(ids[1:] == IMAGE) | (ids[1:] == VIDEO)] = 151643
     alone = seed_failure(family, SAMPLES[:1], ENGINE, TRAINER)[1]
-    ref = dict(bridge_args(alone), input_ids=ids)
+    by_hand = dict(alone, input_ids=ids, attention_mask=mixed["attention_mask"])
     with torch.no_grad():
-        want = model(**ref, labels=labels)
-    assert torch.equal(loss[0], want[0])  # the dropped rows are masked out of the loss
-    h.remove()
-    assert not h.installed and not model._forward_pre_hooks and not model._forward_hooks
+        want = model(**to_model(by_hand), labels=labels)
+    assert torch.equal(loss[spans[0]], want[spans[0]])  # the dropped rows are masked out
     err, match = PLAIN_ERROR[family]
     with torch.no_grad(), pytest.raises(err, match=match):  # Bridge's own forward again
         model(**bridge_args(mixed))
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_packed_thd_drop_keeps_the_other_samples_bit_identical(models, family):
-    _, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
-    model = models[family]
-    packed = pack(mixed)
-    labels = packed["input_ids"].clone()
-    loss_mask = torch.ones(labels.shape)
-    guard = guard_for(family, "drop")
-    with torch.no_grad(), install_qwen_vl(model, guard, loss_mask_inplace=True) as h:
-        loss = model(**packed, labels=labels, loss_mask=loss_mask)
-    assert h.last_result.report.actions == ("keep", "drop", "drop")
-    segs = segments(packed["packed_seq_params"])
-    (s0, n0), (s1, n1), (s2, n2) = segs
-    # the caller's loss mask (what Bridge's forward step builds its loss from) is zeroed
-    assert loss_mask[0, s1 : s1 + n1].eq(0).all() and loss_mask[0, s2 : s2 + n2].eq(0).all()
-    assert loss_mask[0, s0 : s0 + n0].eq(1).all()
-    # by hand: samples 1 and 2 without media, sample 0's image alone
-    ref = dict(packed)
-    ids = packed["input_ids"].clone()
-    ph = (ids == IMAGE) | (ids == VIDEO)
-    ph[0, s0 : s0 + n0] = False
-    ids[ph] = 151643
-    alone = seed_failure(family, SAMPLES[:1], ENGINE, TRAINER)[1]
-    ref.update(input_ids=ids, pixel_values=alone["pixel_values"])
-    ref.update(
-        image_grid_thw=alone["image_grid_thw"], pixel_values_videos=None, video_grid_thw=None
-    )
-    with torch.no_grad():
-        want = model(**ref, labels=labels)
-    assert torch.equal(loss[0, s0 : s0 + n0], want[0, s0 : s0 + n0])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
