@@ -58,9 +58,10 @@ def inner(model):
     return getattr(model, "model", model)
 
 
-def trainer_batch(samples, family: str) -> dict:
+def trainer_batch(samples, family: str, **kw) -> dict:
     """The batch the trainer's processor makes: runs, pixels and grids at its budget."""
-    return build_batch(samples, family, patch_of(family), TRAINER * (patch_of(family) * 2) ** 2)
+    cells = (patch_of(family) * 2) ** 2
+    return build_batch(samples, family, patch_of(family), TRAINER * cells, **kw)
 
 
 def guard_for(family: str, policy: str, consensus=None, **cfg) -> MediaGuard:

@@ -20,19 +20,12 @@ from megatron_media_guard.errors import MediaInputError
 pytest.importorskip("transformers.models.qwen3_vl")
 pytest.importorskip("PIL")
 
+from test_adapter_qwen_vl import ENGINE, SAMPLES, SMALL, TRAINER, trainer_batch
+
 from megatron_media_guard.adapters import install_qwen_vl
-from megatron_media_guard.testing.qwen_vl import (
-    Sample,
-    build_batch,
-    patch_of,
-    seed_failure,
-    smooth_clip,
-    smooth_image,
-    tiny_model,
-)
+from megatron_media_guard.testing.qwen_vl import Sample, seed_failure, tiny_model
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
-CLIP = smooth_clip(4, 150, 180, 2)  # shrunk by the engine
 
 
 @functools.cache
@@ -41,15 +34,11 @@ def model_for(family: str) -> torch.nn.Module:
 
 
 def batch(family: str, kind: str) -> dict:
-    cells = (patch_of(family) * 2) ** 2
     if kind == "text":
-        return build_batch([Sample(()), Sample(())], family, patch_of(family), 30 * cells, text=7)
+        return trainer_batch([Sample(()), Sample(())], family, text=7)
     if kind == "image":
-        media = [Sample((("image", smooth_image(60, 84, 3)),)), Sample(())]
-        return build_batch(media, family, patch_of(family), 30 * cells)
-    media = [Sample((("image", smooth_image(150, 200, 1)),)), Sample((("video", CLIP),))]
-    _, bad = seed_failure(family, media, 12, 30)
-    return bad  # "dropped": its image and its video mismatched, both dropped under "drop"
+        return trainer_batch([Sample((("image", SMALL),)), Sample(())], family)
+    return seed_failure(family, SAMPLES[:2], ENGINE, TRAINER)[1]  # "dropped": image and video
 
 
 def test_keeper_anchors_the_embeddings_once_else_the_output():
