@@ -274,8 +274,14 @@ def test_aligned_batch_is_bit_identical(bridge):
 
 
 @BY_FAULT
-def test_a_fault_is_bridges_own_unguarded_and_named_guarded(bridge, fault, tmp_path):
-    """Guarded, the error and its ``raise`` records name exactly the faulty samples."""
+def test_a_fault_is_named_guarded_dropped_alone_and_remove_restores(bridge, fault, tmp_path):
+    """Bridge's own forward on the fault (the row's ``plain``). Guarded, the error and its
+    ``raise`` records name exactly the faulty samples. Dropped, each dropped row decodes its own
+    token embeddings (no feature placed; not compared on the M-RoPE classes, nor on Gemma 3,
+    whose soft tokens also leave the ids its image blocks are built from:
+    :func:`test_a_gemma3_dropped_sample_gets_no_feature_and_no_image_block`), its labels
+    ignored; every other sample is its own forward and its own loss; after ``remove()``
+    Bridge's own forward again."""
     case, model, full = bridge
     b = case.F.make_batch(full, fault.samples, swap=fault.swap)
     fault.unguarded(case, model, b)
@@ -287,17 +293,6 @@ def test_a_fault_is_bridges_own_unguarded_and_named_guarded(bridge, fault, tmp_p
     named = {int(n) for n in re.findall(r"^  sample (\d+)\b", str(err.value), re.M)}
     assert named == fault.bad
     assert {r["sample"] for r in records(tmp_path) if r["event"] == "raise"} == fault.bad
-
-
-@BY_FAULT
-def test_a_fault_dropped_feeds_no_feature_keeps_the_others_and_remove_restores(bridge, fault):
-    """Each dropped row decodes its own token embeddings (no feature placed; not compared on the
-    M-RoPE classes, nor on Gemma 3, whose soft tokens also leave the ids its image blocks are
-    built from: :func:`test_a_gemma3_dropped_sample_gets_no_feature_and_no_image_block`), its
-    labels ignored; every other sample is its own forward and its own loss; after ``remove()``
-    Bridge's own forward again."""
-    case, model, full = bridge
-    b = case.F.make_batch(full, fault.samples, swap=fault.swap)
     h = case.install(model, GuardConfig(policy="drop"))
     with h:
         out = case.forward(model, b)
