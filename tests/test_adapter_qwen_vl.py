@@ -23,7 +23,7 @@ from megatron_media_guard.geometry import PatchMergeGeometry
 pytest.importorskip("transformers.models.qwen3_vl")
 pytest.importorskip("PIL")
 
-from megatron_media_guard.adapters import install_qwen_vl
+from megatron_media_guard.adapters import install_qwen_vl, install_vlm
 from megatron_media_guard.families import qwen
 from megatron_media_guard.testing.qwen_vl import (
     IMAGE,
@@ -131,43 +131,26 @@ def test_a_dropped_video_takes_its_second_per_grid_ts_along(as_tensor):
     assert torch.equal(seen["video_grid_thw"], checked.batch["video_grid_thw"])
 
 
-@pytest.mark.parametrize("install", ["install_vlm", "install_qwen_vl"])
-def test_repair_takes_the_geometry_of_the_models_config(family, install, tmp_path):
-    """No geometry= from the user: the vision config's patch / merge / temporal patch with the
-    processor's default budgets (a count below the static minimum is still the engine's at a
-    smaller one): both families repair both items from their originals' sizes, never falling
-    back for want of a geometry."""
-    from megatron_media_guard.adapters import install_vlm
-
-    _, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
-    model = model_for(family)
-    s = dict(patch=patch_of(family), merge=2, temporal_patch=2)
-    want = (
-        {"image": PatchMergeGeometry.qwen3_vl(**s), "video": PatchMergeGeometry.qwen3_vl_video(**s)}
-        if family == "qwen3_vl"
-        else PatchMergeGeometry.qwen2_vl(**s)
-    )
-    assert qwen.geometry(model) == want
-    cfg = GuardConfig(policy="repair", fallback="drop", log_dir=str(tmp_path))
-    if install == "install_vlm":
-        h = install_vlm(model, cfg)
-    else:
-        h = install_qwen_vl(model, MediaGuard(cfg, grammar=Grammar.qwen2_vl()))
-    with torch.no_grad(), h:
-        h.set_items(source_items(SAMPLES, mixed))  # the originals' sizes: an engine replay
-        model(**mixed)
-    assert h.last_result.report.actions == ("repair", "repair", "keep")
-    reasons = [str(r.get("reason")) for r in records(tmp_path)]
-    assert not any("no geometry" in r for r in reasons), reasons
-
-
-def test_repair_runs_the_tower_once_and_matches_the_engine_sizes(family):
-    """The repaired batch is the engine-sized one: one tower call as the plain forward, the
+@pytest.mark.parametrize("install", [install_vlm, install_qwen_vl], ids=lambda f: f.__name__)
+def test_repair_from_the_configs_geometry_matches_the_engine_sizes(family, install, tmp_path):
+    """No geometry= from the user (a config, or a guard without one): the vision config's patch
+    / merge / temporal patch with the processor's default budgets (a count below the static
+    minimum is still the engine's at a smaller one) repair both items from their originals'
+    sizes. The repaired batch is the engine-sized one: one tower call as the plain forward, the
     features and the loss; the grids, the token types (not given: derived from the ids) and the
     MRoPE positions (given: left to the model, which recomputes them from the new grids); on
     Qwen3-VL the deepstack rows."""
     engine, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
     model = model_for(family)
+    s = dict(patch=patch_of(family), merge=2, temporal_patch=2)
+    geometry = (
+        {"image": PatchMergeGeometry.qwen3_vl(**s), "video": PatchMergeGeometry.qwen3_vl_video(**s)}
+        if family == "qwen3_vl"
+        else PatchMergeGeometry.qwen2_vl(**s)
+    )
+    assert qwen.geometry(model) == geometry
+    cfg = GuardConfig(policy="repair", fallback="drop", log_dir=str(tmp_path))
+    guard = cfg if install is install_vlm else MediaGuard(cfg, grammar=Grammar.qwen2_vl())
     args = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw")
 
     def positions(b: dict) -> torch.Tensor:
@@ -184,11 +167,13 @@ def test_repair_runs_the_tower_once_and_matches_the_engine_sizes(family):
         ref_feats, plain_calls = torch.cat(tower_out), len(tower_out)
         ref_deep = [lm.get(k) for k in ("visual_pos_masks", "deepstack_visual_embeds")]
         tower_out.clear()
-        with install_qwen_vl(model, guard_for(family, "repair")) as h:
-            h.set_items(source_items(SAMPLES, mixed))  # the originals' sizes
+        with install(model, guard) as h:
+            h.set_items(source_items(SAMPLES, mixed))  # the originals' sizes: an engine replay
             stale = dict(mixed, mm_token_type_ids=None, position_ids=positions(engine))
             out = model(**stale, labels=engine["input_ids"])
     assert h.last_result.report.actions == ("repair", "repair", "keep")
+    reasons = [str(r.get("reason")) for r in records(tmp_path)]
+    assert not any("no geometry" in r for r in reasons), reasons
     assert len(tower_out) == plain_calls  # one encode per modality, as the plain forward
     for k in args:
         assert torch.equal(seen[k], engine[k]), k
