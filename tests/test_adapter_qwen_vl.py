@@ -8,6 +8,7 @@ runs, the pixels and grids the trainer's larger size.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -193,26 +194,24 @@ def test_repair_from_the_configs_geometry_matches_the_engine_sizes(family, insta
             assert torch.nn.functional.cosine_similarity(mine, want, dim=-1).min() > 0.99
 
 
-def _contradicting(items: list, what: str) -> list:
-    items = list(items)
-    if what == "modality":
-        items[0] = MediaItem(items[0].num_features, sample=0, modality="video")
-    elif what == "some_samples":
-        items[1] = MediaItem(items[1].num_features, modality="image")
-    elif what == "features":
-        items[0] = MediaItem(items[0].num_features + 1, sample=0, modality="image")
-    return items
-
-
 @pytest.mark.parametrize(
-    "what, match",
+    "k, change, match",
     [
-        ("modality", r"set_items gave 3 items .* for this call's \{'image': 2, 'video': 1\}"),
-        ("some_samples", r"sample for every item or for none"),
-        ("features", r"item 0 is image with \d+ features; image grid row 0 \(1, \d+, \d+\)"),
+        (
+            0,
+            {"modality": "video"},
+            r"set_items gave 3 items .* for this call's \{'image': 2, 'video': 1\}",
+        ),
+        (1, {"sample": None}, r"sample for every item or for none"),
+        (
+            0,
+            {"num_features": 1},
+            r"item 0 is image with 1 features; image grid row 0 \(1, \d+, \d+\)",
+        ),
     ],
+    ids=["modality", "some_samples", "features"],
 )
-def test_items_that_contradict_the_grids_are_input_errors(what, match):
+def test_items_that_contradict_the_grids_are_input_errors(k, change, match):
     """One item per grid row, checked against the grids: wrong modalities or samples for some
     items only never take the device path; a declared count that disagrees with its grid row
     is checked on the device and named on the fault path (too few items: above)."""
@@ -230,7 +229,8 @@ def test_items_that_contradict_the_grids_are_input_errors(what, match):
         h.set_items(items)
         model(**batch)  # the items as the grids say: aligned
         assert h.last_result.report.ok
-        h.set_items(_contradicting(items, what))
+        items[k] = dataclasses.replace(items[k], **change)
+        h.set_items(items)
         with pytest.raises(MediaInputError, match=match):
             model(**batch)
 
