@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from family_checks import records
+from family_checks import records, spy
 
 from megatron_media_guard import Grammar, GuardConfig, MediaGuard
-from megatron_media_guard.geometry import PatchMergeGeometry
 from megatron_media_guard.testing import bridge as loader
 
 pytest.importorskip("transformers.models.qwen3_vl")
@@ -23,7 +22,15 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 if REASON is None:
     from megatron.core.packed_seq_params import PackedSeqParams
 
-from test_adapter_qwen_vl import BIG, CLIP, ENGINE, SMALL, TRAINER  # noqa: E402
+from test_adapter_qwen_vl import (  # noqa: E402
+    BIG,
+    CLIP,
+    ENGINE,
+    SMALL,
+    TRAINER,
+    guard_for,
+    trainer_batch,
+)
 
 from megatron_media_guard.adapters import install_qwen_vl  # noqa: E402
 from megatron_media_guard.adapters.launcher import find_vlm  # noqa: E402
@@ -32,7 +39,6 @@ from megatron_media_guard.testing.qwen_vl import (  # noqa: E402
     IMAGE,
     VIDEO,
     Sample,
-    patch_of,
     seed_failure,
     source_items,
 )
@@ -71,12 +77,6 @@ def models():
         from megatron_media_guard.testing import bridge_models
 
         yield {"qwen2_5_vl": bridge_models.qwen25_vl(), "qwen3_vl": bridge_models.qwen3_vl()}
-
-
-def guard_for(family: str, policy: str) -> MediaGuard:
-    f = patch_of(family) * 2
-    geo = PatchMergeGeometry(patch=patch_of(family), min_pixels=f * f, max_pixels=TRAINER * f * f)
-    return MediaGuard(GuardConfig(policy=policy), grammar=Grammar.qwen2_vl(), geometry=geo)
 
 
 def bridge_args(batch: dict) -> dict:
@@ -173,19 +173,14 @@ def test_packed_thd_repair_matches_the_engine_sized_batch(models, family):
     engine, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
     model = models[family]
     tower = model.visual if family == "qwen2_5_vl" else model.vision_model
-    calls = []
-    hook = tower.register_forward_hook(lambda m, a, o: calls.append(1))
-    try:
-        with torch.no_grad():
-            want = model(**pack(engine), labels=pack(engine)["input_ids"])
-            plain_calls = len(calls)
-            calls.clear()
-            packed = pack(mixed)
-            with install_qwen_vl(model, guard_for(family, "repair")) as h:
-                h.set_items(source_items(SAMPLES, mixed))  # the originals' sizes
-                got = model(**packed, labels=packed["input_ids"])
-    finally:
-        hook.remove()
+    with spy(tower) as (_, calls), torch.no_grad():
+        want = model(**pack(engine), labels=pack(engine)["input_ids"])
+        plain_calls = len(calls)
+        calls.clear()
+        packed = pack(mixed)
+        with install_qwen_vl(model, guard_for(family, "repair")) as h:
+            h.set_items(source_items(SAMPLES, mixed))  # the originals' sizes
+            got = model(**packed, labels=packed["input_ids"])
     assert h.last_result.report.actions == ("keep", "repair", "repair")
     assert len(calls) == plain_calls == (2 if family == "qwen2_5_vl" else 1)
     segs = segments(packed["packed_seq_params"])
@@ -195,14 +190,8 @@ def test_packed_thd_repair_matches_the_engine_sized_batch(models, family):
 
 
 def test_placeholders_in_the_packed_padding_become_text(models, tmp_path):
-    from megatron_media_guard.testing.qwen_vl import build_batch
-
-    family = "qwen2_5_vl"
-    batch = build_batch(
-        SAMPLES[:1], family, patch_of(family), TRAINER * (patch_of(family) * 2) ** 2
-    )
-    packed = pack(batch, tail=(PAD, IMAGE, PAD, PAD))
-    model = models[family]
+    packed = pack(trainer_batch(SAMPLES[:1], "qwen2_5_vl"), tail=(PAD, IMAGE, PAD, PAD))
+    model = models["qwen2_5_vl"]
     with pytest.raises(ValueError, match="do not match"):  # the plain model counts it
         model(**packed)
     guard = MediaGuard(GuardConfig(policy="drop", log_dir=str(tmp_path)), Grammar.qwen2_vl())

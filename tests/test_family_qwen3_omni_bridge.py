@@ -128,19 +128,33 @@ def test_a_fault_is_named_raised_dropped_alone_and_remove_restores(bridge, case,
         assert torch.equal(forward(model, b.kwargs), ref)
 
 
-@pytest.mark.parametrize("inplace", [True, False])
-def test_drop_ignores_the_labels_and_masks_the_loss(bridge, inplace):
+@pytest.mark.parametrize("install", ["install_vlm", "loss_mask_inplace", "install_from_args"])
+def test_drop_ignores_the_labels_and_masks_the_loss(bridge, install):
+    """In the result and by ``mask_loss`` (the caller's labels not written); with
+    ``loss_mask_inplace`` in the caller's ``loss_mask`` too: Megatron-LM's path
+    (``install_from_args``), Bridge's step builds its loss from the loss_mask it passed."""
     model, full = bridge
     b = F.make_batch(full, FAULTS["short image run"][0])
     labels = torch.roll(b.input_ids, -1, 1)
     lm = torch.ones(b.input_ids.shape)
     kw = {**b.kwargs, "labels": labels, "loss_mask": lm}
-    with install_vlm(model, GuardConfig(policy="drop"), loss_mask_inplace=inplace) as h:
+    if install == "install_from_args":
+        argv = ["--media-guard-policy", "drop"]
+        args = add_media_guard_args(argparse.ArgumentParser()).parse_args(argv)
+        installed = install_from_args([model], args, step_end="manual", environ={})
+        assert [h.module for h in installed] == [model.thinker]
+        h = installed[0]
+    else:
+        inplace = install == "loss_mask_inplace"
+        installed = h = install_vlm(model, GuardConfig(policy="drop"), loss_mask_inplace=inplace)
+    with installed:
         loss = forward(model, kw)  # per-token loss [b, s]
     assert loss.shape == b.input_ids.shape
+    assert h.last_result.report.actions == ("drop", "keep")
     assert h.last_result.loss_mask[0].eq(0).all() and h.last_result.loss_mask[1].eq(1).all()
     assert h.last_result.labels[0].eq(-100).all() and labels[0].ne(-100).all()  # not in place
-    assert lm[0].eq(0).all() if inplace else lm.eq(1).all()
+    written = install != "install_vlm"  # loss_mask_inplace: the caller's loss_mask zeroed
+    assert lm[0].eq(0 if written else 1).all() and lm[1].eq(1).all()
     masked, _ = h.mask_loss(torch.ones(b.input_ids.shape))
     assert masked[0].eq(0).all() and masked[1].eq(1).all()
 
@@ -175,25 +189,6 @@ def test_set_step_and_set_items_reach_the_records(bridge, tmp_path):
     assert any(
         r["event"] == "raise" and r["sample_id"] == "clip-a" and r["step"] == 7 for r in recs
     )
-
-
-def test_install_from_args_guards_the_thinker_and_zeros_the_callers_loss_mask(bridge):
-    """Megatron-LM's path: Bridge's step builds its loss from the loss_mask it passed."""
-    model, full = bridge
-    args = add_media_guard_args(argparse.ArgumentParser()).parse_args(
-        ["--media-guard-policy", "drop"]
-    )
-    b = F.make_batch(full, FAULTS["short audio run"][0])
-    lm = torch.ones(b.input_ids.shape)
-    kw = {**b.kwargs, "labels": torch.roll(b.input_ids, -1, 1), "loss_mask": lm}
-    group = install_from_args([model], args, step_end="manual", environ={})
-    try:
-        assert [h.module for h in group] == [model.thinker]
-        forward(model, kw)
-        assert group[0].last_result.report.actions == ("drop", "keep")
-        assert lm[0].eq(0).all() and lm[1].eq(1).all()
-    finally:
-        group.remove()
 
 
 def test_check_batch_with_the_bridge_spec_feeds_bridge_a_consistent_batch(bridge):
