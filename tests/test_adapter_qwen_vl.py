@@ -2,7 +2,8 @@
 CPU; batches from ``megatron_media_guard.testing.qwen_vl``): what is Qwen's own (MRoPE, deepstack,
 grid rows, repair, explicit samples, token types). What every family keeps (aligned bit for bit
 in one transfer, raise naming the sample, drop, remove, set_items, keep_tower) is
-tests/families/test_contract.py's. The seed failure: the token ids carry the engine's shorter
+tests/families/test_contract.py's; the drop's loss mask and bundle through ``install_from_args``
+tests/test_launcher_qwen_vl.py's. The seed failure: the token ids carry the engine's shorter
 runs, the pixels and grids the trainer's larger size.
 """
 
@@ -87,25 +88,6 @@ class Recorder:
     def agree(self, local):
         self.seen.append(local)
         return StageOutcome.local(local, 0)
-
-
-def test_drop_masks_the_dropped_samples_loss_and_saves_a_bundle(family, tmp_path):
-    from megatron_media_guard.replay.bundle import load_bundle
-
-    _, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
-    labels = mixed["input_ids"].clone()
-    guard = guard_for(family, "drop", dump_dir=str(tmp_path))
-    with torch.no_grad(), install_qwen_vl(model_for(family), guard) as h:
-        model_for(family)(**mixed, labels=labels)
-    assert h.last_result.report.actions == ("drop", "drop", "keep")
-    mask, lab = h.mask_loss(torch.ones(labels.shape), labels)
-    assert mask[:2].eq(0).all() and mask[2].eq(1).all()
-    assert lab[:2].eq(-100).all() and torch.equal(lab[2], labels[2])
-    assert torch.equal(h.last_result.labels, lab)
-    [path] = list(tmp_path.glob("*.bundle"))  # the mismatched batch, to replay
-    bundle = load_bundle(path)
-    assert torch.equal(bundle.input_ids, mixed["input_ids"])
-    assert bundle.items[0].grid_thw == tuple(mixed["image_grid_thw"][0].tolist())
 
 
 @pytest.mark.parametrize("as_tensor", [False, True])

@@ -75,13 +75,17 @@ def test_find_vlm_knows_megatron_bridge_classes_by_name_and_package(module, name
         assert find_vlm(Wrapper(m)) == (None if want is None else (want, m))
 
 
-def test_install_from_args_guards_the_model_and_remove_restores_it(case):
+def test_install_from_args_guards_the_model_and_remove_restores_it(case, tmp_path):
+    """The seed failure dropped: its samples' loss masked, a bundle to replay saved."""
+    from megatron_media_guard.replay.bundle import load_bundle
+
     model, engine, mixed, key = case
     before = _state(model)
     with torch.no_grad():
         plain = model(**engine)[key]
     chunk = Wrapper(model)
-    group = install_from_args([chunk], parse(["--media-guard-policy", "drop"]), environ={})
+    argv = ["--media-guard-policy", "drop", "--media-guard-dump-dir", str(tmp_path)]
+    group = install_from_args([chunk], parse(argv), environ={})
     assert [h.kind for h in group] == ["vlm", "step_end"]
     h = group[0]
     assert h.module is model and h.loss_mask_inplace and h.guard.config.policy == "drop"
@@ -90,8 +94,18 @@ def test_install_from_args_guards_the_model_and_remove_restores_it(case):
     with torch.no_grad():
         assert torch.equal(model(**engine)[key], plain)  # aligned: untouched
         assert h.last_result.report.ok
-        model(**mixed)  # the plain model raises on this batch (a batch-total mismatch)
+        ids = mixed["input_ids"]
+        given = {"labels": ids.clone()} if key == "logits" else {}
+        model(**mixed, **given)  # the plain model raises on this batch (a batch-total mismatch)
     assert h.last_result.report.actions == ("drop", "drop", "keep")
+    mask, labels = h.mask_loss(torch.ones(ids.shape), ids)
+    assert mask[:2].eq(0).all() and mask[2].eq(1).all()
+    assert labels[:2].eq(-100).all() and torch.equal(labels[2], ids[2])
+    assert not given or torch.equal(h.last_result.labels, labels)
+    [path] = tmp_path.glob("*.bundle")  # the mismatched batch, to replay
+    bundle = load_bundle(path)
+    assert torch.equal(bundle.input_ids, ids)
+    assert bundle.items[0].grid_thw == tuple(mixed["image_grid_thw"][0].tolist())
     group.remove()
     assert _state(model) == before
     assert "zero_grad_buffer" in vars(chunk)
