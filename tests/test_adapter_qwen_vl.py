@@ -56,10 +56,6 @@ def family(request):
 model_for = functools.cache(tiny_model)  # one model per family, built once
 
 
-def inner(model):
-    return getattr(model, "model", model)
-
-
 def trainer_batch(samples, family: str, **kw) -> dict:
     """The batch the trainer's processor makes: runs, pixels and grids at its budget."""
     cells = (patch_of(family) * 2) ** 2
@@ -106,7 +102,7 @@ def test_a_dropped_video_takes_its_second_per_grid_ts_along(as_tensor):
     got = checked.batch["second_per_grid_ts"]
     assert (got.tolist() if as_tensor else got) == [2.0]
     guard = guard_for(family, "drop")
-    with spy(inner(model)) as (seen, _), torch.no_grad(), install_qwen_vl(model, guard) as h:
+    with spy(model.model) as (seen, _), torch.no_grad(), install_qwen_vl(model, guard) as h:
         model(**mixed)
     assert h.last_result.report.actions == ("drop", "keep")
     got = seen["second_per_grid_ts"]
@@ -137,13 +133,13 @@ def test_repair_from_the_configs_geometry_matches_the_engine_sizes(family, insta
     args = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw")
 
     def positions(b: dict) -> torch.Tensor:
-        rope = inner(model).get_rope_index
+        rope = model.model.get_rope_index
         return rope(b["input_ids"], *(b[k] for k in args), attention_mask=b["attention_mask"])[0]
 
     with (
-        spy(inner(model)) as (seen, _),
-        spy(inner(model).language_model) as (lm, _),
-        spy(inner(model).visual, lambda o: o.pooler_output) as (_, tower_out),
+        spy(model.model) as (seen, _),
+        spy(model.model.language_model) as (lm, _),
+        spy(model.model.visual, lambda o: o.pooler_output) as (_, tower_out),
         torch.no_grad(),
     ):
         ref = model(**engine, labels=engine["input_ids"])
