@@ -238,9 +238,6 @@ CASES = {
 }  # fmt: skip
 MROPE = [c for c in CASES if CASES[c].mixed_plain_ok is not None]
 FAULTS = [(c, f) for c in sorted(CASES) for f in CASES[c].faults]
-BY_FAULT = pytest.mark.parametrize(
-    "bridge, fault", FAULTS, ids=[f"{c}-{f.name}" for c, f in FAULTS], indirect=["bridge"]
-)
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -273,7 +270,9 @@ def test_aligned_batch_is_bit_identical(bridge):
         assert h.last_result.report.actions == ("keep",) * len(samples)
 
 
-@BY_FAULT
+@pytest.mark.parametrize(
+    "bridge, fault", FAULTS, ids=[f"{c}-{f.name}" for c, f in FAULTS], indirect=["bridge"]
+)
 def test_a_fault_is_named_guarded_dropped_alone_and_remove_restores(bridge, fault, tmp_path):
     """Bridge's own forward on the fault (the row's ``plain``). Guarded, the error and its
     ``raise`` records name exactly the faulty samples. Dropped, each dropped row decodes its own
