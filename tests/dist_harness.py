@@ -89,10 +89,7 @@ def run_ranks(
     pg_timeout: float = 30.0,
     late_init: bool = False,
 ) -> list[Any]:
-    """``[fn(0, world_size, *args), ..., fn(world_size - 1, ...)]``, each in its own process.
-
-    fn must be a module-level function (it is pickled by name).
-    """
+    """(The module's docstring.) ``fn`` is pickled by name: a module-level function."""
     if START_METHOD == "forkserver":
         tmp.get_context("forkserver").set_forkserver_preload(PRELOAD)
     with tempfile.TemporaryDirectory(prefix="media_guard_dist_") as workdir:

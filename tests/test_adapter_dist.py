@@ -20,13 +20,6 @@ IMG = 50
 PAD = 99
 
 
-def TinyLLaVA():
-    """The release's stand-in ``self`` (llava_standins)."""
-    from llava_standins import LLaVAStandIn
-
-    return LLaVAStandIn(64, img_seq_len=L, image_token=TOK)
-
-
 class TinyMimo:
     align_embeddings_by_token_positions = mimo_mod.MimoModel.align_embeddings_by_token_positions
 
@@ -42,7 +35,9 @@ def _llava(bad: bool) -> None:
     ids = torch.tensor([[1, TOK, 2, 3], [4, 5, TOK, 7]])
     if bad:
         ids = ids.unsqueeze(0)  # [1, b, s]: the adapter's own shape check fails
-    model = TinyLLaVA()
+    from llava_standins import LLaVAStandIn  # the release's stand-in ``self``
+
+    model = LLaVAStandIn(64, img_seq_len=L, image_token=TOK)
     guard = _guard(GuardConfig(), "llava", StageConsensus())
     install_llava(model, guard, step_provider=lambda: 7)
     nit = torch.ones(2, dtype=torch.int)

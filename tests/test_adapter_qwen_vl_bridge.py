@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from family_checks import records
+from family_checks import records, spy
 
 from megatron_media_guard import Grammar, GuardConfig, MediaGuard
-from megatron_media_guard.geometry import PatchMergeGeometry
 from megatron_media_guard.testing import bridge as loader
 
 pytest.importorskip("transformers.models.qwen3_vl")
@@ -23,7 +22,15 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 if REASON is None:
     from megatron.core.packed_seq_params import PackedSeqParams
 
-from test_adapter_qwen_vl import BIG, CLIP, ENGINE, SMALL, TRAINER  # noqa: E402
+from test_adapter_qwen_vl import (  # noqa: E402
+    BIG,
+    CLIP,
+    ENGINE,
+    SMALL,
+    TRAINER,
+    guard_for,
+    trainer_batch,
+)
 
 from megatron_media_guard.adapters import install_qwen_vl  # noqa: E402
 from megatron_media_guard.adapters.launcher import find_vlm  # noqa: E402
@@ -32,7 +39,6 @@ from megatron_media_guard.testing.qwen_vl import (  # noqa: E402
     IMAGE,
     VIDEO,
     Sample,
-    patch_of,
     seed_failure,
     source_items,
 )
@@ -71,12 +77,6 @@ def models():
         from megatron_media_guard.testing import bridge_models
 
         yield {"qwen2_5_vl": bridge_models.qwen25_vl(), "qwen3_vl": bridge_models.qwen3_vl()}
-
-
-def guard_for(family: str, policy: str) -> MediaGuard:
-    f = patch_of(family) * 2
-    geo = PatchMergeGeometry(patch=patch_of(family), min_pixels=f * f, max_pixels=TRAINER * f * f)
-    return MediaGuard(GuardConfig(policy=policy), grammar=Grammar.qwen2_vl(), geometry=geo)
 
 
 def bridge_args(batch: dict) -> dict:
@@ -130,61 +130,42 @@ def test_the_models_are_bridge_classes_from_the_wheel(models, family):
     assert find_vlm(model) == ("qwen_vl", model)  # the launcher knows the real class
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["bshd", "thd"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_drop_bshd_keeps_sample_0_and_remove_restores_bridges_forward(models, family):
+def test_drop_keeps_sample_0_bit_identical_and_remove_restores_bridges_forward(
+    models, family, packed
+):
+    """Samples 1 and 2 dropped: the caller's loss mask (what Bridge's forward step builds its
+    loss from) zeroed on their tokens; sample 0 equals the batch without their media, by hand;
+    after ``remove()`` Bridge's own forward again."""
     _, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
     model = models[family]
-    labels = mixed["input_ids"].clone()
+    to_model = pack if packed else bridge_args
+    batch = to_model(mixed)
+    labels = batch["input_ids"].clone()
     loss_mask = torch.ones(labels.shape)
     h = install_qwen_vl(model, guard_for(family, "drop"), loss_mask_inplace=True)
     with torch.no_grad():
-        loss = model(**bridge_args(mixed), labels=labels, loss_mask=loss_mask)
+        loss = model(**batch, labels=labels, loss_mask=loss_mask)
     assert h.last_result.report.actions == ("keep", "drop", "drop")
-    assert loss_mask[0].eq(1).all() and loss_mask[1:].eq(0).all()
+    h.remove()
+    assert not h.installed and not model._forward_pre_hooks and not model._forward_hooks
+    if packed:
+        spans = [(0, slice(s, s + n)) for s, n in segments(batch["packed_seq_params"])]
+    else:
+        spans = [(r, slice(None)) for r in range(len(SAMPLES))]
+    assert loss_mask[spans[0]].eq(1).all() and all(loss_mask[sp].eq(0).all() for sp in spans[1:])
+    # by hand: samples 1 and 2 without media, sample 0's image alone
     ids = mixed["input_ids"].clone()
     ids[1:][(ids[1:] == IMAGE) | (ids[1:] == VIDEO)] = 151643
     alone = seed_failure(family, SAMPLES[:1], ENGINE, TRAINER)[1]
-    ref = dict(bridge_args(alone), input_ids=ids)
+    by_hand = dict(alone, input_ids=ids, attention_mask=mixed["attention_mask"])
     with torch.no_grad():
-        want = model(**ref, labels=labels)
-    assert torch.equal(loss[0], want[0])  # the dropped rows are masked out of the loss
-    h.remove()
-    assert not h.installed and not model._forward_pre_hooks and not model._forward_hooks
+        want = model(**to_model(by_hand), labels=labels)
+    assert torch.equal(loss[spans[0]], want[spans[0]])  # the dropped rows are masked out
     err, match = PLAIN_ERROR[family]
     with torch.no_grad(), pytest.raises(err, match=match):  # Bridge's own forward again
         model(**bridge_args(mixed))
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_packed_thd_drop_keeps_the_other_samples_bit_identical(models, family):
-    _, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
-    model = models[family]
-    packed = pack(mixed)
-    labels = packed["input_ids"].clone()
-    loss_mask = torch.ones(labels.shape)
-    guard = guard_for(family, "drop")
-    with torch.no_grad(), install_qwen_vl(model, guard, loss_mask_inplace=True) as h:
-        loss = model(**packed, labels=labels, loss_mask=loss_mask)
-    assert h.last_result.report.actions == ("keep", "drop", "drop")
-    segs = segments(packed["packed_seq_params"])
-    (s0, n0), (s1, n1), (s2, n2) = segs
-    # the caller's loss mask (what Bridge's forward step builds its loss from) is zeroed
-    assert loss_mask[0, s1 : s1 + n1].eq(0).all() and loss_mask[0, s2 : s2 + n2].eq(0).all()
-    assert loss_mask[0, s0 : s0 + n0].eq(1).all()
-    # by hand: samples 1 and 2 without media, sample 0's image alone
-    ref = dict(packed)
-    ids = packed["input_ids"].clone()
-    ph = (ids == IMAGE) | (ids == VIDEO)
-    ph[0, s0 : s0 + n0] = False
-    ids[ph] = 151643
-    alone = seed_failure(family, SAMPLES[:1], ENGINE, TRAINER)[1]
-    ref.update(input_ids=ids, pixel_values=alone["pixel_values"])
-    ref.update(
-        image_grid_thw=alone["image_grid_thw"], pixel_values_videos=None, video_grid_thw=None
-    )
-    with torch.no_grad():
-        want = model(**ref, labels=labels)
-    assert torch.equal(loss[0, s0 : s0 + n0], want[0, s0 : s0 + n0])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -192,19 +173,14 @@ def test_packed_thd_repair_matches_the_engine_sized_batch(models, family):
     engine, mixed = seed_failure(family, SAMPLES, ENGINE, TRAINER)
     model = models[family]
     tower = model.visual if family == "qwen2_5_vl" else model.vision_model
-    calls = []
-    hook = tower.register_forward_hook(lambda m, a, o: calls.append(1))
-    try:
-        with torch.no_grad():
-            want = model(**pack(engine), labels=pack(engine)["input_ids"])
-            plain_calls = len(calls)
-            calls.clear()
-            packed = pack(mixed)
-            with install_qwen_vl(model, guard_for(family, "repair")) as h:
-                h.set_items(source_items(SAMPLES, mixed))  # the originals' sizes
-                got = model(**packed, labels=packed["input_ids"])
-    finally:
-        hook.remove()
+    with spy(tower) as (_, calls), torch.no_grad():
+        want = model(**pack(engine), labels=pack(engine)["input_ids"])
+        plain_calls = len(calls)
+        calls.clear()
+        packed = pack(mixed)
+        with install_qwen_vl(model, guard_for(family, "repair")) as h:
+            h.set_items(source_items(SAMPLES, mixed))  # the originals' sizes
+            got = model(**packed, labels=packed["input_ids"])
     assert h.last_result.report.actions == ("keep", "repair", "repair")
     assert len(calls) == plain_calls == (2 if family == "qwen2_5_vl" else 1)
     segs = segments(packed["packed_seq_params"])
@@ -214,14 +190,8 @@ def test_packed_thd_repair_matches_the_engine_sized_batch(models, family):
 
 
 def test_placeholders_in_the_packed_padding_become_text(models, tmp_path):
-    from megatron_media_guard.testing.qwen_vl import build_batch
-
-    family = "qwen2_5_vl"
-    batch = build_batch(
-        SAMPLES[:1], family, patch_of(family), TRAINER * (patch_of(family) * 2) ** 2
-    )
-    packed = pack(batch, tail=(PAD, IMAGE, PAD, PAD))
-    model = models[family]
+    packed = pack(trainer_batch(SAMPLES[:1], "qwen2_5_vl"), tail=(PAD, IMAGE, PAD, PAD))
+    model = models["qwen2_5_vl"]
     with pytest.raises(ValueError, match="do not match"):  # the plain model counts it
         model(**packed)
     guard = MediaGuard(GuardConfig(policy="drop", log_dir=str(tmp_path)), Grammar.qwen2_vl())

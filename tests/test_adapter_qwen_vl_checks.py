@@ -109,19 +109,22 @@ def _inputs(ids, grids, pixels=None):
     return out
 
 
-def _check(lay, ids, grids, per_group, extra=()):
+def _tables(ids, grids, per_group):
+    """(modalities present, their count tables) of the batch, as the spec reads it."""
     inputs = _inputs(ids, grids)
     mods = present(qwen.SPEC, inputs)
-    tables = count_tables(qwen.SPEC, mods, _config(per_group), inputs)
-    return verify_tables(lay, mods, tables, extra=extra)
+    return mods, count_tables(qwen.SPEC, mods, _config(per_group), inputs)
+
+
+def _check(lay, ids, grids, per_group):
+    return verify_tables(lay, *_tables(ids, grids, per_group))
 
 
 def _report(lay, ids, grids, per_group):
     """The host path: the items from the read tables, in token order, the per-sample report
     and the model-level items whose runs lie in two samples."""
-    inputs = _inputs(ids, grids)
-    mods = present(qwen.SPEC, inputs)
-    enc = counted(qwen.SPEC, mods, count_tables(qwen.SPEC, mods, _config(per_group), inputs))
+    mods, tables = _tables(ids, grids, per_group)
+    enc = counted(qwen.SPEC, mods, tables)
     items = [
         MediaItem(int(f.shape[0]), modality=m.name) for m in mods for f in enc[m.name].features
     ]

@@ -65,7 +65,8 @@ def _batch(dp: int, fault: str | None, step: int):
     return b, emb, feats
 
 
-def _run_scenario(name, ps, info, log_dir, step0):
+def _run_scenario(name, ps, info, groups, log_dir, step0):
+    """``groups``: this rank's stage and micro-batch peers (``layout_worker``'s result)."""
     from megatron_media_guard import GuardConfig, MediaGuard, MediaGuardError
     from megatron_media_guard.ranks.budget import DropBudget
     from megatron_media_guard.ranks.consensus import StageConsensus
@@ -73,10 +74,7 @@ def _run_scenario(name, ps, info, log_dir, step0):
 
     policy, steps, fault_of, extra = SCENARIOS[name]
     rank, dp = info.rank, info.dp
-    stage = torch.distributed.get_process_group_ranks(
-        ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
-    )
-    peers = torch.distributed.get_process_group_ranks(ps.get_tensor_and_context_parallel_group())
+    stage, peers = groups["stage"], groups["peers"]
     first = ps.is_pipeline_first_stage()
     budget = DropBudget(max_fraction_per_step=extra["budget"]) if "budget" in extra else None
     cons = StageConsensus.from_parallel_state(budget=budget)
@@ -132,11 +130,10 @@ def layout_worker(rank: int, world: int, layout: str, log_root: str) -> dict:
     )
     try:
         info = StageConsensus.from_parallel_state().rank_info()
-        stage = torch.distributed.get_process_group_ranks(
+        res = {"rank": rank, "dp": info.dp, "pp": info.pp, "tp": info.tp, "cp": info.cp}
+        res["stage"] = torch.distributed.get_process_group_ranks(
             ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
         )
-        res = {"rank": rank, "dp": info.dp, "pp": info.pp, "tp": info.tp, "cp": info.cp}
-        res["stage"] = stage
         res["peers"] = torch.distributed.get_process_group_ranks(
             ps.get_tensor_and_context_parallel_group()
         )
@@ -148,7 +145,7 @@ def layout_worker(rank: int, world: int, layout: str, log_root: str) -> dict:
             for g in (pgc.stage_group, pgc.batch_group, pgc.step_group)
         ]
         res["scenarios"] = {
-            name: _run_scenario(name, ps, info, f"{log_root}/{name}", 10 * i)
+            name: _run_scenario(name, ps, info, res, f"{log_root}/{name}", 10 * i)
             for i, name in enumerate(SCENARIOS)
         }
         return res

@@ -89,67 +89,72 @@ def test_aligned_batches_are_bit_identical(bridge, case):
 
 
 @pytest.mark.parametrize("case", list(FAULTS))
-def test_faults_run_unguarded_raise_naming_the_sample_and_remove_restores(bridge, case, tmp_path):
+def test_a_fault_is_named_raised_dropped_alone_and_remove_restores(bridge, case, tmp_path):
+    """Unguarded: Bridge's total check, or silent (a short image run: its trim cuts the batch's
+    last feature, sample 1, aligned, gets sample 0's). Guarded: raised naming the samples;
+    dropped, each kept sample its own forward, a dropped one's placeholders decoded as text.
+    Removed: Bridge's own forward again, bit for bit."""
     model, full = bridge
     samples, swap, bad = FAULTS[case]
-    kw = F.make_batch(full, samples, swap=swap).kwargs
+    b = F.make_batch(full, samples, swap=swap)
     ref = None
     if case == "mixed, video +1":  # more placeholders than features: Bridge's total check
         with pytest.raises(ValueError, match="exceed produced features"):
-            forward(model, kw)
+            forward(model, b.kwargs)
     else:
-        ref = forward(model, kw)  # Bridge trims or scatters by batch totals: silent
+        ref = forward(model, b.kwargs)  # Bridge trims or scatters by batch totals: silent
+    if case == "short image run":
+        n = b.lengths[1]
+        assert not torch.allclose(ref[1, :n], alone(model, full, samples[1]), atol=1e-4)
     h = install_vlm(model, GuardConfig(log_dir=str(tmp_path)))
     with h, pytest.raises(MediaAlignmentError, match=rf"sample {bad[0]}\b"):
-        forward(model, kw)
+        forward(model, b.kwargs)
     assert {r["sample"] for r in records(tmp_path) if r["event"] == "raise"} == set(bad)
-    if ref is not None:  # removed: Bridge's own forward again, silent, bit for bit
-        assert torch.equal(forward(model, kw), ref)
-
-
-def test_a_short_image_run_corrupts_the_next_sample_unguarded(bridge):
-    """Bridge's trim cuts the batch's last feature: sample 1 (aligned) gets sample 0's."""
-    model, full = bridge
-    samples = FAULTS["short image run"][0]
-    b = F.make_batch(full, samples)
-    out, n = forward(model, b.kwargs), b.lengths[1]
-    assert not torch.allclose(out[1, :n], alone(model, full, samples[1]), atol=1e-4)
-
-
-@pytest.mark.parametrize("case", list(FAULTS))
-def test_drop_keeps_each_kept_sample_as_its_own_forward(bridge, case):
-    model, full = bridge
-    samples, swap, dropped = FAULTS[case]
-    b = F.make_batch(full, samples, swap=swap)
     with install_vlm(model, GuardConfig(policy="drop")) as h:
         out = forward(model, b.kwargs)
-    assert h.last_result.report.dropped == dropped
+    assert h.last_result.report.dropped == bad
     c = full.config
     pads = torch.tensor([c.image_token_id, c.video_token_id, c.audio_token_id])
     for s, sample in enumerate(samples):
         n = b.lengths[s]
-        if s in dropped:  # its placeholders decode as text: no feature placed there
+        if s in bad:  # its placeholders decode as text: no feature placed there
             ids = b.input_ids[s : s + 1, :n]
             ids = ids.masked_fill(torch.isin(ids, pads), TEXT)
             want = forward(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})[0]
         else:
             want = alone(model, full, sample)
         torch.testing.assert_close(out[s, :n], want, atol=1e-5, rtol=1e-5)
+    if ref is not None:
+        assert torch.equal(forward(model, b.kwargs), ref)
 
 
-@pytest.mark.parametrize("inplace", [True, False])
-def test_drop_ignores_the_labels_and_masks_the_loss(bridge, inplace):
+@pytest.mark.parametrize("install", ["install_vlm", "loss_mask_inplace", "install_from_args"])
+def test_drop_ignores_the_labels_and_masks_the_loss(bridge, install):
+    """In the result and by ``mask_loss`` (the caller's labels not written); with
+    ``loss_mask_inplace`` in the caller's ``loss_mask`` too: Megatron-LM's path
+    (``install_from_args``), Bridge's step builds its loss from the loss_mask it passed."""
     model, full = bridge
     b = F.make_batch(full, FAULTS["short image run"][0])
     labels = torch.roll(b.input_ids, -1, 1)
     lm = torch.ones(b.input_ids.shape)
     kw = {**b.kwargs, "labels": labels, "loss_mask": lm}
-    with install_vlm(model, GuardConfig(policy="drop"), loss_mask_inplace=inplace) as h:
+    if install == "install_from_args":
+        argv = ["--media-guard-policy", "drop"]
+        args = add_media_guard_args(argparse.ArgumentParser()).parse_args(argv)
+        installed = install_from_args([model], args, step_end="manual", environ={})
+        assert [h.module for h in installed] == [model.thinker]
+        h = installed[0]
+    else:
+        inplace = install == "loss_mask_inplace"
+        installed = h = install_vlm(model, GuardConfig(policy="drop"), loss_mask_inplace=inplace)
+    with installed:
         loss = forward(model, kw)  # per-token loss [b, s]
     assert loss.shape == b.input_ids.shape
+    assert h.last_result.report.actions == ("drop", "keep")
     assert h.last_result.loss_mask[0].eq(0).all() and h.last_result.loss_mask[1].eq(1).all()
     assert h.last_result.labels[0].eq(-100).all() and labels[0].ne(-100).all()  # not in place
-    assert lm[0].eq(0).all() if inplace else lm.eq(1).all()
+    written = install != "install_vlm"  # loss_mask_inplace: the caller's loss_mask zeroed
+    assert lm[0].eq(0 if written else 1).all() and lm[1].eq(1).all()
     masked, _ = h.mask_loss(torch.ones(b.input_ids.shape))
     assert masked[0].eq(0).all() and masked[1].eq(1).all()
 
@@ -184,25 +189,6 @@ def test_set_step_and_set_items_reach_the_records(bridge, tmp_path):
     assert any(
         r["event"] == "raise" and r["sample_id"] == "clip-a" and r["step"] == 7 for r in recs
     )
-
-
-def test_install_from_args_guards_the_thinker_and_zeros_the_callers_loss_mask(bridge):
-    """Megatron-LM's path: Bridge's step builds its loss from the loss_mask it passed."""
-    model, full = bridge
-    args = add_media_guard_args(argparse.ArgumentParser()).parse_args(
-        ["--media-guard-policy", "drop"]
-    )
-    b = F.make_batch(full, FAULTS["short audio run"][0])
-    lm = torch.ones(b.input_ids.shape)
-    kw = {**b.kwargs, "labels": torch.roll(b.input_ids, -1, 1), "loss_mask": lm}
-    group = install_from_args([model], args, step_end="manual", environ={})
-    try:
-        assert [h.module for h in group] == [model.thinker]
-        forward(model, kw)
-        assert group[0].last_result.report.actions == ("drop", "keep")
-        assert lm[0].eq(0).all() and lm[1].eq(1).all()
-    finally:
-        group.remove()
 
 
 def test_check_batch_with_the_bridge_spec_feeds_bridge_a_consistent_batch(bridge):

@@ -7,6 +7,7 @@ tests/test_parallel_tower.py's."""
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -19,35 +20,25 @@ from megatron_media_guard.errors import MediaInputError
 pytest.importorskip("transformers.models.qwen3_vl")
 pytest.importorskip("PIL")
 
+from test_adapter_qwen_vl import ENGINE, SAMPLES, SMALL, TRAINER, trainer_batch
+
 from megatron_media_guard.adapters import install_qwen_vl
-from megatron_media_guard.testing.qwen_vl import (
-    Sample,
-    build_batch,
-    patch_of,
-    seed_failure,
-    smooth_image,
-    tiny_model,
-)
+from megatron_media_guard.testing.qwen_vl import Sample, seed_failure, tiny_model
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
-_MODELS: dict = {}
 
 
+@functools.cache
 def model_for(family: str) -> torch.nn.Module:
-    if family not in _MODELS:
-        _MODELS[family] = tiny_model(family).train()
-    return _MODELS[family]
+    return tiny_model(family).train()
 
 
 def batch(family: str, kind: str) -> dict:
-    cells = (patch_of(family) * 2) ** 2
     if kind == "text":
-        return build_batch([Sample(()), Sample(())], family, patch_of(family), 30 * cells, text=7)
+        return trainer_batch([Sample(()), Sample(())], family, text=7)
     if kind == "image":
-        media = [Sample((("image", smooth_image(60, 84, 3)),)), Sample(())]
-        return build_batch(media, family, patch_of(family), 30 * cells)
-    _, bad = seed_failure(family, [Sample((("image", smooth_image(150, 200, 1)),))], 12, 30)
-    return bad  # "dropped": its one image mismatched, dropped under policy="drop"
+        return trainer_batch([Sample((("image", SMALL),)), Sample(())], family)
+    return seed_failure(family, SAMPLES[:2], ENGINE, TRAINER)[1]  # "dropped": image and video
 
 
 def test_keeper_anchors_the_embeddings_once_else_the_output():
@@ -103,23 +94,33 @@ def _order(model):
     ],
 )
 def test_the_tower_runs_before_the_decoder_and_changes_no_bit(family, kind, mode, calls):
+    """Every item dropped: the tower runs (``always``, ``on_drop``) at a zero weight, its
+    gradients exact zeros, the loss finite; a call with media is the plain forward bit for bit."""
     model = model_for(family)
     b = batch(family, kind)
     guard = MediaGuard(GuardConfig(policy="drop", keep_tower=mode), grammar=Grammar.qwen2_vl())
-    with torch.no_grad(), install_qwen_vl(model, guard) as h:
+    with install_qwen_vl(model, guard) as h:
         want = None
         if kind != "dropped":
             h.remove()
-            want = model(**b).logits
+            with torch.no_grad():
+                want = model(**b).logits
             h.install_hooks()
         with _order(model) as order:
-            got = model(**b)
+            got = model(**b, labels=b["input_ids"].clone())
     assert order.count("visual") == calls, order
     if calls:
         assert order.index("visual") < order.index("layer0"), order
     if want is not None:
         assert torch.equal(got.logits, want)  # -0.0 added: the same bits
-    assert torch.isfinite(got.logits).all()
+    assert torch.isfinite(got.loss)
+    model.zero_grad(set_to_none=True)
+    got.loss.backward()
+    if kind == "dropped":
+        assert h.last_result.report.actions == ("drop", "drop")
+        grads = [p.grad for p in model.model.visual.parameters()]
+        assert all((g is not None and not g.any()) if calls else g is None for g in grads)
+    model.zero_grad(set_to_none=True)
 
 
 def test_inputs_embeds_and_decoding_steps():

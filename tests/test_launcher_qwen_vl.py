@@ -1,11 +1,12 @@
 """``install_from_args`` on transformers' real Qwen2.5-VL and Qwen3-VL classes (tiny random
 configs, CPU): found through wrappers, guarded as the arguments say, and restored by
 ``remove()``. The seed failure (token ids sized by the engine, pixels and grids by the trainer)
-drops, raises or passes as configured."""
+drops or raises as configured."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 
 import pytest
 import torch
@@ -26,8 +27,12 @@ from megatron_media_guard.families import qwen
 from megatron_media_guard.testing.qwen_vl import seed_failure, tiny_model
 
 CASES = [(f, head) for f in ("qwen2_5_vl", "qwen3_vl") for head in (True, False)]
-_MODELS: dict = {}
-_BATCHES: dict = {}
+model_for = functools.cache(tiny_model)  # one model per (family, head), built once
+
+
+@functools.cache
+def batches(family: str) -> tuple[dict, dict]:
+    return seed_failure(family, SAMPLES, ENGINE, TRAINER)
 
 
 def parse(argv):
@@ -46,13 +51,8 @@ class Wrapper(torch.nn.Module):
 @pytest.fixture(params=CASES, ids=[f"{f}-{'head' if h else 'model'}" for f, h in CASES])
 def case(request):
     family, head = request.param
-    if request.param not in _MODELS:
-        _MODELS[request.param] = tiny_model(family, head)
-    if family not in _BATCHES:
-        _BATCHES[family] = seed_failure(family, SAMPLES, ENGINE, TRAINER)
-    model = _MODELS[request.param]
-    engine, mixed = _BATCHES[family]
-    return model, engine, mixed, "logits" if head else "last_hidden_state"
+    engine, mixed = batches(family)
+    return model_for(family, head), engine, mixed, "logits" if head else "last_hidden_state"
 
 
 def _state(model):
@@ -75,13 +75,17 @@ def test_find_vlm_knows_megatron_bridge_classes_by_name_and_package(module, name
         assert find_vlm(Wrapper(m)) == (None if want is None else (want, m))
 
 
-def test_install_from_args_guards_the_model_and_remove_restores_it(case):
+def test_install_from_args_guards_the_model_and_remove_restores_it(case, tmp_path):
+    """The seed failure dropped: its samples' loss masked, a bundle to replay saved."""
+    from megatron_media_guard.replay.bundle import load_bundle
+
     model, engine, mixed, key = case
     before = _state(model)
     with torch.no_grad():
         plain = model(**engine)[key]
     chunk = Wrapper(model)
-    group = install_from_args([chunk], parse(["--media-guard-policy", "drop"]), environ={})
+    argv = ["--media-guard-policy", "drop", "--media-guard-dump-dir", str(tmp_path)]
+    group = install_from_args([chunk], parse(argv), environ={})
     assert [h.kind for h in group] == ["vlm", "step_end"]
     h = group[0]
     assert h.module is model and h.loss_mask_inplace and h.guard.config.policy == "drop"
@@ -90,8 +94,18 @@ def test_install_from_args_guards_the_model_and_remove_restores_it(case):
     with torch.no_grad():
         assert torch.equal(model(**engine)[key], plain)  # aligned: untouched
         assert h.last_result.report.ok
-        model(**mixed)  # the plain model raises on this batch (a batch-total mismatch)
+        ids = mixed["input_ids"]
+        given = {"labels": ids.clone()} if key == "logits" else {}
+        model(**mixed, **given)  # the plain model raises on this batch (a batch-total mismatch)
     assert h.last_result.report.actions == ("drop", "drop", "keep")
+    mask, labels = h.mask_loss(torch.ones(ids.shape), ids)
+    assert mask[:2].eq(0).all() and mask[2].eq(1).all()
+    assert labels[:2].eq(-100).all() and torch.equal(labels[2], ids[2])
+    assert not given or torch.equal(h.last_result.labels, labels)
+    [path] = tmp_path.glob("*.bundle")  # the mismatched batch, to replay
+    bundle = load_bundle(path)
+    assert torch.equal(bundle.input_ids, ids)
+    assert bundle.items[0].grid_thw == tuple(mixed["image_grid_thw"][0].tolist())
     group.remove()
     assert _state(model) == before
     assert "zero_grad_buffer" in vars(chunk)
@@ -101,31 +115,15 @@ def test_install_from_args_guards_the_model_and_remove_restores_it(case):
             model(**mixed)
 
 
-@pytest.mark.parametrize(
-    "argv, env, want",
-    [
-        ([], {}, "raise"),  # the default policy
-        (["--media-guard-policy", "drop"], {"MEDIA_GUARD_DISABLE": "1"}, "unguarded"),
-    ],
-)
-def test_the_seed_failure_is_handled_as_the_arguments_say(case, argv, env, want):
-    """(A drop: above; a repair from the config's geometry: tests/test_adapter_qwen_vl.py.)"""
+def test_the_default_policy_raises_naming_the_item(case):
+    """(A drop: above; a repair from the config's geometry: tests/test_adapter_qwen_vl.py;
+    disabled, nothing installed: tests/test_launcher.py.)"""
     model, _, mixed, _ = case
     before = _state(model)
-    group = install_from_args([model], parse(argv), step_end="manual", environ=env)
-    try:
-        with torch.no_grad():
-            if want == "raise":
-                with pytest.raises(
-                    MediaAlignmentError, match=r"image item 0 \(\d+x\d+ \(HxW\), grid 1x"
-                ):
-                    model(**mixed)
-            else:
-                assert len(group) == 0 and _state(model) == before
-                with pytest.raises(ValueError, match=r"features and .* tokens do not match"):
-                    model(**mixed)
-    finally:
-        group.remove()
+    group = install_from_args([model], parse([]), step_end="manual", environ={})
+    raised = pytest.raises(MediaAlignmentError, match=r"image item 0 \(\d+x\d+ \(HxW\), grid 1x")
+    with group, raised, torch.no_grad():
+        model(**mixed)
     assert _state(model) == before
 
 

@@ -24,30 +24,19 @@ LR = 0.05
 
 def _batches(scenario: str, step: int) -> list[tuple[dict, set[int]]]:
     """Per rank: the batch and its samples the guard must drop."""
-    from megatron_media_guard.testing.qwen_vl import (
-        Sample,
-        build_batch,
-        patch_of,
-        seed_failure,
-        smooth_image,
-    )
+    from test_adapter_qwen_vl import BIG, ENGINE, SMALL, TRAINER, trainer_batch
 
-    cells = (patch_of(FAMILY) * 2) ** 2
-    good = build_batch(
-        [Sample((("image", smooth_image(60, 84, 3)),)), Sample(())],
-        FAMILY,
-        patch_of(FAMILY),
-        30 * cells,
-        text=6,
-    )
-    big = [Sample((("image", smooth_image(150, 200, k)),)) for k in (1, 2)]
+    from megatron_media_guard.testing.qwen_vl import Sample, seed_failure, smooth_image
+
+    good = trainer_batch([Sample((("image", SMALL),)), Sample(())], FAMILY, text=6)
+    big = [Sample((("image", BIG),)), Sample((("image", smooth_image(150, 200, 2)),))]
     if scenario == "text":
-        other = build_batch([Sample(()), Sample(())], FAMILY, patch_of(FAMILY), 30 * cells, text=9)
+        other = trainer_batch([Sample(()), Sample(())], FAMILY, text=9)
         return [(good, set()), (other, set())]
     if step == 1:  # every sample of the micro-batch dropped
-        _, bad = seed_failure(FAMILY, big, 12, 30)
+        _, bad = seed_failure(FAMILY, big, ENGINE, TRAINER)
         return [(good, set()), (bad, {0, 1})]
-    _, bad = seed_failure(FAMILY, [big[0], Sample(())], 12, 30)
+    _, bad = seed_failure(FAMILY, [big[0], Sample(())], ENGINE, TRAINER)
     return [(good, set()), (bad, {0})]
 
 

@@ -13,6 +13,7 @@ all-reduce, which hung FSDP2, crashed DDP and broke the next collective of a bar
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import pkgutil
 from dataclasses import dataclass
@@ -76,18 +77,21 @@ def test_the_table_covers_every_fixture():
     assert found == {c.fixture for c in CASES.values()}, "add the new fixture to CASES"
 
 
-def build(name: str):
+@contextlib.contextmanager
+def built(name: str):
     """(model, fixture module, the fixture's model) of one case: the model the guard is
-    installed on (Bridge's, around the fixture's transformers model) and the one the fixture
-    builds batches from."""
-    case = case_of(name)
-    F = importlib.import_module(f"megatron_media_guard.testing.families.{case.fixture}")
-    full = F.tiny_model()
+    installed on (Bridge's, around the fixture's transformers model, Bridge's modules in place
+    while it is used) and the one the fixture builds batches from."""
+    F = importlib.import_module(f"megatron_media_guard.testing.families.{case_of(name).fixture}")
     if name != BRIDGE_CASE:
-        return full, F, full
+        full = F.tiny_model()
+        yield full, F, full
+        return
     from megatron_media_guard.testing.bridge_models_omni import qwen3_omni
 
-    return qwen3_omni(full), F, full
+    with loader.bridge_modules(loader.find_root()):
+        full = F.tiny_model()
+        yield qwen3_omni(full), F, full
 
 
 def install(name: str, model, config: GuardConfig):
@@ -101,14 +105,6 @@ def install(name: str, model, config: GuardConfig):
     spec = importlib.import_module(f"megatron_media_guard.families.{case.spec}").SPEC
     guard = guard_for(spec, model, config, case.tokens)
     return INSTALLERS[spec.apply](model, guard, spec, case.tokens)
-
-
-def bridge_context(name: str):
-    import contextlib
-
-    if name != BRIDGE_CASE:
-        return contextlib.nullcontext()
-    return loader.bridge_modules(loader.find_root())
 
 
 def batches(name: str, F, model, handle) -> dict[str, dict]:
@@ -133,8 +129,7 @@ def minimal_worker(rank: int, world: int, names: tuple[str, ...]) -> dict:
 
     out = {}
     for name in names:
-        with bridge_context(name):
-            model, F, full = build(name)
+        with built(name) as (model, F, full):
             handle = install(name, model, GuardConfig(policy="drop"))
             calls = batches(name, F, full, handle)
             seen = []
@@ -300,8 +295,7 @@ BRIDGE = pytest.param(BRIDGE_CASE, marks=BRIDGE_SKIP)
 
 @pytest.mark.parametrize("name", [*CASES, BRIDGE])
 def test_a_text_only_call_applies_its_plan(name, tmp_path):
-    with bridge_context(name):
-        model, F, full = build(name)
+    with built(name) as (model, F, full):
         with install(name, model, GuardConfig(policy="drop")) as handle:
             calls = batches(name, F, full, handle)
             text, stray = calls["text"], calls["stray"]
