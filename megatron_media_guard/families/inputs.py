@@ -6,6 +6,7 @@ planned through the guard's fault path, the plan applied by rewriting the inputs
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -14,12 +15,13 @@ import torch.nn.functional as F
 from ..core.apply import token_keep
 from ..core.guard import MediaGuard
 from ..core.host import to_host
+from ..core.interleave import misplaced, order_runs
 from ..core.items import MediaItem
 from ..core.outcome import GuardReport, MergeResult
-from ..core.runs import TokenLayout
+from ..core.runs import TokenLayout, run_table, runs_of
 from ..core.verify import Expected, verify
 from ..errors import MediaInputError
-from .inputs_items import orphans
+from .inputs_items import call_items, orphans
 from .spec import COUNT_COLUMNS, Encoded, FamilySpec, ModalitySpec
 
 
@@ -55,15 +57,17 @@ def counted(
     tables: Sequence[torch.Tensor],
     items: Sequence[MediaItem] | None = None,
     caller: str = "counts",
+    host: list[list[int]] | None = None,
 ) -> dict[str, Encoded]:
     """Per modality, what its tower would produce, sized from its count ``tables`` (to the
-    host in one transfer): an :class:`Encoded` of zero-width ``[n, 0]`` features, one per run,
-    with ``parent``, frames, frame size and grid where the inputs say them. ``items``: one per
-    model-level item (a ``split`` modality's are cut by their ``num_features``)."""
+    host in one transfer, unless ``host`` holds their rows already): an :class:`Encoded` of
+    zero-width ``[n, 0]`` features, one per run, with ``parent``, frames, frame size and grid
+    where the inputs say them. ``items``: one per model-level item (a ``split`` modality's
+    are cut by their ``num_features``)."""
     if not tables:
         return {}
-    # the fault path's (or an unverifiable spec's) read of every modality's counts at once
-    host = to_host(torch.cat(list(tables)), why="per-item counts from the inputs").tolist()
+    if host is None:  # the fault path's (or a split block's) read of every modality's counts
+        host = to_host(torch.cat(list(tables)), why="per-item counts from the inputs").tolist()
     out: dict[str, Encoded] = {}
     for m, t in zip(mods, tables):
         rows, host = host[: t.shape[0]], host[t.shape[0] :]
@@ -71,6 +75,12 @@ def counted(
             rows = _cut(spec, m, rows, [it for it in items or () if it.modality == m.name], caller)
         out[m.name] = _encoded(rows)
     return out
+
+
+def token_types(spec: FamilySpec, inputs: Mapping[str, Any]) -> torch.Tensor | None:
+    """The spec's per-token types (:attr:`FamilySpec.token_types`) where ``inputs`` hold them."""
+    types = inputs.get(spec.token_types) if spec.token_types else None
+    return types if isinstance(types, torch.Tensor) else None
 
 
 def on_device(spec: FamilySpec, mods: Sequence[ModalitySpec] | None = None) -> bool:
@@ -148,6 +158,34 @@ def verified(guard: MediaGuard, lay: TokenLayout, *args, gate: int = 0, types=No
     if verdict.bad_runs or verdict.findings or any(got[:gate]):
         return None, got
     return guard.keep_all(lay, verdict, **kw), got
+
+
+def verified_by_lengths(
+    guard: MediaGuard, lay: TokenLayout, spec: FamilySpec, mods, tables, **kw
+) -> tuple[MergeResult | None, dict[str, Encoded]]:
+    """The aligned call where two present modalities share a placeholder with no per-token
+    type (Nemotron Omni's images beside its video): the count ``tables`` and every run come
+    with the verdict (the one transfer), each run checked against the item the length
+    interleaving gives it (:func:`~..core.interleave.order_runs`). Returns ``(every sample
+    kept as in :func:`verified`, or None on the fault path; the items sized by the tables)``.
+    Off CPU the runs are read at a size fixed before the read: one per model-level item, so
+    a video of several runs there leaves it to the fault path (its runs per video are in its
+    count table, on the device)."""
+    size = None if lay.device.type == "cpu" else sum(t.shape[0] for t in tables)
+    found = run_table(lay, *lay.run_bounds(), size)  # [runs, 6]
+    verdict, got = verify(lay, [], extra=[found.reshape(-1), torch.cat(list(tables)).reshape(-1)])
+    counts, width = got[found.numel() :], len(COUNT_COLUMNS)
+    host = [counts[k : k + width] for k in range(0, len(counts), width)]
+    encoded = counted(spec, mods, tables, host=host)
+    if verdict.runs > found.shape[0]:
+        return None, encoded
+    runs = runs_of([got[k : k + 6] for k in range(0, 6 * verdict.runs, 6)], lay.grammar)
+    items, _, _, parent = call_items(mods, encoded, None)
+    order = order_runs(runs, lay.grammar, items, parent)
+    verdict = replace(verdict, bad_runs=misplaced(runs, items, order, lay.grammar))
+    if not verdict.aligned(sum(1 for it in items if it.num_features)):
+        return None, encoded
+    return guard.keep_all(lay, verdict, **kw), encoded
 
 
 def _cut(spec, m: ModalitySpec, rows: list, given: Sequence[MediaItem], caller: str) -> list:
