@@ -151,6 +151,18 @@ def test_an_aligned_batch_is_kept_as_it_is(name, samples, transfers):
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
+def test_images_beside_video_on_one_token_never_keep_a_fault(fault):
+    """Nemotron Omni's images and video on its one <image> token, no per-token type: the runs
+    told apart by their lengths (read with the verdict) keep no faulty sample, and the sample
+    with no run on that token is kept."""
+    case, F, model = fixture("nemotron_omni")
+    samples = [[img(4, 4), vid(4, 2, 2)], [img(8, 4), vid(4, 2, 2)], [aud(40)]]
+    b = batch(F, model, faulty(batch(F, model, samples), samples, FAULTS[fault]))
+    dropped = check("nemotron_omni", case, b).dropped
+    assert set(FAULTS[fault]) <= set(dropped) and 2 not in dropped, dropped
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
 @pytest.mark.parametrize("name", NAMES)
 def test_a_fault_raises_naming_the_sample_its_id_and_its_size(name, fault, tmp_path):
     case, F, model = fixture(name)

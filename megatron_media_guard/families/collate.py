@@ -32,7 +32,6 @@ from .inputs import (
     plan_items,
     token_types,
     verified,
-    verified_by_lengths,
 )
 from .inputs_items import token_items
 from .reprocess import Reprocessed, Reprocessor, originals
@@ -105,19 +104,14 @@ def check_batch(
         originals(media, [(mod, k) for mod, n in rows.items() for k in range(n)])
     types = token_types(spec, batch)
     device = device_tables(spec, mods, tables, items)
-    encoded = None
-    if device is not None or not any(m.split for m in mods):  # the aligned call: one transfer
+    if device is not None:  # the runs against the tables: one transfer
         _check_labels(guard, ids, batch.get("labels"), step)
-        lay, kw = TokenLayout(ids, guard.grammar), dict(labels=batch.get("labels"), step=step)
-        if device is None:  # a shared placeholder's runs told apart by their lengths
-            res, encoded = verified_by_lengths(guard, lay, spec, mods, tables, **kw)
-        else:  # the runs against the tables on the device
-            tabs, extra = device
-            args = (guard, lay, mods, tabs, None, None, extra)
-            res, _ = verified(*args, gate=len(extra), types=types, **kw)
+        lay, (tabs, extra) = TokenLayout(ids, guard.grammar), device
+        kw = dict(labels=batch.get("labels"), step=step, types=types)
+        res, _ = verified(guard, lay, mods, tabs, None, None, extra, gate=len(extra), **kw)
         if res is not None:
             return BatchCheck(dict(batch), res.report)
-    encoded = encoded or counted(spec, mods, tables, items, CALLER)
+    encoded = counted(spec, mods, tables, items, CALLER)
     # items= is per modality in the model's order, not the token order
     listed, parent = token_items(ids, guard.grammar, mods, encoded, items, types, listed=False)
     rep = None if media is None else Reprocessor(spec, geo, listed, parent, media, processor)

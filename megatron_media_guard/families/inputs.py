@@ -57,17 +57,15 @@ def counted(
     tables: Sequence[torch.Tensor],
     items: Sequence[MediaItem] | None = None,
     caller: str = "counts",
-    host: list[list[int]] | None = None,
 ) -> dict[str, Encoded]:
     """Per modality, what its tower would produce, sized from its count ``tables`` (to the
-    host in one transfer, unless ``host`` holds their rows already): an :class:`Encoded` of
-    zero-width ``[n, 0]`` features, one per run, with ``parent``, frames, frame size and grid
-    where the inputs say them. ``items``: one per model-level item (a ``split`` modality's
-    are cut by their ``num_features``)."""
+    host in one transfer): an :class:`Encoded` of zero-width ``[n, 0]`` features, one per run,
+    with ``parent``, frames, frame size and grid where the inputs say them. ``items``: one per
+    model-level item (a ``split`` modality's are cut by their ``num_features``)."""
     if not tables:
         return {}
-    if host is None:  # the fault path's (or a split block's) read of every modality's counts
-        host = to_host(torch.cat(list(tables)), why="per-item counts from the inputs").tolist()
+    # the fault path's (or an unverifiable spec's) read of every modality's counts at once
+    host = to_host(torch.cat(list(tables)), why="per-item counts from the inputs").tolist()
     out: dict[str, Encoded] = {}
     for m, t in zip(mods, tables):
         rows, host = host[: t.shape[0]], host[t.shape[0] :]
@@ -85,14 +83,9 @@ def token_types(spec: FamilySpec, inputs: Mapping[str, Any]) -> torch.Tensor | N
 
 def on_device(spec: FamilySpec, mods: Sequence[ModalitySpec] | None = None) -> bool:
     """Whether a call holding ``mods`` (default: every modality of ``spec``) is verified
-    against its count tables on the device (:func:`verify_tables`): no ``split``, and each
-    modality's runs told apart by its own placeholder, the spec's per-token types, or being
-    the only one present on a shared placeholder (Nemotron Omni's images, or its video)."""
+    against its count tables in one transfer (:func:`verify_tables`): none ``split``."""
     mods = spec.modalities if mods is None else mods
-    typed = bool(spec.token_types) and all(m.type_id is not None for m in spec.modalities)
-    tokens = [m.shares or m.name for m in mods]
-    alone = len(set(tokens)) == len(tokens)
-    return (typed or alone) and all(m.split is None and m.counts is not None for m in mods)
+    return all(m.split is None and m.counts is not None for m in mods)
 
 
 def device_tables(
@@ -135,9 +128,15 @@ def verify_tables(
 ):
     """The call's runs against the count ``tables`` on the device: ``(verdict, extra values)``
     in one transfer. samples / declared: per modality, per model-level item its sample and
-    the features its caller declares. types: the spec's per-token types (``type_id``)."""
+    the features its caller declares. types: the spec's per-token types (``type_id``); two
+    modalities on one placeholder with none to tell their runs apart are checked by their
+    lengths (:func:`_by_lengths`)."""
     g = lay.grammar
     shared = {g.modality_code(m.name) for m in mods if m.shares is not None}
+    on_shared = [m for m in mods if g.modality_code(m.name) in shared]
+    untyped = types is None or any(m.type_id is None for m in on_shared)
+    if len(on_shared) > 1 and untyped and samples is None and declared is None:
+        return _by_lengths(lay, mods, tables, extra)
     expected = []
     for m, t in zip(mods, tables):
         code = g.modality_code(m.name)
@@ -149,6 +148,31 @@ def verify_tables(
     return verify(lay, expected, extra=extra)
 
 
+def _by_lengths(lay: TokenLayout, mods, tables, extra):
+    """:func:`verify_tables` where two modalities share a placeholder with no per-token type
+    (Nemotron Omni's images beside its video): the tables and every run come with the verdict,
+    each run checked on the host against the item the length interleaving gives it
+    (:func:`~..core.interleave.order_runs`, as the embed path does). Off CPU the runs are
+    read at a size fixed before the read, one per model-level item: a video of several runs
+    there leaves runs unchecked, bad (its runs per video are in its table, on the device)."""
+    size = None if lay.device.type == "cpu" else sum(t.shape[0] for t in tables)
+    found = run_table(lay, *lay.run_bounds(), size)  # [runs, 6]
+    counts = torch.cat(list(tables))
+    verdict, got = verify(lay, [], extra=[found.reshape(-1), counts.reshape(-1), *extra])
+    cut, width = found.numel() + counts.numel(), counts.shape[1]
+    host, tail = got[found.numel() : cut], got[cut:]
+    rows = [host[k : k + width] for k in range(0, len(host), width)]
+    encoded = {}
+    for m, t in zip(mods, tables):
+        encoded[m.name], rows = _encoded(rows[: t.shape[0]]), rows[t.shape[0] :]
+    if verdict.runs > found.shape[0]:
+        return replace(verdict, bad_runs=verdict.runs - found.shape[0]), tail
+    runs = runs_of([got[k : k + 6] for k in range(0, 6 * verdict.runs, 6)], lay.grammar)
+    items, _, _, parent = call_items(mods, encoded, None)
+    order = order_runs(runs, lay.grammar, items, parent)
+    return replace(verdict, bad_runs=misplaced(runs, items, order, lay.grammar)), tail
+
+
 def verified(guard: MediaGuard, lay: TokenLayout, *args, gate: int = 0, types=None, **kw):
     """The aligned call's check: :func:`verify_tables` on ``lay`` and ``args`` (its one
     transfer) and, where the runs agree with the tables and none of the first ``gate`` extra
@@ -158,34 +182,6 @@ def verified(guard: MediaGuard, lay: TokenLayout, *args, gate: int = 0, types=No
     if verdict.bad_runs or verdict.findings or any(got[:gate]):
         return None, got
     return guard.keep_all(lay, verdict, **kw), got
-
-
-def verified_by_lengths(
-    guard: MediaGuard, lay: TokenLayout, spec: FamilySpec, mods, tables, **kw
-) -> tuple[MergeResult | None, dict[str, Encoded]]:
-    """The aligned call where two present modalities share a placeholder with no per-token
-    type (Nemotron Omni's images beside its video): the count ``tables`` and every run come
-    with the verdict (the one transfer), each run checked against the item the length
-    interleaving gives it (:func:`~..core.interleave.order_runs`). Returns ``(every sample
-    kept as in :func:`verified`, or None on the fault path; the items sized by the tables)``.
-    Off CPU the runs are read at a size fixed before the read: one per model-level item, so
-    a video of several runs there leaves it to the fault path (its runs per video are in its
-    count table, on the device)."""
-    size = None if lay.device.type == "cpu" else sum(t.shape[0] for t in tables)
-    found = run_table(lay, *lay.run_bounds(), size)  # [runs, 6]
-    verdict, got = verify(lay, [], extra=[found.reshape(-1), torch.cat(list(tables)).reshape(-1)])
-    counts, width = got[found.numel() :], len(COUNT_COLUMNS)
-    host = [counts[k : k + width] for k in range(0, len(counts), width)]
-    encoded = counted(spec, mods, tables, host=host)
-    if verdict.runs > found.shape[0]:
-        return None, encoded
-    runs = runs_of([got[k : k + 6] for k in range(0, 6 * verdict.runs, 6)], lay.grammar)
-    items, _, _, parent = call_items(mods, encoded, None)
-    order = order_runs(runs, lay.grammar, items, parent)
-    verdict = replace(verdict, bad_runs=misplaced(runs, items, order, lay.grammar))
-    if not verdict.aligned(sum(1 for it in items if it.num_features)):
-        return None, encoded
-    return guard.keep_all(lay, verdict, **kw), encoded
 
 
 def _cut(spec, m: ModalitySpec, rows: list, given: Sequence[MediaItem], caller: str) -> list:
