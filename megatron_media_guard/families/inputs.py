@@ -113,8 +113,7 @@ def device_tables(
         units, per = t[0, 0], t[0, 1]
         bad += [units * per != n.sum(), torch.any(n % per.clamp(min=1) != 0)]
         out.append(F.pad(torch.stack([torch.ones_like(n), n], 1), (0, t.shape[1] - 2)))
-    flag = torch.stack(bad).any() if bad else torch.zeros((), dtype=torch.bool)
-    return out, [flag.to(torch.int64)]
+    return out, [torch.stack(bad).any().to(torch.int64)]  # (a split block: ``bad`` is set)
 
 
 def verify_tables(
