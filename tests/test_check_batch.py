@@ -134,9 +134,10 @@ NAMES = sorted(CASES)
         # given items): the verdict is the one transfer
         *[(name, None, 1) for name in NAMES],
         ("nemotron_omni", [[vid(4, 2, 2), aud(40)], [vid(4, 2, 2)]], 1),
-        # images and video on the one <image> token with no per-token type: the counts are
-        # read first, then the runs' order (the plain model takes no such batch)
-        ("nemotron_omni", [[img(4, 4), vid(4, 2, 2)], [aud(40)]], 3),
+        # images and video on the one <image> token with no per-token type: the counts and
+        # every run ride in the verdict, the lengths telling the items apart (the plain model
+        # takes no such batch)
+        ("nemotron_omni", [[img(4, 4), vid(4, 2, 2)], [aud(40)]], 1),
     ],
 )
 def test_an_aligned_batch_is_kept_as_it_is(name, samples, transfers):
@@ -147,6 +148,18 @@ def test_an_aligned_batch_is_kept_as_it_is(name, samples, transfers):
     assert checked.report.actions == ("keep",) * len(samples or case.samples)
     assert checked.dropped == () and sum(n.values()) == transfers, n
     assert all(checked.batch[k] is v for k, v in b.kwargs.items())
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_images_beside_video_on_one_token_never_keep_a_fault(fault):
+    """Nemotron Omni's images and video on its one <image> token, no per-token type: the runs
+    told apart by their lengths (read with the verdict) keep no faulty sample, and the sample
+    with no run on that token is kept."""
+    case, F, model = fixture("nemotron_omni")
+    samples = [[img(4, 4), vid(4, 2, 2)], [img(8, 4), vid(4, 2, 2)], [aud(40)]]
+    b = batch(F, model, faulty(batch(F, model, samples), samples, FAULTS[fault]))
+    dropped = check("nemotron_omni", case, b).dropped
+    assert set(FAULTS[fault]) <= set(dropped) and 2 not in dropped, dropped
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))

@@ -20,6 +20,7 @@ from ..families.inputs import (
     generated_as_text,
     on_device,
     plan_items,
+    token_types,
     verified,
 )
 from ..families.inputs_items import check_declared, in_order, meta_tables, split_items, token_items
@@ -88,6 +89,7 @@ class InputsHandle(ForwardHookHandle):
             extra = [x for x in (rows, types) if x is not None]
             kw = dict(labels=labels, loss_mask=lmask, step=step, microbatch=mb)
             kw["gate"] = int(rows is not None)  # bad pixel rows keep no sample
+            kw["types"] = token_types(spec, view)
             res, got = verified(guard, lay, mods, tables, samples, declared, extra, **kw)
             rows_bad = got.pop(0) if rows is not None else 0
             types_bad = got.pop(0) if types is not None else 0
@@ -113,7 +115,7 @@ class InputsHandle(ForwardHookHandle):
         encoded = counted(spec, mods, tables)
         explicit = meta is not None and all(it.sample is not None for it in meta)
         # tied to their samples: token_order takes them per sample, else in set_items' order
-        types = view.get(spec.token_types) if spec.token_types else None
+        types = token_types(spec, view)
         items, parent = token_items(
             ids, guard.grammar, mods, encoded, meta, types, listed=not explicit
         )

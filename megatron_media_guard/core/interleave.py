@@ -124,14 +124,29 @@ def verify_in_token_order(
         runs = runs_of([vals[k : k + 7] for k in range(0, 7 * verdict.runs, 7)], lay.grammar)
     order = tuple(late.order(runs, items))
     owning = [i for i in order if items[i].num_features]
-    if not shared:
-        return verdict, order, batch, [(None, owning)]
+    if shared:
+        verdict = replace(
+            verdict, bad_runs=misplaced(runs, items, order, lay.grammar, batch.explicit)
+        )
+    return verdict, order, batch, [(None, owning)]
+
+
+def misplaced(
+    runs: Sequence[Run],
+    items: Sequence[MediaItem],
+    order: Sequence[int],
+    grammar: Grammar,
+    explicit: bool = False,
+) -> int:
+    """The runs (token order) that disagree with the item ``order`` gives each (its length,
+    its placeholder token and, ``explicit``, its sample), and the runs or items left over."""
+    owning = [i for i in order if items[i].num_features]
     bad = abs(len(runs) - len(owning))
     for r, i in zip(runs, owning):
-        ok = r.modality != "break" and r.length == items[i].num_features
-        ok = ok and lay.grammar.modality_code(r.modality) == codes[i]
-        bad += not (ok and (not batch.explicit or r.sample == items[i].sample))
-    return replace(verdict, bad_runs=bad), order, batch, [(None, owning)]
+        it = items[i]
+        ok = r.length == it.num_features and r.modality == grammar.token_modality(it.modality)
+        bad += not (ok and (not explicit or r.sample == it.sample))
+    return bad
 
 
 def _groups(items, codes, late: RunOrder) -> dict[tuple[int, int | None], list[int]]:

@@ -24,7 +24,15 @@ from ..core.runs import TokenLayout
 from ..core.validate import check_labels_dtype, check_masks
 from ..errors import MediaInputError
 from . import FAMILIES, no_family
-from .inputs import count_tables, counted, device_tables, drop_inputs, plan_items, verified
+from .inputs import (
+    count_tables,
+    counted,
+    device_tables,
+    drop_inputs,
+    plan_items,
+    token_types,
+    verified,
+)
 from .inputs_items import token_items
 from .reprocess import Reprocessed, Reprocessor, originals
 from .spec import FamilySpec, check_tokenizer, present
@@ -94,8 +102,7 @@ def check_batch(
     rows = _given(mods, tables, items)
     if media is not None:  # one original per model-level item, refused before any check
         originals(media, [(mod, k) for mod, n in rows.items() for k in range(n)])
-    types = batch.get(spec.token_types) if spec.token_types else None
-    types = types if isinstance(types, torch.Tensor) else None
+    types = token_types(spec, batch)
     device = device_tables(spec, mods, tables, items)
     if device is not None:  # the runs against the tables: one transfer
         _check_labels(guard, ids, batch.get("labels"), step)

@@ -6,6 +6,7 @@ planned through the guard's fault path, the plan applied by rewriting the inputs
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -14,12 +15,13 @@ import torch.nn.functional as F
 from ..core.apply import token_keep
 from ..core.guard import MediaGuard
 from ..core.host import to_host
+from ..core.interleave import misplaced, order_runs
 from ..core.items import MediaItem
 from ..core.outcome import GuardReport, MergeResult
-from ..core.runs import TokenLayout
+from ..core.runs import TokenLayout, run_table, runs_of
 from ..core.verify import Expected, verify
 from ..errors import MediaInputError
-from .inputs_items import orphans
+from .inputs_items import call_items, orphans
 from .spec import COUNT_COLUMNS, Encoded, FamilySpec, ModalitySpec
 
 
@@ -73,16 +75,17 @@ def counted(
     return out
 
 
+def token_types(spec: FamilySpec, inputs: Mapping[str, Any]) -> torch.Tensor | None:
+    """The spec's per-token types (:attr:`FamilySpec.token_types`) where ``inputs`` hold them."""
+    types = inputs.get(spec.token_types) if spec.token_types else None
+    return types if isinstance(types, torch.Tensor) else None
+
+
 def on_device(spec: FamilySpec, mods: Sequence[ModalitySpec] | None = None) -> bool:
     """Whether a call holding ``mods`` (default: every modality of ``spec``) is verified
-    against its count tables on the device (:func:`verify_tables`): no ``split``, and each
-    modality's runs told apart by its own placeholder, the spec's per-token types, or being
-    the only one present on a shared placeholder (Nemotron Omni's images, or its video)."""
+    against its count tables in one transfer (:func:`verify_tables`): none ``split``."""
     mods = spec.modalities if mods is None else mods
-    typed = bool(spec.token_types) and all(m.type_id is not None for m in spec.modalities)
-    tokens = [m.shares or m.name for m in mods]
-    alone = len(set(tokens)) == len(tokens)
-    return (typed or alone) and all(m.split is None and m.counts is not None for m in mods)
+    return all(m.split is None and m.counts is not None for m in mods)
 
 
 def device_tables(
@@ -110,8 +113,7 @@ def device_tables(
         units, per = t[0, 0], t[0, 1]
         bad += [units * per != n.sum(), torch.any(n % per.clamp(min=1) != 0)]
         out.append(F.pad(torch.stack([torch.ones_like(n), n], 1), (0, t.shape[1] - 2)))
-    flag = torch.stack(bad).any() if bad else torch.zeros((), dtype=torch.bool)
-    return out, [flag.to(torch.int64)]
+    return out, [torch.stack(bad).any().to(torch.int64)]  # (a split block: ``bad`` is set)
 
 
 def verify_tables(
@@ -125,9 +127,15 @@ def verify_tables(
 ):
     """The call's runs against the count ``tables`` on the device: ``(verdict, extra values)``
     in one transfer. samples / declared: per modality, per model-level item its sample and
-    the features its caller declares. types: the spec's per-token types (``type_id``)."""
+    the features its caller declares. types: the spec's per-token types (``type_id``); two
+    modalities on one placeholder with none to tell their runs apart are checked by their
+    lengths (:func:`_by_lengths`)."""
     g = lay.grammar
     shared = {g.modality_code(m.name) for m in mods if m.shares is not None}
+    on_shared = [m for m in mods if g.modality_code(m.name) in shared]
+    untyped = types is None or any(m.type_id is None for m in on_shared)
+    if len(on_shared) > 1 and untyped and samples is None and declared is None:
+        return _by_lengths(lay, mods, tables, extra)
     expected = []
     for m, t in zip(mods, tables):
         code = g.modality_code(m.name)
@@ -137,6 +145,31 @@ def verify_tables(
         smp, given = (samples or {}).get(m.name), (declared or {}).get(m.name)
         expected.append(Expected(code, t[:, 0], t[:, 1], smp, given, where=where))
     return verify(lay, expected, extra=extra)
+
+
+def _by_lengths(lay: TokenLayout, mods, tables, extra):
+    """:func:`verify_tables` where two modalities share a placeholder with no per-token type
+    (Nemotron Omni's images beside its video): the tables and every run come with the verdict,
+    each run checked on the host against the item the length interleaving gives it
+    (:func:`~..core.interleave.order_runs`, as the embed path does). Off CPU the runs are
+    read at a size fixed before the read, one per model-level item: a video of several runs
+    there leaves runs unchecked, bad (its runs per video are in its table, on the device)."""
+    size = None if lay.device.type == "cpu" else sum(t.shape[0] for t in tables)
+    found = run_table(lay, *lay.run_bounds(), size)  # [runs, 6]
+    counts = torch.cat(list(tables))
+    verdict, got = verify(lay, [], extra=[found.reshape(-1), counts.reshape(-1), *extra])
+    cut, width = found.numel() + counts.numel(), counts.shape[1]
+    host, tail = got[found.numel() : cut], got[cut:]
+    rows = [host[k : k + width] for k in range(0, len(host), width)]
+    encoded = {}
+    for m, t in zip(mods, tables):
+        encoded[m.name], rows = _encoded(rows[: t.shape[0]]), rows[t.shape[0] :]
+    if verdict.runs > found.shape[0]:
+        return replace(verdict, bad_runs=verdict.runs - found.shape[0]), tail
+    runs = runs_of([got[k : k + 6] for k in range(0, 6 * verdict.runs, 6)], lay.grammar)
+    items, _, _, parent = call_items(mods, encoded, None)
+    order = order_runs(runs, lay.grammar, items, parent)
+    return replace(verdict, bad_runs=misplaced(runs, items, order, lay.grammar)), tail
 
 
 def verified(guard: MediaGuard, lay: TokenLayout, *args, gate: int = 0, types=None, **kw):

@@ -92,15 +92,6 @@ def item_features(enc: Encoded) -> tuple[torch.Tensor, ...]:
     return (block.new_zeros((0, block.shape[-1])),) * int(enc.counts.shape[0])
 
 
-def typed_order(ids, grammar, mods, items: list[MediaItem], types) -> list[int] | None:
-    """:func:`typed_runs_order` on the runs read from ``ids`` (one transfer sized by the runs),
-    where ``types`` (``FamilySpec.token_types``) decide the order, else None."""
-    if typed_keys(mods, types) is None:
-        return None
-    runs = read_runs(TokenLayout(ids, grammar), types)
-    return typed_runs_order(runs, grammar, mods, items) if runs else None
-
-
 def typed_keys(mods, types) -> torch.Tensor | None:
     """``types`` where they decide the token order (several modalities, one on a shared
     token, ``type_id``s given), else None."""
@@ -123,11 +114,15 @@ def typed_runs_order(runs: Sequence[Run], grammar, mods, items: list[MediaItem])
 def token_items(ids, grammar, mods, encoded, meta=None, types=None, *, listed=True):
     """The call's items (:func:`call_items`, ``meta`` laid on them) in token order, and per
     item its model-level item: the order ``meta`` lists where ``listed``, else each run taking
-    the next item of its typed modality where ``types`` decide (:func:`typed_order`), else
-    the length interleaving (:func:`~..core.interleave.token_order`)."""
+    the next item of its typed modality where ``types`` decide (:func:`typed_runs_order` on
+    the runs read, one transfer), else the length interleaving
+    (:func:`~..core.interleave.token_order`)."""
     items, _, order, parent = call_items(mods, encoded, meta)
-    if order is None or not listed:
-        order = typed_order(ids, grammar, mods, items, types)
+    if (order is None or not listed) and typed_keys(mods, types) is not None:
+        runs = read_runs(TokenLayout(ids, grammar), types)
+        order = typed_runs_order(runs, grammar, mods, items) if runs else None
+    elif not listed:
+        order = None
     if order is None:
         order = token_order(ids, grammar, items, parent)
     return [items[i] for i in order], [parent[i] for i in order]
