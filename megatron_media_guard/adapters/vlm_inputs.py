@@ -83,7 +83,7 @@ class InputsHandle(ForwardHookHandle):
         rows = patch_rows_bad(view, mods)
         types = self._types(call, ids)
         ok, samples, declared = meta_tables(meta, mods, tables, lay.num_samples)
-        if on_device(spec) and ok:
+        if on_device(spec, device=ids.device) and ok:
             # the runs against the tables on the device: the verdict (with the inputs' own
             # checks) is the aligned call's one transfer
             extra = [x for x in (rows, types) if x is not None]

@@ -81,10 +81,22 @@ def token_types(spec: FamilySpec, inputs: Mapping[str, Any]) -> torch.Tensor | N
     return types if isinstance(types, torch.Tensor) else None
 
 
-def on_device(spec: FamilySpec, mods: Sequence[ModalitySpec] | None = None) -> bool:
-    """Whether a call holding ``mods`` (default: every modality of ``spec``) is verified
-    against its count tables in one transfer (:func:`verify_tables`): none ``split``."""
+def on_device(
+    spec: FamilySpec,
+    mods: Sequence[ModalitySpec] | None = None,
+    device: torch.device | None = None,
+) -> bool:
+    """Whether a call holding ``mods`` (default: every modality of ``spec``) on ``device`` is
+    verified against its count tables in one transfer (:func:`verify_tables`): none ``split``
+    and, off CPU, each modality's runs told apart by its own placeholder, the spec's per-token
+    types, or being the only one present on a shared placeholder (:func:`_by_lengths` reads
+    every run at a size only the device knows)."""
     mods = spec.modalities if mods is None else mods
+    if device is not None and device.type != "cpu":
+        typed = bool(spec.token_types) and all(m.type_id is not None for m in spec.modalities)
+        tokens = [m.shares or m.name for m in mods]
+        if not typed and len(set(tokens)) < len(tokens):
+            return False
     return all(m.split is None and m.counts is not None for m in mods)
 
 
@@ -97,7 +109,7 @@ def device_tables(
     """``(tables, extra)`` for :func:`verify_tables`: the ``tables`` where :func:`on_device`;
     where a ``split`` block (InternVL's tiles) is the only host step, each block as the given
     items' rows and a flag, nonzero where they do not cut it into whole units. Else None."""
-    if on_device(spec, mods):
+    if on_device(spec, mods, tables[0].device if tables else None):
         return list(tables), []
     if any(m.shares is not None or m.counts is None for m in spec.modalities):
         return None
@@ -151,9 +163,9 @@ def _by_lengths(lay: TokenLayout, mods, tables, extra):
     """:func:`verify_tables` where two modalities share a placeholder with no per-token type
     (Nemotron Omni's images beside its video): the tables and every run come with the verdict,
     each run checked on the host against the item the length interleaving gives it
-    (:func:`~..core.interleave.order_runs`, as the embed path does). Off CPU the runs are
-    read at a size fixed before the read, one per model-level item: a video of several runs
-    there leaves runs unchecked, bad (its runs per video are in its table, on the device)."""
+    (:func:`~..core.interleave.order_runs`, as the embed path does). Off CPU (where
+    :func:`on_device` sends no such call here) the read is sized at one run per model-level
+    item: a video of several runs leaves runs unchecked, bad, and takes the fault path."""
     size = None if lay.device.type == "cpu" else sum(t.shape[0] for t in tables)
     found = run_table(lay, *lay.run_bounds(), size)  # [runs, 6]
     counts = torch.cat(list(tables))
@@ -169,7 +181,9 @@ def _by_lengths(lay: TokenLayout, mods, tables, extra):
     runs = runs_of([got[k : k + 6] for k in range(0, 6 * verdict.runs, 6)], lay.grammar)
     items, _, _, parent = call_items(mods, encoded, None)
     order = order_runs(runs, lay.grammar, items, parent)
-    return replace(verdict, bad_runs=misplaced(runs, items, order, lay.grammar)), tail
+    bad = misplaced(runs, items, order, lay.grammar)
+    # the tables join the fingerprint (Verdict) here, on the host where they were read
+    return replace(verdict, bad_runs=bad, fingerprint=verdict.fingerprint ^ hash(tuple(host))), tail
 
 
 def verified(guard: MediaGuard, lay: TokenLayout, *args, gate: int = 0, types=None, **kw):

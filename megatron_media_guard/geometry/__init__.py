@@ -1,6 +1,6 @@
 """Geometry families: how a processor turns pixels into a token count, and back (each a
 ``Geometry``: ``tokens``, ``size_for``, ``solve``; docs/GEOMETRY.md). Pure Python: imports only
-``errors`` from the package.
+``errors`` and ``config`` from the package.
 """
 
 from megatron_media_guard.geometry.anyres import AnyresGeometry
