@@ -158,9 +158,8 @@ def test_drop_keeps_others_identical_and_masks_the_culprit(fault):
             rows = item_rows(batch, feats, own)
             want = unguarded(emb[smp : smp + 1], batch.input_ids[smp : smp + 1], rows)[0]
             assert torch.equal(res.embeddings[smp], want)
-            assert torch.equal(res.loss_mask[smp], lm[smp]) and torch.equal(
-                res.labels[smp], lab[smp]
-            )
+            assert torch.equal(res.loss_mask[smp], lm[smp])
+            assert torch.equal(res.labels[smp], lab[smp])
 
 
 def test_drop_creates_a_loss_mask_when_none_given():
@@ -238,15 +237,9 @@ CU_BAD = "cu_seqlens must start at 0, never decrease"
     ],
 )
 def test_bad_input_is_a_clear_error(kwargs, match):
-    args = {
-        "embeddings": EMB,
-        "input_ids": BATCH.input_ids,
-        "features": FEATS,
-        "items": BATCH.items,
-    }
-    args.update(kwargs)
+    args = dict(embeddings=EMB, input_ids=BATCH.input_ids, features=FEATS, items=BATCH.items)
     with pytest.raises(MediaInputError, match=match) as info:
-        guard().merge(**args)
+        guard().merge(**(args | kwargs))
     assert "rank 3" in str(info.value)
     # a wrong call: a trainer's ``except MediaAlignmentError`` around a step does not swallow it
     assert not isinstance(info.value, MediaAlignmentError)
