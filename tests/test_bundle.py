@@ -87,18 +87,8 @@ def test_round_trip_every_field(tmp_path, backend, ids_dtype, pixel_dtype):
     ids, cu, items = packed_batch(ids_dtype, pixel_dtype)
     feats = torch.randn(9, H).to(torch.bfloat16)
     cfg = GuardConfig(policy="repair", fallback="raise", nonfinite="off", log_dir=str(tmp_path))
-    path = save_bundle(
-        tmp_path / "dump",
-        input_ids=ids,
-        items=items,
-        grammar=Q,
-        cu_seqlens=cu,
-        config=cfg,
-        rank=RANK,
-        step=12,
-        microbatch=1,
-        features=feats,
-    )
+    batch = dict(input_ids=ids, items=items, grammar=Q, cu_seqlens=cu, features=feats)
+    path = save_bundle(tmp_path / "dump", **batch, config=cfg, rank=RANK, step=12, microbatch=1)
     assert path is not None and path.name == "media_guard.rank00003.step12.mb1.bundle"
     assert (path.read_bytes()[:4] == b"PK\x03\x04") == (backend == "torch")
     assert stat.S_IMODE(path.stat().st_mode) == 0o600  # sensitive: token ids and pixels

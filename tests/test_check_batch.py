@@ -271,17 +271,14 @@ def test_records_carry_the_ids_the_grid_and_the_size_as_in_training(tmp_path):
     the frame size from the batch's image_grid_thw."""
     _case, F, model = fixture("glm4v")
     b = batch(F, model, [[img(56, 56)], [img(56, 84, n=5)]])
-    cfg = GuardConfig(policy="drop", log_dir=str(tmp_path / "a"))
-    check_batch("glm4v", b.kwargs, config=model.config, guard=cfg, sample_ids=[7, 8])
-    (rec,) = [r for r in records(tmp_path / "a") if r["event"] == "drop"]
     thw = b.kwargs["image_grid_thw"][1].tolist()
-    assert (rec["sample"], rec["sample_id"], rec["grid"]) == (1, 8, thw)
-    assert rec["frame_hw"] == [14 * thw[1], 14 * thw[2]]
     items = [MediaItem(1, sample_id="img-a"), MediaItem(1, sample_id="img-b", source_hw=(9, 9))]
-    cfg = GuardConfig(policy="drop", log_dir=str(tmp_path / "b"))
-    check_batch("glm4v", b.kwargs, config=model.config, guard=cfg, items=items)
-    (rec,) = [r for r in records(tmp_path / "b") if r["event"] == "drop"]
-    assert rec["sample_id"] == "img-b"
+    for run, ids, sid in [("a", {"sample_ids": [7, 8]}, 8), ("b", {"items": items}, "img-b")]:
+        cfg = GuardConfig(policy="drop", log_dir=str(tmp_path / run))
+        check_batch("glm4v", b.kwargs, config=model.config, guard=cfg, **ids)
+        (rec,) = [r for r in records(tmp_path / run) if r["event"] == "drop"]
+        assert (rec["sample"], rec["sample_id"], rec["grid"]) == (1, sid, thw)
+        assert rec["frame_hw"] == [14 * thw[1], 14 * thw[2]]
 
 
 # ---- the counts are the model's arithmetic (torch ops against the host formula) ----
