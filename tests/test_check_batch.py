@@ -94,11 +94,10 @@ def fixture(name: str):
     return case, F, _MODELS[name]
 
 
-def faulty(F, model, samples, deltas: dict[int, int]):
-    """The batch of ``samples`` with the first media of sample s written ``deltas[s]``
-    placeholders off."""
+def faulty(b, samples, deltas: dict[int, int]):
+    """``samples`` with the first media of sample s written ``deltas[s]`` placeholders off."""
     got: dict = {}  # (sample, modality) -> the feature counts of its items, in prompt order
-    for s, mod, n in batch(F, model, samples).items:
+    for s, mod, n in b.items:
         got.setdefault((s, mod), []).append(n)
     out = []
     for s, sample in enumerate(samples):
@@ -107,7 +106,7 @@ def faulty(F, model, samples, deltas: dict[int, int]):
             m = sample[0]
             sample[0] = M(m.modality, m.size, got[(s, m.modality)][0] + deltas[s])
         out.append(sample)
-    return batch(F, model, out)
+    return out
 
 
 def check(name, case, b, **kw):
@@ -158,7 +157,7 @@ def test_images_beside_video_on_one_token_never_keep_a_fault(fault):
     with no run on that token is kept."""
     case, F, model = fixture("nemotron_omni")
     samples = [[img(4, 4), vid(4, 2, 2)], [img(8, 4), vid(4, 2, 2)], [aud(40)]]
-    b = faulty(F, model, samples, FAULTS[fault])
+    b = batch(F, model, faulty(batch(F, model, samples), samples, FAULTS[fault]))
     dropped = check("nemotron_omni", case, b).dropped
     assert set(FAULTS[fault]) <= set(dropped) and 2 not in dropped, dropped
 
@@ -169,7 +168,7 @@ def test_a_fault_raises_naming_the_sample_or_drops_it_for_the_plain_model(name, 
     """Raise: the error and the record name the sample, its id and its size. Drop: the plain
     model's forward on the returned batch gives every kept sample its own forward's output."""
     case, F, model = fixture(name)
-    b = faulty(F, model, case.samples, FAULTS[fault])
+    b = batch(F, model, faulty(batch(F, model, case.samples), case.samples, FAULTS[fault]))
     cfg = GuardConfig(policy="raise", log_dir=str(tmp_path))
     sids = ["rollout-a", "rollout-b", "rollout-c"]
     bad = min(FAULTS[fault])
