@@ -185,15 +185,11 @@ def test_replay_report_equals_live_check(seed, fault):
 
 
 # ---- command line ------------------------------------------------------------------------
-def _bundle(tmp_path, fault):
-    batch = inject(Q, LAYOUT, fault)
-    return save_bundle(
-        tmp_path, input_ids=batch.input_ids, items=batch.items, grammar=Q, rank=RANK, step=2
-    )
-
-
 def test_replay_exit_codes(tmp_path, capsys, backend):
-    ok, bad = _bundle(tmp_path, "none"), _bundle(tmp_path, "budget_shrink")
+    ok, bad = (
+        save_bundle(tmp_path, input_ids=b.input_ids, items=b.items, grammar=Q, rank=RANK, step=2)
+        for b in (inject(Q, LAYOUT, "none"), inject(Q, LAYOUT, "budget_shrink"))
+    )
     assert main(["replay", str(ok)]) == 0
     assert "Media alignment ok (replay of rank 3, step 2)" in capsys.readouterr().out
     assert main(["replay", str(bad)]) == 1

@@ -6,6 +6,7 @@ sample its own forward's output. Its wrong calls name check_batch and what to pa
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass, field
 
@@ -83,15 +84,12 @@ CASES = {
 NO_FIXTURE = {"llava": "megatron-core LLaVA (collapsed tokens)", "mimo": "megatron-core MIMO"}
 
 
-_MODELS: dict = {}
-
-
+@functools.cache
 def fixture(name: str):
+    """(case, fixture module, tiny model): one model per family, for the session."""
     case = CASES[name]
     F = importlib.import_module(f"megatron_media_guard.testing.families.{case.fixture}")
-    if name not in _MODELS:
-        _MODELS[name] = F.tiny_model(seed=0)
-    return case, F, _MODELS[name]
+    return case, F, F.tiny_model(seed=0)
 
 
 def faulty(b, samples, deltas: dict[int, int]):
@@ -110,9 +108,7 @@ def faulty(b, samples, deltas: dict[int, int]):
 
 
 def check(name, case, b, **kw):
-    items = None
-    if case.items:
-        items = [MediaItem(n, modality=mod) for _, mod, n in b.items]
+    items = [MediaItem(n, modality=mod) for _, mod, n in b.items] if case.items else None
     tok = case.tokens or None
     return check_batch(name, b.kwargs, config=b.model_config, tokenizer=tok, items=items, **kw)
 

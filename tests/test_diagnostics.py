@@ -150,14 +150,9 @@ def test_logger_is_idempotent_and_does_not_propagate(tmp_path, capsys):
     ]
 
 
-@pytest.mark.parametrize(
-    ("event", "level"),
-    [
-        (e, logging.WARNING if e in ("drop", "raise", "budget", "repair") else logging.INFO)
-        for e in EVENTS
-    ],
-)
-def test_log_level_by_event(tmp_path, event, level):
+@pytest.mark.parametrize("event", EVENTS)
+def test_log_level_by_event(event):
+    level = logging.WARNING if event in ("drop", "raise", "budget", "repair") else logging.INFO
     seen = BufferingHandler(1 << 20)
     get_logger().addHandler(seen)
     try:

@@ -179,16 +179,12 @@ def test_nonfinite_found_in_every_float_dtype(dtype, bad):
         feats[10, 2], feats[11, 3] = math.inf, -math.inf
     else:
         feats[10, 2] = bad  # item 2 = sample 1
-    res = MediaGuard(GuardConfig(nonfinite="drop"), grammar=Q).merge(
-        emb, batch.input_ids, feats, batch.items
-    )
+    args = (emb, batch.input_ids, feats, batch.items)
+    res = guard(nonfinite="drop").merge(*args)
     assert res.report.dropped == (1,) and torch.isfinite(res.embeddings).all()
     with pytest.raises(MediaAlignmentError, match="sample 1"):
-        MediaGuard(GuardConfig(nonfinite="raise"), grammar=Q).merge(
-            emb, batch.input_ids, feats, batch.items
-        )
-    off = MediaGuard(GuardConfig(nonfinite="off"), grammar=Q)  # the check skipped
-    assert off.merge(emb, batch.input_ids, feats, batch.items).report.ok
+        guard(nonfinite="raise").merge(*args)
+    assert guard(nonfinite="off").merge(*args).report.ok  # the check skipped
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -197,9 +193,7 @@ def test_huge_finite_features_are_no_nonfinite_alarm(dtype):
     batch = build_batch(Q, LAYOUT)
     emb, feats = (t.to(dtype) for t in inputs(batch))
     feats.fill_(torch.finfo(dtype).max)
-    res = MediaGuard(GuardConfig(nonfinite="raise"), grammar=Q).merge(
-        emb, batch.input_ids, feats, batch.items
-    )
+    res = guard(nonfinite="raise").merge(emb, batch.input_ids, feats, batch.items)
     assert res.report.ok and res.report.dropped == ()
     assert torch.equal(res.embeddings, unguarded(emb, batch.input_ids, feats))
 

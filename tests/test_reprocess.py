@@ -133,15 +133,8 @@ def batch_for(case: Case, imgs, tokens: list[int | None], one_sample: bool = Fal
 
 def run(case: Case, kw, imgs, model, **cfg):
     guard = GuardConfig(policy="repair", **cfg)
-    return check_batch(
-        case.family,
-        kw,
-        config=model.config,
-        tokenizer=case.tokenizer,
-        guard=guard,
-        media=imgs,
-        processor=case.processor,
-    )
+    hf = dict(config=model.config, tokenizer=case.tokenizer, processor=case.processor)
+    return check_batch(case.family, kw, guard=guard, media=imgs, **hf)
 
 
 @pytest.mark.parametrize("family", CASES)
