@@ -40,10 +40,7 @@ def image_tokens(height: int, width: int) -> int:
 
 
 def sound_tokens(mel_frames: int) -> int:
-    n = mel_frames
-    for _ in range(3):
-        n = (n + 1) // 2
-    return max(1, n)
+    return max(1, -(-mel_frames // 8))  # halved, rounding up, three times
 
 
 @dataclass
@@ -131,10 +128,8 @@ def build(examples: list[Example], *, pack: bool = False, pad_to_multiple_of: in
         entries.append(e)
     flat = [t for e in entries for t in e]
     L = VIDEO_TOKENS if video else 1
-    if video:
-        emb = torch.randn(L, len(flat), H, generator=g)
-    else:
-        emb = torch.randn(sum(flat), 1, H, generator=g)
+    shape = (L, len(flat), H) if video else (sum(flat), 1, H)
+    emb = torch.randn(shape, generator=g)
     clips = [sound_tokens(ex.mel_frames) for ex in examples if ex.mel_frames]
     snd = snd_len = None
     if clips:

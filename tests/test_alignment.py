@@ -44,20 +44,15 @@ def test_each_fault_is_classified_per_sample(fault, statuses, counts, explicit):
         assert [s.first_mismatch for s in report.mismatched] == [0] * len(counts)
 
 
+IMAGES = [MediaItem(4, 0), MediaItem(6, 0)]  # the items of one sample's two images
+
+
 @pytest.mark.parametrize(
     ("items", "status", "reason"),
     [
-        (
-            [MediaItem(4, 0), MediaItem(6, 0), MediaItem(2, 0)],
-            Status.COUNT_MISMATCH,
-            "2 placeholder runs for 3 items",
-        ),
-        ([MediaItem(4, 0)], Status.COUNT_MISMATCH, "2 placeholder runs for 1 items"),
-        (
-            [MediaItem(4, 0), MediaItem(6, 0, modality="video")],
-            Status.MODALITY_MISMATCH,
-            "modalities",
-        ),
+        ([*IMAGES, MediaItem(2, 0)], Status.COUNT_MISMATCH, "2 placeholder runs for 3 items"),
+        (IMAGES[:1], Status.COUNT_MISMATCH, "2 placeholder runs for 1 items"),
+        ([IMAGES[0], MediaItem(6, 0, modality="video")], Status.MODALITY_MISMATCH, "modalities"),
     ],
 )
 def test_count_and_modality_mismatch(items, status, reason):

@@ -6,6 +6,7 @@ sample its own forward's output. Its wrong calls name check_batch and what to pa
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass, field
 
@@ -83,15 +84,12 @@ CASES = {
 NO_FIXTURE = {"llava": "megatron-core LLaVA (collapsed tokens)", "mimo": "megatron-core MIMO"}
 
 
-_MODELS: dict = {}
-
-
+@functools.cache
 def fixture(name: str):
+    """(case, fixture module, tiny model): one model per family, for the session."""
     case = CASES[name]
     F = importlib.import_module(f"megatron_media_guard.testing.families.{case.fixture}")
-    if name not in _MODELS:
-        _MODELS[name] = F.tiny_model(seed=0)
-    return case, F, _MODELS[name]
+    return case, F, F.tiny_model(seed=0)
 
 
 def faulty(b, samples, deltas: dict[int, int]):
@@ -110,9 +108,7 @@ def faulty(b, samples, deltas: dict[int, int]):
 
 
 def check(name, case, b, **kw):
-    items = None
-    if case.items:
-        items = [MediaItem(n, modality=mod) for _, mod, n in b.items]
+    items = [MediaItem(n, modality=mod) for _, mod, n in b.items] if case.items else None
     tok = case.tokens or None
     return check_batch(name, b.kwargs, config=b.model_config, tokenizer=tok, items=items, **kw)
 
@@ -164,10 +160,11 @@ def test_images_beside_video_on_one_token_never_keep_a_fault(fault):
 
 @pytest.mark.parametrize("fault", list(FAULTS))
 @pytest.mark.parametrize("name", NAMES)
-def test_a_fault_raises_naming_the_sample_its_id_and_its_size(name, fault, tmp_path):
+def test_a_fault_raises_naming_the_sample_or_drops_it_for_the_plain_model(name, fault, tmp_path):
+    """Raise: the error and the record name the sample, its id and its size. Drop: the plain
+    model's forward on the returned batch gives every kept sample its own forward's output."""
     case, F, model = fixture(name)
-    ok = batch(F, model, case.samples)
-    b = batch(F, model, faulty(ok, case.samples, FAULTS[fault]))
+    b = batch(F, model, faulty(batch(F, model, case.samples), case.samples, FAULTS[fault]))
     cfg = GuardConfig(policy="raise", log_dir=str(tmp_path))
     sids = ["rollout-a", "rollout-b", "rollout-c"]
     bad = min(FAULTS[fault])
@@ -186,18 +183,10 @@ def test_a_fault_raises_naming_the_sample_its_id_and_its_size(name, fault, tmp_p
         h, w = rec["frame_hw"]
         assert f"{h}x{w} (HxW)" in str(err.value)
 
-
-@pytest.mark.parametrize("fault", list(FAULTS))
-@pytest.mark.parametrize("name", NAMES)
-def test_a_drop_leaves_a_batch_the_plain_model_takes(name, fault):
-    case, F, model = fixture(name)
-    ok = batch(F, model, case.samples)
-    bad = set(FAULTS[fault])
-    b = batch(F, model, faulty(ok, case.samples, FAULTS[fault]))
     checked = check(name, case, b)
-    assert set(checked.dropped) == bad
+    assert set(checked.dropped) == set(FAULTS[fault])
     got = logits(model, checked.batch)
-    for k in {0, 1, 2} - bad:
+    for k in {0, 1, 2} - set(FAULTS[fault]):
         own = batch(F, model, [case.samples[k]])
         want = logits(model, own.kwargs)[0, : own.lengths[0]]
         torch.testing.assert_close(got[k, : b.lengths[k]], want, atol=1e-5, rtol=1e-5)
@@ -277,17 +266,14 @@ def test_records_carry_the_ids_the_grid_and_the_size_as_in_training(tmp_path):
     the frame size from the batch's image_grid_thw."""
     _case, F, model = fixture("glm4v")
     b = batch(F, model, [[img(56, 56)], [img(56, 84, n=5)]])
-    cfg = GuardConfig(policy="drop", log_dir=str(tmp_path / "a"))
-    check_batch("glm4v", b.kwargs, config=model.config, guard=cfg, sample_ids=[7, 8])
-    (rec,) = [r for r in records(tmp_path / "a") if r["event"] == "drop"]
     thw = b.kwargs["image_grid_thw"][1].tolist()
-    assert (rec["sample"], rec["sample_id"], rec["grid"]) == (1, 8, thw)
-    assert rec["frame_hw"] == [14 * thw[1], 14 * thw[2]]
     items = [MediaItem(1, sample_id="img-a"), MediaItem(1, sample_id="img-b", source_hw=(9, 9))]
-    cfg = GuardConfig(policy="drop", log_dir=str(tmp_path / "b"))
-    check_batch("glm4v", b.kwargs, config=model.config, guard=cfg, items=items)
-    (rec,) = [r for r in records(tmp_path / "b") if r["event"] == "drop"]
-    assert rec["sample_id"] == "img-b"
+    for run, ids, sid in [("a", {"sample_ids": [7, 8]}, 8), ("b", {"items": items}, "img-b")]:
+        cfg = GuardConfig(policy="drop", log_dir=str(tmp_path / run))
+        check_batch("glm4v", b.kwargs, config=model.config, guard=cfg, **ids)
+        (rec,) = [r for r in records(tmp_path / run) if r["event"] == "drop"]
+        assert (rec["sample"], rec["sample_id"], rec["grid"]) == (1, sid, thw)
+        assert rec["frame_hw"] == [14 * thw[1], 14 * thw[2]]
 
 
 # ---- the counts are the model's arithmetic (torch ops against the host formula) ----

@@ -58,7 +58,8 @@ def test_emit_writes_full_schema_v1_line(tmp_path):
     info = RankInfo(rank=3, tp=1, pp=0, dp=1, cp=0)
     with DiagnosticsLog(tmp_path, info) as log:
         written = log.emit(SEED, caller="trainer:step")
-    (rec,) = _lines(log.path)
+        default = log.emit(GuardRecord("check"))
+    rec, _ = _lines(log.path)
     assert rec == written
     assert tuple(rec) == SCHEMA_KEYS  # every key, in schema order, no "extra" when not given
     assert rec["schema"] == SCHEMA_VERSION == 1
@@ -69,12 +70,8 @@ def test_emit_writes_full_schema_v1_line(tmp_path):
     assert rec["pid"] == os.getpid() and isinstance(rec["host"], str)
     assert rec["time"].endswith("+00:00") and "T" in rec["time"]
     assert rec["caller"] == "trainer:step"
-
-
-def test_caller_defaults_to_the_calling_function(tmp_path):
-    with DiagnosticsLog(tmp_path, RankInfo(rank=0)) as log:
-        rec = log.emit(GuardRecord("check"))
-    assert rec["caller"].endswith(":test_caller_defaults_to_the_calling_function")
+    # without caller=: the calling function
+    assert default["caller"].endswith(":test_emit_writes_full_schema_v1_line")
 
 
 def test_fsync_happens_before_emit_returns(tmp_path, monkeypatch):
@@ -153,14 +150,9 @@ def test_logger_is_idempotent_and_does_not_propagate(tmp_path, capsys):
     ]
 
 
-@pytest.mark.parametrize(
-    ("event", "level"),
-    [
-        (e, logging.WARNING if e in ("drop", "raise", "budget", "repair") else logging.INFO)
-        for e in EVENTS
-    ],
-)
-def test_log_level_by_event(tmp_path, event, level):
+@pytest.mark.parametrize("event", EVENTS)
+def test_log_level_by_event(event):
+    level = logging.WARNING if event in ("drop", "raise", "budget", "repair") else logging.INFO
     seen = BufferingHandler(1 << 20)
     get_logger().addHandler(seen)
     try:

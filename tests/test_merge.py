@@ -158,9 +158,8 @@ def test_drop_keeps_others_identical_and_masks_the_culprit(fault):
             rows = item_rows(batch, feats, own)
             want = unguarded(emb[smp : smp + 1], batch.input_ids[smp : smp + 1], rows)[0]
             assert torch.equal(res.embeddings[smp], want)
-            assert torch.equal(res.loss_mask[smp], lm[smp]) and torch.equal(
-                res.labels[smp], lab[smp]
-            )
+            assert torch.equal(res.loss_mask[smp], lm[smp])
+            assert torch.equal(res.labels[smp], lab[smp])
 
 
 def test_drop_creates_a_loss_mask_when_none_given():
@@ -180,16 +179,12 @@ def test_nonfinite_found_in_every_float_dtype(dtype, bad):
         feats[10, 2], feats[11, 3] = math.inf, -math.inf
     else:
         feats[10, 2] = bad  # item 2 = sample 1
-    res = MediaGuard(GuardConfig(nonfinite="drop"), grammar=Q).merge(
-        emb, batch.input_ids, feats, batch.items
-    )
+    args = (emb, batch.input_ids, feats, batch.items)
+    res = guard(nonfinite="drop").merge(*args)
     assert res.report.dropped == (1,) and torch.isfinite(res.embeddings).all()
     with pytest.raises(MediaAlignmentError, match="sample 1"):
-        MediaGuard(GuardConfig(nonfinite="raise"), grammar=Q).merge(
-            emb, batch.input_ids, feats, batch.items
-        )
-    off = MediaGuard(GuardConfig(nonfinite="off"), grammar=Q)  # the check skipped
-    assert off.merge(emb, batch.input_ids, feats, batch.items).report.ok
+        guard(nonfinite="raise").merge(*args)
+    assert guard(nonfinite="off").merge(*args).report.ok  # the check skipped
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -198,9 +193,7 @@ def test_huge_finite_features_are_no_nonfinite_alarm(dtype):
     batch = build_batch(Q, LAYOUT)
     emb, feats = (t.to(dtype) for t in inputs(batch))
     feats.fill_(torch.finfo(dtype).max)
-    res = MediaGuard(GuardConfig(nonfinite="raise"), grammar=Q).merge(
-        emb, batch.input_ids, feats, batch.items
-    )
+    res = guard(nonfinite="raise").merge(emb, batch.input_ids, feats, batch.items)
     assert res.report.ok and res.report.dropped == ()
     assert torch.equal(res.embeddings, unguarded(emb, batch.input_ids, feats))
 
@@ -238,15 +231,9 @@ CU_BAD = "cu_seqlens must start at 0, never decrease"
     ],
 )
 def test_bad_input_is_a_clear_error(kwargs, match):
-    args = {
-        "embeddings": EMB,
-        "input_ids": BATCH.input_ids,
-        "features": FEATS,
-        "items": BATCH.items,
-    }
-    args.update(kwargs)
+    args = dict(embeddings=EMB, input_ids=BATCH.input_ids, features=FEATS, items=BATCH.items)
     with pytest.raises(MediaInputError, match=match) as info:
-        guard().merge(**args)
+        guard().merge(**(args | kwargs))
     assert "rank 3" in str(info.value)
     # a wrong call: a trainer's ``except MediaAlignmentError`` around a step does not swallow it
     assert not isinstance(info.value, MediaAlignmentError)

@@ -235,23 +235,14 @@ def test_reason_classes_and_keys_are_capped(tmp_path, monkeypatch):
 # -- parallel reading gives the same answer ---------------------------------------------------
 @pytest.mark.timeout(120)
 def test_jobs_do_not_change_the_result(tmp_path):
+    events = ["drop" if i % 5 == 0 else "check" for i in range(50)]
     for rank in range(3):
-        write(
-            tmp_path,
-            rank,
-            [
-                line("drop" if i % 5 == 0 else "check", rank, step=i, sample_id=f"s{i % 7}")
-                for i in range(50)
-            ]
-            + ["junk"]
-            + [line()],
-            tail='{"torn',
-        )
+        steps = [line(e, rank, step=i, sample_id=f"s{i % 7}") for i, e in enumerate(events)]
+        write(tmp_path, rank, [*steps, "junk", line()], tail='{"torn')
     write(tmp_path, 3, [raw(event="raise", rank=3, step=2, time=T.format(1))])
     one, two = summarize(tmp_path, jobs=1), summarize(tmp_path, jobs=2)
-    assert (
-        one == two and one.count("raise") == 1 and one.malformed == 3 and len(one.torn_files) == 3
-    )
+    assert one == two and one.count("raise") == 1
+    assert one.malformed == 3 and len(one.torn_files) == 3
 
 
 # -- property: writer records + interleaved garbage + torn tail --------------------------------
@@ -302,8 +293,7 @@ def test_property_event_counts_survive_garbage_and_torn_tail(tmp_path_factory, r
     lines = list(valid)
     for pos, text in sorted(junk, reverse=True):
         lines.insert(min(pos, len(lines)), text)
-    tail = ""
-    whole = ""
+    tail = whole = ""
     if cut is not None and valid:
         whole = valid[cut % len(valid)]
         tail = whole[: 1 + cut % len(whole)]  # a prefix, possibly all of it but the newline

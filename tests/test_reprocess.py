@@ -133,15 +133,8 @@ def batch_for(case: Case, imgs, tokens: list[int | None], one_sample: bool = Fal
 
 def run(case: Case, kw, imgs, model, **cfg):
     guard = GuardConfig(policy="repair", **cfg)
-    return check_batch(
-        case.family,
-        kw,
-        config=model.config,
-        tokenizer=case.tokenizer,
-        guard=guard,
-        media=imgs,
-        processor=case.processor,
-    )
+    hf = dict(config=model.config, tokenizer=case.tokenizer, processor=case.processor)
+    return check_batch(case.family, kw, guard=guard, media=imgs, **hf)
 
 
 @pytest.mark.parametrize("family", CASES)
@@ -278,14 +271,7 @@ def test_a_static_video_against_a_longer_rollout_is_refused_naming_both_totals()
     b = nemotron_omni.make_batch(model, [[Media("video", (6, 2, 2), tokens=4)]])
     frames = [picture(32, 32, k) for k in range(6)]
     with pytest.raises(MediaAlignmentError) as err:
-        check_batch(
-            "nemotron_omni",
-            b.kwargs,
-            config=model.config,
-            tokenizer=NEMOTRON_TOKENS,
-            guard=GuardConfig(policy="repair", fallback="raise"),
-            media=[frames],
-        )
+        run(FAMILY_CASES["nemotron_omni"], b.kwargs, [frames], model, fallback="raise")
     msg = str(err.value)
     for part in ("gives 3 placeholders", "the rollout 4", "6 frames", "first mismatching run: 2"):
         assert part in msg, (part, msg)
@@ -376,14 +362,10 @@ class VideoCase:
         return kw, static
 
     def check(self, kw, videos, **cfg):
-        return check_batch(
-            self.family,
-            kw,
-            config=self.model().config,
-            guard=GuardConfig(policy="repair", **cfg),
-            media={"video": [frames_array(v) if self.as_array else v for v in videos]},
-            processor={"video": self.settings()},
-        )
+        guard = GuardConfig(policy="repair", **cfg)
+        media = {"video": [frames_array(v) if self.as_array else v for v in videos]}
+        hf = dict(config=self.model().config, processor={"video": self.settings()})
+        return check_batch(self.family, kw, guard=guard, media=media, **hf)
 
 
 VIDEO_CASES = {
