@@ -59,8 +59,14 @@ def call(model, x, **over):
     )
 
 
-def guard_for(policy="raise", **cfg):
-    return MediaGuard(GuardConfig(policy=policy, **cfg), Grammar.llava(TOK), rank=RankInfo(rank=3))
+def guarded(policy="raise", items=None, cfg=None, **kw):
+    """A stand-in built with ``kw``, guarded as rank 3 at step 7 with ``items`` as metadata."""
+    model = TinyLLaVA(**kw)
+    config = GuardConfig(policy=policy, **(cfg or {}))
+    handle = install_llava(model, MediaGuard(config, Grammar.llava(TOK), rank=RankInfo(rank=3)))
+    handle.set_step(7)
+    handle.set_items(items)
+    return model, handle
 
 
 LAYOUT = [[(1, 2)], [(2, 1), (5, 1)], [(3, 2)]]  # sample 1 holds two images
@@ -94,8 +100,8 @@ NO_IMAGES = {**make_batch([[], []]), "emb": torch.zeros(0, 0, 0), "lab": None}
 )
 def test_aligned_batch_is_bit_identical_with_one_transfer(x, kw):
     ref = call(TinyLLaVA(**kw), x)
-    model = TinyLLaVA(**kw)
-    with install_llava(model, guard_for("drop")) as handle, count_transfers() as seen:
+    model, handle = guarded("drop", **kw)
+    with count_transfers() as seen:
         out = call(model, x)
     assert same(ref, out) and sum(seen.values()) == 1
     assert handle.last_result.ok and handle.last_result.mode == "as-is"
@@ -122,10 +128,7 @@ def test_raise_names_rank_step_sample_and_image(layout, literal, maxlen, items, 
     x = make_batch(layout)
     if literal is not None:
         x["ids"][literal] = TOK
-    model = TinyLLaVA(maxlen=maxlen)
-    handle = install_llava(model, guard_for("raise"))
-    handle.set_step(7)
-    handle.set_items(items)
+    model, _ = guarded("raise", items, maxlen=maxlen)
     with pytest.raises(MediaAlignmentError) as e:
         call(model, x)
     for part in ("rank 3", "step 7", f"sample {sample} row {sample}", *parts):
@@ -138,9 +141,7 @@ def test_drop_crossing_image_keeps_others_bit_identical_logs_and_masks_the_loss(
     maxlen = 8
     x = make_batch([*CROSS[:2], last])
     ref = call(TinyLLaVA(maxlen=maxlen), x)
-    model = TinyLLaVA(maxlen=maxlen)
-    handle = install_llava(model, guard_for("drop", log_dir=str(tmp_path)))
-    handle.set_step(11)
+    model, handle = guarded("drop", cfg={"log_dir": str(tmp_path)}, maxlen=maxlen)
     emb, labels, lmask = call(model, x)
     res = handle.last_result
     assert res.dropped == (2,) and res.mode == "zero"
@@ -148,7 +149,7 @@ def test_drop_crossing_image_keeps_others_bit_identical_logs_and_masks_the_loss(
     kept_identical((emb, labels, lmask), ref, {2})  # its (truncated) tiles were not merged
     (drop,) = [r for r in records(tmp_path) if r["event"] == "drop"]
     assert drop["rank"] == 3
-    assert (drop["sample"], drop["step"], drop["extra"]["check"]) == (2, 11, "max_length")
+    assert (drop["sample"], drop["step"], drop["extra"]["check"]) == (2, 7, "max_length")
     assert drop["tiles"] == last[0][1]
     # the training step's own tensors of the expanded layout, masked out of place
     ones = torch.ones_like(lmask)
@@ -162,9 +163,7 @@ def test_drop_crossing_image_keeps_others_bit_identical_logs_and_masks_the_loss(
 def test_drop_count_mismatch_restructures_and_keeps_others():
     x, items = extra_token_batch()
     x["emb"] = x["emb"].detach().requires_grad_(True)
-    model = TinyLLaVA()
-    handle = install_llava(model, guard_for("drop"))
-    handle.set_items(items)
+    model, handle = guarded("drop", items)
     emb, labels, lmask = call(model, x)
     assert handle.last_result.dropped == (1,) and handle.last_result.mode == "restructure"
     # kept samples: what the unguarded merge gives for them on their own
@@ -191,9 +190,7 @@ def test_drop_missing_image_token_gives_the_sample_its_entries():
     with pytest.raises(RuntimeError):
         call(TinyLLaVA(), x)  # megatron-core: 3 image tokens for 4 entries
     ref = call(TinyLLaVA(), {**x, "nit": x["nit"][[0, 1, 3]], "emb": x["emb"][:, [0, 1, 2, 4]]})
-    model = TinyLLaVA()
-    handle = install_llava(model, guard_for("drop"))
-    handle.set_items(items)
+    model, handle = guarded("drop", items)
     emb, labels, lmask = call(model, x)
     assert handle.last_result.dropped == (1,) and handle.last_result.mode == "restructure"
     w = ref[0].shape[0]
@@ -209,8 +206,7 @@ def test_drop_missing_image_token_gives_the_sample_its_entries():
 def test_drop_without_items_drops_every_image_sample_keeps_text_only():
     x = make_batch([[(1, 1)], [], [(3, 1)]])
     x["ids"][2, 6] = TOK  # 3 tokens, 2 entries: cannot say which sample is short
-    model = TinyLLaVA()
-    handle = install_llava(model, guard_for("drop"))
+    model, handle = guarded("drop")
     emb, labels, lmask = call(model, x)
     assert handle.last_result.dropped == (0, 2)
     alone = {k: (v[[1]] if k in ("lang", "ids", "lm", "lab") else v) for k, v in x.items()}
@@ -236,8 +232,7 @@ def test_drop_without_items_drops_every_image_sample_keeps_text_only():
 def test_layout_fault_raises_even_under_drop(bad):
     x = make_batch(LAYOUT)
     x["emb"] = bad(x["emb"])
-    model = TinyLLaVA()
-    install_llava(model, guard_for("drop"))
+    model, _ = guarded("drop")
     with pytest.raises(MediaAlignmentError, match="layout: image_embeddings"):
         call(model, x)
 
@@ -248,8 +243,7 @@ def test_nonfinite_tile_drops_its_sample(post):
     x["emb"] = x["emb"].clone()
     x["emb"][1, 4, 2] = float("nan")  # tile 4 = sample 2's first tile
     ref = call(TinyLLaVA(), x)
-    model = TinyLLaVA(post=post)
-    handle = install_llava(model, guard_for("raise", nonfinite="drop"))
+    model, handle = guarded("raise", cfg={"nonfinite": "drop"}, post=post)
     if not post:  # the last stage could not drop it: the first one raises
         with pytest.raises(MediaAlignmentError, match="last pipeline stage cannot see"):
             call(model, x)
@@ -265,18 +259,14 @@ def test_huge_finite_tiles_are_not_a_nonfinite_fault(nonfinite):
     x["emb"] = x["emb"].clone()
     x["emb"][:, 4] = 3e38  # the column sum overflows float32; the values are finite
     ref = call(TinyLLaVA(), x)
-    model = TinyLLaVA()
-    handle = install_llava(model, guard_for("raise", nonfinite=nonfinite))
+    model, handle = guarded("raise", cfg={"nonfinite": nonfinite})
     assert same(call(model, x), ref) and handle.last_result.ok
 
 
 def test_first_and_last_stage_reach_the_same_plan():
     x, items = extra_token_batch()
-    first, last = TinyLLaVA(post=False), TinyLLaVA(pre=False)
-    hf = install_llava(first, guard_for("drop"))
-    hl = install_llava(last, guard_for("drop"))
-    hf.set_items(items)
-    hl.set_items(items)
+    first, hf = guarded("drop", items, post=False)
+    last, hl = guarded("drop", items, pre=False)
     e, _, _ = call(first, x)
     _, labels, lmask = call(last, {**x, "emb": None, "lang": None})
     assert hf.last_result.actions == hl.last_result.actions == ("keep", "drop", "keep")
@@ -284,8 +274,8 @@ def test_first_and_last_stage_reach_the_same_plan():
 
 
 def test_install_is_per_instance_and_reversible():
-    model, other = TinyLLaVA(), TinyLLaVA()
-    handle = install_llava(model, guard_for())
+    model, handle = guarded()
+    other = TinyLLaVA()
     assert "_preprocess_data" in vars(model) and "_preprocess_data" not in vars(other)
     assert TinyLLaVA._preprocess_data is LLaVAModel._preprocess_data
     assert model._preprocess_data.__wrapped__ == types.MethodType(
@@ -298,14 +288,12 @@ def test_install_is_per_instance_and_reversible():
 
 def test_inference_cache_and_middle_stage_pass_through():
     x = make_batch(LAYOUT)
-    model = TinyLLaVA()
-    install_llava(model, guard_for())
+    model, _ = guarded()
     out = model._preprocess_data(
         x["emb"], x["lang"], x["ids"], x["lm"], x["lab"], True, None, TOK, x["nit"]
     )
     assert out[0] is x["lang"] and out[1] is x["lm"]  # megatron-core's own early return
-    mid = TinyLLaVA(pre=False, post=False)
-    install_llava(mid, guard_for())
+    mid, _ = guarded(pre=False, post=False)
     assert call(mid, x) == (None, None, None)
 
 
@@ -336,9 +324,7 @@ def test_drop_paths_on_the_tensors_device(device):
     for dev in ("cpu", device):
         xd = {k: v.to(dev) for k, v in x.items()}
         for maxlen in (64, 6):  # restructure (count fault), then zero (crossing image)
-            model = TinyLLaVA(maxlen=maxlen)
-            handle = install_llava(model, guard_for("drop"))
-            handle.set_items(items if maxlen == 64 else None)
+            model, handle = guarded("drop", items if maxlen == 64 else None, maxlen=maxlen)
             if maxlen == 6:
                 xd = {**xd, "ids": xd["ids"].clone()}
                 xd["ids"][1, 5] = 7  # sample 1 now holds one image: consistent
