@@ -52,10 +52,9 @@ def make_batch(layout, s=10, seed=0):
     return {"emb": emb, "lang": lang, "ids": ids, "lm": lm, "lab": lab, "nit": nit}
 
 
-def call(model, x, **over):
-    x = {**x, **over}
+def call(model, x, cache=False):
     return model._preprocess_data(
-        x["emb"], x["lang"], x["ids"], x["lm"], x["lab"], False, None, TOK, x["nit"]
+        x["emb"], x["lang"], x["ids"], x["lm"], x["lab"], cache, None, TOK, x["nit"]
     )
 
 
@@ -289,9 +288,7 @@ def test_install_is_per_instance_and_reversible():
 def test_inference_cache_and_middle_stage_pass_through():
     x = make_batch(LAYOUT)
     model, _ = guarded()
-    out = model._preprocess_data(
-        x["emb"], x["lang"], x["ids"], x["lm"], x["lab"], True, None, TOK, x["nit"]
-    )
+    out = call(model, x, cache=True)
     assert out[0] is x["lang"] and out[1] is x["lm"]  # megatron-core's own early return
     mid, _ = guarded(pre=False, post=False)
     assert call(mid, x) == (None, None, None)

@@ -34,12 +34,7 @@ from megatron_media_guard.core.host import count_transfers  # noqa: E402
 pytestmark = pytest.mark.skipif(not HAS_MCORE019, reason=NEEDS_MCORE019)
 LLaVAModel = llava_mod.LLaVAModel
 
-ITEMS = [
-    MediaItem(6, sample=0),
-    MediaItem(6, sample=1),
-    MediaItem(4, sample=1),
-    MediaItem(8, sample=2),
-]
+ITEMS = [MediaItem(n, sample=s) for n, s in ((6, 0), (6, 1), (4, 1), (8, 2))]
 
 
 def call(model, batch):

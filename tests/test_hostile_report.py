@@ -97,16 +97,12 @@ def test_huge_strings_are_cut_in_the_summary(tmp_path):
 
 # ---- report: reading a smoke directory of several runs -----------------------------------
 def test_smoke_directory_names_the_run_and_labels_consensus(tmp_path):
-    for run, rank in (("raise.policy", 1), ("drop.policy", 0)):
-        d = tmp_path / run
+    reason = "surplus: 10200 features for 8040 placeholders in the last video item"
+    for event, rank in (("raise", 1), ("drop", 0)):
+        d = tmp_path / f"{event}.policy"
         d.mkdir()
         (d / file_name(rank)).write_text(
-            line(
-                "raise" if run.startswith("raise") else "drop",
-                rank=rank,
-                action="raise" if run.startswith("raise") else "drop",
-                reason="surplus: 10200 features for 8040 placeholders in the last video item",
-            )
+            line(event, rank=rank, action=event, reason=reason)
             + line("consensus", rank=rank, action="raise")
         )
     s = summarize(tmp_path, jobs=1)
