@@ -58,14 +58,8 @@ def test_install_stamp_is_hashed_without_sha256sum(tmp_path):
     version = subprocess.run(
         [repo / ".venv" / "bin" / "python", "--version"], capture_output=True, text=True
     ).stdout
-    blob = b"".join(
-        [
-            (repo / "pyproject.toml").read_bytes(),
-            (repo / "scripts" / "install.sh").read_bytes(),
-            b"extra=test\n",
-            version.encode(),
-        ]
-    )
+    stamped = (repo / "pyproject.toml", repo / "scripts" / "install.sh")
+    blob = b"".join(p.read_bytes() for p in stamped) + b"extra=test\n" + version.encode()
     # the stamp an up-to-date install left: sha256 of the same bytes (what sha256sum printed)
     (repo / ".venv" / ".media_guard_install.test").write_text(hashlib.sha256(blob).hexdigest())
     out = _run(repo, "install.sh", "test")
