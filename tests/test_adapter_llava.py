@@ -30,7 +30,6 @@ from megatron_media_guard.diagnostics import RankInfo  # noqa: E402
 TOK = -200
 L = 3  # img_seq_len
 H = 4
-TinyLLaVA = LLaVAStandIn  # the release's stand-in ``self``: image token -200, img_seq_len 3
 
 
 def make_batch(layout, s=10, seed=0):
@@ -60,7 +59,7 @@ def call(model, x, cache=False):
 
 def guarded(policy="raise", items=None, cfg=None, **kw):
     """A stand-in built with ``kw``, guarded as rank 3 at step 7 with ``items`` as metadata."""
-    model = TinyLLaVA(**kw)
+    model = LLaVAStandIn(**kw)
     config = GuardConfig(policy=policy, **(cfg or {}))
     handle = install_llava(model, MediaGuard(config, Grammar.llava(TOK), rank=RankInfo(rank=3)))
     handle.set_step(7)
@@ -98,7 +97,7 @@ NO_IMAGES = {**make_batch([[], []]), "emb": torch.zeros(0, 0, 0), "lab": None}
     ],
 )
 def test_aligned_batch_is_bit_identical_with_one_transfer(x, kw):
-    ref = call(TinyLLaVA(**kw), x)
+    ref = call(LLaVAStandIn(**kw), x)
     model, handle = guarded("drop", **kw)
     with count_transfers() as seen:
         out = call(model, x)
@@ -139,7 +138,7 @@ def test_raise_names_rank_step_sample_and_image(layout, literal, maxlen, items, 
 def test_drop_crossing_image_keeps_others_bit_identical_logs_and_masks_the_loss(last, tmp_path):
     maxlen = 8
     x = make_batch([*CROSS[:2], last])
-    ref = call(TinyLLaVA(maxlen=maxlen), x)
+    ref = call(LLaVAStandIn(maxlen=maxlen), x)
     model, handle = guarded("drop", cfg={"log_dir": str(tmp_path)}, maxlen=maxlen)
     emb, labels, lmask = call(model, x)
     res = handle.last_result
@@ -169,7 +168,7 @@ def test_drop_count_mismatch_restructures_and_keeps_others():
     sub = {k: x[k][[0, 2]] for k in ("lang", "ids", "lm", "lab")}
     sub["emb"] = torch.cat([x["emb"][:, :2], x["emb"][:, 3:]], 1)
     sub["nit"] = torch.tensor([2, 1], dtype=torch.int)
-    ref = call(TinyLLaVA(), sub)
+    ref = call(LLaVAStandIn(), sub)
     # the dropped sample: zeros (no foreign tile), nothing to learn
     at = [0, 0, 1]  # the reference row of each output row (row 1: dropped)
     kept_identical((emb, labels, lmask), (ref[0][:, at], ref[1][at], ref[2][at]), {1})
@@ -187,8 +186,8 @@ def test_drop_missing_image_token_gives_the_sample_its_entries():
     items = [MediaItem(6, sample=0), MediaItem(3, sample=1), MediaItem(3, sample=1)]
     items.append(MediaItem(3, sample=2))
     with pytest.raises(RuntimeError):
-        call(TinyLLaVA(), x)  # megatron-core: 3 image tokens for 4 entries
-    ref = call(TinyLLaVA(), {**x, "nit": x["nit"][[0, 1, 3]], "emb": x["emb"][:, [0, 1, 2, 4]]})
+        call(LLaVAStandIn(), x)  # megatron-core: 3 image tokens for 4 entries
+    ref = call(LLaVAStandIn(), {**x, "nit": x["nit"][[0, 1, 3]], "emb": x["emb"][:, [0, 1, 2, 4]]})
     model, handle = guarded("drop", items)
     emb, labels, lmask = call(model, x)
     assert handle.last_result.dropped == (1,) and handle.last_result.mode == "restructure"
@@ -211,7 +210,7 @@ def test_drop_without_items_drops_every_image_sample_keeps_text_only():
     alone = {k: (v[[1]] if k in ("lang", "ids", "lm", "lab") else v) for k, v in x.items()}
     alone["nit"] = torch.zeros(0, dtype=torch.int)
     alone["emb"] = torch.zeros(0, 0, H)
-    ref = call(TinyLLaVA(), alone)
+    ref = call(LLaVAStandIn(), alone)
     w = ref[0].shape[0]  # the dropped rows keep their tiles (zeroed): the batch may be wider
     assert torch.equal(emb[:w, 1], ref[0][:, 0]) and (emb[w:, 1] == 0).all()
     assert torch.equal(labels[1, :w], ref[1][0]) and (labels[1, w:] == -100).all()
@@ -241,7 +240,7 @@ def test_nonfinite_tile_drops_its_sample(post):
     x = make_batch(LAYOUT)
     x["emb"] = x["emb"].clone()
     x["emb"][1, 4, 2] = float("nan")  # tile 4 = sample 2's first tile
-    ref = call(TinyLLaVA(), x)
+    ref = call(LLaVAStandIn(), x)
     model, handle = guarded("raise", cfg={"nonfinite": "drop"}, post=post)
     if not post:  # the last stage could not drop it: the first one raises
         with pytest.raises(MediaAlignmentError, match="last pipeline stage cannot see"):
@@ -257,7 +256,7 @@ def test_huge_finite_tiles_are_not_a_nonfinite_fault(nonfinite):
     x = make_batch(LAYOUT)
     x["emb"] = x["emb"].clone()
     x["emb"][:, 4] = 3e38  # the column sum overflows float32; the values are finite
-    ref = call(TinyLLaVA(), x)
+    ref = call(LLaVAStandIn(), x)
     model, handle = guarded("raise", cfg={"nonfinite": nonfinite})
     assert same(call(model, x), ref) and handle.last_result.ok
 
@@ -274,9 +273,9 @@ def test_first_and_last_stage_reach_the_same_plan():
 
 def test_install_is_per_instance_and_reversible():
     model, handle = guarded()
-    other = TinyLLaVA()
+    other = LLaVAStandIn()
     assert "_preprocess_data" in vars(model) and "_preprocess_data" not in vars(other)
-    assert TinyLLaVA._preprocess_data is LLaVAModel._preprocess_data
+    assert LLaVAStandIn._preprocess_data is LLaVAModel._preprocess_data
     assert model._preprocess_data.__wrapped__ == types.MethodType(
         LLaVAModel._preprocess_data, model
     )
@@ -301,7 +300,7 @@ def test_step_provider_closes_steps_and_counts_microbatches():
     cons.on_step_end = lambda step, counts, guard: cons.steps.append((step, dict(counts)))
     guard = MediaGuard(GuardConfig(policy="drop"), Grammar.llava(TOK), consensus=cons)
     step = {"i": 1}
-    model = TinyLLaVA(maxlen=8)
+    model = LLaVAStandIn(maxlen=8)
     handle = install_llava(model, guard, step_provider=lambda: step["i"])
     call(model, x)
     call(model, x)

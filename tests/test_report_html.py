@@ -123,8 +123,7 @@ WIDE_AND_TALL = [("drop", r, s) for r in range(0, 1000, 9) for s in range(0, 300
 @pytest.mark.parametrize("rows", [FEW, MANY_RANKS, MANY_STEPS, UNKNOWN, WIDE_AND_TALL])
 def test_heatmap_cells_match_the_records(tmp_path, rows):
     write_run(tmp_path, rows)
-    s = summarize(tmp_path, jobs=1)
-    page = parse(render_html(s))
+    page = parse(render_html(summarize(tmp_path, jobs=1)))
     want = assert_cells(page, rows)
     for c in page.cells:  # the hover title gives the exact count of each event in the cell
         per = want[(c["data-r"], c["data-s"])]
@@ -195,8 +194,7 @@ def test_reasons_in_full_four_that_differ_after_100_characters(tmp_path):
     s = summarize(tmp_path, jobs=1)
     full = {re.sub(r"\d+", "#", head + t) for t in tails}
     assert set(s.by_reason) == full
-    text = format_summary(s)
-    page = render_html(s)
+    text, page = format_summary(s), render_html(s)
     for reason in full:
         assert reason in text and reason in page
         assert s.reason_examples[reason]["line"] in (1, 2, 3, 4)
