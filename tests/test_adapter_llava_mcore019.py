@@ -119,9 +119,14 @@ def extra_sound_token(b):
     b.input_ids[1, 0] = SOUND  # a text token becomes a sound token: 4 tokens, 3 rows
 
 
+def extra_image_token(b):
+    b.input_ids = b.input_ids.clone()
+    b.input_ids[1, 2] = IMAGE  # an image token the entries do not have
+
+
 def image_and_sound(b):
     extra_sound_token(b)
-    b.input_ids[1, 2] = IMAGE  # and an image token the entries do not have
+    extra_image_token(b)
 
 
 FAULTS = {
@@ -216,11 +221,6 @@ def test_nonfinite_sound_rows(policy):
 # ---- packed dynamic resolution: img_seq_len 1, per-image counts, [sum, 1, h] --------------
 
 
-def extra_image_token(b):
-    b.input_ids = b.input_ids.clone()
-    b.input_ids[1, 2] = IMAGE  # an image token the entries do not have
-
-
 def nan_in_image_2(b):
     b.image_embeddings = b.image_embeddings.clone()
     b.image_embeddings[13, 0, 2] = float("nan")  # image 2 (sample 1) holds rows 12..15
@@ -281,8 +281,7 @@ def test_one_fault_drops_its_sample_the_others_bit_identical(case):
 
 def test_packed_dynamic_count_fault_without_items_drops_every_image_sample():
     batch = build([*EXAMPLES, Example(mel_frames=24)])  # the last sample: text and sound
-    batch.input_ids = batch.input_ids.clone()
-    batch.input_ids[1, 2] = IMAGE
+    extra_image_token(batch)
     model, handle = guarded(batch, "drop")
     out = call(model, batch)
     assert handle.last_result.dropped == (0, 1, 2)
