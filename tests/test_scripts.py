@@ -5,8 +5,10 @@ standing in for the platform (``uname``) or hiding a tool; nothing of the checko
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -138,9 +140,6 @@ def test_smoke_sh_keeps_logs_page_and_bundles_by_default(tmp_path, args, log_dir
     """scripts/smoke.sh (the main job) keeps what the README shows: the logs and their page in
     a fresh directory, and the replay bundles in its bundles/ (``media-guard smoke`` alone uses
     a temporary directory)."""
-    import fnmatch
-    import shlex
-
     repo = _scratch(tmp_path, "smoke.sh")
     _shim(repo / "scripts", "install.sh", "exit 0")
     _shim(repo / ".venv" / "bin", "media-guard", 'printf "%s\\n" "$@" > "$(dirname "$0")/argv"')

@@ -220,12 +220,10 @@ def test_launcher_refuses_fork():
 
 
 # ---- 4-rank smoke runs ------------------------------------------------------------------------
-def _smoke(tmp_path, *flags, timeout=240):
+def _smoke(tmp_path, *flags):
     log_dir = tmp_path / "logs"
     cmd = [sys.executable, "-m", "megatron_media_guard.smoke", "--log-dir", str(log_dir), *flags]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**os.environ}
-    )
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     return proc, log_dir
 
 
