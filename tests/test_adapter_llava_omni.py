@@ -25,7 +25,6 @@ from megatron_media_guard.core.host import count_transfers  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not HAS_MCORE019, reason=NEEDS_MCORE019)
 LLaVAModel = llava_mod.LLaVAModel
-MAXLEN = 4096
 
 
 class OmniForwardStandIn(torch.nn.Module):
@@ -36,9 +35,9 @@ class OmniForwardStandIn(torch.nn.Module):
 
     _preprocess_data = LLaVAModel._preprocess_data
 
-    def __init__(self, batch, maxlen=MAXLEN):
+    def __init__(self, batch):
         super().__init__()
-        for k, v in vars(standin(batch, maxlen)).items():
+        for k, v in vars(standin(batch)).items():
             setattr(self, k, v)
         self.batch = batch
 
