@@ -22,13 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_ok(argv: list[str], timeout: int = 180, **env: str) -> subprocess.CompletedProcess:
     """``python argv`` in a fresh process with the worktree importable; it must exit 0."""
-    out = subprocess.run(
-        [sys.executable, *argv],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=dict(os.environ, PYTHONPATH=str(ROOT), **env),
-    )
+    cmd = [sys.executable, *argv]
+    environ = dict(os.environ, PYTHONPATH=str(ROOT), **env)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=environ)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     return out
 

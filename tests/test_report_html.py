@@ -239,12 +239,8 @@ def test_report_in_a_fresh_process_imports_no_torch_and_never_blocks(tmp_path):
     write_run(tmp_path, FEW)
     os.mkfifo(tmp_path / file_name(9))
     page = tmp_path / "p.html"
-    done = subprocess.run(
-        [sys.executable, "-c", TORCH_FREE, str(tmp_path), str(page)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    argv = [sys.executable, "-c", TORCH_FREE, str(tmp_path), str(page)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     out = done.stdout.splitlines()
     assert out[-1] == "TORCH:" and f"page {page}" in done.stderr
