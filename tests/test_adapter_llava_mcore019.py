@@ -4,6 +4,10 @@ per sample. Packed THD rows and the Omni contract: ``test_adapter_llava_omni``."
 
 from __future__ import annotations
 
+import inspect
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -308,9 +312,6 @@ def test_sound_metadata_places_a_clip_the_walk_cannot():
 
 def test_children_see_the_same_release():
     """Spawned test processes (the 4-rank tests) import megatron-core from the same place."""
-    import subprocess
-    import sys
-
     import megatron.core
 
     code = "import importlib.util as u; print(u.find_spec('megatron.core').origin)"
@@ -352,8 +353,6 @@ def test_drop_under_context_parallel_layout():
 def test_release_signature():
     """0.19.2's ``_preprocess_data`` as the adapter reads it: the 0.16 positional parameters,
     then keyword-only packed dynamic resolution and sound."""
-    import inspect
-
     params = inspect.signature(LLaVAModel._preprocess_data).parameters
     positional = [n for n, p in params.items() if p.kind is p.POSITIONAL_OR_KEYWORD]
     assert positional[-3:] == ["inference_context", "image_token_index", "num_image_tiles"]
