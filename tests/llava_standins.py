@@ -45,13 +45,10 @@ class Mcore019LLaVAStandIn(Mcore016LLaVAStandIn):
     def __init__(self, *args, sound_token=-300, sound_pad_to_clip_duration=None, **kw):
         super().__init__(*args, **kw)
         self.sound_token_index = sound_token
-        self.sound_model = (
-            None
-            if sound_pad_to_clip_duration is None
-            else types.SimpleNamespace(
-                config=types.SimpleNamespace(sound_pad_to_clip_duration=sound_pad_to_clip_duration)
-            )
-        )
+        self.sound_model = None
+        if sound_pad_to_clip_duration is not None:
+            config = types.SimpleNamespace(sound_pad_to_clip_duration=sound_pad_to_clip_duration)
+            self.sound_model = types.SimpleNamespace(config=config)
 
 
 LLaVAStandIn = Mcore019LLaVAStandIn if HAS_MCORE019 else Mcore016LLaVAStandIn

@@ -30,7 +30,6 @@ from megatron_media_guard.diagnostics import RankInfo  # noqa: E402
 TOK = -200
 L = 3  # img_seq_len
 H = 4
-TinyLLaVA = LLaVAStandIn  # the release's stand-in ``self``: image token -200, img_seq_len 3
 
 
 def make_batch(layout, s=10, seed=0):
@@ -52,15 +51,20 @@ def make_batch(layout, s=10, seed=0):
     return {"emb": emb, "lang": lang, "ids": ids, "lm": lm, "lab": lab, "nit": nit}
 
 
-def call(model, x, **over):
-    x = {**x, **over}
+def call(model, x, cache=False):
     return model._preprocess_data(
-        x["emb"], x["lang"], x["ids"], x["lm"], x["lab"], False, None, TOK, x["nit"]
+        x["emb"], x["lang"], x["ids"], x["lm"], x["lab"], cache, None, TOK, x["nit"]
     )
 
 
-def guard_for(policy="raise", **cfg):
-    return MediaGuard(GuardConfig(policy=policy, **cfg), Grammar.llava(TOK), rank=RankInfo(rank=3))
+def guarded(policy="raise", items=None, cfg=None, **kw):
+    """A stand-in built with ``kw``, guarded as rank 3 at step 7 with ``items`` as metadata."""
+    model = LLaVAStandIn(**kw)
+    config = GuardConfig(policy=policy, **(cfg or {}))
+    handle = install_llava(model, MediaGuard(config, Grammar.llava(TOK), rank=RankInfo(rank=3)))
+    handle.set_step(7)
+    handle.set_items(items)
+    return model, handle
 
 
 LAYOUT = [[(1, 2)], [(2, 1), (5, 1)], [(3, 2)]]  # sample 1 holds two images
@@ -93,9 +97,9 @@ NO_IMAGES = {**make_batch([[], []]), "emb": torch.zeros(0, 0, 0), "lab": None}
     ],
 )
 def test_aligned_batch_is_bit_identical_with_one_transfer(x, kw):
-    ref = call(TinyLLaVA(**kw), x)
-    model = TinyLLaVA(**kw)
-    with install_llava(model, guard_for("drop")) as handle, count_transfers() as seen:
+    ref = call(LLaVAStandIn(**kw), x)
+    model, handle = guarded("drop", **kw)
+    with count_transfers() as seen:
         out = call(model, x)
     assert same(ref, out) and sum(seen.values()) == 1
     assert handle.last_result.ok and handle.last_result.mode == "as-is"
@@ -122,10 +126,7 @@ def test_raise_names_rank_step_sample_and_image(layout, literal, maxlen, items, 
     x = make_batch(layout)
     if literal is not None:
         x["ids"][literal] = TOK
-    model = TinyLLaVA(maxlen=maxlen)
-    handle = install_llava(model, guard_for("raise"))
-    handle.set_step(7)
-    handle.set_items(items)
+    model, _ = guarded("raise", items, maxlen=maxlen)
     with pytest.raises(MediaAlignmentError) as e:
         call(model, x)
     for part in ("rank 3", "step 7", f"sample {sample} row {sample}", *parts):
@@ -137,10 +138,8 @@ def test_raise_names_rank_step_sample_and_image(layout, literal, maxlen, items, 
 def test_drop_crossing_image_keeps_others_bit_identical_logs_and_masks_the_loss(last, tmp_path):
     maxlen = 8
     x = make_batch([*CROSS[:2], last])
-    ref = call(TinyLLaVA(maxlen=maxlen), x)
-    model = TinyLLaVA(maxlen=maxlen)
-    handle = install_llava(model, guard_for("drop", log_dir=str(tmp_path)))
-    handle.set_step(11)
+    ref = call(LLaVAStandIn(maxlen=maxlen), x)
+    model, handle = guarded("drop", cfg={"log_dir": str(tmp_path)}, maxlen=maxlen)
     emb, labels, lmask = call(model, x)
     res = handle.last_result
     assert res.dropped == (2,) and res.mode == "zero"
@@ -148,7 +147,7 @@ def test_drop_crossing_image_keeps_others_bit_identical_logs_and_masks_the_loss(
     kept_identical((emb, labels, lmask), ref, {2})  # its (truncated) tiles were not merged
     (drop,) = [r for r in records(tmp_path) if r["event"] == "drop"]
     assert drop["rank"] == 3
-    assert (drop["sample"], drop["step"], drop["extra"]["check"]) == (2, 11, "max_length")
+    assert (drop["sample"], drop["step"], drop["extra"]["check"]) == (2, 7, "max_length")
     assert drop["tiles"] == last[0][1]
     # the training step's own tensors of the expanded layout, masked out of place
     ones = torch.ones_like(lmask)
@@ -162,16 +161,14 @@ def test_drop_crossing_image_keeps_others_bit_identical_logs_and_masks_the_loss(
 def test_drop_count_mismatch_restructures_and_keeps_others():
     x, items = extra_token_batch()
     x["emb"] = x["emb"].detach().requires_grad_(True)
-    model = TinyLLaVA()
-    handle = install_llava(model, guard_for("drop"))
-    handle.set_items(items)
+    model, handle = guarded("drop", items)
     emb, labels, lmask = call(model, x)
     assert handle.last_result.dropped == (1,) and handle.last_result.mode == "restructure"
     # kept samples: what the unguarded merge gives for them on their own
     sub = {k: x[k][[0, 2]] for k in ("lang", "ids", "lm", "lab")}
     sub["emb"] = torch.cat([x["emb"][:, :2], x["emb"][:, 3:]], 1)
     sub["nit"] = torch.tensor([2, 1], dtype=torch.int)
-    ref = call(TinyLLaVA(), sub)
+    ref = call(LLaVAStandIn(), sub)
     # the dropped sample: zeros (no foreign tile), nothing to learn
     at = [0, 0, 1]  # the reference row of each output row (row 1: dropped)
     kept_identical((emb, labels, lmask), (ref[0][:, at], ref[1][at], ref[2][at]), {1})
@@ -189,11 +186,9 @@ def test_drop_missing_image_token_gives_the_sample_its_entries():
     items = [MediaItem(6, sample=0), MediaItem(3, sample=1), MediaItem(3, sample=1)]
     items.append(MediaItem(3, sample=2))
     with pytest.raises(RuntimeError):
-        call(TinyLLaVA(), x)  # megatron-core: 3 image tokens for 4 entries
-    ref = call(TinyLLaVA(), {**x, "nit": x["nit"][[0, 1, 3]], "emb": x["emb"][:, [0, 1, 2, 4]]})
-    model = TinyLLaVA()
-    handle = install_llava(model, guard_for("drop"))
-    handle.set_items(items)
+        call(LLaVAStandIn(), x)  # megatron-core: 3 image tokens for 4 entries
+    ref = call(LLaVAStandIn(), {**x, "nit": x["nit"][[0, 1, 3]], "emb": x["emb"][:, [0, 1, 2, 4]]})
+    model, handle = guarded("drop", items)
     emb, labels, lmask = call(model, x)
     assert handle.last_result.dropped == (1,) and handle.last_result.mode == "restructure"
     w = ref[0].shape[0]
@@ -209,14 +204,13 @@ def test_drop_missing_image_token_gives_the_sample_its_entries():
 def test_drop_without_items_drops_every_image_sample_keeps_text_only():
     x = make_batch([[(1, 1)], [], [(3, 1)]])
     x["ids"][2, 6] = TOK  # 3 tokens, 2 entries: cannot say which sample is short
-    model = TinyLLaVA()
-    handle = install_llava(model, guard_for("drop"))
+    model, handle = guarded("drop")
     emb, labels, lmask = call(model, x)
     assert handle.last_result.dropped == (0, 2)
     alone = {k: (v[[1]] if k in ("lang", "ids", "lm", "lab") else v) for k, v in x.items()}
     alone["nit"] = torch.zeros(0, dtype=torch.int)
     alone["emb"] = torch.zeros(0, 0, H)
-    ref = call(TinyLLaVA(), alone)
+    ref = call(LLaVAStandIn(), alone)
     w = ref[0].shape[0]  # the dropped rows keep their tiles (zeroed): the batch may be wider
     assert torch.equal(emb[:w, 1], ref[0][:, 0]) and (emb[w:, 1] == 0).all()
     assert torch.equal(labels[1, :w], ref[1][0]) and (labels[1, w:] == -100).all()
@@ -236,8 +230,7 @@ def test_drop_without_items_drops_every_image_sample_keeps_text_only():
 def test_layout_fault_raises_even_under_drop(bad):
     x = make_batch(LAYOUT)
     x["emb"] = bad(x["emb"])
-    model = TinyLLaVA()
-    install_llava(model, guard_for("drop"))
+    model, _ = guarded("drop")
     with pytest.raises(MediaAlignmentError, match="layout: image_embeddings"):
         call(model, x)
 
@@ -247,9 +240,8 @@ def test_nonfinite_tile_drops_its_sample(post):
     x = make_batch(LAYOUT)
     x["emb"] = x["emb"].clone()
     x["emb"][1, 4, 2] = float("nan")  # tile 4 = sample 2's first tile
-    ref = call(TinyLLaVA(), x)
-    model = TinyLLaVA(post=post)
-    handle = install_llava(model, guard_for("raise", nonfinite="drop"))
+    ref = call(LLaVAStandIn(), x)
+    model, handle = guarded("raise", cfg={"nonfinite": "drop"}, post=post)
     if not post:  # the last stage could not drop it: the first one raises
         with pytest.raises(MediaAlignmentError, match="last pipeline stage cannot see"):
             call(model, x)
@@ -264,19 +256,15 @@ def test_huge_finite_tiles_are_not_a_nonfinite_fault(nonfinite):
     x = make_batch(LAYOUT)
     x["emb"] = x["emb"].clone()
     x["emb"][:, 4] = 3e38  # the column sum overflows float32; the values are finite
-    ref = call(TinyLLaVA(), x)
-    model = TinyLLaVA()
-    handle = install_llava(model, guard_for("raise", nonfinite=nonfinite))
+    ref = call(LLaVAStandIn(), x)
+    model, handle = guarded("raise", cfg={"nonfinite": nonfinite})
     assert same(call(model, x), ref) and handle.last_result.ok
 
 
 def test_first_and_last_stage_reach_the_same_plan():
     x, items = extra_token_batch()
-    first, last = TinyLLaVA(post=False), TinyLLaVA(pre=False)
-    hf = install_llava(first, guard_for("drop"))
-    hl = install_llava(last, guard_for("drop"))
-    hf.set_items(items)
-    hl.set_items(items)
+    first, hf = guarded("drop", items, post=False)
+    last, hl = guarded("drop", items, pre=False)
     e, _, _ = call(first, x)
     _, labels, lmask = call(last, {**x, "emb": None, "lang": None})
     assert hf.last_result.actions == hl.last_result.actions == ("keep", "drop", "keep")
@@ -284,10 +272,10 @@ def test_first_and_last_stage_reach_the_same_plan():
 
 
 def test_install_is_per_instance_and_reversible():
-    model, other = TinyLLaVA(), TinyLLaVA()
-    handle = install_llava(model, guard_for())
+    model, handle = guarded()
+    other = LLaVAStandIn()
     assert "_preprocess_data" in vars(model) and "_preprocess_data" not in vars(other)
-    assert TinyLLaVA._preprocess_data is LLaVAModel._preprocess_data
+    assert LLaVAStandIn._preprocess_data is LLaVAModel._preprocess_data
     assert model._preprocess_data.__wrapped__ == types.MethodType(
         LLaVAModel._preprocess_data, model
     )
@@ -298,14 +286,10 @@ def test_install_is_per_instance_and_reversible():
 
 def test_inference_cache_and_middle_stage_pass_through():
     x = make_batch(LAYOUT)
-    model = TinyLLaVA()
-    install_llava(model, guard_for())
-    out = model._preprocess_data(
-        x["emb"], x["lang"], x["ids"], x["lm"], x["lab"], True, None, TOK, x["nit"]
-    )
+    model, _ = guarded()
+    out = call(model, x, cache=True)
     assert out[0] is x["lang"] and out[1] is x["lm"]  # megatron-core's own early return
-    mid = TinyLLaVA(pre=False, post=False)
-    install_llava(mid, guard_for())
+    mid, _ = guarded(pre=False, post=False)
     assert call(mid, x) == (None, None, None)
 
 
@@ -316,7 +300,7 @@ def test_step_provider_closes_steps_and_counts_microbatches():
     cons.on_step_end = lambda step, counts, guard: cons.steps.append((step, dict(counts)))
     guard = MediaGuard(GuardConfig(policy="drop"), Grammar.llava(TOK), consensus=cons)
     step = {"i": 1}
-    model = TinyLLaVA(maxlen=8)
+    model = LLaVAStandIn(maxlen=8)
     handle = install_llava(model, guard, step_provider=lambda: step["i"])
     call(model, x)
     call(model, x)
@@ -336,9 +320,7 @@ def test_drop_paths_on_the_tensors_device(device):
     for dev in ("cpu", device):
         xd = {k: v.to(dev) for k, v in x.items()}
         for maxlen in (64, 6):  # restructure (count fault), then zero (crossing image)
-            model = TinyLLaVA(maxlen=maxlen)
-            handle = install_llava(model, guard_for("drop"))
-            handle.set_items(items if maxlen == 64 else None)
+            model, handle = guarded("drop", items if maxlen == 64 else None, maxlen=maxlen)
             if maxlen == 6:
                 xd = {**xd, "ids": xd["ids"].clone()}
                 xd["ids"][1, 5] = 7  # sample 1 now holds one image: consistent

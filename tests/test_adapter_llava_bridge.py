@@ -184,9 +184,7 @@ def packed(kw: dict, align: int = 8) -> dict:
     ids, n_img = kw["input_ids"], (kw["input_ids"] == IMAGE).sum(1).tolist()
     merged = [SEQ + n * (TILE - 1) for n in n_img]
     padded = [-(-m // align) * align for m in merged]
-    rows = [
-        torch.cat([ids[i], torch.full((p - m,), 2)]) for i, (m, p) in enumerate(zip(merged, padded))
-    ]
+    rows = [torch.cat([r, torch.full((p - m,), 2)]) for r, m, p in zip(ids, merged, padded)]
     pos = [torch.arange(len(r)) for r in rows]
     cum = lambda v: torch.tensor([0, *torch.tensor(v).cumsum(0).tolist()], dtype=torch.int32)  # noqa: E731
     out = dict(kw, input_ids=torch.cat(rows)[None], position_ids=torch.cat(pos)[None])

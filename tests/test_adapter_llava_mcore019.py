@@ -4,6 +4,10 @@ per sample. Packed THD rows and the Omni contract: ``test_adapter_llava_omni``."
 
 from __future__ import annotations
 
+import inspect
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -34,12 +38,7 @@ from megatron_media_guard.core.host import count_transfers  # noqa: E402
 pytestmark = pytest.mark.skipif(not HAS_MCORE019, reason=NEEDS_MCORE019)
 LLaVAModel = llava_mod.LLaVAModel
 
-ITEMS = [
-    MediaItem(6, sample=0),
-    MediaItem(6, sample=1),
-    MediaItem(4, sample=1),
-    MediaItem(8, sample=2),
-]
+ITEMS = [MediaItem(n, sample=s) for n, s in ((6, 0), (6, 1), (4, 1), (8, 2))]
 
 
 def call(model, batch):
@@ -124,9 +123,14 @@ def extra_sound_token(b):
     b.input_ids[1, 0] = SOUND  # a text token becomes a sound token: 4 tokens, 3 rows
 
 
+def extra_image_token(b):
+    b.input_ids = b.input_ids.clone()
+    b.input_ids[1, 2] = IMAGE  # an image token the entries do not have
+
+
 def image_and_sound(b):
     extra_sound_token(b)
-    b.input_ids[1, 2] = IMAGE  # and an image token the entries do not have
+    extra_image_token(b)
 
 
 FAULTS = {
@@ -221,11 +225,6 @@ def test_nonfinite_sound_rows(policy):
 # ---- packed dynamic resolution: img_seq_len 1, per-image counts, [sum, 1, h] --------------
 
 
-def extra_image_token(b):
-    b.input_ids = b.input_ids.clone()
-    b.input_ids[1, 2] = IMAGE  # an image token the entries do not have
-
-
 def nan_in_image_2(b):
     b.image_embeddings = b.image_embeddings.clone()
     b.image_embeddings[13, 0, 2] = float("nan")  # image 2 (sample 1) holds rows 12..15
@@ -286,8 +285,7 @@ def test_one_fault_drops_its_sample_the_others_bit_identical(case):
 
 def test_packed_dynamic_count_fault_without_items_drops_every_image_sample():
     batch = build([*EXAMPLES, Example(mel_frames=24)])  # the last sample: text and sound
-    batch.input_ids = batch.input_ids.clone()
-    batch.input_ids[1, 2] = IMAGE
+    extra_image_token(batch)
     model, handle = guarded(batch, "drop")
     out = call(model, batch)
     assert handle.last_result.dropped == (0, 1, 2)
@@ -314,9 +312,6 @@ def test_sound_metadata_places_a_clip_the_walk_cannot():
 
 def test_children_see_the_same_release():
     """Spawned test processes (the 4-rank tests) import megatron-core from the same place."""
-    import subprocess
-    import sys
-
     import megatron.core
 
     code = "import importlib.util as u; print(u.find_spec('megatron.core').origin)"
@@ -358,8 +353,6 @@ def test_drop_under_context_parallel_layout():
 def test_release_signature():
     """0.19.2's ``_preprocess_data`` as the adapter reads it: the 0.16 positional parameters,
     then keyword-only packed dynamic resolution and sound."""
-    import inspect
-
     params = inspect.signature(LLaVAModel._preprocess_data).parameters
     positional = [n for n, p in params.items() if p.kind is p.POSITIONAL_OR_KEYWORD]
     assert positional[-3:] == ["inference_context", "image_token_index", "num_image_tiles"]

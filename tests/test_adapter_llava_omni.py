@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 llava_mod = pytest.importorskip("megatron.core.models.multimodal.llava_model")
-
 from llava_standins import HAS_MCORE019, NEEDS_MCORE019, kept_identical, same  # noqa: E402
 from llava_standins import omni_guard as guard  # noqa: E402
 from llava_standins import omni_standin as standin  # noqa: E402
+from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from omni_batches import IMAGE, IMAGES_SOUND, SOUND, Example, build  # noqa: E402
 
 from megatron_media_guard import MediaAlignmentError  # noqa: E402
@@ -25,7 +25,6 @@ from megatron_media_guard.core.host import count_transfers  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not HAS_MCORE019, reason=NEEDS_MCORE019)
 LLaVAModel = llava_mod.LLaVAModel
-MAXLEN = 4096
 
 
 class OmniForwardStandIn(torch.nn.Module):
@@ -36,9 +35,9 @@ class OmniForwardStandIn(torch.nn.Module):
 
     _preprocess_data = LLaVAModel._preprocess_data
 
-    def __init__(self, batch, maxlen=MAXLEN):
+    def __init__(self, batch):
         super().__init__()
-        for k, v in vars(standin(batch, maxlen)).items():
+        for k, v in vars(standin(batch)).items():
             setattr(self, k, v)
         self.batch = batch
 
@@ -59,21 +58,17 @@ class OmniForwardStandIn(torch.nn.Module):
         return self._preprocess_data(**self.batch.kwargs())
 
 
-def psp(batch):
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    return PackedSeqParams(
+def run_forward(model, batch, positions=True):
+    """Bridge's call of the forward on the batch as one THD row."""
+    params = PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=batch.cu_seqlens_q,
         cu_seqlens_kv=batch.cu_seqlens_q,
         cu_seqlens_q_padded=batch.cu_seqlens_q_padded,
         cu_seqlens_kv_padded=batch.cu_seqlens_q_padded,
     )
-
-
-def run_forward(model, batch, positions=True):
     pos = batch.position_ids if positions else None
-    return model(None, batch.input_ids, pos, None, packed_seq_params=psp(batch))
+    return model(None, batch.input_ids, pos, None, packed_seq_params=params)
 
 
 def unguarded(batch):

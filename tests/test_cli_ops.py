@@ -22,13 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_ok(argv: list[str], timeout: int = 180, **env: str) -> subprocess.CompletedProcess:
     """``python argv`` in a fresh process with the worktree importable; it must exit 0."""
-    out = subprocess.run(
-        [sys.executable, *argv],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=dict(os.environ, PYTHONPATH=str(ROOT), **env),
-    )
+    cmd = [sys.executable, *argv]
+    environ = dict(os.environ, PYTHONPATH=str(ROOT), **env)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=environ)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     return out
 
@@ -39,34 +35,20 @@ def test_replay_max_bytes_must_be_a_positive_count(tmp_path, capsys, value):
     assert "--max-bytes" in capsys.readouterr().err
 
 
-def _a_file(d: Path) -> Path:
-    (d / "taken").write_text("x")
-    return d / "taken"
-
-
-def _under_a_file(d: Path) -> Path:
-    return _a_file(d) / "logs"
-
-
-def _read_only(d: Path) -> Path:
-    ro = d / "ro"
-    ro.mkdir()
-    ro.chmod(0o500)
-    return ro / "logs"
-
-
 @pytest.mark.parametrize(
-    "make, needle",
+    "under, needle",
     [
-        (_a_file, "exists and is not a directory"),
-        (_under_a_file, "cannot create it"),
-        (_read_only, "cannot create it"),
+        ("taken", "exists and is not a directory"),
+        ("taken/logs", "cannot create it"),
+        ("ro/logs", "cannot create it"),
     ],
 )
-def test_smoke_log_dir_that_cannot_be_used_is_one_line_and_exit_2(tmp_path, capsys, make, needle):
-    if make is _read_only and os.geteuid() == 0:
+def test_smoke_log_dir_that_cannot_be_used_is_one_line_and_exit_2(tmp_path, capsys, under, needle):
+    if under.startswith("ro/") and os.geteuid() == 0:
         pytest.skip("root writes into a read-only directory")
-    path = make(tmp_path)
+    (tmp_path / "taken").write_text("x")  # a file, and a directory nobody may write into
+    (tmp_path / "ro").mkdir(mode=0o500)
+    path = tmp_path / under
     code = smoke_main(
         ["--nproc", "1", "--steps", "1", "--scenario", "none", "--log-dir", str(path)]
     )

@@ -26,6 +26,7 @@ def line(event="drop", rank=0, step=1, mb=0, **kw):
     return record_line(event, rank, step=step, microbatch=mb, **kw) + "\n"
 
 
+VIDEO_REASON = "surplus: 10200 features for 8040 placeholders in the last video item"
 GOOD = [line(sample_id="s0", reason="surplus: 5 features for 4 placeholders (+1)")] * 3
 
 
@@ -97,16 +98,11 @@ def test_huge_strings_are_cut_in_the_summary(tmp_path):
 
 # ---- report: reading a smoke directory of several runs -----------------------------------
 def test_smoke_directory_names_the_run_and_labels_consensus(tmp_path):
-    for run, rank in (("raise.policy", 1), ("drop.policy", 0)):
-        d = tmp_path / run
+    for event, rank in (("raise", 1), ("drop", 0)):
+        d = tmp_path / f"{event}.policy"
         d.mkdir()
         (d / file_name(rank)).write_text(
-            line(
-                "raise" if run.startswith("raise") else "drop",
-                rank=rank,
-                action="raise" if run.startswith("raise") else "drop",
-                reason="surplus: 10200 features for 8040 placeholders in the last video item",
-            )
+            line(event, rank=rank, action=event, reason=VIDEO_REASON)
             + line("consensus", rank=rank, action="raise")
         )
     s = summarize(tmp_path, jobs=1)
@@ -120,10 +116,9 @@ def test_smoke_directory_names_the_run_and_labels_consensus(tmp_path):
 def test_reasons_are_not_cut_mid_word(limit):
     from megatron_media_guard.diagnostics.records import cut_words
 
-    text = "surplus: 10200 features for 8040 placeholders in the last video item"
-    out = cut_words(text, limit)
+    out = cut_words(VIDEO_REASON, limit)
     assert len(out) <= limit and out.endswith("...")
-    assert text.startswith(out[:-3]) and text[len(out) - 3] == " "
+    assert VIDEO_REASON.startswith(out[:-3]) and VIDEO_REASON[len(out) - 3] == " "
 
 
 # ---- report: the template fast path is exact ------------------------------------------------

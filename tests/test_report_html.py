@@ -123,8 +123,7 @@ WIDE_AND_TALL = [("drop", r, s) for r in range(0, 1000, 9) for s in range(0, 300
 @pytest.mark.parametrize("rows", [FEW, MANY_RANKS, MANY_STEPS, UNKNOWN, WIDE_AND_TALL])
 def test_heatmap_cells_match_the_records(tmp_path, rows):
     write_run(tmp_path, rows)
-    s = summarize(tmp_path, jobs=1)
-    page = parse(render_html(s))
+    page = parse(render_html(summarize(tmp_path, jobs=1)))
     want = assert_cells(page, rows)
     for c in page.cells:  # the hover title gives the exact count of each event in the cell
         per = want[(c["data-r"], c["data-s"])]
@@ -195,8 +194,7 @@ def test_reasons_in_full_four_that_differ_after_100_characters(tmp_path):
     s = summarize(tmp_path, jobs=1)
     full = {re.sub(r"\d+", "#", head + t) for t in tails}
     assert set(s.by_reason) == full
-    text = format_summary(s)
-    page = render_html(s)
+    text, page = format_summary(s), render_html(s)
     for reason in full:
         assert reason in text and reason in page
         assert s.reason_examples[reason]["line"] in (1, 2, 3, 4)
@@ -241,12 +239,8 @@ def test_report_in_a_fresh_process_imports_no_torch_and_never_blocks(tmp_path):
     write_run(tmp_path, FEW)
     os.mkfifo(tmp_path / file_name(9))
     page = tmp_path / "p.html"
-    done = subprocess.run(
-        [sys.executable, "-c", TORCH_FREE, str(tmp_path), str(page)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    argv = [sys.executable, "-c", TORCH_FREE, str(tmp_path), str(page)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     out = done.stdout.splitlines()
     assert out[-1] == "TORCH:" and f"page {page}" in done.stderr

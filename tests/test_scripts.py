@@ -5,8 +5,10 @@ standing in for the platform (``uname``) or hiding a tool; nothing of the checko
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -58,14 +60,8 @@ def test_install_stamp_is_hashed_without_sha256sum(tmp_path):
     version = subprocess.run(
         [repo / ".venv" / "bin" / "python", "--version"], capture_output=True, text=True
     ).stdout
-    blob = b"".join(
-        [
-            (repo / "pyproject.toml").read_bytes(),
-            (repo / "scripts" / "install.sh").read_bytes(),
-            b"extra=test\n",
-            version.encode(),
-        ]
-    )
+    stamped = (repo / "pyproject.toml", repo / "scripts" / "install.sh")
+    blob = b"".join(p.read_bytes() for p in stamped) + b"extra=test\n" + version.encode()
     # the stamp an up-to-date install left: sha256 of the same bytes (what sha256sum printed)
     (repo / ".venv" / ".media_guard_install.test").write_text(hashlib.sha256(blob).hexdigest())
     out = _run(repo, "install.sh", "test")
@@ -144,9 +140,6 @@ def test_smoke_sh_keeps_logs_page_and_bundles_by_default(tmp_path, args, log_dir
     """scripts/smoke.sh (the main job) keeps what the README shows: the logs and their page in
     a fresh directory, and the replay bundles in its bundles/ (``media-guard smoke`` alone uses
     a temporary directory)."""
-    import fnmatch
-    import shlex
-
     repo = _scratch(tmp_path, "smoke.sh")
     _shim(repo / "scripts", "install.sh", "exit 0")
     _shim(repo / ".venv" / "bin", "media-guard", 'printf "%s\\n" "$@" > "$(dirname "$0")/argv"')

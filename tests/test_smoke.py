@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import time
+import types
 from collections import Counter
 from pathlib import Path
 
@@ -180,41 +181,33 @@ def test_usage_errors_exit_2_without_launching(argv, capsys):
 # and the test's hard timeout.
 
 
-def _hang(args):
-    if int(os.environ["RANK"]) == 1:
+def _rank_1_fails(how):
+    """Rank 1 hangs (``how``: "hang") or raises; rank 0 returns its result."""
+    rank = int(os.environ["RANK"])
+    if rank == 1 and how == "hang":
         time.sleep(600)
-    return _Ranked(int(os.environ["RANK"]))
-
-
-def _boom(args):
-    if int(os.environ["RANK"]) == 1:
+    if rank == 1:
         raise RuntimeError("boom on purpose")
-    return _Ranked(int(os.environ["RANK"]))
-
-
-class _Ranked:
-    def __init__(self, rank):
-        self.rank = rank
+    return types.SimpleNamespace(rank=rank)
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    "entry, start_method, timed_out, needles",
+    "how, start_method, needles",
     [
-        (_hang, "forkserver", True, ["timed out after 4 s"]),
-        (_boom, "forkserver", False, ["rank 1", "boom on purpose"]),
-        (_boom, "spawn", False, ["rank 1", "boom on purpose"]),
+        ("hang", "forkserver", ["timed out after 4 s"]),
+        ("boom", "forkserver", ["rank 1", "boom on purpose"]),
+        ("boom", "spawn", ["rank 1", "boom on purpose"]),
     ],
 )
-def test_launcher_stops_a_hang_and_names_the_rank_that_failed(
-    entry, start_method, timed_out, needles
-):
+def test_launcher_stops_a_hang_and_names_the_rank_that_failed(how, start_method, needles):
     from megatron_media_guard.smoke.launch import LaunchError, LaunchSpec, launch
 
+    timed_out = how == "hang"
     spec = LaunchSpec(2, timeout_s=4 if timed_out else 60, start_method=start_method, preload=())
     with pytest.raises(LaunchError) as info:
-        launch(spec, None, entry=entry)
+        launch(spec, how, entry=_rank_1_fails)
     assert info.value.timed_out is timed_out and not info.value.interrupted
     assert all(n in str(info.value) for n in needles), str(info.value)
 
@@ -227,12 +220,10 @@ def test_launcher_refuses_fork():
 
 
 # ---- 4-rank smoke runs ------------------------------------------------------------------------
-def _smoke(tmp_path, *flags, timeout=240):
+def _smoke(tmp_path, *flags):
     log_dir = tmp_path / "logs"
     cmd = [sys.executable, "-m", "megatron_media_guard.smoke", "--log-dir", str(log_dir), *flags]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**os.environ}
-    )
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     return proc, log_dir
 
 
