@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_adapter_llava import TOK, TinyLLaVA, call, guard_for, make_batch, same  # skips w/o mcore
+
+pytest.importorskip("megatron.core.models.multimodal.llava_model")
+
+from llava_standins import LLaVAStandIn
+from test_adapter_llava import TOK, call, guard_for, make_batch, same
 
 from megatron_media_guard import MediaAlignmentError
 from megatron_media_guard.adapters import install_llava
@@ -39,7 +43,7 @@ def llava():
 def test_llava_generated_image_tokens(llava, generated, policy, loss_mask, want):
     x, bad, by_hand = llava
     lm = {} if loss_mask else {"lm": None}
-    model = TinyLLaVA()
+    model = LLaVAStandIn()
     with install_llava(model, guard_for(policy, generated=generated)) as h:
         if isinstance(want, str):
             with pytest.raises(MediaAlignmentError, match=want) as err:
@@ -49,4 +53,4 @@ def test_llava_generated_image_tokens(llava, generated, policy, loss_mask, want)
         out = call(model, x, ids=bad)
     assert h.last_result.actions == want
     if generated == "text":  # what the forward embedded there by hand: token 0
-        assert h.last_result.ok and same(out, call(TinyLLaVA(), x, ids=by_hand))
+        assert h.last_result.ok and same(out, call(LLaVAStandIn(), x, ids=by_hand))

@@ -51,17 +51,23 @@ def make_batch(layout, s=10, seed=0):
     return {"emb": emb, "lang": lang, "ids": ids, "lm": lm, "lab": lab, "nit": nit}
 
 
-def call(model, x, cache=False):
+def call(model, x, cache=False, **over):
+    """``model._preprocess_data`` on the batch ``x``, its entries ``over`` replaced."""
+    x = {**x, **over}
     return model._preprocess_data(
         x["emb"], x["lang"], x["ids"], x["lm"], x["lab"], cache, None, TOK, x["nit"]
     )
 
 
+def guard_for(policy="raise", **cfg):
+    """A guard of the collapsed ``<image>`` token as rank 3, its config ``cfg``."""
+    return MediaGuard(GuardConfig(policy=policy, **cfg), Grammar.llava(TOK), rank=RankInfo(rank=3))
+
+
 def guarded(policy="raise", items=None, cfg=None, **kw):
     """A stand-in built with ``kw``, guarded as rank 3 at step 7 with ``items`` as metadata."""
     model = LLaVAStandIn(**kw)
-    config = GuardConfig(policy=policy, **(cfg or {}))
-    handle = install_llava(model, MediaGuard(config, Grammar.llava(TOK), rank=RankInfo(rank=3)))
+    handle = install_llava(model, guard_for(policy, **(cfg or {})))
     handle.set_step(7)
     handle.set_items(items)
     return model, handle

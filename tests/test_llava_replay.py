@@ -10,7 +10,8 @@ import torch
 pytest.importorskip("megatron.core.models.multimodal.llava_model")
 
 from family_checks import records
-from test_adapter_llava import CROSS, LAYOUT, TOK, TinyLLaVA, call, guard_for, make_batch
+from llava_standins import LLaVAStandIn
+from test_adapter_llava import CROSS, LAYOUT, TOK, call, guard_for, make_batch
 
 from megatron_media_guard import Grammar, MediaAlignmentError, MediaItem
 from megatron_media_guard.adapters import install_llava
@@ -46,7 +47,7 @@ def test_collapsed_alignment_checks_runs_per_sample(layout, items, want):
 def test_count_fault_bundle_replays_to_the_same_sample(tmp_path):
     x = make_batch(LAYOUT)
     x["ids"][0, 7] = TOK  # a literal <image> typed in sample 0's text
-    model = TinyLLaVA()
+    model = LLaVAStandIn()
     items = [MediaItem(6, sample=0), MediaItem(3, sample=1), MediaItem(3, sample=1)]
     items.append(MediaItem(6, sample=2))
     handle = install_llava(model, guard_for("raise", dump_dir=str(tmp_path / "b")))
@@ -62,7 +63,7 @@ def test_count_fault_bundle_replays_to_the_same_sample(tmp_path):
 
 def test_max_length_fault_raises_the_record_the_peers_fetch_and_leaves_no_bundle(tmp_path):
     x = make_batch(CROSS)  # sample 2's image crosses the max length: no token is wrong
-    model = TinyLLaVA(maxlen=8)
+    model = LLaVAStandIn(maxlen=8)
     guard = guard_for("raise", log_dir=str(tmp_path), dump_dir=str(tmp_path / "b"))
     seen = []
     settle = guard.settle
